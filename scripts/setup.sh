@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Create (or reuse) a virtual environment with te_thd and its test + perf extras.
+#   VENV=path  where to put it (default .venv in the repository root)
+#   FRESH=1    delete it first
+# torch is installed FIRST and pinned: a CPU wheel of torch==2.13.0 is what pip
+# finds locally; any looser spec with no torch present downloads a multi-GB CUDA build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV="${VENV:-.venv}"
+if [ "${FRESH:-0}" = "1" ]; then rm -rf "$VENV"; fi
+if [ ! -x "$VENV/bin/python" ]; then python3 -m venv "$VENV"; fi
+PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
+"${PIP[@]}" install "torch==2.13.0"
+"${PIP[@]}" install -e ".[test,perf]"
+echo "te_thd environment ready in $VENV" >&2

@@ -1,0 +1,66 @@
+"""``te-thd`` command line: inspect/verify a cache, run the demo, run the benchmarks.
+
+Each subcommand is a thin shell over a library function so that everything the
+CLI does is also callable (and tested) from Python.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    """Run the README's main job (see examples/)."""
+    from te_thd._demo import run_demo
+
+    return run_demo(args)
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    """Run perf/run.py from a source checkout with the remaining arguments."""
+    script = REPO_ROOT / "perf" / "run.py"
+    if not script.exists():
+        print(
+            f"te-thd bench: {script} not found; the benchmarks live in the source checkout "
+            "(git clone the repository and install it with scripts/setup.sh)",
+            file=sys.stderr,
+        )
+        return 2
+    return subprocess.call([sys.executable, str(script), *args.rest])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="te-thd", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser("demo", help="run the CPU demo (README's first command)")
+    from te_thd._demo import add_demo_arguments
+
+    add_demo_arguments(demo)
+    demo.set_defaults(func=_cmd_demo)
+
+    bench = sub.add_parser("bench", help="run the perf suite (perf/run.py); extra args pass through")
+    bench.add_argument("rest", nargs=argparse.REMAINDER)
+    bench.set_defaults(func=_cmd_bench)
+
+    try:
+        from te_thd.offline_cache.cli import add_cache_commands
+    except ImportError:  # cache CLI not built yet
+        add_cache_commands = None
+    if add_cache_commands is not None:
+        add_cache_commands(sub)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
