@@ -1,0 +1,25 @@
+"""Shared pytest configuration.
+
+Hypothesis: no per-example deadline (2-core CI machines are noisy; speed lives in
+perf/), and a derandomised profile under CI so a red run reproduces exactly.
+"""
+
+from __future__ import annotations
+
+import os
+
+from hypothesis import HealthCheck, settings
+
+settings.register_profile(
+    "dev",
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.register_profile(
+    "ci",
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow],
+    print_blob=True,
+)
+settings.load_profile("ci" if os.environ.get("CI") else "dev")
