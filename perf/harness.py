@@ -8,16 +8,29 @@ times, are what ``perf/run.py --check`` compares to the goals in
 
 A bench module ``perf/bench_<name>.py`` exposes ``run(quick: bool) -> list[Record]``
 and can also be run on its own (``python perf/bench_<name>.py [--quick]``).
+Baselines from the reference implementation come from :func:`reference_thd_utils`
+/ :func:`reference_offline_cache`, which return None when it is not installed:
+a bench then reports its remaining baselines instead of failing.
 """
 
 from __future__ import annotations
 
 import gc
+import importlib
+import importlib.util
+import math
+import os
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from types import ModuleType
 from typing import Any
+
+#: The reference implementation every "reference" baseline means (installed with
+#: ``--no-deps`` by ``perf/run.py`` when missing; benches must run without it).
+REFERENCE_REQUIREMENT = "nemo-automodel==0.7.0"
+REFERENCE_VERSION = "0.7.0"
 
 
 @dataclass
@@ -52,6 +65,74 @@ class Record:
         d = asdict(self)
         d["ratios"] = self.ratios
         return d
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Record:
+        """Inverse of :meth:`to_json` (the derived ``ratios`` key is ignored)."""
+        return cls(
+            bench=str(d["bench"]),
+            case=str(d["case"]),
+            metric=str(d["metric"]),
+            unit=str(d["unit"]),
+            ours=float(d["ours"]),
+            baselines={str(k): float(v) for k, v in dict(d.get("baselines") or {}).items()},
+            extra=dict(d.get("extra") or {}),
+        )
+
+
+def _reference_version() -> str | None:
+    try:
+        from importlib.metadata import PackageNotFoundError, version
+    except ImportError:  # pragma: no cover - stdlib since 3.8
+        return None
+    try:
+        return version("nemo-automodel")
+    except PackageNotFoundError:
+        return None
+
+
+def reference_thd_utils() -> ModuleType | None:
+    """The reference ``thd_utils`` module, or None when it is not installed.
+
+    Only the pinned version counts: a different release may behave (and time)
+    differently, and the goals were set against this one.
+    """
+    if _reference_version() != REFERENCE_VERSION:
+        return None
+    try:
+        return importlib.import_module("nemo_automodel.components.distributed.thd_utils")
+    except Exception:  # noqa: BLE001 - any import failure means "no reference baseline"
+        return None
+
+
+def reference_offline_cache() -> ModuleType | None:
+    """The reference ``offline_cache`` module loaded by file path, or None.
+
+    Its package ``__init__`` imports ``datasets`` (not installed with
+    ``--no-deps``), so the module file is loaded on its own.
+    """
+    if _reference_version() != REFERENCE_VERSION:
+        return None
+    try:
+        spec0 = importlib.util.find_spec("nemo_automodel")
+        if spec0 is None or spec0.origin is None:
+            return None
+        path = os.path.join(
+            os.path.dirname(spec0.origin), "components", "datasets", "llm", "offline_cache.py"
+        )
+        spec = importlib.util.spec_from_file_location("ref_offline_cache", path)
+        if spec is None or spec.loader is None:
+            return None
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        return mod
+    except Exception:  # noqa: BLE001 - any import failure means "no reference baseline"
+        return None
+
+
+def finite_or_none(x: float) -> float | None:
+    """JSON-safe number: ``inf``/``nan`` become None."""
+    return x if isinstance(x, (int, float)) and math.isfinite(x) else None
 
 
 def time_interleaved(
