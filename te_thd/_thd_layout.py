@@ -1,0 +1,300 @@
+"""Pure pack-layout math behind :mod:`te_thd.thd_utils` (numpy, host side).
+
+Everything here works on small host arrays (``[B, P]`` length tables) and is a
+pure function: no torch, no devices, no hidden state. The torch-facing module
+turns tensors into these arrays, calls :func:`pack_layout`, and wraps the result.
+
+Layout rules (SPEC §1) implemented here:
+
+* Row ``b`` of a ``[B, S]`` batch starts at stream offset ``b*S``. Its valid
+  (non-sentinel) pack slots hold sequences back to back; sequence ``i`` occupies
+  ``seq_lens_padded[b, i]`` slots of which the first ``seq_lens[b, i]`` are real.
+* **Physical boundaries** (``cu_seqlens_padded``) are the true start offsets of
+  the sequences, plus the stream end. Slots a row's padded lengths leave unused
+  (the row tail), and whole rows without sequences, are padding owned by the
+  nearest preceding sequence: its physical segment runs up to the next
+  sequence's start. So ``cu_seqlens_padded`` is monotone, starts at 0, ends at
+  the stream length, and accounts for every token, as TE's THD kernels and CP
+  partitioning require. The reference implementation instead cumsums padded
+  lengths across rows, which points into the wrong row when a row is not filled.
+* **Attention boundaries** (``cu_seqlens``) are the cumulative real lengths.
+* **Trailing-pad absorption** (causal masks only): when both arrays agree on
+  every entry but the last, the last sequence is grown to the stream end.
+
+Chunking (``num_chunks`` equal groups of rows) is the general case; the
+unchunked conversion is ``num_chunks == 1``. Each chunk is its own stream of
+``rows_per_chunk * S`` tokens with its own boundaries.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+# Boundaries are int32 for TE; the stream length must fit.
+_INT32_MAX = np.iinfo(np.int32).max
+
+
+@dataclass(frozen=True)
+class PackLayout:
+    """Boundaries and padding of a (possibly chunked) packed stream.
+
+    Attributes:
+        cu_seqlens: int32 ``[C, maxN+1]``; row ``c`` holds ``num_seqs[c]+1``
+            cumulative real lengths (after absorption) then the sentinel.
+        cu_seqlens_padded: int32 ``[C, maxN+1]``; physical start offsets of the
+            chunk's sequences relative to the chunk start, then the chunk length
+            ``rows_per_chunk*S``, then the sentinel.
+        num_seqs: int64 ``[C]``; sequences per chunk (valid entries are the first
+            ``num_seqs[c] + 1`` of each boundary row).
+        max_seqlen: int32 ``[C]``; ``max(diff(cu_seqlens[c, :num_seqs[c]+1]))``.
+        pad_between_seqs: bool ``[C]``; the complete boundary arrays differ.
+        padding_mask: bool ``[B*S]``; True where a slot holds no real token.
+    """
+
+    cu_seqlens: np.ndarray
+    cu_seqlens_padded: np.ndarray
+    num_seqs: np.ndarray
+    max_seqlen: np.ndarray
+    pad_between_seqs: np.ndarray
+    padding_mask: np.ndarray
+
+
+def _first_index(bad: np.ndarray) -> tuple[int, ...]:
+    """Index of the first True entry of ``bad`` (error path only)."""
+    return tuple(int(i) for i in np.argwhere(bad)[0])
+
+
+def _fmt(index: tuple[int, ...]) -> str:
+    return ", ".join(str(i) for i in index)
+
+
+def validate_pack_lengths(
+    seq_lens: np.ndarray,
+    seq_lens_padded: np.ndarray,
+    seq_len: int,
+    sentinel: int,
+    rows_per_chunk: int,
+) -> np.ndarray:
+    """Check a ``[B, P]`` pair of length tables; return the valid-slot mask.
+
+    Args:
+        seq_lens: integer ``[B, P]`` real lengths, ``sentinel`` in unused slots.
+        seq_lens_padded: integer ``[B, P]`` slot counts, same sentinel layout.
+        seq_len: ``S``, the row length of the token batch.
+        sentinel: ``seq_lens_padding_value``.
+        rows_per_chunk: rows per chunk (``B`` when unchunked); the first row of
+            every chunk must hold a sequence.
+
+    Returns:
+        bool ``[B, P]``, True for slots that hold a sequence.
+
+    Raises:
+        ValueError: naming the argument, the offending value and the fix.
+    """
+    valid = seq_lens != sentinel
+    valid_padded = seq_lens_padded != sentinel
+    if not np.array_equal(valid, valid_padded):
+        i = _first_index(valid != valid_padded)
+        raise ValueError(
+            f"seq_lens and seq_lens_padded disagree on unused pack slots: at [{_fmt(i)}] "
+            f"seq_lens={int(seq_lens[i])} but seq_lens_padded={int(seq_lens_padded[i])} "
+            f"(sentinel seq_lens_padding_value={sentinel}). Put the sentinel in the same "
+            "slots of both tables."
+        )
+    bad = valid & (seq_lens <= 0)
+    if bad.any():
+        i = _first_index(bad)
+        raise ValueError(
+            f"seq_lens[{_fmt(i)}]={int(seq_lens[i])} is not a positive length and not the "
+            f"sentinel seq_lens_padding_value={sentinel}. Use a length >= 1 for a packed "
+            f"sequence or {sentinel} for an unused pack slot."
+        )
+    bad = valid & (seq_lens > seq_lens_padded)
+    if bad.any():
+        i = _first_index(bad)
+        raise ValueError(
+            f"seq_lens[{_fmt(i)}]={int(seq_lens[i])} exceeds seq_lens_padded[{_fmt(i)}]="
+            f"{int(seq_lens_padded[i])}: a sequence cannot hold more real tokens than the "
+            "slots it occupies. seq_lens_padded must be >= seq_lens (real + its padding)."
+        )
+    # int64 sums: int32 tables with large entries must not wrap before the check.
+    row_slots = np.where(valid, seq_lens_padded, 0).sum(axis=1, dtype=np.int64)
+    bad_rows = row_slots > seq_len
+    if bad_rows.any():
+        b = int(np.argmax(bad_rows))
+        raise ValueError(
+            f"seq_lens_padded row {b} occupies {int(row_slots[b])} slots but the batch rows "
+            f"hold S={seq_len} tokens (input_ids.shape[1]). Each row's padded lengths must "
+            "sum to at most S; repack so every sequence fits in its row."
+        )
+    first_rows = valid[::rows_per_chunk]
+    empty = ~first_rows.any(axis=1)
+    if empty.any():
+        c = int(np.argmax(empty))
+        where = f"chunk {c} (batch row {c * rows_per_chunk})" if rows_per_chunk < len(valid) else "row 0"
+        raise ValueError(
+            f"seq_lens {where} holds no sequence (every slot is the sentinel {sentinel}), so "
+            "the stream would start with tokens that belong to no sequence. Put rows without "
+            "sequences after rows with sequences (their slots then count as padding of the "
+            "preceding sequence), or drop them from the batch."
+        )
+    return valid
+
+
+def pack_layout(
+    seq_lens: np.ndarray,
+    seq_lens_padded: np.ndarray,
+    seq_len: int,
+    sentinel: int,
+    num_chunks: int = 1,
+    absorb_trailing_pad: bool = True,
+    *,
+    validate: bool = True,
+) -> PackLayout:
+    """Boundaries, per-chunk metadata and padding mask of a packed batch.
+
+    Args:
+        seq_lens: integer ``[B, P]`` real lengths (``sentinel`` = unused slot).
+        seq_lens_padded: integer ``[B, P]`` slot counts (same sentinel slots).
+        seq_len: ``S``, tokens per batch row.
+        sentinel: ``seq_lens_padding_value``; also right-pads boundary rows.
+        num_chunks: ``C``, must divide ``B``; each chunk is converted on its own.
+        absorb_trailing_pad: grow the last sequence over trailing pad when the
+            boundary arrays agree everywhere else (causal attention only).
+        validate: run :func:`validate_pack_lengths` first.
+
+    Returns:
+        A :class:`PackLayout`; see its attribute docs for shapes and dtypes.
+    """
+    batch, slots = seq_lens.shape
+    rows = batch // num_chunks
+    chunk_tokens = rows * seq_len
+    if validate:
+        valid = validate_pack_lengths(seq_lens, seq_lens_padded, seq_len, sentinel, rows)
+    else:
+        valid = seq_lens != sentinel
+
+    real = np.where(valid, seq_lens, 0).astype(np.int64, copy=False)
+    occupied = np.where(valid, seq_lens_padded, 0).astype(np.int64, copy=False)
+    # Start of every slot inside its row (exclusive prefix sum); unused slots get
+    # the offset after the preceding sequence and a real length of 0, so they
+    # are harmless in the mask and compaction below.
+    row_start = np.cumsum(occupied, axis=1)
+    row_start -= occupied
+    start = row_start + (np.arange(batch, dtype=np.int64) * seq_len)[:, None]
+
+    padding_mask = _mask_from_starts(start.ravel(), real.ravel(), batch * seq_len)
+
+    # Per chunk: move valid slots to the front (stable keeps stream order).
+    start = start.reshape(num_chunks, rows * slots)
+    start -= (np.arange(num_chunks, dtype=np.int64) * chunk_tokens)[:, None]
+    real = real.reshape(num_chunks, rows * slots)
+    valid = valid.reshape(num_chunks, rows * slots)
+    num_seqs = valid.sum(axis=1)
+    max_n = int(num_seqs.max())
+    if not valid[:, :max_n].all():
+        order = np.argsort(~valid, axis=1, kind="stable")[:, :max_n]
+        start = np.take_along_axis(start, order, axis=1)
+        real = np.take_along_axis(real, order, axis=1)  # slots past num_seqs hold 0
+    else:
+        start = start[:, :max_n]
+        real = real[:, :max_n]
+
+    col = np.arange(max_n + 1)
+    last = num_seqs[:, None]
+    beyond = col > last  # sentinel columns
+    at_end = col == last
+
+    cu_padded = np.empty((num_chunks, max_n + 1), dtype=np.int64)
+    cu_padded[:, :max_n] = start
+    cu_padded[:, max_n] = 0
+    cu_padded[at_end] = chunk_tokens
+
+    cu = np.zeros((num_chunks, max_n + 1), dtype=np.int64)
+    np.cumsum(real, axis=1, out=cu[:, 1:])
+
+    inner_equal = ((cu == cu_padded) | (col >= last)).all(axis=1)
+    if absorb_trailing_pad:
+        # Only the tail is padding: the last sequence can own it (causal masks
+        # never let a real token attend forward into it), so TE takes the
+        # pad_between_seqs=False path.
+        grow = inner_equal[:, None] & at_end
+        cu[grow] = chunk_tokens
+    pad_between = ((cu != cu_padded) & ~beyond).any(axis=1)
+
+    seg = np.diff(cu, axis=1)
+    seg[beyond[:, 1:]] = 0
+    max_seqlen = seg.max(axis=1) if max_n else np.zeros(num_chunks, dtype=np.int64)
+
+    cu[beyond] = sentinel
+    cu_padded[beyond] = sentinel
+    return PackLayout(
+        cu_seqlens=cu.astype(np.int32),
+        cu_seqlens_padded=cu_padded.astype(np.int32),
+        num_seqs=num_seqs,
+        max_seqlen=max_seqlen.astype(np.int32),
+        pad_between_seqs=pad_between,
+        padding_mask=padding_mask,
+    )
+
+
+def _mask_from_starts(start: np.ndarray, real: np.ndarray, total: int) -> np.ndarray:
+    """bool ``[total]`` padding mask from slot starts and real lengths.
+
+    ``start`` and ``real`` are int ``[K]`` in stream order with
+    ``start[k] + real[k] <= start[k+1]``; slot ``k`` makes
+    ``[start[k], start[k] + real[k])`` real, everything else is padding. Built as
+    one run-length decode (pad gap, real run, pad gap, ...) so the cost is a
+    single pass over the stream with no per-sequence Python work.
+    """
+    k = start.shape[0]
+    runs = np.empty(2 * k + 1, dtype=np.int64)
+    ends = start + real
+    runs[0] = start[0] if k else total
+    if k:
+        runs[2:-1:2] = start[1:] - ends[:-1]
+        runs[1:-1:2] = real
+        runs[-1] = total - ends[-1]
+    return np.repeat(_pattern(k), runs)
+
+
+_PATTERNS: dict[int, np.ndarray] = {}
+
+
+def _pattern(k: int) -> np.ndarray:
+    """``[True, False, True, ..., True]`` of length ``2k+1`` (cached per k)."""
+    pat = _PATTERNS.get(k)
+    if pat is None:
+        pat = np.ones(2 * k + 1, dtype=bool)
+        pat[1::2] = False
+        if len(_PATTERNS) < 256:
+            _PATTERNS[k] = pat
+    return pat
+
+
+def flat_padding_mask(
+    valid_seq_lens: np.ndarray, valid_seq_lens_padded: np.ndarray | None, total: int
+) -> np.ndarray:
+    """bool ``[total]`` mask for sequences packed back to back from offset 0.
+
+    Args:
+        valid_seq_lens: int ``[N]`` real lengths (sentinels already dropped).
+        valid_seq_lens_padded: int ``[N]`` slots per sequence, or None (= real).
+        total: stream length; slots past the last sequence are padding.
+    """
+    real = valid_seq_lens.astype(np.int64, copy=False)
+    occupied = real if valid_seq_lens_padded is None else valid_seq_lens_padded.astype(np.int64)
+    start = np.cumsum(occupied) - occupied
+    return _mask_from_starts(start, real, total)
+
+
+def check_stream_fits_int32(total_tokens: int) -> None:
+    """Raise if a stream of ``total_tokens`` cannot be indexed by int32 boundaries."""
+    if total_tokens > _INT32_MAX:
+        raise ValueError(
+            f"the batch holds B*S={total_tokens} tokens, more than int32 boundaries "
+            f"(cu_seqlens) can address ({_INT32_MAX}). Use smaller batches or split with "
+            "split_batch_into_thd_chunks."
+        )

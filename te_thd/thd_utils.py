@@ -1,0 +1,521 @@
+"""Packed BSHD batch -> THD tensors plus the boundaries Transformer Engine needs.
+
+Drop-in for ``nemo_automodel.components.distributed.thd_utils`` (same public
+names, parameters and keyword names), with these contracts (SPEC §1):
+
+* Row ``b`` of a ``[B, S]`` batch starts at stream offset ``b*S``; its sequences
+  sit back to back, sequence ``i`` occupying ``seq_lens_padded[b, i]`` slots of
+  which the first ``seq_lens[b, i]`` are real. Slots a row leaves unused (and rows
+  without sequences) are padding of the preceding sequence, so
+  ``cu_seqlens_padded`` always ends at ``B*S`` and points into the right row.
+* All layout math runs on the host (numpy over the ``[B, P]`` length tables) in
+  a handful of vectorised operations: when the length tensors are on the CPU --
+  the normal case, the collate runs in DataLoader workers -- nothing here touches
+  a GPU. Lengths on a GPU are copied to the host once (a sync; the number of
+  sequences is data-dependent, so it cannot be avoided there).
+* Trailing-pad absorption is on by default (the reference behaviour, correct for
+  causal masks); pass ``absorb_trailing_pad=False`` for bidirectional attention.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, NotRequired, TypedDict
+
+import numpy as np
+import torch
+
+from te_thd._thd_layout import (
+    PackLayout,
+    check_stream_fits_int32,
+    flat_padding_mask,
+    pack_layout,
+)
+
+__all__ = [
+    "ThdBatch",
+    "ThdChunkedBatch",
+    "process_input_for_thd",
+    "split_batch_into_thd_chunks",
+    "thd_padding_mask_from_token_ids",
+    "_thd_padding_mask",
+]
+
+_REQUIRED_KEYS = ("input_ids", "position_ids", "seq_lens")
+# Consumed by the conversion, not passed through (as the reference does).
+_CONSUMED_KEYS = frozenset({"seq_lens", "seq_lens_padded"})
+_INT_DTYPES = frozenset({torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8})
+
+
+class ThdBatch(TypedDict):
+    """What :func:`process_input_for_thd` returns (plus every pass-through key).
+
+    ``T = B*S`` tokens, ``N`` sequences.
+
+    Attributes:
+        input_ids: ``[T]`` token ids or ``[T, H]`` embeddings; a view of the input.
+        labels: ``[T]`` (view); only present when the input batch had ``labels``.
+        position_ids: ``[T]``, or ``[n_rope, 1, T]`` for 3-D mRoPE input.
+        cu_seqlens: int32 ``[N+1]`` cumulative real lengths (after absorption);
+            TE's ``cu_seqlens_q/kv``.
+        cu_seqlens_padded: int32 ``[N+1]`` physical start offsets, last entry
+            ``T``; TE's ``cu_seqlens_q/kv_padded``. Always present when lengths
+            are known (equal to ``cu_seqlens`` when nothing is padded).
+        pad_between_seqs: Python bool; the two complete boundary arrays differ.
+            Pass it to TE explicitly (its auto-detect has had bugs, SPEC §6).
+        max_seqlen: int32 0-d tensor, ``max(diff(cu_seqlens))``.
+        max_seqlen_int: the same as a Python int, for TE's ``max_seqlen_q/kv``.
+        num_seqs: ``N`` as a Python int.
+        padding_mask: bool ``[T]``, True = padding, from the pack layout.
+    """
+
+    input_ids: torch.Tensor
+    labels: NotRequired[torch.Tensor]
+    position_ids: torch.Tensor
+    cu_seqlens: torch.Tensor
+    cu_seqlens_padded: torch.Tensor
+    pad_between_seqs: bool
+    max_seqlen: torch.Tensor
+    max_seqlen_int: int
+    num_seqs: int
+    padding_mask: torch.Tensor
+
+
+class ThdChunkedBatch(TypedDict):
+    """What :func:`split_batch_into_thd_chunks` returns for ``num_chunks = C > 1``.
+
+    ``T_c = (B/C)*S`` tokens per chunk, ``maxN`` the most sequences in a chunk.
+
+    Attributes:
+        input_ids: ``[C, T_c]`` or ``[C, T_c, H]`` (view).
+        labels: ``[C, T_c]`` (view); only when the input had ``labels``.
+        position_ids: ``[C, T_c]``, or ``[C, n_rope, 1, T_c]`` for mRoPE (view).
+        cu_seqlens: int32 ``[C, maxN+1]``; row ``c`` is chunk ``c``'s
+            ``cu_seqlens`` right-padded with ``seq_lens_padding_value``.
+        cu_seqlens_padded: int32 ``[C, maxN+1]``, same padding; offsets are
+            relative to the chunk start.
+        num_seqs: ``list[int]`` of length ``C``; row ``c`` has ``num_seqs[c]+1``
+            valid entries. Host-side, so trimming sentinels needs no device
+            ``argmin`` (SPEC §6).
+        pad_between_seqs: Python bool, True if any chunk needs it.
+        max_seqlen: int32 ``[C]``.
+        max_seqlen_int: ``list[int]`` of length ``C``.
+        padding_mask: bool ``[C, T_c]``.
+    """
+
+    input_ids: torch.Tensor
+    labels: NotRequired[torch.Tensor]
+    position_ids: torch.Tensor
+    cu_seqlens: torch.Tensor
+    cu_seqlens_padded: torch.Tensor
+    pad_between_seqs: bool
+    max_seqlen: torch.Tensor
+    max_seqlen_int: list[int]
+    num_seqs: list[int]
+    padding_mask: torch.Tensor
+
+
+# --------------------------------------------------------------------------- masks
+
+
+def thd_padding_mask_from_token_ids(input_ids: torch.Tensor, padding_token_id: int) -> torch.Tensor:
+    """Mark padding by token value, rejecting a pad id that is also content.
+
+    Only for callers with no pack metadata. A value comparison is correct just
+    when the pad id fills a right-padded tail and appears nowhere else, so that
+    is validated: a colliding id (e.g. a model whose pad id is also its EOS id)
+    fails loudly instead of silently masking content out.
+
+    Args:
+        input_ids: integer token ids ``[total_tokens]``.
+        padding_token_id: token id used as filler.
+
+    Returns:
+        bool ``[total_tokens]`` on ``input_ids.device``; True marks padding.
+
+    Raises:
+        ValueError: if ``input_ids`` is not 1-D, or ``padding_token_id`` also
+            occurs before the padded tail. The check reads one bool to the host
+            (a sync when ``input_ids`` is on a GPU; use pack metadata to avoid it).
+    """
+    if input_ids.dim() != 1:
+        raise ValueError(
+            f"input_ids must be 1-D [total_tokens], got shape {tuple(input_ids.shape)}; "
+            "flatten it first (input_ids.reshape(-1))."
+        )
+    return _token_padding_mask_rows(input_ids.unsqueeze(0), padding_token_id, "input_ids")[0]
+
+
+def _token_padding_mask_rows(ids: torch.Tensor, padding_token_id: int, name: str) -> torch.Tensor:
+    """Validated token-value padding mask of each row of ``ids`` ``[R, T]``."""
+    padding = ids == padding_token_id
+    # Valid iff every row is non-decreasing (content..., pad...): a pad followed
+    # by content anywhere means the id is also content.
+    collision = padding[:, :-1] & ~padding[:, 1:]
+    if bool(collision.any()):
+        r, t = (int(v) for v in collision.nonzero()[0])
+        where = f"{name}[{t}]" if ids.shape[0] == 1 else f"{name} stream {r} at token {t}"
+        raise ValueError(
+            f"padding_token_id={padding_token_id} also occurs as content ({where} is the pad id "
+            "but a non-pad token follows it), so padding cannot be inferred from token values. "
+            "Supply seq_lens/seq_lens_padded (or a padding_token_id that is never content)."
+        )
+    return padding
+
+
+def _thd_padding_mask(
+    total_tokens: int,
+    valid_seq_lens: torch.Tensor,
+    valid_seq_lens_padded: torch.Tensor | None,
+    device: torch.device,
+) -> torch.Tensor:
+    """Mark padding slots in a packed THD stream from the pack layout.
+
+    Sequences sit back to back from offset 0: sequence ``i`` occupies
+    ``[start_i, start_i + padded_i)`` and only its first ``real_i`` slots hold
+    tokens; everything else, including slots past the last sequence, is padding,
+    whatever token id fills it. (For row-structured batches use
+    :func:`process_input_for_thd`, which also honours row starts at ``b*S``.)
+
+    Args:
+        total_tokens: length of the packed stream.
+        valid_seq_lens: integer ``[N]`` real lengths (sentinels already dropped).
+        valid_seq_lens_padded: integer ``[N]`` slots per sequence, or None when
+            sequences carry no individual padding.
+        device: device of the returned mask.
+
+    Returns:
+        bool ``[total_tokens]`` on ``device``; True marks padding.
+
+    Raises:
+        ValueError: if the lengths are not 1-D integers of equal shape, real
+            exceeds padded, or the sequences need more than ``total_tokens`` slots.
+    """
+    real = _host_ints(valid_seq_lens, "valid_seq_lens")
+    if real.ndim != 1:
+        raise ValueError(
+            f"valid_seq_lens must be 1-D [N], got shape {real.shape}; drop sentinels and "
+            "flatten first."
+        )
+    padded = None
+    if valid_seq_lens_padded is not None:
+        padded = _host_ints(valid_seq_lens_padded, "valid_seq_lens_padded")
+        if padded.shape != real.shape:
+            raise ValueError(
+                f"valid_seq_lens_padded shape {padded.shape} != valid_seq_lens shape "
+                f"{real.shape}; pass one padded length per sequence."
+            )
+        if (real > padded).any():
+            i = int(np.argmax(real > padded))
+            raise ValueError(
+                f"valid_seq_lens[{i}]={int(real[i])} exceeds valid_seq_lens_padded[{i}]="
+                f"{int(padded[i])}; padded lengths must be >= real lengths."
+            )
+    if (real < 0).any():
+        i = int(np.argmax(real < 0))
+        raise ValueError(
+            f"valid_seq_lens[{i}]={int(real[i])} is negative; drop sentinel entries first."
+        )
+    needed = int((real if padded is None else padded).sum(dtype=np.int64))
+    if needed > total_tokens:
+        raise ValueError(
+            f"the sequences occupy {needed} slots but total_tokens={total_tokens}; pass the "
+            "stream length (>= the sum of the padded lengths)."
+        )
+    mask = flat_padding_mask(real, padded, int(total_tokens))
+    return torch.from_numpy(mask).to(device, non_blocking=True)
+
+
+# ---------------------------------------------------------------- conversion
+
+
+def process_input_for_thd(
+    batch: dict[str, torch.Tensor],
+    seq_lens_padding_value: int = -1000,
+    padding_token_id: int = 0,
+    *,
+    absorb_trailing_pad: bool = True,
+) -> ThdBatch:
+    """Convert a packed BSHD batch to THD tensors plus TE's boundary arguments.
+
+    Args:
+        batch: mapping with
+            ``input_ids`` ``[B, S]`` token ids or ``[B, S, H]`` embeddings (required);
+            ``position_ids`` ``[B, S]`` or ``[n_rope, B, S]`` for mRoPE (required);
+            ``seq_lens`` integer ``[B, P]`` real lengths, ``seq_lens_padding_value``
+            in unused slots (required; an explicit ``None`` falls back to the
+            token-id padding mask with one sequence per row, see below);
+            ``seq_lens_padded`` integer ``[B, P]`` slots per sequence, same
+            sentinel slots (optional; absent or None means no per-sequence pad);
+            ``labels`` ``[B, S]`` (optional, e.g. an inference collate);
+            any other key is passed through untouched.
+        seq_lens_padding_value: sentinel marking unused pack slots.
+        padding_token_id: only used when ``seq_lens`` is None: then every row is
+            one sequence and padding is inferred from token values via
+            :func:`thd_padding_mask_from_token_ids` (validated; reads to host).
+        absorb_trailing_pad: keyword-only. True (default, the reference
+            behaviour): if the boundary arrays agree everywhere but the last
+            entry, the last sequence is grown to the end of the stream, so TE can
+            use ``pad_between_seqs=False``. Correct only for causal masks; pass
+            False for bidirectional attention (real tokens would attend to pad).
+
+    Returns:
+        :class:`ThdBatch`: ``input_ids``/``labels``/``position_ids`` flattened to
+        ``T = B*S`` tokens (views), ``cu_seqlens`` and ``cu_seqlens_padded`` int32
+        ``[N+1]`` on the device of ``seq_lens``, ``pad_between_seqs`` (bool),
+        ``max_seqlen`` (int32 0-d) and ``max_seqlen_int`` (int), ``num_seqs``
+        (int), ``padding_mask`` bool ``[T]`` on the device of ``input_ids``, and
+        every other input key except ``seq_lens``/``seq_lens_padded``.
+
+    Raises:
+        ValueError: for missing keys, mismatched shapes, non-integer lengths,
+            lengths <= 0 that are not the sentinel, ``seq_lens > seq_lens_padded``,
+            a row whose padded lengths exceed ``S``, a first row without any
+            sequence, or (fallback) a pad id that is also content.
+
+    Example (the reference page's, B=2, S=6)::
+
+        seq_lens [[3, 2], [6, -1000]], seq_lens_padded [[4, 2], [6, -1000]]
+        -> cu_seqlens [0, 3, 5, 11], cu_seqlens_padded [0, 4, 6, 12],
+           pad_between_seqs True, max_seqlen 6
+    """
+    out, layout = _convert(batch, 1, seq_lens_padding_value, padding_token_id, absorb_trailing_pad)
+    out["cu_seqlens"] = out["cu_seqlens"][0]
+    out["cu_seqlens_padded"] = out["cu_seqlens_padded"][0]
+    max_seqlen = int(layout.max_seqlen[0])
+    out["max_seqlen"] = _to_device(np.array(max_seqlen, dtype=np.int32), out["cu_seqlens"].device)
+    out["max_seqlen_int"] = max_seqlen
+    out["num_seqs"] = int(layout.num_seqs[0])
+    return out  # type: ignore[return-value]
+
+
+def split_batch_into_thd_chunks(
+    batch: dict[str, torch.Tensor],
+    num_chunks: int,
+    seq_lens_padding_value: int = -1000,
+    padding_token_id: int = 0,
+    *,
+    absorb_trailing_pad: bool = True,
+) -> ThdChunkedBatch | ThdBatch:
+    """Split along the batch into ``num_chunks`` equal chunks and convert each.
+
+    Equal to calling :func:`process_input_for_thd` on each chunk of
+    ``B/num_chunks`` rows and stacking, but computed in one vectorised pass.
+
+    Args:
+        batch: as for :func:`process_input_for_thd`.
+        num_chunks: ``C``; must divide ``B``. ``num_chunks <= 1`` returns
+            ``process_input_for_thd(batch, ...)`` unchanged (no chunk axis).
+        seq_lens_padding_value: sentinel of the length tables, and the value
+            that right-pads the boundary rows to ``[C, maxN+1]``.
+        padding_token_id: as for :func:`process_input_for_thd` (the fallback
+            validates each chunk's stream separately).
+        absorb_trailing_pad: keyword-only; applied to each chunk's own stream.
+
+    Returns:
+        :class:`ThdChunkedBatch` (see its attribute docs) plus every other input
+        key except ``seq_lens``/``seq_lens_padded``, passed through untouched
+        (not split: only the caller knows which axis of such a tensor is B).
+
+    Raises:
+        ValueError: ``num_chunks`` not an int dividing ``B``, or any error of
+            :func:`process_input_for_thd`.
+    """
+    if isinstance(num_chunks, bool) or not isinstance(num_chunks, int | np.integer):
+        raise ValueError(
+            f"num_chunks must be an int, got {num_chunks!r} ({type(num_chunks).__name__}); "
+            "pass the number of chunks (e.g. the pipeline's micro-batch count)."
+        )
+    if num_chunks <= 1:
+        return process_input_for_thd(
+            batch, seq_lens_padding_value, padding_token_id, absorb_trailing_pad=absorb_trailing_pad
+        )
+    out, layout = _convert(
+        batch, int(num_chunks), seq_lens_padding_value, padding_token_id, absorb_trailing_pad
+    )
+    device = out["cu_seqlens"].device
+    out["max_seqlen"] = _to_device(layout.max_seqlen, device)
+    out["max_seqlen_int"] = layout.max_seqlen.tolist()
+    out["num_seqs"] = layout.num_seqs.tolist()
+    return out  # type: ignore[return-value]
+
+
+# ------------------------------------------------------------------- internals
+
+
+def _convert(
+    batch: Mapping[str, Any],
+    num_chunks: int,
+    sentinel: int,
+    padding_token_id: int,
+    absorb: bool,
+) -> tuple[dict[str, Any], PackLayout]:
+    """Shared body: validate, compute the layout, build the output dict.
+
+    Boundary arrays come back ``[C, maxN+1]`` (callers trim for ``C == 1``),
+    tokens ``[C, T_c, ...]`` for ``C > 1`` and ``[T, ...]`` for ``C == 1``.
+    """
+    if not isinstance(batch, Mapping):
+        raise ValueError(
+            f"batch must be a dict of tensors, got {type(batch).__name__}; pass the collate's "
+            "output dict (input_ids, position_ids, seq_lens, ...)."
+        )
+    missing = [k for k in _REQUIRED_KEYS if k not in batch]
+    if missing:
+        raise ValueError(
+            f"batch is missing required key(s) {missing} (has {sorted(batch)}); "
+            "process_input_for_thd needs input_ids [B, S(, H)], position_ids [B, S] or "
+            "[n_rope, B, S], and seq_lens [B, P] (seq_lens=None to infer padding from token ids)."
+        )
+    input_ids = batch["input_ids"]
+    _check_tensor(input_ids, "input_ids")
+    if input_ids.dim() not in (2, 3):
+        raise ValueError(
+            f"input_ids must be [B, S] token ids or [B, S, H] embeddings, got shape "
+            f"{tuple(input_ids.shape)}; add or remove the batch axis."
+        )
+    bsz, seq_len = int(input_ids.shape[0]), int(input_ids.shape[1])
+    if num_chunks > 1 and bsz % num_chunks:
+        raise ValueError(
+            f"num_chunks={num_chunks} does not divide the batch size B={bsz} "
+            f"(input_ids.shape[0]); pick a divisor of {bsz} or change the batch size."
+        )
+    rows = bsz // num_chunks
+    check_stream_fits_int32(rows * seq_len)
+
+    position_ids = batch["position_ids"]
+    _check_tensor(position_ids, "position_ids")
+    if not (
+        (position_ids.dim() == 2 and tuple(position_ids.shape) == (bsz, seq_len))
+        or (position_ids.dim() == 3 and tuple(position_ids.shape[1:]) == (bsz, seq_len))
+    ):
+        raise ValueError(
+            f"position_ids shape {tuple(position_ids.shape)} does not match the batch "
+            f"[B, S]=[{bsz}, {seq_len}] of input_ids; pass [B, S] or [n_rope, B, S] (mRoPE)."
+        )
+    labels = batch.get("labels")
+    if labels is not None:
+        _check_tensor(labels, "labels")
+        if labels.dim() < 2 or tuple(labels.shape[:2]) != (bsz, seq_len):
+            raise ValueError(
+                f"labels shape {tuple(labels.shape)} does not match the batch [B, S]=[{bsz}, "
+                f"{seq_len}] of input_ids; pass labels [B, S] aligned with input_ids."
+            )
+
+    seq_lens = batch["seq_lens"]
+    seq_lens_padded = batch.get("seq_lens_padded")
+    if seq_lens is None:
+        if seq_lens_padded is not None:
+            raise ValueError(
+                "seq_lens is None but seq_lens_padded is given; pass both length tables "
+                "(or neither, to infer padding from token ids)."
+            )
+        sl, sp, meta_device = _lengths_from_token_ids(
+            input_ids, num_chunks, padding_token_id, sentinel
+        )
+    else:
+        sl = _lengths_to_host(seq_lens, "seq_lens", bsz)
+        meta_device = seq_lens.device
+        if seq_lens_padded is None:
+            sp = sl
+        else:
+            sp = _lengths_to_host(seq_lens_padded, "seq_lens_padded", bsz)
+            if sp.shape != sl.shape:
+                raise ValueError(
+                    f"seq_lens_padded shape {sp.shape} does not match seq_lens shape {sl.shape}; "
+                    "both tables need one entry per pack slot [B, P] (sentinel where unused)."
+                )
+
+    layout = pack_layout(sl, sp, seq_len, sentinel, num_chunks, absorb)
+
+    tok = rows * seq_len
+    lead = (num_chunks, tok) if num_chunks > 1 else (tok * num_chunks,)
+    out: dict[str, Any] = {"input_ids": input_ids.reshape(*lead, *input_ids.shape[2:])}
+    if labels is not None:
+        out["labels"] = labels.reshape(*lead, *labels.shape[2:])
+    if position_ids.dim() == 3:
+        n_rope = position_ids.shape[0]
+        pos = position_ids.reshape(n_rope, num_chunks, 1, tok)
+        out["position_ids"] = pos.transpose(0, 1) if num_chunks > 1 else pos[:, 0]
+    else:
+        out["position_ids"] = position_ids.reshape(lead)
+    out["cu_seqlens"] = _to_device(layout.cu_seqlens, meta_device)
+    out["cu_seqlens_padded"] = _to_device(layout.cu_seqlens_padded, meta_device)
+    out["pad_between_seqs"] = bool(layout.pad_between_seqs.any())
+    mask = _to_device(layout.padding_mask, input_ids.device)
+    out["padding_mask"] = mask.view(num_chunks, tok) if num_chunks > 1 else mask
+    for key, value in batch.items():
+        if key not in out and key not in _CONSUMED_KEYS:
+            out[key] = value
+    return out, layout
+
+
+def _check_tensor(value: Any, name: str) -> None:
+    if not isinstance(value, torch.Tensor):
+        raise ValueError(
+            f"batch[{name!r}] must be a torch.Tensor, got {type(value).__name__}; "
+            "convert it with torch.as_tensor in the collate."
+        )
+
+
+def _host_ints(value: Any, name: str) -> np.ndarray:
+    """Integer tensor -> host numpy array (zero-copy on the CPU)."""
+    _check_tensor(value, name)
+    if value.dtype not in _INT_DTYPES:
+        raise ValueError(
+            f"{name} must have an integer dtype, got {value.dtype}; lengths are counts, build "
+            f"them with dtype=torch.int32 or torch.int64 (e.g. {name}.long())."
+        )
+    # A GPU tensor costs one device->host copy here (a sync): the sequence count
+    # is data-dependent. Collates should build lengths on the CPU.
+    return value.detach().cpu().numpy()
+
+
+def _lengths_to_host(value: Any, name: str, bsz: int) -> np.ndarray:
+    arr = _host_ints(value, name)
+    if arr.ndim != 2 or arr.shape[0] != bsz:
+        raise ValueError(
+            f"{name} must be [B, P] with B={bsz} (input_ids.shape[0]), got shape "
+            f"{tuple(arr.shape)}; give one row of pack-slot lengths per batch row "
+            "(use unsqueeze(1) for one sequence per row)."
+        )
+    return arr
+
+
+def _lengths_from_token_ids(
+    input_ids: torch.Tensor, num_chunks: int, padding_token_id: int, sentinel: int
+) -> tuple[np.ndarray, np.ndarray, torch.device]:
+    """Fallback length tables when no pack metadata exists: one sequence per row.
+
+    Padding is inferred from token values, validated per chunk stream (pad only
+    in the stream's tail). Row ``b`` becomes one sequence of its non-pad tokens
+    (rows entirely of pad get the sentinel); its padded length is ``S``.
+    """
+    if input_ids.dim() != 2 or input_ids.dtype.is_floating_point:
+        raise ValueError(
+            f"seq_lens is None and input_ids has shape {tuple(input_ids.shape)} / dtype "
+            f"{input_ids.dtype}: padding can only be inferred from integer token ids [B, S]. "
+            "Supply seq_lens and seq_lens_padded."
+        )
+    bsz, seq_len = input_ids.shape
+    padding = _token_padding_mask_rows(input_ids.reshape(num_chunks, -1), padding_token_id, "input_ids")
+    real = (~padding).reshape(bsz, seq_len).sum(dim=1).cpu().numpy()
+    rows = bsz // num_chunks
+    if (real[::rows] == 0).any():
+        c = int(np.argmax(real[::rows] == 0))
+        raise ValueError(
+            f"seq_lens is None and input_ids row {c * rows} is entirely padding_token_id="
+            f"{padding_token_id}, so the {'chunk' if num_chunks > 1 else 'batch'} holds no "
+            "sequence at its start. Supply seq_lens, or drop empty rows."
+        )
+    sl = np.where(real > 0, real, sentinel)[:, None]
+    sp = np.where(real > 0, seq_len, sentinel)[:, None]
+    return sl, sp, input_ids.device
+
+
+def _to_device(arr: np.ndarray, device: torch.device) -> torch.Tensor:
+    """Host array -> tensor on ``device`` (no copy on the CPU, async otherwise)."""
+    t = torch.from_numpy(arr)
+    if device.type != "cpu":
+        t = t.to(device, non_blocking=True)
+    return t
