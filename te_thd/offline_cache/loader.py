@@ -1,0 +1,201 @@
+"""DataLoader over an offline cache: reference signature, DP-only sharding, batched collate.
+
+``build_cached_dataloader`` keeps the reference positional/keyword signature and adds
+keyword options (seed, drop_last, data-parallel rank/size, resume state, worker
+settings). It always uses :class:`~te_thd.offline_cache.sampler.CacheShardSampler`,
+so an order is a pure function of ``(seed, epoch)``, and returns a
+:class:`CachedDataLoader` (a ``torch.utils.data.DataLoader``) that counts the
+batches the training loop took, for ``state_dict()`` / ``load_state_dict()``.
+
+``distributed=True`` shards over the data-parallel group *without* context
+parallelism (megatron's ``parallel_state`` when initialised), so the CP ranks of a
+replica read the same samples. The reference shards over the whole world, which
+hands different samples to the CP ranks of one replica.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset, get_worker_info
+
+from .reader import CachedBatch, _empty
+from .sampler import CacheShardSampler, default_data_parallel_rank_size
+
+__all__ = [
+    "CachedDataLoader",
+    "build_cached_dataloader",
+    "collate_cached",
+    "to_device",
+]
+
+
+def collate_cached(features: Sequence[dict[str, torch.Tensor]], keys: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """Stack per-sample cache dicts into a batch: ``{key: [B, *sample_shape]}``.
+
+    A :class:`CachedBatch` (what ``CachedTensorDataset.__getitems__`` returns) is
+    already stacked: its tensors are returned as they are, without the unstack +
+    restack a list of samples needs. Inside a DataLoader worker a list is stacked
+    straight into shared memory (one copy less on the way to the main process).
+    """
+    if isinstance(features, CachedBatch):
+        try:
+            return {key: features.tensors[key] for key in keys}
+        except KeyError as e:
+            raise ValueError(
+                f"collate_cached: key {e.args[0]!r} was not read (the dataset's disk_keys are "
+                f"{tuple(features.tensors)}); add it to disk_keys or drop it from keys"
+            ) from None
+    shared = get_worker_info() is not None
+    out = {}
+    for key in keys:
+        rows = [feature[key] for feature in features]
+        dst = _empty((len(rows), *rows[0].shape), rows[0].dtype, True) if shared and rows else None
+        out[key] = torch.stack(rows, dim=0, out=dst)
+    return out
+
+
+class CachedDataLoader(DataLoader):
+    """A ``DataLoader`` whose ``state_dict()`` says how far the training loop got.
+
+    A batch counts as consumed once the loop has received it (the same convention
+    as torchdata's ``StatefulDataLoader``): checkpoint after the step, then
+    ``load_state_dict`` in the restarted job continues with the next batch, for any
+    ``num_workers`` (prefetched batches are simply read again).
+    """
+
+    sampler: CacheShardSampler
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._base = 0  # global samples consumed when the current pass started
+        self._epoch_of_pass = 0
+        self._batches = 0
+
+    def __iter__(self) -> Iterator[Any]:
+        s = self.sampler
+        self._base, self._epoch_of_pass, self._batches = s._start, s.epoch, 0
+        for batch in super().__iter__():
+            self._batches += 1
+            yield batch
+
+    def consumed_samples(self) -> int:
+        """Samples of the current epoch the loop has received, over all replicas."""
+        s = self.sampler
+        if s.epoch != self._epoch_of_pass:  # set_epoch since the last pass: nothing consumed yet
+            return s._start
+        local = min(self._batches * int(self.batch_size or 1), (s.total_size - self._base) // s.num_replicas)
+        return self._base + local * s.num_replicas
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"sampler": ...}`` resume state (epoch, consumed samples, seed, ...)."""
+        return {"sampler": self.sampler.state_dict(self.consumed_samples())}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue after the saved position (call before iterating; keep ``set_epoch(saved epoch)``)."""
+        if "sampler" not in state:
+            raise ValueError(f"loader state must hold 'sampler' (got keys {sorted(state)}); pass loader.state_dict()")
+        self.sampler.load_state_dict(state["sampler"])
+
+
+def build_cached_dataloader(
+    dataset: Dataset,
+    batch_size: int,
+    shuffle: bool,
+    collate_fn: Callable[[Sequence[dict[str, torch.Tensor]]], Any],
+    num_workers: int = 0,
+    distributed: bool = False,
+    *,
+    seed: int = 0,
+    drop_last: bool = False,
+    dp_rank: int | None = None,
+    dp_size: int | None = None,
+    resume_state: Mapping[str, Any] | None = None,
+    start_sample: int = 0,
+    pin_memory: bool | None = None,
+    persistent_workers: bool = False,
+    prefetch_factor: int | None = None,
+    multiprocessing_context: Any = None,
+) -> CachedDataLoader:
+    """Build a dataloader over a precomputed offline cache dataset.
+
+    Args (reference): ``dataset`` (a ``CachedTensorDataset`` or any map-style
+    dataset), ``batch_size`` (per data-parallel replica), ``shuffle`` (shard-block
+    shuffle), ``collate_fn``, ``num_workers``, ``distributed`` (shard over the
+    data-parallel replicas).
+
+    Keyword options:
+        seed: order seed; epoch ``e`` uses ``seed + e`` (same on every rank).
+        drop_last: drop the samples that do not split evenly over the replicas and
+            the last incomplete batch (default: pad by wrap-around, keep it).
+        dp_rank, dp_size: the data-parallel rank and size. Default with
+            ``distributed=True``: megatron's DP group without CP when
+            ``parallel_state`` is initialised, else the ``torch.distributed`` world
+            (pure data parallelism, as the reference); with ``distributed=False``, 1
+            replica.
+        resume_state: a ``loader.state_dict()`` to continue from.
+        start_sample: alternatively, global samples of epoch 0 already consumed.
+        pin_memory: default: pinned when CUDA is available.
+        persistent_workers, prefetch_factor, multiprocessing_context: passed to the
+            ``DataLoader`` when ``num_workers > 0`` (``"forkserver"`` / ``"spawn"`` when
+            the parent holds a CUDA context).
+    """
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size={batch_size!r} must be an int >= 1 (samples per data-parallel replica)")
+    if not isinstance(num_workers, int) or num_workers < 0:
+        raise ValueError(f"num_workers={num_workers!r} must be an int >= 0")
+    if (dp_rank is None) != (dp_size is None):
+        raise ValueError(f"pass dp_rank and dp_size together (got dp_rank={dp_rank!r}, dp_size={dp_size!r})")
+    if dp_size is None:
+        if distributed:
+            found = default_data_parallel_rank_size()
+            if found is None and torch.distributed.is_available() and torch.distributed.is_initialized():
+                found = (torch.distributed.get_rank(), torch.distributed.get_world_size())
+            dp_rank, dp_size = found if found is not None else (0, 1)
+        else:
+            dp_rank, dp_size = 0, 1
+    sampler = CacheShardSampler(dataset, num_replicas=dp_size, rank=dp_rank, shuffle=shuffle, seed=seed, drop_last=drop_last)
+    if resume_state is not None and start_sample:
+        raise ValueError(f"pass resume_state or start_sample={start_sample}, not both")
+    if start_sample:
+        sampler.load_state_dict(sampler.state_dict(start_sample))
+    worker_kwargs: dict[str, Any] = {}
+    if num_workers > 0:
+        worker_kwargs["persistent_workers"] = persistent_workers
+        if prefetch_factor is not None:
+            worker_kwargs["prefetch_factor"] = prefetch_factor
+        if multiprocessing_context is not None:
+            worker_kwargs["multiprocessing_context"] = multiprocessing_context
+    loader = CachedDataLoader(
+        dataset,
+        batch_size=batch_size,
+        sampler=sampler,
+        num_workers=num_workers,
+        pin_memory=torch.cuda.is_available() if pin_memory is None else bool(pin_memory),
+        collate_fn=collate_fn,
+        drop_last=drop_last,
+        **worker_kwargs,
+    )
+    if resume_state is not None:
+        loader.load_state_dict(resume_state)
+    return loader
+
+
+def to_device(batch: Any, device: torch.device | str) -> Any:
+    """Move every tensor in ``batch`` (dicts/lists/tuples nested) to ``device``.
+
+    ``non_blocking=True``: from pinned memory the copy is asynchronous and the host
+    thread does not wait for the GPU. Python scalars (``max_seqlen_int``,
+    ``pad_between_seqs``) stay on the host.
+    """
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, Mapping):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
+        return type(batch)(*(to_device(v, device) for v in batch))
+    if isinstance(batch, list | tuple):
+        return type(batch)(to_device(v, device) for v in batch)
+    return batch

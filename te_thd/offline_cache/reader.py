@@ -1,0 +1,379 @@
+"""Read an offline cache: per-item (reference behaviour) and batched, memory-mapped reads.
+
+``CachedTensorDataset`` keeps the reference API (``__getitem__`` through a lazily
+opened ``safetensors.safe_open`` handle, ``_handle``, ``__len__``) and adds the
+batched hook torch's ``DataLoader`` calls, ``__getitems__``: the requested indices
+are grouped by shard, a contiguous run is one slice per key (one ``memcpy``), any
+other group is one ``index_select`` per key. Shards are memory-mapped
+(``MAP_PRIVATE``, read-only use), so only the pages a batch touches are read and
+they stay file-backed page cache: the anonymous memory of a reader does not grow
+with the size of the cache.
+
+Every open handle and mapping belongs to the process that opened it: the caches
+are keyed by ``os.getpid()`` and dropped on pickling, so DataLoader workers started
+by fork, spawn or forkserver open their own on first use.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from typing import Any, overload
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset, get_worker_info
+
+try:
+    from .format import load_safetensors, read_manifest, shard_path, validate_contiguous_shards
+except ImportError:  # TEMPORARY until the producer's format module lands; removed then.
+    from ._format_fallback import (  # type: ignore[no-redef]
+        load_safetensors,
+        read_manifest,
+        shard_path,
+        validate_contiguous_shards,
+    )
+
+__all__ = ["CachedBatch", "CachedTensorDataset", "CacheShardError"]
+
+# safetensors dtype codes -> torch dtypes (the format's spec lists these names).
+_ST_DTYPES: dict[str, torch.dtype] = {
+    "BOOL": torch.bool,
+    "U8": torch.uint8,
+    "I8": torch.int8,
+    "I16": torch.int16,
+    "U16": torch.uint16,
+    "I32": torch.int32,
+    "U32": torch.uint32,
+    "I64": torch.int64,
+    "U64": torch.uint64,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+
+# Upper bound of the safetensors header (the format itself caps it at 100 MB).
+_MAX_HEADER_BYTES = 100_000_000
+
+
+class CacheShardError(ValueError):
+    """A shard file does not match the manifest or the requested keys; names the file."""
+
+
+class CachedBatch(Sequence[dict[str, torch.Tensor]]):
+    """The result of ``CachedTensorDataset.__getitems__``: a batch already stacked.
+
+    ``tensors[key]`` is ``[B, *sample_shape]`` in the requested order, a fresh
+    tensor (in shared memory inside a DataLoader worker, so sending it to the main
+    process costs no copy). The object is also a sequence of ``B`` per-sample dicts
+    (row views), so a collate function written for a list of samples still works;
+    ``collate_cached`` and ``CachedBatchCollator`` take ``tensors`` as is instead
+    of unstacking and restacking.
+    """
+
+    __slots__ = ("tensors", "_len")
+
+    def __init__(self, tensors: dict[str, torch.Tensor], length: int) -> None:
+        self.tensors = tensors
+        self._len = length
+
+    def __len__(self) -> int:
+        return self._len
+
+    @overload
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[dict[str, torch.Tensor]]: ...
+    def __getitem__(self, i: int | slice) -> Any:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(self._len))]
+        if i < 0:
+            i += self._len
+        if not 0 <= i < self._len:
+            raise IndexError(i)
+        return {k: v[i] for k, v in self.tensors.items()}
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        return (self[i] for i in range(self._len))
+
+
+def _empty(shape: tuple[int, ...], dtype: torch.dtype, shared: bool) -> torch.Tensor:
+    """Uninitialised tensor; in shared memory when ``shared`` (a DataLoader worker).
+
+    Same trick as torch's ``default_collate``: a worker's batch is pickled to the
+    main process by moving its storage to shared memory, so allocating it there
+    up front saves one copy of every batch.
+    """
+    if not shared:
+        return torch.empty(shape, dtype=dtype)
+    proto = torch.empty(0, dtype=dtype)
+    storage = proto._typed_storage()._new_shared(math.prod(shape), device=proto.device)
+    return proto.new(storage).resize_(shape)
+
+
+def _map_shard(path: str, keys: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """Memory-map one safetensors file and return ``{key: [rows, ...] view}`` for ``keys``.
+
+    The file is mapped copy-on-write (``torch.from_file(shared=False)``: the file is
+    opened read-only, no descriptor is kept) and never written, so every page stays
+    file-backed. The header is parsed here (8-byte little-endian length + JSON) because
+    safetensors has no zero-copy view API; ``safe_open`` copies on every slice.
+    """
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) != 8:
+                raise CacheShardError(f"shard {path} is {size} bytes, too short for a safetensors header; rewrite the shard")
+            (n,) = struct.unpack("<Q", head)
+            if n > min(_MAX_HEADER_BYTES, size - 8):
+                raise CacheShardError(f"shard {path} declares a {n}-byte header in a {size}-byte file; the file is corrupt, rewrite the shard")
+            header = json.loads(f.read(n))
+    except FileNotFoundError as e:
+        raise CacheShardError(f"shard {path} is missing (removed after the cache was opened?); re-run the producer") from e
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CacheShardError(f"shard {path} has an unreadable safetensors header ({e}); rewrite the shard") from e
+    data_start = 8 + n
+    whole = torch.from_file(path, shared=False, size=size, dtype=torch.uint8)
+    views: dict[str, torch.Tensor] = {}
+    for key in keys:
+        info = header.get(key)
+        if not isinstance(info, dict):
+            present = sorted(k for k in header if k != "__metadata__")
+            raise CacheShardError(f"shard {path} has no key {key!r} (it holds {present}); pass disk_keys that the producer wrote")
+        dtype = _ST_DTYPES.get(info.get("dtype"))
+        if dtype is None:
+            raise CacheShardError(f"shard {path} key {key!r} has unsupported dtype {info.get('dtype')!r}")
+        shape = tuple(int(s) for s in info["shape"])
+        begin, end = (int(o) for o in info["data_offsets"])
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        if end - begin != math.prod(shape) * itemsize or data_start + end > size or not shape:
+            raise CacheShardError(
+                f"shard {path} key {key!r}: shape {list(shape)} {info['dtype']} does not fit byte range "
+                f"[{begin}, {end}) of a {size}-byte file; the file is truncated or corrupt, rewrite the shard"
+            )
+        raw = whole[data_start + begin : data_start + end]
+        if (data_start + begin) % itemsize:
+            raw = raw.clone()  # misaligned (never written by safetensors >= 0.3): copy once
+        views[key] = raw.view(dtype).view(shape)
+    return views
+
+
+class CachedTensorDataset(Dataset):
+    """Lazily read fixed-key safetensors shards by sample index.
+
+    Args:
+        cache_dir: directory holding ``manifest.json`` and ``shard-NNNNNN.safetensors``.
+        cache_name: human name used in error messages.
+        format_version: the manifest's expected ``format_version``.
+        disk_keys: the keys to read from every shard, e.g. ``("input_ids", "loss_mask")``.
+        max_open_shards: how many shards a process keeps open (LRU); bounds
+            descriptors and mappings for caches with thousands of shards.
+
+    ``dataset[i]`` -> ``{key: tensor[*sample_shape]}`` (reference behaviour);
+    ``dataset.__getitems__([i, j, ...])`` -> :class:`CachedBatch` with
+    ``tensors[key]`` of shape ``[len(indices), *sample_shape]``.
+    """
+
+    def __init__(
+        self,
+        cache_dir: str,
+        cache_name: str,
+        format_version: int,
+        disk_keys: tuple[str, ...],
+        *,
+        max_open_shards: int = 64,
+    ) -> None:
+        if isinstance(disk_keys, str) or not disk_keys or not all(isinstance(k, str) for k in disk_keys):
+            raise ValueError(
+                f"disk_keys={disk_keys!r} must be a non-empty tuple of key names, e.g. ('input_ids', 'loss_mask')"
+            )
+        if not isinstance(max_open_shards, int) or max_open_shards < 1:
+            raise ValueError(f"max_open_shards={max_open_shards!r} must be an int >= 1")
+        self.cache_dir = cache_dir
+        self.cache_name = cache_name
+        self.manifest = read_manifest(cache_dir, cache_name=cache_name, format_version=format_version)
+        self.shard_size = int(self.manifest["shard_size"])
+        self.num_samples = int(self.manifest["num_samples"])
+        self._disk_keys = tuple(disk_keys)
+        self._shard_indices = validate_contiguous_shards(cache_dir, cache_name, self.num_samples, self.shard_size)
+        _check_files(cache_dir, self.manifest)
+        self._max_open = max_open_shards
+        self._reset_process_state()
+
+    # -- per-process state -------------------------------------------------------------
+
+    def _reset_process_state(self) -> None:
+        self._pid = os.getpid()
+        self._open_handles: dict[int, Any] = OrderedDict()
+        self._views: OrderedDict[int, dict[str, torch.Tensor]] = OrderedDict()
+        self._sample_schema: dict[str, tuple[torch.dtype, tuple[int, ...]]] | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Handles and mappings belong to this process: a spawned/forkserver worker
+        # gets the dataset pickled and opens its own.
+        state = self.__dict__.copy()
+        state["_open_handles"] = OrderedDict()
+        state["_views"] = OrderedDict()
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._pid = os.getpid()
+
+    def _own(self) -> None:
+        # After fork the child inherits the parent's handles; reopen rather than share.
+        if self._pid != os.getpid():
+            self._reset_process_state()
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def _rows_in(self, shard_index: int) -> int:
+        return min(self.shard_size, self.num_samples - shard_index * self.shard_size)
+
+    def _handle(self, shard_index: int):
+        """The ``safe_open`` handle of shard ``shard_index``, opened lazily in this process."""
+        self._own()
+        handles = self._open_handles
+        handle = handles.get(shard_index)
+        if handle is None:
+            _, safe_open = load_safetensors(self.cache_name)
+            handle = safe_open(shard_path(self.cache_dir, shard_index), framework="pt")
+            handles[shard_index] = handle
+            if len(handles) > self._max_open:
+                handles.popitem(last=False)
+        else:
+            handles.move_to_end(shard_index)
+        return handle
+
+    def _shard_views(self, shard_index: int) -> dict[str, torch.Tensor]:
+        """``{key: [rows, *sample_shape] tensor}`` memory-mapped over shard ``shard_index``."""
+        self._own()
+        views = self._views.get(shard_index)
+        if views is not None:
+            self._views.move_to_end(shard_index)
+            return views
+        path = shard_path(self.cache_dir, shard_index)
+        views = _map_shard(path, self._disk_keys)
+        rows = self._rows_in(shard_index)
+        schema = {k: (v.dtype, tuple(v.shape[1:])) for k, v in views.items()}
+        for k, v in views.items():
+            if v.shape[0] != rows:
+                raise CacheShardError(
+                    f"shard {path} key {k!r} holds {v.shape[0]} samples, but the manifest "
+                    f"(num_samples={self.num_samples}, shard_size={self.shard_size}) puts {rows} in it; "
+                    "the cache is inconsistent, re-run the producer"
+                )
+        if self._sample_schema is None:
+            self._sample_schema = schema
+        elif schema != self._sample_schema:
+            raise CacheShardError(
+                f"shard {path} stores {schema}, but earlier shards store {self._sample_schema}; "
+                "every shard of a cache must hold the same dtypes and sample shapes"
+            )
+        self._views[shard_index] = views
+        if len(self._views) > self._max_open:
+            self._views.popitem(last=False)
+        return views
+
+    # -- reads -------------------------------------------------------------------------
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        if index < 0:
+            index += self.num_samples
+        if not 0 <= index < self.num_samples:
+            raise IndexError(index)
+        shard_index = index // self.shard_size
+        offset = index % self.shard_size
+        handle = self._handle(shard_index)
+        return {key: handle.get_slice(key)[offset] for key in self._disk_keys}
+
+    def __getitems__(self, indices: Sequence[int]) -> CachedBatch:
+        """Read samples ``indices`` (in that order) into stacked tensors.
+
+        Indices are grouped by shard; per shard a contiguous increasing run is one
+        slice copy per key, anything else one ``index_select`` per key. Negative
+        indices count from the end; an index out of range raises ``IndexError``.
+        """
+        n = len(indices)
+        shared = get_worker_info() is not None
+        if n == 0:
+            return CachedBatch({}, 0)
+        ss, total = self.shard_size, self.num_samples
+        lo, hi = min(indices), max(indices)
+        if lo < 0 or hi >= total:
+            idx = np.asarray(indices, dtype=np.int64)
+            idx = np.where(idx < 0, idx + total, idx)
+            bad = idx[(idx < 0) | (idx >= total)]
+            if bad.size:
+                raise IndexError(f"index {int(bad[0])} out of range for a cache of {total} samples")
+            return self._gather(idx, shared)
+        shard = lo // ss
+        if hi // ss == shard:
+            start = lo - shard * ss
+            views = self._shard_views(shard)
+            # A contiguous increasing run: one slice per key.
+            if hi - lo == n - 1 and (n == 1 or (indices[0] == lo and indices[-1] == hi and _is_step1(indices))):
+                out = {}
+                for k, v in views.items():
+                    src = v[start : start + n]
+                    out[k] = src.clone() if not shared else _empty(tuple(src.shape), src.dtype, True).copy_(src)
+                return CachedBatch(out, n)
+            local = torch.from_numpy(np.asarray(indices, dtype=np.int64) - shard * ss)
+            return CachedBatch(self._select(views, local, shared), n)
+        return self._gather(np.asarray(indices, dtype=np.int64), shared)
+
+    @staticmethod
+    def _select(views: dict[str, torch.Tensor], local: torch.Tensor, shared: bool) -> dict[str, torch.Tensor]:
+        out = {}
+        for k, v in views.items():
+            dst = _empty((local.numel(), *v.shape[1:]), v.dtype, shared) if shared else None
+            out[k] = torch.index_select(v, 0, local, out=dst) if dst is not None else v.index_select(0, local)
+        return out
+
+    def _gather(self, idx: np.ndarray, shared: bool) -> CachedBatch:
+        """General path: ``idx`` (int64, in range) spans several shards."""
+        n = idx.size
+        shards = idx // self.shard_size
+        order = np.argsort(shards, kind="stable")
+        sorted_shards = shards[order]
+        cuts = np.flatnonzero(np.diff(sorted_shards)) + 1
+        bounds = np.concatenate(([0], cuts, [n]))
+        outs: dict[str, torch.Tensor] | None = None
+        order_t = torch.from_numpy(order)
+        for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True):
+            shard = int(sorted_shards[a])
+            views = self._shard_views(shard)
+            local = torch.from_numpy(idx[order[a:b]] - shard * self.shard_size)
+            if outs is None:
+                outs = {k: _empty((n, *v.shape[1:]), v.dtype, shared) for k, v in views.items()}
+            pos = order_t[a:b]
+            for k, v in views.items():
+                # rows of this shard land directly at their batch positions
+                outs[k].index_copy_(0, pos, v.index_select(0, local))
+        assert outs is not None
+        return CachedBatch(outs, n)
+
+
+def _is_step1(indices: Sequence[int]) -> bool:
+    """True iff ``indices`` is ``[a, a+1, ..., a+n-1]`` (caller checked first/last/len)."""
+    if isinstance(indices, range):
+        return indices.step == 1
+    return np.array_equal(np.diff(np.asarray(indices, dtype=np.int64)), np.ones(len(indices) - 1, dtype=np.int64))
+
+
+def _check_files(cache_dir: str, manifest: dict[str, Any]) -> None:
+    """Cheap presence + size check of every shard the manifest lists (producer's verify)."""
+    try:
+        from .verify import check_cache_files
+    except ImportError:  # producer side without integrity records: presence was checked above
+        return
+    check_cache_files(cache_dir, manifest)

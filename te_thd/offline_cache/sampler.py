@@ -1,0 +1,218 @@
+"""Shard-local, deterministic, resumable, data-parallel sampler for an offline cache.
+
+Same shape as torch's ``DistributedSampler`` (explicit ``num_replicas`` / ``rank``,
+``set_epoch``, an order that is a pure function of ``(seed, epoch)``), with three
+differences that a cache reader needs:
+
+* **shard-block shuffling**: an epoch's global order visits the shards in a random
+  order and, inside each shard, its samples in a random order, so consecutive
+  samples (and the ranks' batches, which interleave them) come from one shard and
+  a batch is one ``index_select`` over one memory-mapped file;
+* **data-parallel groups, not the world**: the default ``rank`` / ``num_replicas``
+  come from ``megatron.core.parallel_state``'s data-parallel group *without*
+  context parallelism, so the CP (and TP) ranks of one replica get identical
+  samples; expert parallelism does not enter (Megatron builds EP groups out of the
+  DP x CP ranks and its all-to-all moves tokens, not samples);
+* **resume from a consumed-sample count**: ``state_dict(consumed_samples)`` /
+  ``load_state_dict`` restart an epoch exactly where the training loop stopped. The
+  count is global (all replicas together), so the same state also resumes at a
+  different data-parallel size.
+
+Global order ``G`` (length ``N``) is cut to ``total_size``: with ``drop_last`` the
+tail that does not divide evenly is dropped, otherwise ``G`` is padded by
+wrapping around (as ``DistributedSampler`` does) so every replica gets the same
+number of samples. Replica ``r`` reads ``G[start + r :: num_replicas]``.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator, Sized
+from typing import Any
+
+import torch
+from torch.utils.data import Sampler
+
+__all__ = ["CacheShardSampler", "default_data_parallel_rank_size", "shard_block_order"]
+
+_STATE_VERSION = 1
+
+
+def default_data_parallel_rank_size() -> tuple[int, int] | None:
+    """``(rank, size)`` of this process's data-parallel group without CP, or None.
+
+    Read from ``megatron.core.parallel_state`` only when the caller already imported
+    and initialised it (importing megatron-core here would cost every DataLoader
+    worker seconds, and an uninitialised parallel state has no groups to read).
+    """
+    ps = sys.modules.get("megatron.core.parallel_state")
+    if ps is None or not ps.model_parallel_is_initialized():
+        return None
+    return (
+        ps.get_data_parallel_rank(with_context_parallel=False),
+        ps.get_data_parallel_world_size(with_context_parallel=False),
+    )
+
+
+def shard_block_order(num_samples: int, shard_size: int, seed: int, epoch: int, shuffle: bool = True) -> torch.Tensor:
+    """The epoch's global sample order, int64 ``[num_samples]``.
+
+    ``shuffle=False``: ``0..N-1``. Otherwise a permutation in which each shard's
+    samples (shard ``s`` = ``[s*shard_size, min((s+1)*shard_size, N))``) are contiguous,
+    the shards come in a random order and each shard's samples in a random order,
+    all drawn from one ``torch.Generator`` seeded with ``seed + epoch`` (the same on
+    every rank and in every worker, independent of the global RNG).
+    """
+    if not shuffle or num_samples == 0:
+        return torch.arange(num_samples, dtype=torch.int64)
+    g = torch.Generator().manual_seed(int(seed) + int(epoch))
+    num_shards = -(-num_samples // shard_size)
+    shard_perm = torch.randperm(num_shards, generator=g)
+    # One random key per slot; slots past the end of a short last shard sort last
+    # (key 2 > any uniform key) and are cut off below.
+    keys = torch.rand(num_shards, shard_size, generator=g)
+    tail = num_samples - (num_shards - 1) * shard_size
+    keys[-1, tail:] = 2.0
+    within = torch.argsort(keys, dim=1)
+    base = (torch.arange(num_shards, dtype=torch.int64) * shard_size).unsqueeze(1)
+    order = (base + within)[shard_perm]
+    flat = order.reshape(-1)
+    if tail != shard_size:  # drop the short shard's unused slots wherever it landed
+        flat = flat[flat < num_samples]
+    return flat
+
+
+class CacheShardSampler(Sampler[int]):
+    """Deterministic shard-block-shuffling sampler over ``num_replicas`` data-parallel replicas.
+
+    Args:
+        data_source: the dataset (anything with ``__len__``); its ``shard_size``
+            attribute, when present, is the default block size.
+        num_replicas: data-parallel size. Default: megatron's DP size without CP when
+            ``parallel_state`` is initialised, else 1.
+        rank: data-parallel rank, default as ``num_replicas``.
+        shuffle: shard-block shuffle when True, ``0..N-1`` when False.
+        seed: base seed; epoch ``e`` uses ``seed + e`` (must match on every rank).
+        drop_last: drop the tail that does not divide evenly over the replicas
+            instead of padding it with wrapped-around samples.
+        shard_size: block size for the shuffle (default ``data_source.shard_size``,
+            else 1, which is a plain random permutation).
+
+    Yields this replica's sample indices (Python ints) for the current epoch.
+    """
+
+    def __init__(
+        self,
+        data_source: Sized,
+        num_replicas: int | None = None,
+        rank: int | None = None,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+        *,
+        shard_size: int | None = None,
+    ) -> None:
+        if num_replicas is None or rank is None:
+            found = default_data_parallel_rank_size()
+            d_rank, d_size = found if found is not None else (0, 1)
+            if num_replicas is None:
+                num_replicas = d_size
+            if rank is None:
+                rank = d_rank if num_replicas == d_size else 0
+        if not isinstance(num_replicas, int) or num_replicas < 1:
+            raise ValueError(f"num_replicas={num_replicas!r} must be an int >= 1 (the data-parallel size)")
+        if not isinstance(rank, int) or not 0 <= rank < num_replicas:
+            raise ValueError(f"rank={rank!r} must be an int in [0, num_replicas={num_replicas})")
+        if shard_size is None:
+            shard_size = int(getattr(data_source, "shard_size", 1) or 1)
+        if not isinstance(shard_size, int) or shard_size < 1:
+            raise ValueError(f"shard_size={shard_size!r} must be an int >= 1")
+        if not isinstance(seed, int):
+            raise ValueError(f"seed={seed!r} must be an int (the same on every rank)")
+        self.num_samples_total = len(data_source)
+        self.num_replicas = num_replicas
+        self.rank = rank
+        self.shuffle = bool(shuffle)
+        self.seed = seed
+        self.drop_last = bool(drop_last)
+        self.shard_size = shard_size
+        self.epoch = 0
+        self._start = 0  # global samples of this epoch already consumed (resume)
+        n, r = self.num_samples_total, num_replicas
+        self.total_size = (n // r) * r if self.drop_last else -(-n // r) * r
+
+    # -- torch Sampler protocol --------------------------------------------------------
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch's order; a resume offset is kept only for the epoch it was saved in."""
+        if epoch != self.epoch:
+            self._start = 0
+        self.epoch = int(epoch)
+
+    def global_order(self) -> torch.Tensor:
+        """The epoch's order over all replicas, int64 ``[total_size]`` (padded / cut)."""
+        g = shard_block_order(self.num_samples_total, self.shard_size, self.seed, self.epoch, self.shuffle)
+        if self.total_size <= g.numel():
+            return g[: self.total_size]
+        if g.numel() == 0:
+            raise ValueError("cannot pad an empty dataset to num_replicas samples; the cache has num_samples=0")
+        reps = -(-self.total_size // g.numel())
+        return g.repeat(reps)[: self.total_size]
+
+    def local_indices(self) -> torch.Tensor:
+        """This replica's remaining indices of the epoch, int64 ``[len(self)]``."""
+        return self.global_order()[self._start + self.rank :: self.num_replicas]
+
+    def __iter__(self) -> Iterator[int]:
+        yield from self.local_indices().tolist()
+        # A resume offset applies to one pass: the next pass (also without
+        # set_epoch, as with torch's samplers) starts the epoch from the beginning.
+        self._start = 0
+
+    def __len__(self) -> int:
+        return (self.total_size - self._start) // self.num_replicas
+
+    # -- resume ------------------------------------------------------------------------
+
+    def state_dict(self, consumed_samples: int) -> dict[str, Any]:
+        """Resume state after ``consumed_samples`` samples of the current epoch, counted
+        over all replicas (``num_replicas`` x samples this replica consumed)."""
+        if not isinstance(consumed_samples, int) or not 0 <= consumed_samples <= self.total_size:
+            raise ValueError(
+                f"consumed_samples={consumed_samples!r} must be an int in [0, total_size={self.total_size}] "
+                "(samples of this epoch consumed by all data-parallel replicas together)"
+            )
+        return {
+            "version": _STATE_VERSION,
+            "epoch": self.epoch,
+            "consumed_samples": consumed_samples,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "shard_size": self.shard_size,
+            "num_samples": self.num_samples_total,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue the saved epoch after its ``consumed_samples`` (any ``num_replicas``
+        that divides the count)."""
+        for key in ("epoch", "consumed_samples", "seed", "shuffle", "shard_size", "num_samples"):
+            if key not in state:
+                raise ValueError(f"sampler state is missing {key!r} (got keys {sorted(state)}); pass a dict from state_dict()")
+        mismatch = {
+            k: (state[k], mine)
+            for k, mine in (("seed", self.seed), ("shuffle", self.shuffle), ("shard_size", self.shard_size), ("num_samples", self.num_samples_total))
+            if state[k] != mine
+        }
+        if mismatch:
+            detail = ", ".join(f"{k}: saved {a!r}, now {b!r}" for k, (a, b) in mismatch.items())
+            raise ValueError(f"sampler state does not match this sampler ({detail}); build the sampler with the saved settings")
+        consumed = int(state["consumed_samples"])
+        if consumed % self.num_replicas:
+            raise ValueError(
+                f"consumed_samples={consumed} is not a multiple of num_replicas={self.num_replicas}; "
+                "every replica must have consumed the same number of samples"
+            )
+        if consumed > self.total_size:
+            raise ValueError(f"consumed_samples={consumed} exceeds the epoch's total_size={self.total_size}")
+        self.epoch = int(state["epoch"])
+        self._start = consumed
