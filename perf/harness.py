@@ -68,14 +68,21 @@ class Record:
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Record:
-        """Inverse of :meth:`to_json` (the derived ``ratios`` key is ignored)."""
+        """Inverse of :meth:`to_json` (the derived ``ratios`` key is ignored).
+
+        A None figure (how strict JSON stores inf/nan) reads back as NaN.
+        """
+
+        def num(v: Any) -> float:
+            return float("nan") if v is None else float(v)
+
         return cls(
             bench=str(d["bench"]),
             case=str(d["case"]),
             metric=str(d["metric"]),
             unit=str(d["unit"]),
-            ours=float(d["ours"]),
-            baselines={str(k): float(v) for k, v in dict(d.get("baselines") or {}).items()},
+            ours=num(d["ours"]),
+            baselines={str(k): num(v) for k, v in dict(d.get("baselines") or {}).items()},
             extra=dict(d.get("extra") or {}),
         )
 

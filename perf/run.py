@@ -1,0 +1,331 @@
+"""te_thd perf suite: every hot path against its baselines, in one run.
+
+    python perf/run.py [--quick] [--check] [--only NAME ...]     (also: te-thd bench ...)
+
+1. Makes sure the reference implementation (nemo-automodel 0.7.0) is installed
+   with ``--no-deps`` into this interpreter's environment; when it cannot be
+   installed the suite says so and runs the rest (reference ratios are then
+   absent and their goals reported as skipped).
+2. Discovers ``bench_*.py`` next to this file and runs each ``run(quick)`` in
+   its own subprocess: a bench that raises, crashes or hangs is an error for
+   that bench only, and no bench inherits another's memory or worker threads.
+3. Judges the ratios against ``thresholds.json`` (see ``goals.py``), writes the
+   JSON / markdown / PNG report under ``perf/results/`` (see ``report.py``) and
+   prints the table.
+4. ``--check``: exit 1 naming each goal that was missed, errored or produced no data.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+PERF_DIR = Path(__file__).resolve().parent
+REPO_ROOT = PERF_DIR.parent
+if str(PERF_DIR) not in sys.path:
+    sys.path.insert(0, str(PERF_DIR))
+
+from goals import evaluate, failures, load_goals  # noqa: E402
+from harness import REFERENCE_REQUIREMENT, REFERENCE_VERSION, Record  # noqa: E402
+
+#: --quick is meant to finish within this many seconds on 2 cores (whole suite)
+QUICK_BUDGET_S = 120.0
+DEFAULT_TIMEOUT_S = {"quick": 180.0, "full": 1800.0}
+
+
+# --------------------------------------------------------------------------- reference
+
+
+def _installed_reference_version() -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("nemo-automodel")
+    except PackageNotFoundError:
+        return None
+
+
+def ensure_reference(install: bool) -> dict[str, Any]:
+    """Install the reference with ``pip --no-deps`` when missing; never fail the suite.
+
+    Returns ``{"available": bool, "version": str|None, "detail": str}``. An other
+    installed version is left alone (the goals were set against 0.7.0, so its
+    ratios would not compare) and reported as unavailable.
+    """
+    have = _installed_reference_version()
+    if have == REFERENCE_VERSION:
+        return {"available": True, "version": have, "detail": "installed"}
+    if have is not None:
+        return {"available": False, "version": have,
+                "detail": f"nemo-automodel {have} is installed; the baselines need "
+                f"{REFERENCE_REQUIREMENT} (pip install --no-deps {REFERENCE_REQUIREMENT})"}
+    if not install:
+        return {"available": False, "version": None,
+                "detail": f"not installed and installation disabled; run "
+                f"`{sys.executable} -m pip install --no-deps {REFERENCE_REQUIREMENT}`"}
+    print(f"[perf] installing the reference baseline: pip install --no-deps {REFERENCE_REQUIREMENT}",
+          flush=True)
+    cmd = [sys.executable, "-m", "pip", "install", "--disable-pip-version-check", "-q",
+           "--no-deps", REFERENCE_REQUIREMENT]
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        ok, why = r.returncode == 0, (r.stderr or r.stdout).strip().splitlines()[-1:] or [""]
+    except (OSError, subprocess.TimeoutExpired) as e:
+        ok, why = False, [str(e)]
+    importlib.invalidate_caches()
+    have = _installed_reference_version()
+    if ok and have == REFERENCE_VERSION:
+        return {"available": True, "version": have, "detail": "installed by perf/run.py (--no-deps)"}
+    return {"available": False, "version": have,
+            "detail": f"pip install --no-deps {REFERENCE_REQUIREMENT} failed: {why[0]}"}
+
+
+# --------------------------------------------------------------------------- benches
+
+
+def discover(bench_dir: Path) -> dict[str, Path]:
+    """``{name: path}`` for every ``bench_<name>.py`` in ``bench_dir``, sorted by name."""
+    return {p.stem[len("bench_"):]: p for p in sorted(bench_dir.glob("bench_*.py"))}
+
+
+def _strict(x: Any) -> Any:
+    """Recursively replace inf/nan by None and tensors/numpy scalars by Python numbers."""
+    if isinstance(x, dict):
+        return {str(k): _strict(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_strict(v) for v in x]
+    if isinstance(x, bool) or x is None or isinstance(x, str):
+        return x
+    if isinstance(x, (int, float)):
+        return x if math.isfinite(x) else None
+    if hasattr(x, "item"):  # torch / numpy scalar
+        try:
+            return _strict(x.item())
+        except (TypeError, ValueError, RuntimeError):
+            pass
+    return str(x)
+
+
+def record_to_json(rec: Record) -> dict[str, Any]:
+    """``Record.to_json`` as strict JSON (inf/nan -> None)."""
+    return _strict(rec.to_json())
+
+
+def _child(bench_path: Path, out: Path, quick: bool) -> int:
+    """Run one bench module in this (fresh) process and write its records to ``out``."""
+    for d in (str(bench_path.parent), str(PERF_DIR)):
+        if d not in sys.path:
+            sys.path.insert(0, d)
+    t0 = time.perf_counter()
+    result: dict[str, Any] = {"records": [], "error": None}
+    try:
+        spec = importlib.util.spec_from_file_location(bench_path.stem, bench_path)
+        assert spec is not None and spec.loader is not None
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[bench_path.stem] = mod
+        spec.loader.exec_module(mod)
+        if not callable(getattr(mod, "run", None)):
+            raise TypeError(f"{bench_path.name} has no run(quick: bool) -> list[Record]")
+        records = mod.run(quick=quick)
+        if not isinstance(records, list):
+            raise TypeError(f"{bench_path.name}: run() returned {type(records).__name__}, "
+                            "expected list[Record]")
+        recs: list[Record] = []
+        for r in records:
+            # duck-typed: a bench may import harness under another module name
+            d = r if isinstance(r, dict) else r.to_json()
+            recs.append(Record.from_json(d))
+        from harness import print_records
+
+        print_records(recs)
+        result["records"] = [record_to_json(r) for r in recs]
+    except BaseException as e:  # noqa: B036 - report everything, incl. SystemExit from a bench
+        result["error"] = "".join(traceback.format_exception(e)).strip()
+        print(result["error"], file=sys.stderr)
+    result["seconds"] = round(time.perf_counter() - t0, 3)
+    result["peak_rss_mib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+    out.write_text(json.dumps(result))
+    return 0 if result["error"] is None else 1
+
+
+def run_bench(name: str, path: Path, *, quick: bool, timeout_s: float) -> dict[str, Any]:
+    """Run ``path`` in a child interpreter; return the bench entry of the run document."""
+    entry: dict[str, Any] = {"name": name, "module": str(path.relative_to(path.parent.parent))
+                             if path.parent.parent in path.parents else str(path)}
+    with tempfile.TemporaryDirectory(prefix=f"te_thd_perf_{name}_") as tmp:
+        out = Path(tmp) / "result.json"
+        log = Path(tmp) / "log.txt"
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--child", str(path), "--out", str(out)]
+        if quick:
+            cmd.append("--quick")
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(
+            [str(path.parent), str(PERF_DIR), str(REPO_ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
+        )
+        t0 = time.perf_counter()
+        with open(log, "wb") as logf:
+            try:
+                proc = subprocess.run(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env,
+                                      timeout=timeout_s, cwd=str(REPO_ROOT))
+                rc: int | None = proc.returncode
+            except subprocess.TimeoutExpired:
+                rc = None
+        wall = time.perf_counter() - t0
+        text = log.read_text(errors="replace")
+        entry["log"] = text[-20000:]
+        entry["wall_s"] = round(wall, 2)
+        if out.exists():
+            res = json.loads(out.read_text())
+            entry["seconds"] = res.get("seconds")
+            entry["peak_rss_mib"] = res.get("peak_rss_mib")
+            entry["records"] = res.get("records", [])
+            entry["error"] = res.get("error")
+        else:
+            entry["records"] = []
+            tail = "\n".join(text.strip().splitlines()[-15:])
+            entry["error"] = (f"timed out after {timeout_s:.0f} s" if rc is None
+                              else f"child exited with code {rc} before reporting") + (
+                                  f"\n{tail}" if tail else "")
+        entry["status"] = "ok" if entry["error"] is None else (
+            "timeout" if rc is None else "error")
+    return entry
+
+
+# --------------------------------------------------------------------------- main
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="perf/run.py", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true",
+                    help=f"small sizes, fewer trials: the whole suite in < {QUICK_BUDGET_S:.0f} s on 2 cores")
+    ap.add_argument("--check", action="store_true",
+                    help="exit 1 naming every goal of thresholds.json that was missed (or has no data)")
+    ap.add_argument("--only", action="append", default=[], metavar="NAME",
+                    help="run only bench_NAME.py (repeatable; comma lists ok)")
+    ap.add_argument("--list", action="store_true", help="list the benches and goals, run nothing")
+    ap.add_argument("--no-install", action="store_true",
+                    help="do not pip-install the reference baseline when it is missing "
+                    "(also: TE_THD_PERF_NO_INSTALL=1)")
+    ap.add_argument("--bench-dir", type=Path, default=PERF_DIR, help=argparse.SUPPRESS)
+    ap.add_argument("--thresholds", type=Path, default=PERF_DIR / "thresholds.json",
+                    help="goals file (default: perf/thresholds.json)")
+    ap.add_argument("--results-dir", type=Path, default=PERF_DIR / "results",
+                    help="where the JSON/markdown/PNG go (default: perf/results)")
+    ap.add_argument("--no-latest", action="store_true", help="do not update results/latest.*")
+    ap.add_argument("--timeout", type=float, default=None,
+                    help="seconds per bench before it is killed (default 180 quick, 1800 full)")
+    ap.add_argument("--child", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.child is not None:
+        return _child(args.child, args.out, args.quick)
+
+    started = time.time()
+    mode = "quick" if args.quick else "full"
+    try:
+        goals = load_goals(args.thresholds)
+    except ValueError as e:
+        print(f"perf/run.py: {e}", file=sys.stderr)
+        return 2
+    benches = discover(args.bench_dir.resolve())
+    wanted = {n.strip().removeprefix("bench_").removesuffix(".py")
+              for item in args.only for n in item.split(",") if n.strip()}
+    unknown = sorted(wanted - set(benches))
+    if unknown:
+        print(f"perf/run.py: --only {', '.join(unknown)}: no such bench in {args.bench_dir}; "
+              f"available: {', '.join(benches) or '(none)'}", file=sys.stderr)
+        return 2
+    selected = wanted or set(benches)
+    # goals name bench modules that may not exist yet: they count as selected (-> no-data)
+    # in a full run, so a deleted bench cannot silently drop its goal
+    selected_for_goals = wanted or (set(benches) | {g.bench for g in goals})
+
+    if args.list:
+        for name, path in benches.items():
+            print(f"{name:14s} {path}")
+        for g in goals:
+            print(f"goal {g.id}: {g.statement} [{g.bench}/{g.case} vs {g.baseline} >= {g.min_ratio:g}x, "
+                  f"noise margin {g.noise_margin:.0%}]")
+        return 0
+
+    install = not (args.no_install or os.environ.get("TE_THD_PERF_NO_INSTALL") == "1")
+    reference = ensure_reference(install)
+    if not reference["available"]:
+        print(f"[perf] reference implementation unavailable: {reference['detail']}; "
+              "running the other baselines only", flush=True)
+
+    timeout_s = args.timeout or DEFAULT_TIMEOUT_S[mode]
+    entries: list[dict[str, Any]] = []
+    for name, path in benches.items():
+        if name not in selected:
+            continue
+        print(f"[perf] {name} ({mode}) ...", flush=True)
+        entry = run_bench(name, path, quick=args.quick, timeout_s=timeout_s)
+        for line in entry["log"].rstrip().splitlines():
+            print(f"    {line}")
+        print(f"[perf] {name}: {entry['status']}, {len(entry['records'])} records, "
+              f"{entry['wall_s']:.1f} s", flush=True)
+        entries.append(entry)
+
+    records = {e["name"]: [Record.from_json(r) for r in e["records"]]
+               for e in entries if e["status"] == "ok"}
+    errors = {e["name"]: e["error"] for e in entries if e["status"] != "ok"}
+    results = evaluate(goals, records, errors, selected=selected_for_goals,
+                       reference_available=reference["available"])
+    fails = failures(results)
+    # a bench that errored fails --check even when no goal names it
+    goal_benches = {g.bench for g in goals}
+    bench_fail = [{"goal": f"bench:{n}", "detail": errors[n].strip().splitlines()[-1:]}
+                  for n in sorted(errors) if n not in goal_benches]
+
+    from report import build_run, render_markdown, write_report
+
+    run = build_run(
+        mode=mode, argv=sys.argv if argv is None else argv, started=started, benches=entries,
+        goals=[r.to_json() for r in results],
+        goal_specs=[{"id": g.id, "statement": g.statement, "source": g.source,
+                     "min_ratio": g.min_ratio, "noise_margin": g.noise_margin} for g in goals],
+        reference=reference,
+        check_failures=[r.to_json() for r in fails] + bench_fail,
+    )
+    paths = write_report(run, args.results_dir, latest=not args.no_latest)
+    print()
+    print(render_markdown(run))
+    print("[perf] wrote " + ", ".join(str(p) for k, p in paths.items() if not k.startswith("latest")))
+    wall = time.time() - started
+    if args.quick and wall > QUICK_BUDGET_S:
+        print(f"[perf] warning: --quick took {wall:.0f} s, over its {QUICK_BUDGET_S:.0f} s budget")
+
+    if args.check:
+        if fails or bench_fail:
+            for r in fails:
+                what = (f"ratio {r.ratio:.3g}x < check floor {r.floor:.3g}x (goal {r.min_ratio:g}x)"
+                        if r.ratio is not None else r.detail)
+                print(f"[perf] CHECK FAILED: goal {r.goal} ({r.bench}/{r.case} vs {r.baseline}): "
+                      f"{r.status}: {what}", file=sys.stderr)
+            for b in bench_fail:
+                print(f"[perf] CHECK FAILED: {b['goal']} raised: {' '.join(b['detail'])}",
+                      file=sys.stderr)
+            return 1
+        print("[perf] check passed: every goal met (or within its documented noise margin)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
