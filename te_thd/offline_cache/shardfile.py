@@ -1,0 +1,205 @@
+"""One shard file: deterministic safetensors bytes, written zero-copy with an overlapped CRC-32.
+
+The bytes are exactly those of ``safetensors.torch.save_file(tensors, path)``
+(no metadata): an 8-byte little-endian header length, a compact JSON header
+padded with spaces to a multiple of 8, then every tensor's raw bytes, ordered by
+dtype (safetensors' enum order, descending, which keeps wider types aligned)
+and then by name. Writing the format here instead of calling ``save_file``
+lets the writer know the exact file bytes before they reach the disk, so the
+CRC-32 the manifest records runs on a second thread over the same in-memory
+buffers while the main thread writes them (``zlib.crc32`` and file writes both
+release the GIL): checksumming costs ~nothing instead of a second pass. The
+tests assert byte equality with ``save_file`` so the format cannot drift.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import sys
+import zlib
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from te_thd.offline_cache.errors import CacheIntegrityError
+from te_thd.offline_cache.format import (
+    CHECKSUM_ALGORITHM,
+    DTYPE_RANK,
+    DTYPE_TO_ST,
+    ST_TO_DTYPE,
+    dtype_name,
+)
+
+if sys.byteorder != "little":  # pragma: no cover - safetensors is little-endian on disk
+    raise ImportError("te_thd.offline_cache writes raw tensor memory and needs a little-endian host")
+
+_HEADER_LIMIT = 100 * 1024 * 1024  # safetensors' own cap on header size
+_READ_CHUNK = 8 << 20
+_crc_pool: ThreadPoolExecutor | None = None
+
+
+def _pool() -> ThreadPoolExecutor:
+    global _crc_pool
+    if _crc_pool is None:
+        _crc_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="te_thd-crc")
+    return _crc_pool
+
+
+@dataclass(frozen=True)
+class ShardRecord:
+    """What the manifest records per shard: file size and checksum of the whole file."""
+
+    bytes: int
+    checksum: str
+
+    def to_json(self, file_name: str) -> dict[str, Any]:
+        return {"file": file_name, "bytes": self.bytes, "checksum": self.checksum}
+
+
+def format_checksum(crc: int) -> str:
+    return f"{CHECKSUM_ALGORITHM}:{crc & 0xFFFFFFFF:08x}"
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """Zero-copy ``uint8`` view of a contiguous CPU tensor's memory (``[numel * itemsize]``)."""
+    flat = t.reshape(-1).view(torch.uint8)
+    return memoryview(flat.numpy()) if flat.numel() else memoryview(b"")
+
+
+def prepare_tensors(tensors: Mapping[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+    """CPU, contiguous, in file order (dtype rank descending, then name)."""
+    items = []
+    for name, t in tensors.items():
+        if t.dtype not in DTYPE_TO_ST:
+            raise ValueError(
+                f"tensor {name!r} has dtype {t.dtype}, which safetensors cannot store; "
+                f"cast it to one of {sorted(dtype_name(d) for d in DTYPE_TO_ST)}"
+            )
+        items.append((name, t.detach().to("cpu").contiguous()))
+    items.sort(key=lambda kv: (-DTYPE_RANK[kv[1].dtype], kv[0]))
+    return items
+
+
+def build_header(items: Sequence[tuple[str, torch.Tensor]]) -> bytes:
+    """The 8-byte length prefix plus the padded JSON header for ``items`` (already in file order)."""
+    header: dict[str, Any] = {}
+    offset = 0
+    for name, t in items:
+        n = t.numel() * t.element_size()
+        header[name] = {"dtype": DTYPE_TO_ST[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text
+
+
+def _crc(buffers: Sequence[memoryview]) -> int:
+    crc = 0
+    for b in buffers:
+        crc = zlib.crc32(b, crc)
+    return crc
+
+
+def _write_all(fd: int, buf: memoryview) -> None:
+    view = buf.cast("B") if buf.format != "B" else buf
+    while view:
+        n = os.write(fd, view)
+        view = view[n:]
+
+
+def write_shard_file(path: str, tensors: Mapping[str, torch.Tensor]) -> ShardRecord:
+    """Write ``tensors`` to a NEW file ``path`` in safetensors format; return its record.
+
+    Not atomic by itself: the writer calls it on a temp path inside
+    :func:`~te_thd.offline_cache.durable.atomic_write`.
+    """
+    items = prepare_tensors(tensors)
+    buffers = [memoryview(build_header(items))] + [tensor_bytes(t) for _, t in items]
+    total = sum(b.nbytes for b in buffers)
+    crc_future = _pool().submit(_crc, buffers)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        for b in buffers:
+            _write_all(fd, b)
+    finally:
+        os.close(fd)
+        crc = crc_future.result()  # always join: the buffers must outlive the CRC thread
+    return ShardRecord(bytes=total, checksum=format_checksum(crc))
+
+
+def file_checksum(path: str) -> str:
+    """CRC-32 of the whole file at ``path`` (streamed; never holds the file in memory)."""
+    crc = 0
+    buf = bytearray(_READ_CHUNK)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            crc = zlib.crc32(view[:n], crc)
+    return format_checksum(crc)
+
+
+@dataclass(frozen=True)
+class HeaderEntry:
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int
+    end: int
+
+
+def read_header(path: str) -> dict[str, HeaderEntry]:
+    """Parse and sanity-check a safetensors header: ``{key: HeaderEntry}`` with absolute offsets.
+
+    Raises :class:`CacheIntegrityError` naming ``path`` if the header is
+    unreadable, the offsets do not tile the data region exactly, or the file
+    size disagrees with the last offset (a truncated or padded file).
+    """
+
+    def bad(what: str) -> CacheIntegrityError:
+        return CacheIntegrityError(f"shard {path} is not a valid safetensors file: {what}", path=path)
+
+    size = os.stat(path).st_size
+    with open(path, "rb") as f:
+        prefix = f.read(8)
+        if len(prefix) < 8:
+            raise bad(f"only {size} bytes, shorter than the 8-byte header length")
+        (n,) = struct.unpack("<Q", prefix)
+        if n > _HEADER_LIMIT or 8 + n > size:
+            raise bad(f"header length {n} does not fit in a {size}-byte file")
+        raw = f.read(n)
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise bad(f"header is not JSON ({exc})") from None
+    if not isinstance(header, dict):
+        raise bad("header is not a JSON object")
+    header.pop("__metadata__", None)
+    base = 8 + n
+    entries: dict[str, HeaderEntry] = {}
+    spans = []
+    for key, info in header.items():
+        try:
+            dtype = ST_TO_DTYPE[info["dtype"]]
+            shape = tuple(int(s) for s in info["shape"])
+            start, end = (int(o) for o in info["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise bad(f"entry {key!r} is malformed: {info!r}") from None
+        nbytes = int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
+        if end - start != nbytes:
+            raise bad(f"entry {key!r} spans {end - start} bytes but {dtype}{list(shape)} needs {nbytes}")
+        entries[key] = HeaderEntry(dtype, shape, base + start, base + end)
+        spans.append((start, end))
+    spans.sort()
+    pos = 0
+    for start, end in spans:
+        if start != pos:
+            raise bad(f"data offsets leave a gap or overlap at byte {pos}")
+        pos = end
+    if base + pos != size:
+        raise bad(f"the header describes {base + pos} bytes but the file has {size}")
+    return entries
