@@ -52,16 +52,25 @@ _TOKEN_KEYS = ("input_ids", "labels", "padding_mask")
 # --------------------------------------------------------------------------- checks
 
 
-def _check_cp_args(cp_size: Any, cp_rank: Any | None = None) -> None:
+def _check_cp_args(cp_size: Any, *cp_rank: Any) -> None:
+    """Check ``cp_size`` and, when given, ``cp_rank``."""
     if isinstance(cp_size, bool) or not isinstance(cp_size, int) or cp_size < 1:
         raise ValueError(f"cp_size must be an int >= 1, got {cp_size!r}")
-    if cp_rank is not None and (
-        isinstance(cp_rank, bool) or not isinstance(cp_rank, int) or not 0 <= cp_rank < cp_size
-    ):
+    for rank in cp_rank:
+        _check_cp_rank(cp_size, rank)
+
+
+def _check_cp_rank(cp_size: int, cp_rank: Any) -> None:
+    if isinstance(cp_rank, bool) or not isinstance(cp_rank, int) or not 0 <= cp_rank < cp_size:
         raise ValueError(
             f"cp_rank must be an int in [0, cp_size={cp_size}), got {cp_rank!r}; "
             "pass this process's rank in its context-parallel group"
         )
+
+
+def _check_total_tokens(total_tokens: Any) -> None:
+    if isinstance(total_tokens, bool) or not isinstance(total_tokens, int) or total_tokens < 0:
+        raise ValueError(f"total_tokens must be an int >= 0, got {total_tokens!r}")
 
 
 def _check_boundaries_tensor(cu_seqlens_padded: Any, num_seqs: int | None) -> torch.Tensor:
@@ -131,8 +140,7 @@ def validate_cp_layout(
     """
     _check_cp_args(cp_size)
     cu_t = _check_boundaries_tensor(cu_seqlens_padded, num_seqs)
-    if isinstance(total_tokens, bool) or not isinstance(total_tokens, int) or total_tokens < 0:
-        raise ValueError(f"total_tokens must be an int >= 0, got {total_tokens!r}")
+    _check_total_tokens(total_tokens)
     multiple = 2 * cp_size
     if cp_size > 1 and total_tokens % multiple != 0:
         raise ValueError(
@@ -230,6 +238,7 @@ def _maybe_validate(
     num_seqs: int | None,
     check: bool | None,
 ) -> None:
+    _check_total_tokens(total_tokens)
     if check is None:
         check = cu_seqlens_padded.device.type == "cpu"
     if check:
@@ -418,6 +427,8 @@ def shard_thd_batch_for_cp(
             "thd_batch must hold 'cu_seqlens_padded' (or 'cu_seqlens') as a tensor; "
             "convert the BSHD batch with te_thd.thd_utils.process_input_for_thd first"
         )
+    if num_seqs is None and isinstance(thd_batch.get("num_seqs"), int):
+        num_seqs = thd_batch["num_seqs"]  # host-side count from process_input_for_thd
     idx = partition_indices(cu, total, cp_size, cp_rank, num_seqs)
     on_device: dict[torch.device, torch.Tensor] = {idx.device: idx}
 
