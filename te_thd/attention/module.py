@@ -1,0 +1,178 @@
+"""``ThdAttention``: one call site for TE's fused THD attention and the CPU reference.
+
+``ThdAttention(...)(q, k, v, thd)`` runs TE ``DotProductAttention(qkv_format="thd")``
+(with the CP group, if any) when ``transformer_engine`` imports, CUDA is available
+and the tensors are on CUDA; otherwise the plain-torch reference
+(:func:`thd_attention_reference`, or :func:`thd_attention_cp_reference` with a CP
+group of size > 1). Both return TE's THD output shape ``[T, H * D_v]``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Mapping
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from te_thd.attention.adapters import te_attention_kwargs
+from te_thd.attention.contract import normalize_attn_mask_type
+from te_thd.attention.cp_reference import thd_attention_cp_reference
+from te_thd.attention.reference import thd_attention_reference
+
+__all__ = ["ThdAttention", "te_available"]
+
+Backend = Literal["te", "reference"]
+
+
+@functools.lru_cache(maxsize=1)
+def te_available() -> bool:
+    """True when ``transformer_engine.pytorch`` imports and CUDA is available."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception:  # an ImportError, or a broken CUDA/cuDNN install raising OSError etc.
+        return False
+    return True
+
+
+class ThdAttention(nn.Module):
+    """Core attention for packed (THD) sequences with a TE backend and a reference fallback.
+
+    Args:
+        num_attention_heads: query heads ``H``.
+        kv_channels: head dim ``D`` (TE's name).
+        num_gqa_groups: key/value heads ``H_kv`` (default ``H``).
+        attn_mask_type: ``"padding_causal"`` (default) or ``"padding"``.
+        softmax_scale: default ``1 / sqrt(kv_channels)``.
+        cp_group: context-parallel process group (``None``: no CP). q/k/v are then this
+            rank's dual-chunk shards and the THD batch's boundaries stay global.
+        backend: ``"auto"`` (TE when :func:`te_available` and the input is on CUDA),
+            ``"te"`` (require TE) or ``"reference"``.
+
+    Attributes:
+        preferred_backend: ``"te"`` or ``"reference"``, what CUDA input will use.
+        last_backend: the backend the latest ``forward`` used (``None`` before any call).
+    """
+
+    def __init__(
+        self,
+        num_attention_heads: int,
+        kv_channels: int,
+        num_gqa_groups: int | None = None,
+        *,
+        attn_mask_type: str = "padding_causal",
+        softmax_scale: float | None = None,
+        cp_group: Any = None,
+        backend: Literal["auto", "te", "reference"] = "auto",
+    ) -> None:
+        super().__init__()
+        if backend not in ("auto", "te", "reference"):
+            raise ValueError(f"backend must be 'auto', 'te' or 'reference', got {backend!r}")
+        heads_kv = num_attention_heads if num_gqa_groups is None else num_gqa_groups
+        if num_attention_heads < 1 or heads_kv < 1 or num_attention_heads % heads_kv:
+            raise ValueError(
+                f"num_attention_heads={num_attention_heads} must be a positive multiple of "
+                f"num_gqa_groups={heads_kv}"
+            )
+        self.num_attention_heads = num_attention_heads
+        self.num_gqa_groups = heads_kv
+        self.kv_channels = kv_channels
+        self.attn_mask_type = normalize_attn_mask_type(attn_mask_type)
+        self.softmax_scale = (
+            1.0 / math.sqrt(kv_channels) if softmax_scale is None else float(softmax_scale)
+        )
+        self.cp_group = cp_group
+        self.cp_size = 1 if cp_group is None else dist.get_world_size(cp_group)
+        self.last_backend: Backend | None = None
+
+        use_te = backend == "te" or (backend == "auto" and te_available())
+        if use_te and not te_available():
+            raise ValueError(
+                "backend='te' needs transformer_engine and CUDA (torch.cuda.is_available() is "
+                f"{torch.cuda.is_available()}); install it on a CUDA machine with "
+                "pip install -e '.[te]', or use backend='auto' to fall back to the reference"
+            )
+        self._te: nn.Module | None = self._build_te() if use_te else None
+        self.preferred_backend: Backend = "te" if self._te is not None else "reference"
+
+    def _build_te(self) -> nn.Module:
+        import transformer_engine.pytorch as te
+
+        cp_kwargs: dict[str, Any] = {}
+        if self.cp_size > 1:
+            cp_kwargs = {
+                "cp_group": self.cp_group,
+                "cp_global_ranks": dist.get_process_group_ranks(self.cp_group),
+                "cp_stream": torch.cuda.Stream(),
+                "cp_comm_type": "p2p",
+            }
+        return te.DotProductAttention(
+            self.num_attention_heads,
+            self.kv_channels,
+            num_gqa_groups=self.num_gqa_groups,
+            attention_dropout=0.0,
+            qkv_format="thd",
+            attn_mask_type=self.attn_mask_type,
+            softmax_scale=self.softmax_scale,
+            **cp_kwargs,
+        )
+
+    def _kwargs(self, thd_batch_or_kwargs: Mapping[str, Any], device: torch.device) -> dict:
+        if not isinstance(thd_batch_or_kwargs, Mapping):
+            raise ValueError(
+                "thd_batch_or_kwargs must be a THD batch (process_input_for_thd output) or "
+                f"te_attention_kwargs(...) output, got {type(thd_batch_or_kwargs).__name__}"
+            )
+        if "cu_seqlens_q" in thd_batch_or_kwargs:
+            kw = dict(thd_batch_or_kwargs)
+            kw.setdefault("attn_mask_type", self.attn_mask_type)
+            return kw
+        if "cu_seqlens" in thd_batch_or_kwargs:
+            return dict(
+                te_attention_kwargs(
+                    thd_batch_or_kwargs,
+                    self.attn_mask_type,
+                    cp_size=self.cp_size,
+                    device=device,
+                )
+            )
+        raise ValueError(
+            "thd_batch_or_kwargs has neither 'cu_seqlens' (a THD batch) nor 'cu_seqlens_q' "
+            f"(TE kwargs); keys: {sorted(thd_batch_or_kwargs)}"
+        )
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        thd_batch_or_kwargs: Mapping[str, Any],
+    ) -> torch.Tensor:
+        """Attention over packed sequences.
+
+        Args:
+            query: ``[T, H, D]`` (``T / cp`` local tokens under CP).
+            key, value: ``[T, H_kv, D]`` / ``[T, H_kv, D_v]``.
+            thd_batch_or_kwargs: a THD batch (converted, CP-sharded if needed) or the
+                output of :func:`te_attention_kwargs`.
+
+        Returns:
+            ``[T, H * D_v]`` (TE's THD output layout), zeros at padding slots.
+        """
+        kw = self._kwargs(thd_batch_or_kwargs, query.device)
+        if self._te is not None and query.is_cuda:
+            self.last_backend = "te"
+            return self._te(query, key, value, **kw)
+        self.last_backend = "reference"
+        if self.cp_size > 1:
+            out = thd_attention_cp_reference(
+                query, key, value, cp_group=self.cp_group, softmax_scale=self.softmax_scale, **kw
+            )
+        else:
+            out = thd_attention_reference(query, key, value, softmax_scale=self.softmax_scale, **kw)
+        return out.reshape(out.shape[0], -1)
