@@ -36,6 +36,7 @@ from .format import (
 from .loader import CachedDataLoader, build_cached_dataloader, collate_cached, to_device
 from .reader import CachedBatch, CachedTensorDataset
 from .sampler import CacheShardSampler, shard_block_order
+from .thd_collate import CachedThdCollator
 from .verify import cache_info, check_cache_files, verify_cache
 
 __all__ = [
@@ -48,6 +49,7 @@ __all__ = [
     "CachedBatch",
     "CachedDataLoader",
     "CachedTensorDataset",
+    "CachedThdCollator",
     "ManifestError",
     "ManifestNotFoundError",
     "ProducerLock",

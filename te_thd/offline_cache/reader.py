@@ -16,10 +16,8 @@ by fork, spawn or forkserver open their own on first use.
 
 from __future__ import annotations
 
-import json
 import math
 import os
-import struct
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from typing import Any, overload
@@ -28,44 +26,12 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, get_worker_info
 
-try:
-    from .format import load_safetensors, read_manifest, shard_path, validate_contiguous_shards
-except ImportError:  # TEMPORARY until the producer's format module lands; removed then.
-    from ._format_fallback import (  # type: ignore[no-redef]
-        load_safetensors,
-        read_manifest,
-        shard_path,
-        validate_contiguous_shards,
-    )
+from .errors import CacheIntegrityError
+from .format import load_safetensors, manifest_schema, read_manifest, shard_path
+from .shardfile import read_header
+from .verify import check_cache_files
 
-__all__ = ["CachedBatch", "CachedTensorDataset", "CacheShardError"]
-
-# safetensors dtype codes -> torch dtypes (the format's spec lists these names).
-_ST_DTYPES: dict[str, torch.dtype] = {
-    "BOOL": torch.bool,
-    "U8": torch.uint8,
-    "I8": torch.int8,
-    "I16": torch.int16,
-    "U16": torch.uint16,
-    "I32": torch.int32,
-    "U32": torch.uint32,
-    "I64": torch.int64,
-    "U64": torch.uint64,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "F32": torch.float32,
-    "F64": torch.float64,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-}
-
-# Upper bound of the safetensors header (the format itself caps it at 100 MB).
-_MAX_HEADER_BYTES = 100_000_000
-
-
-class CacheShardError(ValueError):
-    """A shard file does not match the manifest or the requested keys; names the file."""
-
+__all__ = ["CachedBatch", "CachedTensorDataset"]
 
 class CachedBatch(Sequence[dict[str, torch.Tensor]]):
     """The result of ``CachedTensorDataset.__getitems__``: a batch already stacked.
@@ -121,48 +87,34 @@ def _empty(shape: tuple[int, ...], dtype: torch.dtype, shared: bool) -> torch.Te
 def _map_shard(path: str, keys: tuple[str, ...]) -> dict[str, torch.Tensor]:
     """Memory-map one safetensors file and return ``{key: [rows, ...] view}`` for ``keys``.
 
-    The file is mapped copy-on-write (``torch.from_file(shared=False)``: the file is
-    opened read-only, no descriptor is kept) and never written, so every page stays
-    file-backed. The header is parsed here (8-byte little-endian length + JSON) because
-    safetensors has no zero-copy view API; ``safe_open`` copies on every slice.
+    The file is mapped copy-on-write (``torch.from_file(shared=False)``: opened
+    read-only, no descriptor kept) and never written, so every page stays
+    file-backed. The header is parsed (and checked to tile the file exactly) by
+    ``shardfile.read_header``; safetensors itself has no zero-copy view API,
+    ``safe_open`` copies on every slice.
     """
     try:
+        entries = read_header(path)
         size = os.path.getsize(path)
-        with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) != 8:
-                raise CacheShardError(f"shard {path} is {size} bytes, too short for a safetensors header; rewrite the shard")
-            (n,) = struct.unpack("<Q", head)
-            if n > min(_MAX_HEADER_BYTES, size - 8):
-                raise CacheShardError(f"shard {path} declares a {n}-byte header in a {size}-byte file; the file is corrupt, rewrite the shard")
-            header = json.loads(f.read(n))
-    except FileNotFoundError as e:
-        raise CacheShardError(f"shard {path} is missing (removed after the cache was opened?); re-run the producer") from e
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CacheShardError(f"shard {path} has an unreadable safetensors header ({e}); rewrite the shard") from e
-    data_start = 8 + n
+    except FileNotFoundError:
+        raise CacheIntegrityError(
+            f"shard {path} is missing (removed after the cache was opened?); re-run the producer", path=path
+        ) from None
     whole = torch.from_file(path, shared=False, size=size, dtype=torch.uint8)
     views: dict[str, torch.Tensor] = {}
     for key in keys:
-        info = header.get(key)
-        if not isinstance(info, dict):
-            present = sorted(k for k in header if k != "__metadata__")
-            raise CacheShardError(f"shard {path} has no key {key!r} (it holds {present}); pass disk_keys that the producer wrote")
-        dtype = _ST_DTYPES.get(info.get("dtype"))
-        if dtype is None:
-            raise CacheShardError(f"shard {path} key {key!r} has unsupported dtype {info.get('dtype')!r}")
-        shape = tuple(int(s) for s in info["shape"])
-        begin, end = (int(o) for o in info["data_offsets"])
-        itemsize = torch.empty(0, dtype=dtype).element_size()
-        if end - begin != math.prod(shape) * itemsize or data_start + end > size or not shape:
-            raise CacheShardError(
-                f"shard {path} key {key!r}: shape {list(shape)} {info['dtype']} does not fit byte range "
-                f"[{begin}, {end}) of a {size}-byte file; the file is truncated or corrupt, rewrite the shard"
+        e = entries.get(key)
+        if e is None:
+            raise CacheIntegrityError(
+                f"shard {path} has no key {key!r} (it holds {sorted(entries)}); pass disk_keys that the producer wrote",
+                path=path,
             )
-        raw = whole[data_start + begin : data_start + end]
-        if (data_start + begin) % itemsize:
-            raw = raw.clone()  # misaligned (never written by safetensors >= 0.3): copy once
-        views[key] = raw.view(dtype).view(shape)
+        if not e.shape:
+            raise CacheIntegrityError(f"shard {path} key {key!r} is a scalar, not [samples, ...]", path=path)
+        raw = whole[e.start : e.end]
+        if e.start % raw.new_empty(0, dtype=e.dtype).element_size():
+            raw = raw.clone()  # misaligned (safetensors aligns; a foreign writer may not): copy once
+        views[key] = raw.view(e.dtype).view(e.shape)
     return views
 
 
@@ -203,9 +155,21 @@ class CachedTensorDataset(Dataset):
         self.shard_size = int(self.manifest["shard_size"])
         self.num_samples = int(self.manifest["num_samples"])
         self._disk_keys = tuple(disk_keys)
-        self._shard_indices = validate_contiguous_shards(cache_dir, cache_name, self.num_samples, self.shard_size)
-        _check_files(cache_dir, self.manifest)
+        # presence of shards 0..N-1 and, when the manifest records them, their byte sizes
+        self._shard_indices = check_cache_files(cache_dir, self.manifest, cache_name)
         self._max_open = max_open_shards
+        # Expected {key: (dtype, sample shape)}: from the manifest's schema when it
+        # records one (te_thd producers), else from the first shard mapped.
+        schema = manifest_schema(self.manifest)
+        self._manifest_sample_schema: dict[str, tuple[torch.dtype, tuple[int, ...]]] | None = None
+        if schema is not None:
+            unknown = [k for k in self._disk_keys if k not in schema]
+            if unknown:
+                raise ValueError(
+                    f"disk_keys {unknown} are not in the {cache_name} cache at {cache_dir} "
+                    f"(it stores {list(schema)}); pass keys the producer wrote"
+                )
+            self._manifest_sample_schema = {k: (schema[k].dtype, tuple(schema[k].shape)) for k in self._disk_keys}
         self._reset_process_state()
 
     # -- per-process state -------------------------------------------------------------
@@ -214,7 +178,7 @@ class CachedTensorDataset(Dataset):
         self._pid = os.getpid()
         self._open_handles: dict[int, Any] = OrderedDict()
         self._views: OrderedDict[int, dict[str, torch.Tensor]] = OrderedDict()
-        self._sample_schema: dict[str, tuple[torch.dtype, tuple[int, ...]]] | None = None
+        self._sample_schema = self._manifest_sample_schema
 
     def __getstate__(self) -> dict[str, Any]:
         # Handles and mappings belong to this process: a spawned/forkserver worker
@@ -267,17 +231,20 @@ class CachedTensorDataset(Dataset):
         schema = {k: (v.dtype, tuple(v.shape[1:])) for k, v in views.items()}
         for k, v in views.items():
             if v.shape[0] != rows:
-                raise CacheShardError(
+                raise CacheIntegrityError(
                     f"shard {path} key {k!r} holds {v.shape[0]} samples, but the manifest "
                     f"(num_samples={self.num_samples}, shard_size={self.shard_size}) puts {rows} in it; "
-                    "the cache is inconsistent, re-run the producer"
+                    "the cache is inconsistent, re-run the producer",
+                    path=path,
                 )
         if self._sample_schema is None:
             self._sample_schema = schema
         elif schema != self._sample_schema:
-            raise CacheShardError(
+            raise CacheIntegrityError(
                 f"shard {path} stores {schema}, but earlier shards store {self._sample_schema}; "
-                "every shard of a cache must hold the same dtypes and sample shapes"
+                "every shard of a cache must hold the same dtypes and sample shapes (the manifest "
+                "schema, when recorded); re-run the producer for this shard",
+                path=path,
             )
         self._views[shard_index] = views
         if len(self._views) > self._max_open:
@@ -368,12 +335,3 @@ def _is_step1(indices: Sequence[int]) -> bool:
     if isinstance(indices, range):
         return indices.step == 1
     return np.array_equal(np.diff(np.asarray(indices, dtype=np.int64)), np.ones(len(indices) - 1, dtype=np.int64))
-
-
-def _check_files(cache_dir: str, manifest: dict[str, Any]) -> None:
-    """Cheap presence + size check of every shard the manifest lists (producer's verify)."""
-    try:
-        from .verify import check_cache_files
-    except ImportError:  # producer side without integrity records: presence was checked above
-        return
-    check_cache_files(cache_dir, manifest)

@@ -1,0 +1,253 @@
+"""THD-ready collate for cached samples: cache rows -> packed rows -> THD (-> one CP rank).
+
+Runs where a ``collate_fn`` runs, i.e. on the CPU inside DataLoader workers, so every
+piece of metadata (``cu_seqlens*``, ``max_seqlen``, CP partition indices) is built on
+the host and the training step gets tensors plus Python ints/bools: nothing in it
+forces a host-device synchronisation. The path is the package's batch path::
+
+    CachedBatch -> te_thd.packing.PackingCollator -> te_thd.thd_utils.process_input_for_thd
+                -> te_thd.cp.shard_thd_batch_for_cp (cp_size > 1)
+
+Cached samples are fixed-width rows ``[L, ...]`` (a producer pads every sample to
+``L``); a sample's real length comes from ``length_key`` (a per-sample count), from
+``mask_key`` (a right-padded per-token mask, length = its nonzero prefix), or is the
+whole row. Only the token ids (and labels) go through the packer, together with a
+per-token source index; every other per-token key — any dtype, any trailing shape,
+e.g. hidden states ``[L, H]`` — is then placed with one ``index_select`` by that index.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+import torch
+
+from .loader import collate_cached
+from .reader import CachedBatch
+
+__all__ = ["CachedThdCollator"]
+
+_SRC = "__te_thd_src__"  # per-token source position, packed alongside the ids
+
+
+class CachedThdCollator:
+    """Collate cached samples into one THD batch (optionally this CP rank's shard).
+
+    Args:
+        seq_len: S, token slots per packed row (a multiple of ``2*cp_size``).
+        keys: cache keys to carry (default: every key the dataset read).
+        input_key: key of the token ids ``[L]`` per sample.
+        label_key: key of per-sample labels aligned with the ids (unshifted, HF
+            convention); None: the labels are the ids. The packer shifts them
+            inside each document (Megatron/TE convention, -100 on padding).
+        length_key: per-sample real length (``[]`` or ``[1]`` int per sample).
+        mask_key: right-padded per-token mask ``[L]`` / ``[L, 1]``; length = its
+            nonzero prefix. Neither given: every row is ``L`` real tokens.
+        token_keys: keys placed per token (default: every carried key shaped
+            ``[L, ...]`` except the ids, labels and ``length_key``). Other keys are
+            returned per sample, ``[B_samples, ...]``, unchanged.
+        cp_size, cp_rank: context parallelism; ``cp_size > 1`` pads every document to
+            a multiple of ``2*cp_size`` (times ``tp_size`` under sequence
+            parallelism) and returns rank ``cp_rank``'s tokens.
+        rows: fixed number of packed rows (fixed shapes, e.g. CUDA graphs); None
+            uses as many rows as the samples need.
+        overlong: a sample longer than S: ``"raise"`` (default) or ``"truncate"``.
+        pad_token_id, pad_values: filler of ``input_ids`` / of each other token key
+            in padding slots (default 0).
+        absorb_trailing_pad: forwarded to ``process_input_for_thd`` (False for
+            bidirectional attention).
+
+    Returns (``T`` tokens of this CP rank, ``T = rows*S / cp_size``): the
+    ``process_input_for_thd`` dict — ``input_ids``, ``labels``, ``position_ids``,
+    ``padding_mask`` ``[T]``, global ``cu_seqlens`` / ``cu_seqlens_padded`` int32
+    ``[N+1]``, ``max_seqlen`` (int32 0-d), ``max_seqlen_int`` / ``num_seqs`` (int),
+    ``pad_between_seqs`` (bool) — plus each token key ``[T, ...]``, each per-sample
+    key ``[B_samples, ...]``, ``num_samples`` (int), ``packing_efficiency``
+    (float), and ``cp_size`` / ``cp_rank`` when sharded.
+    """
+
+    def __init__(
+        self,
+        seq_len: int,
+        *,
+        keys: Sequence[str] | None = None,
+        input_key: str = "input_ids",
+        label_key: str | None = None,
+        length_key: str | None = None,
+        mask_key: str | None = None,
+        token_keys: Sequence[str] | None = None,
+        cp_size: int = 1,
+        cp_rank: int = 0,
+        tp_size: int = 1,
+        sequence_parallel: bool = False,
+        rows: int | None = None,
+        overlong: Literal["truncate", "raise"] = "raise",
+        pad_token_id: int = 0,
+        pad_values: Mapping[str, int | float] | None = None,
+        seq_lens_padding_value: int = -1000,
+        absorb_trailing_pad: bool = True,
+    ) -> None:
+        from te_thd.packing import PackingCollator, pad_to_multiple_for
+
+        if length_key is not None and mask_key is not None:
+            raise ValueError(
+                f"pass length_key={length_key!r} or mask_key={mask_key!r}, not both: one source of sample lengths"
+            )
+        if not isinstance(cp_size, int) or cp_size < 1:
+            raise ValueError(f"cp_size={cp_size!r} must be an int >= 1")
+        if not isinstance(cp_rank, int) or not 0 <= cp_rank < cp_size:
+            raise ValueError(f"cp_rank={cp_rank!r} must be an int in [0, cp_size={cp_size})")
+        if isinstance(keys, str) or isinstance(token_keys, str):
+            raise ValueError("keys and token_keys must be sequences of key names, not a single string")
+        self.keys = None if keys is None else tuple(keys)
+        self.input_key = input_key
+        self.label_key = label_key
+        self.length_key = length_key
+        self.mask_key = mask_key
+        self.token_keys = None if token_keys is None else tuple(token_keys)
+        self.cp_size = cp_size
+        self.cp_rank = cp_rank
+        self.pad_token_id = pad_token_id
+        self.pad_values = dict(pad_values or {})
+        self.seq_lens_padding_value = seq_lens_padding_value
+        self.absorb_trailing_pad = absorb_trailing_pad
+        self.packer = PackingCollator(
+            seq_len,
+            pad_to_multiple_of=pad_to_multiple_for(cp_size, tp_size, sequence_parallel),
+            overlong=overlong,
+            label_key="labels" if label_key is not None else None,
+            input_key="input_ids",
+            pad_token_id=pad_token_id,
+            seq_lens_padding_value=seq_lens_padding_value,
+            rows=rows,
+            pad_values={_SRC: -1},
+        )
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def _stacked(self, features: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        if isinstance(features, CachedBatch):
+            tensors = features.tensors
+        else:
+            if len(features) == 0:
+                raise ValueError("features is empty; a THD batch needs at least one sample")
+            tensors = collate_cached(features, tuple(features[0]))
+        if self.keys is not None:
+            missing = [k for k in self.keys if k not in tensors]
+            if missing:
+                raise ValueError(f"keys {missing} were not read (read: {sorted(tensors)}); add them to the dataset's disk_keys")
+            tensors = {k: tensors[k] for k in self.keys}
+        return tensors
+
+    def _lengths(self, tensors: Mapping[str, torch.Tensor], b: int, width: int) -> torch.Tensor:
+        """Real length of every sample, int64 ``[B]`` on the CPU."""
+        if self.length_key is not None:
+            if self.length_key not in tensors:
+                raise ValueError(f"length_key={self.length_key!r} was not read (read: {sorted(tensors)})")
+            t = tensors[self.length_key]
+            if t.numel() != b or t.is_floating_point():
+                raise ValueError(
+                    f"length_key={self.length_key!r} must hold one integer per sample, got "
+                    f"{tuple(t.shape)} {t.dtype} for {b} samples"
+                )
+            lengths = t.reshape(b).to(torch.int64)
+        elif self.mask_key is not None:
+            if self.mask_key not in tensors:
+                raise ValueError(f"mask_key={self.mask_key!r} was not read (read: {sorted(tensors)})")
+            t = tensors[self.mask_key]
+            if t.numel() != b * width:
+                raise ValueError(
+                    f"mask_key={self.mask_key!r} must be [L] or [L, 1] per sample (L={width}), got "
+                    f"{tuple(t.shape[1:])}"
+                )
+            m = t.reshape(b, width) != 0
+            lengths = m.sum(1)
+            # right padding: the nonzero entries form a prefix of the row
+            prefix = m.to(torch.int8).cumprod(1).sum(1)
+            bad = torch.nonzero(prefix != lengths).view(-1)
+            if bad.numel():
+                raise ValueError(
+                    f"mask_key={self.mask_key!r} of sample {int(bad[0])} (of this batch) is not right-padded "
+                    "(a zero before a nonzero); pass length_key instead, or store a right-padded mask"
+                )
+        else:
+            lengths = torch.full((b,), width, dtype=torch.int64)
+        if lengths.numel() and (int(lengths.min()) < 1 or int(lengths.max()) > width):
+            i = int(torch.nonzero((lengths < 1) | (lengths > width)).view(-1)[0])
+            raise ValueError(
+                f"sample {i} of this batch has length {int(lengths[i])}, outside [1, L={width}]; "
+                "drop empty samples when producing the cache, or fix length_key/mask_key"
+            )
+        return lengths
+
+    # -- collate -----------------------------------------------------------------------
+
+    def __call__(self, features: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, Any]:
+        from te_thd.cp import shard_thd_batch_for_cp
+        from te_thd.thd_utils import process_input_for_thd
+
+        tensors = self._stacked(features)
+        if self.input_key not in tensors:
+            raise ValueError(f"input_key={self.input_key!r} was not read (read: {sorted(tensors)})")
+        ids = tensors[self.input_key]
+        if ids.dim() != 2:
+            raise ValueError(f"{self.input_key!r} must be [L] token ids per sample, got {tuple(ids.shape[1:])}")
+        b, width = ids.shape
+        lengths = self._lengths(tensors, b, width)
+
+        # Real tokens of all samples, in sample order, and where each came from.
+        valid = torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)  # [B, L]
+        src = torch.arange(b * width).view(b, width)[valid]  # [sum(lengths)]
+        lens = lengths.tolist()
+        parts: dict[str, tuple[torch.Tensor, ...]] = {
+            "input_ids": torch.split(ids[valid], lens),
+            _SRC: torch.split(src, lens),
+        }
+        if self.label_key is not None:
+            if self.label_key not in tensors:
+                raise ValueError(f"label_key={self.label_key!r} was not read (read: {sorted(tensors)})")
+            parts["labels"] = torch.split(tensors[self.label_key].reshape(b, width)[valid], lens)
+        samples = [dict(zip(parts, group, strict=True)) for group in zip(*parts.values(), strict=True)]
+        packed = self.packer(samples)
+
+        consumed = {self.input_key, self.label_key, self.length_key}
+        if self.token_keys is not None:
+            token_keys = self.token_keys
+            for k in token_keys:
+                if k not in tensors or tensors[k].dim() < 2 or tensors[k].shape[1] != width:
+                    shape = tuple(tensors[k].shape[1:]) if k in tensors else "missing"
+                    raise ValueError(f"token_keys entry {k!r} must be read and shaped [L={width}, ...] per sample, got {shape}")
+        else:
+            token_keys = tuple(
+                k for k, v in tensors.items() if k not in consumed and v.dim() >= 2 and v.shape[1] == width
+            )
+        src_flat = packed.pop(_SRC).reshape(-1)  # [rows*S], -1 on padding
+        is_pad = src_flat < 0
+        gather = src_flat.clamp(min=0)
+        thd = process_input_for_thd(
+            {
+                "input_ids": packed["input_ids"],
+                "labels": packed["labels"],
+                "position_ids": packed["position_ids"],
+                "seq_lens": packed["seq_lens"],
+                "seq_lens_padded": packed["seq_lens_padded"],
+            },
+            self.seq_lens_padding_value,
+            self.pad_token_id,
+            absorb_trailing_pad=self.absorb_trailing_pad,
+        )
+        for k in token_keys:
+            v = tensors[k]
+            flat = v.reshape(b * width, *v.shape[2:]).index_select(0, gather)  # [rows*S, ...]
+            mask = is_pad.view(-1, *([1] * (flat.dim() - 1)))
+            thd[k] = flat.masked_fill_(mask, self.pad_values.get(k, 0))
+        if self.cp_size > 1:
+            thd = shard_thd_batch_for_cp(thd, self.cp_size, self.cp_rank, extra_keys=token_keys, num_seqs=thd["num_seqs"])
+        out = dict(thd)
+        for k, v in tensors.items():
+            if k not in consumed and k not in token_keys:
+                out[k] = v  # per-sample keys, [B_samples, ...]
+        out["num_samples"] = b
+        out["packing_efficiency"] = packed["packing_efficiency"]
+        return out
