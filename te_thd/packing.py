@@ -1,0 +1,455 @@
+"""Packing collator: variable-length samples -> packed BSHD rows for ``process_input_for_thd``.
+
+The first arrow of the batch path::
+
+    sample dicts -> packing -> thd_utils -> cp -> attention -> model
+
+Samples (dicts of 1-D tensors, one per document) are bin-packed into rows of exactly
+``seq_len`` (S) token slots with first-fit-decreasing (FFD). Every document occupies a
+span padded to a multiple of ``pad_to_multiple_of`` (``2*cp`` for context parallelism,
+times ``tp`` under sequence parallelism -- :func:`pad_to_multiple_for`); the row's
+unused tail is given to the row's last document (its padded length grows, its real
+length does not), so the padded lengths of a non-empty row always sum to S and every
+row's physical offsets are exact. Output is SPEC §1's input format.
+
+Label convention (decided here, documented in the README): a sample's labels are in
+the Hugging Face convention, **aligned with ``input_ids`` and not shifted**
+(``labels[t]`` is the label *of* token ``t``; -100 = ignore, e.g. a masked prompt; no
+label key = the input ids themselves). The collator emits **shifted** labels, the
+Megatron/TE convention the seed example uses: ``labels[t]`` is the target predicted
+*at* position ``t`` = the sample's ``labels[t+1]``. The shift happens inside each
+document, so the last token of every document gets -100 and no target ever crosses a
+document boundary; padding slots get -100 as well. A truncated document keeps its real
+next-token target at its last kept position (the shift happens before truncation).
+Samples whose labels are already shifted pass ``labels_shifted=True``: they are taken
+as they are (only truncated and padded).
+
+Position ids restart at 0 for every document and count on through its padding slots
+(``0 .. padded_len-1``), so they depend only on the layout.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+__all__ = [
+    "PackingCollator",
+    "assign_bins",
+    "pad_to_multiple_for",
+    "seq_lens_from_position_ids",
+    "unflatten_from_position_ids",
+]
+
+IGNORE_INDEX = -100
+
+
+def _positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    return value
+
+
+def pad_to_multiple_for(cp_size: int, tp_size: int = 1, sequence_parallel: bool = False) -> int:
+    """Per-document padding multiple that context / sequence parallelism require.
+
+    ``2 * cp_size`` when ``cp_size > 1`` (TE's THD CP splits every sequence into
+    ``2*cp`` equal chunks), else 1; multiplied by ``tp_size`` when sequence parallelism
+    is on with ``tp_size > 1`` (each CP rank's share is split again across TP ranks).
+    The same rule as Megatron-Bridge's packed-sequence padding.
+
+    Returns:
+        int >= 1 to pass as ``PackingCollator(pad_to_multiple_of=...)``.
+    """
+    _positive_int("cp_size", cp_size)
+    _positive_int("tp_size", tp_size)
+    multiple = 2 * cp_size if cp_size > 1 else 1
+    if sequence_parallel and tp_size > 1:
+        multiple *= tp_size
+    return multiple
+
+
+# --------------------------------------------------------------------------- bin packing
+
+
+def assign_bins(
+    lengths: Sequence[int] | np.ndarray | torch.Tensor,
+    capacity: int,
+    *,
+    decreasing: bool = True,
+) -> np.ndarray:
+    """First-fit bin packing; first-fit-decreasing (FFD) by default. Pure function.
+
+    Items are visited in decreasing length (ties in arrival order) when ``decreasing``,
+    else in arrival order (plain first fit, the baseline ``perf/bench_packing.py``
+    compares against). Each item goes into the lowest-numbered bin with room. A max
+    segment tree over bin residual capacities finds that bin in O(log n), so the whole
+    packing is O(n log n); unopened bins sit in the tree with full capacity, so the
+    leftmost fitting leaf is also how a new bin is opened.
+
+    Args:
+        lengths: ``[n]`` non-negative item sizes, each ``<= capacity``.
+        capacity: bin size (the row length S).
+
+    Returns:
+        int64 ``[n]``: the bin of each item; bins are numbered ``0 .. n_bins-1`` in
+        opening order, with no gaps.
+    """
+    _positive_int("capacity", capacity)
+    sizes = np.asarray(
+        lengths.detach().cpu() if isinstance(lengths, torch.Tensor) else lengths, dtype=np.int64
+    ).reshape(-1)
+    n = sizes.shape[0]
+    out = np.zeros(n, dtype=np.int64)
+    if n == 0:
+        return out
+    if sizes.min() < 0:
+        i = int(np.argmin(sizes))
+        raise ValueError(f"lengths must be >= 0: item {i} has length {int(sizes[i])}")
+    if sizes.max() > capacity:
+        i = int(np.argmax(sizes))
+        raise ValueError(
+            f"item {i} has length {int(sizes[i])} > capacity={capacity}; it cannot fit any bin"
+        )
+    order = np.argsort(-sizes, kind="stable") if decreasing else np.arange(n)
+    leaves = 1 << max(0, (n - 1).bit_length())
+    tree = [capacity] * (2 * leaves)  # tree[k] = max residual capacity under node k
+    size_list = sizes.tolist()
+    bin_of = [0] * n
+    for item in order.tolist():
+        need = size_list[item]
+        node = 1
+        while node < leaves:  # descend to the leftmost leaf with room
+            node <<= 1
+            if tree[node] < need:
+                node += 1
+        bin_of[item] = node - leaves
+        tree[node] -= need
+        node >>= 1
+        while node:
+            left, right = tree[2 * node], tree[2 * node + 1]
+            tree[node] = left if left >= right else right
+            node >>= 1
+    out[:] = bin_of  # leftmost-first opening numbers the bins 0..n_bins-1 without gaps
+    return out
+
+
+# --------------------------------------------------------------------------- flattened input
+
+
+def seq_lens_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor:
+    """Document lengths of a flattened stream whose position ids restart at 0 per document.
+
+    The convention of Hugging Face's ``DataCollatorWithFlattening``: one row, documents
+    back to back, position ids ``0, 1, ..., n_i - 1`` for each.
+
+    Args:
+        position_ids: integer ``[T]`` or ``[B, T]`` (rows are concatenated in order;
+            every row must start a document).
+
+    Returns:
+        int64 ``[N]`` lengths, summing to the number of tokens.
+
+    Raises:
+        ValueError: the stream does not start at 0, or a position id is neither 0 (a new
+            document) nor its predecessor + 1.
+    """
+    if not isinstance(position_ids, torch.Tensor) or position_ids.dim() not in (1, 2):
+        shape = tuple(position_ids.shape) if isinstance(position_ids, torch.Tensor) else None
+        raise ValueError(
+            f"position_ids must be a [T] or [B, T] tensor, got {shape or type(position_ids).__name__}"
+        )
+    if position_ids.dtype.is_floating_point or position_ids.dtype == torch.bool:
+        raise ValueError(f"position_ids must have an integer dtype, got {position_ids.dtype}")
+    pos = position_ids.detach().reshape(-1).to("cpu", torch.int64)
+    if pos.numel() == 0:
+        return torch.zeros(0, dtype=torch.int64)
+    if int(pos[0]) != 0:
+        raise ValueError(
+            f"position_ids must start a document with 0 at index 0, got {int(pos[0])}; "
+            "expected Hugging Face flattening (positions restart at 0 for every document)"
+        )
+    if position_ids.dim() == 2:
+        row_starts = position_ids.detach().to("cpu", torch.int64)[:, 0]
+        if bool((row_starts != 0).any()):
+            b = int((row_starts != 0).nonzero()[0, 0])
+            raise ValueError(
+                f"position_ids row {b} starts at {int(row_starts[b])}, not 0; every row of a "
+                "flattened batch must start a document"
+            )
+    starts = pos == 0
+    ok = starts[1:] | (pos[1:] == pos[:-1] + 1)
+    if not bool(ok.all()):
+        k = int((~ok).nonzero()[0, 0]) + 1
+        raise ValueError(
+            f"position_ids[{k}]={int(pos[k])} follows {int(pos[k - 1])}: within a document "
+            "position ids must count up by 1 and restart at 0 for the next document"
+        )
+    begin = starts.nonzero().view(-1)
+    return torch.diff(begin, append=torch.tensor([pos.numel()]))
+
+
+def unflatten_from_position_ids(
+    batch: Mapping[str, Any], position_key: str = "position_ids"
+) -> list[dict[str, torch.Tensor]]:
+    """Split a flattened batch (HF ``DataCollatorWithFlattening`` output) into samples.
+
+    Every tensor shaped like ``batch[position_key]`` (``[T]`` or ``[B, T]``) is split
+    into per-document 1-D views; other keys (e.g. ``cu_seq_lens_q``, ``max_length_q``)
+    describe the old layout and are dropped -- the packer recomputes them. HF's labels
+    (unshifted, -100 on each document's first token) are already in this module's
+    sample convention.
+
+    Returns:
+        ``list`` of ``{key: [n_i] tensor}``, one per document, in stream order.
+    """
+    if not isinstance(batch, Mapping) or position_key not in batch:
+        raise ValueError(
+            f"a flattened batch must be a mapping holding {position_key!r} (position ids that "
+            "restart at 0 per document)"
+        )
+    pos = batch[position_key]
+    lengths = seq_lens_from_position_ids(pos).tolist()
+    split: dict[str, tuple[torch.Tensor, ...]] = {}
+    for key, value in batch.items():
+        if key == position_key:
+            continue
+        if isinstance(value, torch.Tensor) and value.shape == pos.shape:
+            split[key] = torch.split(value.reshape(-1), lengths)
+    return [{k: parts[i] for k, parts in split.items()} for i in range(len(lengths))]
+
+
+# --------------------------------------------------------------------------- collator
+
+
+def _ranges(starts: torch.Tensor, lengths: torch.Tensor, total: int) -> torch.Tensor:
+    """Concatenate ``arange(starts[k], starts[k] + lengths[k])`` -> int64 ``[total]``."""
+    offsets = torch.cumsum(lengths, 0) - lengths
+    shift = torch.repeat_interleave(starts - offsets, lengths, output_size=total)
+    return shift.add_(torch.arange(total, dtype=torch.int64))
+
+
+class PackingCollator:
+    """Collate variable-length samples into packed BSHD rows (SPEC §1 input format).
+
+    Args:
+        seq_len: S, slots per row. Must be a multiple of ``pad_to_multiple_of``.
+        pad_to_multiple_of: every document's span is padded to this multiple (see
+            :func:`pad_to_multiple_for`).
+        overlong: a document longer than S is cut to S (``"truncate"``) or rejected
+            (``"raise"``, the default: no silent data loss).
+        label_key: key of a sample's labels (unshifted, aligned with ``input_ids``);
+            when a sample lacks it, or it is ``None``, the labels are ``input_ids``.
+        input_key: key of a sample's token ids (output key is always ``input_ids``).
+        pad_token_id: filler id for ``input_ids`` padding slots.
+        seq_lens_padding_value: sentinel for unused pack slots of ``seq_lens`` /
+            ``seq_lens_padded`` (must be negative).
+        rows: fixed B (e.g. for fixed shapes); ``None`` derives B = bins needed. A fixed
+            B with fewer documents leaves the last rows empty: all their pack slots are
+            the sentinel, their tokens padding (``process_input_for_thd`` folds such a
+            row into the preceding document's padding, keeping every offset exact).
+        labels_shifted: samples carry labels that are already shifted (see the module
+            docstring); they are then not shifted again.
+        pad_values: filler for other packed keys (default 0).
+
+    Call with a list of samples (``{key: 1-D tensor}``, all with the same keys and, per
+    sample, the same length) or with a flattened batch (a mapping whose
+    ``position_ids`` restart at 0 per document, see :func:`unflatten_from_position_ids`).
+    A sample's own ``position_ids`` are ignored: they are recomputed from the layout.
+
+    Returns a dict:
+        ``input_ids`` ``[B, S]`` (samples' dtype), ``labels`` ``[B, S]`` (shifted, -100 on
+        padding and each document's last token), ``position_ids`` int64 ``[B, S]``,
+        ``seq_lens`` / ``seq_lens_padded`` int64 ``[B, P]`` (P = most documents in a row,
+        sentinel-filled), every other sample key packed to ``[B, S]``, and
+        ``packing_efficiency`` (float: real tokens / (B*S)).
+    """
+
+    def __init__(
+        self,
+        seq_len: int,
+        *,
+        pad_to_multiple_of: int = 1,
+        overlong: Literal["truncate", "raise"] = "raise",
+        label_key: str | None = "labels",
+        input_key: str = "input_ids",
+        pad_token_id: int = 0,
+        seq_lens_padding_value: int = -1000,
+        rows: int | None = None,
+        labels_shifted: bool = False,
+        pad_values: Mapping[str, int | float] | None = None,
+    ) -> None:
+        self.seq_len = _positive_int("seq_len", seq_len)
+        self.pad_to_multiple_of = _positive_int("pad_to_multiple_of", pad_to_multiple_of)
+        if seq_len % pad_to_multiple_of:
+            raise ValueError(
+                f"seq_len={seq_len} must be a multiple of pad_to_multiple_of={pad_to_multiple_of} "
+                f"so every row splits into whole padded documents; use seq_len="
+                f"{math.ceil(seq_len / pad_to_multiple_of) * pad_to_multiple_of}"
+            )
+        if overlong not in ("truncate", "raise"):
+            raise ValueError(f"overlong must be 'truncate' or 'raise', got {overlong!r}")
+        self.overlong = overlong
+        if (
+            isinstance(seq_lens_padding_value, bool)
+            or not isinstance(seq_lens_padding_value, int)
+            or seq_lens_padding_value >= 0
+        ):
+            raise ValueError(
+                f"seq_lens_padding_value must be a negative int (a length can never equal it), "
+                f"got {seq_lens_padding_value!r}"
+            )
+        self.seq_lens_padding_value = seq_lens_padding_value
+        if rows is not None:
+            _positive_int("rows", rows)
+        self.rows = rows
+        self.label_key = label_key
+        self.input_key = input_key
+        self.pad_token_id = pad_token_id
+        self.labels_shifted = labels_shifted
+        self.pad_values = dict(pad_values or {})
+
+    # -- validation ---------------------------------------------------------------------
+
+    def _lengths(self, samples: Sequence[Mapping[str, Any]]) -> tuple[list[int], list[str]]:
+        if len(samples) == 0:
+            raise ValueError("samples is empty; a packed batch needs at least one sample")
+        first = samples[0]
+        if not isinstance(first, Mapping) or self.input_key not in first:
+            raise ValueError(
+                f"sample 0 must be a dict holding {self.input_key!r}, got "
+                f"{sorted(first) if isinstance(first, Mapping) else type(first).__name__}"
+            )
+        keys = [k for k in first if k != "position_ids"]
+        key_set = set(first)
+        lengths: list[int] = []
+        for i, sample in enumerate(samples):
+            if not isinstance(sample, Mapping) or set(sample) != key_set:
+                got = sorted(sample) if isinstance(sample, Mapping) else type(sample).__name__
+                raise ValueError(
+                    f"sample {i} has keys {got}, sample 0 has {sorted(key_set)}; every sample "
+                    "must carry the same keys"
+                )
+            ids = sample[self.input_key]
+            if not isinstance(ids, torch.Tensor) or ids.dim() != 1:
+                shape = tuple(ids.shape) if isinstance(ids, torch.Tensor) else type(ids).__name__
+                raise ValueError(
+                    f"sample {i}[{self.input_key!r}] must be a 1-D tensor, got {shape}"
+                )
+            n = ids.shape[0]
+            if n == 0:
+                raise ValueError(
+                    f"sample {i} is empty (0 tokens); drop empty documents before packing"
+                )
+            for k in keys:
+                v = sample[k]
+                if not isinstance(v, torch.Tensor) or v.shape != (n,):
+                    shape = tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
+                    raise ValueError(
+                        f"sample {i}[{k!r}] must be a 1-D tensor of the sample's length {n}, got "
+                        f"{shape}; drop per-sample keys that are not per-token before packing"
+                    )
+            if n > self.seq_len and self.overlong == "raise":
+                raise ValueError(
+                    f"sample {i} has {n} tokens > seq_len={self.seq_len}; pass "
+                    "overlong='truncate' to cut it, or raise seq_len"
+                )
+            lengths.append(n)
+        return lengths, keys
+
+    # -- packing ------------------------------------------------------------------------
+
+    def __call__(
+        self, samples: Sequence[Mapping[str, torch.Tensor]] | Mapping[str, Any]
+    ) -> dict[str, Any]:
+        if isinstance(samples, Mapping):
+            samples = unflatten_from_position_ids(samples)
+        full_lens, keys = self._lengths(samples)
+        S, m = self.seq_len, self.pad_to_multiple_of
+        n_samples = len(full_lens)
+        full = torch.tensor(full_lens, dtype=torch.int64)  # [n]
+        real = full.clamp(max=S)  # [n] kept tokens
+        padded = (real + (m - 1)) // m * m  # [n]
+
+        bins = torch.from_numpy(assign_bins(padded.numpy(), S))
+        n_bins = int(bins.max()) + 1
+        B = n_bins if self.rows is None else self.rows
+        if n_bins > B:
+            raise ValueError(
+                f"the {n_samples} samples need {n_bins} rows of seq_len={S} but rows={B}; "
+                "pass fewer samples per batch, a larger rows, or rows=None"
+            )
+
+        # Documents in output order: by row, arrival order within a row.
+        order = torch.from_numpy(np.lexsort((np.arange(n_samples), bins.numpy())))
+        row = bins[order]
+        counts = torch.bincount(row, minlength=B)  # [B] documents per row
+        row_first = torch.cumsum(counts, 0) - counts  # [B] first doc (in order) of each row
+        slot = torch.arange(n_samples) - row_first[row]  # [n] index within the row
+        p_ord, r_ord = padded[order], real[order]
+        cum = torch.cumsum(p_ord, 0) - p_ord
+        row_fill = torch.zeros(B, dtype=torch.int64).index_add_(0, row, p_ord)  # [B]
+        offset = cum - (torch.cumsum(row_fill, 0) - row_fill)[row]  # [n] start within the row
+        dest = row * S + offset  # [n] flat start of each document
+
+        # seq_lens / seq_lens_padded [B, P]; the row's tail joins its last document.
+        empty = counts == 0
+        P = max(1, int(counts.max()))
+        seq_lens = torch.full((B, P), self.seq_lens_padding_value, dtype=torch.int64)
+        seq_lens_padded = seq_lens.clone()
+        seq_lens[row, slot] = r_ord
+        tail = S - row_fill  # [B]
+        last_of_row = torch.zeros(n_samples, dtype=torch.int64)
+        nonempty_rows = (~empty).nonzero().view(-1)
+        last_idx = (row_first + counts - 1)[nonempty_rows]
+        last_of_row[last_idx] = tail[nonempty_rows]
+        seq_lens_padded[row, slot] = p_ord + last_of_row
+
+        # Token placement: one gather from the concatenated samples, one scatter per key.
+        total_real = int(r_ord.sum())
+        src_start = torch.cumsum(full, 0) - full  # [n] in arrival order
+        src_idx = _ranges(src_start[order], r_ord, total_real)
+        dst_idx = _ranges(dest, r_ord, total_real)
+
+        out: dict[str, Any] = {}
+        for k in keys:
+            if k == self.label_key:
+                continue
+            cat = torch.cat([s[k] for s in samples])
+            name = "input_ids" if k == self.input_key else k
+            fill = self.pad_token_id if k == self.input_key else self.pad_values.get(k, 0)
+            buf = torch.full((B * S,), fill, dtype=cat.dtype)
+            buf[dst_idx] = cat[src_idx]
+            out[name] = buf.view(B, S)
+
+        lab_key = self.label_key if self.label_key in keys else self.input_key
+        base = torch.cat([s[lab_key] for s in samples])
+        if self.labels_shifted:
+            labels_src = base
+        else:
+            labels_src = torch.empty_like(base)
+            labels_src[:-1] = base[1:]
+            # the last token of every (untruncated) document predicts nothing: no target
+            # may come from the next document
+            labels_src[torch.cumsum(full, 0) - 1] = IGNORE_INDEX
+        labels = torch.full((B * S,), IGNORE_INDEX, dtype=base.dtype)
+        labels[dst_idx] = labels_src[src_idx]
+        out["labels"] = labels.view(B, S)
+
+        # Position ids restart per document span (incl. its padding); the spans tile
+        # every row exactly, so one repeat_interleave over the padded lengths covers B*S.
+        span_table = seq_lens_padded.clone()
+        span_table[empty, 0] = S  # an empty row is one span of padding for the positions
+        spans = span_table[span_table != self.seq_lens_padding_value]
+        span_start = torch.cumsum(spans, 0) - spans
+        out["position_ids"] = (
+            torch.arange(B * S) - torch.repeat_interleave(span_start, spans, output_size=B * S)
+        ).view(B, S)
+        out["seq_lens"] = seq_lens
+        out["seq_lens_padded"] = seq_lens_padded
+        out["packing_efficiency"] = total_real / float(B * S)
+        return out
