@@ -34,10 +34,21 @@ from .format import (
     write_manifest,
 )
 from .loader import CachedDataLoader, build_cached_dataloader, collate_cached, to_device
+from .producer import produce_cache
 from .reader import CachedBatch, CachedTensorDataset
 from .sampler import CacheShardSampler, shard_block_order
 from .thd_collate import CachedThdCollator
 from .verify import cache_info, check_cache_files, verify_cache
+from .writer import (
+    _sequential_subset_loader,
+    _ShardAccumulator,
+    dataloader_from_sample,
+    partition_cache_shards,
+    resume_start_sample,
+    write_cache_shards,
+    write_cache_shards_distributed,
+    write_tensor_shard,
+)
 
 __all__ = [
     "MANIFEST_NAME",
@@ -55,21 +66,30 @@ __all__ = [
     "ProducerLock",
     "SchemaError",
     "TensorSpec",
+    "_ShardAccumulator",
+    "_sequential_subset_loader",
     "atomic_write",
     "build_cached_dataloader",
     "cache_info",
     "check_cache_files",
     "collate_cached",
+    "dataloader_from_sample",
     "ensure_supervision_options_match",
     "existing_shard_indices",
     "load_safetensors",
     "manifest_path",
+    "partition_cache_shards",
+    "produce_cache",
     "read_manifest",
     "remove_stale_temp_files",
+    "resume_start_sample",
     "shard_block_order",
     "shard_path",
     "to_device",
     "validate_contiguous_shards",
     "verify_cache",
+    "write_cache_shards",
+    "write_cache_shards_distributed",
     "write_manifest",
+    "write_tensor_shard",
 ]

@@ -286,7 +286,7 @@ def validate_manifest(manifest: Mapping[str, Any], path: str) -> None:
     n = num_shards(manifest["num_samples"], manifest["shard_size"])
     if n > MAX_SHARDS:
         raise ManifestError(f"manifest {path} declares {n} shards; at most {MAX_SHARDS} are addressable")
-    if "schema" in manifest:
+    if "schema" in manifest and not (manifest["schema"] == {} and manifest["num_samples"] == 0):
         try:
             schema_from_json(manifest["schema"])
         except ValueError as exc:
