@@ -1,0 +1,95 @@
+"""``te-thd cache info DIR`` and ``te-thd cache verify DIR [--deep]``.
+
+Thin shells over :func:`cache_info` and :func:`verify_cache`. ``verify`` exits 0
+when the cache is sound and 1 with every bad file named (on stderr) when not;
+``info`` exits 1 when the manifest cannot be read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from te_thd.offline_cache.errors import CacheError
+from te_thd.offline_cache.verify import cache_info, verify_cache
+
+
+def _human_bytes(n: int) -> str:
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{value:.1f} {unit}" if unit != "B" else f"{n} B"
+        value /= 1024
+    return f"{n} B"  # pragma: no cover
+
+
+def format_info(info: dict[str, Any]) -> str:
+    """The human-readable text ``te-thd cache info`` prints."""
+    lines = [
+        f"cache:          {info['cache_dir']}",
+        f"format_version: {info['format_version']}",
+        f"layout_version: {info['layout_version'] if info['layout_version'] is not None else '- (reference manifest: no checksums)'}",
+        f"samples:        {info['num_samples']}",
+        f"shards:         {info['num_shards']} x {info['shard_size']} samples",
+        f"bytes:          {info['bytes']} ({_human_bytes(info['bytes'])})",
+        f"checksum:       {info['checksum'] or '-'}",
+        "keys:",
+    ]
+    for key, spec in info["schema"].items():
+        shape = ", ".join(["n", *map(str, spec["shape"])])
+        lines.append(f"  {key:<20} {spec['dtype']:<10} [{shape}]")
+    lines.append("producer options:" if info["options"] else "producer options: -")
+    for k, v in sorted(info["options"].items()):
+        lines.append(f"  {k} = {json.dumps(v)}")
+    return "\n".join(lines)
+
+
+def _cmd_info(args: argparse.Namespace) -> int:
+    try:
+        info = cache_info(args.dir)
+    except CacheError as exc:
+        print(f"te-thd cache info: {exc}", file=sys.stderr)
+        return 1
+    print(json.dumps(info, indent=2, sort_keys=True) if args.json else format_info(info))
+    return 0
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    try:
+        result = verify_cache(args.dir, deep=args.deep)
+    except CacheError as exc:
+        print(f"te-thd cache verify: FAILED: {exc}", file=sys.stderr)
+        return 1
+    what = "sizes"
+    if args.deep:
+        what = "sizes, headers, checksums" if result["checksums_verified"] else "sizes, headers"
+    print(f"OK: {args.dir}: {result['num_samples']} samples in {result['num_shards']} shards ({what} checked)")
+    if args.deep and not result["checksums_verified"]:
+        print(
+            "WARNING: the manifest records no checksums (a reference-format cache); "
+            "file contents could not be verified",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def add_cache_commands(subparsers: Any) -> None:
+    """Register ``cache info`` and ``cache verify`` on the ``te-thd`` subparsers."""
+    cache = subparsers.add_parser("cache", help="inspect or verify an offline cache directory")
+    sub = cache.add_subparsers(dest="cache_command", required=True)
+
+    info = sub.add_parser("info", help="samples, shards, keys (dtype/shape), bytes, producer options")
+    info.add_argument("dir", help="cache directory (holds manifest.json)")
+    info.add_argument("--json", action="store_true", help="print the summary as JSON")
+    info.set_defaults(func=_cmd_info)
+
+    verify = sub.add_parser(
+        "verify", help="check shard presence and sizes (exit 0 sound, 1 with the bad shard named)"
+    )
+    verify.add_argument("dir", help="cache directory (holds manifest.json)")
+    verify.add_argument(
+        "--deep", action="store_true", help="also re-read every shard: CRC-32 and header schema"
+    )
+    verify.set_defaults(func=_cmd_verify)
