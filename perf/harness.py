@@ -160,6 +160,11 @@ def time_interleaved(
     samples: dict[str, list[float]] = {k: [] for k in candidates}
     gc_was_enabled = gc.isenabled()
     gc.disable()  # a collection landing in one candidate's trial is noise, not cost
+    # The per-trial collection below should only walk what the candidates allocated:
+    # with torch (+ the reference) imported a full collection takes ~0.25 s, which
+    # would dominate a quick run. freeze() parks every existing object outside the
+    # collector until unfreeze().
+    gc.freeze()
     try:
         for _ in range(trials):
             for name, fn in candidates.items():
@@ -169,6 +174,7 @@ def time_interleaved(
                 samples[name].append((time.perf_counter() - t0) / inner)
             gc.collect()
     finally:
+        gc.unfreeze()
         if gc_was_enabled:
             gc.enable()
     return {k: statistics.median(v) for k, v in samples.items()}
