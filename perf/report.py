@@ -285,17 +285,18 @@ def growth_exponent(sizes: list[float], times: list[float]) -> float | None:
 
 def render_scaling(run: dict[str, Any]) -> str:
     """Per-series tables of records carrying ``extra['axis']`` (perf/bench_scaling.py)."""
-    series: dict[str, list[dict[str, Any]]] = {}
+    series: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for b in run["benches"]:
         for rec in b.get("records", []):
             if _is_scaling(rec):
-                series.setdefault(rec["extra"].get("series", rec["case"]), []).append(rec)
+                key = (str(rec["extra"].get("series", b["name"])), str(rec["extra"]["axis"]))
+                series.setdefault(key, []).append(rec)
     if not series:
         return ""
     lines = ["| cost | axis | size | work | te_thd per call | te_thd per unit | baseline per unit | ratio |",
              "|---|---|---|---|---|---|---|---|"]
     notes: list[str] = []
-    for name, recs in series.items():
+    for (name, _axis), recs in series.items():
         recs = sorted(recs, key=lambda r: r["extra"]["size"])
         for rec in recs:
             ex = rec["extra"]
