@@ -1,0 +1,117 @@
+"""A tiny real producer for the crash tests: ``python _offline_cache_producer_script.py OUT CRASH``.
+
+Builds the cache of :func:`dataset` with :func:`te_thd.offline_cache.produce_cache`
+(resume=True). ``CRASH`` picks the instant at which the process SIGKILLs itself
+(nothing is cleaned up, exactly as a killed job):
+
+- ``none``            run to completion
+- ``mid_write:K``     inside shard K's file write: the temp file holds the header
+                      and part of the tensors, the shard name does not exist yet
+- ``between:K``       right after shard K is renamed into place and fsynced
+- ``mid_manifest``    inside the manifest write: its temp file exists, manifest.json not
+- ``before_manifest`` after every shard exists, before the manifest write starts
+
+The hooks wrap real library functions; only the moment of death is chosen here.
+The test imports :func:`dataset`, :func:`compute_batch` and :data:`PARAMS` to build
+the uninterrupted reference in-process.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+import torch
+from torch.utils.data import DataLoader
+
+NUM_SAMPLES = 11
+PARAMS = {"shard_size": 4, "batch_size": 2, "keys": ("hidden", "ids"), "options": {"cp_size": 2, "mask_prompt": True}}
+
+
+def dataset() -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1234)
+    return [{"x": torch.randn(6, 8, generator=g), "i": torch.tensor([i] * 5)} for i in range(NUM_SAMPLES)]
+
+
+def compute_batch(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    # Per-sample deterministic "frozen model": bf16 hidden states and int ids.
+    return {"hidden": (batch["x"] * 3 + 1).to(torch.bfloat16), "ids": batch["i"] * 7, "unused": batch["x"].sum((1, 2))}
+
+
+def loader() -> DataLoader:
+    return DataLoader(dataset(), batch_size=PARAMS["batch_size"])
+
+
+def _die() -> None:
+    sys.stdout.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _install(crash: str) -> None:
+    import te_thd.offline_cache.format as fmt
+    import te_thd.offline_cache.producer as producer
+    import te_thd.offline_cache.shardfile as shardfile
+
+    kind, _, arg = crash.partition(":")
+    if kind == "mid_write":
+        target = int(arg)
+        real_write_all = shardfile._write_all
+        real_with_record = producer.write_shard_with_record
+        current = {"index": None, "buffers": 0}
+
+        def with_record(cache_dir, shard_index, *a, **k):
+            current["index"], current["buffers"] = shard_index, 0
+            return real_with_record(cache_dir, shard_index, *a, **k)
+
+        def write_all(fd, buf):
+            real_write_all(fd, buf)
+            current["buffers"] += 1
+            if current["index"] == target and current["buffers"] == 2:
+                os.fsync(fd)  # header + first tensor reached the disk: die mid-file
+                _die()
+
+        shardfile._write_all = write_all
+        producer.write_shard_with_record = with_record
+    elif kind == "between":
+        target = int(arg)
+        real = producer.write_shard_with_record
+
+        def with_record(cache_dir, shard_index, *a, **k):
+            out = real(cache_dir, shard_index, *a, **k)
+            if shard_index == target:
+                _die()
+            return out
+
+        producer.write_shard_with_record = with_record
+    elif kind == "before_manifest":
+        producer.write_manifest = lambda *a, **k: _die()
+    elif kind == "mid_manifest":
+        real_atomic = fmt.atomic_write
+
+        def atomic(path, write_fn):
+            if path.endswith("manifest.json"):
+                import te_thd.offline_cache.durable as durable
+
+                write_fn(durable.temp_path_for(path))
+                _die()
+            return real_atomic(path, write_fn)
+
+        fmt.atomic_write = atomic
+    elif kind != "none":
+        raise SystemExit(f"unknown crash point {crash!r}")
+
+
+def main() -> None:
+    out, crash = sys.argv[1], sys.argv[2]
+    _install(crash)
+    from te_thd.offline_cache import produce_cache
+
+    produce_cache(
+        loader(), out, PARAMS["shard_size"], compute_batch, PARAMS["keys"], PARAMS["options"], progress=False
+    )
+    print("FINISHED")
+
+
+if __name__ == "__main__":
+    main()
