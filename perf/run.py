@@ -122,8 +122,12 @@ def record_to_json(rec: Record) -> dict[str, Any]:
     return _strict(rec.to_json())
 
 
-def _child(bench_path: Path, out: Path, quick: bool) -> int:
+def _child(bench_path: Path, out: Path, quick: bool, threads: int | None) -> int:
     """Run one bench module in this (fresh) process and write its records to ``out``."""
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
     for d in (str(bench_path.parent), str(PERF_DIR)):
         if d not in sys.path:
             sys.path.insert(0, d)
@@ -154,12 +158,15 @@ def _child(bench_path: Path, out: Path, quick: bool) -> int:
         result["error"] = "".join(traceback.format_exception(e)).strip()
         print(result["error"], file=sys.stderr)
     result["seconds"] = round(time.perf_counter() - t0, 3)
+    if "torch" in sys.modules:
+        result["torch_threads"] = sys.modules["torch"].get_num_threads()
     result["peak_rss_mib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
     out.write_text(json.dumps(result))
     return 0 if result["error"] is None else 1
 
 
-def run_bench(name: str, path: Path, *, quick: bool, timeout_s: float) -> dict[str, Any]:
+def run_bench(name: str, path: Path, *, quick: bool, timeout_s: float,
+              threads: int | None = None) -> dict[str, Any]:
     """Run ``path`` in a child interpreter; return the bench entry of the run document."""
     entry: dict[str, Any] = {"name": name, "module": str(path.relative_to(path.parent.parent))
                              if path.parent.parent in path.parents else str(path)}
@@ -170,6 +177,9 @@ def run_bench(name: str, path: Path, *, quick: bool, timeout_s: float) -> dict[s
         if quick:
             cmd.append("--quick")
         env = dict(os.environ)
+        if threads:
+            cmd += ["--threads", str(threads)]
+            env["OMP_NUM_THREADS"] = str(threads)
         env["PYTHONPATH"] = os.pathsep.join(
             [str(path.parent), str(PERF_DIR), str(REPO_ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
         )
@@ -189,6 +199,7 @@ def run_bench(name: str, path: Path, *, quick: bool, timeout_s: float) -> dict[s
             res = json.loads(out.read_text())
             entry["seconds"] = res.get("seconds")
             entry["peak_rss_mib"] = res.get("peak_rss_mib")
+            entry["torch_threads"] = res.get("torch_threads")
             entry["records"] = res.get("records", [])
             entry["error"] = res.get("error")
         else:
@@ -206,6 +217,9 @@ def run_bench(name: str, path: Path, *, quick: bool, timeout_s: float) -> dict[s
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--"]:  # `te-thd bench -- --quick` passes the separator through
+        argv = argv[1:]
     ap = argparse.ArgumentParser(prog="perf/run.py", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true",
@@ -226,6 +240,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--no-latest", action="store_true", help="do not update results/latest.*")
     ap.add_argument("--timeout", type=float, default=None,
                     help="seconds per bench before it is killed (default 180 quick, 1800 full)")
+    ap.add_argument("--threads", type=int, default=None, metavar="N",
+                    help="torch intra-op threads in every bench (default: torch's own default)")
     ap.add_argument("--child", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     return ap.parse_args(argv)
@@ -234,7 +250,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.child is not None:
-        return _child(args.child, args.out, args.quick)
+        return _child(args.child, args.out, args.quick, args.threads)
 
     started = time.time()
     mode = "quick" if args.quick else "full"
@@ -276,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
         if name not in selected:
             continue
         print(f"[perf] {name} ({mode}) ...", flush=True)
-        entry = run_bench(name, path, quick=args.quick, timeout_s=timeout_s)
+        entry = run_bench(name, path, quick=args.quick, timeout_s=timeout_s, threads=args.threads)
         for line in entry["log"].rstrip().splitlines():
             print(f"    {line}")
         print(f"[perf] {name}: {entry['status']}, {len(entry['records'])} records, "
