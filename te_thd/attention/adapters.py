@@ -161,22 +161,26 @@ def _reject_absorbed_tail_for_bidirectional(thd: Mapping[str, Any], b: _Boundari
     ``process_input_for_thd`` absorbs a pure tail pad into the last sequence
     (``pad_between_seqs`` False) -- correct for causal masks only: with a bidirectional
     mask the last sequence's real tokens would attend to the pad. Detected from the
-    (unsharded, host) ``padding_mask``: a padding slot inside ``[0, cu_seqlens[-1])``.
+    host ``padding_mask``: a padding slot inside ``[0, cu_seqlens[-1])``. A CP-sharded
+    mask holds local slots, but there the padded boundaries cover the whole stream, so
+    any padding slot at all lies inside a sequence.
     """
-    if b.pad_between_seqs or b.cp_size != 1:
+    if b.pad_between_seqs:
         return
     pm = thd.get("padding_mask")
     if not isinstance(pm, torch.Tensor) or pm.dim() != 1 or not _on_host(pm, b.cu_seqlens):
         return
     end = int(b.cu_seqlens[-1]) if b.cu_seqlens.numel() else 0
-    if bool(pm[:end].any()):
-        first = int(pm[:end].nonzero()[0, 0])
+    inside = pm[:end] if b.cp_size == 1 else pm
+    if bool(inside.any()):
+        first = int(inside.nonzero()[0, 0])
+        where = "stream" if b.cp_size == 1 else f"rank-local (cp_size={b.cp_size})"
         raise ValueError(
             f"bidirectional attention over a batch whose trailing padding was absorbed into "
-            f"the last sequence (padding slot {first} lies inside cu_seqlens[-1]={end} while "
+            f"the last sequence ({where} padding slot {first} lies inside a sequence while "
             "pad_between_seqs=False): real tokens would attend to padding. Use a causal mask, "
-            "or convert the batch without trailing-pad absorption so the pad stays outside "
-            "the last sequence (pad_between_seqs=True)"
+            "or convert with process_input_for_thd(batch, absorb_trailing_pad=False) so the "
+            "pad stays outside the last sequence"
         )
 
 

@@ -117,12 +117,11 @@ def attend_slots(
     outs: list[torch.Tensor] = []
     for c in range(n_chunks):
         a, b = c * query_chunk_size, min(m, (c + 1) * query_chunk_size)
-        if b <= a:
-            break
         wl, wh = win_lo[c], win_hi[c]
-        if wh <= wl:  # no real query row with a visible key in this chunk
-            outs.append(query.new_zeros(b - a, hq, dv))
-            continue
+        if wh <= wl:
+            # No real query row with a visible key: an empty key window yields zero rows
+            # that stay connected to the autograd graph (zero gradient, like TE's output).
+            wl = wh = 0
         allowed = (seg_q[a:b, None] == seg_k[None, wl:wh]) & real_q[a:b, None] & real_k[None, wl:wh]
         if causal:
             allowed &= pos_k[None, wl:wh] <= (pos_q[a:b] + shift[a:b])[:, None]
@@ -139,8 +138,6 @@ def attend_slots(
         probs = torch.where(row_ok[:, None], probs, probs.new_zeros(()))
         out = torch.einsum("hgcw,whd->chgd", probs, vc).reshape(b - a, hq, dv)
         outs.append(out.to(query.dtype))
-    if not outs:
-        return query.new_zeros(0, hq, dv)
     return torch.cat(outs, dim=0)
 
 
