@@ -37,7 +37,7 @@ if str(PERF_DIR) not in sys.path:
     sys.path.insert(0, str(PERF_DIR))
 
 from goals import evaluate, failures, load_goals  # noqa: E402
-from harness import REFERENCE_REQUIREMENT, REFERENCE_VERSION, Record  # noqa: E402
+from harness import NO_REFERENCE_ENV, REFERENCE_REQUIREMENT, REFERENCE_VERSION, Record  # noqa: E402
 
 #: --quick is meant to finish within this many seconds on 2 cores (whole suite)
 QUICK_BUDGET_S = 120.0
@@ -63,6 +63,9 @@ def ensure_reference(install: bool) -> dict[str, Any]:
     installed version is left alone (the goals were set against 0.7.0, so its
     ratios would not compare) and reported as unavailable.
     """
+    if os.environ.get(NO_REFERENCE_ENV) == "1":
+        return {"available": False, "version": None,
+                "detail": f"disabled ({NO_REFERENCE_ENV}=1 / --no-reference)"}
     have = _installed_reference_version()
     if have == REFERENCE_VERSION:
         return {"available": True, "version": have, "detail": "installed"}
@@ -232,6 +235,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--no-install", action="store_true",
                     help="do not pip-install the reference baseline when it is missing "
                     "(also: TE_THD_PERF_NO_INSTALL=1)")
+    ap.add_argument("--no-reference", action="store_true",
+                    help="run as if the reference were not installed (benches skip its baselines)")
     ap.add_argument("--bench-dir", type=Path, default=PERF_DIR, help=argparse.SUPPRESS)
     ap.add_argument("--thresholds", type=Path, default=PERF_DIR / "thresholds.json",
                     help="goals file (default: perf/thresholds.json)")
@@ -280,6 +285,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"noise margin {g.noise_margin:.0%}]")
         return 0
 
+    if args.no_reference:
+        os.environ[NO_REFERENCE_ENV] = "1"  # inherited by every bench process
     install = not (args.no_install or os.environ.get("TE_THD_PERF_NO_INSTALL") == "1")
     reference = ensure_reference(install)
     if not reference["available"]:

@@ -167,3 +167,32 @@ def test_without_check_exit_0_and_report_files(fake_suite):
     p = _run(fake_suite, "--only", "good")
     assert p.returncode == 0
     assert "| good | shape1 | 250 ms | base | 1 s | 4.00x | 4.00x | >= 2x: met |" in (results / "latest.md").read_text()
+
+
+def test_missing_reference_is_reported_and_its_goals_skipped(tmp_path):
+    bench_dir = tmp_path / "benches"
+    bench_dir.mkdir()
+    (bench_dir / "bench_conv.py").write_text(
+        "from harness import Record, reference_thd_utils\n"
+        "def run(quick):\n"
+        "    base = {'floor': 2.0}\n"
+        "    if reference_thd_utils() is not None:\n"
+        "        base['reference'] = 10.0\n"
+        "    return [Record('conv', 'x', 'time', 's', 1.0, base)]\n"
+    )
+    goals = [
+        {"id": "vs-ref", "bench": "conv", "baseline": "reference", "min_ratio": 5, "statement": "5x ref",
+         "needs_reference": True},
+        {"id": "vs-floor", "bench": "conv", "baseline": "floor", "min_ratio": 1.5, "statement": "1.5x floor"},
+    ]
+    (tmp_path / "t.json").write_text(json.dumps({"goals": goals}))
+    p = subprocess.run(
+        [sys.executable, str(PERF / "run.py"), "--quick", "--check", "--no-reference", "--bench-dir",
+         str(bench_dir), "--thresholds", str(tmp_path / "t.json"), "--results-dir", str(tmp_path / "r")],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "reference implementation unavailable" in p.stdout
+    doc = json.loads((tmp_path / "r" / "latest.json").read_text())
+    assert doc["reference"]["available"] is False
+    assert {g["goal"]: g["status"] for g in doc["goals"]} == {"vs-ref": "skipped", "vs-floor": "met"}
