@@ -1,0 +1,98 @@
+"""``te-thd cache info`` / ``te-thd cache verify [--deep]``: output and exit codes."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from te_thd.cli import main
+from te_thd.offline_cache import produce_cache
+
+
+@pytest.fixture
+def cache(tmp_path: Path) -> Path:
+    data = [{"x": torch.full((2, 3), float(i))} for i in range(9)]
+    out = tmp_path / "cache"
+    produce_cache(
+        DataLoader(data, batch_size=2), str(out), 4,
+        lambda b: {"hidden": b["x"].to(torch.bfloat16), "mask": b["x"][:, 0] > 2}, ("hidden", "mask"),
+        {"cp_size": 2, "mask_prompt": True}, progress=False,
+    )
+    return out
+
+
+def test_info_prints_everything_a_user_checks(cache: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["cache", "info", str(cache)]) == 0
+    out = capsys.readouterr().out
+    size = sum(p.stat().st_size for p in cache.glob("shard-*"))
+    for line in [
+        "format_version: 1",
+        "layout_version: 1",
+        "samples:        9",
+        "shards:         3 x 4 samples",
+        f"bytes:          {size} ({size} B)",
+        "checksum:       crc32",
+        "  hidden               bfloat16   [n, 2, 3]",
+        "  mask                 bool       [n, 3]",
+        "  cp_size = 2",
+        "  mask_prompt = true",
+    ]:
+        assert line in out.splitlines(), (line, out)
+
+
+def test_info_json(cache: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["cache", "info", "--json", str(cache)]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["schema"]["hidden"] == {"dtype": "bfloat16", "shape": [2, 3]}
+    assert info["options"] == {"cp_size": 2, "mask_prompt": True}
+
+
+def test_info_of_a_directory_without_manifest(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["cache", "info", str(tmp_path)]) == 1
+    assert "manifest not found" in capsys.readouterr().err
+
+
+def test_verify_sound_cache(cache: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["cache", "verify", str(cache)]) == 0
+    assert capsys.readouterr().out.strip() == f"OK: {cache}: 9 samples in 3 shards (sizes checked)"
+    assert main(["cache", "verify", "--deep", str(cache)]) == 0
+    assert "(sizes, headers, checksums checked)" in capsys.readouterr().out
+
+
+def test_verify_names_the_bad_shard(cache: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    shard = cache / "shard-000001.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    assert main(["cache", "verify", str(cache)]) == 0  # same size: only --deep can tell
+    capsys.readouterr()
+    assert main(["cache", "verify", "--deep", str(cache)]) == 1
+    err = capsys.readouterr().err
+    assert "FAILED" in err and f"{shard}: checksum crc32:" in err
+
+    shard.write_bytes(bytes(data[:-10]))
+    assert main(["cache", "verify", str(cache)]) == 1
+    assert f"shard {shard} has {len(data) - 10} bytes, the manifest records {len(data)}" in capsys.readouterr().err
+
+
+def test_verify_missing_shard(cache: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    os.unlink(cache / "shard-000002.safetensors")
+    assert main(["cache", "verify", str(cache)]) == 1
+    assert "missing shard indices 2 (e.g. shard-000002.safetensors)" in capsys.readouterr().err
+
+
+def test_console_script_exit_codes(cache: Path, tmp_path: Path) -> None:
+    """The installed ``te-thd`` entry point, as a user runs it."""
+    exe = shutil.which("te-thd", path=os.path.dirname(sys.executable))
+    cmd = [exe] if exe else [sys.executable, "-m", "te_thd.cli"]
+    (cache / "shard-000000.safetensors").write_bytes(b"")
+    bad = subprocess.run([*cmd, "cache", "verify", str(cache)], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 1 and "shard-000000.safetensors" in bad.stderr

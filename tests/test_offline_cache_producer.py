@@ -1,0 +1,230 @@
+"""produce_cache in one process: the directory states it accepts, refuses, and what it writes."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, IterableDataset
+
+from te_thd.offline_cache import (
+    CachedTensorDataset,
+    CacheError,
+    ManifestError,
+    SchemaError,
+    existing_shard_indices,
+    produce_cache,
+    read_manifest,
+    verify_cache,
+    write_tensor_shard,
+)
+from te_thd.offline_cache.durable import LOCK_NAME
+from te_thd.offline_cache.producer import PROGRESS_NAME
+
+KEYS = ("h", "ids")
+
+
+def _data(n: int = 10) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(7)
+    return [{"x": torch.randn(3, generator=g), "i": torch.tensor([i, -i])} for i in range(n)]
+
+
+def _compute(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {"h": (batch["x"] * 2).to(torch.bfloat16), "ids": batch["i"]}
+
+
+def _produce(out: Path, n: int = 10, shard_size: int = 4, batch_size: int = 2, compute=_compute, **kw):
+    return produce_cache(
+        DataLoader(_data(n), batch_size=batch_size), str(out), shard_size, compute, KEYS,
+        kw.pop("options", {"cp_size": 2}), progress=False, **kw,
+    )
+
+
+def _bytes(d: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(d.iterdir())}
+
+
+def test_produce_writes_shards_and_manifest_readable_by_the_reader(tmp_path: Path) -> None:
+    m = _produce(tmp_path)
+    assert sorted(os.listdir(tmp_path)) == [
+        "manifest.json", "shard-000000.safetensors", "shard-000001.safetensors", "shard-000002.safetensors",
+    ]
+    assert m == read_manifest(str(tmp_path), "test", 1)
+    assert m["schema"] == {"h": {"dtype": "bfloat16", "shape": [3]}, "ids": {"dtype": "int64", "shape": [2]}}
+    assert m["cp_size"] == 2 and m["num_samples"] == 10 and m["shard_size"] == 4
+    assert [s["bytes"] for s in m["shards"]] == [os.path.getsize(tmp_path / s["file"]) for s in m["shards"]]
+    ds = CachedTensorDataset(cache_dir=str(tmp_path), cache_name="test", format_version=1, disk_keys=KEYS)
+    data = _data()
+    for i in (0, 5, 9):
+        assert torch.equal(ds[i]["h"], (data[i]["x"] * 2).to(torch.bfloat16))
+        assert torch.equal(ds[i]["ids"], data[i]["i"])
+    assert verify_cache(str(tmp_path), deep=True)["checksums_verified"]
+
+
+def test_output_is_independent_of_batch_size(tmp_path: Path) -> None:
+    _produce(tmp_path / "a", batch_size=1)
+    _produce(tmp_path / "b", batch_size=4)
+    _produce(tmp_path / "c", batch_size=3)  # shard_size 4 not a multiple of 3: batches straddle shards
+    assert _bytes(tmp_path / "a") == _bytes(tmp_path / "b") == _bytes(tmp_path / "c")
+
+
+def test_finished_cache_is_reused_without_computing(tmp_path: Path) -> None:
+    first = _produce(tmp_path)
+    before = _bytes(tmp_path)
+
+    def never(batch):
+        raise AssertionError("a finished cache must not be recomputed")
+
+    assert _produce(tmp_path, compute=never) == first
+    assert _bytes(tmp_path) == before
+
+
+def test_finished_cache_with_other_parameters_is_refused(tmp_path: Path) -> None:
+    _produce(tmp_path)
+    with pytest.raises(CacheError, match=r"holds a finished cache built with other parameters \(shard_size: recorded 4, this run 5\)\. Choose another output_dir"):
+        _produce(tmp_path, shard_size=5)
+    with pytest.raises(CacheError, match=r"\(options: recorded \{'cp_size': 2\}, this run \{'cp_size': 4\}\)"):
+        _produce(tmp_path, options={"cp_size": 4})
+
+
+def test_resume_false_refuses_existing_cache_and_partial_run(tmp_path: Path) -> None:
+    _produce(tmp_path / "done")
+    with pytest.raises(CacheError, match=r"already holds a finished cache \(manifest.json\)\. Pass resume=True to reuse it"):
+        _produce(tmp_path / "done", resume=False)
+
+    calls = {"n": 0}
+
+    def dies(batch):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("boom")
+        return _compute(batch)
+
+    with pytest.raises(RuntimeError):
+        _produce(tmp_path / "partial", compute=dies)
+    with pytest.raises(CacheError, match=r"holds 1 shards of an unfinished run\. Pass resume=True to continue it"):
+        _produce(tmp_path / "partial", resume=False)
+
+
+def test_resume_with_other_parameters_is_refused(tmp_path: Path) -> None:
+    calls = {"n": 0}
+
+    def dies(batch):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("boom")
+        return _compute(batch)
+
+    with pytest.raises(RuntimeError):
+        _produce(tmp_path, compute=dies)
+    assert (tmp_path / PROGRESS_NAME).exists()
+    with pytest.raises(CacheError, match=r"holds shards of an unfinished run with other parameters \(num_samples: recorded 10, this run 12\)"):
+        _produce(tmp_path, n=12)
+
+
+def test_shards_of_an_unknown_producer_are_refused(tmp_path: Path) -> None:
+    write_tensor_shard(str(tmp_path), 0, _compute({"x": torch.ones(4, 3), "i": torch.ones(4, 2, dtype=torch.int64)}), KEYS, "t")
+    with pytest.raises(CacheError, match=r"holds shards \(0\) but no manifest and no producer record \(\.te_thd-producer\.json\).*Move them away"):
+        _produce(tmp_path)
+
+
+def test_foreign_files_in_output_dir_are_left_alone(tmp_path: Path) -> None:
+    (tmp_path / "README.txt").write_text("notes")
+    _produce(tmp_path)
+    assert (tmp_path / "README.txt").read_text() == "notes"
+    verify_cache(str(tmp_path), deep=True)
+
+
+def test_schema_change_mid_run_is_rejected_at_write_time(tmp_path: Path) -> None:
+    calls = {"n": 0}
+
+    def drifting(batch):
+        calls["n"] += 1
+        out = _compute(batch)
+        if calls["n"] >= 3:  # shard 0 (batches 1-2) was bf16; now float32
+            out["h"] = out["h"].float()
+        return out
+
+    with pytest.raises(SchemaError, match=r"key 'h' is float32\[n, 3\] but the cache schema says bfloat16\[n, 3\]"):
+        _produce(tmp_path, compute=drifting)
+    assert existing_shard_indices(str(tmp_path)) == {0}
+    assert not (tmp_path / "manifest.json").exists()
+    assert not (tmp_path / LOCK_NAME).exists()
+
+
+def test_missing_key_in_compute_output(tmp_path: Path) -> None:
+    with pytest.raises(SchemaError, match=r"compute_batch output is missing required cache keys \['ids'\] \(got \['h'\]\)"):
+        _produce(tmp_path, compute=lambda b: {"h": b["x"]})
+
+
+def test_existing_shard_with_other_schema_is_refused_on_resume(tmp_path: Path) -> None:
+    calls = {"n": 0}
+
+    def dies(batch):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("boom")
+        return _compute(batch)
+
+    with pytest.raises(RuntimeError):
+        _produce(tmp_path, compute=dies)
+
+    def float_h(batch):
+        out = _compute(batch)
+        out["h"] = out["h"].float()
+        return out
+
+    with pytest.raises(SchemaError, match=r"key 'h' is float32\[n, 3\] but the cache schema says bfloat16\[n, 3\]"):
+        _produce(tmp_path, compute=float_h)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"shard_size": 0}, r"shard_size must be a positive int \(samples per shard\), got 0"),
+        ({"shard_size": -3}, r"shard_size must be a positive int \(samples per shard\), got -3"),
+        ({"options": {"num_samples": 3}}, r"options \['num_samples'\] clash with manifest fields te_thd writes itself"),
+        ({"options": {"when": object()}}, r"options must be JSON values \(recorded in manifest.json\)"),
+        ({"world_size": 2, "rank": 1}, r"world_size=2, rank=1 need an initialised torch.distributed process group"),
+    ],
+)
+def test_bad_arguments(tmp_path: Path, kwargs, match) -> None:
+    with pytest.raises(ValueError, match=match):
+        _produce(tmp_path, **kwargs)
+    assert existing_shard_indices(str(tmp_path)) == set()
+
+
+def test_bad_keys_and_iterable_dataset(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"keys=\('h', 'h'\) must be a non-empty tuple of distinct key names"):
+        produce_cache(DataLoader(_data()), str(tmp_path), 4, _compute, ("h", "h"))
+
+    class Stream(IterableDataset):
+        def __iter__(self):
+            return iter(_data())
+
+    with pytest.raises(ValueError, match=r"needs a map-style dataset with len\(\)"):
+        produce_cache(DataLoader(Stream()), str(tmp_path), 4, _compute, KEYS)
+
+
+def test_empty_dataset_gives_an_empty_finished_cache(tmp_path: Path) -> None:
+    m = _produce(tmp_path, n=0)
+    assert m["num_samples"] == 0 and m["shards"] == [] and m["schema"] == {}
+    assert sorted(os.listdir(tmp_path)) == ["manifest.json"]
+    assert _produce(tmp_path, n=0) == m  # and it is reusable
+
+
+def test_manifest_has_no_volatile_fields(tmp_path: Path) -> None:
+    _produce(tmp_path / "a")
+    _produce(tmp_path / "b")
+    a = json.loads((tmp_path / "a" / "manifest.json").read_text())
+    assert set(a) == {"format_version", "num_samples", "shard_size", "layout_version", "schema", "shards", "cp_size"}
+    assert (tmp_path / "a" / "manifest.json").read_bytes() == (tmp_path / "b" / "manifest.json").read_bytes()
+
+
+def test_manifest_error_type_for_reader_mismatch(tmp_path: Path) -> None:
+    _produce(tmp_path, format_version=2)
+    with pytest.raises(ManifestError, match=r"has format_version=2, expected 1"):
+        read_manifest(str(tmp_path), "test", 1)
