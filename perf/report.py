@@ -157,11 +157,14 @@ def fmt_value(value: float | None, unit: str) -> str:
     return f"{value:.3g} {unit}"
 
 
-def fmt_ratio(r: float | None) -> str:
+def fmt_ratio(r: float | None, goal: float | None = None) -> str:
+    """``3.14x``; more digits when rounding would hide that ``r`` is below ``goal``."""
     if r is None:
         return "-"
     if math.isinf(r):
         return "inf"
+    if goal is not None and r < goal and round(r, 2) >= goal:
+        return f"{r:.4f}x"
     return f"{r:.2f}x" if r < 100 else f"{r:.0f}x"
 
 
@@ -224,7 +227,7 @@ def render_markdown(run: dict[str, Any], prev: dict[tuple, float] | None = None)
         spec = statements.get(gid, {})
         where = f" ({worst['case']} vs {worst['baseline']})" if worst["ratio"] is not None else ""
         lines.append(
-            f"| `{gid}` | {spec.get('statement', '')} | {fmt_ratio(worst['ratio'])}{where} | "
+            f"| `{gid}` | {spec.get('statement', '')} | {fmt_ratio(worst['ratio'], worst['min_ratio'])}{where} | "
             f">= {worst['min_ratio']:g}x | {worst['floor']:.3g}x | {STATUS_MARK[worst['status']]}"
             + (f": {worst['detail']}" if worst.get("detail") else "") + " |"
         )
@@ -247,7 +250,8 @@ def render_markdown(run: dict[str, Any], prev: dict[tuple, float] | None = None)
                 gtxt = f">= {g['min_ratio']:g}x: {STATUS_MARK[g['status']]}" if g else "-"
                 lines.append(
                     f"| {b['name']} | {rec['case']} | {ours} | {name} | {fmt_value(base, rec['unit'])} "
-                    f"| {fmt_ratio(ratio)} | {fmt_ratio(prev.get((b['name'], rec['case'], name)))} | {gtxt} |"
+                    f"| {fmt_ratio(ratio, g['min_ratio'] if g else None)} "
+                    f"| {fmt_ratio(prev.get((b['name'], rec['case'], name)))} | {gtxt} |"
                 )
     lines.append("")
     lines.append("Ratios are oriented so that > 1 means te_thd is better (time: baseline / te_thd; "
@@ -364,7 +368,8 @@ def render_chart(run: dict[str, Any], path: Path) -> bool:
         for y, (_, ratio, g) in zip(ys, rows, strict=True):
             color = _COLORS.get(g["status"], "#9e9e9e") if g else "#b0bec5"
             ax.barh(y, ratio, color=color, height=0.7)
-            ax.text(ratio * 1.04, y, fmt_ratio(ratio), va="center", fontsize=7)
+            ax.text(ratio * 1.04, y, fmt_ratio(ratio, g["min_ratio"] if g else None), va="center",
+                    fontsize=7)
             if g:
                 ax.plot([g["min_ratio"]] * 2, [y - 0.45, y + 0.45], color="black", lw=2)
                 ax.plot([g["floor"]] * 2, [y - 0.45, y + 0.45], color="black", lw=0.8, ls=":")
@@ -390,9 +395,9 @@ def render_chart(run: dict[str, Any], path: Path) -> bool:
         )
     commit = (run["git"].get("commit") or "unknown")[:10]
     ax.set_title(f"te_thd perf ({run['mode']}, {run['started']}, {commit})", fontsize=9)
-    fig.tight_layout()
     tmp = path.with_suffix(".png.tmp")
-    fig.savefig(tmp, dpi=110, format="png")
+    # bbox "tight": long case labels on the left and the legend on the right stay in frame
+    fig.savefig(tmp, dpi=110, format="png", bbox_inches="tight")
     plt.close(fig)
     os.replace(tmp, path)
     return True
