@@ -28,7 +28,7 @@ unchunked conversion is ``num_chunks == 1``. Each chunk is its own stream of
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -36,8 +36,7 @@ import numpy as np
 _INT32_MAX = np.iinfo(np.int32).max
 
 
-@dataclass(frozen=True)
-class PackLayout:
+class PackLayout(NamedTuple):
     """Boundaries and padding of a (possibly chunked) packed stream.
 
     Attributes:
@@ -119,7 +118,15 @@ def validate_pack_lengths(
             f"{int(seq_lens_padded[i])}: a sequence cannot hold more real tokens than the "
             "slots it occupies. seq_lens_padded must be >= seq_lens (real + its padding)."
         )
-    # int64 sums: int32 tables with large entries must not wrap before the check.
+    bad = valid & (seq_lens_padded > seq_len)
+    if bad.any():
+        i = _first_index(bad)
+        raise ValueError(
+            f"seq_lens_padded[{_fmt(i)}]={int(seq_lens_padded[i])} exceeds the row length "
+            f"S={seq_len} (input_ids.shape[1]): a sequence must fit in its row. Repack, or "
+            "use longer rows."
+        )
+    # Every slot is now in [1, S], so these int64 row sums cannot wrap.
     row_slots = np.where(valid, seq_lens_padded, 0).sum(axis=1, dtype=np.int64)
     bad_rows = row_slots > seq_len
     if bad_rows.any():
@@ -133,7 +140,11 @@ def validate_pack_lengths(
     empty = ~first_rows.any(axis=1)
     if empty.any():
         c = int(np.argmax(empty))
-        where = f"chunk {c} (batch row {c * rows_per_chunk})" if rows_per_chunk < len(valid) else "row 0"
+        where = (
+            f"chunk {c} (batch row {c * rows_per_chunk})"
+            if rows_per_chunk < len(valid)
+            else "row 0"
+        )
         raise ValueError(
             f"seq_lens {where} holds no sequence (every slot is the sentinel {sentinel}), so "
             "the stream would start with tokens that belong to no sequence. Put rows without "
@@ -171,19 +182,29 @@ def pack_layout(
     batch, slots = seq_lens.shape
     rows = batch // num_chunks
     chunk_tokens = rows * seq_len
-    if validate:
-        valid = validate_pack_lengths(seq_lens, seq_lens_padded, seq_len, sentinel, rows)
-    else:
-        valid = seq_lens != sentinel
+    # Callers pass int64 tables (thd_utils widens narrower dtypes), so sums and
+    # offsets below cannot wrap.
+    valid = seq_lens != sentinel
+    real = seq_lens * valid
+    occupied = seq_lens_padded * valid
+    # End of each slot inside its row. (ufunc.accumulate: same as np.cumsum
+    # minus a few microseconds of wrapper overhead, which is most of the cost
+    # at these sizes.)
+    end = np.add.accumulate(occupied, axis=1) if slots else occupied
+    if validate and not _layout_ok(
+        seq_lens, seq_lens_padded, valid, real, occupied, end, seq_len, sentinel, rows
+    ):
+        validate_pack_lengths(seq_lens, seq_lens_padded, seq_len, sentinel, rows)
+        raise AssertionError("unreachable: validate_pack_lengths accepted a rejected layout")
 
-    real = np.where(valid, seq_lens, 0).astype(np.int64, copy=False)
-    occupied = np.where(valid, seq_lens_padded, 0).astype(np.int64, copy=False)
-    # Start of every slot inside its row (exclusive prefix sum); unused slots get
-    # the offset after the preceding sequence and a real length of 0, so they
-    # are harmless in the mask and compaction below.
-    row_start = np.cumsum(occupied, axis=1)
-    row_start -= occupied
-    start = row_start + (np.arange(batch, dtype=np.int64) * seq_len)[:, None]
+    # Start of every slot in the stream: row offset b*S plus the exclusive prefix
+    # sum inside the row. Unused slots get the offset after the preceding
+    # sequence and a real length of 0, so they vanish from the mask below.
+    start = end - occupied
+    start += _row_offsets(batch, seq_len)
+
+    if num_chunks == 1:
+        return _single_stream(start, real, valid, chunk_tokens, absorb_trailing_pad)
 
     padding_mask = _mask_from_starts(start.ravel(), real.ravel(), batch * seq_len)
 
@@ -215,13 +236,10 @@ def pack_layout(
     cu = np.zeros((num_chunks, max_n + 1), dtype=np.int64)
     np.cumsum(real, axis=1, out=cu[:, 1:])
 
-    inner_equal = ((cu == cu_padded) | (col >= last)).all(axis=1)
     if absorb_trailing_pad:
-        # Only the tail is padding: the last sequence can own it (causal masks
-        # never let a real token attend forward into it), so TE takes the
-        # pad_between_seqs=False path.
-        grow = inner_equal[:, None] & at_end
-        cu[grow] = chunk_tokens
+        # See _single_stream for why absorbing is right (causal masks only).
+        inner_equal = ((cu == cu_padded) | (col >= last)).all(axis=1)
+        cu[inner_equal[:, None] & at_end] = chunk_tokens
     pad_between = ((cu != cu_padded) & ~beyond).any(axis=1)
 
     seg = np.diff(cu, axis=1)
@@ -237,6 +255,98 @@ def pack_layout(
         max_seqlen=max_seqlen.astype(np.int32),
         pad_between_seqs=pad_between,
         padding_mask=padding_mask,
+    )
+
+
+_ROW_OFFSETS: dict[tuple[int, int], np.ndarray] = {}
+
+
+def _row_offsets(batch: int, seq_len: int) -> np.ndarray:
+    """int64 ``[B, 1]`` row starts ``b*S`` (cached: shapes repeat every step)."""
+    key = (batch, seq_len)
+    off = _ROW_OFFSETS.get(key)
+    if off is None:
+        off = (np.arange(batch, dtype=np.int64) * seq_len)[:, None]
+        off.flags.writeable = False
+        if len(_ROW_OFFSETS) < 64:
+            _ROW_OFFSETS[key] = off
+    return off
+
+
+def _layout_ok(
+    seq_lens: np.ndarray,
+    seq_lens_padded: np.ndarray,
+    valid: np.ndarray,
+    real: np.ndarray,
+    occupied: np.ndarray,
+    end: np.ndarray,
+    seq_len: int,
+    sentinel: int,
+    rows: int,
+) -> bool:
+    """Fast combined form of every check in :func:`validate_pack_lengths`.
+
+    Few array ops on the happy path (at these sizes each numpy call costs about
+    a microsecond, the data almost nothing); the per-check diagnosis with its
+    messages only runs when this says something is wrong. ``real``/``occupied``
+    are the tables with unused slots zeroed, ``end`` the row-wise cumsum of
+    ``occupied`` (only trusted once every slot is known to be <= S).
+    """
+    if end.shape[1] == 0:
+        return False
+    if (seq_lens_padded != sentinel).tobytes() != valid.tobytes():
+        return False
+    # Per slot 1 <= seq_lens <= seq_lens_padded <= S, by comparisons only (a
+    # subtraction could wrap for adversarial int64 values); afterwards no sum
+    # below can overflow.
+    if np.minimum.reduce(seq_lens, axis=None, where=valid, initial=1) < 1:
+        return False
+    if np.maximum.reduce(seq_lens_padded, axis=None, where=valid, initial=0) > seq_len:
+        return False
+    if np.minimum.reduce(occupied - real, axis=None) < 0:
+        return False
+    # [B] ints: max/min in Python beat two more numpy reductions here.
+    row_slots = end[:, -1].tolist()
+    return max(row_slots) <= seq_len and min(row_slots[::rows]) > 0
+
+
+def _single_stream(
+    start: np.ndarray, real: np.ndarray, valid: np.ndarray, total: int, absorb: bool
+) -> PackLayout:
+    """:func:`pack_layout` for one chunk: 1-D compaction, no sentinel columns.
+
+    Args:
+        start, real: int64 ``[B, P]`` slot starts in the stream and real lengths.
+        valid: bool ``[B, P]``.
+        total: stream length ``B*S``.
+        absorb: trailing-pad absorption switch.
+    """
+    start = start[valid]  # stream order (row-major), unused slots dropped
+    real = real[valid]
+    n = start.shape[0]
+    # Row 0 is cu_seqlens, row 1 cu_seqlens_padded: one buffer, one int32 cast.
+    both = np.empty((2, n + 1), dtype=np.int64)
+    cu, cu_padded = both
+    cu[0] = 0
+    np.add.accumulate(real, out=cu[1:])
+    cu_padded[:n] = start
+    cu_padded[n] = total
+    # Equality of small int64 arrays via bytes: ~10x cheaper than (a == b).all().
+    if absorb and cu[n] != total and cu[:n].tobytes() == cu_padded[:n].tobytes():
+        # Only the tail is padding: the last sequence can own it because a
+        # causal mask never lets a real token attend forward into it; TE then
+        # takes its faster pad_between_seqs=False path.
+        cu[n] = total
+    pad_between = cu.tobytes() != cu_padded.tobytes()
+    max_seqlen = np.maximum.reduce(cu[1:] - cu[:-1]) if n else 0
+    both = both.astype(np.int32)
+    return PackLayout(
+        cu_seqlens=both[:1],
+        cu_seqlens_padded=both[1:],
+        num_seqs=np.array([n]),
+        max_seqlen=np.array([max_seqlen], dtype=np.int32),
+        pad_between_seqs=np.array([pad_between]),
+        padding_mask=_mask_from_starts(start, real, total),
     )
 
 

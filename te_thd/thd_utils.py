@@ -279,13 +279,15 @@ def process_input_for_thd(
         -> cu_seqlens [0, 3, 5, 11], cu_seqlens_padded [0, 4, 6, 12],
            pad_between_seqs True, max_seqlen 6
     """
-    out, layout = _convert(batch, 1, seq_lens_padding_value, padding_token_id, absorb_trailing_pad)
-    out["cu_seqlens"] = out["cu_seqlens"][0]
-    out["cu_seqlens_padded"] = out["cu_seqlens_padded"][0]
-    max_seqlen = int(layout.max_seqlen[0])
-    out["max_seqlen"] = _to_device(np.array(max_seqlen, dtype=np.int32), out["cu_seqlens"].device)
-    out["max_seqlen_int"] = max_seqlen
+    out, layout, device = _convert(
+        batch, 1, seq_lens_padding_value, padding_token_id, absorb_trailing_pad
+    )
+    out["cu_seqlens"] = _to_device(layout.cu_seqlens[0], device)
+    out["cu_seqlens_padded"] = _to_device(layout.cu_seqlens_padded[0], device)
+    out["max_seqlen"] = _to_device(layout.max_seqlen[0, ...], device)  # 0-d int32 view
+    out["max_seqlen_int"] = int(layout.max_seqlen[0])
     out["num_seqs"] = int(layout.num_seqs[0])
+    _pass_through(out, batch)
     return out  # type: ignore[return-value]
 
 
@@ -330,13 +332,15 @@ def split_batch_into_thd_chunks(
         return process_input_for_thd(
             batch, seq_lens_padding_value, padding_token_id, absorb_trailing_pad=absorb_trailing_pad
         )
-    out, layout = _convert(
+    out, layout, device = _convert(
         batch, int(num_chunks), seq_lens_padding_value, padding_token_id, absorb_trailing_pad
     )
-    device = out["cu_seqlens"].device
+    out["cu_seqlens"] = _to_device(layout.cu_seqlens, device)
+    out["cu_seqlens_padded"] = _to_device(layout.cu_seqlens_padded, device)
     out["max_seqlen"] = _to_device(layout.max_seqlen, device)
     out["max_seqlen_int"] = layout.max_seqlen.tolist()
     out["num_seqs"] = layout.num_seqs.tolist()
+    _pass_through(out, batch)
     return out  # type: ignore[return-value]
 
 
@@ -349,11 +353,14 @@ def _convert(
     sentinel: int,
     padding_token_id: int,
     absorb: bool,
-) -> tuple[dict[str, Any], PackLayout]:
-    """Shared body: validate, compute the layout, build the output dict.
+) -> tuple[dict[str, Any], PackLayout, torch.device]:
+    """Shared body: validate, compute the layout, build the token part of the output.
 
-    Boundary arrays come back ``[C, maxN+1]`` (callers trim for ``C == 1``),
-    tokens ``[C, T_c, ...]`` for ``C > 1`` and ``[T, ...]`` for ``C == 1``.
+    Returns the output dict (tokens ``[C, T_c, ...]`` for ``C > 1``, ``[T, ...]``
+    for ``C == 1``; padding mask; ``pad_between_seqs``), the
+    host layout, and the device the boundary tensors belong on (that of
+    ``seq_lens``). Callers add the boundary keys in their own shapes, then the
+    pass-through keys.
     """
     if not isinstance(batch, Mapping):
         raise ValueError(
@@ -439,15 +446,17 @@ def _convert(
         out["position_ids"] = pos.transpose(0, 1) if num_chunks > 1 else pos[:, 0]
     else:
         out["position_ids"] = position_ids.reshape(lead)
-    out["cu_seqlens"] = _to_device(layout.cu_seqlens, meta_device)
-    out["cu_seqlens_padded"] = _to_device(layout.cu_seqlens_padded, meta_device)
     out["pad_between_seqs"] = bool(layout.pad_between_seqs.any())
     mask = _to_device(layout.padding_mask, input_ids.device)
     out["padding_mask"] = mask.view(num_chunks, tok) if num_chunks > 1 else mask
+    return out, layout, meta_device
+
+
+def _pass_through(out: dict[str, Any], batch: Mapping[str, Any]) -> None:
+    """Copy every input key the conversion neither produced nor consumed."""
     for key, value in batch.items():
         if key not in out and key not in _CONSUMED_KEYS:
             out[key] = value
-    return out, layout
 
 
 def _check_tensor(value: Any, name: str) -> None:
@@ -468,7 +477,9 @@ def _host_ints(value: Any, name: str) -> np.ndarray:
         )
     # A GPU tensor costs one device->host copy here (a sync): the sequence count
     # is data-dependent. Collates should build lengths on the CPU.
-    return value.detach().cpu().numpy()
+    arr = value.numpy() if value.is_cpu else value.detach().cpu().numpy()
+    # The layout math runs in int64 so offsets and sums of narrow tables cannot wrap.
+    return arr if arr.dtype == np.int64 else arr.astype(np.int64)
 
 
 def _lengths_to_host(value: Any, name: str, bsz: int) -> np.ndarray:
@@ -498,7 +509,9 @@ def _lengths_from_token_ids(
             "Supply seq_lens and seq_lens_padded."
         )
     bsz, seq_len = input_ids.shape
-    padding = _token_padding_mask_rows(input_ids.reshape(num_chunks, -1), padding_token_id, "input_ids")
+    padding = _token_padding_mask_rows(
+        input_ids.reshape(num_chunks, -1), padding_token_id, "input_ids"
+    )
     real = (~padding).reshape(bsz, seq_len).sum(dim=1).cpu().numpy()
     rows = bsz // num_chunks
     if (real[::rows] == 0).any():
