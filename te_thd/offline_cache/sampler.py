@@ -154,8 +154,6 @@ class CacheShardSampler(Sampler[int]):
         g = shard_block_order(self.num_samples_total, self.shard_size, self.seed, self.epoch, self.shuffle)
         if self.total_size <= g.numel():
             return g[: self.total_size]
-        if g.numel() == 0:
-            raise ValueError("cannot pad an empty dataset to num_replicas samples; the cache has num_samples=0")
         reps = -(-self.total_size // g.numel())
         return g.repeat(reps)[: self.total_size]
 

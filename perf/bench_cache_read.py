@@ -1,0 +1,243 @@
+"""Offline-cache reads: te_thd's loader vs the reference loader and raw shard slices.
+
+Both loaders read the SAME files (written once under a temp dir): te_thd's
+``CachedTensorDataset`` + ``build_cached_dataloader`` + ``collate_cached`` (batched
+``__getitems__``, memory-mapped shards, shard-block shuffle) against the
+reference's (nemo-automodel 0.7.0, per-item ``safe_open(...).get_slice`` +
+``torch.stack``; its shuffle is a global ``RandomSampler``). One timed call = one
+full epoch, ``num_workers=0``, samples/s reported. ``raw_slice`` is a plain loop
+over every shard's ``get_slice(key)`` in slices of the batch size, each copied into
+fresh memory (``.clone()``: the slice itself is a view of safetensors' mapping) —
+no per-sample work, no order, no DataLoader: the cost of moving the bytes once.
+
+Cases (goals in ``perf/thresholds.json``):
+- ``small_sequential`` / ``small_shuffled``: ``input_ids`` [256] int64, ``loss_mask``
+  [256] int64, ``position_mask`` [256, 1] bool; shard_size 4096; 32768 samples
+  (``--quick``: 8192); batch 32. Goal >= 10x the reference.
+- ``large_sequential`` / ``large_shuffled``: ``hidden`` [512, 768] bf16 +
+  ``input_ids`` [512] int64; shard_size 64; 512 samples (``--quick``: 128); batch 8.
+  Goals >= 1x the reference and >= 0.5x ``raw_slice``.
+- ``memory_epoch``: peak anonymous memory (RssAnon high-water, sampled after every
+  batch) over one shuffled epoch of the small cache and of one 4x smaller, read in
+  turn (smaller first) by one fresh process. ``ours`` = peak MiB while reading the
+  larger cache, baseline ``smaller_cache_4x`` = peak MiB while reading the smaller:
+  a ratio ~1 means memory does not grow with the cache (mapped pages are
+  file-backed and not counted). ``extra`` has the growth within each epoch.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import Record, print_records, reference_offline_cache, time_interleaved  # noqa: E402
+
+BENCH = "cache_read"
+FORMAT_VERSION = 1
+SMALL_KEYS = ("input_ids", "loss_mask", "position_mask")
+LARGE_KEYS = ("hidden", "input_ids")
+
+
+def write_cache(cache_dir: str, num_samples: int, shard_size: int, kind: str) -> None:
+    """Write a cache of ``kind`` ``"small"`` or ``"large"`` (random contents)."""
+    from safetensors.torch import save_file
+
+    from te_thd.offline_cache.format import shard_path, write_manifest
+
+    os.makedirs(cache_dir, exist_ok=True)
+    g = torch.Generator().manual_seed(0)
+    for s, start in enumerate(range(0, num_samples, shard_size)):
+        n = min(shard_size, num_samples - start)
+        if kind == "small":
+            t = {
+                "input_ids": torch.randint(0, 150_000, (n, 256), generator=g),
+                "loss_mask": torch.randint(0, 2, (n, 256), generator=g),
+                "position_mask": torch.randint(0, 2, (n, 256, 1), generator=g).bool(),
+            }
+        else:
+            t = {
+                "hidden": torch.randint(-(2**14), 2**14, (n, 512, 768), generator=g, dtype=torch.int16).view(torch.bfloat16),
+                "input_ids": torch.randint(0, 150_000, (n, 512), generator=g),
+            }
+        save_file(t, shard_path(cache_dir, s))
+    write_manifest(cache_dir, {"num_samples": num_samples, "shard_size": shard_size}, FORMAT_VERSION)
+
+
+def _epoch(loader: Any) -> int:
+    n = 0
+    for batch in loader:
+        n += next(iter(batch.values())).shape[0]
+    return n
+
+
+def _raw_slicer(cache_dir: str, keys: tuple[str, ...], batch: int) -> Any:
+    """A callable reading every sample once as whole-shard slices of ``batch`` rows.
+
+    Handles are opened once, outside the timed calls (a loader keeps its handles
+    open too). safetensors >= 0.6 returns a view of its file mapping for a slice;
+    ``clone()`` reads the bytes into fresh memory, as a loader must: one copy per
+    byte, no per-sample work, no order — the floor for moving these bytes.
+    """
+    from safetensors import safe_open
+
+    from te_thd.offline_cache.format import existing_shard_indices, shard_path
+
+    handles = [safe_open(shard_path(cache_dir, s), framework="pt") for s in sorted(existing_shard_indices(cache_dir))]
+
+    def read() -> int:
+        n = 0
+        for h in handles:
+            slices = [h.get_slice(k) for k in keys]
+            rows = slices[0].get_shape()[0]
+            for a in range(0, rows, batch):
+                for sl in slices:
+                    sl[a : a + batch].clone()
+            n += rows
+        return n
+
+    return read
+
+
+def _loaders(cache_dir: str, keys: tuple[str, ...], batch: int, shuffle: bool, ref: Any) -> dict[str, Any]:
+    from te_thd.offline_cache import CachedTensorDataset, build_cached_dataloader, collate_cached
+
+    ours = build_cached_dataloader(
+        CachedTensorDataset(cache_dir, "bench", FORMAT_VERSION, keys),
+        batch,
+        shuffle,
+        functools.partial(collate_cached, keys=keys),
+    )
+    out = {"ours": ours}
+    if ref is not None:
+        out["reference"] = ref.build_cached_dataloader(
+            dataset=ref.CachedTensorDataset(cache_dir=cache_dir, cache_name="bench", format_version=FORMAT_VERSION, disk_keys=keys),
+            batch_size=batch,
+            shuffle=shuffle,
+            collate_fn=functools.partial(ref.collate_cached, keys=keys),
+        )
+    return out
+
+
+def _throughput_case(case: str, cache_dir: str, keys: tuple[str, ...], batch: int, shuffle: bool, n: int, trials: int, ref: Any) -> Record:
+    loaders = _loaders(cache_dir, keys, batch, shuffle, ref)
+    epoch_no = iter(range(10**9))
+
+    def run_epoch(loader: Any) -> None:
+        loader.sampler.set_epoch(next(epoch_no)) if hasattr(loader.sampler, "set_epoch") else None
+        assert _epoch(loader) == n
+
+    candidates = {name: functools.partial(run_epoch, ld) for name, ld in loaders.items()}
+    candidates["raw_slice"] = _raw_slicer(cache_dir, keys, batch)
+    times = time_interleaved(candidates, trials=trials, warmup=1)
+    rate = {k: n / t for k, t in times.items()}
+    return Record(
+        bench=BENCH,
+        case=case,
+        metric="throughput",
+        unit="samples/s",
+        ours=rate.pop("ours"),
+        baselines=rate,
+        extra={"num_samples": n, "batch_size": batch, "keys": list(keys), "num_workers": 0},
+    )
+
+
+_MEMORY_SNIPPET = r"""
+import functools, json, sys, torch
+torch.set_num_threads(1)
+from te_thd.offline_cache import CachedTensorDataset, build_cached_dataloader, collate_cached
+def anon_kib():
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1])
+keys = tuple(sys.argv[1].split(","))
+out = []
+for cache_dir in sys.argv[2:]:
+    ds = CachedTensorDataset(cache_dir, "bench", 1, keys)
+    loader = build_cached_dataloader(ds, 32, True, functools.partial(collate_cached, keys=keys))
+    base = anon_kib(); peak = base; n = 0
+    for batch in loader:
+        n += batch[keys[0]].shape[0]
+        peak = max(peak, anon_kib())
+    out.append({"base_kib": base, "peak_kib": peak, "samples": n})
+    del loader, ds
+print(json.dumps(out))
+"""
+
+
+def _peak_anon_mib(keys: tuple[str, ...], *cache_dirs: str) -> list[dict[str, float]]:
+    """One fresh process reads one shuffled epoch of each cache in turn (smallest
+    first), sampling RssAnon after every batch."""
+    out = subprocess.run(
+        [sys.executable, "-c", _MEMORY_SNIPPET, ",".join(keys), *cache_dirs],
+        capture_output=True, text=True, check=True, timeout=300,
+    )
+    return [
+        {"peak_mib": d["peak_kib"] / 1024, "growth_mib": (d["peak_kib"] - d["base_kib"]) / 1024, "samples": d["samples"]}
+        for d in json.loads(out.stdout.strip().splitlines()[-1])
+    ]
+
+
+def run(quick: bool) -> list[Record]:
+    ref = reference_offline_cache()
+    n_small = 8192 if quick else 32768
+    n_large = 128 if quick else 512
+    trials = 3 if quick else 5
+    records: list[Record] = []
+    with tempfile.TemporaryDirectory(prefix="te_thd_bench_cache_read_") as tmp:
+        small = os.path.join(tmp, "small")
+        write_cache(small, n_small, 4096, "small")
+        for shuffle in (False, True):
+            case = f"small_{'shuffled' if shuffle else 'sequential'}"
+            records.append(_throughput_case(case, small, SMALL_KEYS, 32, shuffle, n_small, trials, ref))
+        large = os.path.join(tmp, "large")
+        write_cache(large, n_large, 64, "large")
+        for shuffle in (False, True):
+            case = f"large_{'shuffled' if shuffle else 'sequential'}"
+            records.append(_throughput_case(case, large, LARGE_KEYS, 8, shuffle, n_large, trials, ref))
+        shutil_rm(large)
+        smaller = os.path.join(tmp, "small_quarter")
+        write_cache(smaller, n_small // 4, 4096, "small")
+        little, big = _peak_anon_mib(SMALL_KEYS, smaller, small)
+        records.append(
+            Record(
+                bench=BENCH,
+                case="memory_epoch",
+                metric="time",  # lower is better: ratio = MiB(smaller cache) / MiB(cache)
+                unit="MiB peak RssAnon",
+                ours=big["peak_mib"],
+                baselines={"smaller_cache_4x": little["peak_mib"]},
+                extra={
+                    "cache_samples": n_small,
+                    "smaller_cache_samples": n_small // 4,
+                    "growth_during_epoch_mib": big["growth_mib"],
+                    "growth_during_epoch_mib_smaller": little["growth_mib"],
+                    "cache_bytes_mib": _dir_mib(small),
+                },
+            )
+        )
+    return records
+
+
+def shutil_rm(path: str) -> None:
+    import shutil
+
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _dir_mib(path: str) -> float:
+    return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path)) / 2**20
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    print_records(run("--quick" in sys.argv))

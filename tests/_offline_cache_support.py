@@ -1,0 +1,101 @@
+"""Helpers shared by the offline-cache reader/sampler/loader tests: real caches on disk.
+
+``make_cache`` writes real safetensors shards plus a manifest in the on-disk
+format of SPEC §4 and returns the tensors it wrote, so tests compare what they
+read with what was written (the oracle) rather than with the reader itself.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import torch
+from safetensors.torch import save_file
+
+from te_thd.offline_cache.format import shard_path, write_manifest
+
+FORMAT_VERSION = 3
+CACHE_NAME = "test"
+
+
+def sample_tensors(num_samples: int, width: int = 8, seed: int = 0, hidden: int = 0) -> dict[str, torch.Tensor]:
+    """Every key stacked over all samples: ``sample_id`` int64 ``[N]``, ``input_ids``
+    int64 ``[N, W]`` (right-padded with 0 after ``length``), ``loss_mask`` int64
+    ``[N, W]``, ``position_mask`` bool ``[N, W, 1]``, ``length`` int32 ``[N]``, and
+    ``hidden`` bf16 ``[N, W, hidden]`` when ``hidden > 0``."""
+    g = torch.Generator().manual_seed(seed)
+    length = torch.randint(1, width + 1, (num_samples,), generator=g, dtype=torch.int64)
+    valid = torch.arange(width).unsqueeze(0) < length.unsqueeze(1)
+    ids = torch.randint(1, 1000, (num_samples, width), generator=g) * valid
+    out = {
+        "sample_id": torch.arange(num_samples, dtype=torch.int64),
+        "input_ids": ids,
+        "loss_mask": torch.randint(0, 2, (num_samples, width), generator=g) * valid,
+        "position_mask": (torch.rand(num_samples, width, 1, generator=g) > 0.5) & valid.unsqueeze(-1),
+        "length": length.to(torch.int32),
+    }
+    if hidden:
+        out["hidden"] = torch.randn(num_samples, width, hidden, generator=g).to(torch.bfloat16)
+    return out
+
+
+def make_cache(
+    cache_dir: str,
+    num_samples: int,
+    shard_size: int,
+    width: int = 8,
+    seed: int = 0,
+    hidden: int = 0,
+) -> dict[str, torch.Tensor]:
+    """Write a cache of ``num_samples`` samples in shards of ``shard_size``; return its tensors."""
+    os.makedirs(cache_dir, exist_ok=True)
+    tensors = sample_tensors(num_samples, width, seed, hidden)
+    for s, start in enumerate(range(0, num_samples, shard_size)):
+        save_file({k: v[start : start + shard_size].contiguous() for k, v in tensors.items()}, shard_path(cache_dir, s))
+    write_manifest(cache_dir, {"num_samples": num_samples, "shard_size": shard_size}, FORMAT_VERSION)
+    return tensors
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _gloo_entry(rank: int, world: int, port: int, fn, args: tuple, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        torch.save(fn(rank, world, *args), os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_gloo(world: int, fn, *args, out_dir: str, timeout: float = 180) -> list:
+    """Run ``fn(rank, world, *args)`` in ``world`` real spawned gloo processes; results by rank.
+
+    ``fn`` must be importable by name (spawn pickles it); results travel through files.
+    """
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    procs = [ctx.Process(target=_gloo_entry, args=(r, world, port, fn, args, out_dir)) for r in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        for p in procs:
+            p.join(timeout)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+    codes = [p.exitcode for p in procs]
+    if codes != [0] * world:
+        raise RuntimeError(f"gloo workers exited with {codes}")
+    return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world)]

@@ -1,0 +1,296 @@
+"""build_cached_dataloader / CachedDataLoader / CachedThdCollator / to_device (one process + workers)."""
+
+from __future__ import annotations
+
+import functools
+from collections import namedtuple
+
+import pytest
+import torch
+from _offline_cache_support import CACHE_NAME, FORMAT_VERSION, make_cache
+
+from te_thd.cp import shard_thd_batch_for_cp
+from te_thd.offline_cache import (
+    CachedDataLoader,
+    CachedTensorDataset,
+    CachedThdCollator,
+    build_cached_dataloader,
+    collate_cached,
+    to_device,
+)
+from te_thd.packing import PackingCollator
+from te_thd.thd_utils import process_input_for_thd
+
+KEYS = ("sample_id", "input_ids", "loss_mask", "position_mask", "length", "hidden")
+N, SHARD, WIDTH, H = 75, 16, 8, 3
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("cache"))
+    return d, make_cache(d, N, SHARD, width=WIDTH, hidden=H)
+
+
+def _ds(d):
+    return CachedTensorDataset(d, CACHE_NAME, FORMAT_VERSION, KEYS)
+
+
+def _collate():
+    return functools.partial(collate_cached, keys=KEYS)
+
+
+def _epochs(loader, epochs=(0, 1)):
+    out = []
+    for e in epochs:
+        loader.sampler.set_epoch(e)
+        out.append([{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in b.items()} for b in loader])
+    return out
+
+
+def _same(a, b):
+    assert len(a) == len(b)
+    for ea, eb in zip(a, b, strict=True):
+        assert len(ea) == len(eb)
+        for ba, bb in zip(ea, eb, strict=True):
+            assert ba.keys() == bb.keys()
+            for k in ba:
+                assert torch.equal(ba[k], bb[k]), k
+
+
+def test_reference_signature_and_defaults(cache):
+    d, tensors = cache
+    # positional, as on the reference page
+    loader = build_cached_dataloader(_ds(d), 8, False, _collate(), 0, False)
+    assert isinstance(loader, CachedDataLoader) and isinstance(loader, torch.utils.data.DataLoader)
+    assert loader.pin_memory == torch.cuda.is_available()
+    assert (loader.sampler.num_replicas, loader.sampler.rank) == (1, 0)
+    batches = list(loader)
+    assert len(batches) == len(loader) == 10  # 75 samples, last batch of 3 kept
+    ids = torch.cat([b["sample_id"] for b in batches])
+    assert torch.equal(ids, torch.arange(N))  # shuffle=False: sequential
+    for k in KEYS:
+        assert torch.equal(torch.cat([b[k] for b in batches]), tensors[k])
+    # keyword names of the reference
+    loader = build_cached_dataloader(
+        dataset=_ds(d), batch_size=8, shuffle=True, collate_fn=_collate(), num_workers=0, distributed=False
+    )
+    ids = torch.cat([b["sample_id"] for b in loader])
+    assert sorted(ids.tolist()) == list(range(N)) and ids.tolist() != list(range(N))
+
+
+def test_drop_last_drops_the_partial_batch(cache):
+    d, _ = cache
+    loader = build_cached_dataloader(_ds(d), 8, True, _collate(), drop_last=True)
+    sizes = [b["sample_id"].numel() for b in loader]
+    assert sizes == [8] * 9
+
+
+def test_workers_give_identical_batches(cache):
+    d, _ = cache
+    base = _epochs(build_cached_dataloader(_ds(d), 8, True, _collate(), 0, seed=7))
+    two = build_cached_dataloader(_ds(d), 8, True, _collate(), 2, seed=7, persistent_workers=True, prefetch_factor=2)
+    _same(base, _epochs(two))
+
+
+def test_batched_and_per_item_collate_paths_agree(cache):
+    d, _ = cache
+
+    class PerItem(torch.utils.data.Dataset):  # the reference's path: no __getitems__
+        def __init__(self, ds):
+            self.ds = ds
+            self.shard_size = ds.shard_size
+
+        def __len__(self):
+            return len(self.ds)
+
+        def __getitem__(self, i):
+            return self.ds[i]
+
+    ds = _ds(d)
+    _same(
+        _epochs(build_cached_dataloader(ds, 8, True, _collate(), seed=3)),
+        _epochs(build_cached_dataloader(PerItem(ds), 8, True, _collate(), seed=3)),
+    )
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_loader_resume_mid_epoch(cache, num_workers):
+    d, _ = cache
+    full = build_cached_dataloader(_ds(d), 4, True, _collate(), num_workers, seed=1)
+    full.sampler.set_epoch(1)
+    whole = [b["sample_id"].clone() for b in full]
+    run = build_cached_dataloader(_ds(d), 4, True, _collate(), num_workers, seed=1)
+    run.sampler.set_epoch(1)
+    it = iter(run)
+    head = [next(it)["sample_id"].clone() for _ in range(5)]
+    state = run.state_dict()
+    del it
+    assert state["sampler"]["consumed_samples"] == 20 and state["sampler"]["epoch"] == 1
+    resumed = build_cached_dataloader(_ds(d), 4, True, _collate(), num_workers, seed=1, resume_state=state)
+    resumed.sampler.set_epoch(1)
+    assert len(resumed) == len(whole) - 5
+    rest = [b["sample_id"].clone() for b in resumed]
+    assert torch.equal(torch.cat(head + rest), torch.cat(whole))
+    # after the pass the epoch is complete; the next epoch starts from its beginning
+    assert resumed.consumed_samples() == N
+    resumed.sampler.set_epoch(2)
+    assert resumed.consumed_samples() == 0 and len(list(resumed)) == len(whole)
+
+
+def test_start_sample(cache):
+    d, _ = cache
+    loader = build_cached_dataloader(_ds(d), 10, False, _collate(), start_sample=30)
+    assert torch.equal(torch.cat([b["sample_id"] for b in loader]), torch.arange(30, N))
+
+
+def test_distributed_without_process_group_is_one_replica(cache):
+    d, _ = cache
+    loader = build_cached_dataloader(_ds(d), 8, True, _collate(), distributed=True)
+    assert (loader.sampler.num_replicas, loader.sampler.rank) == (1, 0)
+    loader = build_cached_dataloader(_ds(d), 8, True, _collate(), distributed=True, dp_rank=1, dp_size=3)
+    assert (loader.sampler.num_replicas, loader.sampler.rank) == (3, 1) and len(loader.sampler) == 25
+
+
+def test_loader_bad_arguments(cache):
+    d, _ = cache
+    ds = _ds(d)
+    with pytest.raises(ValueError, match="batch_size=0 must be an int >= 1"):
+        build_cached_dataloader(ds, 0, True, _collate())
+    with pytest.raises(ValueError, match="num_workers=-1 must be an int >= 0"):
+        build_cached_dataloader(ds, 4, True, _collate(), -1)
+    with pytest.raises(ValueError, match="pass dp_rank and dp_size together"):
+        build_cached_dataloader(ds, 4, True, _collate(), dp_rank=0)
+    with pytest.raises(ValueError, match="pass resume_state or start_sample=8, not both"):
+        build_cached_dataloader(ds, 4, True, _collate(), start_sample=8, resume_state={"sampler": {}})
+    loader = build_cached_dataloader(ds, 4, True, _collate())
+    with pytest.raises(ValueError, match="loader state must hold 'sampler'"):
+        loader.load_state_dict({})
+
+
+# -- THD collate -----------------------------------------------------------------------
+
+
+def _oracle(tensors, idx, seq_len, cp_size, cp_rank, lengths):
+    """Packing -> THD -> CP through the public functions, one sample at a time, with
+    each multi-dim token key split into 1-D columns the packer can carry."""
+    samples = []
+    for j, i in enumerate(idx):
+        n = int(lengths[j])
+        s = {"input_ids": tensors["input_ids"][i, :n], "loss_mask": tensors["loss_mask"][i, :n]}
+        s["pm0"] = tensors["position_mask"][i, :n, 0].to(torch.int64)
+        for h in range(H):
+            s[f"h{h}"] = tensors["hidden"][i, :n, h].float()
+        samples.append(s)
+    m = 2 * cp_size if cp_size > 1 else 1
+    packed = PackingCollator(seq_len, pad_to_multiple_of=m, label_key=None)(samples)
+    thd = process_input_for_thd(
+        {k: packed[k] for k in ("input_ids", "labels", "position_ids", "seq_lens", "seq_lens_padded")}
+    )
+    thd["loss_mask"] = packed["loss_mask"].reshape(-1)
+    thd["position_mask"] = packed["pm0"].reshape(-1, 1).bool()
+    thd["hidden"] = torch.stack([packed[f"h{h}"].reshape(-1) for h in range(H)], -1).to(torch.bfloat16)
+    extra = ("loss_mask", "position_mask", "hidden")
+    return shard_thd_batch_for_cp(thd, cp_size, cp_rank, extra_keys=extra, num_seqs=thd["num_seqs"])
+
+
+@pytest.mark.parametrize("cp_size", [1, 2])
+@pytest.mark.parametrize("source", ["length_key", "mask_key", "full"])
+def test_thd_collate_matches_composition_of_public_functions(cache, cp_size, source):
+    d, tensors = cache
+    ds = _ds(d)
+    idx = [3, 17, 4, 60, 61, 9, 70]
+    batch = ds.__getitems__(idx)
+    if source == "length_key":
+        kw, lengths = {"length_key": "length"}, tensors["length"][idx]
+    elif source == "mask_key":
+        # a right-padded mask: the first `length` slots
+        kw, lengths = {"mask_key": "position_mask"}, tensors["length"][idx]
+        batch.tensors["position_mask"] = (torch.arange(WIDTH) < lengths.unsqueeze(1)).unsqueeze(-1)
+        tensors = {**tensors, "position_mask": tensors["position_mask"].clone()}
+        tensors["position_mask"][idx] = batch.tensors["position_mask"]
+    else:
+        kw, lengths = {}, torch.full((len(idx),), WIDTH)
+    for rank in range(cp_size):
+        out = CachedThdCollator(16, cp_size=cp_size, cp_rank=rank, **kw)(batch)
+        ref = _oracle(tensors, idx, 16, cp_size, rank, lengths)
+        for k in ("input_ids", "labels", "position_ids", "padding_mask", "cu_seqlens", "cu_seqlens_padded",
+                  "max_seqlen", "loss_mask", "position_mask", "hidden"):
+            assert out[k].dtype == ref[k].dtype and torch.equal(out[k], ref[k]), k
+        for k in ("pad_between_seqs", "max_seqlen_int", "num_seqs"):
+            assert out[k] == ref[k] and type(out[k]) is type(ref[k]), k
+        assert out["num_samples"] == len(idx) and isinstance(out["packing_efficiency"], float)
+        assert torch.equal(out["sample_id"], torch.tensor(idx))  # per-sample keys pass through
+        if cp_size > 1:
+            assert (out["cp_size"], out["cp_rank"]) == (cp_size, rank)
+
+
+def test_thd_collate_in_workers_gives_host_values(cache):
+    d, _ = cache
+    ds = _ds(d)
+    collate = CachedThdCollator(32, cp_size=2, cp_rank=1, length_key="length")
+    a = _epochs(build_cached_dataloader(ds, 6, True, collate, 0, seed=2), epochs=(0,))
+    loader = build_cached_dataloader(ds, 6, True, collate, 2, seed=2)
+    loader.sampler.set_epoch(0)
+    b = list(loader)
+    assert len(a[0]) == len(b)
+    for x, y in zip(a[0], b, strict=True):
+        assert x.keys() == y.keys()
+        for k in x:
+            if isinstance(x[k], torch.Tensor):
+                assert torch.equal(x[k], y[k]), k
+            else:
+                assert x[k] == y[k] and not isinstance(y[k], torch.Tensor), k
+    assert all(type(bb["max_seqlen_int"]) is int and type(bb["pad_between_seqs"]) is bool for bb in b)
+
+
+def test_thd_collate_accepts_a_list_of_samples(cache):
+    d, _ = cache
+    ds = _ds(d)
+    c = CachedThdCollator(16, length_key="length")
+    a, b = c(ds.__getitems__([1, 2, 3])), c([ds[1], ds[2], ds[3]])
+    for k, v in a.items():
+        assert torch.equal(v, b[k]) if isinstance(v, torch.Tensor) else v == b[k]
+
+
+def test_thd_collate_bad_input(cache):
+    d, _ = cache
+    ds = _ds(d)
+    batch = ds.__getitems__([0, 1])
+    with pytest.raises(ValueError, match="pass length_key='length' or mask_key='loss_mask', not both"):
+        CachedThdCollator(16, length_key="length", mask_key="loss_mask")
+    with pytest.raises(ValueError, match=r"cp_rank=2 must be an int in \[0, cp_size=2\)"):
+        CachedThdCollator(16, cp_size=2, cp_rank=2)
+    with pytest.raises(ValueError, match="length_key='nope' was not read"):
+        CachedThdCollator(16, length_key="nope")(batch)
+    with pytest.raises(ValueError, match="length_key='hidden' must hold one integer per sample"):
+        CachedThdCollator(16, length_key="hidden")(batch)
+    with pytest.raises(ValueError, match="mask_key='loss_mask' of sample 0 .* is not right-padded"):
+        bad = ds.__getitems__([0, 1])
+        bad.tensors["loss_mask"] = torch.tensor([[0, 1] + [0] * 6, [1] * 8])
+        CachedThdCollator(16, mask_key="loss_mask")(bad)
+    with pytest.raises(ValueError, match=r"sample 1 of this batch has length 0, outside \[1, L=8\]"):
+        bad = ds.__getitems__([0, 1])
+        bad.tensors["length"] = torch.tensor([3, 0], dtype=torch.int32)
+        CachedThdCollator(16, length_key="length")(bad)
+    with pytest.raises(ValueError, match=r"keys \['nope'\] were not read"):
+        CachedThdCollator(16, keys=("input_ids", "nope"))(batch)
+    with pytest.raises(ValueError, match="token_keys entry 'length' must be read and shaped"):
+        CachedThdCollator(16, token_keys=("length",))(batch)
+
+
+# -- to_device -------------------------------------------------------------------------
+
+
+def test_to_device_moves_tensors_and_keeps_host_scalars():
+    Pair = namedtuple("Pair", "a b")
+    batch = {
+        "x": torch.ones(3),
+        "max_seqlen_int": 5,
+        "pad_between_seqs": False,
+        "nested": [torch.zeros(2), (torch.ones(1), "s")],
+        "pair": Pair(torch.ones(2), 7),
+    }
+    out = to_device(batch, "meta")
+    assert out["x"].device.type == "meta" and out["max_seqlen_int"] == 5 and out["pad_between_seqs"] is False
+    assert out["nested"][0].device.type == "meta" and out["nested"][1][1] == "s"
+    assert isinstance(out["pair"], Pair) and out["pair"].a.device.type == "meta" and out["pair"].b == 7

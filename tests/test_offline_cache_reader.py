@@ -1,0 +1,264 @@
+"""CachedTensorDataset: per-item (reference behaviour) and batched memory-mapped reads.
+
+The oracle is the tensors ``make_cache`` wrote; per-item reads go through
+safetensors' own ``safe_open`` and batched reads through our header parse + mmap,
+so comparing the two is a differential test of two independent read paths.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+
+import pytest
+import torch
+from _offline_cache_support import CACHE_NAME, FORMAT_VERSION, make_cache
+from hypothesis import given
+from hypothesis import strategies as st
+from safetensors.torch import save_file
+
+from te_thd.offline_cache import (
+    CachedBatch,
+    CachedTensorDataset,
+    CacheIntegrityError,
+    collate_cached,
+)
+from te_thd.offline_cache.format import shard_path, write_manifest
+
+KEYS = ("sample_id", "input_ids", "loss_mask", "position_mask", "length", "hidden")
+N, SHARD = 83, 16  # 6 shards, the last one short (3 samples)
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("cache"))
+    tensors = make_cache(d, N, SHARD, width=8, hidden=3)
+    return d, tensors
+
+
+def _ds(d: str, **kw) -> CachedTensorDataset:
+    return CachedTensorDataset(d, CACHE_NAME, FORMAT_VERSION, KEYS, **kw)
+
+
+def _assert_batch(batch: CachedBatch, tensors: dict[str, torch.Tensor], indices: list[int]) -> None:
+    idx = torch.tensor([i % N for i in indices], dtype=torch.int64)
+    assert len(batch) == len(indices)
+    for k in KEYS:
+        expect = tensors[k].index_select(0, idx)
+        got = batch.tensors[k]
+        assert got.dtype == expect.dtype and got.shape == expect.shape, k
+        assert torch.equal(got, expect), k
+
+
+def test_getitem_reference_behaviour(cache):
+    d, tensors = cache
+    ds = _ds(d)
+    assert len(ds) == N and ds.num_samples == N and ds.shard_size == SHARD
+    assert ds._shard_indices == list(range(6))
+    for i in [0, 1, 15, 16, 47, N - 1, -1, -N]:
+        item = ds[i]
+        assert set(item) == set(KEYS)
+        for k in KEYS:
+            assert torch.equal(item[k], tensors[k][i]), (i, k)
+    for bad in (N, -N - 1):
+        with pytest.raises(IndexError):
+            ds[bad]
+
+
+@pytest.mark.parametrize(
+    "indices",
+    [
+        list(range(16, 48)),  # whole shards, contiguous: slice path
+        list(range(20, 28)),  # contiguous inside one shard
+        [5, 3, 9, 3, 0],  # one shard, shuffled with a repeat: index_select path
+        [14, 15, 16, 17, 80, 82, 0],  # several shards incl. the short last one
+        [-1, -2, 0, -N],  # negative indices
+        [7],
+        list(range(82, 78, -1)),  # decreasing run
+    ],
+)
+def test_getitems_equals_written_tensors_and_getitem(cache, indices):
+    d, tensors = cache
+    ds = _ds(d)
+    batch = ds.__getitems__(indices)
+    _assert_batch(batch, tensors, indices)
+    for pos, i in enumerate(indices):
+        item = ds[i]
+        for k in KEYS:
+            assert torch.equal(batch[pos][k], item[k])
+
+
+@given(st.lists(st.integers(min_value=-N, max_value=N - 1), min_size=1, max_size=40))
+def test_getitems_property_random_indices(cache, indices):
+    d, tensors = cache
+    _assert_batch(_ds(d).__getitems__(indices), tensors, indices)
+
+
+def test_getitems_out_of_range_and_empty(cache):
+    d, _ = cache
+    ds = _ds(d)
+    with pytest.raises(IndexError, match=f"index {N} out of range for a cache of {N} samples"):
+        ds.__getitems__([0, N])
+    with pytest.raises(IndexError, match="out of range"):
+        ds.__getitems__([-N - 1])
+    assert len(ds.__getitems__([])) == 0
+
+
+def test_batch_is_a_fresh_copy_not_a_view_of_the_file(cache):
+    d, tensors = cache
+    ds = _ds(d)
+    b = ds.__getitems__(list(range(0, 8)))
+    b.tensors["input_ids"].fill_(-7)  # writing the batch must not touch the mapping
+    again = ds.__getitems__(list(range(0, 8)))
+    assert torch.equal(again.tensors["input_ids"], tensors["input_ids"][:8])
+
+
+def test_cached_batch_sequence_protocol_and_collate(cache):
+    d, tensors = cache
+    ds = _ds(d)
+    idx = [3, 40, 41, 2]
+    b = ds.__getitems__(idx)
+    rows = list(b)
+    assert len(rows) == 4 and torch.equal(rows[1]["input_ids"], tensors["input_ids"][40])
+    assert torch.equal(b[-1]["hidden"], tensors["hidden"][2])
+    assert [r["sample_id"].item() for r in b[1:3]] == [40, 41]
+    with pytest.raises(IndexError):
+        b[4]
+    # batched path: the stacked tensors are returned as they are (no restack)
+    out = collate_cached(b, ("input_ids", "hidden"))
+    assert out["input_ids"].data_ptr() == b.tensors["input_ids"].data_ptr()
+    # list path (the reference's input) gives the same values
+    ref = collate_cached([ds[i] for i in idx], ("input_ids", "hidden"))
+    for k in ("input_ids", "hidden"):
+        assert torch.equal(out[k], ref[k])
+    with pytest.raises(ValueError, match="key 'nope' was not read"):
+        collate_cached(b, ("nope",))
+
+
+def test_lru_bounds_open_shards(cache):
+    d, tensors = cache
+    ds = _ds(d, max_open_shards=2)
+    order = [0, 17, 33, 49, 65, 81, 1, 18]
+    for i in order:
+        _assert_batch(ds.__getitems__([i, i]), tensors, [i, i])
+        ds[i]
+        assert len(ds._views) <= 2 and len(ds._open_handles) <= 2
+
+
+def test_pickle_drops_process_state(cache):
+    d, tensors = cache
+    ds = _ds(d)
+    ds.__getitems__([0, 20])
+    ds[0]
+    assert ds._views and ds._open_handles
+    clone = pickle.loads(pickle.dumps(ds))
+    assert not clone._views and not clone._open_handles
+    _assert_batch(clone.__getitems__([0, 20, 82]), tensors, [0, 20, 82])
+
+
+def _child_read(ds: CachedTensorDataset, parent_views_id: int, q) -> None:
+    b = ds.__getitems__([1, 2, 70])
+    q.put(
+        (
+            os.getpid(),
+            ds._pid,
+            id(ds._views) != parent_views_id,
+            b.tensors["sample_id"].tolist(),
+            ds[5]["sample_id"].item(),
+        )
+    )
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
+def test_handles_reopened_in_child_processes(cache, method):
+    d, _ = cache
+    ds = _ds(d)
+    ds.__getitems__([1, 2, 70])  # parent has open mappings and handles
+    ds[5]
+    ctx = mp.get_context(method)
+    q = ctx.Queue()
+    p = ctx.Process(target=_child_read, args=(ds, id(ds._views), q))
+    p.start()
+    pid, ds_pid, fresh_views, ids, item = q.get(timeout=120)
+    p.join(timeout=60)
+    assert p.exitcode == 0
+    assert pid != os.getpid() and ds_pid == pid and fresh_views
+    assert ids == [1, 2, 70] and item == 5
+
+
+def test_reads_do_not_load_the_whole_shard(tmp_path):
+    # mapped, not read: a batch from a large shard allocates only the batch
+    d = str(tmp_path)
+    make_cache(d, 64, 64, width=4096, hidden=64)  # one ~33 MB shard
+    ds = CachedTensorDataset(d, CACHE_NAME, FORMAT_VERSION, ("hidden",))
+    b = ds.__getitems__([3, 9])
+    assert b.tensors["hidden"].shape == (2, 4096, 64)
+    view = ds._views[0]["hidden"]
+    assert view.shape == (64, 4096, 64)
+    assert view.untyped_storage().nbytes() >= view.numel() * 2  # the mapping spans the file
+    assert not view.untyped_storage().resizable()  # a file mapping, not an allocation
+
+
+# -- bad input -----------------------------------------------------------------------
+
+
+def test_bad_arguments(cache):
+    d, _ = cache
+    with pytest.raises(ValueError, match=r"disk_keys='input_ids' must be a non-empty tuple"):
+        CachedTensorDataset(d, CACHE_NAME, FORMAT_VERSION, "input_ids")
+    with pytest.raises(ValueError, match=r"disk_keys=\(\) must be a non-empty tuple"):
+        CachedTensorDataset(d, CACHE_NAME, FORMAT_VERSION, ())
+    with pytest.raises(ValueError, match="max_open_shards=0 must be an int >= 1"):
+        _ds(d, max_open_shards=0)
+    with pytest.raises(ValueError, match="format_version=3, expected 4"):
+        CachedTensorDataset(d, CACHE_NAME, 4, KEYS)
+
+
+def test_missing_key_names_the_shard(cache):
+    d, _ = cache
+    ds = CachedTensorDataset(d, CACHE_NAME, FORMAT_VERSION, ("input_ids", "logits"))
+    with pytest.raises(CacheIntegrityError, match=r"shard-000000\.safetensors has no key 'logits'") as e:
+        ds.__getitems__([0])
+    assert e.value.path == shard_path(d, 0)
+
+
+def _write(d: str, shards: list[dict[str, torch.Tensor]], num_samples: int, shard_size: int) -> None:
+    os.makedirs(d, exist_ok=True)
+    for i, t in enumerate(shards):
+        save_file(t, shard_path(d, i))
+    write_manifest(d, {"num_samples": num_samples, "shard_size": shard_size}, FORMAT_VERSION)
+
+
+def test_shard_with_wrong_row_count(tmp_path):
+    d = str(tmp_path)
+    _write(d, [{"x": torch.zeros(4, 2)}, {"x": torch.zeros(3, 2)}], num_samples=8, shard_size=4)
+    ds = CachedTensorDataset(d, CACHE_NAME, FORMAT_VERSION, ("x",))
+    ds.__getitems__([0, 1])
+    with pytest.raises(CacheIntegrityError, match=r"shard-000001\.safetensors key 'x' holds 3 samples, but the manifest .* puts 4"):
+        ds.__getitems__([5])
+
+
+def test_shard_with_different_schema(tmp_path):
+    d = str(tmp_path)
+    _write(d, [{"x": torch.zeros(4, 2)}, {"x": torch.zeros(4, 2, dtype=torch.float64)}], num_samples=8, shard_size=4)
+    ds = CachedTensorDataset(d, CACHE_NAME, FORMAT_VERSION, ("x",))
+    ds.__getitems__([0])
+    with pytest.raises(CacheIntegrityError, match=r"shard-000001\.safetensors stores .*float64.* but earlier shards store .*float32"):
+        ds.__getitems__([4])
+
+
+def test_shard_removed_after_open(tmp_path):
+    d = str(tmp_path)
+    _write(d, [{"x": torch.zeros(4, 2)}, {"x": torch.zeros(4, 2)}], num_samples=8, shard_size=4)
+    ds = CachedTensorDataset(d, CACHE_NAME, FORMAT_VERSION, ("x",))
+    os.remove(shard_path(d, 1))
+    with pytest.raises(CacheIntegrityError, match=r"shard-000001\.safetensors is missing"):
+        ds.__getitems__([4])
+
+
+def test_open_checks_presence(tmp_path):
+    d = str(tmp_path)
+    _write(d, [{"x": torch.zeros(4, 2)}], num_samples=8, shard_size=4)
+    with pytest.raises(CacheIntegrityError, match="missing shard indices"):
+        CachedTensorDataset(d, CACHE_NAME, FORMAT_VERSION, ("x",))
