@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
 from te_thd.attention._layout import slot_segments
 from te_thd.attention.contract import check_te_thd_args
@@ -126,18 +127,23 @@ def attend_slots(
         if causal:
             allowed &= pos_k[None, wl:wh] <= (pos_q[a:b] + shift[a:b])[:, None]
         row_ok = allowed.any(dim=1)  # [C]
-        qc = query[a:b].to(acc).view(b - a, hkv, groups, d)
-        kc = key[wl:wh].to(acc)
-        vc = value[wl:wh].to(acc)
-        scores = torch.einsum("chgd,whd->hgcw", qc, kc) * scale  # [Hkv, G, C, W]
-        scores = scores.masked_fill(~allowed, float("-inf"))
-        # Rows with no visible key (padding) would softmax to NaN and poison the
-        # backward pass; give them finite scores and zero their weights instead.
-        scores = torch.where(row_ok[:, None], scores, scores.new_zeros(()))
-        probs = torch.softmax(scores, dim=-1)
-        probs = torch.where(row_ok[:, None], probs, probs.new_zeros(()))
-        out = torch.einsum("hgcw,whd->chgd", probs, vc).reshape(b - a, hq, dv)
-        outs.append(out.to(query.dtype))
+        qc = query[a:b].to(acc).transpose(0, 1)  # [H, C, D]
+        kc = key[wl:wh].to(acc).transpose(0, 1)  # [H_kv, W, D]
+        vc = value[wl:wh].to(acc).transpose(0, 1)
+        if wh > wl:
+            # A row with no visible key (padding) would softmax to NaN and poison the
+            # backward pass: let it see the window's first key, then zero its output
+            # (torch.where also zeroes the gradient flowing to that key).
+            allowed[:, 0] |= ~row_ok
+            out = F.scaled_dot_product_attention(
+                qc, kc, vc, attn_mask=allowed, scale=scale, enable_gqa=groups > 1
+            )
+            out = torch.where(row_ok[None, :, None], out, out.new_zeros(()))
+        else:
+            # Empty window: zero rows still connected to the autograd graph.
+            out = torch.einsum("hcd,hwd->hcw", qc[:hkv], kc) @ vc
+            out = out.repeat_interleave(groups, dim=0)
+        outs.append(out.transpose(0, 1).to(query.dtype))
     return torch.cat(outs, dim=0)
 
 
