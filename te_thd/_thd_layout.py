@@ -404,7 +404,7 @@ def check_stream_fits_int32(total_tokens: int) -> None:
     """Raise if a stream of ``total_tokens`` cannot be indexed by int32 boundaries."""
     if total_tokens > _INT32_MAX:
         raise ValueError(
-            f"the batch holds B*S={total_tokens} tokens, more than int32 boundaries "
-            f"(cu_seqlens) can address ({_INT32_MAX}). Use smaller batches or split with "
-            "split_batch_into_thd_chunks."
+            f"input_ids holds {total_tokens} tokens per converted stream (B*S, or B/num_chunks*S "
+            f"when chunked), more than int32 boundaries (cu_seqlens) can address "
+            f"({_INT32_MAX}). Use smaller batches or more chunks."
         )

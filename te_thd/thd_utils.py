@@ -282,9 +282,14 @@ def process_input_for_thd(
     out, layout, device = _convert(
         batch, 1, seq_lens_padding_value, padding_token_id, absorb_trailing_pad
     )
-    out["cu_seqlens"] = _to_device(layout.cu_seqlens[0], device)
-    out["cu_seqlens_padded"] = _to_device(layout.cu_seqlens_padded[0], device)
-    out["max_seqlen"] = _to_device(layout.max_seqlen[0, ...], device)  # 0-d int32 view
+    if device.type == "cpu":  # the normal case: zero-copy views of the host arrays
+        out["cu_seqlens"] = torch.from_numpy(layout.cu_seqlens[0])
+        out["cu_seqlens_padded"] = torch.from_numpy(layout.cu_seqlens_padded[0])
+        out["max_seqlen"] = torch.from_numpy(layout.max_seqlen[0, ...])  # 0-d int32
+    else:
+        out["cu_seqlens"] = _to_device(layout.cu_seqlens[0], device)
+        out["cu_seqlens_padded"] = _to_device(layout.cu_seqlens_padded[0], device)
+        out["max_seqlen"] = _to_device(layout.max_seqlen[0, ...], device)
     out["max_seqlen_int"] = int(layout.max_seqlen[0])
     out["num_seqs"] = int(layout.num_seqs[0])
     _pass_through(out, batch)
@@ -436,10 +441,13 @@ def _convert(
     layout = pack_layout(sl, sp, seq_len, sentinel, num_chunks, absorb)
 
     tok = rows * seq_len
-    lead = (num_chunks, tok) if num_chunks > 1 else (tok * num_chunks,)
-    out: dict[str, Any] = {"input_ids": input_ids.reshape(*lead, *input_ids.shape[2:])}
+    lead = (num_chunks, tok) if num_chunks > 1 else (tok,)
+    # reshape returns views for the contiguous tensors collates produce.
+    out: dict[str, Any] = {
+        "input_ids": input_ids.reshape(lead if input_ids.dim() == 2 else (*lead, -1))
+    }
     if labels is not None:
-        out["labels"] = labels.reshape(*lead, *labels.shape[2:])
+        out["labels"] = labels.reshape(lead if labels.dim() == 2 else (*lead, *labels.shape[2:]))
     if position_ids.dim() == 3:
         n_rope = position_ids.shape[0]
         pos = position_ids.reshape(n_rope, num_chunks, 1, tok)
@@ -447,7 +455,9 @@ def _convert(
     else:
         out["position_ids"] = position_ids.reshape(lead)
     out["pad_between_seqs"] = bool(layout.pad_between_seqs.any())
-    mask = _to_device(layout.padding_mask, input_ids.device)
+    mask = torch.from_numpy(layout.padding_mask)
+    if not input_ids.is_cpu:
+        mask = mask.to(input_ids.device, non_blocking=True)
     out["padding_mask"] = mask.view(num_chunks, tok) if num_chunks > 1 else mask
     return out, layout, meta_device
 
@@ -483,6 +493,16 @@ def _host_ints(value: Any, name: str) -> np.ndarray:
 
 
 def _lengths_to_host(value: Any, name: str, bsz: int) -> np.ndarray:
+    """``[B, P]`` integer length table -> int64 host array, validated."""
+    # Fast path for what collates produce (int64 on the CPU): zero-copy view.
+    if (
+        isinstance(value, torch.Tensor)
+        and value.dtype is torch.int64
+        and value.is_cpu
+        and value.dim() == 2
+        and value.shape[0] == bsz
+    ):
+        return value.numpy()
     arr = _host_ints(value, name)
     if arr.ndim != 2 or arr.shape[0] != bsz:
         raise ValueError(
