@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import save_file
 
 from te_thd.offline_cache.format import shard_path, write_manifest
+from te_thd.offline_cache.producer import produce_cache
 
 FORMAT_VERSION = 3
 CACHE_NAME = "test"
@@ -40,6 +41,17 @@ def sample_tensors(num_samples: int, width: int = 8, seed: int = 0, hidden: int 
     return out
 
 
+class _Rows(torch.utils.data.Dataset):
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.tensors = tensors
+
+    def __len__(self) -> int:
+        return len(self.tensors["sample_id"])
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {k: v[i] for k, v in self.tensors.items()}
+
+
 def make_cache(
     cache_dir: str,
     num_samples: int,
@@ -47,10 +59,23 @@ def make_cache(
     width: int = 8,
     seed: int = 0,
     hidden: int = 0,
+    producer: bool = True,
 ) -> dict[str, torch.Tensor]:
-    """Write a cache of ``num_samples`` samples in shards of ``shard_size``; return its tensors."""
-    os.makedirs(cache_dir, exist_ok=True)
+    """Write a cache of ``num_samples`` samples in shards of ``shard_size``; return its tensors.
+
+    ``producer=True``: through te_thd's ``produce_cache`` (manifest with schema and
+    per-shard byte sizes + checksums); ``False``: plain ``save_file`` shards and a
+    manifest with only the seed fields, as the reference producer writes them.
+    """
     tensors = sample_tensors(num_samples, width, seed, hidden)
+    if producer:
+        loader = torch.utils.data.DataLoader(_Rows(tensors), batch_size=shard_size)
+        produce_cache(
+            loader, cache_dir, shard_size, lambda batch: batch, tuple(tensors),
+            format_version=FORMAT_VERSION, cache_name=CACHE_NAME, progress=False,
+        )
+        return tensors
+    os.makedirs(cache_dir, exist_ok=True)
     for s, start in enumerate(range(0, num_samples, shard_size)):
         save_file({k: v[start : start + shard_size].contiguous() for k, v in tensors.items()}, shard_path(cache_dir, s))
     write_manifest(cache_dir, {"num_samples": num_samples, "shard_size": shard_size}, FORMAT_VERSION)

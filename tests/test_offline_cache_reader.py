@@ -30,10 +30,12 @@ KEYS = ("sample_id", "input_ids", "loss_mask", "position_mask", "length", "hidde
 N, SHARD = 83, 16  # 6 shards, the last one short (3 samples)
 
 
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
+@pytest.fixture(scope="module", params=["produce_cache", "plain_save_file"])
+def cache(tmp_path_factory, request):
+    """The same samples written by te_thd's producer (manifest with schema and shard
+    records) and as plain safetensors files with a seed-only manifest."""
     d = str(tmp_path_factory.mktemp("cache"))
-    tensors = make_cache(d, N, SHARD, width=8, hidden=3)
+    tensors = make_cache(d, N, SHARD, width=8, hidden=3, producer=request.param == "produce_cache")
     return d, tensors
 
 
@@ -171,8 +173,9 @@ def _child_read(ds: CachedTensorDataset, parent_views_id: int, q) -> None:
 
 
 @pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
-def test_handles_reopened_in_child_processes(cache, method):
-    d, _ = cache
+def test_handles_reopened_in_child_processes(tmp_path, method):
+    d = str(tmp_path)
+    make_cache(d, N, SHARD, width=8, hidden=3)
     ds = _ds(d)
     ds.__getitems__([1, 2, 70])  # parent has open mappings and handles
     ds[5]
@@ -215,12 +218,29 @@ def test_bad_arguments(cache):
         CachedTensorDataset(d, CACHE_NAME, 4, KEYS)
 
 
-def test_missing_key_names_the_shard(cache):
-    d, _ = cache
+def test_missing_key_rejected_at_open_with_a_schema(tmp_path):
+    d = str(tmp_path)
+    make_cache(d, 20, 8, producer=True)
+    with pytest.raises(ValueError, match=r"disk_keys \['logits'\] are not in the test cache .* pass keys the producer wrote"):
+        CachedTensorDataset(d, CACHE_NAME, FORMAT_VERSION, ("input_ids", "logits"))
+
+
+def test_missing_key_names_the_shard_without_a_schema(tmp_path):
+    d = str(tmp_path)
+    make_cache(d, 20, 8, producer=False)
     ds = CachedTensorDataset(d, CACHE_NAME, FORMAT_VERSION, ("input_ids", "logits"))
     with pytest.raises(CacheIntegrityError, match=r"shard-000000\.safetensors has no key 'logits'") as e:
         ds.__getitems__([0])
     assert e.value.path == shard_path(d, 0)
+
+
+def test_open_checks_shard_sizes_recorded_by_the_producer(tmp_path):
+    d = str(tmp_path)
+    make_cache(d, 20, 8, producer=True)
+    with open(shard_path(d, 1), "ab") as f:
+        f.write(b"x")
+    with pytest.raises(CacheIntegrityError, match=r"shard-000001\.safetensors"):
+        CachedTensorDataset(d, CACHE_NAME, FORMAT_VERSION, ("input_ids",))
 
 
 def _write(d: str, shards: list[dict[str, torch.Tensor]], num_samples: int, shard_size: int) -> None:
