@@ -136,6 +136,9 @@ def test_cached_batch_sequence_protocol_and_collate(cache):
         assert torch.equal(out[k], ref[k])
     with pytest.raises(ValueError, match="key 'nope' was not read"):
         collate_cached(b, ("nope",))
+    # a collate written for a list of samples (torch's default) still works on it
+    default = torch.utils.data.default_collate(b)
+    assert all(torch.equal(default[k], b.tensors[k]) for k in KEYS)
 
 
 def test_lru_bounds_open_shards(cache):
