@@ -29,9 +29,11 @@ which turns them into zero-length sequences -- no device ``argmin`` and no sync
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 __all__ = [
@@ -116,6 +118,78 @@ def _valid_boundaries(cu_seqlens_padded: torch.Tensor, num_seqs: int | None) -> 
     return torch.cummax(cu, dim=0).values
 
 
+def _host_boundaries(cu_seqlens_padded: torch.Tensor) -> np.ndarray:
+    """int64 numpy copy/view of the boundaries (a device tensor is copied: a sync)."""
+    if cu_seqlens_padded.device.type != "cpu":
+        cu_seqlens_padded = cu_seqlens_padded.detach().cpu()
+    return cu_seqlens_padded.numpy().astype(np.int64, copy=False)  # read-only use below
+
+
+def _strip_sentinels(cu: np.ndarray) -> np.ndarray:
+    """Valid prefix of a boundary array right-padded with negative sentinels."""
+    negative = cu < 0
+    first = int(negative.argmax())
+    tail = negative[first:]
+    if np.count_nonzero(tail) != tail.size:
+        bad = first + int((~tail).argmax())
+        raise ValueError(
+            f"cu_seqlens_padded has a non-negative entry {int(cu[bad])} at index {bad} "
+            f"after the sentinel at index {first}; sentinels (negative) must only "
+            "right-pad the array -- pass num_seqs to say how many sequences are valid"
+        )
+    if first == 0:
+        raise ValueError("cu_seqlens_padded holds only sentinels; it must start with boundary 0")
+    return cu[:first]
+
+
+def _validated_np(
+    cu: np.ndarray, total_tokens: int, cp_size: int, num_seqs: int | None
+) -> np.ndarray:
+    """Check a host boundary array (see :func:`validate_cp_layout`); return its valid ``[N+1]``.
+
+    The common, valid case costs a handful of numpy calls (this runs on every shard);
+    the error paths take their time to name the offending entry.
+    """
+    multiple = 2 * cp_size
+    if cp_size > 1 and total_tokens % multiple != 0:
+        raise ValueError(
+            f"total_tokens={total_tokens} is not divisible by 2*cp_size={multiple}; "
+            f"pad every sequence (and so the stream) to a multiple of {multiple}, e.g. "
+            f"PackingCollator(pad_to_multiple_of=pad_to_multiple_for(cp_size={cp_size}))"
+        )
+    if num_seqs is not None:
+        cu = cu[: num_seqs + 1]
+    elif cu[-1] < 0:  # sentinels trail; one in the middle shows up as a decrease below
+        cu = _strip_sentinels(cu)
+    if cu[0] != 0:
+        raise ValueError(f"cu_seqlens_padded[0] must be 0, got {int(cu[0])}")
+    lengths = cu[1:] - cu[:-1]
+    if np.count_nonzero(lengths < 0):
+        if num_seqs is None and np.count_nonzero(cu < 0):
+            _strip_sentinels(cu)  # raises, naming the misplaced sentinel
+        i = int((lengths < 0).argmax())
+        raise ValueError(
+            f"cu_seqlens_padded must be non-decreasing: sequence {i} has negative padded "
+            f"length {int(lengths[i])} (boundaries {int(cu[i])} -> {int(cu[i + 1])})"
+        )
+    if cp_size > 1 and np.count_nonzero(lengths % multiple):
+        i = int((lengths % multiple != 0).argmax())
+        raise ValueError(
+            f"sequence {i} has padded length {int(lengths[i])}, which is not a multiple of "
+            f"2*cp_size={multiple} (TE's THD context parallelism splits every sequence into "
+            f"{multiple} equal chunks); pad every sequence to a multiple of {multiple}, e.g. "
+            f"PackingCollator(pad_to_multiple_of=pad_to_multiple_for(cp_size={cp_size}))"
+        )
+    if cu[-1] != total_tokens:
+        raise ValueError(
+            f"cu_seqlens_padded ends at {int(cu[-1])} but total_tokens={total_tokens}; the "
+            "padded boundaries must cover the whole stream (TE assigns tokens past the last "
+            "boundary to the last sequence and produces overlapping partitions) -- grow the "
+            "last sequence's padded length to the end of the stream"
+        )
+    return cu
+
+
 def validate_cp_layout(
     cu_seqlens_padded: torch.Tensor,
     total_tokens: int,
@@ -139,110 +213,180 @@ def validate_cp_layout(
             end at ``total_tokens``.
     """
     _check_cp_args(cp_size)
-    cu_t = _check_boundaries_tensor(cu_seqlens_padded, num_seqs)
+    _check_boundaries_tensor(cu_seqlens_padded, num_seqs)
     _check_total_tokens(total_tokens)
-    multiple = 2 * cp_size
-    if cp_size > 1 and total_tokens % multiple != 0:
-        raise ValueError(
-            f"total_tokens={total_tokens} is not divisible by 2*cp_size={multiple}; "
-            f"pad every sequence (and so the stream) to a multiple of {multiple}, e.g. "
-            f"PackingCollator(pad_to_multiple_of=pad_to_multiple_for(cp_size={cp_size}))"
-        )
-    cu = cu_t.detach().to("cpu", torch.int64)
-    if num_seqs is not None:
-        cu = cu[: num_seqs + 1]
-    else:
-        negative = (cu < 0).nonzero()
-        if negative.numel():
-            first = int(negative[0, 0])
-            tail = cu[first:]
-            if bool((tail >= 0).any()):
-                bad = first + int((tail >= 0).nonzero()[0, 0])
-                raise ValueError(
-                    f"cu_seqlens_padded has a non-negative entry {int(cu[bad])} at index {bad} "
-                    f"after the sentinel at index {first}; sentinels (negative) must only "
-                    "right-pad the array -- pass num_seqs to say how many sequences are valid"
-                )
-            cu = cu[:first]
-            if cu.numel() == 0:
-                raise ValueError(
-                    "cu_seqlens_padded holds only sentinels; it must start with boundary 0"
-                )
-    if int(cu[0]) != 0:
-        raise ValueError(f"cu_seqlens_padded[0] must be 0, got {int(cu[0])}")
-    lengths = cu[1:] - cu[:-1]
-    decreasing = (lengths < 0).nonzero()
-    if decreasing.numel():
-        i = int(decreasing[0, 0])
-        raise ValueError(
-            f"cu_seqlens_padded must be non-decreasing: sequence {i} has negative padded "
-            f"length {int(lengths[i])} (boundaries {int(cu[i])} -> {int(cu[i + 1])})"
-        )
-    if cp_size > 1:
-        bad_div = (lengths % multiple != 0).nonzero()
-        if bad_div.numel():
-            i = int(bad_div[0, 0])
-            raise ValueError(
-                f"sequence {i} has padded length {int(lengths[i])}, which is not a multiple of "
-                f"2*cp_size={multiple} (TE's THD context parallelism splits every sequence into "
-                f"{multiple} equal chunks); pad every sequence to a multiple of {multiple}, e.g. "
-                f"PackingCollator(pad_to_multiple_of=pad_to_multiple_for(cp_size={cp_size}))"
-            )
-    last = int(cu[-1])
-    if last != total_tokens:
-        raise ValueError(
-            f"cu_seqlens_padded ends at {last} but total_tokens={total_tokens}; the padded "
-            "boundaries must cover the whole stream (TE assigns tokens past the last boundary "
-            "to the last sequence and produces overlapping partitions) -- grow the last "
-            "sequence's padded length to the end of the stream"
-        )
+    _validated_np(_host_boundaries(cu_seqlens_padded), total_tokens, cp_size, num_seqs)
 
 
 # --------------------------------------------------------------------------- partition
+#
+# Two transcriptions of one rule: numpy for boundaries on the CPU (the DataLoader
+# case; numpy's per-call overhead is ~1 us against torch's ~3-5 us, and the arrays are
+# tiny until the final per-token pass) and torch for boundaries on a device (no sync).
+# tests/test_cp.py checks both against the loop oracle.
+#
+# Both use TE's own arithmetic: with c_i = L_i / (2cp), rank r's local stream holds
+# sequence i's chunk r at local offset s_i / cp and its chunk 2cp-1-r right after, so
+# local token j of those two runs comes from j + shift, where
+#   shift_first  = s_i - s_i / cp + r * c_i
+#   shift_second = s_i - s_i / cp + (2cp - 2 - r) * c_i
+# (TE: ``index += cu_s[seq] * world_size + seq_len / 2 * offset``). One repeat of the
+# 2N shifts over the run lengths plus an arange gives every index.
 
 
-def _chunk_ranges(
-    cu: torch.Tensor, cp_size: int, ranks: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Source starts and lengths of the chunks ranks ``ranks`` own, in their output order.
+@functools.lru_cache(maxsize=4)
+def _arange_np(n: int) -> np.ndarray:
+    """Read-only int64 ``arange(n)``, cached: the partition length repeats batch after batch."""
+    out = np.arange(n, dtype=np.int64)
+    out.flags.writeable = False
+    return out
 
-    ``cu`` is the ``[N+1]`` int64 boundary array, ``ranks`` an int64 ``[R]`` tensor.
-    Returns ``(starts, lengths)``, each int64 ``[R * N * 2]``, ordered rank-major, then
-    sequence, then (chunk r, chunk 2cp-1-r).
-    """
-    begin = cu[:-1]  # [N]
+
+def _indices_np(cu: np.ndarray, total_tokens: int, cp_size: int, ranks: list[int]) -> np.ndarray:
+    """Host path. ``cu``: int64 ``[N+1]`` boundaries; returns int64 ``[len(ranks) * T / cp]``."""
+    local = total_tokens // cp_size
+    begin = cu[:-1]
     chunk = (cu[1:] - begin) // (2 * cp_size)  # [N]
-    r = ranks.view(-1, 1)  # [R, 1]
-    first = begin + r * chunk  # [R, N]
-    second = begin + (2 * cp_size - 1 - r) * chunk  # [R, N]
-    starts = torch.stack((first, second), dim=-1).reshape(-1)
-    lengths = chunk.view(1, -1, 1).expand(r.shape[0], -1, 2).reshape(-1)
-    return starts, lengths
+    base = begin - begin // cp_size  # [N]
+    if len(ranks) == 1:  # the hot path: a handful of numpy calls on [N] arrays
+        r = ranks[0]
+        shifts = np.empty((chunk.shape[0], 2), dtype=np.int64)
+        shifts[:, 0] = base + r * chunk
+        shifts[:, 1] = base + (2 * cp_size - 2 - r) * chunk
+        runs = np.repeat(chunk, 2)
+    else:
+        rr = np.asarray(ranks, dtype=np.int64).reshape(-1, 1)  # [R, 1]
+        # rank-major: rank k's block starts at local offset k * T / cp
+        base = base - np.arange(len(ranks), dtype=np.int64).reshape(-1, 1) * local  # [R, N]
+        shifts = np.empty((len(ranks), chunk.shape[0], 2), dtype=np.int64)
+        shifts[..., 0] = base + rr * chunk
+        shifts[..., 1] = base + (2 * cp_size - 2 - rr) * chunk
+        runs = np.tile(np.repeat(chunk, 2), len(ranks))
+    index = np.repeat(shifts.reshape(-1), runs)
+    if index.shape[0] != local * len(ranks):  # only reachable with check=False
+        raise ValueError(
+            f"cu_seqlens_padded describes {index.shape[0] // len(ranks)} tokens per rank, "
+            f"expected total_tokens // cp_size = {local}; run validate_cp_layout on it"
+        )
+    index += _arange_np(index.shape[0])
+    return index
 
 
-def _gather_ranges(starts: torch.Tensor, lengths: torch.Tensor, output_size: int) -> torch.Tensor:
-    """Concatenate ``arange(starts[k], starts[k] + lengths[k])`` over k -> int64 ``[output_size]``.
+def _indices_torch(
+    cu_seqlens_padded: torch.Tensor,
+    cp_size: int,
+    ranks: list[int],
+    num_seqs: int | None,
+    total_tokens: int,
+) -> torch.Tensor:
+    """Device path: pure torch, no host-device synchronisation (output size is host-known)."""
+    device = cu_seqlens_padded.device
+    local = total_tokens // cp_size
+    cu = _valid_boundaries(cu_seqlens_padded, num_seqs)
+    begin = cu[:-1]
+    chunk = (cu[1:] - begin) // (2 * cp_size)  # [N]
+    if len(ranks) == 1:
+        r = torch.full((1, 1), ranks[0], dtype=torch.int64, device=device)
+    else:
+        r = torch.arange(cp_size, dtype=torch.int64, device=device).view(-1, 1)
+    block = torch.arange(len(ranks), dtype=torch.int64, device=device).view(-1, 1) * local
+    base = (begin - torch.div(begin, cp_size, rounding_mode="floor")) - block  # [R, N]
+    shifts = torch.stack((base + r * chunk, base + (2 * cp_size - 2 - r) * chunk), dim=-1)
+    runs = chunk.view(1, -1, 1).expand(shifts.shape).reshape(-1)
+    out_size = local * len(ranks)
+    index = torch.repeat_interleave(shifts.reshape(-1), runs, output_size=out_size)
+    return index.add_(torch.arange(out_size, dtype=torch.int64, device=device))
 
-    One ``repeat_interleave`` with a host-known ``output_size`` (no device sync) of the
-    per-range shift, plus an arange: index j of range k is ``j_out + starts[k] - offset[k]``.
+
+@functools.lru_cache(maxsize=64)
+def _chunk_coefficients(cp_size: int, cp_rank: int) -> np.ndarray:
+    """``[1, 2]`` int64: multiples of the chunk length that shift rank r's two runs."""
+    out = np.array([[cp_rank, 2 * cp_size - 2 - cp_rank]], dtype=np.int64)
+    out.flags.writeable = False
+    return out
+
+
+def _checked_rank_indices_np(
+    cu: np.ndarray, total_tokens: int, cp_size: int, cp_rank: int
+) -> np.ndarray | None:
+    """One rank's indices for a *valid* layout in the fewest numpy calls, else None.
+
+    The hot path of sharding: checks and index math share their arrays. It proves
+    validity as it goes -- ends 0 and ``total_tokens``, every padded length a
+    multiple of 2*cp, none negative (``np.repeat`` rejects a negative chunk count) --
+    and returns None on anything else, so the caller's full validation names the
+    problem.
     """
-    out_offsets = torch.cumsum(lengths, dim=0) - lengths
-    shift = torch.repeat_interleave(starts - out_offsets, lengths, output_size=output_size)
-    return shift.add_(torch.arange(output_size, device=starts.device, dtype=torch.int64))
+    m = 2 * cp_size
+    if total_tokens % m or cu.shape[0] == 0 or cu[0] != 0 or cu[-1] != total_tokens:
+        return None
+    lengths = cu[1:] - cu[:-1]
+    if np.count_nonzero(lengths % m):
+        return None
+    chunk = lengths // m  # [N]
+    begin = cu[:-1]
+    # begin - begin / cp (exact: every start is a multiple of 2*cp here), plus the
+    # per-run chunk multiples -> [N, 2] shifts in output order
+    shifts = (begin // cp_size * (cp_size - 1))[:, None] + chunk[:, None] * _chunk_coefficients(
+        cp_size, cp_rank
+    )
+    try:
+        index = np.repeat(shifts.reshape(-1), np.repeat(chunk, 2))
+    except ValueError:  # a negative chunk: the boundaries decrease somewhere
+        return None
+    index += _arange_np(index.shape[0])
+    return index
 
 
-def _maybe_validate(
+def _host_indices(
     cu_seqlens_padded: torch.Tensor,
     total_tokens: int,
     cp_size: int,
+    ranks: list[int],
+    num_seqs: int | None,
+    check: bool,
+) -> np.ndarray:
+    """Host path of :func:`_indices` (``cu_seqlens_padded`` on the CPU): int64 numpy."""
+    cu = _host_boundaries(cu_seqlens_padded)
+    if check and cp_size > 1 and len(ranks) == 1:
+        fast = _checked_rank_indices_np(
+            cu if num_seqs is None else cu[: num_seqs + 1], total_tokens, cp_size, ranks[0]
+        )
+        if fast is not None:
+            return fast
+    if check:
+        cu = _validated_np(cu, total_tokens, cp_size, num_seqs)
+    elif num_seqs is not None:
+        cu = cu[: num_seqs + 1]
+    else:
+        cu = np.maximum.accumulate(cu)  # neutralise trailing sentinels, as on the device
+    if cp_size == 1:
+        return np.arange(total_tokens, dtype=np.int64)
+    return _indices_np(cu, total_tokens, cp_size, ranks)
+
+
+def _indices(
+    cu_seqlens_padded: torch.Tensor,
+    total_tokens: int,
+    cp_size: int,
+    ranks: list[int],
     num_seqs: int | None,
     check: bool | None,
-) -> None:
+) -> torch.Tensor:
+    """Concatenated partition indices of ``ranks`` (int64, on the boundaries' device)."""
+    _check_boundaries_tensor(cu_seqlens_padded, num_seqs)
     _check_total_tokens(total_tokens)
-    if check is None:
-        check = cu_seqlens_padded.device.type == "cpu"
+    on_host = cu_seqlens_padded.device.type == "cpu"
+    if on_host:
+        check = True if check is None else check
+        return torch.from_numpy(
+            _host_indices(cu_seqlens_padded, total_tokens, cp_size, ranks, num_seqs, check)
+        )
     if check:
-        validate_cp_layout(cu_seqlens_padded, total_tokens, cp_size, num_seqs)
+        _validated_np(_host_boundaries(cu_seqlens_padded), total_tokens, cp_size, num_seqs)
+    if cp_size == 1:
+        return torch.arange(total_tokens, device=cu_seqlens_padded.device, dtype=torch.int64)
+    return _indices_torch(cu_seqlens_padded, cp_size, ranks, num_seqs, total_tokens)
 
 
 def partition_indices(
@@ -274,15 +418,7 @@ def partition_indices(
         ``cp_size == 1`` gives ``arange(total_tokens)`` (TE's rule reduces to the identity).
     """
     _check_cp_args(cp_size, cp_rank)
-    _check_boundaries_tensor(cu_seqlens_padded, num_seqs)
-    _maybe_validate(cu_seqlens_padded, total_tokens, cp_size, num_seqs, check)
-    device = cu_seqlens_padded.device
-    if cp_size == 1:
-        return torch.arange(total_tokens, device=device, dtype=torch.int64)
-    cu = _valid_boundaries(cu_seqlens_padded, num_seqs)
-    ranks = torch.full((1,), cp_rank, dtype=torch.int64, device=device)
-    starts, lengths = _chunk_ranges(cu, cp_size, ranks)
-    return _gather_ranges(starts, lengths, total_tokens // cp_size)
+    return _indices(cu_seqlens_padded, total_tokens, cp_size, [cp_rank], num_seqs, check)
 
 
 def _rank_order_permutation(
@@ -294,15 +430,7 @@ def _rank_order_permutation(
 ) -> torch.Tensor:
     """int64 ``[T]``: concatenation of ``partition_indices`` for ranks 0..cp_size-1."""
     _check_cp_args(cp_size)
-    _check_boundaries_tensor(cu_seqlens_padded, num_seqs)
-    _maybe_validate(cu_seqlens_padded, total_tokens, cp_size, num_seqs, check)
-    device = cu_seqlens_padded.device
-    if cp_size == 1:
-        return torch.arange(total_tokens, device=device, dtype=torch.int64)
-    cu = _valid_boundaries(cu_seqlens_padded, num_seqs)
-    ranks = torch.arange(cp_size, device=device, dtype=torch.int64)
-    starts, lengths = _chunk_ranges(cu, cp_size, ranks)
-    return _gather_ranges(starts, lengths, total_tokens)
+    return _indices(cu_seqlens_padded, total_tokens, cp_size, list(range(cp_size)), num_seqs, check)
 
 
 def _dim_size(x: torch.Tensor, dim: int) -> int:
@@ -429,6 +557,7 @@ def shard_thd_batch_for_cp(
         )
     if num_seqs is None and isinstance(thd_batch.get("num_seqs"), int):
         num_seqs = thd_batch["num_seqs"]  # host-side count from process_input_for_thd
+    _check_cp_rank(cp_size, cp_rank)
     idx = partition_indices(cu, total, cp_size, cp_rank, num_seqs)
     on_device: dict[torch.device, torch.Tensor] = {idx.device: idx}
 
@@ -443,7 +572,7 @@ def shard_thd_batch_for_cp(
         v = thd_batch.get(k)
         if v is None and k in _TOKEN_KEYS:
             continue
-        if not isinstance(v, torch.Tensor) or v.dim() == 0 or v.shape[0] != total:
+        if not isinstance(v, torch.Tensor) or v.shape[:1] != (total,):
             shape = tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
             raise ValueError(
                 f"thd_batch[{k!r}] must be a [T, ...] tensor with T={total} (the length of "
@@ -452,9 +581,9 @@ def shard_thd_batch_for_cp(
         out[k] = take(v, 0)
     pos = thd_batch.get("position_ids")
     if isinstance(pos, torch.Tensor):
-        if pos.dim() == 3 and pos.shape[1] == 1 and pos.shape[2] == total:
+        if pos.dim() == 3 and pos.shape[1:] == (1, total):
             out["position_ids"] = take(pos, 2)  # mRoPE [n_rope, 1, T]
-        elif pos.dim() >= 1 and pos.shape[0] == total:
+        elif pos.shape[:1] == (total,):
             out["position_ids"] = take(pos, 0)
         else:
             raise ValueError(

@@ -30,6 +30,7 @@ Position ids restart at 0 for every document and count on through its padding sl
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
@@ -226,11 +227,54 @@ def unflatten_from_position_ids(
 # --------------------------------------------------------------------------- collator
 
 
-def _ranges(starts: torch.Tensor, lengths: torch.Tensor, total: int) -> torch.Tensor:
-    """Concatenate ``arange(starts[k], starts[k] + lengths[k])`` -> int64 ``[total]``."""
-    offsets = torch.cumsum(lengths, 0) - lengths
-    shift = torch.repeat_interleave(starts - offsets, lengths, output_size=total)
-    return shift.add_(torch.arange(total, dtype=torch.int64))
+@functools.lru_cache(maxsize=4)
+def _arange(n: int) -> np.ndarray:
+    """Read-only int64 ``arange(n)``, cached: B*S repeats batch after batch."""
+    out = np.arange(n, dtype=np.int64)
+    out.flags.writeable = False
+    return out
+
+
+def _concat(parts: list[torch.Tensor], filler_len: int, fill: float) -> torch.Tensor:
+    """``cat(parts)`` followed by ``filler_len`` copies of ``fill`` (one allocation).
+
+    CPU tensors of numpy-representable dtypes go through numpy (views, no copies until
+    the one concatenation), which is several times faster than torch's CPU cat and
+    index_select for these many small pieces; anything else stays in torch.
+    """
+    first = parts[0]
+    if first.device.type == "cpu" and first.dtype not in _NO_NUMPY:
+        arrays = [p.numpy() for p in parts]
+        arrays.append(np.full(filler_len, fill, dtype=arrays[0].dtype))
+        return torch.from_numpy(np.concatenate(arrays))
+    total = sum(p.shape[0] for p in parts)
+    out = torch.empty(total + filler_len, dtype=first.dtype, device=first.device)
+    torch.cat(parts, out=out[:total])
+    out[total:] = fill
+    return out
+
+
+def _take(source: torch.Tensor, index: np.ndarray) -> torch.Tensor:
+    """``source[index]`` for a 1-D source (numpy's take on the CPU: ~4x torch's index_select)."""
+    if source.device.type == "cpu" and source.dtype not in _NO_NUMPY:
+        return torch.from_numpy(np.take(source.numpy(), index))
+    return source.index_select(0, torch.from_numpy(index).to(source.device))
+
+
+def _shift_within_samples(labels: torch.Tensor, total: int, ends: np.ndarray) -> None:
+    """In place: ``labels[t] = labels[t+1]`` for ``t < total-1``, then -100 at each sample's end."""
+    if labels.device.type == "cpu" and labels.dtype not in _NO_NUMPY:
+        arr = labels.numpy()
+        arr[: total - 1] = arr[1:total]  # numpy handles the overlap (buffered copy)
+        arr[ends] = IGNORE_INDEX
+        return
+    labels[: total - 1] = labels[1:total].clone()
+    labels[torch.from_numpy(ends).to(labels.device)] = IGNORE_INDEX
+
+
+_NO_NUMPY = (torch.bfloat16, torch.complex32) + tuple(
+    d for d in (getattr(torch, n, None) for n in ("float8_e4m3fn", "float8_e5m2")) if d is not None
+)
 
 
 class PackingCollator:
@@ -255,6 +299,8 @@ class PackingCollator:
         labels_shifted: samples carry labels that are already shifted (see the module
             docstring); they are then not shifted again.
         pad_values: filler for other packed keys (default 0).
+        bin_packing: ``"ffd"`` (first-fit-decreasing, the default) or ``"first_fit"``
+            (arrival order: rows keep the data order, at some cost in padding).
 
     Call with a list of samples (``{key: 1-D tensor}``, all with the same keys and, per
     sample, the same length) or with a flattened batch (a mapping whose
@@ -282,6 +328,7 @@ class PackingCollator:
         rows: int | None = None,
         labels_shifted: bool = False,
         pad_values: Mapping[str, int | float] | None = None,
+        bin_packing: Literal["ffd", "first_fit"] = "ffd",
     ) -> None:
         self.seq_len = _positive_int("seq_len", seq_len)
         self.pad_to_multiple_of = _positive_int("pad_to_multiple_of", pad_to_multiple_of)
@@ -312,6 +359,9 @@ class PackingCollator:
         self.pad_token_id = pad_token_id
         self.labels_shifted = labels_shifted
         self.pad_values = dict(pad_values or {})
+        if bin_packing not in ("ffd", "first_fit"):
+            raise ValueError(f"bin_packing must be 'ffd' or 'first_fit', got {bin_packing!r}")
+        self.bin_packing = bin_packing
 
     # -- validation ---------------------------------------------------------------------
 
@@ -369,87 +419,80 @@ class PackingCollator:
         if isinstance(samples, Mapping):
             samples = unflatten_from_position_ids(samples)
         full_lens, keys = self._lengths(samples)
-        S, m = self.seq_len, self.pad_to_multiple_of
-        n_samples = len(full_lens)
-        full = torch.tensor(full_lens, dtype=torch.int64)  # [n]
-        real = full.clamp(max=S)  # [n] kept tokens
-        padded = (real + (m - 1)) // m * m  # [n]
+        S, m, sentinel = self.seq_len, self.pad_to_multiple_of, self.seq_lens_padding_value
+        n = len(full_lens)
+        full = np.asarray(full_lens, dtype=np.int64)  # [n] sample lengths
+        real = np.minimum(full, S)  # [n] kept tokens
+        padded = (real + (m - 1)) // m * m  # [n] span before the row tail
 
-        bins = torch.from_numpy(assign_bins(padded.numpy(), S))
+        bins = assign_bins(padded, S, decreasing=self.bin_packing == "ffd")
         n_bins = int(bins.max()) + 1
         B = n_bins if self.rows is None else self.rows
         if n_bins > B:
             raise ValueError(
-                f"the {n_samples} samples need {n_bins} rows of seq_len={S} but rows={B}; "
+                f"the {n} samples need {n_bins} rows of seq_len={S} but rows={B}; "
                 "pass fewer samples per batch, a larger rows, or rows=None"
             )
 
-        # Documents in output order: by row, arrival order within a row.
-        order = torch.from_numpy(np.lexsort((np.arange(n_samples), bins.numpy())))
+        # Documents in output order: by row, arrival order within a row. Rows
+        # 0..n_bins-1 are non-empty (first fit opens bins leftmost), the rest empty.
+        order = np.argsort(bins, kind="stable")
         row = bins[order]
-        counts = torch.bincount(row, minlength=B)  # [B] documents per row
-        row_first = torch.cumsum(counts, 0) - counts  # [B] first doc (in order) of each row
-        slot = torch.arange(n_samples) - row_first[row]  # [n] index within the row
-        p_ord, r_ord = padded[order], real[order]
-        cum = torch.cumsum(p_ord, 0) - p_ord
-        row_fill = torch.zeros(B, dtype=torch.int64).index_add_(0, row, p_ord)  # [B]
-        offset = cum - (torch.cumsum(row_fill, 0) - row_fill)[row]  # [n] start within the row
-        dest = row * S + offset  # [n] flat start of each document
+        counts = np.bincount(row, minlength=B)  # [B] documents per row
+        row_first = np.cumsum(counts) - counts  # [B] first document of each row
+        slot = np.arange(n) - row_first[row]  # [n] index within the row
+        r_ord = real[order]
+        span = padded[order].copy()  # [n] slots of each document incl. its padding
+        row_fill = np.zeros(B, dtype=np.int64)
+        np.add.at(row_fill, row, span)
+        last = row_first[:n_bins] + counts[:n_bins] - 1
+        span[last] += S - row_fill[:n_bins]  # the row's unused tail joins its last document
 
-        # seq_lens / seq_lens_padded [B, P]; the row's tail joins its last document.
-        empty = counts == 0
-        P = max(1, int(counts.max()))
-        seq_lens = torch.full((B, P), self.seq_lens_padding_value, dtype=torch.int64)
-        seq_lens_padded = seq_lens.clone()
+        P = int(counts.max())
+        seq_lens = np.full((B, P), sentinel, dtype=np.int64)
+        seq_lens_padded = seq_lens.copy()
         seq_lens[row, slot] = r_ord
-        tail = S - row_fill  # [B]
-        last_of_row = torch.zeros(n_samples, dtype=torch.int64)
-        nonempty_rows = (~empty).nonzero().view(-1)
-        last_idx = (row_first + counts - 1)[nonempty_rows]
-        last_of_row[last_idx] = tail[nonempty_rows]
-        seq_lens_padded[row, slot] = p_ord + last_of_row
+        seq_lens_padded[row, slot] = span
 
-        # Token placement: one gather from the concatenated samples, one scatter per key.
-        total_real = int(r_ord.sum())
-        src_start = torch.cumsum(full, 0) - full  # [n] in arrival order
-        src_idx = _ranges(src_start[order], r_ord, total_real)
-        dst_idx = _ranges(dest, r_ord, total_real)
+        # One gather index for every output slot. The source of a key is its samples
+        # concatenated in arrival order followed by a filler block of S slots; output
+        # runs alternate (document tokens, its padding) in output order, and run k of
+        # length len_k starting at output offset o_k reads source[first_k + j]. So
+        # index = repeat(first_k - o_k, len_k) + arange(B*S): one repeat, one add.
+        total_full = int(full.sum())
+        src_start = (np.cumsum(full) - full)[order]
+        n_empty = B - n_bins
+        runs = np.empty(2 * n + n_empty, dtype=np.int64)
+        runs[0 : 2 * n : 2] = r_ord
+        runs[1 : 2 * n : 2] = span - r_ord
+        runs[2 * n :] = S
+        first = np.full(runs.shape[0], total_full, dtype=np.int64)  # padding -> filler
+        first[0 : 2 * n : 2] = src_start
+        index = np.repeat(first - (np.cumsum(runs) - runs), runs)
+        index += _arange(B * S)
 
         out: dict[str, Any] = {}
         for k in keys:
             if k == self.label_key:
                 continue
-            cat = torch.cat([s[k] for s in samples])
             name = "input_ids" if k == self.input_key else k
             fill = self.pad_token_id if k == self.input_key else self.pad_values.get(k, 0)
-            buf = torch.full((B * S,), fill, dtype=cat.dtype)
-            buf[dst_idx] = cat[src_idx]
-            out[name] = buf.view(B, S)
+            source = _concat([smp[k] for smp in samples], S, fill)
+            out[name] = _take(source, index).view(B, S)
 
         lab_key = self.label_key if self.label_key in keys else self.input_key
-        base = torch.cat([s[lab_key] for s in samples])
-        if self.labels_shifted:
-            labels_src = base
-        else:
-            labels_src = torch.empty_like(base)
-            labels_src[:-1] = base[1:]
-            # the last token of every (untruncated) document predicts nothing: no target
-            # may come from the next document
-            labels_src[torch.cumsum(full, 0) - 1] = IGNORE_INDEX
-        labels = torch.full((B * S,), IGNORE_INDEX, dtype=base.dtype)
-        labels[dst_idx] = labels_src[src_idx]
-        out["labels"] = labels.view(B, S)
+        labels_src = _concat([smp[lab_key] for smp in samples], S, IGNORE_INDEX)
+        if not self.labels_shifted:
+            # shift inside each sample: position t predicts the sample's label t+1; the
+            # last token of every sample keeps -100 (no target from the next document)
+            _shift_within_samples(labels_src, total_full, np.cumsum(full) - 1)
+        out["labels"] = _take(labels_src, index).view(B, S)
 
-        # Position ids restart per document span (incl. its padding); the spans tile
-        # every row exactly, so one repeat_interleave over the padded lengths covers B*S.
-        span_table = seq_lens_padded.clone()
-        span_table[empty, 0] = S  # an empty row is one span of padding for the positions
-        spans = span_table[span_table != self.seq_lens_padding_value]
-        span_start = torch.cumsum(spans, 0) - spans
-        out["position_ids"] = (
-            torch.arange(B * S) - torch.repeat_interleave(span_start, spans, output_size=B * S)
-        ).view(B, S)
-        out["seq_lens"] = seq_lens
-        out["seq_lens_padded"] = seq_lens_padded
-        out["packing_efficiency"] = total_real / float(B * S)
+        # Position ids count 0..span-1 over every document span (and each empty row).
+        spans = np.concatenate([span, np.full(n_empty, S, dtype=np.int64)])
+        position_ids = _arange(B * S) - np.repeat(np.cumsum(spans) - spans, spans)
+        out["position_ids"] = torch.from_numpy(position_ids).view(B, S)
+        out["seq_lens"] = torch.from_numpy(seq_lens)
+        out["seq_lens_padded"] = torch.from_numpy(seq_lens_padded)
+        out["packing_efficiency"] = float(r_ord.sum()) / float(B * S)
         return out

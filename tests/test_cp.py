@@ -7,6 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from te_thd import cp as cp_module
 from te_thd.cp import (
     cp_rank_to_sequence_order,
     partition_indices,
@@ -107,6 +108,34 @@ def test_sentinel_padded_boundaries(layout, n_sentinel, sentinel):
         assert partition_indices(padded, total, cp, rank).tolist() == want
         # and the unchecked path used on a device gives the same values
         assert partition_indices(padded, total, cp, rank, check=False).tolist() == want
+
+
+@settings(max_examples=80)
+@given(layouts(cps=(2, 4, 8)), st.integers(0, 3))
+def test_device_path_matches_oracle(layout, n_sentinel):
+    """The pure-torch path used for boundaries on a GPU (run here on CPU tensors)."""
+    cu, total, cp = layout
+    padded = torch.tensor(cu + [-1000] * n_sentinel, dtype=torch.int32)
+    n = len(cu) - 1
+    for rank in range(cp):
+        want = te_partition_oracle(cu, total, cp, rank)
+        assert cp_module._indices_torch(padded, cp, [rank], None, total).tolist() == want
+        assert cp_module._indices_torch(padded, cp, [rank], n, total).tolist() == want
+    every = [i for r in range(cp) for i in te_partition_oracle(cu, total, cp, r)]
+    assert cp_module._indices_torch(padded, cp, list(range(cp)), None, total).tolist() == every
+
+
+def test_fast_path_declines_invalid_layouts():
+    # the hot path proves validity or returns None so the full check can name the error
+    import numpy as np
+
+    fast = cp_module._checked_rank_indices_np
+    assert fast(np.array([0, 8, 16]), 16, 2, 0) is not None
+    assert fast(np.array([0, 16, 8, 16]), 16, 2, 0) is None  # decreasing (negative chunk)
+    assert fast(np.array([0, 6, 16]), 16, 2, 0) is None  # not a multiple of 4
+    assert fast(np.array([4, 8, 16]), 16, 2, 0) is None  # does not start at 0
+    assert fast(np.array([0, 8]), 16, 2, 0) is None  # does not cover the stream
+    assert fast(np.array([0, 8, -1000]), 8, 2, 0) is None  # sentinel left in
 
 
 def test_cp1_is_identity_for_any_layout():

@@ -316,3 +316,22 @@ def test_flattened_errors():
         seq_lens_from_position_ids(torch.tensor([0.0, 1.0]))
     with pytest.raises(ValueError, match=r"must be a mapping holding 'position_ids'"):
         unflatten_from_position_ids({"input_ids": torch.arange(3)})
+
+
+def test_non_numpy_dtype_key_and_first_fit_option():
+    samples = [
+        {
+            "input_ids": torch.tensor([1, 2, 3]),
+            "w": torch.tensor([0.5, 1.0, 2.0], dtype=torch.bfloat16),
+        },
+        {"input_ids": torch.tensor([4, 5]), "w": torch.tensor([3.0, 4.0], dtype=torch.bfloat16)},
+    ]
+    out = PackingCollator(4, pad_values={"w": -1.0})(samples)
+    assert out["w"].dtype == torch.bfloat16
+    assert out["w"].tolist() == [[0.5, 1.0, 2.0, -1.0], [3.0, 4.0, -1.0, -1.0]]
+    sizes = [2, 2, 2, 2, 8, 8, 8, 8]
+    samples = [{"input_ids": torch.arange(n)} for n in sizes]
+    assert PackingCollator(10, bin_packing="first_fit")(samples)["input_ids"].shape[0] == 5
+    assert PackingCollator(10)(samples)["input_ids"].shape[0] == 4
+    with pytest.raises(ValueError, match=r"bin_packing must be 'ffd' or 'first_fit', got 'bfd'"):
+        PackingCollator(10, bin_packing="bfd")
