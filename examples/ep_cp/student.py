@@ -2,7 +2,7 @@
 
 Every tensor is in THD layout: one packed stream of this rank's ``T`` tokens (its CP
 shard of the data-parallel batch). Attention is pluggable -- ``make_attention()``
-builds the module each layer calls as ``attn(q, k, v, **te_attention_kwargs(thd))``
+builds the module each layer calls as ``attn(q, k, v, te_attention_kwargs(thd))``
 (``te_thd.attention.ThdAttention`` in the example: TE ``DotProductAttention`` with
 the CP group on CUDA, the plain-torch reference CP attention on CPU). Only attention
 needs the other CP ranks' tokens; every other layer is per token.
@@ -66,7 +66,7 @@ class _Block(nn.Module):
         )
         q = apply_rotary(q, position_ids, self.cfg.rope_base)
         k = apply_rotary(k, position_ids, self.cfg.rope_base)
-        a = self.attn(q, k, v, **attn_kwargs)  # [T, H, D] (reference) or [T, H*D] (TE)
+        a = self.attn(q, k, v, attn_kwargs)  # ThdAttention -> [T, H*D], TE's THD layout
         x = x + self.proj(a.reshape(t, -1))
         y, stats = self.moe(self.norm2(x), padding_mask)
         return x + y, stats.aux_loss

@@ -1,0 +1,428 @@
+"""Megatron-style expert-parallel + context-parallel distillation on the te_thd offline cache.
+
+Launch with torchrun (CPU + gloo by default; ``--device cuda`` for NCCL + TE)::
+
+    python examples/precompute_cache.py --out runs/cache --cp 2
+    torchrun --nproc-per-node 4 examples/train_ep_cp.py --cache-dir runs/cache --cp 2 --ep 2
+
+What one step does, and which te_thd piece does it:
+
+1. ``build_cached_dataloader`` (``te_thd.offline_cache``) hands every data-parallel
+   replica its own samples -- the CP ranks of a replica get the same ones -- read in
+   batches from the memory-mapped shards;
+2. its collate, ``CachedThdCollator``, packs them into rows (every document padded
+   to ``2*cp``), converts to THD (``cu_seqlens``, ``cu_seqlens_padded``,
+   ``pad_between_seqs``, ...) and keeps this CP rank's tokens (``te_thd.cp``), all
+   on the CPU in the loader;
+3. ``te_attention_kwargs`` turns the batch into TE's ``DotProductAttention`` keyword
+   arguments (host ints and bools: no device sync), and ``ThdAttention`` runs TE with
+   the CP group on CUDA, the reference CP attention over gloo on CPU;
+4. the MoE layers dispatch tokens to the experts of the expert-parallel group with
+   ``all_to_all`` and back (``ep_cp.moe``);
+5. the loss (KL to the cached top-k distribution + hidden-state regression, masked by
+   the padding mask and the loss mask) is a token mean over the whole global batch;
+6. dense gradients are summed over data-parallel x CP, expert gradients over the
+   expert-data-parallel group, the global norm is clipped, AdamW steps;
+7. every ``--save-every`` steps a checkpoint (model, optimizer, LR schedule, sampler
+   position, RNG) is written; ``--resume`` continues from the latest one.
+
+Rank 0 logs loss, tokens/s and the data-wait share of the step time, shows a tqdm
+bar on a terminal, appends every step to ``<out>/metrics.jsonl`` and ends with a
+``summary:`` line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from typing import Any
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from ep_cp.cache_format import (  # noqa: E402
+    CACHE_NAME,
+    FORMAT_VERSION,
+    KEYS,
+    PRODUCER,
+    TOKEN_KEYS,
+)
+from ep_cp.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state  # noqa: E402
+from ep_cp.config import StudentConfig, config_to_dict  # noqa: E402
+from ep_cp.parallel import (  # noqa: E402
+    ParallelContext,
+    clip_grad_norm,
+    init_parallel,
+    reduce_gradients,
+    shutdown_parallel,
+)
+from ep_cp.step import forward_backward, global_stats  # noqa: E402
+from ep_cp.student import StudentMoE  # noqa: E402
+
+from te_thd.attention import ThdAttention, te_attention_kwargs  # noqa: E402
+from te_thd.offline_cache import (  # noqa: E402
+    CachedTensorDataset,
+    CachedThdCollator,
+    build_cached_dataloader,
+    ensure_supervision_options_match,
+    read_manifest,
+    to_device,
+)
+from te_thd.packing import pad_to_multiple_for  # noqa: E402
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--cache-dir", required=True, help="cache written by examples/precompute_cache.py"
+    )
+    p.add_argument("--out", default="runs/train", help="metrics.jsonl and checkpoints (<out>/ckpt)")
+    p.add_argument("--cp", type=int, default=1, help="context-parallel size")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel size")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument(
+        "--batch-size", type=int, default=16, help="samples per data-parallel replica and step"
+    )
+    p.add_argument(
+        "--seq-len",
+        type=int,
+        default=None,
+        help="packed row length (default: the cache's pack_seq_len)",
+    )
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument(
+        "--min-lr-ratio", type=float, default=0.1, help="cosine decay floor, as a fraction of --lr"
+    )
+    p.add_argument("--warmup", type=int, default=10, help="linear warm-up steps")
+    p.add_argument("--weight-decay", type=float, default=0.01)
+    p.add_argument("--clip", type=float, default=1.0, help="global gradient-norm clip")
+    p.add_argument(
+        "--hidden-weight", type=float, default=1.0, help="weight of the hidden-state regression"
+    )
+    p.add_argument(
+        "--aux-weight", type=float, default=0.01, help="weight of the load-balancing loss"
+    )
+    p.add_argument("--experts", type=int, default=StudentConfig.num_experts)
+    p.add_argument("--topk-experts", type=int, default=StudentConfig.router_topk)
+    p.add_argument("--layers", type=int, default=StudentConfig.num_layers)
+    p.add_argument("--seed", type=int, default=1, help="data order seed")
+    p.add_argument("--num-workers", type=int, default=1, help="DataLoader workers per rank")
+    p.add_argument(
+        "--mask-prompt",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="the run expects a cache whose prompts are masked (checked against the manifest)",
+    )
+    p.add_argument(
+        "--save-every",
+        type=int,
+        default=50,
+        help="checkpoint interval in steps (0: only at the end)",
+    )
+    p.add_argument(
+        "--resume", action="store_true", help="continue from <out>/ckpt's latest checkpoint"
+    )
+    p.add_argument("--log-every", type=int, default=10, help="print a log line every N steps")
+    return p
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Bad flags -> ValueError naming the flag, its value and the fix."""
+    for name in ("steps", "batch_size", "experts", "topk_experts", "layers", "log_every"):
+        v = getattr(args, name)
+        if v < 1:
+            raise ValueError(f"--{name.replace('_', '-')}={v} must be >= 1")
+    for name in ("save_every", "num_workers", "warmup"):
+        v = getattr(args, name)
+        if v < 0:
+            raise ValueError(f"--{name.replace('_', '-')}={v} must be >= 0")
+    if args.topk_experts > args.experts:
+        raise ValueError(
+            f"--topk-experts={args.topk_experts} exceeds --experts={args.experts}; lower it"
+        )
+    if not args.lr > 0:
+        raise ValueError(f"--lr={args.lr} must be > 0")
+
+
+def lr_lambda(args: argparse.Namespace):
+    """Linear warm-up, then cosine decay to ``min_lr_ratio``."""
+
+    def f(step: int) -> float:
+        if step < args.warmup:
+            return (step + 1) / args.warmup
+        progress = min(1.0, (step - args.warmup) / max(1, args.steps - args.warmup))
+        return args.min_lr_ratio + (1 - args.min_lr_ratio) * 0.5 * (
+            1 + math.cos(math.pi * progress)
+        )
+
+    return f
+
+
+def open_cache(args: argparse.Namespace, cp: int) -> tuple[dict[str, Any], int]:
+    """Read the manifest, refuse a cache built for other options; return it and the row length."""
+    manifest = read_manifest(args.cache_dir, CACHE_NAME, FORMAT_VERSION, PRODUCER)
+    seq_len = args.seq_len or int(manifest.get("pack_seq_len", 0)) or 256
+    ensure_supervision_options_match(
+        manifest,
+        {
+            "mask_prompt": args.mask_prompt,
+            "cp_size": cp,
+            "pad_to_multiple_of": pad_to_multiple_for(cp),
+            "pack_seq_len": seq_len,
+        },
+        CACHE_NAME,
+        args.cache_dir,
+        f"{PRODUCER} --cp {cp} --pack-seq-len {seq_len}",
+    )
+    return manifest, seq_len
+
+
+def build_student(
+    args: argparse.Namespace, manifest: dict[str, Any], ctx: ParallelContext
+) -> StudentMoE:
+    target = manifest["target"]
+    cfg = StudentConfig(
+        vocab_size=int(target["vocab_size"]),
+        target_hidden_size=int(target["hidden_size"]),
+        num_layers=args.layers,
+        num_experts=args.experts,
+        router_topk=args.topk_experts,
+    )
+
+    def make_attention() -> ThdAttention:
+        # TE DotProductAttention(cp_group=...) on CUDA; reference CP attention over gloo on CPU.
+        return ThdAttention(
+            cfg.num_heads, cfg.head_dim, cp_group=ctx.cp_group if ctx.cp_size > 1 else None
+        )
+
+    model = StudentMoE(cfg, make_attention, ep_group=ctx.ep_group, cp_group=ctx.cp_group)
+    return model.to(ctx.device)
+
+
+def build_collate(seq_len: int, cp_size: int, cp_rank: int) -> CachedThdCollator:
+    """Cached samples -> packed rows (documents padded to 2*cp) -> THD -> this CP rank's tokens."""
+    return CachedThdCollator(
+        seq_len, length_key="seq_len", token_keys=TOKEN_KEYS, cp_size=cp_size, cp_rank=cp_rank
+    )
+
+
+def build_loader(
+    args: argparse.Namespace,
+    dataset: CachedTensorDataset,
+    collate: CachedThdCollator,
+    epoch: int = 0,
+    state: dict[str, Any] | None = None,
+):
+    """The cached dataloader: shard-block shuffled, sharded over data-parallel replicas only."""
+    loader = build_cached_dataloader(
+        dataset,
+        args.batch_size,
+        True,
+        collate,
+        num_workers=args.num_workers,
+        distributed=True,  # DP ranks only: the CP ranks of a replica read the same samples
+        seed=args.seed,
+        drop_last=True,
+        persistent_workers=args.num_workers > 0,
+    )
+    loader.sampler.set_epoch(epoch)
+    if state is not None:
+        loader.load_state_dict(state)
+    return loader
+
+
+class MetricsLog:
+    """Rank 0's ``metrics.jsonl``: one JSON object per step; truncated to the resume step."""
+
+    def __init__(self, path: str, resume_step: int, enabled: bool) -> None:
+        self.enabled = enabled
+        if not enabled:
+            return
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        kept: list[str] = []
+        if resume_step and os.path.exists(path):
+            with open(path) as f:
+                kept = [ln for ln in f if ln.strip() and json.loads(ln)["step"] <= resume_step]
+        with open(path, "w") as f:
+            f.writelines(kept)
+        self.f = open(path, "a")  # noqa: SIM115 -- kept open for the run
+
+    def write(self, rec: dict[str, Any]) -> None:
+        if self.enabled:
+            self.f.write(json.dumps(rec) + "\n")
+            self.f.flush()
+
+    def close(self) -> None:
+        if self.enabled:
+            self.f.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    check_args(args)
+    ctx = init_parallel(args.cp, args.ep, args.device, args.experts)
+    rank0 = ctx.rank == 0
+    manifest, seq_len = open_cache(args, ctx.cp_size)
+
+    dataset = CachedTensorDataset(args.cache_dir, CACHE_NAME, FORMAT_VERSION, KEYS)
+    collate = build_collate(seq_len, ctx.cp_size, ctx.cp_rank)
+    model = build_student(args, manifest, ctx)
+    dense, expert = model.dense_parameters(), model.expert_parameters()
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args))
+
+    layout = {
+        "world_size": ctx.world_size,
+        "cp": ctx.cp_size,
+        "ep": ctx.ep_size,
+        "batch_size": args.batch_size,
+        "seed": args.seed,
+        "student": config_to_dict(model.cfg),
+    }
+    ckpt_dir = os.path.join(args.out, "ckpt")
+    step, epoch, loader_state = 0, 0, None
+    if args.resume:
+        found = load_checkpoint(ckpt_dir, layout)
+        if found is not None:
+            step, state = found
+            model.load_state_dict(state["model"])
+            optimizer.load_state_dict(state["optimizer"])
+            scheduler.load_state_dict(state["scheduler"])
+            set_rng_state(state["rng"])
+            epoch, loader_state = int(state["epoch"]), state["loader"]
+            if rank0:
+                print(f"resumed from step {step} ({ckpt_dir})", flush=True)
+        elif rank0:
+            print(f"--resume: no checkpoint in {ckpt_dir}, starting at step 0", flush=True)
+    if step >= args.steps:
+        if rank0:
+            print(
+                f"nothing to do: checkpoint is at step {step} >= --steps {args.steps}", flush=True
+            )
+        shutdown_parallel()
+        return 0
+
+    loader = build_loader(args, dataset, collate, epoch, loader_state)
+    batches = iter(loader)
+
+    metrics = MetricsLog(os.path.join(args.out, "metrics.jsonl"), step, rank0)
+    bar = None
+    if rank0:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(
+            total=args.steps, initial=step, desc="train", unit="step", disable=None, file=sys.stderr
+        )
+        print(
+            f"training: {ctx.world_size} ranks = dp {ctx.dp_size} x cp {ctx.cp_size} (ep {ctx.ep_size}), "
+            f"{args.device}, attention backend {model.blocks[0].attn.preferred_backend}, "
+            f"{sum(p.numel() for p in dense)} dense + {sum(p.numel() for p in expert)} expert params "
+            f"on rank 0, rows of {seq_len} tokens",
+            flush=True,
+        )
+
+    history: list[dict[str, Any]] = []
+    t_start = time.perf_counter()
+    while step < args.steps:
+        t0 = time.perf_counter()
+        try:
+            batch = next(batches)
+        except StopIteration:
+            epoch += 1
+            loader.sampler.set_epoch(epoch)
+            batches = iter(loader)
+            batch = next(batches)
+        # Host decisions (max_seqlen, pad_between_seqs) on the CPU batch, then move.
+        attn_kwargs = te_attention_kwargs(batch, cp_size=ctx.cp_size, device=ctx.device)
+        batch = to_device(batch, ctx.device)
+        t1 = time.perf_counter()
+
+        optimizer.zero_grad(set_to_none=True)
+        local = forward_backward(
+            model, batch, attn_kwargs, ctx, args.hidden_weight, args.aux_weight
+        )
+        reduce_gradients(dense, expert, ctx)
+        grad_norm = clip_grad_norm(dense, expert, args.clip, ctx)
+        lr = scheduler.get_last_lr()[0]
+        optimizer.step()
+        scheduler.step()
+        stats = global_stats(local, ctx)  # one small all-reduce (and the step's only .tolist())
+        step += 1
+        t2 = time.perf_counter()
+
+        rec = {
+            "step": step,
+            **{k: round(v, 6) if isinstance(v, float) else v for k, v in stats.items()},
+            "grad_norm": round(float(grad_norm), 6),
+            "lr": lr,
+            "step_s": round(t2 - t0, 6),
+            "data_wait_s": round(t1 - t0, 6),
+            "tokens_per_s": round(stats["tokens"] / (t2 - t0), 1),
+        }
+        history.append(rec)
+        metrics.write(rec)
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{stats['loss']:.4f}", refresh=False)
+        if rank0 and (step % args.log_every == 0 or step == args.steps):
+            line = (
+                f"step {step:5d}/{args.steps} | loss {stats['loss']:.4f} (kl {stats['kl']:.4f}, "
+                f"hidden {stats['mse']:.4f}, aux {stats['aux']:.3f}) | grad norm {float(grad_norm):.3f} | "
+                f"lr {lr:.2e} | {rec['tokens_per_s']:.0f} tok/s | data wait "
+                f"{100 * (t1 - t0) / (t2 - t0):.1f}%"
+            )
+            (
+                bar.write(line, file=sys.stdout)
+                if bar is not None and not bar.disable
+                else print(line, flush=True)
+            )
+        if (args.save_every and step % args.save_every == 0) or step == args.steps:
+            save_checkpoint(
+                ckpt_dir,
+                step,
+                {
+                    "model": model.state_dict(),
+                    "optimizer": optimizer.state_dict(),
+                    "scheduler": scheduler.state_dict(),
+                    "loader": loader.state_dict(),
+                    "epoch": epoch,
+                    "rng": rng_state(),
+                },
+                layout,
+            )
+    wall = time.perf_counter() - t_start
+    if bar is not None:
+        bar.close()
+    metrics.close()
+
+    if rank0 and history:
+        k = min(10, len(history))
+        first = sum(r["loss"] for r in history[:k]) / k
+        last = sum(r["loss"] for r in history[-k:]) / k
+        timed = history[1:] or history  # the first step includes worker start-up
+        step_s = sum(r["step_s"] for r in timed)
+        wait = sum(r["data_wait_s"] for r in timed) / step_s if step_s else 0.0
+        tok_s = sum(r["tokens"] for r in timed) / step_s if step_s else 0.0
+        print(
+            f"summary: steps {history[0]['step'] - 1}->{step} | loss {first:.4f} -> {last:.4f} "
+            f"(mean of first/last {k} steps) | {tok_s:.0f} tok/s | data wait {100 * wait:.1f}% of step time "
+            f"| dp {ctx.dp_size} x cp {ctx.cp_size}, ep {ctx.ep_size} on {ctx.world_size} {args.device} ranks "
+            f"| {wall:.1f} s | checkpoint {ckpt_dir}",
+            flush=True,
+        )
+    shutdown_parallel()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
