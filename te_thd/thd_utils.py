@@ -279,7 +279,7 @@ def process_input_for_thd(
         -> cu_seqlens [0, 3, 5, 11], cu_seqlens_padded [0, 4, 6, 12],
            pad_between_seqs True, max_seqlen 6
     """
-    out, layout, device = _convert(
+    out, layout, device, mask = _convert(
         batch, 1, seq_lens_padding_value, padding_token_id, absorb_trailing_pad
     )
     if device.type == "cpu":  # the normal case: zero-copy views of the host arrays
@@ -290,8 +290,10 @@ def process_input_for_thd(
         out["cu_seqlens"] = _to_device(layout.cu_seqlens[0], device)
         out["cu_seqlens_padded"] = _to_device(layout.cu_seqlens_padded[0], device)
         out["max_seqlen"] = _to_device(layout.max_seqlen[0, ...], device)
+    out["pad_between_seqs"] = bool(layout.pad_between_seqs[0])
     out["max_seqlen_int"] = int(layout.max_seqlen[0])
     out["num_seqs"] = int(layout.num_seqs[0])
+    out["padding_mask"] = mask
     _pass_through(out, batch)
     return out  # type: ignore[return-value]
 
@@ -337,14 +339,16 @@ def split_batch_into_thd_chunks(
         return process_input_for_thd(
             batch, seq_lens_padding_value, padding_token_id, absorb_trailing_pad=absorb_trailing_pad
         )
-    out, layout, device = _convert(
+    out, layout, device, mask = _convert(
         batch, int(num_chunks), seq_lens_padding_value, padding_token_id, absorb_trailing_pad
     )
     out["cu_seqlens"] = _to_device(layout.cu_seqlens, device)
     out["cu_seqlens_padded"] = _to_device(layout.cu_seqlens_padded, device)
     out["max_seqlen"] = _to_device(layout.max_seqlen, device)
+    out["pad_between_seqs"] = bool(layout.pad_between_seqs.any())
     out["max_seqlen_int"] = layout.max_seqlen.tolist()
     out["num_seqs"] = layout.num_seqs.tolist()
+    out["padding_mask"] = mask
     _pass_through(out, batch)
     return out  # type: ignore[return-value]
 
@@ -358,14 +362,14 @@ def _convert(
     sentinel: int,
     padding_token_id: int,
     absorb: bool,
-) -> tuple[dict[str, Any], PackLayout, torch.device]:
+) -> tuple[dict[str, Any], PackLayout, torch.device, torch.Tensor]:
     """Shared body: validate, compute the layout, build the token part of the output.
 
-    Returns the output dict (tokens ``[C, T_c, ...]`` for ``C > 1``, ``[T, ...]``
-    for ``C == 1``; padding mask; ``pad_between_seqs``), the
-    host layout, and the device the boundary tensors belong on (that of
-    ``seq_lens``). Callers add the boundary keys in their own shapes, then the
-    pass-through keys.
+    Returns the output dict holding the tokens (``[C, T_c, ...]`` for ``C > 1``,
+    ``[T, ...]`` for ``C == 1``), the host layout, the device the boundary
+    tensors belong on (that of ``seq_lens``), and the padding mask on the token
+    device. Callers add the boundary keys in their own shapes, the mask, then
+    the pass-through keys.
     """
     if not isinstance(batch, Mapping):
         raise ValueError(
@@ -454,12 +458,10 @@ def _convert(
         out["position_ids"] = pos.transpose(0, 1) if num_chunks > 1 else pos[:, 0]
     else:
         out["position_ids"] = position_ids.reshape(lead)
-    out["pad_between_seqs"] = bool(layout.pad_between_seqs.any())
     mask = torch.from_numpy(layout.padding_mask)
     if not input_ids.is_cpu:
         mask = mask.to(input_ids.device, non_blocking=True)
-    out["padding_mask"] = mask.view(num_chunks, tok) if num_chunks > 1 else mask
-    return out, layout, meta_device
+    return out, layout, meta_device, mask.view(num_chunks, tok) if num_chunks > 1 else mask
 
 
 def _pass_through(out: dict[str, Any], batch: Mapping[str, Any]) -> None:
