@@ -7,7 +7,7 @@ Builds the cache of :func:`dataset` with :func:`te_thd.offline_cache.produce_cac
 - ``none``            run to completion
 - ``mid_write:K``     inside shard K's file write: the temp file holds the header
                       and part of the tensors, the shard name does not exist yet
-- ``between:K``       right after shard K is renamed into place and fsynced
+- ``between:K``       right after shard K is fsynced and renamed into place
 - ``mid_manifest``    inside the manifest write: its temp file exists, manifest.json not
 - ``before_manifest`` after every shard exists, before the manifest write starts
 
@@ -49,15 +49,17 @@ def _die() -> None:
 
 
 def _install(crash: str) -> None:
+    import te_thd.offline_cache.durable as durable
     import te_thd.offline_cache.format as fmt
     import te_thd.offline_cache.producer as producer
     import te_thd.offline_cache.shardfile as shardfile
+    import te_thd.offline_cache.writer as writer
 
     kind, _, arg = crash.partition(":")
     if kind == "mid_write":
         target = int(arg)
         real_write_all = shardfile._write_all
-        real_with_record = producer.write_shard_with_record
+        real_with_record = writer.write_shard_with_record
         current = {"index": None, "buffers": 0}
 
         def with_record(cache_dir, shard_index, *a, **k):
@@ -72,18 +74,19 @@ def _install(crash: str) -> None:
                 _die()
 
         shardfile._write_all = write_all
-        producer.write_shard_with_record = with_record
+        writer.write_shard_with_record = with_record
     elif kind == "between":
-        target = int(arg)
-        real = producer.write_shard_with_record
+        target = os.path.basename(f"shard-{int(arg):06d}.safetensors")
+        real_commit = durable.commit_temp
 
-        def with_record(cache_dir, shard_index, *a, **k):
-            out = real(cache_dir, shard_index, *a, **k)
-            if shard_index == target:
-                _die()
+        def commit(tmp_path, path, *a, **k):
+            out = real_commit(tmp_path, path, *a, **k)
+            if os.path.basename(path) == target:
+                durable.fsync_dir(os.path.dirname(path))
+                _die()  # shard K is durable under its name; K+1 not started committing
             return out
 
-        producer.write_shard_with_record = with_record
+        durable.commit_temp = commit
     elif kind == "before_manifest":
         producer.write_manifest = lambda *a, **k: _die()
     elif kind == "mid_manifest":
@@ -91,8 +94,6 @@ def _install(crash: str) -> None:
 
         def atomic(path, write_fn):
             if path.endswith("manifest.json"):
-                import te_thd.offline_cache.durable as durable
-
                 write_fn(durable.temp_path_for(path))
                 _die()
             return real_atomic(path, write_fn)

@@ -58,6 +58,47 @@ def fsync_dir(directory: str) -> None:
         os.close(fd)
 
 
+def write_temp(path: str, write_fn: Callable[[str], None]) -> str:
+    """Stage 1 of an atomic write: ``write_fn(tmp)`` into a fresh sibling temp file; returns ``tmp``.
+
+    If ``write_fn`` raises, the temp file is removed and the error propagates.
+    """
+    directory = os.path.dirname(path) or "."
+    os.makedirs(directory, exist_ok=True)
+    tmp_path = temp_path_for(path)
+    try:
+        write_fn(tmp_path)
+    except BaseException:
+        _unlink_quietly(tmp_path)
+        raise
+    return tmp_path
+
+
+def commit_temp(tmp_path: str, path: str, fsync_directory: bool = True) -> str:
+    """Stage 2: fsync ``tmp_path``, rename it over ``path``, fsync the directory; returns ``path``.
+
+    The data is on stable storage before the name points at it, so no crash can
+    expose a torn file under ``path``. ``fsync_directory=False`` leaves persisting
+    the rename to a later :func:`fsync_dir` (the pipelined shard writer batches it).
+    """
+    try:
+        fsync_file(tmp_path)
+        os.replace(tmp_path, path)
+    except BaseException:
+        _unlink_quietly(tmp_path)
+        raise
+    if fsync_directory:
+        fsync_dir(os.path.dirname(path) or ".")
+    return path
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
 def atomic_write(path: str, write_fn: Callable[[str], None]) -> str:
     """Write through a sibling temporary file, then atomically replace the target path.
 
@@ -67,21 +108,86 @@ def atomic_write(path: str, write_fn: Callable[[str], None]) -> str:
     is fsynced. If ``write_fn`` raises, the temp file is removed and the error
     propagates; ``path`` is untouched. Returns ``path``.
     """
-    directory = os.path.dirname(path) or "."
-    os.makedirs(directory, exist_ok=True)
-    tmp_path = temp_path_for(path)
-    try:
-        write_fn(tmp_path)
-        fsync_file(tmp_path)
-        os.replace(tmp_path, path)
-    except BaseException:
-        try:
-            os.unlink(tmp_path)
-        except FileNotFoundError:
-            pass
-        raise
-    fsync_dir(directory)
-    return path
+    return commit_temp(write_temp(path, write_fn), path)
+
+
+class BackgroundCommitter:
+    """Runs :func:`commit_temp` for a stream of files on one background thread, in order.
+
+    A producer writes shard ``k+1`` while the disk flushes shard ``k``: the fsync
+    (an I/O wait, GIL released) overlaps the next shard's serialisation. Files
+    are renamed in submission order, each only after its own fsync; the
+    directory is fsynced whenever the queue runs empty and on :meth:`flush`, so
+    consecutive renames share one directory fsync. ``submit`` blocks while
+    ``max_pending`` files wait (bounding dirty page cache); an error of the
+    thread is raised by the next ``submit`` or by ``flush``. Killed mid-way, the
+    process leaves temp files of uncommitted shards, which the next producer
+    removes and recomputes.
+    """
+
+    def __init__(self, max_pending: int = 2) -> None:
+        import queue
+        import threading
+
+        self._queue: queue.Queue[tuple[str, str] | None] = queue.Queue(maxsize=max_pending)
+        self._error: BaseException | None = None
+        self._dirty: set[str] = set()
+        self._thread = threading.Thread(target=self._run, name="te_thd-commit", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is None:
+                    return
+                tmp_path, path = item
+                if self._error is not None:
+                    _unlink_quietly(tmp_path)
+                    continue
+                try:
+                    commit_temp(tmp_path, path, fsync_directory=False)
+                    self._dirty.add(os.path.dirname(path) or ".")
+                    if self._queue.empty():
+                        self._sync_dirs()
+                except BaseException as exc:  # surfaced by submit()/flush()
+                    self._error = exc
+            finally:
+                self._queue.task_done()
+
+    def _sync_dirs(self) -> None:
+        while self._dirty:
+            fsync_dir(self._dirty.pop())
+
+    def _raise_error(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def submit(self, tmp_path: str, path: str) -> None:
+        """Queue ``tmp_path`` to be committed as ``path``."""
+        self._raise_error()
+        self._queue.put((tmp_path, path))
+
+    def flush(self) -> None:
+        """Wait until every submitted file is fsynced, renamed and its directory fsynced."""
+        self._queue.join()
+        self._raise_error()
+        self._sync_dirs()
+
+    def close(self) -> None:
+        """Commit what is queued, stop the thread, raise a pending error."""
+        if self._thread.is_alive():
+            self._queue.join()
+            self._queue.put(None)
+            self._thread.join()
+        self._raise_error()
+        self._sync_dirs()
+
+    def __enter__(self) -> BackgroundCommitter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def remove_stale_temp_files(cache_dir: str) -> list[str]:

@@ -76,12 +76,12 @@ from te_thd.offline_cache.format import (
 from te_thd.offline_cache.shardfile import ShardRecord, file_checksum
 from te_thd.offline_cache.verify import check_cache_files, check_shard_header
 from te_thd.offline_cache.writer import (
+    DurableShardWriter,
     _batch_size,
     lockstep_write,
     partition_cache_shards,
     shard_runs,
     validate_shard_tensors,
-    write_shard_with_record,
 )
 
 PROGRESS_NAME = ".te_thd-producer.json"
@@ -250,31 +250,25 @@ def _prepare_directory(
     return None
 
 
-class _RecordingWriter:
-    """``write_shard_fn`` that enforces one schema and remembers each shard's record.
+class _RecordingWriter(DurableShardWriter):
+    """:class:`DurableShardWriter` that keeps a rank's first write error instead of raising.
 
-    After the first error it stops writing (the rank keeps stepping so the
-    lockstep holds) and keeps the error for the all-gather.
+    After it, writes are skipped (the rank keeps stepping so the lockstep holds)
+    and the error travels to every rank through the all-gather.
     """
 
     def __init__(self, keys: Sequence[str], cache_name: str, schema: CacheSchema | None) -> None:
-        self.keys, self.cache_name, self.schema = tuple(keys), cache_name, schema
-        self.records: dict[int, ShardRecord] = {}
+        super().__init__(keys, cache_name, schema, pipelined=True)
         self.error: str | None = None
 
     def __call__(self, cache_dir: str, shard_index: int, samples: dict[str, torch.Tensor]) -> str:
-        path = shard_path(cache_dir, shard_index)
         if self.error is not None:
-            return path
+            return shard_path(cache_dir, shard_index)
         try:
-            path, record = write_shard_with_record(cache_dir, shard_index, samples, self.keys, self.cache_name, self.schema)
+            return super().__call__(cache_dir, shard_index, samples)
         except SchemaError as exc:
             self.error = str(exc)
-            return path
-        if self.schema is None:
-            self.schema = {k: TensorSpec(samples[k].dtype, tuple(samples[k].shape[1:])) for k in self.keys}
-        self.records[shard_index] = record
-        return path
+            return shard_path(cache_dir, shard_index)
 
 
 def _verify_existing(
@@ -453,6 +447,9 @@ def produce_cache(
         finally:
             if bar is not None:
                 bar.close()
+            # Even when compute_batch raised: finish committing the complete shards
+            # (a resume keeps them) and stop the commit thread.
+            writer.close()
 
         # -- 3. gather records; rank 0 writes the manifest last --------------------------
         records = {**existing_records, **writer.records}

@@ -99,10 +99,16 @@ def build_header(items: Sequence[tuple[str, torch.Tensor]]) -> bytes:
     return struct.pack("<Q", len(text)) + text
 
 
+try:  # ISA-L's CRC-32: the same values as zlib.crc32, ~3-4x faster (optional dependency)
+    from isal.isal_zlib import crc32 as _crc32
+except ImportError:  # pragma: no cover - depends on the environment
+    _crc32 = zlib.crc32
+
+
 def _crc(buffers: Sequence[memoryview]) -> int:
     crc = 0
     for b in buffers:
-        crc = zlib.crc32(b, crc)
+        crc = _crc32(b, crc)
     return crc
 
 
@@ -140,7 +146,7 @@ def file_checksum(path: str) -> str:
     view = memoryview(buf)
     with open(path, "rb", buffering=0) as f:
         while n := f.readinto(buf):
-            crc = zlib.crc32(view[:n], crc)
+            crc = _crc32(view[:n], crc)
     return format_checksum(crc)
 
 

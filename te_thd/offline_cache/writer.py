@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, Subset
 
-from te_thd.offline_cache.durable import atomic_write
+from te_thd.offline_cache.durable import BackgroundCommitter, commit_temp, write_temp
 from te_thd.offline_cache.errors import SchemaError
 from te_thd.offline_cache.format import (
     DTYPE_TO_ST,
@@ -121,13 +121,73 @@ def write_shard_with_record(
     keys: Sequence[str],
     cache_name: str,
     schema: Mapping[str, TensorSpec] | None = None,
+    committer: BackgroundCommitter | None = None,
 ) -> tuple[str, ShardRecord]:
-    """:func:`write_tensor_shard` that also returns the shard's ``(bytes, checksum)`` record."""
+    """:func:`write_tensor_shard` that also returns the shard's ``(bytes, checksum)`` record.
+
+    With a ``committer`` only the temp file is written here; its fsync + rename
+    happen on the committer's thread (the shard is visible once it committed).
+    """
     tensors = validate_shard_tensors(samples, keys, cache_name, shard_index, schema)
     load_safetensors(cache_name)  # the format is safetensors': fail early if it is missing
+    final = shard_path(cache_dir, shard_index)
     record: list[ShardRecord] = []
-    path = atomic_write(shard_path(cache_dir, shard_index), lambda tmp: record.append(write_shard_file(tmp, tensors)))
-    return path, record[0]
+    tmp = write_temp(final, lambda tmp: record.append(write_shard_file(tmp, tensors)))
+    if committer is None:
+        commit_temp(tmp, final)
+    else:
+        committer.submit(tmp, final)
+    return final, record[0]
+
+
+class DurableShardWriter:
+    """``write_shard_fn`` for a stream of shards: one schema, a record per shard, pipelined durability.
+
+    ``writer(cache_dir, shard_index, samples) -> path`` validates ``samples``
+    against the schema (the first shard's, unless ``schema`` is given), writes the
+    shard and keeps its :class:`ShardRecord` in ``records``. With
+    ``pipelined=True`` the fsync + rename of shard ``k`` run on a background
+    thread while shard ``k+1`` is serialised (:class:`BackgroundCommitter`); call
+    :meth:`flush` (or leave the ``with`` block) before relying on the files,
+    e.g. before writing the manifest.
+    """
+
+    def __init__(
+        self,
+        keys: Sequence[str],
+        cache_name: str = "offline",
+        schema: Mapping[str, TensorSpec] | None = None,
+        pipelined: bool = True,
+    ) -> None:
+        self.keys = tuple(keys)
+        self.cache_name = cache_name
+        self.schema: CacheSchema | None = dict(schema) if schema is not None else None
+        self.records: dict[int, ShardRecord] = {}
+        self._committer = BackgroundCommitter() if pipelined else None
+
+    def __call__(self, cache_dir: str, shard_index: int, samples: dict[str, torch.Tensor]) -> str:
+        path, record = write_shard_with_record(
+            cache_dir, shard_index, samples, self.keys, self.cache_name, self.schema, self._committer
+        )
+        if self.schema is None:
+            self.schema = schema_of({k: samples[k] for k in self.keys})
+        self.records[shard_index] = record
+        return path
+
+    def flush(self) -> None:
+        """Block until every shard written so far is durable under its final name."""
+        if self._committer is not None:
+            self._committer.flush()
+
+    def close(self) -> None:
+        if self._committer is not None:
+            self._committer.close()
+
+    def __enter__(self) -> DurableShardWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def write_tensor_shard(
