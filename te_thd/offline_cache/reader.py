@@ -33,6 +33,7 @@ from .verify import check_cache_files
 
 __all__ = ["CachedBatch", "CachedTensorDataset"]
 
+
 class CachedBatch(Sequence[dict[str, torch.Tensor]]):
     """The result of ``CachedTensorDataset.__getitems__``: a batch already stacked.
 
@@ -40,7 +41,7 @@ class CachedBatch(Sequence[dict[str, torch.Tensor]]):
     tensor (in shared memory inside a DataLoader worker, so sending it to the main
     process costs no copy). The object is also a sequence of ``B`` per-sample dicts
     (row views), so a collate function written for a list of samples still works;
-    ``collate_cached`` and ``CachedBatchCollator`` take ``tensors`` as is instead
+    ``collate_cached`` and ``CachedThdCollator`` take ``tensors`` as is instead
     of unstacking and restacking.
     """
 
@@ -267,71 +268,76 @@ class CachedTensorDataset(Dataset):
         """Read samples ``indices`` (in that order) into stacked tensors.
 
         Indices are grouped by shard; per shard a contiguous increasing run is one
-        slice copy per key, anything else one ``index_select`` per key. Negative
-        indices count from the end; an index out of range raises ``IndexError``.
+        slice copy per key, anything else one ``index_select`` per key, written
+        straight into the batch. Negative indices count from the end; an index out
+        of range raises ``IndexError``.
         """
+        if isinstance(indices, torch.Tensor | np.ndarray):
+            indices = indices.tolist()
         n = len(indices)
-        shared = get_worker_info() is not None
         if n == 0:
             return CachedBatch({}, 0)
+        shared = get_worker_info() is not None
         ss, total = self.shard_size, self.num_samples
         lo, hi = min(indices), max(indices)
-        if lo < 0 or hi >= total:
-            idx = np.asarray(indices, dtype=np.int64)
-            idx = np.where(idx < 0, idx + total, idx)
-            bad = idx[(idx < 0) | (idx >= total)]
-            if bad.size:
-                raise IndexError(f"index {int(bad[0])} out of range for a cache of {total} samples")
-            return self._gather(idx, shared)
-        shard = lo // ss
-        if hi // ss == shard:
-            start = lo - shard * ss
+        if lo >= 0 and hi < total and lo // ss == hi // ss:
+            # The common case (shard-block order, sequential reads): one shard.
+            shard = lo // ss
             views = self._shard_views(shard)
-            # A contiguous increasing run: one slice per key.
-            if hi - lo == n - 1 and (n == 1 or (indices[0] == lo and indices[-1] == hi and _is_step1(indices))):
-                out = {}
-                for k, v in views.items():
-                    src = v[start : start + n]
-                    out[k] = src.clone() if not shared else _empty(tuple(src.shape), src.dtype, True).copy_(src)
-                return CachedBatch(out, n)
-            local = torch.from_numpy(np.asarray(indices, dtype=np.int64) - shard * ss)
-            return CachedBatch(self._select(views, local, shared), n)
-        return self._gather(np.asarray(indices, dtype=np.int64), shared)
-
-    @staticmethod
-    def _select(views: dict[str, torch.Tensor], local: torch.Tensor, shared: bool) -> dict[str, torch.Tensor]:
-        out = {}
-        for k, v in views.items():
-            dst = _empty((local.numel(), *v.shape[1:]), v.dtype, shared) if shared else None
-            out[k] = torch.index_select(v, 0, local, out=dst) if dst is not None else v.index_select(0, local)
-        return out
+            local = np.asarray(indices, dtype=np.int64) - shard * ss
+            run = hi - lo == n - 1 and _is_run(local)
+            out = {}
+            for k, v in views.items():
+                dst = _empty((n, *v.shape[1:]), v.dtype, True) if shared else None
+                out[k] = _take(v, local, run, dst)
+            return CachedBatch(out, n)
+        idx = np.asarray(indices, dtype=np.int64)
+        idx = np.where(idx < 0, idx + total, idx)
+        bad = idx[(idx < 0) | (idx >= total)]
+        if bad.size:
+            raise IndexError(f"index {int(bad[0])} out of range for a cache of {total} samples")
+        return self._gather(idx, shared)
 
     def _gather(self, idx: np.ndarray, shared: bool) -> CachedBatch:
-        """General path: ``idx`` (int64, in range) spans several shards."""
+        """General path: ``idx`` (int64 ``[B]``, in range) in any order over any shards."""
         n = idx.size
         shards = idx // self.shard_size
-        order = np.argsort(shards, kind="stable")
+        order = np.argsort(shards, kind="stable")  # batch positions, grouped by shard
         sorted_shards = shards[order]
         cuts = np.flatnonzero(np.diff(sorted_shards)) + 1
-        bounds = np.concatenate(([0], cuts, [n]))
-        outs: dict[str, torch.Tensor] | None = None
-        order_t = torch.from_numpy(order)
-        for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist(), strict=True):
+        bounds = np.concatenate(([0], cuts, [n])).tolist()
+        outs: dict[str, torch.Tensor] = {}
+        for a, b in zip(bounds[:-1], bounds[1:], strict=True):
             shard = int(sorted_shards[a])
             views = self._shard_views(shard)
-            local = torch.from_numpy(idx[order[a:b]] - shard * self.shard_size)
-            if outs is None:
-                outs = {k: _empty((n, *v.shape[1:]), v.dtype, shared) for k, v in views.items()}
-            pos = order_t[a:b]
+            pos = order[a:b]
+            local = idx[pos] - shard * self.shard_size
+            run = _is_run(local)
+            # this shard's rows fill a contiguous stretch of the batch (a batch that
+            # crosses a shard boundary in shard-block order): write them in place
+            in_place = _is_run(pos)
             for k, v in views.items():
-                # rows of this shard land directly at their batch positions
-                outs[k].index_copy_(0, pos, v.index_select(0, local))
-        assert outs is not None
+                if k not in outs:
+                    outs[k] = _empty((n, *v.shape[1:]), v.dtype, shared)
+                if in_place:
+                    _take(v, local, run, outs[k][int(pos[0]) : int(pos[0]) + pos.size])
+                else:
+                    outs[k].index_copy_(0, torch.from_numpy(pos), _take(v, local, run, None))
         return CachedBatch(outs, n)
 
 
-def _is_step1(indices: Sequence[int]) -> bool:
-    """True iff ``indices`` is ``[a, a+1, ..., a+n-1]`` (caller checked first/last/len)."""
-    if isinstance(indices, range):
-        return indices.step == 1
-    return np.array_equal(np.diff(np.asarray(indices, dtype=np.int64)), np.ones(len(indices) - 1, dtype=np.int64))
+def _take(view: torch.Tensor, local: np.ndarray, run: bool, dst: torch.Tensor | None) -> torch.Tensor:
+    """Rows ``local`` of ``view`` (``[rows, ...]``) -> ``[len(local), ...]``, into ``dst`` if given.
+
+    ``run``: ``local`` is ``a, a+1, ...`` -- one slice copy instead of a gather.
+    """
+    if run:
+        src = view[int(local[0]) : int(local[0]) + local.size]
+        return src.clone() if dst is None else dst.copy_(src)
+    index = torch.from_numpy(local)
+    return view.index_select(0, index) if dst is None else torch.index_select(view, 0, index, out=dst)
+
+
+def _is_run(a: np.ndarray) -> bool:
+    """True iff the int array ``a`` is ``[a0, a0+1, ..., a0+n-1]``."""
+    return a.size <= 1 or (int(a[-1]) - int(a[0]) == a.size - 1 and bool(np.all(np.diff(a) == 1)))
