@@ -234,10 +234,10 @@ def validate_cp_layout(
 # 2N shifts over the run lengths plus an arange gives every index.
 
 
-@functools.lru_cache(maxsize=4)
-def _arange_np(n: int) -> np.ndarray:
-    """Read-only int64 ``arange(n)``, cached: the partition length repeats batch after batch."""
-    out = np.arange(n, dtype=np.int64)
+@functools.lru_cache(maxsize=8)
+def _arange_np(n: int, dtype: type = np.int64) -> np.ndarray:
+    """Read-only ``arange(n)``, cached: the partition length repeats batch after batch."""
+    out = np.arange(n, dtype=dtype)
     out.flags.writeable = False
     return out
 
@@ -299,9 +299,9 @@ def _indices_torch(
 
 
 @functools.lru_cache(maxsize=64)
-def _chunk_coefficients(cp_size: int, cp_rank: int) -> np.ndarray:
-    """``[1, 2]`` int64: multiples of the chunk length that shift rank r's two runs."""
-    out = np.array([[cp_rank, 2 * cp_size - 2 - cp_rank]], dtype=np.int64)
+def _chunk_coefficients(cp_size: int, cp_rank: int, dtype: type = np.int64) -> np.ndarray:
+    """``[1, 2]``: multiples of the chunk length that shift rank r's two runs."""
+    out = np.array([[cp_rank, 2 * cp_size - 2 - cp_rank]], dtype=dtype)
     out.flags.writeable = False
     return out
 
@@ -315,7 +315,9 @@ def _checked_rank_indices_np(
     validity as it goes -- ends 0 and ``total_tokens``, every padded length a
     multiple of 2*cp, none negative (``np.repeat`` rejects a negative chunk count) --
     and returns None on anything else, so the caller's full validation names the
-    problem.
+    problem. Computes in ``cu``'s dtype (int32 or int64): int32 boundaries (what
+    ``process_input_for_thd`` emits) give int32 indices, half the memory traffic of
+    int64 -- the index pass competes with the gathers for cache.
     """
     m = 2 * cp_size
     if total_tokens % m or cu.shape[0] == 0 or cu[0] != 0 or cu[-1] != total_tokens:
@@ -327,14 +329,13 @@ def _checked_rank_indices_np(
     begin = cu[:-1]
     # begin - begin / cp (exact: every start is a multiple of 2*cp here), plus the
     # per-run chunk multiples -> [N, 2] shifts in output order
-    shifts = (begin // cp_size * (cp_size - 1))[:, None] + chunk[:, None] * _chunk_coefficients(
-        cp_size, cp_rank
-    )
+    coef = _chunk_coefficients(cp_size, cp_rank, cu.dtype.type)
+    shifts = (begin // cp_size * (cp_size - 1))[:, None] + chunk[:, None] * coef
     try:
         index = np.repeat(shifts.reshape(-1), np.repeat(chunk, 2))
     except ValueError:  # a negative chunk: the boundaries decrease somewhere
         return None
-    index += _arange_np(index.shape[0])
+    index += _arange_np(index.shape[0], index.dtype.type)
     return index
 
 
@@ -558,7 +559,16 @@ def shard_thd_batch_for_cp(
     if num_seqs is None and isinstance(thd_batch.get("num_seqs"), int):
         num_seqs = thd_batch["num_seqs"]  # host-side count from process_input_for_thd
     _check_cp_rank(cp_size, cp_rank)
-    idx = partition_indices(cu, total, cp_size, cp_rank, num_seqs)
+    idx = None
+    if cu.device.type == "cpu" and cu.dtype in (torch.int32, torch.int64):
+        # hot path (the DataLoader worker): native-dtype host indices; anything the
+        # fast path cannot prove valid goes through partition_indices' full checks
+        cu_np = cu.numpy() if num_seqs is None else cu.numpy()[: num_seqs + 1]
+        if num_seqs is None or (type(num_seqs) is int and 0 <= num_seqs < cu.shape[0]):
+            fast = _checked_rank_indices_np(cu_np, total, cp_size, cp_rank)
+            idx = torch.from_numpy(fast) if fast is not None else None
+    if idx is None:
+        idx = partition_indices(cu, total, cp_size, cp_rank, num_seqs)
     on_device: dict[torch.device, torch.Tensor] = {idx.device: idx}
 
     def take(t: torch.Tensor, dim: int) -> torch.Tensor:
