@@ -23,6 +23,10 @@ from typing import Any, Literal
 
 import torch
 
+from te_thd.cp import shard_thd_batch_for_cp
+from te_thd.packing import PackingCollator, pad_to_multiple_for
+from te_thd.thd_utils import process_input_for_thd
+
 from .loader import collate_cached
 from .reader import CachedBatch
 
@@ -88,8 +92,6 @@ class CachedThdCollator:
         seq_lens_padding_value: int = -1000,
         absorb_trailing_pad: bool = True,
     ) -> None:
-        from te_thd.packing import PackingCollator, pad_to_multiple_for
-
         if length_key is not None and mask_key is not None:
             raise ValueError(
                 f"pass length_key={length_key!r} or mask_key={mask_key!r}, not both: one source of sample lengths"
@@ -184,9 +186,6 @@ class CachedThdCollator:
     # -- collate -----------------------------------------------------------------------
 
     def __call__(self, features: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, Any]:
-        from te_thd.cp import shard_thd_batch_for_cp
-        from te_thd.thd_utils import process_input_for_thd
-
         tensors = self._stacked(features)
         if self.input_key not in tensors:
             raise ValueError(f"input_key={self.input_key!r} was not read (read: {sorted(tensors)})")
