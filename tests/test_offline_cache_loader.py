@@ -128,6 +128,7 @@ def test_loader_resume_mid_epoch(cache, num_workers):
     assert state["sampler"]["consumed_samples"] == 20 and state["sampler"]["epoch"] == 1
     resumed = build_cached_dataloader(_ds(d), 4, True, _collate(), num_workers, seed=1, resume_state=state)
     resumed.sampler.set_epoch(1)
+    assert resumed.state_dict() == state  # nothing consumed since the restart
     assert len(resumed) == len(whole) - 5
     rest = [b["sample_id"].clone() for b in resumed]
     assert torch.equal(torch.cat(head + rest), torch.cat(whole))
@@ -140,6 +141,7 @@ def test_loader_resume_mid_epoch(cache, num_workers):
 def test_start_sample(cache):
     d, _ = cache
     loader = build_cached_dataloader(_ds(d), 10, False, _collate(), start_sample=30)
+    assert loader.consumed_samples() == 30  # epoch 0, before iterating
     assert torch.equal(torch.cat([b["sample_id"] for b in loader]), torch.arange(30, N))
 
 

@@ -71,7 +71,7 @@ class CachedDataLoader(DataLoader):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._base = 0  # global samples consumed when the current pass started
-        self._epoch_of_pass = 0
+        self._epoch_of_pass: int | None = None  # None: no pass since construction / load_state_dict
         self._batches = 0
 
     def __iter__(self) -> Iterator[Any]:
@@ -84,8 +84,8 @@ class CachedDataLoader(DataLoader):
     def consumed_samples(self) -> int:
         """Samples of the current epoch the loop has received, over all replicas."""
         s = self.sampler
-        if s.epoch != self._epoch_of_pass:  # set_epoch since the last pass: nothing consumed yet
-            return s._start
+        if self._epoch_of_pass is None or s.epoch != self._epoch_of_pass:
+            return s._start  # no pass of this epoch yet (or set_epoch since): only the resume offset
         local = min(self._batches * int(self.batch_size or 1), (s.total_size - self._base) // s.num_replicas)
         return self._base + local * s.num_replicas
 
@@ -98,6 +98,7 @@ class CachedDataLoader(DataLoader):
         if "sampler" not in state:
             raise ValueError(f"loader state must hold 'sampler' (got keys {sorted(state)}); pass loader.state_dict()")
         self.sampler.load_state_dict(state["sampler"])
+        self._epoch_of_pass = None
 
 
 def build_cached_dataloader(
