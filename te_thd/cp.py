@@ -563,8 +563,8 @@ def shard_thd_batch_for_cp(
     if cu.device.type == "cpu" and cu.dtype in (torch.int32, torch.int64):
         # hot path (the DataLoader worker): native-dtype host indices; anything the
         # fast path cannot prove valid goes through partition_indices' full checks
-        cu_np = cu.numpy() if num_seqs is None else cu.numpy()[: num_seqs + 1]
         if num_seqs is None or (type(num_seqs) is int and 0 <= num_seqs < cu.shape[0]):
+            cu_np = cu.numpy() if num_seqs is None else cu.numpy()[: num_seqs + 1]
             fast = _checked_rank_indices_np(cu_np, total, cp_size, cp_rank)
             idx = torch.from_numpy(fast) if fast is not None else None
     if idx is None:

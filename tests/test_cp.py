@@ -182,14 +182,16 @@ def test_reorder_negative_dim_and_autograd():
 # --------------------------------------------------------------------------- sharding
 
 
-def _thd_batch(cu: list[int], mrope: bool = False, hidden: int | None = None) -> dict:
+def _thd_batch(
+    cu: list[int], mrope: bool = False, hidden: int | None = None, dtype=torch.int32
+) -> dict:
     total = cu[-1]
     g = torch.Generator().manual_seed(total)
     ids = torch.randint(0, 1000, (total,), generator=g)
     if hidden is not None:
         ids = torch.randn(total, hidden, generator=g)
     pos = torch.cat([torch.arange(b - a) for a, b in zip(cu[:-1], cu[1:], strict=True)])
-    cu_t = torch.tensor(cu, dtype=torch.int32)
+    cu_t = torch.tensor(cu, dtype=dtype)
     return {
         "input_ids": ids,
         "labels": torch.randint(-100, 1000, (total,), generator=g),
@@ -208,10 +210,17 @@ def _thd_batch(cu: list[int], mrope: bool = False, hidden: int | None = None) ->
 
 
 @settings(max_examples=40)
-@given(layouts(cps=(2, 4, 8)), st.booleans(), st.sampled_from([None, 5]))
-def test_shard_slices_token_keys_and_keeps_boundaries_global(layout, mrope, hidden):
+@given(
+    layouts(cps=(2, 4, 8)),
+    st.booleans(),
+    st.sampled_from([None, 5]),
+    st.sampled_from([torch.int32, torch.int64, torch.int16]),
+)
+def test_shard_slices_token_keys_and_keeps_boundaries_global(layout, mrope, hidden, dtype):
     cu, total, cp = layout
-    batch = _thd_batch(cu, mrope=mrope, hidden=hidden)
+    if dtype == torch.int16 and total >= 2**15:
+        return
+    batch = _thd_batch(cu, mrope=mrope, hidden=hidden, dtype=dtype)
     shards = [
         shard_thd_batch_for_cp(batch, cp, r, extra_keys=("hidden_target",)) for r in range(cp)
     ]
@@ -325,5 +334,9 @@ def test_error_shard_bad_batch():
         ValueError, match=r"position_ids'\] must be \[T\] or \[n_rope, 1, T\] with T=16"
     ):
         shard_thd_batch_for_cp(bad, 2, 0)
+    with pytest.raises(ValueError, match=r"num_seqs must be an int or None, got '2'"):
+        shard_thd_batch_for_cp(batch, 2, 0, num_seqs="2")
+    with pytest.raises(ValueError, match=r"num_seqs=5 is out of range"):
+        shard_thd_batch_for_cp(batch, 2, 0, num_seqs=5)
     with pytest.raises(ValueError, match=r"must hold 'cu_seqlens_padded' \(or 'cu_seqlens'\)"):
         shard_thd_batch_for_cp({"input_ids": batch["input_ids"]}, 2, 0)
