@@ -13,11 +13,14 @@ its chunk ``2 * cp_size - 1 - r``. This module computes that partition in pure t
 
 Layout math only: no communication lives here (that is ``te_thd.attention``).
 
-Everything is vectorised (one ``repeat_interleave`` with a host-known output size)
-and free of host-device synchronisation, so it can run on the GPU in the training
-step. Layout *checks* need host values; they run automatically when the boundary
-array is on the CPU (where the DataLoader worker computed it) and are otherwise
-left to :func:`validate_cp_layout`, which the caller runs on the CPU copy.
+Everything is vectorised: one repeat of 2N per-run shifts plus an arange, no loop
+over tokens or sequences. Boundaries on the CPU (where the DataLoader worker computed
+them) take a numpy path -- the layout is tiny and numpy's per-call cost is a fraction
+of torch's -- with the checks folded into the index math; boundaries on a device take
+a pure-torch path (``repeat_interleave`` with a host-known output size) with no
+host-device synchronisation, so it can run in the training step. Layout *checks*
+need host values: they run automatically for CPU boundaries and are otherwise left to
+:func:`validate_cp_layout`, which the caller runs on the CPU copy.
 
 Sentinel-padded boundary arrays (fixed-shape / chunked batches, e.g. one row of
 ``split_batch_into_thd_chunks``'s ``cu_seqlens_padded``) are accepted: pass the
