@@ -228,3 +228,24 @@ def test_manifest_error_type_for_reader_mismatch(tmp_path: Path) -> None:
     _produce(tmp_path, format_version=2)
     with pytest.raises(ManifestError, match=r"has format_version=2, expected 1"):
         read_manifest(str(tmp_path), "test", 1)
+
+
+def test_logs_each_shard_and_shows_a_progress_bar_on_request(tmp_path: Path, caplog, capsys) -> None:
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="te_thd.offline_cache"):
+        produce_cache(DataLoader(_data(), batch_size=2), str(tmp_path), 4, _compute, KEYS, progress=True)
+    wrote = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Wrote ")]
+    assert wrote == [
+        f"Wrote {tmp_path}/shard-000000.safetensors (4 samples)",
+        f"Wrote {tmp_path}/shard-000001.safetensors (4 samples)",
+        f"Wrote {tmp_path}/shard-000002.safetensors (2 samples)",
+        f"Wrote {tmp_path}/manifest.json (10 samples, 3 shards)",
+    ]
+    err = capsys.readouterr().err
+    assert "cache: 100%" in err and "5/5" in err  # 5 batches of 2
+
+
+def test_progress_bar_is_off_when_stderr_is_not_a_tty(tmp_path: Path, capsys) -> None:
+    produce_cache(DataLoader(_data(), batch_size=2), str(tmp_path), 4, _compute, KEYS)  # progress=None
+    assert "cache:" not in capsys.readouterr().err  # pytest's captured stderr is not a TTY

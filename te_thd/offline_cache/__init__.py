@@ -40,6 +40,7 @@ from .sampler import CacheShardSampler, shard_block_order
 from .thd_collate import CachedThdCollator
 from .verify import cache_info, check_cache_files, verify_cache
 from .writer import (
+    DurableShardWriter,
     _sequential_subset_loader,
     _ShardAccumulator,
     dataloader_from_sample,
@@ -61,6 +62,7 @@ __all__ = [
     "CachedDataLoader",
     "CachedTensorDataset",
     "CachedThdCollator",
+    "DurableShardWriter",
     "ManifestError",
     "ManifestNotFoundError",
     "ProducerLock",
