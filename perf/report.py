@@ -211,6 +211,13 @@ def render_markdown(run: dict[str, Any], prev: dict[tuple, float] | None = None)
            else f"not available ({run['reference'].get('detail', '')})")
         + f"; {run['wall_s']:.0f} s in all."
     )
+    load = m.get("loadavg")
+    times = ", ".join(f"{b['name']} {b.get('wall_s', 0):.0f} s ({b.get('cpu_s', 0):.0f} CPU-s)"
+                      for b in run["benches"])
+    if times:
+        lines.append("")
+        lines.append(f"Bench wall time (CPU time): {times}"
+                     + (f"; load average at start {load[0]:.1f}." if load else "."))
     lines.append("")
 
     # goals: one line per goal, worst result shown

@@ -187,6 +187,7 @@ def run_bench(name: str, path: Path, *, quick: bool, timeout_s: float,
             [str(path.parent), str(PERF_DIR), str(REPO_ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
         )
         t0 = time.perf_counter()
+        ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
         with open(log, "wb") as logf:
             try:
                 proc = subprocess.run(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env,
@@ -195,6 +196,10 @@ def run_bench(name: str, path: Path, *, quick: bool, timeout_s: float,
             except subprocess.TimeoutExpired:
                 rc = None
         wall = time.perf_counter() - t0
+        ru1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+        # CPU seconds of the bench and everything it spawned: unlike wall time this
+        # hardly depends on how busy the machine is (the --quick budget is about it)
+        entry["cpu_s"] = round(ru1.ru_utime + ru1.ru_stime - ru0.ru_utime - ru0.ru_stime, 2)
         text = log.read_text(errors="replace")
         entry["log"] = text[-20000:]
         entry["wall_s"] = round(wall, 2)
@@ -303,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
         for line in entry["log"].rstrip().splitlines():
             print(f"    {line}")
         print(f"[perf] {name}: {entry['status']}, {len(entry['records'])} records, "
-              f"{entry['wall_s']:.1f} s", flush=True)
+              f"{entry['wall_s']:.1f} s wall, {entry['cpu_s']:.1f} CPU-s", flush=True)
         entries.append(entry)
 
     records = {e["name"]: [Record.from_json(r) for r in e["records"]]
