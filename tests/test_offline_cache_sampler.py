@@ -108,6 +108,7 @@ def test_resume_yields_exactly_the_remaining_order(n, r, r_new, drop_last, frac)
         res.load_state_dict(state)
         res.set_epoch(2)  # the loop's usual set_epoch(saved epoch) keeps the offset
         assert len(res) == len(whole) - consumed // r
+        assert res.local_indices().tolist() == ref.global_order()[consumed + rank :: r].tolist()
         assert list(res) == whole[consumed // r :]
         assert list(res) == whole  # the offset applied to one pass only
     # a different DP size (when it divides the count) continues the same global order
@@ -141,6 +142,17 @@ def test_set_epoch_to_another_epoch_drops_the_resume_offset():
     assert list(t) == list(u)
 
 
+def test_order_is_streamed_not_materialised():
+    # a billion samples: the first indices come without building the epoch's order
+    # (which would take 8 GB as int64); only the shard order and one shard's order exist
+    s = CacheShardSampler(_Sized(10**9, 4096), num_replicas=4, rank=3, seed=9)
+    it = iter(s)
+    first = [next(it) for _ in range(5)]
+    shard = first[0] // 4096
+    assert all(i // 4096 == shard for i in first) and len(set(first)) == 5
+    assert len(s) == 10**9 // 4
+
+
 def test_no_shuffle_is_sequential_and_shard_size_default():
     s = CacheShardSampler(_Sized(10), num_replicas=2, rank=1, shuffle=False)
     assert s.shard_size == 1 and list(s) == [1, 3, 5, 7, 9]
@@ -171,8 +183,12 @@ def test_bad_arguments():
         CacheShardSampler(d, num_replicas=2, rank=2)
     with pytest.raises(ValueError, match="shard_size=0 must be an int >= 1"):
         CacheShardSampler(d, shard_size=0)
-    with pytest.raises(ValueError, match="seed=1.5 must be an int"):
+    with pytest.raises(ValueError, match="seed=1.5 must be an int >= 0"):
         CacheShardSampler(d, seed=1.5)
+    with pytest.raises(ValueError, match="seed=-1 must be an int >= 0"):
+        CacheShardSampler(d, seed=-1)
+    with pytest.raises(ValueError, match="epoch=-2 must be an int >= 0"):
+        CacheShardSampler(d).set_epoch(-2)
     assert list(CacheShardSampler(_Sized(0), num_replicas=2, rank=1)) == []  # empty is not an error
 
 

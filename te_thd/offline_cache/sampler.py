@@ -21,7 +21,9 @@ differences that a cache reader needs:
 Global order ``G`` (length ``N``) is cut to ``total_size``: with ``drop_last`` the
 tail that does not divide evenly is dropped, otherwise ``G`` is padded by
 wrapping around (as ``DistributedSampler`` does) so every replica gets the same
-number of samples. Replica ``r`` reads ``G[start + r :: num_replicas]``.
+number of samples. Replica ``r`` reads ``G[start + r :: num_replicas]``, streamed
+one shard block at a time: the order costs O(num_shards + shard_size) memory, not
+O(N) (torch's ``DistributedSampler`` builds a list of all N indices every epoch).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import sys
 from collections.abc import Iterator, Sized
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils.data import Sampler
 
@@ -54,32 +57,51 @@ def default_data_parallel_rank_size() -> tuple[int, int] | None:
     )
 
 
+def _shard_rng(seed: int, epoch: int, *rest: int) -> np.random.Generator:
+    # SeedSequence mixes the words: (seed, epoch) and (seed, epoch, shard) streams are
+    # independent, and the same on every rank and worker (never the global RNG).
+    return np.random.default_rng([seed, epoch, *rest])
+
+
+def _epoch_blocks(num_samples: int, shard_size: int, seed: int, epoch: int, shuffle: bool) -> Iterator[tuple[int, Any]]:
+    """The epoch's order as ``(shard, make_block)`` in visiting order, lazily.
+
+    ``make_block()`` returns that shard's sample ids (int64 ndarray) in their epoch
+    order; it is called only for blocks that are read, so the order costs
+    O(num_shards + shard_size) memory whatever the cache size.
+    """
+    num_shards = -(-num_samples // shard_size)
+    shards = _shard_rng(seed, epoch).permutation(num_shards) if shuffle else range(num_shards)
+    for shard in shards:
+        shard = int(shard)
+        first = shard * shard_size
+        rows = min(shard_size, num_samples - first)
+        if shuffle:
+            yield shard, lambda first=first, rows=rows, shard=shard: first + _shard_rng(seed, epoch, shard).permutation(rows)
+        else:
+            yield shard, lambda first=first, rows=rows: np.arange(first, first + rows, dtype=np.int64)
+
+
 def shard_block_order(num_samples: int, shard_size: int, seed: int, epoch: int, shuffle: bool = True) -> torch.Tensor:
     """The epoch's global sample order, int64 ``[num_samples]``.
 
     ``shuffle=False``: ``0..N-1``. Otherwise a permutation in which each shard's
     samples (shard ``s`` = ``[s*shard_size, min((s+1)*shard_size, N))``) are contiguous,
-    the shards come in a random order and each shard's samples in a random order,
-    all drawn from one ``torch.Generator`` seeded with ``seed + epoch`` (the same on
-    every rank and in every worker, independent of the global RNG).
+    the shards come in a random order (drawn from ``(seed, epoch)``) and each shard's
+    samples in a random order (drawn from ``(seed, epoch, s)``): the same on every
+    rank and in every worker, independent of the global RNG. ``CacheShardSampler``
+    streams the same order shard by shard instead of materialising it.
     """
-    if not shuffle or num_samples == 0:
-        return torch.arange(num_samples, dtype=torch.int64)
-    g = torch.Generator().manual_seed(int(seed) + int(epoch))
-    num_shards = -(-num_samples // shard_size)
-    shard_perm = torch.randperm(num_shards, generator=g)
-    # One random key per slot; slots past the end of a short last shard sort last
-    # (key 2 > any uniform key) and are cut off below.
-    keys = torch.rand(num_shards, shard_size, generator=g)
-    tail = num_samples - (num_shards - 1) * shard_size
-    keys[-1, tail:] = 2.0
-    within = torch.argsort(keys, dim=1)
-    base = (torch.arange(num_shards, dtype=torch.int64) * shard_size).unsqueeze(1)
-    order = (base + within)[shard_perm]
-    flat = order.reshape(-1)
-    if tail != shard_size:  # drop the short shard's unused slots wherever it landed
-        flat = flat[flat < num_samples]
-    return flat
+    _check_seed(seed, epoch)
+    blocks = [make() for _, make in _epoch_blocks(num_samples, shard_size, seed, epoch, shuffle)]
+    return torch.from_numpy(np.concatenate(blocks)) if blocks else torch.zeros(0, dtype=torch.int64)
+
+
+def _check_seed(seed: Any, epoch: Any) -> None:
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"seed={seed!r} must be an int >= 0 (the same on every rank)")
+    if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+        raise ValueError(f"epoch={epoch!r} must be an int >= 0")
 
 
 class CacheShardSampler(Sampler[int]):
@@ -127,8 +149,7 @@ class CacheShardSampler(Sampler[int]):
             shard_size = int(getattr(data_source, "shard_size", 1) or 1)
         if not isinstance(shard_size, int) or shard_size < 1:
             raise ValueError(f"shard_size={shard_size!r} must be an int >= 1")
-        if not isinstance(seed, int):
-            raise ValueError(f"seed={seed!r} must be an int (the same on every rank)")
+        _check_seed(seed, 0)
         self.num_samples_total = len(data_source)
         self.num_replicas = num_replicas
         self.rank = rank
@@ -145,9 +166,10 @@ class CacheShardSampler(Sampler[int]):
 
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch's order; a resume offset is kept only for the epoch it was saved in."""
+        _check_seed(self.seed, epoch)
         if epoch != self.epoch:
             self._start = 0
-        self.epoch = int(epoch)
+        self.epoch = epoch
 
     def global_order(self) -> torch.Tensor:
         """The epoch's order over all replicas, int64 ``[total_size]`` (padded / cut)."""
@@ -162,7 +184,22 @@ class CacheShardSampler(Sampler[int]):
         return self.global_order()[self._start + self.rank :: self.num_replicas]
 
     def __iter__(self) -> Iterator[int]:
-        yield from self.local_indices().tolist()
+        """This replica's indices, ``global_order()[start + rank :: num_replicas]``,
+        streamed one shard block at a time (memory independent of the cache size)."""
+        n, r, total, start = self.num_samples_total, self.num_replicas, self.total_size, self._start
+        pos = 0  # global position of the current block's first sample
+        while pos < total:  # more than one pass over the order only when padding wraps
+            for shard, make in _epoch_blocks(n, self.shard_size, self.seed, self.epoch, self.shuffle):
+                length = min(self.shard_size, n - shard * self.shard_size)
+                end = min(pos + length, total)
+                # first global position >= max(pos, start) that belongs to this rank
+                lo = max(pos, start + self.rank)
+                lo += (self.rank - lo) % r
+                if lo < end:
+                    yield from make()[lo - pos : end - pos : r].tolist()
+                pos += length
+                if pos >= total:
+                    break
         # A resume offset applies to one pass: the next pass (also without
         # set_epoch, as with torch's samplers) starts the epoch from the beginning.
         self._start = 0
