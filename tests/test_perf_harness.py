@@ -125,27 +125,13 @@ def _run(fake_suite, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, timeout=60)
 
 
-def test_check_fails_naming_the_missed_goal_and_the_raising_bench(fake_suite):
+def test_check_fails_naming_misses_and_report_files(fake_suite):
+    _, _, results = fake_suite
     p = _run(fake_suite, "--check")
     assert p.returncode == 1, p.stdout + p.stderr
     assert "CHECK FAILED: goal slow-fast (slow/shape1 vs base): missed: ratio 1.11x" in p.stderr
     assert "CHECK FAILED: bench:boom raised: RuntimeError: kaput 42" in p.stderr
     assert "good-fast" not in p.stderr
-
-
-def test_check_passes_when_goals_met_and_only_selects(fake_suite):
-    p = _run(fake_suite, "--check", "--only", "good")
-    assert p.returncode == 0, p.stdout + p.stderr
-    assert "check passed" in p.stdout
-    p = _run(fake_suite, "--only", "nosuch")
-    assert p.returncode == 2
-    assert "--only nosuch: no such bench" in p.stderr and "available: boom, good, slow" in p.stderr
-
-
-def test_without_check_exit_0_and_report_files(fake_suite):
-    _, _, results = fake_suite
-    p = _run(fake_suite)
-    assert p.returncode == 0, p.stdout + p.stderr
     runs = sorted(results.glob("run-*-quick.json"))
     assert len(runs) == 1
     doc = json.loads((results / "latest.json").read_text())  # strict JSON (no Infinity)
@@ -163,10 +149,19 @@ def test_without_check_exit_0_and_report_files(fake_suite):
     assert "`boom`: error: RuntimeError: kaput 42" in md
     png = (results / "latest.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
-    # a second run shows the first run's ratios in the history column
-    p = _run(fake_suite, "--only", "good")
-    assert p.returncode == 0
-    assert "| good | shape1 | 250 ms | base | 1 s | 4.00x | 4.00x | >= 2x: met |" in (results / "latest.md").read_text()
+
+    # only the bench that meets its goal: exit 0; the first run's ratios appear in the
+    # history column
+    p = _run(fake_suite, "--check", "--only", "good")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "check passed" in p.stdout
+    md = (results / "latest.md").read_text()
+    assert "| good | shape1 | 250 ms | base | 1 s | 4.00x | 4.00x | >= 2x: met |" in md
+    assert len(sorted(results.glob("run-*-quick.json"))) == 2
+
+    p = _run(fake_suite, "--only", "nosuch")
+    assert p.returncode == 2
+    assert "--only nosuch: no such bench" in p.stderr and "available: boom, good, slow" in p.stderr
 
 
 def test_missing_reference_is_reported_and_its_goals_skipped(tmp_path):
