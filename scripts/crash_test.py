@@ -21,8 +21,10 @@ What it does (``python scripts/crash_test.py [--quick] [--json OUT]``):
    run's files, byte for byte (no temp file, lock or progress record left),
    ``verify_cache(deep=True)`` passes and every sample reads back correctly.
 5. During every chain a separate reader PROCESS polls the directory, fully
-   reading every visible shard and manifest (and, once the manifest exists,
-   opening the cache and reading every sample), and reports any partial file.
+   reading every visible shard and manifest, and every 0.2 s opens the cache
+   like a trainer: before the manifest exists that must fail with the "not
+   finished" error (the old state), after it every sample must read back right
+   (the new state); anything else, or any partial file, is a violation.
 
 Kill points are classified from what the kill left behind: ``startup`` (nothing
 written yet), ``mid-write`` (a writer temp file exists), ``between-shards``
@@ -123,6 +125,9 @@ def _child_produce(args: argparse.Namespace) -> int:
             "gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=args.rank,
             world_size=args.world, timeout=timedelta(seconds=60),
         )
+    if args.sleep is not None:
+        global COMPUTE_SLEEP_S
+        COMPUTE_SLEEP_S = args.sleep
     print("READY", flush=True)
     t0 = time.perf_counter()
     produce(args.out)
@@ -148,27 +153,39 @@ def _visible(name: str) -> bool:
     return bool(SHARD_RE.match(name)) or name == MANIFEST
 
 
+_EXPECTED: dict[str, Any] = {}
+
+
+def expected_tensors() -> dict[str, Any]:
+    """Every key of every sample, stacked ``[NUM_SAMPLES, ...]`` (computed once per process)."""
+    import torch
+
+    if not _EXPECTED:
+        samples = [expected_sample(i) for i in range(NUM_SAMPLES)]
+        _EXPECTED.update({k: torch.stack([s[k] for s in samples]) for k in KEYS})
+    return _EXPECTED
+
+
 def read_all_samples(cache_dir: str) -> list[str]:
     """Open the cache like a trainer and compare every sample; return problems."""
     import torch
 
     from te_thd.offline_cache import CachedTensorDataset
 
+    want = expected_tensors()
     ds = CachedTensorDataset(cache_dir, "offline", 1, KEYS)
+    if len(ds) != NUM_SAMPLES:
+        return [f"len {len(ds)} != {NUM_SAMPLES}"]
     problems = []
     batch = ds.__getitems__(list(range(len(ds))))
-    for i in range(len(ds)):
-        want = expected_sample(i)
-        for k in KEYS:
-            if not torch.equal(batch.tensors[k][i], want[k]):
-                problems.append(f"sample {i} key {k} differs (batched read)")
+    for k in KEYS:
+        if not torch.equal(batch.tensors[k], want[k]):
+            problems.append(f"key {k} differs from the expected values (batched read)")
     for i in (0, len(ds) - 1):
         got = ds[i]
         for k in KEYS:
-            if not torch.equal(got[k], expected_sample(i)[k]):
+            if not torch.equal(got[k], want[k][i]):
                 problems.append(f"sample {i} key {k} differs (__getitem__)")
-    if len(ds) != NUM_SAMPLES:
-        problems.append(f"len {len(ds)} != {NUM_SAMPLES}")
     return problems
 
 
@@ -237,8 +254,12 @@ def check_final(cache_dir: str, clean: dict[str, bytes]) -> list[str]:
 
 def _child_poll(args: argparse.Namespace) -> int:
     """Reader process: poll ``args.dir`` until ``args.stop`` exists; write counts to ``args.out``."""
+    from te_thd.offline_cache import ManifestNotFoundError
+
     clean = read_dir(args.clean)
-    obs = full_reads = 0
+    expected_tensors()
+    print("READY", flush=True)
+    obs = full_reads = unfinished = 0
     violations: list[str] = []
     stop = Path(args.stop)
     last_full = 0.0
@@ -260,18 +281,23 @@ def _child_poll(args: argparse.Namespace) -> int:
             obs += 1
             if data != clean[n]:
                 violations.append(f"reader saw {n} with {len(data)} bytes != the complete file")
-        if MANIFEST in names and time.monotonic() - last_full > 0.2:
+        if time.monotonic() - last_full > args.open_every:
+            # Open the cache like a trainer: before the manifest exists this must be
+            # the "not finished" error (the old state); after, every sample is right.
             last_full = time.monotonic()
             try:
                 problems = read_all_samples(args.dir)
                 full_reads += 1
-                violations += [f"reader, manifest present: {p}" for p in problems]
+                violations += [f"reader, finished cache: {p}" for p in problems]
+            except ManifestNotFoundError:
+                unfinished += 1
             except Exception as e:  # noqa: BLE001
-                violations.append(f"reader opening a finished cache: {type(e).__name__}: {e}")
+                violations.append(f"reader opening the cache: {type(e).__name__}: {e}")
         if final_round:
             break
         time.sleep(0.002)
     Path(args.out).write_text(json.dumps({"observations": obs, "full_reads": full_reads,
+                                          "unfinished_opens": unfinished,
                                           "violations": violations[:50], "n_violations": len(violations)}))
     return 0
 
@@ -347,7 +373,7 @@ class Run:
         self.violations: list[str] = []
         self.kill_points: dict[str, int] = {}
         self.kills = {"single": 0, "distributed": 0, "processes": 0}
-        self.poller = {"observations": 0, "full_reads": 0, "n_violations": 0}
+        self.poller = {"observations": 0, "full_reads": 0, "unfinished_opens": 0, "n_violations": 0}
         self.temp_files_left = 0
         self.chains = 0
         self.window = 1.0
@@ -528,9 +554,11 @@ def main(argv: list[str] | None = None) -> int:
     pp.add_argument("--rank", type=int, default=0)
     pp.add_argument("--world", type=int, default=1)
     pp.add_argument("--port", type=int, default=0)
+    pp.add_argument("--sleep", type=float, default=None, help="seconds per batch in compute_batch")
     pl = sub.add_parser("_poll", help=argparse.SUPPRESS)
     for a in ("--dir", "--clean", "--stop", "--out"):
         pl.add_argument(a, required=True)
+    pl.add_argument("--open-every", type=float, default=0.2, help="seconds between full opens")
     ap.add_argument("--quick", action="store_true", help="CI mode: 3 single-process + 2 distributed kills")
     ap.add_argument("--single-kills", type=int, default=None)
     ap.add_argument("--dist-kills", type=int, default=None)
