@@ -249,3 +249,8 @@ def test_logs_each_shard_and_shows_a_progress_bar_on_request(tmp_path: Path, cap
 def test_progress_bar_is_off_when_stderr_is_not_a_tty(tmp_path: Path, capsys) -> None:
     produce_cache(DataLoader(_data(), batch_size=2), str(tmp_path), 4, _compute, KEYS)  # progress=None
     assert "cache:" not in capsys.readouterr().err  # pytest's captured stderr is not a TTY
+
+
+def test_compute_batch_returning_a_tensor(tmp_path: Path) -> None:
+    with pytest.raises(SchemaError, match=r"compute_batch returned a Tensor; it must return a dict of tensors"):
+        _produce(tmp_path, compute=lambda b: b["x"])

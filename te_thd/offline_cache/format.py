@@ -38,9 +38,10 @@ adler32 1.9 GB/s, blake2b 0.85 GB/s, md5 0.74 GB/s. The checksum guards against
 torn/bit-rotted/truncated files, not against an adversary, so the fastest
 stdlib option with good burst-error detection wins; it needs no extra
 dependency, and the writer computes it on a second thread while the same
-bytes go to disk (see ``shardfile.py``), so it costs almost nothing. The value
-is stored as ``"crc32:<8 hex>"`` so the algorithm can change without a format
-bump.
+bytes go to disk (see ``shardfile.py``). With the optional ``isal`` package
+(ISA-L) installed the same CRC-32 values are computed ~3-4x faster (10 GB/s
+measured). The value is stored as ``"crc32:<8 hex>"`` so the algorithm can
+change without a format bump.
 """
 
 from __future__ import annotations

@@ -430,14 +430,14 @@ def produce_cache(
             out = compute_batch(batch)
             if writer.error is not None:
                 return None
-            try:
-                stored = validate_shard_tensors(out, keys, cache_name, -1, None) if isinstance(out, Mapping) else None
-                if stored is None:
-                    raise SchemaError(f"compute_batch returned a {type(out).__name__}; it must return a dict of tensors")
-            except SchemaError as exc:
-                writer.error = str(exc).replace(f"{cache_name} cache shard -1", "compute_batch output")
+            if not isinstance(out, Mapping):
+                writer.error = f"compute_batch returned a {type(out).__name__}; it must return a dict of tensors"
                 return None
-            return stored
+            try:
+                return validate_shard_tensors(out, keys, cache_name, -1, where="compute_batch output")
+            except SchemaError as exc:
+                writer.error = str(exc)
+                return None
 
         try:
             lockstep_write(

@@ -50,6 +50,7 @@ def validate_shard_tensors(
     cache_name: str,
     shard_index: int,
     schema: Mapping[str, TensorSpec] | None = None,
+    where: str | None = None,
 ) -> dict[str, torch.Tensor]:
     """The ``keys`` of ``samples``, checked: ``{key: tensor [n, *trailing]}`` with one ``n``.
 
@@ -57,9 +58,9 @@ def validate_shard_tensors(
     not a tensor, 0-d, has another sample count than the first key, or -- with
     ``schema`` -- another dtype or trailing shape. Extra keys in ``samples`` are
     ignored (``compute_batch`` may return more than the cache stores), as in the
-    reference.
+    reference. ``where`` replaces "<cache_name> cache shard <i>" in messages.
     """
-    where = f"{cache_name} cache shard {shard_index}"
+    where = where or f"{cache_name} cache shard {shard_index}"
     keys = tuple(keys)
     if not keys:
         raise SchemaError(f"{where}: keys=() names no tensors to store; pass e.g. keys=('hidden_states',)")
