@@ -147,10 +147,11 @@ def fmt_value(value: float | None, unit: str) -> str:
     """``0.000123 s`` -> ``123 us``; throughputs get k/M suffixes."""
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "-"
-    if unit == "s":
+    if unit == "s" or unit.startswith("s/"):  # seconds, or seconds per something
+        per = unit[1:]
         for scale, name in ((1.0, "s"), (1e-3, "ms"), (1e-6, "us"), (1e-9, "ns")):
             if abs(value) >= scale or name == "ns":
-                return f"{value / scale:.3g} {name}"
+                return f"{value / scale:.3g} {name}{per}"
     for scale, name in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
         if abs(value) >= scale:
             return f"{value / scale:.3g}{name} {unit}"
@@ -444,12 +445,57 @@ def write_report(run: dict[str, Any], results_dir: Path, *, latest: bool = True)
     return paths
 
 
+def ratio_spread(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """How much each ratio moved over repeated runs of the same code.
+
+    For every (bench, case, baseline) present in at least two runs: the median
+    ratio and the largest relative deviation of any run from that median — the
+    figure the noise margins in ``thresholds.json`` are set against.
+    """
+    import statistics
+
+    seen: dict[tuple[str, str, str], list[float]] = {}
+    for run in runs:
+        for b in run.get("benches", []):
+            for rec in b.get("records", []):
+                for name, r in (rec.get("ratios") or {}).items():
+                    if r is not None and r > 0:
+                        seen.setdefault((b["name"], rec["case"], name), []).append(float(r))
+    out = []
+    for (bench, case, base), rs in seen.items():
+        if len(rs) < 2:
+            continue
+        med = statistics.median(rs)
+        out.append({"bench": bench, "case": case, "baseline": base, "runs": len(rs), "median": med,
+                    "min": min(rs), "max": max(rs),
+                    "max_rel_dev": max(abs(r / med - 1.0) for r in rs)})
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    ap = argparse.ArgumentParser(description="Re-render the markdown and chart of a stored run.")
-    ap.add_argument("run_json", type=Path)
+    ap = argparse.ArgumentParser(description="Re-render the markdown and chart of a stored run, or "
+                                 "(--spread) show how ratios moved across several runs.")
+    ap.add_argument("run_json", type=Path, nargs="+")
+    ap.add_argument("--spread", action="store_true",
+                    help="print each ratio's median and largest deviation over the given runs")
     args = ap.parse_args(argv)
+    if args.spread:
+        runs = [json.loads(p.read_text()) for p in args.run_json]
+        goals = {(g["bench"], g["case"], g["baseline"]) for r in runs for g in r.get("goals", [])
+                 if g.get("ratio") is not None}
+        print("| bench | case | baseline | runs | median | min | max | max deviation | has goal |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        for row in ratio_spread(runs):
+            key = (row["bench"], row["case"], row["baseline"])
+            print(f"| {row['bench']} | {row['case']} | {row['baseline']} | {row['runs']} | "
+                  f"{row['median']:.3g} | {row['min']:.3g} | {row['max']:.3g} | "
+                  f"{row['max_rel_dev']:.1%} | {'yes' if key in goals else ''} |")
+        return 0
+    if len(args.run_json) != 1:
+        ap.error("re-rendering takes one run JSON (or pass --spread)")
+    args.run_json = args.run_json[0]
     run = json.loads(args.run_json.read_text())
     md = args.run_json.with_suffix(".md")
     _atomic_text(md, render_markdown(run, previous_ratios(args.run_json.parent, run, args.run_json)))
