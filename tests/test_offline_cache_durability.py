@@ -274,3 +274,50 @@ def test_fsync_is_called_for_file_and_directory(tmp_path: Path, monkeypatch: pyt
     monkeypatch.setattr(os, "replace", replace)
     atomic_write(str(tmp_path / "x"), lambda tmp: Path(tmp).write_bytes(b"data"))
     assert events == ["fsync-file", "replace", "fsync-dir"]
+
+
+# -- pipelined commits ----------------------------------------------------------------------
+
+
+def test_background_committer_fsyncs_before_rename_in_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    events: list[str] = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd: int) -> None:
+        target = os.readlink(f"/proc/self/fd/{fd}")
+        events.append(f"fsync:{os.path.basename(target) if not os.path.isdir(target) else 'dir'}")
+        real_fsync(fd)
+
+    def replace(a, b):
+        events.append(f"rename:{os.path.basename(b)}")
+        real_replace(a, b)
+
+    temps = []
+    for i in range(3):
+        tmp = durable.write_temp(str(tmp_path / f"f{i}"), lambda t, i=i: Path(t).write_bytes(bytes([i]) * 10))
+        temps.append(tmp)
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    with durable.BackgroundCommitter() as committer:
+        for i, tmp in enumerate(temps):
+            committer.submit(tmp, str(tmp_path / f"f{i}"))
+        committer.flush()
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["f0", "f1", "f2"]
+    renames = [e for e in events if e.startswith("rename")]
+    assert renames == ["rename:f0", "rename:f1", "rename:f2"]
+    for i, tmp in enumerate(temps):  # each file's data is flushed before its name appears
+        assert events.index(f"fsync:{os.path.basename(tmp)}") < events.index(f"rename:f{i}")
+    assert events[-1] == "fsync:dir"  # the renames are persisted by a directory fsync
+
+
+def test_background_committer_surfaces_errors(tmp_path: Path) -> None:
+    committer = durable.BackgroundCommitter()
+    committer.submit(str(tmp_path / ".gone.1-deadbeef.tmp"), str(tmp_path / "gone"))
+    with pytest.raises(FileNotFoundError):
+        committer.flush()
+    ok = durable.write_temp(str(tmp_path / "later"), lambda t: Path(t).write_bytes(b"x"))
+    with pytest.raises(FileNotFoundError):  # a failed committer refuses further work
+        committer.submit(ok, str(tmp_path / "later"))
+    with pytest.raises(FileNotFoundError):
+        committer.close()
+    assert not (tmp_path / "gone").exists() and not (tmp_path / "later").exists()

@@ -554,3 +554,16 @@ def test_cache_info(small_cache: Path) -> None:
     assert info["options"] == {"cp_size": 2}
     assert info["bytes"] == sum(p.stat().st_size for p in small_cache.glob("shard-*.safetensors"))
     assert info["checksum"] == "crc32" and info["layout_version"] == 1 and info["format_version"] == 1
+
+
+@given(num_samples=st.integers(0, 60), shard_size=st.integers(1, 9), data=st.data())
+def test_shard_runs_cover_exactly_the_chosen_shards(num_samples: int, shard_size: int, data) -> None:
+    total = -(-num_samples // shard_size)
+    chosen = data.draw(st.sets(st.integers(0, max(0, total - 1)), max_size=total)) if total else set()
+    runs = shard_runs(sorted(chosen), num_samples, shard_size)
+    covered = [s for _, start, n in runs for s in range(start, start + n)]
+    oracle = [s for s in range(num_samples) if s // shard_size in chosen]
+    assert covered == oracle
+    for s0, start, _ in runs:  # runs start on shard boundaries, at their own shard
+        assert start == s0 * shard_size
+    assert all(a[1] + a[2] < b[1] for a, b in zip(runs, runs[1:], strict=False))  # maximal runs: gaps between
