@@ -110,7 +110,7 @@ def test_sentinel_padded_boundaries(layout, n_sentinel, sentinel):
         assert partition_indices(padded, total, cp, rank, check=False).tolist() == want
 
 
-@settings(max_examples=80)
+@settings(max_examples=50)
 @given(layouts(cps=(2, 4, 8)), st.integers(0, 3))
 def test_device_path_matches_oracle(layout, n_sentinel):
     """The pure-torch path used for boundaries on a GPU (run here on CPU tensors)."""
