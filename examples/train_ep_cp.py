@@ -34,6 +34,7 @@ bar on a terminal, appends every step to ``<out>/metrics.jsonl`` and ends with a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -114,7 +115,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--topk-experts", type=int, default=StudentConfig.router_topk)
     p.add_argument("--layers", type=int, default=StudentConfig.num_layers)
     p.add_argument("--seed", type=int, default=1, help="data order seed")
-    p.add_argument("--num-workers", type=int, default=1, help="DataLoader workers per rank")
+    p.add_argument(
+        "--num-workers",
+        type=int,
+        default=None,
+        help="DataLoader workers per rank (default: 0 on cpu -- collating inline costs less than "
+        "receiving the batch from a worker there --, 2 on cuda)",
+    )
     p.add_argument(
         "--mask-prompt",
         action=argparse.BooleanOptionalAction,
@@ -142,7 +149,7 @@ def check_args(args: argparse.Namespace) -> None:
             raise ValueError(f"--{name.replace('_', '-')}={v} must be >= 1")
     for name in ("save_every", "num_workers", "warmup"):
         v = getattr(args, name)
-        if v < 0:
+        if v is not None and v < 0:
             raise ValueError(f"--{name.replace('_', '-')}={v} must be >= 0")
     if args.topk_experts > args.experts:
         raise ValueError(
@@ -268,6 +275,8 @@ class MetricsLog:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     check_args(args)
+    if args.num_workers is None:
+        args.num_workers = 2 if args.device == "cuda" else 0
     ctx = init_parallel(args.cp, args.ep, args.device, args.experts)
     rank0 = ctx.rank == 0
     manifest, seq_len = open_cache(args, ctx.cp_size)
@@ -331,6 +340,13 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
 
+    # TE's fused THD attention takes bf16/fp16: on CUDA the matmuls run in bf16 autocast
+    # (parameters, optimizer state, router and loss stay float32); on CPU all is float32.
+    autocast = (
+        torch.autocast("cuda", dtype=torch.bfloat16)
+        if ctx.device.type == "cuda"
+        else contextlib.nullcontext()
+    )
     history: list[dict[str, Any]] = []
     t_start = time.perf_counter()
     while step < args.steps:
@@ -348,22 +364,22 @@ def main(argv: list[str] | None = None) -> int:
         t1 = time.perf_counter()
 
         optimizer.zero_grad(set_to_none=True)
-        local = forward_backward(
-            model, batch, attn_kwargs, ctx, args.hidden_weight, args.aux_weight
-        )
+        with autocast:
+            local = forward_backward(
+                model, batch, attn_kwargs, ctx, args.hidden_weight, args.aux_weight
+            )
         reduce_gradients(dense, expert, ctx)
         grad_norm = clip_grad_norm(dense, expert, args.clip, ctx)
         lr = scheduler.get_last_lr()[0]
         optimizer.step()
         scheduler.step()
-        stats = global_stats(local, ctx)  # one small all-reduce (and the step's only .tolist())
+        stats = global_stats(local, grad_norm, ctx)  # one small all-reduce, one host copy
         step += 1
         t2 = time.perf_counter()
 
         rec = {
             "step": step,
             **{k: round(v, 6) if isinstance(v, float) else v for k, v in stats.items()},
-            "grad_norm": round(float(grad_norm), 6),
             "lr": lr,
             "step_s": round(t2 - t0, 6),
             "data_wait_s": round(t1 - t0, 6),
@@ -377,15 +393,14 @@ def main(argv: list[str] | None = None) -> int:
         if rank0 and (step % args.log_every == 0 or step == args.steps):
             line = (
                 f"step {step:5d}/{args.steps} | loss {stats['loss']:.4f} (kl {stats['kl']:.4f}, "
-                f"hidden {stats['mse']:.4f}, aux {stats['aux']:.3f}) | grad norm {float(grad_norm):.3f} | "
+                f"hidden {stats['mse']:.4f}, aux {stats['aux']:.3f}) | grad norm {stats['grad_norm']:.3f} | "
                 f"lr {lr:.2e} | {rec['tokens_per_s']:.0f} tok/s | data wait "
                 f"{100 * (t1 - t0) / (t2 - t0):.1f}%"
             )
-            (
-                bar.write(line, file=sys.stdout)
-                if bar is not None and not bar.disable
-                else print(line, flush=True)
-            )
+            if bar is not None and not bar.disable:
+                bar.write(line, file=sys.stdout)  # above the progress bar
+            else:
+                print(line, flush=True)
         if (args.save_every and step % args.save_every == 0) or step == args.steps:
             save_checkpoint(
                 ckpt_dir,
@@ -413,6 +428,22 @@ def main(argv: list[str] | None = None) -> int:
         step_s = sum(r["step_s"] for r in timed)
         wait = sum(r["data_wait_s"] for r in timed) / step_s if step_s else 0.0
         tok_s = sum(r["tokens"] for r in timed) / step_s if step_s else 0.0
+        summary = {
+            "steps": step,
+            "first_step": history[0]["step"],
+            "loss_first": round(first, 6),
+            "loss_last": round(last, 6),
+            "tokens_per_s": round(tok_s, 1),
+            "data_wait_pct": round(100 * wait, 3),
+            "wall_s": round(wall, 3),
+            "world_size": ctx.world_size,
+            "dp": ctx.dp_size,
+            "cp": ctx.cp_size,
+            "ep": ctx.ep_size,
+            "device": args.device,
+        }
+        with open(os.path.join(args.out, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=1)
         print(
             f"summary: steps {history[0]['step'] - 1}->{step} | loss {first:.4f} -> {last:.4f} "
             f"(mean of first/last {k} steps) | {tok_s:.0f} tok/s | data wait {100 * wait:.1f}% of step time "

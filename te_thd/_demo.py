@@ -1,28 +1,136 @@
-"""The README's main job. Until the EP+CP training example lands, it runs the
-THD conversion of the reference page's worked example and prints the result."""
+"""The README's main job: precompute the offline cache, then EP + CP training on it.
+
+``te-thd demo`` runs, from a source checkout (``examples/`` next to the package):
+
+1. ``torchrun --nproc-per-node N examples/precompute_cache.py``: a frozen target
+   transformer computes per-token supervision (top-k next-token distribution + final
+   hidden states) for a synthetic variable-length dataset; every rank writes its own
+   shards of the ``te_thd`` offline cache, rank 0 the manifest;
+2. ``torchrun --nproc-per-node N examples/train_ep_cp.py``: a small MoE student is
+   distilled on the cache with context parallelism (``--cp``) and expert parallelism
+   (``--ep``) over real ``torch.distributed`` process groups (gloo on CPU).
+
+The commands are printed before they run, so they can be copied and changed. Both
+use ``sys.executable -m torch.distributed.run`` (``torchrun`` of this interpreter),
+so the demo works from a virtual environment without activating it.
+"""
 
 from __future__ import annotations
 
 import argparse
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = REPO_ROOT / "examples"
 
 
 def add_demo_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", default="runs/demo", help="working directory for the demo")
+    p.add_argument(
+        "--out",
+        default="runs/demo",
+        help="working directory (cache in <out>/cache, run in <out>/train)",
+    )
+    p.add_argument("--nproc", type=int, default=4, help="processes (ranks) to launch")
+    p.add_argument("--cp", type=int, default=2, help="context-parallel size")
+    p.add_argument("--ep", type=int, default=2, help="expert-parallel size")
+    p.add_argument("--steps", type=int, default=100, help="training steps")
+    p.add_argument(
+        "--device", choices=("cpu", "cuda"), default="cpu", help="cpu: gloo; cuda: NCCL + TE"
+    )
+    p.add_argument("--num-samples", type=int, default=1024, help="samples in the synthetic dataset")
+    p.add_argument(
+        "--resume", action="store_true", help="continue the previous demo run from its checkpoint"
+    )
+
+
+def _check(args: argparse.Namespace) -> None:
+    for name in ("nproc", "cp", "ep", "steps", "num_samples"):
+        v = getattr(args, name)
+        if v < 1:
+            raise ValueError(f"--{name.replace('_', '-')}={v} must be >= 1")
+    for name in ("cp", "ep"):
+        v = getattr(args, name)
+        if args.nproc % v:
+            raise ValueError(
+                f"--{name}={v} must divide --nproc={args.nproc}; e.g. --nproc {v * max(1, args.nproc // v)}"
+            )
+
+
+def _run(title: str, cmd: list[str]) -> int:
+    print(f"\n== {title}\n$ {shlex.join(cmd)}", flush=True)
+    return subprocess.call(cmd, cwd=REPO_ROOT)
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    import torch
-
-    from te_thd.thd_utils import process_input_for_thd
-
-    batch = {
-        "input_ids": torch.tensor([[1, 2, 3, 99, 4, 5], [6, 7, 8, 9, 10, 11]]),
-        "labels": torch.tensor([[2, 3, 99, 4, 5, 6], [7, 8, 9, 10, 11, 12]]),
-        "position_ids": torch.tensor([[0, 1, 2, 0, 0, 1], [0, 1, 2, 3, 4, 5]]),
-        "seq_lens": torch.tensor([[3, 2], [6, -1000]]),
-        "seq_lens_padded": torch.tensor([[4, 2], [6, -1000]]),
-    }
-    out = process_input_for_thd(batch)
-    for k, v in out.items():
-        print(f"{k}: {v}")
-    return 0
+    """Run precompute + training; returns the first non-zero exit status, else 0."""
+    try:
+        _check(args)
+    except ValueError as exc:
+        print(f"te-thd demo: {exc}", file=sys.stderr)
+        return 2
+    scripts = (EXAMPLES / "precompute_cache.py", EXAMPLES / "train_ep_cp.py")
+    missing = [str(s) for s in scripts if not s.exists()]
+    if missing:
+        print(
+            f"te-thd demo: {', '.join(missing)} not found; the demo runs the examples of a source "
+            "checkout (git clone the repository and install it with scripts/setup.sh)",
+            file=sys.stderr,
+        )
+        return 2
+    out = Path(args.out).resolve()
+    cache, train = out / "cache", out / "train"
+    torchrun = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={args.nproc}",
+    ]
+    t0 = time.perf_counter()
+    rc = _run(
+        f"1/2 precompute the offline cache ({args.nproc} ranks, resumable; reused when it exists)",
+        [
+            *torchrun,
+            str(scripts[0]),
+            "--out",
+            str(cache),
+            "--cp",
+            str(args.cp),
+            "--num-samples",
+            str(args.num_samples),
+            "--device",
+            args.device,
+        ],
+    )
+    if rc != 0:
+        return rc
+    rc = _run(
+        f"2/2 train the MoE student: {args.nproc} ranks, CP={args.cp}, EP={args.ep}, {args.device}",
+        [
+            *torchrun,
+            str(scripts[1]),
+            "--cache-dir",
+            str(cache),
+            "--out",
+            str(train),
+            "--cp",
+            str(args.cp),
+            "--ep",
+            str(args.ep),
+            "--steps",
+            str(args.steps),
+            "--device",
+            args.device,
+            *(["--resume"] if args.resume else []),
+        ],
+    )
+    if rc == 0:
+        print(
+            f"\ndemo finished in {time.perf_counter() - t0:.0f} s; per-step metrics: {train / 'metrics.jsonl'}",
+            flush=True,
+        )
+    return rc

@@ -79,7 +79,7 @@ def _step_worker(rank: int, world: int, cache_dir: str, configs: list) -> dict:
         grads = {n: p.grad.clone() for n, p in model.named_parameters()}
         norm = clip_grad_norm(dense, expert, 1e9, ctx)  # huge max: only the global norm
         out[name] = {
-            "stats": global_stats(local, ctx),
+            "stats": global_stats(local, norm, ctx),
             "grads": grads,
             "grad_norm": float(norm),
             "ep": ep,

@@ -218,7 +218,8 @@ class MoELayer(nn.Module):
             y_send = AllToAll.apply(y_recv, in_splits, out_splits, self.ep_group)
 
         w = gates.reshape(-1).index_select(0, assign)  # [n_send]
-        out = torch.zeros_like(x).index_add(0, token_idx, y_send * w[:, None])
+        # (under autocast the experts' output may be bf16 while x is float32)
+        out = torch.zeros_like(x).index_add(0, token_idx, (y_send * w[:, None]).to(x.dtype))
         return out, stats
 
     def _router_stats(

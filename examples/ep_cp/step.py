@@ -74,12 +74,19 @@ def forward_backward(
     )
 
 
-def global_stats(local: torch.Tensor, ctx: ParallelContext) -> dict[str, float]:
-    """Sum the local stats over DP x CP and turn them into the logged means."""
+def global_stats(
+    local: torch.Tensor, grad_norm: torch.Tensor, ctx: ParallelContext
+) -> dict[str, float]:
+    """Sum the local stats over DP x CP and turn them into the logged means.
+
+    ``grad_norm`` (already global) rides along, so the whole log costs one small
+    all-reduce and one device-to-host copy per step.
+    """
     s = local.clone()
     if dist.get_world_size(ctx.dp_cp_group) > 1:
         dist.all_reduce(s, group=ctx.dp_cp_group)
-    v = dict(zip(STATS, s.tolist(), strict=True))
+    host = torch.cat([s, grad_norm.detach().float().reshape(1).to(s.device)]).tolist()
+    v = dict(zip(STATS, host[: len(STATS)], strict=True))
     n = max(v["supervised"], 1.0)
     return {
         "loss": v["loss_sum"] / n,
@@ -88,4 +95,5 @@ def global_stats(local: torch.Tensor, ctx: ParallelContext) -> dict[str, float]:
         "aux": v["aux"] / ctx.dp_size,
         "supervised_tokens": v["supervised"],
         "tokens": v["real_tokens"],
+        "grad_norm": host[-1],
     }

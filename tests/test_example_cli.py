@@ -1,0 +1,121 @@
+"""Bad flags of the example scripts and of ``te-thd demo``: clear errors naming the fix."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+from _example_support import REPO  # noqa: F401  (puts examples/ on sys.path)
+
+
+def _train_args(*argv: str) -> argparse.Namespace:
+    from train_ep_cp import build_parser
+
+    return build_parser().parse_args(["--cache-dir", "unused", *argv])
+
+
+@pytest.mark.parametrize(
+    ("argv", "match"),
+    [
+        (["--steps", "0"], r"--steps=0 must be >= 1"),
+        (["--batch-size", "-2"], r"--batch-size=-2 must be >= 1"),
+        (["--save-every", "-1"], r"--save-every=-1 must be >= 0"),
+        (["--topk-experts", "5"], r"--topk-experts=5 exceeds --experts=4; lower it"),
+        (["--lr", "0"], r"--lr=0.0 must be > 0"),
+    ],
+)
+def test_train_flag_errors(argv: list[str], match: str):
+    from train_ep_cp import check_args
+
+    with pytest.raises(ValueError, match=match):
+        check_args(_train_args(*argv))
+
+
+@pytest.mark.parametrize(
+    ("world", "cp", "ep", "experts", "match"),
+    [
+        (
+            4,
+            3,
+            1,
+            4,
+            r"--cp=3 must divide the number of processes \(4\); launch with --nproc-per-node a multiple of 3",
+        ),
+        (4, 1, 3, 3, r"--ep=3 must divide the number of processes \(4\)"),
+        (
+            4,
+            1,
+            4,
+            6,
+            r"--ep=4 must divide the number of experts \(6\); choose --ep among the divisors of 6",
+        ),
+        (4, 0, 1, 4, r"--cp=0 must be an integer >= 1"),
+    ],
+)
+def test_parallel_layout_errors(world: int, cp: int, ep: int, experts: int, match: str):
+    from ep_cp.parallel import check_layout
+
+    with pytest.raises(ValueError, match=match):
+        check_layout(world, cp, ep, experts)
+    check_layout(4, 2, 2, 4)  # the demo's layout is fine
+
+
+@pytest.mark.parametrize(
+    ("argv", "match"),
+    [
+        (
+            ["--cp", "2", "--pack-seq-len", "130"],
+            r"--pack-seq-len=130 must be a multiple of 2\*cp=4 .* use --pack-seq-len 132",
+        ),
+        (
+            ["--max-len", "300", "--pack-seq-len", "256"],
+            r"hold the longest sample padded to that multiple \(300 slots for --max-len=300\); use --pack-seq-len 300",
+        ),
+        (["--topk", "1000"], r"--topk=1000 exceeds the vocabulary \(256\)"),
+        (["--shard-size", "0"], r"--shard-size=0 must be >= 1"),
+    ],
+)
+def test_precompute_flag_errors(argv: list[str], match: str):
+    from precompute_cache import build_parser, check_args
+
+    with pytest.raises(ValueError, match=match):
+        check_args(build_parser().parse_args(["--out", "unused", *argv]))
+
+
+def test_student_config_errors():
+    from ep_cp.config import StudentConfig
+
+    with pytest.raises(ValueError, match=r"hidden_size=30 must be divisible by num_heads=4"):
+        StudentConfig(hidden_size=30)
+    with pytest.raises(ValueError, match=r"router_topk=5 must be in \[1, num_experts=4\]"):
+        StudentConfig(router_topk=5)
+
+
+def _demo_args(*argv: str) -> argparse.Namespace:
+    from te_thd._demo import add_demo_arguments
+
+    p = argparse.ArgumentParser()
+    add_demo_arguments(p)
+    return p.parse_args(list(argv))
+
+
+def test_demo_rejects_a_layout_that_does_not_fit_the_processes(capsys):
+    from te_thd._demo import run_demo
+
+    assert run_demo(_demo_args("--nproc", "4", "--cp", "3")) == 2
+    assert "--cp=3 must divide --nproc=4" in capsys.readouterr().err
+
+
+def test_demo_outside_a_source_checkout_says_what_to_do(monkeypatch, tmp_path, capsys):
+    import te_thd._demo as demo
+
+    monkeypatch.setattr(demo, "EXAMPLES", tmp_path / "examples")
+    assert demo.run_demo(_demo_args()) == 2
+    assert "the demo runs the examples of a source checkout" in capsys.readouterr().err
+
+
+def test_cli_exposes_the_demo():
+    from te_thd.cli import build_parser
+
+    args = build_parser().parse_args(["demo", "--steps", "7", "--out", "x"])
+    assert args.steps == 7 and args.cp == 2 and args.ep == 2 and args.nproc == 4

@@ -1,0 +1,169 @@
+"""Crash and resume of the EP + CP training example, with real processes.
+
+``torchrun`` runs ``examples/train_ep_cp.py`` on 2 CPU ranks (CP=2, EP=2, the
+cached dataloader with a worker process per rank). A second run is killed with
+SIGKILL -- every process of the job at once, as when a node dies -- after it has
+published a checkpoint and gone past it; ``--resume`` then finishes it. The loss
+trajectory of killed + resumed must equal the uninterrupted run's, step for step
+(deterministic on CPU: same data order, optimizer and LR state, RNG).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from _example_support import EXAMPLES
+
+STEPS = 14
+SAVE_EVERY = 4
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory) -> str:
+    out = str(tmp_path_factory.mktemp("resume_cache") / "cache")
+    cmd = [
+        sys.executable,
+        str(EXAMPLES / "precompute_cache.py"),
+        "--out",
+        out,
+        "--num-samples",
+        "48",
+        "--min-len",
+        "5",
+        "--max-len",
+        "40",
+        "--shard-size",
+        "8",
+        "--batch-size",
+        "8",
+        "--cp",
+        "2",
+        "--pack-seq-len",
+        "128",
+    ]
+    subprocess.run(cmd, check=True, capture_output=True, timeout=120, env=_env())
+    return out
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+
+
+def _train(cache_dir: str, out: Path, *extra: str) -> subprocess.Popen:
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(EXAMPLES / "train_ep_cp.py"),
+        "--cache-dir",
+        cache_dir,
+        "--out",
+        str(out),
+        "--cp",
+        "2",
+        "--ep",
+        "2",
+        "--steps",
+        str(STEPS),
+        "--save-every",
+        str(SAVE_EVERY),
+        "--batch-size",
+        "4",
+        "--num-workers",
+        "1",
+        "--log-every",
+        "100",
+        *extra,
+    ]
+    # Own session: the test can kill the whole job without touching pytest.
+    return subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        env=_env(),
+    )
+
+
+def _metrics(out: Path) -> list[dict]:
+    path = out / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
+
+
+def _descendants(pid: int) -> list[int]:
+    """All live descendants of ``pid`` (Linux /proc): torchrun's workers and theirs."""
+    found: list[int] = []
+    stack = [pid]
+    while stack:
+        p = stack.pop()
+        try:
+            kids = Path(f"/proc/{p}/task/{p}/children").read_text().split()
+        except OSError:
+            continue
+        for k in map(int, kids):
+            found.append(k)
+            stack.append(k)
+    return found
+
+
+def _kill_job(proc: subprocess.Popen) -> None:
+    victims = [*_descendants(proc.pid), proc.pid]
+    for pid in victims:  # collected first, then killed back to back: no survivor reacts
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def test_sigkill_then_resume_matches_uninterrupted_run(cache_dir: str, tmp_path: Path):
+    ref = _train(cache_dir, tmp_path / "ref")
+    ref_out, _ = ref.communicate(timeout=300)
+    assert ref.returncode == 0, ref_out
+    expected = _metrics(tmp_path / "ref")
+    assert [r["step"] for r in expected] == list(range(1, STEPS + 1))
+    assert "summary:" in ref_out
+
+    run = tmp_path / "crash"
+    job = _train(cache_dir, run)
+    deadline = time.monotonic() + 300
+    latest = run / "ckpt" / "latest.json"
+    while True:  # kill once a checkpoint is published and the run has gone past it
+        done = _metrics(run)
+        if latest.exists() and done and done[-1]["step"] > json.loads(latest.read_text())["step"]:
+            break
+        assert job.poll() is None, "the run ended before it could be killed"
+        assert time.monotonic() < deadline, "timed out waiting for a checkpoint"
+        time.sleep(0.02)
+    _kill_job(job)
+    job.communicate(timeout=60)
+    assert job.returncode == -signal.SIGKILL
+    killed_at = _metrics(run)[-1]["step"]
+    assert killed_at < STEPS, "the kill came too late to test anything"
+
+    resumed = _train(cache_dir, run, "--resume")
+    res_out, _ = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0, res_out
+    m = re.search(r"resumed from step (\d+)", res_out)
+    assert m is not None, res_out
+    assert 0 < int(m.group(1)) <= killed_at and int(m.group(1)) % SAVE_EVERY == 0
+
+    got = _metrics(run)
+    assert [r["step"] for r in got] == list(range(1, STEPS + 1))
+    for a, b in zip(got, expected, strict=True):
+        for key in ("loss", "kl", "mse", "aux", "grad_norm", "lr", "tokens"):
+            assert a[key] == b[key], (a["step"], key, a[key], b[key])
+    assert got[-1]["loss"] < got[0]["loss"]  # and it trains
