@@ -376,6 +376,20 @@ class PackingCollator:
             )
         keys = [k for k in first if k != "position_ids"]
         key_set = set(first)
+        # A passed-through key must not share a name with an output the collator
+        # writes itself: it would silently replace the tokens, or be replaced.
+        written = {"seq_lens", "seq_lens_padded", "packing_efficiency"}
+        if self.input_key != "input_ids":
+            written.add("input_ids")
+        if self.label_key != "labels":
+            written.add("labels")
+        clash = sorted(written & key_set)
+        if clash:
+            raise ValueError(
+                f"sample key {clash[0]!r} collides with the collator's output {clash[0]!r} "
+                f"(input_key={self.input_key!r}, label_key={self.label_key!r}); rename or drop "
+                "it, or name it as input_key / label_key"
+            )
         lengths: list[int] = []
         for i, sample in enumerate(samples):
             if not isinstance(sample, Mapping) or set(sample) != key_set:

@@ -204,7 +204,7 @@ def test_labels_already_shifted_are_kept():
     assert out["labels"].tolist() == [[6, 7, 8, -100]]
     out = PackingCollator(4)([s])
     assert out["labels"].tolist() == [[7, 8, -100, -100]]
-    out = PackingCollator(4, label_key=None)([s])  # labels from input_ids
+    out = PackingCollator(4, label_key=None)([{"input_ids": s["input_ids"]}])  # from the ids
     assert out["labels"].tolist() == [[6, 7, -100, -100]]
     assert "labels" in out and out["input_ids"].tolist() == [[5, 6, 7, 0]]
 
@@ -352,3 +352,15 @@ def test_readme_packing_example_output_is_exact():
     with contextlib.redirect_stdout(buf):
         exec(compile(code, "README.md", "exec"), {"torch": torch})  # noqa: S102 - our README
     assert buf.getvalue() == expected
+
+
+def test_sample_keys_colliding_with_outputs_are_rejected():
+    ids = torch.tensor([1, 2, 3])
+    with pytest.raises(ValueError, match=r"sample key 'input_ids' collides.*input_key='tokens'"):
+        PackingCollator(8, input_key="tokens")([{"tokens": ids, "input_ids": ids + 6}])
+    with pytest.raises(ValueError, match=r"sample key 'labels' collides.*label_key=None"):
+        PackingCollator(8, label_key=None)([{"input_ids": ids, "labels": ids}])
+    with pytest.raises(ValueError, match=r"sample key 'seq_lens' collides"):
+        PackingCollator(8)([{"input_ids": ids, "seq_lens": ids}])
+    out = PackingCollator(8, input_key="tokens")([{"tokens": ids}])
+    assert out["input_ids"][0, :3].tolist() == [1, 2, 3]
