@@ -245,6 +245,17 @@ def test_thd_collate_in_workers_gives_host_values(cache):
     assert all(type(bb["max_seqlen_int"]) is int and type(bb["pad_between_seqs"]) is bool for bb in b)
 
 
+def test_thd_collate_pickles_for_spawned_workers(cache):
+    import pickle
+
+    d, _ = cache
+    batch = _ds(d).__getitems__([5, 6, 7, 30])
+    c = CachedThdCollator(16, cp_size=2, cp_rank=1, length_key="length")
+    a, b = c(batch), pickle.loads(pickle.dumps(c))(batch)
+    for k, v in a.items():
+        assert torch.equal(v, b[k]) if isinstance(v, torch.Tensor) else v == b[k]
+
+
 def test_thd_collate_accepts_a_list_of_samples(cache):
     d, _ = cache
     ds = _ds(d)
