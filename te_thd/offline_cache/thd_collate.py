@@ -23,7 +23,7 @@ from typing import Any, Literal
 
 import torch
 
-from te_thd.cp import shard_thd_batch_for_cp
+from te_thd.cp import partition_indices, shard_thd_batch_for_cp
 from te_thd.packing import PackingCollator, pad_to_multiple_for
 from te_thd.thd_utils import process_input_for_thd
 
@@ -236,13 +236,19 @@ class CachedThdCollator:
             self.pad_token_id,
             absorb_trailing_pad=self.absorb_trailing_pad,
         )
+        if self.cp_size > 1:
+            thd = shard_thd_batch_for_cp(thd, self.cp_size, self.cp_rank, num_seqs=thd["num_seqs"])
+            # Token keys (e.g. hidden states) are gathered once, straight into this
+            # rank's share, instead of placed whole and then sharded.
+            mine = partition_indices(
+                thd["cu_seqlens_padded"], src_flat.numel(), self.cp_size, self.cp_rank, thd["num_seqs"], check=False
+            )
+            gather, is_pad = gather[mine], is_pad[mine]
         for k in token_keys:
             v = tensors[k]
-            flat = v.reshape(b * width, *v.shape[2:]).index_select(0, gather)  # [rows*S, ...]
+            flat = v.reshape(b * width, *v.shape[2:]).index_select(0, gather)  # [T(/cp), ...]
             mask = is_pad.view(-1, *([1] * (flat.dim() - 1)))
             thd[k] = flat.masked_fill_(mask, self.pad_values.get(k, 0))
-        if self.cp_size > 1:
-            thd = shard_thd_batch_for_cp(thd, self.cp_size, self.cp_rank, extra_keys=token_keys, num_seqs=thd["num_seqs"])
         out = dict(thd)
         for k, v in tensors.items():
             if k not in consumed and k not in token_keys:
