@@ -1,0 +1,962 @@
+"""The bad-input catalogue: every condition te_thd validates, in one data structure.
+
+Each :class:`BadInput` row is a tiny program that provokes exactly one validation
+error, the exception type it must raise, and a regular expression its message must
+match. Two consumers read this list, so the README and the tests cannot drift:
+
+* ``tests/test_bad_input_catalogue.py`` runs every row and asserts type and message;
+* ``scripts/gen_bad_input_table.py`` runs every row and writes the README table
+  (section "Guarantees") from the messages actually raised.
+
+A row whose ``kind`` is ``"cli"`` runs ``te-thd`` (``te_thd.cli.main``) in-process
+and expects a non-zero exit status with the message on stderr instead of an
+exception.
+
+Adding a row: write a ``trigger(tmp)`` that raises (``tmp`` is an empty scratch
+directory), pick the narrowest ``match`` that still names the argument, the
+offending value and the fix, then run ``scripts/gen_bad_input_table.py --write``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+#: Areas in the order the README table lists them (the path a batch takes, then the cache).
+AREAS = ("THD", "CP", "packing", "attention", "cache", "CLI")
+
+
+@dataclass(frozen=True)
+class BadInput:
+    """One validated condition.
+
+    ``trigger(tmp)`` must raise ``exc`` (``kind="raises"``) or, for ``kind="cli"``,
+    return ``(exit_status, stderr_text)`` with a non-zero status. ``match`` is a
+    regular expression searched in the message as the README prints it
+    (:func:`normalise`: the scratch directory shown as ``<dir>``, whitespace
+    collapsed, ``redact`` applied). ``redact`` lists ``(pattern, replacement)``
+    pairs for volatile values (process ids, host names).
+    """
+
+    id: str
+    area: str
+    condition: str
+    trigger: Callable[[Path], Any]
+    match: str
+    exc: type[BaseException] = ValueError
+    kind: str = "raises"
+    redact: tuple[tuple[str, str], ...] = ()
+
+
+class DidNotRaise(AssertionError):
+    """A catalogue row's trigger returned normally: the condition is not validated."""
+
+
+def provoke(case: BadInput, tmp: Path) -> tuple[type[BaseException] | None, str]:
+    """Run ``case`` in the scratch directory ``tmp``; return (exception type, message).
+
+    For CLI rows the type is None and the message is stderr (plus stdout when stderr
+    is empty). Raises :class:`DidNotRaise` when nothing failed, and re-raises an
+    exception of a type other than ``case.exc`` unchanged, so a test sees it as is.
+    """
+    if case.kind == "cli":
+        status, text = case.trigger(tmp)
+        if status == 0:
+            raise DidNotRaise(f"{case.id}: te-thd exited 0; output: {text!r}")
+        return None, text
+    try:
+        case.trigger(tmp)
+    except case.exc as e:  # noqa: PERF203 - one call
+        return type(e), str(e)
+    raise DidNotRaise(f"{case.id}: {case.condition!r} did not raise {case.exc.__name__}")
+
+
+def run_cli(argv: list[str]) -> tuple[int, str]:
+    """Run ``te-thd argv`` in-process; return (exit status, stderr or stdout text)."""
+    from te_thd.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            status = main(argv)
+        except SystemExit as e:  # argparse errors
+            status = e.code if isinstance(e.code, int) else 1
+    text = err.getvalue().strip() or out.getvalue().strip()
+    return int(status or 0), text
+
+
+def normalise(case: BadInput, message: str, tmp: Path) -> str:
+    """Message as the README prints it: scratch paths and volatile values redacted."""
+    message = message.replace(str(tmp.resolve()), "<dir>").replace(str(tmp), "<dir>")
+    for pattern, repl in case.redact:
+        message = re.sub(pattern, repl, message)
+    return " ".join(message.split())
+
+
+# ---------------------------------------------------------------------------
+# Rows, grouped by area. Helpers build the smallest valid input and break one thing.
+# ---------------------------------------------------------------------------
+
+CASES: list[BadInput] = []
+
+
+def _re(text: str) -> str:
+    """A literal fragment of a message as a regex."""
+    return re.escape(text)
+
+
+# ------------------------------------------------------------------------------- THD
+
+def _thd_batch(**override: Any) -> dict[str, Any]:
+    """The reference page's 2x6 example, with keys replaced (``None`` drops a key)."""
+    import torch
+
+    batch: dict[str, Any] = {
+        "input_ids": torch.tensor([[1, 2, 3, 99, 4, 5], [6, 7, 8, 9, 10, 11]]),
+        "labels": torch.tensor([[2, 3, 99, 4, 5, 6], [7, 8, 9, 10, 11, 12]]),
+        "position_ids": torch.tensor([[0, 1, 2, 0, 0, 1], [0, 1, 2, 3, 4, 5]]),
+        "seq_lens": torch.tensor([[3, 2], [6, -1000]]),
+        "seq_lens_padded": torch.tensor([[4, 2], [6, -1000]]),
+    }
+    for k, v in override.items():
+        if v is _DROP:
+            batch.pop(k, None)
+        else:
+            batch[k] = v
+    return batch
+
+
+_DROP = object()
+
+
+def _thd(**override: Any) -> Callable[[Path], Any]:
+    def run(_: Path) -> Any:
+        from te_thd.thd_utils import process_input_for_thd
+
+        return process_input_for_thd(_thd_batch(**override))
+
+    return run
+
+
+def _t(data: Any, **kw: Any) -> Any:
+    import torch
+
+    return torch.tensor(data, **kw)
+
+
+def _thd_rows() -> list[BadInput]:
+    import torch
+
+    from te_thd import thd_utils as tu
+
+    def big(_: Path) -> None:
+        huge = torch.zeros(1, dtype=torch.long).expand(2, 2**31)  # no memory: stride 0
+        tu.process_input_for_thd({"input_ids": huge, "position_ids": huge, "seq_lens": _t([[4], [4]])})
+
+    def split(num_chunks: Any, **override: Any) -> Callable[[Path], Any]:
+        def run(_: Path) -> Any:
+            batch = _thd_batch(**override)
+            return tu.split_batch_into_thd_chunks(batch, num_chunks)
+
+        return run
+
+    four = {
+        "input_ids": torch.arange(24).reshape(4, 6), "labels": torch.arange(24).reshape(4, 6),
+        "position_ids": torch.arange(6).repeat(4, 1),
+        "seq_lens": _t([[6], [6], [-1000], [6]]), "seq_lens_padded": _t([[6], [6], [-1000], [6]]),
+    }
+    return [
+        BadInput("thd-batch-not-mapping", "THD", "batch is not a dict", lambda _: tu.process_input_for_thd([1, 2]),
+                 _re("batch must be a dict of tensors, got list")),
+        BadInput("thd-missing-key", "THD", "a required key (input_ids, position_ids, seq_lens) is missing",
+                 _thd(position_ids=_DROP), _re("batch is missing required key(s) ['position_ids']")),
+        BadInput("thd-not-tensor", "THD", "a batch entry is not a tensor", _thd(input_ids=[[1, 2]]),
+                 _re("batch['input_ids'] must be a torch.Tensor, got list")),
+        BadInput("thd-input-rank", "THD", "input_ids is neither [B, S] nor [B, S, H]",
+                 _thd(input_ids=torch.arange(12)), _re("input_ids must be [B, S] token ids or [B, S, H] embeddings, got shape (12,)")),
+        BadInput("thd-position-shape", "THD", "position_ids is neither [B, S] nor [n_rope, B, S]",
+                 _thd(position_ids=torch.zeros(2, 5, dtype=torch.long)),
+                 _re("position_ids shape (2, 5) does not match the batch [B, S]=[2, 6]")),
+        BadInput("thd-labels-shape", "THD", "labels is not [B, S]", _thd(labels=torch.zeros(2, 5, dtype=torch.long)),
+                 _re("labels shape (2, 5) does not match the batch [B, S]=[2, 6]")),
+        BadInput("thd-length-dtype", "THD", "seq_lens / seq_lens_padded have a non-integer dtype",
+                 _thd(seq_lens=_t([[3.0, 2.0], [6.0, -1000.0]])),
+                 _re("seq_lens must have an integer dtype, got torch.float32")),
+        BadInput("thd-length-shape", "THD", "seq_lens is not [B, P]", _thd(seq_lens=_t([3, 2, 6, -1000])),
+                 _re("seq_lens must be [B, P] with B=2 (input_ids.shape[0]), got shape (4,)")),
+        BadInput("thd-length-rows", "THD", "seq_lens has another number of rows than the batch",
+                 _thd(seq_lens=_t([[3, 2], [6, -1000], [1, -1000]])),
+                 _re("seq_lens must be [B, P] with B=2 (input_ids.shape[0]), got shape (3, 2)")),
+        BadInput("thd-padded-shape", "THD", "seq_lens_padded and seq_lens differ in shape",
+                 _thd(seq_lens_padded=_t([[4, 2, -1000], [6, -1000, -1000]])),
+                 _re("seq_lens_padded shape (2, 3) does not match seq_lens shape (2, 2)")),
+        BadInput("thd-sentinel-mismatch", "THD", "the sentinel marks a slot in only one of the two tables",
+                 _thd(seq_lens_padded=_t([[4, 2], [6, 1]])),
+                 _re("seq_lens and seq_lens_padded disagree on unused pack slots: at [1, 1] seq_lens=-1000 but seq_lens_padded=1")),
+        BadInput("thd-nonpositive-length", "THD", "a length <= 0 that is not the sentinel",
+                 _thd(seq_lens=_t([[3, 0], [6, -1000]])),
+                 _re("seq_lens[0, 1]=0 is not a positive length and not the sentinel seq_lens_padding_value=-1000")),
+        BadInput("thd-real-gt-padded", "THD", "seq_lens > seq_lens_padded",
+                 _thd(seq_lens=_t([[5, 2], [6, -1000]]), seq_lens_padded=_t([[4, 2], [6, -1000]])),
+                 _re("seq_lens[0, 0]=5 exceeds seq_lens_padded[0, 0]=4")),
+        BadInput("thd-row-over-s", "THD", "a row's padded lengths exceed S",
+                 _thd(seq_lens=_t([[3, 2], [6, -1000]]), seq_lens_padded=_t([[4, 3], [6, -1000]])),
+                 _re("seq_lens_padded row 0 occupies 7 slots but the batch rows hold S=6 tokens")),
+        BadInput("thd-row-overflow", "THD", "lengths so large that a row's sum wraps around int64",
+                 _thd(seq_lens=_t([[2**63 - 1, 2**63 - 1], [6, -1000]]),
+                      seq_lens_padded=_t([[2**63 - 1, 2**63 - 1], [6, -1000]])),
+                 r"seq_lens.*(row 0|\[0, 0\]).*S=6"),
+        BadInput("thd-first-row-empty", "THD", "the first row holds no sequence",
+                 _thd(seq_lens=_t([[-1000, -1000], [6, -1000]]), seq_lens_padded=_t([[-1000, -1000], [6, -1000]])),
+                 _re("seq_lens row 0 holds no sequence (every slot is the sentinel -1000)")),
+        BadInput("thd-padded-without-real", "THD", "seq_lens is None but seq_lens_padded is given",
+                 _thd(seq_lens=None), _re("seq_lens is None but seq_lens_padded is given")),
+        BadInput("thd-pad-id-collision", "THD", "no pack metadata and the pad id is also content",
+                 _thd(seq_lens=None, seq_lens_padded=_DROP, input_ids=_t([[1, 0, 3, 4, 5, 6], [6, 7, 8, 9, 10, 0]])),
+                 _re("padding_token_id=0 also occurs as content (input_ids[1] is the pad id but a non-pad token follows it)")),
+        BadInput("thd-fallback-embeddings", "THD", "no pack metadata and input_ids are embeddings",
+                 _thd(seq_lens=None, seq_lens_padded=_DROP, input_ids=torch.zeros(2, 6, 4)),
+                 _re("padding can only be inferred from integer token ids [B, S]")),
+        BadInput("thd-stream-int32", "THD", "B*S tokens do not fit int32 boundaries", big,
+                 _re("input_ids holds 4294967296 tokens per converted stream")),
+        BadInput("thd-mask-ids-rank", "THD", "thd_padding_mask_from_token_ids: ids are not 1-D",
+                 lambda _: tu.thd_padding_mask_from_token_ids(torch.zeros(2, 3, dtype=torch.long), 0),
+                 _re("input_ids must be 1-D [total_tokens], got shape (2, 3)")),
+        BadInput("thd-mask-collision", "THD", "thd_padding_mask_from_token_ids: the pad id occurs before the tail",
+                 lambda _: tu.thd_padding_mask_from_token_ids(_t([5, 3, 7, 3]), 3),
+                 _re("padding_token_id=3 also occurs as content (input_ids[1] is the pad id but a non-pad token follows it)")),
+        BadInput("thd-layout-mask-negative", "THD", "_thd_padding_mask: a negative length",
+                 lambda _: tu._thd_padding_mask(8, _t([3, -1]), None, torch.device("cpu")),
+                 _re("valid_seq_lens[1]=-1 is negative")),
+        BadInput("thd-layout-mask-overflow", "THD", "_thd_padding_mask: sequences need more slots than total_tokens",
+                 lambda _: tu._thd_padding_mask(4, _t([3, 2]), _t([3, 2]), torch.device("cpu")),
+                 _re("the sequences occupy 5 slots but total_tokens=4")),
+        BadInput("thd-layout-mask-real-gt-padded", "THD", "_thd_padding_mask: real length > padded length",
+                 lambda _: tu._thd_padding_mask(8, _t([3, 2]), _t([2, 2]), torch.device("cpu")),
+                 _re("valid_seq_lens[0]=3 exceeds valid_seq_lens_padded[0]=2")),
+        BadInput("thd-chunks-type", "THD", "split_batch_into_thd_chunks: num_chunks is not an int", split(2.0),
+                 _re("num_chunks must be an int, got 2.0 (float)")),
+        BadInput("thd-chunks-divide", "THD", "split_batch_into_thd_chunks: num_chunks does not divide B", split(3),
+                 _re("num_chunks=3 does not divide the batch size B=2 (input_ids.shape[0])")),
+        BadInput("thd-chunk-starts-empty", "THD", "split_batch_into_thd_chunks: a chunk's first row holds no sequence",
+                 lambda _: tu.split_batch_into_thd_chunks(four, 2),
+                 _re("seq_lens chunk 1 (batch row 2) holds no sequence")),
+    ]
+
+
+CASES.extend(_thd_rows())
+
+
+# -------------------------------------------------------------------------------- CP
+
+def _cp_rows() -> list[BadInput]:
+    import torch
+
+    from te_thd import cp
+
+    cu = _t([0, 4, 8])
+
+    def thd(**override: Any) -> dict[str, Any]:
+        batch: dict[str, Any] = {
+            "input_ids": torch.arange(8), "labels": torch.arange(8), "padding_mask": torch.zeros(8, dtype=torch.bool),
+            "position_ids": torch.arange(8), "cu_seqlens": cu, "cu_seqlens_padded": cu,
+        }
+        for k, v in override.items():
+            if v is _DROP:
+                batch.pop(k, None)
+            else:
+                batch[k] = v
+        return batch
+
+    def part(c: Any, total: Any, size: Any, rank: Any, num_seqs: Any = None) -> Callable[[Path], Any]:
+        return lambda _: cp.partition_indices(c, total, size, rank, num_seqs)
+
+    return [
+        BadInput("cp-size", "CP", "cp_size is not an int >= 1", part(cu, 8, 0, 0), _re("cp_size must be an int >= 1, got 0")),
+        BadInput("cp-rank", "CP", "cp_rank is outside [0, cp_size)", part(cu, 8, 2, 2),
+                 _re("cp_rank must be an int in [0, cp_size=2), got 2")),
+        BadInput("cp-rank-none", "CP", "cp_rank is None", part(cu, 8, 2, None),
+                 _re("cp_rank must be an int in [0, cp_size=2), got None")),
+        BadInput("cp-boundaries-type", "CP", "the boundary array is not a tensor", part([0, 4, 8], 8, 2, 0),
+                 _re("cu_seqlens_padded must be a torch.Tensor, got list")),
+        BadInput("cp-boundaries-rank", "CP", "the boundary array is not 1-D (a chunked [C, maxN+1] batch)",
+                 part(cu.reshape(1, 3), 8, 2, 0), _re("cu_seqlens_padded must be 1-D [N+1], got shape (1, 3)")),
+        BadInput("cp-boundaries-dtype", "CP", "the boundary array is not integer",
+                 part(cu.float(), 8, 2, 0), _re("cu_seqlens_padded must have an integer dtype (int32/int64), got torch.float32")),
+        BadInput("cp-boundaries-empty", "CP", "the boundary array is empty",
+                 part(_t([], dtype=torch.long), 0, 2, 0), _re("cu_seqlens_padded must hold at least one boundary")),
+        BadInput("cp-num-seqs", "CP", "num_seqs is outside [0, len-1]", part(cu, 8, 2, 0, 5),
+                 _re("num_seqs=5 is out of range for cu_seqlens_padded of length 3")),
+        BadInput("cp-total-divisible", "CP", "total_tokens is not a multiple of 2*cp_size",
+                 part(_t([0, 6]), 6, 2, 0), _re("total_tokens=6 is not divisible by 2*cp_size=4")),
+        BadInput("cp-total-type", "CP", "total_tokens is not an int >= 0", part(cu, -8, 2, 0),
+                 _re("total_tokens must be an int >= 0, got -8")),
+        BadInput("cp-length-multiple", "CP", "a sequence's padded length is not a multiple of 2*cp_size",
+                 part(_t([0, 6, 8]), 8, 2, 0),
+                 _re("sequence 0 has padded length 6, which is not a multiple of 2*cp_size=4")),
+        BadInput("cp-first-boundary", "CP", "the boundaries do not start at 0", part(_t([4, 8]), 8, 2, 0),
+                 _re("cu_seqlens_padded[0] must be 0, got 4")),
+        BadInput("cp-decreasing", "CP", "the boundaries decrease", part(_t([0, 8, 4, 8]), 8, 2, 0),
+                 _re("cu_seqlens_padded must be non-decreasing: sequence 1 has negative padded length -4")),
+        BadInput("cp-short-cover", "CP", "the boundaries end before total_tokens", part(cu, 16, 2, 0),
+                 _re("cu_seqlens_padded ends at 8 but total_tokens=16")),
+        BadInput("cp-sentinel-order", "CP", "a boundary follows a (negative) sentinel",
+                 part(_t([0, 4, -1000, 8]), 8, 2, 0),
+                 _re("cu_seqlens_padded has a non-negative entry 8 at index 3 after the sentinel at index 2")),
+        BadInput("cp-only-sentinels", "CP", "the boundary array holds only sentinels",
+                 part(_t([-1000, -1000]), 8, 2, 0), _re("cu_seqlens_padded holds only sentinels")),
+        BadInput("cp-shard-extra-str", "CP", "shard_thd_batch_for_cp: extra_keys is a string",
+                 lambda _: cp.shard_thd_batch_for_cp(thd(), 2, 0, "labels"),
+                 _re("extra_keys must be a sequence of key names, got the string 'labels'")),
+        BadInput("cp-shard-no-tokens", "CP", "shard_thd_batch_for_cp: no input_ids",
+                 lambda _: cp.shard_thd_batch_for_cp(thd(input_ids=_DROP), 2, 0),
+                 _re("thd_batch must hold the flattened token tensor 'input_ids'")),
+        BadInput("cp-shard-tokens-rank", "CP", "shard_thd_batch_for_cp: input_ids not [T] / [T, H] (a chunked batch)",
+                 lambda _: cp.shard_thd_batch_for_cp(thd(input_ids=torch.zeros(1, 8, 2)), 2, 0),
+                 _re("thd_batch['input_ids'] must be [T] or [T, H], got shape (1, 8, 2)")),
+        BadInput("cp-shard-no-boundaries", "CP", "shard_thd_batch_for_cp: no boundaries",
+                 lambda _: cp.shard_thd_batch_for_cp(thd(cu_seqlens=_DROP, cu_seqlens_padded=_DROP), 2, 0),
+                 _re("thd_batch must hold 'cu_seqlens_padded' (or 'cu_seqlens') as a tensor")),
+        BadInput("cp-shard-token-key", "CP", "shard_thd_batch_for_cp: a per-token key is not [T, ...]",
+                 lambda _: cp.shard_thd_batch_for_cp(thd(hidden=torch.zeros(7, 2)), 2, 0, ("hidden",)),
+                 _re("thd_batch['hidden'] must be a [T, ...] tensor with T=8 (the length of input_ids), got (7, 2)")),
+        BadInput("cp-shard-positions", "CP", "shard_thd_batch_for_cp: position_ids not [T] / [n_rope, 1, T]",
+                 lambda _: cp.shard_thd_batch_for_cp(thd(position_ids=torch.zeros(3, 2, 8)), 2, 0),
+                 _re("thd_batch['position_ids'] must be [T] or [n_rope, 1, T] with T=8, got (3, 2, 8)")),
+        BadInput("cp-reorder-dim", "CP", "sequence_to_cp_rank_order: dim out of range",
+                 lambda _: cp.sequence_to_cp_rank_order(torch.zeros(8), cu, 2, dim=1),
+                 _re("dim=1 is out of range for x of shape (8,)")),
+    ]
+
+
+CASES.extend(_cp_rows())
+
+
+# --------------------------------------------------------------------------- packing
+
+def _packing_rows() -> list[BadInput]:
+    import torch
+
+    from te_thd import packing as pk
+
+    ids = torch.arange(1, 4)
+
+    def coll(*a: Any, **kw: Any) -> Callable[[Path], Any]:
+        return lambda _: pk.PackingCollator(*a, **kw)
+
+    def pack(samples: Any, seq_len: int = 8, **kw: Any) -> Callable[[Path], Any]:
+        return lambda _: pk.PackingCollator(seq_len, **kw)(samples)
+
+    return [
+        BadInput("pack-seq-len", "packing", "seq_len is not an int >= 1", coll(0), _re("seq_len must be an int >= 1, got 0")),
+        BadInput("pack-multiple", "packing", "pad_to_multiple_of is not an int >= 1", coll(8, pad_to_multiple_of=0),
+                 _re("pad_to_multiple_of must be an int >= 1, got 0")),
+        BadInput("pack-seq-len-multiple", "packing", "seq_len is not a multiple of pad_to_multiple_of",
+                 coll(10, pad_to_multiple_of=4),
+                 _re("seq_len=10 must be a multiple of pad_to_multiple_of=4") + ".*" + _re("use seq_len=12")),
+        BadInput("pack-overlong-mode", "packing", "overlong is neither 'truncate' nor 'raise'", coll(8, overlong="wrap"),
+                 _re("overlong must be 'truncate' or 'raise', got 'wrap'")),
+        BadInput("pack-sentinel", "packing", "seq_lens_padding_value is not a negative int", coll(8, seq_lens_padding_value=0),
+                 _re("seq_lens_padding_value must be a negative int (a length can never equal it), got 0")),
+        BadInput("pack-rows", "packing", "rows is not None or an int >= 1", coll(8, rows=0), _re("rows must be an int >= 1, got 0")),
+        BadInput("pack-bin-packing", "packing", "bin_packing is neither 'ffd' nor 'first_fit'", coll(8, bin_packing="best"),
+                 _re("bin_packing must be 'ffd' or 'first_fit', got 'best'")),
+        BadInput("pack-no-samples", "packing", "no samples", pack([]), _re("samples is empty")),
+        BadInput("pack-no-input", "packing", "sample 0 lacks the input key", pack([{"tokens": ids}]),
+                 _re("sample 0 must be a dict holding 'input_ids', got ['tokens']")),
+        BadInput("pack-keys-differ", "packing", "samples carry different keys",
+                 pack([{"input_ids": ids}, {"input_ids": ids, "labels": ids}]),
+                 _re("sample 1 has keys ['input_ids', 'labels'], sample 0 has ['input_ids']")),
+        BadInput("pack-input-rank", "packing", "a sample's input is not 1-D", pack([{"input_ids": ids.reshape(1, 3)}]),
+                 _re("sample 0['input_ids'] must be a 1-D tensor, got (1, 3)")),
+        BadInput("pack-empty-sample", "packing", "a sample has 0 tokens", pack([{"input_ids": ids[:0]}]),
+                 _re("sample 0 is empty (0 tokens); drop empty documents before packing")),
+        BadInput("pack-key-length", "packing", "a per-token key's length differs from the sample's",
+                 pack([{"input_ids": ids, "labels": ids[:2]}]),
+                 _re("sample 0['labels'] must be a 1-D tensor of the sample's length 3, got (2,)")),
+        BadInput("pack-overlong", "packing", "a sample is longer than seq_len (overlong='raise')",
+                 pack([{"input_ids": torch.arange(9)}]),
+                 _re("sample 0 has 9 tokens > seq_len=8; pass overlong='truncate' to cut it, or raise seq_len")),
+        BadInput("pack-rows-too-few", "packing", "the samples need more rows than rows=",
+                 pack([{"input_ids": torch.arange(6)}, {"input_ids": torch.arange(6)}], rows=1),
+                 _re("the 2 samples need 2 rows of seq_len=8 but rows=1")),
+        BadInput("pack-multiple-for", "packing", "pad_to_multiple_for: cp_size / tp_size not an int >= 1",
+                 lambda _: pk.pad_to_multiple_for(0), _re("cp_size must be an int >= 1, got 0")),
+        BadInput("pack-bins-negative", "packing", "assign_bins: a negative length",
+                 lambda _: pk.assign_bins([3, -1], 8), _re("lengths must be >= 0: item 1 has length -1")),
+        BadInput("pack-bins-capacity", "packing", "assign_bins: an item larger than the capacity",
+                 lambda _: pk.assign_bins([9, 1], 8), _re("item 0 has length 9 > capacity=8; it cannot fit any bin")),
+        BadInput("pack-flat-rank", "packing", "flattened batch: position_ids not [T] / [B, T]",
+                 lambda _: pk.seq_lens_from_position_ids(torch.zeros(1, 1, 4, dtype=torch.long)),
+                 _re("position_ids must be a [T] or [B, T] tensor, got (1, 1, 4)")),
+        BadInput("pack-flat-dtype", "packing", "flattened batch: position_ids not integer",
+                 lambda _: pk.seq_lens_from_position_ids(torch.zeros(4)),
+                 _re("position_ids must have an integer dtype, got torch.float32")),
+        BadInput("pack-flat-start", "packing", "flattened batch: the stream does not start at 0",
+                 lambda _: pk.seq_lens_from_position_ids(_t([1, 2, 0])),
+                 _re("position_ids must start a document with 0 at index 0, got 1")),
+        BadInput("pack-flat-row-start", "packing", "flattened batch: a row does not start at 0",
+                 lambda _: pk.seq_lens_from_position_ids(_t([[0, 1, 2], [3, 4, 5]])),
+                 _re("position_ids row 1 starts at 3, not 0")),
+        BadInput("pack-flat-step", "packing", "flattened batch: a position id is neither 0 nor its predecessor + 1",
+                 lambda _: pk.seq_lens_from_position_ids(_t([0, 1, 5, 0])),
+                 _re("position_ids[2]=5 follows 1: within a document position ids must count up by 1")),
+        BadInput("pack-flat-mapping", "packing", "flattened batch without position_ids",
+                 lambda _: pk.unflatten_from_position_ids({"input_ids": ids}),
+                 _re("a flattened batch must be a mapping holding 'position_ids'")),
+    ]
+
+
+CASES.extend(_packing_rows())
+
+
+# ------------------------------------------------------------------------- attention
+
+def _attention_rows() -> list[BadInput]:
+    import torch
+
+    from te_thd import attention as at
+    from te_thd.thd_utils import process_input_for_thd
+
+    def example() -> dict[str, Any]:
+        return dict(process_input_for_thd(_thd_batch()))  # pad_between_seqs True
+
+    def absorbed() -> dict[str, Any]:
+        return dict(process_input_for_thd(_thd_batch(seq_lens=_t([[4, 2], [3, -1000]]),
+                                                     seq_lens_padded=_t([[4, 2], [3, -1000]]))))
+
+    def kwargs(thd: Callable[[], dict[str, Any]], mask: str = "padding_causal", **kw: Any) -> Callable[[Path], Any]:
+        return lambda _: at.te_attention_kwargs(thd(), mask, **kw)
+
+    def replaced(**over: Any) -> Callable[[], dict[str, Any]]:
+        def make() -> dict[str, Any]:
+            d = example()
+            for k, v in over.items():
+                if v is _DROP:
+                    d.pop(k)
+                else:
+                    d[k] = v
+            return d
+
+        return make
+
+    i32 = torch.int32
+    cu = _t([0, 3, 5, 11], dtype=i32)
+    cup = _t([0, 4, 6, 12], dtype=i32)
+    q = torch.zeros(12, 2, 8)
+
+    def contract(query: Any = q, key: Any = q, value: Any = q, **kw: Any) -> Callable[[Path], Any]:
+        args = {"cu_seqlens_q": cu, "cu_seqlens_kv": cu, "cu_seqlens_q_padded": cup,
+                "cu_seqlens_kv_padded": cup, "max_seqlen_q": 6, "max_seqlen_kv": 6, "pad_between_seqs": True}
+        args.update(kw)
+        return lambda _: at.check_te_thd_args(query, key, value, **args)
+
+    return [
+        BadInput("attn-thd-type", "attention", "te_attention_kwargs: the batch is not a dict",
+                 lambda _: at.te_attention_kwargs([1]),
+                 _re("thd must be the dict returned by te_thd.thd_utils.process_input_for_thd, got list")),
+        BadInput("attn-no-cu", "attention", "te_attention_kwargs: no cu_seqlens", kwargs(replaced(cu_seqlens=_DROP)),
+                 _re("thd['cu_seqlens'] is missing or not a tensor")),
+        BadInput("attn-cup-type", "attention", "te_attention_kwargs: cu_seqlens_padded is not a tensor",
+                 kwargs(replaced(cu_seqlens_padded=[0, 4])),
+                 _re("thd['cu_seqlens_padded'] must be a tensor or absent, got list")),
+        BadInput("attn-cp-size", "attention", "te_attention_kwargs: cp_size is not an int >= 1",
+                 kwargs(example, cp_size=0), _re("cp_size must be an int >= 1, got 0")),
+        BadInput("attn-pad-flag-type", "attention", "te_attention_kwargs: pad_between_seqs is not a Python bool",
+                 kwargs(replaced(pad_between_seqs=torch.tensor(True))),
+                 _re("thd['pad_between_seqs'] must be a Python bool, got Tensor")),
+        BadInput("attn-max-seqlen", "attention", "te_attention_kwargs: max_seqlen is not a non-negative int",
+                 kwargs(example, max_seqlen=-1), _re("max_seqlen must be a non-negative Python int, got -1")),
+        BadInput("attn-bidirectional-absorbed", "attention",
+                 "bidirectional mask over a batch whose trailing pad was absorbed (causal-only layout)",
+                 kwargs(absorbed, "padding"),
+                 _re("bidirectional attention over a batch whose trailing padding was absorbed into the last sequence")
+                 + ".*" + _re("absorb_trailing_pad=False")),
+        BadInput("attn-mask-type", "attention", "attn_mask_type is not a string", kwargs(example, 3),
+                 _re("attn_mask_type must be a string such as 'padding_causal', got 3")),
+        BadInput("attn-mask-unknown", "attention", "attn_mask_type is not a TE mask type", kwargs(example, "sliding"),
+                 _re("attn_mask_type='sliding' is not supported")),
+        BadInput("attn-mask-no-padding", "attention", "attn_mask_type without padding (TE's THD needs it)",
+                 kwargs(example, "causal"), _re("attn_mask_type='causal' has no padding mask")),
+        BadInput("attn-pad-flag-false", "attention", "pad_between_seqs=False while the boundary arrays differ (TE issue 3331)",
+                 kwargs(replaced(pad_between_seqs=False)), _re("pad_between_seqs=False but cu_seqlens_q [0, 3, 5, 11] differs")),
+        BadInput("attn-max-seqlen-small", "attention", "max_seqlen below the longest sequence",
+                 kwargs(example, max_seqlen=2), _re("max_seqlen_q=2 is smaller than sequence")),
+        BadInput("attn-cp-multiple", "attention", "te_attention_kwargs(cp_size=2): a padded length not a multiple of 4",
+                 kwargs(example, cp_size=2), _re("not a multiple of 2*cp_size=4")),
+        BadInput("attn-qkv-rank", "attention", "check_te_thd_args: q/k/v not 3-D [T, H, D]",
+                 contract(query=torch.zeros(12, 16)), _re("query must be a 3-D [T, H, D] tensor when qkv_format='thd'")),
+        BadInput("attn-qkv-dtype", "attention", "check_te_thd_args: q/k/v dtypes differ",
+                 contract(key=q.double()), _re("query, key and value must share a dtype")),
+        BadInput("attn-kv-tokens", "attention", "check_te_thd_args: key and value disagree in tokens or heads",
+                 contract(value=torch.zeros(11, 2, 8)), r"key \(12, 2, 8\) and value \(11, 2, 8\) must agree in tokens"),
+        BadInput("attn-head-dim", "attention", "check_te_thd_args: query and key head_dim differ",
+                 contract(key=torch.zeros(12, 2, 4), value=torch.zeros(12, 2, 4)), _re("query head_dim 8 != key head_dim 4")),
+        BadInput("attn-gqa", "attention", "check_te_thd_args: query heads not a multiple of key/value heads",
+                 contract(query=torch.zeros(12, 3, 8)), _re("query has 3 heads, not a multiple of key/value's 2")),
+        BadInput("attn-cp-odd-local", "attention", "check_te_thd_args: odd local token count under CP",
+                 contract(query=torch.zeros(3, 2, 8), key=torch.zeros(3, 2, 8), value=torch.zeros(3, 2, 8), cp_size=2),
+                 _re("must be even under context parallelism (cp_size=2")),
+        BadInput("attn-format", "attention", "qkv_format is not 'thd'", contract(qkv_format="bshd"),
+                 _re("qkv_format must be 'thd' for packed sequences, got 'bshd'")),
+        BadInput("attn-cu-none", "attention", "cu_seqlens_q missing", contract(cu_seqlens_q=None),
+                 _re("cu_seqlens_q must be an int32 [N+1] tensor when qkv_format='thd', got NoneType")),
+        BadInput("attn-cu-dtype", "attention", "boundaries not int32", contract(cu_seqlens_q=cu.long()),
+                 _re("cu_seqlens_q must have dtype torch.int32, got torch.int64")),
+        BadInput("attn-cu-rank", "attention", "boundaries not 1-D", contract(cu_seqlens_q=cu.reshape(1, 4)),
+                 _re("cu_seqlens_q must be 1-D [N+1], got shape (1, 4)")),
+        BadInput("attn-cu-shapes", "attention", "q and kv boundary arrays differ in shape",
+                 contract(cu_seqlens_kv=_t([0, 11], dtype=i32)), _re("cu_seqlens_kv has shape (2,) but cu_seqlens_q has shape (4,)")),
+        BadInput("attn-max-seqlen-tensor", "attention", "max_seqlen passed as a tensor (TE would sync)",
+                 contract(max_seqlen_q=torch.tensor(6)), _re("max_seqlen_q must be a Python int (a tensor makes TE sync the device")),
+        BadInput("attn-cu-start", "attention", "boundaries do not start at 0",
+                 contract(cu_seqlens_q=_t([1, 3, 5, 11], dtype=i32), cu_seqlens_kv=_t([1, 3, 5, 11], dtype=i32)),
+                 _re("cu_seqlens_q and cu_seqlens_q_padded must start at 0, got 1 and 0")),
+        BadInput("attn-cu-monotone", "attention", "boundaries decrease",
+                 contract(cu_seqlens_q=_t([0, 3, 2, 11], dtype=i32), cu_seqlens_kv=_t([0, 3, 2, 11], dtype=i32)),
+                 _re("cu_seqlens_q must be non-decreasing: sequence 1 has length -1")),
+        BadInput("attn-real-gt-padded", "attention", "a real segment longer than its padded slot",
+                 contract(cu_seqlens_q=_t([0, 5, 6, 12], dtype=i32), cu_seqlens_kv=_t([0, 5, 6, 12], dtype=i32)),
+                 _re("sequence 0 has real length 5 (cu_seqlens_q) but only 4 slots (cu_seqlens_q_padded)")),
+        BadInput("attn-padded-beyond", "attention", "padded boundaries beyond the token stream",
+                 contract(query=torch.zeros(8, 2, 8), key=torch.zeros(8, 2, 8), value=torch.zeros(8, 2, 8)),
+                 _re("cu_seqlens_q_padded ends at 12, beyond the 8 tokens of the global stream")),
+        BadInput("attn-cp-needs-padded", "attention", "CP without cu_seqlens_*_padded",
+                 contract(query=torch.zeros(6, 2, 8), key=torch.zeros(6, 2, 8), value=torch.zeros(6, 2, 8),
+                          cu_seqlens_q_padded=None, cu_seqlens_kv_padded=None, cp_size=2),
+                 _re("cu_seqlens_q_padded is required with context parallelism (cp_size=2)")),
+        BadInput("attn-cp-mask", "attention", "a mask type TE's THD CP does not support",
+                 contract(attn_mask_type="padding_causal_bottom_right", cp_size=2),
+                 _re("attn_mask_type='padding_causal_bottom_right' with context parallelism (cp_size=2)")),
+        BadInput("attn-cp-cover", "attention", "under CP the padded boundaries do not cover the global stream",
+                 contract(query=torch.zeros(8, 2, 8), key=torch.zeros(8, 2, 8), value=torch.zeros(8, 2, 8),
+                          cu_seqlens_q=_t([0, 3, 5, 7], dtype=i32), cu_seqlens_kv=_t([0, 3, 5, 7], dtype=i32),
+                          cu_seqlens_q_padded=_t([0, 4, 8, 12], dtype=i32), cu_seqlens_kv_padded=_t([0, 4, 8, 12], dtype=i32),
+                          cp_size=2),
+                 _re("cu_seqlens_q_padded ends at 12 but the global stream has 16 tokens")),
+        BadInput("attn-varlen-padding", "attention", "flash-attn / torch varlen kwargs with padding between sequences",
+                 lambda _: at.flash_attn_varlen_kwargs(example()), _re("cannot express padding between sequences")),
+        BadInput("attn-varlen-cp", "attention", "varlen kwargs for a CP-sharded batch",
+                 lambda _: at.torch_varlen_kwargs({"cu_seqlens": _t([0, 4, 8], dtype=i32), "pad_between_seqs": False,
+                                                   "input_ids": torch.arange(4), "cp_size": 2}),
+                 _re("has no context parallelism, but thd is sharded for cp_size=2")),
+        BadInput("attn-module-backend", "attention", "ThdAttention: unknown backend",
+                 lambda _: at.ThdAttention(2, 8, backend="cuda"), _re("backend must be 'auto', 'te' or 'reference', got 'cuda'")),
+        BadInput("attn-module-heads", "attention", "ThdAttention: heads not a multiple of num_gqa_groups",
+                 lambda _: at.ThdAttention(3, 8, num_gqa_groups=2),
+                 _re("num_attention_heads=3 must be a positive multiple of num_gqa_groups=2")),
+        BadInput("attn-module-forward", "attention", "ThdAttention.forward: neither a THD batch nor TE kwargs",
+                 lambda _: at.ThdAttention(2, 8, backend="reference")(q, q, q, {"input_ids": q}),
+                 _re("thd_batch_or_kwargs has neither 'cu_seqlens' (a THD batch) nor 'cu_seqlens_q' (TE kwargs)")),
+    ]
+
+
+CASES.extend(_attention_rows())
+
+
+# ----------------------------------------------------------------------------- cache
+
+_CLEAN_CACHE: list[Path] = []
+
+
+class _Index:
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict[str, int]:
+        return {"idx": i}
+
+
+def _compute(batch: Any) -> dict[str, Any]:
+    import torch
+
+    idx = batch["idx"]
+    return {"hidden": idx[:, None].float() * torch.ones(1, 4), "input_ids": idx[:, None] * 10 + torch.arange(3)}
+
+
+def _produce(out: Path, n: int = 6, shard_size: int = 2, **kw: Any) -> Any:
+    from torch.utils.data import DataLoader
+
+    from te_thd.offline_cache import produce_cache
+
+    kw.setdefault("keys", ("hidden", "input_ids"))
+    kw.setdefault("options", {"cp_size": 2})
+    loader = kw.pop("loader", None)
+    if loader is None:
+        loader = DataLoader(_Index(n), batch_size=2)
+    return produce_cache(loader, str(out), shard_size, kw.pop("compute", _compute), progress=False, **kw)
+
+
+def _cache(tmp: Path) -> Path:
+    """A finished 6-sample, 3-shard cache copied into ``tmp / "cache"``."""
+    import shutil
+    import tempfile
+
+    if not _CLEAN_CACHE:
+        d = Path(tempfile.mkdtemp(prefix="te_thd_catalogue_")) / "cache"
+        _produce(d)
+        _CLEAN_CACHE.append(d)
+    dst = tmp / "cache"
+    shutil.copytree(_CLEAN_CACHE[0], dst)
+    return dst
+
+
+def _edit_manifest(tmp: Path, fn: Callable[[dict[str, Any]], Any]) -> Path:
+    import json
+
+    d = _cache(tmp)
+    m = json.loads((d / "manifest.json").read_text())
+    fn(m)
+    (d / "manifest.json").write_text(json.dumps(m))
+    return d
+
+
+def _open(d: Path, keys: Any = ("hidden", "input_ids"), **kw: Any) -> Any:
+    from te_thd.offline_cache import CachedTensorDataset
+
+    return CachedTensorDataset(str(d), "offline", 1, keys, **kw)
+
+
+def _cache_rows() -> list[BadInput]:
+    import torch
+
+    from te_thd import offline_cache as oc
+
+    def opened(prepare: Callable[[Path], Path], **kw: Any) -> Callable[[Path], Any]:
+        return lambda tmp: _open(prepare(tmp), **kw)
+
+    def deep(prepare: Callable[[Path], Path]) -> Callable[[Path], Any]:
+        return lambda tmp: oc.verify_cache(str(prepare(tmp)), deep=True)
+
+    def write_text(name: str, text: str) -> Callable[[Path], Path]:
+        def prep(tmp: Path) -> Path:
+            d = _cache(tmp)
+            (d / name).write_text(text)
+            return d
+
+        return prep
+
+    def unlink(name: str) -> Callable[[Path], Path]:
+        def prep(tmp: Path) -> Path:
+            d = _cache(tmp)
+            (d / name).unlink()
+            return d
+
+        return prep
+
+    def copy_shard(src: str, dst: str) -> Callable[[Path], Path]:
+        def prep(tmp: Path) -> Path:
+            d = _cache(tmp)
+            (d / dst).write_bytes((d / src).read_bytes())
+            return d
+
+        return prep
+
+    def truncate(tmp: Path) -> Path:
+        d = _cache(tmp)
+        p = d / "shard-000001.safetensors"
+        p.write_bytes(p.read_bytes()[:-5])
+        return d
+
+    def flip_data(tmp: Path) -> Path:
+        d = _cache(tmp)
+        p = d / "shard-000001.safetensors"
+        data = bytearray(p.read_bytes())
+        data[-1] ^= 0xFF
+        p.write_bytes(bytes(data))
+        return d
+
+    def rewrite_shard(tensors: dict[str, Any]) -> Callable[[Path], Path]:
+        def prep(tmp: Path) -> Path:
+            import json
+
+            from safetensors.torch import save_file
+
+            d = _cache(tmp)
+            p = d / "shard-000001.safetensors"
+            save_file(tensors, str(p))
+            m = json.loads((d / "manifest.json").read_text())
+            m["shards"][1]["bytes"] = p.stat().st_size
+            (d / "manifest.json").write_text(json.dumps(m))
+            return d
+
+        return prep
+
+    def garble_header(tmp: Path) -> Path:
+        d = _cache(tmp)
+        p = d / "shard-000001.safetensors"
+        data = bytearray(p.read_bytes())
+        data[9] = 0x01
+        p.write_bytes(bytes(data))
+        return d
+
+    def set_key(key: str, value: Any) -> Callable[[Path], Path]:
+        def prep(tmp: Path) -> Path:
+            return _edit_manifest(tmp, lambda m: m.__setitem__(key, value))
+
+        return prep
+
+    def drop_key(key: str) -> Callable[[Path], Path]:
+        return lambda tmp: _edit_manifest(tmp, lambda m: m.pop(key))
+
+    def produce_into(prepare: Callable[[Path], Path], **kw: Any) -> Callable[[Path], Any]:
+        return lambda tmp: _produce(prepare(tmp), **kw)
+
+    def fresh(tmp: Path) -> Path:
+        return tmp / "out"
+
+    def unfinished(tmp: Path) -> Path:
+        d = _cache(tmp)
+        (d / "manifest.json").unlink()
+        (d / ".te_thd-producer.json").write_text(
+            '{"format_version": 1, "keys": ["hidden", "input_ids"], "num_samples": 6, '
+            '"options": {"cp_size": 2}, "shard_size": 2}\n')
+        return d
+
+    def orphan_shards(tmp: Path) -> Path:
+        d = _cache(tmp)
+        (d / "manifest.json").unlink()
+        return d
+
+    def held(tmp: Path) -> Any:
+        d = _cache(tmp)
+        lock = oc.ProducerLock(str(d)).acquire()
+        try:
+            oc.ProducerLock(str(d)).acquire()
+        finally:
+            lock.release()
+
+    def options_mismatch(tmp: Path) -> Any:
+        d = _cache(tmp)
+        m = oc.read_manifest(str(d), "offline", 1)
+        oc.ensure_supervision_options_match(m, {"cp_size": 4}, "offline", str(d), "produce_cache")
+
+    def options_missing(tmp: Path) -> Any:
+        d = _cache(tmp)
+        m = oc.read_manifest(str(d), "offline", 1)
+        oc.ensure_supervision_options_match(m, {"mask_generation_prompt": True}, "offline", str(d), "produce_cache")
+
+    class _Iterable(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            yield {"idx": 0}
+
+    def sampler(**kw: Any) -> Callable[[Path], Any]:
+        return lambda tmp: oc.CacheShardSampler(_open(_cache(tmp)), **kw)
+
+    def loader(**kw: Any) -> Callable[[Path], Any]:
+        def run(tmp: Path) -> Any:
+            ds = _open(_cache(tmp))
+            args = {"batch_size": 2, "shuffle": False, "collate_fn": lambda b: b}
+            args.update(kw)
+            return oc.build_cached_dataloader(ds, **args)
+
+        return run
+
+    return [
+        # -- manifest / format (read at open) --
+        BadInput("cache-no-manifest", "cache", "no manifest.json (the producer never finished)",
+                 opened(unlink("manifest.json")), _re("offline cache manifest not found at <dir>/cache/manifest.json"),
+                 exc=oc.ManifestNotFoundError),
+        BadInput("cache-manifest-json", "cache", "manifest.json is not JSON (e.g. truncated)",
+                 opened(write_text("manifest.json", '{"num_samples": 6, "sha')),
+                 _re("offline cache manifest <dir>/cache/manifest.json is not valid JSON")),
+        BadInput("cache-manifest-object", "cache", "manifest.json is JSON but not an object",
+                 opened(write_text("manifest.json", "[1, 2]")), _re("holds a JSON list, not an object")),
+        BadInput("cache-format-version", "cache", "the manifest's format_version differs from the reader's",
+                 opened(set_key("format_version", 2)), _re("has format_version=2, expected 1. Regenerate the cache")),
+        BadInput("cache-no-num-samples", "cache", "the manifest has no num_samples",
+                 opened(drop_key("num_samples")), _re("manifest <dir>/cache/manifest.json has no 'num_samples' field")),
+        BadInput("cache-shard-size", "cache", "the manifest's shard_size is not an int >= 1",
+                 opened(set_key("shard_size", 0)), _re("has shard_size=0; it must be an int >= 1")),
+        BadInput("cache-schema", "cache", "the manifest's schema does not parse",
+                 opened(set_key("schema", {"hidden": {"dtype": "float17", "shape": [4]}})),
+                 _re("has an invalid 'schema'") + ".*" + _re("dtype 'float17' is not a cache dtype")),
+        BadInput("cache-shard-records", "cache", "the manifest lists another number of shard records",
+                 opened(lambda tmp: _edit_manifest(tmp, lambda m: m["shards"].pop())),
+                 _re("lists 2 shard records but num_samples=6 / shard_size=2 means 3")),
+        BadInput("cache-shard-record", "cache", "a shard record is malformed",
+                 opened(lambda tmp: _edit_manifest(tmp, lambda m: m["shards"][0].pop("checksum"))),
+                 _re("shard record 0 is")),
+        BadInput("cache-missing-shard", "cache", "a shard is missing (gap)", opened(unlink("shard-000001.safetensors")),
+                 _re("declares 6 samples in 3 shards of 2, but has missing shard indices 1 (e.g. shard-000001.safetensors)")),
+        BadInput("cache-extra-shard", "cache", "an extra shard index beyond the manifest",
+                 opened(copy_shard("shard-000002.safetensors", "shard-000005.safetensors")),
+                 _re("extra shard indices 5 beyond the declared 3 (e.g. shard-000005.safetensors)")),
+        BadInput("cache-shard-size-mismatch", "cache", "a shard's size differs from the manifest (truncated)",
+                 opened(truncate), _re("shard <dir>/cache/shard-000001.safetensors has") + r" \d+ bytes, the manifest records \d+"),
+        BadInput("cache-disk-keys", "cache", "reader: disk_keys is not a non-empty tuple of names",
+                 opened(_cache, keys="hidden"), _re("disk_keys='hidden' must be a non-empty tuple of key names")),
+        BadInput("cache-disk-keys-unknown", "cache", "reader: a disk key the producer did not write",
+                 opened(_cache, keys=("hidden", "logits")), _re("disk_keys ['logits'] are not in the offline cache")),
+        BadInput("cache-max-open", "cache", "reader: max_open_shards < 1", opened(_cache, max_open_shards=0),
+                 _re("max_open_shards=0 must be an int >= 1")),
+        BadInput("cache-index", "cache", "reader: sample index out of range", lambda tmp: _open(_cache(tmp))[6],
+                 "6", exc=IndexError),
+        BadInput("cache-read-schema", "cache", "reader: a shard whose dtype/shape differs from the manifest schema",
+                 lambda tmp: _open(rewrite_shard({"hidden": torch.zeros(2, 4, dtype=torch.float64),
+                                                  "input_ids": torch.zeros(2, 3, dtype=torch.long)})(tmp)).__getitems__([2]),
+                 _re("shard <dir>/cache/shard-000001.safetensors stores")),
+        BadInput("cache-read-rows", "cache", "reader: a shard holding another number of samples than the manifest says",
+                 lambda tmp: _open(rewrite_shard({"hidden": torch.zeros(3, 4), "input_ids": torch.zeros(3, 3, dtype=torch.long)})(tmp)).__getitems__([2]),
+                 _re("shard <dir>/cache/shard-000001.safetensors key") + ".*" + _re("holds 3 samples")),
+        BadInput("cache-read-header", "cache", "reader: a shard whose safetensors header is damaged",
+                 lambda tmp: _open(garble_header(tmp)).__getitems__([2]),
+                 _re("shard <dir>/cache/shard-000001.safetensors is not a valid safetensors file")),
+        # -- verify --
+        BadInput("cache-verify-checksum", "cache", "verify --deep: a shard's CRC-32 differs from the manifest",
+                 deep(flip_data), _re("<dir>/cache/shard-000001.safetensors: checksum crc32:")
+                 + ".*" + _re("differs from the manifest's crc32:")),
+        BadInput("cache-verify-schema", "cache", "verify --deep: a shard's header differs from the schema",
+                 deep(rewrite_shard({"hidden": torch.zeros(2, 4, dtype=torch.float64),
+                                     "input_ids": torch.zeros(2, 3, dtype=torch.long)})),
+                 _re("<dir>/cache/shard-000001.safetensors: key 'hidden' is torch.float64[2, 4], the schema says float32[n, 4]")),
+        BadInput("cache-verify-algorithm", "cache", "verify --deep: an unknown checksum algorithm in the manifest",
+                 deep(lambda tmp: _edit_manifest(tmp, lambda m: m["shards"][0].__setitem__("checksum", "md5:00"))),
+                 _re("checksum algorithm 'md5' is not supported (expected 'crc32')")),
+        BadInput("cache-options-mismatch", "cache", "ensure_supervision_options_match: recorded options differ",
+                 options_mismatch, _re("was built with cp_size=2, but the run sets cp_size=4")),
+        BadInput("cache-options-missing", "cache", "ensure_supervision_options_match: the manifest lacks an option",
+                 options_missing, _re("does not record mask_generation_prompt")),
+        # -- writer / producer --
+        BadInput("cache-write-missing-key", "cache", "write_tensor_shard: a key is missing",
+                 lambda tmp: oc.write_tensor_shard(str(tmp), 0, {"hidden": torch.zeros(2, 4)}, ("hidden", "ids"), "offline"),
+                 _re("offline cache shard 0 is missing required cache keys ['ids']"), exc=oc.SchemaError),
+        BadInput("cache-write-rows", "cache", "write_tensor_shard: keys with different sample counts",
+                 lambda tmp: oc.write_tensor_shard(str(tmp), 0, {"a": torch.zeros(2, 4), "b": torch.zeros(3)}, ("a", "b"), "offline"),
+                 _re("key 'b' has 3 samples on dim 0 but 'a' has 2"), exc=oc.SchemaError),
+        BadInput("cache-write-scalar", "cache", "write_tensor_shard: a 0-d tensor",
+                 lambda tmp: oc.write_tensor_shard(str(tmp), 0, {"a": torch.tensor(1.0)}, ("a",), "offline"),
+                 _re("key 'a' is a 0-d tensor"), exc=oc.SchemaError),
+        BadInput("cache-write-dtype", "cache", "write_tensor_shard: a dtype safetensors cannot store",
+                 lambda tmp: oc.write_tensor_shard(str(tmp), 0, {"a": torch.zeros(2, dtype=torch.complex128)}, ("a",), "offline"),
+                 _re("key 'a' has dtype torch.complex128, which safetensors cannot store"), exc=oc.SchemaError),
+        BadInput("cache-shard-index", "cache", "shard_path: index beyond six digits",
+                 lambda tmp: oc.shard_path(str(tmp), 1_000_000), _re("shard_index=1000000 is outside [0, 1000000)")),
+        BadInput("cache-partition", "cache", "partition_cache_shards: rank outside [0, world_size)",
+                 lambda tmp: oc.partition_cache_shards(10, 2, 2, 2), _re("rank=2 must be an int in [0, 2) for world_size=2")),
+        BadInput("cache-resume-gap", "cache", "resume_start_sample: existing shards are not a prefix",
+                 lambda tmp: oc.resume_start_sample({0, 2}, 4), _re("found 0, 2 (missing 1)")),
+        BadInput("cache-write-manifest-version", "cache", "write_manifest: format_version given twice, differently",
+                 lambda tmp: oc.write_manifest(str(tmp), {"format_version": 2, "num_samples": 0, "shard_size": 1}, 1),
+                 _re("write_manifest: manifest['format_version']=2 contradicts format_version=1")),
+        BadInput("cache-produce-shard-size", "cache", "produce_cache: shard_size is not a positive int",
+                 lambda tmp: _produce(fresh(tmp), shard_size=0), _re("shard_size must be a positive int (samples per shard), got 0")),
+        BadInput("cache-produce-keys", "cache", "produce_cache: keys empty or repeated",
+                 lambda tmp: _produce(fresh(tmp), keys=("hidden", "hidden")),
+                 _re("keys=('hidden', 'hidden') must be a non-empty tuple of distinct key names")),
+        BadInput("cache-produce-options", "cache", "produce_cache: an option named like a manifest field",
+                 lambda tmp: _produce(fresh(tmp), options={"shards": 1}), _re("options ['shards'] clash with manifest fields")),
+        BadInput("cache-produce-options-json", "cache", "produce_cache: an option that is not a JSON value",
+                 lambda tmp: _produce(fresh(tmp), options={"cp": object()}),
+                 _re("options must be JSON values (recorded in manifest.json)")),
+        BadInput("cache-produce-iterable", "cache", "produce_cache: an iterable dataset (no len)",
+                 lambda tmp: _produce(fresh(tmp), loader=torch.utils.data.DataLoader(_Iterable(), batch_size=1)),
+                 _re("produce_cache needs a map-style dataset with len()")),
+        BadInput("cache-produce-world", "cache", "produce_cache: world_size > 1 without a process group",
+                 lambda tmp: _produce(fresh(tmp), world_size=2, rank=0),
+                 _re("world_size=2, rank=0 need an initialised torch.distributed process group")),
+        BadInput("cache-produce-schema", "cache", "produce_cache: compute_batch returns a missing key",
+                 lambda tmp: _produce(fresh(tmp), compute=lambda b: {"hidden": b["idx"][:, None].float()}),
+                 _re("compute_batch output is missing required cache keys ['input_ids']"), exc=oc.SchemaError),
+        BadInput("cache-produce-finished", "cache", "produce_cache(resume=False) over a finished cache",
+                 produce_into(_cache, resume=False), _re("already holds a finished cache (manifest.json). Pass resume=True")),
+        BadInput("cache-produce-other-params", "cache", "produce_cache over a finished cache built with other parameters",
+                 produce_into(_cache, n=8), _re("holds a finished cache built with other parameters (num_samples: recorded 6, this run 8)")),
+        BadInput("cache-produce-unfinished-noresume", "cache", "produce_cache(resume=False) over an unfinished run",
+                 produce_into(unfinished, resume=False), _re("holds 3 shards of an unfinished run. Pass resume=True")),
+        BadInput("cache-produce-unfinished-params", "cache", "resume of an unfinished run with other parameters",
+                 produce_into(unfinished, options={"cp_size": 4}),
+                 _re("holds shards of an unfinished run with other parameters (options: recorded {'cp_size': 2}, this run {'cp_size': 4})")),
+        BadInput("cache-produce-orphans", "cache", "produce_cache into shards of an unknown producer",
+                 produce_into(orphan_shards), _re("holds shards (0-2) but no manifest and no producer record")),
+        BadInput("cache-lock", "cache", "a second producer on a directory another producer holds", held,
+                 _re("output_dir <dir>/cache is held by another producer (pid") + ".*" + _re("choose another output_dir"),
+                 exc=oc.CacheLockError, redact=((r"pid \d+ on host \S+", "pid <pid> on host <host>"),)),
+        # -- sampler / loader --
+        BadInput("cache-sampler-replicas", "cache", "sampler: num_replicas < 1", sampler(num_replicas=0, rank=0),
+                 _re("num_replicas=0 must be an int >= 1 (the data-parallel size)")),
+        BadInput("cache-sampler-rank", "cache", "sampler: rank outside [0, num_replicas)", sampler(num_replicas=2, rank=2),
+                 _re("rank=2 must be an int in [0, num_replicas=2)")),
+        BadInput("cache-sampler-seed", "cache", "sampler: negative seed", sampler(num_replicas=1, rank=0, seed=-1),
+                 _re("seed=-1 must be an int >= 0")),
+        BadInput("cache-sampler-state", "cache", "sampler: load_state_dict of a foreign state",
+                 lambda tmp: oc.CacheShardSampler(_open(_cache(tmp)), 1, 0).load_state_dict({"epoch": 0}),
+                 _re("sampler state is missing")),
+        BadInput("cache-loader-batch", "cache", "build_cached_dataloader: batch_size < 1", loader(batch_size=0),
+                 _re("batch_size=0 must be an int >= 1")),
+        BadInput("cache-loader-workers", "cache", "build_cached_dataloader: num_workers < 0", loader(num_workers=-1),
+                 _re("num_workers=-1 must be an int >= 0")),
+        BadInput("cache-loader-dp", "cache", "build_cached_dataloader: dp_rank without dp_size", loader(dp_rank=0),
+                 _re("pass dp_rank and dp_size together (got dp_rank=0, dp_size=None)")),
+        BadInput("cache-collate-key", "cache", "collate_cached: a key the dataset did not read",
+                 lambda tmp: oc.collate_cached(_open(_cache(tmp)).__getitems__([0, 1]), ("logits",)),
+                 _re("collate_cached: key 'logits' was not read")),
+        BadInput("cache-thd-collate-cp", "cache", "CachedThdCollator: cp_rank outside [0, cp_size)",
+                 lambda tmp: oc.CachedThdCollator(8, cp_size=2, cp_rank=2), _re("cp_rank=2 must be an int in [0, cp_size=2)")),
+        BadInput("cache-thd-collate-lengths", "cache", "CachedThdCollator: both length_key and mask_key",
+                 lambda tmp: oc.CachedThdCollator(8, length_key="n", mask_key="m"),
+                 _re("pass length_key='n' or mask_key='m', not both")),
+    ]
+
+
+CASES.extend(_cache_rows())
+
+
+# ------------------------------------------------------------------------------- CLI
+
+def _cli_rows() -> list[BadInput]:
+    def cli(*argv: str, prepare: Callable[[Path], Path] | None = None) -> Callable[[Path], tuple[int, str]]:
+        def run(tmp: Path) -> tuple[int, str]:
+            d = prepare(tmp) if prepare else tmp / "missing"
+            return run_cli([a.replace("DIR", str(d)) for a in argv])
+
+        return run
+
+    def corrupt(tmp: Path) -> Path:
+        d = _cache(tmp)
+        p = d / "shard-000002.safetensors"
+        data = bytearray(p.read_bytes())
+        data[-1] ^= 0x01
+        p.write_bytes(bytes(data))
+        return d
+
+    def truncated(tmp: Path) -> Path:
+        d = _cache(tmp)
+        p = d / "shard-000000.safetensors"
+        p.write_bytes(p.read_bytes()[:100])
+        return d
+
+    def bad_json(tmp: Path) -> Path:
+        d = _cache(tmp)
+        (d / "manifest.json").write_text("{")
+        return d
+
+    return [
+        BadInput("cli-verify-unfinished", "CLI", "te-thd cache verify DIR: no manifest", cli("cache", "verify", "DIR"),
+                 _re("te-thd cache verify: FAILED: offline cache manifest not found at <dir>/missing/manifest.json"), kind="cli"),
+        BadInput("cli-verify-truncated", "CLI", "te-thd cache verify DIR: a truncated shard",
+                 cli("cache", "verify", "DIR", prepare=truncated),
+                 _re("te-thd cache verify: FAILED: shard <dir>/cache/shard-000000.safetensors has 100 bytes"), kind="cli"),
+        BadInput("cli-verify-deep", "CLI", "te-thd cache verify --deep DIR: a flipped byte",
+                 cli("cache", "verify", "--deep", "DIR", prepare=corrupt),
+                 _re("te-thd cache verify: FAILED:") + ".*" + _re("<dir>/cache/shard-000002.safetensors: checksum"), kind="cli"),
+        BadInput("cli-info-json", "CLI", "te-thd cache info DIR: manifest is not JSON", cli("cache", "info", "DIR", prepare=bad_json),
+                 _re("te-thd cache info: offline cache manifest <dir>/cache/manifest.json is not valid JSON"), kind="cli"),
+        BadInput("cli-info-missing", "CLI", "te-thd cache info DIR: no manifest", cli("cache", "info", "DIR"),
+                 _re("te-thd cache info: offline cache manifest not found"), kind="cli"),
+        BadInput("cli-cache-subcommand", "CLI", "te-thd cache without a subcommand", cli("cache"),
+                 _re("the following arguments are required: cache_command"), kind="cli"),
+        BadInput("cli-unknown-command", "CLI", "an unknown te-thd command", cli("bogus"),
+                 _re("invalid choice: 'bogus'"), kind="cli"),
+    ]
+
+
+CASES.extend(_cli_rows())
