@@ -60,6 +60,26 @@ class PackLayout(NamedTuple):
     padding_mask: np.ndarray
 
 
+class StreamLayout(NamedTuple):
+    """Boundaries and padding of ONE packed stream (the unchunked conversion).
+
+    Attributes:
+        cu_seqlens: int32 ``[N+1]`` cumulative real lengths (after absorption).
+        cu_seqlens_padded: int32 ``[N+1]`` physical starts, then the stream length.
+        num_seqs: ``N``.
+        max_seqlen: ``max(diff(cu_seqlens))``.
+        pad_between_seqs: the two complete arrays differ.
+        padding_mask: bool ``[B*S]``, True where a slot holds no real token.
+    """
+
+    cu_seqlens: np.ndarray
+    cu_seqlens_padded: np.ndarray
+    num_seqs: int
+    max_seqlen: int
+    pad_between_seqs: bool
+    padding_mask: np.ndarray
+
+
 def _first_index(bad: np.ndarray) -> tuple[int, ...]:
     """Index of the first True entry of ``bad`` (error path only)."""
     return tuple(int(i) for i in np.argwhere(bad)[0])
@@ -182,29 +202,19 @@ def pack_layout(
     batch, slots = seq_lens.shape
     rows = batch // num_chunks
     chunk_tokens = rows * seq_len
-    # Callers pass int64 tables (thd_utils widens narrower dtypes), so sums and
-    # offsets below cannot wrap.
-    valid = seq_lens != sentinel
-    real = seq_lens * valid
-    occupied = seq_lens_padded * valid
-    # End of each slot inside its row. (ufunc.accumulate: same as np.cumsum
-    # minus a few microseconds of wrapper overhead, which is most of the cost
-    # at these sizes.)
-    end = np.add.accumulate(occupied, axis=1) if slots else occupied
-    if validate and not _layout_ok(
-        seq_lens, seq_lens_padded, valid, real, occupied, end, seq_len, sentinel, rows
-    ):
-        validate_pack_lengths(seq_lens, seq_lens_padded, seq_len, sentinel, rows)
-        raise AssertionError("unreachable: validate_pack_lengths accepted a rejected layout")
-
-    # Start of every slot in the stream: row offset b*S plus the exclusive prefix
-    # sum inside the row. Unused slots get the offset after the preceding
-    # sequence and a real length of 0, so they vanish from the mask below.
-    start = end - occupied
-    start += _row_offsets(batch, seq_len)
+    valid, start = _slot_starts(seq_lens, seq_lens_padded, seq_len, sentinel, rows, validate)
+    real = seq_lens * valid  # unused slots: 0
 
     if num_chunks == 1:
-        return _single_stream(start, real, valid, chunk_tokens, absorb_trailing_pad)
+        one = _single_stream(start, seq_lens, valid, chunk_tokens, absorb_trailing_pad)
+        return PackLayout(
+            one.cu_seqlens[None],
+            one.cu_seqlens_padded[None],
+            np.array([one.num_seqs]),
+            np.array([one.max_seqlen], dtype=np.int32),
+            np.array([one.pad_between_seqs]),
+            one.padding_mask,
+        )
 
     padding_mask = _mask_from_starts(start.ravel(), real.ravel(), batch * seq_len)
 
@@ -258,6 +268,54 @@ def pack_layout(
     )
 
 
+def stream_layout(
+    seq_lens: np.ndarray,
+    seq_lens_padded: np.ndarray,
+    seq_len: int,
+    sentinel: int,
+    absorb_trailing_pad: bool = True,
+    *,
+    validate: bool = True,
+) -> StreamLayout:
+    """:func:`pack_layout` for ``num_chunks == 1`` with scalars as Python values.
+
+    The hot path of ``process_input_for_thd``: same arguments and rules as
+    :func:`pack_layout`, 1-D boundary arrays, no per-chunk bookkeeping.
+    """
+    valid, start = _slot_starts(
+        seq_lens, seq_lens_padded, seq_len, sentinel, seq_lens.shape[0], validate
+    )
+    return _single_stream(start, seq_lens, valid, seq_lens.shape[0] * seq_len, absorb_trailing_pad)
+
+
+def _slot_starts(
+    seq_lens: np.ndarray,
+    seq_lens_padded: np.ndarray,
+    seq_len: int,
+    sentinel: int,
+    rows: int,
+    validate: bool,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Validate; return ``valid`` (bool) and each slot's stream ``start`` (int64), ``[B, P]``.
+
+    Unused slots get the start right after the preceding sequence's slots.
+    """
+    # Callers pass int64 tables (thd_utils widens narrower dtypes).
+    valid = seq_lens != sentinel
+    occupied = seq_lens_padded * valid
+    # End of every slot inside its row. ufunc.accumulate is np.cumsum without
+    # its wrapper overhead, which is most of the cost at these sizes. Trusted
+    # only after validation (every slot <= S, so the sums cannot wrap).
+    end = np.add.accumulate(occupied, axis=1) if seq_lens.shape[1] else occupied
+    if validate and not _layout_ok(seq_lens, seq_lens_padded, valid, end, seq_len, sentinel, rows):
+        validate_pack_lengths(seq_lens, seq_lens_padded, seq_len, sentinel, rows)
+        raise AssertionError("unreachable: validate_pack_lengths accepted a rejected layout")
+    # Start of every slot: row offset b*S plus the exclusive prefix sum in the row.
+    start = end - occupied
+    start += _row_offsets(seq_lens.shape[0], seq_len)
+    return valid, start
+
+
 _ROW_OFFSETS: dict[tuple[int, int], np.ndarray] = {}
 
 
@@ -277,8 +335,6 @@ def _layout_ok(
     seq_lens: np.ndarray,
     seq_lens_padded: np.ndarray,
     valid: np.ndarray,
-    real: np.ndarray,
-    occupied: np.ndarray,
     end: np.ndarray,
     seq_len: int,
     sentinel: int,
@@ -286,37 +342,40 @@ def _layout_ok(
 ) -> bool:
     """Fast combined form of every check in :func:`validate_pack_lengths`.
 
-    Few array ops on the happy path (at these sizes each numpy call costs about
-    a microsecond, the data almost nothing); the per-check diagnosis with its
-    messages only runs when this says something is wrong. ``real``/``occupied``
-    are the tables with unused slots zeroed, ``end`` the row-wise cumsum of
-    ``occupied`` (only trusted once every slot is known to be <= S).
+    Elementwise comparisons and one ``count_nonzero`` (ufunc reductions cost a
+    few microseconds each at these sizes, the data almost nothing); the
+    per-check diagnosis with its messages only runs when this says something
+    is wrong. ``end`` is the row-wise cumsum of ``seq_lens_padded`` with unused
+    slots zeroed (last column: the row sums).
     """
-    if end.shape[1] == 0:
+    if seq_lens.shape[1] == 0:
         return False
+    # The sentinel must mark the same slots in both tables (bytes compare: no
+    # reduction call).
     if (seq_lens_padded != sentinel).tobytes() != valid.tobytes():
         return False
-    # Per slot 1 <= seq_lens <= seq_lens_padded <= S, by comparisons only (a
-    # subtraction could wrap for adversarial int64 values); afterwards no sum
-    # below can overflow.
-    if np.minimum.reduce(seq_lens, axis=None, where=valid, initial=1) < 1:
+    # Per valid slot 1 <= seq_lens <= seq_lens_padded <= S, by comparisons only
+    # (a subtraction could wrap for adversarial int64 values). Same-dtype
+    # comparisons: mixing in the bool mask would cost a cast loop per op.
+    bad = seq_lens < 1
+    bad |= seq_lens > seq_lens_padded
+    bad |= seq_lens_padded > seq_len
+    bad &= valid
+    if np.count_nonzero(bad):
         return False
-    if np.maximum.reduce(seq_lens_padded, axis=None, where=valid, initial=0) > seq_len:
-        return False
-    if np.minimum.reduce(occupied - real, axis=None) < 0:
-        return False
-    # [B] ints: max/min in Python beat two more numpy reductions here.
+    # Row sums cannot wrap now. [B] ints: max/min in Python beat two reductions.
     row_slots = end[:, -1].tolist()
     return max(row_slots) <= seq_len and min(row_slots[::rows]) > 0
 
 
 def _single_stream(
     start: np.ndarray, real: np.ndarray, valid: np.ndarray, total: int, absorb: bool
-) -> PackLayout:
-    """:func:`pack_layout` for one chunk: 1-D compaction, no sentinel columns.
+) -> StreamLayout:
+    """One stream's layout: 1-D compaction of the valid slots, no sentinel columns.
 
     Args:
-        start, real: int64 ``[B, P]`` slot starts in the stream and real lengths.
+        start, real: int64 ``[B, P]`` slot starts in the stream and real lengths
+            (any value in unused slots).
         valid: bool ``[B, P]``.
         total: stream length ``B*S``.
         absorb: trailing-pad absorption switch.
@@ -326,11 +385,19 @@ def _single_stream(
     n = start.shape[0]
     # Row 0 is cu_seqlens, row 1 cu_seqlens_padded: one buffer, one int32 cast.
     both = np.empty((2, n + 1), dtype=np.int64)
-    cu, cu_padded = both
+    cu = both[0]
+    cu_padded = both[1]
     cu[0] = 0
     np.add.accumulate(real, out=cu[1:])
     cu_padded[:n] = start
     cu_padded[n] = total
+    # Padding mask as one run-length decode: pad before the first sequence, then
+    # per sequence its real run and the pad up to the next sequence's start.
+    runs = np.empty(2 * n + 1, dtype=np.int64)
+    runs[0] = cu_padded[0]
+    runs[1::2] = real
+    runs[2::2] = cu_padded[1:] - cu_padded[:-1] - real
+    mask = np.repeat(_pattern(n), runs)
     # Equality of small int64 arrays via bytes: ~10x cheaper than (a == b).all().
     if absorb and cu[n] != total and cu[:n].tobytes() == cu_padded[:n].tobytes():
         # Only the tail is padding: the last sequence can own it because a
@@ -338,16 +405,9 @@ def _single_stream(
         # takes its faster pad_between_seqs=False path.
         cu[n] = total
     pad_between = cu.tobytes() != cu_padded.tobytes()
-    max_seqlen = np.maximum.reduce(cu[1:] - cu[:-1]) if n else 0
+    max_seqlen = int(np.maximum.reduce(cu[1:] - cu[:-1])) if n else 0
     both = both.astype(np.int32)
-    return PackLayout(
-        cu_seqlens=both[:1],
-        cu_seqlens_padded=both[1:],
-        num_seqs=np.array([n]),
-        max_seqlen=np.array([max_seqlen], dtype=np.int32),
-        pad_between_seqs=np.array([pad_between]),
-        padding_mask=_mask_from_starts(start, real, total),
-    )
+    return StreamLayout(both[0], both[1], n, max_seqlen, pad_between, mask)
 
 
 def _mask_from_starts(start: np.ndarray, real: np.ndarray, total: int) -> np.ndarray:
