@@ -336,9 +336,9 @@ def _dedupe(found: list[dict[str, str]]) -> list[dict[str, Any]]:
     ]
 
 
-def cuda_sync_offenders(fn: Callable[[], Any]) -> list[dict[str, Any]]:
-    """Run ``fn`` under ``set_sync_debug_mode("warn")``; every sync with its Python location."""
-    found: list[dict[str, str]] = []
+@contextlib.contextmanager
+def collect_sync_warnings(found: list[dict[str, str]]) -> Iterator[list[dict[str, str]]]:
+    """Append every "synchronizing CUDA operation" warning, located by :func:`classify`."""
 
     def hook(message, category, filename, lineno, file=None, line=None):  # noqa: ANN001
         if SYNC_MESSAGE in str(message):
@@ -347,6 +347,13 @@ def cuda_sync_offenders(fn: Callable[[], Any]) -> list[dict[str, Any]]:
     with warnings.catch_warnings():
         warnings.simplefilter("always")
         warnings.showwarning = hook
+        yield found
+
+
+def cuda_sync_offenders(fn: Callable[[], Any]) -> list[dict[str, Any]]:
+    """Run ``fn`` under ``set_sync_debug_mode("warn")``; every sync with its Python location."""
+    found: list[dict[str, str]] = []
+    with collect_sync_warnings(found):
         torch.cuda.set_sync_debug_mode("warn")
         try:
             fn()
@@ -429,17 +436,57 @@ def predicted_sync_offenders(fn: Callable[[], Any]) -> list[dict[str, Any]]:
 # -- the section ----------------------------------------------------------------------------
 
 
+def host_block_probe(fn: Callable[[], Any], sleep_s: float = 2.0, runs: int = 2) -> dict[str, Any]:
+    """Does ``fn`` make the host wait for the GPU, by any means?
+
+    ``set_sync_debug_mode`` only sees syncs made through PyTorch's own helpers; a C++
+    extension (TE, cuDNN) calling ``cudaStreamSynchronize`` / a blocking ``cudaMemcpy``
+    is invisible to it. Here the stream is first kept busy with a ``sleep_s`` GPU
+    spin (``torch.cuda._sleep``); a sync-free ``fn`` only enqueues work and returns
+    long before the spin ends, a syncing one cannot return before it. Blocked = every
+    run's host time exceeds 80% of the spin (a one-off stall, e.g. a first-shape
+    graph build, does not count).
+    """
+    if not hasattr(torch.cuda, "_sleep"):
+        return {"available": False}
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    probe = 50_000_000
+    start.record()
+    torch.cuda._sleep(probe)
+    end.record()
+    end.synchronize()
+    cycles = int(probe * sleep_s * 1000.0 / max(start.elapsed_time(end), 1e-3))
+    host: list[float] = []
+    for _ in range(runs):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(cycles)
+        t0 = time.perf_counter()
+        fn()
+        host.append(time.perf_counter() - t0)
+        torch.cuda.synchronize()
+    return {
+        "available": True,
+        "gpu_spin_s": sleep_s,
+        "host_s": [round(h, 4) for h in host],
+        "blocked": all(h > 0.8 * sleep_s for h in host),
+    }
+
+
 def _sync_report(device: torch.device, fn: Callable[[], Any], label: str) -> dict[str, Any]:
     if device.type == "cuda":
         offenders = cuda_sync_offenders(fn)
         err = cuda_sync_error_mode(fn)
         consistent = err["raised"] == bool(offenders)
+        probe = host_block_probe(fn)
         return {
-            "how": 'torch.cuda.set_sync_debug_mode("warn") for the list, then "error"',
+            "how": 'torch.cuda.set_sync_debug_mode("warn") for the list, then "error"; '
+            "then a host-blocking probe behind a GPU spin (catches syncs inside C++ extensions)",
             "offenders": offenders,
             "error_mode": err,
             "consistent": consistent,
-            "sync_free": not offenders and not err["raised"],
+            "host_block_probe": probe,
+            "sync_free": not offenders and not err["raised"] and not probe.get("blocked", False),
             "label": label,
         }
     offenders = predicted_sync_offenders(fn)
@@ -561,6 +608,7 @@ def run_step_checks(
             if o["category"] in LIBRARY_PATH
         ]
         sync["te_thd_offenders"] = library
+        sync["attention_backend_used"] = getattr(attn, "last_backend", backend)
         sync["ok"] = (
             sync["attention_path"]["sync_free"]
             and not library
