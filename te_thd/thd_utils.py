@@ -285,7 +285,7 @@ def process_input_for_thd(
         batch, 1, seq_lens_padding_value, padding_token_id, absorb_trailing_pad
     )
     max_seqlen = np.array(layout.max_seqlen, dtype=np.int32)
-    if device.type == "cpu":  # the normal case: zero-copy views of the host arrays
+    if device is None:  # lengths on the CPU, the normal case: zero-copy views
         out["cu_seqlens"] = torch.from_numpy(layout.cu_seqlens)
         out["cu_seqlens_padded"] = torch.from_numpy(layout.cu_seqlens_padded)
         out["max_seqlen"] = torch.from_numpy(max_seqlen)  # 0-d int32
@@ -365,20 +365,25 @@ def _convert(
     sentinel: int,
     padding_token_id: int,
     absorb: bool,
-) -> tuple[dict[str, Any], Any, torch.device, torch.Tensor]:
+) -> tuple[dict[str, Any], Any, torch.device | None, torch.Tensor]:
     """Shared body: validate, compute the layout, build the token part of the output.
 
     Returns the output dict holding the tokens (``[C, T_c, ...]`` for ``C > 1``,
     ``[T, ...]`` for ``C == 1``), the host layout (a ``StreamLayout`` for
-    ``C == 1``, else a ``PackLayout``), the device the boundary
-    tensors belong on (that of ``seq_lens``), and the padding mask on the token
+    ``C == 1``, else a ``PackLayout``), the device the boundary tensors belong
+    on (that of ``seq_lens``; None for the CPU), and the padding mask on the token
     device. Callers add the boundary keys in their own shapes, the mask, then
     the pass-through keys.
     """
-    if not isinstance(batch, Mapping) or not all(k in batch for k in _REQUIRED_KEYS):
+    if not (type(batch) is dict or isinstance(batch, Mapping)):
         _check_keys(batch)
-    input_ids = batch["input_ids"]
-    position_ids = batch["position_ids"]
+    try:
+        input_ids = batch["input_ids"]
+        position_ids = batch["position_ids"]
+        seq_lens = batch["seq_lens"]
+    except KeyError:
+        _check_keys(batch)
+        raise
     labels = batch.get("labels")
     # One combined test for what collates produce ([B, S] ids, positions and
     # labels of the same shape); anything else gets the per-argument checks.
@@ -390,7 +395,9 @@ def _convert(
         and (labels is None or (type(labels) is torch.Tensor and labels.shape == input_ids.shape))
     ):
         _check_token_tensors(input_ids, position_ids, labels)
-    bsz, seq_len = int(input_ids.shape[0]), int(input_ids.shape[1])
+    shape = input_ids.shape
+    bsz = shape[0]
+    seq_len = shape[1]
     if num_chunks > 1 and bsz % num_chunks:
         raise ValueError(
             f"num_chunks={num_chunks} does not divide the batch size B={bsz} "
@@ -399,7 +406,6 @@ def _convert(
     rows = bsz // num_chunks
     check_stream_fits_int32(rows * seq_len)
 
-    seq_lens = batch["seq_lens"]
     seq_lens_padded = batch.get("seq_lens_padded")
     if seq_lens is None:
         if seq_lens_padded is not None:
@@ -412,7 +418,7 @@ def _convert(
         )
     else:
         sl = _lengths_to_host(seq_lens, "seq_lens", bsz)
-        meta_device = seq_lens.device
+        meta_device = None if seq_lens.is_cpu else seq_lens.device
         if seq_lens_padded is None:
             sp = sl
         else:
@@ -555,7 +561,7 @@ def _lengths_to_host(value: Any, name: str, bsz: int) -> np.ndarray:
 
 def _lengths_from_token_ids(
     input_ids: torch.Tensor, num_chunks: int, padding_token_id: int, sentinel: int
-) -> tuple[np.ndarray, np.ndarray, torch.device]:
+) -> tuple[np.ndarray, np.ndarray, torch.device | None]:
     """Fallback length tables when no pack metadata exists: one sequence per row.
 
     Padding is inferred from token values, validated per chunk stream (pad only
@@ -583,12 +589,12 @@ def _lengths_from_token_ids(
         )
     sl = np.where(real > 0, real, sentinel)[:, None]
     sp = np.where(real > 0, seq_len, sentinel)[:, None]
-    return sl, sp, input_ids.device
+    return sl, sp, None if input_ids.is_cpu else input_ids.device
 
 
-def _to_device(arr: np.ndarray, device: torch.device) -> torch.Tensor:
-    """Host array -> tensor on ``device`` (no copy on the CPU, async otherwise)."""
+def _to_device(arr: np.ndarray, device: torch.device | None) -> torch.Tensor:
+    """Host array -> tensor on ``device`` (None: the CPU, no copy; else async copy)."""
     t = torch.from_numpy(arr)
-    if device.type != "cpu":
+    if device is not None:
         t = t.to(device, non_blocking=True)
     return t
