@@ -226,9 +226,9 @@ def git_info() -> dict[str, Any]:
 
 
 def _strict(obj: Any) -> Any:
-    """JSON-safe copy: non-finite floats become strings ("inf", "nan"), tuples lists."""
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return str(obj)
+    """JSON-safe copy: floats to 4 significant digits, non-finite ones as strings ("inf")."""
+    if isinstance(obj, float):
+        return float(f"{obj:.4g}") if math.isfinite(obj) else str(obj)
     if isinstance(obj, dict):
         return {str(k): _strict(v) for k, v in obj.items()}
     if isinstance(obj, list | tuple):

@@ -582,8 +582,11 @@ def run_numerics(
         device,
         plan.seed,
     )
-    neg_detected = neg_name in neg["kernel_errors"] or worst_ratio(neg["errors"][neg_name]) > 1.0
-    if not neg_detected:
+    neg_error = neg["kernel_errors"].get(neg_name)
+    neg_detected = neg_error is None and worst_ratio(neg["errors"][neg_name]) > 1.0
+    if neg_error is not None:
+        failures.append(f"negative control {neg_name} could not run: {neg_error}")
+    elif not neg_detected:
         failures.append(
             f"negative control {neg_name} passed the tolerance: the check cannot see a wrong mask"
         )
@@ -608,9 +611,8 @@ def run_numerics(
         "negative_control": {
             "kernel": neg_name,
             "detected": neg_detected,
-            "worst_ratio": None
-            if neg_name in neg["kernel_errors"]
-            else worst_ratio(neg["errors"][neg_name]),
+            "worst_ratio": None if neg_error else worst_ratio(neg["errors"][neg_name]),
+            "error": neg_error,
         },
         "layout_errors": layout_errors,
         "skipped_layouts": skipped,
