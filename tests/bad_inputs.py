@@ -960,3 +960,115 @@ def _cli_rows() -> list[BadInput]:
 
 
 CASES.extend(_cli_rows())
+
+
+def _more_cache_rows() -> list[BadInput]:
+    import logging
+
+    import torch
+
+    from te_thd import offline_cache as oc
+    from te_thd.attention import attend_slots
+
+    def ds(tmp: Path) -> Any:
+        return _open(_cache(tmp))
+
+    def sampler_state(tmp: Path, consumed: int) -> Any:
+        return oc.CacheShardSampler(ds(tmp), 1, 0).state_dict(consumed)
+
+    def thd_collate(features: Any, **kw: Any) -> Callable[[Path], Any]:
+        return lambda _: oc.CachedThdCollator(8, **kw)(features)
+
+    ids = torch.tensor([5, 6, 7])
+
+    def sync_low(tmp: Path) -> Any:
+        from torch.utils.data import DataLoader
+
+        return oc.write_cache_shards_distributed(
+            DataLoader(_Index(6), batch_size=2), str(tmp / "out"), 2, 1, 0, _compute,
+            lambda d, i, s: oc.write_tensor_shard(d, i, s, ("hidden", "input_ids"), "offline"),
+            logging.getLogger("te_thd.catalogue"), sync_max_steps=lambda steps: 0)
+
+    def consumed_replicas(tmp: Path) -> Any:
+        data = ds(tmp)
+        state = oc.CacheShardSampler(data, 1, 0).state_dict(3)
+        oc.CacheShardSampler(data, 2, 0).load_state_dict(state)
+
+    def foreign_seed(tmp: Path) -> Any:
+        data = ds(tmp)
+        state = oc.CacheShardSampler(data, 1, 0).state_dict(0)
+        oc.CacheShardSampler(data, 1, 0, seed=1).load_state_dict(state)
+
+    def loader_state(tmp: Path) -> Any:
+        oc.build_cached_dataloader(ds(tmp), 2, False, lambda b: b).load_state_dict({})
+
+    def resume_and_start(tmp: Path) -> Any:
+        loader = oc.build_cached_dataloader(ds(tmp), 2, False, lambda b: b)
+        oc.build_cached_dataloader(loader.dataset, 2, False, lambda b: b, resume_state=loader.state_dict(),
+                                   start_sample=2)
+
+    q = torch.zeros(4, 1, 2)
+    cu = torch.tensor([0, 4], dtype=torch.int32)
+
+    return [
+        BadInput("cache-sampler-epoch", "cache", "sampler: negative epoch",
+                 lambda tmp: oc.CacheShardSampler(ds(tmp), 1, 0).set_epoch(-1), _re("epoch=-1 must be an int >= 0")),
+        BadInput("cache-sampler-shard-size", "cache", "sampler: shard_size < 1",
+                 lambda tmp: oc.CacheShardSampler(ds(tmp), 1, 0, shard_size=0), _re("shard_size=0 must be an int >= 1")),
+        BadInput("cache-sampler-consumed", "cache", "sampler: state_dict(consumed_samples) beyond the epoch",
+                 lambda tmp: sampler_state(tmp, consumed=100),
+                 _re("consumed_samples=100 must be an int in [0, total_size=6]")),
+        BadInput("cache-sampler-consumed-replicas", "cache", "sampler: a resume count the replicas cannot share",
+                 consumed_replicas, _re("consumed_samples=3 is not a multiple of num_replicas=2")),
+        BadInput("cache-sampler-foreign", "cache", "sampler: a state saved with other settings", foreign_seed,
+                 _re("sampler state does not match this sampler (seed: saved 0, now 1)")),
+        BadInput("cache-loader-resume-both", "cache", "build_cached_dataloader: resume_state and start_sample",
+                 resume_and_start, _re("pass resume_state or start_sample=2, not both")),
+        BadInput("cache-loader-state", "cache", "loader.load_state_dict of a foreign state", loader_state,
+                 _re("loader state must hold 'sampler' (got keys [])")),
+        BadInput("cache-partition-world", "cache", "partition_cache_shards: world_size < 1",
+                 lambda _: oc.partition_cache_shards(10, 2, 0, 0), _re("world_size must be an int >= 1, got 0")),
+        BadInput("cache-partition-samples", "cache", "partition_cache_shards: negative num_samples",
+                 lambda _: oc.partition_cache_shards(-1, 2, 1, 0), _re("num_samples must be an int >= 0, got -1")),
+        BadInput("cache-lockstep", "cache", "write_cache_shards_distributed: sync_max_steps below this rank's steps",
+                 sync_low, _re("sync_max_steps(3) returned 0; it must return the maximum over ranks")),
+        BadInput("cache-write-manifest-json", "cache", "write_manifest: a value that is not JSON",
+                 lambda tmp: oc.write_manifest(str(tmp), {"num_samples": 0, "shard_size": 1, "x": object()}, 1),
+                 _re("is not JSON-serialisable")),
+        BadInput("cache-thd-collate-cp-size", "cache", "CachedThdCollator: cp_size < 1",
+                 lambda _: oc.CachedThdCollator(8, cp_size=0), _re("cp_size=0 must be an int >= 1")),
+        BadInput("cache-thd-collate-keys-str", "cache", "CachedThdCollator: keys given as one string",
+                 lambda _: oc.CachedThdCollator(8, keys="input_ids"),
+                 _re("keys and token_keys must be sequences of key names, not a single string")),
+        BadInput("cache-thd-collate-empty", "cache", "CachedThdCollator: no samples", thd_collate([]),
+                 _re("features is empty; a THD batch needs at least one sample")),
+        BadInput("cache-thd-collate-keys", "cache", "CachedThdCollator: a requested key was not read",
+                 thd_collate([{"input_ids": ids}], keys=("input_ids", "logits")), _re("keys ['logits'] were not read")),
+        BadInput("cache-thd-collate-input", "cache", "CachedThdCollator: the input key was not read",
+                 thd_collate([{"tokens": ids}]), _re("input_key='input_ids' was not read (read: ['tokens'])")),
+        BadInput("cache-thd-collate-input-shape", "cache", "CachedThdCollator: token ids not [L] per sample",
+                 thd_collate([{"input_ids": ids.reshape(3, 1)}]), _re("'input_ids' must be [L] token ids per sample, got (3, 1)")),
+        BadInput("cache-thd-collate-length-key", "cache", "CachedThdCollator: length_key not read",
+                 thd_collate([{"input_ids": ids}], length_key="n"), _re("length_key='n' was not read")),
+        BadInput("cache-thd-collate-length-dtype", "cache", "CachedThdCollator: length_key not one integer per sample",
+                 thd_collate([{"input_ids": ids, "n": torch.tensor([2.0])}], length_key="n"),
+                 _re("length_key='n' must hold one integer per sample")),
+        BadInput("cache-thd-collate-length-range", "cache", "CachedThdCollator: a sample length outside [1, L]",
+                 thd_collate([{"input_ids": ids, "n": torch.tensor([0])}], length_key="n"),
+                 _re("sample 0 of this batch has length 0, outside [1, L=3]")),
+        BadInput("cache-thd-collate-mask", "cache", "CachedThdCollator: a loss mask that is not right-padded",
+                 thd_collate([{"input_ids": ids, "m": torch.tensor([1, 0, 1])}], mask_key="m"),
+                 _re("mask_key='m' of sample 0 (of this batch) is not right-padded")),
+        BadInput("cache-thd-collate-label", "cache", "CachedThdCollator: label_key not read",
+                 thd_collate([{"input_ids": ids}], label_key="labels"), _re("label_key='labels' was not read")),
+        BadInput("cache-thd-collate-token-key", "cache", "CachedThdCollator: a token key not [L, ...] per sample",
+                 thd_collate([{"input_ids": ids, "h": torch.zeros(2, 4)}], token_keys=("h",)),
+                 _re("token_keys entry 'h' must be read and shaped [L=3, ...] per sample, got (2, 4)")),
+        BadInput("attn-reference-chunk", "attention", "reference attention: query_chunk_size < 1",
+                 lambda _: attend_slots(q, q, q, torch.arange(4), cu_seqlens_q=cu, cu_seqlens_q_padded=cu,
+                                        cu_seqlens_kv=cu, cu_seqlens_kv_padded=cu, causal=True, query_chunk_size=0),
+                 _re("query_chunk_size must be >= 1, got 0")),
+    ]
+
+
+CASES.extend(_more_cache_rows())
