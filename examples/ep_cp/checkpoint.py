@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from te_thd.offline_cache.durable import atomic_write
+from te_thd.offline_cache import atomic_write
 
 LATEST = "latest.json"
 
