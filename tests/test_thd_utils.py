@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from te_thd import thd_utils as tu
-from te_thd._thd_layout import pack_layout, validate_pack_lengths
+from te_thd._thd_layout import pack_layout, stream_layout, validate_pack_lengths
 from te_thd.thd_utils import (
     _thd_padding_mask,
     process_input_for_thd,
@@ -648,3 +648,33 @@ def test_fast_check_and_diagnosis_agree(sl, sp, match) -> None:
         validate_pack_lengths(a, b, 6, S, 2)
     with err(match):
         pack_layout(a, b, 6, S)
+    with err(match):
+        stream_layout(a, b, 6, S)
+
+
+@pytest.mark.parametrize(
+    ("sl", "sp", "match"),
+    [
+        ([[0, 2], [6, 99]], [[4, 2], [6, 99]], "not a positive length"),
+        ([[3, 2], [6, 99]], [[4, 2], [7, 99]], "exceeds the row length"),
+        ([[3, 3], [6, 99]], [[4, 2], [6, 99]], "exceeds seq_lens_padded"),
+        ([[3, 99], [6, 99]], [[4, 2], [6, 99]], "disagree on unused pack slots"),
+    ],
+)
+def test_fast_check_with_a_positive_sentinel(sl, sp, match) -> None:
+    # A sentinel above S (e.g. 99 in uint8 tables) is counted by the "> S"
+    # comparison on every unused slot; the fast check must still see bad slots.
+    a, b = np.array(sl, dtype=np.int64), np.array(sp, dtype=np.int64)
+    with err(match):
+        stream_layout(a, b, 6, 99)
+    ok = stream_layout(np.array([[3, 2], [6, 99]]), np.array([[4, 2], [6, 99]]), 6, 99)
+    assert ok.cu_seqlens_padded.tolist() == [0, 4, 6, 12]
+
+
+def test_non_contiguous_inputs_are_copied_not_misread() -> None:
+    batch = reference_2x6()
+    ids_t = batch["input_ids"].t().contiguous().t()  # same values, column-major strides
+    assert not ids_t.is_contiguous()
+    batch["input_ids"] = ids_t
+    out = process_input_for_thd(batch)
+    assert_equal(out["input_ids"], torch.tensor([1, 2, 3, 99, 4, 5, 6, 7, 8, 9, 10, 11]))
