@@ -22,7 +22,7 @@ from te_thd.thd_utils import (
     thd_padding_mask_from_token_ids,
 )
 
-EXAMPLES = 120
+EXAMPLES = 300
 
 
 @dataclass
