@@ -416,9 +416,10 @@ def _single_stream(start: np.ndarray, real: np.ndarray, total: int, absorb: bool
         # takes its faster pad_between_seqs=False path.
         cu[n] = total
     pad_between = cu.tobytes() != cu_padded.tobytes()
-    seg = cu[1:] - cu[:-1]
-    # argmax + index: a direct C call, ~3x cheaper than a ufunc max reduction here
-    max_seqlen = int(seg[seg.argmax()]) if n else 0
+    # Segments of cu_seqlens are the real lengths, the last one possibly grown
+    # by absorption. argmax + index: a direct C call, ~3x cheaper than a ufunc
+    # max reduction at these sizes.
+    max_seqlen = int(max(real[real.argmax()], cu[n] - cu[n - 1])) if n else 0
     both = both.astype(np.int32)
     return StreamLayout(both[0], both[1], n, max_seqlen, pad_between, mask)
 
