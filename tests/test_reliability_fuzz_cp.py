@@ -151,10 +151,9 @@ def _tensor(args: dict[str, Any]) -> Any:
     raw, dtype = args["raw"], args["dtype"]
     if args["shape"] == "list":
         return list(raw)
-    try:
-        t = torch.tensor(raw, dtype=torch.int64).to(dtype)
-    except RuntimeError:  # garbage beyond int64 cannot be built; it never reaches te_thd
-        t = torch.tensor([0], dtype=dtype)
+    # garbage past int64 cannot be a tensor at all: clamp it (it never reaches te_thd otherwise)
+    raw = [min(max(v, -(2**63)), 2**63 - 1) for v in raw]
+    t = torch.tensor(raw, dtype=torch.int64).to(dtype)
     if args["shape"] == "2d":
         t = t.reshape(1, -1)
     return t
