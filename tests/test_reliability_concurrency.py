@@ -69,7 +69,7 @@ def _second_producer(d: Path, resume: bool = True):
 def test_second_producer_is_refused_while_the_first_writes(tmp_path: Path, clean) -> None:
     _, clean_files = clean
     d = tmp_path / "cache"
-    first = CT._Proc(["_produce", "--out", str(d), "--sleep", "0.08"], tmp_path / "first.log")
+    first = CT._Proc(["_produce", "--out", str(d), "--sleep", "0.15"], tmp_path / "first.log")
     try:
         assert first.wait_line("READY", 300), (tmp_path / "first.log").read_text()
         _wait_for(lambda: _shards(d) >= 1, 120, "the first producer's first shard")
