@@ -448,9 +448,7 @@ def _convert(
         out["position_ids"] = pos.transpose(0, 1) if num_chunks > 1 else pos[:, 0]
     else:
         out["position_ids"] = _flatten(position_ids, lead)
-    mask = torch.from_numpy(layout.padding_mask)
-    if not input_ids.is_cpu:
-        mask = mask.to(input_ids.device, non_blocking=True)
+    mask = _to_device(layout.padding_mask, None if input_ids.is_cpu else input_ids.device)
     return out, layout, meta_device, mask.view(num_chunks, tok) if num_chunks > 1 else mask
 
 
@@ -594,8 +592,16 @@ def _lengths_from_token_ids(
 
 
 def _to_device(arr: np.ndarray, device: torch.device | None) -> torch.Tensor:
-    """Host array -> tensor on ``device`` (None: the CPU, no copy; else async copy)."""
+    """Host array -> tensor on ``device`` (None: the CPU, zero-copy).
+
+    Other devices get an asynchronous copy. For CUDA the source is pinned first:
+    a copy from pageable memory may synchronise with the stream, one from
+    pinned memory never does (the caching host allocator keeps the buffer alive
+    until the copy has run).
+    """
     t = torch.from_numpy(arr)
-    if device is not None:
-        t = t.to(device, non_blocking=True)
-    return t
+    if device is None:
+        return t
+    if device.type == "cuda":
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
