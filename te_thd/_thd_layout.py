@@ -2,7 +2,11 @@
 
 Everything here works on small host arrays (``[B, P]`` length tables) and is a
 pure function: no torch, no devices, no hidden state. The torch-facing module
-turns tensors into these arrays, calls :func:`pack_layout`, and wraps the result.
+turns tensors into these arrays, calls :func:`stream_layout` (one stream, the
+hot path) or :func:`pack_layout` (chunked), and wraps the result. At these sizes
+a numpy call costs about a microsecond and the data almost nothing, so the code
+counts calls: that is why some steps use ``count_nonzero``, ``argmax`` or a
+bytes comparison instead of the obvious reduction.
 
 Layout rules (SPEC §1) implemented here:
 
