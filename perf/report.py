@@ -213,8 +213,9 @@ def render_markdown(run: dict[str, Any], prev: dict[tuple, float] | None = None)
         + f"; {run['wall_s']:.0f} s in all."
     )
     load = m.get("loadavg")
-    times = ", ".join(f"{b['name']} {b.get('wall_s', 0):.0f} s ({b.get('cpu_s', 0):.0f} CPU-s)"
-                      for b in run["benches"])
+    times = ", ".join(f"{b['name']} {b.get('wall_s', 0):.0f} s ({b.get('cpu_s', 0):.0f} CPU-s"
+                      + (f", median of {b['runs']} runs after a miss" if b.get("runs", 1) > 1 else "")
+                      + ")" for b in run["benches"])
     if times:
         lines.append("")
         lines.append(f"Bench wall time (CPU time): {times}"
