@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import re
 import shutil
 import sys
 import tempfile
@@ -241,6 +242,12 @@ def run(quick: bool, seed: int | None = None, workdir: str | None = None,
             s["errors_blaming_a_shard"] = sum(bool(t.get("blames_shard")) for t in ts)
         summary[kind] = s
     violations = [f"{t['kind']} {t['file']} {t.get('pos', t.get('cut'))}: {p}" for t in trials for p in t["problems"]]
+    kinds: dict[str, int] = {}
+    for t in trials:
+        for p in t["problems"]:
+            k = re.sub(r"(raised \w+).*", r"\1", p)
+            k = re.sub(r"(does not name \S+).*", r"\1", k)
+            kinds[k] = kinds.get(k, 0) + 1
     tried = len(trials)
     damaged_shards = [t for t in trials if t["file"] != "manifest.json"]
     return {
@@ -253,6 +260,7 @@ def run(quick: bool, seed: int | None = None, workdir: str | None = None,
         "wrong_tensors_returned_undetected": sum(
             not t["detected"] and not t["read_correct"] for t in trials),
         "by_kind": summary,
+        "violation_kinds": dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
         "violations": violations[:100],
         "n_violations": len(violations),
         "seconds": round(time.perf_counter() - t0, 1),

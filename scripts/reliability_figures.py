@@ -91,7 +91,10 @@ def render() -> str:
             f"`verify --deep`: {corr['shard_corruptions_detected_by_deep_verify']}; wrong tensors returned with "
             f"nothing detected: {corr['wrong_tensors_returned_undetected']}; undetected manifest flips that change "
             f"nothing a reader uses: {bk['manifest-flip']['benign_undetected_reads_correct']}; rule violations "
-            f"(another exception type, file not named): {corr['n_violations']} (seed {corr['seed']}) | "
+            f"(another exception type, file not named): {corr['n_violations']}"
+            + (" (" + "; ".join(f"{n}x {k}" for k, n in corr.get("violation_kinds", {}).items()) + ")"
+               if corr["n_violations"] else "")
+            + f" (seed {corr['seed']}) | "
             f"`{COMMANDS['corruption']}` |"
         )
     counts = {k: v for k, v in (_load("fuzz_counts.json") or {}).items()}

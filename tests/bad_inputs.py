@@ -609,14 +609,25 @@ def _cache(tmp: Path) -> Path:
     return dst
 
 
-def _edit_manifest(tmp: Path, fn: Callable[[dict[str, Any]], Any]) -> Path:
+def _rewrite_manifest(d: Path, fn: Callable[[dict[str, Any]], Any]) -> Path:
+    """Edit ``d/manifest.json`` as a user (or a bug) would; the manifest's own checksum, when
+    it records one, is recomputed so the edit reaches the check it targets."""
     import json
 
-    d = _cache(tmp)
+    from te_thd.offline_cache import format as fmt
+
     m = json.loads((d / "manifest.json").read_text())
     fn(m)
+    key = getattr(fmt, "MANIFEST_CHECKSUM_KEY", None)
+    if key is not None and key in m:
+        m[key] = fmt.manifest_checksum(m)
     (d / "manifest.json").write_text(json.dumps(m))
     return d
+
+
+def _edit_manifest(tmp: Path, fn: Callable[[dict[str, Any]], Any]) -> Path:
+    """A fresh cache copy in ``tmp`` with its manifest edited by ``fn``."""
+    return _rewrite_manifest(_cache(tmp), fn)
 
 
 def _open(d: Path, keys: Any = ("hidden", "input_ids"), **kw: Any) -> Any:
@@ -676,17 +687,13 @@ def _cache_rows() -> list[BadInput]:
 
     def rewrite_shard(tensors: dict[str, Any]) -> Callable[[Path], Path]:
         def prep(tmp: Path) -> Path:
-            import json
-
             from safetensors.torch import save_file
 
             d = _cache(tmp)
             p = d / "shard-000001.safetensors"
             save_file(tensors, str(p))
-            m = json.loads((d / "manifest.json").read_text())
-            m["shards"][1]["bytes"] = p.stat().st_size
-            (d / "manifest.json").write_text(json.dumps(m))
-            return d
+            size = p.stat().st_size
+            return _rewrite_manifest(d, lambda m: m["shards"][1].__setitem__("bytes", size))
 
         return prep
 
