@@ -224,7 +224,7 @@ def test_bad_arguments(cache):
 def test_missing_key_rejected_at_open_with_a_schema(tmp_path):
     d = str(tmp_path)
     make_cache(d, 20, 8, producer=True)
-    with pytest.raises(ValueError, match=r"disk_keys \['logits'\] are not in the test cache .* pass keys the producer wrote"):
+    with pytest.raises(ValueError, match=r"disk_keys \['logits'\] are not in the test cache .*\(its manifest .*/manifest\.json lists \[.*\]\); pass keys the producer wrote"):
         CachedTensorDataset(d, CACHE_NAME, FORMAT_VERSION, ("input_ids", "logits"))
 
 
@@ -278,6 +278,50 @@ def test_shard_removed_after_open(tmp_path):
     os.remove(shard_path(d, 1))
     with pytest.raises(CacheIntegrityError, match=r"shard-000001\.safetensors is missing"):
         ds.__getitems__([4])
+
+
+def test_item_path_checks_each_shard_on_first_open(tmp_path):
+    """``ds[i]`` runs the batched path's header + schema checks when it opens a shard."""
+    d = str(tmp_path)
+    _write(d, [{"x": torch.zeros(4, 2)}, {"x": torch.zeros(3, 2)}, {"x": torch.zeros(4, 2, dtype=torch.float64)},
+               {"y": torch.zeros(4, 2)}], num_samples=16, shard_size=4)
+    ds = CachedTensorDataset(d, CACHE_NAME, FORMAT_VERSION, ("x",))
+    assert ds[0]["x"].dtype == torch.float32
+    with pytest.raises(CacheIntegrityError, match=r"shard-000001\.safetensors key 'x' holds 3 samples, but the manifest .* puts 4"):
+        ds[5]
+    with pytest.raises(CacheIntegrityError, match=r"shard-000002\.safetensors stores .*float64.* but earlier shards store .*float32"):
+        ds[8]
+    with pytest.raises(CacheIntegrityError, match=r"shard-000003\.safetensors has no key 'x'"):
+        ds[12]
+    assert list(ds._open_handles) == [0]  # a refused shard is never opened
+
+
+def test_item_path_wraps_a_damaged_header(tmp_path):
+    d = str(tmp_path)
+    make_cache(d, 20, 8, producer=True)
+    with open(shard_path(d, 1), "r+b") as f:
+        f.seek(9)
+        f.write(b"\x01")  # a control character inside the header JSON
+    ds = CachedTensorDataset(d, CACHE_NAME, FORMAT_VERSION, ("input_ids",))
+    assert ds[0]["input_ids"].shape[0] > 0
+    with pytest.raises(CacheIntegrityError, match=r"shard .*shard-000001\.safetensors is not a valid safetensors file: header is not JSON") as e:
+        ds[8]
+    assert e.value.path == shard_path(d, 1)
+
+
+def test_item_path_rejects_a_dtype_swapped_header(tmp_path):
+    """I64 -> F64 keeps a valid safetensors file; the manifest schema refuses it on both paths."""
+    d = str(tmp_path)
+    make_cache(d, 20, 8, producer=True)
+    path = shard_path(d, 1)
+    with open(path, "rb") as f:
+        data = f.read()
+    with open(path, "wb") as f:
+        f.write(data.replace(b'"I64"', b'"F64"', 1))
+    ds = CachedTensorDataset(d, CACHE_NAME, FORMAT_VERSION, ("sample_id", "input_ids", "loss_mask"))
+    for read in (lambda: ds[8], lambda: ds.__getitems__([8])):
+        with pytest.raises(CacheIntegrityError, match=r"shard-000001\.safetensors stores .*float64"):
+            read()
 
 
 def test_open_checks_presence(tmp_path):

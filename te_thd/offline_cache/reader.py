@@ -12,6 +12,13 @@ with the size of the cache.
 Every open handle and mapping belongs to the process that opened it: the caches
 are keyed by ``os.getpid()`` and dropped on pickling, so DataLoader workers started
 by fork, spawn or forkserver open their own on first use.
+
+Both read paths check a shard when this process first opens it (and again if it
+was evicted from the LRU): ``shardfile.read_header`` parses the header (offsets
+must tile the file), and the keys, row count, dtypes and sample shapes must agree
+with the manifest's schema (or, for a reference manifest without one, with the
+first shard opened). Failures are :class:`CacheIntegrityError` naming the shard;
+nothing is re-checked per read.
 """
 
 from __future__ import annotations
@@ -27,9 +34,16 @@ import torch
 from torch.utils.data import Dataset, get_worker_info
 
 from .errors import CacheIntegrityError
-from .format import load_safetensors, manifest_schema, read_manifest, shard_path
-from .shardfile import read_header
+from .format import load_safetensors, manifest_path, manifest_schema, read_manifest, shard_path
+from .shardfile import HeaderEntry, read_header
 from .verify import check_cache_files
+
+try:
+    from safetensors import SafetensorError as _SafetensorError
+except ImportError:  # pragma: no cover - safetensors is a hard dependency (load_safetensors explains)
+
+    class _SafetensorError(Exception):  # type: ignore[no-redef]
+        pass
 
 __all__ = ["CachedBatch", "CachedTensorDataset"]
 
@@ -85,17 +99,16 @@ def _empty(shape: tuple[int, ...], dtype: torch.dtype, shared: bool) -> torch.Te
     return proto.new(storage).resize_(shape)
 
 
-def _map_shard(path: str, keys: tuple[str, ...]) -> dict[str, torch.Tensor]:
+def _map_shard(path: str, entries: dict[str, HeaderEntry], keys: tuple[str, ...]) -> dict[str, torch.Tensor]:
     """Memory-map one safetensors file and return ``{key: [rows, ...] view}`` for ``keys``.
 
-    The file is mapped copy-on-write (``torch.from_file(shared=False)``: opened
-    read-only, no descriptor kept) and never written, so every page stays
-    file-backed. The header is parsed (and checked to tile the file exactly) by
-    ``shardfile.read_header``; safetensors itself has no zero-copy view API,
-    ``safe_open`` copies on every slice.
+    ``entries`` is the file's parsed header (``shardfile.read_header``, already
+    checked against the schema). The file is mapped copy-on-write
+    (``torch.from_file(shared=False)``: opened read-only, no descriptor kept) and
+    never written, so every page stays file-backed; safetensors itself has no
+    zero-copy view API, ``safe_open`` copies on every slice.
     """
     try:
-        entries = read_header(path)
         size = os.path.getsize(path)
     except FileNotFoundError:
         raise CacheIntegrityError(
@@ -104,14 +117,7 @@ def _map_shard(path: str, keys: tuple[str, ...]) -> dict[str, torch.Tensor]:
     whole = torch.from_file(path, shared=False, size=size, dtype=torch.uint8)
     views: dict[str, torch.Tensor] = {}
     for key in keys:
-        e = entries.get(key)
-        if e is None:
-            raise CacheIntegrityError(
-                f"shard {path} has no key {key!r} (it holds {sorted(entries)}); pass disk_keys that the producer wrote",
-                path=path,
-            )
-        if not e.shape:
-            raise CacheIntegrityError(f"shard {path} key {key!r} is a scalar, not [samples, ...]", path=path)
+        e = entries[key]
         raw = whole[e.start : e.end]
         if e.start % raw.new_empty(0, dtype=e.dtype).element_size():
             raw = raw.clone()  # misaligned (safetensors aligns; a foreign writer may not): copy once
@@ -168,7 +174,8 @@ class CachedTensorDataset(Dataset):
             if unknown:
                 raise ValueError(
                     f"disk_keys {unknown} are not in the {cache_name} cache at {cache_dir} "
-                    f"(it stores {list(schema)}); pass keys the producer wrote"
+                    f"(its manifest {manifest_path(cache_dir)} lists {list(schema)}); pass keys "
+                    "the producer wrote"
                 )
             self._manifest_sample_schema = {k: (schema[k].dtype, tuple(schema[k].shape)) for k in self._disk_keys}
         self._reset_process_state()
@@ -204,40 +211,41 @@ class CachedTensorDataset(Dataset):
     def _rows_in(self, shard_index: int) -> int:
         return min(self.shard_size, self.num_samples - shard_index * self.shard_size)
 
-    def _handle(self, shard_index: int):
-        """The ``safe_open`` handle of shard ``shard_index``, opened lazily in this process."""
-        self._own()
-        handles = self._open_handles
-        handle = handles.get(shard_index)
-        if handle is None:
-            _, safe_open = load_safetensors(self.cache_name)
-            handle = safe_open(shard_path(self.cache_dir, shard_index), framework="pt")
-            handles[shard_index] = handle
-            if len(handles) > self._max_open:
-                handles.popitem(last=False)
-        else:
-            handles.move_to_end(shard_index)
-        return handle
+    def _checked_header(self, shard_index: int) -> tuple[str, dict[str, HeaderEntry]]:
+        """Parse shard ``shard_index``'s header and check it against the cache's schema.
 
-    def _shard_views(self, shard_index: int) -> dict[str, torch.Tensor]:
-        """``{key: [rows, *sample_shape] tensor}`` memory-mapped over shard ``shard_index``."""
-        self._own()
-        views = self._views.get(shard_index)
-        if views is not None:
-            self._views.move_to_end(shard_index)
-            return views
+        Run by both read paths when this process opens the shard (not per read).
+        Returns ``(path, entries)``; raises :class:`CacheIntegrityError` naming the
+        file for a damaged header, a missing or scalar key, another row count, or
+        dtypes / sample shapes that differ from the manifest schema (or, without
+        one, from the first shard this process opened).
+        """
         path = shard_path(self.cache_dir, shard_index)
-        views = _map_shard(path, self._disk_keys)
-        rows = self._rows_in(shard_index)
-        schema = {k: (v.dtype, tuple(v.shape[1:])) for k, v in views.items()}
-        for k, v in views.items():
-            if v.shape[0] != rows:
+        try:
+            entries = read_header(path)
+        except FileNotFoundError:
+            raise CacheIntegrityError(
+                f"shard {path} is missing (removed after the cache was opened?); re-run the producer", path=path
+            ) from None
+        for key in self._disk_keys:
+            e = entries.get(key)
+            if e is None:
                 raise CacheIntegrityError(
-                    f"shard {path} key {k!r} holds {v.shape[0]} samples, but the manifest "
+                    f"shard {path} has no key {key!r} (it holds {sorted(entries)}); pass disk_keys that the producer wrote",
+                    path=path,
+                )
+            if not e.shape:
+                raise CacheIntegrityError(f"shard {path} key {key!r} is a scalar, not [samples, ...]", path=path)
+        rows = self._rows_in(shard_index)
+        for key in self._disk_keys:
+            if entries[key].shape[0] != rows:
+                raise CacheIntegrityError(
+                    f"shard {path} key {key!r} holds {entries[key].shape[0]} samples, but the manifest "
                     f"(num_samples={self.num_samples}, shard_size={self.shard_size}) puts {rows} in it; "
                     "the cache is inconsistent, re-run the producer",
                     path=path,
                 )
+        schema = {k: (entries[k].dtype, tuple(entries[k].shape[1:])) for k in self._disk_keys}
         if self._sample_schema is None:
             self._sample_schema = schema
         elif schema != self._sample_schema:
@@ -247,6 +255,47 @@ class CachedTensorDataset(Dataset):
                 "schema, when recorded); re-run the producer for this shard",
                 path=path,
             )
+        return path, entries
+
+    def _handle(self, shard_index: int):
+        """The ``safe_open`` handle of shard ``shard_index``, opened lazily in this process.
+
+        Opening checks the shard first (:meth:`_checked_header`); a file safetensors
+        still refuses is a :class:`CacheIntegrityError` naming it.
+        """
+        self._own()
+        handles = self._open_handles
+        handle = handles.get(shard_index)
+        if handle is None:
+            path, _ = self._checked_header(shard_index)
+            _, safe_open = load_safetensors(self.cache_name)
+            try:
+                handle = safe_open(path, framework="pt")
+            except (_SafetensorError, OSError) as exc:
+                raise self._unreadable(path, exc) from exc
+            handles[shard_index] = handle
+            if len(handles) > self._max_open:
+                handles.popitem(last=False)
+        else:
+            handles.move_to_end(shard_index)
+        return handle
+
+    def _unreadable(self, path: str, exc: BaseException) -> CacheIntegrityError:
+        return CacheIntegrityError(
+            f"shard {path} cannot be read by safetensors ({exc}); run `te-thd cache verify --deep "
+            f"{self.cache_dir}` to find every damaged shard, then restore or rebuild them",
+            path=path,
+        )
+
+    def _shard_views(self, shard_index: int) -> dict[str, torch.Tensor]:
+        """``{key: [rows, *sample_shape] tensor}`` memory-mapped over shard ``shard_index``."""
+        self._own()
+        views = self._views.get(shard_index)
+        if views is not None:
+            self._views.move_to_end(shard_index)
+            return views
+        path, entries = self._checked_header(shard_index)
+        views = _map_shard(path, entries, self._disk_keys)
         self._views[shard_index] = views
         if len(self._views) > self._max_open:
             self._views.popitem(last=False)
@@ -262,7 +311,10 @@ class CachedTensorDataset(Dataset):
         shard_index = index // self.shard_size
         offset = index % self.shard_size
         handle = self._handle(shard_index)
-        return {key: handle.get_slice(key)[offset] for key in self._disk_keys}
+        try:
+            return {key: handle.get_slice(key)[offset] for key in self._disk_keys}
+        except _SafetensorError as exc:  # the header was checked on open; the file changed since?
+            raise self._unreadable(shard_path(self.cache_dir, shard_index), exc) from exc
 
     def __getitems__(self, indices: Sequence[int]) -> CachedBatch:
         """Read samples ``indices`` (in that order) into stacked tensors.
