@@ -35,7 +35,7 @@ def test_info_prints_everything_a_user_checks(cache: Path, capsys: pytest.Captur
     size = sum(p.stat().st_size for p in cache.glob("shard-*"))
     for line in [
         "format_version: 1",
-        "layout_version: 1",
+        "layout_version: 2",
         "samples:        9",
         "shards:         3 x 4 samples",
         f"bytes:          {size} ({size} B)",

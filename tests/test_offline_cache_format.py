@@ -45,7 +45,7 @@ from te_thd.offline_cache import (
     write_manifest,
     write_tensor_shard,
 )
-from te_thd.offline_cache.format import DTYPE_TO_ST, format_indices
+from te_thd.offline_cache.format import DTYPE_TO_ST, format_indices, load_manifest
 from te_thd.offline_cache.shardfile import file_checksum, read_header, write_shard_file
 from te_thd.offline_cache.writer import shard_runs
 
@@ -553,7 +553,111 @@ def test_cache_info(small_cache: Path) -> None:
     assert info["schema"] == {"h": {"dtype": "float32", "shape": [3]}, "m": {"dtype": "bool", "shape": [3]}}
     assert info["options"] == {"cp_size": 2}
     assert info["bytes"] == sum(p.stat().st_size for p in small_cache.glob("shard-*.safetensors"))
-    assert info["checksum"] == "crc32" and info["layout_version"] == 1 and info["format_version"] == 1
+    assert info["checksum"] == "crc32" and info["layout_version"] == 2 and info["format_version"] == 1
+
+
+# -- the manifest's own checksum (layout_version 2) -----------------------------------------
+
+
+def _flip_in_manifest(d: Path, old: bytes, new: bytes) -> None:
+    data = (d / MANIFEST_NAME).read_bytes()
+    assert old in data, old
+    (d / MANIFEST_NAME).write_bytes(data.replace(old, new, 1))
+
+
+def test_manifest_records_a_checksum_of_its_canonical_content(small_cache: Path) -> None:
+    raw = json.loads((small_cache / MANIFEST_NAME).read_text())
+    assert raw["layout_version"] == 2
+    body = {k: v for k, v in raw.items() if k != "manifest_checksum"}
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+    assert raw["manifest_checksum"] == f"crc32:{zlib.crc32(canonical):08x}"
+    # the read view describes the cache, not the file
+    assert "manifest_checksum" not in read_manifest(str(small_cache), "test", 1)
+    assert "manifest_checksum" not in cache_info(str(small_cache))["options"]
+    # formatting is not content: re-indented, the manifest still loads
+    (small_cache / MANIFEST_NAME).write_text(json.dumps(raw, indent=None))
+    assert read_manifest(str(small_cache), "test", 1)["cp_size"] == 2
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [
+        (b'"cp_size": 2', b'"cp_size": 3'),  # a producer option (SPEC 6: the wrong CP size passes)
+        (b'"checksum": "crc32:', b'"checksum": "crc33:'),  # a shard record: must not blame the shard
+        (b'"num_samples": 10', b'"num_samples": 11'),
+        (b'"format_version": 1', b'"format_version": 3'),  # damage, not an old cache
+    ],
+)
+def test_manifest_checksum_catches_a_flip_and_names_manifest_json(small_cache: Path, old: bytes, new: bytes) -> None:
+    from te_thd.offline_cache import CachedTensorDataset
+
+    _flip_in_manifest(small_cache, old, new)
+    pattern = r"test cache manifest .*/manifest\.json does not match its own checksum \(it records crc32:[0-9a-f]{8}, its content hashes to crc32:[0-9a-f]{8}\): the file was damaged or edited after it was written, so none of its fields can be trusted\. Restore manifest\.json from a copy"
+    with pytest.raises(ManifestError, match=pattern):
+        read_manifest(str(small_cache), "test", 1)
+    with pytest.raises(ManifestError, match=pattern) as e:
+        verify_cache(str(small_cache), deep=True, cache_name="test")
+    assert "shard-0" not in str(e.value)  # the intact shards are not blamed
+    with pytest.raises(ManifestError, match=pattern):
+        CachedTensorDataset(str(small_cache), "test", 1, ("h",))
+
+
+def test_manifest_checksum_field_itself_damaged(small_cache: Path) -> None:
+    # the field's name: a layout-2 manifest always records it
+    _flip_in_manifest(small_cache, b'"manifest_checksum"', b'"manifest_chedksum"')
+    with pytest.raises(ManifestError, match=r"manifest .*manifest\.json declares layout_version=2 but has no 'manifest_checksum' field, which that layout always records: the file was damaged"):
+        read_manifest(str(small_cache), "test", 1)
+
+
+def test_manifest_checksum_value_malformed(small_cache: Path) -> None:
+    _flip_in_manifest(small_cache, b'"manifest_checksum": "crc32:', b'"manifest_checksum": "crc3r:')
+    with pytest.raises(ManifestError, match=r"manifest .*manifest\.json has manifest_checksum='crc3r:[0-9a-f]{8}', not 'crc32:<8 hex digits>': the file was damaged"):
+        load_manifest(str(small_cache))
+
+
+def test_manifests_without_checksum_still_load(tmp_path: Path) -> None:
+    # the reference producer's manifest (json.dump, indent=2, sort_keys, no integrity fields),
+    # and a te_thd layout-1 manifest written before the checksum existed
+    for i, n in enumerate([4, 2]):
+        save_file({"x": torch.ones(n, 2)}, shard_path(str(tmp_path), i))
+    ref = {"format_version": 1, "num_samples": 6, "shard_size": 4, "mask_generation_prompt": True}
+    (tmp_path / MANIFEST_NAME).write_text(json.dumps(ref, indent=2, sort_keys=True))
+    assert read_manifest(str(tmp_path), "test", 1) == ref
+    assert verify_cache(str(tmp_path), deep=True)["headers_verified"]
+    layout1 = {**ref, "layout_version": 1, "schema": {"x": {"dtype": "float32", "shape": [2]}}, "shards": [
+        {"file": f"shard-{i:06d}.safetensors", "bytes": os.path.getsize(shard_path(str(tmp_path), i)),
+         "checksum": file_checksum(shard_path(str(tmp_path), i))} for i in range(2)]}
+    (tmp_path / MANIFEST_NAME).write_text(json.dumps(layout1))
+    assert read_manifest(str(tmp_path), "test", 1) == layout1
+    assert verify_cache(str(tmp_path), deep=True)["checksums_verified"]
+
+
+def test_write_manifest_reseals_an_edited_manifest(small_cache: Path) -> None:
+    before = (small_cache / MANIFEST_NAME).read_bytes()
+    m = json.loads(before)  # the raw file, stale checksum included
+    write_manifest(str(small_cache), m, 1)
+    assert (small_cache / MANIFEST_NAME).read_bytes() == before  # same content -> same bytes
+    m["cp_size"] = 4
+    write_manifest(str(small_cache), m, 1)  # a deliberate edit, re-sealed
+    assert read_manifest(str(small_cache), "test", 1)["cp_size"] == 4
+    # a round trip through the read view is byte-identical too
+    write_manifest(str(small_cache), {**read_manifest(str(small_cache), "test", 1), "cp_size": 2}, 1)
+    assert (small_cache / MANIFEST_NAME).read_bytes() == before
+
+
+def test_manifest_without_format_version_is_not_a_version_mismatch(tmp_path: Path) -> None:
+    _manifest(tmp_path, {"format_versiof": 1, "num_samples": 3, "shard_size": 2})
+    msg = r"test cache manifest .*/manifest\.json has no 'format_version' field: it is damaged, or it is not an offline-cache manifest"
+    with pytest.raises(ManifestError, match=msg):
+        read_manifest(str(tmp_path), "test", 1)
+    with pytest.raises(ManifestError, match=msg):
+        load_manifest(str(tmp_path), "test")
+
+
+def test_wrong_format_version_names_manifest_json(tmp_path: Path) -> None:
+    _manifest(tmp_path, {"format_version": 2, "num_samples": 3, "shard_size": 2})
+    with pytest.raises(ManifestError, match=r"test cache manifest .*/manifest\.json has format_version=2, expected 1\."):
+        read_manifest(str(tmp_path), "test", 1)
 
 
 @given(num_samples=st.integers(0, 60), shard_size=st.integers(1, 9), data=st.data())

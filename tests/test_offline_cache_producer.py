@@ -220,7 +220,9 @@ def test_manifest_has_no_volatile_fields(tmp_path: Path) -> None:
     _produce(tmp_path / "a")
     _produce(tmp_path / "b")
     a = json.loads((tmp_path / "a" / "manifest.json").read_text())
-    assert set(a) == {"format_version", "num_samples", "shard_size", "layout_version", "schema", "shards", "cp_size"}
+    assert set(a) == {
+        "format_version", "num_samples", "shard_size", "layout_version", "schema", "shards", "cp_size", "manifest_checksum",
+    }
     assert (tmp_path / "a" / "manifest.json").read_bytes() == (tmp_path / "b" / "manifest.json").read_bytes()
 
 

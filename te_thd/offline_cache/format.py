@@ -19,7 +19,8 @@ produced the same shards write byte-identical manifests)::
       "format_version": 3,              # the caller's version of what the tensors mean
       "num_samples": 1000,
       "shard_size": 256,
-      "layout_version": 1,              # te_thd integrity fields below; absent in
+      "manifest_checksum": "crc32:0badf00d",  # of the manifest itself (below)
+      "layout_version": 2,              # te_thd integrity fields below; absent in
       "schema": {                       #   manifests of the reference producer
         "hidden": {"dtype": "bfloat16", "shape": [512, 4096]}   # trailing shape
       },
@@ -42,6 +43,22 @@ bytes go to disk (see ``shardfile.py``). With the optional ``isal`` package
 (ISA-L) installed the same CRC-32 values are computed ~3-4x faster (10 GB/s
 measured). The value is stored as ``"crc32:<8 hex>"`` so the algorithm can
 change without a format bump.
+
+Manifest checksum: ``manifest_checksum`` is the CRC-32 of the manifest's
+*canonical* JSON without that field (:func:`manifest_checksum`: sorted keys, no
+whitespace, ASCII), so it is a function of the content, not of the formatting:
+two runs with the same shards still write identical bytes, and a reader
+re-serialises what it parsed to check it. Without it a flipped byte inside an
+option value (``"cp_size": 2`` -> ``3``) or inside a shard's recorded checksum
+leaves valid JSON that every reader trusts. :func:`write_manifest` always records
+it (also for manifests written through the reference-compatible API); every
+te_thd load (:func:`read_manifest`, :func:`load_manifest`, hence readers,
+``verify_cache`` and ``te-thd cache``) checks it and reports a mismatch against
+``manifest.json``. Manifests without the field still load unchecked -- the
+reference producer writes none, nor did te_thd before ``layout_version`` 2 --
+except that a manifest declaring ``layout_version >= 2`` (every ``produce_cache``
+manifest) must carry it, so a flip that damages the field's own name is caught
+too.
 """
 
 from __future__ import annotations
@@ -49,6 +66,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import zlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -61,15 +79,18 @@ from te_thd.offline_cache.errors import CacheIntegrityError, ManifestError, Mani
 MANIFEST_NAME = "manifest.json"
 SHARD_RE = re.compile(r"^shard-(\d{6})\.safetensors$")
 
-#: Version of the te_thd integrity fields (``schema``, ``shards``) in a manifest.
-LAYOUT_VERSION = 1
+#: Version of the te_thd integrity fields in a manifest. 1: ``schema`` and
+#: ``shards``; 2: also ``manifest_checksum``, required from this version on.
+LAYOUT_VERSION = 2
 CHECKSUM_ALGORITHM = "crc32"
+#: The manifest field holding the checksum of the rest of the manifest.
+MANIFEST_CHECKSUM_KEY = "manifest_checksum"
 #: ``shard-%06d`` names: SHARD_RE matches exactly six digits.
 MAX_SHARDS = 1_000_000
 
 #: Manifest keys te_thd writes itself; producer options may not use them.
 RESERVED_MANIFEST_KEYS = frozenset(
-    {"format_version", "num_samples", "shard_size", "layout_version", "schema", "shards"}
+    {"format_version", "num_samples", "shard_size", "layout_version", "schema", "shards", MANIFEST_CHECKSUM_KEY}
 )
 
 # torch dtype <-> safetensors dtype code, in the ascending order of the
@@ -319,13 +340,29 @@ def validate_manifest(manifest: Mapping[str, Any], path: str) -> None:
                 )
 
 
+def manifest_checksum(manifest: Mapping[str, Any]) -> str:
+    """``"crc32:<8 hex>"`` of ``manifest``'s canonical JSON, without ``manifest_checksum``.
+
+    Canonical: sorted keys, no whitespace, ASCII escapes -- a function of the
+    parsed content only, so the writer's indentation, or whitespace a byte flip
+    leaves valid, does not matter. ``manifest`` must hold JSON values (what
+    ``json.loads`` returns); NaN/inf are rendered (a manifest holding them never
+    matches a checksum :func:`write_manifest` recorded, as it refuses them).
+    """
+    body = {k: v for k, v in manifest.items() if k != MANIFEST_CHECKSUM_KEY}
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return f"{CHECKSUM_ALGORITHM}:{zlib.crc32(text.encode('ascii')) & 0xFFFFFFFF:08x}"
+
+
 def write_manifest(cache_dir: str, manifest: dict[str, Any], format_version: int) -> str:
     """Persist an offline-cache manifest atomically.
 
-    Written as ``{"format_version": format_version, **manifest}`` with sorted keys
-    and no volatile fields, through :func:`atomic_write` (temp file, fsync,
-    rename, fsync of the directory). A producer writes it after every shard is
-    on disk: its presence is what marks a cache finished.
+    Written as ``{"format_version": format_version, **manifest}`` plus its
+    ``manifest_checksum`` (recomputed here; a value in ``manifest``, e.g. from
+    a manifest read and edited, is replaced), with sorted keys and no volatile
+    fields, through :func:`atomic_write` (temp file, fsync, rename, fsync of the
+    directory). A producer writes it after every shard is on disk: its presence
+    is what marks a cache finished.
     """
     path = manifest_path(cache_dir)
     if "format_version" in manifest and manifest["format_version"] != format_version:
@@ -334,15 +371,19 @@ def write_manifest(cache_dir: str, manifest: dict[str, Any], format_version: int
             f"contradicts format_version={format_version!r}; pass one value."
         )
     full = {"format_version": format_version, **manifest}
+    full.pop(MANIFEST_CHECKSUM_KEY, None)
     validate_manifest(full, path)
     try:
-        text = json.dumps(full, indent=2, sort_keys=True, allow_nan=False) + "\n"
+        # The checksum is taken over what a reader will parse (tuples become
+        # lists, int dict keys strings), so write the JSON round trip.
+        parsed = json.loads(json.dumps(full, allow_nan=False))
     except (TypeError, ValueError) as exc:
         raise ManifestError(
             f"write_manifest: the manifest for {cache_dir} is not JSON-serialisable ({exc}). "
             "Producer options must be JSON values (bool, int, float, str, list, dict)."
         ) from None
-    data = text.encode("utf-8")
+    parsed[MANIFEST_CHECKSUM_KEY] = manifest_checksum(parsed)
+    data = (json.dumps(parsed, indent=2, sort_keys=True) + "\n").encode("utf-8")
 
     def _write(tmp_path: str) -> None:
         with open(tmp_path, "wb") as f:
@@ -351,16 +392,17 @@ def write_manifest(cache_dir: str, manifest: dict[str, Any], format_version: int
     return atomic_write(path, _write)
 
 
-def load_manifest(
-    cache_dir: str, cache_name: str = "offline", producer_name: str | None = None
-) -> dict[str, Any]:
-    """Read and validate ``manifest.json`` without checking ``format_version``.
+def _producer(cache_name: str, producer_name: str | None) -> str:
+    return producer_name or f"precompute_{cache_name.lower().replace('-', '')}"
 
-    For tools that inspect any cache (``te-thd cache info``); readers use
-    :func:`read_manifest`, which also pins the version.
+
+def _read_checked_manifest(cache_dir: str, cache_name: str, producer: str) -> dict[str, Any]:
+    """Parse ``manifest.json`` and check its own checksum; returns it without that field.
+
+    Nothing else is validated: the caller checks ``format_version`` first (the
+    more useful message when a cache is merely old), then the layout.
     """
     path = manifest_path(cache_dir)
-    producer = producer_name or f"precompute_{cache_name.lower().replace('-', '')}"
     try:
         with open(path, "rb") as f:
             raw = f.read()
@@ -383,7 +425,59 @@ def load_manifest(
             f"{cache_name} cache manifest {path} holds a JSON {type(manifest).__name__}, not an "
             f"object; rebuild the cache with {producer}."
         )
-    validate_manifest(manifest, path)
+    _check_manifest_checksum(manifest, path, cache_name, producer)
+    manifest.pop(MANIFEST_CHECKSUM_KEY, None)
+    if "format_version" not in manifest:
+        raise ManifestError(
+            f"{cache_name} cache manifest {path} has no 'format_version' field: it is damaged, or it "
+            "is not an offline-cache manifest (te_thd and the reference producer both write one). "
+            f"Restore it from a copy, or rebuild the cache with {producer}."
+        )
+    return manifest
+
+
+def _check_manifest_checksum(manifest: Mapping[str, Any], path: str, cache_name: str, producer: str) -> None:
+    damaged = (
+        "so none of its fields can be trusted. Restore manifest.json from a copy, or delete the "
+        f"cache and rebuild it with {producer}. (After a deliberate edit, rewrite it with "
+        "te_thd.offline_cache.write_manifest, which records a new checksum.)"
+    )
+    if MANIFEST_CHECKSUM_KEY not in manifest:
+        layout = manifest.get("layout_version")
+        if isinstance(layout, int) and not isinstance(layout, bool) and layout >= 2:
+            raise ManifestError(
+                f"{cache_name} cache manifest {path} declares layout_version={layout} but has no "
+                f"{MANIFEST_CHECKSUM_KEY!r} field, which that layout always records: the file was "
+                f"damaged after it was written, {damaged}"
+            )
+        return  # a reference-format (or layout 1) manifest: nothing to check
+    recorded = manifest[MANIFEST_CHECKSUM_KEY]
+    if not isinstance(recorded, str) or recorded.split(":", 1)[0] != CHECKSUM_ALGORITHM:
+        raise ManifestError(
+            f"{cache_name} cache manifest {path} has {MANIFEST_CHECKSUM_KEY}={recorded!r}, not "
+            f"'{CHECKSUM_ALGORITHM}:<8 hex digits>': the file was damaged after it was written, {damaged}"
+        )
+    actual = manifest_checksum(manifest)
+    if actual != recorded:
+        raise ManifestError(
+            f"{cache_name} cache manifest {path} does not match its own checksum (it records "
+            f"{recorded}, its content hashes to {actual}): the file was damaged or edited after "
+            f"it was written, {damaged}"
+        )
+
+
+def load_manifest(
+    cache_dir: str, cache_name: str = "offline", producer_name: str | None = None
+) -> dict[str, Any]:
+    """Read and validate ``manifest.json`` without checking ``format_version``'s value.
+
+    For tools that inspect any cache (``te-thd cache info``, ``verify_cache``);
+    readers use :func:`read_manifest`, which also pins the version. Checks the
+    manifest's own checksum when it records one (see the module docstring) and
+    returns the manifest without that field.
+    """
+    manifest = _read_checked_manifest(cache_dir, cache_name, _producer(cache_name, producer_name))
+    validate_manifest(manifest, manifest_path(cache_dir))
     return manifest
 
 
@@ -402,42 +496,24 @@ def read_manifest(
     keep comparing and training under the configuration they were built with.
 
     Raises :class:`ManifestNotFoundError` (also a ``FileNotFoundError``) when the
-    manifest is absent, and :class:`ManifestError` when it is not JSON, not an
-    object, has another ``format_version``, or lacks ``num_samples``/``shard_size``.
+    manifest is absent, and :class:`ManifestError` naming ``manifest.json`` when
+    it is not JSON, not an object, fails its own ``manifest_checksum`` (damaged),
+    has no or another ``format_version``, or lacks ``num_samples``/``shard_size``.
+    The returned dict does not contain ``manifest_checksum`` (it describes the
+    file, not the cache; :func:`write_manifest` recomputes it).
     """
     path = manifest_path(cache_dir)
-    producer = producer_name or f"precompute_{cache_name.lower().replace('-', '')}"
-    try:
-        manifest = load_manifest(cache_dir, cache_name, producer_name)
-    except ManifestError as exc:
-        # A wrong version is the more useful message when both are wrong.
-        version = _peek_version(path)
-        if version is _MISSING or version == format_version:
-            raise
-        raise ManifestError(_version_message(cache_name, cache_dir, version, format_version, producer)) from exc
-    version = manifest.get("format_version")
-    if version != format_version:
-        raise ManifestError(_version_message(cache_name, cache_dir, version, format_version, producer))
+    producer = _producer(cache_name, producer_name)
+    manifest = _read_checked_manifest(cache_dir, cache_name, producer)
+    version = manifest["format_version"]
+    # Checked before the layout: a wrong version is the more useful message when both are wrong.
+    if isinstance(version, bool) or version != format_version:
+        raise ManifestError(
+            f"{cache_name} cache manifest {path} has format_version={version!r}, expected "
+            f"{format_version}. Regenerate the cache with the current {producer}."
+        )
+    validate_manifest(manifest, path)
     return {**(defaults or {}), **manifest}
-
-
-_MISSING = object()
-
-
-def _peek_version(path: str) -> Any:
-    try:
-        with open(path, "rb") as f:
-            obj = json.loads(f.read().decode("utf-8"))
-        return obj.get("format_version", _MISSING) if isinstance(obj, dict) else _MISSING
-    except (OSError, ValueError):
-        return _MISSING
-
-
-def _version_message(cache_name: str, cache_dir: str, version: Any, expected: int, producer: str) -> str:
-    return (
-        f"{cache_name} cache at {cache_dir} has format_version={version!r}, expected "
-        f"{expected}. Regenerate the cache with the current {producer}."
-    )
 
 
 def _same_option(recorded: Any, expected: Any) -> bool:
