@@ -41,6 +41,7 @@ import json
 import random
 import re
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -205,6 +206,19 @@ PLAN_QUICK = {"shard-flip": 120, "shard-truncate": 30, "manifest-flip": 60, "man
 PLAN_FULL = {"shard-flip": 1000, "shard-truncate": 200, "manifest-flip": 400, "manifest-truncate": 100}
 
 
+def git_commit() -> str:
+    """The commit the run measured (``+dirty`` when te_thd/ has uncommitted changes)."""
+    root = Path(__file__).resolve().parents[1]
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
+                              text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "te_thd"], cwd=root, capture_output=True,
+                               text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + ("+dirty" if dirty else "")
+
+
 def run(quick: bool, seed: int | None = None, workdir: str | None = None,
         plan: dict[str, int] | None = None) -> dict[str, Any]:
     plan = plan or (PLAN_QUICK if quick else PLAN_FULL)
@@ -254,6 +268,7 @@ def run(quick: bool, seed: int | None = None, workdir: str | None = None,
         "ok": not violations,
         "seed": seed,
         "mode": "quick" if quick else "full",
+        "commit": git_commit(),
         "tried": tried,
         "detected": sum(t["detected"] for t in trials),
         "shard_corruptions_detected_by_deep_verify": f"{sum(t['verify'] != 'ok' for t in damaged_shards)}/{len(damaged_shards)}",

@@ -303,6 +303,19 @@ def _child_poll(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------- orchestration
+def git_commit() -> str:
+    """The commit the run measured (``+dirty`` when te_thd/ has uncommitted changes)."""
+    root = Path(__file__).resolve().parents[1]
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
+                              text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "te_thd"], cwd=root, capture_output=True,
+                               text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + ("+dirty" if dirty else "")
+
+
 
 
 def _free_port() -> int:
@@ -538,6 +551,7 @@ def run(quick: bool, single_kills: int | None = None, dist_kills: int | None = N
         res = r.result(time.perf_counter() - t0)
         res["seed"] = seed
         res["mode"] = "quick" if quick else "full"
+        res["commit"] = git_commit()
         return res
     finally:
         if own and not keep and not r.violations:

@@ -41,6 +41,10 @@ COMMANDS = {
 }
 
 
+def _at(result: dict) -> str:
+    return f", commit {result['commit']}" if result.get("commit") else ""
+
+
 def _load(name: str) -> dict | None:
     p = RESULTS / name
     return json.loads(p.read_text()) if p.exists() else None
@@ -77,7 +81,7 @@ def render() -> str:
             f"no temp file left; reader process: {crash['poller']['observations']} file reads, "
             f"{crash['poller']['full_reads']} full cache reads, {crash['poller']['unfinished_opens']} "
             f"\"not finished\" opens, {crash['poller']['n_violations']} partial views "
-            f"(seed {crash['seed']}, {crash['seconds']:.0f} s) | `{COMMANDS['crash']}` |"
+            f"(seed {crash['seed']}, {crash['seconds']:.0f} s{_at(crash)}) | `{COMMANDS['crash']}` |"
         )
     corr = _load("corruption_full.json")
     if corr:
@@ -94,7 +98,7 @@ def render() -> str:
             f"(another exception type, file not named): {corr['n_violations']}"
             + (" (" + "; ".join(f"{n}x {k}" for k, n in corr.get("violation_kinds", {}).items()) + ")"
                if corr["n_violations"] else "")
-            + f" (seed {corr['seed']}) | "
+            + f" (seed {corr['seed']}{_at(corr)}) | "
             f"`{COMMANDS['corruption']}` |"
         )
     counts = {k: v for k, v in (_load("fuzz_counts.json") or {}).items()}

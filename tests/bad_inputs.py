@@ -630,6 +630,14 @@ def _edit_manifest(tmp: Path, fn: Callable[[dict[str, Any]], Any]) -> Path:
     return _rewrite_manifest(_cache(tmp), fn)
 
 
+def _replace_in(path: Path, old: str, new: str) -> Path:
+    """Replace ``old`` by ``new`` in a file (a byte-level edit: no checksum is recomputed)."""
+    text = path.read_text()
+    assert old in text, (old, path)
+    path.write_text(text.replace(old, new, 1))
+    return path.parent
+
+
 def _open(d: Path, keys: Any = ("hidden", "input_ids"), **kw: Any) -> Any:
     from te_thd.offline_cache import CachedTensorDataset
 
@@ -777,6 +785,9 @@ def _cache_rows() -> list[BadInput]:
                  _re("offline cache manifest <dir>/cache/manifest.json is not valid JSON")),
         BadInput("cache-manifest-object", "cache", "manifest.json is JSON but not an object",
                  opened(write_text("manifest.json", "[1, 2]")), _re("holds a JSON list, not an object")),
+        BadInput("cache-manifest-checksum", "cache", "manifest.json edited or damaged after it was written (own checksum)",
+                 opened(lambda tmp: _replace_in(_cache(tmp) / "manifest.json", '"cp_size": 2', '"cp_size": 3')),
+                 _re("offline cache manifest <dir>/cache/manifest.json does not match its own checksum (it records crc32:")),
         BadInput("cache-format-version", "cache", "the manifest's format_version differs from the reader's",
                  opened(set_key("format_version", 2)), _re("has format_version=2, expected 1. Regenerate the cache")),
         BadInput("cache-no-num-samples", "cache", "the manifest has no num_samples",
@@ -816,6 +827,9 @@ def _cache_rows() -> list[BadInput]:
                  _re("shard <dir>/cache/shard-000001.safetensors key") + ".*" + _re("holds 3 samples")),
         BadInput("cache-read-header", "cache", "reader: a shard whose safetensors header is damaged",
                  lambda tmp: _open(garble_header(tmp)).__getitems__([2]),
+                 _re("shard <dir>/cache/shard-000001.safetensors is not a valid safetensors file")),
+        BadInput("cache-read-header-item", "cache", "reader, per-item path: a shard whose safetensors header is damaged",
+                 lambda tmp: _open(garble_header(tmp))[2],
                  _re("shard <dir>/cache/shard-000001.safetensors is not a valid safetensors file")),
         # -- verify --
         BadInput("cache-verify-checksum", "cache", "verify --deep: a shard's CRC-32 differs from the manifest",
