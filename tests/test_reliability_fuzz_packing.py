@@ -18,9 +18,11 @@ document and one slot at a time:
 * ``seq_lens`` / ``seq_lens_padded`` ``[B, P]`` with the (negative) sentinel;
   ``packing_efficiency`` = real tokens / (B * S).
 
-Finally every well-formed packed batch must go through ``process_input_for_thd``
-and the CP sharding of ``te_thd.cp`` (when ``pad_to_multiple_of = 2 * cp``), and the
-CP shards of all ranks must hold every real token exactly once.
+Finally every well-formed packed batch must go through ``process_input_for_thd``,
+``te_attention_kwargs`` (whose kwargs must pass ``check_te_thd_args``) and the CP
+sharding of ``te_thd.cp`` (when ``pad_to_multiple_of = 2 * cp``; each rank's kwargs
+pass the CP contract too), and the CP shards of all ranks must hold every real
+token exactly once.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from _fuzz_support import EITHER, FUZZ, INVALID, VALID, expect
 from hypothesis import given
 from hypothesis import strategies as st
 
+from te_thd import attention as at
 from te_thd import cp as tcp
 from te_thd import packing as tp
 from te_thd import thd_utils as tu
@@ -306,6 +309,12 @@ def _check_downstream(kw: dict[str, Any], packed: dict[str, Any]) -> None:
         seq_lens_padding_value=kw["seq_lens_padding_value"],
     )
     real_positions = (~thd["padding_mask"]).nonzero().view(-1).tolist()
+    total = thd["input_ids"].shape[0]
+    # TE's kwargs for the converted batch satisfy TE's THD contract (checked on the host)
+    te_kw = at.te_attention_kwargs(thd)
+    q = torch.zeros(total, 2, 4)
+    at.check_te_thd_args(q, q, q, **te_kw)
+    assert te_kw["pad_between_seqs"] is thd["pad_between_seqs"]
     cp = kw["_cp"]
     if kw["pad_to_multiple_of"] % (2 * cp) or cp == 1:
         return
@@ -315,6 +324,8 @@ def _check_downstream(kw: dict[str, Any], packed: dict[str, Any]) -> None:
                                            cp, r, extra_keys=("token_index",))
         keep = ~shard["padding_mask"]
         seen += shard["token_index"][keep].tolist()
+        local = torch.zeros(total // cp, 2, 4)
+        at.check_te_thd_args(local, local, local, cp_size=cp, **at.te_attention_kwargs(shard))
         assert torch.equal(shard["input_ids"], thd["input_ids"][shard["token_index"]])
     assert sorted(seen) == real_positions
 

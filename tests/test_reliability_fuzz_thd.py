@@ -33,6 +33,7 @@ from _fuzz_support import EITHER, FUZZ, INVALID, VALID, expect
 from hypothesis import given
 from hypothesis import strategies as st
 
+from te_thd import attention as at
 from te_thd import thd_utils as tu
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -417,6 +418,11 @@ def test_fuzz_process_input_for_thd(req: dict[str, Any]) -> None:
     if out is not None:
         exp["sentinel"] = req["sentinel"]
         check_thd_result(out, req["batch"], exp, chunked=False)
+        # what TE gets for it satisfies TE's THD contract, whatever the layout
+        q = torch.zeros(out["input_ids"].shape[0], 2, 4)
+        at.check_te_thd_args(q, q, q, **at.te_attention_kwargs(out))
+        if not req["absorb"]:  # converted for bidirectional attention: that mask is accepted
+            at.check_te_thd_args(q, q, q, **at.te_attention_kwargs(out, "padding"))
 
 
 @FUZZ
