@@ -34,7 +34,7 @@ COMMANDS = {
         "rm -f scripts/results/fuzz_counts.json; TE_THD_FUZZ_EXAMPLES=2000 "
         "TE_THD_FUZZ_COUNTS=scripts/results/fuzz_counts.json "
         f"{PY} -m pytest -q -p no:cacheprovider tests/test_reliability_fuzz_thd.py "
-        "tests/test_reliability_fuzz_cp.py tests/test_reliability_fuzz_packing.py "
+        "tests/test_reliability_fuzz_cp.py tests/test_reliability_fuzz_packing.py tests/test_reliability_fuzz_cache.py "
         "--junitxml=scripts/results/fuzz_junit.xml"
     ),
     "catalogue": f"{PY} scripts/gen_bad_input_table.py --write",
