@@ -31,7 +31,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from _fuzz_support import EITHER, FUZZ, INVALID, VALID, expect
+from _fuzz_support import EITHER, FUZZ, INVALID, VALID, count, expect
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -328,6 +328,37 @@ def _check_downstream(kw: dict[str, Any], packed: dict[str, Any]) -> None:
         at.check_te_thd_args(local, local, local, cp_size=cp, **at.te_attention_kwargs(shard))
         assert torch.equal(shard["input_ids"], thd["input_ids"][shard["token_index"]])
     assert sorted(seen) == real_positions
+    _check_chunked_cp(kw, packed, cp)
+
+
+def _check_chunked_cp(kw: dict[str, Any], packed: dict[str, Any], cp: int) -> None:
+    """Each chunk of ``split_batch_into_thd_chunks`` (sentinel-padded boundary rows) shards for
+    CP exactly like its trimmed boundaries, with the host count ``num_seqs`` or without it."""
+    rows = packed["input_ids"].shape[0]
+    if rows < 2:
+        return
+    batch = {k: v for k, v in packed.items() if k != "packing_efficiency"}
+    sentinel = kw["seq_lens_padding_value"]
+    try:
+        chunked = tu.split_batch_into_thd_chunks(batch, rows, sentinel)
+    except ValueError as e:  # a chunk whose first row is empty (rows=... with fewer documents)
+        assert "holds no sequence" in str(e), e
+        return
+    for c in range(rows):
+        n = chunked["num_seqs"][c]
+        cu = chunked["cu_seqlens_padded"][c]
+        assert (cu[n + 1:] == sentinel).all()
+        tokens = chunked["input_ids"][c]
+        one = {"input_ids": tokens, "padding_mask": chunked["padding_mask"][c], "cu_seqlens_padded": cu,
+               "cu_seqlens": chunked["cu_seqlens"][c]}
+        trimmed = {**one, "cu_seqlens_padded": cu[: n + 1], "cu_seqlens": chunked["cu_seqlens"][c][: n + 1]}
+        for r in range(cp):
+            want = tcp.shard_thd_batch_for_cp(trimmed, cp, r)
+            for num_seqs in (n, None):
+                got = tcp.shard_thd_batch_for_cp(one, cp, r, num_seqs=num_seqs)
+                assert torch.equal(got["input_ids"], want["input_ids"]), (c, r, num_seqs)
+                assert torch.equal(got["padding_mask"], want["padding_mask"]), (c, r, num_seqs)
+    count("cp.shard of a chunked row", "result")
 
 
 @st.composite
