@@ -242,4 +242,5 @@ def run(quick: bool) -> list[Record]:
 
 
 if __name__ == "__main__":
+    torch.set_num_threads(1)  # as perf/run.py runs it: the collate path runs in 1-thread workers
     print_records(run(quick="--quick" in sys.argv))

@@ -59,7 +59,6 @@ def machine_info() -> dict[str, Any]:
         "python": platform.python_version(),
         "cpu_count": os.cpu_count(),
         "usable_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        "torch_threads": None,
     }
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -79,8 +78,6 @@ def machine_info() -> dict[str, Any]:
         info["loadavg"] = list(os.getloadavg())
     except OSError:
         pass
-    if "torch" in sys.modules:
-        info["torch_threads"] = sys.modules["torch"].get_num_threads()
     return info
 
 

@@ -180,8 +180,8 @@ def run_bench(name: str, path: Path, *, quick: bool, timeout_s: float,
         if quick:
             cmd.append("--quick")
         env = dict(os.environ)
+        cmd += ["--threads", str(threads or 0)]
         if threads:
-            cmd += ["--threads", str(threads)]
             env["OMP_NUM_THREADS"] = str(threads)
         env["PYTHONPATH"] = os.pathsep.join(
             [str(path.parent), str(PERF_DIR), str(REPO_ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
@@ -278,8 +278,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--no-latest", action="store_true", help="do not update results/latest.*")
     ap.add_argument("--timeout", type=float, default=None,
                     help="seconds per bench before it is killed (default 180 quick, 1800 full)")
-    ap.add_argument("--threads", type=int, default=None, metavar="N",
-                    help="torch intra-op threads in every bench (default: torch's own default)")
+    ap.add_argument("--threads", type=int, default=1, metavar="N",
+                    help="torch intra-op threads in every bench (default 1, as in DataLoader workers "
+                    "and as every bench's standalone entry point sets; 0: torch's own default)")
     ap.add_argument("--child", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     return ap.parse_args(argv)
