@@ -126,11 +126,13 @@ def record_to_json(rec: Record) -> dict[str, Any]:
 
 
 def _child(bench_path: Path, out: Path, quick: bool, threads: int | None) -> int:
-    """Run one bench module in this (fresh) process and write its records to ``out``."""
-    if threads:
-        import torch
+    """Run one bench module in this (fresh) process and write its records to ``out``.
 
-        torch.set_num_threads(threads)
+    ``threads`` reaches torch through ``OMP_NUM_THREADS`` (set by the parent, read
+    when torch is imported), so a bench that never imports torch does not pay for it.
+    """
+    if threads and "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(threads)
     for d in (str(bench_path.parent), str(PERF_DIR)):
         if d not in sys.path:
             sys.path.insert(0, d)
