@@ -113,6 +113,34 @@ def test_batched_and_per_item_collate_paths_agree(cache):
     )
 
 
+def test_collate_cached_list_bad_input():
+    a2, a3 = torch.zeros(2), torch.zeros(3)
+    with pytest.raises(ValueError, match=r"collate_cached: sample 1 has no key 'b' \(it holds \['a'\]\); add it to the dataset's disk_keys or drop it from keys"):
+        collate_cached([{"a": a2, "b": a2}, {"a": a2}], ("a", "b"))
+    with pytest.raises(ValueError, match=r"collate_cached: key 'a' of sample 2 is \[3\], sample 0's is \[2\]: the samples of one batch must share each key's shape"):
+        collate_cached([{"a": a2}, {"a": a2}, {"a": a3}], ("a",))
+    with pytest.raises(ValueError, match=r"collate_cached: features is empty; a batch needs at least one sample"):
+        collate_cached([], ("a",))
+    with pytest.raises(ValueError, match=r"collate_cached: key 'a' of sample 1 is of type int, not a tensor"):
+        collate_cached([{"a": a2}, {"a": 3}], ("a",))
+
+
+def _mixed_dtype_samples():
+    return [{"a": torch.ones(2)}, {"a": torch.ones(2, dtype=torch.float64)}]
+
+
+def test_collate_cached_list_promotes_dtypes_like_torch_stack_also_in_workers():
+    data = _mixed_dtype_samples()
+    want = torch.stack([d["a"] for d in data])
+    assert collate_cached(data, ("a",))["a"].dtype == want.dtype == torch.float64
+    loader = torch.utils.data.DataLoader(
+        [data], batch_size=None, num_workers=1, collate_fn=functools.partial(collate_cached, keys=("a",)),
+        multiprocessing_context="fork",
+    )
+    (batch,) = list(loader)  # the worker stacks into shared memory
+    assert batch["a"].dtype == torch.float64 and torch.equal(batch["a"], want)
+
+
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_loader_resume_mid_epoch(cache, num_workers):
     d, _ = cache

@@ -15,6 +15,7 @@ hands different samples to the CP ranks of one replica.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -48,13 +49,50 @@ def collate_cached(features: Sequence[dict[str, torch.Tensor]], keys: tuple[str,
                 f"collate_cached: key {e.args[0]!r} was not read (the dataset's disk_keys are "
                 f"{tuple(features.tensors)}); add it to disk_keys or drop it from keys"
             ) from None
+    if len(features) == 0:
+        raise ValueError(
+            "collate_cached: features is empty; a batch needs at least one sample (a sampler "
+            "or batch_sampler yielded an empty batch)"
+        )
     shared = get_worker_info() is not None
     out = {}
     for key in keys:
-        rows = [feature[key] for feature in features]
-        dst = _empty((len(rows), *rows[0].shape), rows[0].dtype, True) if shared and rows else None
-        out[key] = torch.stack(rows, dim=0, out=dst)
+        try:
+            rows = [feature[key] for feature in features]
+        except KeyError:
+            i = next(i for i, f in enumerate(features) if key not in f)
+            raise ValueError(
+                f"collate_cached: sample {i} has no key {key!r} (it holds {sorted(features[i])}); "
+                "add it to the dataset's disk_keys or drop it from keys"
+            ) from None
+        dst = None
+        if shared:
+            # torch.stack promotes mixed dtypes; the shared-memory output must too
+            dtype = functools.reduce(torch.promote_types, {r.dtype for r in rows}) if all(
+                isinstance(r, torch.Tensor) for r in rows) else None
+            if dtype is not None:
+                dst = _empty((len(rows), *rows[0].shape), dtype, True)
+        try:
+            out[key] = torch.stack(rows, dim=0, out=dst)
+        except (RuntimeError, TypeError) as exc:
+            raise _stack_error(key, rows, exc) from None
     return out
+
+
+def _stack_error(key: str, rows: list[Any], exc: Exception) -> ValueError:
+    """Why ``torch.stack(rows)`` failed, naming the key and the first offending sample."""
+    for i, r in enumerate(rows):
+        if not isinstance(r, torch.Tensor):
+            return ValueError(f"collate_cached: key {key!r} of sample {i} is of type {type(r).__name__}, not a tensor")
+    first = list(rows[0].shape)
+    for i, r in enumerate(rows):
+        if list(r.shape) != first:
+            return ValueError(
+                f"collate_cached: key {key!r} of sample {i} is {list(r.shape)}, sample 0's is {first}: "
+                "the samples of one batch must share each key's shape (pad them when producing the "
+                "cache, or collate variable lengths with CachedThdCollator)"
+            )
+    return ValueError(f"collate_cached: cannot stack key {key!r} ({exc})")
 
 
 class CachedDataLoader(DataLoader):
