@@ -3,7 +3,9 @@
 ``perf/run.py`` builds one run document (:func:`build_run`) and hands it to
 :func:`write_report`, which writes ``perf/results/run-<time>-<commit>-<mode>.{json,md,png}``
 (the history: one file set per run, git-ignored) and copies them to
-``perf/results/latest.*`` (committed; the README links them).
+``perf/results/latest.*`` for a full run of every bench (committed; the README links
+them), ``latest-quick.*`` / ``latest-partial.*`` for ``--quick`` / ``--only`` runs (not
+committed), so a CI or subset run never replaces the README's figures.
 
 Run on its own, ``python perf/report.py RUN.json`` re-renders the markdown and
 chart of a stored run.
@@ -418,8 +420,8 @@ def _atomic_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def write_report(run: dict[str, Any], results_dir: Path, *, latest: bool = True) -> dict[str, Path]:
-    """Write the run's JSON, markdown and PNG; copy them to ``latest.*`` when asked."""
+def write_report(run: dict[str, Any], results_dir: Path, *, latest: str | None = "latest") -> dict[str, Path]:
+    """Write the run's JSON, markdown and PNG; copy them to ``<latest>.*`` unless None."""
     results_dir.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S", time.strptime(run["started"][:19], "%Y-%m-%dT%H:%M:%S"))
     commit = (run["git"].get("commit") or "nogit")[:8]
@@ -437,7 +439,7 @@ def write_report(run: dict[str, Any], results_dir: Path, *, latest: bool = True)
         del paths["png"]
     if latest:
         for kind, p in list(paths.items()):
-            dst = results_dir / f"latest.{kind}"
+            dst = results_dir / f"{latest}.{kind}"
             shutil.copyfile(p, dst)
             paths[f"latest_{kind}"] = dst
     return paths

@@ -277,7 +277,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="goals file (default: perf/thresholds.json)")
     ap.add_argument("--results-dir", type=Path, default=PERF_DIR / "results",
                     help="where the JSON/markdown/PNG go (default: perf/results)")
-    ap.add_argument("--no-latest", action="store_true", help="do not update results/latest.*")
+    ap.add_argument("--no-latest", action="store_true",
+                    help="do not update results/latest*.* (latest.* = last full run of every bench, "
+                    "latest-quick.* / latest-partial.* = last --quick / --only run)")
     ap.add_argument("--timeout", type=float, default=None,
                     help="seconds per bench before it is killed (default 180 quick, 1800 full)")
     ap.add_argument("--threads", type=int, default=1, metavar="N",
@@ -392,7 +394,8 @@ def main(argv: list[str] | None = None) -> int:
         reference=reference,
         check_failures=[r.to_json() for r in fails] + bench_fail,
     )
-    paths = write_report(run, args.results_dir, latest=not args.no_latest)
+    latest = "latest-partial" if wanted else "latest-quick" if args.quick else "latest"
+    paths = write_report(run, args.results_dir, latest=None if args.no_latest else latest)
     print()
     print(render_markdown(run))
     print("[perf] wrote " + ", ".join(str(p) for k, p in paths.items() if not k.startswith("latest")))

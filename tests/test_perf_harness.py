@@ -134,7 +134,7 @@ def test_check_fails_naming_misses_and_report_files(fake_suite):
     assert "good-fast" not in p.stderr
     runs = sorted(results.glob("run-*-quick.json"))
     assert len(runs) == 1
-    doc = json.loads((results / "latest.json").read_text())  # strict JSON (no Infinity)
+    doc = json.loads((results / "latest-quick.json").read_text())  # strict JSON (no Infinity)
     assert doc == json.loads(runs[0].read_text())
     assert doc["mode"] == "quick" and doc["machine"]["cpu_count"] >= 1
     assert "torch" in doc["versions"] and "commit" in doc["git"]
@@ -143,11 +143,11 @@ def test_check_fails_naming_misses_and_report_files(fake_suite):
     good = benches["good"]["records"]
     assert good[0]["ratios"]["base"] == pytest.approx(4.0) and good[1]["ratios"]["base"] == pytest.approx(5.0)
     assert not doc["check"]["passed"]
-    md = (results / "latest.md").read_text()
+    md = (results / "latest-quick.md").read_text()
     assert "| good | shape1 | 250 ms | base | 1 s | 4.00x | - | >= 2x: met |" in md
     assert "| `slow-fast` | slow is 2x | 1.11x (shape1 vs base) | >= 2x | 1.8x | **MISSED** |" in md
     assert "`boom`: error: RuntimeError: kaput 42" in md
-    png = (results / "latest.png").read_bytes()
+    png = (results / "latest-quick.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
 
     # only the bench that meets its goal: exit 0; the first run's ratios appear in the
@@ -155,8 +155,9 @@ def test_check_fails_naming_misses_and_report_files(fake_suite):
     p = _run(fake_suite, "--check", "--only", "good")
     assert p.returncode == 0, p.stdout + p.stderr
     assert "check passed" in p.stdout
-    md = (results / "latest.md").read_text()
+    md = (results / "latest-partial.md").read_text()  # an --only run
     assert "| good | shape1 | 250 ms | base | 1 s | 4.00x | 4.00x | >= 2x: met |" in md
+    assert not (results / "latest.json").exists()  # only a full run of every bench writes latest.*
     assert len(sorted(results.glob("run-*-quick.json"))) == 2
 
     p = _run(fake_suite, "--only", "nosuch")
@@ -188,7 +189,7 @@ def test_missing_reference_is_reported_and_its_goals_skipped(tmp_path):
     )
     assert p.returncode == 0, p.stdout + p.stderr
     assert "reference implementation unavailable" in p.stdout
-    doc = json.loads((tmp_path / "r" / "latest.json").read_text())
+    doc = json.loads((tmp_path / "r" / "latest-quick.json").read_text())
     assert doc["reference"]["available"] is False
     assert {g["goal"]: g["status"] for g in doc["goals"]} == {"vs-ref": "skipped", "vs-floor": "met"}
 
@@ -215,7 +216,7 @@ def test_check_confirms_a_miss_with_the_median_of_three_runs(tmp_path):
     p = subprocess.run([*base_cmd, "--check"], capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stdout + p.stderr
     assert "confirmation run 2/2" in p.stdout
-    doc = json.loads((tmp_path / "r" / "latest.json").read_text())
+    doc = json.loads((tmp_path / "r" / "latest-quick.json").read_text())
     (bench,) = doc["benches"]
     assert bench["runs"] == 3
     (rec,) = bench["records"]
