@@ -43,6 +43,7 @@ STATUS_MARK = {
     "met": "met",
     "noise": "short, within noise",
     "missed": "**MISSED**",
+    "known-miss": "**MISSED** (known, not gating: see thresholds.json)",
     "error": "**ERROR**",
     "no-data": "**NO DATA**",
     "skipped": "skipped",
@@ -228,7 +229,7 @@ def render_markdown(run: dict[str, Any], prev: dict[tuple, float] | None = None)
     for g in run["goals"]:
         by_goal.setdefault(g["goal"], []).append(g)
     statements = {s["id"]: s for s in run.get("goal_specs", [])}
-    order = ("error", "no-data", "missed", "noise", "met", "skipped", "not-run")
+    order = ("error", "no-data", "missed", "known-miss", "noise", "met", "skipped", "not-run")
     for gid, rows in by_goal.items():
         worst = min(rows, key=lambda r: (order.index(r["status"]),
                                          r["ratio"] if r["ratio"] is not None else 0.0))
@@ -340,7 +341,7 @@ def render_scaling(run: dict[str, Any]) -> str:
 # --------------------------------------------------------------------------- chart
 
 
-_COLORS = {"met": "#2e7d32", "noise": "#f9a825", "missed": "#c62828"}
+_COLORS = {"met": "#2e7d32", "noise": "#f9a825", "missed": "#c62828", "known-miss": "#c62828"}
 
 
 def render_chart(run: dict[str, Any], path: Path) -> bool:

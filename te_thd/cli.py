@@ -58,6 +58,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:
+        # argparse's REMAINDER does not capture a leading option (`te-thd bench --quick`),
+        # so everything after `bench` goes to perf/run.py untouched
+        rest = argv[1:]
+        return _cmd_bench(argparse.Namespace(rest=rest[1:] if rest[:1] == ["--"] else rest))
     args = build_parser().parse_args(argv)
     return int(args.func(args) or 0)
 
