@@ -196,6 +196,37 @@ def _move(b: _Boundaries, device: torch.device | str | None) -> tuple[torch.Tens
     return cu, cup
 
 
+def _te_boundary_fields(
+    thd: Mapping[str, Any],
+    mask: str,
+    cp_size: int | None,
+    max_seqlen: int | None,
+    device: torch.device | str | None,
+    check: bool,
+) -> tuple[_Boundaries, dict[str, Any]]:
+    """The boundary kwargs TE's ``forward`` and Megatron's ``PackedSeqParams`` share.
+
+    Resolves the batch for the normalised ``mask``, rejects an absorbed trailing pad
+    when the mask is bidirectional, then moves the boundaries to ``device``.
+
+    Returns:
+        The resolved boundaries and ``cu_seqlens_q/kv`` (int32 ``[N+1]``),
+        ``cu_seqlens_q/kv_padded`` (int32 ``[N+1]``), ``max_seqlen_q/kv`` (ints).
+    """
+    b = _resolve(thd, cp_size=cp_size, max_seqlen=max_seqlen, attn_mask_type=mask, check=check)
+    if "causal" not in mask:
+        _reject_absorbed_tail_for_bidirectional(thd, b)
+    cu, cup = _move(b, device)
+    return b, {
+        "cu_seqlens_q": cu,
+        "cu_seqlens_kv": cu,
+        "cu_seqlens_q_padded": cup,
+        "cu_seqlens_kv_padded": cup,
+        "max_seqlen_q": b.max_seqlen,
+        "max_seqlen_kv": b.max_seqlen,
+    }
+
+
 def te_attention_kwargs(
     thd: Mapping[str, Any],
     attn_mask_type: str = "padding_causal",
@@ -236,19 +267,11 @@ def te_attention_kwargs(
             bidirectional mask over an absorbed trailing pad.
     """
     mask = normalize_attn_mask_type(attn_mask_type)
-    b = _resolve(thd, cp_size=cp_size, max_seqlen=max_seqlen, attn_mask_type=mask, check=check)
-    if "causal" not in mask:
-        _reject_absorbed_tail_for_bidirectional(thd, b)
-    cu, cup = _move(b, device)
+    b, fields = _te_boundary_fields(thd, mask, cp_size, max_seqlen, device, check)
     return TeThdKwargs(
         qkv_format="thd",
         attn_mask_type=mask,
-        cu_seqlens_q=cu,
-        cu_seqlens_kv=cu,
-        cu_seqlens_q_padded=cup,
-        cu_seqlens_kv_padded=cup,
-        max_seqlen_q=b.max_seqlen,
-        max_seqlen_kv=b.max_seqlen,
+        **fields,
         pad_between_seqs=b.pad_between_seqs,
     )
 
@@ -286,18 +309,10 @@ def packed_seq_params(
     from megatron.core.packed_seq_params import PackedSeqParams
 
     mask = "padding_causal" if causal else "padding"
-    b = _resolve(thd, cp_size=cp_size, max_seqlen=max_seqlen, attn_mask_type=mask, check=check)
-    if not causal:
-        _reject_absorbed_tail_for_bidirectional(thd, b)
-    cu, cup = _move(b, device)
+    _, fields = _te_boundary_fields(thd, mask, cp_size, max_seqlen, device, check)
     return PackedSeqParams(
         qkv_format="thd",
-        cu_seqlens_q=cu,
-        cu_seqlens_kv=cu,
-        cu_seqlens_q_padded=cup,
-        cu_seqlens_kv_padded=cup,
-        max_seqlen_q=b.max_seqlen,
-        max_seqlen_kv=b.max_seqlen,
+        **fields,
         local_cp_size=local_cp_size,
         cp_group=cp_group,
     )
