@@ -80,7 +80,7 @@ def _time(cands: dict[str, Callable[[], Any]], quick: bool, per_call_s: float) -
     # Aim for ~2 ms per trial per candidate so timer resolution and scheduler
     # noise stay small, and enough trials for a stable median.
     inner = max(1, int(0.002 / max(per_call_s, 1e-6)))
-    return time_interleaved(cands, trials=7 if quick else 25, inner=inner, warmup=2)
+    return time_interleaved(cands, trials=21 if quick else 25, inner=inner, warmup=2)
 
 
 def run(quick: bool) -> list[Record]:
