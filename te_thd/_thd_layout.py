@@ -36,6 +36,11 @@ from typing import NamedTuple
 
 import numpy as np
 
+try:  # the C function behind np.count_nonzero, minus its ~0.2 us dispatch wrapper
+    from numpy._core.multiarray import count_nonzero as _count_nonzero
+except ImportError:  # numpy < 2 keeps it elsewhere; the wrapper is equivalent
+    _count_nonzero = np.count_nonzero
+
 # Boundaries are int32 for TE; the stream length must fit.
 _INT32_MAX = np.iinfo(np.int32).max
 
@@ -313,7 +318,7 @@ def _slot_starts(
     """
     # Callers pass int64 tables (thd_utils widens narrower dtypes).
     valid = seq_lens != sentinel
-    n_valid = np.count_nonzero(valid)
+    n_valid = _count_nonzero(valid)
     all_valid = n_valid == valid.size
     occupied = seq_lens_padded if all_valid else seq_lens_padded * valid
     # End of every slot inside its row. ufunc.accumulate is np.cumsum without
@@ -369,19 +374,23 @@ def _layout_ok(
     if seq_lens.shape[1] == 0:
         return False
     # The sentinel must mark the same slots in both tables (bytes compare: no
-    # reduction call).
-    if (seq_lens_padded != sentinel).tobytes() != valid.tobytes():
+    # reduction call). Without unused slots, and a sentinel outside [1, S], the
+    # checks below already imply it: they force 1 <= seq_lens_padded <= S on
+    # every slot, so no slot of seq_lens_padded can hold the sentinel.
+    if (n_unused or 1 <= sentinel <= seq_len) and (
+        (seq_lens_padded != sentinel).tobytes() != valid.tobytes()
+    ):
         return False
     # Per used slot 1 <= seq_lens <= seq_lens_padded <= S, by comparisons only
     # (a subtraction could wrap for adversarial int64 values). The ``n_unused``
     # sentinel slots hold the sentinel in both tables, so each comparison is
     # either true on all of them or on none: counting (count_nonzero, no
     # reduction call) and comparing with that number checks the used slots.
-    if np.count_nonzero(seq_lens < 1) != (n_unused if sentinel < 1 else 0):
+    if _count_nonzero(seq_lens < 1) != (n_unused if sentinel < 1 else 0):
         return False
-    if np.count_nonzero(seq_lens_padded > seq_len) != (n_unused if sentinel > seq_len else 0):
+    if _count_nonzero(seq_lens_padded > seq_len) != (n_unused if sentinel > seq_len else 0):
         return False
-    if np.count_nonzero(seq_lens > seq_lens_padded):
+    if _count_nonzero(seq_lens > seq_lens_padded):
         return False
     # Row sums cannot wrap now. [B] ints: max/min in Python beat two reductions.
     row_slots = end[:, -1].tolist()

@@ -455,11 +455,14 @@ def _convert(
 def _flatten(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     """``t`` in ``shape``: a view when the strides allow it, else a ``reshape`` (copy).
 
-    ``view(-1)`` for the common 1-D target: per call it costs about half of a
-    ``reshape`` with a shape tuple, which matters at ~30 us per conversion.
+    ``ravel()`` for the common 1-D target: a view whenever the strides allow
+    one (else a copy, like ``reshape``), and per call about half the cost of a
+    ``reshape`` with a shape tuple, which matters at ~25 us per conversion.
     """
+    if len(shape) == 1:
+        return t.ravel()
     try:
-        return t.view(-1) if len(shape) == 1 else t.view(shape)
+        return t.view(shape)
     except RuntimeError:  # strides that no view can express
         return t.reshape(shape)
 
