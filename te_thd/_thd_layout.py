@@ -42,7 +42,10 @@ except ImportError:  # numpy < 2 keeps it elsewhere; the wrapper is equivalent
     _count_nonzero = np.count_nonzero
 
 # Boundaries are int32 for TE; the stream length must fit.
-_INT32_MAX = np.iinfo(np.int32).max
+# A Python int: comparing an int with a numpy scalar is several times slower.
+_INT32_MAX = int(np.iinfo(np.int32).max)
+# Comparing with a 0-d int64 array skips the ~0.25 us Python-int conversion.
+_ONE = np.array(1, dtype=np.int64)
 
 
 class PackLayout(NamedTuple):
@@ -386,7 +389,7 @@ def _layout_ok(
     # sentinel slots hold the sentinel in both tables, so each comparison is
     # either true on all of them or on none: counting (count_nonzero, no
     # reduction call) and comparing with that number checks the used slots.
-    if _count_nonzero(seq_lens < 1) != (n_unused if sentinel < 1 else 0):
+    if _count_nonzero(seq_lens < _ONE) != (n_unused if sentinel < 1 else 0):
         return False
     if _count_nonzero(seq_lens_padded > seq_len) != (n_unused if sentinel > seq_len else 0):
         return False

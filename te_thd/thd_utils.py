@@ -387,15 +387,18 @@ def _convert(
     labels = batch.get("labels")
     # One combined test for what collates produce ([B, S] ids, positions and
     # labels of the same shape); anything else gets the per-argument checks.
-    if not (
-        type(input_ids) is torch.Tensor
-        and type(position_ids) is torch.Tensor
-        and input_ids.dim() == 2
-        and position_ids.shape == input_ids.shape
-        and (labels is None or (type(labels) is torch.Tensor and labels.shape == input_ids.shape))
-    ):
+    # (``shape`` is read once: each ``.shape`` builds a new torch.Size.)
+    plain = type(input_ids) is torch.Tensor and type(position_ids) is torch.Tensor
+    if plain:
+        shape = input_ids.shape
+        plain = (
+            len(shape) == 2
+            and position_ids.shape == shape
+            and (labels is None or (type(labels) is torch.Tensor and labels.shape == shape))
+        )
+    if not plain:
         _check_token_tensors(input_ids, position_ids, labels)
-    shape = input_ids.shape
+        shape = input_ids.shape
     bsz = shape[0]
     seq_len = shape[1]
     if num_chunks > 1 and bsz % num_chunks:
@@ -437,17 +440,23 @@ def _convert(
 
     tok = rows * seq_len
     lead = (num_chunks, tok) if num_chunks > 1 else (tok,)
-    out: dict[str, Any] = {
-        "input_ids": _flatten(input_ids, lead if input_ids.dim() == 2 else (*lead, -1))
-    }
-    if labels is not None:
-        out["labels"] = _flatten(labels, lead if labels.dim() == 2 else (*lead, *labels.shape[2:]))
-    if position_ids.dim() == 3:
-        n_rope = position_ids.shape[0]
-        pos = position_ids.reshape(n_rope, num_chunks, 1, tok)
-        out["position_ids"] = pos.transpose(0, 1) if num_chunks > 1 else pos[:, 0]
+    if plain and num_chunks == 1:  # the collate's [B, S] tensors: flat views
+        out: dict[str, Any] = {"input_ids": input_ids.ravel()}
+        if labels is not None:
+            out["labels"] = labels.ravel()
+        out["position_ids"] = position_ids.ravel()
     else:
-        out["position_ids"] = _flatten(position_ids, lead)
+        out = {"input_ids": _flatten(input_ids, lead if input_ids.dim() == 2 else (*lead, -1))}
+        if labels is not None:
+            out["labels"] = _flatten(
+                labels, lead if labels.dim() == 2 else (*lead, *labels.shape[2:])
+            )
+        if position_ids.dim() == 3:
+            n_rope = position_ids.shape[0]
+            pos = position_ids.reshape(n_rope, num_chunks, 1, tok)
+            out["position_ids"] = pos.transpose(0, 1) if num_chunks > 1 else pos[:, 0]
+        else:
+            out["position_ids"] = _flatten(position_ids, lead)
     mask = _to_device(layout.padding_mask, None if input_ids.is_cpu else input_ids.device)
     return out, layout, meta_device, mask.view(num_chunks, tok) if num_chunks > 1 else mask
 
