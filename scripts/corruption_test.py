@@ -41,12 +41,14 @@ import json
 import random
 import re
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _run_info import git_commit  # noqa: E402
 
 NUM_SAMPLES = 24
 SHARD_SIZE = 8
@@ -204,19 +206,6 @@ def trial(clean: Path, work: Path, kind: str, rng: random.Random) -> dict[str, A
 
 PLAN_QUICK = {"shard-flip": 120, "shard-truncate": 30, "manifest-flip": 60, "manifest-truncate": 20}
 PLAN_FULL = {"shard-flip": 1000, "shard-truncate": 200, "manifest-flip": 400, "manifest-truncate": 100}
-
-
-def git_commit() -> str:
-    """The commit the run measured (``+dirty`` when te_thd/ has uncommitted changes)."""
-    root = Path(__file__).resolve().parents[1]
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
-                              text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "te_thd"], cwd=root, capture_output=True,
-                               text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return head + ("+dirty" if dirty else "")
 
 
 def run(quick: bool, seed: int | None = None, workdir: str | None = None,

@@ -53,6 +53,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _run_info import git_commit  # noqa: E402
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 # ---------------------------------------------------------------- the scenario
@@ -303,21 +306,6 @@ def _child_poll(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------- orchestration
-def git_commit() -> str:
-    """The commit the run measured (``+dirty`` when te_thd/ has uncommitted changes)."""
-    root = Path(__file__).resolve().parents[1]
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True,
-                              text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "te_thd"], cwd=root, capture_output=True,
-                               text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return head + ("+dirty" if dirty else "")
-
-
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
