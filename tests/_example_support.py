@@ -88,3 +88,14 @@ def run_gloo(world: int, fn: Callable[..., Any], *args: Any, timeout: float = 24
             if p.is_alive():
                 p.kill()
     return [out[r] for r in range(world)]
+
+
+def small_cache_argv(out: str, num_samples: int) -> list[str]:
+    """``precompute_cache.py`` arguments for the tests' small CP=2 cache (rows of 128)."""
+    return [
+        "--out", out,
+        "--num-samples", str(num_samples),
+        "--min-len", "5", "--max-len", "40",
+        "--shard-size", "8", "--batch-size", "8",
+        "--cp", "2", "--pack-seq-len", "128",
+    ]  # fmt: skip

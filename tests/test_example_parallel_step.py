@@ -16,7 +16,7 @@ import os
 
 import pytest
 import torch
-from _example_support import EXAMPLES, run_gloo
+from _example_support import EXAMPLES, run_gloo, small_cache_argv
 
 N_SAMPLES = 6  # samples per data-parallel replica in the step
 
@@ -26,24 +26,7 @@ def cache_dir(tmp_path_factory) -> str:
     import precompute_cache
 
     out = str(tmp_path_factory.mktemp("ep_cp_cache") / "cache")
-    argv = [
-        "--out",
-        out,
-        "--num-samples",
-        "32",
-        "--min-len",
-        "5",
-        "--max-len",
-        "40",
-        "--shard-size",
-        "8",
-        "--batch-size",
-        "8",
-        "--cp",
-        "2",
-        "--pack-seq-len",
-        "128",
-    ]
+    argv = small_cache_argv(out, 32)
     torch.set_num_threads(1)
     assert precompute_cache.main(argv) == 0
     return out

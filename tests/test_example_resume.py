@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
-from _example_support import EXAMPLES
+from _example_support import EXAMPLES, small_cache_argv
 
 STEPS = 14
 SAVE_EVERY = 4
@@ -29,26 +29,7 @@ SAVE_EVERY = 4
 @pytest.fixture(scope="module")
 def cache_dir(tmp_path_factory) -> str:
     out = str(tmp_path_factory.mktemp("resume_cache") / "cache")
-    cmd = [
-        sys.executable,
-        str(EXAMPLES / "precompute_cache.py"),
-        "--out",
-        out,
-        "--num-samples",
-        "48",
-        "--min-len",
-        "5",
-        "--max-len",
-        "40",
-        "--shard-size",
-        "8",
-        "--batch-size",
-        "8",
-        "--cp",
-        "2",
-        "--pack-seq-len",
-        "128",
-    ]
+    cmd = [sys.executable, str(EXAMPLES / "precompute_cache.py"), *small_cache_argv(out, 48)]
     subprocess.run(cmd, check=True, capture_output=True, timeout=120, env=_env())
     return out
 
