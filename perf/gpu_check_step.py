@@ -1,7 +1,7 @@
 """Training-step part of ``perf/gpu_check.py``: sync-freedom and data-path speed.
 
 The step is the EP+CP example's (``examples/ep_cp``: ``StudentMoE`` and
-``distill_loss_sums``) at ``cp = ep = 1`` on one device, fed exactly as the example
+``batch_loss_sums``) at ``cp = ep = 1`` on one device, fed exactly as the example
 feeds it::
 
     offline cache (produce_cache of the frozen target's supervision)
@@ -50,7 +50,7 @@ if str(REPO / "examples") not in sys.path:
     sys.path.insert(0, str(REPO / "examples"))
 
 from ep_cp.config import StudentConfig, TargetConfig  # noqa: E402
-from ep_cp.objective import distill_loss_sums  # noqa: E402
+from ep_cp.objective import batch_loss_sums  # noqa: E402
 from ep_cp.student import StudentMoE  # noqa: E402
 from ep_cp.synthetic import SyntheticTokens  # noqa: E402
 from ep_cp.target import TargetTransformer  # noqa: E402
@@ -230,16 +230,7 @@ def model_step(
         logits, hidden_pred, aux = model(
             batch["input_ids"], batch["position_ids"], batch["padding_mask"], kw
         )
-    supervised = batch["loss_mask"].bool() & ~batch["padding_mask"]
-    parts = distill_loss_sums(
-        logits,
-        hidden_pred,
-        batch["topk_logprobs"],
-        batch["topk_indices"],
-        batch["hidden"],
-        supervised,
-        plan.hidden_weight,
-    )
+    parts = batch_loss_sums(logits, hidden_pred, batch, plan.hidden_weight)
     loss = parts.total / parts.weight.clamp(min=1.0) + plan.aux_weight * aux
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)

@@ -15,7 +15,9 @@ whatever the CP / DP split.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -60,3 +62,27 @@ def distill_loss_sums(
     mse = (hidden_pred.float() - target_hidden.float()).pow(2).mean(-1)  # [T]
     kl_sum, mse_sum = (kl * w).sum(), (mse * w).sum()
     return LossParts(total=kl_sum + hidden_weight * mse_sum, kl=kl_sum, mse=mse_sum, weight=w.sum())
+
+
+def batch_loss_sums(
+    logits: torch.Tensor,
+    hidden_pred: torch.Tensor,
+    batch: Mapping[str, Any],
+    hidden_weight: float,
+) -> LossParts:
+    """:func:`distill_loss_sums` fed from a cached THD batch.
+
+    ``batch`` holds this rank's ``[T, ...]`` tensors ``loss_mask``, ``padding_mask``,
+    ``topk_logprobs``, ``topk_indices`` and ``hidden``; a token is supervised when its
+    loss mask is set and it is not padding.
+    """
+    supervised = batch["loss_mask"].bool() & ~batch["padding_mask"]
+    return distill_loss_sums(
+        logits,
+        hidden_pred,
+        batch["topk_logprobs"],
+        batch["topk_indices"],
+        batch["hidden"],
+        supervised,
+        hidden_weight,
+    )

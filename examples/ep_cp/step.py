@@ -8,7 +8,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ep_cp.objective import distill_loss_sums
+from ep_cp.objective import batch_loss_sums
 from ep_cp.parallel import ParallelContext
 from ep_cp.student import StudentMoE
 
@@ -46,16 +46,7 @@ def forward_backward(
     logits, hidden_pred, aux = model(
         batch["input_ids"], batch["position_ids"], batch["padding_mask"], attn_kwargs
     )
-    supervised = batch["loss_mask"].bool() & ~batch["padding_mask"]
-    parts = distill_loss_sums(
-        logits,
-        hidden_pred,
-        batch["topk_logprobs"],
-        batch["topk_indices"],
-        batch["hidden"],
-        supervised,
-        hidden_weight,
-    )
+    parts = batch_loss_sums(logits, hidden_pred, batch, hidden_weight)
     n_global = parts.weight.detach().clone()
     if dist.get_world_size(ctx.dp_cp_group) > 1:
         dist.all_reduce(n_global, group=ctx.dp_cp_group)
