@@ -384,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
     bench_fail = [{"goal": f"bench:{n}", "detail": errors[n].strip().splitlines()[-1:]}
                   for n in sorted(errors) if n not in goal_benches]
 
-    from report import build_run, render_markdown, write_report
+    from report import build_run, render_markdown, write_docs_block, write_report
 
     run = build_run(
         mode=mode, argv=sys.argv if argv is None else argv, started=started, benches=entries,
@@ -396,6 +396,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     latest = "latest-partial" if wanted else "latest-quick" if args.quick else "latest"
     paths = write_report(run, args.results_dir, latest=None if args.no_latest else latest)
+    published = args.results_dir.resolve() == (PERF_DIR / "results").resolve()
+    if published and "latest_md" in paths and latest == "latest":
+        write_docs_block(paths["latest_md"])  # docs/performance.md shows the committed latest.md
     print()
     print(render_markdown(run))
     print("[perf] wrote " + ", ".join(str(p) for k, p in paths.items() if not k.startswith("latest")))

@@ -32,7 +32,7 @@ written yet), ``mid-write`` (a writer temp file exists), ``between-shards``
 
 ``--quick`` (CI, ``tests/test_reliability_crash.py``): 3 single + 2 distributed
 kills. Full (default): 40 single + 16 distributed = 56 kills. Exit status 1 on
-any violation. The README's "Guarantees" section records the last full run.
+any violation. docs/guarantees.md records the last full run (scripts/reliability_figures.py).
 """
 
 from __future__ import annotations

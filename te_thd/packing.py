@@ -12,7 +12,7 @@ unused tail is given to the row's last document (its padded length grows, its re
 length does not), so the padded lengths of a non-empty row always sum to S and every
 row's physical offsets are exact. Output is SPEC §1's input format.
 
-Label convention (decided here, documented in the README): a sample's labels are in
+Label convention (decided here, documented in docs/packing.md): a sample's labels are in
 the Hugging Face convention, **aligned with ``input_ids`` and not shifted**
 (``labels[t]`` is the label *of* token ``t``; -100 = ignore, e.g. a masked prompt; no
 label key = the input ids themselves). The collator emits **shifted** labels, the

@@ -2,11 +2,11 @@
 
 Each :class:`BadInput` row is a tiny program that provokes exactly one validation
 error, the exception type it must raise, and a regular expression its message must
-match. Two consumers read this list, so the README and the tests cannot drift:
+match. Two consumers read this list, so the docs page and the tests cannot drift:
 
 * ``tests/test_bad_input_catalogue.py`` runs every row and asserts type and message;
-* ``scripts/gen_bad_input_table.py`` runs every row and writes the README table
-  (section "Guarantees") from the messages actually raised.
+* ``scripts/gen_bad_input_table.py`` runs every row and writes the table in ``docs/bad-inputs.md``
+  from the messages actually raised.
 
 A row whose ``kind`` is ``"cli"`` runs ``te-thd`` (``te_thd.cli.main``) in-process
 and expects a non-zero exit status with the message on stderr instead of an
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-#: Areas in the order the README table lists them (the path a batch takes, then the cache).
+#: Areas in the order the docs table lists them (the path a batch takes, then the cache).
 AREAS = ("THD", "CP", "packing", "attention", "cache", "CLI")
 
 
@@ -37,7 +37,7 @@ class BadInput:
 
     ``trigger(tmp)`` must raise ``exc`` (``kind="raises"``) or, for ``kind="cli"``,
     return ``(exit_status, stderr_text)`` with a non-zero status. ``match`` is a
-    regular expression searched in the message as the README prints it
+    regular expression searched in the message as the docs table prints it
     (:func:`normalise`: the scratch directory shown as ``<dir>``, whitespace
     collapsed, ``redact`` applied). ``redact`` lists ``(pattern, replacement)``
     pairs for volatile values (process ids, host names).
@@ -91,7 +91,7 @@ def run_cli(argv: list[str]) -> tuple[int, str]:
 
 
 def normalise(case: BadInput, message: str, tmp: Path) -> str:
-    """Message as the README prints it: scratch paths and volatile values redacted."""
+    """Message as the docs table prints it: scratch paths and volatile values redacted."""
     message = message.replace(str(tmp.resolve()), "<dir>").replace(str(tmp), "<dir>")
     for pattern, repl in case.redact:
         message = re.sub(pattern, repl, message)

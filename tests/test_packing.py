@@ -337,23 +337,6 @@ def test_non_numpy_dtype_key_and_first_fit_option():
         PackingCollator(10, bin_packing="bfd")
 
 
-def test_readme_packing_example_output_is_exact():
-    """The README's te_thd.packing example prints exactly the text block under it."""
-    import contextlib
-    import io
-    import re
-    from pathlib import Path
-
-    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    section = text.split("### te_thd.packing", 1)[1].split("\n### ", 1)[0]
-    (code,) = re.findall(r"```python\n(.*?)```", section, flags=re.S)
-    (expected,) = re.findall(r"```text\n(.*?)```", section, flags=re.S)
-    buf = io.StringIO()
-    with contextlib.redirect_stdout(buf):
-        exec(compile(code, "README.md", "exec"), {"torch": torch})  # noqa: S102 - our README
-    assert buf.getvalue() == expected
-
-
 def test_sample_keys_colliding_with_outputs_are_rejected():
     ids = torch.tensor([1, 2, 3])
     with pytest.raises(ValueError, match=r"sample key 'input_ids' collides.*input_key='tokens'"):
