@@ -27,4 +27,4 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'te_thd' has no attribute {name!r}")
 
 
-__all__ = ["__version__", *_SUBMODULES]
+__all__ = list(_SUBMODULES)  # __version__ is importable too; __all__ names public API only

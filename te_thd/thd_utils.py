@@ -40,8 +40,9 @@ __all__ = [
     "process_input_for_thd",
     "split_batch_into_thd_chunks",
     "thd_padding_mask_from_token_ids",
-    "_thd_padding_mask",
 ]
+# ``_thd_padding_mask`` is the reference's private helper: importable from here (drop-in),
+# not part of the public list.
 
 _REQUIRED_KEYS = ("input_ids", "position_ids", "seq_lens")
 # Consumed by the conversion, not passed through (as the reference does).

@@ -1003,7 +1003,7 @@ def _more_cache_rows() -> list[BadInput]:
     import torch
 
     from te_thd import offline_cache as oc
-    from te_thd.attention import attend_slots
+    from te_thd.attention.reference import attend_slots
 
     def ds(tmp: Path) -> Any:
         return _open(_cache(tmp))

@@ -25,12 +25,11 @@ from te_thd.attention.contract import (
     TeThdKwargs,
     ThdContractError,
     check_te_thd_args,
-    check_te_thd_boundaries,
     normalize_attn_mask_type,
 )
-from te_thd.attention.cp_reference import all_gather_cp, thd_attention_cp_reference
+from te_thd.attention.cp_reference import thd_attention_cp_reference
 from te_thd.attention.module import ThdAttention, te_available
-from te_thd.attention.reference import attend_slots, thd_attention_reference
+from te_thd.attention.reference import thd_attention_reference
 
 __all__ = [
     "TE_ATTN_MASK_TYPES",
@@ -38,10 +37,7 @@ __all__ = [
     "ThdAttention",
     "ThdContractError",
     "VarlenLayoutError",
-    "all_gather_cp",
-    "attend_slots",
     "check_te_thd_args",
-    "check_te_thd_boundaries",
     "flash_attn_varlen_kwargs",
     "normalize_attn_mask_type",
     "packed_seq_params",

@@ -23,7 +23,6 @@ __all__ = [
     "TeThdKwargs",
     "ThdContractError",
     "check_te_thd_args",
-    "check_te_thd_boundaries",
     "normalize_attn_mask_type",
 ]
 

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from te_thd.attention.contract import check_te_thd_args
 from te_thd.attention.reference import attend_slots, thd_attention_reference
 
-__all__ = ["all_gather_cp", "thd_attention_cp_reference"]
+__all__ = ["thd_attention_cp_reference"]
 
 
 class _AllGatherCP(torch.autograd.Function):

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from te_thd.attention._layout import slot_segments
 from te_thd.attention.contract import check_te_thd_args
 
-__all__ = ["attend_slots", "thd_attention_reference"]
+__all__ = ["thd_attention_reference"]
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:

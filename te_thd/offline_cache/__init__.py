@@ -7,11 +7,18 @@ only the import changes. Modules: ``format`` (paths, manifest, schema),
 checksum), ``writer`` (seed producer loops), ``producer`` (``produce_cache``:
 resume, lock, distributed, manifest), ``verify`` (integrity checks), ``reader`` /
 ``sampler`` / ``loader`` (reading side), ``cli`` (``te-thd cache ...``).
+
+``__all__`` lists the public API. The reference's private helpers
+(``_ShardAccumulator``, ``_sequential_subset_loader``) and the file-layout plumbing the
+producer and readers share (``ProducerLock``, ``remove_stale_temp_files``,
+``check_cache_files``, ``TensorSpec``) are importable from here but not listed.
 """
 
 from __future__ import annotations
 
-from .durable import ProducerLock, atomic_write, remove_stale_temp_files
+from .durable import ProducerLock as ProducerLock
+from .durable import atomic_write
+from .durable import remove_stale_temp_files as remove_stale_temp_files
 from .errors import (
     CacheError,
     CacheIntegrityError,
@@ -23,7 +30,6 @@ from .errors import (
 from .format import (
     MANIFEST_NAME,
     SHARD_RE,
-    TensorSpec,
     ensure_supervision_options_match,
     existing_shard_indices,
     load_safetensors,
@@ -33,16 +39,16 @@ from .format import (
     validate_contiguous_shards,
     write_manifest,
 )
+from .format import TensorSpec as TensorSpec
 from .loader import CachedDataLoader, build_cached_dataloader, collate_cached, to_device
 from .producer import produce_cache
 from .reader import CachedBatch, CachedTensorDataset
 from .sampler import CacheShardSampler, shard_block_order
 from .thd_collate import CachedThdCollator
-from .verify import cache_info, check_cache_files, verify_cache
+from .verify import cache_info, verify_cache
+from .verify import check_cache_files as check_cache_files
 from .writer import (
     DurableShardWriter,
-    _sequential_subset_loader,
-    _ShardAccumulator,
     dataloader_from_sample,
     partition_cache_shards,
     resume_start_sample,
@@ -50,6 +56,8 @@ from .writer import (
     write_cache_shards_distributed,
     write_tensor_shard,
 )
+from .writer import _sequential_subset_loader as _sequential_subset_loader
+from .writer import _ShardAccumulator as _ShardAccumulator
 
 __all__ = [
     "MANIFEST_NAME",
@@ -65,15 +73,10 @@ __all__ = [
     "DurableShardWriter",
     "ManifestError",
     "ManifestNotFoundError",
-    "ProducerLock",
     "SchemaError",
-    "TensorSpec",
-    "_ShardAccumulator",
-    "_sequential_subset_loader",
     "atomic_write",
     "build_cached_dataloader",
     "cache_info",
-    "check_cache_files",
     "collate_cached",
     "dataloader_from_sample",
     "ensure_supervision_options_match",
@@ -83,7 +86,6 @@ __all__ = [
     "partition_cache_shards",
     "produce_cache",
     "read_manifest",
-    "remove_stale_temp_files",
     "resume_start_sample",
     "shard_block_order",
     "shard_path",
