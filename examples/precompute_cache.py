@@ -1,13 +1,21 @@
 """Precompute the distillation cache: a frozen target model's per-token supervision.
 
-Generates a synthetic variable-length token dataset in-process (no downloads), runs
-the frozen target transformer (:mod:`ep_cp.target`) over it and stores, per sample,
-the tokens, a loss mask, the target's top-k next-token distribution and its final
-hidden states as a ``te_thd`` offline cache (sharded safetensors + manifest).
+Runs a frozen target model over a dataset and stores, per sample, the tokens, a loss
+mask, the target's top-k next-token distribution and its final hidden states as a
+``te_thd`` offline cache (sharded safetensors + manifest). Two sources:
+
+* default: a synthetic variable-length token dataset generated in-process and a tiny
+  target transformer initialised from a seed (:mod:`ep_cp.target`) -- no downloads;
+* ``--target hf:DIR --data jsonl:PATH``: a Hugging Face causal LM from a local
+  directory (:mod:`ep_cp.hf_target`) over real text, one JSON object per line, plain
+  (``--text-key``) or chat messages (``--messages-key``, prompt tokens masked), see
+  :mod:`ep_cp.jsonl_data`; ``--layers 2,5,8`` also stores those layers' hidden states.
 
 Single process::
 
     python examples/precompute_cache.py --out runs/cache --cp 2
+    python examples/precompute_cache.py --out runs/hf-cache --cp 2 --target hf:models/my-llm \
+        --data jsonl:chats.jsonl --messages-key messages --max-len 2048 --pack-seq-len 4096
 
 or on every rank of a job (each rank computes and writes its own contiguous block of
 shards; rank 0 writes the manifest last)::
@@ -26,6 +34,8 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -33,8 +43,9 @@ from torch.utils.data import DataLoader
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from ep_cp.cache_format import CACHE_NAME, FORMAT_VERSION, KEYS, PRODUCER  # noqa: E402
+from ep_cp.cache_format import CACHE_NAME, FORMAT_VERSION, KEYS, LAYER_KEY, PRODUCER  # noqa: E402
 from ep_cp.config import TargetConfig, config_to_dict  # noqa: E402
+from ep_cp.hf_target import DTYPES, parse_layers  # noqa: E402
 from ep_cp.synthetic import SyntheticTokens  # noqa: E402
 from ep_cp.target import TargetTransformer  # noqa: E402
 
@@ -47,8 +58,45 @@ def build_parser() -> argparse.ArgumentParser:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--out", required=True, help="cache directory")
-    p.add_argument("--num-samples", type=int, default=1024)
-    p.add_argument("--min-len", type=int, default=16)
+    p.add_argument(
+        "--target",
+        default="synthetic",
+        help="frozen target: 'synthetic' (tiny seeded transformer) or hf:DIR (a Hugging Face "
+        "causal LM in a local directory)",
+    )
+    p.add_argument(
+        "--data",
+        default="synthetic",
+        help="samples: 'synthetic' (generated tokens) or jsonl:PATH (one JSON object per line; "
+        "needs --target hf:DIR)",
+    )
+    p.add_argument("--text-key", default=None, help="JSONL key of plain text (default: text)")
+    p.add_argument(
+        "--messages-key",
+        default=None,
+        help="JSONL key of chat messages [{role, content}, ...], rendered with the chat "
+        "template; only assistant tokens are supervised",
+    )
+    p.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
+    p.add_argument(
+        "--dtype",
+        choices=sorted(DTYPES),
+        default=None,
+        help="weights and compute of --target hf: (default: bf16 on cuda, fp32 on cpu)",
+    )
+    p.add_argument(
+        "--layers",
+        default=None,
+        help="also store these hidden states of --target hf: as 'layer_hidden', e.g. 2,5,8 "
+        "(indices into Hugging Face's hidden_states: 0 = embeddings, i = after layer i)",
+    )
+    p.add_argument(
+        "--num-samples",
+        type=int,
+        default=None,
+        help="synthetic samples (default 1024) / first lines of --data jsonl: (default all)",
+    )
+    p.add_argument("--min-len", type=int, default=16, help="shortest synthetic sample")
     p.add_argument("--max-len", type=int, default=96, help="longest sample (cache row width L)")
     p.add_argument("--shard-size", type=int, default=128, help="samples per shard")
     p.add_argument("--batch-size", type=int, default=32, help="target forward batch")
@@ -56,8 +104,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--mask-prompt",
         action=argparse.BooleanOptionalAction,
-        default=True,
-        help="supervise only the last 3/4 of each sample (default: on)",
+        default=None,
+        help="mask prompt tokens in the loss mask (default: on for synthetic data -- the first "
+        "quarter of each sample is its prompt -- and for --messages-key, where all "
+        "non-assistant tokens are; plain --text-key has no prompt)",
     )
     p.add_argument(
         "--cp", type=int, default=1, help="context-parallel size the cache is packed for"
@@ -69,26 +119,74 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _source_path(flag: str, value: str, prefix: str) -> str | None:
+    """``prefix:PATH`` -> PATH, ``synthetic`` -> None, anything else -> ValueError."""
+    if value == "synthetic":
+        return None
+    if value.startswith(prefix + ":") and len(value) > len(prefix) + 1:
+        return value[len(prefix) + 1 :]
+    raise ValueError(
+        f"--{flag}={value!r} must be 'synthetic' or {prefix}:PATH, e.g. --{flag} {prefix}:"
+        + ("models/my-llm" if prefix == "hf" else "data/chats.jsonl")
+    )
+
+
 def check_args(args: argparse.Namespace) -> None:
-    """Bad flags -> ValueError naming the flag, its value and the fix."""
-    for name in (
-        "num_samples",
-        "min_len",
-        "max_len",
-        "shard_size",
-        "batch_size",
-        "topk",
-        "cp",
-        "pack_seq_len",
-    ):
+    """Bad flags -> ValueError naming the flag, its value and the fix.
+
+    Also fills in the defaults that depend on other flags (``num_samples``,
+    ``mask_prompt``, ``text_key``, ``dtype``) and sets ``model_dir`` / ``jsonl_path``
+    (``None`` for the synthetic source).
+    """
+    for name in ("min_len", "max_len", "shard_size", "batch_size", "topk", "cp", "pack_seq_len"):
         v = getattr(args, name)
         if v < 1:
             raise ValueError(f"--{name.replace('_', '-')}={v} must be >= 1")
-    cfg = TargetConfig()
-    if args.topk > cfg.vocab_size:
+    if args.num_samples is not None and args.num_samples < 1:
+        raise ValueError(f"--num-samples={args.num_samples} must be >= 1")
+    args.model_dir = _source_path("target", args.target, "hf")
+    args.jsonl_path = _source_path("data", args.data, "jsonl")
+    if args.model_dir is None and args.jsonl_path is not None:
         raise ValueError(
-            f"--topk={args.topk} exceeds the vocabulary ({cfg.vocab_size}); use --topk <= {cfg.vocab_size}"
+            f"--data {args.data} needs --target hf:DIR: text is tokenized with the model's "
+            "tokenizer, and the synthetic target has none"
         )
+    if args.model_dir is not None and args.jsonl_path is None:
+        raise ValueError(
+            f"--target {args.target} needs --data jsonl:PATH (real text: synthetic token ids "
+            "mean nothing to a real model); try --data jsonl:examples/data/sample_chat.jsonl "
+            "--messages-key messages"
+        )
+    if args.model_dir is None:
+        hf_only = ("text_key", "messages_key", "tokenizer", "dtype", "layers")
+        given = [f"--{n.replace('_', '-')}" for n in hf_only if getattr(args, n) is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)} apply to --target hf:DIR --data jsonl:PATH only")
+        cfg = TargetConfig()
+        if args.topk > cfg.vocab_size:
+            raise ValueError(
+                f"--topk={args.topk} exceeds the vocabulary ({cfg.vocab_size}); use --topk <= {cfg.vocab_size}"
+            )
+        args.num_samples = 1024 if args.num_samples is None else args.num_samples
+        args.mask_prompt = True if args.mask_prompt is None else args.mask_prompt
+    else:
+        if args.text_key is not None and args.messages_key is not None:
+            raise ValueError(
+                f"--text-key={args.text_key!r} and --messages-key={args.messages_key!r}: pass one "
+                "(plain text or chat messages per line)"
+            )
+        if args.messages_key is None:
+            args.text_key = args.text_key or "text"
+            if args.mask_prompt:
+                raise ValueError(
+                    "--mask-prompt needs --messages-key: plain text (--text-key) has no prompt, "
+                    "every token is supervised"
+                )
+            args.mask_prompt = False
+        elif args.mask_prompt is None:
+            args.mask_prompt = True
+        args.dtype = args.dtype or ("bf16" if args.device == "cuda" else "fp32")
+        parse_layers(args.layers)
     m = pad_to_multiple_for(args.cp)
     padded = -(-args.max_len // m) * m
     if args.pack_seq_len % m or padded > args.pack_seq_len:
@@ -99,8 +197,17 @@ def check_args(args: argparse.Namespace) -> None:
         )
 
 
+def packing_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The packing a cache is checked for (the trainer refuses another)."""
+    return {
+        "cp_size": args.cp,
+        "pad_to_multiple_of": pad_to_multiple_for(args.cp),
+        "pack_seq_len": args.pack_seq_len,
+    }
+
+
 def producer_options(args: argparse.Namespace, cfg: TargetConfig) -> dict:
-    """Everything that shaped the stored tensors, recorded in the manifest."""
+    """Everything that shaped the stored tensors of the synthetic source, recorded in the manifest."""
     return {
         "producer": PRODUCER,
         "target": config_to_dict(cfg),
@@ -112,10 +219,82 @@ def producer_options(args: argparse.Namespace, cfg: TargetConfig) -> dict:
             "max_len": args.max_len,
             "seed": args.data_seed,
         },
-        "cp_size": args.cp,
-        "pad_to_multiple_of": pad_to_multiple_for(args.cp),
-        "pack_seq_len": args.pack_seq_len,
+        **packing_options(args),
     }
+
+
+#: what a source hands produce_cache: dataset, batch -> rows, manifest options, keys
+Source = tuple[Any, Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]], dict, tuple]
+
+
+def synthetic_source(args: argparse.Namespace, device: torch.device) -> Source:
+    """Generated tokens through the seeded target transformer."""
+    cfg = TargetConfig(seed=args.target_seed)
+    target = TargetTransformer(cfg).to(device)
+    data = SyntheticTokens(
+        args.num_samples, args.min_len, args.max_len, cfg.vocab_size, seed=args.data_seed
+    )
+
+    def compute_batch(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        ids = batch["input_ids"].to(device, non_blocking=True)
+        lens = batch["seq_len"].to(device, non_blocking=True)
+        return target.supervision(ids, lens, args.topk, args.mask_prompt)
+
+    return data, compute_batch, producer_options(args, cfg), KEYS
+
+
+def hf_source(args: argparse.Namespace, device: torch.device) -> Source:
+    """JSONL text, tokenized with the model's tokenizer, through a Hugging Face model."""
+    from ep_cp.hf_target import HFTarget
+    from ep_cp.jsonl_data import JsonlSource, build_jsonl_dataset, load_tokenizer
+
+    target = HFTarget(args.model_dir, args.dtype, device, parse_layers(args.layers))
+    if args.topk > target.vocab_size:
+        raise ValueError(
+            f"--topk={args.topk} exceeds the vocabulary of {args.model_dir} ({target.vocab_size}); "
+            f"use --topk <= {target.vocab_size}"
+        )
+    tok_dir = args.tokenizer or args.model_dir
+    tokenizer = load_tokenizer(
+        tok_dir, "--tokenizer" if args.tokenizer else f"--target {args.target}"
+    )
+    source = JsonlSource(os.path.abspath(args.jsonl_path), args.text_key, args.messages_key)
+    data = build_jsonl_dataset(source, tokenizer, args.max_len, args.num_samples, args.mask_prompt)
+    if data.max_token_id() >= target.vocab_size:
+        raise ValueError(
+            f"the tokenizer of {tok_dir} produces token id {data.max_token_id()}, but the model "
+            f"{args.model_dir} has {target.vocab_size} vocabulary rows; use the model's own "
+            "tokenizer (leave out --tokenizer, or point it at a tokenizer of this model)"
+        )
+    options = {
+        "producer": PRODUCER,
+        "target": target.describe(),
+        "topk": args.topk,
+        "mask_prompt": bool(args.mask_prompt),
+        "data": {
+            "kind": "jsonl",
+            "path": source.path,
+            "text_key": source.text_key,
+            "messages_key": source.messages_key,
+            "tokenizer": os.path.abspath(tok_dir),
+            "num_samples": len(data),
+            "max_len": args.max_len,
+            "truncated": data.truncated,
+            "tokens_sha256": data.digest,
+        },
+        **packing_options(args),
+    }
+    keys = KEYS
+    if target.layers:
+        options["layers"] = target.layers
+        keys = (*KEYS, LAYER_KEY)
+
+    def compute_batch(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return target.supervision(
+            batch["input_ids"], batch["seq_len"], batch["loss_mask"], args.topk
+        )
+
+    return data, compute_batch, options, keys
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -134,20 +313,15 @@ def main(argv: list[str] | None = None) -> int:
         else torch.device("cpu")
     )
 
-    cfg = TargetConfig(seed=args.target_seed)
-    target = TargetTransformer(cfg).to(device)
-    data = SyntheticTokens(
-        args.num_samples, args.min_len, args.max_len, cfg.vocab_size, seed=args.data_seed
-    )
+    build = synthetic_source if args.model_dir is None else hf_source
+    data, compute_batch, options, keys = build(args, device)
     loader = DataLoader(data, batch_size=args.batch_size, shuffle=False)
-
-    def compute_batch(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        ids = batch["input_ids"].to(device, non_blocking=True)
-        lens = batch["seq_len"].to(device, non_blocking=True)
-        out = target.supervision(ids, lens, args.topk, args.mask_prompt)
-        out["loss_mask"] = out["loss_mask"].bool()
-        out["topk_indices"] = out["topk_indices"].to(torch.int32)
-        return {k: v.cpu() for k, v in out.items()}
+    if rank == 0 and getattr(data, "truncated", 0):
+        print(
+            f"note: {data.truncated} of {len(data)} samples are longer than --max-len="
+            f"{args.max_len} tokens and were truncated",
+            flush=True,
+        )
 
     t0 = time.perf_counter()
     manifest = produce_cache(
@@ -155,8 +329,8 @@ def main(argv: list[str] | None = None) -> int:
         args.out,
         shard_size=args.shard_size,
         compute_batch=compute_batch,
-        keys=KEYS,
-        options=producer_options(args, cfg),
+        keys=keys,
+        options=options,
         format_version=FORMAT_VERSION,
         cache_name=CACHE_NAME,
         producer_name=PRODUCER,

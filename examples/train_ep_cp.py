@@ -52,8 +52,16 @@ from ep_cp.cache_format import (  # noqa: E402
     KEYS,
     PRODUCER,
     TOKEN_KEYS,
+    cache_dims,
+    check_student_fits,
 )
-from ep_cp.checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state  # noqa: E402
+from ep_cp.checkpoint import (  # noqa: E402
+    latest_step,
+    load_checkpoint,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+)
 from ep_cp.config import StudentConfig, config_to_dict  # noqa: E402
 from ep_cp.parallel import (  # noqa: E402
     ParallelContext,
@@ -125,8 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--mask-prompt",
         action=argparse.BooleanOptionalAction,
-        default=True,
-        help="the run expects a cache whose prompts are masked (checked against the manifest)",
+        default=None,
+        help="insist on a cache whose prompts are (or, --no-mask-prompt, are not) masked "
+        "(checked against the manifest; default: train on the cache's loss mask as it is)",
     )
     p.add_argument(
         "--save-every",
@@ -177,14 +186,16 @@ def open_cache(args: argparse.Namespace, cp: int) -> tuple[dict[str, Any], int]:
     """Read the manifest, refuse a cache built for other options; return it and the row length."""
     manifest = read_manifest(args.cache_dir, CACHE_NAME, FORMAT_VERSION, PRODUCER)
     seq_len = args.seq_len or int(manifest.get("pack_seq_len", 0)) or 256
+    expected: dict[str, Any] = {
+        "cp_size": cp,
+        "pad_to_multiple_of": pad_to_multiple_for(cp),
+        "pack_seq_len": seq_len,
+    }
+    if args.mask_prompt is not None:
+        expected["mask_prompt"] = args.mask_prompt
     ensure_supervision_options_match(
         manifest,
-        {
-            "mask_prompt": args.mask_prompt,
-            "cp_size": cp,
-            "pad_to_multiple_of": pad_to_multiple_for(cp),
-            "pack_seq_len": seq_len,
-        },
+        expected,
         CACHE_NAME,
         args.cache_dir,
         f"{PRODUCER} --cp {cp} --pack-seq-len {seq_len}",
@@ -195,10 +206,11 @@ def open_cache(args: argparse.Namespace, cp: int) -> tuple[dict[str, Any], int]:
 def build_student(
     args: argparse.Namespace, manifest: dict[str, Any], ctx: ParallelContext
 ) -> StudentMoE:
-    target = manifest["target"]
+    """The MoE student, sized for the cache's target (:func:`cache_dims`)."""
+    dims = cache_dims(manifest, args.cache_dir)
     cfg = StudentConfig(
-        vocab_size=int(target["vocab_size"]),
-        target_hidden_size=int(target["hidden_size"]),
+        vocab_size=dims.vocab_size,
+        target_hidden_size=dims.hidden_size,
         num_layers=args.layers,
         num_experts=args.experts,
         router_topk=args.topk_experts,
@@ -301,6 +313,9 @@ def main(argv: list[str] | None = None) -> int:
     ckpt_dir = os.path.join(args.out, "ckpt")
     step, epoch, loader_state = 0, 0, None
     if args.resume:
+        meta = latest_step(ckpt_dir)
+        if meta is not None and "student" in meta:
+            check_student_fits(meta["student"], cache_dims(manifest, args.cache_dir), ckpt_dir)
         found = load_checkpoint(ckpt_dir, layout)
         if found is not None:
             step, state = found

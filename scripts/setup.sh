@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create (or reuse) a virtual environment with te_thd and its test + perf extras.
+# Create (or reuse) a virtual environment with te_thd and its test, perf and examples extras.
 #   VENV=path  where to put it (default .venv in the repository root)
 #   FRESH=1    delete it first
 # torch is installed FIRST and pinned: a CPU wheel of torch==2.13.0 is what pip
@@ -11,5 +11,5 @@ if [ "${FRESH:-0}" = "1" ]; then rm -rf "$VENV"; fi
 if [ ! -x "$VENV/bin/python" ]; then python3 -m venv "$VENV"; fi
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
 "${PIP[@]}" install "torch==2.13.0"
-"${PIP[@]}" install -e ".[test,perf]"
+"${PIP[@]}" install -e ".[test,perf,examples]"
 echo "te_thd environment ready in $VENV" >&2

@@ -12,7 +12,17 @@ key                 dtype, shape     meaning
 ``topk_logprobs``   float32 ``[L,K]``  target's top-k next-token log-probs
 ``topk_indices``    int32 ``[L,K]``    their vocabulary ids
 ``hidden``          bf16 ``[L,H]``     target's final hidden states
+``layer_hidden``    bf16 ``[L,n,H]``   only with ``--layers``: the hidden states
+                                     of the ``n`` chosen layers, in the order
+                                     of the manifest's ``layers``
 ==================  ===============  =========================================
+
+Padding slots hold zeros in every key. ``hidden`` is the state the target's output
+head reads (Hugging Face's ``hidden_states[-1]``); ``layer_hidden[:, j]`` is
+``hidden_states[layers[j]]`` (0 = embedding output, ``i`` = after decoder layer
+``i``) -- EAGLE-3's auxiliary states; ``reshape(L, n * H)`` gives their concatenation.
+The manifest's ``target`` records ``vocab_size`` and ``hidden_size``, ``topk`` the
+``K`` above: the trainer sizes its student from them (:func:`cache_dims`).
 
 The manifest records the producer options below; the trainer refuses a cache
 whose options differ from its own (``ensure_supervision_options_match``),
@@ -23,11 +33,67 @@ packed row of ``pack_seq_len`` slots at that multiple.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
 CACHE_NAME = "ep_cp_distill"
 FORMAT_VERSION = 1
 PRODUCER = "examples/precompute_cache.py"
 KEYS = ("input_ids", "seq_len", "loss_mask", "topk_logprobs", "topk_indices", "hidden")
+#: hidden states of the layers chosen with ``--layers`` (not read by the trainer)
+LAYER_KEY = "layer_hidden"
 #: per-token supervision the trainer packs alongside the ids
 TOKEN_KEYS = ("loss_mask", "topk_logprobs", "topk_indices", "hidden")
 #: options that change the stored supervision or the packing it was validated for
 CHECKED_OPTIONS = ("mask_prompt", "topk", "cp_size", "pad_to_multiple_of", "pack_seq_len")
+
+
+@dataclass(frozen=True)
+class CacheDims:
+    """The sizes a student must have to train on a cache."""
+
+    vocab_size: int  # rows of the target's output head: every cached top-k id is below it
+    hidden_size: int  # width of the cached ``hidden``
+    topk: int  # next-token candidates per position
+
+
+def cache_dims(manifest: Mapping[str, Any], cache_dir: str) -> CacheDims:
+    """Read the student's sizes from a manifest, checked against the stored schema.
+
+    Raises ValueError when the manifest's ``target`` / ``topk`` are missing or disagree
+    with the shapes of the stored ``hidden`` / ``topk_logprobs`` (a hand-edited or
+    foreign manifest).
+    """
+    target, topk = manifest.get("target"), manifest.get("topk")
+    if not isinstance(target, Mapping) or not isinstance(topk, int):
+        raise ValueError(
+            f"the cache at {cache_dir} does not record its target's sizes (manifest 'target' / "
+            f"'topk'); rebuild it with {PRODUCER}"
+        )
+    dims = CacheDims(int(target["vocab_size"]), int(target["hidden_size"]), topk)
+    schema = manifest.get("schema")  # {key: {"dtype", "shape"}}, checked by read_manifest
+    if isinstance(schema, Mapping):
+        stored = (schema["hidden"]["shape"][-1], schema["topk_logprobs"]["shape"][-1])
+        if stored != (dims.hidden_size, dims.topk):
+            raise ValueError(
+                f"the cache at {cache_dir} stores hidden width {stored[0]} and top-{stored[1]}, "
+                f"but its manifest records hidden_size={dims.hidden_size}, topk={dims.topk}; "
+                f"the manifest does not describe these shards: rebuild the cache with {PRODUCER}"
+            )
+    return dims
+
+
+def check_student_fits(student: Mapping[str, Any], dims: CacheDims, where: str) -> None:
+    """Refuse a student (a ``StudentConfig`` dict) sized for another cache's target.
+
+    ``where`` names the student's origin (a checkpoint) in the message.
+    """
+    have = (int(student["vocab_size"]), int(student["target_hidden_size"]))
+    if have != (dims.vocab_size, dims.hidden_size):
+        raise ValueError(
+            f"{where} holds a student for a target with vocabulary {have[0]} and hidden size "
+            f"{have[1]}, but this cache's target has vocabulary {dims.vocab_size} and hidden "
+            f"size {dims.hidden_size}: train on the cache it was trained on, or start a new run "
+            "in another --out directory"
+        )

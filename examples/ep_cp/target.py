@@ -14,6 +14,7 @@ from torch import nn
 
 from ep_cp.config import TargetConfig
 from ep_cp.rope import apply_rotary
+from ep_cp.supervision import cache_rows
 
 
 class _Block(nn.Module):
@@ -97,24 +98,11 @@ class TargetTransformer(nn.Module):
                 gets ``loss_mask == 0``, so only the "response" is supervised.
 
         Returns:
-            ``input_ids`` int64 ``[B, L]``, ``seq_len`` int64 ``[B]``,
-            ``loss_mask`` int64 ``[B, L]`` (1 = supervised real token),
-            ``topk_logprobs`` float32 ``[B, L, topk]``, ``topk_indices`` int64
-            ``[B, L, topk]``, ``hidden`` bfloat16 ``[B, L, hidden_size]``.
-            Padding slots hold zeros.
+            :func:`ep_cp.supervision.cache_rows`: ``input_ids``, ``seq_len``,
+            ``loss_mask``, ``topk_logprobs``, ``topk_indices``, ``hidden`` on CPU in
+            their stored dtypes, zeros on padding.
         """
         hidden, logits = self(input_ids)
-        logp = torch.log_softmax(logits.float(), dim=-1)
-        top_v, top_i = logp.topk(topk, dim=-1)
         ar = torch.arange(input_ids.shape[1], device=input_ids.device)[None, :]
-        real = ar < seq_len[:, None]
-        sup = real & (ar >= seq_len[:, None] // 4) if mask_prompt else real
-        keep = real[..., None]
-        return {
-            "input_ids": input_ids,
-            "seq_len": seq_len,
-            "loss_mask": sup.to(torch.int64),
-            "topk_logprobs": top_v.masked_fill(~keep, 0.0),
-            "topk_indices": top_i.masked_fill(~keep, 0),
-            "hidden": hidden.masked_fill(~keep, 0.0).to(torch.bfloat16),
-        }
+        sup = ar >= seq_len[:, None] // 4 if mask_prompt else torch.ones_like(ar, dtype=torch.bool)
+        return cache_rows(input_ids, seq_len, sup.expand_as(input_ids), logits, hidden, topk)
