@@ -7,8 +7,9 @@ BPE trained in-process with ``tokenizers`` on ``examples/data/sample_chat.jsonl`
 * the cached rows equal what the model computes for each sample run alone (no
   padding): top-k log-probs and ids, ``hidden_states[-1]``, the chosen layers;
 * the loss mask of a chat sample covers exactly its assistant turns;
-* the whole job: ``torchrun`` precompute on 2 ranks (the same shards as one process),
-  then 20 training steps at CP=2, EP=2 on 4 gloo ranks;
+* the whole job, as docs/own-model.md prints it: a tiny model directory, ``torchrun``
+  precompute on 2 ranks (the same shards as one process), then 20 training steps at
+  CP=2, EP=2 on 4 gloo ranks;
 * every bad input gets an error naming the flag / line and the fix.
 """
 
@@ -16,6 +17,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -186,51 +189,89 @@ def test_tokenizer_from_another_directory(model_dirs, tmp_path):
     assert manifest["data"]["tokenizer"] == os.path.abspath(model_dirs["llama"])
 
 
-def test_torchrun_precompute_then_train_cp2_ep2(model_dirs, caches, tmp_path):
-    """The docs' commands: 2-rank production (= the one-process shards), 20 steps on 4 ranks."""
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    cache = str(tmp_path / "cache")
-    argv = _precompute_argv(model_dirs["llama"], cache, "--layers", LAYERS, "--dtype", "fp32")
-    subprocess.run(
-        [*torchrun, "--nproc-per-node", "2", str(EXAMPLES / "precompute_cache.py"), *argv],
-        check=True, capture_output=True, timeout=240, env=_env(), cwd=REPO,
-    )  # fmt: skip
-    produced = json.loads(Path(cache, "manifest.json").read_text())
-    single = json.loads(Path(caches["llama"], "manifest.json").read_text())
-    assert [s["checksum"] for s in produced["shards"]] == [s["checksum"] for s in single["shards"]]
+def _docs_commands(section: str) -> list[str]:
+    """The bash lines of the first code block under ``section`` in docs/own-model.md."""
+    text = (REPO / "docs" / "own-model.md").read_text().split(section, 1)[1]
+    block = re.search(r"```bash\n(.*?)```", text, flags=re.S).group(1)
+    return [ln for ln in block.splitlines() if ln.strip() and not ln.startswith("#")]
 
-    train = tmp_path / "train"
-    cmd = [
-        *torchrun, "--nproc-per-node", "4", str(EXAMPLES / "train_ep_cp.py"),
-        "--cache-dir", cache, "--out", str(train), "--cp", "2", "--ep", "2",
-        "--steps", "20", "--batch-size", "4", "--log-every", "10",
-    ]  # fmt: skip
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=_env(), cwd=REPO)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    summary = json.loads((train / "summary.json").read_text())
+
+def test_docs_try_it_commands_run_the_whole_job(tmp_path):
+    """The docs' CPU try-out, run as printed (paths under tmp): tiny model, 2-rank
+    precompute (= the one-process shards), 20 steps at CP=2, EP=2 on 4 gloo ranks."""
+    commands = _docs_commands("### Try it on the CPU without a model")
+    assert len(commands) == 3
+    runs = tmp_path / "runs"
+    for line in commands:
+        argv = shlex.split(line.replace("runs/", f"{runs}/"))
+        assert argv[0] == ".venv/bin/python"
+        run = subprocess.run(
+            [sys.executable, *argv[1:]],
+            capture_output=True,
+            text=True,
+            timeout=240,
+            env=_env(),
+            cwd=REPO,
+        )
+        assert run.returncode == 0, f"{line}\n{run.stdout[-3000:]}{run.stderr[-3000:]}"
+    summary = json.loads((runs / "tiny-student" / "summary.json").read_text())
     assert summary["steps"] == 20 and (summary["cp"], summary["ep"], summary["dp"]) == (2, 2, 2)
     assert summary["loss_last"] < summary["loss_first"]
 
-    # the student is sized from the cache: resuming it on another target's cache is refused
+    # distributed production = one process over the same samples, byte for byte
     import precompute_cache
 
+    argv = shlex.split(commands[1].replace("runs/", f"{runs}/"))
+    argv = argv[argv.index("examples/precompute_cache.py") + 1 :]
+    argv[argv.index("--out") + 1] = str(tmp_path / "single")
+    torch.set_num_threads(1)
+    assert precompute_cache.main(argv) == 0
+    shards = [
+        json.loads((d / "manifest.json").read_text())["shards"]
+        for d in (runs / "tiny-cache", tmp_path / "single")
+    ]
+    assert [s["checksum"] for s in shards[0]] == [s["checksum"] for s in shards[1]]
+
+    # the student is sized from the cache: resuming it on another target's cache is refused
     other = str(tmp_path / "synthetic")
     assert precompute_cache.main(["--out", other, "--num-samples", "8", "--max-len", "32"]) == 0
-    resume = [
-        *torchrun,
+    torchrun = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
         "--nproc-per-node",
         "1",
-        str(EXAMPLES / "train_ep_cp.py"),
-        "--cache-dir",
-        other,
     ]
     run = subprocess.run(
-        [*resume, "--out", str(train), "--resume", "--steps", "30"],
+        [*torchrun, str(EXAMPLES / "train_ep_cp.py"), "--cache-dir", other,
+         "--out", str(runs / "tiny-student"), "--resume", "--steps", "30"],
         capture_output=True, text=True, timeout=120, env=_env(), cwd=REPO,
     )  # fmt: skip
     assert run.returncode != 0
     assert "holds a student for a target with vocabulary 640 and hidden size 48" in run.stderr
     assert "this cache's target has vocabulary 256 and hidden size 64" in run.stderr
+
+
+def test_docs_main_commands_parse():
+    """The docs' three commands name flags the scripts accept, with consistent values."""
+    import precompute_cache
+    import train_ep_cp
+
+    setup, pre, train = _docs_commands("## Three commands")
+    assert setup == "bash scripts/setup.sh"
+    pre_argv = shlex.split(pre)
+    args = precompute_cache.build_parser().parse_args(
+        pre_argv[pre_argv.index("examples/precompute_cache.py") + 1 :]
+    )
+    precompute_cache.check_args(args)
+    assert (args.model_dir, args.messages_key, args.dtype) == ("models/my-llm", "messages", "bf16")
+    tr_argv = shlex.split(train)
+    targs = train_ep_cp.build_parser().parse_args(
+        tr_argv[tr_argv.index("examples/train_ep_cp.py") + 1 :]
+    )
+    train_ep_cp.check_args(targs)
+    assert (targs.cache_dir, targs.cp) == (args.out, args.cp)
 
 
 # -- bad inputs -----------------------------------------------------------------------------
