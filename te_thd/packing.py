@@ -38,6 +38,8 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from te_thd.balance import plan_global_batch as plan_global_batch  # the planner, re-exported
+
 __all__ = [
     "PackingCollator",
     "assign_bins",
