@@ -68,9 +68,9 @@ _GOOD = 1.03
 # --------------------------------------------------------------------------- validation
 
 
-def _int_arg(name: str, value: Any, minimum: int) -> int:
+def _int_arg(name: str, value: Any, minimum: int, meaning: str = "") -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-        raise ValueError(f"{name}={value!r} must be an int >= {minimum}")
+        raise ValueError(f"{name}={value!r} must be an int >= {minimum}{meaning}")
     return int(value)
 
 
@@ -140,8 +140,8 @@ class _Batch:
 def _batch(
     lengths: Any, num_replicas: Any, seq_len: Any, pad_to_multiple_of: Any, attn_scale: Any
 ) -> _Batch:
-    R = _int_arg("num_replicas", num_replicas, 1)
-    S = _int_arg("seq_len", seq_len, 1)
+    R = _int_arg("num_replicas", num_replicas, 1, " (the data-parallel size)")
+    S = _int_arg("seq_len", seq_len, 1, " (token slots per row)")
     m = _int_arg("pad_to_multiple_of", pad_to_multiple_of, 1)
     L = _lengths_array(lengths)
     P = _padded(L, S, m)

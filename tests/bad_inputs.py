@@ -355,6 +355,9 @@ def _packing_rows() -> list[BadInput]:
     def pack(samples: Any, seq_len: int = 8, **kw: Any) -> Callable[[Path], Any]:
         return lambda _: pk.PackingCollator(seq_len, **kw)(samples)
 
+    def plan(*a: Any, **kw: Any) -> Callable[[Path], Any]:
+        return lambda _: pk.plan_global_batch(*a, **kw)
+
     return [
         BadInput("pack-seq-len", "packing", "seq_len is not an int >= 1", coll(0), _re("seq_len must be an int >= 1, got 0")),
         BadInput("pack-multiple", "packing", "pad_to_multiple_of is not an int >= 1", coll(8, pad_to_multiple_of=0),
@@ -415,6 +418,25 @@ def _packing_rows() -> list[BadInput]:
         BadInput("pack-flat-mapping", "packing", "flattened batch without position_ids",
                  lambda _: pk.unflatten_from_position_ids({"input_ids": ids}),
                  _re("a flattened batch must be a mapping holding 'position_ids'")),
+        BadInput("plan-overlong", "packing", "plan_global_batch: a length above seq_len once padded",
+                 plan([3, 9], 2, 10, pad_to_multiple_of=4),
+                 _re("lengths[1]=9 (padded to 12 with pad_to_multiple_of=4) > seq_len=10: a document must fit one row")),
+        BadInput("plan-replicas", "packing", "plan_global_batch: num_replicas < 1", plan([3], 0, 8),
+                 _re("num_replicas=0 must be an int >= 1")),
+        BadInput("plan-empty-document", "packing", "plan_global_batch: a length < 1", plan([3, 0], 1, 8),
+                 _re("lengths[1]=0: every document needs at least one token; drop empty documents")),
+        BadInput("plan-lengths-rank", "packing", "plan_global_batch: lengths not 1-D", plan([[3, 4]], 1, 8),
+                 _re("lengths must be 1-D (one length per document), got shape (1, 2)")),
+        BadInput("plan-lengths-dtype", "packing", "plan_global_batch: lengths not integers", plan([2.5], 1, 8),
+                 _re("lengths must be integers, got dtype float64")),
+        BadInput("plan-attn-scale", "packing", "plan_global_batch: attn_scale not > 0", plan([3], 1, 8, attn_scale=-1.0),
+                 _re("attn_scale=-1.0 must be > 0")),
+        BadInput("plan-rows-below-bound", "packing", "plan_global_batch: rows_per_replica below the lower bound",
+                 plan([6, 6, 6], 1, 8, rows_per_replica=2),
+                 _re("rows_per_replica=2 is too small") + ".*" + _re("need at least 3 rows of seq_len=8 per replica; pass rows_per_replica>=3 or None")),
+        BadInput("plan-rows-unpackable", "packing", "plan_global_batch: rows_per_replica at the bound but too few to pack",
+                 plan([4, 4, 4, 4, 4], 1, 10, rows_per_replica=2),
+                 _re("rows_per_replica=2 cannot hold this global batch") + ".*" + _re("needs 3 rows of seq_len=10 per replica (the lower bound is 2); pass rows_per_replica>=3 or None")),
     ]
 
 
