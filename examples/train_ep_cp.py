@@ -24,7 +24,9 @@ What one step does, and which te_thd piece does it:
 6. dense gradients are summed over data-parallel x CP, expert gradients over the
    expert-data-parallel group, the global norm is clipped, AdamW steps;
 7. every ``--save-every`` steps a checkpoint (model, optimizer, LR schedule, sampler
-   position, RNG) is written; ``--resume`` continues from the latest one.
+   position, RNG) is written; ``--resume`` continues from the latest one, keeping the
+   checkpoint's LR schedule (``--resume --steps N`` past the schedule's end trains at
+   its floor LR, and says so).
 
 Rank 0 logs loss, tokens/s and the data-wait share of the step time, shows a tqdm
 bar on a terminal, appends every step to ``<out>/metrics.jsonl`` and ends with a
@@ -168,18 +170,60 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--lr={args.lr} must be > 0")
 
 
-def lr_lambda(args: argparse.Namespace):
-    """Linear warm-up, then cosine decay to ``min_lr_ratio``."""
+class LrSchedule:
+    """LR factor per step: linear warm-up, then cosine decay to ``min_lr_ratio`` at ``steps``.
 
-    def f(step: int) -> float:
-        if step < args.warmup:
-            return (step + 1) / args.warmup
-        progress = min(1.0, (step - args.warmup) / max(1, args.steps - args.warmup))
-        return args.min_lr_ratio + (1 - args.min_lr_ratio) * 0.5 * (
+    A callable object, not a closure: ``LambdaLR.state_dict`` saves a callable object's
+    attributes, so every checkpoint carries the schedule it was trained with and
+    ``--resume`` keeps it (:func:`schedule_note` says so when the flags differ).
+    """
+
+    def __init__(self, steps: int, warmup: int, min_lr_ratio: float) -> None:
+        self.steps = steps
+        self.warmup = warmup
+        self.min_lr_ratio = min_lr_ratio
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup:
+            return (step + 1) / self.warmup
+        progress = min(1.0, (step - self.warmup) / max(1, self.steps - self.warmup))
+        return self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (
             1 + math.cos(math.pi * progress)
         )
 
-    return f
+
+def schedule_note(
+    scheduler: torch.optim.lr_scheduler.LambdaLR, saved: dict[str, Any], args: argparse.Namespace
+) -> str | None:
+    """What ``--resume`` did with the LR schedule, when that is not what the flags say.
+
+    ``saved`` is the checkpoint's scheduler state (already loaded into ``scheduler``).
+    """
+    sched: LrSchedule = scheduler.lr_lambdas[0]  # type: ignore[assignment]
+    if not saved.get("lr_lambdas") or saved["lr_lambdas"][0] is None:
+        return (
+            f"--resume: the checkpoint holds no LR schedule; it is recomputed from the flags "
+            f"(cosine over --steps {args.steps}), so the LR may jump at the resumed step"
+        )
+    base_lr = scheduler.base_lrs[0]
+    ours = {"--steps": sched.steps, "--warmup": sched.warmup,
+            "--min-lr-ratio": sched.min_lr_ratio, "--lr": base_lr}  # fmt: skip
+    flags = {"--steps": args.steps, "--warmup": args.warmup,
+             "--min-lr-ratio": args.min_lr_ratio, "--lr": args.lr}  # fmt: skip
+    changed = [f"{k} {flags[k]:g}" for k in ours if ours[k] != flags[k]]
+    if not changed:
+        return None
+    floor = base_lr * sched.min_lr_ratio
+    tail = (
+        f"; steps {sched.steps + 1}-{args.steps} run at its floor lr {floor:.2e}"
+        if args.steps > sched.steps
+        else ""
+    )
+    return (
+        f"--resume: keeping the checkpoint's LR schedule (lr {base_lr:.2e}, warm-up "
+        f"{sched.warmup}, cosine to {floor:.2e} over {sched.steps} steps); {', '.join(changed)} "
+        f"does not change it{tail}. For a new schedule, train into a new --out"
+    )
 
 
 def open_cache(args: argparse.Namespace, cp: int) -> tuple[dict[str, Any], int]:
@@ -300,7 +344,9 @@ def main(argv: list[str] | None = None) -> int:
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay
     )
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, LrSchedule(args.steps, args.warmup, args.min_lr_ratio)
+    )
 
     layout = {
         "world_size": ctx.world_size,
@@ -326,6 +372,9 @@ def main(argv: list[str] | None = None) -> int:
             epoch, loader_state = int(state["epoch"]), state["loader"]
             if rank0:
                 print(f"resumed from step {step} ({ckpt_dir})", flush=True)
+                note = schedule_note(scheduler, state["scheduler"], args)
+                if note:
+                    print(note, flush=True)
         elif rank0:
             print(f"--resume: no checkpoint in {ckpt_dir}, starting at step 0", flush=True)
     if step >= args.steps:

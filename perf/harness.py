@@ -24,13 +24,26 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-#: The reference implementation every "reference" baseline means (installed with
-#: ``--no-deps`` by ``perf/run.py`` when missing; benches must run without it).
-REFERENCE_REQUIREMENT = "nemo-automodel==0.7.0"
-REFERENCE_VERSION = "0.7.0"
+#: The file naming the reference implementation every "reference" baseline means;
+#: ``scripts/setup.sh`` installs it with ``--no-deps`` (benches must run without it).
+REFERENCE_REQUIREMENTS_FILE = Path(__file__).resolve().parent / "reference-requirements.txt"
+
+
+def _reference_requirement(path: Path = REFERENCE_REQUIREMENTS_FILE) -> str:
+    """The one ``name==version`` line of ``path`` (comments and blank lines skipped)."""
+    lines = [ln.strip() for ln in path.read_text().splitlines()]
+    reqs = [ln for ln in lines if ln and not ln.startswith("#")]
+    if len(reqs) != 1 or "==" not in reqs[0]:
+        raise ValueError(f"{path} must hold exactly one 'name==version' line, got {reqs}")
+    return reqs[0]
+
+
+REFERENCE_REQUIREMENT = _reference_requirement()
+REFERENCE_VERSION = REFERENCE_REQUIREMENT.split("==", 1)[1]
 
 
 @dataclass

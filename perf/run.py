@@ -2,10 +2,10 @@
 
     python perf/run.py [--quick] [--check] [--only NAME ...]     (also: te-thd bench ...)
 
-1. Makes sure the reference implementation (nemo-automodel 0.7.0) is installed
-   with ``--no-deps`` into this interpreter's environment; when it cannot be
-   installed the suite says so and runs the rest (reference ratios are then
-   absent and their goals reported as skipped).
+1. Looks for the reference implementation (``perf/reference-requirements.txt``,
+   which ``scripts/setup.sh`` installs with ``--no-deps``); it never installs
+   anything. When it is missing the suite says what to run, runs the rest, and
+   reports the reference goals as skipped.
 2. Discovers ``bench_*.py`` next to this file and runs each ``run(quick)`` in
    its own subprocess: a bench that raises, crashes or hangs is an error for
    that bench only, and no bench inherits another's memory or worker threads.
@@ -23,6 +23,7 @@ import json
 import math
 import os
 import resource
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -37,11 +38,19 @@ if str(PERF_DIR) not in sys.path:
     sys.path.insert(0, str(PERF_DIR))
 
 from goals import GoalResult, evaluate, failures, load_goals  # noqa: E402
-from harness import NO_REFERENCE_ENV, REFERENCE_REQUIREMENT, REFERENCE_VERSION, Record  # noqa: E402
+from harness import (  # noqa: E402
+    NO_REFERENCE_ENV,
+    REFERENCE_REQUIREMENT,
+    REFERENCE_REQUIREMENTS_FILE,
+    REFERENCE_VERSION,
+    Record,
+)
 
 #: --quick is meant to finish within this many seconds on 2 cores (whole suite)
 QUICK_BUDGET_S = 120.0
 DEFAULT_TIMEOUT_S = {"quick": 180.0, "full": 1800.0}
+#: The name usage and errors show: ``te-thd bench`` sets it when it runs this script.
+PROG_ENV = "TE_THD_BENCH_PROG"
 
 
 # --------------------------------------------------------------------------- reference
@@ -56,12 +65,19 @@ def _installed_reference_version() -> str | None:
         return None
 
 
-def ensure_reference(install: bool) -> dict[str, Any]:
-    """Install the reference with ``pip --no-deps`` when missing; never fail the suite.
+def install_reference_command() -> str:
+    """The command that installs the reference baseline into this interpreter's environment."""
+    return shlex.join(
+        [sys.executable, "-m", "pip", "install", "--no-deps", "-r", str(REFERENCE_REQUIREMENTS_FILE)]
+    )
 
-    Returns ``{"available": bool, "version": str|None, "detail": str}``. An other
-    installed version is left alone (the goals were set against 0.7.0, so its
-    ratios would not compare) and reported as unavailable.
+
+def reference_status() -> dict[str, Any]:
+    """Whether the reference baseline is usable; never installs anything.
+
+    Returns ``{"available": bool, "version": str|None, "detail": str}``. Another
+    installed version is reported as unavailable (the goals were set against the
+    pinned one, so its ratios would not compare); ``detail`` then says what to run.
     """
     if os.environ.get(NO_REFERENCE_ENV) == "1":
         return {"available": False, "version": None,
@@ -69,29 +85,10 @@ def ensure_reference(install: bool) -> dict[str, Any]:
     have = _installed_reference_version()
     if have == REFERENCE_VERSION:
         return {"available": True, "version": have, "detail": "installed"}
-    if have is not None:
-        return {"available": False, "version": have,
-                "detail": f"nemo-automodel {have} is installed; the baselines need "
-                f"{REFERENCE_REQUIREMENT} (pip install --no-deps {REFERENCE_REQUIREMENT})"}
-    if not install:
-        return {"available": False, "version": None,
-                "detail": f"not installed and installation disabled; run "
-                f"`{sys.executable} -m pip install --no-deps {REFERENCE_REQUIREMENT}`"}
-    print(f"[perf] installing the reference baseline: pip install --no-deps {REFERENCE_REQUIREMENT}",
-          flush=True)
-    cmd = [sys.executable, "-m", "pip", "install", "--disable-pip-version-check", "-q",
-           "--no-deps", REFERENCE_REQUIREMENT]
-    try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-        ok, why = r.returncode == 0, (r.stderr or r.stdout).strip().splitlines()[-1:] or [""]
-    except (OSError, subprocess.TimeoutExpired) as e:
-        ok, why = False, [str(e)]
-    importlib.invalidate_caches()
-    have = _installed_reference_version()
-    if ok and have == REFERENCE_VERSION:
-        return {"available": True, "version": have, "detail": "installed by perf/run.py (--no-deps)"}
+    found = "not installed" if have is None else f"nemo-automodel {have} is installed"
     return {"available": False, "version": have,
-            "detail": f"pip install --no-deps {REFERENCE_REQUIREMENT} failed: {why[0]}"}
+            "detail": f"{found}; the baselines need {REFERENCE_REQUIREMENT}, installed without "
+            f"its dependencies by scripts/setup.sh or `{install_reference_command()}`"}
 
 
 # --------------------------------------------------------------------------- benches
@@ -251,11 +248,15 @@ def merge_attempts(attempts: list[list[dict[str, Any]]]) -> list[dict[str, Any]]
 # --------------------------------------------------------------------------- main
 
 
+def _prog() -> str:
+    return os.environ.get(PROG_ENV) or "perf/run.py"
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--"]:  # `te-thd bench -- --quick` passes the separator through
         argv = argv[1:]
-    ap = argparse.ArgumentParser(prog="perf/run.py", description=__doc__.split("\n\n")[0],
+    ap = argparse.ArgumentParser(prog=_prog(), description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true",
                     help=f"small sizes, fewer trials: the whole suite in < {QUICK_BUDGET_S:.0f} s on 2 cores")
@@ -267,9 +268,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="with --check: re-run a bench that missed a goal N more times and judge "
                     "the medians of all its runs (default 2; 0: judge the first run)")
     ap.add_argument("--list", action="store_true", help="list the benches and goals, run nothing")
-    ap.add_argument("--no-install", action="store_true",
-                    help="do not pip-install the reference baseline when it is missing "
-                    "(also: TE_THD_PERF_NO_INSTALL=1)")
     ap.add_argument("--no-reference", action="store_true",
                     help="run as if the reference were not installed (benches skip its baselines)")
     ap.add_argument("--bench-dir", type=Path, default=PERF_DIR, help=argparse.SUPPRESS)
@@ -300,14 +298,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         goals = load_goals(args.thresholds)
     except ValueError as e:
-        print(f"perf/run.py: {e}", file=sys.stderr)
+        print(f"{_prog()}: {e}", file=sys.stderr)
         return 2
     benches = discover(args.bench_dir.resolve())
     wanted = {n.strip().removeprefix("bench_").removesuffix(".py")
               for item in args.only for n in item.split(",") if n.strip()}
     unknown = sorted(wanted - set(benches))
     if unknown:
-        print(f"perf/run.py: --only {', '.join(unknown)}: no such bench in {args.bench_dir}; "
+        print(f"{_prog()}: --only {', '.join(unknown)}: no such bench in {args.bench_dir}; "
               f"available: {', '.join(benches) or '(none)'}", file=sys.stderr)
         return 2
     selected = wanted or set(benches)
@@ -325,11 +323,10 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.no_reference:
         os.environ[NO_REFERENCE_ENV] = "1"  # inherited by every bench process
-    install = not (args.no_install or os.environ.get("TE_THD_PERF_NO_INSTALL") == "1")
-    reference = ensure_reference(install)
+    reference = reference_status()
     if not reference["available"]:
         print(f"[perf] reference implementation unavailable: {reference['detail']}; "
-              "running the other baselines only", flush=True)
+              "running the other baselines only (its goals are reported as skipped)", flush=True)
 
     timeout_s = args.timeout or DEFAULT_TIMEOUT_S[mode]
     entries: list[dict[str, Any]] = []

@@ -12,4 +12,9 @@ if [ ! -x "$VENV/bin/python" ]; then python3 -m venv "$VENV"; fi
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
 "${PIP[@]}" install "torch==2.13.0"
 "${PIP[@]}" install -e ".[test,perf,examples]"
+# perf/'s reference baseline, without its dependencies (they would replace the pinned
+# torch; an extra cannot say --no-deps). The benches run without it, reporting its goals
+# as skipped, so a failed download only warns.
+"${PIP[@]}" install --no-deps -r perf/reference-requirements.txt \
+  || echo "warning: perf reference baseline not installed (see perf/reference-requirements.txt)" >&2
 echo "te_thd environment ready in $VENV" >&2

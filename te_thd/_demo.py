@@ -18,6 +18,7 @@ so the demo works from a virtual environment without activating it.
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import subprocess
 import sys
@@ -43,7 +44,9 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--num-samples", type=int, default=1024, help="samples in the synthetic dataset")
     p.add_argument(
-        "--resume", action="store_true", help="continue the previous demo run from its checkpoint"
+        "--resume",
+        action="store_true",
+        help="continue the previous demo run from its checkpoint (keeping its LR schedule)",
     )
 
 
@@ -62,7 +65,11 @@ def _check(args: argparse.Namespace) -> None:
 
 def _run(title: str, cmd: list[str]) -> int:
     print(f"\n== {title}\n$ {shlex.join(cmd)}", flush=True)
-    return subprocess.call(cmd, cwd=REPO_ROOT)
+    # torchrun sets one OpenMP thread per rank anyway and prints a banner saying so when
+    # the variable is unset; setting it here keeps that value (unless the user chose one)
+    # without the banner
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    return subprocess.call(cmd, cwd=REPO_ROOT, env=env)
 
 
 def run_demo(args: argparse.Namespace) -> int:

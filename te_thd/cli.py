@@ -7,6 +7,7 @@ CLI does is also callable (and tested) from Python.
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -31,7 +32,9 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    return subprocess.call([sys.executable, str(script), *args.rest])
+    # perf/run.py names itself after the command that ran it (usage, errors)
+    env = {**os.environ, "TE_THD_BENCH_PROG": "te-thd bench"}
+    return subprocess.call([sys.executable, str(script), *args.rest], env=env)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -35,7 +36,20 @@ def cache_dir(tmp_path_factory) -> str:
 
 
 def _env() -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    # Python's default warning filters (no PYTHONWARNINGS): the runs show what a user sees.
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("PYTHONWARNINGS", None)
+    return env
+
+
+@pytest.fixture(scope="module")
+def reference_run(cache_dir: str, tmp_path_factory) -> tuple[Path, str, list[dict]]:
+    """An uninterrupted run: its directory, its output and its metrics."""
+    out = tmp_path_factory.mktemp("resume_ref") / "ref"
+    ref = _train(cache_dir, out)
+    ref_out, _ = ref.communicate(timeout=300)
+    assert ref.returncode == 0, ref_out
+    return out, ref_out, _metrics(out)
 
 
 def _train(cache_dir: str, out: Path, *extra: str) -> subprocess.Popen:
@@ -110,11 +124,10 @@ def _kill_job(proc: subprocess.Popen) -> None:
             pass
 
 
-def test_sigkill_then_resume_matches_uninterrupted_run(cache_dir: str, tmp_path: Path):
-    ref = _train(cache_dir, tmp_path / "ref")
-    ref_out, _ = ref.communicate(timeout=300)
-    assert ref.returncode == 0, ref_out
-    expected = _metrics(tmp_path / "ref")
+def test_sigkill_then_resume_matches_uninterrupted_run(
+    cache_dir: str, reference_run: tuple[Path, str, list[dict]], tmp_path: Path
+):
+    _, ref_out, expected = reference_run
     assert [r["step"] for r in expected] == list(range(1, STEPS + 1))
     assert "summary:" in ref_out
 
@@ -148,3 +161,36 @@ def test_sigkill_then_resume_matches_uninterrupted_run(cache_dir: str, tmp_path:
         for key in ("loss", "kl", "mse", "aux", "grad_norm", "lr", "tokens"):
             assert a[key] == b[key], (a["step"], key, a[key], b[key])
     assert got[-1]["loss"] < got[0]["loss"]  # and it trains
+
+
+def test_examples_print_no_megatron_te_apex_warning(reference_run: tuple[Path, str, list[dict]]):
+    _, ref_out, _ = reference_run
+    # megatron-core warns this at import on every rank without TE/Apex; the example
+    # filters exactly that message (its other warnings would still show)
+    assert "Transformer Engine and Apex are not installed" not in ref_out
+    assert "resumed from step" not in ref_out
+
+
+def test_resume_past_the_end_keeps_the_checkpoints_lr_schedule(
+    cache_dir: str, reference_run: tuple[Path, str, list[dict]], tmp_path: Path
+):
+    ref_dir, _, expected = reference_run
+    run = tmp_path / "extended"
+    shutil.copytree(ref_dir, run)
+    longer = STEPS + 4
+    job = _train(cache_dir, run, "--resume", "--steps", str(longer))
+    out, _ = job.communicate(timeout=300)
+    assert job.returncode == 0, out
+    floor = 3e-3 * 0.1  # --lr's default x --min-lr-ratio's default
+    assert f"resumed from step {STEPS}" in out
+    assert (
+        "--resume: keeping the checkpoint's LR schedule (lr 3.00e-03, warm-up 10, cosine to "
+        f"3.00e-04 over {STEPS} steps); --steps {longer} does not change it; steps "
+        f"{STEPS + 1}-{longer} run at its floor lr 3.00e-04. For a new schedule, train into a "
+        "new --out"
+    ) in out, out
+    got = _metrics(run)
+    assert [r["step"] for r in got] == list(range(1, longer + 1))
+    assert got[:STEPS] == expected
+    # a schedule recomputed over the new --steps would put step 15 back up at 1.65e-03
+    assert [r["lr"] for r in got[STEPS:]] == pytest.approx([floor] * 4, rel=1e-12)

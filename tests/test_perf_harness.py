@@ -136,7 +136,7 @@ def fake_suite(tmp_path):
 
 def _run(fake_suite, *args: str) -> subprocess.CompletedProcess:
     bench_dir, thresholds, results = fake_suite
-    cmd = [sys.executable, str(PERF / "run.py"), "--no-install", "--quick", "--bench-dir", str(bench_dir),
+    cmd = [sys.executable, str(PERF / "run.py"), "--quick", "--bench-dir", str(bench_dir),
            "--thresholds", str(thresholds), "--results-dir", str(results), *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=60)
 
@@ -181,7 +181,8 @@ def test_check_fails_naming_misses_and_report_files(fake_suite):
     assert "--only nosuch: no such bench" in p.stderr and "available: boom, good, slow" in p.stderr
 
 
-def test_missing_reference_is_reported_and_its_goals_skipped(tmp_path):
+def _reference_suite(tmp_path: Path) -> list[str]:
+    """A one-bench suite with a reference goal and a floor goal; run.py's arguments for it."""
     bench_dir = tmp_path / "benches"
     bench_dir.mkdir()
     (bench_dir / "bench_conv.py").write_text(
@@ -198,9 +199,13 @@ def test_missing_reference_is_reported_and_its_goals_skipped(tmp_path):
         {"id": "vs-floor", "bench": "conv", "baseline": "floor", "min_ratio": 1.5, "statement": "1.5x floor"},
     ]
     (tmp_path / "t.json").write_text(json.dumps({"goals": goals}))
+    return ["--quick", "--check", "--bench-dir", str(bench_dir), "--thresholds", str(tmp_path / "t.json"),
+            "--results-dir", str(tmp_path / "r")]
+
+
+def test_missing_reference_is_reported_and_its_goals_skipped(tmp_path):
     p = subprocess.run(
-        [sys.executable, str(PERF / "run.py"), "--quick", "--check", "--no-reference", "--bench-dir",
-         str(bench_dir), "--thresholds", str(tmp_path / "t.json"), "--results-dir", str(tmp_path / "r")],
+        [sys.executable, str(PERF / "run.py"), "--no-reference", *_reference_suite(tmp_path)],
         capture_output=True, text=True, timeout=60,
     )
     assert p.returncode == 0, p.stdout + p.stderr
@@ -227,7 +232,7 @@ def test_check_confirms_a_miss_with_the_median_of_three_runs(tmp_path):
     )
     goals = [{"id": "flaky-2x", "bench": "flaky", "baseline": "base", "min_ratio": 2, "statement": "2x"}]
     (tmp_path / "t.json").write_text(json.dumps({"noise_margin": 0.1, "goals": goals}))
-    base_cmd = [sys.executable, str(PERF / "run.py"), "--quick", "--no-install", "--bench-dir", str(bench_dir),
+    base_cmd = [sys.executable, str(PERF / "run.py"), "--quick", "--bench-dir", str(bench_dir),
                 "--thresholds", str(tmp_path / "t.json"), "--results-dir", str(tmp_path / "r")]
     p = subprocess.run([*base_cmd, "--check"], capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stdout + p.stderr
@@ -243,3 +248,49 @@ def test_check_confirms_a_miss_with_the_median_of_three_runs(tmp_path):
     counter.unlink()
     p = subprocess.run([*base_cmd, "--check", "--confirm", "0"], capture_output=True, text=True, timeout=60)
     assert p.returncode == 1 and "goal flaky-2x" in p.stderr
+
+
+def test_run_never_installs_the_reference_and_says_how_to(tmp_path, monkeypatch, capsys):
+    import run as perf_run
+    from harness import REFERENCE_REQUIREMENT, REFERENCE_REQUIREMENTS_FILE
+
+    launched: list[list[str]] = []
+
+    class RecordingPopen(subprocess.Popen):
+        def __init__(self, args, *a, **kw):
+            launched.append([str(x) for x in args])
+            super().__init__(args, *a, **kw)
+
+    monkeypatch.setattr(subprocess, "Popen", RecordingPopen)
+    monkeypatch.setattr(perf_run, "_installed_reference_version", lambda: None)
+    monkeypatch.delenv("TE_THD_PERF_NO_REFERENCE", raising=False)
+    assert perf_run.main(_reference_suite(tmp_path)) == 0
+    out = capsys.readouterr().out
+    assert launched, "the bench runs in a subprocess: the recorder must have seen it"
+    assert not [a for a in launched if "pip" in a], launched
+    hint = f"{sys.executable} -m pip install --no-deps -r {REFERENCE_REQUIREMENTS_FILE}"
+    assert f"reference implementation unavailable: not installed; the baselines need {REFERENCE_REQUIREMENT}" in out
+    assert hint in out and "its goals are reported as skipped" in out
+    doc = json.loads((tmp_path / "r" / "latest-quick.json").read_text())
+    assert doc["reference"]["available"] is False and hint in doc["reference"]["detail"]
+
+
+def test_reference_requirement_file_pins_one_version(tmp_path):
+    from harness import REFERENCE_REQUIREMENT, REFERENCE_VERSION, _reference_requirement
+
+    assert REFERENCE_REQUIREMENT == f"nemo-automodel=={REFERENCE_VERSION}"
+    bad = tmp_path / "req.txt"
+    bad.write_text("# two pins\nnemo-automodel==0.7.0\nnemo-automodel==0.8.0\n")
+    with pytest.raises(ValueError, match="must hold exactly one 'name==version' line"):
+        _reference_requirement(bad)
+
+
+def test_te_thd_bench_help_and_errors_name_te_thd_bench():
+    p = subprocess.run([sys.executable, "-c", "import sys; from te_thd.cli import main; sys.exit(main())",
+                        "bench", "--help"], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.startswith("usage: te-thd bench [-h] [--quick] [--check]"), p.stdout
+    assert "perf/run.py" not in p.stdout.split("\n\n")[0]
+    p = subprocess.run([sys.executable, "-c", "import sys; from te_thd.cli import main; sys.exit(main())",
+                        "bench", "--only", "nosuch"], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and p.stderr.startswith("te-thd bench: --only nosuch: no such bench"), p.stderr
