@@ -4,6 +4,9 @@ The path a batch takes through the package, one public function per arrow::
 
     sample dicts -> te_thd.packing -> te_thd.thd_utils -> te_thd.cp -> te_thd.attention -> model
 
+The contract between those arrows is :class:`te_thd.ThdLayout` (``te_thd.layout``):
+the boundaries and host-side values of one packed stream, validated once.
+
 Beside it, ``te_thd.offline_cache`` stores per-sample tensors a frozen model
 produced (format -> writer -> reader) and feeds them to the same collate.
 
@@ -18,13 +21,17 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-_SUBMODULES = ("thd_utils", "cp", "packing", "attention", "offline_cache", "cli")
+_SUBMODULES = ("thd_utils", "layout", "cp", "packing", "attention", "offline_cache", "cli")
+# Public names re-exported at the top level, each from the submodule that defines it.
+_NAMES = {"ThdLayout": "layout"}
 
 
 def __getattr__(name: str) -> Any:
     if name in _SUBMODULES:
         return importlib.import_module(f"{__name__}.{name}")
+    if name in _NAMES:
+        return getattr(importlib.import_module(f"{__name__}.{_NAMES[name]}"), name)
     raise AttributeError(f"module 'te_thd' has no attribute {name!r}")
 
 
-__all__ = list(_SUBMODULES)  # __version__ is importable too; __all__ names public API only
+__all__ = ["ThdLayout", *_SUBMODULES]  # __version__ is importable too; __all__ names public API only

@@ -39,6 +39,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from te_thd.layout import LAYOUT_KEY, ThdLayout, check_cp_args
+
 __all__ = [
     "cp_rank_to_sequence_order",
     "partition_indices",
@@ -55,22 +57,6 @@ _TOKEN_KEYS = ("input_ids", "labels", "padding_mask")
 
 
 # --------------------------------------------------------------------------- checks
-
-
-def _check_cp_args(cp_size: Any, *cp_rank: Any) -> None:
-    """Check ``cp_size`` and, when given, ``cp_rank``."""
-    if isinstance(cp_size, bool) or not isinstance(cp_size, int) or cp_size < 1:
-        raise ValueError(f"cp_size must be an int >= 1, got {cp_size!r}")
-    for rank in cp_rank:
-        _check_cp_rank(cp_size, rank)
-
-
-def _check_cp_rank(cp_size: int, cp_rank: Any) -> None:
-    if isinstance(cp_rank, bool) or not isinstance(cp_rank, int) or not 0 <= cp_rank < cp_size:
-        raise ValueError(
-            f"cp_rank must be an int in [0, cp_size={cp_size}), got {cp_rank!r}; "
-            "pass this process's rank in its context-parallel group"
-        )
 
 
 def _check_total_tokens(total_tokens: Any) -> None:
@@ -215,7 +201,7 @@ def validate_cp_layout(
             ``2 * cp_size``; or boundaries that do not start at 0, decrease, or do not
             end at ``total_tokens``.
     """
-    _check_cp_args(cp_size)
+    check_cp_args(cp_size)
     _check_boundaries_tensor(cu_seqlens_padded, num_seqs)
     _check_total_tokens(total_tokens)
     _validated_np(_host_boundaries(cu_seqlens_padded), total_tokens, cp_size, num_seqs)
@@ -450,7 +436,7 @@ def partition_indices(
         sequence in order, its chunk ``cp_rank`` then its chunk ``2*cp_size-1-cp_rank``.
         ``cp_size == 1`` gives ``arange(total_tokens)`` (TE's rule reduces to the identity).
     """
-    _check_cp_args(cp_size, cp_rank)
+    check_cp_args(cp_size, cp_rank)
     return _indices(cu_seqlens_padded, total_tokens, cp_size, [cp_rank], num_seqs, check)
 
 
@@ -462,7 +448,7 @@ def _rank_order_permutation(
     check: bool | None,
 ) -> torch.Tensor:
     """int64 ``[T]``: concatenation of ``partition_indices`` for ranks 0..cp_size-1."""
-    _check_cp_args(cp_size)
+    check_cp_args(cp_size)
     return _indices(cu_seqlens_padded, total_tokens, cp_size, list(range(cp_size)), num_seqs, check)
 
 
@@ -541,12 +527,13 @@ def _index_on(
 
 
 def shard_thd_batch_for_cp(
-    thd_batch: Mapping[str, Any],
+    thd: Mapping[str, Any],
     cp_size: int,
     cp_rank: int,
     extra_keys: Sequence[str] = (),
     *,
     num_seqs: int | None = None,
+    layout: ThdLayout | None = None,
 ) -> dict[str, Any]:
     """Slice a converted THD batch (``process_input_for_thd`` output) for one CP rank.
 
@@ -559,12 +546,15 @@ def shard_thd_batch_for_cp(
     ``cp_group`` expects the global boundaries. The output also records ``cp_size`` and
     ``cp_rank``.
 
-    The partition uses ``cu_seqlens_padded`` (``cu_seqlens`` when the batch has no
-    padded boundaries). ``num_seqs`` is the host-side valid count for a sentinel-padded
-    boundary array. Index tensors are built on the boundaries' device and moved to
-    each tensor's device with ``non_blocking=True``.
+    The partition uses the batch's :class:`~te_thd.layout.ThdLayout` when there is one
+    (``layout=``, or the batch's ``"thd_layout"`` entry; the output then carries
+    ``layout.sharded(cp_size, cp_rank)`` under ``"thd_layout"``), else the dict's
+    ``cu_seqlens_padded`` (``cu_seqlens`` when it has no padded boundaries), with
+    ``num_seqs`` the host-side valid count of a sentinel-padded boundary array. Index
+    tensors are built on the boundaries' device and moved to each tensor's device
+    with ``non_blocking=True``.
 
-    ``cp_size == 1`` returns ``thd_batch`` itself, unchanged.
+    ``cp_size == 1`` returns ``thd`` itself, unchanged.
 
     Raises:
         ValueError: bad ``cp_size`` / ``cp_rank``; missing ``input_ids`` or boundaries;
@@ -575,40 +565,83 @@ def shard_thd_batch_for_cp(
     # the Python here is kept lean: valid arguments are accepted by cheap exact tests
     # and only anything else goes to the full checks (same errors, same messages).
     if type(cp_size) is not int or type(cp_rank) is not int or not 0 <= cp_rank < cp_size:
-        _check_cp_args(cp_size, cp_rank)
+        check_cp_args(cp_size, cp_rank)
     if isinstance(extra_keys, str):
         raise ValueError(
             f"extra_keys must be a sequence of key names, got the string {extra_keys!r}; "
             f"write extra_keys=({extra_keys!r},)"
         )
     if cp_size == 1:
-        return thd_batch  # type: ignore[return-value]
-    get = thd_batch.get
-    input_ids = get("input_ids")
+        return thd  # type: ignore[return-value]
+    total = _token_count(thd)
+    if layout is None:
+        layout = thd.get(LAYOUT_KEY)
+    if isinstance(layout, ThdLayout):
+        cu, num_seqs = _layout_boundaries(layout, total)
+    else:
+        layout = None
+        cu, num_seqs = _dict_boundaries(thd, num_seqs)
+    out = _gather_tokens(thd, _rank_indices(cu, total, cp_size, cp_rank, num_seqs), extra_keys)
+    out["cp_size"] = cp_size
+    out["cp_rank"] = cp_rank
+    if layout is not None:
+        out[LAYOUT_KEY] = layout.sharded(cp_size, cp_rank)
+    return out
+
+
+def _token_count(thd: Mapping[str, Any]) -> int:
+    """``T`` of an unsharded converted batch, from its ``input_ids`` ``[T]`` / ``[T, H]``."""
+    input_ids = thd.get("input_ids") if isinstance(thd, Mapping) else None
     if not isinstance(input_ids, torch.Tensor):
         raise ValueError(
-            "thd_batch must hold the flattened token tensor 'input_ids' ([T] or [T, H]); "
+            "thd must hold the flattened token tensor 'input_ids' ([T] or [T, H]); "
             "convert the BSHD batch with te_thd.thd_utils.process_input_for_thd first"
         )
     if input_ids.dim() not in (1, 2):
         raise ValueError(
-            f"thd_batch['input_ids'] must be [T] or [T, H], got shape {tuple(input_ids.shape)}; "
+            f"thd['input_ids'] must be [T] or [T, H], got shape {tuple(input_ids.shape)}; "
             "a chunked batch ([C, ...]) must be sharded one chunk at a time"
         )
-    total = input_ids.shape[0]
-    cu = get("cu_seqlens_padded")
+    return input_ids.shape[0]
+
+
+def _layout_boundaries(layout: ThdLayout, total: int) -> tuple[torch.Tensor, int]:
+    """Partition input of a batch whose layout is known: its padded boundaries and ``N``."""
+    if layout.cp_size != 1:
+        raise ValueError(
+            f"the batch's ThdLayout is already sharded (cp_size={layout.cp_size}, "
+            f"cp_rank={layout.cp_rank}); shard the unsharded batch once per rank"
+        )
+    if layout.total_tokens is not None and layout.total_tokens != total:
+        raise ValueError(
+            f"the ThdLayout covers total_tokens={layout.total_tokens} but thd['input_ids'] "
+            f"holds {total} tokens; pass the layout built from this batch "
+            "(ThdLayout.from_thd(thd))"
+        )
+    return layout.cu_seqlens_padded, layout.num_seqs
+
+
+def _dict_boundaries(thd: Mapping[str, Any], num_seqs: int | None) -> tuple[Any, int | None]:
+    """Partition input read from a batch dict: padded boundaries and the host count."""
+    cu = thd.get("cu_seqlens_padded")
     if cu is None:
-        cu = get("cu_seqlens")
+        cu = thd.get("cu_seqlens")
     if not isinstance(cu, torch.Tensor):
         raise ValueError(
-            "thd_batch must hold 'cu_seqlens_padded' (or 'cu_seqlens') as a tensor; "
+            "thd must hold 'cu_seqlens_padded' (or 'cu_seqlens') as a tensor; "
             "convert the BSHD batch with te_thd.thd_utils.process_input_for_thd first"
         )
     if num_seqs is None:
-        stored = get("num_seqs")
+        stored = thd.get("num_seqs")
         if isinstance(stored, int):
             num_seqs = stored  # host-side count from process_input_for_thd
-    idx = None
+    return cu, num_seqs
+
+
+def _rank_indices(
+    cu: torch.Tensor, total: int, cp_size: int, cp_rank: int, num_seqs: int | None
+) -> torch.Tensor:
+    """This rank's token indices; CPU int32/int64 boundaries take the checked fast path."""
     if cu.is_cpu and cu.dtype in (torch.int32, torch.int64):
         # hot path (the DataLoader worker): native-dtype host indices; anything the
         # fast path cannot prove valid goes through partition_indices' full checks
@@ -619,16 +652,23 @@ def shard_thd_batch_for_cp(
                 cu_np = cu_np[: num_seqs + 1]
             fast = _checked_rank_indices_np(cu_np, total, cp_size, cp_rank)
             if fast is not None:
-                idx = torch.from_numpy(fast)
-    if idx is None:
-        idx = partition_indices(cu, total, cp_size, cp_rank, num_seqs)
+                return torch.from_numpy(fast)
+    return partition_indices(cu, total, cp_size, cp_rank, num_seqs)
+
+
+def _gather_tokens(
+    thd: Mapping[str, Any], idx: torch.Tensor, extra_keys: Sequence[str]
+) -> dict[str, Any]:
+    """A copy of ``thd`` with every per-token tensor replaced by its rows at ``idx``."""
+    get = thd.get
+    total = get("input_ids").shape[0]
     # Tensors on the index's device (the common case: all on the CPU) use it directly;
     # copies for other devices are made once per device, on first use.
     idx_device = idx.device
     idx_on_cpu = idx_device.type == "cpu"
     moved: dict[torch.device, torch.Tensor] = {}
 
-    out = dict(thd_batch)
+    out = dict(thd)
     for k in (*_TOKEN_KEYS, *extra_keys) if extra_keys else _TOKEN_KEYS:
         v = get(k)
         if v is None and k in _TOKEN_KEYS:
@@ -636,7 +676,7 @@ def shard_thd_batch_for_cp(
         if not isinstance(v, torch.Tensor) or not v.dim() or v.shape[0] != total:
             shape = tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
             raise ValueError(
-                f"thd_batch[{k!r}] must be a [T, ...] tensor with T={total} (the length of "
+                f"thd[{k!r}] must be a [T, ...] tensor with T={total} (the length of "
                 f"input_ids), got {shape}; name only per-token tensors in extra_keys"
             )
         same = v.is_cpu if idx_on_cpu else v.device == idx_device
@@ -650,13 +690,11 @@ def shard_thd_batch_for_cp(
             dim = 0
         else:
             raise ValueError(
-                f"thd_batch['position_ids'] must be [T] or [n_rope, 1, T] with T={total}, "
+                f"thd['position_ids'] must be [T] or [n_rope, 1, T] with T={total}, "
                 f"got {tuple(pos.shape)}"
             )
         same = pos.is_cpu if idx_on_cpu else pos.device == idx_device
         out["position_ids"] = pos.index_select(
             dim, idx if same else _index_on(idx, pos.device, moved)
         )
-    out["cp_size"] = cp_size
-    out["cp_rank"] = cp_rank
     return out

@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from te_thd.balance import plan_global_batch as plan_global_batch  # the planner, re-exported
+from te_thd.layout import check_cp_args
 
 __all__ = [
     "PackingCollator",
@@ -68,7 +69,7 @@ def pad_to_multiple_for(cp_size: int, tp_size: int = 1, sequence_parallel: bool 
     Returns:
         int >= 1 to pass as ``PackingCollator(pad_to_multiple_of=...)``.
     """
-    _positive_int("cp_size", cp_size)
+    check_cp_args(cp_size)
     _positive_int("tp_size", tp_size)
     multiple = 2 * cp_size if cp_size > 1 else 1
     if sequence_parallel and tp_size > 1:

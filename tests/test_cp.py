@@ -320,7 +320,7 @@ def test_error_cp_args():
 def test_error_shard_bad_batch():
     batch = _thd_batch([0, 8, 16])
     with pytest.raises(
-        ValueError, match=r"thd_batch\['nope'\] must be a \[T, \.\.\.\] tensor with T=16"
+        ValueError, match=r"thd\['nope'\] must be a \[T, \.\.\.\] tensor with T=16"
     ):
         shard_thd_batch_for_cp(batch, 2, 0, extra_keys=("nope",))
     with pytest.raises(

@@ -16,7 +16,10 @@ from __future__ import annotations
 
 from typing import Any, TypedDict
 
+import numpy as np
 import torch
+
+from te_thd.layout import check_cp_args
 
 __all__ = [
     "TE_ATTN_MASK_TYPES",
@@ -119,78 +122,124 @@ def _require_int(name: str, v: Any) -> int:
     return v
 
 
-def _host(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().to("cpu", torch.int64)
+def _host(t: torch.Tensor) -> np.ndarray:
+    """int64 host copy of a boundary tensor (reading a device tensor is a sync)."""
+    if t.device.type != "cpu":
+        t = t.detach().cpu()
+    return t.numpy().astype(np.int64)
 
 
-def _check_values(
-    tag: str,
+def check_boundary_values(
     cu: torch.Tensor,
     cu_padded: torch.Tensor,
+    *,
     max_seqlen: int | None,
     total_tokens: int | None,
     cp_size: int,
+    pad_between_seqs: bool | None,
+    names: tuple[str, str, str] = ("cu_seqlens", "cu_seqlens_padded", "max_seqlen"),
 ) -> None:
-    """Host-side value rules for one side (``tag`` is ``"q"`` or ``"kv"``)."""
+    """Host-side value rules of one boundary pair (their one implementation).
+
+    Args:
+        cu, cu_padded: int ``[N+1]`` real and physical boundaries, read on the host.
+        max_seqlen: host int that must be ``>=`` every real segment, or None.
+        total_tokens: length of the global stream, or None to skip the coverage rules.
+        cp_size: context-parallel size (``> 1`` adds TE's CP divisibility and coverage).
+        pad_between_seqs: False requires equal arrays (TE issue 3331); None/True skip it.
+        names: how the messages call ``cu``, ``cu_padded`` and ``max_seqlen``.
+
+    Raises:
+        ThdContractError: the first violated rule, naming the value and the fix.
+    """
+    cu_name, cup_name, max_name = names
     c = _host(cu)
     p = _host(cu_padded)
-    if int(c[0]) != 0 or int(p[0]) != 0:
-        raise ThdContractError(
-            f"cu_seqlens_{tag} and cu_seqlens_{tag}_padded must start at 0, got "
-            f"{int(c[0])} and {int(p[0])}"
-        )
+    if c[0] != 0 or p[0] != 0:
+        raise ThdContractError(f"{cu_name} and {cup_name} must start at 0, got {int(c[0])} and {int(p[0])}")
     lens = c[1:] - c[:-1]
     plens = p[1:] - p[:-1]
-    for name, arr in ((f"cu_seqlens_{tag}", lens), (f"cu_seqlens_{tag}_padded", plens)):
-        neg = (arr < 0).nonzero()
-        if neg.numel():
-            i = int(neg[0, 0])
+    for name, arr in ((cu_name, lens), (cup_name, plens)):
+        neg = arr < 0
+        if neg.any():
+            i = int(neg.argmax())
             raise ThdContractError(
                 f"{name} must be non-decreasing: sequence {i} has length {int(arr[i])}; "
                 "sentinel-padded rows must be trimmed to their valid length on the host"
             )
-    over = (lens > plens).nonzero()
-    if over.numel():
-        i = int(over[0, 0])
+    over = lens > plens
+    if over.any():
+        i = int(over.argmax())
         raise ThdContractError(
-            f"sequence {i} has real length {int(lens[i])} (cu_seqlens_{tag}) but only "
-            f"{int(plens[i])} slots (cu_seqlens_{tag}_padded); the padded length must be >= "
+            f"sequence {i} has real length {int(lens[i])} ({cu_name}) but only "
+            f"{int(plens[i])} slots ({cup_name}); the padded length must be >= "
             "the real length -- were the two arrays swapped?"
         )
-    if plens.numel() and max_seqlen is not None:
-        longest = int(lens.max())
-        if max_seqlen < longest:
-            i = int(lens.argmax())
+    if plens.size and max_seqlen is not None:
+        i = int(lens.argmax())
+        if max_seqlen < lens[i]:
             raise ThdContractError(
-                f"max_seqlen_{tag}={max_seqlen} is smaller than sequence {i}'s length "
-                f"{longest}; TE requires max_seqlen_{tag} >= max(cu_seqlens_{tag}[i+1] - "
-                f"cu_seqlens_{tag}[i]) -- pass the max over the padded lengths"
+                f"{max_name}={max_seqlen} is smaller than sequence {i}'s length "
+                f"{int(lens[i])}; TE requires {max_name} >= max({cu_name}[i+1] - "
+                f"{cu_name}[i]) -- pass the max over the padded lengths"
             )
-    if total_tokens is not None and int(p[-1]) > total_tokens:
+    if total_tokens is not None and p[-1] > total_tokens:
         raise ThdContractError(
-            f"cu_seqlens_{tag}_padded ends at {int(p[-1])}, beyond the {total_tokens} tokens "
+            f"{cup_name} ends at {int(p[-1])}, beyond the {total_tokens} tokens "
             f"of the global stream ({'local tokens x cp_size' if cp_size > 1 else 'T'}); "
             "the boundaries do not belong to these tensors"
         )
     if cp_size > 1:
         multiple = 2 * cp_size
-        bad = (plens % multiple != 0).nonzero()
-        if bad.numel():
-            i = int(bad[0, 0])
+        bad = plens % multiple != 0
+        if bad.any():
+            i = int(bad.argmax())
             raise ThdContractError(
-                f"sequence {i} has padded length {int(plens[i])} (cu_seqlens_{tag}_padded), "
+                f"sequence {i} has padded length {int(plens[i])} ({cup_name}), "
                 f"not a multiple of 2*cp_size={multiple}; TE's THD context parallelism "
                 f"splits every sequence into {multiple} equal chunks (thd_get_partitioned_"
                 f"indices asserts seqlen % (world_size * 2) == 0) -- pad every sequence to a "
                 f"multiple of {multiple} when packing"
             )
-        if total_tokens is not None and int(p[-1]) != total_tokens:
+        if total_tokens is not None and p[-1] != total_tokens:
             raise ThdContractError(
-                f"cu_seqlens_{tag}_padded ends at {int(p[-1])} but the global stream has "
+                f"{cup_name} ends at {int(p[-1])} but the global stream has "
                 f"{total_tokens} tokens; under context parallelism the padded boundaries "
                 "must cover the whole stream -- grow the last sequence's padded length"
             )
+    if pad_between_seqs is False and not np.array_equal(c, p):
+        raise ThdContractError(
+            f"pad_between_seqs=False but {cu_name} {c.tolist()} differs from {cup_name} "
+            f"{p.tolist()}: TE would take the no-padding path and attend across the wrong "
+            "slots (TE issue 3331) -- compute pad_between_seqs on the complete arrays "
+            "(process_input_for_thd does) or pass True"
+        )
 
+
+def check_mask_for_thd(attn_mask_type: Any, cp_size: int) -> str:
+    """TE's mask rules for THD input: a padding mask, and under CP one of two.
+
+    Returns:
+        The normalised mask type.
+
+    Raises:
+        ThdContractError: an unknown mask, one without padding, or one TE's THD
+            context parallelism does not support.
+    """
+    mask = normalize_attn_mask_type(attn_mask_type)
+    if "padding" not in mask:
+        raise ThdContractError(
+            f"attn_mask_type={attn_mask_type!r} has no padding mask (TE: 'Attention mask type "
+            "must be padding or padding_causal for qkv_format=thd!'); use 'padding_causal' "
+            "(causal) or 'padding' (bidirectional)"
+        )
+    if cp_size > 1 and mask not in ("padding", "padding_causal"):
+        raise ThdContractError(
+            f"attn_mask_type={mask!r} with context parallelism (cp_size={cp_size}): TE's THD "
+            "CP supports only 'padding' and 'padding_causal' (TE: 'Context parallelism is "
+            f"not supported for {mask} mask type and thd format')"
+        )
+    return mask
 
 def check_te_thd_boundaries(
     *,
@@ -228,20 +277,8 @@ def check_te_thd_boundaries(
             "te_thd's kwargs are for DotProductAttention(qkv_format='thd')"
         )
     if isinstance(cp_size, bool) or not isinstance(cp_size, int) or cp_size < 1:
-        raise ThdContractError(f"cp_size must be an int >= 1, got {cp_size!r}")
-    mask = normalize_attn_mask_type(attn_mask_type)
-    if "padding" not in mask:
-        raise ThdContractError(
-            f"attn_mask_type={attn_mask_type!r} has no padding mask (TE: 'Attention mask type "
-            "must be padding or padding_causal for qkv_format=thd!'); use 'padding_causal' "
-            "(causal) or 'padding' (bidirectional)"
-        )
-    if cp_size > 1 and mask not in ("padding", "padding_causal"):
-        raise ThdContractError(
-            f"attn_mask_type={mask!r} with context parallelism (cp_size={cp_size}): TE's THD "
-            "CP supports only 'padding' and 'padding_causal' (TE: 'Context parallelism is "
-            f"not supported for {mask} mask type and thd format')"
-        )
+        check_cp_args(cp_size, error=ThdContractError)
+    mask = check_mask_for_thd(attn_mask_type, cp_size)
     _require_boundary("cu_seqlens_q", cu_seqlens_q, None, None)
     _require_boundary("cu_seqlens_kv", cu_seqlens_kv, "cu_seqlens_q", cu_seqlens_q)
     assert cu_seqlens_q is not None and cu_seqlens_kv is not None  # for type checkers
@@ -274,18 +311,19 @@ def check_te_thd_boundaries(
         )
     if not check_values:
         return mask
-    _check_values("q", cu_seqlens_q, cu_q_pad, mq, total_tokens_q, cp_size)
-    _check_values("kv", cu_seqlens_kv, cu_kv_pad, mkv, total_tokens_kv, cp_size)
-    if pad_between_seqs is False:
-        for tag, c, p in (("q", cu_seqlens_q, cu_q_pad), ("kv", cu_seqlens_kv, cu_kv_pad)):
-            if not torch.equal(_host(c), _host(p)):
-                raise ThdContractError(
-                    f"pad_between_seqs=False but cu_seqlens_{tag} {_host(c).tolist()} differs "
-                    f"from cu_seqlens_{tag}_padded {_host(p).tolist()}: TE would take the "
-                    "no-padding path and attend across the wrong slots (TE issue 3331) -- "
-                    "compute pad_between_seqs on the complete arrays (process_input_for_thd "
-                    "does) or pass True"
-                )
+    for tag, c, p, m, total in (
+        ("q", cu_seqlens_q, cu_q_pad, mq, total_tokens_q),
+        ("kv", cu_seqlens_kv, cu_kv_pad, mkv, total_tokens_kv),
+    ):
+        check_boundary_values(
+            c,
+            p,
+            max_seqlen=m,
+            total_tokens=total,
+            cp_size=cp_size,
+            pad_between_seqs=pad_between_seqs,
+            names=(f"cu_seqlens_{tag}", f"cu_seqlens_{tag}_padded", f"max_seqlen_{tag}"),
+        )
     return mask
 
 

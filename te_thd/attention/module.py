@@ -1,7 +1,7 @@
 """``ThdAttention``: one call site for TE's fused THD attention and the CPU reference.
 
-``ThdAttention(...)(q, k, v, thd)`` runs TE ``DotProductAttention(qkv_format="thd")``
-(with the CP group, if any) when ``transformer_engine`` imports, CUDA is available
+``ThdAttention(...)(q, k, v, thd)`` (``thd`` a ``ThdLayout`` or the batch dict) runs TE
+``DotProductAttention(qkv_format="thd")`` (with the CP group, if any) when ``transformer_engine`` imports, CUDA is available
 and the tensors are on CUDA; otherwise the plain-torch reference
 (:func:`thd_attention_reference`, or :func:`thd_attention_cp_reference` with a CP
 group of size > 1). Both return TE's THD output shape ``[T, H * D_v]``.
@@ -22,6 +22,7 @@ from te_thd.attention.adapters import te_attention_kwargs
 from te_thd.attention.contract import normalize_attn_mask_type
 from te_thd.attention.cp_reference import thd_attention_cp_reference
 from te_thd.attention.reference import thd_attention_reference
+from te_thd.layout import ThdLayout
 
 __all__ = ["ThdAttention", "te_available"]
 
@@ -122,28 +123,24 @@ class ThdAttention(nn.Module):
             **cp_kwargs,
         )
 
-    def _kwargs(self, thd_batch_or_kwargs: Mapping[str, Any], device: torch.device) -> dict:
-        if not isinstance(thd_batch_or_kwargs, Mapping):
-            raise ValueError(
-                "thd_batch_or_kwargs must be a THD batch (process_input_for_thd output) or "
-                f"te_attention_kwargs(...) output, got {type(thd_batch_or_kwargs).__name__}"
-            )
-        if "cu_seqlens_q" in thd_batch_or_kwargs:
-            kw = dict(thd_batch_or_kwargs)
+    def _kwargs(self, thd: ThdLayout | Mapping[str, Any], device: torch.device) -> dict:
+        if isinstance(thd, Mapping) and "cu_seqlens_q" in thd:  # te_attention_kwargs output
+            kw = dict(thd)
             kw.setdefault("attn_mask_type", self.attn_mask_type)
             return kw
-        if "cu_seqlens" in thd_batch_or_kwargs:
-            return dict(
-                te_attention_kwargs(
-                    thd_batch_or_kwargs,
-                    self.attn_mask_type,
-                    cp_size=self.cp_size,
-                    device=device,
-                )
+        if isinstance(thd, ThdLayout) or (isinstance(thd, Mapping) and "cu_seqlens" in thd):
+            kwargs = te_attention_kwargs(
+                thd, self.attn_mask_type, cp_size=self.cp_size, device=device
+            )
+            return dict(kwargs)
+        if not isinstance(thd, Mapping):
+            raise ValueError(
+                "thd must be a THD batch (process_input_for_thd output), its ThdLayout or "
+                f"te_attention_kwargs(...) output, got {type(thd).__name__}"
             )
         raise ValueError(
-            "thd_batch_or_kwargs has neither 'cu_seqlens' (a THD batch) nor 'cu_seqlens_q' "
-            f"(TE kwargs); keys: {sorted(thd_batch_or_kwargs)}"
+            "thd has neither 'cu_seqlens' (a THD batch) nor 'cu_seqlens_q' "
+            f"(TE kwargs); keys: {sorted(thd)}"
         )
 
     def forward(
@@ -151,20 +148,20 @@ class ThdAttention(nn.Module):
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
-        thd_batch_or_kwargs: Mapping[str, Any],
+        thd: ThdLayout | Mapping[str, Any],
     ) -> torch.Tensor:
         """Attention over packed sequences.
 
         Args:
             query: ``[T, H, D]`` (``T / cp`` local tokens under CP).
             key, value: ``[T, H_kv, D]`` / ``[T, H_kv, D_v]``.
-            thd_batch_or_kwargs: a THD batch (converted, CP-sharded if needed) or the
-                output of :func:`te_attention_kwargs`.
+            thd: the batch's :class:`~te_thd.layout.ThdLayout`, the THD batch dict
+                (converted, CP-sharded if needed), or :func:`te_attention_kwargs` output.
 
         Returns:
             ``[T, H * D_v]`` (TE's THD output layout), zeros at padding slots.
         """
-        kw = self._kwargs(thd_batch_or_kwargs, query.device)
+        kw = self._kwargs(thd, query.device)
         if self._te is not None and query.is_cuda:
             self.last_backend = "te"
             return self._te(query, key, value, **kw)

@@ -24,6 +24,7 @@ from typing import Any, Literal
 import torch
 
 from te_thd.cp import partition_indices, shard_thd_batch_for_cp
+from te_thd.layout import LAYOUT_KEY, ThdLayout, check_cp_args
 from te_thd.packing import PackingCollator, pad_to_multiple_for
 from te_thd.thd_utils import process_input_for_thd
 
@@ -68,7 +69,11 @@ class CachedThdCollator:
     ``[N+1]``, ``max_seqlen`` (int32 0-d), ``max_seqlen_int`` / ``num_seqs`` (int),
     ``pad_between_seqs`` (bool) — plus each token key ``[T, ...]``, each per-sample
     key ``[B_samples, ...]``, ``num_samples`` (int), ``packing_efficiency``
-    (float), and ``cp_size`` / ``cp_rank`` when sharded.
+    (float), ``cp_size`` / ``cp_rank`` when sharded, and ``thd_layout``: the batch's
+    :class:`~te_thd.layout.ThdLayout` (host boundaries, ``.sharded(cp_size, cp_rank)``
+    under CP) -- pass it to ``te_attention_kwargs`` / ``ThdAttention`` as it is; it
+    stays on the host when ``to_device`` moves the tensors, and the adapters move its
+    boundaries with ``device=``.
     """
 
     def __init__(
@@ -96,10 +101,7 @@ class CachedThdCollator:
             raise ValueError(
                 f"pass length_key={length_key!r} or mask_key={mask_key!r}, not both: one source of sample lengths"
             )
-        if not isinstance(cp_size, int) or cp_size < 1:
-            raise ValueError(f"cp_size={cp_size!r} must be an int >= 1")
-        if not isinstance(cp_rank, int) or not 0 <= cp_rank < cp_size:
-            raise ValueError(f"cp_rank={cp_rank!r} must be an int in [0, cp_size={cp_size})")
+        check_cp_args(cp_size, cp_rank)
         if isinstance(keys, str) or isinstance(token_keys, str):
             raise ValueError("keys and token_keys must be sequences of key names, not a single string")
         self.keys = None if keys is None else tuple(keys)
@@ -236,12 +238,14 @@ class CachedThdCollator:
             self.pad_token_id,
             absorb_trailing_pad=self.absorb_trailing_pad,
         )
+        layout = ThdLayout.from_thd(thd)
+        thd[LAYOUT_KEY] = layout
         if self.cp_size > 1:
-            thd = shard_thd_batch_for_cp(thd, self.cp_size, self.cp_rank, num_seqs=thd["num_seqs"])
+            thd = shard_thd_batch_for_cp(thd, self.cp_size, self.cp_rank, layout=layout)
             # Token keys (e.g. hidden states) are gathered once, straight into this
             # rank's share, instead of placed whole and then sharded.
             mine = partition_indices(
-                thd["cu_seqlens_padded"], src_flat.numel(), self.cp_size, self.cp_rank, thd["num_seqs"], check=False
+                layout.cu_seqlens_padded, src_flat.numel(), self.cp_size, self.cp_rank, layout.num_seqs, check=False
             )
             gather, is_pad = gather[mine], is_pad[mine]
         for k in token_keys:
