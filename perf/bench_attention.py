@@ -17,13 +17,10 @@ say whether the reference is fast enough to drive the CPU example, nothing more.
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import Record, print_records, time_interleaved  # noqa: E402
+from harness import Record, print_records, time_interleaved
 
 BENCH = "attention"
 H, H_KV, D = 8, 2, 64

@@ -33,13 +33,10 @@ import os
 import subprocess
 import sys
 import tempfile
-from pathlib import Path
 from typing import Any
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import Record, print_records, reference_offline_cache, time_interleaved  # noqa: E402
+from harness import Record, print_records, reference_offline_cache, time_interleaved
 
 BENCH = "cache_read"
 FORMAT_VERSION = 1

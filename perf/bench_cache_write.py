@@ -38,12 +38,9 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import Record, print_records, reference_offline_cache  # noqa: E402
+from harness import Record, print_records, reference_offline_cache
 
 BENCH = "cache_write"
 

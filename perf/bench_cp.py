@@ -16,14 +16,11 @@ from __future__ import annotations
 
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import Record, print_records, time_interleaved  # noqa: E402
+from harness import Record, print_records, time_interleaved
 
 BENCH = "cp"
 TOKEN_KEYS = ("input_ids", "labels", "position_ids", "padding_mask")

@@ -19,8 +19,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import Record, print_records  # noqa: E402
+from harness import Record, print_records
 
 BENCH = "demo"
 GOAL_PCT = 5.0

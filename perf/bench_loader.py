@@ -25,13 +25,10 @@ import functools
 import os
 import sys
 import tempfile
-from pathlib import Path
 from typing import Any
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import (  # noqa: E402
+from harness import (
     Record,
     print_records,
     reference_offline_cache,

@@ -19,13 +19,10 @@ Records:
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import numpy as np
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import Record, print_records, time_interleaved  # noqa: E402
+from harness import Record, print_records, time_interleaved
 
 BENCH = "packing"
 

@@ -29,14 +29,11 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import Record, print_records, reference_thd_utils, time_interleaved  # noqa: E402
+from harness import Record, print_records, reference_thd_utils, time_interleaved
 
 BENCH = "scaling"
 SENTINEL = -1000

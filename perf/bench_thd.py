@@ -27,14 +27,11 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import Record, print_records, reference_thd_utils, time_interleaved  # noqa: E402
+from harness import Record, print_records, reference_thd_utils, time_interleaved
 
 BENCH = "thd_conversion"
 SHAPES = ((1, 4096, 4), (8, 4096, 8), (8, 8192, 32), (32, 2048, 4))

@@ -50,12 +50,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-PERF = Path(__file__).resolve().parent
-REPO = PERF.parent
-sys.path.insert(0, str(PERF))
-
-from gpu_check_attention import (  # noqa: E402
+from gpu_check_attention import (
     TOLERANCES,
     LayoutSpec,
     NumericsPlan,
@@ -67,7 +62,10 @@ from gpu_check_attention import (  # noqa: E402
     varlen_attention,
     varlen_attention_noncausal,
 )
-from gpu_check_step import StepPlan, run_step_checks  # noqa: E402
+from gpu_check_step import StepPlan, run_step_checks
+
+PERF = Path(__file__).resolve().parent
+REPO = PERF.parent
 
 FORMAT_VERSION = 1
 

@@ -28,6 +28,7 @@ model step -- a prediction, blind to D2H copies.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import math
 import os
 import statistics
@@ -46,8 +47,24 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO / "examples") not in sys.path:
-    sys.path.insert(0, str(REPO / "examples"))
+
+
+def _import_example_package(name: str) -> None:
+    """Import ``examples/<name>`` as the top-level package ``name`` (the example's own
+    modules, ``from ep_cp.x import ...``) without putting ``examples/`` on ``sys.path``."""
+    if name in sys.modules:
+        return
+    root = REPO / "examples" / name
+    spec = importlib.util.spec_from_file_location(
+        name, root / "__init__.py", submodule_search_locations=[str(root)]
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+
+
+_import_example_package("ep_cp")
 
 from ep_cp.config import StudentConfig, TargetConfig  # noqa: E402
 from ep_cp.objective import batch_loss_sums  # noqa: E402

@@ -32,19 +32,17 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-PERF_DIR = Path(__file__).resolve().parent
-REPO_ROOT = PERF_DIR.parent
-if str(PERF_DIR) not in sys.path:
-    sys.path.insert(0, str(PERF_DIR))
-
-from goals import GoalResult, evaluate, failures, load_goals  # noqa: E402
-from harness import (  # noqa: E402
+from goals import GoalResult, evaluate, failures, load_goals
+from harness import (
     NO_REFERENCE_ENV,
     REFERENCE_REQUIREMENT,
     REFERENCE_REQUIREMENTS_FILE,
     REFERENCE_VERSION,
     Record,
 )
+
+PERF_DIR = Path(__file__).resolve().parent
+REPO_ROOT = PERF_DIR.parent
 
 #: --quick is meant to finish within this many seconds on 2 cores (whole suite)
 QUICK_BUDGET_S = 120.0
@@ -130,9 +128,6 @@ def _child(bench_path: Path, out: Path, quick: bool, threads: int | None) -> int
     """
     if threads and "torch" in sys.modules:
         sys.modules["torch"].set_num_threads(threads)
-    for d in (str(bench_path.parent), str(PERF_DIR)):
-        if d not in sys.path:
-            sys.path.insert(0, d)
     t0 = time.perf_counter()
     result: dict[str, Any] = {"records": [], "error": None}
     try:

@@ -47,8 +47,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _run_info import git_commit  # noqa: E402
+from _run_info import git_commit
 
 NUM_SAMPLES = 24
 SHARD_SIZE = 8

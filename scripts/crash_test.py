@@ -53,8 +53,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _run_info import git_commit  # noqa: E402
+from _run_info import git_commit
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

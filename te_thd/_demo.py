@@ -1,6 +1,7 @@
 """The README's main job: precompute the offline cache, then EP + CP training on it.
 
-``te-thd demo`` runs, from a source checkout (``examples/`` next to the package):
+``te-thd demo`` runs the example scripts of a source checkout (found by
+:func:`te_thd._checkout.find_checkout`: ``TE_THD_SOURCE`` or the editable install's tree):
 
 1. ``torchrun --nproc-per-node N examples/precompute_cache.py``: a frozen target
    transformer computes per-token supervision (top-k next-token distribution + final
@@ -25,11 +26,18 @@ import sys
 import time
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-EXAMPLES = REPO_ROOT / "examples"
+from te_thd._checkout import find_checkout
+
+#: the two scripts the demo runs, relative to the checkout root
+SCRIPTS = ("examples/precompute_cache.py", "examples/train_ep_cp.py")
 
 
 def add_demo_arguments(p: argparse.ArgumentParser) -> None:
+    p.description = (
+        "Precompute an offline cache, then train an EP + CP student on it with torchrun. Runs "
+        "examples/precompute_cache.py and examples/train_ep_cp.py of a te_thd source checkout: "
+        "the directory in $TE_THD_SOURCE, else the tree of an editable install (scripts/setup.sh)."
+    )
     p.add_argument(
         "--out",
         default="runs/demo",
@@ -63,13 +71,13 @@ def _check(args: argparse.Namespace) -> None:
             )
 
 
-def _run(title: str, cmd: list[str]) -> int:
+def _run(title: str, cmd: list[str], cwd: Path) -> int:
     print(f"\n== {title}\n$ {shlex.join(cmd)}", flush=True)
     # torchrun sets one OpenMP thread per rank anyway and prints a banner saying so when
     # the variable is unset; setting it here keeps that value (unless the user chose one)
     # without the banner
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    return subprocess.call(cmd, cwd=REPO_ROOT, env=env)
+    return subprocess.call(cmd, cwd=cwd, env=env)
 
 
 def run_demo(args: argparse.Namespace) -> int:
@@ -79,15 +87,12 @@ def run_demo(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"te-thd demo: {exc}", file=sys.stderr)
         return 2
-    scripts = (EXAMPLES / "precompute_cache.py", EXAMPLES / "train_ep_cp.py")
-    missing = [str(s) for s in scripts if not s.exists()]
-    if missing:
-        print(
-            f"te-thd demo: {', '.join(missing)} not found; the demo runs the examples of a source "
-            "checkout (git clone the repository and install it with scripts/setup.sh)",
-            file=sys.stderr,
-        )
+    try:
+        root = find_checkout(*SCRIPTS)
+    except FileNotFoundError as exc:
+        print(f"te-thd demo: {exc}", file=sys.stderr)
         return 2
+    scripts = tuple(root / s for s in SCRIPTS)
     out = Path(args.out).resolve()
     cache, train = out / "cache", out / "train"
     torchrun = [
@@ -112,6 +117,7 @@ def run_demo(args: argparse.Namespace) -> int:
             "--device",
             args.device,
         ],
+        root,
     )
     if rc != 0:
         return rc
@@ -134,6 +140,7 @@ def run_demo(args: argparse.Namespace) -> int:
             args.device,
             *(["--resume"] if args.resume else []),
         ],
+        root,
     )
     if rc == 0:
         print(

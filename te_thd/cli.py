@@ -10,31 +10,27 @@ import argparse
 import os
 import subprocess
 import sys
-from pathlib import Path
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    """Run the README's main job (see examples/)."""
+    """Run the README's main job (the checkout's examples/, see te_thd._checkout)."""
     from te_thd._demo import run_demo
 
     return run_demo(args)
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    """Run perf/run.py from a source checkout with the remaining arguments."""
-    script = REPO_ROOT / "perf" / "run.py"
-    if not script.exists():
-        print(
-            f"te-thd bench: {script} not found; the benchmarks live in the source checkout "
-            "(git clone the repository and install it with scripts/setup.sh)",
-            file=sys.stderr,
-        )
+    """Run perf/run.py of a source checkout (see te_thd._checkout) with the remaining arguments."""
+    from te_thd._checkout import find_checkout
+
+    try:
+        root = find_checkout("perf/run.py")
+    except FileNotFoundError as exc:
+        print(f"te-thd bench: {exc}", file=sys.stderr)
         return 2
     # perf/run.py names itself after the command that ran it (usage, errors)
     env = {**os.environ, "TE_THD_BENCH_PROG": "te-thd bench"}
-    return subprocess.call([sys.executable, str(script), *args.rest], env=env)
+    return subprocess.call([sys.executable, str(root / "perf" / "run.py"), *args.rest], env=env)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -47,16 +43,17 @@ def build_parser() -> argparse.ArgumentParser:
     add_demo_arguments(demo)
     demo.set_defaults(func=_cmd_demo)
 
-    bench = sub.add_parser("bench", help="run the perf suite (perf/run.py); extra args pass through")
+    bench = sub.add_parser(
+        "bench",
+        help="run the perf suite (perf/run.py of the checkout in $TE_THD_SOURCE or of an "
+        "editable install); extra args pass through",
+    )
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     bench.set_defaults(func=_cmd_bench)
 
-    try:
-        from te_thd.offline_cache.cli import add_cache_commands
-    except ImportError:  # cache CLI not built yet
-        add_cache_commands = None
-    if add_cache_commands is not None:
-        add_cache_commands(sub)
+    from te_thd.offline_cache.cli import add_cache_commands
+
+    add_cache_commands(sub)
     return p
 
 

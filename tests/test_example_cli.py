@@ -106,12 +106,14 @@ def test_demo_rejects_a_layout_that_does_not_fit_the_processes(capsys):
     assert "--cp=3 must divide --nproc=4" in capsys.readouterr().err
 
 
-def test_demo_outside_a_source_checkout_says_what_to_do(monkeypatch, tmp_path, capsys):
+def test_demo_pointed_at_a_directory_without_the_examples_says_what_to_do(monkeypatch, tmp_path, capsys):
     import te_thd._demo as demo
 
-    monkeypatch.setattr(demo, "EXAMPLES", tmp_path / "examples")
+    monkeypatch.setenv("TE_THD_SOURCE", str(tmp_path))
     assert demo.run_demo(_demo_args()) == 2
-    assert "the demo runs the examples of a source checkout" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"TE_THD_SOURCE={tmp_path} has no examples/precompute_cache.py, examples/train_ep_cp.py" in err
+    assert "set it to the root of a te_thd checkout" in err
 
 
 def test_cli_exposes_the_demo():
