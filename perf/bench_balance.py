@@ -40,9 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import Record, print_records  # noqa: E402
+from harness import Record, print_records
 
 BENCH = "balance"
 REPO = Path(__file__).resolve().parent.parent
@@ -213,8 +211,7 @@ def run(quick: bool) -> list[Record]:
 
 def write_docs(results: dict[str, Outcome], batches: int) -> None:
     """Rewrite the table in docs/balance.md and the plot docs/balance.png."""
-    sys.path.insert(0, str(REPO / "scripts"))
-    from _docblock import write_block
+    from report import write_block
 
     lines = [
         f"{batches} global batches per row; max/mean = busiest replica's cost / mean cost "
@@ -237,8 +234,7 @@ def write_docs(results: dict[str, Outcome], batches: int) -> None:
             f"| {o.tokens / o.planned_slots:.3f} / {o.tokens / o.ffd_slots:.3f} "
             f"/ {o.tokens / o.ffd_equal_slots:.3f} |"
         )
-    if not write_block(DOCS_PAGE, BEGIN, END, "\n".join(lines)):
-        raise SystemExit(f"{DOCS_PAGE} lacks the markers {BEGIN} / {END}")
+    write_block(DOCS_PAGE, BEGIN, END, "\n".join(lines))
     plot(results)
 
 

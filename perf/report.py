@@ -454,21 +454,34 @@ def write_report(run: dict[str, Any], results_dir: Path, *, latest: str | None =
     return paths
 
 
-def docs_block(text: str) -> str | None:
-    """The generated results block of a docs page's text, or None without the markers."""
-    if DOCS_BEGIN not in text or DOCS_END not in text:
+def read_block(text: str, begin: str, end: str) -> str | None:
+    """The generated block between two marker comments, or None without them.
+
+    The benches that write a docs page (this module, bench_balance.py) share it; the
+    scripts in ``scripts/`` have the same pair in ``scripts/_docblock.py``.
+    """
+    if begin not in text or end not in text:
         return None
-    return text.split(DOCS_BEGIN, 1)[1].split(DOCS_END, 1)[0].strip("\n")
+    return text.split(begin, 1)[1].split(end, 1)[0].strip("\n")
+
+
+def write_block(page: Path, begin: str, end: str, body: str) -> None:
+    """Replace the generated block of ``page`` with ``body`` (atomically)."""
+    text = page.read_text()
+    if read_block(text, begin, end) is None:
+        raise SystemExit(f"{page} lacks the markers {begin!r} / {end!r}")
+    head, rest = text.split(begin, 1)
+    _atomic_text(page, f"{head}{begin}\n{body}\n{end}{rest.split(end, 1)[1]}")
+
+
+def docs_block(text: str) -> str | None:
+    """The generated results block of ``docs/performance.md``'s text."""
+    return read_block(text, DOCS_BEGIN, DOCS_END)
 
 
 def write_docs_block(latest_md: Path, page: Path = DOCS_PAGE) -> None:
     """Copy a full run's markdown (``latest.md``) into ``page`` between the markers."""
-    text = page.read_text()
-    if docs_block(text) is None:
-        raise SystemExit(f"{page} lacks the markers {DOCS_BEGIN!r} / {DOCS_END!r}")
-    head, rest = text.split(DOCS_BEGIN, 1)
-    tail = rest.split(DOCS_END, 1)[1]
-    _atomic_text(page, f"{head}{DOCS_BEGIN}\n{latest_md.read_text().strip()}\n{DOCS_END}{tail}")
+    write_block(page, DOCS_BEGIN, DOCS_END, latest_md.read_text().strip())
 
 
 def ratio_spread(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
