@@ -245,21 +245,23 @@ def synthetic_source(args: argparse.Namespace, device: torch.device) -> Source:
 
 def hf_source(args: argparse.Namespace, device: torch.device) -> Source:
     """JSONL text, tokenized with the model's tokenizer, through a Hugging Face model."""
-    from ep_cp.hf_target import HFTarget
+    from ep_cp.hf_target import HFTarget, check_model_dir
     from ep_cp.jsonl_data import JsonlSource, build_jsonl_dataset, load_tokenizer
 
-    target = HFTarget(args.model_dir, args.dtype, device, parse_layers(args.layers))
-    if args.topk > target.vocab_size:
-        raise ValueError(
-            f"--topk={args.topk} exceeds the vocabulary of {args.model_dir} ({target.vocab_size}); "
-            f"use --topk <= {target.vocab_size}"
-        )
+    # The data first: a bad line is reported before a large model is loaded.
+    check_model_dir(args.model_dir, f"--target {args.target}")
     tok_dir = args.tokenizer or args.model_dir
     tokenizer = load_tokenizer(
         tok_dir, "--tokenizer" if args.tokenizer else f"--target {args.target}"
     )
     source = JsonlSource(os.path.abspath(args.jsonl_path), args.text_key, args.messages_key)
     data = build_jsonl_dataset(source, tokenizer, args.max_len, args.num_samples, args.mask_prompt)
+    target = HFTarget(args.model_dir, args.dtype, device, parse_layers(args.layers))
+    if args.topk > target.vocab_size:
+        raise ValueError(
+            f"--topk={args.topk} exceeds the vocabulary of {args.model_dir} ({target.vocab_size}); "
+            f"use --topk <= {target.vocab_size}"
+        )
     if data.max_token_id() >= target.vocab_size:
         raise ValueError(
             f"the tokenizer of {tok_dir} produces token id {data.max_token_id()}, but the model "

@@ -89,7 +89,7 @@ def test_cached_rows_equal_the_model_run_on_each_sample_alone(arch, model_dirs, 
     keys = ("input_ids", "seq_len", "loss_mask", "topk_logprobs", "topk_indices", "hidden")
     data = _rows(caches[arch], (*keys, "layer_hidden"))
     manifest = read_manifest(caches[arch], "ep_cp_distill", 1)
-    model = AutoModelForCausalLM.from_pretrained(model_dirs[arch], dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dirs[arch]).float().eval()
     vocab = model.get_output_embeddings().weight.shape[0]
     assert manifest["target"]["vocab_size"] == vocab == 640  # padded past the tokenizer's 600
     assert manifest["target"]["hidden_size"] == 48 and manifest["topk"] == 8
@@ -401,6 +401,18 @@ def test_missing_model_and_data_files(tmp_path):
         precompute_cache.main([*argv[:3], f"hf:{tmp_path}", "--data", "jsonl:x.jsonl"])
 
 
+def test_a_bad_line_is_reported_before_the_model_is_loaded(model_dirs, tmp_path):
+    """A directory whose weights are missing still reports the data error first."""
+    import shutil
+
+    no_weights = tmp_path / "m"
+    shutil.copytree(model_dirs["llama"], no_weights)
+    (no_weights / "model.safetensors").unlink()
+    data = _write(tmp_path / "d.jsonl", '{"prompt": "a"}')
+    with pytest.raises(ValueError, match=r":1 has no 'messages' key"):
+        _hf_run(str(no_weights), tmp_path, data)
+
+
 def test_missing_data_file(model_dirs, tmp_path):
     with pytest.raises(ValueError, match=r"--data jsonl:.*/none.jsonl: .* does not exist"):
         _hf_run(model_dirs["llama"], tmp_path, str(tmp_path / "none.jsonl"))
@@ -411,13 +423,37 @@ def test_a_model_dir_tokenizer_without_chat_template(model_dirs, tmp_path):
 
     tok_dir = tmp_path / "tok"
     shutil.copytree(model_dirs["llama"], tok_dir)
-    (tok_dir / "chat_template.jinja").unlink()
+    (tok_dir / "chat_template.jinja").unlink(missing_ok=True)  # transformers < 4.47 has none
     cfg = json.loads((tok_dir / "tokenizer_config.json").read_text())
     cfg.pop("chat_template", None)
     (tok_dir / "tokenizer_config.json").write_text(json.dumps(cfg))
     data = _write(tmp_path / "d.jsonl", CHAT)
     with pytest.raises(ValueError, match=r"the tokenizer has no chat template"):
         _hf_run(model_dirs["llama"], tmp_path, data, "--tokenizer", str(tok_dir))
+
+
+def test_a_tokenizer_with_ids_beyond_the_model_vocabulary(model_dirs, tmp_path):
+    from ep_cp.tiny_hf import corpus_texts, train_tokenizer
+
+    big = train_tokenizer(list(corpus_texts(str(SAMPLE))), vocab_size=900)
+    assert len(big) > 640
+    big.save_pretrained(str(tmp_path / "big"))
+    with pytest.raises(
+        ValueError, match=r"produces token id \d+, but the model .* has 640 vocabulary rows"
+    ):
+        _hf_run(model_dirs["llama"], tmp_path, str(SAMPLE), "--tokenizer", str(tmp_path / "big"))
+
+
+def test_no_mask_prompt_supervises_every_chat_token(model_dirs, tmp_path):
+    import precompute_cache
+
+    out = str(tmp_path / "c")
+    argv = _precompute_argv(model_dirs["llama"], out, "--num-samples", "4", "--no-mask-prompt")
+    assert precompute_cache.main(argv) == 0
+    data = _rows(out, ("seq_len", "loss_mask"))
+    for i in range(4):
+        assert int(data[i]["loss_mask"].sum()) == int(data[i]["seq_len"])
+    assert json.loads(Path(out, "manifest.json").read_text())["mask_prompt"] is False
 
 
 # -- trainer sizes, packaging -----------------------------------------------------------------
