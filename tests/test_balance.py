@@ -132,6 +132,19 @@ def test_plan_properties(lengths, R, S, m, a, extra_rows):
     check_plan(wider, lengths, R, S, m, K + extra_rows)
 
 
+@settings(max_examples=30)
+@given(st.integers(25, 48), st.integers(100, 400), st.sampled_from([64, 256]), st.integers(0, 2**31))
+def test_plan_properties_many_replicas(R, n, S, seed):
+    """With many replicas the balanced placement runs in vectorised rounds: same contract."""
+    lengths = np.random.default_rng(seed).integers(1, S + 1, n)
+    plan = plan_global_batch(lengths, R, S, attn_scale=512.0)
+    K = check_plan(plan, lengths, R, S, 1)
+    assert K >= min_rows_per_replica(lengths, R, S)
+    assert plan_global_batch(lengths.tolist(), R, S, attn_scale=512.0) == plan
+    costs = replica_costs(plan, lengths, attn_scale=512.0)
+    assert plan_bound(lengths, R, S, attn_scale=512.0, rows_per_replica=K).max_cost <= costs.max() * (1 + 1e-12)
+
+
 def lognormal(rng, n, S, median):
     return np.clip(rng.lognormal(np.log(median), 1.0, n), 1, S).astype(np.int64)
 
