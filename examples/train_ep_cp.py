@@ -5,6 +5,10 @@ Launch with torchrun (CPU + gloo by default; ``--device cuda`` for NCCL + TE)::
     python examples/precompute_cache.py --out runs/cache --cp 2
     torchrun --nproc-per-node 4 examples/train_ep_cp.py --cache-dir runs/cache --cp 2 --ep 2
 
+The student's vocabulary, its hidden-state head and the top-k it distils come from the
+cache's manifest, so the same command trains on a cache of the synthetic target or of
+a Hugging Face model (``precompute_cache.py --target hf:DIR``, see docs/own-model.md).
+
 What one step does, and which te_thd piece does it:
 
 1. ``build_cached_dataloader`` (``te_thd.offline_cache``) hands every data-parallel

@@ -132,10 +132,7 @@ def produce_example_cache(plan: StepPlan, cache_dir: str, device: torch.device) 
     def compute_batch(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         ids = batch["input_ids"].to(device, non_blocking=True)
         lens = batch["seq_len"].to(device, non_blocking=True)
-        out = target.supervision(ids, lens, plan.topk, mask_prompt=True)
-        out["loss_mask"] = out["loss_mask"].bool()
-        out["topk_indices"] = out["topk_indices"].to(torch.int32)
-        return {k: v.cpu() for k, v in out.items()}
+        return target.supervision(ids, lens, plan.topk, mask_prompt=True)  # stored dtypes, CPU
 
     return produce_cache(
         loader,
