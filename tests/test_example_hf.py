@@ -124,6 +124,42 @@ def test_cached_rows_equal_the_model_run_on_each_sample_alone(arch, model_dirs, 
         assert not row["loss_mask"][n:].any() and row["loss_mask"][:n].any()
 
 
+def test_bf16_cache_is_as_close_to_fp32_as_the_model_run_alone(model_dirs, tmp_path):
+    """bf16 kernels round differently for other batch shapes, so padded rows cannot equal
+    an unpadded bf16 run bit for bit; they must carry no more error than bf16 itself:
+    measured against the fp32 model, the cache's error matches the unpadded bf16 run's."""
+    import precompute_cache
+    from transformers import AutoModelForCausalLM
+
+    out = str(tmp_path / "c")
+    argv = _precompute_argv(model_dirs["llama"], out, "--dtype", "bf16")
+    torch.set_num_threads(1)
+    assert precompute_cache.main(argv) == 0
+    assert json.loads(Path(out, "manifest.json").read_text())["target"]["dtype"] == "bf16"
+    data = _rows(out, ("input_ids", "seq_len", "topk_logprobs", "topk_indices", "hidden"))
+    ref = AutoModelForCausalLM.from_pretrained(model_dirs["llama"]).float().eval()
+    bf16 = AutoModelForCausalLM.from_pretrained(model_dirs["llama"]).to(torch.bfloat16).eval()
+    err = {"cached_logp": 0.0, "alone_logp": 0.0, "cached_hidden": 0.0, "alone_hidden": 0.0}
+    for i in range(len(data)):
+        row = data[i]
+        n = int(row["seq_len"])
+        ids = row["input_ids"][None, :n]
+        with torch.no_grad():
+            exact = ref(input_ids=ids, output_hidden_states=True)
+            alone = bf16(input_ids=ids, output_hidden_states=True)
+        idx = row["topk_indices"][:n].long()
+        truth = torch.log_softmax(exact.logits[0], -1).gather(-1, idx)
+        alone_logp = torch.log_softmax(alone.logits[0].float(), -1).gather(-1, idx)
+        err["cached_logp"] += (row["topk_logprobs"][:n] - truth).abs().sum().item()
+        err["alone_logp"] += (alone_logp - truth).abs().sum().item()
+        h = exact.hidden_states[-1][0]
+        err["cached_hidden"] += (row["hidden"][:n].float() - h).abs().sum().item()
+        err["alone_hidden"] += (alone.hidden_states[-1][0].float() - h).abs().sum().item()
+    assert err["alone_logp"] > 0 and err["alone_hidden"] > 0  # bf16 does round
+    assert err["cached_logp"] <= 1.5 * err["alone_logp"], err
+    assert err["cached_hidden"] <= 1.5 * err["alone_hidden"], err
+
+
 def test_chat_loss_mask_covers_exactly_the_assistant_turns(model_dirs, caches):
     from transformers import AutoTokenizer
 
