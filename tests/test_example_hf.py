@@ -267,6 +267,8 @@ def test_docs_try_it_commands_run_the_whole_job(tmp_path):
         for d in (runs / "tiny-cache", tmp_path / "single")
     ]
     assert [s["checksum"] for s in shards[0]] == [s["checksum"] for s in shards[1]]
+    schema = json.loads((runs / "tiny-cache" / "manifest.json").read_text())["schema"]
+    assert schema["layer_hidden"]["shape"] == [128, 2, 48]  # trained on, not read by the trainer
 
     # the student is sized from the cache: resuming it on another target's cache is refused
     other = str(tmp_path / "synthetic")
