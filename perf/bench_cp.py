@@ -4,7 +4,7 @@
 plus the gathers) is timed against ``index_select`` of the same per-token tensors
 (``input_ids``, ``labels``, ``position_ids``, ``padding_mask``) with indices
 precomputed outside the timed region -- the cost of moving those tokens, nothing
-else. Goal (issue 3 item 6): sharding takes <= 2x that floor, i.e.
+else. Goal (``cp-shard-vs-index-select`` in thresholds.json): sharding takes <= 2x that floor, i.e.
 ``ratios["index_select"] = floor_time / ours_time >= 0.5``.
 
 Batches are realistic: documents with lognormal lengths packed by

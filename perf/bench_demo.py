@@ -1,4 +1,4 @@
-"""Data wait of the demo's training loop (issue 6 item 4).
+"""Data wait of the demo's training loop (goal ``demo-data-wait`` in thresholds.json).
 
 Runs the README's main job (``te-thd demo``: distributed cache precompute, then
 ``torchrun`` 4 ranks with CP=2, EP=2 on the CPU) into a temporary directory and

@@ -169,7 +169,7 @@ SMALL_KEYS = ("input_ids", "loss_mask", "position_mask")
 def write_small_cache(cache_dir: str, num_samples: int, shard_size: int) -> None:
     """A cache in the reference on-disk format (plain safetensors shards + manifest).
 
-    Issue 5's small samples: ``input_ids`` [256] int64, ``loss_mask`` [256] int64,
+    The small samples of ``bench_cache_read.py``: ``input_ids`` [256] int64, ``loss_mask`` [256] int64,
     ``position_mask`` [256, 1] bool. Written with plain ``save_file`` so the read
     cost measured does not depend on the writer.
     """

@@ -2,7 +2,7 @@
 
 ``te_thd.thd_utils.process_input_for_thd`` against NeMo AutoModel 0.7.0's
 ``nemo_automodel.components.distributed.thd_utils.process_input_for_thd`` on the
-SAME batches, timed interleaved (issue 2 item 8). Goal: >= 5x faster at every
+SAME batches, timed interleaved. Goal: >= 5x faster at every
 shape ``(B, S, sequences per row)`` = (1,4096,4), (8,4096,8), (8,8192,32),
 (32,2048,4). ``split_batch_into_thd_chunks`` is reported as extra cases (the
 reference converts chunk by chunk in a Python loop).

@@ -511,7 +511,7 @@ def _attention_rows() -> list[BadInput]:
                  _re("attn_mask_type='sliding' is not supported")),
         BadInput("attn-mask-no-padding", "attention", "attn_mask_type without padding (TE's THD needs it)",
                  kwargs(example, "causal"), _re("attn_mask_type='causal' has no padding mask")),
-        BadInput("attn-pad-flag-false", "attention", "pad_between_seqs=False while the boundary arrays differ (TE issue 3331)",
+        BadInput("attn-pad-flag-false", "attention", "pad_between_seqs=False while the boundary arrays differ (NVIDIA/TransformerEngine#3331)",
                  kwargs(replaced(pad_between_seqs=False)), _re("pad_between_seqs=False but cu_seqlens [0, 3, 5, 11] differs")),
         BadInput("attn-max-seqlen-small", "attention", "max_seqlen below the longest sequence",
                  kwargs(example, max_seqlen=2), _re("max_seqlen=2 is smaller than sequence")),

@@ -30,7 +30,7 @@ Rules (a trial that breaks one is a violation, exit status 1):
    field no reader uses, is "benign").
 
 Without a deep verify, a flipped byte inside tensor DATA is returned as read:
-opening a cache only checks sizes (cheap, SPEC §4); the figures report how many
+opening a cache only checks sizes (cheap); the figures report how many
 such trials the reader alone did not catch.
 """
 

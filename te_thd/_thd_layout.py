@@ -8,7 +8,7 @@ a numpy call costs about a microsecond and the data almost nothing, so the code
 counts calls: that is why some steps use ``count_nonzero``, ``argmax`` or a
 bytes comparison instead of the obvious reduction.
 
-Layout rules (SPEC §1) implemented here:
+Layout rules implemented here:
 
 * Row ``b`` of a ``[B, S]`` batch starts at stream offset ``b*S``. Its valid
   (non-sentinel) pack slots hold sequences back to back; sequence ``i`` occupies

@@ -26,8 +26,7 @@ Sentinel-padded boundary arrays (fixed-shape / chunked batches, e.g. one row of
 ``split_batch_into_thd_chunks``'s ``cu_seqlens_padded``) are accepted: pass the
 host-side valid count as ``num_seqs`` to slice them, or leave it ``None`` and the
 trailing sentinels (negative, e.g. -1000) are neutralised with a running maximum,
-which turns them into zero-length sequences -- no device ``argmin`` and no sync
-(SPEC §6, Megatron-Bridge PR 4489).
+which turns them into zero-length sequences -- no device ``argmin`` and no sync.
 """
 
 from __future__ import annotations

@@ -10,7 +10,8 @@ span padded to a multiple of ``pad_to_multiple_of`` (``2*cp`` for context parall
 times ``tp`` under sequence parallelism -- :func:`pad_to_multiple_for`); the row's
 unused tail is given to the row's last document (its padded length grows, its real
 length does not), so the padded lengths of a non-empty row always sum to S and every
-row's physical offsets are exact. Output is SPEC §1's input format.
+row's physical offsets are exact. Output is the input format of
+:func:`te_thd.thd_utils.process_input_for_thd`.
 
 Label convention (decided here, documented in docs/packing.md): a sample's labels are in
 the Hugging Face convention, **aligned with ``input_ids`` and not shifted**
@@ -281,7 +282,7 @@ _NO_NUMPY = (torch.bfloat16, torch.complex32) + tuple(
 
 
 class PackingCollator:
-    """Collate variable-length samples into packed BSHD rows (SPEC §1 input format).
+    """Collate variable-length samples into packed BSHD rows (``process_input_for_thd``'s input).
 
     Args:
         seq_len: S, slots per row. Must be a multiple of ``pad_to_multiple_of``.

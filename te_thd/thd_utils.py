@@ -1,7 +1,7 @@
 """Packed BSHD batch -> THD tensors plus the boundaries Transformer Engine needs.
 
 Drop-in for ``nemo_automodel.components.distributed.thd_utils`` (same public
-names, parameters and keyword names), with these contracts (SPEC §1):
+names, parameters and keyword names), with these contracts:
 
 * Row ``b`` of a ``[B, S]`` batch starts at stream offset ``b*S``; its sequences
   sit back to back, sequence ``i`` occupying ``seq_lens_padded[b, i]`` slots of
@@ -65,7 +65,7 @@ class ThdBatch(TypedDict):
             ``T``; TE's ``cu_seqlens_q/kv_padded``. Always present when lengths
             are known (equal to ``cu_seqlens`` when nothing is padded).
         pad_between_seqs: Python bool; the two complete boundary arrays differ.
-            Pass it to TE explicitly (its auto-detect has had bugs, SPEC §6).
+            Pass it to TE explicitly (its auto-detection has had bugs, NVIDIA/TransformerEngine#3331).
         max_seqlen: int32 0-d tensor, ``max(diff(cu_seqlens))``.
         max_seqlen_int: the same as a Python int, for TE's ``max_seqlen_q/kv``.
         num_seqs: ``N`` as a Python int.
@@ -99,7 +99,7 @@ class ThdChunkedBatch(TypedDict):
             relative to the chunk start.
         num_seqs: ``list[int]`` of length ``C``; row ``c`` has ``num_seqs[c]+1``
             valid entries. Host-side, so trimming sentinels needs no device
-            ``argmin`` (SPEC §6).
+            ``argmin``.
         pad_between_seqs: Python bool, True if any chunk needs it.
         max_seqlen: int32 ``[C]``.
         max_seqlen_int: ``list[int]`` of length ``C``.

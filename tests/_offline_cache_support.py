@@ -1,7 +1,7 @@
 """Helpers shared by the offline-cache reader/sampler/loader tests: real caches on disk.
 
 ``make_cache`` writes real safetensors shards plus a manifest in the on-disk
-format of SPEC §4 and returns the tensors it wrote, so tests compare what they
+format (docs/offline_cache.md) and returns the tensors it wrote, so tests compare what they
 read with what was written (the oracle) rather than with the reader itself.
 """
 

@@ -173,7 +173,7 @@ def test_reference_bf16_accumulates_in_float32():
 
 
 def _bshd_batch(seq_lens, seq_lens_padded, seq_len):
-    """A packed BSHD batch (SPEC §1 input) with sentinel-filled length tables."""
+    """A packed BSHD batch (``process_input_for_thd``'s input) with sentinel-filled length tables."""
     b = len(seq_lens)
     p = max(len(r) for r in seq_lens)
     sl = torch.full((b, p), -1000)
@@ -214,7 +214,7 @@ def test_te_kwargs_pass_contract_and_drive_reference(batch, mask):
     cup = thd["cu_seqlens_padded"]
     assert kw["max_seqlen_q"] == int((cup[1:] - cup[:-1]).max()) >= thd["max_seqlen_int"]
     if not kw["pad_between_seqs"]:
-        # Same object: TE's identity-based auto-detect (issue 3487) agrees with the flag.
+        # Same object: TE's identity-based auto-detect (NVIDIA/TransformerEngine#3487) agrees with the flag.
         assert kw["cu_seqlens_q_padded"] is kw["cu_seqlens_q"]
     t = thd["input_ids"].shape[0]
     q, k, v, _ = _qkv(t, 4, 2, 8, 8, seed=0)
@@ -416,7 +416,7 @@ CONTRACT_CASES = [
      r"sequence 0 has padded length 6 .* not a multiple of 2\*cp_size=4"),
     ("cpcover", _cp_good, lambda t, kw: [t.__setitem__(i, torch.cat((t[i], t[i][:2]))) for i in range(3)],
      "ends at 12 but the global stream has 16 tokens"),
-    ("3331", _good, _set(pad_between_seqs=False), "pad_between_seqs=False but .*TE issue 3331"),
+    ("3331", _good, _set(pad_between_seqs=False), "pad_between_seqs=False but .*NVIDIA/TransformerEngine#3331"),
 ]  # fmt: skip
 
 

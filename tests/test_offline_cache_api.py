@@ -1,6 +1,6 @@
 """The reference page's names and signatures exist in te_thd.offline_cache, with the same parameters.
 
-Transcribed from shared/seeds/offline_cache.md (the reference module is not imported in
+Transcribed from the reference module's API page (the reference module is not imported in
 tests): for each function the ordered parameter names and defaults. te_thd may add
 keyword parameters after them, never rename, reorder or drop one.
 """

@@ -582,7 +582,7 @@ def test_manifest_records_a_checksum_of_its_canonical_content(small_cache: Path)
 @pytest.mark.parametrize(
     ("old", "new"),
     [
-        (b'"cp_size": 2', b'"cp_size": 3'),  # a producer option (SPEC 6: the wrong CP size passes)
+        (b'"cp_size": 2', b'"cp_size": 3'),  # a producer option (a flipped cp_size would pass a wrong-CP cache)
         (b'"checksum": "crc32:', b'"checksum": "crc33:'),  # a shard record: must not blame the shard
         (b'"num_samples": 10', b'"num_samples": 11'),
         (b'"format_version": 1', b'"format_version": 3'),  # damage, not an old cache

@@ -50,6 +50,22 @@ def test_shard_block_order_changes_with_epoch_and_seed():
     assert not torch.equal(first, first.sort().values)
 
 
+def test_seeding_is_the_documented_one():
+    """The docstrings' recipe, written out with numpy: shard order from
+    ``default_rng([seed, epoch])``, shard s's order from ``default_rng([seed, epoch, s])``."""
+    import numpy as np
+
+    n, shard, seed, epoch = 100, 16, 7, 3
+    expected = []
+    for s in np.random.default_rng([seed, epoch]).permutation(-(-n // shard)).tolist():
+        rows = min(shard, n - s * shard)
+        expected += (s * shard + np.random.default_rng([seed, epoch, s]).permutation(rows)).tolist()
+    assert shard_block_order(n, shard, seed, epoch).tolist() == expected
+    sampler = CacheShardSampler(_Sized(n, shard), num_replicas=1, rank=0, seed=seed)
+    sampler.set_epoch(epoch)
+    assert list(sampler) == expected
+
+
 def _all_ranks(n, r, drop_last, shard=7, seed=3, epoch=0):
     out = []
     for rank in range(r):

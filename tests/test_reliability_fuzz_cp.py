@@ -3,7 +3,7 @@
 Every call either returns exactly what a plain loop transcription of Transformer
 Engine's THD context-parallel rule produces, or raises ``ValueError``; nothing else
 (no IndexError / RuntimeError / silently wrong partition). The oracle below is
-written from TE's rule (SPEC §2), not from te_thd's code:
+written from TE's rule (``tex.thd_get_partitioned_indices``), not from te_thd's code:
 
     sequence i, padded length L_i, start s_i, chunk c_i = L_i / (2 * cp):
     rank r receives [s_i + r*c_i, s_i + (r+1)*c_i) then [s_i + (2cp-1-r)*c_i, s_i + (2cp-r)*c_i)

@@ -1,7 +1,7 @@
 """Fuzz of te_thd.thd_utils with arbitrary -- also malformed -- packed batches.
 
 ``process_input_for_thd`` and ``split_batch_into_thd_chunks`` must either return
-exactly what the loop oracle below computes from SPEC §1, or raise ``ValueError``;
+exactly what the loop oracle below computes from the layout rules of docs/thd_utils.md, or raise ``ValueError``;
 never another exception, never a silently wrong result.
 
 The oracle walks the length tables slot by slot with Python ints (no overflow):

@@ -1,6 +1,6 @@
 """Exact-value, behaviour and error tests of te_thd.thd_utils.
 
-The worked examples are the reference page's (shared/seeds/thd_utils.md); the
+The worked examples are the reference implementation's documented ones; the
 values are written out by hand here, not computed by the code under test.
 Property tests over random layouts live in test_thd_utils_properties.py.
 """
@@ -107,11 +107,11 @@ def test_num_chunks_at_most_one_is_the_unchunked_result() -> None:
         assert out["num_seqs"] == 3 and out["max_seqlen_int"] == 6
 
 
-# -------------------------------------------------------- layout decisions (SPEC §1)
+# -------------------------------------------------------- layout decisions
 
 
 def unfilled_row_batch() -> dict:
-    """Issue 2 item 5: row 0 holds [3] in [4] slots of S=6; row 1 is full."""
+    """A row that is not full: row 0 holds [3] in [4] slots of S=6; row 1 is full."""
     return {
         "input_ids": torch.arange(12).view(2, 6),
         "position_ids": torch.arange(6).repeat(2, 1),
@@ -213,7 +213,7 @@ def test_equal_tables_still_emit_cu_seqlens_padded_as_a_distinct_tensor() -> Non
     out = process_input_for_thd(reference_4x6())
     assert "cu_seqlens_padded" in out
     # distinct objects: TE's identity-based auto-detect must not be relied on
-    # (SPEC §6), hence the explicit pad_between_seqs
+    # (NVIDIA/TransformerEngine#3487), hence the explicit pad_between_seqs
     assert out["cu_seqlens_padded"] is not out["cu_seqlens"]
 
 

@@ -4,7 +4,7 @@ Layouts vary B, S, slots per row, sentinels (trailing and in the middle of a
 row), padding between sequences, unfilled rows, rows without sequences, 2-D ids
 vs 3-D embeddings, 2-D vs mRoPE positions, labels present or not, absorption on
 or off. Every property is checked against ``oracle`` below: a slot-by-slot loop
-over the length tables with Python ints, written from SPEC §1 alone.
+over the length tables with Python ints, written from the layout rules of docs/thd_utils.md alone.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ class Expected:
 
 
 def oracle(layout: Layout, absorb: bool, row_range: range | None = None) -> Expected:
-    """SPEC §1 by hand: walk the rows of ``row_range`` slot by slot."""
+    """The layout rules by hand: walk the rows of ``row_range`` slot by slot."""
     rows = range(len(layout.rows)) if row_range is None else row_range
     s = layout.seq_len
     total = len(rows) * s

@@ -170,7 +170,7 @@ def packed_seq_params(
     between sequences the padded arrays here *are* the unpadded tensor objects, which
     every TE version detects as "no padding"; when there is, TE versions whose check
     compares only ``cu_seqlens[:-1]`` mis-detect a batch padded only at the last
-    sequence's tail (TE issue 3331) -- call TE with :func:`te_attention_kwargs` there.
+    sequence's tail (NVIDIA/TransformerEngine#3331) -- call TE with :func:`te_attention_kwargs` there.
 
     Args:
         thd: a converted THD batch.

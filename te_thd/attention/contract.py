@@ -5,7 +5,7 @@ for packed (THD) input; :func:`check_te_thd_args` enforces what TE's source asse
 about it (``dot_product_attention.py`` forward, the THD context-parallel path and
 ``thd_get_partitioned_indices``), plus the value-level rules TE documents but does
 not check (``max_seqlen >= every segment``, every sequence fits its slot, an explicit
-``pad_between_seqs`` that agrees with the complete boundary arrays -- TE issue 3331).
+``pad_between_seqs`` that agrees with the complete boundary arrays -- NVIDIA/TransformerEngine#3331).
 
 Every violation raises :class:`ThdContractError` (a ``ValueError``) whose message
 names the argument, the offending value, TE's own wording where it has one, and the
@@ -146,7 +146,7 @@ def check_boundary_values(
         max_seqlen: host int that must be ``>=`` every real segment, or None.
         total_tokens: length of the global stream, or None to skip the coverage rules.
         cp_size: context-parallel size (``> 1`` adds TE's CP divisibility and coverage).
-        pad_between_seqs: False requires equal arrays (TE issue 3331); None/True skip it.
+        pad_between_seqs: False requires equal arrays (NVIDIA/TransformerEngine#3331); None/True skip it.
         names: how the messages call ``cu``, ``cu_padded`` and ``max_seqlen``.
 
     Raises:
@@ -211,7 +211,7 @@ def check_boundary_values(
         raise ThdContractError(
             f"pad_between_seqs=False but {cu_name} {c.tolist()} differs from {cup_name} "
             f"{p.tolist()}: TE would take the no-padding path and attend across the wrong "
-            "slots (TE issue 3331) -- compute pad_between_seqs on the complete arrays "
+            "slots (NVIDIA/TransformerEngine#3331) -- compute pad_between_seqs on the complete arrays "
             "(process_input_for_thd does) or pass True"
         )
 

@@ -166,7 +166,10 @@ def build_cached_dataloader(
     data-parallel replicas).
 
     Keyword options:
-        seed: order seed; epoch ``e`` uses ``seed + e`` (same on every rank).
+        seed: order seed, the same on every rank; epoch ``e`` reads
+            ``shard_block_order(N, shard_size, seed, e)`` (numpy ``default_rng([seed,
+            e])`` for the shard order, ``default_rng([seed, e, s])`` inside shard ``s``;
+            see :class:`CacheShardSampler`).
         drop_last: drop the samples that do not split evenly over the replicas and
             the last incomplete batch (default: pad by wrap-around, keep it).
         dp_rank, dp_size: the data-parallel rank and size. Default with

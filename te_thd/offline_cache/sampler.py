@@ -64,9 +64,9 @@ def _shard_rng(seed: int, epoch: int, *rest: int) -> np.random.Generator:
 
 
 def _epoch_blocks(num_samples: int, shard_size: int, seed: int, epoch: int, shuffle: bool) -> Iterator[tuple[int, Any]]:
-    """The epoch's order as ``(shard, make_block)`` in visiting order, lazily.
+    """The epoch's order as ``(shard, make)`` pairs in visiting order, lazily.
 
-    ``make_block()`` returns that shard's sample ids (int64 ndarray) in their epoch
+    ``make()`` returns that shard's sample ids (int64 ndarray) in their epoch
     order; it is called only for blocks that are read, so the order costs
     O(num_shards + shard_size) memory whatever the cache size.
     """
@@ -87,9 +87,11 @@ def shard_block_order(num_samples: int, shard_size: int, seed: int, epoch: int, 
 
     ``shuffle=False``: ``0..N-1``. Otherwise a permutation in which each shard's
     samples (shard ``s`` = ``[s*shard_size, min((s+1)*shard_size, N))``) are contiguous,
-    the shards come in a random order (drawn from ``(seed, epoch)``) and each shard's
-    samples in a random order (drawn from ``(seed, epoch, s)``): the same on every
-    rank and in every worker, independent of the global RNG. ``CacheShardSampler``
+    the shards come in the order ``numpy.random.default_rng([seed, epoch])
+    .permutation(num_shards)`` and shard ``s``'s samples in the order
+    ``s*shard_size + default_rng([seed, epoch, s]).permutation(rows)`` (numpy
+    ``SeedSequence`` streams of those words): the same on every rank and in every
+    worker, independent of the global RNG. ``CacheShardSampler``
     streams the same order shard by shard instead of materialising it.
     """
     _check_seed(seed, epoch)
@@ -114,7 +116,10 @@ class CacheShardSampler(Sampler[int]):
             ``parallel_state`` is initialised, else 1.
         rank: data-parallel rank, default as ``num_replicas``.
         shuffle: shard-block shuffle when True, ``0..N-1`` when False.
-        seed: base seed; epoch ``e`` uses ``seed + e`` (must match on every rank).
+        seed: int ``>= 0``, the same on every rank. Epoch ``e``'s order is
+            ``shard_block_order(N, shard_size, seed, e)``: the shard order drawn from
+            numpy's ``default_rng([seed, e])``, shard ``s``'s sample order from
+            ``default_rng([seed, e, s])`` (never the global RNG).
         drop_last: drop the tail that does not divide evenly over the replicas
             instead of padding it with wrapped-around samples.
         shard_size: block size for the shuffle (default ``data_source.shard_size``,

@@ -515,7 +515,8 @@ def _sequential_subset_loader(dataloader: DataLoader, start: int, end: int) -> D
     Preserves the source loader's worker settings: in particular
     ``multiprocessing_context`` -- the precompute paths load the target onto CUDA
     before iterating, so fork-started workers would inherit a live CUDA context and
-    abort (see ``build_eagle3_dataloader``'s forkserver note). Also kept:
+    abort; a source loader built with ``multiprocessing_context="forkserver"`` keeps it
+    here. Also kept:
     ``batch_size``, ``collate_fn``, ``pin_memory``, ``persistent_workers``,
     ``worker_init_fn``, ``prefetch_factor``, ``timeout``.
     """
