@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
 DOCS = REPO / "docs"
 PAGES = [README, *sorted(DOCS.glob("*.md"))]
-MODULE_PAGES = ("packing", "thd_utils", "cp", "attention", "offline_cache", "cli")
+MODULE_PAGES = ("packing", "thd_utils", "layout", "cp", "attention", "offline_cache", "balance", "cli")
 COMMAND_1 = "bash scripts/setup.sh && .venv/bin/te-thd demo"
 COMMAND_2 = "bash scripts/setup.sh && .venv/bin/python -m pytest -q"
 
