@@ -9,6 +9,8 @@ full epoch, ``num_workers=0``, samples/s reported. ``raw_slice`` is a plain loop
 over every shard's ``get_slice(key)`` in slices of the batch size, each copied into
 fresh memory (``.clone()``: the slice itself is a view of safetensors' mapping) —
 no per-sample work, no order, no DataLoader: the cost of moving the bytes once.
+``unverified`` is te_thd's loader with ``verify=False``: ``ours / unverified`` is
+what checking every row's checksum after the copy costs (single-threaded).
 
 Cases (goals in ``perf/thresholds.json``):
 - ``small_sequential`` / ``small_shuffled``: ``input_ids`` [256] int64, ``loss_mask``
@@ -33,6 +35,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import warnings
 from typing import Any
 
 import torch
@@ -45,10 +48,13 @@ LARGE_KEYS = ("hidden", "input_ids")
 
 
 def write_cache(cache_dir: str, num_samples: int, shard_size: int, kind: str) -> None:
-    """Write a cache of ``kind`` ``"small"`` or ``"large"`` (random contents)."""
-    from safetensors.torch import save_file
+    """Write a cache of ``kind`` ``"small"`` or ``"large"`` (random contents).
 
-    from te_thd.offline_cache.format import shard_path, write_manifest
+    Shards go through the reference API's ``write_tensor_shard`` (self-verifying:
+    per-row checksums in the header, which te_thd's reader checks by default; the
+    reference reader ignores them), then ``write_manifest``.
+    """
+    from te_thd.offline_cache import write_manifest, write_tensor_shard
 
     os.makedirs(cache_dir, exist_ok=True)
     g = torch.Generator().manual_seed(0)
@@ -65,7 +71,7 @@ def write_cache(cache_dir: str, num_samples: int, shard_size: int, kind: str) ->
                 "hidden": torch.randint(-(2**14), 2**14, (n, 512, 768), generator=g, dtype=torch.int16).view(torch.bfloat16),
                 "input_ids": torch.randint(0, 150_000, (n, 512), generator=g),
             }
-        save_file(t, shard_path(cache_dir, s))
+        write_tensor_shard(cache_dir, s, t, tuple(t), "bench")
     write_manifest(cache_dir, {"num_samples": num_samples, "shard_size": shard_size}, FORMAT_VERSION)
 
 
@@ -105,15 +111,24 @@ def _raw_slicer(cache_dir: str, keys: tuple[str, ...], batch: int) -> Any:
 
 
 def _loaders(cache_dir: str, keys: tuple[str, ...], batch: int, shuffle: bool, ref: Any) -> dict[str, Any]:
-    from te_thd.offline_cache import CachedTensorDataset, build_cached_dataloader, collate_cached
-
-    ours = build_cached_dataloader(
-        CachedTensorDataset(cache_dir, "bench", FORMAT_VERSION, keys),
-        batch,
-        shuffle,
-        functools.partial(collate_cached, keys=keys),
+    from te_thd.offline_cache import (
+        CachedTensorDataset,
+        UnverifiedCacheWarning,
+        build_cached_dataloader,
+        collate_cached,
     )
-    out = {"ours": ours}
+
+    def loader(verify: bool) -> Any:
+        return build_cached_dataloader(
+            CachedTensorDataset(cache_dir, "bench", FORMAT_VERSION, keys, verify=verify),
+            batch,
+            shuffle,
+            functools.partial(collate_cached, keys=keys),
+        )
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UnverifiedCacheWarning)  # verify=False says so; measured on purpose
+        out = {"ours": loader(True), "unverified": loader(False)}
     if ref is not None:
         out["reference"] = ref.build_cached_dataloader(
             dataset=ref.CachedTensorDataset(cache_dir=cache_dir, cache_name="bench", format_version=FORMAT_VERSION, disk_keys=keys),

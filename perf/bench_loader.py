@@ -14,7 +14,9 @@ for those two steps: the comparison is of everything around them.
 Cache: 256-token rows (``input_ids`` and ``loss_mask`` int64 [256],
 ``position_mask`` bool [256, 1] marking the real prefix of 16..256 tokens),
 shard_size 4096; batches of 32 samples packed into rows of 4096 tokens, every
-document padded to 2*cp = 4. One timed call = one shuffled epoch (8192 samples;
+document padded to 2*cp = 4. Baseline ``unverified``: the same te_thd loader with
+``verify=False``, so ``ours / unverified`` is the cost of checking every row read
+against its checksum (goal: <= 10% with workers). One timed call = one shuffled epoch (8192 samples;
 ``--quick``: 2048). ``num_workers`` 0 and 2 (workers restart each epoch, as the
 reference loader has no ``persistent_workers``).
 """
@@ -25,6 +27,7 @@ import functools
 import os
 import sys
 import tempfile
+import warnings
 from typing import Any
 
 import torch
@@ -43,9 +46,8 @@ WIDTH, SEQ_LEN, CP, BATCH = 256, 4096, 2, 32
 
 
 def write_cache(cache_dir: str, num_samples: int, shard_size: int = 4096) -> None:
-    from safetensors.torch import save_file
-
-    from te_thd.offline_cache.format import shard_path, write_manifest
+    """Self-verifying shards through ``write_tensor_shard``, then ``write_manifest`` (random rows)."""
+    from te_thd.offline_cache import write_manifest, write_tensor_shard
 
     os.makedirs(cache_dir, exist_ok=True)
     g = torch.Generator().manual_seed(0)
@@ -53,13 +55,16 @@ def write_cache(cache_dir: str, num_samples: int, shard_size: int = 4096) -> Non
         n = min(shard_size, num_samples - start)
         length = torch.randint(16, WIDTH + 1, (n, 1), generator=g)
         valid = torch.arange(WIDTH).unsqueeze(0) < length
-        save_file(
+        write_tensor_shard(
+            cache_dir,
+            s,
             {
                 "input_ids": torch.randint(1, 150_000, (n, WIDTH), generator=g) * valid,
                 "loss_mask": torch.randint(0, 2, (n, WIDTH), generator=g) * valid,
                 "position_mask": valid.unsqueeze(-1),
             },
-            shard_path(cache_dir, s),
+            KEYS,
+            "bench",
         )
     write_manifest(cache_dir, {"num_samples": num_samples, "shard_size": shard_size}, FORMAT_VERSION)
 
@@ -107,7 +112,12 @@ def _epoch(loader: Any, epochs: Any) -> int:
 
 
 def run(quick: bool) -> list[Record]:
-    from te_thd.offline_cache import CachedTensorDataset, CachedThdCollator, build_cached_dataloader
+    from te_thd.offline_cache import (
+        CachedTensorDataset,
+        CachedThdCollator,
+        UnverifiedCacheWarning,
+        build_cached_dataloader,
+    )
 
     ref_cache, ref_thd = reference_offline_cache(), reference_thd_utils()
     n = 2048 if quick else 8192
@@ -117,11 +127,14 @@ def run(quick: bool) -> list[Record]:
         write_cache(tmp, n)
         collate = CachedThdCollator(SEQ_LEN, cp_size=CP, cp_rank=0, mask_key="position_mask")
         for workers in (0, 2):
-            loaders: dict[str, Any] = {
-                "ours": build_cached_dataloader(
-                    CachedTensorDataset(tmp, "bench", FORMAT_VERSION, KEYS), BATCH, True, collate, workers
-                )
-            }
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UnverifiedCacheWarning)  # verify=False: measured on purpose
+                loaders: dict[str, Any] = {
+                    name: build_cached_dataloader(
+                        CachedTensorDataset(tmp, "bench", FORMAT_VERSION, KEYS, verify=verify), BATCH, True, collate, workers
+                    )
+                    for name, verify in (("ours", True), ("unverified", False))
+                }
             if ref_cache is not None and ref_thd is not None:
                 loaders["reference"] = ref_cache.build_cached_dataloader(
                     dataset=ref_cache.CachedTensorDataset(

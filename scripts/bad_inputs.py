@@ -642,7 +642,7 @@ def _rewrite_manifest(d: Path, fn: Callable[[dict[str, Any]], Any]) -> Path:
     it records one, is recomputed so the edit reaches the check it targets."""
     import json
 
-    from te_thd.offline_cache import format as fmt
+    from te_thd.offline_cache import manifest as fmt
 
     m = json.loads((d / "manifest.json").read_text())
     fn(m)
@@ -719,6 +719,17 @@ def _cache_rows() -> list[BadInput]:
         data = bytearray(p.read_bytes())
         data[-1] ^= 0xFF
         p.write_bytes(bytes(data))
+        return d
+
+    def swap_dtype(tmp: Path) -> Path:
+        d = _cache(tmp)
+        p = d / "shard-000001.safetensors"
+        p.write_bytes(p.read_bytes().replace(b'"I64"', b'"F64"', 1))
+        return d
+
+    def swap_in_other_shard(tmp: Path) -> Path:
+        d = _cache(tmp)  # shard 2 is sound and as large as shard 1: only the manifest tells them apart
+        (d / "shard-000001.safetensors").write_bytes((d / "shard-000002.safetensors").read_bytes())
         return d
 
     def rewrite_shard(tensors: dict[str, Any]) -> Callable[[Path], Path]:
@@ -817,7 +828,7 @@ def _cache_rows() -> list[BadInput]:
                  opened(lambda tmp: _replace_in(_cache(tmp) / "manifest.json", '"cp_size": 2', '"cp_size": 3')),
                  _re("offline cache manifest <dir>/cache/manifest.json does not match its own checksum (it records crc32:")),
         BadInput("cache-format-version", "cache", "the manifest's format_version differs from the reader's",
-                 opened(set_key("format_version", 2)), _re("has format_version=2, expected 1. Regenerate the cache")),
+                 opened(set_key("format_version", 2)), _re("has format_version=2, expected 1: its tensors mean something else. Rebuild it into a new directory")),
         BadInput("cache-no-num-samples", "cache", "the manifest has no num_samples",
                  opened(drop_key("num_samples")), _re("manifest <dir>/cache/manifest.json has no 'num_samples' field")),
         BadInput("cache-shard-size", "cache", "the manifest's shard_size is not an int >= 1",
@@ -849,10 +860,10 @@ def _cache_rows() -> list[BadInput]:
         BadInput("cache-read-schema", "cache", "reader: a shard whose dtype/shape differs from the manifest schema",
                  lambda tmp: _open(rewrite_shard({"hidden": torch.zeros(2, 4, dtype=torch.float64),
                                                   "input_ids": torch.zeros(2, 3, dtype=torch.long)})(tmp)).__getitems__([2]),
-                 _re("shard <dir>/cache/shard-000001.safetensors stores")),
+                 _re("shard <dir>/cache/shard-000001.safetensors: key 'hidden' is float64[2, 4], the schema says float32[n, 4]")),
         BadInput("cache-read-rows", "cache", "reader: a shard holding another number of samples than the manifest says",
                  lambda tmp: _open(rewrite_shard({"hidden": torch.zeros(3, 4), "input_ids": torch.zeros(3, 3, dtype=torch.long)})(tmp)).__getitems__([2]),
-                 _re("shard <dir>/cache/shard-000001.safetensors key") + ".*" + _re("holds 3 samples")),
+                 _re("shard <dir>/cache/shard-000001.safetensors: key 'hidden' holds 3 samples, the manifest puts 2 in this shard")),
         BadInput("cache-read-header", "cache", "reader: a shard whose safetensors header is damaged",
                  lambda tmp: _open(garble_header(tmp)).__getitems__([2]),
                  _re("shard <dir>/cache/shard-000001.safetensors is not a valid safetensors file")),
@@ -860,13 +871,27 @@ def _cache_rows() -> list[BadInput]:
                  lambda tmp: _open(garble_header(tmp))[2],
                  _re("shard <dir>/cache/shard-000001.safetensors is not a valid safetensors file")),
         # -- verify --
-        BadInput("cache-verify-checksum", "cache", "verify --deep: a shard's CRC-32 differs from the manifest",
-                 deep(flip_data), _re("<dir>/cache/shard-000001.safetensors: checksum crc32:")
+        BadInput("cache-read-row-checksum", "cache", "reader: a flipped byte in the tensor data of a shard",
+                 lambda tmp: _open(flip_data(tmp)).__getitems__([2, 3]),
+                 _re("shard <dir>/cache/shard-000001.safetensors: sample 3 (row 1 of the shard), key 'hidden': "
+                     "checksum mismatch (expected xxh3_64:") + ".*" + _re("the batch was not returned. Repair: "
+                     "`te-thd cache repair <dir>/cache`")),
+        BadInput("cache-read-row-checksum-item", "cache", "reader, per-item path: a flipped byte in a shard's tensor data",
+                 lambda tmp: _open(flip_data(tmp))[3],
+                 _re("shard <dir>/cache/shard-000001.safetensors: sample 3 (row 1 of the shard), key 'hidden': checksum mismatch")),
+        BadInput("cache-read-header-checksum", "cache", "reader: a flipped byte that leaves the shard header valid JSON",
+                 lambda tmp: _open(swap_dtype(tmp)).__getitems__([2]),
+                 _re("shard <dir>/cache/shard-000001.safetensors: header checksum mismatch (expected xxh3_64:")),
+        BadInput("cache-verify-checksum", "cache", "verify --deep: a flipped byte in a shard's tensor data",
+                 deep(flip_data), _re("<dir>/cache/shard-000001.safetensors: key 'hidden' row 1: checksum mismatch "
+                                      "(expected xxh3_64:")),
+        BadInput("cache-verify-swapped", "cache", "verify --deep: a sound shard of another cache in place of one of this cache's",
+                 deep(swap_in_other_shard), _re("<dir>/cache/shard-000001.safetensors: whole-file checksum crc32:")
                  + ".*" + _re("differs from the manifest's crc32:")),
         BadInput("cache-verify-schema", "cache", "verify --deep: a shard's header differs from the schema",
                  deep(rewrite_shard({"hidden": torch.zeros(2, 4, dtype=torch.float64),
                                      "input_ids": torch.zeros(2, 3, dtype=torch.long)})),
-                 _re("<dir>/cache/shard-000001.safetensors: key 'hidden' is torch.float64[2, 4], the schema says float32[n, 4]")),
+                 _re("<dir>/cache/shard-000001.safetensors: key 'hidden' is float64[2, 4], the schema says float32[n, 4]")),
         BadInput("cache-verify-algorithm", "cache", "verify --deep: an unknown checksum algorithm in the manifest",
                  deep(lambda tmp: _edit_manifest(tmp, lambda m: m["shards"][0].__setitem__("checksum", "md5:00"))),
                  _re("checksum algorithm 'md5' is not supported (expected 'crc32')")),
@@ -1004,7 +1029,7 @@ def _cli_rows() -> list[BadInput]:
                  _re("te-thd cache verify: FAILED: shard <dir>/cache/shard-000000.safetensors has 100 bytes"), kind="cli"),
         BadInput("cli-verify-deep", "CLI", "te-thd cache verify --deep DIR: a flipped byte",
                  cli("cache", "verify", "--deep", "DIR", prepare=corrupt),
-                 _re("te-thd cache verify: FAILED:") + ".*" + _re("<dir>/cache/shard-000002.safetensors: checksum"), kind="cli"),
+                 _re("te-thd cache verify: FAILED:") + ".*" + _re("<dir>/cache/shard-000002.safetensors: key"), kind="cli"),
         BadInput("cli-info-json", "CLI", "te-thd cache info DIR: manifest is not JSON", cli("cache", "info", "DIR", prepare=bad_json),
                  _re("te-thd cache info: offline cache manifest <dir>/cache/manifest.json is not valid JSON"), kind="cli"),
         BadInput("cli-info-missing", "CLI", "te-thd cache info DIR: no manifest", cli("cache", "info", "DIR"),

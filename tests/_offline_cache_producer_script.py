@@ -50,7 +50,7 @@ def _die() -> None:
 
 def _install(crash: str) -> None:
     import te_thd.offline_cache.durable as durable
-    import te_thd.offline_cache.format as fmt
+    import te_thd.offline_cache.manifest as fmt
     import te_thd.offline_cache.producer as producer
     import te_thd.offline_cache.shardfile as shardfile
     import te_thd.offline_cache.writer as writer

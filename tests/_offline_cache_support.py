@@ -13,7 +13,8 @@ import socket
 import torch
 from safetensors.torch import save_file
 
-from te_thd.offline_cache.format import shard_path, write_manifest
+from te_thd.offline_cache.format import shard_path
+from te_thd.offline_cache.manifest import write_manifest
 from te_thd.offline_cache.producer import produce_cache
 
 FORMAT_VERSION = 3

@@ -35,10 +35,10 @@ def test_info_prints_everything_a_user_checks(cache: Path, capsys: pytest.Captur
     size = sum(p.stat().st_size for p in cache.glob("shard-*"))
     for line in [
         "format_version: 1",
-        "layout_version: 2",
+        "layout_version: 3",
         "samples:        9",
         "shards:         3 x 4 samples",
-        f"bytes:          {size} ({size} B)",
+        f"bytes:          {size} ({size / 1024:.1f} KiB)",
         "checksum:       crc32",
         "  hidden               bfloat16   [n, 2, 3]",
         "  mask                 bool       [n, 3]",
@@ -61,10 +61,17 @@ def test_info_of_a_directory_without_manifest(tmp_path: Path, capsys: pytest.Cap
 
 
 def test_verify_sound_cache(cache: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["cache", "verify", str(cache)]) == 0
-    assert capsys.readouterr().out.strip() == f"OK: {cache}: 9 samples in 3 shards (sizes checked)"
-    assert main(["cache", "verify", "--deep", str(cache)]) == 0
-    assert "(sizes, headers, checksums checked)" in capsys.readouterr().out
+    assert main(["cache", "verify", "--quick", str(cache)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"OK: {cache}: 9 samples in 3 shards\n")
+    assert "  checked: shard sizes against the manifest" in out
+    assert "  NOT checked: shard headers and contents (run a deep verify: `te-thd cache verify DIR`)" in out
+    for argv in (["cache", "verify", str(cache)], ["cache", "verify", "--deep", str(cache)]):
+        assert main(argv) == 0
+        captured = capsys.readouterr()
+        assert "  checked: every row of every key against the xxh3_64 checksums each shard carries" in captured.out
+        assert "  checked: every shard's whole-file checksum against the manifest" in captured.out
+        assert "NOT checked" not in captured.out and captured.err == ""
 
 
 def test_verify_names_the_bad_shard(cache: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -72,14 +79,15 @@ def test_verify_names_the_bad_shard(cache: Path, capsys: pytest.CaptureFixture[s
     data = bytearray(shard.read_bytes())
     data[-1] ^= 0xFF
     shard.write_bytes(bytes(data))
-    assert main(["cache", "verify", str(cache)]) == 0  # same size: only --deep can tell
+    assert main(["cache", "verify", "--quick", str(cache)]) == 0  # same size: only reading it can tell
     capsys.readouterr()
-    assert main(["cache", "verify", "--deep", str(cache)]) == 1
+    assert main(["cache", "verify", str(cache)]) == 1
     err = capsys.readouterr().err
-    assert "FAILED" in err and f"{shard}: checksum crc32:" in err
+    assert "FAILED" in err and f"{shard}: key 'mask' row 3: checksum mismatch (expected xxh3_64:" in err
+    assert f"Repair: `te-thd cache repair {cache}`" in err
 
     shard.write_bytes(bytes(data[:-10]))
-    assert main(["cache", "verify", str(cache)]) == 1
+    assert main(["cache", "verify", "--quick", str(cache)]) == 1
     assert f"shard {shard} has {len(data) - 10} bytes, the manifest records {len(data)}" in capsys.readouterr().err
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import xxhash
 from hypothesis import given
 from hypothesis import strategies as st
 from safetensors import safe_open
@@ -45,9 +46,15 @@ from te_thd.offline_cache import (
     write_manifest,
     write_tensor_shard,
 )
-from te_thd.offline_cache.format import DTYPE_TO_ST, format_indices, load_manifest
-from te_thd.offline_cache.shardfile import file_checksum, read_header, write_shard_file
-from te_thd.offline_cache.writer import shard_runs
+from te_thd.offline_cache.format import DTYPE_TO_ST, format_indices
+from te_thd.offline_cache.loops import shard_runs
+from te_thd.offline_cache.manifest import load_manifest
+from te_thd.offline_cache.shardfile import (
+    file_checksum,
+    read_header,
+    read_shard_header,
+    write_shard_file,
+)
 
 LOG = logging.getLogger("test")
 DTYPES = sorted(DTYPE_TO_ST, key=str)
@@ -67,19 +74,31 @@ def _tensor(dtype: torch.dtype, shape: tuple[int, ...], seed: int) -> torch.Tens
 @given(
     entries=st.dictionaries(
         st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), min_size=1, max_size=6),
-        st.tuples(st.sampled_from(DTYPES), st.lists(st.integers(0, 4), min_size=1, max_size=3)),
+        st.tuples(st.sampled_from(DTYPES), st.lists(st.integers(0, 4), min_size=0, max_size=2)),
         min_size=1,
         max_size=5,
     ),
+    rows=st.integers(0, 4),
     seed=st.integers(0, 2**16),
 )
-def test_shard_file_is_byte_identical_to_save_file(tmp_path_factory, entries, seed) -> None:
+def test_shard_file_is_byte_identical_to_save_file(tmp_path_factory, entries, rows, seed) -> None:
+    """Our bytes are save_file's with the one te_thd metadata entry (safetensors writes a single
+    metadata key deterministically), and every row checksum is the row's xxh3_64 seeded by its index."""
     d = tmp_path_factory.mktemp("bytes")
-    tensors = {k: _tensor(dt, tuple(shape), seed + i) for i, (k, (dt, shape)) in enumerate(entries.items())}
+    tensors = {k: _tensor(dt, (rows, *shape), seed + i) for i, (k, (dt, shape)) in enumerate(entries.items())}
     record = write_shard_file(str(d / "ours.safetensors"), tensors)
-    save_file(tensors, str(d / "ref.safetensors"))
+    with safe_open(str(d / "ours.safetensors"), framework="pt") as f:
+        metadata = f.metadata()
+    assert list(metadata) == ["te_thd"]
+    save_file(tensors, str(d / "ref.safetensors"), metadata=metadata)
     ours = (d / "ours.safetensors").read_bytes()
     assert ours == (d / "ref.safetensors").read_bytes()
+    sums = read_shard_header(str(d / "ours.safetensors")).sums
+    assert sums is not None and sums.rows == rows
+    for k, t in tensors.items():
+        raw = t.contiguous().reshape(rows, -1).view(torch.uint8) if rows else t
+        want = [xxhash.xxh3_64_intdigest(raw[i].numpy().tobytes(), i) for i in range(rows)]
+        assert sums.sums[k].tolist() == want
     assert record.bytes == len(ours)
     assert record.checksum == f"crc32:{zlib.crc32(ours):08x}" == file_checksum(str(d / "ours.safetensors"))
     with safe_open(str(d / "ours.safetensors"), framework="pt") as f:
@@ -89,9 +108,28 @@ def test_shard_file_is_byte_identical_to_save_file(tmp_path_factory, entries, se
     assert {k: (e.dtype, e.shape) for k, e in header.items()} == {k: (t.dtype, tuple(t.shape)) for k, t in tensors.items()}
 
 
+@given(
+    entries=st.dictionaries(
+        st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), min_size=1, max_size=6),
+        st.tuples(st.sampled_from(DTYPES), st.lists(st.integers(0, 4), min_size=0, max_size=3)),
+        min_size=1,
+        max_size=5,
+    ),
+    seed=st.integers(0, 2**16),
+)
+def test_plain_shard_file_is_byte_identical_to_save_file(tmp_path_factory, entries, seed) -> None:
+    """``self_verifying=False`` (any shapes, 0-d included) writes save_file's bytes, no metadata."""
+    d = tmp_path_factory.mktemp("plain")
+    tensors = {k: _tensor(dt, tuple(shape), seed + i) for i, (k, (dt, shape)) in enumerate(entries.items())}
+    write_shard_file(str(d / "ours.safetensors"), tensors, self_verifying=False)
+    save_file(tensors, str(d / "ref.safetensors"))
+    assert (d / "ours.safetensors").read_bytes() == (d / "ref.safetensors").read_bytes()
+    assert read_shard_header(str(d / "ours.safetensors")).sums is None
+
+
 def test_shard_file_of_noncontiguous_tensor(tmp_path: Path) -> None:
     t = torch.arange(24, dtype=torch.float32).reshape(4, 6)[:, ::2]  # a strided view
-    write_shard_file(str(tmp_path / "a"), {"t": t})
+    write_shard_file(str(tmp_path / "a"), {"t": t}, self_verifying=False)
     save_file({"t": t.contiguous()}, str(tmp_path / "b"))
     assert (tmp_path / "a").read_bytes() == (tmp_path / "b").read_bytes()
 
@@ -143,7 +181,7 @@ def test_validate_contiguous_shards_names_gaps(tmp_path: Path) -> None:
     _touch_shards(tmp_path, [0, 1, 3])
     with pytest.raises(
         CacheIntegrityError,
-        match=r"declares 16 samples in 4 shards of 4, but has missing shard indices 2 \(e\.g\. shard-000002\.safetensors\)\. Re-run the producer with resume=True",
+        match=r"declares 16 samples in 4 shards of 4, but has missing shard indices 2 \(e\.g\. shard-000002\.safetensors\)\. Move shards that do not belong to this cache away; to fill gaps, re-run the `te_thd\.offline_cache\.produce_cache\(\.\.\.\)` call",
     ) as e:
         validate_contiguous_shards(str(tmp_path), "test", 16, 4)
     assert e.value.path == shard_path(str(tmp_path), 2)
@@ -151,7 +189,7 @@ def test_validate_contiguous_shards_names_gaps(tmp_path: Path) -> None:
 
 def test_validate_contiguous_shards_names_extra_indices(tmp_path: Path) -> None:
     _touch_shards(tmp_path, [0, 1, 2, 7])
-    with pytest.raises(CacheIntegrityError, match=r"extra shard indices 2, 7 beyond the declared 2 .*delete shards that do not belong"):
+    with pytest.raises(CacheIntegrityError, match=r"extra shard indices 2, 7 beyond the declared 2 .*Move shards that do not belong to this cache away"):
         validate_contiguous_shards(str(tmp_path), "test", 8, 4)
 
 
@@ -181,7 +219,7 @@ def test_read_manifest_missing(tmp_path: Path) -> None:
 
 def test_read_manifest_not_json(tmp_path: Path) -> None:
     _manifest(tmp_path, '{"num_samples": 3,')
-    with pytest.raises(ManifestError, match=r"manifest .*manifest.json is not valid JSON \(.*line 1.*rebuild the cache with precompute_test"):
+    with pytest.raises(ManifestError, match=r"manifest .*manifest.json is not valid JSON \(.*line 1.*Restore manifest.json from a copy, or delete .* and re-run the `te_thd.offline_cache.produce_cache\(...\)` call"):
         read_manifest(str(tmp_path), "test", 1)
 
 
@@ -193,7 +231,7 @@ def test_read_manifest_not_an_object(tmp_path: Path) -> None:
 
 def test_read_manifest_wrong_version(tmp_path: Path) -> None:
     _manifest(tmp_path, {"format_version": 2, "num_samples": 3, "shard_size": 2})
-    with pytest.raises(ManifestError, match=r"has format_version=2, expected 3\. Regenerate the cache with the current make_it"):
+    with pytest.raises(ManifestError, match=r"has format_version=2, expected 3: its tensors mean something else\. Rebuild it into a new directory with the current producer: make_it\."):
         read_manifest(str(tmp_path), "test", 3, producer_name="make_it")
 
 
@@ -208,7 +246,7 @@ def test_read_manifest_missing_field(tmp_path: Path, field: str) -> None:
     m = {"format_version": 1, "num_samples": 3, "shard_size": 2}
     del m[field]
     _manifest(tmp_path, m)
-    with pytest.raises(ManifestError, match=rf"manifest .* has no '{field}' field, so the cache layout is unknown.*rebuild the cache"):
+    with pytest.raises(ManifestError, match=rf"manifest .* has no '{field}' field, so the cache layout is unknown.*Restore manifest.json from a copy"):
         read_manifest(str(tmp_path), "test", 1)
 
 
@@ -324,8 +362,11 @@ def test_write_tensor_shard_writes_only_requested_keys(tmp_path: Path) -> None:
     samples = {"a": torch.ones(3, 2), "b": torch.zeros(3, dtype=torch.int64), "extra": torch.ones(1)}
     path = write_tensor_shard(str(tmp_path), 0, samples, ("a", "b"), "test")
     assert path == shard_path(str(tmp_path), 0)
-    save_file({"a": samples["a"], "b": samples["b"]}, str(tmp_path / "ref"))
+    with safe_open(path, framework="pt") as f:  # the reference reader loads it unchanged
+        assert sorted(f.keys()) == ["a", "b"] and list(f.metadata()) == ["te_thd"]
+        save_file({"a": samples["a"], "b": samples["b"]}, str(tmp_path / "ref"), metadata=f.metadata())
     assert Path(path).read_bytes() == (tmp_path / "ref").read_bytes()
+    assert read_shard_header(path).sums.rows == 3  # self-verifying without any manifest
 
 
 def test_write_tensor_shard_missing_key(tmp_path: Path) -> None:
@@ -508,7 +549,7 @@ def test_verify_deep_detects_bit_flip_with_same_size(small_cache: Path) -> None:
     data[-3] ^= 0x01
     shard.write_bytes(bytes(data))
     verify_cache(str(small_cache))  # sizes still match: the cheap check cannot see it
-    with pytest.raises(CacheIntegrityError, match=r"1 bad shard\(s\):\n  .*shard-000000\.safetensors: checksum crc32:[0-9a-f]{8} differs from the manifest's crc32:[0-9a-f]{8}"):
+    with pytest.raises(CacheIntegrityError, match=r"1 bad shard\(s\):\n  .*shard-000000\.safetensors: key '\w+' row \d+: checksum mismatch \(expected xxh3_64:[0-9a-f]{16}, the bytes hash to xxh3_64:[0-9a-f]{16}\)"):
         verify_cache(str(small_cache), deep=True)
 
 
@@ -521,8 +562,8 @@ def test_verify_deep_detects_header_schema_mismatch_and_lists_every_bad_shard(sm
         verify_cache(str(small_cache), deep=True)
     msg = str(e.value)
     assert "2 bad shard(s)" in msg
-    assert "shard-000000.safetensors: key 'h' is torch.int32[4, 3], the schema says float32[n, 3]" in msg
-    assert "shard-000001.safetensors: key 'h' is torch.uint32[4, 3], the schema says float32[n, 3]" in msg
+    assert "shard-000000.safetensors: key 'h' is int32[4, 3], the schema says float32[n, 3]" in msg
+    assert "shard-000001.safetensors: key 'h' is uint32[4, 3], the schema says float32[n, 3]" in msg
     assert e.value.path.endswith("shard-000000.safetensors")
 
 
@@ -535,7 +576,7 @@ def test_verify_reference_manifest_without_checksums(tmp_path: Path) -> None:
     info = cache_info(str(tmp_path))
     assert info["schema"] == {"x": {"dtype": "float32", "shape": [2]}} and info["checksum"] is None
     save_file({"x": torch.ones(3, 2)}, shard_path(str(tmp_path), 1))  # wrong sample count
-    with pytest.raises(CacheIntegrityError, match=r"key 'x' holds 3 samples, expected 2"):
+    with pytest.raises(CacheIntegrityError, match=r"key 'x' holds 3 samples, the manifest puts 2 in this shard"):
         verify_cache(str(tmp_path), deep=True)
 
 
@@ -543,7 +584,7 @@ def test_verify_deep_reports_garbage_file(small_cache: Path) -> None:
     shard = small_cache / "shard-000002.safetensors"
     size = shard.stat().st_size
     shard.write_bytes(b"\xff" * size)
-    with pytest.raises(CacheIntegrityError, match=r"shard-000002\.safetensors: header length \d+ does not fit"):
+    with pytest.raises(CacheIntegrityError, match=r"shard-000002\.safetensors: is not a valid safetensors file: header length \d+ does not fit"):
         verify_cache(str(small_cache), deep=True)
 
 
@@ -553,7 +594,7 @@ def test_cache_info(small_cache: Path) -> None:
     assert info["schema"] == {"h": {"dtype": "float32", "shape": [3]}, "m": {"dtype": "bool", "shape": [3]}}
     assert info["options"] == {"cp_size": 2}
     assert info["bytes"] == sum(p.stat().st_size for p in small_cache.glob("shard-*.safetensors"))
-    assert info["checksum"] == "crc32" and info["layout_version"] == 2 and info["format_version"] == 1
+    assert info["checksum"] == "crc32" and info["layout_version"] == 3 and info["format_version"] == 1
 
 
 # -- the manifest's own checksum (layout_version 2) -----------------------------------------
@@ -567,7 +608,7 @@ def _flip_in_manifest(d: Path, old: bytes, new: bytes) -> None:
 
 def test_manifest_records_a_checksum_of_its_canonical_content(small_cache: Path) -> None:
     raw = json.loads((small_cache / MANIFEST_NAME).read_text())
-    assert raw["layout_version"] == 2
+    assert raw["layout_version"] == 3
     body = {k: v for k, v in raw.items() if k != "manifest_checksum"}
     canonical = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
     assert raw["manifest_checksum"] == f"crc32:{zlib.crc32(canonical):08x}"
@@ -605,7 +646,7 @@ def test_manifest_checksum_catches_a_flip_and_names_manifest_json(small_cache: P
 def test_manifest_checksum_field_itself_damaged(small_cache: Path) -> None:
     # the field's name: a layout-2 manifest always records it
     _flip_in_manifest(small_cache, b'"manifest_checksum"', b'"manifest_chedksum"')
-    with pytest.raises(ManifestError, match=r"manifest .*manifest\.json declares layout_version=2 but has no 'manifest_checksum' field, which that layout always records: the file was damaged"):
+    with pytest.raises(ManifestError, match=r"manifest .*manifest\.json declares layout_version=3 but has no 'manifest_checksum' field, which that layout always records: the file was damaged"):
         read_manifest(str(small_cache), "test", 1)
 
 
@@ -629,7 +670,11 @@ def test_manifests_without_checksum_still_load(tmp_path: Path) -> None:
          "checksum": file_checksum(shard_path(str(tmp_path), i))} for i in range(2)]}
     (tmp_path / MANIFEST_NAME).write_text(json.dumps(layout1))
     assert read_manifest(str(tmp_path), "test", 1) == layout1
-    assert verify_cache(str(tmp_path), deep=True)["checksums_verified"]
+    result = verify_cache(str(tmp_path), deep=True)
+    # whole files match the manifest, but these shards carry no per-row checksums: said so
+    assert "every shard's whole-file checksum against the manifest" in result["checked"]
+    assert not result["checksums_verified"] and result["shards_with_checksums"] == 0
+    assert any(line.startswith("tensor bytes: no shard carries checksums") for line in result["not_checked"])
 
 
 def test_write_manifest_reseals_an_edited_manifest(small_cache: Path) -> None:
@@ -656,7 +701,7 @@ def test_manifest_without_format_version_is_not_a_version_mismatch(tmp_path: Pat
 
 def test_wrong_format_version_names_manifest_json(tmp_path: Path) -> None:
     _manifest(tmp_path, {"format_version": 2, "num_samples": 3, "shard_size": 2})
-    with pytest.raises(ManifestError, match=r"test cache manifest .*/manifest\.json has format_version=2, expected 1\."):
+    with pytest.raises(ManifestError, match=r"test cache manifest .*/manifest\.json has format_version=2, expected 1: its tensors mean something else"):
         read_manifest(str(tmp_path), "test", 1)
 
 

@@ -24,7 +24,8 @@ from te_thd.offline_cache import (
     CacheIntegrityError,
     collate_cached,
 )
-from te_thd.offline_cache.format import shard_path, write_manifest
+from te_thd.offline_cache.format import shard_path
+from te_thd.offline_cache.manifest import write_manifest
 
 KEYS = ("sample_id", "input_ids", "loss_mask", "position_mask", "length", "hidden")
 N, SHARD = 83, 16  # 6 shards, the last one short (3 samples)
@@ -200,7 +201,7 @@ def test_reads_do_not_load_the_whole_shard(tmp_path):
     ds = CachedTensorDataset(d, CACHE_NAME, FORMAT_VERSION, ("hidden",))
     b = ds.__getitems__([3, 9])
     assert b.tensors["hidden"].shape == (2, 4096, 64)
-    view = ds._views[0]["hidden"]
+    view = ds._views[0][0]["hidden"]
     assert view.shape == (64, 4096, 64)
     assert view.untyped_storage().nbytes() >= view.numel() * 2  # the mapping spans the file
     assert not view.untyped_storage().resizable()  # a file mapping, not an allocation
@@ -232,7 +233,7 @@ def test_missing_key_names_the_shard_without_a_schema(tmp_path):
     d = str(tmp_path)
     make_cache(d, 20, 8, producer=False)
     ds = CachedTensorDataset(d, CACHE_NAME, FORMAT_VERSION, ("input_ids", "logits"))
-    with pytest.raises(CacheIntegrityError, match=r"shard-000000\.safetensors has no key 'logits'") as e:
+    with pytest.raises(CacheIntegrityError, match=r"shard-000000\.safetensors: lacks keys \['logits'\]") as e:
         ds.__getitems__([0])
     assert e.value.path == shard_path(d, 0)
 
@@ -258,7 +259,7 @@ def test_shard_with_wrong_row_count(tmp_path):
     _write(d, [{"x": torch.zeros(4, 2)}, {"x": torch.zeros(3, 2)}], num_samples=8, shard_size=4)
     ds = CachedTensorDataset(d, CACHE_NAME, FORMAT_VERSION, ("x",))
     ds.__getitems__([0, 1])
-    with pytest.raises(CacheIntegrityError, match=r"shard-000001\.safetensors key 'x' holds 3 samples, but the manifest .* puts 4"):
+    with pytest.raises(CacheIntegrityError, match=r"shard-000001\.safetensors: key 'x' holds 3 samples, the manifest puts 4 in this shard"):
         ds.__getitems__([5])
 
 
@@ -267,7 +268,7 @@ def test_shard_with_different_schema(tmp_path):
     _write(d, [{"x": torch.zeros(4, 2)}, {"x": torch.zeros(4, 2, dtype=torch.float64)}], num_samples=8, shard_size=4)
     ds = CachedTensorDataset(d, CACHE_NAME, FORMAT_VERSION, ("x",))
     ds.__getitems__([0])
-    with pytest.raises(CacheIntegrityError, match=r"shard-000001\.safetensors stores .*float64.* but earlier shards store .*float32"):
+    with pytest.raises(CacheIntegrityError, match=r"shard-000001\.safetensors: key 'x' is float64\[4, 2\], the schema says float32\[n, 2\]"):
         ds.__getitems__([4])
 
 
@@ -287,11 +288,11 @@ def test_item_path_checks_each_shard_on_first_open(tmp_path):
                {"y": torch.zeros(4, 2)}], num_samples=16, shard_size=4)
     ds = CachedTensorDataset(d, CACHE_NAME, FORMAT_VERSION, ("x",))
     assert ds[0]["x"].dtype == torch.float32
-    with pytest.raises(CacheIntegrityError, match=r"shard-000001\.safetensors key 'x' holds 3 samples, but the manifest .* puts 4"):
+    with pytest.raises(CacheIntegrityError, match=r"shard-000001\.safetensors: key 'x' holds 3 samples, the manifest puts 4 in this shard"):
         ds[5]
-    with pytest.raises(CacheIntegrityError, match=r"shard-000002\.safetensors stores .*float64.* but earlier shards store .*float32"):
+    with pytest.raises(CacheIntegrityError, match=r"shard-000002\.safetensors: key 'x' is float64\[\d+, 2\], the schema says float32\[n, 2\]"):
         ds[8]
-    with pytest.raises(CacheIntegrityError, match=r"shard-000003\.safetensors has no key 'x'"):
+    with pytest.raises(CacheIntegrityError, match=r"shard-000003\.safetensors: lacks keys \['x'\]"):
         ds[12]
     assert list(ds._open_handles) == [0]  # a refused shard is never opened
 
@@ -320,7 +321,7 @@ def test_item_path_rejects_a_dtype_swapped_header(tmp_path):
         f.write(data.replace(b'"I64"', b'"F64"', 1))
     ds = CachedTensorDataset(d, CACHE_NAME, FORMAT_VERSION, ("sample_id", "input_ids", "loss_mask"))
     for read in (lambda: ds[8], lambda: ds.__getitems__([8])):
-        with pytest.raises(CacheIntegrityError, match=r"shard-000001\.safetensors stores .*float64"):
+        with pytest.raises(CacheIntegrityError, match=r"shard-000001\.safetensors: (header checksum mismatch|key 'input_ids' is float64)"):
             read()
 
 

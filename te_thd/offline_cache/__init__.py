@@ -2,19 +2,27 @@
 
 Every name of the reference module (NeMo AutoModel's
 ``components/datasets/llm/offline_cache``) is here with the same signature, so
-only the import changes. Modules: ``format`` (paths, manifest, schema),
-``durable`` (atomic writes, producer lock), ``shardfile`` (shard bytes +
-checksum), ``writer`` (seed producer loops), ``producer`` (``produce_cache``:
-resume, lock, distributed, manifest), ``verify`` (integrity checks), ``reader`` /
-``sampler`` / ``loader`` (reading side), ``cli`` (``te-thd cache ...``).
+only the import changes. Modules: ``format`` (paths, dtypes, schema, shard
+layout), ``manifest`` (``manifest.json``), ``integrity`` (per-row checksums in
+each shard), ``durable`` (atomic writes, producer lock), ``shardfile`` (shard
+bytes, header checks), ``writer`` (one shard), ``loops`` (the reference producer
+loops), ``producer`` / ``producer_state`` (``produce_cache``: resume, lock,
+distributed, manifest), ``verify`` / ``repair`` (integrity checks and repair),
+``reader`` / ``sampler`` / ``loader`` (reading side), ``cli`` (``te-thd cache ...``).
 
 ``__all__`` lists the public API. The reference's private helpers
 (``_ShardAccumulator``, ``_sequential_subset_loader``) and the file-layout plumbing the
 producer and readers share (``ProducerLock``, ``remove_stale_temp_files``,
-``check_cache_files``, ``TensorSpec``) are importable from here but not listed.
+``check_cache_files``, ``TensorSpec``) are importable from here but not listed. So
+are ``DataLoader`` and ``safe_import_from``, the reference module's patch points: the
+producer loops build their loaders with ``te_thd.offline_cache.DataLoader`` and
+``load_safetensors`` imports through ``te_thd.offline_cache.safe_import_from``, both
+looked up at call time, so tests that patch them here take effect.
 """
 
 from __future__ import annotations
+
+from torch.utils.data import DataLoader as DataLoader
 
 from .durable import ProducerLock as ProducerLock
 from .durable import atomic_write
@@ -26,38 +34,38 @@ from .errors import (
     ManifestError,
     ManifestNotFoundError,
     SchemaError,
+    UnverifiedCacheWarning,
 )
 from .format import (
     MANIFEST_NAME,
     SHARD_RE,
-    ensure_supervision_options_match,
     existing_shard_indices,
     load_safetensors,
     manifest_path,
-    read_manifest,
     shard_path,
     validate_contiguous_shards,
-    write_manifest,
 )
 from .format import TensorSpec as TensorSpec
+from .format import safe_import_from as safe_import_from
 from .loader import CachedDataLoader, build_cached_dataloader, collate_cached, to_device
-from .producer import produce_cache
-from .reader import CachedBatch, CachedTensorDataset
-from .sampler import CacheShardSampler, shard_block_order
-from .thd_collate import CachedThdCollator
-from .verify import cache_info, verify_cache
-from .verify import check_cache_files as check_cache_files
-from .writer import (
-    DurableShardWriter,
+from .loops import _sequential_subset_loader as _sequential_subset_loader
+from .loops import _ShardAccumulator as _ShardAccumulator
+from .loops import (
     dataloader_from_sample,
     partition_cache_shards,
     resume_start_sample,
     write_cache_shards,
     write_cache_shards_distributed,
-    write_tensor_shard,
 )
-from .writer import _sequential_subset_loader as _sequential_subset_loader
-from .writer import _ShardAccumulator as _ShardAccumulator
+from .manifest import ensure_supervision_options_match, read_manifest, write_manifest
+from .producer import produce_cache
+from .reader import CachedBatch, CachedTensorDataset
+from .repair import repair_cache
+from .sampler import CacheShardSampler, shard_block_order
+from .thd_collate import CachedThdCollator
+from .verify import cache_info, verify_cache
+from .verify import check_cache_files as check_cache_files
+from .writer import DurableShardWriter, write_tensor_shard
 
 __all__ = [
     "MANIFEST_NAME",
@@ -74,6 +82,7 @@ __all__ = [
     "ManifestError",
     "ManifestNotFoundError",
     "SchemaError",
+    "UnverifiedCacheWarning",
     "atomic_write",
     "build_cached_dataloader",
     "cache_info",
@@ -86,6 +95,7 @@ __all__ = [
     "partition_cache_shards",
     "produce_cache",
     "read_manifest",
+    "repair_cache",
     "resume_start_sample",
     "shard_block_order",
     "shard_path",

@@ -1,7 +1,10 @@
-"""``te-thd cache info DIR`` and ``te-thd cache verify DIR [--deep]``.
+"""``te-thd cache info DIR``, ``te-thd cache verify DIR [--quick]``, ``te-thd cache repair DIR``.
 
-Thin shells over :func:`cache_info` and :func:`verify_cache`. ``verify`` exits 0
-when the cache is sound and 1 with every bad file named (on stderr) when not;
+Thin shells over :func:`cache_info`, :func:`verify_cache` and :func:`repair_cache`.
+``verify`` reads every shard (checksums of every row, headers, whole files) unless
+``--quick`` (sizes only); it exits 0 when the cache is sound, printing what it
+checked and what it could not, and 1 with every bad file named (on stderr) when
+not. ``repair`` exits 0 when the cache is sound or was reopened for a resume.
 ``info`` exits 1 when the manifest cannot be read.
 """
 
@@ -13,6 +16,7 @@ import sys
 from typing import Any
 
 from te_thd.offline_cache.errors import CacheError
+from te_thd.offline_cache.repair import repair_cache
 from te_thd.offline_cache.verify import cache_info, verify_cache
 
 
@@ -58,20 +62,40 @@ def _cmd_info(args: argparse.Namespace) -> int:
 
 def _cmd_verify(args: argparse.Namespace) -> int:
     try:
-        result = verify_cache(args.dir, deep=args.deep)
+        result = verify_cache(args.dir, deep=not args.quick)
     except CacheError as exc:
         print(f"te-thd cache verify: FAILED: {exc}", file=sys.stderr)
         return 1
-    what = "sizes"
-    if args.deep:
-        what = "sizes, headers, checksums" if result["checksums_verified"] else "sizes, headers"
-    print(f"OK: {args.dir}: {result['num_samples']} samples in {result['num_shards']} shards ({what} checked)")
-    if args.deep and not result["checksums_verified"]:
-        print(
-            "WARNING: the manifest records no checksums (a reference-format cache); "
-            "file contents could not be verified",
-            file=sys.stderr,
-        )
+    print(f"OK: {args.dir}: {result['num_samples']} samples in {result['num_shards']} shards")
+    for line in result["checked"]:
+        print(f"  checked: {line}")
+    for line in result["not_checked"]:
+        print(f"  NOT checked: {line}")
+    if result["not_checked"] and not args.quick:
+        print("WARNING: parts of this cache cannot be verified (see NOT checked above)", file=sys.stderr)
+    return 0
+
+
+def _cmd_repair(args: argparse.Namespace) -> int:
+    try:
+        result = repair_cache(args.dir)
+    except CacheError as exc:
+        print(f"te-thd cache repair: cannot repair {args.dir}: {exc}", file=sys.stderr)
+        return 1
+    if not result["reopened"]:
+        print(f"OK: {args.dir}: every shard verified; nothing to repair")
+        return 0
+    for name, why in result["damaged"].items():
+        print(f"set aside: {name}: {why}")
+    for name in result["extra"]:
+        print(f"set aside: {name}: not part of this cache")
+    for name in result["missing"]:
+        print(f"missing: {name}")
+    where = f" (moved to {result['set_aside_in']})" if result["set_aside_in"] else ""
+    print(
+        f"{args.dir} is reopened for a resume{where}: re-run {result['producer']} with the arguments "
+        "that built it; it recomputes only these shards and writes a new manifest."
+    )
     return 0
 
 
@@ -86,10 +110,15 @@ def add_cache_commands(subparsers: Any) -> None:
     info.set_defaults(func=_cmd_info)
 
     verify = sub.add_parser(
-        "verify", help="check shard presence and sizes (exit 0 sound, 1 with the bad shard named)"
+        "verify", help="read every shard and check its checksums (exit 0 sound, 1 with the bad shards named)"
     )
     verify.add_argument("dir", help="cache directory (holds manifest.json)")
-    verify.add_argument(
-        "--deep", action="store_true", help="also re-read every shard: CRC-32 and header schema"
-    )
+    verify.add_argument("--quick", action="store_true", help="only check that every shard exists with its recorded size")
+    verify.add_argument("--deep", action="store_true", help="the default (kept for older scripts)")
     verify.set_defaults(func=_cmd_verify)
+
+    repair = sub.add_parser(
+        "repair", help="set damaged shards aside and reopen the cache so its producer recomputes them"
+    )
+    repair.add_argument("dir", help="cache directory (holds manifest.json)")
+    repair.set_defaults(func=_cmd_repair)

@@ -8,6 +8,27 @@ what is wrong, and what to run to fix it.
 
 from __future__ import annotations
 
+import shlex
+
+#: What a Python user re-runs when the caller named no producer command.
+PRODUCE_CACHE_HINT = (
+    "the `te_thd.offline_cache.produce_cache(...)` call that built it (resume=True, the default, "
+    "computes only the missing shards)"
+)
+
+
+def producer_hint(producer: str | None) -> str:
+    """``producer`` (a command the caller gave, e.g. its script line) or :data:`PRODUCE_CACHE_HINT`."""
+    return producer or PRODUCE_CACHE_HINT
+
+
+def repair_hint(cache_dir: str, producer: str | None = None) -> str:
+    """The repair instruction of a cache with damaged shards; every command in it runs as printed."""
+    return (
+        f"Repair: `te-thd cache repair {shlex.quote(cache_dir)}` (sets the damaged shards aside and "
+        f"reopens the cache for a resume), then re-run {producer_hint(producer)}."
+    )
+
 
 class CacheError(ValueError):
     """Base class of every offline-cache error."""
@@ -25,15 +46,26 @@ class ManifestNotFoundError(ManifestError, FileNotFoundError):
 
 
 class CacheIntegrityError(CacheError):
-    """A shard is missing, extra, truncated, or its bytes/schema differ from the manifest.
+    """A shard is missing, extra, truncated, or its bytes/schema differ from what was written.
 
     ``path`` is the offending file (or the cache directory when the problem is the
-    set of shards as a whole).
+    set of shards as a whole). A failed row checksum also sets ``sample`` (the
+    global sample index), ``key``, ``expected`` and ``actual`` (the checksums).
     """
 
-    def __init__(self, message: str, path: str | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        path: str | None = None,
+        *,
+        sample: int | None = None,
+        key: str | None = None,
+        expected: str | None = None,
+        actual: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.path = path
+        self.sample, self.key, self.expected, self.actual = sample, key, expected, actual
 
 
 class SchemaError(CacheError):
@@ -42,3 +74,7 @@ class SchemaError(CacheError):
 
 class CacheLockError(CacheError):
     """Another producer holds the output directory."""
+
+
+class UnverifiedCacheWarning(UserWarning):
+    """A cache is read without checksums: its shards predate self-verifying shards (or verification is off)."""

@@ -48,43 +48,41 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
-from te_thd.offline_cache.durable import (
-    ProducerLock,
-    atomic_write,
-    fsync_dir,
-    remove_stale_temp_files,
-)
+from te_thd.offline_cache.durable import ProducerLock, fsync_dir
 from te_thd.offline_cache.errors import CacheError, CacheIntegrityError, SchemaError
 from te_thd.offline_cache.format import (
-    LAYOUT_VERSION,
     MAX_SHARDS,
-    RESERVED_MANIFEST_KEYS,
     CacheSchema,
-    TensorSpec,
     check_shard_size,
     existing_shard_indices,
     format_indices,
     manifest_path,
     num_shards,
-    read_manifest,
     schema_from_json,
     schema_to_json,
-    shard_num_samples,
     shard_path,
-    write_manifest,
 )
-from te_thd.offline_cache.shardfile import ShardRecord, file_checksum
-from te_thd.offline_cache.verify import check_cache_files, check_shard_header
-from te_thd.offline_cache.writer import (
-    DurableShardWriter,
+from te_thd.offline_cache.loops import (
     _batch_size,
     lockstep_write,
     partition_cache_shards,
     shard_runs,
-    validate_shard_tensors,
 )
+from te_thd.offline_cache.manifest import (
+    LAYOUT_VERSION,
+    RESERVED_MANIFEST_KEYS,
+    read_manifest,
+    write_manifest,
+)
+from te_thd.offline_cache.producer_state import (
+    PROGRESS_NAME,
+    prepare_directory,
+    run_params,
+    verify_existing,
+)
+from te_thd.offline_cache.shardfile import ShardRecord
+from te_thd.offline_cache.writer import DurableShardWriter, validate_shard_tensors
 
-PROGRESS_NAME = ".te_thd-producer.json"
 _log = logging.getLogger("te_thd.offline_cache")
 
 
@@ -160,96 +158,6 @@ def _check_options(options: Mapping[str, Any] | None) -> dict[str, Any]:
     return options
 
 
-def _run_params(
-    format_version: int, num_samples: int, shard_size: int, keys: Sequence[str], options: Mapping[str, Any]
-) -> dict[str, Any]:
-    # What must be equal for shards of two runs to belong to one cache.
-    return {
-        "format_version": format_version,
-        "num_samples": num_samples,
-        "shard_size": shard_size,
-        "keys": sorted(keys),
-        "options": dict(options),
-    }
-
-
-def _write_json(path: str, obj: Any) -> None:
-    data = (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode()
-
-    def _write(tmp: str) -> None:
-        with open(tmp, "wb") as f:
-            f.write(data)
-
-    atomic_write(path, _write)
-
-
-def _describe_diff(recorded: Mapping[str, Any], wanted: Mapping[str, Any]) -> str:
-    diffs = [f"{k}: recorded {recorded.get(k)!r}, this run {wanted[k]!r}" for k in wanted if recorded.get(k) != wanted[k]]
-    return "; ".join(diffs)
-
-
-def _prepare_directory(
-    output_dir: str, params: dict[str, Any], resume: bool, cache_name: str, producer_name: str
-) -> dict[str, Any] | None:
-    """Rank 0, under the lock: decide. Returns the finished manifest, or ``None`` (= produce)."""
-    os.makedirs(output_dir, exist_ok=True)
-    progress_path = os.path.join(output_dir, PROGRESS_NAME)
-    shards = existing_shard_indices(output_dir)
-    if os.path.exists(manifest_path(output_dir)):
-        if not resume:
-            raise CacheError(
-                f"output_dir {output_dir} already holds a finished cache (manifest.json). Pass "
-                "resume=True to reuse it, or choose an empty output_dir."
-            )
-        manifest = read_manifest(output_dir, cache_name, params["format_version"], producer_name)
-        recorded = {
-            "format_version": manifest.get("format_version"),
-            "num_samples": manifest.get("num_samples"),
-            "shard_size": manifest.get("shard_size"),
-            # An empty cache has no schema to read its keys from.
-            "keys": sorted(manifest.get("schema") or {}) if manifest.get("num_samples") else params["keys"],
-            "options": {k: v for k, v in manifest.items() if k not in RESERVED_MANIFEST_KEYS},
-        }
-        if recorded != params:
-            raise CacheError(
-                f"output_dir {output_dir} holds a finished cache built with other parameters "
-                f"({_describe_diff(recorded, params)}). Choose another output_dir, or delete this cache."
-            )
-        check_cache_files(output_dir, manifest, cache_name)
-        if os.path.exists(progress_path):  # killed after the manifest, before this cleanup
-            os.unlink(progress_path)
-            fsync_dir(output_dir)
-        return manifest
-    if os.path.exists(progress_path):
-        try:
-            with open(progress_path, "rb") as f:
-                recorded = json.loads(f.read().decode())
-        except (OSError, ValueError) as exc:
-            raise CacheError(f"cannot read the producer record {progress_path} ({exc}); delete it and the shards") from None
-        if shards and not resume:
-            raise CacheError(
-                f"output_dir {output_dir} holds {len(shards)} shards of an unfinished run. Pass resume=True "
-                "to continue it, or choose an empty output_dir."
-            )
-        if shards and recorded != params:
-            raise CacheError(
-                f"output_dir {output_dir} holds shards of an unfinished run with other parameters "
-                f"({_describe_diff(recorded, params)}). Resume with the same parameters, or choose "
-                "another output_dir."
-            )
-    elif shards:
-        raise CacheError(
-            f"output_dir {output_dir} holds shards ({format_indices(shards)}) but no manifest and no "
-            f"producer record ({PROGRESS_NAME}), so their parameters cannot be checked. Move them "
-            "away or choose an empty output_dir."
-        )
-    removed = remove_stale_temp_files(output_dir)
-    if removed:
-        _log.info("Removed %d temp file(s) of an interrupted writer in %s", len(removed), output_dir)
-    _write_json(progress_path, params)
-    return None
-
-
 class _RecordingWriter(DurableShardWriter):
     """:class:`DurableShardWriter` that keeps a rank's first write error instead of raising.
 
@@ -271,33 +179,6 @@ class _RecordingWriter(DurableShardWriter):
             return shard_path(cache_dir, shard_index)
 
 
-def _verify_existing(
-    output_dir: str, indices: Sequence[int], keys: Sequence[str], num_samples: int, shard_size: int
-) -> tuple[dict[int, ShardRecord], CacheSchema | None]:
-    """Records of shards a previous run wrote (read back: checksum + header against one schema)."""
-    from te_thd.offline_cache.shardfile import read_header
-
-    records: dict[int, ShardRecord] = {}
-    schema: CacheSchema | None = None
-    for i in sorted(indices):
-        path = shard_path(output_dir, i)
-        if schema is None:
-            entries = read_header(path)
-            schema = {k: TensorSpec(e.dtype, e.shape[1:]) for k, e in entries.items() if e.shape}
-            if set(schema) != set(keys):
-                raise SchemaError(
-                    f"existing shard {path} holds keys {sorted(entries)}, this run stores {sorted(keys)}; "
-                    "resume with the same keys, or choose another output_dir"
-                )
-        problems = check_shard_header(path, schema, shard_num_samples(i, num_samples, shard_size))
-        if problems:
-            raise CacheIntegrityError(
-                f"existing shard {path}: {'; '.join(problems)}. Delete it and resume to recompute it.", path=path
-            )
-        records[i] = ShardRecord(bytes=os.stat(path).st_size, checksum=file_checksum(path))
-    return records, schema
-
-
 def _progress_bar(total: int, enabled: bool | None, rank: int) -> Any:
     if rank != 0 or enabled is False:
         return None
@@ -317,7 +198,7 @@ def produce_cache(
     *,
     format_version: int = 1,
     cache_name: str = "offline",
-    producer_name: str = "produce_cache",
+    producer_name: str | None = None,
     resume: bool = True,
     rank: int | None = None,
     world_size: int | None = None,
@@ -332,7 +213,7 @@ def produce_cache(
         dataloader: sequential loader over a map-style dataset (``len(dataset)``
             samples); its batch size, collate_fn and worker settings are reused.
         shard_size: samples per shard (> 0). Prefer a multiple of the batch size
-            (see ``writer``: then resumed/distributed runs form identical batches).
+            (see ``loops``: then resumed/distributed runs form identical batches).
         compute_batch: ``batch -> {key: tensor [batch, ...]}``; may be a
             collective (called equally often on every rank).
         keys: the keys to store; each ``[n, *trailing]`` with a fixed dtype and
@@ -340,6 +221,8 @@ def produce_cache(
         options: producer options recorded top-level in the manifest (JSON
             values), checked later by :func:`ensure_supervision_options_match`.
         format_version: the caller's version of what the tensors mean.
+        producer_name: the command that re-runs this producer, named in error
+            messages (e.g. a script's command line).
         resume: continue an interrupted run / reuse a finished identical cache.
             ``False`` refuses a directory that holds shards or a manifest.
         rank, world_size, group: default to the initialised process group
@@ -350,62 +233,95 @@ def produce_cache(
 
     Every rank returns the same manifest dict (``read_manifest``'s view).
     """
-    logger = logger or _log
-    check_shard_size(shard_size)
-    keys = tuple(keys)
-    if not keys or not all(isinstance(k, str) and k for k in keys) or len(set(keys)) != len(keys):
-        raise ValueError(f"keys={keys!r} must be a non-empty tuple of distinct key names, e.g. ('hidden',)")
-    opts = _check_options(options)
-    dataset = dataloader.dataset
+    job = _Job.plan(dataloader, output_dir, shard_size, keys, options, format_version, cache_name,
+                    producer_name, rank, world_size, group, logger or _log)  # fmt: skip
+    producer_lock = ProducerLock(output_dir) if (lock and job.comm.rank == 0) else None
     try:
-        num_samples = len(dataset)  # type: ignore[arg-type]
-    except TypeError:
-        raise ValueError(
-            "produce_cache needs a map-style dataset with len(): shards are assigned by sample "
-            "index (got an iterable dataset)"
-        ) from None
-    if num_shards(num_samples, shard_size) > MAX_SHARDS:
-        raise ValueError(
-            f"shard_size={shard_size} gives {num_shards(num_samples, shard_size)} shards for "
-            f"{num_samples} samples; at most {MAX_SHARDS} fit the six-digit names. Use a larger shard_size."
-        )
-    rank, world_size = _resolve_ranks(rank, world_size, group)
-    comm = _Comm(rank, world_size, group)
-    params = _run_params(format_version, num_samples, shard_size, keys, opts)
+        finished = job.prepare(producer_lock, resume)
+        if finished is not None:
+            job.logger.info("%s is already a finished cache (%d samples); nothing to do", output_dir, job.num_samples)
+            return finished
+        records, schema, todo = job.verify_block()
+        writer = job.compute(dataloader, compute_batch, todo, schema, progress)
+        return job.finish({**records, **writer.records}, writer)
+    finally:
+        if producer_lock is not None:
+            producer_lock.release()
 
-    producer_lock = ProducerLock(output_dir) if (lock and rank == 0) else None
-    try:
-        # -- 1. rank 0 inspects and prepares the directory -------------------------------
-        status: tuple[str, Any]
-        if rank == 0:
+
+class _Job:
+    """One ``produce_cache`` call on one rank: its parameters and its phases, in order."""
+
+    def __init__(self, **fields: Any) -> None:
+        self.__dict__.update(fields)
+
+    @classmethod
+    def plan(cls, dataloader: DataLoader, output_dir: str, shard_size: int, keys: Sequence[str],
+             options: Mapping[str, Any] | None, format_version: int, cache_name: str,
+             producer_name: str | None, rank: int | None, world_size: int | None, group: Any,
+             logger: logging.Logger) -> _Job:  # fmt: skip
+        """Validate the arguments (before any rank touches the directory)."""
+        check_shard_size(shard_size)
+        keys = tuple(keys)
+        if not keys or not all(isinstance(k, str) and k for k in keys) or len(set(keys)) != len(keys):
+            raise ValueError(f"keys={keys!r} must be a non-empty tuple of distinct key names, e.g. ('hidden',)")
+        opts = _check_options(options)
+        try:
+            num_samples = len(dataloader.dataset)  # type: ignore[arg-type]
+        except TypeError:
+            raise ValueError(
+                "produce_cache needs a map-style dataset with len(): shards are assigned by sample "
+                "index (got an iterable dataset)"
+            ) from None
+        if num_shards(num_samples, shard_size) > MAX_SHARDS:
+            raise ValueError(
+                f"shard_size={shard_size} gives {num_shards(num_samples, shard_size)} shards for "
+                f"{num_samples} samples; at most {MAX_SHARDS} fit the six-digit names. Use a larger shard_size."
+            )
+        rank, world_size = _resolve_ranks(rank, world_size, group)
+        return cls(
+            output_dir=output_dir, shard_size=shard_size, keys=keys, options=opts, format_version=format_version,
+            cache_name=cache_name, producer_name=producer_name, num_samples=num_samples, logger=logger,
+            comm=_Comm(rank, world_size, group),
+            params=run_params(format_version, num_samples, shard_size, keys, opts),
+        )  # fmt: skip
+
+    def prepare(self, producer_lock: ProducerLock | None, resume: bool) -> dict[str, Any] | None:
+        """Rank 0 inspects the directory under the lock; every rank learns the outcome.
+
+        Returns the finished manifest (nothing to do) or ``None`` (produce).
+        """
+        comm = self.comm
+        status: tuple[str, Any] | None = None
+        if comm.rank == 0:
             try:
                 if producer_lock is not None:
                     producer_lock.acquire()
-                finished = _prepare_directory(output_dir, params, resume, cache_name, producer_name)
+                finished = prepare_directory(self.output_dir, self.params, resume, self.cache_name, self.producer_name)
                 status = ("done", finished) if finished is not None else ("work", None)
             except Exception as exc:
                 # Tell the other ranks before raising, or they wait in broadcast forever.
                 comm.broadcast(("error", f"{type(exc).__name__}: {exc}"))
                 raise
-        status = comm.broadcast(status if rank == 0 else None)
+        status = comm.broadcast(status)
         if status[0] == "error":
             raise CacheError(f"rank 0 refused to produce the cache: {status[1]}")
-        if status[0] == "done":
-            logger.info("%s is already a finished cache (%d samples); nothing to do", output_dir, num_samples)
-            return status[1]
+        return status[1] if status[0] == "done" else None
 
-        # -- 2. this rank's block: verify what exists, compute what is missing -----------
-        start_shard, _, n_local = partition_cache_shards(num_samples, shard_size, world_size, rank)
-        block = range(start_shard, start_shard + num_shards(n_local, shard_size)) if n_local else range(0)
-        present = existing_shard_indices(output_dir) & set(block)
+    def verify_block(self) -> tuple[dict[int, ShardRecord], CacheSchema | None, list[int]]:
+        """This rank's shard block: verify the shards that exist; return their records, schema, the rest."""
+        comm = self.comm
+        start_shard, _, n_local = partition_cache_shards(self.num_samples, self.shard_size, comm.world_size, comm.rank)
+        block = range(start_shard, start_shard + num_shards(n_local, self.shard_size)) if n_local else range(0)
+        present = existing_shard_indices(self.output_dir) & set(block)
         local_exc: Exception | None = None
-        existing_records: dict[int, ShardRecord] = {}
+        records: dict[int, ShardRecord] = {}
         schema: CacheSchema | None = None
         try:
-            existing_records, schema = _verify_existing(output_dir, sorted(present), keys, num_samples, shard_size)
+            records, schema = verify_existing(self.output_dir, sorted(present), self.keys, self.num_samples, self.shard_size)
         except Exception as exc:
             local_exc = exc
-        errors = comm.all_gather((None if local_exc is None else f"rank {rank}: {local_exc}", num_samples))
+        errors = comm.all_gather((None if local_exc is None else f"rank {comm.rank}: {local_exc}", self.num_samples))
         if local_exc is not None:
             raise local_exc
         first = next((e for e, _ in errors if e is not None), None)
@@ -418,13 +334,21 @@ def produce_cache(
                 "dataset (each computes its own block of it)"
             )
         if present:
-            logger.info("Rank %d: resuming; %d existing shard(s) verified (%s)", rank, len(present), format_indices(present))
+            self.logger.info(
+                "Rank %d: resuming; %d existing shard(s) verified (%s)", comm.rank, len(present), format_indices(present)
+            )
+        return records, schema, sorted(set(block) - present)
 
-        writer = _RecordingWriter(keys, cache_name, schema)
-        runs = shard_runs(sorted(set(block) - present), num_samples, shard_size)
+    def compute(
+        self, dataloader: DataLoader, compute_batch: Callable[[Any], Any], todo: Sequence[int],
+        schema: CacheSchema | None, progress: bool | None,
+    ) -> _RecordingWriter:  # fmt: skip
+        """Compute and write the shards ``todo`` in lockstep with the other ranks."""
+        writer = _RecordingWriter(self.keys, self.cache_name, schema)
+        runs = shard_runs(todo, self.num_samples, self.shard_size)
         bs = _batch_size(dataloader)
-        global_steps = comm.max_int(sum(-(-n // bs) for _, _, n in runs))
-        bar = _progress_bar(global_steps, progress, rank)
+        global_steps = self.comm.max_int(sum(-(-n // bs) for _, _, n in runs))
+        bar = _progress_bar(global_steps, progress, self.comm.rank)
 
         def compute(batch: Any) -> dict[str, torch.Tensor] | None:
             out = compute_batch(batch)
@@ -434,53 +358,53 @@ def produce_cache(
                 writer.error = f"compute_batch returned a {type(out).__name__}; it must return a dict of tensors"
                 return None
             try:
-                return validate_shard_tensors(out, keys, cache_name, -1, where="compute_batch output")
+                return validate_shard_tensors(out, self.keys, self.cache_name, -1, where="compute_batch output")
             except SchemaError as exc:
                 writer.error = str(exc)
                 return None
 
         try:
             lockstep_write(
-                dataloader, output_dir, shard_size, runs, compute, writer, logger,
+                dataloader, self.output_dir, self.shard_size, runs, compute, writer, self.logger,
                 sync_max_steps=lambda _steps: global_steps, progress=bar,
-            )
+            )  # fmt: skip
         finally:
             if bar is not None:
                 bar.close()
             # Even when compute_batch raised: finish committing the complete shards
             # (a resume keeps them) and stop the commit thread.
             writer.close()
+        return writer
 
-        # -- 3. gather records; rank 0 writes the manifest last --------------------------
-        records = {**existing_records, **writer.records}
+    def finish(self, records: Mapping[int, ShardRecord], writer: _RecordingWriter) -> dict[str, Any]:
+        """Gather every rank's records; rank 0 writes the manifest last; all return it."""
+        comm = self.comm
         mine = (
             writer.error,
             {i: (r.bytes, r.checksum) for i, r in records.items()},
             schema_to_json(writer.schema) if writer.schema is not None else None,
         )
         gathered = comm.all_gather(mine)
-        outcome: tuple[str, Any]
+        outcome: tuple[str, Any] | None = None
         rank0_exc: Exception | None = None
-        if rank == 0:
+        if comm.rank == 0:
             try:
-                manifest = _assemble_manifest(gathered, params, opts, output_dir, cache_name)
-                write_manifest(output_dir, manifest, format_version)
-                os.unlink(os.path.join(output_dir, PROGRESS_NAME))
-                fsync_dir(output_dir)
-                outcome = ("ok", read_manifest(output_dir, cache_name, format_version, producer_name))
-                logger.info("Wrote %s (%d samples, %d shards)", manifest_path(output_dir), num_samples, len(manifest["shards"]))
+                manifest = _assemble_manifest(gathered, self.params, self.options, self.output_dir, self.cache_name)
+                write_manifest(self.output_dir, manifest, self.format_version)
+                os.unlink(os.path.join(self.output_dir, PROGRESS_NAME))
+                fsync_dir(self.output_dir)
+                outcome = ("ok", read_manifest(self.output_dir, self.cache_name, self.format_version, self.producer_name))
+                self.logger.info("Wrote %s (%d samples, %d shards)", manifest_path(self.output_dir),
+                                 self.num_samples, len(manifest["shards"]))  # fmt: skip
             except Exception as exc:
                 rank0_exc = exc
                 outcome = ("error", f"{type(exc).__name__}: {exc}")
-        outcome = comm.broadcast(outcome if rank == 0 else None)
+        outcome = comm.broadcast(outcome)
         if rank0_exc is not None:
             raise rank0_exc
         if outcome[0] == "error":
             raise CacheError(f"rank 0 could not finish the cache: {outcome[1]}")
         return outcome[1]
-    finally:
-        if producer_lock is not None:
-            producer_lock.release()
 
 
 def _assemble_manifest(

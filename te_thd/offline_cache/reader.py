@@ -14,29 +14,39 @@ are keyed by ``os.getpid()`` and dropped on pickling, so DataLoader workers star
 by fork, spawn or forkserver open their own on first use.
 
 Both read paths check a shard when this process first opens it (and again if it
-was evicted from the LRU): ``shardfile.read_header`` parses the header (offsets
-must tile the file), and the keys, row count, dtypes and sample shapes must agree
-with the manifest's schema (or, for a reference manifest without one, with the
-first shard opened). Failures are :class:`CacheIntegrityError` naming the shard;
-nothing is re-checked per read.
+was evicted from the LRU): ``shardfile.check_shard_header`` parses the header
+(offsets must tile the file, its own checksum must match), and the keys, row
+count, dtypes and sample shapes must agree with the manifest's schema (or, for a
+reference manifest without one, with the first shard opened). Then every read
+verifies the rows it copied against the per-row checksums the shard carries
+(:func:`~te_thd.offline_cache.integrity.verify_rows`), right after the copy.
+Failures are :class:`CacheIntegrityError` naming the shard.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import warnings
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, overload
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset, get_worker_info
 
-from .errors import CacheIntegrityError
-from .format import load_safetensors, manifest_path, manifest_schema, read_manifest, shard_path
-from .shardfile import HeaderEntry, read_header
-from .verify import check_cache_files
+from .errors import CacheIntegrityError, UnverifiedCacheWarning, repair_hint
+from .format import TensorSpec, load_safetensors, manifest_path, shard_path, shard_rows
+from .integrity import ShardSums, verify_rows
+from .manifest import manifest_schema, read_manifest
+from .shardfile import HeaderEntry, ShardHeader, check_shard_header
+from .verify import check_cache_files, requires_shard_sums
+
+#: Rows are copied and hashed in chunks of about this many bytes per key, so the
+#: hash reads them from cache right after the copy wrote them.
+VERIFY_CHUNK_BYTES = 1 << 20
 
 try:
     from safetensors import SafetensorError as _SafetensorError
@@ -99,11 +109,10 @@ def _empty(shape: tuple[int, ...], dtype: torch.dtype, shared: bool) -> torch.Te
     return proto.new(storage).resize_(shape)
 
 
-def _map_shard(path: str, entries: dict[str, HeaderEntry], keys: tuple[str, ...]) -> dict[str, torch.Tensor]:
+def _map_shard(path: str, entries: dict[str, HeaderEntry], keys: tuple[str, ...], repair: str) -> dict[str, torch.Tensor]:
     """Memory-map one safetensors file and return ``{key: [rows, ...] view}`` for ``keys``.
 
-    ``entries`` is the file's parsed header (``shardfile.read_header``, already
-    checked against the schema). The file is mapped copy-on-write
+    ``entries`` is the file's parsed header (``shardfile.check_shard_header``). The file is mapped copy-on-write
     (``torch.from_file(shared=False)``: opened read-only, no descriptor kept) and
     never written, so every page stays file-backed; safetensors itself has no
     zero-copy view API, ``safe_open`` copies on every slice.
@@ -112,7 +121,7 @@ def _map_shard(path: str, entries: dict[str, HeaderEntry], keys: tuple[str, ...]
         size = os.path.getsize(path)
     except FileNotFoundError:
         raise CacheIntegrityError(
-            f"shard {path} is missing (removed after the cache was opened?); re-run the producer", path=path
+            f"shard {path} is missing (removed after the cache was opened?). {repair}", path=path
         ) from None
     whole = torch.from_file(path, shared=False, size=size, dtype=torch.uint8)
     views: dict[str, torch.Tensor] = {}
@@ -126,7 +135,7 @@ def _map_shard(path: str, entries: dict[str, HeaderEntry], keys: tuple[str, ...]
 
 
 class CachedTensorDataset(Dataset):
-    """Lazily read fixed-key safetensors shards by sample index.
+    """Lazily read fixed-key safetensors shards by sample index, verifying what it returns.
 
     Args:
         cache_dir: directory holding ``manifest.json`` and ``shard-NNNNNN.safetensors``.
@@ -135,10 +144,21 @@ class CachedTensorDataset(Dataset):
         disk_keys: the keys to read from every shard, e.g. ``("input_ids", "loss_mask")``.
         max_open_shards: how many shards a process keeps open (LRU); bounds
             descriptors and mappings for caches with thousands of shards.
+        verify: check every row a read returns against the checksum its shard
+            carries (default). ``False`` skips the check: a flipped byte on disk
+            then reaches training silently; use it only for a cache whose every
+            byte was verified since it was last written (``te-thd cache verify``)
+            on storage you trust, when the read path is the bottleneck.
+        producer_name: the command that rebuilds the cache, named in error messages.
 
     ``dataset[i]`` -> ``{key: tensor[*sample_shape]}`` (reference behaviour);
     ``dataset.__getitems__([i, j, ...])`` -> :class:`CachedBatch` with
-    ``tensors[key]`` of shape ``[len(indices), *sample_shape]``.
+    ``tensors[key]`` of shape ``[len(indices), *sample_shape]``. A row whose
+    bytes fail their checksum raises :class:`CacheIntegrityError` (file, sample,
+    key, expected and actual checksum, the repair command) and nothing of the
+    batch is returned. Shards without checksums (the reference producer's, or
+    te_thd's before layout 3) are read unverified, with one
+    :class:`UnverifiedCacheWarning` per dataset.
     """
 
     def __init__(
@@ -149,6 +169,8 @@ class CachedTensorDataset(Dataset):
         disk_keys: tuple[str, ...],
         *,
         max_open_shards: int = 64,
+        verify: bool = True,
+        producer_name: str | None = None,
     ) -> None:
         if isinstance(disk_keys, str) or not disk_keys or not all(isinstance(k, str) for k in disk_keys):
             raise ValueError(
@@ -158,17 +180,21 @@ class CachedTensorDataset(Dataset):
             raise ValueError(f"max_open_shards={max_open_shards!r} must be an int >= 1")
         self.cache_dir = cache_dir
         self.cache_name = cache_name
-        self.manifest = read_manifest(cache_dir, cache_name=cache_name, format_version=format_version)
+        self.verify = bool(verify)
+        self._producer = producer_name
+        self._repair = repair_hint(cache_dir, producer_name)
+        self.manifest = read_manifest(cache_dir, cache_name, format_version, producer_name)
         self.shard_size = int(self.manifest["shard_size"])
         self.num_samples = int(self.manifest["num_samples"])
         self._disk_keys = tuple(disk_keys)
         # presence of shards 0..N-1 and, when the manifest records them, their byte sizes
-        self._shard_indices = check_cache_files(cache_dir, self.manifest, cache_name)
+        self._shard_indices = check_cache_files(cache_dir, self.manifest, cache_name, producer_name)
         self._max_open = max_open_shards
-        # Expected {key: (dtype, sample shape)}: from the manifest's schema when it
-        # records one (te_thd producers), else from the first shard mapped.
+        self._require_sums = requires_shard_sums(self.manifest)
+        # Expected {key: TensorSpec}: from the manifest's schema when it records one
+        # (te_thd producers), else from the first shard this process opens.
         schema = manifest_schema(self.manifest)
-        self._manifest_sample_schema: dict[str, tuple[torch.dtype, tuple[int, ...]]] | None = None
+        self._manifest_schema: dict[str, TensorSpec] | None = None
         if schema is not None:
             unknown = [k for k in self._disk_keys if k not in schema]
             if unknown:
@@ -177,7 +203,15 @@ class CachedTensorDataset(Dataset):
                     f"(its manifest {manifest_path(cache_dir)} lists {list(schema)}); pass keys "
                     "the producer wrote"
                 )
-            self._manifest_sample_schema = {k: (schema[k].dtype, tuple(schema[k].shape)) for k in self._disk_keys}
+            self._manifest_schema = {k: schema[k] for k in self._disk_keys}
+        if not self.verify:
+            warnings.warn(
+                f"{cache_name} cache at {cache_dir}: reads are not verified (verify=False); a damaged "
+                "byte reaches training unnoticed",
+                UnverifiedCacheWarning,
+                stacklevel=2,
+            )
+        self._warned_unverified = not self.verify
         self._reset_process_state()
 
     # -- per-process state -------------------------------------------------------------
@@ -185,8 +219,10 @@ class CachedTensorDataset(Dataset):
     def _reset_process_state(self) -> None:
         self._pid = os.getpid()
         self._open_handles: dict[int, Any] = OrderedDict()
-        self._views: OrderedDict[int, dict[str, torch.Tensor]] = OrderedDict()
-        self._sample_schema = self._manifest_sample_schema
+        self._views: OrderedDict[int, tuple[dict[str, torch.Tensor], ShardSums | None]] = OrderedDict()
+        self._handle_sums: dict[int, ShardSums | None] = {}
+        self._paths: dict[int, str] = {}
+        self._schema = self._manifest_schema
 
     def __getstate__(self) -> dict[str, Any]:
         # Handles and mappings belong to this process: a spawned/forkserver worker
@@ -194,6 +230,7 @@ class CachedTensorDataset(Dataset):
         state = self.__dict__.copy()
         state["_open_handles"] = OrderedDict()
         state["_views"] = OrderedDict()
+        state["_handle_sums"] = {}
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -208,54 +245,32 @@ class CachedTensorDataset(Dataset):
     def __len__(self) -> int:
         return self.num_samples
 
-    def _rows_in(self, shard_index: int) -> int:
-        return min(self.shard_size, self.num_samples - shard_index * self.shard_size)
+    def _checked_header(self, shard_index: int) -> tuple[str, ShardHeader]:
+        """Parse shard ``shard_index``'s header and check it against the cache (``shardfile.check_shard_header``).
 
-    def _checked_header(self, shard_index: int) -> tuple[str, dict[str, HeaderEntry]]:
-        """Parse shard ``shard_index``'s header and check it against the cache's schema.
-
-        Run by both read paths when this process opens the shard (not per read).
-        Returns ``(path, entries)``; raises :class:`CacheIntegrityError` naming the
-        file for a damaged header, a missing or scalar key, another row count, or
-        dtypes / sample shapes that differ from the manifest schema (or, without
-        one, from the first shard this process opened).
+        Run by both read paths when this process opens the shard (not per read):
+        keys, row count, dtypes and sample shapes against the manifest schema (or,
+        without one, the first shard this process opened), and the header's own
+        checksum. Raises :class:`CacheIntegrityError` naming the file.
         """
         path = shard_path(self.cache_dir, shard_index)
+        rows = shard_rows(shard_index, self.num_samples, self.shard_size)
         try:
-            entries = read_header(path)
-        except FileNotFoundError:
-            raise CacheIntegrityError(
-                f"shard {path} is missing (removed after the cache was opened?); re-run the producer", path=path
-            ) from None
-        for key in self._disk_keys:
-            e = entries.get(key)
-            if e is None:
-                raise CacheIntegrityError(
-                    f"shard {path} has no key {key!r} (it holds {sorted(entries)}); pass disk_keys that the producer wrote",
-                    path=path,
-                )
-            if not e.shape:
-                raise CacheIntegrityError(f"shard {path} key {key!r} is a scalar, not [samples, ...]", path=path)
-        rows = self._rows_in(shard_index)
-        for key in self._disk_keys:
-            if entries[key].shape[0] != rows:
-                raise CacheIntegrityError(
-                    f"shard {path} key {key!r} holds {entries[key].shape[0]} samples, but the manifest "
-                    f"(num_samples={self.num_samples}, shard_size={self.shard_size}) puts {rows} in it; "
-                    "the cache is inconsistent, re-run the producer",
-                    path=path,
-                )
-        schema = {k: (entries[k].dtype, tuple(entries[k].shape[1:])) for k in self._disk_keys}
-        if self._sample_schema is None:
-            self._sample_schema = schema
-        elif schema != self._sample_schema:
-            raise CacheIntegrityError(
-                f"shard {path} stores {schema}, but earlier shards store {self._sample_schema}; "
-                "every shard of a cache must hold the same dtypes and sample shapes (the manifest "
-                "schema, when recorded); re-run the producer for this shard",
-                path=path,
+            header = check_shard_header(path, self._schema, rows, self._disk_keys, self._require_sums)
+        except CacheIntegrityError as exc:
+            raise CacheIntegrityError(f"{exc}. {self._repair}", path=path) from None
+        if self._schema is None:
+            self._schema = {k: TensorSpec(header.entries[k].dtype, header.entries[k].shape[1:]) for k in self._disk_keys}
+        if header.sums is None and not self._warned_unverified:
+            self._warned_unverified = True
+            warnings.warn(
+                f"{self.cache_name} cache at {self.cache_dir}: shard {path} carries no checksums "
+                "(written by the reference implementation or te_thd before layout 3), so its reads "
+                "are not verified; rewrite the cache with te_thd's writers to verify every read",
+                UnverifiedCacheWarning,
+                stacklevel=3,
             )
-        return path, entries
+        return path, header
 
     def _handle(self, shard_index: int):
         """The ``safe_open`` handle of shard ``shard_index``, opened lazily in this process.
@@ -267,39 +282,59 @@ class CachedTensorDataset(Dataset):
         handles = self._open_handles
         handle = handles.get(shard_index)
         if handle is None:
-            path, _ = self._checked_header(shard_index)
+            path, header = self._checked_header(shard_index)
             _, safe_open = load_safetensors(self.cache_name)
             try:
                 handle = safe_open(path, framework="pt")
             except (_SafetensorError, OSError) as exc:
                 raise self._unreadable(path, exc) from exc
             handles[shard_index] = handle
+            self._handle_sums[shard_index] = header.sums
             if len(handles) > self._max_open:
-                handles.popitem(last=False)
+                evicted, _ = handles.popitem(last=False)
+                self._handle_sums.pop(evicted, None)
         else:
             handles.move_to_end(shard_index)
         return handle
 
     def _unreadable(self, path: str, exc: BaseException) -> CacheIntegrityError:
         return CacheIntegrityError(
-            f"shard {path} cannot be read by safetensors ({exc}); run `te-thd cache verify --deep "
-            f"{self.cache_dir}` to find every damaged shard, then restore or rebuild them",
-            path=path,
+            f"shard {path} cannot be read by safetensors ({exc}). {self._repair}", path=path
         )
 
-    def _shard_views(self, shard_index: int) -> dict[str, torch.Tensor]:
-        """``{key: [rows, *sample_shape] tensor}`` memory-mapped over shard ``shard_index``."""
+    def _shard_views(self, shard_index: int) -> tuple[dict[str, torch.Tensor], ShardSums | None]:
+        """``{key: [rows, *sample_shape] tensor}`` memory-mapped over shard ``shard_index``, and its sums."""
         self._own()
-        views = self._views.get(shard_index)
-        if views is not None:
+        entry = self._views.get(shard_index)
+        if entry is not None:
             self._views.move_to_end(shard_index)
-            return views
-        path, entries = self._checked_header(shard_index)
-        views = _map_shard(path, entries, self._disk_keys)
-        self._views[shard_index] = views
+            return entry
+        path, header = self._checked_header(shard_index)
+        entry = (_map_shard(path, header.entries, self._disk_keys, self._repair), header.sums)
+        self._views[shard_index] = entry
         if len(self._views) > self._max_open:
             self._views.popitem(last=False)
-        return views
+        return entry
+
+    def verify_copied_rows(
+        self, shard_index: int, sums: ShardSums | None, key: str, data: torch.Tensor, rows: np.ndarray | list[int]
+    ) -> None:
+        """Check rows ``rows`` (shard-local) of ``key`` that a read just copied into ``data``.
+
+        The verification step of every read path, callable on its own by a faster
+        copy path: ``data`` is ``[len(rows), *sample_shape]`` (contiguous CPU),
+        ``sums`` the shard's checksums (``None``: an unverified shard, nothing to
+        check). Raises :class:`CacheIntegrityError` on a mismatch.
+        """
+        if sums is None or not self.verify:
+            return
+        path = self._paths.get(shard_index)
+        if path is None:
+            path = self._paths[shard_index] = shard_path(self.cache_dir, shard_index)
+        verify_rows(
+            data, rows, sums.sums[key], path=path, key=key,
+            first_sample=shard_index * self.shard_size, repair=self._repair,
+        )  # fmt: skip
 
     # -- reads -------------------------------------------------------------------------
 
@@ -312,17 +347,23 @@ class CachedTensorDataset(Dataset):
         offset = index % self.shard_size
         handle = self._handle(shard_index)
         try:
-            return {key: handle.get_slice(key)[offset] for key in self._disk_keys}
+            out = {key: handle.get_slice(key)[offset] for key in self._disk_keys}
         except _SafetensorError as exc:  # the header was checked on open; the file changed since?
             raise self._unreadable(shard_path(self.cache_dir, shard_index), exc) from exc
+        sums = self._handle_sums.get(shard_index)
+        row = np.array([offset])
+        for key, t in out.items():
+            self.verify_copied_rows(shard_index, sums, key, t.unsqueeze(0), row)
+        return out
 
     def __getitems__(self, indices: Sequence[int]) -> CachedBatch:
-        """Read samples ``indices`` (in that order) into stacked tensors.
+        """Read samples ``indices`` (in that order) into stacked tensors, verifying every row.
 
         Indices are grouped by shard; per shard a contiguous increasing run is one
         slice copy per key, anything else one ``index_select`` per key, written
-        straight into the batch. Negative indices count from the end; an index out
-        of range raises ``IndexError``.
+        straight into the batch and checked right after (in chunks of about
+        :data:`VERIFY_CHUNK_BYTES`, so the bytes are hashed while still in cache).
+        Negative indices count from the end; an index out of range raises ``IndexError``.
         """
         if isinstance(indices, torch.Tensor | np.ndarray):
             indices = indices.tolist()
@@ -335,13 +376,13 @@ class CachedTensorDataset(Dataset):
         if lo >= 0 and hi < total and lo // ss == hi // ss:
             # The common case (shard-block order, sequential reads): one shard.
             shard = lo // ss
-            views = self._shard_views(shard)
+            views, sums = self._shard_views(shard)
             local = np.asarray(indices, dtype=np.int64) - shard * ss
             run = hi - lo == n - 1 and _is_run(local)
             out = {}
             for k, v in views.items():
                 dst = _empty((n, *v.shape[1:]), v.dtype, True) if shared else None
-                out[k] = _take(v, local, run, dst)
+                out[k] = self._copy(shard, sums, k, v, local, run, dst)
             return CachedBatch(out, n)
         idx = np.asarray(indices, dtype=np.int64)
         idx = np.where(idx < 0, idx + total, idx)
@@ -349,6 +390,39 @@ class CachedTensorDataset(Dataset):
         if bad.size:
             raise IndexError(f"index {int(bad[0])} out of range for a cache of {total} samples")
         return self._gather(idx, shared)
+
+    def _copy(
+        self, shard: int, sums: ShardSums | None, key: str, view: torch.Tensor, local: np.ndarray,
+        run: bool, dst: torch.Tensor | None,
+    ) -> torch.Tensor:  # fmt: skip
+        """Rows ``local`` of ``view`` copied (into ``dst`` if given) and verified.
+
+        Small rows: one copy, then one pass of row hashes over the copy (still in
+        cache). Rows larger than :data:`VERIFY_CHUNK_BYTES` per chunk: chunk ``k``
+        is hashed on a helper thread while chunk ``k+1`` is copied (both release
+        the GIL), and the read returns only after every chunk was verified.
+        """
+        if sums is None or not self.verify:
+            return _take(view, local, run, dst)
+        n = local.size
+        row_bytes = max(1, view[0].numel() * view.element_size()) if view.shape[0] else 1
+        step = max(1, VERIFY_CHUNK_BYTES // row_bytes)
+        if step >= n:
+            out = _take(view, local, run, dst)
+            self.verify_copied_rows(shard, sums, key, out, local.tolist())
+            return out
+        out = dst if dst is not None else torch.empty((n, *view.shape[1:]), dtype=view.dtype)
+        pool = _verify_pool()
+        pending = []
+        try:
+            for a in range(0, n, step):
+                part = local[a : a + step]
+                chunk = _take(view, part, run, out[a : a + part.size])
+                pending.append(pool.submit(self.verify_copied_rows, shard, sums, key, chunk, part.tolist()))
+        finally:
+            for f in pending:
+                f.result()  # re-raises a mismatch; always joined before the batch leaves
+        return out
 
     def _gather(self, idx: np.ndarray, shared: bool) -> CachedBatch:
         """General path: ``idx`` (int64 ``[B]``, in range) in any order over any shards."""
@@ -361,7 +435,7 @@ class CachedTensorDataset(Dataset):
         outs: dict[str, torch.Tensor] = {}
         for a, b in zip(bounds[:-1], bounds[1:], strict=True):
             shard = int(sorted_shards[a])
-            views = self._shard_views(shard)
+            views, sums = self._shard_views(shard)
             pos = order[a:b]
             local = idx[pos] - shard * self.shard_size
             run = _is_run(local)
@@ -372,10 +446,21 @@ class CachedTensorDataset(Dataset):
                 if k not in outs:
                     outs[k] = _empty((n, *v.shape[1:]), v.dtype, shared)
                 if in_place:
-                    _take(v, local, run, outs[k][int(pos[0]) : int(pos[0]) + pos.size])
+                    self._copy(shard, sums, k, v, local, run, outs[k][int(pos[0]) : int(pos[0]) + pos.size])
                 else:
-                    outs[k].index_copy_(0, torch.from_numpy(pos), _take(v, local, run, None))
+                    outs[k].index_copy_(0, torch.from_numpy(pos), self._copy(shard, sums, k, v, local, run, None))
         return CachedBatch(outs, n)
+
+
+_pool_state: dict[str, Any] = {"pid": None, "pool": None}
+
+
+def _verify_pool() -> ThreadPoolExecutor:
+    """This process's one verification thread (a forked DataLoader worker starts its own)."""
+    if _pool_state["pid"] != os.getpid():
+        _pool_state["pid"] = os.getpid()
+        _pool_state["pool"] = ThreadPoolExecutor(max_workers=1, thread_name_prefix="te_thd-verify")
+    return _pool_state["pool"]
 
 
 def _take(view: torch.Tensor, local: np.ndarray, run: bool, dst: torch.Tensor | None) -> torch.Tensor:

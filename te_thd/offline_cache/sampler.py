@@ -36,6 +36,8 @@ import numpy as np
 import torch
 from torch.utils.data import Sampler
 
+from te_thd.offline_cache.format import shard_layout, shard_rows
+
 __all__ = ["CacheShardSampler", "default_data_parallel_rank_size", "shard_block_order"]
 
 _STATE_VERSION = 1
@@ -70,12 +72,12 @@ def _epoch_blocks(num_samples: int, shard_size: int, seed: int, epoch: int, shuf
     order; it is called only for blocks that are read, so the order costs
     O(num_shards + shard_size) memory whatever the cache size.
     """
-    num_shards = -(-num_samples // shard_size)
-    shards = _shard_rng(seed, epoch).permutation(num_shards) if shuffle else range(num_shards)
+    count = shard_layout(num_samples, shard_size)[0]
+    shards = _shard_rng(seed, epoch).permutation(count) if shuffle else range(count)
     for shard in shards:
         shard = int(shard)
         first = shard * shard_size
-        rows = min(shard_size, num_samples - first)
+        rows = shard_rows(shard, num_samples, shard_size)
         if shuffle:
             yield shard, lambda first=first, rows=rows, shard=shard: first + _shard_rng(seed, epoch, shard).permutation(rows)
         else:

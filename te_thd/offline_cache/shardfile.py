@@ -1,10 +1,12 @@
 """One shard file: deterministic safetensors bytes, written zero-copy with an overlapped CRC-32.
 
-The bytes are exactly those of ``safetensors.torch.save_file(tensors, path)``
-(no metadata): an 8-byte little-endian header length, a compact JSON header
-padded with spaces to a multiple of 8, then every tensor's raw bytes, ordered by
-dtype (safetensors' enum order, descending, which keeps wider types aligned)
-and then by name. Writing the format here instead of calling ``save_file``
+The bytes are exactly those of ``safetensors.torch.save_file(tensors, path,
+metadata=...)`` with the single ``"te_thd"`` metadata entry of
+:mod:`~te_thd.offline_cache.integrity` (per-row checksums, row count, header
+digest): an 8-byte little-endian header length, a compact JSON header padded
+with spaces to a multiple of 8, then every tensor's raw bytes, ordered by dtype
+(safetensors' enum order, descending, which keeps wider types aligned) and then
+by name. Writing the format here instead of calling ``save_file``
 lets the writer know the exact file bytes before they reach the disk, so the
 CRC-32 the manifest records runs on a second thread over the same in-memory
 buffers while the main thread writes them (``zlib.crc32`` and file writes both
@@ -33,8 +35,10 @@ from te_thd.offline_cache.format import (
     DTYPE_RANK,
     DTYPE_TO_ST,
     ST_TO_DTYPE,
+    TensorSpec,
     dtype_name,
 )
+from te_thd.offline_cache.integrity import ShardSums, parse_shard_metadata, row_sums, shard_metadata
 
 if sys.byteorder != "little":  # pragma: no cover - safetensors is little-endian on disk
     raise ImportError("te_thd.offline_cache writes raw tensor memory and needs a little-endian host")
@@ -86,14 +90,32 @@ def prepare_tensors(tensors: Mapping[str, torch.Tensor]) -> list[tuple[str, torc
     return items
 
 
-def build_header(items: Sequence[tuple[str, torch.Tensor]]) -> bytes:
-    """The 8-byte length prefix plus the padded JSON header for ``items`` (already in file order)."""
-    header: dict[str, Any] = {}
+def tensor_entries(items: Sequence[tuple[str, torch.Tensor]]) -> dict[str, Any]:
+    """The safetensors header entries (``{name: {dtype, shape, data_offsets}}``) of ``items``, in file order."""
+    entries: dict[str, Any] = {}
     offset = 0
     for name, t in items:
         n = t.numel() * t.element_size()
-        header[name] = {"dtype": DTYPE_TO_ST[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        entries[name] = {"dtype": DTYPE_TO_ST[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
         offset += n
+    return entries
+
+
+def self_verifying_metadata(items: Sequence[tuple[str, torch.Tensor]]) -> dict[str, str]:
+    """The te_thd ``__metadata__`` of ``items`` (all ``[n, ...]`` with one ``n``): row sums, rows, digest."""
+    counts = {t.shape[0] if t.dim() else None for _, t in items}
+    if len(counts) != 1 or None in counts:
+        raise ValueError(
+            f"a self-verifying shard needs every tensor [n, ...] with one n; got shapes "
+            f"{ {k: list(t.shape) for k, t in items} }"
+        )
+    return shard_metadata(tensor_entries(items), {k: row_sums(t) for k, t in items}, counts.pop())
+
+
+def build_header(items: Sequence[tuple[str, torch.Tensor]], metadata: Mapping[str, str] | None = None) -> bytes:
+    """The 8-byte length prefix plus the padded JSON header for ``items`` (already in file order)."""
+    header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
+    header.update(tensor_entries(items))
     text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
     text += b" " * (-len(text) % 8)
     return struct.pack("<Q", len(text)) + text
@@ -119,14 +141,17 @@ def _write_all(fd: int, buf: memoryview) -> None:
         view = view[n:]
 
 
-def write_shard_file(path: str, tensors: Mapping[str, torch.Tensor]) -> ShardRecord:
+def write_shard_file(path: str, tensors: Mapping[str, torch.Tensor], self_verifying: bool = True) -> ShardRecord:
     """Write ``tensors`` to a NEW file ``path`` in safetensors format; return its record.
 
-    Not atomic by itself: the writer calls it on a temp path inside
-    :func:`~te_thd.offline_cache.durable.atomic_write`.
+    ``self_verifying``: record per-row checksums, the row count and a header
+    digest in ``__metadata__`` (every tensor must then be ``[n, ...]`` with one
+    ``n``); ``False`` writes plain ``save_file`` bytes. Not atomic by itself: the
+    writer calls it on a temp path inside :func:`~te_thd.offline_cache.durable.atomic_write`.
     """
     items = prepare_tensors(tensors)
-    buffers = [memoryview(build_header(items))] + [tensor_bytes(t) for _, t in items]
+    metadata = self_verifying_metadata(items) if self_verifying else None
+    buffers = [memoryview(build_header(items, metadata))] + [tensor_bytes(t) for _, t in items]
     total = sum(b.nbytes for b in buffers)
     crc_future = _pool().submit(_crc, buffers)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
@@ -158,12 +183,26 @@ class HeaderEntry:
     end: int
 
 
+@dataclass(frozen=True)
+class ShardHeader:
+    """A parsed shard header: ``entries`` (``{key: HeaderEntry}``) and its te_thd ``sums`` (or ``None``)."""
+
+    entries: dict[str, HeaderEntry]
+    sums: ShardSums | None
+
+
 def read_header(path: str) -> dict[str, HeaderEntry]:
-    """Parse and sanity-check a safetensors header: ``{key: HeaderEntry}`` with absolute offsets.
+    """:func:`read_shard_header`'s ``entries``."""
+    return read_shard_header(path).entries
+
+
+def read_shard_header(path: str) -> ShardHeader:
+    """Parse and sanity-check a safetensors header, with its te_thd checksum fields when present.
 
     Raises :class:`CacheIntegrityError` naming ``path`` if the header is
-    unreadable, the offsets do not tile the data region exactly, or the file
-    size disagrees with the last offset (a truncated or padded file).
+    unreadable, the offsets do not tile the data region exactly, the file
+    size disagrees with the last offset (a truncated or padded file), or the
+    te_thd fields do not match the header (see :func:`parse_shard_metadata`).
     """
 
     def bad(what: str) -> CacheIntegrityError:
@@ -184,7 +223,7 @@ def read_header(path: str) -> dict[str, HeaderEntry]:
         raise bad(f"header is not JSON ({exc})") from None
     if not isinstance(header, dict):
         raise bad("header is not a JSON object")
-    header.pop("__metadata__", None)
+    metadata = header.pop("__metadata__", None)
     base = 8 + n
     entries: dict[str, HeaderEntry] = {}
     spans = []
@@ -208,4 +247,80 @@ def read_header(path: str) -> dict[str, HeaderEntry]:
         pos = end
     if base + pos != size:
         raise bad(f"the header describes {base + pos} bytes but the file has {size}")
-    return entries
+    if metadata is not None and not isinstance(metadata, dict):
+        raise bad("__metadata__ is not a JSON object")
+    return ShardHeader(entries, parse_shard_metadata(path, metadata, header))
+
+
+def header_problems(
+    header: ShardHeader,
+    schema: Mapping[str, TensorSpec] | None,
+    rows: int,
+    keys: Sequence[str] | None = None,
+) -> list[str]:
+    """What is wrong with a shard's header for its cache (an empty list: sound).
+
+    ``schema``: ``{key: TensorSpec}`` every shard must follow (``None``: no
+    dtype/shape check). ``rows``: the samples the cache puts in this shard
+    (:func:`~te_thd.offline_cache.format.shard_rows`). ``keys``: the keys a
+    reader needs (other keys may exist); ``None`` means exactly ``schema``'s keys.
+    The row count the shard records itself must agree too.
+    """
+    entries = header.entries
+    problems = []
+    required = list(keys) if keys is not None else list(schema or entries)
+    missing = [k for k in required if k not in entries]
+    if missing:
+        problems.append(f"lacks keys {missing} (it holds {sorted(entries)})")
+    if keys is None and schema is not None:
+        extra = [k for k in entries if k not in schema]
+        if extra:
+            problems.append(f"has keys {extra} the schema does not list")
+    for key in required:
+        e = entries.get(key)
+        if e is None:
+            continue
+        spec = schema.get(key) if schema is not None else None
+        if not e.shape:
+            problems.append(f"key {key!r} is a scalar, not [samples, ...]")
+        elif spec is not None and TensorSpec(e.dtype, e.shape[1:]) != spec:
+            problems.append(f"key {key!r} is {dtype_name(e.dtype)}{list(e.shape)}, the schema says {spec.describe()}")
+        elif e.shape[0] != rows:
+            problems.append(f"key {key!r} holds {e.shape[0]} samples, the manifest puts {rows} in this shard")
+    if header.sums is not None and header.sums.rows != rows:
+        problems.append(f"records {header.sums.rows} rows, the manifest puts {rows} in this shard")
+    return problems
+
+
+def check_shard_header(
+    path: str,
+    schema: Mapping[str, TensorSpec] | None,
+    rows: int,
+    keys: Sequence[str] | None = None,
+    require_sums: bool = False,
+) -> ShardHeader:
+    """Read shard ``path``'s header and check it (:func:`header_problems`); return it.
+
+    The one header check of the cache: readers, ``verify_cache`` and the
+    producer's resume all call it. ``require_sums``: the shard must carry te_thd
+    checksums (a manifest of layout >= 3 promises them). Raises
+    :class:`CacheIntegrityError` naming ``path`` and every problem.
+    """
+    try:
+        header = read_shard_header(path)
+    except FileNotFoundError:
+        raise CacheIntegrityError(f"shard {path} is missing", path=path) from None
+    problems = header_problems(header, schema, rows, keys)
+    if require_sums and header.sums is None:
+        problems.append(
+            "carries no te_thd checksums although the manifest's layout records them for every "
+            "shard (the file was replaced by another writer's)"
+        )
+    if problems:
+        raise CacheIntegrityError(f"shard {path}: {'; '.join(problems)}", path=path)
+    return header
+
+
+def schema_of_header(header: ShardHeader) -> dict[str, TensorSpec]:
+    """``{key: TensorSpec(dtype, trailing shape)}`` of a header's non-scalar entries."""
+    return {k: TensorSpec(e.dtype, e.shape[1:]) for k, e in header.entries.items() if e.shape}

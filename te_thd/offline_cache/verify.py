@@ -3,10 +3,12 @@
 - :func:`check_cache_files` (every reader calls it when opening a cache): shard
   names are exactly ``0..N-1`` and each file has the byte size the manifest
   records. One ``stat`` per shard, no reads.
-- :func:`verify_cache` with ``deep=True``: additionally re-reads every shard,
-  compares its CRC-32 with the manifest and checks its safetensors header
-  against the manifest schema (keys, dtypes, trailing shapes, samples in the
-  shard). Reports every bad shard, not only the first.
+- :func:`verify_shard_file`: everything one shard can be checked for -- its
+  header against the cache schema and row count, every row of every key against
+  the checksums the shard carries, and the whole file against the manifest's
+  record. ``verify_cache(deep=True)`` and the producer's resume both call it.
+- :func:`verify_cache`: the whole cache; says exactly what it checked and what it
+  could not (a reference-format cache carries no checksums).
 - :func:`cache_info`: what ``te-thd cache info`` prints.
 """
 
@@ -14,29 +16,43 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
-from te_thd.offline_cache.errors import CacheIntegrityError
+import numpy as np
+
+from te_thd.offline_cache.errors import CacheIntegrityError, repair_hint
 from te_thd.offline_cache.format import (
     CHECKSUM_ALGORITHM,
-    RESERVED_MANIFEST_KEYS,
     CacheSchema,
-    TensorSpec,
+    manifest_path,
+    num_shards,
+    shard_path,
+    shard_rows,
+    validate_contiguous_shards,
+)
+from te_thd.offline_cache.integrity import HASH_NAME, byte_row_sums
+from te_thd.offline_cache.manifest import (
+    LAYOUT_VERSION,
+    RESERVED_MANIFEST_KEYS,
     check_integrity_entry,
     load_manifest,
-    manifest_path,
     manifest_schema,
-    num_shards,
-    shard_num_samples,
-    shard_path,
     shard_records,
-    validate_contiguous_shards,
     validate_manifest,
 )
-from te_thd.offline_cache.shardfile import file_checksum, read_header
+from te_thd.offline_cache.shardfile import (
+    ShardHeader,
+    check_shard_header,
+    file_checksum,
+    read_shard_header,
+    schema_of_header,
+)
 
 
-def check_cache_files(cache_dir: str, manifest: Mapping[str, Any], cache_name: str = "offline") -> list[int]:
+def check_cache_files(
+    cache_dir: str, manifest: Mapping[str, Any], cache_name: str = "offline", producer: str | None = None
+) -> list[int]:
     """Cheap open-time check; returns the shard indices ``[0, ..., N-1]``.
 
     ``manifest`` is what :func:`read_manifest` returned for ``cache_dir``. Raises
@@ -45,58 +61,143 @@ def check_cache_files(cache_dir: str, manifest: Mapping[str, Any], cache_name: s
     the manifest's record. Manifests of the reference producer carry no records;
     for them only presence is checked. Temp files and foreign files are ignored.
     """
-    validate_manifest(manifest, manifest_path(cache_dir))
+    validate_manifest(manifest, manifest_path(cache_dir), producer)
     indices = validate_contiguous_shards(
         cache_dir, cache_name, int(manifest["num_samples"]), int(manifest["shard_size"])
     )
     records = shard_records(manifest)
     if records is not None:
         for i, rec in zip(indices, records, strict=True):
-            check_integrity_entry(shard_path(cache_dir, i), int(rec["bytes"]))
+            check_integrity_entry(shard_path(cache_dir, i), int(rec["bytes"]), producer)
     return indices
 
 
-def check_shard_header(path: str, schema: CacheSchema, expected_samples: int) -> list[str]:
-    """Problems of one shard's header against ``schema`` (empty list = sound)."""
-    entries = read_header(path)
-    problems = []
-    missing = [k for k in schema if k not in entries]
-    extra = [k for k in entries if k not in schema]
-    if missing:
-        problems.append(f"lacks keys {missing}")
-    if extra:
-        problems.append(f"has keys {extra} the schema does not list")
-    for key, spec in schema.items():
-        e = entries.get(key)
-        if e is None:
+def requires_shard_sums(manifest: Mapping[str, Any]) -> bool:
+    """True when the manifest's layout promises te_thd checksums in every shard."""
+    layout = manifest.get("layout_version")
+    return isinstance(layout, int) and not isinstance(layout, bool) and layout >= LAYOUT_VERSION
+
+
+@dataclass(frozen=True)
+class ShardCheck:
+    """What :func:`verify_shard_file` found: the header, the file's size and whole-file checksum."""
+
+    header: ShardHeader
+    bytes: int
+    checksum: str
+
+
+def _check_row_sums(path: str, header: ShardHeader) -> None:
+    """Hash every row of every key in the file and compare with the sums its header carries."""
+    assert header.sums is not None
+    data = np.memmap(path, dtype=np.uint8, mode="r") if os.path.getsize(path) else np.zeros(0, np.uint8)
+    for key, e in sorted(header.entries.items(), key=lambda kv: kv[1].start):
+        rows = e.shape[0] if e.shape else 0
+        if not rows:
             continue
-        got = TensorSpec(e.dtype, e.shape[1:])
-        if not e.shape or got != spec:
-            shape = list(e.shape)
-            problems.append(f"key {key!r} is {e.dtype}{shape}, the schema says {spec.describe()}")
-        elif e.shape[0] != expected_samples:
-            problems.append(f"key {key!r} holds {e.shape[0]} samples, expected {expected_samples}")
-    return problems
+        got = np.asarray(byte_row_sums(memoryview(data[e.start : e.end]), rows), dtype=np.uint64)
+        bad = np.flatnonzero(got != np.frombuffer(header.sums.sums[key], dtype=np.uint64))
+        if bad.size:
+            r = int(bad[0])
+            raise CacheIntegrityError(
+                f"shard {path}: key {key!r} row {r}: checksum mismatch (expected "
+                f"{HASH_NAME}:{int(header.sums.sums[key][r]):016x}, the bytes hash to "
+                f"{HASH_NAME}:{int(got[r]):016x}){f' and {bad.size - 1} more rows' if bad.size > 1 else ''}: "
+                "the file is damaged",
+                path=path,
+                key=key,
+                expected=f"{HASH_NAME}:{int(header.sums.sums[key][r]):016x}",
+                actual=f"{HASH_NAME}:{int(got[r]):016x}",
+            )
 
 
-def _schema_from_header(path: str) -> CacheSchema:
-    return {k: TensorSpec(e.dtype, e.shape[1:]) for k, e in read_header(path).items() if e.shape}
+def verify_shard_file(
+    path: str,
+    schema: CacheSchema | None,
+    rows: int,
+    record: Mapping[str, Any] | None = None,
+    require_sums: bool = False,
+) -> ShardCheck:
+    """Check one shard completely; raise :class:`CacheIntegrityError` naming it on the first problem.
+
+    Header against ``schema`` and ``rows`` (:func:`check_shard_header`), every
+    row against the shard's own checksums (when it carries them;
+    ``require_sums`` makes their absence an error), and -- given the manifest's
+    ``record`` (``{"bytes", "checksum"}``) -- the file's size and whole-file checksum.
+    """
+    header = check_shard_header(path, schema, rows, require_sums=require_sums)
+    if header.sums is not None:
+        _check_row_sums(path, header)
+    size = os.stat(path).st_size
+    checksum = file_checksum(path)
+    if record is not None:
+        expected = str(record["checksum"])
+        algo = expected.split(":", 1)[0]
+        if algo != CHECKSUM_ALGORITHM:
+            raise CacheIntegrityError(
+                f"shard {path}: checksum algorithm {algo!r} is not supported (expected {CHECKSUM_ALGORITHM!r})",
+                path=path,
+            )
+        if checksum != expected or size != int(record["bytes"]):
+            raise CacheIntegrityError(
+                f"shard {path}: whole-file checksum {checksum} ({size} bytes) differs from the manifest's "
+                f"{expected} ({record['bytes']} bytes): the file is corrupt or was replaced",
+                path=path,
+                expected=expected,
+                actual=checksum,
+            )
+    return ShardCheck(header, size, checksum)
 
 
-def verify_cache(cache_dir: str, deep: bool = False, cache_name: str = "offline") -> dict[str, Any]:
-    """Check a finished cache; returns a summary dict, raises on the first class of problem.
+def _what_was_checked(deep: bool, records: bool, sums: int, n: int) -> tuple[list[str], list[str]]:
+    checked = ["manifest fields (and its own checksum when it records one)", "shard files 0..N-1 present"]
+    not_checked = []
+    checked.append("shard sizes against the manifest" if records else "shard presence only (the manifest records no sizes)")
+    if not deep:
+        not_checked.append("shard headers and contents (run a deep verify: `te-thd cache verify DIR`)")
+        return checked, not_checked
+    checked.append("every shard header against the schema and row counts")
+    if sums == n:
+        checked.append(f"every row of every key against the {HASH_NAME} checksums each shard carries")
+    elif sums:
+        checked.append(f"the rows of the {sums} of {n} shards that carry {HASH_NAME} checksums")
+        not_checked.append(
+            f"tensor bytes of {n - sums} shard(s) without checksums (written by the reference "
+            "implementation or te_thd before layout 3): a flipped byte there cannot be detected"
+        )
+    else:
+        not_checked.append(
+            "tensor bytes: no shard carries checksums (written by the reference implementation or "
+            "te_thd before layout 3), so a flipped byte in tensor data cannot be detected; rewrite "
+            "the cache with te_thd's writers to make it verifiable"
+        )
+    if records:
+        checked.append("every shard's whole-file checksum against the manifest")
+    else:
+        not_checked.append(
+            "whether a shard was swapped for another valid shard (the manifest records no per-shard checksums)"
+        )
+    return checked, not_checked
 
-    ``deep=False``: manifest + :func:`check_cache_files`. ``deep=True``: also every
-    shard's header against the schema and its CRC-32 against the manifest. A
-    manifest without checksums (written by the reference producer) gets the
-    header checks, with the schema taken from shard 0, and
-    ``checksums_verified=False`` in the result.
+
+def verify_cache(
+    cache_dir: str, deep: bool = False, cache_name: str = "offline", producer_name: str | None = None
+) -> dict[str, Any]:
+    """Check a finished cache; returns a summary dict, raises when anything is wrong.
+
+    ``deep=False``: manifest + :func:`check_cache_files` (sizes). ``deep=True``:
+    also :func:`verify_shard_file` on every shard (header, every row's checksum,
+    whole-file checksum). The result says what was verified: ``checked`` and
+    ``not_checked`` (lists of sentences), ``checksums_verified`` (every tensor
+    byte was checked against a checksum), ``headers_verified``,
+    ``shards_with_checksums``.
 
     Raises :class:`ManifestError` or :class:`CacheIntegrityError`; the latter's
-    message lists every bad shard by path and ``.path`` is the first of them.
+    message lists every bad shard by path, ends with the repair command, and
+    ``.path`` is the first bad shard.
     """
-    manifest = load_manifest(cache_dir, cache_name)
-    indices = check_cache_files(cache_dir, manifest, cache_name)
+    manifest = load_manifest(cache_dir, cache_name, producer_name)
+    indices = check_cache_files(cache_dir, manifest, cache_name, producer_name)
     num_samples, shard_size = int(manifest["num_samples"]), int(manifest["shard_size"])
     records = shard_records(manifest)
     result: dict[str, Any] = {
@@ -106,41 +207,41 @@ def verify_cache(cache_dir: str, deep: bool = False, cache_name: str = "offline"
         "deep": deep,
         "checksums_verified": False,
         "headers_verified": False,
+        "shards_with_checksums": None,
     }
     if not deep:
+        result["checked"], result["not_checked"] = _what_was_checked(False, records is not None, 0, len(indices))
         return result
     schema = manifest_schema(manifest)
     if schema is None and indices:
-        schema = _schema_from_header(shard_path(cache_dir, 0))
+        try:
+            schema = schema_of_header(read_shard_header(shard_path(cache_dir, 0)))
+        except CacheIntegrityError:
+            schema = None  # shard 0 itself is reported below
     problems: list[tuple[str, str]] = []
+    with_sums = 0
     for i in indices:
         path = shard_path(cache_dir, i)
         try:
-            header_problems = check_shard_header(path, schema or {}, shard_num_samples(i, num_samples, shard_size))
+            check = verify_shard_file(
+                path, schema, shard_rows(i, num_samples, shard_size),
+                records[i] if records is not None else None, requires_shard_sums(manifest),
+            )  # fmt: skip
+            with_sums += check.header.sums is not None
         except CacheIntegrityError as exc:
-            header_problems = [str(exc).split(": ", 1)[-1]]
-        problems.extend((path, p) for p in header_problems)
-        if records is not None:
-            expected = records[i]["checksum"]
-            algo = expected.split(":", 1)[0]
-            if algo != CHECKSUM_ALGORITHM:
-                problems.append((path, f"checksum algorithm {algo!r} is not supported (expected {CHECKSUM_ALGORITHM!r})"))
-                continue
-            got = file_checksum(path)
-            if got != expected:
-                problems.append((path, f"checksum {got} differs from the manifest's {expected}: the file is corrupt"))
+            problems.append((path, str(exc).removeprefix(f"shard {path}").lstrip(": ")))
     if problems:
         listed = "\n".join(f"  {p}: {what}" for p, what in problems[:20])
         more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
-        bad_files = sorted({p for p, _ in problems})
         raise CacheIntegrityError(
-            f"{cache_name} cache at {cache_dir}: {len(bad_files)} bad shard(s):\n{listed}{more}\n"
-            "Restore these files from a copy, or delete them and re-run the producer with "
-            "resume=True to recompute them.",
-            path=bad_files[0],
+            f"{cache_name} cache at {cache_dir}: {len(problems)} bad shard(s):\n{listed}{more}\n"
+            f"Restore these files from a copy. {repair_hint(cache_dir, producer_name)}",
+            path=problems[0][0],
         )
     result["headers_verified"] = True
-    result["checksums_verified"] = records is not None
+    result["shards_with_checksums"] = with_sums
+    result["checksums_verified"] = with_sums == len(indices)
+    result["checked"], result["not_checked"] = _what_was_checked(True, records is not None, with_sums, len(indices))
     return result
 
 
@@ -164,7 +265,7 @@ def cache_info(cache_dir: str) -> dict[str, Any]:
         )
     schema = manifest_schema(manifest)
     if schema is None and os.path.exists(shard_path(cache_dir, 0)):
-        schema = _schema_from_header(shard_path(cache_dir, 0))
+        schema = schema_of_header(read_shard_header(shard_path(cache_dir, 0)))
     return {
         "cache_dir": cache_dir,
         "format_version": manifest.get("format_version"),

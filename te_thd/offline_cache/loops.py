@@ -1,0 +1,382 @@
+"""Producer loops of the reference API: the accumulator, the single-process and distributed loops.
+
+- :class:`_ShardAccumulator` turns a stream of computed batches into
+  fixed-size shards with global indices; the single-process and the
+  distributed loops share it, so both lay out identical files.
+- :func:`write_cache_shards` / :func:`write_cache_shards_distributed` are the
+  reference loops; :func:`lockstep_write` is their engine, generalised to a
+  list of shard runs so a resumed (or distributed-resumed) producer recomputes
+  only missing shards. ``te_thd.offline_cache.producer.produce_cache`` builds on it.
+
+Byte-identical output across resume / world sizes holds when ``compute_batch``
+gives each sample the same result whatever batch it is in. Runs start at shard
+boundaries, so with ``shard_size % batch_size == 0`` every run forms exactly the
+batches an uninterrupted single-process run forms, and even batch-dependent
+numerics (padding, kernel choice) reproduce.
+
+Every loader these loops build is made by ``te_thd.offline_cache.DataLoader``,
+looked up on the package at call time: tests of the reference module's
+consumers patch that attribute to capture the loaders.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset, Subset
+
+from te_thd.offline_cache.errors import SchemaError
+from te_thd.offline_cache.format import check_shard_size, format_indices, shard_layout, shard_rows
+from te_thd.offline_cache.writer import WriteShardFn
+
+
+def _loader_class() -> type:
+    """``te_thd.offline_cache.DataLoader`` (torch's unless a test patched it), looked up per call."""
+    import te_thd.offline_cache as package
+
+    return package.DataLoader
+
+
+def _batch_rows(batch_cache: Mapping[str, Any]) -> int:
+    rows = None
+    for k, t in batch_cache.items():
+        if not isinstance(t, torch.Tensor) or t.dim() == 0:
+            raise SchemaError(
+                f"compute_batch returned {k!r} as {type(t).__name__}"
+                f"{'' if not isinstance(t, torch.Tensor) else ' (0-d)'}; every returned value must be "
+                "a tensor [batch, ...] (filter extra outputs, or store them with a batch dim)"
+            )
+        if rows is None:
+            rows = t.shape[0]
+        elif t.shape[0] != rows:
+            raise SchemaError(
+                f"compute_batch returned {k!r} with {t.shape[0]} rows but other keys with {rows}; "
+                "every key must hold one row per sample"
+            )
+    if rows is None:
+        raise SchemaError("compute_batch returned an empty dict; it must return the cache tensors")
+    return rows
+
+
+class _ShardAccumulator:
+    """Buffer per-batch cache tensors and flush them as fixed-size sequential shards.
+
+    Shard indices count up from ``start_shard_index``; a trailing partial shard is
+    written by ``finalize``. Shared by the single-process and distributed
+    precompute loops so both produce the identical on-disk shard layout.
+
+    Batches are moved to the CPU as they arrive (a GPU producer does not hold a
+    shard's worth of outputs in device memory) and each shard concatenates only
+    the pieces it needs, so buffering is linear in the shard size.
+    """
+
+    def __init__(
+        self,
+        output_dir: str,
+        shard_size: int,
+        start_shard_index: int,
+        write_shard_fn: WriteShardFn,
+        logger: logging.Logger,
+    ) -> None:
+        self._output_dir = output_dir
+        self._shard_size = check_shard_size(shard_size)
+        self._write_shard_fn = write_shard_fn
+        self._logger = logger
+        self._shard_index = start_shard_index
+        self._chunks: list[dict[str, torch.Tensor]] = []
+        self._buffered = 0
+        self.shards_written: list[int] = []
+
+    @property
+    def next_shard_index(self) -> int:
+        return self._shard_index
+
+    def _flush(self, max_samples: int | None = None) -> None:
+        if self._buffered == 0:
+            return
+        n = self._buffered if max_samples is None else min(self._buffered, max_samples)
+        pieces: list[dict[str, torch.Tensor]] = []
+        taken = 0
+        while taken < n:
+            chunk = self._chunks[0]
+            rows = next(iter(chunk.values())).shape[0]
+            need = n - taken
+            if rows <= need:
+                pieces.append(self._chunks.pop(0))
+                taken += rows
+            else:
+                pieces.append({k: v[:need] for k, v in chunk.items()})
+                self._chunks[0] = {k: v[need:] for k, v in chunk.items()}
+                taken += need
+        shard = {k: pieces[0][k] if len(pieces) == 1 else torch.cat([p[k] for p in pieces]) for k in pieces[0]}
+        path = self._write_shard_fn(self._output_dir, self._shard_index, shard)
+        self._logger.info("Wrote %s (%d samples)", path, n)
+        self.shards_written.append(self._shard_index)
+        self._buffered -= n
+        self._shard_index += 1
+
+    def add(self, batch_cache: dict[str, torch.Tensor]) -> None:
+        """Append one computed batch, flushing whole shards as they fill."""
+        rows = _batch_rows(batch_cache)
+        if self._chunks and set(batch_cache) != set(self._chunks[0]):
+            raise SchemaError(
+                f"compute_batch returned keys {sorted(batch_cache)} after {sorted(self._chunks[0])}; "
+                "every batch must return the same keys"
+            )
+        if rows == 0:
+            return
+        self._chunks.append({k: v.detach().to("cpu") for k, v in batch_cache.items()})
+        self._buffered += rows
+        while self._buffered >= self._shard_size:
+            self._flush(self._shard_size)
+
+    def finalize(self) -> None:
+        """Write the trailing partial shard, if any."""
+        self._flush()
+
+
+def write_cache_shards(
+    dataloader: DataLoader,
+    output_dir: str,
+    shard_size: int,
+    start_shard_index: int,
+    compute_batch: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]],
+    write_shard_fn: WriteShardFn,
+    logger: logging.Logger,
+) -> None:
+    """Run a precompute loop and write sequential cache shards.
+
+    Every batch of ``dataloader`` goes through ``compute_batch``; outputs are
+    cut into shards of ``shard_size`` samples numbered from ``start_shard_index``
+    and written with ``write_shard_fn(output_dir, index, tensors) -> path``.
+    """
+    accumulator = _ShardAccumulator(output_dir, shard_size, start_shard_index, write_shard_fn, logger)
+    for batch in dataloader:
+        accumulator.add(compute_batch(batch))
+    accumulator.finalize()
+
+
+def partition_cache_shards(num_samples: int, shard_size: int, world_size: int, rank: int) -> tuple[int, int, int]:
+    """Assign a contiguous, shard-aligned block of samples to ``rank``.
+
+    Splits the ``ceil(num_samples / shard_size)`` shards into contiguous runs across
+    ``world_size`` ranks (the first ``total_shards % world_size`` ranks take one
+    extra shard). Because the split is on whole shards, every shard is owned by
+    exactly one rank, so ranks can write straight into a shared output directory
+    with global shard indices and no cross-rank overlap. Ranks that receive no
+    shards (when ``total_shards < world_size``) get ``num_local_samples == 0``.
+
+    Returns ``(start_shard_index, start_sample, num_local_samples)``.
+    """
+    check_shard_size(shard_size)
+    if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 0:
+        raise ValueError(f"num_samples must be an int >= 0, got {num_samples!r}")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise ValueError(f"rank={rank!r} must be an int in [0, {world_size}) for world_size={world_size}")
+    total_shards = shard_layout(num_samples, shard_size)[0]
+    base, remainder = divmod(total_shards, world_size)
+    num_local_shards = base + (1 if rank < remainder else 0)
+    start_shard_index = rank * base + min(rank, remainder)
+    start_sample = start_shard_index * shard_size
+    end_sample = min((start_shard_index + num_local_shards) * shard_size, num_samples)
+    return start_shard_index, start_sample, max(0, end_sample - start_sample)
+
+
+def shard_runs(
+    shard_indices: Sequence[int], num_samples: int, shard_size: int
+) -> list[tuple[int, int, int]]:
+    """Group shard indices into contiguous runs: ``[(start_shard, start_sample, n_samples)]``.
+
+    ``shard_runs([0, 1, 4], 10, 2) == [(0, 0, 4), (4, 8, 2)]``.
+    """
+    runs: list[tuple[int, int, int]] = []
+    for i in sorted(shard_indices):
+        n = shard_rows(i, num_samples, shard_size)
+        if runs and runs[-1][0] * shard_size + runs[-1][2] == i * shard_size:
+            s0, start, m = runs[-1]
+            runs[-1] = (s0, start, m + n)
+        else:
+            runs.append((i, i * shard_size, n))
+    return [r for r in runs if r[2] > 0]
+
+
+def _batch_size(dataloader: DataLoader) -> int:
+    return int(getattr(dataloader, "batch_size", None) or 1)
+
+
+def lockstep_write(
+    dataloader: DataLoader,
+    output_dir: str,
+    shard_size: int,
+    runs: Sequence[tuple[int, int, int]],
+    compute_batch: Callable[[Any], dict[str, torch.Tensor]],
+    write_shard_fn: WriteShardFn,
+    logger: logging.Logger,
+    sync_max_steps: Callable[[int], int] | None = None,
+    progress: Any = None,
+) -> tuple[int, int]:
+    """Compute and write the shard ``runs`` of this rank, padding to the global step count.
+
+    ``runs`` are ``(start_shard_index, start_sample, num_samples)`` blocks (see
+    :func:`shard_runs`); each gets a sequential loader over its samples and its own
+    accumulator, so batches never straddle a run. After the real batches, dummy
+    forwards (one sample, ``dataset[0]``, output discarded) pad this rank to
+    ``sync_max_steps(local_steps)``: every rank calls ``compute_batch`` equally
+    often, which a sharded model's collectives require. ``progress`` (a tqdm-like
+    object or ``None``) gets ``update(1)`` per step. A ``compute_batch`` result of
+    ``None`` stores nothing for that batch (the producer uses it to keep stepping
+    after an error without writing). Returns
+    ``(local_steps, global_steps)``.
+    """
+    dataset = dataloader.dataset
+    bs = _batch_size(dataloader)
+    local_steps = sum(-(-n // bs) for _, _, n in runs)
+    global_steps = local_steps if sync_max_steps is None else int(sync_max_steps(local_steps))
+    if global_steps < local_steps:
+        raise ValueError(
+            f"sync_max_steps({local_steps}) returned {global_steps}; it must return the maximum "
+            "over ranks (an all-reduce MAX), which is at least this rank's count"
+        )
+    steps = 0
+    for start_shard, start, n in runs:
+        accumulator = _ShardAccumulator(output_dir, shard_size, start_shard, write_shard_fn, logger)
+        for batch in _sequential_subset_loader(dataloader, start, start + n):
+            out = compute_batch(batch)
+            if out is not None:  # None: the caller chose not to store this batch (see produce_cache)
+                accumulator.add(out)
+            steps += 1
+            if progress is not None:
+                progress.update(1)
+        accumulator.finalize()
+    if steps != local_steps:
+        raise RuntimeError(f"the dataloader produced {steps} batches, expected {local_steps}")
+    if global_steps > steps:
+        # Built lazily: only ranks that must pad need it, and an empty dataset has no index 0.
+        collate_fn = getattr(dataloader, "collate_fn", None)
+        dummy = collate_fn([dataset[0]]) if collate_fn is not None else dataset[0]
+        for _ in range(global_steps - steps):
+            compute_batch(dummy)  # keeps collectives aligned; output discarded
+            if progress is not None:
+                progress.update(1)
+    return local_steps, global_steps
+
+
+def write_cache_shards_distributed(
+    dataloader: DataLoader,
+    output_dir: str,
+    shard_size: int,
+    world_size: int,
+    rank: int,
+    compute_batch: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]],
+    write_shard_fn: WriteShardFn,
+    logger: logging.Logger,
+    sync_max_steps: Callable[[int], int] | None = None,
+) -> None:
+    """Distributed precompute loop: each rank writes its contiguous shard block.
+
+    The target model is sharded across all ranks (expert-parallel / FSDP), so every
+    ``compute_batch`` call is a collective that all ranks must enter the same number
+    of times. This rank forwards its own contiguous slice of the dataset (a different
+    slice per rank -- pure data parallelism, which the MoE all-to-all routes tokens
+    for), and pads its step count up to the global maximum with dummy forwards whose
+    output is discarded, keeping the collectives in lockstep.
+
+    Writes are idempotent (atomic replace), so re-running after a partial failure
+    safely recomputes and overwrites rather than resuming. ``sync_max_steps`` reduces
+    the per-rank step count to the global max across ranks (an all-reduce MAX); it
+    defaults to the identity for a single-process run.
+    """
+    num_samples = len(dataloader.dataset)
+    start_shard, start_sample, n_local = partition_cache_shards(num_samples, shard_size, world_size, rank)
+    runs = [(start_shard, start_sample, n_local)] if n_local > 0 else []
+    local_steps, global_steps = lockstep_write(
+        dataloader, output_dir, shard_size, runs, compute_batch, write_shard_fn, logger, sync_max_steps
+    )
+    logger.info(
+        "Rank %d/%d: samples [%d, %d) -> shards from %d (%d local samples, %d/%d steps)",
+        rank, world_size, start_sample, start_sample + n_local, start_shard, n_local, local_steps, global_steps,
+    )
+
+
+def resume_start_sample(existing_shards: set[int], shard_size: int) -> int:
+    """Return the sample index where a deterministic sequential resume should start.
+
+    ``existing_shards`` must be a contiguous prefix ``{0, ..., k-1}``; the resume
+    starts at sample ``k * shard_size``.
+    """
+    check_shard_size(shard_size)
+    expected = set(range(len(existing_shards)))
+    if set(existing_shards) != expected:
+        gaps = sorted(set(range(max(existing_shards) + 1)) - set(existing_shards))
+        raise ValueError(
+            f"resume expects the existing shards to be a contiguous prefix 0..{len(existing_shards) - 1}, "
+            f"but found {format_indices(existing_shards)} (missing {format_indices(gaps)}). Delete the "
+            "shards after the first gap, or restart from a clean directory (produce_cache fills gaps itself)."
+        )
+    return len(existing_shards) * shard_size
+
+
+_TORCH_DEFAULT_PREFETCH = 2
+
+
+def _loader_kwargs(dataloader: DataLoader) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {
+        "batch_size": _batch_size(dataloader),
+        "collate_fn": getattr(dataloader, "collate_fn", None),
+        "pin_memory": bool(getattr(dataloader, "pin_memory", False)),
+    }
+    num_workers = int(getattr(dataloader, "num_workers", 0))
+    kwargs["num_workers"] = num_workers
+    if num_workers > 0:
+        kwargs["persistent_workers"] = bool(getattr(dataloader, "persistent_workers", False))
+        for name in ("multiprocessing_context", "worker_init_fn"):
+            value = getattr(dataloader, name, None)
+            if value is not None:
+                kwargs[name] = value
+        # torch stores prefetch_factor=2 on every loader with workers; passing that default on
+        # breaks a patched DataLoader that forces num_workers=0 (torch rejects prefetch_factor
+        # without workers), so only a value the user chose travels.
+        prefetch = getattr(dataloader, "prefetch_factor", None)
+        if prefetch is not None and prefetch != _TORCH_DEFAULT_PREFETCH:
+            kwargs["prefetch_factor"] = prefetch
+        kwargs["timeout"] = getattr(dataloader, "timeout", 0)
+    return kwargs
+
+
+def _sequential_subset_loader(dataloader: DataLoader, start: int, end: int) -> DataLoader:
+    """Return a sequential loader over ``dataset[start:end)`` mirroring ``dataloader``.
+
+    Preserves the source loader's worker settings: in particular
+    ``multiprocessing_context`` -- the precompute paths load the target onto CUDA
+    before iterating, so fork-started workers would inherit a live CUDA context and
+    abort (use a ``"forkserver"`` or ``"spawn"`` context there). Also kept:
+    ``batch_size``, ``collate_fn``, ``pin_memory``, ``persistent_workers``,
+    ``worker_init_fn``, ``prefetch_factor`` (when not torch's default), ``timeout``.
+    """
+    dataset: Dataset = dataloader.dataset
+    return _loader_class()(Subset(dataset, range(start, end)), shuffle=False, drop_last=False, **_loader_kwargs(dataloader))
+
+
+def dataloader_from_sample(dataloader: DataLoader, start_sample: int) -> DataLoader:
+    """Return an equivalent sequential dataloader beginning at ``start_sample``.
+
+    ``start_sample <= 0`` returns ``dataloader`` itself; past the end, an empty loader.
+    """
+    if start_sample <= 0:
+        return dataloader
+    n = len(dataloader.dataset)
+    if start_sample >= n:
+        return _loader_class()(
+            Subset(dataloader.dataset, []),
+            batch_size=_batch_size(dataloader),
+            shuffle=False,
+            num_workers=0,
+            collate_fn=getattr(dataloader, "collate_fn", None),
+            drop_last=False,
+        )
+    return _sequential_subset_loader(dataloader, start_sample, n)

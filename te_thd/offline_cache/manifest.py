@@ -1,0 +1,396 @@
+"""The cache manifest: ``manifest.json`` written last, read and validated by every reader.
+
+Manifest (``json``, sorted keys, no timestamps or host names, so two runs that
+produced the same shards write byte-identical manifests)::
+
+    {
+      "format_version": 3,              # the caller's version of what the tensors mean
+      "num_samples": 1000,
+      "shard_size": 256,
+      "manifest_checksum": "crc32:0badf00d",  # of the manifest itself (below)
+      "layout_version": 3,              # te_thd integrity fields below; absent in
+      "schema": {                       #   manifests of the reference producer
+        "hidden": {"dtype": "bfloat16", "shape": [512, 4096]}   # trailing shape
+      },
+      "shards": [
+        {"file": "shard-000000.safetensors", "bytes": 1073741912,
+         "checksum": "crc32:9a1b2c3d"},
+        ...
+      ],
+      "mask_generation_prompt": true,   # producer options, top level (as in the
+      ...                               #   reference, so ensure_supervision_options_match
+    }                                   #   reads them unchanged)
+
+Manifest checksum: ``manifest_checksum`` is the CRC-32 of the manifest's
+*canonical* JSON without that field (:func:`manifest_checksum`: sorted keys, no
+whitespace, ASCII), so it is a function of the content, not of the formatting:
+two runs with the same shards still write identical bytes, and a reader
+re-serialises what it parsed to check it. Without it a flipped byte inside an
+option value (``"cp_size": 2`` -> ``3``) or inside a shard's recorded checksum
+leaves valid JSON that every reader trusts. :func:`write_manifest` always records
+it (also for manifests written through the reference-compatible API); every
+te_thd load (:func:`read_manifest`, :func:`load_manifest`, hence readers,
+``verify_cache`` and ``te-thd cache``) checks it and reports a mismatch against
+``manifest.json``. Manifests without the field still load unchecked -- the
+reference producer writes none, nor did te_thd before ``layout_version`` 2 --
+except that a manifest declaring ``layout_version >= 2`` (every ``produce_cache``
+manifest) must carry it, so a flip that damages the field's own name is caught
+too.
+
+Layout versions (``layout_version``): 1 ``schema`` and ``shards``; 2 also
+``manifest_checksum`` (required from 2 on); 3 every shard also carries its own
+row count and per-row checksums (:mod:`~te_thd.offline_cache.integrity`), which
+readers then require. Every older layout, and the reference producer's
+manifests (no ``layout_version``), still read; their shards are checked by what
+they carry.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import zlib
+from collections.abc import Mapping
+from typing import Any
+
+from te_thd.offline_cache.durable import atomic_write
+from te_thd.offline_cache.errors import (
+    CacheIntegrityError,
+    ManifestError,
+    ManifestNotFoundError,
+    producer_hint,
+    repair_hint,
+)
+from te_thd.offline_cache.format import (
+    CHECKSUM_ALGORITHM,
+    MAX_SHARDS,
+    CacheSchema,
+    manifest_path,
+    num_shards,
+    schema_from_json,
+)
+from te_thd.offline_cache.integrity import SHARD_LAYOUT
+
+#: Version of the te_thd integrity fields a producer writes (see the module docstring).
+LAYOUT_VERSION = SHARD_LAYOUT
+#: The manifest field holding the checksum of the rest of the manifest.
+MANIFEST_CHECKSUM_KEY = "manifest_checksum"
+#: Manifest keys te_thd writes itself; producer options may not use them.
+RESERVED_MANIFEST_KEYS = frozenset(
+    {"format_version", "num_samples", "shard_size", "layout_version", "schema", "shards", MANIFEST_CHECKSUM_KEY}
+)
+
+
+def _rebuild(path: str, producer: str | None) -> str:
+    """What to do about a damaged manifest at ``path``."""
+    return (
+        f"Restore {os.path.basename(path)} from a copy, or delete {os.path.dirname(path) or '.'} and "
+        f"re-run {producer_hint(producer)}."
+    )
+
+
+def _check_count(manifest: Mapping[str, Any], key: str, path: str, minimum: int, producer: str | None) -> None:
+    if key not in manifest:
+        raise ManifestError(
+            f"manifest {path} has no {key!r} field, so the cache layout is unknown. "
+            "The manifest is damaged or was not written by an offline-cache producer. "
+            + _rebuild(path, producer)
+        )
+    value = manifest[key]
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ManifestError(
+            f"manifest {path} has {key}={value!r}; it must be an int >= {minimum}. "
+            "The manifest is damaged. " + _rebuild(path, producer)
+        )
+
+
+def validate_manifest(manifest: Mapping[str, Any], path: str, producer: str | None = None) -> None:
+    """Check the fields every reader relies on; ``path`` is only used in messages.
+
+    Required: ``num_samples`` (int >= 0), ``shard_size`` (int >= 1). When the
+    te_thd integrity fields are present they must be well formed: ``schema``
+    parses, ``shards`` has one ``{file, bytes, checksum}`` entry per shard, in order.
+    ``producer`` is the command that rebuilds the cache (named in messages).
+    """
+    _check_count(manifest, "num_samples", path, 0, producer)
+    _check_count(manifest, "shard_size", path, 1, producer)
+    n = num_shards(manifest["num_samples"], manifest["shard_size"])
+    if n > MAX_SHARDS:
+        raise ManifestError(f"manifest {path} declares {n} shards; at most {MAX_SHARDS} are addressable")
+    if "schema" in manifest and not (manifest["schema"] == {} and manifest["num_samples"] == 0):
+        try:
+            schema_from_json(manifest["schema"])
+        except ValueError as exc:
+            raise ManifestError(f"manifest {path} has an invalid 'schema': {exc}") from None
+    if "shards" in manifest:
+        shards = manifest["shards"]
+        if not isinstance(shards, list) or len(shards) != n:
+            got = len(shards) if isinstance(shards, list) else type(shards).__name__
+            raise ManifestError(
+                f"manifest {path} lists {got} shard records but num_samples="
+                f"{manifest['num_samples']} / shard_size={manifest['shard_size']} means {n}. "
+                "The manifest is damaged. " + _rebuild(path, producer)
+            )
+        for i, rec in enumerate(shards):
+            name = f"shard-{i:06d}.safetensors"
+            ok = (
+                isinstance(rec, dict)
+                and rec.get("file") == name
+                and isinstance(rec.get("bytes"), int)
+                and not isinstance(rec.get("bytes"), bool)
+                and isinstance(rec.get("checksum"), str)
+                and ":" in rec["checksum"]
+            )
+            if not ok:
+                raise ManifestError(
+                    f"manifest {path}: shard record {i} is {rec!r}, expected "
+                    f"{{'file': {name!r}, 'bytes': int, 'checksum': 'crc32:<hex>'}}. "
+                    "The manifest is damaged. " + _rebuild(path, producer)
+                )
+
+
+def manifest_checksum(manifest: Mapping[str, Any]) -> str:
+    """``"crc32:<8 hex>"`` of ``manifest``'s canonical JSON, without ``manifest_checksum``.
+
+    Canonical: sorted keys, no whitespace, ASCII escapes -- a function of the
+    parsed content only, so the writer's indentation, or whitespace a byte flip
+    leaves valid, does not matter. ``manifest`` must hold JSON values (what
+    ``json.loads`` returns); NaN/inf are rendered (a manifest holding them never
+    matches a checksum :func:`write_manifest` recorded, as it refuses them).
+    """
+    body = {k: v for k, v in manifest.items() if k != MANIFEST_CHECKSUM_KEY}
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return f"{CHECKSUM_ALGORITHM}:{zlib.crc32(text.encode('ascii')) & 0xFFFFFFFF:08x}"
+
+
+def write_manifest(cache_dir: str, manifest: dict[str, Any], format_version: int) -> str:
+    """Persist an offline-cache manifest atomically.
+
+    Written as ``{"format_version": format_version, **manifest}`` plus its
+    ``manifest_checksum`` (recomputed here; a value in ``manifest``, e.g. from
+    a manifest read and edited, is replaced), with sorted keys and no volatile
+    fields, through :func:`atomic_write` (temp file, fsync, rename, fsync of the
+    directory). A producer writes it after every shard is on disk: its presence
+    is what marks a cache finished.
+    """
+    path = manifest_path(cache_dir)
+    if "format_version" in manifest and manifest["format_version"] != format_version:
+        raise ManifestError(
+            f"write_manifest: manifest['format_version']={manifest['format_version']!r} "
+            f"contradicts format_version={format_version!r}; pass one value."
+        )
+    full = {"format_version": format_version, **manifest}
+    full.pop(MANIFEST_CHECKSUM_KEY, None)
+    validate_manifest(full, path)
+    try:
+        # The checksum is taken over what a reader will parse (tuples become
+        # lists, int dict keys strings), so write the JSON round trip.
+        parsed = json.loads(json.dumps(full, allow_nan=False))
+    except (TypeError, ValueError) as exc:
+        raise ManifestError(
+            f"write_manifest: the manifest for {cache_dir} is not JSON-serialisable ({exc}). "
+            "Producer options must be JSON values (bool, int, float, str, list, dict)."
+        ) from None
+    parsed[MANIFEST_CHECKSUM_KEY] = manifest_checksum(parsed)
+    data = (json.dumps(parsed, indent=2, sort_keys=True) + "\n").encode("utf-8")
+
+    def _write(tmp_path: str) -> None:
+        with open(tmp_path, "wb") as f:
+            f.write(data)
+
+    return atomic_write(path, _write)
+
+
+def _read_checked_manifest(cache_dir: str, cache_name: str, producer: str | None) -> dict[str, Any]:
+    """Parse ``manifest.json`` and check its own checksum; returns it without that field.
+
+    Nothing else is validated: the caller checks ``format_version`` first (the
+    more useful message when a cache is merely old), then the layout.
+    """
+    path = manifest_path(cache_dir)
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except FileNotFoundError:
+        where = "" if os.path.isdir(cache_dir) else f" (the directory {cache_dir} does not exist)"
+        raise ManifestNotFoundError(
+            f"{cache_name} cache manifest not found at {path}{where}. A producer writes it last, "
+            f"so the cache was never finished: re-run {producer_hint(producer)}, or point "
+            "cache_dir at a finished cache."
+        ) from None
+    try:
+        manifest = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ManifestError(
+            f"{cache_name} cache manifest {path} is not valid JSON ({exc}). It was not written by "
+            f"an offline-cache producer or was damaged. {_rebuild(path, producer)}"
+        ) from None
+    if not isinstance(manifest, dict):
+        raise ManifestError(
+            f"{cache_name} cache manifest {path} holds a JSON {type(manifest).__name__}, not an "
+            f"object. {_rebuild(path, producer)}"
+        )
+    _check_manifest_checksum(manifest, path, cache_name, producer)
+    manifest.pop(MANIFEST_CHECKSUM_KEY, None)
+    if "format_version" not in manifest:
+        raise ManifestError(
+            f"{cache_name} cache manifest {path} has no 'format_version' field: it is damaged, or it "
+            "is not an offline-cache manifest (te_thd and the reference producer both write one). "
+            + _rebuild(path, producer)
+        )
+    return manifest
+
+
+def _check_manifest_checksum(manifest: Mapping[str, Any], path: str, cache_name: str, producer: str | None) -> None:
+    damaged = (
+        f"so none of its fields can be trusted. {_rebuild(path, producer)} (After a deliberate "
+        "edit, rewrite it with `te_thd.offline_cache.write_manifest(cache_dir, manifest, "
+        "format_version)`, which records a new checksum.)"
+    )
+    if MANIFEST_CHECKSUM_KEY not in manifest:
+        layout = manifest.get("layout_version")
+        if isinstance(layout, int) and not isinstance(layout, bool) and layout >= 2:
+            raise ManifestError(
+                f"{cache_name} cache manifest {path} declares layout_version={layout} but has no "
+                f"{MANIFEST_CHECKSUM_KEY!r} field, which that layout always records: the file was "
+                f"damaged after it was written, {damaged}"
+            )
+        return  # a reference-format (or layout 1) manifest: nothing to check
+    recorded = manifest[MANIFEST_CHECKSUM_KEY]
+    if not isinstance(recorded, str) or recorded.split(":", 1)[0] != CHECKSUM_ALGORITHM:
+        raise ManifestError(
+            f"{cache_name} cache manifest {path} has {MANIFEST_CHECKSUM_KEY}={recorded!r}, not "
+            f"'{CHECKSUM_ALGORITHM}:<8 hex digits>': the file was damaged after it was written, {damaged}"
+        )
+    actual = manifest_checksum(manifest)
+    if actual != recorded:
+        raise ManifestError(
+            f"{cache_name} cache manifest {path} does not match its own checksum (it records "
+            f"{recorded}, its content hashes to {actual}): the file was damaged or edited after "
+            f"it was written, {damaged}"
+        )
+
+
+def load_manifest(
+    cache_dir: str, cache_name: str = "offline", producer_name: str | None = None
+) -> dict[str, Any]:
+    """Read and validate ``manifest.json`` without checking ``format_version``'s value.
+
+    For tools that inspect any cache (``te-thd cache info``, ``verify_cache``);
+    readers use :func:`read_manifest`, which also pins the version. Checks the
+    manifest's own checksum when it records one (see the module docstring) and
+    returns the manifest without that field.
+    """
+    manifest = _read_checked_manifest(cache_dir, cache_name, producer_name)
+    validate_manifest(manifest, manifest_path(cache_dir), producer_name)
+    return manifest
+
+
+def read_manifest(
+    cache_dir: str,
+    cache_name: str,
+    format_version: int,
+    producer_name: str | None = None,
+    defaults: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Load and validate an offline-cache manifest.
+
+    ``defaults`` holds fields added after the format was first released, with
+    the value a producer that predates them effectively used; a manifest that
+    lacks such a field is read as if it recorded that default, so older caches
+    keep comparing and training under the configuration they were built with.
+
+    Raises :class:`ManifestNotFoundError` (also a ``FileNotFoundError``) when the
+    manifest is absent, and :class:`ManifestError` naming ``manifest.json`` when
+    it is not JSON, not an object, fails its own ``manifest_checksum`` (damaged),
+    has no or another ``format_version``, or lacks ``num_samples``/``shard_size``.
+    The returned dict does not contain ``manifest_checksum`` (it describes the
+    file, not the cache; :func:`write_manifest` recomputes it).
+    """
+    path = manifest_path(cache_dir)
+    manifest = _read_checked_manifest(cache_dir, cache_name, producer_name)
+    version = manifest["format_version"]
+    # Checked before the layout: a wrong version is the more useful message when both are wrong.
+    if isinstance(version, bool) or version != format_version:
+        raise ManifestError(
+            f"{cache_name} cache manifest {path} has format_version={version!r}, expected "
+            f"{format_version}: its tensors mean something else. Rebuild it into a new directory "
+            f"with the current producer: {producer_hint(producer_name)}."
+        )
+    validate_manifest(manifest, path, producer_name)
+    return {**(defaults or {}), **manifest}
+
+
+def _same_option(recorded: Any, expected: Any) -> bool:
+    # The reference compared bool(); that makes cp_size=2 and cp_size=4 "equal".
+    # Bools keep the reference's truthiness comparison, anything else compares by value.
+    if isinstance(expected, bool):
+        return bool(recorded) == expected
+    return type(recorded) is not bool and recorded == expected
+
+
+def ensure_supervision_options_match(
+    manifest: dict[str, Any],
+    expected: dict[str, bool],
+    cache_name: str,
+    cache_dir: str,
+    producer_name: str,
+) -> None:
+    """Reject a cache whose stored supervision was shaped by different options than the run's.
+
+    The cached trainers stream the precomputed ``loss_mask``/``position_mask`` as
+    stored, so dataset options such as ``mask_generation_prompt`` only take effect
+    through the producer. ``expected`` maps each such option to the recipe's value.
+    A manifest that does not record an option (a cache older than the option, or
+    than its manifest field) cannot be verified and is rejected too, unless
+    ``read_manifest`` filled the field in from its defaults.
+
+    Boolean options compare by truthiness (as the reference did); other values
+    (e.g. ``cp_size`` a packed cache was padded for) compare by equality.
+    """
+    missing = [k for k in expected if k not in manifest]
+    if missing:
+        raise ManifestError(
+            f"{cache_name} cache at {cache_dir} does not record {', '.join(missing)}, so the "
+            "options its supervision was built with cannot be verified. Rebuild the cache with "
+            f"the current {producer_name}, or pass defaults={{{missing[0]!r}: <value the old "
+            "producer used>}} to read_manifest if you know it."
+        )
+    mismatched = [k for k, v in expected.items() if not _same_option(manifest[k], v)]
+    if mismatched:
+        recorded = ", ".join(f"{k}={manifest[k]!r}" for k in mismatched)
+        configured = ", ".join(f"{k}={expected[k]!r}" for k in mismatched)
+        raise ManifestError(
+            f"{cache_name} cache at {cache_dir} was built with {recorded}, but the run sets "
+            f"{configured}. The cached tensors are used as stored, so rebuild the cache with "
+            f"{producer_name} under the run's settings or match them in the run."
+        )
+
+
+def shard_records(manifest: Mapping[str, Any]) -> list[dict[str, Any]] | None:
+    """The per-shard ``{file, bytes, checksum}`` records, or ``None`` for a manifest without them."""
+    recs = manifest.get("shards")
+    return list(recs) if isinstance(recs, list) else None
+
+
+def manifest_schema(manifest: Mapping[str, Any]) -> CacheSchema | None:
+    """The manifest's key schema, or ``None`` for a manifest without one."""
+    return schema_from_json(manifest["schema"]) if "schema" in manifest else None
+
+
+def check_integrity_entry(path: str, expected_bytes: int, producer: str | None = None) -> None:
+    """Raise :class:`CacheIntegrityError` unless ``path`` exists with ``expected_bytes`` bytes."""
+    repair = repair_hint(os.path.dirname(path) or ".", producer)
+    try:
+        size = os.stat(path).st_size
+    except FileNotFoundError:
+        raise CacheIntegrityError(
+            f"shard {path} is missing (the manifest lists it). Restore it from a copy. {repair}",
+            path=path,
+        ) from None
+    if size != expected_bytes:
+        raise CacheIntegrityError(
+            f"shard {path} has {size} bytes, the manifest records {expected_bytes}: the file was "
+            f"truncated or replaced. Restore it from a copy. {repair}",
+            path=path,
+        )

@@ -1,0 +1,160 @@
+"""What a producer finds in its output directory, and what it makes of it.
+
+- the run record ``.te_thd-producer.json`` (:data:`PROGRESS_NAME`): the
+  parameters of an unfinished run (:func:`run_params`), so a resume with other
+  parameters is refused instead of mixing shards; ``te-thd cache repair`` writes
+  one from a manifest (:func:`params_of_manifest`) to reopen a finished cache;
+- :func:`prepare_directory`: rank 0's decision under the lock -- reuse a
+  finished identical cache, resume, or refuse, naming the difference;
+- :func:`verify_existing`: shards a previous run left are verified completely
+  before they are kept.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from te_thd.offline_cache.durable import atomic_write, fsync_dir, remove_stale_temp_files
+from te_thd.offline_cache.errors import CacheError, CacheIntegrityError, SchemaError
+from te_thd.offline_cache.format import (
+    CacheSchema,
+    existing_shard_indices,
+    format_indices,
+    manifest_path,
+    shard_path,
+    shard_rows,
+)
+from te_thd.offline_cache.manifest import RESERVED_MANIFEST_KEYS, read_manifest
+from te_thd.offline_cache.shardfile import ShardRecord, read_shard_header, schema_of_header
+from te_thd.offline_cache.verify import check_cache_files, verify_shard_file
+
+PROGRESS_NAME = ".te_thd-producer.json"
+_log = logging.getLogger("te_thd.offline_cache")
+
+
+def run_params(
+    format_version: int, num_samples: int, shard_size: int, keys: Sequence[str], options: Mapping[str, Any]
+) -> dict[str, Any]:
+    # What must be equal for shards of two runs to belong to one cache.
+    return {
+        "format_version": format_version,
+        "num_samples": num_samples,
+        "shard_size": shard_size,
+        "keys": sorted(keys),
+        "options": dict(options),
+    }
+
+
+def write_json(path: str, obj: Any) -> None:
+    data = (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode()
+
+    def _write(tmp: str) -> None:
+        with open(tmp, "wb") as f:
+            f.write(data)
+
+    atomic_write(path, _write)
+
+
+def _describe_diff(recorded: Mapping[str, Any], wanted: Mapping[str, Any]) -> str:
+    diffs = [f"{k}: recorded {recorded.get(k)!r}, this run {wanted[k]!r}" for k in wanted if recorded.get(k) != wanted[k]]
+    return "; ".join(diffs)
+
+
+def params_of_manifest(manifest: Mapping[str, Any], keys: Sequence[str] = ()) -> dict[str, Any]:
+    """:func:`run_params` of the run that wrote ``manifest`` (``keys``: for an empty cache, which has no schema)."""
+    return run_params(
+        manifest.get("format_version"),  # type: ignore[arg-type]
+        manifest.get("num_samples"),  # type: ignore[arg-type]
+        manifest.get("shard_size"),  # type: ignore[arg-type]
+        list(manifest.get("schema") or {}) if manifest.get("num_samples") else keys,
+        {k: v for k, v in manifest.items() if k not in RESERVED_MANIFEST_KEYS},
+    )
+
+
+def prepare_directory(
+    output_dir: str, params: dict[str, Any], resume: bool, cache_name: str, producer_name: str
+) -> dict[str, Any] | None:
+    """Rank 0, under the lock: decide. Returns the finished manifest, or ``None`` (= produce)."""
+    os.makedirs(output_dir, exist_ok=True)
+    progress_path = os.path.join(output_dir, PROGRESS_NAME)
+    shards = existing_shard_indices(output_dir)
+    if os.path.exists(manifest_path(output_dir)):
+        if not resume:
+            raise CacheError(
+                f"output_dir {output_dir} already holds a finished cache (manifest.json). Pass "
+                "resume=True to reuse it, or choose an empty output_dir."
+            )
+        manifest = read_manifest(output_dir, cache_name, params["format_version"], producer_name)
+        recorded = params_of_manifest(manifest, params["keys"])
+        if recorded != params:
+            raise CacheError(
+                f"output_dir {output_dir} holds a finished cache built with other parameters "
+                f"({_describe_diff(recorded, params)}). Choose another output_dir, or delete this cache."
+            )
+        check_cache_files(output_dir, manifest, cache_name, producer_name)
+        if os.path.exists(progress_path):  # killed after the manifest, before this cleanup
+            os.unlink(progress_path)
+            fsync_dir(output_dir)
+        return manifest
+    if os.path.exists(progress_path):
+        try:
+            with open(progress_path, "rb") as f:
+                recorded = json.loads(f.read().decode())
+        except (OSError, ValueError) as exc:
+            raise CacheError(f"cannot read the producer record {progress_path} ({exc}); delete it and the shards") from None
+        if shards and not resume:
+            raise CacheError(
+                f"output_dir {output_dir} holds {len(shards)} shards of an unfinished run. Pass resume=True "
+                "to continue it, or choose an empty output_dir."
+            )
+        if shards and recorded != params:
+            raise CacheError(
+                f"output_dir {output_dir} holds shards of an unfinished run with other parameters "
+                f"({_describe_diff(recorded, params)}). Resume with the same parameters, or choose "
+                "another output_dir."
+            )
+    elif shards:
+        raise CacheError(
+            f"output_dir {output_dir} holds shards ({format_indices(shards)}) but no manifest and no "
+            f"producer record ({PROGRESS_NAME}), so their parameters cannot be checked. Move them "
+            "away or choose an empty output_dir."
+        )
+    removed = remove_stale_temp_files(output_dir)
+    if removed:
+        _log.info("Removed %d temp file(s) of an interrupted writer in %s", len(removed), output_dir)
+    write_json(progress_path, params)
+    return None
+
+
+def verify_existing(
+    output_dir: str, indices: Sequence[int], keys: Sequence[str], num_samples: int, shard_size: int
+) -> tuple[dict[int, ShardRecord], CacheSchema | None]:
+    """Records of shards a previous run wrote, each verified completely (:func:`verify_shard_file`).
+
+    The first shard fixes the schema (its keys must be this run's); every shard
+    must carry te_thd checksums (a previous run of this producer wrote them).
+    Raises :class:`CacheIntegrityError` naming a damaged shard and what to do.
+    """
+    records: dict[int, ShardRecord] = {}
+    schema: CacheSchema | None = None
+    for i in sorted(indices):
+        path = shard_path(output_dir, i)
+        try:
+            if schema is None:
+                schema = schema_of_header(read_shard_header(path))
+                if set(schema) != set(keys):
+                    raise SchemaError(
+                        f"existing shard {path} holds keys {sorted(schema)}, this run stores {sorted(keys)}; "
+                        "resume with the same keys, or choose another output_dir"
+                    )
+            check = verify_shard_file(path, schema, shard_rows(i, num_samples, shard_size), require_sums=True)
+        except CacheIntegrityError as exc:
+            raise CacheIntegrityError(
+                f"existing {exc} Delete it and run again: the producer recomputes missing shards.", path=path
+            ) from None
+        records[i] = ShardRecord(bytes=check.bytes, checksum=check.checksum)
+    return records, schema

@@ -1,0 +1,311 @@
+"""Self-verifying shards on every writer path, verified reads, repair, and the reference patch points.
+
+Real files throughout: shards are written by each public writer, damaged by
+flipping one byte on disk, and read back through the dataset, the DataLoader
+(with worker processes) and ``verify_cache``.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch.utils.data import DataLoader
+
+import te_thd.offline_cache as oc
+from te_thd.offline_cache import (
+    CachedTensorDataset,
+    CacheIntegrityError,
+    DurableShardWriter,
+    UnverifiedCacheWarning,
+    build_cached_dataloader,
+    collate_cached,
+    produce_cache,
+    repair_cache,
+    verify_cache,
+    write_cache_shards,
+    write_cache_shards_distributed,
+    write_manifest,
+    write_tensor_shard,
+)
+from te_thd.offline_cache.format import num_shards, shard_layout, shard_path, shard_rows
+from te_thd.offline_cache.shardfile import read_shard_header
+
+KEYS = ("hidden", "ids")
+N, SHARD = 10, 4
+_log = logging.getLogger("test")
+
+
+def _rows(start: int, n: int) -> dict[str, torch.Tensor]:
+    i = torch.arange(start, start + n)
+    return {"hidden": torch.sin(i[:, None] * 0.1 + torch.arange(6)).to(torch.bfloat16), "ids": i[:, None] * 3 + torch.arange(5)}
+
+
+class _Index(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return N
+
+    def __getitem__(self, i: int) -> dict[str, int]:
+        return {"i": i}
+
+
+def _compute(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    rows = [_rows(int(i), 1) for i in batch["i"]]
+    return {k: torch.cat([r[k] for r in rows]) for k in KEYS}
+
+
+def _finish(d: Path) -> None:
+    write_manifest(str(d), {"num_samples": N, "shard_size": SHARD}, 1)
+
+
+def _via_write_tensor_shard(d: Path) -> None:
+    """The reference producers' way: one write_tensor_shard per shard, then write_manifest."""
+    for s in range(num_shards(N, SHARD)):
+        write_tensor_shard(str(d), s, _rows(s * SHARD, shard_rows(s, N, SHARD)), KEYS, "test")
+    _finish(d)
+
+
+def _via_durable_writer(d: Path) -> None:
+    with DurableShardWriter(KEYS) as w:
+        for s in range(num_shards(N, SHARD)):
+            w(str(d), s, _rows(s * SHARD, shard_rows(s, N, SHARD)))
+    _finish(d)
+
+
+def _via_write_cache_shards(d: Path) -> None:
+    loader = DataLoader(_Index(), batch_size=3)
+    write_cache_shards(loader, str(d), SHARD, 0, _compute, lambda c, i, t: write_tensor_shard(c, i, t, KEYS, "test"), _log)
+    _finish(d)
+
+
+def _via_distributed_loop(d: Path) -> None:
+    loader = DataLoader(_Index(), batch_size=3)
+    write_cache_shards_distributed(
+        loader, str(d), SHARD, 1, 0, _compute, lambda c, i, t: write_tensor_shard(c, i, t, KEYS, "test"), _log
+    )
+    _finish(d)
+
+
+def _via_produce_cache(d: Path) -> None:
+    produce_cache(DataLoader(_Index(), batch_size=2), str(d), SHARD, _compute, KEYS, progress=False)
+
+
+WRITERS = {
+    "write_tensor_shard": _via_write_tensor_shard,
+    "DurableShardWriter": _via_durable_writer,
+    "write_cache_shards": _via_write_cache_shards,
+    "write_cache_shards_distributed": _via_distributed_loop,
+    "produce_cache": _via_produce_cache,
+}
+
+
+def _flip_data(path: Path, key: str, row: int) -> None:
+    """Flip the first byte of ``row`` of ``key`` inside shard file ``path``."""
+    e = read_shard_header(str(path)).entries[key]
+    pos = e.start + row * (e.end - e.start) // e.shape[0]
+    data = bytearray(path.read_bytes())
+    data[pos] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("writer", list(WRITERS))
+def test_every_writer_writes_self_verifying_shards_and_reads_catch_a_flip(tmp_path: Path, writer: str) -> None:
+    d = tmp_path / "cache"
+    WRITERS[writer](d)
+    for s in range(num_shards(N, SHARD)):
+        p = shard_path(str(d), s)
+        with safe_open(p, framework="pt") as f:  # still a plain safetensors file
+            assert torch.equal(f.get_tensor("ids"), _rows(s * SHARD, shard_rows(s, N, SHARD))["ids"])
+        assert read_shard_header(p).sums.rows == shard_rows(s, N, SHARD)
+    result = verify_cache(str(d), deep=True)
+    assert result["checksums_verified"] and result["shards_with_checksums"] == 3
+    ds = CachedTensorDataset(str(d), "test", 1, KEYS)
+    batch = ds.__getitems__(list(range(N)))
+    assert torch.equal(batch.tensors["ids"], _rows(0, N)["ids"])
+
+    _flip_data(d / "shard-000001.safetensors", "ids", 2)  # sample 6
+    ds = CachedTensorDataset(str(d), "test", 1, KEYS)
+    assert torch.equal(ds.__getitems__([4, 5]).tensors["ids"], _rows(4, 2)["ids"])  # rows before the flip
+    with pytest.raises(CacheIntegrityError) as e:
+        ds.__getitems__([5, 6, 7])
+    err = e.value
+    assert err.path == shard_path(str(d), 1) and err.sample == 6 and err.key == "ids"
+    assert err.expected.startswith("xxh3_64:") and err.actual.startswith("xxh3_64:") and err.expected != err.actual
+    msg = str(err)
+    assert f"shard {shard_path(str(d), 1)}: sample 6 (row 2 of the shard), key 'ids': checksum mismatch" in msg
+    assert f"Repair: `te-thd cache repair {d}`" in msg
+    with pytest.raises(CacheIntegrityError, match="sample 6"):
+        ds[6]  # the reference per-item path
+    with pytest.raises(CacheIntegrityError, match=r"key 'ids' row 2: checksum mismatch"):
+        verify_cache(str(d), deep=True)
+
+
+def test_verification_through_dataloader_workers(tmp_path: Path) -> None:
+    d = tmp_path / "cache"
+    _via_produce_cache(d)
+    _flip_data(d / "shard-000002.safetensors", "hidden", 1)  # sample 9
+    ds = CachedTensorDataset(str(d), "test", 1, KEYS)
+    loader = build_cached_dataloader(ds, 2, False, lambda b: collate_cached(b, KEYS), num_workers=2)
+    seen = []
+    with pytest.raises(CacheIntegrityError, match=r"sample 9 \(row 1 of the shard\), key 'hidden'"):
+        for batch in loader:
+            seen.append(batch["ids"])
+    assert torch.equal(torch.cat(seen), _rows(0, 8)["ids"])  # every batch before the damaged one, intact
+
+
+def test_verify_off_is_explicit_and_warned(tmp_path: Path) -> None:
+    d = tmp_path / "cache"
+    _via_produce_cache(d)
+    _flip_data(d / "shard-000000.safetensors", "ids", 0)
+    with pytest.warns(UnverifiedCacheWarning, match="reads are not verified"):
+        ds = CachedTensorDataset(str(d), "test", 1, KEYS, verify=False)
+    assert not torch.equal(ds.__getitems__([0]).tensors["ids"], _rows(0, 1)["ids"])  # the risk, documented
+
+
+def test_large_rows_are_verified_chunk_by_chunk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows over the chunk size take the pipelined path (copy k+1 while hashing k)."""
+    import te_thd.offline_cache.reader as reader
+
+    monkeypatch.setattr(reader, "VERIFY_CHUNK_BYTES", 16)
+    d = tmp_path / "cache"
+    _via_produce_cache(d)
+    ds = CachedTensorDataset(str(d), "test", 1, KEYS)
+    assert torch.equal(ds.__getitems__([3, 1, 2, 0]).tensors["hidden"], _rows(0, 4)["hidden"][[3, 1, 2, 0]])
+    _flip_data(d / "shard-000000.safetensors", "hidden", 2)
+    ds = CachedTensorDataset(str(d), "test", 1, KEYS)
+    with pytest.raises(CacheIntegrityError, match=r"sample 2 \(row 2 of the shard\), key 'hidden'"):
+        ds.__getitems__([0, 1, 2, 3])
+
+
+def test_reference_format_cache_reads_unverified_and_verify_says_so(tmp_path: Path) -> None:
+    """Shards written by save_file (the reference implementation's writer): readable, said to be unverified."""
+    d = tmp_path / "cache"
+    d.mkdir()
+    for s in range(num_shards(N, SHARD)):
+        save_file(_rows(s * SHARD, shard_rows(s, N, SHARD)), shard_path(str(d), s))
+    _finish(d)
+    with pytest.warns(UnverifiedCacheWarning, match="carries no checksums"):
+        batch = CachedTensorDataset(str(d), "test", 1, KEYS).__getitems__(list(range(N)))
+    assert torch.equal(batch.tensors["ids"], _rows(0, N)["ids"])
+    result = verify_cache(str(d), deep=True)
+    assert not result["checksums_verified"] and result["headers_verified"]
+    assert "every shard header against the schema and row counts" in result["checked"]
+    assert any("no shard carries checksums" in line for line in result["not_checked"])
+    assert any("swapped for another valid shard" in line for line in result["not_checked"])
+
+
+def test_a_layout3_cache_refuses_a_shard_without_checksums(tmp_path: Path) -> None:
+    d = tmp_path / "cache"
+    _via_produce_cache(d)
+    p = shard_path(str(d), 1)
+    with safe_open(p, framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    save_file(tensors, p)  # same tensor data, metadata stripped
+    with pytest.raises(CacheIntegrityError, match=r"shard-000001\.safetensors has \d+ bytes, the manifest records"):
+        CachedTensorDataset(str(d), "test", 1, KEYS)
+    # even with the manifest's record edited to match (and the manifest resealed)
+    from te_thd.offline_cache.manifest import load_manifest
+    from te_thd.offline_cache.shardfile import file_checksum
+
+    m = load_manifest(str(d))
+    m["shards"][1].update(bytes=Path(p).stat().st_size, checksum=file_checksum(p))
+    write_manifest(str(d), m, 1)
+    with pytest.raises(CacheIntegrityError, match="carries no te_thd checksums although the manifest's layout records them"):
+        CachedTensorDataset(str(d), "test", 1, KEYS).__getitems__([4])
+
+
+def test_repair_then_resume_restores_the_identical_cache(tmp_path: Path) -> None:
+    clean, d = tmp_path / "clean", tmp_path / "cache"
+    _via_produce_cache(clean)
+    shutil.copytree(clean, d)
+    _flip_data(d / "shard-000001.safetensors", "ids", 0)
+    (d / "shard-000002.safetensors").unlink()
+    result = repair_cache(str(d))
+    assert result["reopened"] and list(result["damaged"]) == ["shard-000001.safetensors"]
+    assert result["missing"] == ["shard-000002.safetensors"]
+    assert (d / ".te_thd-damaged" / "shard-000001.safetensors").exists() and not (d / "manifest.json").exists()
+    _via_produce_cache(d)  # the same call that built it: resumes, computes shards 1 and 2
+    for name in ("manifest.json", "shard-000000.safetensors", "shard-000001.safetensors", "shard-000002.safetensors"):
+        assert (d / name).read_bytes() == (clean / name).read_bytes(), name
+    assert repair_cache(str(d))["reopened"] is False  # sound now: nothing changes
+
+
+def test_repair_cli_runs_as_printed(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from te_thd.cli import main
+
+    d = tmp_path / "cache"
+    _via_produce_cache(d)
+    _flip_data(d / "shard-000000.safetensors", "hidden", 3)
+    assert main(["cache", "verify", str(d)]) == 1
+    err = capsys.readouterr().err
+    hint = err[err.index("`te-thd cache repair ") + 1 :]
+    argv = hint[: hint.index("`")].split()[1:]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "set aside: shard-000000.safetensors" in out and "reopened for a resume" in out
+
+
+# -- the reference module's patch points --------------------------------------------------
+
+
+def test_distributed_loop_builds_loaders_with_the_patched_dataloader(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The reference consumers' tests patch ``offline_cache.DataLoader`` with a capturing loader that
+    forces ``num_workers=0``; a ``prefetch_factor`` passed on by default would make torch reject it."""
+    captured: list[dict] = []
+    real = torch.utils.data.DataLoader
+
+    def capturing(*args, **kwargs):
+        kwargs["num_workers"] = 0
+        kwargs.pop("persistent_workers", None)
+        captured.append(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(oc, "DataLoader", capturing)
+    source = real(_Index(), batch_size=3, num_workers=2)  # torch sets prefetch_factor=2 on it
+    write_cache_shards_distributed(
+        source, str(tmp_path), SHARD, 2, 1, _compute, lambda c, i, t: write_tensor_shard(c, i, t, KEYS, "test"), _log
+    )
+    assert len(captured) == 1 and "prefetch_factor" not in captured[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["shard-000002.safetensors"]
+    assert oc.dataloader_from_sample(source, 4) is not source and len(captured) == 2
+
+
+def test_load_safetensors_honours_a_patched_safe_import_from(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert oc.load_safetensors("test")[1] is safe_open
+    monkeypatch.setattr(oc, "safe_import_from", lambda *a, **k: (False, None))
+    with pytest.raises(ImportError, match="requires the 'safetensors' package"):
+        oc.load_safetensors("DSpark")
+
+
+def test_safe_import_from_signature_of_the_reference() -> None:
+    assert oc.safe_import_from("safetensors", "safe_open") == (True, safe_open)
+    assert oc.safe_import_from("no_such_module_xyz", "x", alt=3) == (False, 3)
+    assert oc.safe_import_from("no_such_module_xyz", "safe_open", fallback_module="safetensors") == (True, safe_open)
+
+
+# -- shard layout: one derivation -----------------------------------------------------------
+
+
+@given(st.integers(0, 10_000), st.integers(1, 300))
+def test_shard_layout_tiles_the_samples(num_samples: int, shard_size: int) -> None:
+    count, last = shard_layout(num_samples, shard_size)
+    rows = [shard_rows(i, num_samples, shard_size) for i in range(count)]
+    assert sum(rows) == num_samples and all(r == shard_size for r in rows[:-1])
+    assert (rows[-1] if rows else 0) == last and 0 < last <= shard_size or count == 0
+    assert shard_rows(count, num_samples, shard_size) == 0 and shard_rows(-1, num_samples, shard_size) == 0
+
+
+def test_no_warning_for_a_verified_cache(tmp_path: Path) -> None:
+    d = tmp_path / "cache"
+    _via_produce_cache(d)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        CachedTensorDataset(str(d), "test", 1, KEYS).__getitems__(list(range(N)))
