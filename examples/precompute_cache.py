@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shlex
 import sys
 import time
 from collections.abc import Callable
@@ -45,6 +46,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from ep_cp.cache_format import CACHE_NAME, FORMAT_VERSION, KEYS, LAYER_KEY, PRODUCER  # noqa: E402
 from ep_cp.config import TargetConfig, config_to_dict  # noqa: E402
+from ep_cp.errors import run_main  # noqa: E402
 from ep_cp.hf_target import DTYPES, parse_layers  # noqa: E402
 from ep_cp.synthetic import SyntheticTokens  # noqa: E402
 from ep_cp.target import TargetTransformer  # noqa: E402
@@ -335,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
         options=options,
         format_version=FORMAT_VERSION,
         cache_name=CACHE_NAME,
-        producer_name=PRODUCER,
+        producer_name=f"`{shlex.join(['python', PRODUCER, *(sys.argv[1:] if argv is None else argv)])}`",
         progress=None,  # tqdm on rank 0 when stderr is a terminal
     )
     if rank == 0:
@@ -353,4 +355,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

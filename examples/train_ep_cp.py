@@ -56,10 +56,10 @@ from ep_cp.cache_format import (  # noqa: E402
     CACHE_NAME,
     FORMAT_VERSION,
     KEYS,
-    PRODUCER,
     TOKEN_KEYS,
     cache_dims,
     check_student_fits,
+    producer_command,
 )
 from ep_cp.checkpoint import (  # noqa: E402
     latest_step,
@@ -69,6 +69,7 @@ from ep_cp.checkpoint import (  # noqa: E402
     set_rng_state,
 )
 from ep_cp.config import StudentConfig, config_to_dict  # noqa: E402
+from ep_cp.errors import run_main  # noqa: E402
 from ep_cp.parallel import (  # noqa: E402
     ParallelContext,
     clip_grad_norm,
@@ -232,7 +233,9 @@ def schedule_note(
 
 def open_cache(args: argparse.Namespace, cp: int) -> tuple[dict[str, Any], int]:
     """Read the manifest, refuse a cache built for other options; return it and the row length."""
-    manifest = read_manifest(args.cache_dir, CACHE_NAME, FORMAT_VERSION, PRODUCER)
+    manifest = read_manifest(
+        args.cache_dir, CACHE_NAME, FORMAT_VERSION, f"`{producer_command(args.cache_dir, cp=cp)}`"
+    )
     seq_len = args.seq_len or int(manifest.get("pack_seq_len", 0)) or 256
     expected: dict[str, Any] = {
         "cp_size": cp,
@@ -241,12 +244,17 @@ def open_cache(args: argparse.Namespace, cp: int) -> tuple[dict[str, Any], int]:
     }
     if args.mask_prompt is not None:
         expected["mask_prompt"] = args.mask_prompt
+    # A cache for other options goes to a new directory, built by the same producer command.
+    rebuilt = f"{args.cache_dir.rstrip('/')}-cp{cp}-seq{seq_len}"
+    overrides = {"cp": cp, "pack_seq_len": seq_len}
+    if args.mask_prompt is not None:
+        overrides["mask_prompt"] = args.mask_prompt
     ensure_supervision_options_match(
         manifest,
         expected,
         CACHE_NAME,
         args.cache_dir,
-        f"{PRODUCER} --cp {cp} --pack-seq-len {seq_len}",
+        f"`{producer_command(rebuilt, manifest, **overrides)}` (then train with --cache-dir {rebuilt})",
     )
     return manifest, seq_len
 
@@ -341,7 +349,10 @@ def main(argv: list[str] | None = None) -> int:
     rank0 = ctx.rank == 0
     manifest, seq_len = open_cache(args, ctx.cp_size)
 
-    dataset = CachedTensorDataset(args.cache_dir, CACHE_NAME, FORMAT_VERSION, KEYS)
+    dataset = CachedTensorDataset(
+        args.cache_dir, CACHE_NAME, FORMAT_VERSION, KEYS,
+        producer_name=f"`{producer_command(args.cache_dir, manifest)}`",
+    )  # fmt: skip
     collate = build_collate(seq_len, ctx.cp_size, ctx.cp_rank)
     model = build_student(args, manifest, ctx)
     dense, expert = model.dense_parameters(), model.expert_parameters()
@@ -524,4 +535,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

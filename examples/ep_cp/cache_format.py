@@ -33,6 +33,7 @@ packed row of ``pack_seq_len`` slots at that multiple.
 
 from __future__ import annotations
 
+import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -97,3 +98,46 @@ def check_student_fits(student: Mapping[str, Any], dims: CacheDims, where: str) 
             f"size {dims.hidden_size}: train on the cache it was trained on, or start a new run "
             "in another --out directory"
         )
+
+
+def producer_command(out: str, manifest: Mapping[str, Any] | None = None, **flags: Any) -> str:
+    """The ``precompute_cache.py`` command line that builds the cache ``manifest`` describes into ``out``.
+
+    Every option the manifest records becomes its flag, so the command rebuilds the
+    same cache (or, with ``out`` the cache's own directory after ``te-thd cache
+    repair``, recomputes its missing shards). ``flags`` override single flags, e.g.
+    ``cp=4`` for a cache packed for another CP size. Without a manifest (a damaged
+    one) only ``--out`` and ``flags`` are given. Returned quoted for a shell.
+    """
+    m = dict(manifest or {})
+    if "mask_prompt" in flags:
+        m["mask_prompt"] = flags.pop("mask_prompt")
+    data = m.get("data") if isinstance(m.get("data"), Mapping) else {}
+    target = m.get("target") if isinstance(m.get("target"), Mapping) else {}
+    opts: dict[str, Any] = {
+        "shard-size": m.get("shard_size"),
+        "topk": m.get("topk"),
+        "cp": m.get("cp_size"),
+        "pack-seq-len": m.get("pack_seq_len"),
+        "max-len": data.get("max_len"),
+        "num-samples": data.get("num_samples"),
+    }
+    if data.get("kind") == "jsonl":
+        opts.update({"data": f"jsonl:{data.get('path')}", "text-key": data.get("text_key"),
+                     "messages-key": data.get("messages_key"), "tokenizer": data.get("tokenizer")})  # fmt: skip
+    else:
+        opts.update({"min-len": data.get("min_len"), "data-seed": data.get("seed")})
+    if target.get("kind") == "hf":
+        opts.update({"target": f"hf:{target.get('path')}", "dtype": target.get("dtype")})
+        if m.get("layers"):
+            opts["layers"] = ",".join(str(x) for x in m["layers"])
+    elif "seed" in target:
+        opts["target-seed"] = target["seed"]
+    opts.update({k.replace("_", "-"): v for k, v in flags.items()})
+    argv = ["python", PRODUCER, "--out", out]
+    for name, value in opts.items():
+        if value is not None:
+            argv += [f"--{name}", str(value)]
+    if isinstance(m.get("mask_prompt"), bool):
+        argv.append("--mask-prompt" if m["mask_prompt"] else "--no-mask-prompt")
+    return shlex.join(argv)

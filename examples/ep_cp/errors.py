@@ -1,0 +1,85 @@
+"""One clear message per user error in a multi-rank example: printed once, non-zero exit.
+
+A wrong flag, a cache built for another CP size, a damaged cache: every rank of the
+job meets the same mistake (or, for a flipped byte, the ranks that read it). Instead
+of one traceback per rank, :func:`run_main` lets the first rank that meets a user
+error print it (one line, ``error: ...``) and exit with status 1; every other rank
+exits with status 1 quietly, also the ones whose collectives failed because a peer
+left. The first rank is elected through the job's ``torch.distributed`` store; before
+the process group exists (bad flags, seen alike by every rank) rank 0 prints.
+
+User errors are the ``ValueError`` family (te_thd's cache errors included) and a
+missing file. Anything else keeps its traceback; ``TE_THD_TRACEBACK=1`` shows it for
+user errors too.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+
+import torch.distributed as dist
+
+USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError)
+_KEY = "te_thd/user_error"
+
+
+def _store():
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # noqa: BLE001 - no store reachable: fall back to rank 0
+        return None
+
+
+def _first_to_report() -> bool:
+    store = _store()
+    if store is not None:
+        try:
+            return store.add(_KEY, 1) == 1
+        except Exception:  # noqa: BLE001 - the store's host is gone: fall back to rank 0
+            pass
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def _another_rank_reported() -> bool:
+    store = _store()
+    if store is None:
+        return False
+    try:
+        return store.add(_KEY, 0) > 0
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def user_message(exc: BaseException) -> str:
+    """The error's own message; for an error re-raised from a DataLoader worker, without the worker's traceback."""
+    text = str(exc)
+    if "Original Traceback" in text:
+        text = text.rsplit(f"{type(exc).__name__}: ", 1)[-1]
+    return text.strip()
+
+
+def _leave(status: int) -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)  # no process-group teardown: the peers may be gone
+
+
+def run_main(main: Callable[[list[str] | None], int], argv: list[str] | None = None) -> int:
+    """``main(argv)``, reporting a user error once across the job (see the module docstring)."""
+    try:
+        return main(argv)
+    except USER_ERRORS as exc:
+        if os.environ.get("TE_THD_TRACEBACK") == "1":
+            raise
+        if _first_to_report():
+            print(f"error: {user_message(exc)}", file=sys.stderr)
+        _leave(1)
+    except Exception:
+        if _another_rank_reported():
+            _leave(1)  # a peer reported the cause and left; this rank's failure is the echo
+        raise
+    return 1

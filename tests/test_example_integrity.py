@@ -1,0 +1,158 @@
+"""The example job on a damaged or mismatched cache: one message, non-zero exit, hints that run.
+
+Real ``torchrun`` jobs of ``examples/train_ep_cp.py`` on 2 CPU ranks. A flipped byte
+in a shard's tensor data stops training before the batch that would carry it; a
+cache built for another CP size and a CP size that does not divide the processes
+stop it at start-up. Each time exactly one rank prints one ``error:`` line (no
+traceback from any rank) and the job exits non-zero. Every command the messages
+name -- here and in the library's own messages -- is extracted and parsed by the
+parser of the script it names.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from _example_support import EXAMPLES, REPO, small_cache_argv
+
+import te_thd.offline_cache as oc
+from te_thd.cli import build_parser as te_thd_parser
+from te_thd.offline_cache.shardfile import read_shard_header
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("integrity_cache") / "cache"
+    cmd = [sys.executable, str(EXAMPLES / "precompute_cache.py"), *small_cache_argv(str(out), 32)]
+    subprocess.run(cmd, check=True, capture_output=True, timeout=180, env=_env())
+    return out
+
+
+def _train(cache: Path, out: Path, cp: int, *extra: str) -> subprocess.CompletedProcess:
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        str(EXAMPLES / "train_ep_cp.py"), "--cache-dir", str(cache), "--out", str(out),
+        "--cp", str(cp), "--ep", "1", "--steps", "10", "--batch-size", "4", "--log-every", "100", *extra,
+    ]  # fmt: skip
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=_env(), cwd=REPO)
+
+
+def _the_one_message(res: subprocess.CompletedProcess) -> str:
+    text = res.stdout + res.stderr
+    assert res.returncode != 0, text
+    errors = [ln for ln in text.splitlines() if ln.startswith("error: ")]
+    assert len(errors) == 1, text
+    assert "train_ep_cp.py\", line" not in text, text  # no rank printed a traceback
+    return errors[0]
+
+
+def _commands(message: str) -> list[str]:
+    return re.findall(r"`([^`]+)`", message)
+
+
+def _check_command(cmd: str) -> None:
+    """The command exists and parses: te-thd subcommands, example scripts, te_thd functions."""
+    argv = shlex.split(cmd)
+    if argv[0] == "te-thd":
+        te_thd_parser().parse_args(argv[1:])  # SystemExit on an unknown command or flag
+        return
+    if argv[0] == "python":
+        script = REPO / argv[1]
+        assert script.is_file(), cmd
+        spec = importlib.util.spec_from_file_location(script.stem + "_hint", script)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        mod.build_parser().parse_args(argv[2:])
+        return
+    m = re.fullmatch(r"([\w.]+)\((.*)\)", cmd)
+    assert m, f"unrecognised hint {cmd!r}"
+    module, _, name = m.group(1).rpartition(".")
+    fn = getattr(importlib.import_module(module), name)
+    params = inspect.signature(fn).parameters
+    for arg in re.findall(r"(\w+)=", m.group(2)):
+        assert arg in params, (cmd, arg)
+
+
+def _flip(path: Path, key: str, row: int) -> None:
+    e = read_shard_header(str(path)).entries[key]
+    pos = e.start + row * (e.end - e.start) // e.shape[0] + 5
+    data = bytearray(path.read_bytes())
+    data[pos] ^= 0x20
+    path.write_bytes(bytes(data))
+
+
+def test_flipped_byte_stops_training_once_with_a_repair_that_works(cache_dir: Path, tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    shutil.copytree(cache_dir, cache)
+    _flip(cache / "shard-000001.safetensors", "hidden", 3)
+    msg = _the_one_message(_train(cache, tmp_path / "run", 2))
+    assert f"shard {cache}/shard-000001.safetensors: sample 11 (row 3 of the shard), key 'hidden': checksum mismatch" in msg
+    cmds = _commands(msg)
+    assert cmds[0] == f"te-thd cache repair {cache}" and cmds[1].startswith("python examples/precompute_cache.py --out ")
+    for cmd in cmds:
+        _check_command(cmd)
+    # ... and run as printed: repair, then the producer command, give the clean cache back
+    from te_thd.cli import main
+
+    assert main(shlex.split(cmds[0])[1:]) == 0
+    subprocess.run([sys.executable, *shlex.split(cmds[1])[1:]], check=True, capture_output=True,
+                   timeout=180, env=_env(), cwd=REPO)  # fmt: skip
+    assert oc.verify_cache(str(cache), deep=True)["checksums_verified"]
+    for name in ("shard-000000.safetensors", "shard-000002.safetensors", "shard-000003.safetensors"):
+        assert (cache / name).read_bytes() == (cache_dir / name).read_bytes(), name  # kept, not recomputed
+
+
+def test_cp_mismatch_and_world_size_are_one_message(cache_dir: Path, tmp_path: Path) -> None:
+    msg = _the_one_message(_train(cache_dir, tmp_path / "a", 1))
+    assert "was built with cp_size=2" in msg and "cp_size=1" in msg
+    cmds = _commands(msg)
+    assert cmds and "--cp 1" in cmds[0] and "--out " in cmds[0]
+    for cmd in cmds:
+        _check_command(cmd)
+    msg = _the_one_message(_train(cache_dir, tmp_path / "b", 3))
+    assert "--cp=3 must divide the number of processes (2)" in msg
+
+
+def test_library_hints_name_commands_that_exist(tmp_path: Path) -> None:
+    """Every backticked command in the cache's own messages parses (Python and CLI users)."""
+    from torch.utils.data import DataLoader
+
+    messages = [
+        oc.errors.repair_hint(str(tmp_path / "c")),
+        oc.errors.producer_hint(None),
+    ]
+    for exc_fn in (
+        lambda: oc.read_manifest(str(tmp_path / "none"), "x", 1),
+        lambda: oc.validate_contiguous_shards(str(tmp_path), "x", 4, 2),
+    ):
+        with pytest.raises(ValueError) as e:
+            exc_fn()
+        messages.append(str(e.value))
+    d = tmp_path / "c"
+    oc.produce_cache(DataLoader([{"x": 1.0}] * 4, batch_size=2), str(d), 2,
+                     lambda b: {"x": b["x"].float()[:, None]}, ("x",), progress=False)  # fmt: skip
+    text = (d / "manifest.json").read_text()
+    for damaged in ("{", text.replace('"num_samples": 4', '"num_samples": 5')):
+        (d / "manifest.json").write_text(damaged)
+        with pytest.raises(ValueError) as e:
+            oc.CachedTensorDataset(str(d), "x", 1, ("x",))
+        messages.append(str(e.value))
+    cmds = [c for m in messages for c in _commands(m)]
+    assert {c.split()[0].split("(")[0] for c in cmds} >= {
+        "te-thd", "te_thd.offline_cache.produce_cache", "te_thd.offline_cache.write_manifest"
+    }  # fmt: skip
+    for cmd in cmds:
+        _check_command(cmd.replace("...", "") if "(" in cmd else cmd)
