@@ -2,13 +2,21 @@
 
 ``python scripts/corruption_test.py [--quick] [--seed S] [--json OUT]``
 
-A small clean cache is produced with ``produce_cache`` (3 shards). Each trial
-copies it, damages ONE file, and then looks at it the two ways a user does:
+The same small clean cache (24 samples, 3 shards) is written by every writer path
+a user takes (:data:`WRITERS`): ``produce_cache``; the reference API the reference
+implementation's own producers use (``write_tensor_shard`` once per shard, then
+``write_manifest``); ``DurableShardWriter``; the reference loops
+``write_cache_shards`` and ``write_cache_shards_distributed``; and, for comparison,
+the reference implementation's own writer (plain ``save_file`` shards and a manifest
+without integrity fields), which te_thd still reads but cannot verify. Each trial
+copies one clean cache, damages ONE file, and then looks at it every way a user does:
 
-* ``verify_cache(dir, deep=True)`` (= ``te-thd cache verify --deep``);
-* open + read: ``CachedTensorDataset(...)``, then every sample, once through the
-  batched path (``__getitems__``) and, on a fresh dataset, through the per-item
-  path (``__getitem__``).
+* ``verify_cache(dir, deep=True)`` (= ``te-thd cache verify``);
+* open + read every sample through the batched path (``__getitems__``) and, on a
+  fresh dataset, through the per-item path (``__getitem__``);
+* the training read path: ``CachedTensorDataset`` -> ``build_cached_dataloader``
+  (its ``CacheShardSampler``, shard-block shuffled) -> ``CachedThdCollator`` for one
+  epoch, compared batch by batch with the same epoch of the clean cache.
 
 Damage kinds: one byte XOR-flipped at a random position of a shard (stratified:
 40% in the 8-byte length prefix + JSON header, 60% in the tensor data), a shard
@@ -18,20 +26,19 @@ truncated.
 Rules (a trial that breaks one is a violation, exit status 1):
 
 1. only ``ValueError`` (te_thd's ``CacheError`` family) may be raised -- never
-   another exception type from either path;
+   another exception type from any path;
 2. every error that is raised names the damaged file (its base name), except
    that an error caused by a damaged manifest may instead name the shard the
    manifest no longer describes -- that is counted separately ("blames a shard");
-3. detection: every damaged SHARD is caught by deep verify (the CRC-32 covers the
-   whole file), a truncated shard already at open (size check), and every
-   header flip that changes what the header means at open or first read;
-4. never wrong tensors: if neither verify nor the reader objects, every tensor
-   read equals the clean cache's (a manifest flip inside JSON whitespace, or in a
-   field no reader uses, is "benign").
+3. never wrong tensors from a te_thd-written cache: no read path (batched, per-item,
+   training) returns a tensor that differs from the clean cache without raising.
+   Every shard te_thd writes carries per-row checksums, so this holds with no
+   deep verify first;
+4. with a manifest that records whole-file checksums (``produce_cache``), every
+   damaged shard is also caught by deep verify; a truncated shard fails at open.
 
-Without a deep verify, a flipped byte inside tensor DATA is returned as read:
-opening a cache only checks sizes (cheap); the figures report how many
-such trials the reader alone did not catch.
+For the reference implementation's writer, rule 3 cannot hold (its shards carry no
+checksums): the figures count how many damaged caches it returns wrong tensors for.
 """
 
 from __future__ import annotations
@@ -79,13 +86,97 @@ def _compute(batch: Any) -> dict[str, Any]:
     return {k: torch.stack([s[k] for s in samples]) for k in KEYS}
 
 
-def make_clean_cache(path: Path) -> None:
+def _shard_tensors(shard: int) -> dict[str, Any]:
+    import torch
+
+    rows = [expected_sample(i) for i in range(shard * SHARD_SIZE, min(NUM_SAMPLES, (shard + 1) * SHARD_SIZE))]
+    return {k: torch.stack([r[k] for r in rows]) for k in KEYS}
+
+
+def _loader() -> Any:
     from torch.utils.data import DataLoader
 
+    return DataLoader(_Index(), batch_size=4, shuffle=False)
+
+
+def _reference_manifest(path: Path) -> None:
+    from te_thd.offline_cache import write_manifest
+
+    write_manifest(str(path), {"num_samples": NUM_SAMPLES, "shard_size": SHARD_SIZE}, 1)
+
+
+def make_clean_cache(path: Path) -> None:
+    """``produce_cache``: lock, resume, manifest with schema and whole-file checksums."""
     from te_thd.offline_cache import produce_cache
 
-    loader = DataLoader(_Index(), batch_size=4, shuffle=False)
-    produce_cache(loader, str(path), SHARD_SIZE, _compute, KEYS, {"scenario": "corruption_test"}, progress=False)
+    produce_cache(_loader(), str(path), SHARD_SIZE, _compute, KEYS, {"scenario": "corruption_test"}, progress=False)
+
+
+def _write_tensor_shard(path: Path) -> None:
+    """The reference API as the reference implementation's producers call it."""
+    from te_thd.offline_cache import write_tensor_shard
+
+    for s in range(-(-NUM_SAMPLES // SHARD_SIZE)):
+        write_tensor_shard(str(path), s, _shard_tensors(s), KEYS, "offline")
+    _reference_manifest(path)
+
+
+def _durable_writer(path: Path) -> None:
+    from te_thd.offline_cache import DurableShardWriter
+
+    with DurableShardWriter(KEYS) as w:
+        for s in range(-(-NUM_SAMPLES // SHARD_SIZE)):
+            w(str(path), s, _shard_tensors(s))
+    _reference_manifest(path)
+
+
+def _loop_writer(distributed: bool) -> Any:
+    def write(path: Path) -> None:
+        import logging
+
+        from te_thd.offline_cache import (
+            write_cache_shards,
+            write_cache_shards_distributed,
+            write_tensor_shard,
+        )
+
+        def fn(d: str, i: int, t: dict[str, Any]) -> str:
+            return write_tensor_shard(d, i, t, KEYS, "offline")
+
+        log = logging.getLogger("corruption_test")
+        if distributed:
+            write_cache_shards_distributed(_loader(), str(path), SHARD_SIZE, 1, 0, _compute, fn, log)
+        else:
+            write_cache_shards(_loader(), str(path), SHARD_SIZE, 0, _compute, fn, log)
+        _reference_manifest(path)
+
+    return write
+
+
+def _reference_writer(path: Path) -> None:
+    """What the reference implementation writes: plain save_file shards, a manifest without integrity fields."""
+    import json
+
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    for s in range(-(-NUM_SAMPLES // SHARD_SIZE)):
+        save_file(_shard_tensors(s), str(path / f"shard-{s:06d}.safetensors"))
+    manifest = {"format_version": 1, "num_samples": NUM_SAMPLES, "shard_size": SHARD_SIZE}
+    (path / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True))
+
+
+#: writer path -> function writing the clean cache into a directory
+WRITERS = {
+    "produce_cache": make_clean_cache,
+    "write_tensor_shard": _write_tensor_shard,
+    "DurableShardWriter": _durable_writer,
+    "write_cache_shards": _loop_writer(False),
+    "write_cache_shards_distributed": _loop_writer(True),
+    "reference_writer": _reference_writer,
+}
+#: writer paths whose shards carry no checksums (rule 3 cannot hold; counted instead)
+UNVERIFIABLE = frozenset({"reference_writer"})
 
 
 def _header_end(data: bytes) -> int:
@@ -102,16 +193,37 @@ def _attempt(fn) -> tuple[str, BaseException | None]:
     return "ok", None
 
 
-def _read_everything(cache_dir: str, path: str) -> tuple[str, BaseException | None, bool]:
+def _train_epoch(cache_dir: str) -> list[dict[str, Any]]:
+    """One epoch through the training read path: dataset -> sampler + loader -> THD collator."""
+    import warnings
+
+    from te_thd.offline_cache import (
+        CachedTensorDataset,
+        CachedThdCollator,
+        UnverifiedCacheWarning,
+        build_cached_dataloader,
+    )
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UnverifiedCacheWarning)  # the reference writer's cache: counted
+        ds = CachedTensorDataset(cache_dir, "offline", 1, KEYS)
+        collate = CachedThdCollator(64, keys=("input_ids", "loss_mask"), token_keys=("loss_mask",))
+        loader = build_cached_dataloader(ds, 4, True, collate, seed=3)
+        return [{k: b[k] for k in ("input_ids", "loss_mask", "cu_seqlens")} for b in loader]
+
+
+def _read_everything(cache_dir: str, path: str, clean_epoch: list[dict[str, Any]]) -> tuple[str, BaseException | None, bool]:
     """Open the cache and read every sample through one read path.
 
-    ``path`` is ``"batched"`` (``__getitems__``, what DataLoader calls) or
-    ``"item"`` (``__getitem__``, the reference API). Returns (outcome, exception,
-    tensors_equal_clean).
+    ``path`` is ``"batched"`` (``__getitems__``, what DataLoader calls), ``"item"``
+    (``__getitem__``, the reference API) or ``"train"`` (:func:`_train_epoch`,
+    compared with ``clean_epoch``). Returns (outcome, exception, tensors_equal_clean).
     """
+    import warnings
+
     import torch
 
-    from te_thd.offline_cache import CachedTensorDataset
+    from te_thd.offline_cache import CachedTensorDataset, UnverifiedCacheWarning
 
     state = {"same": True}
 
@@ -123,6 +235,13 @@ def _read_everything(cache_dir: str, path: str) -> tuple[str, BaseException | No
                 state["same"] = False
 
     def run() -> None:
+        if path == "train":
+            got = _train_epoch(cache_dir)
+            state["same"] = len(got) == len(clean_epoch) and all(
+                g[k].dtype == c[k].dtype and g[k].shape == c[k].shape and torch.equal(g[k], c[k])
+                for g, c in zip(got, clean_epoch, strict=True) for k in c
+            )  # fmt: skip
+            return
         ds = CachedTensorDataset(cache_dir, "offline", 1, KEYS)
         if len(ds) != NUM_SAMPLES:
             state["same"] = False
@@ -135,7 +254,9 @@ def _read_everything(cache_dir: str, path: str) -> tuple[str, BaseException | No
             for i in range(NUM_SAMPLES):
                 check(i, ds[i])
 
-    outcome, exc = _attempt(run)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UnverifiedCacheWarning)  # the reference writer's cache: counted
+        outcome, exc = _attempt(run)
     return outcome, exc, state["same"]
 
 
@@ -143,13 +264,11 @@ def _names(exc: BaseException | None, name: str) -> bool:
     return exc is not None and name in str(exc)
 
 
-def trial(clean: Path, work: Path, kind: str, rng: random.Random) -> dict[str, Any]:
-    """Damage one copy of the clean cache; return what verify and the reader made of it."""
-    from te_thd.offline_cache import verify_cache
+READ_PATHS = ("batched", "item", "train")
 
-    if work.exists():
-        shutil.rmtree(work)
-    shutil.copytree(clean, work)
+
+def _damage(work: Path, kind: str, rng: random.Random) -> tuple[str, str, dict[str, int]]:
+    """Damage one file of ``work``; returns (file name, region, {"pos" or "cut": int})."""
     shards = sorted(p.name for p in work.iterdir() if p.name.startswith("shard-"))
     target = "manifest.json" if kind.startswith("manifest") else rng.choice(shards)
     path = work / target
@@ -169,18 +288,29 @@ def trial(clean: Path, work: Path, kind: str, rng: random.Random) -> dict[str, A
         data = data[:cut]
         detail = {"cut": cut}
     path.write_bytes(bytes(data))
+    return target, region, detail
 
+
+def trial(clean: Path, work: Path, kind: str, rng: random.Random, writer: str = "produce_cache",
+          clean_epoch: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Damage one copy of the clean cache; return what verify and every read path made of it."""
+    from te_thd.offline_cache import verify_cache
+
+    if work.exists():
+        shutil.rmtree(work)
+    shutil.copytree(clean, work)
+    shards = sorted(p.name for p in work.iterdir() if p.name.startswith("shard-"))
+    target, region, detail = _damage(work, kind, rng)
     v_out, v_exc = _attempt(lambda: verify_cache(str(work), deep=True))
-    b_out, b_exc, b_same = _read_everything(str(work), "batched")
-    i_out, i_exc, i_same = _read_everything(str(work), "item")
-    res: dict[str, Any] = {"kind": kind, "file": target, "region": region, **detail,
-                           "verify": v_out, "batched": b_out, "item": i_out,
-                           "read": "ok" if b_out == i_out == "ok" else "error",
-                           "read_correct": b_same and i_same,
-                           "msgs": {n: str(e)[:300] for n, e in (("verify", v_exc), ("batched", b_exc),
-                                                                 ("item", i_exc)) if e is not None}}
+    reads = {p: _read_everything(str(work), p, clean_epoch or []) for p in READ_PATHS}
+    res: dict[str, Any] = {"writer": writer, "kind": kind, "file": target, "region": region, **detail,
+                           "verify": v_out, **{p: r[0] for p, r in reads.items()},
+                           "read": "ok" if all(r[0] == "ok" for r in reads.values()) else "error",
+                           "read_correct": all(r[2] for r in reads.values()),
+                           "msgs": {n: str(e)[:300] for n, e in [("verify", v_exc)] + [(p, r[1]) for p, r in reads.items()]
+                                    if e is not None}}  # fmt: skip
     problems = []
-    for what, out, exc in (("verify", v_out, v_exc), ("batched read", b_out, b_exc), ("item read", i_out, i_exc)):
+    for what, out, exc in [("verify", v_out, v_exc)] + [(f"{p} read", r[0], r[1]) for p, r in reads.items()]:
         if out == "other":
             problems.append(f"{what} raised {type(exc).__name__}: {exc}")
         elif out == "ValueError" and not _names(exc, target):
@@ -188,49 +318,37 @@ def trial(clean: Path, work: Path, kind: str, rng: random.Random) -> dict[str, A
                 res.setdefault("blames_shard", []).append(what)
             else:
                 problems.append(f"{what} error does not name {target}: {exc}")
-    detected = v_out != "ok" or res["read"] != "ok"
-    for what, out, same in (("batched read", b_out, b_same), ("item read", i_out, i_same)):
-        if out == "ok" and not same and v_out == "ok":
-            problems.append(f"WRONG TENSORS: verify passed and the {what} returned tensors that differ from clean")
-        if out == "ok" and not same and region == "header":
-            problems.append(f"header flip: the {what} returned wrong tensors without an error")
-    if target != "manifest.json" and v_out == "ok":
+    wrong = [p for p, (out, _, same) in reads.items() if out == "ok" and not same]
+    res["wrong_tensors"] = bool(wrong)
+    if wrong and writer not in UNVERIFIABLE:
+        problems.append(f"WRONG TENSORS: the {', '.join(wrong)} read path(s) returned tensors that differ from clean")
+    if writer == "produce_cache" and target != "manifest.json" and v_out == "ok":
         problems.append("deep verify passed a damaged shard")
-    if kind == "shard-truncate" and "ok" in (b_out, i_out):
+    if kind == "shard-truncate" and reads["batched"][0] == "ok" and reads["item"][0] == "ok":
         problems.append("a truncated shard opened and read without error")
-    res["detected"] = detected
+    res["detected"] = v_out != "ok" or res["read"] != "ok"
     res["problems"] = problems
     return res
 
 
 PLAN_QUICK = {"shard-flip": 120, "shard-truncate": 30, "manifest-flip": 60, "manifest-truncate": 20}
 PLAN_FULL = {"shard-flip": 1000, "shard-truncate": 200, "manifest-flip": 400, "manifest-truncate": 100}
+#: the other writer paths share the format; fewer trials each
+PLAN_OTHER_QUICK = {"shard-flip": 12, "shard-truncate": 2, "manifest-flip": 2}
+PLAN_OTHER_FULL = {"shard-flip": 200, "shard-truncate": 40, "manifest-flip": 60, "manifest-truncate": 20}
 
 
-def run(quick: bool, seed: int | None = None, workdir: str | None = None,
-        plan: dict[str, int] | None = None) -> dict[str, Any]:
-    plan = plan or (PLAN_QUICK if quick else PLAN_FULL)
-    seed = seed if seed is not None else time.time_ns() % 2**31
-    rng = random.Random(seed)
-    t0 = time.perf_counter()
-    own = workdir is None
-    wd = Path(workdir or tempfile.mkdtemp(prefix="te_thd_corrupt_"))
-    try:
-        clean = wd / "clean"
-        make_clean_cache(clean)
-        trials = [trial(clean, wd / "trial", kind, rng) for kind, n in plan.items() for _ in range(n)]
-    finally:
-        if own:
-            shutil.rmtree(wd, ignore_errors=True)
+def _summary(trials: list[dict[str, Any]], kinds: list[str]) -> dict[str, Any]:
     summary: dict[str, Any] = {}
-    for kind in plan:
+    for kind in kinds:
         ts = [t for t in trials if t["kind"] == kind]
         s = {
             "tried": len(ts),
             "detected": sum(t["detected"] for t in ts),
             "detected_by_verify": sum(t["verify"] != "ok" for t in ts),
             "detected_at_open_or_read": sum(t["read"] != "ok" for t in ts),
-            "detected_by_both_read_paths": sum(t["batched"] != "ok" and t["item"] != "ok" for t in ts),
+            **{f"detected_by_{p}_read": sum(t[p] != "ok" for t in ts) for p in READ_PATHS},
+            "wrong_tensors_returned": sum(t["wrong_tensors"] for t in ts),
             "benign_undetected_reads_correct": sum(not t["detected"] and t["read_correct"] for t in ts),
             "violations": sum(bool(t["problems"]) for t in ts),
         }
@@ -238,31 +356,70 @@ def run(quick: bool, seed: int | None = None, workdir: str | None = None,
             for region in ("header", "data"):
                 rs = [t for t in ts if t["region"] == region]
                 s[f"{region}_flips"] = len(rs)
-                s[f"{region}_flips_caught_by_reader_alone"] = sum(
-                    t["batched"] != "ok" and t["item"] != "ok" for t in rs)
+                s[f"{region}_flips_caught_by_reader_alone"] = sum(t["batched"] != "ok" and t["item"] != "ok" for t in rs)
+                s[f"{region}_flips_caught_by_training_path"] = sum(t["train"] != "ok" for t in rs)
         if kind.startswith("manifest"):
             s["errors_blaming_a_shard"] = sum(bool(t.get("blames_shard")) for t in ts)
         summary[kind] = s
-    violations = [f"{t['kind']} {t['file']} {t.get('pos', t.get('cut'))}: {p}" for t in trials for p in t["problems"]]
+    return summary
+
+
+def run(quick: bool, seed: int | None = None, workdir: str | None = None,
+        plan: dict[str, int] | None = None, other_plan: dict[str, int] | None = None) -> dict[str, Any]:
+    plan = plan or (PLAN_QUICK if quick else PLAN_FULL)
+    other_plan = other_plan if other_plan is not None else (PLAN_OTHER_QUICK if quick else PLAN_OTHER_FULL)
+    seed = seed if seed is not None else time.time_ns() % 2**31
+    rng = random.Random(seed)
+    t0 = time.perf_counter()
+    own = workdir is None
+    wd = Path(workdir or tempfile.mkdtemp(prefix="te_thd_corrupt_"))
+    trials: list[dict[str, Any]] = []
+    try:
+        for writer, write in WRITERS.items():
+            clean = wd / f"clean-{writer}"
+            write(clean)
+            clean_epoch = _train_epoch(str(clean))
+            p = plan if writer == "produce_cache" else other_plan
+            trials += [trial(clean, wd / "trial", kind, rng, writer, clean_epoch)
+                       for kind, n in p.items() for _ in range(n)]  # fmt: skip
+    finally:
+        if own:
+            shutil.rmtree(wd, ignore_errors=True)
+    main_trials = [t for t in trials if t["writer"] == "produce_cache"]
+    violations = [f"{t['writer']} {t['kind']} {t['file']} {t.get('pos', t.get('cut'))}: {p}" for t in trials for p in t["problems"]]
     kinds: dict[str, int] = {}
     for t in trials:
         for p in t["problems"]:
             k = re.sub(r"(raised \w+).*", r"\1", p)
             k = re.sub(r"(does not name \S+).*", r"\1", k)
             kinds[k] = kinds.get(k, 0) + 1
-    tried = len(trials)
-    damaged_shards = [t for t in trials if t["file"] != "manifest.json"]
+    damaged_shards = [t for t in main_trials if t["file"] != "manifest.json"]
+    by_writer = {}
+    for writer in WRITERS:
+        ts = [t for t in trials if t["writer"] == writer]
+        flips = [t for t in ts if t["kind"] == "shard-flip"]
+        by_writer[writer] = {
+            "tried": len(ts),
+            "detected": sum(t["detected"] for t in ts),
+            "shard_flips_detected_by_reading": f"{sum(t['read'] != 'ok' for t in flips)}/{len(flips)}",
+            "shard_flips_detected_by_training_path": f"{sum(t['train'] != 'ok' for t in flips)}/{len(flips)}",
+            "shard_flips_detected_by_verify": f"{sum(t['verify'] != 'ok' for t in flips)}/{len(flips)}",
+            "wrong_tensors_returned_undetected": sum(t["wrong_tensors"] and not t["detected"] for t in ts),
+            "wrong_tensors_returned": sum(t["wrong_tensors"] for t in ts),
+            "by_kind": _summary(ts, list(dict.fromkeys(t["kind"] for t in ts))),
+        }
     return {
         "ok": not violations,
         "seed": seed,
         "mode": "quick" if quick else "full",
         "commit": git_commit(),
-        "tried": tried,
-        "detected": sum(t["detected"] for t in trials),
+        "tried": len(main_trials),
+        "detected": sum(t["detected"] for t in main_trials),
         "shard_corruptions_detected_by_deep_verify": f"{sum(t['verify'] != 'ok' for t in damaged_shards)}/{len(damaged_shards)}",
-        "wrong_tensors_returned_undetected": sum(
-            not t["detected"] and not t["read_correct"] for t in trials),
-        "by_kind": summary,
+        "wrong_tensors_returned_undetected": sum(not t["detected"] and not t["read_correct"] for t in main_trials),
+        "by_kind": _summary(main_trials, list(plan)),
+        "by_writer": by_writer,
+        "tried_all_writers": len(trials),
         "violation_kinds": dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
         "violations": violations[:100],
         "n_violations": len(violations),

@@ -100,6 +100,20 @@ def render() -> str:
             + f" (seed {corr['seed']}{_at(corr)}) | "
             f"`{COMMANDS['corruption']}` |"
         )
+        if "by_writer" in corr:
+            parts = []
+            for writer, w in corr["by_writer"].items():
+                parts.append(
+                    f"`{writer}`: {w['shard_flips_detected_by_reading']} shard byte flips caught by reading "
+                    f"(training path {w['shard_flips_detected_by_training_path']}, verify "
+                    f"{w['shard_flips_detected_by_verify']}), {w['detected']}/{w['tried']} damaged copies "
+                    f"detected, wrong tensors returned: {w['wrong_tensors_returned']}"
+                )
+            rows.append(
+                "| Corruption detection per writer path (every read path: batched, per-item, training "
+                "loader + THD collator) | " + "; ".join(parts) + " (the reference implementation's own "
+                f"writer stores no checksums, so te_thd cannot verify its data) | `{COMMANDS['corruption']}` |"
+            )
     counts = {k: v for k, v in (_load("fuzz_counts.json") or {}).items()}
     if counts:
         total = sum(counts.values())

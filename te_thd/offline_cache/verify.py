@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import os
+import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -149,12 +150,12 @@ def verify_shard_file(
     return ShardCheck(header, size, checksum)
 
 
-def _what_was_checked(deep: bool, records: bool, sums: int, n: int) -> tuple[list[str], list[str]]:
+def _what_was_checked(cache_dir: str, deep: bool, records: bool, sums: int, n: int) -> tuple[list[str], list[str]]:
     checked = ["manifest fields (and its own checksum when it records one)", "shard files 0..N-1 present"]
     not_checked = []
     checked.append("shard sizes against the manifest" if records else "shard presence only (the manifest records no sizes)")
     if not deep:
-        not_checked.append("shard headers and contents (run a deep verify: `te-thd cache verify DIR`)")
+        not_checked.append(f"shard headers and contents (a full verify reads them: `te-thd cache verify {shlex.quote(cache_dir)}`)")
         return checked, not_checked
     checked.append("every shard header against the schema and row counts")
     if sums == n:
@@ -197,6 +198,8 @@ def verify_cache(
     ``.path`` is the first bad shard.
     """
     manifest = load_manifest(cache_dir, cache_name, producer_name)
+    if producer_name is None and isinstance(manifest.get("producer"), str):
+        producer_name = f"{manifest['producer']} (the producer this cache records) with the arguments that built it"
     indices = check_cache_files(cache_dir, manifest, cache_name, producer_name)
     num_samples, shard_size = int(manifest["num_samples"]), int(manifest["shard_size"])
     records = shard_records(manifest)
@@ -210,7 +213,7 @@ def verify_cache(
         "shards_with_checksums": None,
     }
     if not deep:
-        result["checked"], result["not_checked"] = _what_was_checked(False, records is not None, 0, len(indices))
+        result["checked"], result["not_checked"] = _what_was_checked(cache_dir, False, records is not None, 0, len(indices))
         return result
     schema = manifest_schema(manifest)
     if schema is None and indices:
@@ -241,7 +244,7 @@ def verify_cache(
     result["headers_verified"] = True
     result["shards_with_checksums"] = with_sums
     result["checksums_verified"] = with_sums == len(indices)
-    result["checked"], result["not_checked"] = _what_was_checked(True, records is not None, with_sums, len(indices))
+    result["checked"], result["not_checked"] = _what_was_checked(cache_dir, True, records is not None, with_sums, len(indices))
     return result
 
 
