@@ -37,8 +37,9 @@ Rules (a trial that breaks one is a violation, exit status 1):
 4. with a manifest that records whole-file checksums (``produce_cache``), every
    damaged shard is also caught by deep verify; a truncated shard fails at open.
 
-For the reference implementation's writer, rule 3 cannot hold (its shards carry no
-checksums): the figures count how many damaged caches it returns wrong tensors for.
+For the reference implementation's writer, rules 2 and 3 cannot hold (its shards and
+manifest carry no checksums, so a damaged file cannot be told from the ones it
+contradicts): the figures count its wrong tensors and its errors naming another file.
 """
 
 from __future__ import annotations
@@ -316,6 +317,9 @@ def trial(clean: Path, work: Path, kind: str, rng: random.Random, writer: str = 
         elif out == "ValueError" and not _names(exc, target):
             if target == "manifest.json" and any(_names(exc, s) for s in shards):
                 res.setdefault("blames_shard", []).append(what)
+            elif writer in UNVERIFIABLE:
+                # no checksums to tell a damaged file from the ones it contradicts: counted
+                res.setdefault("misattributed", []).append(what)
             else:
                 problems.append(f"{what} error does not name {target}: {exc}")
     wrong = [p for p, (out, _, same) in reads.items() if out == "ok" and not same]
@@ -358,6 +362,7 @@ def _summary(trials: list[dict[str, Any]], kinds: list[str]) -> dict[str, Any]:
                 s[f"{region}_flips"] = len(rs)
                 s[f"{region}_flips_caught_by_reader_alone"] = sum(t["batched"] != "ok" and t["item"] != "ok" for t in rs)
                 s[f"{region}_flips_caught_by_training_path"] = sum(t["train"] != "ok" for t in rs)
+                s[f"{region}_flips_caught_by_some_read_path"] = sum(t["read"] != "ok" for t in rs)
         if kind.startswith("manifest"):
             s["errors_blaming_a_shard"] = sum(bool(t.get("blames_shard")) for t in ts)
         summary[kind] = s
@@ -406,6 +411,7 @@ def run(quick: bool, seed: int | None = None, workdir: str | None = None,
             "shard_flips_detected_by_verify": f"{sum(t['verify'] != 'ok' for t in flips)}/{len(flips)}",
             "wrong_tensors_returned_undetected": sum(t["wrong_tensors"] and not t["detected"] for t in ts),
             "wrong_tensors_returned": sum(t["wrong_tensors"] for t in ts),
+            "errors_naming_another_file": sum(bool(t.get("misattributed")) for t in ts),
             "by_kind": _summary(ts, list(dict.fromkeys(t["kind"] for t in ts))),
         }
     return {
