@@ -7,7 +7,7 @@ entry ``"te_thd"`` whose value is a compact JSON object::
      "sums": {"hidden": "<base64 of uint64 LE [rows]>", "input_ids": "..."},
      "header": "<16 hex digits>"}
 
-- ``sums[key][i]`` is ``xxh3_64(bytes of row i of key, seed=i)``: a reader that
+- ``sums[key][i]`` is the xxh3_64 hash of the bytes of row ``i`` of ``key``, seeded with ``i``: a reader that
   copies rows of a batch hashes exactly those bytes, right after the copy, while
   they are still in cache (:func:`verify_rows`). Seeding with the row index also
   catches a row read from the wrong place.

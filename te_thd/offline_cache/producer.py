@@ -241,8 +241,8 @@ def produce_cache(
         if finished is not None:
             job.logger.info("%s is already a finished cache (%d samples); nothing to do", output_dir, job.num_samples)
             return finished
-        records, schema, todo = job.verify_block()
-        writer = job.compute(dataloader, compute_batch, todo, schema, progress)
+        records, schema, missing = job.verify_block()
+        writer = job.compute(dataloader, compute_batch, missing, schema, progress)
         return job.finish({**records, **writer.records}, writer)
     finally:
         if producer_lock is not None:
@@ -340,12 +340,12 @@ class _Job:
         return records, schema, sorted(set(block) - present)
 
     def compute(
-        self, dataloader: DataLoader, compute_batch: Callable[[Any], Any], todo: Sequence[int],
+        self, dataloader: DataLoader, compute_batch: Callable[[Any], Any], missing: Sequence[int],
         schema: CacheSchema | None, progress: bool | None,
     ) -> _RecordingWriter:  # fmt: skip
-        """Compute and write the shards ``todo`` in lockstep with the other ranks."""
+        """Compute and write the shards ``missing`` in lockstep with the other ranks."""
         writer = _RecordingWriter(self.keys, self.cache_name, schema)
-        runs = shard_runs(todo, self.num_samples, self.shard_size)
+        runs = shard_runs(missing, self.num_samples, self.shard_size)
         bs = _batch_size(dataloader)
         global_steps = self.comm.max_int(sum(-(-n // bs) for _, _, n in runs))
         bar = _progress_bar(global_steps, progress, self.comm.rank)
