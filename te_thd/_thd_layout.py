@@ -36,11 +36,6 @@ from typing import NamedTuple
 
 import numpy as np
 
-try:  # the C function behind np.count_nonzero, minus its ~0.2 us dispatch wrapper
-    from numpy._core.multiarray import count_nonzero as _count_nonzero
-except ImportError:  # numpy < 2 keeps it elsewhere; the wrapper is equivalent
-    _count_nonzero = np.count_nonzero
-
 # Boundaries are int32 for TE; the stream length must fit.
 # A Python int: comparing an int with a numpy scalar is several times slower.
 _INT32_MAX = int(np.iinfo(np.int32).max)
@@ -321,7 +316,7 @@ def _slot_starts(
     """
     # Callers pass int64 tables (thd_utils widens narrower dtypes).
     valid = seq_lens != sentinel
-    n_valid = _count_nonzero(valid)
+    n_valid = np.count_nonzero(valid)
     all_valid = n_valid == valid.size
     occupied = seq_lens_padded if all_valid else seq_lens_padded * valid
     # End of every slot inside its row. ufunc.accumulate is np.cumsum without
@@ -389,11 +384,11 @@ def _layout_ok(
     # sentinel slots hold the sentinel in both tables, so each comparison is
     # either true on all of them or on none: counting (count_nonzero, no
     # reduction call) and comparing with that number checks the used slots.
-    if _count_nonzero(seq_lens < _ONE) != (n_unused if sentinel < 1 else 0):
+    if np.count_nonzero(seq_lens < _ONE) != (n_unused if sentinel < 1 else 0):
         return False
-    if _count_nonzero(seq_lens_padded > seq_len) != (n_unused if sentinel > seq_len else 0):
+    if np.count_nonzero(seq_lens_padded > seq_len) != (n_unused if sentinel > seq_len else 0):
         return False
-    if _count_nonzero(seq_lens > seq_lens_padded):
+    if np.count_nonzero(seq_lens > seq_lens_padded):
         return False
     # Row sums cannot wrap now. [B] ints: max/min in Python beat two reductions.
     row_slots = end[:, -1].tolist()

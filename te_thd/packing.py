@@ -34,11 +34,12 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 import torch
 
+from te_thd._flattened import seq_lens_from_position_ids, unflatten_from_position_ids
 from te_thd.balance import plan_global_batch as plan_global_batch  # the planner, re-exported
 from te_thd.layout import check_cp_args
 
@@ -143,91 +144,6 @@ def assign_bins(
     return out
 
 
-# --------------------------------------------------------------------------- flattened input
-
-
-def seq_lens_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor:
-    """Document lengths of a flattened stream whose position ids restart at 0 per document.
-
-    The convention of Hugging Face's ``DataCollatorWithFlattening``: one row, documents
-    back to back, position ids ``0, 1, ..., n_i - 1`` for each.
-
-    Args:
-        position_ids: integer ``[T]`` or ``[B, T]`` (rows are concatenated in order;
-            every row must start a document).
-
-    Returns:
-        int64 ``[N]`` lengths, summing to the number of tokens.
-
-    Raises:
-        ValueError: the stream does not start at 0, or a position id is neither 0 (a new
-            document) nor its predecessor + 1.
-    """
-    if not isinstance(position_ids, torch.Tensor) or position_ids.dim() not in (1, 2):
-        shape = tuple(position_ids.shape) if isinstance(position_ids, torch.Tensor) else None
-        raise ValueError(
-            f"position_ids must be a [T] or [B, T] tensor, got {shape or type(position_ids).__name__}"
-        )
-    if position_ids.dtype.is_floating_point or position_ids.dtype == torch.bool:
-        raise ValueError(f"position_ids must have an integer dtype, got {position_ids.dtype}")
-    pos = position_ids.detach().reshape(-1).to("cpu", torch.int64)
-    if pos.numel() == 0:
-        return torch.zeros(0, dtype=torch.int64)
-    if int(pos[0]) != 0:
-        raise ValueError(
-            f"position_ids must start a document with 0 at index 0, got {int(pos[0])}; "
-            "expected Hugging Face flattening (positions restart at 0 for every document)"
-        )
-    if position_ids.dim() == 2:
-        row_starts = position_ids.detach().to("cpu", torch.int64)[:, 0]
-        if bool((row_starts != 0).any()):
-            b = int((row_starts != 0).nonzero()[0, 0])
-            raise ValueError(
-                f"position_ids row {b} starts at {int(row_starts[b])}, not 0; every row of a "
-                "flattened batch must start a document"
-            )
-    starts = pos == 0
-    ok = starts[1:] | (pos[1:] == pos[:-1] + 1)
-    if not bool(ok.all()):
-        k = int((~ok).nonzero()[0, 0]) + 1
-        raise ValueError(
-            f"position_ids[{k}]={int(pos[k])} follows {int(pos[k - 1])}: within a document "
-            "position ids must count up by 1 and restart at 0 for the next document"
-        )
-    begin = starts.nonzero().view(-1)
-    return torch.diff(begin, append=torch.tensor([pos.numel()]))
-
-
-def unflatten_from_position_ids(
-    batch: Mapping[str, Any], position_key: str = "position_ids"
-) -> list[dict[str, torch.Tensor]]:
-    """Split a flattened batch (HF ``DataCollatorWithFlattening`` output) into samples.
-
-    Every tensor shaped like ``batch[position_key]`` (``[T]`` or ``[B, T]``) is split
-    into per-document 1-D views; other keys (e.g. ``cu_seq_lens_q``, ``max_length_q``)
-    describe the old layout and are dropped -- the packer recomputes them. HF's labels
-    (unshifted, -100 on each document's first token) are already in this module's
-    sample convention.
-
-    Returns:
-        ``list`` of ``{key: [n_i] tensor}``, one per document, in stream order.
-    """
-    if not isinstance(batch, Mapping) or position_key not in batch:
-        raise ValueError(
-            f"a flattened batch must be a mapping holding {position_key!r} (position ids that "
-            "restart at 0 per document)"
-        )
-    pos = batch[position_key]
-    lengths = seq_lens_from_position_ids(pos).tolist()
-    split: dict[str, tuple[torch.Tensor, ...]] = {}
-    for key, value in batch.items():
-        if key == position_key:
-            continue
-        if isinstance(value, torch.Tensor) and value.shape == pos.shape:
-            split[key] = torch.split(value.reshape(-1), lengths)
-    return [{k: parts[i] for k, parts in split.items()} for i in range(len(lengths))]
-
-
 # --------------------------------------------------------------------------- collator
 
 
@@ -279,6 +195,72 @@ def _shift_within_samples(labels: torch.Tensor, total: int, ends: np.ndarray) ->
 _NO_NUMPY = (torch.bfloat16, torch.complex32) + tuple(
     d for d in (getattr(torch, n, None) for n in ("float8_e4m3fn", "float8_e5m2")) if d is not None
 )
+
+
+class _Rows(NamedTuple):
+    """Where each document goes (arrays ``[n]`` in output order: by row, then arrival)."""
+
+    n_rows: int  # B, rows in the batch
+    n_filled: int  # rows holding documents (the first ones; the rest are empty)
+    order: np.ndarray  # sample index of each output document
+    row: np.ndarray  # its row
+    slot: np.ndarray  # its index within the row
+    counts: np.ndarray  # [B] documents per row
+    real: np.ndarray  # kept tokens of each document
+    span: np.ndarray  # slots of each document, padding and the row's tail included
+
+
+def _row_layout(
+    full: np.ndarray, seq_len: int, multiple: int, rows: int | None, decreasing: bool
+) -> _Rows:
+    """Bin-pack documents of ``full`` ``[n]`` tokens into rows of ``seq_len`` slots."""
+    n = full.shape[0]
+    real = np.minimum(full, seq_len)  # [n] kept tokens
+    padded = (real + (multiple - 1)) // multiple * multiple  # [n] span before the row tail
+    bins = assign_bins(padded, seq_len, decreasing=decreasing)
+    n_bins = int(bins.max()) + 1
+    B = n_bins if rows is None else rows
+    if n_bins > B:
+        raise ValueError(
+            f"the {n} samples need {n_bins} rows of seq_len={seq_len} but rows={B}; "
+            "pass fewer samples per batch, a larger rows, or rows=None"
+        )
+    # Documents in output order: by row, arrival order within a row. Rows
+    # 0..n_bins-1 are non-empty (first fit opens bins leftmost), the rest empty.
+    order = np.argsort(bins, kind="stable")
+    row = bins[order]
+    counts = np.bincount(row, minlength=B)  # [B] documents per row
+    row_first = np.cumsum(counts) - counts  # [B] first document of each row
+    slot = np.arange(n) - row_first[row]  # [n] index within the row
+    span = padded[order].copy()  # [n] slots of each document incl. its padding
+    row_fill = np.zeros(B, dtype=np.int64)
+    np.add.at(row_fill, row, span)
+    last = row_first[:n_bins] + counts[:n_bins] - 1
+    span[last] += seq_len - row_fill[:n_bins]  # the row's unused tail joins its last document
+    return _Rows(B, n_bins, order, row, slot, counts, real[order], span)
+
+
+def _gather_index(full: np.ndarray, rows: _Rows, seq_len: int) -> np.ndarray:
+    """int64 ``[B*S]``: for every output slot, its position in a key's source.
+
+    The source of a key is its samples concatenated in arrival order followed by a
+    filler block of S slots; output runs alternate (document tokens, its padding) in
+    output order, and run k of length len_k starting at output offset o_k reads
+    source[first_k + j]. So index = repeat(first_k - o_k, len_k) + arange(B*S): one
+    repeat, one add.
+    """
+    n = full.shape[0]
+    n_empty = rows.n_rows - rows.n_filled
+    src_start = (np.cumsum(full) - full)[rows.order]
+    runs = np.empty(2 * n + n_empty, dtype=np.int64)
+    runs[0 : 2 * n : 2] = rows.real
+    runs[1 : 2 * n : 2] = rows.span - rows.real
+    runs[2 * n :] = seq_len
+    first = np.full(runs.shape[0], int(full.sum()), dtype=np.int64)  # padding -> filler
+    first[0 : 2 * n : 2] = src_start
+    index = np.repeat(first - (np.cumsum(runs) - runs), runs)
+    index += _arange(rows.n_rows * seq_len)
+    return index
 
 
 class PackingCollator:
@@ -437,57 +419,22 @@ class PackingCollator:
         if isinstance(samples, Mapping):
             samples = unflatten_from_position_ids(samples)
         full_lens, keys = self._lengths(samples)
-        S, m, sentinel = self.seq_len, self.pad_to_multiple_of, self.seq_lens_padding_value
-        n = len(full_lens)
+        S = self.seq_len
         full = np.asarray(full_lens, dtype=np.int64)  # [n] sample lengths
-        real = np.minimum(full, S)  # [n] kept tokens
-        padded = (real + (m - 1)) // m * m  # [n] span before the row tail
-
-        bins = assign_bins(padded, S, decreasing=self.bin_packing == "ffd")
-        n_bins = int(bins.max()) + 1
-        B = n_bins if self.rows is None else self.rows
-        if n_bins > B:
-            raise ValueError(
-                f"the {n} samples need {n_bins} rows of seq_len={S} but rows={B}; "
-                "pass fewer samples per batch, a larger rows, or rows=None"
-            )
-
-        # Documents in output order: by row, arrival order within a row. Rows
-        # 0..n_bins-1 are non-empty (first fit opens bins leftmost), the rest empty.
-        order = np.argsort(bins, kind="stable")
-        row = bins[order]
-        counts = np.bincount(row, minlength=B)  # [B] documents per row
-        row_first = np.cumsum(counts) - counts  # [B] first document of each row
-        slot = np.arange(n) - row_first[row]  # [n] index within the row
-        r_ord = real[order]
-        span = padded[order].copy()  # [n] slots of each document incl. its padding
-        row_fill = np.zeros(B, dtype=np.int64)
-        np.add.at(row_fill, row, span)
-        last = row_first[:n_bins] + counts[:n_bins] - 1
-        span[last] += S - row_fill[:n_bins]  # the row's unused tail joins its last document
-
-        P = int(counts.max())
-        seq_lens = np.full((B, P), sentinel, dtype=np.int64)
-        seq_lens_padded = seq_lens.copy()
-        seq_lens[row, slot] = r_ord
-        seq_lens_padded[row, slot] = span
-
-        # One gather index for every output slot. The source of a key is its samples
-        # concatenated in arrival order followed by a filler block of S slots; output
-        # runs alternate (document tokens, its padding) in output order, and run k of
-        # length len_k starting at output offset o_k reads source[first_k + j]. So
-        # index = repeat(first_k - o_k, len_k) + arange(B*S): one repeat, one add.
-        total_full = int(full.sum())
-        src_start = (np.cumsum(full) - full)[order]
+        rows = _row_layout(
+            full, S, self.pad_to_multiple_of, self.rows, self.bin_packing == "ffd"
+        )
+        index = _gather_index(full, rows, S)
+        B, n_bins = rows.n_rows, rows.n_filled
         n_empty = B - n_bins
-        runs = np.empty(2 * n + n_empty, dtype=np.int64)
-        runs[0 : 2 * n : 2] = r_ord
-        runs[1 : 2 * n : 2] = span - r_ord
-        runs[2 * n :] = S
-        first = np.full(runs.shape[0], total_full, dtype=np.int64)  # padding -> filler
-        first[0 : 2 * n : 2] = src_start
-        index = np.repeat(first - (np.cumsum(runs) - runs), runs)
-        index += _arange(B * S)
+        total_full = int(full.sum())
+        span, r_ord = rows.span, rows.real
+
+        P = int(rows.counts.max())
+        seq_lens = np.full((B, P), self.seq_lens_padding_value, dtype=np.int64)
+        seq_lens_padded = seq_lens.copy()
+        seq_lens[rows.row, rows.slot] = r_ord
+        seq_lens_padded[rows.row, rows.slot] = span
 
         out: dict[str, Any] = {}
         for k in keys:

@@ -25,6 +25,12 @@ from typing import Any, NotRequired, TypedDict
 import numpy as np
 import torch
 
+from te_thd._thd_inputs import (
+    host_ints,
+    length_tables,
+    read_token_tensors,
+    token_padding_mask_rows,
+)
 from te_thd._thd_layout import (
     PackLayout,
     StreamLayout,
@@ -44,10 +50,8 @@ __all__ = [
 # ``_thd_padding_mask`` is the reference's private helper: importable from here (drop-in),
 # not part of the public list.
 
-_REQUIRED_KEYS = ("input_ids", "position_ids", "seq_lens")
 # Consumed by the conversion, not passed through (as the reference does).
 _CONSUMED_KEYS = frozenset({"seq_lens", "seq_lens_padded"})
-_INT_DTYPES = frozenset({torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8})
 
 
 class ThdBatch(TypedDict):
@@ -146,24 +150,7 @@ def thd_padding_mask_from_token_ids(input_ids: torch.Tensor, padding_token_id: i
             f"input_ids must be 1-D [total_tokens], got shape {tuple(input_ids.shape)}; "
             "flatten it first (input_ids.reshape(-1))."
         )
-    return _token_padding_mask_rows(input_ids.unsqueeze(0), padding_token_id, "input_ids")[0]
-
-
-def _token_padding_mask_rows(ids: torch.Tensor, padding_token_id: int, name: str) -> torch.Tensor:
-    """Validated token-value padding mask of each row of ``ids`` ``[R, T]``."""
-    padding = ids == padding_token_id
-    # Valid iff every row is non-decreasing (content..., pad...): a pad followed
-    # by content anywhere means the id is also content.
-    collision = padding[:, :-1] & ~padding[:, 1:]
-    if bool(collision.any()):
-        r, t = (int(v) for v in collision.nonzero()[0])
-        where = f"{name}[{t}]" if ids.shape[0] == 1 else f"{name} stream {r} at token {t}"
-        raise ValueError(
-            f"padding_token_id={padding_token_id} also occurs as content ({where} is the pad id "
-            "but a non-pad token follows it), so padding cannot be inferred from token values. "
-            "Supply seq_lens/seq_lens_padded (or a padding_token_id that is never content)."
-        )
-    return padding
+    return token_padding_mask_rows(input_ids.unsqueeze(0), padding_token_id, "input_ids")[0]
 
 
 def _thd_padding_mask(
@@ -194,7 +181,7 @@ def _thd_padding_mask(
         ValueError: if the lengths are not 1-D integers of equal shape, real
             exceeds padded, or the sequences need more than ``total_tokens`` slots.
     """
-    real = _host_ints(valid_seq_lens, "valid_seq_lens")
+    real = host_ints(valid_seq_lens, "valid_seq_lens")
     if real.ndim != 1:
         raise ValueError(
             f"valid_seq_lens must be 1-D [N], got shape {real.shape}; drop sentinels and "
@@ -202,7 +189,7 @@ def _thd_padding_mask(
         )
     padded = None
     if valid_seq_lens_padded is not None:
-        padded = _host_ints(valid_seq_lens_padded, "valid_seq_lens_padded")
+        padded = host_ints(valid_seq_lens_padded, "valid_seq_lens_padded")
         if padded.shape != real.shape:
             raise ValueError(
                 f"valid_seq_lens_padded shape {padded.shape} != valid_seq_lens shape "
@@ -359,7 +346,6 @@ def split_batch_into_thd_chunks(
 
 # ------------------------------------------------------------------- internals
 
-
 def _convert(
     batch: Mapping[str, Any],
     num_chunks: int,
@@ -376,30 +362,7 @@ def _convert(
     device. Callers add the boundary keys in their own shapes, the mask, then
     the pass-through keys.
     """
-    if not (type(batch) is dict or isinstance(batch, Mapping)):
-        _check_keys(batch)
-    try:
-        input_ids = batch["input_ids"]
-        position_ids = batch["position_ids"]
-        seq_lens = batch["seq_lens"]
-    except KeyError:
-        _check_keys(batch)
-        raise
-    labels = batch.get("labels")
-    # One combined test for what collates produce ([B, S] ids, positions and
-    # labels of the same shape); anything else gets the per-argument checks.
-    # (``shape`` is read once: each ``.shape`` builds a new torch.Size.)
-    plain = type(input_ids) is torch.Tensor and type(position_ids) is torch.Tensor
-    if plain:
-        shape = input_ids.shape
-        plain = (
-            len(shape) == 2
-            and position_ids.shape == shape
-            and (labels is None or (type(labels) is torch.Tensor and labels.shape == shape))
-        )
-    if not plain:
-        _check_token_tensors(input_ids, position_ids, labels)
-        shape = input_ids.shape
+    input_ids, position_ids, seq_lens, labels, shape, plain = read_token_tensors(batch)
     bsz = shape[0]
     seq_len = shape[1]
     if num_chunks > 1 and bsz % num_chunks:
@@ -407,59 +370,47 @@ def _convert(
             f"num_chunks={num_chunks} does not divide the batch size B={bsz} "
             f"(input_ids.shape[0]); pick a divisor of {bsz} or change the batch size."
         )
-    rows = bsz // num_chunks
-    check_stream_fits_int32(rows * seq_len)
-
-    seq_lens_padded = batch.get("seq_lens_padded")
-    if seq_lens is None:
-        if seq_lens_padded is not None:
-            raise ValueError(
-                "seq_lens is None but seq_lens_padded is given; pass both length tables "
-                "(or neither, to infer padding from token ids)."
-            )
-        sl, sp, meta_device = _lengths_from_token_ids(
-            input_ids, num_chunks, padding_token_id, sentinel
-        )
-    else:
-        sl = _lengths_to_host(seq_lens, "seq_lens", bsz)
-        meta_device = None if seq_lens.is_cpu else seq_lens.device
-        if seq_lens_padded is None:
-            sp = sl
-        else:
-            sp = _lengths_to_host(seq_lens_padded, "seq_lens_padded", bsz)
-            if sp.shape != sl.shape:
-                raise ValueError(
-                    f"seq_lens_padded shape {sp.shape} does not match seq_lens shape {sl.shape}; "
-                    "both tables need one entry per pack slot [B, P] (sentinel where unused)."
-                )
-
+    tok = bsz // num_chunks * seq_len
+    check_stream_fits_int32(tok)
+    sl, sp, meta_device = length_tables(
+        batch, seq_lens, input_ids, num_chunks, padding_token_id, sentinel
+    )
     layout: PackLayout | StreamLayout = (
         stream_layout(sl, sp, seq_len, sentinel, absorb)
         if num_chunks == 1
         else pack_layout(sl, sp, seq_len, sentinel, num_chunks, absorb)
     )
+    out = _flat_tokens(input_ids, position_ids, labels, plain, num_chunks, tok)
+    mask = _to_device(layout.padding_mask, None if input_ids.is_cpu else input_ids.device)
+    return out, layout, meta_device, mask.view(num_chunks, tok) if num_chunks > 1 else mask
 
-    tok = rows * seq_len
-    lead = (num_chunks, tok) if num_chunks > 1 else (tok,)
+
+def _flat_tokens(
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    labels: torch.Tensor | None,
+    plain: bool,
+    num_chunks: int,
+    tok: int,
+) -> dict[str, Any]:
+    """The token part of the output: ``[T, ...]`` (``[C, T_c, ...]`` when chunked) views."""
     if plain and num_chunks == 1:  # the collate's [B, S] tensors: flat views
         out: dict[str, Any] = {"input_ids": input_ids.ravel()}
         if labels is not None:
             out["labels"] = labels.ravel()
         out["position_ids"] = position_ids.ravel()
+        return out
+    lead = (num_chunks, tok) if num_chunks > 1 else (tok,)
+    out = {"input_ids": _flatten(input_ids, lead if input_ids.dim() == 2 else (*lead, -1))}
+    if labels is not None:
+        out["labels"] = _flatten(labels, lead if labels.dim() == 2 else (*lead, *labels.shape[2:]))
+    if position_ids.dim() == 3:
+        n_rope = position_ids.shape[0]
+        pos = position_ids.reshape(n_rope, num_chunks, 1, tok)
+        out["position_ids"] = pos.transpose(0, 1) if num_chunks > 1 else pos[:, 0]
     else:
-        out = {"input_ids": _flatten(input_ids, lead if input_ids.dim() == 2 else (*lead, -1))}
-        if labels is not None:
-            out["labels"] = _flatten(
-                labels, lead if labels.dim() == 2 else (*lead, *labels.shape[2:])
-            )
-        if position_ids.dim() == 3:
-            n_rope = position_ids.shape[0]
-            pos = position_ids.reshape(n_rope, num_chunks, 1, tok)
-            out["position_ids"] = pos.transpose(0, 1) if num_chunks > 1 else pos[:, 0]
-        else:
-            out["position_ids"] = _flatten(position_ids, lead)
-    mask = _to_device(layout.padding_mask, None if input_ids.is_cpu else input_ids.device)
-    return out, layout, meta_device, mask.view(num_chunks, tok) if num_chunks > 1 else mask
+        out["position_ids"] = _flatten(position_ids, lead)
+    return out
 
 
 def _flatten(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
@@ -482,127 +433,6 @@ def _pass_through(out: dict[str, Any], batch: Mapping[str, Any]) -> None:
     for key, value in batch.items():
         if key not in out and key not in _CONSUMED_KEYS:
             out[key] = value
-
-
-def _check_keys(batch: Any) -> None:
-    """Raise the right error for a batch that is not a mapping with the required keys."""
-    if not isinstance(batch, Mapping):
-        raise ValueError(
-            f"batch must be a dict of tensors, got {type(batch).__name__}; pass the collate's "
-            "output dict (input_ids, position_ids, seq_lens, ...)."
-        )
-    missing = [k for k in _REQUIRED_KEYS if k not in batch]
-    if missing:
-        raise ValueError(
-            f"batch is missing required key(s) {missing} (has {sorted(batch)}); "
-            "process_input_for_thd needs input_ids [B, S(, H)], position_ids [B, S] or "
-            "[n_rope, B, S], and seq_lens [B, P] (seq_lens=None to infer padding from token ids)."
-        )
-
-
-def _check_token_tensors(input_ids: Any, position_ids: Any, labels: Any) -> None:
-    """Per-argument checks of the token tensors; returns when they are valid."""
-    _check_tensor(input_ids, "input_ids")
-    if input_ids.dim() not in (2, 3):
-        raise ValueError(
-            f"input_ids must be [B, S] token ids or [B, S, H] embeddings, got shape "
-            f"{tuple(input_ids.shape)}; add or remove the batch axis."
-        )
-    bsz, seq_len = int(input_ids.shape[0]), int(input_ids.shape[1])
-    _check_tensor(position_ids, "position_ids")
-    if not (
-        (position_ids.dim() == 2 and tuple(position_ids.shape) == (bsz, seq_len))
-        or (position_ids.dim() == 3 and tuple(position_ids.shape[1:]) == (bsz, seq_len))
-    ):
-        raise ValueError(
-            f"position_ids shape {tuple(position_ids.shape)} does not match the batch "
-            f"[B, S]=[{bsz}, {seq_len}] of input_ids; pass [B, S] or [n_rope, B, S] (mRoPE)."
-        )
-    if labels is not None:
-        _check_tensor(labels, "labels")
-        if labels.dim() < 2 or tuple(labels.shape[:2]) != (bsz, seq_len):
-            raise ValueError(
-                f"labels shape {tuple(labels.shape)} does not match the batch [B, S]=[{bsz}, "
-                f"{seq_len}] of input_ids; pass labels [B, S] aligned with input_ids."
-            )
-
-
-def _check_tensor(value: Any, name: str) -> None:
-    if not isinstance(value, torch.Tensor):
-        raise ValueError(
-            f"batch[{name!r}] must be a torch.Tensor, got {type(value).__name__}; "
-            "convert it with torch.as_tensor in the collate."
-        )
-
-
-def _host_ints(value: Any, name: str) -> np.ndarray:
-    """Integer tensor -> host numpy array (zero-copy on the CPU)."""
-    _check_tensor(value, name)
-    if value.dtype not in _INT_DTYPES:
-        raise ValueError(
-            f"{name} must have an integer dtype, got {value.dtype}; lengths are counts, build "
-            f"them with dtype=torch.int32 or torch.int64 (e.g. {name}.long())."
-        )
-    # A GPU tensor costs one device->host copy here (a sync): the sequence count
-    # is data-dependent. Collates should build lengths on the CPU.
-    arr = value.numpy() if value.is_cpu else value.detach().cpu().numpy()
-    # The layout math runs in int64 so offsets and sums of narrow tables cannot wrap.
-    return arr if arr.dtype == np.int64 else arr.astype(np.int64)
-
-
-def _lengths_to_host(value: Any, name: str, bsz: int) -> np.ndarray:
-    """``[B, P]`` integer length table -> int64 host array, validated."""
-    # Fast path for what collates produce (int64 on the CPU): zero-copy view.
-    if (
-        isinstance(value, torch.Tensor)
-        and value.dtype is torch.int64
-        and value.is_cpu
-        and value.dim() == 2
-        and value.shape[0] == bsz
-    ):
-        return value.numpy()
-    arr = _host_ints(value, name)
-    if arr.ndim != 2 or arr.shape[0] != bsz:
-        raise ValueError(
-            f"{name} must be [B, P] with B={bsz} (input_ids.shape[0]), got shape "
-            f"{tuple(arr.shape)}; give one row of pack-slot lengths per batch row "
-            "(use unsqueeze(1) for one sequence per row)."
-        )
-    return arr
-
-
-def _lengths_from_token_ids(
-    input_ids: torch.Tensor, num_chunks: int, padding_token_id: int, sentinel: int
-) -> tuple[np.ndarray, np.ndarray, torch.device | None]:
-    """Fallback length tables when no pack metadata exists: one sequence per row.
-
-    Padding is inferred from token values, validated per chunk stream (pad only
-    in the stream's tail). Row ``b`` becomes one sequence of its non-pad tokens
-    (rows entirely of pad get the sentinel); its padded length is ``S``.
-    """
-    if input_ids.dim() != 2 or input_ids.dtype.is_floating_point:
-        raise ValueError(
-            f"seq_lens is None and input_ids has shape {tuple(input_ids.shape)} / dtype "
-            f"{input_ids.dtype}: padding can only be inferred from integer token ids [B, S]. "
-            "Supply seq_lens and seq_lens_padded."
-        )
-    bsz, seq_len = input_ids.shape
-    padding = _token_padding_mask_rows(
-        input_ids.reshape(num_chunks, -1), padding_token_id, "input_ids"
-    )
-    real = (~padding).reshape(bsz, seq_len).sum(dim=1).cpu().numpy()
-    rows = bsz // num_chunks
-    if (real[::rows] == 0).any():
-        c = int(np.argmax(real[::rows] == 0))
-        raise ValueError(
-            f"seq_lens is None and input_ids row {c * rows} is entirely padding_token_id="
-            f"{padding_token_id}, so the {'chunk' if num_chunks > 1 else 'batch'} holds no "
-            "sequence at its start. Supply seq_lens, or drop empty rows."
-        )
-    sl = np.where(real > 0, real, sentinel)[:, None]
-    sp = np.where(real > 0, seq_len, sentinel)[:, None]
-    return sl, sp, None if input_ids.is_cpu else input_ids.device
-
 
 def _to_device(arr: np.ndarray, device: torch.device | None) -> torch.Tensor:
     """Host array -> tensor on ``device`` (None: the CPU, zero-copy).

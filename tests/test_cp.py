@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from te_thd import cp as cp_module
+from te_thd import _partition as cp_module
 from te_thd.cp import (
     cp_rank_to_sequence_order,
     partition_indices,
@@ -119,23 +119,24 @@ def test_device_path_matches_oracle(layout, n_sentinel):
     n = len(cu) - 1
     for rank in range(cp):
         want = te_partition_oracle(cu, total, cp, rank)
-        assert cp_module._indices_torch(padded, cp, [rank], None, total).tolist() == want
-        assert cp_module._indices_torch(padded, cp, [rank], n, total).tolist() == want
+        assert cp_module.partition_torch(padded, cp, (rank,), None, total).tolist() == want
+        assert cp_module.partition_torch(padded, cp, (rank,), n, total).tolist() == want
     every = [i for r in range(cp) for i in te_partition_oracle(cu, total, cp, r)]
-    assert cp_module._indices_torch(padded, cp, list(range(cp)), None, total).tolist() == every
+    assert cp_module.partition_torch(padded, cp, tuple(range(cp)), None, total).tolist() == every
 
 
 def test_fast_path_declines_invalid_layouts():
     # the hot path proves validity or returns None so the full check can name the error
     import numpy as np
 
-    fast = cp_module._checked_rank_indices_np
-    assert fast(np.array([0, 8, 16]), 16, 2, 0) is not None
-    assert fast(np.array([0, 16, 8, 16]), 16, 2, 0) is None  # decreasing (negative chunk)
-    assert fast(np.array([0, 6, 16]), 16, 2, 0) is None  # not a multiple of 4
-    assert fast(np.array([4, 8, 16]), 16, 2, 0) is None  # does not start at 0
-    assert fast(np.array([0, 8]), 16, 2, 0) is None  # does not cover the stream
-    assert fast(np.array([0, 8, -1000]), 8, 2, 0) is None  # sentinel left in
+    fast = cp_module.partition_np
+    assert fast(np.array([0, 8, 16]), 16, 2, (0,)) is not None
+    assert fast(np.array([0, 16, 8, 16]), 16, 2, (0,)) is None  # decreasing (negative chunk)
+    assert fast(np.array([0, 6, 16]), 16, 2, (0,)) is None  # not a multiple of 4
+    assert fast(np.array([4, 8, 16]), 16, 2, (0,)) is None  # does not start at 0
+    assert fast(np.array([0, 8]), 16, 2, (0,)) is None  # does not cover the stream
+    assert fast(np.array([0, 8, -1000]), 8, 2, (0,)) is None  # sentinel left in
+    assert fast(np.array([0, 8, 16]), 16, 2, (0, 1)) is not None  # several ranks: same rule
 
 
 def test_cp1_is_identity_for_any_layout():

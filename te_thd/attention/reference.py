@@ -35,6 +35,50 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def _key_ranges(
+    cu_seqlens_kv: torch.Tensor,
+    cu_seqlens_kv_padded: torch.Tensor,
+    seg_q: torch.Tensor,
+    pos_q: torch.Tensor,
+    real_q: torch.Tensor,
+    len_q: torch.Tensor,
+    causal: bool,
+    bottom_right: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per query row ``[M]``: causal shift, whether it sees any key, and the key range
+    ``[lo, hi)`` it can attend to, as global kv slots (int64)."""
+    cukv = cu_seqlens_kv.to(torch.int64)
+    kv_start = torch.cat((cu_seqlens_kv_padded.to(torch.int64)[:-1], cukv.new_zeros(1)))
+    kv_len = torch.cat((cukv[1:] - cukv[:-1], cukv.new_zeros(1)))
+    seg_q_kv = seg_q.clamp(max=kv_len.numel() - 1)
+    lo = kv_start[seg_q_kv]
+    span = kv_len[seg_q_kv]
+    shift = torch.zeros_like(pos_q)
+    if causal:
+        if bottom_right:
+            shift = span - len_q
+        span = torch.minimum(span, (pos_q + shift + 1).clamp(min=0))
+    return shift, real_q & (span > 0), lo, lo + span
+
+
+def _chunk_windows(
+    lo: torch.Tensor, hi: torch.Tensor, valid_row: torch.Tensor, chunk: int
+) -> tuple[int, list[int], list[int]]:
+    """``(n_chunks, win_lo, win_hi)``: the key window of each chunk of ``chunk`` query
+    rows, read on the host once (rows with nothing to see ignored)."""
+    m = lo.shape[0]
+    n_chunks = max(1, -(-m // chunk))
+    pad_rows = n_chunks * chunk - m
+    big = torch.iinfo(torch.int64).max
+    lo_c = torch.where(valid_row, lo, torch.full_like(lo, big))
+    hi_c = torch.where(valid_row, hi, torch.full_like(hi, -1))
+    lo_c = torch.cat((lo_c, lo_c.new_full((pad_rows,), big)))
+    hi_c = torch.cat((hi_c, hi_c.new_full((pad_rows,), -1)))
+    win_lo = lo_c.view(n_chunks, chunk).amin(1).tolist()
+    win_hi = hi_c.view(n_chunks, chunk).amax(1).tolist()
+    return n_chunks, win_lo, win_hi
+
+
 def attend_slots(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -86,31 +130,10 @@ def attend_slots(
     kv_slots = torch.arange(t_kv, device=cu_seqlens_kv_padded.device, dtype=torch.int64)
     seg_k, pos_k, real_k, _ = slot_segments(cu_seqlens_kv, cu_seqlens_kv_padded, kv_slots)
 
-    # Key range [lo, hi) each query row can attend to, as global kv slots.
-    cukv = cu_seqlens_kv.to(torch.int64)
-    kv_start = torch.cat((cu_seqlens_kv_padded.to(torch.int64)[:-1], cukv.new_zeros(1)))
-    kv_len = torch.cat((cukv[1:] - cukv[:-1], cukv.new_zeros(1)))
-    seg_q_kv = seg_q.clamp(max=kv_len.numel() - 1)
-    lo = kv_start[seg_q_kv]
-    span = kv_len[seg_q_kv]
-    shift = torch.zeros_like(pos_q)
-    if causal:
-        if bottom_right:
-            shift = span - len_q
-        span = torch.minimum(span, (pos_q + shift + 1).clamp(min=0))
-    hi = lo + span
-    valid_row = real_q & (span > 0)
-
-    # Per-chunk window bounds, read on the host once (rows with nothing to see ignored).
-    n_chunks = max(1, -(-m // query_chunk_size))
-    pad_rows = n_chunks * query_chunk_size - m
-    big = torch.iinfo(torch.int64).max
-    lo_c = torch.where(valid_row, lo, torch.full_like(lo, big))
-    hi_c = torch.where(valid_row, hi, torch.full_like(hi, -1))
-    lo_c = torch.cat((lo_c, lo_c.new_full((pad_rows,), big)))
-    hi_c = torch.cat((hi_c, hi_c.new_full((pad_rows,), -1)))
-    win_lo = lo_c.view(n_chunks, query_chunk_size).amin(1).tolist()
-    win_hi = hi_c.view(n_chunks, query_chunk_size).amax(1).tolist()
+    shift, valid_row, lo, hi = _key_ranges(
+        cu_seqlens_kv, cu_seqlens_kv_padded, seg_q, pos_q, real_q, len_q, causal, bottom_right
+    )
+    n_chunks, win_lo, win_hi = _chunk_windows(lo, hi, valid_row, query_chunk_size)
 
     seg_q, pos_q, real_q, shift = (x.to(dev) for x in (seg_q, pos_q, real_q, shift))
     seg_k, pos_k, real_k = (x.to(dev) for x in (seg_k, pos_k, real_k))
