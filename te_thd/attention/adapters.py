@@ -1,9 +1,9 @@
-"""Arguments for the attention kernels, built from a converted THD batch.
+"""Arguments for the attention kernels, built from a batch's THD layout.
 
-A *THD batch* is the dict ``te_thd.thd_utils.process_input_for_thd`` returns
-(``cu_seqlens``, ``cu_seqlens_padded``, ``pad_between_seqs``, ``max_seqlen``,
-``max_seqlen_int``, ``padding_mask``, ...), optionally sliced for one CP rank by
-``te_thd.cp.shard_thd_batch_for_cp`` (which records ``cp_size``).
+Every function here takes a :class:`~te_thd.layout.ThdLayout` or the dict
+``te_thd.thd_utils.process_input_for_thd`` returns (optionally sliced for one CP rank
+by ``te_thd.cp.shard_thd_batch_for_cp``, which records ``cp_size``); a dict is
+converted once, by :func:`te_thd.layout.as_layout`, and gives the same result.
 
 - :func:`te_attention_kwargs` -> the exact kwargs of TE ``DotProductAttention.forward``;
 - :func:`packed_seq_params` -> a Megatron-Core ``PackedSeqParams``;
@@ -11,9 +11,10 @@ A *THD batch* is the dict ``te_thd.thd_utils.process_input_for_thd`` returns
   arguments of ``flash_attn_varlen_func`` / ``torch.nn.attention.varlen.varlen_attn``,
   which cannot express padding between sequences (a :class:`VarlenLayoutError` says so).
 
-Host ints (``max_seqlen``) and the ``pad_between_seqs`` bool are decided here, on the
-CPU where the DataLoader worker built the batch; ``device=`` then moves the boundary
-tensors with ``non_blocking=True``, so the GPU step never syncs to get them.
+Host ints (``max_seqlen``) and the ``pad_between_seqs`` bool are decided on the CPU
+where the DataLoader worker built the batch (the layout holds them); ``device=`` then
+moves the boundary tensors with ``non_blocking=True``, so the GPU step never syncs to
+get them.
 """
 
 from __future__ import annotations
@@ -119,18 +120,18 @@ def te_attention_kwargs(
     ``cp_group``).
 
     Args:
-        thd: a converted THD batch (see the module docstring).
+        thd: the batch's ``ThdLayout``, or the converted (sharded) batch dict.
         attn_mask_type: ``"padding_causal"`` (default), ``"padding"`` (bidirectional) or
             ``"padding_causal_bottom_right"``; TE spellings like ``"padding,causal"``.
-        cp_size: context-parallel size; default ``thd.get("cp_size", 1)``.
+        cp_size: context-parallel size; default the layout's (a dict's ``cp_size``, 1).
         max_seqlen: override the host int passed as ``max_seqlen_q/kv``. Default: the
-            longest real *or padded* sequence, read from the CPU boundaries (or
-            ``thd["max_seqlen_int"]`` when the boundaries are already on a device and
-            that is provably enough).
+            layout's ``max_seqlen`` (the longest real *or padded* sequence, read from
+            the CPU boundaries; ``thd["max_seqlen_int"]`` when a dict's boundaries are
+            already on a device and that is provably enough).
         device: move the boundary tensors there (``non_blocking=True``) after all host
             decisions are made.
-        check: validate with :func:`~te_thd.attention.contract.check_te_thd_boundaries`
-            (value checks only for CPU boundaries, so no sync).
+        check: build the layout from a dict with its checks (TE's THD contract; value
+            checks only for CPU boundaries, so no sync) and check the mask type.
 
     Returns:
         :class:`~te_thd.attention.contract.TeThdKwargs`: ``qkv_format="thd"``,
@@ -173,7 +174,7 @@ def packed_seq_params(
     sequence's tail (NVIDIA/TransformerEngine#3331) -- call TE with :func:`te_attention_kwargs` there.
 
     Args:
-        thd: a converted THD batch.
+        thd: the batch's ``ThdLayout``, or the converted (sharded) batch dict.
         causal: whether the model's mask is causal; False rejects an absorbed trailing
             pad (see :func:`te_attention_kwargs`).
         cp_size, max_seqlen, device, check: as in :func:`te_attention_kwargs`.

@@ -117,7 +117,7 @@ def _require_int(name: str, v: Any) -> int:
         raise ThdContractError(
             f"{name} must be a Python int (a tensor makes TE sync the device to read it), "
             f"got {type(v).__name__} {v!r}; pass the host-side value, e.g. "
-            "thd_batch['max_seqlen_int']"
+            "thd['max_seqlen_int']"
         )
     return v
 
@@ -292,7 +292,7 @@ def check_te_thd_boundaries(
             raise ThdContractError(
                 f"{name} is required with context parallelism (cp_size={cp_size}): TE "
                 "partitions and offsets every sequence by its padded boundaries "
-                "(cu_seqlens_padded // cp_size); pass thd_batch['cu_seqlens_padded']"
+                "(cu_seqlens_padded // cp_size); pass thd['cu_seqlens_padded']"
             )
     mq = None if max_seqlen_q is None else _require_int("max_seqlen_q", max_seqlen_q)
     mkv = None if max_seqlen_kv is None else _require_int("max_seqlen_kv", max_seqlen_kv)
@@ -300,7 +300,7 @@ def check_te_thd_boundaries(
         raise ThdContractError(
             "pad_between_seqs must be a Python bool or None, got "
             f"{type(pad_between_seqs).__name__} {pad_between_seqs!r}; use "
-            "thd_batch['pad_between_seqs'] (a bool)"
+            "thd['pad_between_seqs'] (a bool)"
         )
 
     cu_q_pad = cu_seqlens_q if cu_seqlens_q_padded is None else cu_seqlens_q_padded
