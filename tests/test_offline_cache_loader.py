@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections import namedtuple
 
@@ -9,6 +10,8 @@ import pytest
 import torch
 from _offline_cache_support import CACHE_NAME, FORMAT_VERSION, make_cache
 
+from te_thd import ThdLayout
+from te_thd.attention import te_attention_kwargs
 from te_thd.cp import shard_thd_batch_for_cp
 from te_thd.offline_cache import (
     CachedDataLoader,
@@ -252,6 +255,19 @@ def test_thd_collate_matches_composition_of_public_functions(cache, cp_size, sou
         assert torch.equal(out["sample_id"], torch.tensor(idx))  # per-sample keys pass through
         if cp_size > 1:
             assert (out["cp_size"], out["cp_rank"]) == (cp_size, rank)
+        # the batch carries its layout: what ThdLayout.from_thd reads from the same dict
+        # (absorption is a property of the whole stream, the dict's mask only of this rank's)
+        layout, want = out["thd_layout"], ThdLayout.from_thd(ref)
+        assert isinstance(layout, ThdLayout) and (layout.cp_size, layout.cp_rank) == (cp_size, rank)
+        if cp_size > 1:
+            want = dataclasses.replace(want, absorbed_trailing_pad=layout.absorbed_trailing_pad)
+        assert layout == want
+        plain = {k: v for k, v in out.items() if k != "thd_layout"}
+        te_kw = [te_attention_kwargs(x) for x in (out, plain, layout)]
+        for other in te_kw[1:]:
+            assert other.keys() == te_kw[0].keys()
+            for k, v in other.items():
+                assert torch.equal(v, te_kw[0][k]) if isinstance(v, torch.Tensor) else v == te_kw[0][k], k
 
 
 def test_thd_collate_in_workers_gives_host_values(cache):

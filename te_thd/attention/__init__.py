@@ -9,6 +9,9 @@ The last arrow of a batch's path (``packing -> thd_utils -> cp -> attention``):
 - :mod:`.reference`: :func:`thd_attention_reference`, plain torch, same kwargs as TE;
 - :mod:`.cp_reference`: :func:`thd_attention_cp_reference` over a real process group;
 - :mod:`.module`: :class:`ThdAttention`, TE when available, the reference otherwise.
+
+The adapters and :class:`ThdAttention` take the batch's :class:`te_thd.ThdLayout` or
+the converted batch dict.
 """
 
 from __future__ import annotations
