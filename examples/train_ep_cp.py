@@ -113,6 +113,24 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="packed row length (default: the cache's pack_seq_len)",
     )
+    p.add_argument(
+        "--rows",
+        type=int,
+        default=None,
+        help="fixed number of packed rows per step (default: as many as the samples need)",
+    )
+    p.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=None,
+        help="pad cu_seqlens to N+1 every step (with --rows: identical shapes, for CUDA graphs)",
+    )
+    p.add_argument(
+        "--cp-comm-type",
+        choices=("p2p", "all_gather", "a2a"),
+        default="p2p",
+        help="TE's context-parallel communication (a2a: heads divisible by --cp)",
+    )
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument(
         "--min-lr-ratio", type=float, default=0.1, help="cosine decay floor, as a fraction of --lr"
@@ -162,6 +180,10 @@ def check_args(args: argparse.Namespace) -> None:
     for name in ("steps", "batch_size", "experts", "topk_experts", "layers", "log_every"):
         v = getattr(args, name)
         if v < 1:
+            raise ValueError(f"--{name.replace('_', '-')}={v} must be >= 1")
+    for name in ("rows", "max_num_seqs"):
+        v = getattr(args, name)
+        if v is not None and v < 1:
             raise ValueError(f"--{name.replace('_', '-')}={v} must be >= 1")
     for name in ("save_every", "num_workers", "warmup"):
         v = getattr(args, name)
@@ -275,17 +297,36 @@ def build_student(
     def make_attention() -> ThdAttention:
         # TE DotProductAttention(cp_group=...) on CUDA; reference CP attention over gloo on CPU.
         return ThdAttention(
-            cfg.num_heads, cfg.head_dim, cp_group=ctx.cp_group if ctx.cp_size > 1 else None
+            cfg.num_heads,
+            cfg.head_dim,
+            cp_group=ctx.cp_group if ctx.cp_size > 1 else None,
+            cp_comm_type=args.cp_comm_type,
         )
 
     model = StudentMoE(cfg, make_attention, ep_group=ctx.ep_group, cp_group=ctx.cp_group)
     return model.to(ctx.device)
 
 
-def build_collate(seq_len: int, cp_size: int, cp_rank: int) -> CachedThdCollator:
-    """Cached samples -> packed rows (documents padded to 2*cp) -> THD -> this CP rank's tokens."""
+def build_collate(
+    seq_len: int,
+    cp_size: int,
+    cp_rank: int,
+    rows: int | None = None,
+    max_num_seqs: int | None = None,
+) -> CachedThdCollator:
+    """Cached samples -> packed rows (documents padded to 2*cp) -> THD -> this CP rank's tokens.
+
+    ``rows`` and ``max_num_seqs`` give every step identical shapes (CUDA graphs): a fixed
+    number of packed rows, and boundary arrays padded to ``max_num_seqs + 1``.
+    """
     return CachedThdCollator(
-        seq_len, length_key="seq_len", token_keys=TOKEN_KEYS, cp_size=cp_size, cp_rank=cp_rank
+        seq_len,
+        length_key="seq_len",
+        token_keys=TOKEN_KEYS,
+        cp_size=cp_size,
+        cp_rank=cp_rank,
+        rows=rows,
+        max_num_seqs=max_num_seqs,
     )
 
 
@@ -353,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
         args.cache_dir, CACHE_NAME, FORMAT_VERSION, KEYS,
         producer_name=f"`{producer_command(args.cache_dir, manifest)}`",
     )  # fmt: skip
-    collate = build_collate(seq_len, ctx.cp_size, ctx.cp_rank)
+    collate = build_collate(seq_len, ctx.cp_size, ctx.cp_rank, args.rows, args.max_num_seqs)
     model = build_student(args, manifest, ctx)
     dense, expert = model.dense_parameters(), model.expert_parameters()
     optimizer = torch.optim.AdamW(

@@ -57,6 +57,7 @@ from gpu_check_attention import (
     TeKernel,
     naive_lowp_attention,
     naive_lowp_noncausal,
+    reference_fixed_shape,
     run_numerics,
     te_import_status,
     varlen_attention,
@@ -274,16 +275,17 @@ def run(
         if value is not None:
             setattr(nplan, key, value)
     if cuda:
-        te_kernel = TeKernel() if te else None
-        kernels_nopad = {
-            "varlen_attn": varlen_attention,
-            **({"te": te_kernel} if te_kernel else {}),
-        }
-        kernels_pad = {"te": te_kernel} if te_kernel else {}
+        te_kernels = {"te": TeKernel(), "te_fixed_shape": TeKernel(fixed_shape=True)} if te else {}
+        kernels_nopad = {"varlen_attn": varlen_attention, **te_kernels}
+        kernels_pad = dict(te_kernels)
         negative = ("varlen_attn_noncausal", varlen_attention_noncausal)
     else:
-        kernels_nopad = {"stand_in_naive_lowp": naive_lowp_attention}
-        kernels_pad = {"stand_in_naive_lowp": naive_lowp_attention}
+        stand_ins = {
+            "stand_in_naive_lowp": naive_lowp_attention,
+            "stand_in_fixed_shape": reference_fixed_shape,
+        }
+        kernels_nopad = dict(stand_ins)
+        kernels_pad = dict(stand_ins)
         negative = ("stand_in_noncausal", naive_lowp_noncausal)
 
     report: dict[str, Any] = {

@@ -256,11 +256,37 @@ def naive_lowp_noncausal(
     return out
 
 
-class TeKernel:
-    """TE ``DotProductAttention`` via ``ThdAttention(backend="te")``, one module per head shape."""
+#: Extra zero-length sequences the fixed-shape (CUDA-graph) form appends to a layout.
+FIXED_SHAPE_EXTRA_SEQS = 4
 
-    def __init__(self) -> None:
+
+def fixed_shape_kwargs(thd: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    """``te_attention_kwargs`` in the fixed-shape form: boundaries padded with
+    :data:`FIXED_SHAPE_EXTRA_SEQS` zero-length sequences, ``max_seqlen`` = the stream."""
+    return dict(
+        te_attention_kwargs(
+            thd, device=device, max_num_seqs=thd["num_seqs"] + FIXED_SHAPE_EXTRA_SEQS
+        )
+    )
+
+
+def reference_fixed_shape(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, thd: dict[str, Any]
+) -> torch.Tensor:
+    """The reference on the fixed-shape kwargs (the dry run's stand-in for TE on them)."""
+    return thd_attention_reference(q, k, v, **fixed_shape_kwargs(thd, q.device))
+
+
+class TeKernel:
+    """TE ``DotProductAttention`` via ``ThdAttention(backend="te")``, one module per head shape.
+
+    ``fixed_shape``: call it with :func:`fixed_shape_kwargs` (zero-length trailing
+    sequences; TE >= 2.18 takes them) instead of the plain kwargs.
+    """
+
+    def __init__(self, fixed_shape: bool = False) -> None:
         self._mods: dict[tuple[int, int, int], ThdAttention] = {}
+        self.fixed_shape = fixed_shape
 
     def __call__(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, thd: dict[str, Any]
@@ -271,7 +297,12 @@ class TeKernel:
                 q.shape[1], q.shape[2], num_gqa_groups=k.shape[1], backend="te"
             )
         mod = self._mods[key]
-        out = mod(q, k, v, te_attention_kwargs(thd, device=q.device))  # [T, H*D]
+        kw = (
+            fixed_shape_kwargs(thd, q.device)
+            if self.fixed_shape
+            else te_attention_kwargs(thd, device=q.device)
+        )
+        out = mod(q, k, v, kw)  # [T, H*D]
         if mod.last_backend != "te":
             raise RuntimeError(
                 f"ThdAttention ran {mod.last_backend!r}, not TE, on {q.device} input"

@@ -28,6 +28,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from te_thd.layout import cp_padding_fix
+
 
 def check_total_tokens(total_tokens: Any) -> None:
     if isinstance(total_tokens, bool) or not isinstance(total_tokens, int) or total_tokens < 0:
@@ -113,8 +115,7 @@ def validated_np(
     if cp_size > 1 and total_tokens % multiple != 0:
         raise ValueError(
             f"total_tokens={total_tokens} is not divisible by 2*cp_size={multiple}; "
-            f"pad every sequence (and so the stream) to a multiple of {multiple}, e.g. "
-            f"PackingCollator(pad_to_multiple_of=pad_to_multiple_for(cp_size={cp_size}))"
+            f"{cp_padding_fix(cp_size)} (and so pads the stream)"
         )
     if num_seqs is not None:
         cu = cu[: num_seqs + 1]
@@ -136,8 +137,7 @@ def validated_np(
         raise ValueError(
             f"sequence {i} has padded length {int(lengths[i])}, which is not a multiple of "
             f"2*cp_size={multiple} (TE's THD context parallelism splits every sequence into "
-            f"{multiple} equal chunks); pad every sequence to a multiple of {multiple}, e.g. "
-            f"PackingCollator(pad_to_multiple_of=pad_to_multiple_for(cp_size={cp_size}))"
+            f"{multiple} equal chunks); {cp_padding_fix(cp_size)}"
         )
     if cu[-1] != total_tokens:
         raise ValueError(

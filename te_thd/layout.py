@@ -46,6 +46,20 @@ def check_cp_args(cp_size: Any, *cp_rank: Any, error: type[ValueError] = ValueEr
             )
 
 
+def cp_padding_fix(cp_size: int) -> str:
+    """What to do about a document whose length is not a multiple of ``2 * cp_size``.
+
+    TE's THD context parallelism (and Megatron's per-document CP slicing, which calls
+    TE's partition on ``cu_seqlens`` when a batch has no padded boundaries) splits every
+    document into ``2 * cp_size`` equal chunks; te_thd's packer pads them so.
+    """
+    return (
+        f"pad every document to a multiple of {2 * cp_size}: "
+        f"te_thd.packing.PackingCollator(seq_len, pad_to_multiple_of=pad_to_multiple_for("
+        f"cp_size={cp_size})) does"
+    )
+
+
 @dataclass(frozen=True, eq=False)
 class ThdLayout:
     """The THD layout of one packed stream: what TE's THD attention needs, decided on the host.
@@ -146,6 +160,59 @@ class ThdLayout:
         if (cp_size, cp_rank) == (self.cp_size, self.cp_rank):
             return self
         return dataclasses.replace(self, cp_size=cp_size, cp_rank=cp_rank)
+
+    def padded_to(self, max_num_seqs: int, max_seqlen: int | None = None) -> ThdLayout:
+        """This layout with fixed shapes, for CUDA graphs: ``[max_num_seqs + 1]`` boundaries.
+
+        Both boundary arrays are padded by repeating their last offset -- zero-length
+        trailing sequences, the form TE >= 2.18 and Megatron's CUDA-graph path take --
+        and ``max_seqlen`` becomes the fixed bound ``max_seqlen`` (default: the stream
+        length ``total_tokens``, which no sequence exceeds). Attention over the result
+        equals attention over this layout; every step padded to the same
+        ``max_num_seqs`` and bound hands TE identical shapes and host ints.
+
+        Raises:
+            ValueError: the batch has more than ``max_num_seqs`` sequences, or the bound
+                is below its longest sequence (or unknown: pass ``max_seqlen``).
+        """
+        if isinstance(max_num_seqs, bool) or not isinstance(max_num_seqs, int) or max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be an int >= 1, got {max_num_seqs!r}")
+        n, total = self.num_seqs, self.total_tokens
+        if n > max_num_seqs:
+            # one sequence per padding multiple at most: that count always fits
+            multiple = 2 * self.cp_size if self.cp_size > 1 else 1
+            enough = "" if total is None else (
+                f" (max_num_seqs={total // multiple} always suffices for these {total} tokens)"
+            )
+            raise ValueError(
+                f"the batch has {n} sequences, more than max_num_seqs={max_num_seqs}: its "
+                f"boundary arrays cannot be padded to the fixed length {max_num_seqs + 1}; "
+                f"raise max_num_seqs{enough} or pack fewer documents per step"
+            )
+        bound = total if max_seqlen is None else max_seqlen
+        if bound is None:
+            raise ValueError(
+                "the stream length is unknown (a batch without token tensors whose boundaries "
+                "are on a device), so it cannot be the default max_seqlen bound; pass "
+                "max_seqlen= (e.g. the packed row length)"
+            )
+        _check_max_seqlen(bound)
+        if bound < self.max_seqlen:
+            raise ValueError(
+                f"max_seqlen={bound} is below the batch's longest sequence ({self.max_seqlen} "
+                "slots, padded length included); the fixed bound must hold every step's "
+                "longest sequence -- use the packed row length"
+            )
+        k = max_num_seqs - n
+
+        def pad(t: torch.Tensor) -> torch.Tensor:
+            return t if k == 0 else torch.cat((t, t[-1:].expand(k)))
+
+        cu = pad(self.cu_seqlens)
+        cup = cu if self.cu_seqlens_padded is self.cu_seqlens else pad(self.cu_seqlens_padded)
+        # proven, not re-checked: zero-length sequences break no rule, bound >= longest
+        return _derive(self, cu_seqlens=cu, cu_seqlens_padded=cup, num_seqs=max_num_seqs,
+                       max_seqlen=bound)  # fmt: skip
 
     @property
     def local_tokens(self) -> int | None:

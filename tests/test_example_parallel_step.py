@@ -45,16 +45,15 @@ def _step_worker(rank: int, world: int, cache_dir: str, configs: list) -> dict:
     manifest = read_manifest(cache_dir, CACHE_NAME, FORMAT_VERSION)
     dataset = CachedTensorDataset(cache_dir, CACHE_NAME, FORMAT_VERSION, KEYS)
     out = {}
-    for name, cp, ep, same_samples in configs:
+    for name, cp, ep, same_samples, *extra in configs:
         ctx = init_parallel(cp, ep, "cpu", num_experts=4)
         args = build_parser().parse_args(
-            ["--cache-dir", cache_dir, "--cp", str(cp), "--ep", str(ep)]
+            ["--cache-dir", cache_dir, "--cp", str(cp), "--ep", str(ep), *extra]
         )
         model = build_student(args, manifest, ctx)
         first = 0 if same_samples else ctx.dp_rank * N_SAMPLES
-        batch = build_collate(128, cp, ctx.cp_rank)(
-            dataset.__getitems__(list(range(first, first + N_SAMPLES)))
-        )
+        collate = build_collate(128, cp, ctx.cp_rank, args.rows, args.max_num_seqs)
+        batch = collate(dataset.__getitems__(list(range(first, first + N_SAMPLES))))
         kw = te_attention_kwargs(batch, cp_size=cp)
         local = forward_backward(model, batch, kw, ctx, hidden_weight=1.0, aux_weight=0.1)
         dense, expert = model.dense_parameters(), model.expert_parameters()
@@ -71,6 +70,8 @@ def _step_worker(rank: int, world: int, cache_dir: str, configs: list) -> dict:
             "backend": model.blocks[0].attn.last_backend,
             "local_tokens": int(batch["input_ids"].shape[0]),
             "global_tokens": int(batch["cu_seqlens_padded"][-1]),
+            "boundaries": tuple(kw["cu_seqlens_q"].shape),
+            "max_seqlen": kw["max_seqlen_q"],
         }
         ps.destroy_model_parallel()
     return out
@@ -93,12 +94,18 @@ def _assert_same_step(a: dict, ref: dict, num_experts: int = 4) -> None:
 # cp1_same: CP=1 on both ranks with the SAME samples (2 data-parallel replicas of one
 # batch: the gradient sum over DP of loss/(2N) is the single-batch gradient).
 # ep1 / ep2: CP=1, each data-parallel replica its own samples.
+# cp2_fixed: CP=2 with identical shapes every step (3 packed rows, cu_seqlens padded to
+# 9 entries with zero-length sequences); cp2_a2a / cp2_all_gather: TE's other CP
+# communication types (the reference moves data the same way).
 CONFIGS = [
     ("cp1_same", 1, 1, True),
     ("cp2", 2, 1, True),
     ("cp2_ep2", 2, 2, True),
     ("ep1", 1, 1, False),
     ("ep2", 1, 2, False),
+    ("cp2_fixed", 2, 1, True, "--rows", "3", "--max-num-seqs", "8"),
+    ("cp2_a2a", 2, 1, True, "--cp-comm-type", "a2a"),
+    ("cp2_all_gather", 2, 2, True, "--cp-comm-type", "all_gather"),
 ]
 
 
@@ -118,6 +125,16 @@ def test_cp2_and_cp2_ep2_steps_equal_the_cp1_step(steps: list[dict]):
             # really sharded: each CP rank holds half of the (global) packed stream
             assert got["local_tokens"] * 2 == got["global_tokens"]
             _assert_same_step(got, ref)
+
+
+def test_fixed_shapes_and_other_cp_comm_types_give_the_cp1_step(steps: list[dict]):
+    for rank in range(2):
+        ref = steps[rank]["cp1_same"]
+        fixed = steps[rank]["cp2_fixed"]
+        assert fixed["boundaries"] == (9,) and fixed["max_seqlen"] == 3 * 128
+        assert fixed["local_tokens"] * 2 == fixed["global_tokens"] == 3 * 128
+        for name in ("cp2_fixed", "cp2_a2a", "cp2_all_gather"):
+            _assert_same_step(steps[rank][name], ref)
 
 
 def test_ep2_step_equals_ep1_step(steps: list[dict]):

@@ -19,6 +19,7 @@ get them.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -76,10 +77,16 @@ def _attention_layout(
     device: torch.device | str | None,
     check: bool,
     varlen_kernel: str | None = None,
+    max_num_seqs: int | None = None,
 ) -> ThdLayout:
     """The batch's layout (converted once), checked for ``mask`` (and for a varlen
-    kernel, when named), moved to ``device``."""
-    layout = as_layout(thd, cp_size=cp_size, max_seqlen=max_seqlen, validate=check)
+    kernel, when named), in fixed-shape form when ``max_num_seqs`` is given, moved to
+    ``device``."""
+    if max_num_seqs is not None:
+        layout = as_layout(thd, cp_size=cp_size, validate=check)
+        layout = layout.padded_to(max_num_seqs, max_seqlen)
+    else:
+        layout = as_layout(thd, cp_size=cp_size, max_seqlen=max_seqlen, validate=check)
     if check:
         check_mask_for_thd(mask, layout.cp_size)
     if varlen_kernel is not None:
@@ -112,6 +119,7 @@ def te_attention_kwargs(
     max_seqlen: int | None = None,
     device: torch.device | str | None = None,
     check: bool = True,
+    max_num_seqs: int | None = None,
 ) -> TeThdKwargs:
     """The exact THD kwargs of TE ``DotProductAttention.forward``.
 
@@ -132,6 +140,11 @@ def te_attention_kwargs(
             decisions are made.
         check: build the layout from a dict with its checks (TE's THD contract; value
             checks only for CPU boundaries, so no sync) and check the mask type.
+        max_num_seqs: fixed shapes for CUDA graphs: every ``cu_seqlens*`` array is
+            padded to ``[max_num_seqs + 1]`` by repeating its last offset (zero-length
+            trailing sequences; TE >= 2.18) and ``max_seqlen_q/kv`` is the fixed bound
+            ``max_seqlen`` (default: the stream length). Outputs and gradients are
+            unchanged (:meth:`~te_thd.layout.ThdLayout.padded_to`).
 
     Returns:
         :class:`~te_thd.attention.contract.TeThdKwargs`: ``qkv_format="thd"``,
@@ -140,11 +153,14 @@ def te_attention_kwargs(
 
     Raises:
         ThdContractError: the batch breaks TE's THD contract.
-        ValueError: missing keys, a value that would need a device sync, or a
-            bidirectional mask over an absorbed trailing pad.
+        ValueError: missing keys, a value that would need a device sync, a
+            bidirectional mask over an absorbed trailing pad, or more than
+            ``max_num_seqs`` sequences.
     """
     mask = normalize_attn_mask_type(attn_mask_type)
-    layout = _attention_layout(thd, mask, cp_size, max_seqlen, device, check)
+    layout = _attention_layout(
+        thd, mask, cp_size, max_seqlen, device, check, max_num_seqs=max_num_seqs
+    )
     return TeThdKwargs(
         qkv_format="thd",
         attn_mask_type=mask,
@@ -163,36 +179,69 @@ def packed_seq_params(
     cp_group: Any = None,
     local_cp_size: int | None = None,
     check: bool = True,
+    max_num_seqs: int | None = None,
 ) -> Any:
     """A Megatron-Core ``PackedSeqParams`` for the batch (``qkv_format="thd"``).
 
-    Megatron's ``TEDotProductAttention`` forwards its fields to TE as kwargs. It has no
-    ``pad_between_seqs`` field, so TE auto-detects it: when there is no padding
-    between sequences the padded arrays here *are* the unpadded tensor objects, which
-    every TE version detects as "no padding"; when there is, TE versions whose check
-    compares only ``cu_seqlens[:-1]`` mis-detect a batch padded only at the last
-    sequence's tail (NVIDIA/TransformerEngine#3331) -- call TE with :func:`te_attention_kwargs` there.
+    Megatron's ``TEDotProductAttention`` forwards its fields to TE as kwargs. Which
+    fields exist depends on the installed megatron-core (read from the dataclass, not
+    from a version number): every field te_thd knows is set when the class has it --
+    the boundaries and ``max_seqlen_q/kv``, ``local_cp_size`` / ``cp_group``,
+    ``total_tokens`` (the global stream length; 0.17 and later) and
+    ``pad_between_seqs`` (0.19 and later, forwarded to TE >= 2.2, so TE never guesses
+    it). Without that field (megatron-core 0.16) TE infers it: TE >= 2.18 from whether
+    the padded arrays are the unpadded tensor *objects* -- here they are exactly when
+    there is no padding between sequences, so it infers right; older TE compares
+    ``cu_seqlens[:-1]`` by value (a device sync) and misses padding that sits only at
+    the last sequence's tail (NVIDIA/TransformerEngine#3331) -- call TE with :func:`te_attention_kwargs`
+    there.
+
+    The dataclass is built from the host boundaries and its tensor fields are then
+    moved to ``device``: Megatron's ``__post_init__`` (``seq_idx`` from
+    ``total_tokens``, for Mamba layers) runs on the CPU instead of syncing the device.
 
     Args:
         thd: the batch's ``ThdLayout``, or the converted (sharded) batch dict.
         causal: whether the model's mask is causal; False rejects an absorbed trailing
             pad (see :func:`te_attention_kwargs`).
-        cp_size, max_seqlen, device, check: as in :func:`te_attention_kwargs`.
+        cp_size, max_seqlen, device, check, max_num_seqs: as in :func:`te_attention_kwargs`.
         cp_group, local_cp_size: Megatron's dynamic-CP fields, passed through.
 
     Returns:
         ``megatron.core.packed_seq_params.PackedSeqParams``.
     """
-    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core import packed_seq_params as mcore
 
+    cls = mcore.PackedSeqParams  # read at call time: the installed release's class
     mask = "padding_causal" if causal else "padding"
-    layout = _attention_layout(thd, mask, cp_size, max_seqlen, device, check)
-    return PackedSeqParams(
-        qkv_format="thd",
-        **_te_boundary_fields(layout),
-        local_cp_size=local_cp_size,
-        cp_group=cp_group,
+    layout = _attention_layout(
+        thd, mask, cp_size, max_seqlen, None, check, max_num_seqs=max_num_seqs
     )
+    known: dict[str, Any] = {
+        "qkv_format": "thd",
+        **_te_boundary_fields(layout),
+        "local_cp_size": local_cp_size,
+        "cp_group": cp_group,
+        "pad_between_seqs": layout.pad_between_seqs,
+        "total_tokens": layout.total_tokens,
+    }
+    names = {f.name for f in dataclasses.fields(cls)}
+    params = cls(**{k: v for k, v in known.items() if k in names and v is not None})
+    if device is not None:
+        _move_tensor_fields(params, device)
+    return params
+
+
+def _move_tensor_fields(params: Any, device: torch.device | str) -> None:
+    """Move every tensor field of a dataclass in place (``non_blocking``), keeping shared
+    tensors shared (TE's same-object rule for ``cu_seqlens*_padded``)."""
+    moved: dict[int, torch.Tensor] = {}
+    for f in dataclasses.fields(params):
+        v = getattr(params, f.name)
+        if isinstance(v, torch.Tensor):
+            if id(v) not in moved:
+                moved[id(v)] = v.to(device, non_blocking=True)
+            setattr(params, f.name, moved[id(v)])
 
 
 def _reject_for_varlen(layout: ThdLayout, kernel: str) -> None:

@@ -19,7 +19,7 @@ from typing import Any, TypedDict
 import numpy as np
 import torch
 
-from te_thd.layout import check_cp_args
+from te_thd.layout import check_cp_args, cp_padding_fix
 
 __all__ = [
     "TE_ATTN_MASK_TYPES",
@@ -198,8 +198,7 @@ def check_boundary_values(
                 f"sequence {i} has padded length {int(plens[i])} ({cup_name}), "
                 f"not a multiple of 2*cp_size={multiple}; TE's THD context parallelism "
                 f"splits every sequence into {multiple} equal chunks (thd_get_partitioned_"
-                f"indices asserts seqlen % (world_size * 2) == 0) -- pad every sequence to a "
-                f"multiple of {multiple} when packing"
+                f"indices asserts seqlen % (world_size * 2) == 0) -- {cp_padding_fix(cp_size)}"
             )
         if total_tokens is not None and p[-1] != total_tokens:
             raise ThdContractError(

@@ -1,12 +1,21 @@
-"""Context-parallel reference attention over a real ``torch.distributed`` group.
+"""Context-parallel reference attention over real ``torch.distributed`` groups.
 
 Each CP rank holds its dual-chunk shard of q/k/v (TE's THD CP layout, see
-:mod:`te_thd.cp`). The reference all-gathers K/V in the CP group, restores sequence
-order with :func:`te_thd.cp.cp_rank_to_sequence_order`, and attends the local
-queries at their true global slots (:func:`te_thd.cp.partition_indices`), so causal
-positions are exact for the dual-chunk layout. The all-gather's backward sums every
-rank's K/V gradient and hands each rank its own shard, so gradients equal the
-single-device ones. Works on gloo (CPU) and NCCL.
+:mod:`te_thd.cp`). The reference moves data the way TE's ``cp_comm_type`` names
+(:mod:`te_thd.attention.cp_comm`), then attends the queries it holds at their true
+global slots (:func:`te_thd.cp.partition_indices`), so causal positions are exact:
+
+- ``"p2p"`` / ``"all_gather"``: K/V all-gathered over the CP group (TE passes them
+  around a ring for ``"p2p"``; what every rank ends up attending to is the same);
+- ``"a2a"``: an all-to-all gives each rank ``H / cp`` heads of every rank's tokens,
+  attention runs over the whole sequence for those heads, and the inverse all-to-all
+  returns each rank its own tokens with all heads;
+- ``"a2a+p2p"``: the all-to-all inside ``cp_group[0]``, K/V gathered over
+  ``cp_group[1]``, the inverse all-to-all.
+
+Every type gives the same numbers as the single-device reference. The collectives'
+backward passes sum every rank's K/V gradient and hand each rank its own shard, so
+gradients equal the single-device ones too. Works on gloo (CPU) and NCCL.
 
 Communication lives here; the layout math it uses lives in :mod:`te_thd.cp` and
 :mod:`te_thd.attention._layout`.
@@ -20,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from te_thd.attention.contract import check_te_thd_args
+from te_thd.attention.cp_comm import heads_to_sequence, resolve_cp_groups, sequence_to_heads
 from te_thd.attention.reference import attend_slots, thd_attention_reference
 
 __all__ = ["thd_attention_cp_reference"]
@@ -74,6 +84,7 @@ def thd_attention_cp_reference(
     value: torch.Tensor,
     *,
     cp_group: Any,
+    cp_comm_type: str = "p2p",
     cu_seqlens_q: torch.Tensor,
     cu_seqlens_kv: torch.Tensor,
     cu_seqlens_q_padded: torch.Tensor | None = None,
@@ -96,7 +107,11 @@ def thd_attention_cp_reference(
         query: ``[T / cp, H, D]`` local queries (chunks ``r`` and ``2cp-1-r`` of every
             sequence).
         key, value: ``[T / cp, H_kv, D]`` / ``[T / cp, H_kv, D_v]`` local shards.
-        cp_group: the CP process group (size 1 falls back to the plain reference).
+        cp_group: the CP process group (size 1 falls back to the plain reference); for
+            ``cp_comm_type="a2a+p2p"`` the list ``[a2a_group, p2p_group]``; or their
+            :class:`~te_thd.attention.cp_comm.CpGroups`.
+        cp_comm_type: ``"p2p"`` (default), ``"all_gather"``, ``"a2a"`` or ``"a2a+p2p"``,
+            as TE's (see the module docstring); the result does not depend on it.
         cu_seqlens_q, cu_seqlens_kv, cu_seqlens_q_padded, cu_seqlens_kv_padded: global
             int32 ``[N+1]`` boundaries; every padded length a multiple of ``2 * cp``.
         max_seqlen_q, max_seqlen_kv, attn_mask_type, qkv_format, pad_between_seqs,
@@ -119,8 +134,8 @@ def thd_attention_cp_reference(
         "qkv_format": qkv_format,
         "pad_between_seqs": pad_between_seqs,
     }
-    cp_size = 1 if cp_group is None else dist.get_world_size(cp_group)
-    if cp_size == 1:
+    groups = None if cp_group is None else resolve_cp_groups(cp_group, cp_comm_type)
+    if groups is None or groups.size == 1:
         return thd_attention_reference(
             query,
             key,
@@ -129,14 +144,32 @@ def thd_attention_cp_reference(
             query_chunk_size=query_chunk_size,
             **kwargs,
         )
+    cp_size = groups.size
     mask = check_te_thd_args(query, key, value, cp_size=cp_size, **kwargs)
     assert cu_seqlens_q_padded is not None and cu_seqlens_kv_padded is not None  # checked
-    rank = dist.get_rank(cp_group)
-
-    k_all = cp_rank_to_sequence_order(all_gather_cp(key, cp_group), cu_seqlens_kv_padded, cp_size)
-    v_all = cp_rank_to_sequence_order(all_gather_cp(value, cp_group), cu_seqlens_kv_padded, cp_size)
-    q_slots = partition_indices(cu_seqlens_q_padded, query.shape[0] * cp_size, cp_size, rank)
-    return attend_slots(
+    for name, t in (("query", query), ("key", key)):
+        if t.shape[1] % groups.a2a_size:
+            raise ValueError(
+                f"{name} has {t.shape[1]} heads, not divisible by the {groups.a2a_size} ranks "
+                f"cp_comm_type={cp_comm_type!r} scatters heads over (TE: 'cp_comm_type=a2a "
+                "requires num_heads % cp_size == 0'); use cp_comm_type='p2p'"
+            )
+    # CP indices whose tokens this rank attends for: its own, or after the all-to-all
+    # every rank of its a2a group (a2a group rank a holds CP index p * A + a)
+    first = groups.rank - groups.rank % groups.a2a_size
+    owners = range(first, first + groups.a2a_size)
+    if groups.a2a_group is not None:
+        query, key, value = (heads_to_sequence(t, groups.a2a_group) for t in (query, key, value))
+    if groups.p2p_group is not None:
+        key, value = (all_gather_cp(t, groups.p2p_group) for t in (key, value))
+    # key/value now hold every CP index's tokens, in CP-index order
+    k_all = cp_rank_to_sequence_order(key, cu_seqlens_kv_padded, cp_size)
+    v_all = cp_rank_to_sequence_order(value, cu_seqlens_kv_padded, cp_size)
+    total_q = query.shape[0] // groups.a2a_size * cp_size
+    q_slots = torch.cat(
+        [partition_indices(cu_seqlens_q_padded, total_q, cp_size, r) for r in owners]
+    )
+    out = attend_slots(
         query,
         k_all,
         v_all,
@@ -150,3 +183,6 @@ def thd_attention_cp_reference(
         softmax_scale=softmax_scale,
         query_chunk_size=query_chunk_size,
     )
+    if groups.a2a_group is not None:
+        out = sequence_to_heads(out, groups.a2a_group)
+    return out

@@ -15,11 +15,16 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from te_thd.attention.adapters import te_attention_kwargs
 from te_thd.attention.contract import normalize_attn_mask_type
+from te_thd.attention.cp_comm import (
+    CP_COMM_TYPES,
+    check_cp_comm_type,
+    installed_te_version,
+    resolve_cp_groups,
+)
 from te_thd.attention.cp_reference import thd_attention_cp_reference
 from te_thd.attention.reference import thd_attention_reference
 from te_thd.layout import ThdLayout
@@ -51,7 +56,13 @@ class ThdAttention(nn.Module):
         attn_mask_type: ``"padding_causal"`` (default) or ``"padding"``.
         softmax_scale: default ``1 / sqrt(kv_channels)``.
         cp_group: context-parallel process group (``None``: no CP). q/k/v are then this
-            rank's dual-chunk shards and the THD batch's boundaries stay global.
+            rank's dual-chunk shards and the THD batch's boundaries stay global. For
+            ``cp_comm_type="a2a+p2p"`` the list ``[a2a_group, p2p_group]``.
+        cp_comm_type: how TE moves data between CP ranks: ``"p2p"`` (default),
+            ``"all_gather"``, ``"a2a"`` or ``"a2a+p2p"``
+            (:mod:`te_thd.attention.cp_comm`). A combination TE would reject (group
+            structure, heads not divisible for all-to-all, a TE release without THD
+            support for the type) raises here; the CPU reference runs every type.
         backend: ``"auto"`` (TE when :func:`te_available` and the input is on CUDA),
             ``"te"`` (require TE) or ``"reference"``.
 
@@ -69,6 +80,7 @@ class ThdAttention(nn.Module):
         attn_mask_type: str = "padding_causal",
         softmax_scale: float | None = None,
         cp_group: Any = None,
+        cp_comm_type: str = "p2p",
         backend: Literal["auto", "te", "reference"] = "auto",
     ) -> None:
         super().__init__()
@@ -88,7 +100,11 @@ class ThdAttention(nn.Module):
             1.0 / math.sqrt(kv_channels) if softmax_scale is None else float(softmax_scale)
         )
         self.cp_group = cp_group
-        self.cp_size = 1 if cp_group is None else dist.get_world_size(cp_group)
+        self.cp_comm_type = cp_comm_type
+        self._cp = None if cp_group is None else resolve_cp_groups(cp_group, cp_comm_type)
+        if cp_group is None and cp_comm_type not in CP_COMM_TYPES:
+            raise ValueError(f"cp_comm_type={cp_comm_type!r} is not one of TE's {CP_COMM_TYPES}")
+        self.cp_size = 1 if self._cp is None else self._cp.size
         self.last_backend: Backend | None = None
 
         use_te = backend == "te" or (backend == "auto" and te_available())
@@ -98,6 +114,14 @@ class ThdAttention(nn.Module):
                 f"{torch.cuda.is_available()}); install it on a CUDA machine with "
                 "pip install -e '.[te]', or use backend='auto' to fall back to the reference"
             )
+        if self._cp is not None:
+            check_cp_comm_type(
+                self._cp,
+                num_attention_heads=num_attention_heads,
+                num_gqa_groups=heads_kv,
+                attn_mask_type=self.attn_mask_type,
+                te_version=installed_te_version() if use_te else None,
+            )
         self._te: nn.Module | None = self._build_te() if use_te else None
         self.preferred_backend: Backend = "te" if self._te is not None else "reference"
 
@@ -105,12 +129,12 @@ class ThdAttention(nn.Module):
         import transformer_engine.pytorch as te
 
         cp_kwargs: dict[str, Any] = {}
-        if self.cp_size > 1:
+        if self._cp is not None and self._cp.size > 1:
             cp_kwargs = {
-                "cp_group": self.cp_group,
-                "cp_global_ranks": dist.get_process_group_ranks(self.cp_group),
+                "cp_group": self._cp.cp_group,
+                "cp_global_ranks": list(self._cp.global_ranks),
                 "cp_stream": torch.cuda.Stream(),
-                "cp_comm_type": "p2p",
+                "cp_comm_type": self._cp.comm_type,
             }
         return te.DotProductAttention(
             self.num_attention_heads,
@@ -168,7 +192,13 @@ class ThdAttention(nn.Module):
         self.last_backend = "reference"
         if self.cp_size > 1:
             out = thd_attention_cp_reference(
-                query, key, value, cp_group=self.cp_group, softmax_scale=self.softmax_scale, **kw
+                query,
+                key,
+                value,
+                cp_group=self._cp,  # resolved once, here (no collective per call)
+                cp_comm_type=self.cp_comm_type,
+                softmax_scale=self.softmax_scale,
+                **kw,
             )
         else:
             out = thd_attention_reference(query, key, value, softmax_scale=self.softmax_scale, **kw)

@@ -57,6 +57,11 @@ class CachedThdCollator:
             parallelism) and returns rank ``cp_rank``'s tokens.
         rows: fixed number of packed rows (fixed shapes, e.g. CUDA graphs); None
             uses as many rows as the samples need.
+        max_num_seqs: with ``rows``, identical shapes every step (CUDA graphs): the
+            layout's boundary arrays are padded to ``[max_num_seqs + 1]`` with
+            zero-length trailing sequences and its ``max_seqlen`` is fixed to the stream
+            length ``rows * seq_len`` (:meth:`~te_thd.layout.ThdLayout.padded_to`); a
+            batch with more documents raises. None: as many boundaries as documents.
         overlong: a sample longer than S: ``"raise"`` (default) or ``"truncate"``.
         pad_token_id, pad_values: filler of ``input_ids`` / of each other token key
             in padding slots (default 0).
@@ -96,6 +101,7 @@ class CachedThdCollator:
         pad_values: Mapping[str, int | float] | None = None,
         seq_lens_padding_value: int = -1000,
         absorb_trailing_pad: bool = True,
+        max_num_seqs: int | None = None,
     ) -> None:
         if length_key is not None and mask_key is not None:
             raise ValueError(
@@ -116,6 +122,11 @@ class CachedThdCollator:
         self.pad_values = dict(pad_values or {})
         self.seq_lens_padding_value = seq_lens_padding_value
         self.absorb_trailing_pad = absorb_trailing_pad
+        if max_num_seqs is not None and (
+            isinstance(max_num_seqs, bool) or not isinstance(max_num_seqs, int) or max_num_seqs < 1
+        ):
+            raise ValueError(f"max_num_seqs must be an int >= 1 or None, got {max_num_seqs!r}")
+        self.max_num_seqs = max_num_seqs
         self.packer = PackingCollator(
             seq_len,
             pad_to_multiple_of=pad_to_multiple_for(cp_size, tp_size, sequence_parallel),
@@ -248,6 +259,14 @@ class CachedThdCollator:
                 layout.cu_seqlens_padded, src_flat.numel(), self.cp_size, self.cp_rank, layout.num_seqs, check=False
             )
             gather, is_pad = gather[mine], is_pad[mine]
+        if self.max_num_seqs is not None:
+            # bound: the stream length (rows * seq_len), fixed with ``rows``; a row's
+            # length is not enough, trailing empty rows are absorbed into the last sequence
+            layout = thd[LAYOUT_KEY].padded_to(self.max_num_seqs)
+            thd[LAYOUT_KEY] = layout
+            thd["cu_seqlens"], thd["cu_seqlens_padded"] = layout.cu_seqlens, layout.cu_seqlens_padded
+            thd["num_seqs"], thd["max_seqlen_int"] = layout.num_seqs, layout.max_seqlen
+            thd["max_seqlen"] = torch.tensor(layout.max_seqlen, dtype=torch.int32)
         for k in token_keys:
             v = tensors[k]
             flat = v.reshape(b * width, *v.shape[2:]).index_select(0, gather)  # [T(/cp), ...]
