@@ -210,16 +210,57 @@ class _Rows(NamedTuple):
     span: np.ndarray  # slots of each document, padding and the row's tail included
 
 
+def _planned_bins(
+    planned: Sequence[int], padded: np.ndarray, seq_len: int, rows: int | None
+) -> tuple[np.ndarray, int]:
+    """Bins of documents given row by row (``planned[k]`` documents in row ``k``) and B.
+
+    Empty rows move behind the non-empty ones (row order inside a batch carries no
+    meaning; the layout puts empty rows last). Raises when a row overflows.
+    """
+    counts = np.asarray(planned, dtype=np.int64).reshape(-1)
+    if counts.size == 0 or int(counts.min()) < 0 or int(counts.sum()) != padded.shape[0]:
+        raise ValueError(
+            f"rows={list(planned)} must be >= 0 sample counts, one per row, summing to the "
+            f"{padded.shape[0]} samples given (samples in row order)"
+        )
+    K = counts.shape[0]
+    B = K if rows is None else rows
+    if K > B:
+        raise ValueError(f"the plan has {K} rows but the collator was built with rows={B}")
+    nonempty = counts > 0
+    new_id = np.concatenate([np.flatnonzero(nonempty), np.flatnonzero(~nonempty)])
+    bins = np.repeat(np.argsort(new_id), counts)  # row k's documents -> its new position
+    fill = np.bincount(bins, weights=padded, minlength=K)
+    if fill.max() > seq_len:
+        k = int(new_id[int(np.argmax(fill))])
+        raise ValueError(
+            f"planned row {k} holds {int(fill.max())} padded tokens > seq_len={seq_len}; "
+            "plan with the collator's seq_len and pad_to_multiple_of (and the same lengths)"
+        )
+    return bins, B
+
+
 def _row_layout(
-    full: np.ndarray, seq_len: int, multiple: int, rows: int | None, decreasing: bool
+    full: np.ndarray,
+    seq_len: int,
+    multiple: int,
+    rows: int | None,
+    decreasing: bool,
+    planned: Sequence[int] | None = None,
 ) -> _Rows:
-    """Bin-pack documents of ``full`` ``[n]`` tokens into rows of ``seq_len`` slots."""
+    """Bin-pack documents of ``full`` ``[n]`` tokens into rows of ``seq_len`` slots
+    (or take the rows of ``planned``, see :func:`_planned_bins`)."""
     n = full.shape[0]
     real = np.minimum(full, seq_len)  # [n] kept tokens
     padded = (real + (multiple - 1)) // multiple * multiple  # [n] span before the row tail
-    bins = assign_bins(padded, seq_len, decreasing=decreasing)
-    n_bins = int(bins.max()) + 1
-    B = n_bins if rows is None else rows
+    if planned is not None:
+        bins, B = _planned_bins(planned, padded, seq_len, rows)
+        n_bins = int(bins.max()) + 1
+    else:
+        bins = assign_bins(padded, seq_len, decreasing=decreasing)
+        n_bins = int(bins.max()) + 1
+        B = n_bins if rows is None else rows
     if n_bins > B:
         raise ValueError(
             f"the {n} samples need {n_bins} rows of seq_len={seq_len} but rows={B}; "
@@ -414,27 +455,32 @@ class PackingCollator:
     # -- packing ------------------------------------------------------------------------
 
     def __call__(
-        self, samples: Sequence[Mapping[str, torch.Tensor]] | Mapping[str, Any]
+        self,
+        samples: Sequence[Mapping[str, torch.Tensor]] | Mapping[str, Any],
+        rows: Sequence[int] | None = None,
     ) -> dict[str, Any]:
+        """Pack ``samples``; with ``rows`` (a plan: ``rows[k]`` samples, given in row
+        order, form row ``k``, as ``te_thd.balance.plan_global_batch`` plans them) the
+        rows are taken as planned instead of bin-packed."""
         if isinstance(samples, Mapping):
             samples = unflatten_from_position_ids(samples)
         full_lens, keys = self._lengths(samples)
         S = self.seq_len
         full = np.asarray(full_lens, dtype=np.int64)  # [n] sample lengths
-        rows = _row_layout(
-            full, S, self.pad_to_multiple_of, self.rows, self.bin_packing == "ffd"
+        layout = _row_layout(
+            full, S, self.pad_to_multiple_of, self.rows, self.bin_packing == "ffd", rows
         )
-        index = _gather_index(full, rows, S)
-        B, n_bins = rows.n_rows, rows.n_filled
+        index = _gather_index(full, layout, S)
+        B, n_bins = layout.n_rows, layout.n_filled
         n_empty = B - n_bins
         total_full = int(full.sum())
-        span, r_ord = rows.span, rows.real
+        span, r_ord = layout.span, layout.real
 
-        P = int(rows.counts.max())
+        P = int(layout.counts.max())
         seq_lens = np.full((B, P), self.seq_lens_padding_value, dtype=np.int64)
         seq_lens_padded = seq_lens.copy()
-        seq_lens[rows.row, rows.slot] = r_ord
-        seq_lens_padded[rows.row, rows.slot] = span
+        seq_lens[layout.row, layout.slot] = r_ord
+        seq_lens_padded[layout.row, layout.slot] = span
 
         out: dict[str, Any] = {}
         for k in keys:

@@ -131,3 +131,62 @@ def test_errors():
         BalancedBatchSampler(Samples(4, 2), [1, 2, 3, 4], 0, 8, 1, 0)
     with pytest.raises(ValueError, match=r"attn_scale=0.0 must be > 0"):
         BalancedBatchSampler(Samples(4, 2), [1, 2, 3, 4], 2, 8, 1, 0, attn_scale=0.0)
+
+
+# --------------------------------------------------------------------------- through the loader
+
+
+def _loaders(cache_dir, R, **kw):
+    from _offline_cache_support import CACHE_NAME, FORMAT_VERSION
+
+    from te_thd.offline_cache import CachedTensorDataset, CachedThdCollator, build_cached_dataloader
+    from te_thd.offline_cache.balanced_sampler import scan_lengths
+
+    data = CachedTensorDataset(cache_dir, CACHE_NAME, FORMAT_VERSION, ("sample_id", "input_ids", "length"))
+    lengths = scan_lengths(data, length_key="length")
+    collate = CachedThdCollator(16, length_key="length", keys=("sample_id", "input_ids", "length"))
+    return [
+        build_cached_dataloader(data, 6, True, collate, distributed=True, dp_rank=r, dp_size=R, seed=2,
+                                balance=True, lengths=lengths, attn_scale=64.0, **kw)
+        for r in range(R)
+    ], lengths
+
+
+def test_loader_packs_the_planned_rows_and_resumes(tmp_path):
+    from _offline_cache_support import make_cache
+
+    tensors = make_cache(str(tmp_path), 90, 16, width=8)
+    assert scan_lengths_matches(tmp_path, tensors)
+    loaders, lengths = _loaders(str(tmp_path), 3)
+    per_rank = [list(loader) for loader in loaders]
+    steps = unbalanced_steps(90, 3, 6, seed=2)
+    assert [len(p) for p in per_rank] == [len(steps)] * 3
+    for step, expected in enumerate(steps):
+        batches = [p[step] for p in per_rank]
+        ids = sorted(i for b in batches for i in b["sample_id"].tolist())
+        assert ids == expected  # the unbalanced loader's samples for this step
+        rows = {b["input_ids"].numel() // 16 for b in batches}  # T = rows * S
+        assert len(rows) == 1  # the same rows on every replica
+        for b in batches:  # the collator kept the planned documents
+            assert b["num_seqs"] == len(b["sample_id"])
+    # resume after two steps: the remaining steps, identical
+    fresh, _ = _loaders(str(tmp_path), 3)
+    it = iter(fresh[1])
+    next(it), next(it)
+    saved = fresh[1].state_dict()
+    assert saved["sampler"]["consumed_samples"] == 2 * 3 * 6
+    resumed, _ = _loaders(str(tmp_path), 3, resume_state=saved)
+    rest = [b["sample_id"].tolist() for b in resumed[1]]
+    assert rest == [b["sample_id"].tolist() for b in per_rank[1][2:]]
+
+
+def scan_lengths_matches(tmp_path, tensors) -> bool:
+    from _offline_cache_support import CACHE_NAME, FORMAT_VERSION
+
+    from te_thd.offline_cache import CachedTensorDataset
+    from te_thd.offline_cache.balanced_sampler import scan_lengths
+
+    data = CachedTensorDataset(str(tmp_path), CACHE_NAME, FORMAT_VERSION, ("input_ids", "length", "position_mask"))
+    by_key = scan_lengths(data, length_key="length")
+    by_ids = scan_lengths(data)  # ids are right-padded with 0 after the length
+    return by_key.tolist() == tensors["length"].tolist() == by_ids.tolist()

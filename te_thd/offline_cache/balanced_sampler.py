@@ -11,7 +11,10 @@ the samples' lengths, with no collective.
 
 Each item it yields is a :class:`PlannedBatch`: this replica's dataset indices, row
 by row, with ``rows`` = the number of samples in each row (``K`` entries, the same
-``K`` on every replica; a row may be empty).
+``K`` on every replica; a row may be empty). A ``DataLoader`` hands only the samples
+to its ``collate_fn``, so :class:`PlannedDataset` wraps the dataset and returns the
+samples together with the rows (:class:`PlannedSamples`); ``CachedThdCollator`` packs
+those along the plan instead of bin-packing them again.
 """
 
 from __future__ import annotations
@@ -21,13 +24,13 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import Sampler
+from torch.utils.data import Dataset, Sampler
 
 from te_thd.balance import DEFAULT_ATTN_SCALE, min_rows_per_replica, plan_global_batch
 
 from .sampler import CacheShardSampler
 
-__all__ = ["BalancedBatchSampler", "PlannedBatch"]
+__all__ = ["BalancedBatchSampler", "PlannedBatch", "PlannedDataset", "PlannedSamples", "scan_lengths"]
 
 
 class PlannedBatch(list):
@@ -43,6 +46,53 @@ class PlannedBatch(list):
 
     def __reduce__(self) -> tuple[Any, ...]:  # DataLoader workers receive it pickled
         return (PlannedBatch, (list(self), self.rows))
+
+
+class PlannedSamples(Sequence[Any]):
+    """One step's samples (what the dataset read, in row order) and their rows.
+
+    ``batch``: the dataset's output for the step (a ``CachedBatch`` or a list of
+    sample dicts); ``rows``: samples per row, as :class:`PlannedBatch`.
+    """
+
+    def __init__(self, batch: Sequence[Any], rows: Sequence[int]) -> None:
+        self.batch = batch
+        self.rows = tuple(rows)
+
+    def __len__(self) -> int:
+        return len(self.batch)
+
+    def __getitem__(self, i: Any) -> Any:
+        return self.batch[i]
+
+
+class PlannedDataset(Dataset):
+    """The dataset, reading a :class:`PlannedBatch` into :class:`PlannedSamples`.
+
+    Every other access (``len``, ``dataset[i]``, ``shard_size``, ...) is the wrapped
+    dataset's.
+    """
+
+    def __init__(self, dataset: Any) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int | PlannedBatch) -> Any:
+        # a DataLoader built with batch_size=None hands each PlannedBatch here whole
+        return self.__getitems__(index) if isinstance(index, PlannedBatch) else self.dataset[index]
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "dataset":  # not set yet (unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self.dataset, name)
+
+    def __getitems__(self, indices: Sequence[int]) -> PlannedSamples | Sequence[Any]:
+        read = getattr(self.dataset, "__getitems__", None)
+        batch = read(list(indices)) if read is not None else [self.dataset[i] for i in indices]
+        rows = getattr(indices, "rows", None)
+        return batch if rows is None else PlannedSamples(batch, rows)
 
 
 class BalancedBatchSampler(Sampler[PlannedBatch]):
@@ -115,6 +165,15 @@ class BalancedBatchSampler(Sampler[PlannedBatch]):
     def epoch(self) -> int:
         return self.order.epoch
 
+    @property
+    def total_size(self) -> int:
+        """Global samples of an epoch (as ``CacheShardSampler.total_size``)."""
+        return self.order.total_size
+
+    @property
+    def _start(self) -> int:
+        return self.order._start
+
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch's order (as ``CacheShardSampler.set_epoch``)."""
         self.order.set_epoch(epoch)
@@ -149,3 +208,45 @@ class BalancedBatchSampler(Sampler[PlannedBatch]):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue after the saved position (the same state as ``CacheShardSampler``'s)."""
         self.order.load_state_dict(state)
+
+
+def scan_lengths(
+    dataset: Any,
+    *,
+    length_key: str | None = None,
+    mask_key: str | None = None,
+    input_key: str = "input_ids",
+    pad_token_id: int = 0,
+    block: int = 4096,
+) -> np.ndarray:
+    """Every sample's real length, int64 ``[len(dataset)]``, by reading the dataset once.
+
+    From ``length_key`` (one integer per sample), else the nonzero count of
+    ``mask_key`` (a right-padded per-token mask), else the non-padding length of
+    ``input_key`` (up to and including the last token that is not ``pad_token_id``).
+    The dataset must read those keys. Reads ``block`` samples at a time.
+    """
+    n = len(dataset)
+    out = np.empty(n, dtype=np.int64)
+    read = getattr(dataset, "__getitems__", None)
+    for begin in range(0, n, block):
+        idx = list(range(begin, min(begin + block, n)))
+        batch = read(idx) if read is not None else [dataset[i] for i in idx]
+        tensors = getattr(batch, "tensors", None)
+        key = length_key or mask_key or input_key
+        if tensors is not None:
+            t = tensors[key]
+        else:
+            t = torch.stack([sample[key] for sample in batch])
+        t = t.reshape(len(idx), -1)
+        if length_key is not None:
+            lengths = t[:, 0]
+        elif mask_key is not None:
+            lengths = (t != 0).sum(1)
+        else:
+            real = t != pad_token_id
+            width = t.shape[1]
+            last = width - torch.flip(real, [1]).to(torch.int8).argmax(1)  # after the last real token
+            lengths = torch.where(real.any(1), last, torch.zeros_like(last))
+        out[begin : begin + len(idx)] = lengths.to(torch.int64).numpy()
+    return out

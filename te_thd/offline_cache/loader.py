@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, get_worker_info
 
+from .balanced_sampler import BalancedBatchSampler, PlannedDataset
 from .reader import CachedBatch, _empty
 from .sampler import CacheShardSampler, default_data_parallel_rank_size
 
@@ -104,7 +105,7 @@ class CachedDataLoader(DataLoader):
     ``num_workers`` (prefetched batches are simply read again).
     """
 
-    sampler: CacheShardSampler
+    sampler: CacheShardSampler | BalancedBatchSampler
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -124,7 +125,9 @@ class CachedDataLoader(DataLoader):
         s = self.sampler
         if self._epoch_of_pass is None or s.epoch != self._epoch_of_pass:
             return s._start  # no pass of this epoch yet (or set_epoch since): only the resume offset
-        local = min(self._batches * int(self.batch_size or 1), (s.total_size - self._base) // s.num_replicas)
+        # samples per replica per batch: the loader's batch_size, or a batch sampler's own
+        per_batch = int(self.batch_size or getattr(s, "batch_size", 1))
+        local = min(self._batches * per_batch, (s.total_size - self._base) // s.num_replicas)
         return self._base + local * s.num_replicas
 
     def state_dict(self) -> dict[str, Any]:
@@ -157,6 +160,10 @@ def build_cached_dataloader(
     persistent_workers: bool = False,
     prefetch_factor: int | None = None,
     multiprocessing_context: Any = None,
+    balance: bool = False,
+    lengths: Sequence[int] | Any = None,
+    attn_scale: float = 49152.0,
+    rows_per_replica: int | None = None,
 ) -> CachedDataLoader:
     """Build a dataloader over a precomputed offline cache dataset.
 
@@ -183,6 +190,13 @@ def build_cached_dataloader(
         persistent_workers, prefetch_factor, multiprocessing_context: passed to the
             ``DataLoader`` when ``num_workers > 0`` (``"forkserver"`` / ``"spawn"`` when
             the parent holds a CUDA context).
+        balance: work-balanced steps (``BalancedBatchSampler``): each step draws the
+            same global batch as without it (same order, same resume points) and this
+            replica packs the rows ``te_thd.balance.plan_global_batch`` plans for it;
+            ``collate_fn`` must be a ``CachedThdCollator`` (its ``seq_len`` and padding
+            multiple are planned for). ``loader.sampler`` is then the batch sampler.
+        lengths: with ``balance``, every sample's real length (``scan_lengths``).
+        attn_scale, rows_per_replica: with ``balance``, passed to the planner.
     """
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size={batch_size!r} must be an int >= 1 (samples per data-parallel replica)")
@@ -198,7 +212,21 @@ def build_cached_dataloader(
             dp_rank, dp_size = found if found is not None else (0, 1)
         else:
             dp_rank, dp_size = 0, 1
-    sampler = CacheShardSampler(dataset, num_replicas=dp_size, rank=dp_rank, shuffle=shuffle, seed=seed, drop_last=drop_last)
+    if balance:
+        packer = getattr(collate_fn, "packer", None)
+        if packer is None or lengths is None:
+            raise ValueError(
+                "balance=True plans each step's rows: pass collate_fn=CachedThdCollator(...) (its seq_len "
+                "and padding are planned for) and lengths= (every sample's length, e.g. "
+                "te_thd.offline_cache.balanced_sampler.scan_lengths(dataset, mask_key=...))"
+            )
+        sampler: CacheShardSampler | BalancedBatchSampler = BalancedBatchSampler(
+            dataset, lengths, batch_size, packer.seq_len, dp_size, dp_rank, shuffle, seed, drop_last,
+            pad_to_multiple_of=packer.pad_to_multiple_of, attn_scale=attn_scale,
+            rows_per_replica=rows_per_replica,
+        )
+    else:
+        sampler = CacheShardSampler(dataset, num_replicas=dp_size, rank=dp_rank, shuffle=shuffle, seed=seed, drop_last=drop_last)
     if resume_state is not None and start_sample:
         raise ValueError(f"pass resume_state or start_sample={start_sample}, not both")
     if start_sample:
@@ -211,13 +239,14 @@ def build_cached_dataloader(
         if multiprocessing_context is not None:
             worker_kwargs["multiprocessing_context"] = multiprocessing_context
     loader = CachedDataLoader(
-        dataset,
-        batch_size=batch_size,
+        PlannedDataset(dataset) if balance else dataset,
+        # a planned step is one sampler item (a PlannedBatch) read whole by PlannedDataset
+        batch_size=None if balance else batch_size,
         sampler=sampler,
         num_workers=num_workers,
         pin_memory=torch.cuda.is_available() if pin_memory is None else bool(pin_memory),
         collate_fn=collate_fn,
-        drop_last=drop_last,
+        drop_last=drop_last and not balance,
         **worker_kwargs,
     )
     if resume_state is not None:

@@ -28,6 +28,7 @@ from te_thd.layout import LAYOUT_KEY, ThdLayout, check_cp_args
 from te_thd.packing import PackingCollator, pad_to_multiple_for
 from te_thd.thd_utils import process_input_for_thd
 
+from .balanced_sampler import PlannedSamples
 from .loader import collate_cached
 from .reader import CachedBatch
 
@@ -199,6 +200,11 @@ class CachedThdCollator:
     # -- collate -----------------------------------------------------------------------
 
     def __call__(self, features: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, Any]:
+        # A planned step (``BalancedBatchSampler`` through ``PlannedDataset``) keeps its
+        # rows: samples arrive row by row and are packed as planned.
+        rows = features.rows if isinstance(features, PlannedSamples) else None
+        if rows is not None:
+            features = features.batch
         tensors = self._stacked(features)
         if self.input_key not in tensors:
             raise ValueError(f"input_key={self.input_key!r} was not read (read: {sorted(tensors)})")
@@ -221,7 +227,7 @@ class CachedThdCollator:
                 raise ValueError(f"label_key={self.label_key!r} was not read (read: {sorted(tensors)})")
             parts["labels"] = torch.split(tensors[self.label_key].reshape(b, width)[valid], lens)
         samples = [dict(zip(parts, group, strict=True)) for group in zip(*parts.values(), strict=True)]
-        packed = self.packer(samples)
+        packed = self.packer(samples, rows=rows)
 
         consumed = {self.input_key, self.label_key, self.length_key}
         if self.token_keys is not None:
