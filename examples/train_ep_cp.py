@@ -34,7 +34,8 @@ What one step does, and which te_thd piece does it:
 
 Rank 0 logs loss, tokens/s and the data-wait share of the step time, shows a tqdm
 bar on a terminal, appends every step to ``<out>/metrics.jsonl`` and ends with a
-``summary:`` line.
+``summary:`` line, which also gives the fastest and the slowest rank's compute time per
+step (``--balance`` plans every step's global batch so that they come close).
 """
 
 from __future__ import annotations
@@ -79,6 +80,7 @@ from ep_cp.parallel import (  # noqa: E402
 )
 from ep_cp.step import forward_backward, global_stats  # noqa: E402
 from ep_cp.student import StudentMoE  # noqa: E402
+from ep_cp.timing import ComputeTimer, spread  # noqa: E402
 
 from te_thd.attention import ThdAttention, te_attention_kwargs  # noqa: E402
 from te_thd.offline_cache import (  # noqa: E402
@@ -89,6 +91,7 @@ from te_thd.offline_cache import (  # noqa: E402
     read_manifest,
     to_device,
 )
+from te_thd.offline_cache.balanced_sampler import scan_lengths  # noqa: E402
 from te_thd.packing import pad_to_multiple_for  # noqa: E402
 
 
@@ -172,6 +175,20 @@ def build_parser() -> argparse.ArgumentParser:
         "--resume", action="store_true", help="continue from <out>/ckpt's latest checkpoint"
     )
     p.add_argument("--log-every", type=int, default=10, help="print a log line every N steps")
+    p.add_argument(
+        "--balance",
+        action="store_true",
+        help="work-balanced steps: each step's global batch (the same samples as without it) "
+        "is planned over the data-parallel replicas, equal rows and near-equal compute each "
+        "(te_thd.balance.plan_global_batch, from the cache's sample lengths)",
+    )
+    p.add_argument(
+        "--attn-scale",
+        type=float,
+        default=None,
+        help="with --balance: cost of a document of length L is L + L^2 / attn-scale "
+        "(default: 12 x the student's hidden size)",
+    )
     return p
 
 
@@ -195,6 +212,8 @@ def check_args(args: argparse.Namespace) -> None:
         )
     if not args.lr > 0:
         raise ValueError(f"--lr={args.lr} must be > 0")
+    if args.attn_scale is not None and not args.attn_scale > 0:
+        raise ValueError(f"--attn-scale={args.attn_scale} must be > 0")
 
 
 class LrSchedule:
@@ -336,8 +355,21 @@ def build_loader(
     collate: CachedThdCollator,
     epoch: int = 0,
     state: dict[str, Any] | None = None,
+    attn_scale: float | None = None,
 ):
-    """The cached dataloader: shard-block shuffled, sharded over data-parallel replicas only."""
+    """The cached dataloader: shard-block shuffled, sharded over data-parallel replicas only.
+
+    ``--balance``: every step's global batch planned over the replicas; the lengths
+    come from one read of the cache's ``seq_len`` column (``scan_lengths``).
+    """
+    balance: dict[str, Any] = {}
+    if args.balance:
+        lengths_only = CachedTensorDataset(args.cache_dir, CACHE_NAME, FORMAT_VERSION, ("seq_len",))
+        balance = dict(
+            balance=True,
+            lengths=scan_lengths(lengths_only, length_key="seq_len"),
+            attn_scale=args.attn_scale or attn_scale or 49152.0,
+        )
     loader = build_cached_dataloader(
         dataset,
         args.batch_size,
@@ -348,6 +380,7 @@ def build_loader(
         seed=args.seed,
         drop_last=True,
         persistent_workers=args.num_workers > 0,
+        **balance,
     )
     loader.sampler.set_epoch(epoch)
     if state is not None:
@@ -441,7 +474,7 @@ def main(argv: list[str] | None = None) -> int:
         shutdown_parallel()
         return 0
 
-    loader = build_loader(args, dataset, collate, epoch, loader_state)
+    loader = build_loader(args, dataset, collate, epoch, loader_state, 12.0 * model.cfg.hidden_size)
     batches = iter(loader)
 
     metrics = MetricsLog(os.path.join(args.out, "metrics.jsonl"), step, rank0)
@@ -468,6 +501,7 @@ def main(argv: list[str] | None = None) -> int:
         else contextlib.nullcontext()
     )
     history: list[dict[str, Any]] = []
+    timer = ComputeTimer(ctx.device)
     t_start = time.perf_counter()
     while step < args.steps:
         t0 = time.perf_counter()
@@ -484,7 +518,7 @@ def main(argv: list[str] | None = None) -> int:
         t1 = time.perf_counter()
 
         optimizer.zero_grad(set_to_none=True)
-        with autocast:
+        with autocast, timer:
             local = forward_backward(
                 model, batch, attn_kwargs, ctx, args.hidden_weight, args.aux_weight
             )
@@ -539,6 +573,7 @@ def main(argv: list[str] | None = None) -> int:
     if bar is not None:
         bar.close()
     metrics.close()
+    compute = spread(timer.gather())  # every rank takes part: one collective, after the run
 
     if rank0 and history:
         k = min(10, len(history))
@@ -561,12 +596,16 @@ def main(argv: list[str] | None = None) -> int:
             "cp": ctx.cp_size,
             "ep": ctx.ep_size,
             "device": args.device,
+            "balance": args.balance,
+            **compute,
         }
         with open(os.path.join(args.out, "summary.json"), "w") as f:
             json.dump(summary, f, indent=1)
         print(
             f"summary: steps {history[0]['step'] - 1}->{step} | loss {first:.4f} -> {last:.4f} "
             f"(mean of first/last {k} steps) | {tok_s:.0f} tok/s | data wait {100 * wait:.1f}% of step time "
+            f"| compute per step {compute['compute_min_s']:.3f}-{compute['compute_max_s']:.3f} s "
+            f"(fastest-slowest rank{', balanced' if args.balance else ''}) "
             f"| dp {ctx.dp_size} x cp {ctx.cp_size}, ep {ctx.ep_size} on {ctx.world_size} {args.device} ranks "
             f"| {wall:.1f} s | checkpoint {ckpt_dir}",
             flush=True,

@@ -56,6 +56,12 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="continue the previous demo run from its checkpoint (keeping its LR schedule)",
     )
+    p.add_argument(
+        "--balance",
+        action="store_true",
+        help="work-balanced steps (train_ep_cp.py --balance): equal rows and near-equal "
+        "compute on every data-parallel replica",
+    )
 
 
 def _check(args: argparse.Namespace) -> None:
@@ -139,6 +145,7 @@ def run_demo(args: argparse.Namespace) -> int:
             "--device",
             args.device,
             *(["--resume"] if args.resume else []),
+            *(["--balance"] if args.balance else []),
         ],
         root,
     )
