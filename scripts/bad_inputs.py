@@ -437,6 +437,12 @@ def _packing_rows() -> list[BadInput]:
         BadInput("plan-rows-unpackable", "packing", "plan_global_batch: rows_per_replica at the bound but too few to pack",
                  plan([4, 4, 4, 4, 4], 1, 10, rows_per_replica=2),
                  _re("rows_per_replica=2 cannot hold this global batch") + ".*" + _re("needs 3 rows of seq_len=10 per replica (the lower bound is 2); pass rows_per_replica>=3 or None")),
+        BadInput("pack-plan-counts", "packing", "PackingCollator(samples, rows=): row counts do not add up to the samples",
+                 lambda _: pk.PackingCollator(8)([{"input_ids": ids}, {"input_ids": ids}], rows=[1, 2]),
+                 _re("rows=[1, 2] must be >= 0 sample counts, one per row, summing to the 2 samples given")),
+        BadInput("pack-plan-overflow", "packing", "PackingCollator(samples, rows=): a planned row overflows seq_len",
+                 lambda _: pk.PackingCollator(8)([{"input_ids": ids}, {"input_ids": torch.arange(6)}], rows=[2]),
+                 _re("planned row 0 holds 9 padded tokens > seq_len=8; plan with the collator's seq_len")),
     ]
 
 

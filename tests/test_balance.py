@@ -5,7 +5,6 @@ from __future__ import annotations
 import itertools
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -257,10 +256,3 @@ def test_rows_per_replica_above_the_bound_but_unpackable_names_the_rows_needed()
     with pytest.raises(ValueError, match=r"rows_per_replica=2 cannot hold.*needs 3 rows"):
         plan_global_batch([4, 4, 4, 4, 4], 1, 10, rows_per_replica=2)
 
-
-def test_docs_example_prints_what_the_page_shows(capsys):
-    page = (Path(__file__).resolve().parents[1] / "docs" / "balance.md").read_text()
-    code = page.split("```python\n", 1)[1].split("```", 1)[0]
-    shown = page.split("```text\n", 1)[1].split("```", 1)[0]
-    exec(compile(code, "docs/balance.md", "exec"), {})
-    assert capsys.readouterr().out == shown

@@ -178,6 +178,9 @@ def test_loader_packs_the_planned_rows_and_resumes(tmp_path):
     resumed, _ = _loaders(str(tmp_path), 3, resume_state=saved)
     rest = [b["sample_id"].tolist() for b in resumed[1]]
     assert rest == [b["sample_id"].tolist() for b in per_rank[1][2:]]
+    # a worker process receives the planned batch (pickled) and collates it the same way
+    workers, _ = _loaders(str(tmp_path), 3, num_workers=1)
+    assert [b["sample_id"].tolist() for b in workers[2]] == [b["sample_id"].tolist() for b in per_rank[2]]
 
 
 def scan_lengths_matches(tmp_path, tensors) -> bool:

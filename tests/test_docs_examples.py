@@ -17,7 +17,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 #: pages whose examples run on the CPU as written
-PAGES = ("README.md", "docs/packing.md", "docs/thd_utils.md", "docs/layout.md")
+PAGES = ("README.md", "docs/packing.md", "docs/thd_utils.md", "docs/layout.md", "docs/balance.md")
 
 
 def example_pairs(text: str) -> list[tuple[str, str]]:
