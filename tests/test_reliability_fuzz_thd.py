@@ -342,6 +342,9 @@ def _apply_table_mutations(draw, req: dict[str, Any]) -> None:
 
 
 def _lengths(table: list[list[int]], dtype: torch.dtype) -> torch.Tensor:
+    # Stacked mutations (a huge slot, then grow_row) can step past int64: saturate, as the
+    # user's own int64 tensor would have to.
+    table = [[min(max(v, INT64_MIN), INT64_MAX) for v in row] for row in table]
     t = torch.tensor(table, dtype=torch.int64) if table and table[0] else torch.zeros(
         (len(table), 0), dtype=torch.int64)
     return t.to(dtype)
