@@ -5,12 +5,25 @@ Both loaders read the SAME files (written once under a temp dir): te_thd's
 ``__getitems__``, memory-mapped shards, shard-block shuffle) against the
 reference's (nemo-automodel 0.7.0, per-item ``safe_open(...).get_slice`` +
 ``torch.stack``; its shuffle is a global ``RandomSampler``). One timed call = one
-full epoch, ``num_workers=0``, samples/s reported. ``raw_slice`` is a plain loop
-over every shard's ``get_slice(key)`` in slices of the batch size, each copied into
-fresh memory (``.clone()``: the slice itself is a view of safetensors' mapping) —
-no per-sample work, no order, no DataLoader: the cost of moving the bytes once.
-``unverified`` is te_thd's loader with ``verify=False``: ``ours / unverified`` is
-what checking every row's checksum after the copy costs (single-threaded).
+full epoch, ``num_workers=0``, samples/s reported. ``unverified`` is te_thd's
+loader with ``verify=False``: ``ours / unverified`` is what checking every row's
+checksum costs. Loops without a loader, interleaved with the loaders:
+
+- ``raw_preadv``: the physical floor for a cache in the page cache. The byte
+  ranges our loader reads in one epoch (same sampler order, same batches, one
+  range per run of consecutive rows of a key) are listed up front, then each is
+  read by one ``os.preadv`` into a reused buffer: one kernel copy per byte, no
+  page faults, no allocation, no Python work per sample.
+- ``raw_preadv_hash``: the same, plus the reader's row checksum (``xxh3_64`` of
+  every row, seeded with its row index) over each range right after it is read,
+  on the same thread: the floor for a verified read.
+- ``raw_slice``: every shard's ``get_slice(key)`` in slices of the batch size,
+  each copied into fresh memory (``.clone()``: the slice itself is a view of
+  safetensors' mapping) — no order, no DataLoader.
+
+Each large case yields two records from the same interleaved timings:
+``large_<order>`` (ours = the default, verified loader) and
+``unverified_large_<order>`` (ours = ``verify=False``).
 
 Cases (goals in ``perf/thresholds.json``):
 - ``small_sequential`` / ``small_shuffled``: ``input_ids`` [256] int64, ``loss_mask``
@@ -18,7 +31,9 @@ Cases (goals in ``perf/thresholds.json``):
   (``--quick``: 8192); batch 32. Goal >= 10x the reference.
 - ``large_sequential`` / ``large_shuffled``: ``hidden`` [512, 768] bf16 +
   ``input_ids`` [512] int64; shard_size 64; 512 samples (``--quick``: 128); batch 8.
-  Goals >= 1x the reference and >= 0.5x ``raw_slice``.
+  Goals: verified >= 0.9x ``raw_preadv_hash``, >= 1x the reference, >= 0.5x
+  ``raw_slice``; unverified (``unverified_large_*``) >= 0.9x ``raw_preadv`` and
+  >= 1.3x the reference.
 - ``memory_epoch``: peak anonymous memory (RssAnon high-water, sampled after every
   batch) over one shuffled epoch of the small cache and of one 4x smaller, read in
   turn (smaller first) by one fresh process. ``ours`` = peak MiB while reading the
@@ -110,6 +125,67 @@ def _raw_slicer(cache_dir: str, keys: tuple[str, ...], batch: int) -> Any:
     return read
 
 
+def _raw_preadv(cache_dir: str, keys: tuple[str, ...], batch: int, shuffle: bool, hashed: bool) -> Any:
+    """A callable reading one epoch's byte ranges with ``os.preadv`` into reused buffers.
+
+    The ranges are those of our loader's epoch 0 (``CacheShardSampler`` order,
+    batches of ``batch``): per batch, per key, one range per run of consecutive
+    file rows (``copyread.plan_runs``), listed before timing. Every range lands at
+    the start of one reused buffer per key. ``hashed``: then ``xxh3_64`` of each of
+    its rows, seeded with the row's index in the shard (the reader's row checksum).
+    """
+    import numpy as np
+    import xxhash
+
+    from te_thd.offline_cache import CachedTensorDataset, CacheShardSampler
+    from te_thd.offline_cache.copyread import plan_runs
+    from te_thd.offline_cache.format import shard_path
+    from te_thd.offline_cache.shardfile import read_header
+
+    ds = CachedTensorDataset(cache_dir, "bench", FORMAT_VERSION, keys)
+    sampler = CacheShardSampler(ds, num_replicas=1, rank=0, shuffle=shuffle, seed=0)
+    sampler.set_epoch(0)
+    order = np.fromiter(iter(sampler), dtype=np.int64)
+    ss = ds.shard_size
+    headers: dict[int, Any] = {}
+    fds: dict[int, int] = {}
+    buffers: dict[str, memoryview] = {}
+    jobs: list[tuple[int, list[memoryview], int, int, int]] = []  # fd, iov, offset, first row, row bytes
+    for a in range(0, order.size, batch):
+        idx = order[a : a + batch]
+        shards = idx // ss
+        for shard in np.unique(shards).tolist():
+            if shard not in fds:
+                headers[shard] = read_header(shard_path(cache_dir, shard))
+                fds[shard] = os.open(shard_path(cache_dir, shard), os.O_RDONLY)
+            plan = plan_runs(idx[shards == shard] - shard * ss)
+            for key in keys:
+                e = headers[shard][key]
+                row = (e.end - e.start) // e.shape[0]
+                if key not in buffers:
+                    buffers[key] = memoryview(bytearray(row * batch))
+                for k in range(plan.num_runs):
+                    rows = plan.starts[k + 1] - plan.starts[k]
+                    first = plan.first_row[k]
+                    jobs.append((fds[shard], [buffers[key][: rows * row]], e.start + first * row, first, row))
+    digest = xxhash.xxh3_64_intdigest
+
+    def read() -> int:
+        for fd, iov, offset, _, _ in jobs:
+            os.preadv(fd, iov, offset)
+        return order.size
+
+    def read_hash() -> int:
+        for fd, iov, offset, first, row in jobs:
+            os.preadv(fd, iov, offset)
+            view = iov[0]
+            for j in range(view.nbytes // row):
+                digest(view[j * row : (j + 1) * row], first + j)
+        return order.size
+
+    return read_hash if hashed else read
+
+
 def _loaders(cache_dir: str, keys: tuple[str, ...], batch: int, shuffle: bool, ref: Any) -> dict[str, Any]:
     from te_thd.offline_cache import (
         CachedTensorDataset,
@@ -139,7 +215,12 @@ def _loaders(cache_dir: str, keys: tuple[str, ...], batch: int, shuffle: bool, r
     return out
 
 
-def _throughput_case(case: str, cache_dir: str, keys: tuple[str, ...], batch: int, shuffle: bool, n: int, trials: int, ref: Any) -> Record:
+def _throughput_cases(
+    case: str, cache_dir: str, keys: tuple[str, ...], batch: int, shuffle: bool, n: int, trials: int, ref: Any,
+    split_unverified: bool = False,
+) -> list[Record]:  # fmt: skip
+    """One interleaved timing of every candidate; ``case`` (ours = verified loader) and,
+    with ``split_unverified``, ``unverified_<case>`` (ours = the ``verify=False`` loader)."""
     loaders = _loaders(cache_dir, keys, batch, shuffle, ref)
     epoch_no = iter(range(10**9))
 
@@ -148,18 +229,23 @@ def _throughput_case(case: str, cache_dir: str, keys: tuple[str, ...], batch: in
         assert _epoch(loader) == n
 
     candidates = {name: functools.partial(run_epoch, ld) for name, ld in loaders.items()}
+    candidates["raw_preadv"] = _raw_preadv(cache_dir, keys, batch, shuffle, hashed=False)
+    candidates["raw_preadv_hash"] = _raw_preadv(cache_dir, keys, batch, shuffle, hashed=True)
     candidates["raw_slice"] = _raw_slicer(cache_dir, keys, batch)
     times = time_interleaved(candidates, trials=trials, warmup=1)
     rate = {k: n / t for k, t in times.items()}
-    return Record(
-        bench=BENCH,
-        case=case,
-        metric="throughput",
-        unit="samples/s",
-        ours=rate.pop("ours"),
-        baselines=rate,
-        extra={"num_samples": n, "batch_size": batch, "keys": list(keys), "num_workers": 0},
-    )
+    extra = {"num_samples": n, "batch_size": batch, "keys": list(keys), "num_workers": 0}
+    records = [
+        Record(bench=BENCH, case=case, metric="throughput", unit="samples/s", ours=rate["ours"],
+               baselines={k: v for k, v in rate.items() if k != "ours"}, extra=extra)
+    ]  # fmt: skip
+    if split_unverified:
+        records.append(
+            Record(bench=BENCH, case=f"unverified_{case}", metric="throughput", unit="samples/s",
+                   ours=rate["unverified"], baselines={k: rate[k] for k in ("reference", "raw_preadv") if k in rate},
+                   extra={**extra, "verify": False})
+        )  # fmt: skip
+    return records
 
 
 _MEMORY_SNIPPET = r"""
@@ -213,12 +299,12 @@ def run(quick: bool) -> list[Record]:
         write_cache(small, n_small, 4096, "small")
         for shuffle in (False, True):
             case = f"small_{'shuffled' if shuffle else 'sequential'}"
-            records.append(_throughput_case(case, small, SMALL_KEYS, 32, shuffle, n_small, trials, ref))
+            records += _throughput_cases(case, small, SMALL_KEYS, 32, shuffle, n_small, trials, ref)
         large = os.path.join(tmp, "large")
         write_cache(large, n_large, 64, "large")
         for shuffle in (False, True):
             case = f"large_{'shuffled' if shuffle else 'sequential'}"
-            records.append(_throughput_case(case, large, LARGE_KEYS, 8, shuffle, n_large, large_trials, ref))
+            records += _throughput_cases(case, large, LARGE_KEYS, 8, shuffle, n_large, large_trials, ref, True)
         shutil_rm(large)
         smaller = os.path.join(tmp, "small_quarter")
         write_cache(smaller, n_small // 4, 4096, "small")

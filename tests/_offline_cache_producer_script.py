@@ -57,24 +57,25 @@ def _install(crash: str) -> None:
 
     kind, _, arg = crash.partition(":")
     if kind == "mid_write":
-        target = int(arg)
+        target = f".shard-{int(arg):06d}.safetensors."  # the prefix of that shard's temp file
         real_write_all = shardfile._write_all
-        real_with_record = writer.write_shard_with_record
-        current = {"index": None, "buffers": 0}
+        real_write_file = shardfile.write_shard_file
+        current = {"path": "", "buffers": 0}
 
-        def with_record(cache_dir, shard_index, *a, **k):
-            current["index"], current["buffers"] = shard_index, 0
-            return real_with_record(cache_dir, shard_index, *a, **k)
+        def write_file(path, *a, **k):  # the writer's thread, or the caller's
+            current["path"], current["buffers"] = os.path.basename(path), 0
+            return real_write_file(path, *a, **k)
 
         def write_all(fd, buf):
             real_write_all(fd, buf)
             current["buffers"] += 1
-            if current["index"] == target and current["buffers"] == 2:
+            if current["path"].startswith(target) and current["buffers"] == 2:
                 os.fsync(fd)  # header + first tensor reached the disk: die mid-file
                 _die()
 
         shardfile._write_all = write_all
-        writer.write_shard_with_record = with_record
+        shardfile.write_shard_file = write_file
+        writer.write_shard_file = write_file
     elif kind == "between":
         target = os.path.basename(f"shard-{int(arg):06d}.safetensors")
         real_commit = durable.commit_temp

@@ -1,8 +1,9 @@
-"""CachedTensorDataset: per-item (reference behaviour) and batched memory-mapped reads.
+"""CachedTensorDataset: per-item (reference behaviour) and batched reads.
 
 The oracle is the tensors ``make_cache`` wrote; per-item reads go through
-safetensors' own ``safe_open`` and batched reads through our header parse + mmap,
-so comparing the two is a differential test of two independent read paths.
+safetensors' own ``safe_open`` and batched reads through our header parse and
+either engine (``preadv`` runs or the mapped gather, forced by the ``engine``
+fixture), so comparing them is a differential test of independent read paths.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from safetensors.torch import save_file
 
+import te_thd.offline_cache.reader as reader_module
 from te_thd.offline_cache import (
     CachedBatch,
     CachedTensorDataset,
@@ -40,8 +42,18 @@ def cache(tmp_path_factory, request):
     return d, tensors
 
 
-def _ds(d: str, **kw) -> CachedTensorDataset:
-    return CachedTensorDataset(d, CACHE_NAME, FORMAT_VERSION, KEYS, **kw)
+@pytest.fixture(scope="module", params=["preadv", "mapped"])
+def engine(request) -> int:
+    """A ``preadv_min_run_bytes`` that forces one copy engine for every (key, shard)
+    part of a batch (the test rows are tiny: the default crossover alone would
+    always pick the mapped gather)."""
+    return 0 if request.param == "preadv" else 1 << 62
+
+
+def _ds(d: str, engine: int = reader_module.PREADV_MIN_RUN_BYTES, **kw) -> CachedTensorDataset:
+    ds = CachedTensorDataset(d, CACHE_NAME, FORMAT_VERSION, KEYS, **kw)
+    ds.preadv_min_run_bytes = engine
+    return ds
 
 
 def _assert_batch(batch: CachedBatch, tensors: dict[str, torch.Tensor], indices: list[int]) -> None:
@@ -81,9 +93,9 @@ def test_getitem_reference_behaviour(cache):
         list(range(82, 78, -1)),  # decreasing run
     ],
 )
-def test_getitems_equals_written_tensors_and_getitem(cache, indices):
+def test_getitems_equals_written_tensors_and_getitem(cache, engine, indices):
     d, tensors = cache
-    ds = _ds(d)
+    ds = _ds(d, engine)
     batch = ds.__getitems__(indices)
     _assert_batch(batch, tensors, indices)
     for pos, i in enumerate(indices):
@@ -93,9 +105,9 @@ def test_getitems_equals_written_tensors_and_getitem(cache, indices):
 
 
 @given(st.lists(st.integers(min_value=-N, max_value=N - 1), min_size=1, max_size=40))
-def test_getitems_property_random_indices(cache, indices):
+def test_getitems_property_random_indices(cache, engine, indices):
     d, tensors = cache
-    _assert_batch(_ds(d).__getitems__(indices), tensors, indices)
+    _assert_batch(_ds(d, engine).__getitems__(indices), tensors, indices)
 
 
 def test_getitems_out_of_range_and_empty(cache):
@@ -108,9 +120,9 @@ def test_getitems_out_of_range_and_empty(cache):
     assert len(ds.__getitems__([])) == 0
 
 
-def test_batch_is_a_fresh_copy_not_a_view_of_the_file(cache):
+def test_batch_is_a_fresh_copy_not_a_view_of_the_file(cache, engine):
     d, tensors = cache
-    ds = _ds(d)
+    ds = _ds(d, engine)
     b = ds.__getitems__(list(range(0, 8)))
     b.tensors["input_ids"].fill_(-7)  # writing the batch must not touch the mapping
     again = ds.__getitems__(list(range(0, 8)))
@@ -142,14 +154,18 @@ def test_cached_batch_sequence_protocol_and_collate(cache):
     assert all(torch.equal(default[k], b.tensors[k]) for k in KEYS)
 
 
-def test_lru_bounds_open_shards(cache):
+def test_lru_bounds_open_shards(cache, engine):
     d, tensors = cache
-    ds = _ds(d, max_open_shards=2)
+    ds = _ds(d, engine, max_open_shards=2)
     order = [0, 17, 33, 49, 65, 81, 1, 18]
+    fds = set(os.listdir("/proc/self/fd"))
     for i in order:
         _assert_batch(ds.__getitems__([i, i]), tensors, [i, i])
         ds[i]
-        assert len(ds._views) <= 2 and len(ds._open_handles) <= 2
+        assert len(ds._views) <= 2 and len(ds._open_handles) <= 2 and len(ds._files) <= 2
+    assert len(set(os.listdir("/proc/self/fd")) - fds) <= 2  # evicted descriptors are closed
+    ds._files.close()
+    assert not set(os.listdir("/proc/self/fd")) - fds
 
 
 def test_pickle_drops_process_state(cache):
@@ -195,16 +211,21 @@ def test_handles_reopened_in_child_processes(tmp_path, method):
 
 
 def test_reads_do_not_load_the_whole_shard(tmp_path):
-    # mapped, not read: a batch from a large shard allocates only the batch
+    # a batch from a large shard allocates only the batch: large rows are read by
+    # preadv (no mapping at all), small scattered rows gathered from a file mapping
     d = str(tmp_path)
-    make_cache(d, 64, 64, width=4096, hidden=64)  # one ~33 MB shard
+    make_cache(d, 64, 64, width=4096, hidden=64)  # one ~33 MB shard, 512 KiB hidden rows
     ds = CachedTensorDataset(d, CACHE_NAME, FORMAT_VERSION, ("hidden",))
     b = ds.__getitems__([3, 9])
     assert b.tensors["hidden"].shape == (2, 4096, 64)
-    view = ds._views[0][0]["hidden"]
-    assert view.shape == (64, 4096, 64)
-    assert view.untyped_storage().nbytes() >= view.numel() * 2  # the mapping spans the file
-    assert not view.untyped_storage().resizable()  # a file mapping, not an allocation
+    assert not ds._views and len(ds._files) == 1
+    small = CachedTensorDataset(d, CACHE_NAME, FORMAT_VERSION, ("length",))
+    small.__getitems__([3, 9])
+    view = small._views[0][0]["length"]
+    assert view.shape == (64,)
+    whole = view.untyped_storage()
+    assert whole.nbytes() >= 64 * 4096 * 64 * 2  # the mapping spans the file
+    assert not whole.resizable()  # a file mapping, not an allocation
 
 
 # -- bad input -----------------------------------------------------------------------

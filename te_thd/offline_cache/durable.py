@@ -112,24 +112,36 @@ def atomic_write(path: str, write_fn: Callable[[str], None]) -> str:
 
 
 class BackgroundCommitter:
-    """Runs :func:`commit_temp` for a stream of files on one background thread, in order.
+    """Finishes a stream of durable file writes on one background thread, in order.
 
-    A producer writes shard ``k+1`` while the disk flushes shard ``k``: the fsync
-    (an I/O wait, GIL released) overlaps the next shard's serialisation. Files
-    are renamed in submission order, each only after its own fsync; the
-    directory is fsynced whenever the queue runs empty and on :meth:`flush`, so
-    consecutive renames share one directory fsync. ``submit`` blocks while
-    ``max_pending`` files wait (bounding dirty page cache); an error of the
-    thread is raised by the next ``submit`` or by ``flush``. Killed mid-way, the
-    process leaves temp files of uncommitted shards, which the next producer
-    removes and recomputes.
+    Two kinds of job, committed in submission order:
+
+    - :meth:`submit` (a temp file the caller already wrote): fsync it and rename it
+      into place. The caller serialises shard ``k+1`` while the disk flushes shard
+      ``k``.
+    - :meth:`submit_write` (the whole write): ``write_fn(tmp)`` writes a fresh temp
+      file on the thread, then fsync and rename as above. The caller only waits
+      when ``max_pending`` jobs are queued, so a producer computes shard ``k+1``
+      while shard ``k`` is serialised, written and flushed (file writes, fsync and
+      hashing release the GIL).
+
+    Each file is renamed only after its own fsync; the directory is fsynced
+    whenever the queue runs empty and on :meth:`flush`, so consecutive renames
+    share one directory fsync. ``submit*`` block while ``max_pending`` jobs wait
+    (bounding the memory of queued shards and the dirty page cache); the first
+    error of the thread is raised by the next ``submit*`` or by ``flush`` /
+    ``close``, and every job after it is dropped (its temp file removed). Killed
+    mid-way, the process leaves temp files of uncommitted shards, which the next
+    producer removes and recomputes: the crash-safety of :func:`atomic_write`.
     """
 
     def __init__(self, max_pending: int = 2) -> None:
         import queue
         import threading
 
-        self._queue: queue.Queue[tuple[str, str] | None] = queue.Queue(maxsize=max_pending)
+        self._queue: queue.Queue[tuple[str | None, str, Callable[[str], None] | None] | None] = queue.Queue(
+            maxsize=max_pending
+        )
         self._error: BaseException | None = None
         self._dirty: set[str] = set()
         self._thread = threading.Thread(target=self._run, name="te_thd-commit", daemon=True)
@@ -141,11 +153,15 @@ class BackgroundCommitter:
             try:
                 if item is None:
                     return
-                tmp_path, path = item
+                tmp_path, path, write_fn = item
                 if self._error is not None:
-                    _unlink_quietly(tmp_path)
+                    if tmp_path is not None:
+                        _unlink_quietly(tmp_path)
                     continue
                 try:
+                    if write_fn is not None:
+                        tmp_path = write_temp(path, write_fn)
+                    assert tmp_path is not None
                     commit_temp(tmp_path, path, fsync_directory=False)
                     self._dirty.add(os.path.dirname(path) or ".")
                     if self._queue.empty():
@@ -164,9 +180,18 @@ class BackgroundCommitter:
             raise self._error
 
     def submit(self, tmp_path: str, path: str) -> None:
-        """Queue ``tmp_path`` to be committed as ``path``."""
+        """Queue ``tmp_path`` (already written) to be committed as ``path``."""
         self._raise_error()
-        self._queue.put((tmp_path, path))
+        self._queue.put((tmp_path, path, None))
+
+    def submit_write(self, path: str, write_fn: Callable[[str], None]) -> None:
+        """Queue the whole durable write of ``path``: ``write_fn(tmp)`` runs on the thread.
+
+        Whatever ``write_fn`` reads (e.g. the tensors of a shard) must not change
+        until the job is done (:meth:`flush`).
+        """
+        self._raise_error()
+        self._queue.put((None, path, write_fn))
 
     def flush(self) -> None:
         """Wait until every submitted file is fsynced, renamed and its directory fsynced."""

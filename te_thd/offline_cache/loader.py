@@ -23,7 +23,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, get_worker_info
 
 from .balanced_sampler import BalancedBatchSampler, PlannedDataset
-from .reader import CachedBatch, _empty
+from .reader import CachedBatch, CachedTensorDataset, _empty
 from .sampler import CacheShardSampler, default_data_parallel_rank_size
 
 __all__ = [
@@ -119,6 +119,9 @@ class CachedDataLoader(DataLoader):
         for batch in super().__iter__():
             self._batches += 1
             yield batch
+            # while the next batch is read, the consumer's reference is the only one:
+            # a batch it has dropped can be recycled (see copyread.DestinationBuffers)
+            del batch
 
     def consumed_samples(self) -> int:
         """Samples of the current epoch the loop has received, over all replicas."""
@@ -186,7 +189,10 @@ def build_cached_dataloader(
             replica.
         resume_state: a ``loader.state_dict()`` to continue from.
         start_sample: alternatively, global samples of epoch 0 already consumed.
-        pin_memory: default: pinned when CUDA is available.
+        pin_memory: default: pinned when CUDA is available. With ``num_workers=0``
+            a :class:`CachedTensorDataset` then reads each batch straight into
+            page-locked memory (its ``pin_memory`` is set), so the DataLoader's own
+            pin step finds it pinned and copies nothing.
         persistent_workers, prefetch_factor, multiprocessing_context: passed to the
             ``DataLoader`` when ``num_workers > 0`` (``"forkserver"`` / ``"spawn"`` when
             the parent holds a CUDA context).
@@ -238,13 +244,16 @@ def build_cached_dataloader(
             worker_kwargs["prefetch_factor"] = prefetch_factor
         if multiprocessing_context is not None:
             worker_kwargs["multiprocessing_context"] = multiprocessing_context
+    pin = torch.cuda.is_available() if pin_memory is None else bool(pin_memory)
+    if pin and num_workers == 0 and isinstance(dataset, CachedTensorDataset) and torch.cuda.is_available():
+        dataset.pin_memory = True
     loader = CachedDataLoader(
         PlannedDataset(dataset) if balance else dataset,
         # a planned step is one sampler item (a PlannedBatch) read whole by PlannedDataset
         batch_size=None if balance else batch_size,
         sampler=sampler,
         num_workers=num_workers,
-        pin_memory=torch.cuda.is_available() if pin_memory is None else bool(pin_memory),
+        pin_memory=pin,
         collate_fn=collate_fn,
         drop_last=drop_last and not balance,
         **worker_kwargs,

@@ -111,7 +111,12 @@ class _ShardAccumulator:
                 pieces.append({k: v[:need] for k, v in chunk.items()})
                 self._chunks[0] = {k: v[need:] for k, v in chunk.items()}
                 taken += need
-        shard = {k: pieces[0][k] if len(pieces) == 1 else torch.cat([p[k] for p in pieces]) for k in pieces[0]}
+        shard: dict[str, Any]
+        if getattr(self._write_shard_fn, "takes_pieces", False):
+            # a write-behind writer concatenates on its own thread, off the compute loop
+            shard = {k: [p[k] for p in pieces] for k in pieces[0]}
+        else:
+            shard = {k: pieces[0][k] if len(pieces) == 1 else torch.cat([p[k] for p in pieces]) for k in pieces[0]}
         path = self._write_shard_fn(self._output_dir, self._shard_index, shard)
         self._logger.info("Wrote %s (%d samples)", path, n)
         self.shards_written.append(self._shard_index)

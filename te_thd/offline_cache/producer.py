@@ -166,7 +166,8 @@ class _RecordingWriter(DurableShardWriter):
     """
 
     def __init__(self, keys: Sequence[str], cache_name: str, schema: CacheSchema | None) -> None:
-        super().__init__(keys, cache_name, schema, pipelined=True)
+        # write-behind: shard k is serialised, written and fsynced while k+1 is computed
+        super().__init__(keys, cache_name, schema, pipelined=True, write_behind=True)
         self.error: str | None = None
 
     def __call__(self, cache_dir: str, shard_index: int, samples: dict[str, torch.Tensor]) -> str:

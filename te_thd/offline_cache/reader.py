@@ -1,15 +1,25 @@
-"""Read an offline cache: per-item (reference behaviour) and batched, memory-mapped reads.
+"""Read an offline cache: per-item (reference behaviour) and batched reads.
 
 ``CachedTensorDataset`` keeps the reference API (``__getitem__`` through a lazily
 opened ``safetensors.safe_open`` handle, ``_handle``, ``__len__``) and adds the
 batched hook torch's ``DataLoader`` calls, ``__getitems__``: the requested indices
-are grouped by shard, a contiguous run is one slice per key (one ``memcpy``), any
-other group is one ``index_select`` per key. Shards are memory-mapped
-(``MAP_PRIVATE``, read-only use), so only the pages a batch touches are read and
-they stay file-backed page cache: the anonymous memory of a reader does not grow
-with the size of the cache.
+are grouped by shard and every key's rows are copied once, straight into the
+batch tensor, by one of two engines chosen per (key, shard) from the batch's shape:
 
-Every open handle and mapping belongs to the process that opened it: the caches
+* ``preadv`` (``copyread.py``): one system call per run of consecutive file rows,
+  the kernel copying page cache -> batch tensor; no mapping, no page faults on
+  the source. Used when a run averages at least :data:`PREADV_MIN_RUN_BYTES`.
+* mapped gather: the shard is memory-mapped (``MAP_PRIVATE``, read-only use) and
+  the rows are one ``index_select`` into the batch; used for small scattered rows,
+  where one system call per row would cost more than the bytes.
+
+Either way only the bytes a batch needs are read and the source stays file-backed
+page cache: the anonymous memory of a reader does not grow with the size of the
+cache. Batch tensors come from :class:`~te_thd.offline_cache.copyread.DestinationBuffers`:
+fresh to the consumer, recycled once it has dropped them, in shared memory inside
+DataLoader workers and page-locked when the loader pins for CUDA.
+
+Every open handle, descriptor and mapping belongs to the process that opened it: the caches
 are keyed by ``os.getpid()`` and dropped on pickling, so DataLoader workers started
 by fork, spawn or forkserver open their own on first use.
 
@@ -25,7 +35,6 @@ Failures are :class:`CacheIntegrityError` naming the shard.
 
 from __future__ import annotations
 
-import math
 import os
 import warnings
 from collections import OrderedDict
@@ -37,6 +46,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, get_worker_info
 
+from .copyread import DestinationBuffers, new_tensor, plan_runs, read_rows
 from .errors import CacheIntegrityError, UnverifiedCacheWarning, repair_hint
 from .format import TensorSpec, load_safetensors, manifest_path, shard_path, shard_rows
 from .integrity import ShardSums, verify_rows
@@ -56,6 +66,12 @@ except ImportError:  # pragma: no cover - safetensors is a hard dependency (load
         pass
 
 __all__ = ["CachedBatch", "CachedTensorDataset"]
+
+#: A (key, shard) part of a batch is read with ``preadv`` when its runs of
+#: consecutive file rows average at least this many bytes, else gathered from the
+#: mapped shard. Measured crossover: see ``perf/measure_read_crossover.py`` and
+#: docs/performance-io.md.
+PREADV_MIN_RUN_BYTES = 256 * 1024
 
 
 class CachedBatch(Sequence[dict[str, torch.Tensor]]):
@@ -102,11 +118,7 @@ def _empty(shape: tuple[int, ...], dtype: torch.dtype, shared: bool) -> torch.Te
     main process by moving its storage to shared memory, so allocating it there
     up front saves one copy of every batch.
     """
-    if not shared:
-        return torch.empty(shape, dtype=dtype)
-    proto = torch.empty(0, dtype=dtype)
-    storage = proto._typed_storage()._new_shared(math.prod(shape), device=proto.device)
-    return proto.new(storage).resize_(shape)
+    return new_tensor(shape, dtype, shared=shared)
 
 
 def _map_shard(path: str, entries: dict[str, HeaderEntry], keys: tuple[str, ...], repair: str) -> dict[str, torch.Tensor]:
@@ -150,6 +162,13 @@ class CachedTensorDataset(Dataset):
             byte was verified since it was last written (``te-thd cache verify``)
             on storage you trust, when the read path is the bottleneck.
         producer_name: the command that rebuilds the cache, named in error messages.
+        pin_memory: read batches into page-locked memory (the batch goes to
+            CUDA; ``build_cached_dataloader`` sets it when it pins with
+            ``num_workers=0``). Ignored inside DataLoader workers, whose batches
+            are in shared memory and pinned by the DataLoader in the main process.
+
+    ``preadv_min_run_bytes`` (attribute, default :data:`PREADV_MIN_RUN_BYTES`): the
+    engine crossover, per dataset.
 
     ``dataset[i]`` -> ``{key: tensor[*sample_shape]}`` (reference behaviour);
     ``dataset.__getitems__([i, j, ...])`` -> :class:`CachedBatch` with
@@ -171,6 +190,7 @@ class CachedTensorDataset(Dataset):
         max_open_shards: int = 64,
         verify: bool = True,
         producer_name: str | None = None,
+        pin_memory: bool = False,
     ) -> None:
         if isinstance(disk_keys, str) or not disk_keys or not all(isinstance(k, str) for k in disk_keys):
             raise ValueError(
@@ -190,6 +210,8 @@ class CachedTensorDataset(Dataset):
         # presence of shards 0..N-1 and, when the manifest records them, their byte sizes
         self._shard_indices = check_cache_files(cache_dir, self.manifest, cache_name, producer_name)
         self._max_open = max_open_shards
+        self.pin_memory = bool(pin_memory)
+        self.preadv_min_run_bytes = PREADV_MIN_RUN_BYTES
         self._require_sums = requires_shard_sums(self.manifest)
         # Expected {key: TensorSpec}: from the manifest's schema when it records one
         # (te_thd producers), else from the first shard this process opens.
@@ -222,15 +244,20 @@ class CachedTensorDataset(Dataset):
         self._views: OrderedDict[int, tuple[dict[str, torch.Tensor], ShardSums | None]] = OrderedDict()
         self._handle_sums: dict[int, ShardSums | None] = {}
         self._paths: dict[int, str] = {}
+        # (path, checked header, descriptor) of the shards the batched path opened
+        self._files: _OpenFiles = _OpenFiles()
+        self._buffers: dict[tuple[bool, bool], DestinationBuffers] = {}
         self._schema = self._manifest_schema
 
     def __getstate__(self) -> dict[str, Any]:
-        # Handles and mappings belong to this process: a spawned/forkserver worker
-        # gets the dataset pickled and opens its own.
+        # Handles, descriptors, mappings and buffers belong to this process: a
+        # spawned/forkserver worker gets the dataset pickled and opens its own.
         state = self.__dict__.copy()
         state["_open_handles"] = OrderedDict()
         state["_views"] = OrderedDict()
         state["_handle_sums"] = {}
+        state["_files"] = _OpenFiles()
+        state["_buffers"] = {}
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -238,8 +265,10 @@ class CachedTensorDataset(Dataset):
         self._pid = os.getpid()
 
     def _own(self) -> None:
-        # After fork the child inherits the parent's handles; reopen rather than share.
+        # After fork the child inherits the parent's handles; reopen rather than share
+        # (closing the child's copies of the descriptors leaves the parent's open).
         if self._pid != os.getpid():
+            self._files.close()
             self._reset_process_state()
 
     def __len__(self) -> int:
@@ -309,7 +338,7 @@ class CachedTensorDataset(Dataset):
         if entry is not None:
             self._views.move_to_end(shard_index)
             return entry
-        path, header = self._checked_header(shard_index)
+        path, header, _ = self._shard_file(shard_index)
         entry = (_map_shard(path, header.entries, self._disk_keys, self._repair), header.sums)
         self._views[shard_index] = entry
         if len(self._views) > self._max_open:
@@ -336,6 +365,28 @@ class CachedTensorDataset(Dataset):
             first_sample=shard_index * self.shard_size, repair=self._repair,
         )  # fmt: skip
 
+    def _shard_file(self, shard_index: int) -> tuple[str, ShardHeader, int]:
+        """``(path, checked header, read-only descriptor)`` of shard ``shard_index``."""
+        self._own()
+        f = self._files.get(shard_index)
+        if f is None:
+            path, header = self._checked_header(shard_index)
+            try:
+                fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            except FileNotFoundError:
+                raise CacheIntegrityError(
+                    f"shard {path} is missing (removed after the cache was opened?). {self._repair}", path=path
+                ) from None
+            f = self._files.put(shard_index, (path, header, fd), self._max_open)
+        return f
+
+    def _destination(self, shared: bool) -> DestinationBuffers:
+        pinned = self.pin_memory and not shared
+        pool = self._buffers.get((shared, pinned))
+        if pool is None:
+            pool = self._buffers[(shared, pinned)] = DestinationBuffers(shared=shared, pinned=pinned)
+        return pool
+
     # -- reads -------------------------------------------------------------------------
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
@@ -359,43 +410,99 @@ class CachedTensorDataset(Dataset):
     def __getitems__(self, indices: Sequence[int]) -> CachedBatch:
         """Read samples ``indices`` (in that order) into stacked tensors, verifying every row.
 
-        Indices are grouped by shard; per shard a contiguous increasing run is one
-        slice copy per key, anything else one ``index_select`` per key, written
-        straight into the batch and checked right after (in chunks of about
-        :data:`VERIFY_CHUNK_BYTES`, so the bytes are hashed while still in cache).
-        Negative indices count from the end; an index out of range raises ``IndexError``.
+        Indices are grouped by shard; each (key, shard) part is copied straight into
+        the batch tensor by ``preadv`` runs or a mapped gather (module docstring) and
+        checked right after, in pieces of about :data:`VERIFY_CHUNK_BYTES` so the
+        bytes are hashed while still in cache. Negative indices count from the end;
+        an index out of range raises ``IndexError``.
         """
         if isinstance(indices, torch.Tensor | np.ndarray):
             indices = indices.tolist()
         n = len(indices)
         if n == 0:
             return CachedBatch({}, 0)
-        shared = get_worker_info() is not None
+        self._own()
         ss, total = self.shard_size, self.num_samples
         lo, hi = min(indices), max(indices)
         if lo >= 0 and hi < total and lo // ss == hi // ss:
             # The common case (shard-block order, sequential reads): one shard.
             shard = lo // ss
-            views, sums = self._shard_views(shard)
-            local = np.asarray(indices, dtype=np.int64) - shard * ss
-            run = hi - lo == n - 1 and _is_run(local)
-            out = {}
-            for k, v in views.items():
-                dst = _empty((n, *v.shape[1:]), v.dtype, True) if shared else None
-                out[k] = self._copy(shard, sums, k, v, local, run, dst)
-            return CachedBatch(out, n)
-        idx = np.asarray(indices, dtype=np.int64)
-        idx = np.where(idx < 0, idx + total, idx)
-        bad = idx[(idx < 0) | (idx >= total)]
-        if bad.size:
-            raise IndexError(f"index {int(bad[0])} out of range for a cache of {total} samples")
-        return self._gather(idx, shared)
+            groups = [(shard, np.asarray(indices, dtype=np.int64) - shard * ss, None)]
+        else:
+            idx = np.asarray(indices, dtype=np.int64)
+            idx = np.where(idx < 0, idx + total, idx)
+            bad = idx[(idx < 0) | (idx >= total)]
+            if bad.size:
+                raise IndexError(f"index {int(bad[0])} out of range for a cache of {total} samples")
+            groups = _shard_groups(idx, ss)
+        buffers = self._destination(get_worker_info() is not None)
+        entries = self._shard_file(groups[0][0])[1].entries
+        out: dict[str, torch.Tensor] = {}
+        raw: dict[str, memoryview] = {}
+        for k in self._disk_keys:
+            out[k], raw[k] = buffers.get(k, n, entries[k].shape[1:], entries[k].dtype)
+        pending: list[Any] = []
+        try:
+            for shard, local, pos in groups:
+                self._copy_rows(shard, local, pos, out, raw, pending)
+        finally:
+            for f in pending:
+                f.result()  # re-raises a mismatch; always joined before the batch leaves
+        return CachedBatch(out, n)
+
+    def _copy_rows(
+        self, shard: int, local: np.ndarray, pos: np.ndarray | None, out: dict[str, torch.Tensor],
+        raw: dict[str, memoryview], pending: list[Any],
+    ) -> None:  # fmt: skip
+        """Copy rows ``local`` (int64 ``[m]``) of shard ``shard`` into batch rows ``pos``
+        (int64 ``[m]``; None: ``0..m-1``) of every ``out[key]`` (``[B, *sample_shape]``,
+        whose bytes are ``raw[key]``), and verify them.
+
+        Verification of a piece runs on the helper thread while the next piece is
+        copied (hashing and ``preadv`` both release the GIL); the futures go to
+        ``pending``, which the caller joins before the batch is returned.
+        """
+        path, header, fd = self._shard_file(shard)
+        entries, sums = header.entries, header.sums
+        pool = _verify_pool() if sums is not None and self.verify else None
+        plan = None
+        for key, dst in out.items():
+            e = entries[key]
+            row_bytes = (e.end - e.start) // e.shape[0]
+            # preadv iff the runs average >= preadv_min_run_bytes; the run count is
+            # only needed when the bounds 1 <= runs <= m leave the answer open
+            limit = self.preadv_min_run_bytes
+            use_preadv = row_bytes >= limit
+            if not use_preadv and row_bytes * local.size >= limit:
+                plan = plan or plan_runs(local, pos)
+                use_preadv = row_bytes * local.size >= limit * plan.num_runs
+            if use_preadv:
+                plan = plan or plan_runs(local, pos)
+                after = None
+                if pool is not None:
+
+                    def after(p: int, first: int, m: int, key: str = key, dst: torch.Tensor = dst) -> None:
+                        rows = list(range(first, first + m))
+                        pending.append(pool.submit(self.verify_copied_rows, shard, sums, key, dst[p : p + m], rows))
+
+                try:
+                    read_rows(fd, e.start, row_bytes, plan, raw[key], path, after, VERIFY_CHUNK_BYTES)
+                except OSError as exc:
+                    raise self._unreadable(path, exc) from exc
+                continue
+            view = self._shard_views(shard)[0][key]
+            if pos is None:
+                self._copy(shard, sums, key, view, local, _is_run(local), dst)
+            elif _is_run(pos):  # this shard fills a stretch of the batch (shard-block order)
+                self._copy(shard, sums, key, view, local, _is_run(local), dst[int(pos[0]) : int(pos[0]) + pos.size])
+            else:
+                dst.index_copy_(0, torch.from_numpy(pos), self._copy(shard, sums, key, view, local, _is_run(local), None))
 
     def _copy(
         self, shard: int, sums: ShardSums | None, key: str, view: torch.Tensor, local: np.ndarray,
         run: bool, dst: torch.Tensor | None,
     ) -> torch.Tensor:  # fmt: skip
-        """Rows ``local`` of ``view`` copied (into ``dst`` if given) and verified.
+        """Rows ``local`` of the mapped ``view`` copied (into ``dst`` if given) and verified.
 
         Small rows: one copy, then one pass of row hashes over the copy (still in
         cache). Rows larger than :data:`VERIFY_CHUNK_BYTES` per chunk: chunk ``k``
@@ -424,32 +531,55 @@ class CachedTensorDataset(Dataset):
                 f.result()  # re-raises a mismatch; always joined before the batch leaves
         return out
 
-    def _gather(self, idx: np.ndarray, shared: bool) -> CachedBatch:
-        """General path: ``idx`` (int64 ``[B]``, in range) in any order over any shards."""
-        n = idx.size
-        shards = idx // self.shard_size
-        order = np.argsort(shards, kind="stable")  # batch positions, grouped by shard
-        sorted_shards = shards[order]
-        cuts = np.flatnonzero(np.diff(sorted_shards)) + 1
-        bounds = np.concatenate(([0], cuts, [n])).tolist()
-        outs: dict[str, torch.Tensor] = {}
-        for a, b in zip(bounds[:-1], bounds[1:], strict=True):
-            shard = int(sorted_shards[a])
-            views, sums = self._shard_views(shard)
-            pos = order[a:b]
-            local = idx[pos] - shard * self.shard_size
-            run = _is_run(local)
-            # this shard's rows fill a contiguous stretch of the batch (a batch that
-            # crosses a shard boundary in shard-block order): write them in place
-            in_place = _is_run(pos)
-            for k, v in views.items():
-                if k not in outs:
-                    outs[k] = _empty((n, *v.shape[1:]), v.dtype, shared)
-                if in_place:
-                    self._copy(shard, sums, k, v, local, run, outs[k][int(pos[0]) : int(pos[0]) + pos.size])
-                else:
-                    outs[k].index_copy_(0, torch.from_numpy(pos), self._copy(shard, sums, k, v, local, run, None))
-        return CachedBatch(outs, n)
+
+class _OpenFiles:
+    """LRU of ``shard -> (path, checked header, descriptor)``; closes what it evicts."""
+
+    def __init__(self) -> None:
+        self._lru: OrderedDict[int, tuple[str, ShardHeader, int]] = OrderedDict()
+        self._pid = os.getpid()
+
+    def get(self, shard: int) -> tuple[str, ShardHeader, int] | None:
+        f = self._lru.get(shard)
+        if f is not None:
+            self._lru.move_to_end(shard)
+        return f
+
+    def put(self, shard: int, f: tuple[str, ShardHeader, int], limit: int) -> tuple[str, ShardHeader, int]:
+        self._lru[shard] = f
+        while len(self._lru) > limit:
+            os.close(self._lru.popitem(last=False)[1][2])
+        return f
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    def close(self) -> None:
+        while self._lru:
+            os.close(self._lru.popitem()[1][2])
+
+    def __del__(self) -> None:
+        # descriptors are per process: a forked child's copy is closed by _own()
+        if getattr(self, "_pid", None) == os.getpid():
+            try:
+                self.close()
+            except OSError:
+                pass
+
+
+def _shard_groups(idx: np.ndarray, shard_size: int) -> list[tuple[int, np.ndarray, np.ndarray]]:
+    """``[(shard, local rows, batch positions)]`` of ``idx`` (int64 ``[B]``, in range), by shard."""
+    shards = idx // shard_size
+    order = np.argsort(shards, kind="stable")  # batch positions, grouped by shard
+    sorted_shards = shards[order]
+    cuts = (np.flatnonzero(np.diff(sorted_shards)) + 1).tolist()
+    bounds = [0, *cuts, idx.size]
+    out = []
+    for a, b in zip(bounds[:-1], bounds[1:], strict=True):
+        shard = int(sorted_shards[a])
+        pos = order[a:b]
+        out.append((shard, idx[pos] - shard * shard_size, pos))
+    return out
 
 
 _pool_state: dict[str, Any] = {"pid": None, "pool": None}

@@ -138,9 +138,18 @@ class DurableShardWriter:
     against the schema (the first shard's, unless ``schema`` is given), writes the
     shard and keeps its :class:`ShardRecord` in ``records``. With
     ``pipelined=True`` the fsync + rename of shard ``k`` run on a background
-    thread while shard ``k+1`` is serialised (:class:`BackgroundCommitter`); call
-    :meth:`flush` (or leave the ``with`` block) before relying on the files,
-    e.g. before writing the manifest.
+    thread while shard ``k+1`` is serialised (:class:`BackgroundCommitter`).
+    With ``write_behind=True`` as well, the whole write (serialise, checksum,
+    write, fsync, rename) runs on that thread: the call validates ``samples`` and
+    returns, so the caller computes the next shard meanwhile (at most two shards
+    queued). The caller must then not modify the tensors it passed. In this mode
+    ``samples[key]`` may also be a list of ``[n_i, ...]`` pieces, concatenated on
+    the thread (``takes_pieces``: te_thd's shard accumulator hands over the
+    batches of a shard that way instead of concatenating them on the compute
+    thread). Call :meth:`flush` (or
+    leave the ``with`` block) before relying on the files or on ``records``, e.g.
+    before writing the manifest; a write error is raised by the next call,
+    ``flush`` or ``close``.
     """
 
     def __init__(
@@ -149,21 +158,51 @@ class DurableShardWriter:
         cache_name: str = "offline",
         schema: Mapping[str, TensorSpec] | None = None,
         pipelined: bool = True,
+        write_behind: bool = False,
     ) -> None:
+        if write_behind and not pipelined:
+            raise ValueError("write_behind=True needs pipelined=True (the writes run on the commit thread)")
         self.keys = tuple(keys)
         self.cache_name = cache_name
         self.schema: CacheSchema | None = dict(schema) if schema is not None else None
         self.records: dict[int, ShardRecord] = {}
         self._committer = BackgroundCommitter() if pipelined else None
+        self._write_behind = write_behind
+        self.takes_pieces = write_behind
 
-    def __call__(self, cache_dir: str, shard_index: int, samples: dict[str, torch.Tensor]) -> str:
+    def __call__(self, cache_dir: str, shard_index: int, samples: dict[str, Any]) -> str:
+        if self._write_behind:
+            return self._submit_write(cache_dir, shard_index, samples)
         path, record = write_shard_with_record(
             cache_dir, shard_index, samples, self.keys, self.cache_name, self.schema, self._committer
         )
+        self.records[shard_index] = record
         if self.schema is None:
             self.schema = schema_of({k: samples[k] for k in self.keys})
-        self.records[shard_index] = record
         return path
+
+    def _submit_write(self, cache_dir: str, shard_index: int, samples: Mapping[str, Any]) -> str:
+        """Validate now, concatenate and write on the commit thread; the record lands in
+        ``records`` once written."""
+        if samples and all(isinstance(samples.get(k), list) for k in self.keys):
+            pieces = [{k: samples[k][j] for k in self.keys} for j in range(len(samples[self.keys[0]]))]
+        else:
+            pieces = [samples]
+        checked = [validate_shard_tensors(p, self.keys, self.cache_name, shard_index, self.schema) for p in pieces]
+        if self.schema is None:
+            self.schema = schema_of(checked[0])
+            for p in checked[1:]:  # every piece must agree with the first one's dtypes and shapes
+                validate_shard_tensors(p, self.keys, self.cache_name, shard_index, self.schema)
+        load_safetensors(self.cache_name)  # fail here, not on the thread, if safetensors is missing
+        final = shard_path(cache_dir, shard_index)
+
+        def write(tmp: str) -> None:
+            tensors = {k: checked[0][k] if len(checked) == 1 else torch.cat([p[k] for p in checked]) for k in self.keys}
+            self.records[shard_index] = write_shard_file(tmp, tensors)
+
+        assert self._committer is not None
+        self._committer.submit_write(final, write)
+        return final
 
     def flush(self) -> None:
         """Block until every shard written so far is durable under its final name."""
