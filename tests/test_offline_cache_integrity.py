@@ -309,3 +309,26 @@ def test_no_warning_for_a_verified_cache(tmp_path: Path) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         CachedTensorDataset(str(d), "test", 1, KEYS).__getitems__(list(range(N)))
+
+
+@pytest.mark.parametrize("chunk", [1 << 20, 16])
+@pytest.mark.parametrize("indices", [[4, 5, 6, 7], [7, 5, 6, 4], [6, 2, 9, 6]])
+def test_preadv_reads_are_verified(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, chunk: int, indices: list[int]) -> None:
+    """The preadv engine (forced: the test rows are small) checks every row it read,
+    in whole runs, in pieces of ``VERIFY_CHUNK_BYTES``, and row by row for scattered
+    batch rows; a flip is reported for its sample, wherever it sits in the batch."""
+    import te_thd.offline_cache.reader as reader
+
+    monkeypatch.setattr(reader, "VERIFY_CHUNK_BYTES", chunk)
+    d = tmp_path / "cache"
+    _via_produce_cache(d)
+    ds = CachedTensorDataset(str(d), "test", 1, KEYS)
+    ds.preadv_min_run_bytes = 0
+    got = ds.__getitems__(indices)
+    for k in KEYS:
+        assert torch.equal(got.tensors[k], _rows(0, N)[k][indices])
+    _flip_data(d / "shard-000001.safetensors", "hidden", 2)  # sample 6
+    ds = CachedTensorDataset(str(d), "test", 1, KEYS)
+    ds.preadv_min_run_bytes = 0
+    with pytest.raises(CacheIntegrityError, match=r"sample 6 \(row 2 of the shard\), key 'hidden'"):
+        ds.__getitems__(indices)
