@@ -109,7 +109,7 @@ def _candidates(tmp: str, n: int, compute: _Compute) -> dict[str, Any]:
     import logging
 
     from te_thd.offline_cache import produce_cache
-    from te_thd.offline_cache.writer import DurableShardWriter, write_cache_shards
+    from te_thd.offline_cache import DurableShardWriter, write_cache_shards
 
     loader = torch.utils.data.DataLoader(_Samples(n), batch_size=BATCH)
     counter = iter(range(10**9))

@@ -28,6 +28,7 @@ from te_thd.offline_cache import (
 )
 from te_thd.offline_cache.format import shard_path
 from te_thd.offline_cache.manifest import write_manifest
+from te_thd.offline_cache.shardfile import read_shard_header
 
 KEYS = ("sample_id", "input_ids", "loss_mask", "position_mask", "length", "hidden")
 N, SHARD = 83, 16  # 6 shards, the last one short (3 samples)
@@ -351,3 +352,34 @@ def test_open_checks_presence(tmp_path):
     _write(d, [{"x": torch.zeros(4, 2)}], num_samples=8, shard_size=4)
     with pytest.raises(CacheIntegrityError, match="missing shard indices"):
         CachedTensorDataset(d, CACHE_NAME, FORMAT_VERSION, ("x",))
+
+
+def test_readahead_hints_the_read_keys_of_each_opened_shard(tmp_path, monkeypatch):
+    """``readahead=True`` asks the kernel for exactly the disk_keys' byte ranges of a
+    shard, once per open (the real ``posix_fadvise`` still runs); False asks nothing.
+    Both read the same bytes."""
+    d = str(tmp_path)
+    tensors = make_cache(d, 20, 8, width=8, hidden=3)
+    calls = []
+    real = reader_module._fadvise
+
+    def fadvise(fd, offset, length, advice):
+        calls.append((os.readlink(f"/proc/self/fd/{fd}"), offset, length, advice))
+        return real(fd, offset, length, advice)
+
+    monkeypatch.setattr(reader_module, "_fadvise", fadvise)
+    keys = ("hidden", "length")
+    for readahead in (True, False):
+        calls.clear()
+        ds = CachedTensorDataset(d, CACHE_NAME, FORMAT_VERSION, keys, readahead=readahead)
+        for _ in range(2):
+            b = ds.__getitems__([1, 9, 2])
+        assert torch.equal(b.tensors["hidden"], tensors["hidden"][[1, 9, 2]])
+        if not readahead:
+            assert calls == []
+            continue
+        want = []
+        for s in (0, 1):
+            entries = read_shard_header(shard_path(d, s)).entries
+            want += [(shard_path(d, s), entries[k].start, entries[k].end - entries[k].start, os.POSIX_FADV_WILLNEED) for k in keys]
+        assert sorted(calls) == sorted(want)

@@ -166,6 +166,13 @@ class CachedTensorDataset(Dataset):
             CUDA; ``build_cached_dataloader`` sets it when it pins with
             ``num_workers=0``). Ignored inside DataLoader workers, whose batches
             are in shared memory and pinned by the DataLoader in the main process.
+        readahead: when the batched path opens a shard, ask the kernel to start
+            reading the ``disk_keys`` byte ranges of it in the background
+            (``posix_fadvise(WILLNEED)``): a cache that is not in the page cache
+            then streams ahead of the reads (measured: a cold epoch ~10% faster
+            through the loader, a warm one unchanged; docs/performance-io.md). Pass False when each node reads only a small
+            part of every shard from a shared network filesystem (many nodes, few
+            ranks each): the hint reads the whole shard on every node.
 
     ``preadv_min_run_bytes`` (attribute, default :data:`PREADV_MIN_RUN_BYTES`): the
     engine crossover, per dataset.
@@ -191,6 +198,7 @@ class CachedTensorDataset(Dataset):
         verify: bool = True,
         producer_name: str | None = None,
         pin_memory: bool = False,
+        readahead: bool = True,
     ) -> None:
         if isinstance(disk_keys, str) or not disk_keys or not all(isinstance(k, str) for k in disk_keys):
             raise ValueError(
@@ -211,6 +219,7 @@ class CachedTensorDataset(Dataset):
         self._shard_indices = check_cache_files(cache_dir, self.manifest, cache_name, producer_name)
         self._max_open = max_open_shards
         self.pin_memory = bool(pin_memory)
+        self.readahead = bool(readahead)
         self.preadv_min_run_bytes = PREADV_MIN_RUN_BYTES
         self._require_sums = requires_shard_sums(self.manifest)
         # Expected {key: TensorSpec}: from the manifest's schema when it records one
@@ -377,6 +386,10 @@ class CachedTensorDataset(Dataset):
                 raise CacheIntegrityError(
                     f"shard {path} is missing (removed after the cache was opened?). {self._repair}", path=path
                 ) from None
+            if self.readahead and _fadvise is not None:
+                for key in self._disk_keys:
+                    e = header.entries[key]
+                    _fadvise(fd, e.start, e.end - e.start, os.POSIX_FADV_WILLNEED)
             f = self._files.put(shard_index, (path, header, fd), self._max_open)
         return f
 
@@ -530,6 +543,10 @@ class CachedTensorDataset(Dataset):
             for f in pending:
                 f.result()  # re-raises a mismatch; always joined before the batch leaves
         return out
+
+
+# readahead hints where the platform has them (not on macOS)
+_fadvise = getattr(os, "posix_fadvise", None)
 
 
 class _OpenFiles:
