@@ -40,7 +40,7 @@ SHARD_BYTES = 32 << 20
 def _cache(d: str, row: int) -> int:
     from safetensors.torch import save_file
 
-    from te_thd.offline_cache.format import shard_path, write_manifest
+    from te_thd.offline_cache import shard_path, write_manifest
 
     rows = max(64, SHARD_BYTES // row)
     os.makedirs(d, exist_ok=True)
