@@ -77,8 +77,9 @@ PREADV_MIN_RUN_BYTES = 256 * 1024
 class CachedBatch(Sequence[dict[str, torch.Tensor]]):
     """The result of ``CachedTensorDataset.__getitems__``: a batch already stacked.
 
-    ``tensors[key]`` is ``[B, *sample_shape]`` in the requested order, a fresh
-    tensor (in shared memory inside a DataLoader worker, so sending it to the main
+    ``tensors[key]`` is ``[B, *sample_shape]`` in the requested order, memory no
+    one else uses (the reader recycles it only once every reference to it is
+    gone; in shared memory inside a DataLoader worker, so sending it to the main
     process costs no copy). The object is also a sequence of ``B`` per-sample dicts
     (row views), so a collate function written for a list of samples still works;
     ``collate_cached`` and ``CachedThdCollator`` take ``tensors`` as is instead
