@@ -108,8 +108,7 @@ def _write_time(tmp: str, table: dict[str, torch.Tensor]) -> float:
 def _candidates(tmp: str, n: int, compute: _Compute) -> dict[str, Any]:
     import logging
 
-    from te_thd.offline_cache import produce_cache
-    from te_thd.offline_cache import DurableShardWriter, write_cache_shards
+    from te_thd.offline_cache import DurableShardWriter, produce_cache, write_cache_shards
 
     loader = torch.utils.data.DataLoader(_Samples(n), batch_size=BATCH)
     counter = iter(range(10**9))
