@@ -216,7 +216,10 @@ def produce_cache(
         shard_size: samples per shard (> 0). Prefer a multiple of the batch size
             (see ``loops``: then resumed/distributed runs form identical batches).
         compute_batch: ``batch -> {key: tensor [batch, ...]}``; may be a
-            collective (called equally often on every rank).
+            collective (called equally often on every rank). Shards are written
+            behind the computation (the next shard is computed while the last one
+            is written and fsynced), so the returned tensors must not be modified
+            afterwards (return new tensors, as a model's forward does).
         keys: the keys to store; each ``[n, *trailing]`` with a fixed dtype and
             trailing shape (the schema, fixed by the first shard).
         options: producer options recorded top-level in the manifest (JSON

@@ -171,9 +171,10 @@ class CachedTensorDataset(Dataset):
             reading the ``disk_keys`` byte ranges of it in the background
             (``posix_fadvise(WILLNEED)``): a cache that is not in the page cache
             then streams ahead of the reads (measured: a cold epoch ~10% faster
-            through the loader, a warm one unchanged; docs/performance-io.md). Pass False when each node reads only a small
-            part of every shard from a shared network filesystem (many nodes, few
-            ranks each): the hint reads the whole shard on every node.
+            through the loader, a warm one unchanged; docs/performance-io.md).
+            Pass False when each node reads only a small part of every shard
+            from a shared network filesystem (many nodes, few ranks each): the
+            hint reads the whole shard on every node.
 
     ``preadv_min_run_bytes`` (attribute, default :data:`PREADV_MIN_RUN_BYTES`): the
     engine crossover, per dataset.
