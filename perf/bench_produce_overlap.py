@@ -39,13 +39,10 @@ import statistics
 import sys
 import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import Record, print_records  # noqa: E402
+from harness import Record, print_records
 
 BENCH = "produce_overlap"
 SHARD, BATCH = 16, 4

@@ -169,9 +169,10 @@ class CachedTensorDataset(Dataset):
             are in shared memory and pinned by the DataLoader in the main process.
         readahead: when the batched path opens a shard, ask the kernel to start
             reading the ``disk_keys`` byte ranges of it in the background
-            (``posix_fadvise(WILLNEED)``): a cache that is not in the page cache
-            then streams ahead of the reads (measured: a cold epoch ~10% faster
-            through the loader, a warm one unchanged; docs/performance-io.md).
+            (``os.posix_fadvise(fd, start, size, POSIX_FADV_WILLNEED)``): a
+            cache that is not in the page cache then streams ahead of the reads
+            (measured: a cold epoch ~10% faster through the loader, a warm one
+            unchanged; docs/performance-io.md).
             Pass False when each node reads only a small part of every shard
             from a shared network filesystem (many nodes, few ranks each): the
             hint reads the whole shard on every node.
