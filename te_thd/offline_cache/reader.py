@@ -39,7 +39,6 @@ import os
 import warnings
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, overload
 
 import numpy as np
@@ -457,30 +456,25 @@ class CachedTensorDataset(Dataset):
         raw: dict[str, memoryview] = {}
         for k in self._disk_keys:
             out[k], raw[k] = buffers.get(k, n, entries[k].shape[1:], entries[k].dtype)
-        pending: list[Any] = []
-        try:
-            for shard, local, pos in groups:
-                self._copy_rows(shard, local, pos, out, raw, pending)
-        finally:
-            for f in pending:
-                f.result()  # re-raises a mismatch; always joined before the batch leaves
+        for shard, local, pos in groups:
+            self._copy_rows(shard, local, pos, out, raw)
         return CachedBatch(out, n)
 
     def _copy_rows(
         self, shard: int, local: np.ndarray, pos: np.ndarray | None, out: dict[str, torch.Tensor],
-        raw: dict[str, memoryview], pending: list[Any],
+        raw: dict[str, memoryview],
     ) -> None:  # fmt: skip
         """Copy rows ``local`` (int64 ``[m]``) of shard ``shard`` into batch rows ``pos``
         (int64 ``[m]``; None: ``0..m-1``) of every ``out[key]`` (``[B, *sample_shape]``,
         whose bytes are ``raw[key]``), and verify them.
 
-        Verification of a piece runs on the helper thread while the next piece is
-        copied (hashing and ``preadv`` both release the GIL); the futures go to
-        ``pending``, which the caller joins before the batch is returned.
+        Each piece (at most :data:`VERIFY_CHUNK_BYTES`) is hashed right after it
+        is copied, on this thread, while it is still in cache: ``xxh3_64`` holds
+        the GIL, so a helper thread measured slower, not faster.
         """
         path, header, fd = self._shard_file(shard)
         entries, sums = header.entries, header.sums
-        pool = _verify_pool() if sums is not None and self.verify else None
+        check = sums is not None and self.verify
         plan = None
         for key, dst in out.items():
             e = entries[key]
@@ -495,11 +489,10 @@ class CachedTensorDataset(Dataset):
             if use_preadv:
                 plan = plan or plan_runs(local, pos)
                 after = None
-                if pool is not None:
+                if check:
 
                     def after(p: int, first: int, m: int, key: str = key, dst: torch.Tensor = dst) -> None:
-                        rows = list(range(first, first + m))
-                        pending.append(pool.submit(self.verify_copied_rows, shard, sums, key, dst[p : p + m], rows))
+                        self.verify_copied_rows(shard, sums, key, dst[p : p + m], list(range(first, first + m)))
 
                 try:
                     read_rows(fd, e.start, row_bytes, plan, raw[key], path, after, VERIFY_CHUNK_BYTES)
@@ -521,9 +514,8 @@ class CachedTensorDataset(Dataset):
         """Rows ``local`` of the mapped ``view`` copied (into ``dst`` if given) and verified.
 
         Small rows: one copy, then one pass of row hashes over the copy (still in
-        cache). Rows larger than :data:`VERIFY_CHUNK_BYTES` per chunk: chunk ``k``
-        is hashed on a helper thread while chunk ``k+1`` is copied (both release
-        the GIL), and the read returns only after every chunk was verified.
+        cache). Rows larger than :data:`VERIFY_CHUNK_BYTES` per chunk: each chunk
+        is hashed right after it is copied, so it is still in cache.
         """
         if sums is None or not self.verify:
             return _take(view, local, run, dst)
@@ -535,16 +527,10 @@ class CachedTensorDataset(Dataset):
             self.verify_copied_rows(shard, sums, key, out, local.tolist())
             return out
         out = dst if dst is not None else torch.empty((n, *view.shape[1:]), dtype=view.dtype)
-        pool = _verify_pool()
-        pending = []
-        try:
-            for a in range(0, n, step):
-                part = local[a : a + step]
-                chunk = _take(view, part, run, out[a : a + part.size])
-                pending.append(pool.submit(self.verify_copied_rows, shard, sums, key, chunk, part.tolist()))
-        finally:
-            for f in pending:
-                f.result()  # re-raises a mismatch; always joined before the batch leaves
+        for a in range(0, n, step):
+            part = local[a : a + step]
+            chunk = _take(view, part, run, out[a : a + part.size])
+            self.verify_copied_rows(shard, sums, key, chunk, part.tolist())
         return out
 
 
@@ -600,17 +586,6 @@ def _shard_groups(idx: np.ndarray, shard_size: int) -> list[tuple[int, np.ndarra
         pos = order[a:b]
         out.append((shard, idx[pos] - shard * shard_size, pos))
     return out
-
-
-_pool_state: dict[str, Any] = {"pid": None, "pool": None}
-
-
-def _verify_pool() -> ThreadPoolExecutor:
-    """This process's one verification thread (a forked DataLoader worker starts its own)."""
-    if _pool_state["pid"] != os.getpid():
-        _pool_state["pid"] = os.getpid()
-        _pool_state["pool"] = ThreadPoolExecutor(max_workers=1, thread_name_prefix="te_thd-verify")
-    return _pool_state["pool"]
 
 
 def _take(view: torch.Tensor, local: np.ndarray, run: bool, dst: torch.Tensor | None) -> torch.Tensor:
