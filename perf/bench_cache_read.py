@@ -12,8 +12,8 @@ checksum costs. Loops without a loader, interleaved with the loaders:
 - ``raw_preadv``: the physical floor for a cache in the page cache. The byte
   ranges our loader reads in one epoch (same sampler order, same batches, one
   range per run of consecutive rows of a key) are listed up front, then each is
-  read by one ``os.preadv`` into a reused buffer: one kernel copy per byte, no
-  page faults, no allocation, no Python work per sample.
+  read by one ``os.preadv`` into its place in a reused batch-sized buffer: one
+  kernel copy per byte, no page faults, no allocation, no Python work per sample.
 - ``raw_preadv_hash``: the same, plus the reader's row checksum (``xxh3_64`` of
   every row, seeded with its row index) over each range right after it is read,
   on the same thread: the floor for a verified read.
@@ -130,8 +130,8 @@ def _raw_preadv(cache_dir: str, keys: tuple[str, ...], batch: int, shuffle: bool
 
     The ranges are those of our loader's epoch 0 (``CacheShardSampler`` order,
     batches of ``batch``): per batch, per key, one range per run of consecutive
-    file rows (``copyread.plan_runs``), listed before timing. Every range lands at
-    the start of one reused buffer per key. ``hashed``: then ``xxh3_64`` of each of
+    file rows (``copyread.plan_runs``), listed before timing. The ranges of a batch
+    fill one reused batch-sized buffer per key, each at its own place. ``hashed``: then ``xxh3_64`` of each of
     its rows, seeded with the row's index in the shard (the reader's row checksum).
     """
     import numpy as np
@@ -151,23 +151,30 @@ def _raw_preadv(cache_dir: str, keys: tuple[str, ...], batch: int, shuffle: bool
     fds: dict[int, int] = {}
     buffers: dict[str, memoryview] = {}
     jobs: list[tuple[int, list[memoryview], int, int, int]] = []  # fd, iov, offset, first row, row bytes
-    for a in range(0, order.size, batch):
-        idx = order[a : a + batch]
+    for start in range(0, order.size, batch):
+        idx = order[start : start + batch]
         shards = idx // ss
+        fill: dict[str, int] = {}  # batch rows placed so far, per key
         for shard in np.unique(shards).tolist():
             if shard not in fds:
                 headers[shard] = read_header(shard_path(cache_dir, shard))
                 fds[shard] = os.open(shard_path(cache_dir, shard), os.O_RDONLY)
             plan = plan_runs(idx[shards == shard] - shard * ss)
             for key in keys:
+                fill.setdefault(key, 0)
                 e = headers[shard][key]
                 row = (e.end - e.start) // e.shape[0]
                 if key not in buffers:
                     buffers[key] = memoryview(bytearray(row * batch))
                 for k in range(plan.num_runs):
-                    rows = plan.starts[k + 1] - plan.starts[k]
+                    a, b = plan.starts[k], plan.starts[k + 1]
                     first = plan.first_row[k]
-                    jobs.append((fds[shard], [buffers[key][: rows * row]], e.start + first * row, first, row))
+                    # the run's rows fill their own stretch of the batch-sized buffer, as a
+                    # batch fills its tensor (not all at its start: that would keep a
+                    # shuffled batch's 8 rows in one row's worth of cache)
+                    at = (fill[key] + a) * row
+                    jobs.append((fds[shard], [buffers[key][at : at + (b - a) * row]], e.start + first * row, first, row))
+                fill[key] += plan.starts[-1]
     digest = xxhash.xxh3_64_intdigest
 
     def read() -> int:
