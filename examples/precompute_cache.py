@@ -339,6 +339,8 @@ def main(argv: list[str] | None = None) -> int:
         cache_name=CACHE_NAME,
         producer_name=f"`{shlex.join(['python', PRODUCER, *(sys.argv[1:] if argv is None else argv)])}`",
         progress=None,  # tqdm on rank 0 when stderr is a terminal
+        # each sample's real length, recorded in the manifest for balanced loading
+        length_key="seq_len" if "seq_len" in keys else None,
     )
     if rank == 0:
         n_bytes = sum(s["bytes"] for s in manifest.get("shards", []))

@@ -91,7 +91,6 @@ from te_thd.offline_cache import (  # noqa: E402
     read_manifest,
     to_device,
 )
-from te_thd.offline_cache.balanced_sampler import scan_lengths  # noqa: E402
 from te_thd.packing import pad_to_multiple_for  # noqa: E402
 
 
@@ -359,15 +358,14 @@ def build_loader(
 ):
     """The cached dataloader: shard-block shuffled, sharded over data-parallel replicas only.
 
-    ``--balance``: every step's global batch planned over the replicas; the lengths
-    come from one read of the cache's ``seq_len`` column (``scan_lengths``).
+    ``--balance``: every step's global batch planned over the replicas from the
+    ``seq_len`` lengths the cache records (a cache built before they were recorded
+    is scanned once, the result kept beside it).
     """
     balance: dict[str, Any] = {}
     if args.balance:
-        lengths_only = CachedTensorDataset(args.cache_dir, CACHE_NAME, FORMAT_VERSION, ("seq_len",))
         balance = dict(
-            balance=True,
-            lengths=scan_lengths(lengths_only, length_key="seq_len"),
+            balance=True,  # lengths: the collator's seq_len, as the cache records them
             attn_scale=args.attn_scale or attn_scale or 49152.0,
         )
     loader = build_cached_dataloader(

@@ -19,7 +19,9 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
-KEYS = ("h", "ids")
+KEYS = ("h", "ids", "n")
+#: the key each sample's length is recorded from
+LENGTH_KEY = "n"
 OPTIONS = {"cp_size": 2, "mask_prompt": False}
 
 #: name -> (num_samples, shard_size, batch_size); per world size
@@ -37,7 +39,7 @@ def dataset(n: int) -> list[dict[str, torch.Tensor]]:
 
 
 def compute(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {"h": (batch["x"] * 0.5).to(torch.bfloat16), "ids": batch["i"] + 1}
+    return {"h": (batch["x"] * 0.5).to(torch.bfloat16), "ids": batch["i"] + 1, "n": batch["i"][:, 0] % 5 + 1}
 
 
 def loader(n: int, batch_size: int) -> DataLoader:
@@ -74,7 +76,7 @@ def main() -> None:
         try:
             m = produce_cache(
                 loader(n, bs), f"{base}/{name}", shard_size, compute_collective, KEYS, OPTIONS,
-                group=group, progress=False,
+                group=group, progress=False, length_key=LENGTH_KEY,
             )
             results[name] = {"calls": calls["n"], "manifest": m}
         except Exception as exc:  # recorded, the test asserts on it

@@ -44,7 +44,8 @@ def _bytes(d: Path) -> dict[str, bytes]:
 def _reference(tmp: Path, name: str, n: int, shard_size: int, bs: int) -> dict[str, bytes]:
     out = tmp / f"ref-{name}-{n}-{shard_size}-{bs}"
     if not out.exists():
-        produce_cache(w.loader(n, bs), str(out), shard_size, w.compute, w.KEYS, w.OPTIONS, progress=False)
+        produce_cache(w.loader(n, bs), str(out), shard_size, w.compute, w.KEYS, w.OPTIONS, progress=False,
+                      length_key=w.LENGTH_KEY)  # fmt: skip
     return _bytes(out)
 
 
@@ -91,7 +92,11 @@ def _check_same_cache(results: list[dict], name: str, cache: Path, ref: dict[str
     manifests = [r[name]["manifest"] for r in results if name in r]
     assert all(m == manifests[0] for m in manifests)  # every rank returns the same manifest
     assert _bytes(cache) == ref  # shards AND manifest byte-identical; no temp, lock, progress file
-    verify_cache(str(cache), deep=True)
+    # every sample's length recorded, from the data, whichever rank wrote (or a resume read back) its shard
+    m = manifests[0]
+    assert m["length_rule"] == {"key": "n", "kind": "value", "pad_token_id": 0}
+    assert [v for r in m["shards"] for v in r["lengths"]] == [i % 5 + 1 for i in range(m["num_samples"])]
+    assert verify_cache(str(cache), deep=True)["lengths_verified"]
 
 
 def test_two_ranks_uneven_counts_match_single_process(tmp_path: Path, ref_dir: Path) -> None:
@@ -145,7 +150,7 @@ def test_three_ranks_uneven_zero_shard_rank_resume_subgroup_and_errors(tmp_path:
     bad = caches / "schema_error"
     assert not (bad / "manifest.json").exists()
     assert (bad / PROGRESS_NAME).exists()  # resumable once compute_batch is fixed
-    produce_cache(w.loader(9, 2), str(bad), 2, w.compute, w.KEYS, w.OPTIONS, progress=False)
+    produce_cache(w.loader(9, 2), str(bad), 2, w.compute, w.KEYS, w.OPTIONS, progress=False, length_key=w.LENGTH_KEY)
     assert _bytes(bad) == _reference(ref_dir, "schema_error", 9, 2, 2)
 
 

@@ -28,6 +28,7 @@ from torch.utils.data import Dataset, Sampler
 
 from te_thd.balance import DEFAULT_ATTN_SCALE, min_rows_per_replica, plan_global_batch
 
+from .lengths import LengthRule, scan_rule
 from .sampler import CacheShardSampler
 
 __all__ = ["BalancedBatchSampler", "PlannedBatch", "PlannedDataset", "PlannedSamples", "scan_lengths"]
@@ -226,27 +227,10 @@ def scan_lengths(
     ``input_key`` (up to and including the last token that is not ``pad_token_id``).
     The dataset must read those keys. Reads ``block`` samples at a time.
     """
-    n = len(dataset)
-    out = np.empty(n, dtype=np.int64)
-    read = getattr(dataset, "__getitems__", None)
-    for begin in range(0, n, block):
-        idx = list(range(begin, min(begin + block, n)))
-        batch = read(idx) if read is not None else [dataset[i] for i in idx]
-        tensors = getattr(batch, "tensors", None)
-        key = length_key or mask_key or input_key
-        if tensors is not None:
-            t = tensors[key]
-        else:
-            t = torch.stack([sample[key] for sample in batch])
-        t = t.reshape(len(idx), -1)
-        if length_key is not None:
-            lengths = t[:, 0]
-        elif mask_key is not None:
-            lengths = (t != 0).sum(1)
-        else:
-            real = t != pad_token_id
-            width = t.shape[1]
-            last = width - torch.flip(real, [1]).to(torch.int8).argmax(1)  # after the last real token
-            lengths = torch.where(real.any(1), last, torch.zeros_like(last))
-        out[begin : begin + len(idx)] = lengths.to(torch.int64).numpy()
-    return out
+    if length_key is not None:
+        rule = LengthRule(length_key, "value")
+    elif mask_key is not None:
+        rule = LengthRule(mask_key, "nonzero")
+    else:
+        rule = LengthRule(input_key, "last_nonpad", pad_token_id)
+    return scan_rule(dataset, rule, block)

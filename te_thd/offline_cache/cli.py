@@ -71,6 +71,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         print(f"  checked: {line}")
     for line in result["not_checked"]:
         print(f"  NOT checked: {line}")
+    print(f"  lengths: {result['lengths']}")
     if result["not_checked"] and not args.quick:
         print("WARNING: parts of this cache cannot be verified (see NOT checked above)", file=sys.stderr)
     return 0

@@ -23,6 +23,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, get_worker_info
 
 from .balanced_sampler import BalancedBatchSampler, PlannedDataset
+from .lengths import cache_lengths, collator_rule
 from .reader import CachedBatch, CachedTensorDataset, _empty
 from .sampler import CacheShardSampler, default_data_parallel_rank_size
 
@@ -167,6 +168,7 @@ def build_cached_dataloader(
     lengths: Sequence[int] | Any = None,
     attn_scale: float = 49152.0,
     rows_per_replica: int | None = None,
+    length_key: str | None = None,
 ) -> CachedDataLoader:
     """Build a dataloader over a precomputed offline cache dataset.
 
@@ -201,7 +203,13 @@ def build_cached_dataloader(
             replica packs the rows ``te_thd.balance.plan_global_batch`` plans for it;
             ``collate_fn`` must be a ``CachedThdCollator`` (its ``seq_len`` and padding
             multiple are planned for). ``loader.sampler`` is then the batch sampler.
-        lengths: with ``balance``, every sample's real length (``scan_lengths``).
+        lengths: with ``balance``, every sample's real length. Default: the lengths
+            the collator packs (its ``length_key``'s value, its ``mask_key``'s nonzero
+            count, else full rows), from the cache's record when the producer
+            recorded them under that rule, else from a scan kept beside the cache
+            (``te_thd.offline_cache.lengths.cache_lengths``).
+        length_key: with ``balance`` and no ``lengths``, read the lengths from this
+            key instead of the collator's.
         attn_scale, rows_per_replica: with ``balance``, passed to the planner.
     """
     if not isinstance(batch_size, int) or batch_size < 1:
@@ -220,12 +228,22 @@ def build_cached_dataloader(
             dp_rank, dp_size = 0, 1
     if balance:
         packer = getattr(collate_fn, "packer", None)
-        if packer is None or lengths is None:
+        if packer is None:
             raise ValueError(
-                "balance=True plans each step's rows: pass collate_fn=CachedThdCollator(...) (its seq_len "
-                "and padding are planned for) and lengths= (every sample's length, e.g. "
-                "te_thd.offline_cache.balanced_sampler.scan_lengths(dataset, mask_key=...))"
+                f"balance=True plans each step's rows: pass collate_fn=CachedThdCollator(...) (its seq_len "
+                f"and padding are planned for), not {type(collate_fn).__name__}"
             )
+        if lengths is None:
+            cache_dir = getattr(dataset, "cache_dir", None)
+            if cache_dir is None:
+                raise ValueError(
+                    f"balance=True without lengths= reads the lengths a cache records, but the dataset "
+                    f"({type(dataset).__name__}) is not a CachedTensorDataset; pass lengths= (every sample's "
+                    "length, e.g. te_thd.offline_cache.balanced_sampler.scan_lengths(dataset, mask_key=...))"
+                )
+            # plan with what the collator packs: its length key, its mask, or full rows
+            rule = None if length_key is not None else collator_rule(collate_fn)
+            lengths = cache_lengths(cache_dir, dataset.cache_name, length_key, rule=rule)
         sampler: CacheShardSampler | BalancedBatchSampler = BalancedBatchSampler(
             dataset, lengths, batch_size, packer.seq_len, dp_size, dp_rank, shuffle, seed, drop_last,
             pad_to_multiple_of=packer.pad_to_multiple_of, attn_scale=attn_scale,

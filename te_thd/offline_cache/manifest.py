@@ -68,8 +68,10 @@ from te_thd.offline_cache.format import (
     manifest_path,
     num_shards,
     schema_from_json,
+    shard_rows,
 )
 from te_thd.offline_cache.integrity import SHARD_LAYOUT
+from te_thd.offline_cache.lengths import LENGTH_RULE_KEY, LengthRule, check_lengths_record
 
 #: Version of the te_thd integrity fields a producer writes (see the module docstring).
 LAYOUT_VERSION = SHARD_LAYOUT
@@ -77,7 +79,7 @@ LAYOUT_VERSION = SHARD_LAYOUT
 MANIFEST_CHECKSUM_KEY = "manifest_checksum"
 #: Manifest keys te_thd writes itself; producer options may not use them.
 RESERVED_MANIFEST_KEYS = frozenset(
-    {"format_version", "num_samples", "shard_size", "layout_version", "schema", "shards", MANIFEST_CHECKSUM_KEY}
+    {"format_version", "num_samples", "shard_size", "layout_version", "schema", "shards", LENGTH_RULE_KEY, MANIFEST_CHECKSUM_KEY}
 )
 
 
@@ -147,6 +149,14 @@ def validate_manifest(manifest: Mapping[str, Any], path: str, producer: str | No
                     f"{{'file': {name!r}, 'bytes': int, 'checksum': 'crc32:<hex>'}}. "
                     "The manifest is damaged. " + _rebuild(path, producer)
                 )
+            bad = check_lengths_record(rec, shard_rows(i, manifest["num_samples"], manifest["shard_size"]))
+            if bad is not None:
+                raise ManifestError(f"manifest {path}: shard record {i}: {bad}. The manifest is damaged. " + _rebuild(path, producer))
+    if LENGTH_RULE_KEY in manifest:
+        try:
+            LengthRule.from_json(manifest[LENGTH_RULE_KEY])
+        except ValueError as exc:
+            raise ManifestError(f"manifest {path} has an invalid 'length_rule': {exc}") from None
 
 
 def manifest_checksum(manifest: Mapping[str, Any]) -> str:

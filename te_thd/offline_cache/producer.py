@@ -62,6 +62,7 @@ from te_thd.offline_cache.format import (
     schema_to_json,
     shard_path,
 )
+from te_thd.offline_cache.lengths import LENGTH_RULE_KEY, LengthRule, for_tensor_spec, producer_rule
 from te_thd.offline_cache.loops import (
     _batch_size,
     lockstep_write,
@@ -165,9 +166,11 @@ class _RecordingWriter(DurableShardWriter):
     and the error travels to every rank through the all-gather.
     """
 
-    def __init__(self, keys: Sequence[str], cache_name: str, schema: CacheSchema | None) -> None:
+    def __init__(
+        self, keys: Sequence[str], cache_name: str, schema: CacheSchema | None, length_rule: LengthRule | None = None
+    ) -> None:
         # write-behind: shard k is serialised, written and fsynced while k+1 is computed
-        super().__init__(keys, cache_name, schema, pipelined=True, write_behind=True)
+        super().__init__(keys, cache_name, schema, pipelined=True, write_behind=True, length_rule=length_rule)
         self.error: str | None = None
 
     def __call__(self, cache_dir: str, shard_index: int, samples: dict[str, torch.Tensor]) -> str:
@@ -207,6 +210,7 @@ def produce_cache(
     lock: bool = True,
     progress: bool | None = None,
     logger: logging.Logger | None = None,
+    length_key: str | None = None,
 ) -> dict[str, Any]:
     """Produce (or finish, or reuse) the cache of ``dataloader`` in ``output_dir``; return its manifest.
 
@@ -234,11 +238,15 @@ def produce_cache(
         lock: take the producer lock (refuse a second producer). Only disable
             on filesystems without flock, when you guarantee a single producer.
         progress: tqdm bar on rank 0; ``None`` = only when stderr is a TTY.
+        length_key: the stored key each sample's real length is read from,
+            recorded per shard in the manifest (``te_thd.offline_cache.lengths``):
+            its value when it holds one number per sample, else its non-padding
+            length. Default ``input_ids`` when stored, else no lengths are recorded.
 
     Every rank returns the same manifest dict (``read_manifest``'s view).
     """
     job = _Job.plan(dataloader, output_dir, shard_size, keys, options, format_version, cache_name,
-                    producer_name, rank, world_size, group, logger or _log)  # fmt: skip
+                    producer_name, rank, world_size, group, logger or _log, length_key)  # fmt: skip
     producer_lock = ProducerLock(output_dir) if (lock and job.comm.rank == 0) else None
     try:
         finished = job.prepare(producer_lock, resume)
@@ -263,13 +271,14 @@ class _Job:
     def plan(cls, dataloader: DataLoader, output_dir: str, shard_size: int, keys: Sequence[str],
              options: Mapping[str, Any] | None, format_version: int, cache_name: str,
              producer_name: str | None, rank: int | None, world_size: int | None, group: Any,
-             logger: logging.Logger) -> _Job:  # fmt: skip
+             logger: logging.Logger, length_key: str | None = None) -> _Job:  # fmt: skip
         """Validate the arguments (before any rank touches the directory)."""
         check_shard_size(shard_size)
         keys = tuple(keys)
         if not keys or not all(isinstance(k, str) and k for k in keys) or len(set(keys)) != len(keys):
             raise ValueError(f"keys={keys!r} must be a non-empty tuple of distinct key names, e.g. ('hidden',)")
         opts = _check_options(options)
+        length_rule = producer_rule(length_key, keys)
         try:
             num_samples = len(dataloader.dataset)  # type: ignore[arg-type]
         except TypeError:
@@ -286,7 +295,7 @@ class _Job:
         return cls(
             output_dir=output_dir, shard_size=shard_size, keys=keys, options=opts, format_version=format_version,
             cache_name=cache_name, producer_name=producer_name, num_samples=num_samples, logger=logger,
-            comm=_Comm(rank, world_size, group),
+            comm=_Comm(rank, world_size, group), length_rule=length_rule,
             params=run_params(format_version, num_samples, shard_size, keys, opts),
         )  # fmt: skip
 
@@ -322,7 +331,9 @@ class _Job:
         records: dict[int, ShardRecord] = {}
         schema: CacheSchema | None = None
         try:
-            records, schema = verify_existing(self.output_dir, sorted(present), self.keys, self.num_samples, self.shard_size)
+            records, schema = verify_existing(
+                self.output_dir, sorted(present), self.keys, self.num_samples, self.shard_size, self.length_rule
+            )
         except Exception as exc:
             local_exc = exc
         errors = comm.all_gather((None if local_exc is None else f"rank {comm.rank}: {local_exc}", self.num_samples))
@@ -348,7 +359,7 @@ class _Job:
         schema: CacheSchema | None, progress: bool | None,
     ) -> _RecordingWriter:  # fmt: skip
         """Compute and write the shards ``missing`` in lockstep with the other ranks."""
-        writer = _RecordingWriter(self.keys, self.cache_name, schema)
+        writer = _RecordingWriter(self.keys, self.cache_name, schema, self.length_rule)
         runs = shard_runs(missing, self.num_samples, self.shard_size)
         bs = _batch_size(dataloader)
         global_steps = self.comm.max_int(sum(-(-n // bs) for _, _, n in runs))
@@ -385,7 +396,7 @@ class _Job:
         comm = self.comm
         mine = (
             writer.error,
-            {i: (r.bytes, r.checksum) for i, r in records.items()},
+            {i: (r.bytes, r.checksum, r.lengths) for i, r in records.items()},
             schema_to_json(writer.schema) if writer.schema is not None else None,
         )
         gathered = comm.all_gather(mine)
@@ -393,7 +404,9 @@ class _Job:
         rank0_exc: Exception | None = None
         if comm.rank == 0:
             try:
-                manifest = _assemble_manifest(gathered, self.params, self.options, self.output_dir, self.cache_name)
+                manifest = _assemble_manifest(
+                    gathered, self.params, self.options, self.output_dir, self.cache_name, self.length_rule
+                )
                 write_manifest(self.output_dir, manifest, self.format_version)
                 os.unlink(os.path.join(self.output_dir, PROGRESS_NAME))
                 fsync_dir(self.output_dir)
@@ -412,18 +425,19 @@ class _Job:
 
 
 def _assemble_manifest(
-    gathered: Sequence[tuple[str | None, dict[int, tuple[int, str]], dict[str, Any] | None]],
+    gathered: Sequence[tuple[str | None, dict[int, tuple[int, str, tuple[int, ...] | None]], dict[str, Any] | None]],
     params: Mapping[str, Any],
     options: Mapping[str, Any],
     output_dir: str,
     cache_name: str,
+    length_rule: LengthRule | None = None,
 ) -> dict[str, Any]:
     errors = [(r, e) for r, (e, _, _) in enumerate(gathered) if e is not None]
     if errors:
         raise SchemaError("; ".join(f"rank {r}: {e}" for r, e in errors))
     num_samples, shard_size = params["num_samples"], params["shard_size"]
     expected = num_shards(num_samples, shard_size)
-    records: dict[int, tuple[int, str]] = {}
+    records: dict[int, tuple[int, str, tuple[int, ...] | None]] = {}
     for _, recs, _ in gathered:
         records.update(recs)
     missing = sorted(set(range(expected)) - set(records))
@@ -438,17 +452,24 @@ def _assemble_manifest(
         desc = "; ".join(f"rank {r}: {schema_from_json(s)}" for r, s in schemas.values())
         raise SchemaError(f"ranks wrote shards with different schemas ({desc}); compute_batch must be deterministic in dtype/shape")
     schema = next(iter(schemas.values()))[1] if schemas else {}
-    return {
+    lengths = length_rule is not None and schema != {}
+    manifest = {
         **options,
         "num_samples": num_samples,
         "shard_size": shard_size,
         "layout_version": LAYOUT_VERSION,
         "schema": schema,
         "shards": [
-            {"file": os.path.basename(shard_path(output_dir, i)), "bytes": records[i][0], "checksum": records[i][1]}
+            ShardRecord(records[i][0], records[i][1], records[i][2] if lengths else None).to_json(
+                os.path.basename(shard_path(output_dir, i))
+            )
             for i in range(expected)
         ],
     }
+    if lengths:
+        assert length_rule is not None
+        manifest[LENGTH_RULE_KEY] = for_tensor_spec(length_rule, schema_from_json(schema)[length_rule.key]).to_json()
+    return manifest
 
 
 __all__ = ["PROGRESS_NAME", "produce_cache"]

@@ -28,6 +28,7 @@ from te_thd.offline_cache.format import (
     shard_path,
     shard_rows,
 )
+from te_thd.offline_cache.lengths import LengthRule, for_tensor_spec, read_shard_lengths
 from te_thd.offline_cache.manifest import RESERVED_MANIFEST_KEYS, read_manifest
 from te_thd.offline_cache.shardfile import ShardRecord, read_shard_header, schema_of_header
 from te_thd.offline_cache.verify import check_cache_files, verify_shard_file
@@ -131,12 +132,18 @@ def prepare_directory(
 
 
 def verify_existing(
-    output_dir: str, indices: Sequence[int], keys: Sequence[str], num_samples: int, shard_size: int
+    output_dir: str,
+    indices: Sequence[int],
+    keys: Sequence[str],
+    num_samples: int,
+    shard_size: int,
+    length_rule: LengthRule | None = None,
 ) -> tuple[dict[int, ShardRecord], CacheSchema | None]:
     """Records of shards a previous run wrote, each verified completely (:func:`verify_shard_file`).
 
     The first shard fixes the schema (its keys must be this run's); every shard
     must carry te_thd checksums (a previous run of this producer wrote them).
+    With a ``length_rule`` each record also holds the shard's lengths, read from it.
     Raises :class:`CacheIntegrityError` naming a damaged shard and what to do.
     """
     records: dict[int, ShardRecord] = {}
@@ -156,5 +163,9 @@ def verify_existing(
             raise CacheIntegrityError(
                 f"existing {exc} Delete it and run again: the producer recomputes missing shards.", path=path
             ) from None
-        records[i] = ShardRecord(bytes=check.bytes, checksum=check.checksum)
+        lengths = None
+        if length_rule is not None and schema is not None:
+            rows = read_shard_lengths(path, for_tensor_spec(length_rule, schema[length_rule.key]))
+            lengths = tuple(int(v) for v in rows)
+        records[i] = ShardRecord(bytes=check.bytes, checksum=check.checksum, lengths=lengths)
     return records, schema

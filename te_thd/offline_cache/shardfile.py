@@ -61,9 +61,14 @@ class ShardRecord:
 
     bytes: int
     checksum: str
+    #: every row's real length (``te_thd.offline_cache.lengths``), when recorded
+    lengths: tuple[int, ...] | None = None
 
     def to_json(self, file_name: str) -> dict[str, Any]:
-        return {"file": file_name, "bytes": self.bytes, "checksum": self.checksum}
+        rec: dict[str, Any] = {"file": file_name, "bytes": self.bytes, "checksum": self.checksum}
+        if self.lengths is not None:
+            rec["lengths"] = list(self.lengths)
+        return rec
 
 
 def format_checksum(crc: int) -> str:

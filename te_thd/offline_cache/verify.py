@@ -33,6 +33,7 @@ from te_thd.offline_cache.format import (
     validate_contiguous_shards,
 )
 from te_thd.offline_cache.integrity import HASH_NAME, byte_row_sums
+from te_thd.offline_cache.lengths import LengthRule, read_shard_lengths, recorded_rule
 from te_thd.offline_cache.manifest import (
     LAYOUT_VERSION,
     RESERVED_MANIFEST_KEYS,
@@ -191,7 +192,9 @@ def verify_cache(
     whole-file checksum). The result says what was verified: ``checked`` and
     ``not_checked`` (lists of sentences), ``checksums_verified`` (every tensor
     byte was checked against a checksum), ``headers_verified``,
-    ``shards_with_checksums``.
+    ``shards_with_checksums``, ``lengths_recorded`` (the rule of the per-sample
+    lengths the manifest records, or ``None``), ``lengths_verified`` (deep: each
+    recorded length matched the data) and ``lengths`` (a sentence).
 
     Raises :class:`ManifestError` or :class:`CacheIntegrityError`; the latter's
     message lists every bad shard by path, ends with the repair command, and
@@ -211,9 +214,14 @@ def verify_cache(
         "checksums_verified": False,
         "headers_verified": False,
         "shards_with_checksums": None,
+        "lengths_recorded": None,
+        "lengths_verified": False,
     }
+    rule = recorded_rule(manifest)
+    result["lengths_recorded"] = rule.describe() if rule is not None else None
     if not deep:
         result["checked"], result["not_checked"] = _what_was_checked(cache_dir, False, records is not None, 0, len(indices))
+        _lengths_lines(result, cache_dir, rule, False)
         return result
     schema = manifest_schema(manifest)
     if schema is None and indices:
@@ -231,6 +239,8 @@ def verify_cache(
                 records[i] if records is not None else None, requires_shard_sums(manifest),
             )  # fmt: skip
             with_sums += check.header.sums is not None
+            if rule is not None and records is not None:
+                _check_lengths(path, rule, records[i]["lengths"])
         except CacheIntegrityError as exc:
             problems.append((path, str(exc).removeprefix(f"shard {path}").lstrip(": ")))
     if problems:
@@ -245,7 +255,42 @@ def verify_cache(
     result["shards_with_checksums"] = with_sums
     result["checksums_verified"] = with_sums == len(indices)
     result["checked"], result["not_checked"] = _what_was_checked(cache_dir, True, records is not None, with_sums, len(indices))
+    result["lengths_verified"] = rule is not None
+    _lengths_lines(result, cache_dir, rule, True)
     return result
+
+
+def _check_lengths(path: str, rule: LengthRule, recorded: list[int]) -> None:
+    """Recompute one shard's lengths from its data and compare them with the manifest's record."""
+    got = read_shard_lengths(path, rule)
+    bad = np.flatnonzero(got != np.asarray(recorded, dtype=np.int64))
+    if bad.size:
+        r = int(bad[0])
+        raise CacheIntegrityError(
+            f"shard {path}: row {r}: the manifest records length {recorded[r]}, the data gives {int(got[r])} "
+            f"({rule.describe()}){f' and {bad.size - 1} more rows' if bad.size > 1 else ''}: the manifest's "
+            "lengths do not describe this shard",
+            path=path,
+            key=rule.key,
+            expected=str(recorded[r]),
+            actual=str(int(got[r])),
+        )
+
+
+def _lengths_lines(result: dict[str, Any], cache_dir: str, rule: LengthRule | None, deep: bool) -> None:
+    """``result["lengths"]``: whether the cache records per-sample lengths and whether they were checked."""
+    if rule is None:
+        result["lengths"] = (
+            "not recorded (a balanced loader scans them once and keeps them beside the cache in lengths.<key>.json)"
+        )
+    elif deep:
+        result["checked"].append(f"every sample's recorded length against {rule.describe()}")
+        result["lengths"] = f"recorded ({rule.describe()}), checked against the data"
+    else:
+        result["lengths"] = (
+            f"recorded ({rule.describe()}), covered by the manifest checksum; a full verify checks them "
+            f"against the data: `te-thd cache verify {shlex.quote(cache_dir)}`"
+        )
 
 
 def cache_info(cache_dir: str) -> dict[str, Any]:

@@ -15,7 +15,9 @@ The producer loops that call them live in :mod:`~te_thd.offline_cache.loops`.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -27,8 +29,10 @@ from te_thd.offline_cache.format import (
     CacheSchema,
     TensorSpec,
     load_safetensors,
+    schema_to_json,
     shard_path,
 )
+from te_thd.offline_cache.lengths import LENGTH_RULE_KEY, LengthRule, for_tensor
 from te_thd.offline_cache.shardfile import ShardRecord, write_shard_file
 
 WriteShardFn = Callable[[str, int, dict[str, torch.Tensor]], str]
@@ -113,11 +117,13 @@ def write_shard_with_record(
     cache_name: str,
     schema: Mapping[str, TensorSpec] | None = None,
     committer: BackgroundCommitter | None = None,
+    length_rule: LengthRule | None = None,
 ) -> tuple[str, ShardRecord]:
     """:func:`write_tensor_shard` that also returns the shard's ``(bytes, checksum)`` record.
 
     With a ``committer`` only the temp file is written here; its fsync + rename
     happen on the committer's thread (the shard is visible once it committed).
+    With a ``length_rule`` the record also holds every row's length under it.
     """
     tensors = validate_shard_tensors(samples, keys, cache_name, shard_index, schema)
     load_safetensors(cache_name)  # the format is safetensors': fail early if it is missing
@@ -128,7 +134,15 @@ def write_shard_with_record(
         commit_temp(tmp, final)
     else:
         committer.submit(tmp, final)
-    return final, record[0]
+    return final, with_lengths(record[0], tensors, length_rule)
+
+
+def with_lengths(record: ShardRecord, tensors: Mapping[str, torch.Tensor], rule: LengthRule | None) -> ShardRecord:
+    """``record`` holding every row's length under ``rule`` (``tensors``: the shard's keys); as is without a rule."""
+    if rule is None:
+        return record
+    t = tensors[rule.key]
+    return replace(record, lengths=tuple(int(v) for v in for_tensor(rule, t).lengths(t)))
 
 
 class DurableShardWriter:
@@ -150,6 +164,9 @@ class DurableShardWriter:
     leave the ``with`` block) before relying on the files or on ``records``, e.g.
     before writing the manifest; a write error is raised by the next call,
     ``flush`` or ``close``.
+    With a ``length_rule`` (:class:`~te_thd.offline_cache.lengths.LengthRule`)
+    every record also holds its rows' lengths, and :meth:`manifest_fields` gives
+    the manifest's ``schema``, ``shards`` and ``length_rule``.
     """
 
     def __init__(
@@ -159,10 +176,17 @@ class DurableShardWriter:
         schema: Mapping[str, TensorSpec] | None = None,
         pipelined: bool = True,
         write_behind: bool = False,
+        length_rule: LengthRule | None = None,
     ) -> None:
         if write_behind and not pipelined:
             raise ValueError("write_behind=True needs pipelined=True (the writes run on the commit thread)")
         self.keys = tuple(keys)
+        if length_rule is not None and length_rule.key not in self.keys:
+            raise ValueError(
+                f"length_rule reads key {length_rule.key!r}, which is not one of the stored keys {list(self.keys)}; "
+                "name a stored key"
+            )
+        self.length_rule = length_rule
         self.cache_name = cache_name
         self.schema: CacheSchema | None = dict(schema) if schema is not None else None
         self.records: dict[int, ShardRecord] = {}
@@ -174,12 +198,19 @@ class DurableShardWriter:
         if self._write_behind:
             return self._submit_write(cache_dir, shard_index, samples)
         path, record = write_shard_with_record(
-            cache_dir, shard_index, samples, self.keys, self.cache_name, self.schema, self._committer
+            cache_dir, shard_index, samples, self.keys, self.cache_name, self.schema, self._committer, self.length_rule
         )
         self.records[shard_index] = record
         if self.schema is None:
             self.schema = schema_of({k: samples[k] for k in self.keys})
+        self._resolve_length_rule(samples)
         return path
+
+    def _resolve_length_rule(self, samples: Mapping[str, Any]) -> LengthRule | None:
+        """Fix the length rule's kind by the key's shape (the same in every shard)."""
+        if self.length_rule is not None:
+            self.length_rule = for_tensor(self.length_rule, samples[self.length_rule.key])
+        return self.length_rule
 
     def _submit_write(self, cache_dir: str, shard_index: int, samples: Mapping[str, Any]) -> str:
         """Validate now, concatenate and write on the commit thread; the record lands in
@@ -193,16 +224,30 @@ class DurableShardWriter:
             self.schema = schema_of(checked[0])
             for p in checked[1:]:  # every piece must agree with the first one's dtypes and shapes
                 validate_shard_tensors(p, self.keys, self.cache_name, shard_index, self.schema)
+        rule = self._resolve_length_rule(checked[0])
         load_safetensors(self.cache_name)  # fail here, not on the thread, if safetensors is missing
         final = shard_path(cache_dir, shard_index)
 
         def write(tmp: str) -> None:
             tensors = {k: checked[0][k] if len(checked) == 1 else torch.cat([p[k] for p in checked]) for k in self.keys}
-            self.records[shard_index] = write_shard_file(tmp, tensors)
+            self.records[shard_index] = with_lengths(write_shard_file(tmp, tensors), tensors, rule)
 
         assert self._committer is not None
         self._committer.submit_write(final, write)
         return final
+
+    def manifest_fields(self, cache_dir: str) -> dict[str, Any]:
+        """``schema``, ``shards`` (in index order) and, with lengths, ``length_rule`` for ``write_manifest``.
+
+        Call :meth:`flush` first: with ``write_behind`` the records land when written.
+        """
+        fields: dict[str, Any] = {
+            "schema": schema_to_json(self.schema or {}),
+            "shards": [self.records[i].to_json(os.path.basename(shard_path(cache_dir, i))) for i in sorted(self.records)],
+        }
+        if self.length_rule is not None:
+            fields[LENGTH_RULE_KEY] = self.length_rule.to_json()
+        return fields
 
     def flush(self) -> None:
         """Block until every shard written so far is durable under its final name."""
