@@ -1,3 +1,4 @@
+# Over ~500 lines on purpose: the bound, the three placements and the local search share one private _Batch view; apart they would import each other's internals.
 """Work-balanced global batches: equal rows and near-equal compute on every DP replica.
 
 A data-parallel step lasts as long as its busiest replica. When each replica packs
