@@ -477,6 +477,7 @@ class CachedTensorDataset(Dataset):
         entries, sums = header.entries, header.sums
         check = sums is not None and self.verify
         plan = None
+        runs: tuple[bool, bool] | None = None
         for key, dst in out.items():
             e = entries[key]
             row_bytes = (e.end - e.start) // e.shape[0]
@@ -500,13 +501,16 @@ class CachedTensorDataset(Dataset):
                 except OSError as exc:
                     raise self._unreadable(path, exc) from exc
                 continue
+            if runs is None:  # the row pattern is the same for every key: test it once per shard
+                runs = (_is_run(local), pos is not None and _is_run(pos))
+            local_run, pos_run = runs
             view = self._shard_views(shard)[0][key]
             if pos is None:
-                self._copy(shard, sums, key, view, local, _is_run(local), dst)
-            elif _is_run(pos):  # this shard fills a stretch of the batch (shard-block order)
-                self._copy(shard, sums, key, view, local, _is_run(local), dst[int(pos[0]) : int(pos[0]) + pos.size])
+                self._copy(shard, sums, key, view, local, local_run, dst)
+            elif pos_run:  # this shard fills a stretch of the batch (shard-block order)
+                self._copy(shard, sums, key, view, local, local_run, dst[int(pos[0]) : int(pos[0]) + pos.size])
             else:
-                dst.index_copy_(0, torch.from_numpy(pos), self._copy(shard, sums, key, view, local, _is_run(local), None))
+                dst.index_copy_(0, torch.from_numpy(pos), self._copy(shard, sums, key, view, local, local_run, None))
 
     def _copy(
         self, shard: int, sums: ShardSums | None, key: str, view: torch.Tensor, local: np.ndarray,
