@@ -7,7 +7,7 @@ length distributions -- uniform over ``[1, S]``; a lognormal long tail (median 7
 at ``S = 8192``; median 2000 at ``S = 32768``); a bimodal "chat + long documents"
 mix (90% lognormal median 300, 10% uniform over ``[S/2, S]``, so some reach ``S``)
 -- at 8 replicas (32 samples each) and 64 (16 each), ``attn_scale`` 49152 and 4096
-(and the issue's 24576 at ``S = 32768``). Per configuration, over many global
+(and 24576 at ``S = 32768``). Per configuration, over many global
 batches (``--quick`` 40, full 200; fixed seeds, so every figure but the time is
 deterministic):
 
