@@ -137,7 +137,6 @@ def render() -> str:
     return "\n".join(head + rows)
 
 
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--write", action="store_true", help="rewrite the block in docs/guarantees.md")
