@@ -45,7 +45,7 @@ from te_thd._partition import (
     partition_np,
     validated_np,
 )
-from te_thd.layout import LAYOUT_KEY, ThdLayout, check_cp_args
+from te_thd.layout import LAYOUT_KEY, ThdLayout, _derive, check_cp_args
 
 __all__ = [
     "cp_rank_to_sequence_order",
@@ -271,7 +271,10 @@ def shard_thd_batch_for_cp(
     out["cp_size"] = cp_size
     out["cp_rank"] = cp_rank
     if layout is not None:
-        out[LAYOUT_KEY] = layout.sharded(cp_size, cp_rank)
+        # layout.sharded(cp_size, cp_rank) without its re-validation: the layout was
+        # checked when built, and the partition above just proved the cp_size rules
+        # (padded lengths multiples of 2*cp_size, boundaries covering the stream)
+        out[LAYOUT_KEY] = _derive(layout, cp_size=cp_size, cp_rank=cp_rank)
     return out
 
 
