@@ -5,7 +5,7 @@
 For each row size (256 B .. 1 MiB) a one-key cache (``x`` uint8 ``[rows, row]``,
 one ~32 MiB shard, in the page cache) is read through
 ``CachedTensorDataset.__getitems__`` with each engine forced
-(``preadv_min_run_bytes`` 0 or huge; plain ``save_file`` shards, so no row
+(``copy_engine`` ``"preadv"`` or ``"mapped"``; plain ``save_file`` shards, so no row
 checksums: the copy engines alone), batches of 8 and 32 rows, two patterns:
 ``scattered`` (random rows of the shard: one run per row) and ``contiguous``
 (consecutive rows: one run per batch). The mapped engine is timed twice: with
@@ -69,9 +69,9 @@ def measure(quick: bool) -> list[dict[str, Any]]:
                         starts = rng.integers(0, rows - batch, batches_per_trial).tolist()
                         idx = [list(range(s, s + batch)) for s in starts]
                     dss = {}
-                    for name, limit in (("preadv", 0), ("mapped_warm", 1 << 62), ("mapped_cold", 1 << 62)):
+                    for name, engine in (("preadv", "preadv"), ("mapped_warm", "mapped"), ("mapped_cold", "mapped")):
                         ds = CachedTensorDataset(d, "crossover", 1, ("x",))
-                        ds.preadv_min_run_bytes = limit
+                        ds.copy_engine = engine
                         dss[name] = ds
 
                     def run(name: str, dss: dict[str, Any] = dss, idx: list[list[int]] = idx) -> None:

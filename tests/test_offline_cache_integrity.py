@@ -323,12 +323,12 @@ def test_preadv_reads_are_verified(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     d = tmp_path / "cache"
     _via_produce_cache(d)
     ds = CachedTensorDataset(str(d), "test", 1, KEYS)
-    ds.preadv_min_run_bytes = 0
+    ds.copy_engine = "preadv"
     got = ds.__getitems__(indices)
     for k in KEYS:
         assert torch.equal(got.tensors[k], _rows(0, N)[k][indices])
     _flip_data(d / "shard-000001.safetensors", "hidden", 2)  # sample 6
     ds = CachedTensorDataset(str(d), "test", 1, KEYS)
-    ds.preadv_min_run_bytes = 0
+    ds.copy_engine = "preadv"
     with pytest.raises(CacheIntegrityError, match=r"sample 6 \(row 2 of the shard\), key 'hidden'"):
         ds.__getitems__(indices)

@@ -44,16 +44,16 @@ def cache(tmp_path_factory, request):
 
 
 @pytest.fixture(scope="module", params=["preadv", "mapped"])
-def engine(request) -> int:
-    """A ``preadv_min_run_bytes`` that forces one copy engine for every (key, shard)
-    part of a batch (the test rows are tiny: the default crossover alone would
-    always pick the mapped gather)."""
-    return 0 if request.param == "preadv" else 1 << 62
+def engine(request) -> str:
+    """A ``copy_engine`` that forces one copy engine for every (key, shard) part of a
+    batch (the test rows are tiny: the default choice would mostly pick the mapped
+    gather)."""
+    return request.param
 
 
-def _ds(d: str, engine: int = reader_module.PREADV_MIN_RUN_BYTES, **kw) -> CachedTensorDataset:
+def _ds(d: str, engine: str = "auto", **kw) -> CachedTensorDataset:
     ds = CachedTensorDataset(d, CACHE_NAME, FORMAT_VERSION, KEYS, **kw)
-    ds.preadv_min_run_bytes = engine
+    ds.copy_engine = engine
     return ds
 
 
@@ -172,7 +172,7 @@ def test_lru_bounds_open_shards(cache, engine):
 def test_pickle_drops_process_state(cache):
     d, tensors = cache
     ds = _ds(d)
-    ds.__getitems__([0, 20])
+    ds.__getitems__([0, 2, 20])  # rows 0 and 2: scattered small rows, the mapped gather
     ds[0]
     assert ds._views and ds._open_handles
     clone = pickle.loads(pickle.dumps(ds))

@@ -32,12 +32,28 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
-__all__ = ["DestinationBuffers", "RunPlan", "new_tensor", "plan_runs", "read_rows", "tensor_memoryview"]
+__all__ = [
+    "DestinationBuffers",
+    "ParallelReads",
+    "Piece",
+    "ReadError",
+    "RunPlan",
+    "new_tensor",
+    "plan_pieces",
+    "plan_runs",
+    "default_read_threads",
+    "read_piece",
+    "read_rows",
+    "split_even",
+    "tensor_memoryview",
+]
 
 #: Linux's limit on iovecs per ``preadv`` call; longer runs are split.
 IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") and "SC_IOV_MAX" in os.sysconf_names else 1024
@@ -114,55 +130,205 @@ def tensor_memoryview(t: torch.Tensor) -> memoryview:
 AfterRead = Callable[[int, int, int], None]
 
 
-def read_rows(
+class Piece(NamedTuple):
+    """One ``preadv`` of a batch read: ``iov`` (writable byte views of batch rows) from ``offset`` of ``fd``.
+
+    ``after(*args)`` (or None) runs right after the bytes are in place, on the
+    thread that read them: a checksum finds them still in cache. ``nbytes`` is
+    the size of ``iov``; ``path`` names the file in errors. A named tuple, not a
+    frozen dataclass: a batch builds a dozen of these, and a frozen dataclass
+    costs ~2 us each to build.
+    """
+
+    fd: int
+    offset: int
+    iov: list[memoryview]
+    nbytes: int
+    path: str
+    after: AfterRead | None = None
+    args: tuple[int, int, int] = (0, 0, 0)
+
+
+def plan_pieces(
     fd: int, base: int, row_bytes: int, plan: RunPlan, dst: memoryview, path: str,
     after: AfterRead | None = None, chunk_bytes: int = 0,
-) -> None:  # fmt: skip
-    """Read the planned rows of one tensor into ``dst`` (the bytes of the batch tensor ``[B, row]``).
+) -> list[Piece]:  # fmt: skip
+    """The reads that put the planned rows of one tensor into ``dst`` (the bytes of the batch tensor ``[B, row]``).
 
     ``base``: file offset of row 0 of the tensor; ``row_bytes``: bytes per row.
-    One ``os.preadv`` per run (split at ``IOV_MAX`` iovecs). A short read means
-    the file shrank under the reader: ``OSError`` naming ``path``.
-
-    ``after`` (e.g. a checksum of what was just read): called after each piece,
-    where a piece is a stretch of consecutive file rows that lands in consecutive
-    batch rows, at most ``chunk_bytes`` long (0: no limit), so the callback finds
-    the bytes still in cache. Scattered batch rows are then read one row each.
+    A run whose batch rows are consecutive is one piece, or pieces of at most
+    ``chunk_bytes`` (whole rows; 0: no limit) -- so a checksum finds them in
+    cache, or so that threads can share them. A run scattered over the batch is
+    one iovec per row, at most ``IOV_MAX`` per piece; with ``after``, one row
+    per piece. ``after(batch row of the piece's first row, first file row, rows)``
+    is called once per piece, whose batch rows are consecutive.
     """
     dst_rows, starts, first, contiguous = plan.dst, plan.starts, plan.first_row, plan.dst_contiguous
     step = max(1, chunk_bytes // row_bytes) if chunk_bytes and row_bytes else 0
+    out: list[Piece] = []
     for k in range(len(first)):
         a, b = starts[k], starts[k + 1]
         offset = base + first[k] * row_bytes
         if contiguous[k]:
-            p = dst_rows[a]
-            if after is None or not step:
-                _preadv_all(fd, [dst[p * row_bytes : (p + b - a) * row_bytes]], offset, path)
-                if after is not None:
-                    after(p, first[k], b - a)
-                continue
-            for c in range(0, b - a, step):
-                m = min(step, b - a - c)
-                _preadv_all(fd, [dst[(p + c) * row_bytes : (p + c + m) * row_bytes]], offset + c * row_bytes, path)
-                after(p + c, first[k] + c, m)
+            p, n = dst_rows[a], b - a
+            m = step or n
+            for c in range(0, n, m):
+                r = min(m, n - c)
+                view = dst[(p + c) * row_bytes : (p + c + r) * row_bytes]
+                out.append(Piece(fd, offset + c * row_bytes, [view], r * row_bytes, path, after, (p + c, first[k] + c, r)))
             continue
         if after is not None:
             for j, p in enumerate(dst_rows[a:b]):
-                _preadv_all(fd, [dst[p * row_bytes : (p + 1) * row_bytes]], offset + j * row_bytes, path)
-                after(p, first[k] + j, 1)
+                view = dst[p * row_bytes : (p + 1) * row_bytes]
+                out.append(Piece(fd, offset + j * row_bytes, [view], row_bytes, path, after, (p, first[k] + j, 1)))
             continue
-        for c in range(a, b, IOV_MAX):
-            iov = [dst[p * row_bytes : (p + 1) * row_bytes] for p in dst_rows[c : min(b, c + IOV_MAX)]]
-            _preadv_all(fd, iov, offset + (c - a) * row_bytes, path)
+        per = min(IOV_MAX, max(1, step)) if step else IOV_MAX
+        for c in range(a, b, per):
+            rows = dst_rows[c : min(b, c + per)]
+            iov = [dst[p * row_bytes : (p + 1) * row_bytes] for p in rows]
+            out.append(Piece(fd, offset + (c - a) * row_bytes, iov, len(rows) * row_bytes, path))
+    return out
 
 
-def _preadv_all(fd: int, iov: list[memoryview], offset: int, path: str) -> None:
+class ReadError(OSError):
+    """A piece could not be read: ``path`` names the file, the message says why."""
+
+    def __init__(self, path: str, why: str) -> None:
+        super().__init__(f"{path}: {why}")
+        self.path = path
+
+
+def read_piece(piece: Piece) -> None:
+    """Read ``piece`` and run its ``after``; a failed read raises :class:`ReadError`."""
+    try:
+        _preadv_all(piece.fd, piece.iov, piece.offset)
+    except OSError as exc:
+        raise ReadError(piece.path, str(exc)) from exc
+    if piece.after is not None:
+        piece.after(*piece.args)
+
+
+def read_rows(
+    fd: int, base: int, row_bytes: int, plan: RunPlan, dst: memoryview, path: str,
+    after: AfterRead | None = None, chunk_bytes: int = 0,
+) -> None:  # fmt: skip
+    """Read the planned rows of one tensor into ``dst`` on this thread (:func:`plan_pieces`, then each piece).
+
+    A short read means the file shrank under the reader: ``OSError`` naming ``path``.
+    """
+    for piece in plan_pieces(fd, base, row_bytes, plan, dst, path, after, chunk_bytes):
+        read_piece(piece)
+
+
+def _read_all(pieces: Sequence[Piece]) -> None:
+    for piece in pieces:
+        read_piece(piece)
+
+
+def split_even(pieces: Sequence[Piece], parts: int) -> list[list[Piece]]:
+    """Cut ``pieces`` (in order) into at most ``parts`` consecutive groups of about equal bytes.
+
+    Pure. Group ``g`` ends at the first piece whose cumulative bytes reach
+    ``(g + 1) / parts`` of the total; empty groups are dropped.
+    """
+    total = sum(p.nbytes for p in pieces)
+    groups: list[list[Piece]] = [[]]
+    done = 0
+    for piece in pieces:
+        if done * parts >= total * len(groups) and len(groups) < parts and groups[-1]:
+            groups.append([])
+        groups[-1].append(piece)
+        done += piece.nbytes
+    return groups
+
+
+#: A batch is read by several threads only from this many bytes on: below it,
+#: waking a helper thread (tens of microseconds when its core sleeps) costs more
+#: than the second core saves -- measured here, 2 MiB batches read 5-20% slower on
+#: two threads, 4 MiB 15% faster, 8 MiB 30-45% faster (``perf/measure_read_crossover.py``,
+#: docs/performance-io.md).
+PARALLEL_MIN_BYTES = 4 << 20
+
+
+def default_read_threads() -> int:
+    """Threads a main-process reader uses by default: 2 when this process may run on 2+ CPUs, else 1.
+
+    Two, not one per CPU: a training process needs its other cores for itself
+    (CUDA launches, the step's own CPU work), and two copy threads already take
+    a large share of a socket's memory bandwidth on a copy that lasts a millisecond.
+    """
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return 2 if cpus >= 2 else 1
+
+
+class ParallelReads:
+    """Runs a batch's pieces on ``threads`` threads: the caller's and ``threads - 1`` helpers.
+
+    ``preadv`` and ``xxh3_64`` both release the GIL, so each thread's kernel copy
+    and checksum run on their own core; a single-threaded copy tops out at one
+    core's memory bandwidth (measured here: 6 MiB in ~830 us on one thread,
+    ~520 us on two). Helper threads start on the first parallel read and belong
+    to the process that started them (a forked DataLoader worker starts its own).
+    """
+
+    def __init__(self, threads: int, min_bytes: int = PARALLEL_MIN_BYTES) -> None:
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+            raise ValueError(f"read_threads={threads!r} must be an int >= 1 (1: read on the calling thread only)")
+        self.threads = threads
+        self.min_bytes = min_bytes
+        self._pool: ThreadPoolExecutor | None = None
+        self._pid = os.getpid()
+
+    def run(self, pieces: Sequence[Piece], inline: Callable[[], None] | None = None) -> None:
+        """Read every piece; ``inline`` (other work of the batch) runs on the calling thread meanwhile.
+
+        Returns once every thread is done with the batch's memory, also when one
+        of them failed: then the first error (in piece order) is raised.
+        """
+        total = sum(p.nbytes for p in pieces)
+        if self.threads == 1 or total < self.min_bytes or len(pieces) < 2:
+            _read_all(pieces)
+            if inline is not None:
+                inline()
+            return
+        groups = split_even(pieces, self.threads)
+        pool = self._executor()
+        futures = [pool.submit(_read_all, g) for g in groups[1:]]
+        errors: list[BaseException] = []
+        try:
+            _read_all(groups[0])
+            if inline is not None:
+                inline()
+        except BaseException as exc:  # noqa: BLE001 - re-raised below, after the helpers are done
+            errors.append(exc)
+        for f in futures:
+            exc = f.exception()  # waits: no helper may still write into the batch when this returns
+            if exc is not None:
+                errors.append(exc)
+        if errors:
+            raise errors[0]
+
+    def _executor(self) -> ThreadPoolExecutor:
+        if self._pool is None or self._pid != os.getpid():
+            self._pid = os.getpid()
+            self._pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="te_thd-read")
+        return self._pool
+
+    def __getstate__(self) -> dict[str, int]:
+        # threads belong to the process that started them
+        return {"threads": self.threads, "min_bytes": self.min_bytes}
+
+    def __setstate__(self, state: dict[str, int]) -> None:
+        self.__init__(**state)  # type: ignore[misc]
+
+
+def _preadv_all(fd: int, iov: list[memoryview], offset: int) -> None:
     """``os.preadv`` until every iovec is full (a large read may return short)."""
     want = sum(v.nbytes for v in iov)
     got = os.preadv(fd, iov, offset)
     while got < want:
         if got == 0:
-            raise OSError(f"{path}: file ended at byte {offset} while reading {want} bytes (truncated after open?)")
+            raise OSError(f"file ended at byte {offset} while reading {want} bytes (truncated after open?)")
         # drop the filled part and retry the rest
         rest: list[memoryview] = []
         skip = got

@@ -9,9 +9,11 @@ batch tensor, by one of two engines chosen per (key, shard) from the batch's sha
 
 * ``preadv`` (``copyread.py``): one system call per run of consecutive file rows,
   the kernel copying page cache -> batch tensor; no mapping, no page faults on
-  the source. Used when a run averages at least :data:`PREADV_MIN_RUN_BYTES`.
+  the source. Used when the rows are one run, or the runs average at least
+  :data:`PREADV_MIN_RUN_BYTES`. A batch of at least ``copyread.PARALLEL_MIN_BYTES``
+  is read by ``read_threads`` threads at once.
 * mapped gather: the shard is memory-mapped (``MAP_PRIVATE``, read-only use) and
-  the rows are one ``index_select`` into the batch; used for small scattered rows,
+  the rows are one ``index_select`` into the batch; used for smaller scattered rows,
   where one system call per row would cost more than the bytes.
 
 Either way only the bytes a batch needs are read and the source stays file-backed
@@ -46,10 +48,10 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, get_worker_info
 
-from .copyread import DestinationBuffers, new_tensor, plan_runs, read_rows
+from .copyread import DestinationBuffers, ParallelReads, Piece, ReadError, default_read_threads, new_tensor, plan_pieces, plan_runs
 from .errors import CacheIntegrityError, UnverifiedCacheWarning, repair_hint
 from .format import TensorSpec, load_safetensors, manifest_path, shard_path, shard_rows
-from .integrity import ShardSums, verify_rows
+from .integrity import ShardSums, verify_row_bytes, verify_rows
 from .manifest import manifest_schema, read_manifest
 from .shardfile import HeaderEntry, ShardHeader, check_shard_header
 from .verify import check_cache_files, requires_shard_sums
@@ -72,6 +74,9 @@ __all__ = ["CachedBatch", "CachedTensorDataset"]
 #: mapped shard. Measured crossover: see ``perf/measure_read_crossover.py`` and
 #: docs/performance-io.md.
 PREADV_MIN_RUN_BYTES = 256 * 1024
+
+#: Values of ``CachedTensorDataset.copy_engine``.
+COPY_ENGINES = ("auto", "preadv", "mapped")
 
 
 class CachedBatch(Sequence[dict[str, torch.Tensor]]):
@@ -176,9 +181,19 @@ class CachedTensorDataset(Dataset):
             Pass False when each node reads only a small part of every shard
             from a shared network filesystem (many nodes, few ranks each): the
             hint reads the whole shard on every node.
+        read_threads: threads that copy (and verify) a batch of at least
+            ``copyread.PARALLEL_MIN_BYTES`` (1 MiB): the caller's and
+            ``read_threads - 1`` helpers, each ``preadv`` + checksum on its own
+            core (both release the GIL). ``None`` (default): 2 in the main process
+            when this process may run on 2 CPUs or more (``copyread.default_read_threads``),
+            1 inside DataLoader workers, which are the parallelism there. 1: every
+            read on the calling thread.
 
-    ``preadv_min_run_bytes`` (attribute, default :data:`PREADV_MIN_RUN_BYTES`): the
-    engine crossover, per dataset.
+    Engine choice per (key, shard) part of a batch, per dataset: ``copy_engine``
+    (attribute) ``"auto"`` (default: ``preadv`` for a part that is one run of
+    consecutive file rows or whose runs average at least ``preadv_min_run_bytes``,
+    default :data:`PREADV_MIN_RUN_BYTES`; the mapped gather otherwise), or
+    ``"preadv"`` / ``"mapped"`` to force one engine (benchmarks, tests).
 
     ``dataset[i]`` -> ``{key: tensor[*sample_shape]}`` (reference behaviour);
     ``dataset.__getitems__([i, j, ...])`` -> :class:`CachedBatch` with
@@ -202,6 +217,7 @@ class CachedTensorDataset(Dataset):
         producer_name: str | None = None,
         pin_memory: bool = False,
         readahead: bool = True,
+        read_threads: int | None = None,
     ) -> None:
         if isinstance(disk_keys, str) or not disk_keys or not all(isinstance(k, str) for k in disk_keys):
             raise ValueError(
@@ -223,7 +239,11 @@ class CachedTensorDataset(Dataset):
         self._max_open = max_open_shards
         self.pin_memory = bool(pin_memory)
         self.readahead = bool(readahead)
+        if read_threads is not None:
+            ParallelReads(read_threads)  # checks the value: an int >= 1
+        self.read_threads = read_threads
         self.preadv_min_run_bytes = PREADV_MIN_RUN_BYTES
+        self.copy_engine = "auto"
         self._require_sums = requires_shard_sums(self.manifest)
         # Expected {key: TensorSpec}: from the manifest's schema when it records one
         # (te_thd producers), else from the first shard this process opens.
@@ -248,6 +268,16 @@ class CachedTensorDataset(Dataset):
         self._warned_unverified = not self.verify
         self._reset_process_state()
 
+    @property
+    def copy_engine(self) -> str:
+        return self._copy_engine
+
+    @copy_engine.setter
+    def copy_engine(self, value: str) -> None:
+        if value not in COPY_ENGINES:
+            raise ValueError(f"copy_engine={value!r} must be one of {COPY_ENGINES}")
+        self._copy_engine = value
+
     # -- per-process state -------------------------------------------------------------
 
     def _reset_process_state(self) -> None:
@@ -259,6 +289,7 @@ class CachedTensorDataset(Dataset):
         # (path, checked header, descriptor) of the shards the batched path opened
         self._files: _OpenFiles = _OpenFiles()
         self._buffers: dict[tuple[bool, bool], DestinationBuffers] = {}
+        self._reads: dict[bool, ParallelReads] = {}  # by "inside a DataLoader worker"
         self._schema = self._manifest_schema
 
     def __getstate__(self) -> dict[str, Any]:
@@ -270,6 +301,7 @@ class CachedTensorDataset(Dataset):
         state["_handle_sums"] = {}
         state["_files"] = _OpenFiles()
         state["_buffers"] = {}
+        state["_reads"] = {}
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -451,60 +483,103 @@ class CachedTensorDataset(Dataset):
             if bad.size:
                 raise IndexError(f"index {int(bad[0])} out of range for a cache of {total} samples")
             groups = _shard_groups(idx, ss)
-        buffers = self._destination(get_worker_info() is not None)
+        in_worker = get_worker_info() is not None
+        buffers = self._destination(in_worker)
         entries = self._shard_file(groups[0][0])[1].entries
         out: dict[str, torch.Tensor] = {}
         raw: dict[str, memoryview] = {}
         for k in self._disk_keys:
             out[k], raw[k] = buffers.get(k, n, entries[k].shape[1:], entries[k].dtype)
+        reads = self._parallel(in_worker)
+        chunk = VERIFY_CHUNK_BYTES if self.verify or reads.threads > 1 else 0
+        pieces: list[Piece] = []
+        mapped: list[tuple[int, np.ndarray, np.ndarray | None, list[str]]] = []
         for shard, local, pos in groups:
-            self._copy_rows(shard, local, pos, out, raw)
+            self._plan_rows(shard, local, pos, raw, chunk, pieces, mapped)
+
+        def gather() -> None:
+            for shard, local, pos, keys in mapped:
+                self._gather_rows(shard, local, pos, {k: out[k] for k in keys})
+
+        try:
+            reads.run(pieces, gather if mapped else None)
+        except ReadError as exc:
+            raise self._unreadable(exc.path, exc) from exc
         return CachedBatch(out, n)
 
-    def _copy_rows(
-        self, shard: int, local: np.ndarray, pos: np.ndarray | None, out: dict[str, torch.Tensor],
-        raw: dict[str, memoryview],
-    ) -> None:  # fmt: skip
-        """Copy rows ``local`` (int64 ``[m]``) of shard ``shard`` into batch rows ``pos``
-        (int64 ``[m]``; None: ``0..m-1``) of every ``out[key]`` (``[B, *sample_shape]``,
-        whose bytes are ``raw[key]``), and verify them.
+    def _parallel(self, in_worker: bool) -> ParallelReads:
+        """This process's :class:`ParallelReads`: ``read_threads``, or 1 thread inside a DataLoader worker
+        when it is None (the workers are the parallelism there)."""
+        reads = self._reads.get(in_worker)
+        if reads is None:
+            threads = self.read_threads or (1 if in_worker else default_read_threads())
+            reads = self._reads[in_worker] = ParallelReads(threads)
+        return reads
 
-        Each piece (at most :data:`VERIFY_CHUNK_BYTES`) is hashed right after it
-        is copied, on this thread, while it is still in cache: ``xxh3_64`` holds
-        the GIL, so a helper thread measured slower, not faster.
+    def _plan_rows(
+        self, shard: int, local: np.ndarray, pos: np.ndarray | None, raw: dict[str, memoryview], chunk: int,
+        pieces: list[Piece], mapped: list[tuple[int, np.ndarray, np.ndarray | None, list[str]]],
+    ) -> None:  # fmt: skip
+        """Plan copying rows ``local`` (int64 ``[m]``) of shard ``shard`` into batch rows ``pos``
+        (int64 ``[m]``; None: ``0..m-1``) of every key's batch tensor (whose bytes are ``raw[key]``).
+
+        Keys read with ``preadv`` add their pieces to ``pieces`` (each piece of at most
+        ``chunk`` bytes, 0: no limit, verified right after it is read, by the thread that
+        read it); if any key is left to the mapped gather, ``(shard, local, pos)`` is
+        appended to ``mapped`` once.
         """
         path, header, fd = self._shard_file(shard)
         entries, sums = header.entries, header.sums
         check = sums is not None and self.verify
         plan = None
-        runs: tuple[bool, bool] | None = None
-        for key, dst in out.items():
+        one_run: bool | None = None
+        gather: list[str] = []
+        for key in self._disk_keys:
             e = entries[key]
             row_bytes = (e.end - e.start) // e.shape[0]
-            # preadv iff the runs average >= preadv_min_run_bytes; the run count is
-            # only needed when the bounds 1 <= runs <= m leave the answer open
-            limit = self.preadv_min_run_bytes
-            use_preadv = row_bytes >= limit
-            if not use_preadv and row_bytes * local.size >= limit:
-                plan = plan or plan_runs(local, pos)
-                use_preadv = row_bytes * local.size >= limit * plan.num_runs
-            if use_preadv:
-                plan = plan or plan_runs(local, pos)
-                after = None
-                if check:
-
-                    def after(p: int, first: int, m: int, key: str = key, dst: torch.Tensor = dst) -> None:
-                        self.verify_copied_rows(shard, sums, key, dst[p : p + m], list(range(first, first + m)))
-
-                try:
-                    read_rows(fd, e.start, row_bytes, plan, raw[key], path, after, VERIFY_CHUNK_BYTES)
-                except OSError as exc:
-                    raise self._unreadable(path, exc) from exc
+            if one_run is None:  # the same row pattern for every key: tested once
+                one_run = _is_run(local) and (pos is None or _is_run(pos))
+            if self.copy_engine != "auto":
+                use_preadv = self.copy_engine == "preadv"
+            else:
+                # preadv iff the rows are one run (one system call beats the mapped
+                # gather's fixed cost at any size) or the runs average >= preadv_min_run_bytes;
+                # the run count is only needed when the bounds 1 <= runs <= m leave it open
+                limit = self.preadv_min_run_bytes
+                use_preadv = one_run or row_bytes >= limit
+                if not use_preadv and row_bytes * local.size >= limit:
+                    plan = plan or plan_runs(local, pos)
+                    use_preadv = row_bytes * local.size >= limit * plan.num_runs
+            if not use_preadv:
+                gather.append(key)
                 continue
+            plan = plan or plan_runs(local, pos)
+            after = None
+            if check:
+                expected = sums.sums[key]  # type: ignore[union-attr]
+                view = raw[key]
+
+                def after(p: int, first: int, m: int, key: str = key, view: memoryview = view,
+                          expected: Sequence[int] = expected, rb: int = row_bytes) -> None:  # fmt: skip
+                    verify_row_bytes(
+                        view[p * rb : (p + m) * rb], range(first, first + m), expected,
+                        path=path, key=key, first_sample=shard * self.shard_size, repair=self._repair,
+                    )  # fmt: skip
+
+            pieces += plan_pieces(fd, e.start, row_bytes, plan, raw[key], path, after, chunk)
+        if gather:
+            mapped.append((shard, local, pos, gather))
+
+    def _gather_rows(self, shard: int, local: np.ndarray, pos: np.ndarray | None, out: dict[str, torch.Tensor]) -> None:
+        """Copy rows ``local`` of shard ``shard`` into batch rows ``pos`` (None: ``0..m-1``) of
+        every ``out[key]`` (the keys ``_plan_rows`` left to the mapped gather) and verify them."""
+        views, sums = self._shard_views(shard)
+        runs: tuple[bool, bool] | None = None
+        for key, dst in out.items():
             if runs is None:  # the row pattern is the same for every key: test it once per shard
                 runs = (_is_run(local), pos is not None and _is_run(pos))
             local_run, pos_run = runs
-            view = self._shard_views(shard)[0][key]
+            view = views[key]
             if pos is None:
                 self._copy(shard, sums, key, view, local, local_run, dst)
             elif pos_run:  # this shard fills a stretch of the batch (shard-block order)
