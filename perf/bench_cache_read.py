@@ -17,6 +17,11 @@ checksum costs. Loops without a loader, interleaved with the loaders:
 - ``raw_preadv_hash``: the same, plus the reader's row checksum (``xxh3_64`` of
   every row, seeded with its row index) over each range right after it is read,
   on the same thread: the floor for a verified read.
+- ``raw_preadv_2t`` / ``raw_preadv_hash_2t`` (large cases): the same two loops
+  with each batch's ranges, cut into rows of at most 1 MiB, split in two halves
+  read at once by two threads (``preadv`` and ``xxh3_64`` release the GIL): the
+  parallel copy limit of a 2-core machine, the bound for a reader that, like
+  ours, reads a large batch on two threads. Reported, not gated.
 - ``raw_slice``: every shard's ``get_slice(key)`` in slices of the batch size,
   each copied into fresh memory (``.clone()``: the slice itself is a view of
   safetensors' mapping) — no order, no DataLoader.
@@ -125,20 +130,25 @@ def _raw_slicer(cache_dir: str, keys: tuple[str, ...], batch: int) -> Any:
     return read
 
 
-def _raw_preadv(cache_dir: str, keys: tuple[str, ...], batch: int, shuffle: bool, hashed: bool) -> Any:
+def _raw_preadv(cache_dir: str, keys: tuple[str, ...], batch: int, shuffle: bool, hashed: bool, threads: int = 1) -> Any:
     """A callable reading one epoch's byte ranges with ``os.preadv`` into reused buffers.
 
     The ranges are those of our loader's epoch 0 (``CacheShardSampler`` order,
     batches of ``batch``): per batch, per key, one range per run of consecutive
     file rows (``copyread.plan_runs``), listed before timing. The ranges of a batch
-    fill one reused batch-sized buffer per key, each at its own place. ``hashed``: then ``xxh3_64`` of each of
-    its rows, seeded with the row's index in the shard (the reader's row checksum).
+    fill one reused batch-sized buffer per key, each at its own place. ``hashed``:
+    then ``xxh3_64`` of each of its rows, seeded with the row's index in the shard
+    (the reader's row checksum). ``threads`` > 1: each batch's ranges, cut into
+    whole rows of at most 1 MiB, are split into ``threads`` parts of about equal
+    bytes, read at once by the calling thread and ``threads - 1`` pool threads
+    (``preadv`` and ``xxh3_64`` release the GIL): the same bytes at the machine's
+    parallel copy limit.
     """
     import numpy as np
     import xxhash
 
     from te_thd.offline_cache import CachedTensorDataset, CacheShardSampler
-    from te_thd.offline_cache.copyread import plan_runs
+    from te_thd.offline_cache.copyread import plan_runs, split_even
     from te_thd.offline_cache.format import shard_path
     from te_thd.offline_cache.shardfile import read_header
 
@@ -150,11 +160,13 @@ def _raw_preadv(cache_dir: str, keys: tuple[str, ...], batch: int, shuffle: bool
     headers: dict[int, Any] = {}
     fds: dict[int, int] = {}
     buffers: dict[str, memoryview] = {}
-    jobs: list[tuple[int, list[memoryview], int, int, int]] = []  # fd, iov, offset, first row, row bytes
+    Job = tuple[int, list[memoryview], int, int, int]  # fd, iov, offset, first row, row bytes
+    per_batch: list[list[Job]] = []
     for start in range(0, order.size, batch):
         idx = order[start : start + batch]
         shards = idx // ss
         fill: dict[str, int] = {}  # batch rows placed so far, per key
+        jobs: list[Job] = []
         for shard in np.unique(shards).tolist():
             if shard not in fds:
                 headers[shard] = read_header(shard_path(cache_dir, shard))
@@ -173,24 +185,49 @@ def _raw_preadv(cache_dir: str, keys: tuple[str, ...], batch: int, shuffle: bool
                     # batch fills its tensor (not all at its start: that would keep a
                     # shuffled batch's 8 rows in one row's worth of cache)
                     at = (fill[key] + a) * row
-                    jobs.append((fds[shard], [buffers[key][at : at + (b - a) * row]], e.start + first * row, first, row))
+                    step = max(1, (1 << 20) // row) if threads > 1 else b - a
+                    for c in range(0, b - a, step):
+                        m = min(step, b - a - c)
+                        view = buffers[key][at + c * row : at + (c + m) * row]
+                        jobs.append((fds[shard], [view], e.start + (first + c) * row, first + c, row))
                 fill[key] += plan.starts[-1]
+        per_batch.append(jobs)
     digest = xxhash.xxh3_64_intdigest
 
-    def read() -> int:
+    def read_jobs(jobs: list[Job]) -> None:
         for fd, iov, offset, _, _ in jobs:
             os.preadv(fd, iov, offset)
-        return order.size
 
-    def read_hash() -> int:
+    def read_hash_jobs(jobs: list[Job]) -> None:
         for fd, iov, offset, first, row in jobs:
             os.preadv(fd, iov, offset)
             view = iov[0]
             for j in range(view.nbytes // row):
                 digest(view[j * row : (j + 1) * row], first + j)
+
+    work = read_hash_jobs if hashed else read_jobs
+    if threads == 1:
+        flat = [job for jobs in per_batch for job in jobs]
+
+        def read() -> int:
+            work(flat)
+            return order.size
+
+        return read
+    from concurrent.futures import ThreadPoolExecutor
+
+    pool = ThreadPoolExecutor(threads - 1)
+    split = [split_even(jobs, threads, lambda job: job[1][0].nbytes) or [[]] for jobs in per_batch]
+
+    def read_threaded() -> int:
+        for parts in split:
+            futures = [pool.submit(work, part) for part in parts[1:]]
+            work(parts[0])
+            for f in futures:
+                f.result()
         return order.size
 
-    return read_hash if hashed else read
+    return read_threaded
 
 
 def _loaders(cache_dir: str, keys: tuple[str, ...], batch: int, shuffle: bool, ref: Any) -> dict[str, Any]:
@@ -238,18 +275,22 @@ def _throughput_cases(
     candidates = {name: functools.partial(run_epoch, ld) for name, ld in loaders.items()}
     candidates["raw_preadv"] = _raw_preadv(cache_dir, keys, batch, shuffle, hashed=False)
     candidates["raw_preadv_hash"] = _raw_preadv(cache_dir, keys, batch, shuffle, hashed=True)
+    if split_unverified:  # large samples: also the same loops on two threads, the parallel copy limit
+        candidates["raw_preadv_2t"] = _raw_preadv(cache_dir, keys, batch, shuffle, hashed=False, threads=2)
+        candidates["raw_preadv_hash_2t"] = _raw_preadv(cache_dir, keys, batch, shuffle, hashed=True, threads=2)
     candidates["raw_slice"] = _raw_slicer(cache_dir, keys, batch)
     times = time_interleaved(candidates, trials=trials, warmup=1)
     rate = {k: n / t for k, t in times.items()}
     extra = {"num_samples": n, "batch_size": batch, "keys": list(keys), "num_workers": 0}
     records = [
         Record(bench=BENCH, case=case, metric="throughput", unit="samples/s", ours=rate["ours"],
-               baselines={k: v for k, v in rate.items() if k != "ours"}, extra=extra)
+               baselines={k: v for k, v in rate.items() if k not in ("ours", "raw_preadv_2t")}, extra=extra)
     ]  # fmt: skip
     if split_unverified:
         records.append(
             Record(bench=BENCH, case=f"unverified_{case}", metric="throughput", unit="samples/s",
-                   ours=rate["unverified"], baselines={k: rate[k] for k in ("reference", "raw_preadv") if k in rate},
+                   ours=rate["unverified"],
+                   baselines={k: rate[k] for k in ("reference", "raw_preadv", "raw_preadv_2t") if k in rate},
                    extra={**extra, "verify": False})
         )  # fmt: skip
     return records

@@ -1,4 +1,4 @@
-"""Where ``preadv`` beats the mapped gather: the reader's engine crossover, measured.
+"""Where ``preadv`` beats the mapped gather, and where two threads beat one: the reader's crossovers, measured.
 
     python perf/measure_read_crossover.py [--quick] [--json PATH]
 
@@ -16,8 +16,15 @@ run interleaved; the median per batch is printed with ``mapped / preadv``
 ratios (> 1: preadv is faster), and the smallest bytes-per-run where preadv
 wins on both warm and cold mappings.
 
-The crossover ``PREADV_MIN_RUN_BYTES`` in ``te_thd/offline_cache/reader.py`` and
-the table in docs/performance-io.md come from this script.
+Second table (``threads``): batches of 1-16 MiB (rows of 256 KiB and 1 MiB,
+scattered and contiguous), read by ``preadv`` on one thread and on two
+(``read_threads`` 1 and 2, ``parallel_min_bytes`` 0 so that every batch is
+split), interleaved; printed with ``1 thread / 2 threads`` and the smallest
+batch size from which two threads win every pattern.
+
+The crossovers ``PREADV_MIN_RUN_BYTES`` in ``te_thd/offline_cache/reader.py`` and
+``PARALLEL_MIN_BYTES`` in ``te_thd/offline_cache/copyread.py`` and the tables in
+docs/performance-io.md come from this script.
 """
 
 from __future__ import annotations
@@ -105,6 +112,58 @@ def measure(quick: bool) -> list[dict[str, Any]]:
     return out
 
 
+THREAD_ROWS = (262144, 1048576)
+THREAD_BATCH_BYTES = (1 << 20, 2 << 20, 4 << 20, 8 << 20, 16 << 20)
+
+
+def measure_threads(quick: bool) -> list[dict[str, Any]]:
+    """One vs two reading threads per batch size (see the module docstring)."""
+    from te_thd.offline_cache import CachedTensorDataset
+
+    trials = 5 if quick else 9
+    batches_per_trial = 10 if quick else 30
+    out = []
+    with tempfile.TemporaryDirectory(prefix="te_thd_threads_") as tmp:
+        for row in THREAD_ROWS:
+            d = os.path.join(tmp, str(row))
+            rows = _cache(d, row)
+            rng = np.random.default_rng(row)
+            for batch_bytes in THREAD_BATCH_BYTES:
+                batch = max(1, batch_bytes // row)
+                for pattern in ("scattered", "contiguous"):
+                    if pattern == "scattered":
+                        idx = [rng.choice(rows, batch, replace=False).tolist() for _ in range(batches_per_trial)]
+                    else:
+                        starts = rng.integers(0, rows - batch, batches_per_trial).tolist()
+                        idx = [list(range(s, s + batch)) for s in starts]
+                    dss = {}
+                    for threads in (1, 2):
+                        ds = CachedTensorDataset(d, "crossover", 1, ("x",), read_threads=threads)
+                        ds.copy_engine = "preadv"
+                        ds.parallel_min_bytes = 0  # split every batch: this measures the split
+                        dss[threads] = ds
+                    samples: dict[int, list[float]] = {1: [], 2: []}
+                    for _ in range(trials + 1):
+                        for threads, ds in dss.items():
+                            t0 = time.perf_counter()
+                            for b in idx:
+                                ds.__getitems__(b)
+                            samples[threads].append((time.perf_counter() - t0) / batches_per_trial)
+                    us = {k: statistics.median(v[1:]) * 1e6 for k, v in samples.items()}  # first: warm-up
+                    out.append({"row_bytes": row, "batch_bytes": batch * row, "pattern": pattern,
+                                "us_1_thread": us[1], "us_2_threads": us[2], "one_over_two": us[1] / us[2]})  # fmt: skip
+    return out
+
+
+def thread_crossover(rows: list[dict[str, Any]]) -> int | None:
+    """Smallest batch bytes from which two threads are at least as fast as one for every pattern."""
+    sizes = sorted({r["batch_bytes"] for r in rows})
+    for s in sizes:
+        if all(r["one_over_two"] >= 1.0 for r in rows if r["batch_bytes"] >= s):
+            return s
+    return None
+
+
 def crossover(rows: list[dict[str, Any]]) -> int | None:
     """Smallest bytes-per-run from which preadv is at least as fast as both mapped variants."""
     sizes = sorted({r["bytes_per_run"] for r in rows})
@@ -133,9 +192,18 @@ def main(argv: list[str]) -> int:
     c = crossover(rows)
     print(f"crossover: preadv at least as fast as both mapped variants from {c} bytes per run" if c else
           "crossover: none (the mapped gather won somewhere at every size)")
+    threads = measure_threads("--quick" in argv)
+    print(f"\n{'row':>8} {'batch bytes':>11} {'pattern':>10} {'1 thread us':>11} {'2 threads us':>12} {'1t/2t':>6}")
+    for r in threads:
+        print(f"{r['row_bytes']:>8} {r['batch_bytes']:>11} {r['pattern']:>10} {r['us_1_thread']:>11.1f} "
+              f"{r['us_2_threads']:>12.1f} {r['one_over_two']:>6.2f}")
+    t = thread_crossover(threads)
+    print(f"threads: two at least as fast as one from {t} bytes per batch" if t else
+          "threads: none (one thread won somewhere at every size)")
     if "--json" in argv:
         with open(argv[argv.index("--json") + 1], "w") as f:
-            json.dump({"rows": rows, "crossover_bytes_per_run": c}, f, indent=1)
+            json.dump({"rows": rows, "crossover_bytes_per_run": c, "threads": threads,
+                       "thread_crossover_batch_bytes": t}, f, indent=1)  # fmt: skip
     return 0
 
 

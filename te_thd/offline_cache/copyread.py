@@ -34,7 +34,7 @@ import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 import torch
@@ -220,25 +220,33 @@ def read_rows(
         read_piece(piece)
 
 
+T = TypeVar("T")
+
+
+def _nbytes(piece: Any) -> int:
+    return int(piece.nbytes)
+
+
 def _read_all(pieces: Sequence[Piece]) -> None:
     for piece in pieces:
         read_piece(piece)
 
 
-def split_even(pieces: Sequence[Piece], parts: int) -> list[list[Piece]]:
-    """Cut ``pieces`` (in order) into at most ``parts`` consecutive groups of about equal bytes.
+def split_even(pieces: Sequence[T], parts: int, size: Callable[[T], int] = _nbytes) -> list[list[T]]:
+    """Cut ``pieces`` (in order) into at most ``parts`` consecutive groups of about equal size.
 
-    Pure. Group ``g`` ends at the first piece whose cumulative bytes reach
-    ``(g + 1) / parts`` of the total; empty groups are dropped.
+    Pure. ``size(piece)``: its bytes (default ``piece.nbytes``). Group ``g`` ends
+    at the first piece whose cumulative size reaches ``(g + 1) / parts`` of the
+    total; empty groups are dropped.
     """
-    total = sum(p.nbytes for p in pieces)
-    groups: list[list[Piece]] = [[]]
+    total = sum(size(p) for p in pieces)
+    groups: list[list[T]] = [[]]
     done = 0
     for piece in pieces:
         if done * parts >= total * len(groups) and len(groups) < parts and groups[-1]:
             groups.append([])
         groups[-1].append(piece)
-        done += piece.nbytes
+        done += size(piece)
     return groups
 
 
@@ -279,14 +287,18 @@ class ParallelReads:
         self._pool: ThreadPoolExecutor | None = None
         self._pid = os.getpid()
 
-    def run(self, pieces: Sequence[Piece], inline: Callable[[], None] | None = None) -> None:
+    def run(
+        self, pieces: Sequence[Piece], inline: Callable[[], None] | None = None, min_bytes: int | None = None
+    ) -> None:
         """Read every piece; ``inline`` (other work of the batch) runs on the calling thread meanwhile.
 
-        Returns once every thread is done with the batch's memory, also when one
-        of them failed: then the first error (in piece order) is raised.
+        The pieces are shared out only when they hold at least ``min_bytes``
+        (default: this object's ``min_bytes``). Returns once every thread is done
+        with the batch's memory, also when one of them failed: then the first
+        error (in piece order) is raised.
         """
         total = sum(p.nbytes for p in pieces)
-        if self.threads == 1 or total < self.min_bytes or len(pieces) < 2:
+        if self.threads == 1 or total < (self.min_bytes if min_bytes is None else min_bytes) or len(pieces) < 2:
             _read_all(pieces)
             if inline is not None:
                 inline()

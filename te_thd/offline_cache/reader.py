@@ -48,7 +48,17 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, get_worker_info
 
-from .copyread import DestinationBuffers, ParallelReads, Piece, ReadError, default_read_threads, new_tensor, plan_pieces, plan_runs
+from .copyread import (
+    PARALLEL_MIN_BYTES,
+    DestinationBuffers,
+    ParallelReads,
+    Piece,
+    ReadError,
+    default_read_threads,
+    new_tensor,
+    plan_pieces,
+    plan_runs,
+)
 from .errors import CacheIntegrityError, UnverifiedCacheWarning, repair_hint
 from .format import TensorSpec, load_safetensors, manifest_path, shard_path, shard_rows
 from .integrity import ShardSums, verify_row_bytes, verify_rows
@@ -182,7 +192,8 @@ class CachedTensorDataset(Dataset):
             from a shared network filesystem (many nodes, few ranks each): the
             hint reads the whole shard on every node.
         read_threads: threads that copy (and verify) a batch of at least
-            ``copyread.PARALLEL_MIN_BYTES`` (1 MiB): the caller's and
+            ``parallel_min_bytes`` (attribute, default ``copyread.PARALLEL_MIN_BYTES``,
+            4 MiB): the caller's and
             ``read_threads - 1`` helpers, each ``preadv`` + checksum on its own
             core (both release the GIL). ``None`` (default): 2 in the main process
             when this process may run on 2 CPUs or more (``copyread.default_read_threads``),
@@ -244,6 +255,7 @@ class CachedTensorDataset(Dataset):
         self.read_threads = read_threads
         self.preadv_min_run_bytes = PREADV_MIN_RUN_BYTES
         self.copy_engine = "auto"
+        self.parallel_min_bytes = PARALLEL_MIN_BYTES
         self._require_sums = requires_shard_sums(self.manifest)
         # Expected {key: TensorSpec}: from the manifest's schema when it records one
         # (te_thd producers), else from the first shard this process opens.
@@ -502,7 +514,7 @@ class CachedTensorDataset(Dataset):
                 self._gather_rows(shard, local, pos, {k: out[k] for k in keys})
 
         try:
-            reads.run(pieces, gather if mapped else None)
+            reads.run(pieces, gather if mapped else None, self.parallel_min_bytes)
         except ReadError as exc:
             raise self._unreadable(exc.path, exc) from exc
         return CachedBatch(out, n)
