@@ -32,7 +32,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, NamedTuple, TypeVar
 
@@ -42,6 +42,7 @@ import torch
 __all__ = [
     "DestinationBuffers",
     "ParallelReads",
+    "PendingReads",
     "Piece",
     "ReadError",
     "RunPlan",
@@ -269,14 +270,47 @@ def default_read_threads() -> int:
     return 2 if cpus >= 2 else 1
 
 
+class PendingReads:
+    """Reads handed to helper threads by :meth:`ParallelReads.start`; :meth:`wait` collects them."""
+
+    def __init__(self, futures: list[Future[None]], pieces: Sequence[Piece], inline: Callable[[], None] | None) -> None:
+        self._futures = futures
+        self._pieces = pieces  # read on the waiting thread (a batch too small to share out)
+        self._inline = inline
+
+    def wait(self) -> None:
+        """Finish the batch: the pieces left to this thread and ``inline``, then every helper's share.
+
+        Returns once no thread writes into the batch any more, also when one of
+        them failed: then the first error is raised (this thread's first).
+        """
+        errors: list[BaseException] = []
+        try:
+            _read_all(self._pieces)
+            if self._inline is not None:
+                self._inline()
+        except BaseException as exc:  # noqa: BLE001 - re-raised below, after the helpers are done
+            errors.append(exc)
+        for f in self._futures:
+            exc = f.exception()  # waits
+            if exc is not None:
+                errors.append(exc)
+        self._futures, self._pieces, self._inline = [], [], None
+        if errors:
+            raise errors[0]
+
+
 class ParallelReads:
-    """Runs a batch's pieces on ``threads`` threads: the caller's and ``threads - 1`` helpers.
+    """Runs a batch's pieces on ``threads`` threads.
 
     ``preadv`` and ``xxh3_64`` both release the GIL, so each thread's kernel copy
     and checksum run on their own core; a single-threaded copy tops out at one
     core's memory bandwidth (measured here: 6 MiB in ~830 us on one thread,
-    ~520 us on two). Helper threads start on the first parallel read and belong
-    to the process that started them (a forked DataLoader worker starts its own).
+    ~520 us on two). :meth:`run` reads on the calling thread and ``threads - 1``
+    helpers; :meth:`start` hands a batch to ``threads`` helpers and returns at
+    once (read-ahead: the caller plans the next batch, or the training step
+    runs, meanwhile). Helper threads start on first use and belong to the
+    process that started them (a forked DataLoader worker starts its own).
     """
 
     def __init__(self, threads: int, min_bytes: int = PARALLEL_MIN_BYTES) -> None:
@@ -286,6 +320,10 @@ class ParallelReads:
         self.min_bytes = min_bytes
         self._pool: ThreadPoolExecutor | None = None
         self._pid = os.getpid()
+
+    def _shared(self, pieces: Sequence[Piece], min_bytes: int | None) -> bool:
+        limit = self.min_bytes if min_bytes is None else min_bytes
+        return self.threads > 1 and len(pieces) > 1 and sum(p.nbytes for p in pieces) >= limit
 
     def run(
         self, pieces: Sequence[Piece], inline: Callable[[], None] | None = None, min_bytes: int | None = None
@@ -297,33 +335,29 @@ class ParallelReads:
         with the batch's memory, also when one of them failed: then the first
         error (in piece order) is raised.
         """
-        total = sum(p.nbytes for p in pieces)
-        if self.threads == 1 or total < (self.min_bytes if min_bytes is None else min_bytes) or len(pieces) < 2:
-            _read_all(pieces)
-            if inline is not None:
-                inline()
+        if not self._shared(pieces, min_bytes):
+            PendingReads([], pieces, inline).wait()
             return
         groups = split_even(pieces, self.threads)
         pool = self._executor()
         futures = [pool.submit(_read_all, g) for g in groups[1:]]
-        errors: list[BaseException] = []
-        try:
-            _read_all(groups[0])
-            if inline is not None:
-                inline()
-        except BaseException as exc:  # noqa: BLE001 - re-raised below, after the helpers are done
-            errors.append(exc)
-        for f in futures:
-            exc = f.exception()  # waits: no helper may still write into the batch when this returns
-            if exc is not None:
-                errors.append(exc)
-        if errors:
-            raise errors[0]
+        PendingReads(futures, groups[0], inline).wait()
+
+    def start(
+        self, pieces: Sequence[Piece], inline: Callable[[], None] | None = None, min_bytes: int | None = None
+    ) -> PendingReads:
+        """Hand the pieces to ``threads`` helper threads and return at once (``run``'s threshold applies:
+        a smaller batch, and ``inline``, are left to :meth:`PendingReads.wait`, on the waiting thread)."""
+        if not self._shared(pieces, min_bytes):
+            return PendingReads([], pieces, inline)
+        pool = self._executor()
+        futures = [pool.submit(_read_all, g) for g in split_even(pieces, self.threads)]
+        return PendingReads(futures, [], inline)
 
     def _executor(self) -> ThreadPoolExecutor:
         if self._pool is None or self._pid != os.getpid():
             self._pid = os.getpid()
-            self._pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="te_thd-read")
+            self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="te_thd-read")
         return self._pool
 
     def __getstate__(self) -> dict[str, int]:

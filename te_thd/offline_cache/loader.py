@@ -108,6 +108,12 @@ class CachedDataLoader(DataLoader):
 
     sampler: CacheShardSampler | BalancedBatchSampler
 
+    #: With ``num_workers=0``: start reading batch ``i + 1`` (``CachedTensorDataset.start_read``)
+    #: before handing out batch ``i``, so its copy runs on the reader's helper threads
+    #: while the training step runs. Costs one more batch of buffers; the sampler is
+    #: one batch ahead (as with DataLoader workers). ``build_cached_dataloader(read_ahead=...)``.
+    read_ahead: bool = True
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._base = 0  # global samples consumed when the current pass started
@@ -141,6 +147,10 @@ class CachedDataLoader(DataLoader):
             for index in self.sampler:
                 yield collate(dataset[index])
             return
+        start = getattr(dataset, "start_read", None) if self.read_ahead else None
+        if start is not None:
+            yield from _read_ahead(start, self.batch_sampler, collate)
+            return
         getitems = getattr(dataset, "__getitems__", None)
         for indices in self.batch_sampler:
             yield collate(getitems(indices) if getitems else [dataset[i] for i in indices])
@@ -167,6 +177,35 @@ class CachedDataLoader(DataLoader):
         self._epoch_of_pass = None
 
 
+def _read_ahead(
+    start: Callable[[Sequence[int]], Any], batches: Iterator[Sequence[int]] | Any, collate: Callable[[Any], Any]
+) -> Iterator[Any]:
+    """``collate(batch)`` for every index list of ``batches``, each read started one batch ahead.
+
+    The next batch is planned and handed to the reader's threads while the
+    current one finishes, and copied while the consumer works on the current
+    one. A read still in flight when the consumer stops early is waited for
+    (its buffers must not be written once they can be handed out again).
+    """
+    pending = None
+    try:
+        for indices in batches:
+            nxt = start(indices)
+            if pending is not None:
+                current, pending = pending, None
+                yield collate(current.result())
+            pending = nxt
+        if pending is not None:
+            current, pending = pending, None
+            yield collate(current.result())
+    finally:
+        if pending is not None:
+            try:
+                pending.result()
+            except Exception:  # noqa: BLE001 - nobody asked for this batch: its error is not theirs
+                pass
+
+
 def build_cached_dataloader(
     dataset: Dataset,
     batch_size: int,
@@ -190,6 +229,7 @@ def build_cached_dataloader(
     attn_scale: float = 49152.0,
     rows_per_replica: int | None = None,
     length_key: str | None = None,
+    read_ahead: bool = True,
 ) -> CachedDataLoader:
     """Build a dataloader over a precomputed offline cache dataset.
 
@@ -232,6 +272,9 @@ def build_cached_dataloader(
         length_key: with ``balance`` and no ``lengths``, read the lengths from this
             key instead of the collator's.
         attn_scale, rows_per_replica: with ``balance``, passed to the planner.
+        read_ahead: with ``num_workers=0`` and no pin step, start reading the next
+            batch before handing out the current one (``CachedDataLoader.read_ahead``;
+            one more batch of buffers). False: read each batch when it is asked for.
     """
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size={batch_size!r} must be an int >= 1 (samples per data-parallel replica)")
@@ -297,6 +340,7 @@ def build_cached_dataloader(
         drop_last=drop_last and not balance,
         **worker_kwargs,
     )
+    loader.read_ahead = bool(read_ahead)
     if resume_state is not None:
         loader.load_state_dict(resume_state)
     return loader

@@ -41,7 +41,7 @@ from __future__ import annotations
 import os
 import warnings
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, overload
 
 import numpy as np
@@ -52,6 +52,7 @@ from .copyread import (
     PARALLEL_MIN_BYTES,
     DestinationBuffers,
     ParallelReads,
+    PendingReads,
     Piece,
     ReadError,
     default_read_threads,
@@ -77,7 +78,7 @@ except ImportError:  # pragma: no cover - safetensors is a hard dependency (load
     class _SafetensorError(Exception):  # type: ignore[no-redef]
         pass
 
-__all__ = ["CachedBatch", "CachedTensorDataset"]
+__all__ = ["CachedBatch", "CachedTensorDataset", "PendingBatch"]
 
 #: A (key, shard) part of a batch is read with ``preadv`` when its runs of
 #: consecutive file rows average at least this many bytes, else gathered from the
@@ -125,6 +126,25 @@ class CachedBatch(Sequence[dict[str, torch.Tensor]]):
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         return (self[i] for i in range(self._len))
+
+
+class PendingBatch:
+    """A batch being read (``CachedTensorDataset.start_read``); ``result()`` waits for it."""
+
+    def __init__(self, dataset: CachedTensorDataset, batch: CachedBatch, reads: PendingReads) -> None:
+        self._dataset = dataset
+        self._batch = batch
+        self._reads: PendingReads | None = reads
+
+    def result(self) -> CachedBatch:
+        """The batch, once every row is read and verified (``CacheIntegrityError`` otherwise)."""
+        if self._reads is not None:
+            reads, self._reads = self._reads, None
+            try:
+                reads.wait()
+            except ReadError as exc:
+                raise self._dataset._unreadable(exc.path, exc) from exc
+        return self._batch
 
 
 def _empty(shape: tuple[int, ...], dtype: torch.dtype, shared: bool) -> torch.Tensor:
@@ -476,12 +496,38 @@ class CachedTensorDataset(Dataset):
         bytes are hashed while still in cache. Negative indices count from the end;
         an index out of range raises ``IndexError``.
         """
+        batch, reads, pieces, gather = self._plan_batch(indices)
+        try:
+            reads.run(pieces, gather, self.parallel_min_bytes)
+        except ReadError as exc:
+            raise self._unreadable(exc.path, exc) from exc
+        return batch
+
+    def start_read(self, indices: Sequence[int]) -> PendingBatch:
+        """Start reading ``indices`` and return at once: ``.result()`` is ``__getitems__(indices)``.
+
+        A batch of at least ``parallel_min_bytes`` is handed to the ``read_threads``
+        helper threads, so the caller can plan the next batch or run a training
+        step meanwhile (read-ahead); a smaller one, and the mapped gather, are read
+        by ``result()``. Bad indices raise here. Call ``result()`` on every pending
+        batch (it waits until no thread writes into the batch any more).
+        """
+        batch, reads, pieces, gather = self._plan_batch(indices)
+        return PendingBatch(self, batch, reads.start(pieces, gather, self.parallel_min_bytes))
+
+    def _plan_batch(
+        self, indices: Sequence[int]
+    ) -> tuple[CachedBatch, ParallelReads, list[Piece], Callable[[], None] | None]:
+        """The batch's tensors (unfilled), this process's reader, the ``preadv`` pieces and
+        the mapped gather (None: no key needs it) that fill them."""
         if isinstance(indices, torch.Tensor | np.ndarray):
             indices = indices.tolist()
         n = len(indices)
-        if n == 0:
-            return CachedBatch({}, 0)
         self._own()
+        in_worker = get_worker_info() is not None
+        reads = self._parallel(in_worker)
+        if n == 0:
+            return CachedBatch({}, 0), reads, [], None
         ss, total = self.shard_size, self.num_samples
         lo, hi = min(indices), max(indices)
         if lo >= 0 and hi < total and lo // ss == hi // ss:
@@ -495,14 +541,12 @@ class CachedTensorDataset(Dataset):
             if bad.size:
                 raise IndexError(f"index {int(bad[0])} out of range for a cache of {total} samples")
             groups = _shard_groups(idx, ss)
-        in_worker = get_worker_info() is not None
         buffers = self._destination(in_worker)
         entries = self._shard_file(groups[0][0])[1].entries
         out: dict[str, torch.Tensor] = {}
         raw: dict[str, memoryview] = {}
         for k in self._disk_keys:
             out[k], raw[k] = buffers.get(k, n, entries[k].shape[1:], entries[k].dtype)
-        reads = self._parallel(in_worker)
         chunk = VERIFY_CHUNK_BYTES if self.verify or reads.threads > 1 else 0
         pieces: list[Piece] = []
         mapped: list[tuple[int, np.ndarray, np.ndarray | None, list[str]]] = []
@@ -513,11 +557,7 @@ class CachedTensorDataset(Dataset):
             for shard, local, pos, keys in mapped:
                 self._gather_rows(shard, local, pos, {k: out[k] for k in keys})
 
-        try:
-            reads.run(pieces, gather if mapped else None, self.parallel_min_bytes)
-        except ReadError as exc:
-            raise self._unreadable(exc.path, exc) from exc
-        return CachedBatch(out, n)
+        return CachedBatch(out, n), reads, pieces, gather if mapped else None
 
     def _parallel(self, in_worker: bool) -> ParallelReads:
         """This process's :class:`ParallelReads`: ``read_threads``, or 1 thread inside a DataLoader worker

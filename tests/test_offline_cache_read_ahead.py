@@ -1,0 +1,171 @@
+"""Read-ahead: ``CachedTensorDataset.start_read`` and the loader that starts batch ``i + 1`` before handing out ``i``.
+
+Real shard files written by the producer; the threaded path is forced on these
+small files with ``parallel_min_bytes = 0`` and compared with the plain
+single-thread read (differential), with a flipped byte, and with the loader's
+resume state.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from safetensors.torch import load_file
+from torch.utils.data import DataLoader
+
+from te_thd.offline_cache import (
+    CachedTensorDataset,
+    CacheIntegrityError,
+    build_cached_dataloader,
+    collate_cached,
+    produce_cache,
+)
+from te_thd.offline_cache.format import shard_path
+from te_thd.offline_cache.shardfile import read_shard_header
+
+KEYS = ("hidden", "ids")
+N, SHARD = 40, 8
+
+
+class _Index(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return N
+
+    def __getitem__(self, i: int) -> dict[str, int]:
+        return {"i": i}
+
+
+def _compute(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    i = batch["i"].to(torch.int64)
+    return {
+        "hidden": torch.sin(i[:, None, None] * 0.3 + torch.arange(24).view(1, 4, 6)).to(torch.bfloat16),
+        "ids": i[:, None] * 7 + torch.arange(5),
+    }
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory) -> str:
+    d = str(tmp_path_factory.mktemp("read_ahead") / "cache")
+    produce_cache(DataLoader(_Index(), batch_size=4), d, SHARD, _compute, KEYS, progress=False)
+    return d
+
+
+def _expected(d: str) -> dict[str, torch.Tensor]:
+    parts = [load_file(shard_path(d, s)) for s in range(N // SHARD)]
+    return {k: torch.cat([p[k] for p in parts]) for k in KEYS}
+
+
+def _threaded(d: str, engine: str = "auto", threads: int = 2) -> CachedTensorDataset:
+    ds = CachedTensorDataset(d, "test", 1, KEYS, read_threads=threads)
+    ds.copy_engine = engine
+    ds.parallel_min_bytes = 0  # share out every batch, however small
+    return ds
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(0, N - 1), min_size=1, max_size=20), st.sampled_from(["auto", "preadv", "mapped"]),
+       st.integers(1, 3))  # fmt: skip
+def test_start_read_equals_getitems_and_the_file(cache, indices, engine, threads):
+    want = _expected(cache)
+    plain = CachedTensorDataset(cache, "test", 1, KEYS, read_threads=1).__getitems__(indices)
+    got = _threaded(cache, engine, threads).start_read(indices).result()
+    for k in KEYS:
+        assert torch.equal(got.tensors[k], want[k][indices]), k
+        assert torch.equal(plain.tensors[k], want[k][indices]), k
+
+
+def test_start_read_hands_a_large_batch_to_helper_threads(cache):
+    """With the threshold at 0 the copy runs on the pool's threads, not the caller's."""
+    ds = _threaded(cache, "preadv")
+    readers: set[str] = set()
+    import te_thd.offline_cache.copyread as copyread
+
+    original = copyread.read_piece
+
+    def spy(piece):
+        readers.add(threading.current_thread().name)
+        original(piece)
+
+    copyread.read_piece = spy
+    try:
+        ds.start_read(list(range(0, 16))).result()
+    finally:
+        copyread.read_piece = original
+    assert readers and all(name.startswith("te_thd-read") for name in readers), readers
+
+
+def _flip(d: str, shard: int, key: str, row: int) -> None:
+    path = Path(shard_path(d, shard))
+    e = read_shard_header(str(path)).entries[key]
+    data = bytearray(path.read_bytes())
+    data[e.start + row * (e.end - e.start) // e.shape[0]] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+def test_a_flip_read_by_a_helper_thread_is_raised_by_result(tmp_path):
+    d = str(tmp_path / "cache")
+    produce_cache(DataLoader(_Index(), batch_size=4), d, SHARD, _compute, KEYS, progress=False)
+    _flip(d, 2, "hidden", 3)  # sample 19
+    ds = _threaded(d, "preadv")
+    pending = ds.start_read(list(range(16, 24)))  # no error yet: it is being read
+    with pytest.raises(CacheIntegrityError, match=r"sample 19 \(row 3 of the shard\), key 'hidden'"):
+        pending.result()
+    assert ds.start_read(list(range(0, 8))).result().tensors["ids"].shape == (8, 5)  # the pool still works
+
+
+def _loader(d: str, read_ahead: bool, shuffle: bool = True, **kw) -> torch.utils.data.DataLoader:
+    ds = _threaded(d)
+    return build_cached_dataloader(ds, 4, shuffle, functools.partial(collate_cached, keys=KEYS),
+                                   read_ahead=read_ahead, **kw)  # fmt: skip
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_read_ahead_loader_yields_what_the_plain_loader_yields(cache, shuffle):
+    ahead = [{k: v.clone() for k, v in b.items()} for b in _loader(cache, True, shuffle)]
+    plain = [{k: v.clone() for k, v in b.items()} for b in _loader(cache, False, shuffle)]
+    torch_iter = [{k: v.clone() for k, v in b.items()} for b in DataLoader.__iter__(_loader(cache, True, shuffle))]
+    assert len(ahead) == len(plain) == len(torch_iter) == N // 4
+    for a, p, t in zip(ahead, plain, torch_iter, strict=True):
+        for k in KEYS:
+            assert torch.equal(a[k], p[k]) and torch.equal(a[k], t[k]), k
+
+
+def test_read_ahead_keeps_the_resume_state_of_what_was_consumed(cache):
+    ahead, plain = _loader(cache, True), _loader(cache, False)
+    it_a, it_p = iter(ahead), iter(plain)
+    for _ in range(3):
+        next(it_a), next(it_p)
+    assert ahead.state_dict() == plain.state_dict()
+    resumed = _loader(cache, True, resume_state=ahead.state_dict())
+    rest = [b["ids"].clone() for b in resumed]
+    want = [b["ids"].clone() for b in it_p]
+    assert len(rest) == len(want) == N // 4 - 3
+    assert all(torch.equal(a, b) for a, b in zip(rest, want, strict=True))
+
+
+def test_a_damaged_batch_is_raised_when_it_is_asked_for_not_before(tmp_path):
+    d = str(tmp_path / "cache")
+    produce_cache(DataLoader(_Index(), batch_size=4), d, SHARD, _compute, KEYS, progress=False)
+    _flip(d, 1, "ids", 2)  # sample 10: the third batch of 4 in sequential order
+    got = []
+    with pytest.raises(CacheIntegrityError, match=r"sample 10 "):
+        for batch in _loader(d, True, shuffle=False):
+            got.append(batch["ids"][:, 0].tolist())
+    assert got == [[0, 7, 14, 21], [28, 35, 42, 49]]  # batches 0 and 1 arrived whole
+
+
+def test_stopping_early_waits_for_the_batch_in_flight(cache):
+    loader = _loader(cache, True)
+    it = iter(loader)
+    first = next(it)["ids"].clone()
+    it.close()  # the read of batch 1 was in flight: close() waits for it
+    again = next(iter(loader))["ids"]
+    assert torch.equal(first, again)  # same epoch order, nothing corrupted the recycled buffers
+    assert np.array_equal(first[:, 0].numpy() % 7, np.zeros(4))
