@@ -39,6 +39,11 @@ Cases (goals in ``perf/thresholds.json``):
   Goals: verified >= 0.9x ``raw_preadv_hash``, >= 1x the reference, >= 0.5x
   ``raw_slice``; unverified (``unverified_large_*``) >= 0.9x ``raw_preadv`` and
   >= 1.3x the reference.
+- ``large_read_behind_step``: the large cache, shuffled, verified, read by a
+  training loop whose step (a sleep: the CPU is free, as during a GPU step) takes
+  as long as a batch's read: the default loader (read-ahead) against
+  ``read_ahead=False`` and against the steps alone (ratio 1: every read hidden
+  behind the step). Reported, not gated.
 - ``memory_epoch``: peak anonymous memory (RssAnon high-water, sampled after every
   batch) over one shuffled epoch of the small cache and of one 4x smaller, read in
   turn (smaller first) by one fresh process. ``ours`` = peak MiB while reading the
@@ -296,6 +301,48 @@ def _throughput_cases(
     return records
 
 
+def _step_overlap(cache_dir: str, keys: tuple[str, ...], batch: int, n: int, trials: int) -> Record:
+    """A training loop whose step takes as long as a batch's read: how much of the read read-ahead hides.
+
+    The step is a sleep (a GPU step as the host sees it: the CPU is free) of the
+    per-batch read time of the loader without read-ahead, measured just before.
+    ``ours``: the default loader (read-ahead) + step per batch; ``no_read_ahead``:
+    ``read_ahead=False`` + step; ``step_only``: the steps alone, the floor (ratio 1:
+    every read hidden). Shuffled, verified (the defaults).
+    """
+    import time
+
+    from te_thd.offline_cache import CachedTensorDataset, build_cached_dataloader, collate_cached
+
+    def loader(read_ahead: bool) -> Any:
+        ds = CachedTensorDataset(cache_dir, "bench", FORMAT_VERSION, keys)
+        return build_cached_dataloader(ds, batch, True, functools.partial(collate_cached, keys=keys),
+                                       read_ahead=read_ahead)  # fmt: skip
+
+    ahead, plain = loader(True), loader(False)
+    _epoch(plain)
+    t0 = time.perf_counter()
+    batches = _epoch(plain) // batch
+    step = (time.perf_counter() - t0) / batches
+
+    def train(ld: Any) -> None:
+        for _ in ld:
+            time.sleep(step)
+
+    def steps_only() -> None:
+        for _ in range(batches):
+            time.sleep(step)
+
+    times = time_interleaved(
+        {"ours": functools.partial(train, ahead), "no_read_ahead": functools.partial(train, plain),
+         "step_only": steps_only}, trials=trials, warmup=1,
+    )  # fmt: skip
+    rate = {k: n / t for k, t in times.items()}
+    return Record(bench=BENCH, case="large_read_behind_step", metric="throughput", unit="samples/s",
+                  ours=rate["ours"], baselines={k: v for k, v in rate.items() if k != "ours"},
+                  extra={"num_samples": n, "batch_size": batch, "step_ms": step * 1e3, "shuffle": True})  # fmt: skip
+
+
 _MEMORY_SNIPPET = r"""
 import functools, json, sys, torch
 torch.set_num_threads(1)
@@ -353,6 +400,7 @@ def run(quick: bool) -> list[Record]:
         for shuffle in (False, True):
             case = f"large_{'shuffled' if shuffle else 'sequential'}"
             records += _throughput_cases(case, large, LARGE_KEYS, 8, shuffle, n_large, large_trials, ref, True)
+        records.append(_step_overlap(large, LARGE_KEYS, 8, n_large, trials))
         shutil_rm(large)
         smaller = os.path.join(tmp, "small_quarter")
         write_cache(smaller, n_small // 4, 4096, "small")

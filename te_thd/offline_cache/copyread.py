@@ -31,8 +31,10 @@ from __future__ import annotations
 
 import math
 import os
+import queue
+import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, NamedTuple, TypeVar
 
@@ -270,6 +272,35 @@ def default_read_threads() -> int:
     return 2 if cpus >= 2 else 1
 
 
+class _Worker:
+    """One helper thread with its own queue: group ``g`` of a batch goes to worker ``g``.
+
+    A shared queue (``ThreadPoolExecutor``) lets whichever thread wakes first take
+    every group of a batch while the other is still waking up: measured here, one
+    thread then often read all of it. A daemon thread: a read still in flight at
+    interpreter exit only wrote into memory nobody reads.
+    """
+
+    def __init__(self, name: str) -> None:
+        self._queue: queue.SimpleQueue[tuple[Sequence[Piece], Future[None]]] = queue.SimpleQueue()
+        threading.Thread(target=self._loop, name=name, daemon=True).start()
+
+    def submit(self, pieces: Sequence[Piece]) -> Future[None]:
+        done: Future[None] = Future()
+        self._queue.put((pieces, done))
+        return done
+
+    def _loop(self) -> None:
+        while True:
+            pieces, done = self._queue.get()
+            try:
+                _read_all(pieces)
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+                done.set_exception(exc)
+            else:
+                done.set_result(None)
+
+
 class PendingReads:
     """Reads handed to helper threads by :meth:`ParallelReads.start`; :meth:`wait` collects them."""
 
@@ -318,7 +349,7 @@ class ParallelReads:
             raise ValueError(f"read_threads={threads!r} must be an int >= 1 (1: read on the calling thread only)")
         self.threads = threads
         self.min_bytes = min_bytes
-        self._pool: ThreadPoolExecutor | None = None
+        self._workers: list[_Worker] = []
         self._pid = os.getpid()
 
     def _shared(self, pieces: Sequence[Piece], min_bytes: int | None) -> bool:
@@ -339,8 +370,8 @@ class ParallelReads:
             PendingReads([], pieces, inline).wait()
             return
         groups = split_even(pieces, self.threads)
-        pool = self._executor()
-        futures = [pool.submit(_read_all, g) for g in groups[1:]]
+        workers = self._started()
+        futures = [workers[i].submit(g) for i, g in enumerate(groups[1:])]
         PendingReads(futures, groups[0], inline).wait()
 
     def start(
@@ -350,15 +381,16 @@ class ParallelReads:
         a smaller batch, and ``inline``, are left to :meth:`PendingReads.wait`, on the waiting thread)."""
         if not self._shared(pieces, min_bytes):
             return PendingReads([], pieces, inline)
-        pool = self._executor()
-        futures = [pool.submit(_read_all, g) for g in split_even(pieces, self.threads)]
+        workers = self._started()
+        futures = [workers[i].submit(g) for i, g in enumerate(split_even(pieces, self.threads))]
         return PendingReads(futures, [], inline)
 
-    def _executor(self) -> ThreadPoolExecutor:
-        if self._pool is None or self._pid != os.getpid():
-            self._pid = os.getpid()
-            self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="te_thd-read")
-        return self._pool
+    def _started(self) -> list[_Worker]:
+        """This process's ``threads`` helper threads, one queue each."""
+        if len(self._workers) != self.threads or self._pid != os.getpid():
+            self._pid = os.getpid()  # a forked child inherits the list but not the threads
+            self._workers = [_Worker(f"te_thd-read-{i}") for i in range(self.threads)]
+        return self._workers
 
     def __getstate__(self) -> dict[str, int]:
         # threads belong to the process that started them
