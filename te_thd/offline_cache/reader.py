@@ -577,8 +577,8 @@ class CachedTensorDataset(Dataset):
 
         Keys read with ``preadv`` add their pieces to ``pieces`` (each piece of at most
         ``chunk`` bytes, 0: no limit, verified right after it is read, by the thread that
-        read it); if any key is left to the mapped gather, ``(shard, local, pos)`` is
-        appended to ``mapped`` once.
+        read it); the keys left to the mapped gather are appended to ``mapped`` as one
+        ``(shard, local, pos, keys)``.
         """
         path, header, fd = self._shard_file(shard)
         entries, sums = header.entries, header.sums
