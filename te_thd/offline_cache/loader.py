@@ -108,7 +108,7 @@ class CachedDataLoader(DataLoader):
 
     sampler: CacheShardSampler | BalancedBatchSampler
 
-    #: With ``num_workers=0``: start reading batch ``i + 1`` (``CachedTensorDataset.start_read``)
+    #: With ``num_workers=0`` (also pinned for CUDA): start reading batch ``i + 1`` (``CachedTensorDataset.start_read``)
     #: before handing out batch ``i``, so its copy runs on the reader's helper threads
     #: while the training step runs. Costs one more batch of buffers; the sampler is
     #: one batch ahead (as with DataLoader workers). ``build_cached_dataloader(read_ahead=...)``.
@@ -131,8 +131,8 @@ class CachedDataLoader(DataLoader):
             del batch
 
     def _reads_inline(self) -> bool:
-        """``num_workers=0`` and no pin step: batches are read on this thread by :meth:`_inline_batches`."""
-        return self.num_workers == 0 and not self.pin_memory and not isinstance(self.dataset, IterableDataset)
+        """``num_workers=0`` (map-style dataset): batches are read on this thread by :meth:`_inline_batches`."""
+        return self.num_workers == 0 and not isinstance(self.dataset, IterableDataset)
 
     def _inline_batches(self) -> Iterator[Any]:
         """What torch's single-process iterator yields, without its per-batch machinery.
@@ -140,9 +140,15 @@ class CachedDataLoader(DataLoader):
         Same batches in the same order (batch sampler -> ``__getitems__`` or one
         ``dataset[i]`` per index -> ``collate_fn``; without a batch size, one
         ``dataset[index]`` per sampler item), minus ~25-50 us a batch of profiler
-        hooks and fetcher dispatch: 5-20% of reading a cached batch.
+        hooks and fetcher dispatch: 5-20% of reading a cached batch. With
+        ``pin_memory`` on a CUDA machine every batch is pinned, as torch's pin step does.
         """
         dataset, collate = self.dataset, self.collate_fn
+        if self.pin_memory and torch.cuda.is_available():
+            # torch's pin step, here: a batch the dataset read into page-locked memory
+            # is returned as it is (Tensor.pin_memory keeps a pinned tensor), the
+            # rest (e.g. a collator's packed THD tensors) is copied into pinned memory
+            collate = functools.partial(_pinned_collate, collate)
         if self.batch_sampler is None:
             for index in self.sampler:
                 yield collate(dataset[index])
@@ -175,6 +181,28 @@ class CachedDataLoader(DataLoader):
             raise ValueError(f"loader state must hold 'sampler' (got keys {sorted(state)}); pass loader.state_dict()")
         self.sampler.load_state_dict(state["sampler"])
         self._epoch_of_pass = None
+
+
+def _pinned_collate(collate: Callable[[Any], Any], data: Any) -> Any:
+    return _pin(collate(data))
+
+
+def _pin(batch: Any) -> Any:
+    """Every tensor of ``batch`` (dicts/lists/tuples nested) in page-locked memory (CUDA only)."""
+    return _map_tensors(batch, torch.Tensor.pin_memory)
+
+
+def _map_tensors(batch: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``batch`` with ``fn`` applied to every tensor in it (dicts, lists, tuples and namedtuples nested)."""
+    if isinstance(batch, torch.Tensor):
+        return fn(batch)
+    if isinstance(batch, Mapping):
+        return {k: _map_tensors(v, fn) for k, v in batch.items()}
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
+        return type(batch)(*(_map_tensors(v, fn) for v in batch))
+    if isinstance(batch, list | tuple):
+        return type(batch)(_map_tensors(v, fn) for v in batch)
+    return batch
 
 
 def _read_ahead(
@@ -272,7 +300,7 @@ def build_cached_dataloader(
         length_key: with ``balance`` and no ``lengths``, read the lengths from this
             key instead of the collator's.
         attn_scale, rows_per_replica: with ``balance``, passed to the planner.
-        read_ahead: with ``num_workers=0`` and no pin step, start reading the next
+        read_ahead: with ``num_workers=0``, start reading the next
             batch before handing out the current one (``CachedDataLoader.read_ahead``;
             one more batch of buffers). False: read each batch when it is asked for.
     """
@@ -353,12 +381,4 @@ def to_device(batch: Any, device: torch.device | str) -> Any:
     thread does not wait for the GPU. Python scalars (``max_seqlen_int``,
     ``pad_between_seqs``) stay on the host.
     """
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
-    if isinstance(batch, Mapping):
-        return {k: to_device(v, device) for k, v in batch.items()}
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
-        return type(batch)(*(to_device(v, device) for v in batch))
-    if isinstance(batch, list | tuple):
-        return type(batch)(to_device(v, device) for v in batch)
-    return batch
+    return _map_tensors(batch, lambda t: t.to(device, non_blocking=True))
