@@ -59,7 +59,7 @@ from .loops import (
 )
 from .manifest import ensure_supervision_options_match, read_manifest, write_manifest
 from .producer import produce_cache
-from .reader import CachedBatch, CachedTensorDataset
+from .reader import CachedBatch, CachedTensorDataset, PendingBatch
 from .repair import repair_cache
 from .sampler import CacheShardSampler, shard_block_order
 from .thd_collate import CachedThdCollator
@@ -81,6 +81,7 @@ __all__ = [
     "DurableShardWriter",
     "ManifestError",
     "ManifestNotFoundError",
+    "PendingBatch",
     "SchemaError",
     "UnverifiedCacheWarning",
     "atomic_write",
