@@ -169,3 +169,25 @@ def test_stopping_early_waits_for_the_batch_in_flight(cache):
     again = next(iter(loader))["ids"]
     assert torch.equal(first, again)  # same epoch order, nothing corrupted the recycled buffers
     assert np.array_equal(first[:, 0].numpy() % 7, np.zeros(4))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("verify", [False, True])
+def test_a_batch_over_more_shards_than_max_open_shards_reads_right(cache, threads, verify):
+    """Planning a batch opens its shards one after the other; with max_open_shards=1 each
+    open evicts the previous shard while its pieces are still to be read. Its descriptor
+    must stay open until they are (a closed one, or its number reused by the next open,
+    would read the wrong file)."""
+    want = _expected(cache)
+    indices = [1, 9, 17, 25, 33, 2, 10]  # five shards
+    ds = CachedTensorDataset(cache, "test", 1, KEYS, max_open_shards=1, read_threads=threads, verify=verify)
+    ds.copy_engine = "preadv"
+    ds.parallel_min_bytes = 0
+    for read in (ds.__getitems__, lambda i: ds.start_read(i).result()):
+        got = read(indices)
+        for k in KEYS:
+            assert torch.equal(got.tensors[k], want[k][indices]), k
+    ahead = ds.start_read([0, 8, 16])  # in flight while the next batch opens (and evicts) other shards
+    later = ds.start_read([24, 32])
+    for pending, idx in ((ahead, [0, 8, 16]), (later, [24, 32])):
+        assert torch.equal(pending.result().tensors["ids"], want["ids"][idx])

@@ -150,11 +150,13 @@ class Piece(NamedTuple):
     path: str
     after: AfterRead | None = None
     args: tuple[int, int, int] = (0, 0, 0)
+    #: what keeps ``fd`` open until the piece is read (the reader's open-shard object)
+    owner: object = None
 
 
 def plan_pieces(
     fd: int, base: int, row_bytes: int, plan: RunPlan, dst: memoryview, path: str,
-    after: AfterRead | None = None, chunk_bytes: int = 0,
+    after: AfterRead | None = None, chunk_bytes: int = 0, owner: object = None,
 ) -> list[Piece]:  # fmt: skip
     """The reads that put the planned rows of one tensor into ``dst`` (the bytes of the batch tensor ``[B, row]``).
 
@@ -164,7 +166,8 @@ def plan_pieces(
     cache, or so that threads can share them. A run scattered over the batch is
     one iovec per row, at most ``IOV_MAX`` per piece; with ``after``, one row
     per piece. ``after(batch row of the piece's first row, first file row, rows)``
-    is called once per piece, whose batch rows are consecutive.
+    is called once per piece, whose batch rows are consecutive. ``owner``: kept
+    by every piece (whatever keeps ``fd`` open while the pieces wait to be read).
     """
     dst_rows, starts, first, contiguous = plan.dst, plan.starts, plan.first_row, plan.dst_contiguous
     step = max(1, chunk_bytes // row_bytes) if chunk_bytes and row_bytes else 0
@@ -178,18 +181,18 @@ def plan_pieces(
             for c in range(0, n, m):
                 r = min(m, n - c)
                 view = dst[(p + c) * row_bytes : (p + c + r) * row_bytes]
-                out.append(Piece(fd, offset + c * row_bytes, [view], r * row_bytes, path, after, (p + c, first[k] + c, r)))
+                out.append(Piece(fd, offset + c * row_bytes, [view], r * row_bytes, path, after, (p + c, first[k] + c, r), owner))
             continue
         if after is not None:
             for j, p in enumerate(dst_rows[a:b]):
                 view = dst[p * row_bytes : (p + 1) * row_bytes]
-                out.append(Piece(fd, offset + j * row_bytes, [view], row_bytes, path, after, (p, first[k] + j, 1)))
+                out.append(Piece(fd, offset + j * row_bytes, [view], row_bytes, path, after, (p, first[k] + j, 1), owner))
             continue
         per = min(IOV_MAX, max(1, step)) if step else IOV_MAX
         for c in range(a, b, per):
             rows = dst_rows[c : min(b, c + per)]
             iov = [dst[p * row_bytes : (p + 1) * row_bytes] for p in rows]
-            out.append(Piece(fd, offset + (c - a) * row_bytes, iov, len(rows) * row_bytes, path))
+            out.append(Piece(fd, offset + (c - a) * row_bytes, iov, len(rows) * row_bytes, path, None, (0, 0, 0), owner))
     return out
 
 
@@ -299,6 +302,7 @@ class _Worker:
                 done.set_exception(exc)
             else:
                 done.set_result(None)
+            del pieces, done  # while idle, hold no batch memory and no shard open
 
 
 class PendingReads:

@@ -414,7 +414,8 @@ class CachedTensorDataset(Dataset):
         if entry is not None:
             self._views.move_to_end(shard_index)
             return entry
-        path, header, _ = self._shard_file(shard_index)
+        f = self._shard_file(shard_index)
+        path, header = f.path, f.header
         entry = (_map_shard(path, header.entries, self._disk_keys, self._repair), header.sums)
         self._views[shard_index] = entry
         if len(self._views) > self._max_open:
@@ -441,8 +442,8 @@ class CachedTensorDataset(Dataset):
             first_sample=shard_index * self.shard_size, repair=self._repair,
         )  # fmt: skip
 
-    def _shard_file(self, shard_index: int) -> tuple[str, ShardHeader, int]:
-        """``(path, checked header, read-only descriptor)`` of shard ``shard_index``."""
+    def _shard_file(self, shard_index: int) -> _ShardFile:
+        """Shard ``shard_index`` open for reading: its path, checked header and descriptor."""
         self._own()
         f = self._files.get(shard_index)
         if f is None:
@@ -457,7 +458,7 @@ class CachedTensorDataset(Dataset):
                 for key in self._disk_keys:
                     e = header.entries[key]
                     _fadvise(fd, e.start, e.end - e.start, os.POSIX_FADV_WILLNEED)
-            f = self._files.put(shard_index, (path, header, fd), self._max_open)
+            f = self._files.put(shard_index, _ShardFile(path, header, fd), self._max_open)
         return f
 
     def _destination(self, shared: bool) -> DestinationBuffers:
@@ -542,7 +543,7 @@ class CachedTensorDataset(Dataset):
                 raise IndexError(f"index {int(bad[0])} out of range for a cache of {total} samples")
             groups = _shard_groups(idx, ss)
         buffers = self._destination(in_worker)
-        entries = self._shard_file(groups[0][0])[1].entries
+        entries = self._shard_file(groups[0][0]).header.entries
         out: dict[str, torch.Tensor] = {}
         raw: dict[str, memoryview] = {}
         for k in self._disk_keys:
@@ -580,8 +581,8 @@ class CachedTensorDataset(Dataset):
         read it); the keys left to the mapped gather are appended to ``mapped`` as one
         ``(shard, local, pos, keys)``.
         """
-        path, header, fd = self._shard_file(shard)
-        entries, sums = header.entries, header.sums
+        f = self._shard_file(shard)
+        path, fd, entries, sums = f.path, f.fd, f.header.entries, f.header.sums
         check = sums is not None and self.verify
         plan = None
         one_run: bool | None = None
@@ -618,7 +619,7 @@ class CachedTensorDataset(Dataset):
                         path=path, key=key, first_sample=shard * self.shard_size, repair=self._repair,
                     )  # fmt: skip
 
-            pieces += plan_pieces(fd, e.start, row_bytes, plan, raw[key], path, after, chunk)
+            pieces += plan_pieces(fd, e.start, row_bytes, plan, raw[key], path, after, chunk, owner=f)
         if gather:
             mapped.append((shard, local, pos, gather))
 
@@ -670,39 +671,62 @@ class CachedTensorDataset(Dataset):
 _fadvise = getattr(os, "posix_fadvise", None)
 
 
-class _OpenFiles:
-    """LRU of ``shard -> (path, checked header, descriptor)``; closes what it evicts."""
+class _ShardFile:
+    """One open shard: ``path``, its checked ``header`` and a read-only descriptor ``fd``.
 
-    def __init__(self) -> None:
-        self._lru: OrderedDict[int, tuple[str, ShardHeader, int]] = OrderedDict()
+    The descriptor is closed when the last reference goes: the LRU drops its
+    reference on eviction, and every ``preadv`` piece planned from it holds one
+    (``Piece.owner``) until it is read. So a batch spanning more shards than
+    ``max_open_shards``, or a read still in flight while the next batch opens
+    other shards, never reads through a closed descriptor -- or through its
+    number reused by the next open, which would read another file.
+    """
+
+    __slots__ = ("path", "header", "fd", "_pid")
+
+    def __init__(self, path: str, header: ShardHeader, fd: int) -> None:
+        self.path, self.header, self.fd = path, header, fd
         self._pid = os.getpid()
 
-    def get(self, shard: int) -> tuple[str, ShardHeader, int] | None:
+    def close(self) -> None:
+        if self.fd >= 0:
+            fd, self.fd = self.fd, -1
+            os.close(fd)
+
+    def __del__(self) -> None:
+        # a forked child's inherited copies are closed by _OpenFiles.close() in _own()
+        if self._pid == os.getpid():
+            try:
+                self.close()
+            except OSError:
+                pass
+
+
+class _OpenFiles:
+    """LRU of ``shard -> _ShardFile``; an evicted file closes once nothing reads from it."""
+
+    def __init__(self) -> None:
+        self._lru: OrderedDict[int, _ShardFile] = OrderedDict()
+
+    def get(self, shard: int) -> _ShardFile | None:
         f = self._lru.get(shard)
         if f is not None:
             self._lru.move_to_end(shard)
         return f
 
-    def put(self, shard: int, f: tuple[str, ShardHeader, int], limit: int) -> tuple[str, ShardHeader, int]:
+    def put(self, shard: int, f: _ShardFile, limit: int) -> _ShardFile:
         self._lru[shard] = f
         while len(self._lru) > limit:
-            os.close(self._lru.popitem(last=False)[1][2])
+            self._lru.popitem(last=False)
         return f
 
     def __len__(self) -> int:
         return len(self._lru)
 
     def close(self) -> None:
+        """Close every descriptor now (a forked child closing its inherited copies: no reads in flight)."""
         while self._lru:
-            os.close(self._lru.popitem()[1][2])
-
-    def __del__(self) -> None:
-        # descriptors are per process: a forked child's copy is closed by _own()
-        if getattr(self, "_pid", None) == os.getpid():
-            try:
-                self.close()
-            except OSError:
-                pass
+            self._lru.popitem()[1].close()
 
 
 def _shard_groups(idx: np.ndarray, shard_size: int) -> list[tuple[int, np.ndarray, np.ndarray]]:
