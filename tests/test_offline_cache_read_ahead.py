@@ -171,6 +171,7 @@ def test_stopping_early_waits_for_the_batch_in_flight(cache):
     assert np.array_equal(first[:, 0].numpy() % 7, np.zeros(4))
 
 
+@pytest.mark.filterwarnings("ignore::te_thd.offline_cache.UnverifiedCacheWarning")  # verify=False on purpose
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("verify", [False, True])
 def test_a_batch_over_more_shards_than_max_open_shards_reads_right(cache, threads, verify):
@@ -191,3 +192,12 @@ def test_a_batch_over_more_shards_than_max_open_shards_reads_right(cache, thread
     later = ds.start_read([24, 32])
     for pending, idx in ((ahead, [0, 8, 16]), (later, [24, 32])):
         assert torch.equal(pending.result().tensors["ids"], want["ids"][idx])
+
+
+def test_a_pending_batch_dropped_unread_is_finished_before_its_buffers_are_reused(cache):
+    want = _expected(cache)
+    ds = _threaded(cache, "preadv")
+    for _ in range(20):
+        ds.start_read(list(range(0, 8)))  # dropped at once: waits in __del__
+        got = ds.__getitems__(list(range(8, 16)))  # may get the same buffers
+        assert torch.equal(got.tensors["hidden"], want["hidden"][8:16])

@@ -146,6 +146,17 @@ class PendingBatch:
                 raise self._dataset._unreadable(exc.path, exc) from exc
         return self._batch
 
+    def __del__(self) -> None:
+        # Dropped unread: its buffers look free to the pool (nothing references the
+        # tensors), so the helpers must be done writing into them before they can be
+        # handed out again.
+        reads, self._reads = getattr(self, "_reads", None), None
+        if reads is not None:
+            try:
+                reads.wait()
+            except Exception:  # noqa: BLE001 - nobody asked for this batch
+                pass
+
 
 def _empty(shape: tuple[int, ...], dtype: torch.dtype, shared: bool) -> torch.Tensor:
     """Uninitialised tensor; in shared memory when ``shared`` (a DataLoader worker).
@@ -510,8 +521,8 @@ class CachedTensorDataset(Dataset):
         A batch of at least ``parallel_min_bytes`` is handed to the ``read_threads``
         helper threads, so the caller can plan the next batch or run a training
         step meanwhile (read-ahead); a smaller one, and the mapped gather, are read
-        by ``result()``. Bad indices raise here. Call ``result()`` on every pending
-        batch (it waits until no thread writes into the batch any more).
+        by ``result()``. Bad indices raise here. ``result()`` (or dropping the
+        pending batch) waits until no thread writes into the batch any more.
         """
         batch, reads, pieces, gather = self._plan_batch(indices)
         return PendingBatch(self, batch, reads.start(pieces, gather, self.parallel_min_bytes))
