@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -95,7 +96,9 @@ def test_start_read_hands_a_large_batch_to_helper_threads(cache):
 
     copyread.read_piece = spy
     try:
-        ds.start_read(list(range(0, 16))).result()
+        pending = ds.start_read(list(range(0, 16)))
+        time.sleep(0.3)  # the helpers read it meanwhile (result() would join in)
+        pending.result()
     finally:
         copyread.read_piece = original
     assert readers and all(name.startswith("te_thd-read") for name in readers), readers
@@ -126,11 +129,46 @@ def _loader(d: str, read_ahead: bool, shuffle: bool = True, **kw) -> torch.utils
                                    read_ahead=read_ahead, **kw)  # fmt: skip
 
 
+def _train(batches, step_s: float = 0.01):
+    """A training loop: each batch is followed by a step of ``step_s`` (the CPU is free)."""
+    for batch in batches:
+        yield {k: v.clone() for k, v in batch.items()}
+        time.sleep(step_s)
+
+
+class _Spy:
+    """Counts ``start_read`` calls on a dataset (the loader's read-ahead)."""
+
+    def __init__(self, ds: CachedTensorDataset) -> None:
+        self.calls = 0
+        original = ds.start_read
+
+        def start_read(indices):
+            self.calls += 1
+            return original(indices)
+
+        ds.start_read = start_read
+
+
+def test_read_ahead_starts_only_when_the_consumer_leaves_time(cache):
+    busy = _loader(cache, True)
+    spy_busy = _Spy(busy.dataset)
+    assert len(list(_train(busy))) == N // 4
+    assert spy_busy.calls >= N // 4 - 3  # every batch after the first couple was read ahead
+    bare = _loader(cache, True)
+    spy_bare = _Spy(bare.dataset)
+    assert len([b for b in bare]) == N // 4
+    assert spy_bare.calls <= 1  # a bare read loop is served synchronously
+    never = _loader(cache, False)
+    spy_never = _Spy(never.dataset)
+    assert len(list(_train(never))) == N // 4 and spy_never.calls == 0
+
+
 @pytest.mark.parametrize("shuffle", [False, True])
 def test_read_ahead_loader_yields_what_the_plain_loader_yields(cache, shuffle):
-    ahead = [{k: v.clone() for k, v in b.items()} for b in _loader(cache, True, shuffle)]
-    plain = [{k: v.clone() for k, v in b.items()} for b in _loader(cache, False, shuffle)]
-    torch_iter = [{k: v.clone() for k, v in b.items()} for b in DataLoader.__iter__(_loader(cache, True, shuffle))]
+    ahead = list(_train(_loader(cache, True, shuffle)))
+    plain = list(_train(_loader(cache, False, shuffle), 0.0))
+    torch_iter = list(_train(DataLoader.__iter__(_loader(cache, True, shuffle)), 0.0))
     assert len(ahead) == len(plain) == len(torch_iter) == N // 4
     for a, p, t in zip(ahead, plain, torch_iter, strict=True):
         for k in KEYS:
@@ -139,36 +177,41 @@ def test_read_ahead_loader_yields_what_the_plain_loader_yields(cache, shuffle):
 
 def test_read_ahead_keeps_the_resume_state_of_what_was_consumed(cache):
     ahead, plain = _loader(cache, True), _loader(cache, False)
-    it_a, it_p = iter(ahead), iter(plain)
-    for _ in range(3):
+    it_a, it_p = _train(ahead), iter(plain)
+    for _ in range(4):
         next(it_a), next(it_p)
+    time.sleep(0.01)  # the batch after is being read ahead
     assert ahead.state_dict() == plain.state_dict()
     resumed = _loader(cache, True, resume_state=ahead.state_dict())
-    rest = [b["ids"].clone() for b in resumed]
+    rest = [b["ids"] for b in _train(resumed)]
     want = [b["ids"].clone() for b in it_p]
-    assert len(rest) == len(want) == N // 4 - 3
+    assert len(rest) == len(want) == N // 4 - 4
     assert all(torch.equal(a, b) for a, b in zip(rest, want, strict=True))
 
 
 def test_a_damaged_batch_is_raised_when_it_is_asked_for_not_before(tmp_path):
     d = str(tmp_path / "cache")
     produce_cache(DataLoader(_Index(), batch_size=4), d, SHARD, _compute, KEYS, progress=False)
-    _flip(d, 1, "ids", 2)  # sample 10: the third batch of 4 in sequential order
+    _flip(d, 2, "ids", 2)  # sample 18: the fifth batch of 4 in sequential order, read ahead
     got = []
-    with pytest.raises(CacheIntegrityError, match=r"sample 10 "):
-        for batch in _loader(d, True, shuffle=False):
+    loader = _loader(d, True, shuffle=False)
+    spy = _Spy(loader.dataset)
+    with pytest.raises(CacheIntegrityError, match=r"sample 18 "):
+        for batch in _train(loader):
             got.append(batch["ids"][:, 0].tolist())
-    assert got == [[0, 7, 14, 21], [28, 35, 42, 49]]  # batches 0 and 1 arrived whole
+    assert spy.calls >= 2  # the damaged batch was read ahead
+    assert got == [[7 * i for i in range(b * 4, b * 4 + 4)] for b in range(4)]  # batches 0-3 arrived whole
 
 
 def test_stopping_early_waits_for_the_batch_in_flight(cache):
     loader = _loader(cache, True)
-    it = iter(loader)
-    first = next(it)["ids"].clone()
-    it.close()  # the read of batch 1 was in flight: close() waits for it
-    again = next(iter(loader))["ids"]
-    assert torch.equal(first, again)  # same epoch order, nothing corrupted the recycled buffers
-    assert np.array_equal(first[:, 0].numpy() % 7, np.zeros(4))
+    it = _train(loader)
+    first = [next(it)["ids"] for _ in range(3)]
+    time.sleep(0.005)  # the fourth batch is in flight
+    it.close()  # closes the loader's generator too: it waits for that read
+    again = [b["ids"] for b in list(_train(loader))[:3]]
+    assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))  # nothing scribbled on reused buffers
+    assert all(np.array_equal(a[:, 0].numpy() % 7, np.zeros(4)) for a in first)
 
 
 @pytest.mark.filterwarnings("ignore::te_thd.offline_cache.UnverifiedCacheWarning")  # verify=False on purpose

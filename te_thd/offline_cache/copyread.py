@@ -33,6 +33,7 @@ import math
 import os
 import queue
 import threading
+from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -233,17 +234,14 @@ def _nbytes(piece: Any) -> int:
     return int(piece.nbytes)
 
 
-def _read_all(pieces: Sequence[Piece]) -> None:
-    for piece in pieces:
-        read_piece(piece)
-
-
 def split_even(pieces: Sequence[T], parts: int, size: Callable[[T], int] = _nbytes) -> list[list[T]]:
     """Cut ``pieces`` (in order) into at most ``parts`` consecutive groups of about equal size.
 
     Pure. ``size(piece)``: its bytes (default ``piece.nbytes``). Group ``g`` ends
     at the first piece whose cumulative size reaches ``(g + 1) / parts`` of the
-    total; empty groups are dropped.
+    total; empty groups are dropped. A static split, one group per thread (the
+    benchmark's raw two-thread loop reads this way); :class:`ParallelReads` instead
+    lets its threads take pieces one at a time, so a late thread holds nothing up.
     """
     total = sum(size(p) for p in pieces)
     groups: list[list[T]] = [[]]
@@ -275,77 +273,103 @@ def default_read_threads() -> int:
     return 2 if cpus >= 2 else 1
 
 
-class _Worker:
-    """One helper thread with its own queue: group ``g`` of a batch goes to worker ``g``.
+class _Batch:
+    """The pieces of one batch, taken one at a time by whichever thread is free.
 
-    A shared queue (``ThreadPoolExecutor``) lets whichever thread wakes first take
-    every group of a batch while the other is still waking up: measured here, one
-    thread then often read all of it. A daemon thread: a read still in flight at
-    interpreter exit only wrote into memory nobody reads.
+    ``deque.popleft`` is atomic, so the caller and any number of helpers can
+    :meth:`drain` it together: a helper that wakes late, or a core that is busy
+    elsewhere, leaves its share to the others instead of holding up the batch.
+    """
+
+    def __init__(self, pieces: Sequence[Piece]) -> None:
+        self._todo: deque[Piece] = deque(pieces)
+        self.errors: list[BaseException] = []
+
+    def drain(self) -> None:
+        """Read pieces until none is left; on a failure record it and drop the rest."""
+        todo = self._todo
+        while True:
+            try:
+                piece = todo.popleft()
+            except IndexError:
+                return
+            try:
+                read_piece(piece)
+            except BaseException as exc:  # noqa: BLE001 - raised by the waiting thread
+                self.errors.append(exc)
+                todo.clear()
+                return
+
+
+class _Worker:
+    """One helper thread with its own queue, draining the batches it is handed.
+
+    A daemon thread: a read still in flight at interpreter exit only wrote into
+    memory nobody reads.
     """
 
     def __init__(self, name: str) -> None:
-        self._queue: queue.SimpleQueue[tuple[Sequence[Piece], Future[None]]] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[_Batch, Future[None]]] = queue.SimpleQueue()
         threading.Thread(target=self._loop, name=name, daemon=True).start()
 
-    def submit(self, pieces: Sequence[Piece]) -> Future[None]:
+    def submit(self, batch: _Batch) -> Future[None]:
         done: Future[None] = Future()
-        self._queue.put((pieces, done))
+        self._queue.put((batch, done))
         return done
 
     def _loop(self) -> None:
         while True:
-            pieces, done = self._queue.get()
-            try:
-                _read_all(pieces)
-            except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
-                done.set_exception(exc)
-            else:
-                done.set_result(None)
-            del pieces, done  # while idle, hold no batch memory and no shard open
+            batch, done = self._queue.get()
+            batch.drain()
+            done.set_result(None)
+            del batch, done  # while idle, hold no batch memory and no shard open
 
 
 class PendingReads:
-    """Reads handed to helper threads by :meth:`ParallelReads.start`; :meth:`wait` collects them."""
+    """A batch being read (:meth:`ParallelReads.start`); :meth:`wait` finishes it."""
 
-    def __init__(self, futures: list[Future[None]], pieces: Sequence[Piece], inline: Callable[[], None] | None) -> None:
-        self._futures = futures
-        self._pieces = pieces  # read on the waiting thread (a batch too small to share out)
+    def __init__(self, batch: _Batch, helpers: list[Future[None]], inline: Callable[[], None] | None) -> None:
+        self._batch: _Batch | None = batch
+        self._helpers = helpers
         self._inline = inline
 
     def wait(self) -> None:
-        """Finish the batch: the pieces left to this thread and ``inline``, then every helper's share.
+        """Finish the batch on this thread too: ``inline``, then whatever pieces are left.
 
         Returns once no thread writes into the batch any more, also when one of
-        them failed: then the first error is raised (this thread's first).
+        them failed: then the first error recorded is raised.
         """
+        batch, self._batch = self._batch, None
+        if batch is None:
+            return
         errors: list[BaseException] = []
         try:
-            _read_all(self._pieces)
             if self._inline is not None:
                 self._inline()
         except BaseException as exc:  # noqa: BLE001 - re-raised below, after the helpers are done
             errors.append(exc)
-        for f in self._futures:
-            exc = f.exception()  # waits
-            if exc is not None:
-                errors.append(exc)
-        self._futures, self._pieces, self._inline = [], [], None
+        batch.drain()
+        for f in self._helpers:
+            f.result()  # waits for the piece a helper may still be reading
+        self._helpers, self._inline = [], None
+        errors += batch.errors
         if errors:
             raise errors[0]
 
 
 class ParallelReads:
-    """Runs a batch's pieces on ``threads`` threads.
+    """Reads a batch's pieces on up to ``threads`` threads.
 
     ``preadv`` and ``xxh3_64`` both release the GIL, so each thread's kernel copy
     and checksum run on their own core; a single-threaded copy tops out at one
     core's memory bandwidth (measured here: 6 MiB in ~830 us on one thread,
-    ~520 us on two). :meth:`run` reads on the calling thread and ``threads - 1``
-    helpers; :meth:`start` hands a batch to ``threads`` helpers and returns at
-    once (read-ahead: the caller plans the next batch, or the training step
-    runs, meanwhile). Helper threads start on first use and belong to the
-    process that started them (a forked DataLoader worker starts its own).
+    ~520 us on two). The pieces sit in one queue per batch that every
+    participating thread takes from (``_Batch``). :meth:`run` reads with the
+    calling thread and ``threads - 1`` helpers; :meth:`start` hands a batch to
+    ``threads`` helpers and returns at once (read-ahead: the caller plans the
+    next batch, or the training step runs, meanwhile), and the caller joins in
+    when it waits. Helper threads start on first use and belong to the process
+    that started them (a forked DataLoader worker starts its own).
     """
 
     def __init__(self, threads: int, min_bytes: int = PARALLEL_MIN_BYTES) -> None:
@@ -363,31 +387,30 @@ class ParallelReads:
     def run(
         self, pieces: Sequence[Piece], inline: Callable[[], None] | None = None, min_bytes: int | None = None
     ) -> None:
-        """Read every piece; ``inline`` (other work of the batch) runs on the calling thread meanwhile.
+        """Read every piece; ``inline`` (other work of the batch) runs on the calling thread first.
 
         The pieces are shared out only when they hold at least ``min_bytes``
         (default: this object's ``min_bytes``). Returns once every thread is done
         with the batch's memory, also when one of them failed: then the first
-        error (in piece order) is raised.
+        error is raised.
         """
-        if not self._shared(pieces, min_bytes):
-            PendingReads([], pieces, inline).wait()
-            return
-        groups = split_even(pieces, self.threads)
-        workers = self._started()
-        futures = [workers[i].submit(g) for i, g in enumerate(groups[1:])]
-        PendingReads(futures, groups[0], inline).wait()
+        self.start(pieces, inline, min_bytes, helpers=self.threads - 1).wait()
 
     def start(
-        self, pieces: Sequence[Piece], inline: Callable[[], None] | None = None, min_bytes: int | None = None
-    ) -> PendingReads:
-        """Hand the pieces to ``threads`` helper threads and return at once (``run``'s threshold applies:
-        a smaller batch, and ``inline``, are left to :meth:`PendingReads.wait`, on the waiting thread)."""
+        self, pieces: Sequence[Piece], inline: Callable[[], None] | None = None, min_bytes: int | None = None,
+        helpers: int | None = None,
+    ) -> PendingReads:  # fmt: skip
+        """Hand the pieces to ``helpers`` (default ``threads``) helper threads and return at once.
+
+        ``run``'s threshold applies: a smaller batch is read, and ``inline`` run,
+        by :meth:`PendingReads.wait` on the waiting thread.
+        """
+        batch = _Batch(pieces)
         if not self._shared(pieces, min_bytes):
-            return PendingReads([], pieces, inline)
+            return PendingReads(batch, [], inline)
         workers = self._started()
-        futures = [workers[i].submit(g) for i, g in enumerate(split_even(pieces, self.threads))]
-        return PendingReads(futures, [], inline)
+        n = self.threads if helpers is None else helpers
+        return PendingReads(batch, [w.submit(batch) for w in workers[:n]], inline)
 
     def _started(self) -> list[_Worker]:
         """This process's ``threads`` helper threads, one queue each."""
