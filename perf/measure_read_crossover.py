@@ -57,6 +57,14 @@ def _cache(d: str, row: int) -> int:
     return rows
 
 
+def _index_batches(rng: np.random.Generator, rows: int, batch: int, pattern: str, count: int) -> list[list[int]]:
+    """``count`` batches of ``batch`` row indices of a ``rows``-row shard: random rows
+    (``"scattered"``: one run per row) or consecutive ones (``"contiguous"``: one run)."""
+    if pattern == "scattered":
+        return [rng.choice(rows, batch, replace=False).tolist() for _ in range(count)]
+    return [list(range(s, s + batch)) for s in rng.integers(0, rows - batch, count).tolist()]
+
+
 def measure(quick: bool) -> list[dict[str, Any]]:
     from te_thd.offline_cache import CachedTensorDataset
 
@@ -70,11 +78,7 @@ def measure(quick: bool) -> list[dict[str, Any]]:
             rng = np.random.default_rng(row)
             for batch in (8, 32):
                 for pattern in ("scattered", "contiguous"):
-                    if pattern == "scattered":
-                        idx = [rng.choice(rows, batch, replace=False).tolist() for _ in range(batches_per_trial)]
-                    else:
-                        starts = rng.integers(0, rows - batch, batches_per_trial).tolist()
-                        idx = [list(range(s, s + batch)) for s in starts]
+                    idx = _index_batches(rng, rows, batch, pattern, batches_per_trial)
                     dss = {}
                     for name, engine in (("preadv", "preadv"), ("mapped_warm", "mapped"), ("mapped_cold", "mapped")):
                         ds = CachedTensorDataset(d, "crossover", 1, ("x",))
@@ -131,11 +135,7 @@ def measure_threads(quick: bool) -> list[dict[str, Any]]:
             for batch_bytes in THREAD_BATCH_BYTES:
                 batch = max(1, batch_bytes // row)
                 for pattern in ("scattered", "contiguous"):
-                    if pattern == "scattered":
-                        idx = [rng.choice(rows, batch, replace=False).tolist() for _ in range(batches_per_trial)]
-                    else:
-                        starts = rng.integers(0, rows - batch, batches_per_trial).tolist()
-                        idx = [list(range(s, s + batch)) for s in starts]
+                    idx = _index_batches(rng, rows, batch, pattern, batches_per_trial)
                     dss = {}
                     for threads in (1, 2):
                         ds = CachedTensorDataset(d, "crossover", 1, ("x",), read_threads=threads)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _offline_cache_support import IndexDataset
 from hypothesis import given
 from hypothesis import strategies as st
 from safetensors import safe_open
@@ -49,14 +50,6 @@ def _rows(start: int, n: int) -> dict[str, torch.Tensor]:
     return {"hidden": torch.sin(i[:, None] * 0.1 + torch.arange(6)).to(torch.bfloat16), "ids": i[:, None] * 3 + torch.arange(5)}
 
 
-class _Index(torch.utils.data.Dataset):
-    def __len__(self) -> int:
-        return N
-
-    def __getitem__(self, i: int) -> dict[str, int]:
-        return {"i": i}
-
-
 def _compute(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     rows = [_rows(int(i), 1) for i in batch["i"]]
     return {k: torch.cat([r[k] for r in rows]) for k in KEYS}
@@ -81,13 +74,13 @@ def _via_durable_writer(d: Path) -> None:
 
 
 def _via_write_cache_shards(d: Path) -> None:
-    loader = DataLoader(_Index(), batch_size=3)
+    loader = DataLoader(IndexDataset(N), batch_size=3)
     write_cache_shards(loader, str(d), SHARD, 0, _compute, lambda c, i, t: write_tensor_shard(c, i, t, KEYS, "test"), _log)
     _finish(d)
 
 
 def _via_distributed_loop(d: Path) -> None:
-    loader = DataLoader(_Index(), batch_size=3)
+    loader = DataLoader(IndexDataset(N), batch_size=3)
     write_cache_shards_distributed(
         loader, str(d), SHARD, 1, 0, _compute, lambda c, i, t: write_tensor_shard(c, i, t, KEYS, "test"), _log
     )
@@ -95,7 +88,7 @@ def _via_distributed_loop(d: Path) -> None:
 
 
 def _via_produce_cache(d: Path) -> None:
-    produce_cache(DataLoader(_Index(), batch_size=2), str(d), SHARD, _compute, KEYS, progress=False)
+    produce_cache(DataLoader(IndexDataset(N), batch_size=2), str(d), SHARD, _compute, KEYS, progress=False)
 
 
 WRITERS = {
@@ -269,7 +262,7 @@ def test_distributed_loop_builds_loaders_with_the_patched_dataloader(tmp_path: P
         return real(*args, **kwargs)
 
     monkeypatch.setattr(oc, "DataLoader", capturing)
-    source = real(_Index(), batch_size=3, num_workers=2)  # torch sets prefetch_factor=2 on it
+    source = real(IndexDataset(N), batch_size=3, num_workers=2)  # torch sets prefetch_factor=2 on it
     write_cache_shards_distributed(
         source, str(tmp_path), SHARD, 2, 1, _compute, lambda c, i, t: write_tensor_shard(c, i, t, KEYS, "test"), _log
     )

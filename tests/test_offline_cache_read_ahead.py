@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from _offline_cache_support import IndexDataset
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
@@ -35,14 +36,6 @@ KEYS = ("hidden", "ids")
 N, SHARD = 40, 8
 
 
-class _Index(torch.utils.data.Dataset):
-    def __len__(self) -> int:
-        return N
-
-    def __getitem__(self, i: int) -> dict[str, int]:
-        return {"i": i}
-
-
 def _compute(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     i = batch["i"].to(torch.int64)
     return {
@@ -54,7 +47,7 @@ def _compute(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory) -> str:
     d = str(tmp_path_factory.mktemp("read_ahead") / "cache")
-    produce_cache(DataLoader(_Index(), batch_size=4), d, SHARD, _compute, KEYS, progress=False)
+    produce_cache(DataLoader(IndexDataset(N), batch_size=4), d, SHARD, _compute, KEYS, progress=False)
     return d
 
 
@@ -114,7 +107,7 @@ def _flip(d: str, shard: int, key: str, row: int) -> None:
 
 def test_a_flip_read_by_a_helper_thread_is_raised_by_result(tmp_path):
     d = str(tmp_path / "cache")
-    produce_cache(DataLoader(_Index(), batch_size=4), d, SHARD, _compute, KEYS, progress=False)
+    produce_cache(DataLoader(IndexDataset(N), batch_size=4), d, SHARD, _compute, KEYS, progress=False)
     _flip(d, 2, "hidden", 3)  # sample 19
     ds = _threaded(d, "preadv")
     pending = ds.start_read(list(range(16, 24)))  # no error yet: it is being read
@@ -191,7 +184,7 @@ def test_read_ahead_keeps_the_resume_state_of_what_was_consumed(cache):
 
 def test_a_damaged_batch_is_raised_when_it_is_asked_for_not_before(tmp_path):
     d = str(tmp_path / "cache")
-    produce_cache(DataLoader(_Index(), batch_size=4), d, SHARD, _compute, KEYS, progress=False)
+    produce_cache(DataLoader(IndexDataset(N), batch_size=4), d, SHARD, _compute, KEYS, progress=False)
     _flip(d, 2, "ids", 2)  # sample 18: the fifth batch of 4 in sequential order, read ahead
     got = []
     loader = _loader(d, True, shuffle=False)
