@@ -5,20 +5,29 @@ the consumer lets go)."""
 from __future__ import annotations
 
 import gc
+import multiprocessing as mp
 import os
+import pickle
+import threading
+import time
 
 import numpy as np
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
 import te_thd.offline_cache.copyread as copyread
 from te_thd.offline_cache.copyread import (
     DestinationBuffers,
+    ParallelReads,
+    ReadError,
+    plan_pieces,
     plan_runs,
+    read_piece,
     read_rows,
+    split_even,
     tensor_memoryview,
 )
 from te_thd.offline_cache.shardfile import read_header
@@ -220,3 +229,437 @@ def test_shared_buffers_are_fresh_shared_memory():
 def test_buffer_options_are_checked():
     with pytest.raises(ValueError, match="shared=True and pinned=True"):
         DestinationBuffers(shared=True, pinned=True)
+
+
+# -- pieces and their split over threads ---------------------------------------------
+
+
+def _piece(nbytes: int, tag: int = 0) -> copyread.Piece:
+    return copyread.Piece(-1, tag, [], nbytes, "p")
+
+
+@example([1, 0], 1)  # a zero-byte piece (rows of shape [0]) after the bytes are all done
+@given(st.lists(st.sampled_from([0, 1, 2, 64]) | st.integers(0, 1000), max_size=40), st.integers(1, 6))
+def test_split_even_keeps_order_and_balances_bytes(sizes, parts):
+    """Consecutive groups: every piece once and in order, at most ``parts`` groups,
+    none empty, and a group's bytes without its last piece under ``total / parts``
+    (so no group exceeds its share by more than one piece); when no piece exceeds the
+    share, every thread gets a group."""
+    pieces = [_piece(n, i) for i, n in enumerate(sizes)]
+    groups = split_even(pieces, parts)
+    flat = [p for g in groups for p in g]
+    assert [p.offset for p in flat] == list(range(len(sizes)))  # each once, in order
+    assert len(groups) <= parts
+    assert all(groups) or (not sizes and groups == [[]])
+    total = sum(sizes)
+    for g in groups:
+        before_last = sum(p.nbytes for p in g[:-1])
+        assert before_last * parts <= total, (sizes, parts, [[p.nbytes for p in g] for g in groups])
+    if total and len(sizes) >= parts and max(sizes) * parts <= total:
+        assert len(groups) == parts
+
+
+def test_split_even_examples():
+    sizes = lambda groups: [[p.nbytes for p in g] for g in groups]  # noqa: E731
+    assert sizes(split_even([_piece(n) for n in (4, 4, 4, 4)], 2)) == [[4, 4], [4, 4]]
+    assert sizes(split_even([_piece(n) for n in (10, 1, 1, 1)], 2)) == [[10], [1, 1, 1]]
+    assert sizes(split_even([_piece(n) for n in (3, 3, 3)], 4)) == [[3], [3], [3]]  # fewer pieces than threads
+    assert sizes(split_even([_piece(5)], 3)) == [[5]]
+
+
+def _addr(v: memoryview) -> int:
+    return np.frombuffer(v, dtype=np.uint8).__array_interface__["data"][0] if v.nbytes else -1
+
+
+@given(
+    st.lists(st.integers(0, 30), min_size=1, max_size=40),
+    st.randoms(use_true_random=False),
+    st.integers(1, 24),
+    st.integers(0, 100),
+    st.booleans(),
+    st.booleans(),
+    st.sampled_from([1024, 3, 1]),
+)
+def test_plan_pieces_tile_the_planned_rows(local, rnd, row_bytes, chunk_bytes, scatter, with_after, iov_max):
+    """Pure planning: the pieces' iovecs cover every planned batch row exactly once,
+    each from the file row the plan assigns it; a piece is whole rows, at most
+    ``chunk_bytes`` (or one row when a row is larger), at most ``IOV_MAX`` iovecs; a
+    piece with ``after`` holds consecutive batch rows and file rows, named by its args."""
+    n = len(local)
+    batch = n + 2
+    dst = rnd.sample(range(batch), n) if scatter else None
+    plan = plan_runs(local, dst)
+    base = 1000
+    buf = torch.zeros(batch * row_bytes, dtype=torch.uint8)
+    raw = tensor_memoryview(buf)
+    start = _addr(raw)
+    after = (lambda p, first, m: None) if with_after else None
+    old = copyread.IOV_MAX
+    copyread.IOV_MAX = iov_max
+    try:
+        pieces = plan_pieces(7, base, row_bytes, plan, raw, "f", after, chunk_bytes)
+    finally:
+        copyread.IOV_MAX = old
+    targets = list(range(n)) if dst is None else dst
+    want = sorted(zip(targets, local, strict=True))  # (batch row, file row)
+    got = []
+    limit = max(row_bytes, chunk_bytes // row_bytes * row_bytes) if chunk_bytes else None
+    for piece in pieces:
+        assert piece.fd == 7 and piece.path == "f"
+        assert piece.nbytes == sum(v.nbytes for v in piece.iov) and piece.nbytes % row_bytes == 0
+        assert (piece.offset - base) % row_bytes == 0
+        assert len(piece.iov) <= iov_max
+        if limit is not None:
+            assert piece.nbytes <= limit
+        file_row = (piece.offset - base) // row_bytes
+        rows_here = []
+        for v in piece.iov:
+            off = _addr(v) - start
+            assert off % row_bytes == 0 and v.nbytes % row_bytes == 0 and not v.readonly
+            rows_here += range(off // row_bytes, (off + v.nbytes) // row_bytes)
+        got += [(b, file_row + j) for j, b in enumerate(rows_here)]
+        if piece.after is not None:
+            p, first, m = piece.args
+            assert piece.after is after
+            assert rows_here == list(range(p, p + m)) and first == file_row and m * row_bytes == piece.nbytes
+        else:
+            assert not with_after
+    assert sorted(got) == want
+
+
+def test_after_runs_once_per_piece_on_final_bytes(shard):
+    """``read_piece`` runs a piece's ``after`` once, after its bytes are in place."""
+    expect = load_file(shard)["ids"]
+    e = read_header(shard)["ids"]
+    local = [3, 4, 5, 6, 20, 0, 0]  # a run of 4 in batch order, a lone row, a repeated row
+    out = torch.zeros(len(local), 7, dtype=torch.int64)
+    calls = []
+
+    def after(p: int, first: int, m: int) -> None:
+        calls.append((p, first, m))
+        assert torch.equal(out[p : p + m], expect[first : first + m])
+
+    fd = os.open(shard, os.O_RDONLY)
+    try:
+        pieces = plan_pieces(fd, e.start, 56, plan_runs(local), tensor_memoryview(out), shard, after, 2 * 56)
+        for piece in pieces:
+            read_piece(piece)
+    finally:
+        os.close(fd)
+    assert sorted(calls) == sorted(piece.args for piece in pieces) and len(calls) == len(pieces)
+    assert sorted(calls) == [(0, 3, 2), (2, 5, 2), (4, 20, 1), (5, 0, 1), (6, 0, 1)]  # at most 2 rows each
+    assert torch.equal(out, expect[torch.tensor(local)])
+
+
+# -- reads on several threads ------------------------------------------------------------
+
+_READS: dict[int, ParallelReads] = {}
+
+
+def _reads(threads: int) -> ParallelReads:
+    """One ParallelReads per thread count (``min_bytes=0``: the test file's small batches
+    take the threaded path), reused across examples as a dataset reuses its own."""
+    if threads not in _READS:
+        _READS[threads] = ParallelReads(threads, min_bytes=0)
+    return _READS[threads]
+
+
+_KEYS = ("hidden", "ids", "mask", "length", "f32")
+
+
+def _batch_pieces(path: str, fd: int, local: list[int], dst: list[int], batch: int, chunk_rows: int, after_log=None):
+    """Zeroed batch tensors ``{key: [batch, ...]}`` for every key, the pieces that fill
+    rows ``dst`` of them from file rows ``local``, and the key of each piece."""
+    headers = read_header(path)
+    out, pieces, keys = {}, [], []
+    for key in _KEYS:
+        e = headers[key]
+        row = (e.end - e.start) // e.shape[0]
+        out[key] = torch.zeros((batch, *e.shape[1:]), dtype=e.dtype)
+        raw = tensor_memoryview(out[key])
+        after = None
+        if after_log is not None:
+            def after(p, first, m, key=key, raw=raw, row=row):
+                after_log(key, p, first, m, bytes(raw[p * row : (p + m) * row]))
+        planned = plan_pieces(fd, e.start, row, plan_runs(local, dst), raw, path, after, chunk_rows * row)
+        pieces += planned
+        keys += [key] * len(planned)
+    return out, pieces, keys
+
+
+@given(st.lists(st.integers(0, 36), min_size=1, max_size=40), st.randoms(use_true_random=False),
+       st.integers(2, 4), st.integers(0, 3), st.booleans(), st.booleans())
+def test_parallel_reads_equal_one_thread_and_load_file(shard, local, rnd, threads, chunk_rows, checked, ahead):
+    """Differential: a batch read by ``threads`` threads (``run``, or ``start`` then
+    ``wait``) equals the same pieces read on this thread and safetensors' own
+    ``load_file``; ``inline`` runs once, on the calling thread, and every ``after``
+    once, over the piece's final bytes."""
+    expect = load_file(shard)
+    batch = len(local) + 2
+    dst = rnd.sample(range(batch), len(local))
+    me = threading.current_thread().name
+    log: list[tuple[str, int, int, int, bytes]] = []
+
+    def after_log(key, p, first, m, data):
+        log.append((key, p, first, m, data))
+
+    fd = os.open(shard, os.O_RDONLY)
+    try:
+        want, serial, _ = _batch_pieces(shard, fd, local, dst, batch, chunk_rows)
+        for piece in serial:
+            read_piece(piece)
+        got, pieces, keys = _batch_pieces(shard, fd, local, dst, batch, chunk_rows, after_log if checked else None)
+        inline_threads = []
+        inline = lambda: inline_threads.append(threading.current_thread().name)  # noqa: E731
+        if ahead:
+            pending = _reads(threads).start(pieces, inline)
+            pending.wait()
+        else:
+            _reads(threads).run(pieces, inline)
+    finally:
+        os.close(fd)
+    assert inline_threads == [me]
+    idx, pos = torch.tensor(local), torch.tensor(dst)
+    for key in _KEYS:
+        ref = torch.zeros_like(got[key])
+        ref[pos] = expect[key][idx]
+        assert torch.equal(got[key], ref), key
+        assert torch.equal(want[key], ref), key
+    if checked:
+        assert sorted(entry[:4] for entry in log) == sorted((k, *p.args) for k, p in zip(keys, pieces, strict=True))
+        for key, _, first, m, data in log:  # the bytes were final when the check ran
+            assert data == expect[key][first : first + m].contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def _row_pieces(path: str, fd: int, rows: int, afters) -> tuple[torch.Tensor, list[copyread.Piece]]:
+    """``rows`` one-row pieces of ``ids``, piece ``j`` with ``afters[j]`` (None: no callback)."""
+    e = read_header(path)["ids"]
+    out = torch.zeros(rows, 7, dtype=torch.int64)
+    raw = tensor_memoryview(out)
+    return out, [
+        copyread.Piece(fd, e.start + j * 56, [raw[j * 56 : (j + 1) * 56]], 56, path, afters[j], (j, j, 1))
+        for j in range(rows)
+    ]
+
+
+class _Boom(Exception):
+    pass
+
+
+def _raise(name: str):
+    def after(*_):
+        raise _Boom(name)
+
+    return after
+
+
+def _slow(names: list[str] | None = None, done: threading.Event | None = None, seconds: float = 0.02):
+    """An ``after`` that takes ``seconds`` (the GIL released, as in a real copy), logs its thread, sets ``done``."""
+    def after(*_):
+        time.sleep(seconds)
+        if names is not None:
+            names.append(threading.current_thread().name)
+        if done is not None:
+            done.set()
+
+    return after
+
+
+def test_parallel_reads_share_a_batch_between_threads(shard):
+    """Pieces that take time are read by the caller and the helpers together, and the
+    batch is right; ``start`` hands them to the helpers before ``wait`` is called."""
+    names: list[str] = []
+    fd = os.open(shard, os.O_RDONLY)
+    try:
+        out, pieces = _row_pieces(shard, fd, 8, [_slow(names)] * 8)
+        ParallelReads(2, min_bytes=0).run(pieces)
+        assert torch.equal(out, load_file(shard)["ids"][:8])
+        me = threading.current_thread().name
+        assert me in names and any(n.startswith("te_thd-read") for n in names), names
+        names.clear()
+        out, pieces = _row_pieces(shard, fd, 4, [_slow(names)] * 4)
+        pending = ParallelReads(2, min_bytes=0).start(pieces)
+        deadline = time.monotonic() + 10
+        while len(names) < 4 and time.monotonic() < deadline:  # read while nobody waits
+            time.sleep(0.01)
+        assert len(names) == 4 and all(n.startswith("te_thd-read") for n in names), names
+        pending.wait()
+        assert torch.equal(out, load_file(shard)["ids"][:4])
+    finally:
+        os.close(fd)
+
+
+def _long(began: threading.Event, done: threading.Event):
+    """An ``after`` that signals it began, takes 0.1 s, then signals it is done."""
+    def after(*_):
+        began.set()
+        time.sleep(0.1)
+        done.set()
+
+    return after
+
+
+@pytest.mark.parametrize("how", ["run", "start"])
+def test_parallel_reads_wait_for_every_thread_before_raising(shard, how):
+    """An error is raised only once no thread writes into the batch any more: a helper
+    still reading a long piece when another piece fails is waited for. ``run``: the
+    caller takes piece 0 (20 ms), the helper the long piece 1, the caller then the
+    failing piece 2. ``start``: the helpers hold the long piece and the failing one
+    before ``wait`` is called. The reader keeps working afterwards."""
+    reads = ParallelReads(2, min_bytes=0)
+    fd = os.open(shard, os.O_RDONLY)
+    try:
+        for _ in range(3):
+            began, done = threading.Event(), threading.Event()
+            if how == "run":
+                _, pieces = _row_pieces(shard, fd, 3, [_slow(), _long(began, done), _raise("failed")])
+                with pytest.raises(_Boom, match="^failed$"):
+                    reads.run(pieces)
+            else:
+                _, pieces = _row_pieces(shard, fd, 2, [_long(began, done), _raise("failed")])
+                pending = reads.start(pieces)
+                assert began.wait(10)
+                with pytest.raises(_Boom, match="^failed$"):
+                    pending.wait()
+            assert done.is_set()
+        began, done = threading.Event(), threading.Event()
+        _, pieces = _row_pieces(shard, fd, 2, [_long(began, done), None])
+        pending = reads.start(pieces, _raise("inline"))
+        assert began.wait(10)
+        with pytest.raises(_Boom, match="^inline$"):  # the batch's other work fails: still waits
+            pending.wait()
+        assert done.is_set()
+        out, pieces = _row_pieces(shard, fd, 3, [None, None, None])
+        reads.run(pieces)
+        assert torch.equal(out, load_file(shard)["ids"][:3])
+    finally:
+        os.close(fd)
+
+
+def test_a_failed_piece_drops_the_rest_of_the_batch(shard):
+    """After a failure the other pieces are not read: the batch is lost anyway."""
+    names: list[str] = []
+    fd = os.open(shard, os.O_RDONLY)
+    try:
+        _, pieces = _row_pieces(shard, fd, 6, [_raise("first")] + [_slow(names)] * 5)
+        with pytest.raises(_Boom, match="^first$"):
+            ParallelReads(1).run(pieces)
+        assert names == []
+    finally:
+        os.close(fd)
+
+
+def test_parallel_reads_a_file_that_shrank_raises_read_error(shard, tmp_path):
+    short = str(tmp_path / "short.safetensors")
+    with open(shard, "rb") as f:
+        data = f.read()
+    with open(short, "wb") as f:
+        f.write(data)
+    fd = os.open(short, os.O_RDONLY)
+    try:
+        _, pieces = _row_pieces(short, fd, 4, [None] * 4)
+        os.truncate(short, pieces[1].offset)  # after open: only row 0 of ids is left
+        for how in ("run", "start"):
+            reads = ParallelReads(2, min_bytes=0)
+            with pytest.raises(ReadError, match=r"short\.safetensors: file ended at byte \d+ while reading 56 bytes") as err:
+                reads.run(pieces) if how == "run" else reads.start(pieces).wait()
+            assert err.value.path == short
+    finally:
+        os.close(fd)
+
+
+def test_parallel_reads_below_min_bytes_stay_on_the_calling_thread(shard):
+    names: list[str] = []
+    fd = os.open(shard, os.O_RDONLY)
+    try:
+        _, pieces = _row_pieces(shard, fd, 4, [_slow(names)] * 4)
+        reads = ParallelReads(2, min_bytes=4 * 56 + 1)
+        reads.run(pieces)
+        reads.start(pieces).wait()  # start leaves a small batch to wait()
+        assert set(names) == {threading.current_thread().name} and len(names) == 8
+        names.clear()
+        reads.run(pieces, min_bytes=4 * 56)  # the threshold per call (a dataset's parallel_min_bytes)
+        assert len(set(names)) == 2
+    finally:
+        os.close(fd)
+
+
+def test_parallel_reads_threads_are_checked():
+    for bad in (0, -1, True, 1.5, "2", None):
+        with pytest.raises(ValueError, match=rf"read_threads={bad!r} must be an int >= 1 \(1: read on the calling thread only\)"):
+            ParallelReads(bad)
+
+
+def _read_in_child(reads: ParallelReads, path: str, q) -> None:
+    names: list[str] = []
+    fd = os.open(path, os.O_RDONLY)
+    out, pieces = _row_pieces(path, fd, 4, [_slow(names)] * 4)
+    reads.run(pieces)
+    q.put((sorted(set(names)), out.tolist()))
+
+
+def _helper_threads() -> int:
+    return sum(t.name.startswith("te_thd-read") for t in threading.enumerate())
+
+
+@pytest.mark.parametrize("how", ["fork", "pickle"])
+def test_parallel_reads_in_a_child_process_start_their_own_threads(shard, how):
+    """Helper threads started in the parent do not exist in a forked child (a batch
+    handed to them would never finish): the child starts its own. Pickled, the object
+    travels without threads and starts them on first use."""
+    reads = ParallelReads(2, min_bytes=0)
+    names: list[str] = []
+    fd = os.open(shard, os.O_RDONLY)
+    try:
+        _, pieces = _row_pieces(shard, fd, 4, [_slow(names)] * 4)
+        reads.run(pieces)
+    finally:
+        os.close(fd)
+    assert any(n.startswith("te_thd-read") for n in names)  # the parent's helpers run
+    want = load_file(shard)["ids"][:4].tolist()
+    if how == "pickle":
+        clone = pickle.loads(pickle.dumps(reads))
+        assert (clone.threads, clone.min_bytes) == (2, 0)
+        before = _helper_threads()
+        q: list = []
+        _read_in_child(clone, shard, type("Q", (), {"put": staticmethod(q.append)}))
+        assert q[0][1] == want and _helper_threads() == before + 2
+        return
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    p = ctx.Process(target=_read_in_child, args=(reads, shard, q))
+    p.start()
+    p.join(timeout=30)
+    if p.is_alive():
+        p.kill()
+        p.join()
+        pytest.fail("the forked child hung on the parent's helper threads")
+    assert p.exitcode == 0
+    child_names, rows = q.get(timeout=10)
+    assert rows == want and any(n.startswith("te_thd-read") for n in child_names)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="copyread._Worker threads loop forever on their queue and hold their _Worker: a ParallelReads "
+    "(one per CachedTensorDataset and process) that is dropped leaves its helper threads running",
+)
+def test_helper_threads_end_with_their_reader(shard):
+    """A reader that is gone takes its helper threads with it (as a ThreadPoolExecutor
+    does): a process that builds datasets over and over does not pile up threads."""
+    before = _helper_threads()
+    fd = os.open(shard, os.O_RDONLY)
+    try:
+        for _ in range(3):
+            reads = ParallelReads(2, min_bytes=0)
+            _, pieces = _row_pieces(shard, fd, 4, [None] * 4)
+            reads.run(pieces)
+            del reads, pieces
+    finally:
+        os.close(fd)
+    gc.collect()
+    deadline = time.monotonic() + 1
+    while _helper_threads() > before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _helper_threads() <= before, f"{_helper_threads() - before} helper threads outlived their readers"

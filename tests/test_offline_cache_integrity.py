@@ -8,7 +8,9 @@ flipping one byte on disk, and read back through the dataset, the DataLoader
 from __future__ import annotations
 
 import logging
+import os
 import shutil
+import traceback
 import warnings
 from pathlib import Path
 
@@ -148,10 +150,14 @@ def test_verification_through_dataloader_workers(tmp_path: Path) -> None:
     ds = CachedTensorDataset(str(d), "test", 1, KEYS)
     loader = build_cached_dataloader(ds, 2, False, lambda b: collate_cached(b, KEYS), num_workers=2)
     seen = []
-    with pytest.raises(CacheIntegrityError, match=r"sample 9 \(row 1 of the shard\), key 'hidden'"):
+    with pytest.raises(CacheIntegrityError, match=r"sample 9 \(row 1 of the shard\), key 'hidden'") as e:
         for batch in loader:
             seen.append(batch["ids"])
     assert torch.equal(torch.cat(seen), _rows(0, 8)["ids"])  # every batch before the damaged one, intact
+    # The traceback's frames hold torch's worker iterator in a reference cycle; left to the
+    # garbage collector, its queues are finalised before it shuts the workers down, and the
+    # shutdown then waits 5 s per worker (in whichever later test the collection happens).
+    traceback.clear_frames(e.tb)
 
 
 def test_verify_off_is_explicit_and_warned(tmp_path: Path) -> None:
@@ -325,3 +331,186 @@ def test_preadv_reads_are_verified(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     ds.copy_engine = "preadv"
     with pytest.raises(CacheIntegrityError, match=r"sample 6 \(row 2 of the shard\), key 'hidden'"):
         ds.__getitems__(indices)
+
+
+# -- verification on the read threads ----------------------------------------------------
+
+
+def _threaded_ds(d: Path, threads: int) -> CachedTensorDataset:
+    """A preadv dataset that reads every batch on ``threads`` threads (the rows here are
+    far below ``PARALLEL_MIN_BYTES``)."""
+    ds = CachedTensorDataset(str(d), "test", 1, KEYS, read_threads=threads)
+    ds.copy_engine = "preadv"
+    ds.parallel_min_bytes = 0
+    return ds
+
+
+def _record_verifiers(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str, list[int], bool]]:
+    """Wrap the reader's ``verify_row_bytes`` (the real check still runs) to log
+    ``(thread name, key, shard rows, passed)`` per call."""
+    import threading
+
+    import te_thd.offline_cache.reader as reader
+
+    log: list[tuple[str, str, list[int], bool]] = []
+    real = reader.verify_row_bytes
+
+    def verify(view, rows, expected, **kw):
+        try:
+            real(view, rows, expected, **kw)
+        except CacheIntegrityError:
+            log.append((threading.current_thread().name, kw["key"], list(rows), False))
+            raise
+        log.append((threading.current_thread().name, kw["key"], list(rows), True))
+
+    monkeypatch.setattr(reader, "verify_row_bytes", verify)
+    return log
+
+
+def test_a_flip_read_by_a_helper_thread_names_its_sample(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One row per piece. Read ahead (``start_read``) and left to the helper threads, the
+    damaged row (shard 2, key 'ids', sample 9) is checked on a helper, whose error reaches
+    ``result()`` with the sample and key. Then many batches through ``__getitems__``, with
+    and without the damaged row: each error names it, every other batch is right, no
+    exception escapes a thread and no helper thread is added."""
+    import threading
+    import time
+
+    import te_thd.offline_cache.reader as reader
+
+    monkeypatch.setattr(reader, "VERIFY_CHUNK_BYTES", 16)
+    hooked: list = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: hooked.append(args))
+    d = tmp_path / "cache"
+    _via_produce_cache(d)
+    _flip_data(d / "shard-000002.safetensors", "ids", 1)  # sample 9
+    log = _record_verifiers(monkeypatch)
+    ds = _threaded_ds(d, 2)
+    pending = ds.start_read(list(range(N)))
+    deadline = time.monotonic() + 10
+    while not any(not ok for *_, ok in log) and time.monotonic() < deadline:
+        time.sleep(0.01)  # the helpers read while nobody waits
+    with pytest.raises(CacheIntegrityError, match=r"shard-000002\.safetensors: sample 9 \(row 1 of the shard\), key 'ids'") as e:
+        pending.result()
+    assert (e.value.sample, e.value.key) == (9, "ids")
+    failed = [entry for entry in log if not entry[3]]
+    assert len(failed) == 1 and failed[0][0].startswith("te_thd-read") and failed[0][1:3] == ("ids", [1])
+    helpers = sum(t.name.startswith("te_thd-read") for t in threading.enumerate())
+    good, want = list(range(8)), _rows(0, N)
+    for i in range(30):
+        if i % 3 == 0:
+            with pytest.raises(CacheIntegrityError, match=r"sample 9 \(row 1 of the shard\), key 'ids'"):
+                ds.__getitems__([9, *good] if i % 2 else [*good, 9])
+        else:
+            order = good[i % 4 :] + good[: i % 4]
+            batch = ds.__getitems__(order)
+            for k in KEYS:
+                assert torch.equal(batch.tensors[k], want[k][order])
+    assert sum(t.name.startswith("te_thd-read") for t in threading.enumerate()) == helpers
+    assert not hooked
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_shard_truncated_after_open_names_the_shard(tmp_path: Path, threads: int) -> None:
+    """The descriptor is open and the header checked when the file shrinks: the read
+    that runs past its end (on a helper thread with ``threads=2``) is an integrity
+    error naming the shard, not a short batch."""
+    d = tmp_path / "cache"
+    _via_produce_cache(d)
+    ds = _threaded_ds(d, threads)
+    everything = list(range(N))
+    assert torch.equal(ds.__getitems__(everything).tensors["ids"], _rows(0, N)["ids"])  # opens every shard
+    p = shard_path(str(d), 2)
+    e = read_shard_header(p).entries["ids"]
+    os.truncate(p, e.start + (e.end - e.start) // 2)  # from 'ids' row 1 of shard 2 on, nothing is left
+    with pytest.raises(CacheIntegrityError, match=r"shard-000002\.safetensors cannot be read .*file ended at byte \d+ while reading") as err:
+        ds.__getitems__(everything)
+    assert err.value.path == p
+    assert torch.equal(ds.__getitems__([0, 5, 7]).tensors["ids"], _rows(0, N)["ids"][[0, 5, 7]])  # other shards still read
+
+
+def _garble_header(path: Path) -> None:
+    with path.open("r+b") as f:
+        f.seek(9)
+        f.write(b"\x01")  # a control character inside the header JSON: the shard fails its open check
+
+
+_EARLY = pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="loader._read_ahead calls start_read(batch i+1) before yielding batch i, and start_read opens and "
+    "checks the shard while planning: an error there propagates before batch i is handed out",
+)
+
+
+@pytest.mark.parametrize(
+    ("path", "damage"),
+    [(p, d) for p in ("inline", "torch") for d in ("row", "header", "removed")]
+    + [("read_ahead", "row"), pytest.param("read_ahead", "header", marks=_EARLY),
+       pytest.param("read_ahead", "removed", marks=_EARLY)],
+)  # fmt: skip
+def test_a_damaged_shard_stops_the_loader_at_the_same_batch_on_every_path(tmp_path: Path, damage: str, path: str) -> None:
+    """Differential, ``num_workers=0``: the inline loader (with and without read-ahead)
+    hands out every batch before the damaged one, then raises, exactly as torch's own
+    iterator does -- for a flipped row, for a shard whose header fails its check when
+    first opened, and for a shard removed after the cache was opened. The loop spends
+    5 ms per batch, so the loader does read ahead (it only does behind a consumer that
+    leaves it time)."""
+    import time
+
+    d = tmp_path / "cache"
+    _via_produce_cache(d)
+    ds = CachedTensorDataset(str(d), "test", 1, KEYS)
+    started: list[list[int]] = []
+    start_read = ds.start_read
+
+    def spy(indices):
+        started.append(list(indices))
+        return start_read(indices)
+
+    ds.start_read = spy
+    shard1 = d / "shard-000001.safetensors"  # samples 4..7: the third batch of 2 in sequential order
+    if damage == "row":
+        _flip_data(shard1, "ids", 1)
+    elif damage == "header":
+        _garble_header(shard1)
+    else:
+        shard1.unlink()
+    loader = build_cached_dataloader(ds, 2, False, lambda b: collate_cached(b, KEYS), pin_memory=False,
+                                     read_ahead=path == "read_ahead")  # fmt: skip
+    if path == "torch":
+        loader._reads_inline = lambda: False
+    got = []
+    with pytest.raises(CacheIntegrityError, match=r"shard-000001\.safetensors"):
+        for batch in loader:
+            got.append(batch["ids"][:, 0].tolist())
+            time.sleep(0.005)
+    assert bool(started) == (path == "read_ahead")
+    assert got == [[0, 3], [6, 9]]  # batches 0 and 1 arrived, whole
+
+
+class _WithEmpty(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"ids": torch.tensor([i, 2 * i]), "empty": torch.zeros(0)}
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=ValueError,
+    reason="integrity.verify_row_bytes cuts the bytes with range(0, n * rb, rb): rows of 0 bytes make the "
+    "step 0 and every verified read raises ValueError('range() arg 3 must not be zero')",
+)
+@pytest.mark.parametrize("engine", ["preadv", "mapped"])
+def test_a_key_of_zero_size_samples_reads_back(tmp_path: Path, engine: str) -> None:
+    """A key whose samples hold no elements (shape ``[0]``): written and checksummed by
+    ``produce_cache`` like any other key, so it must read back, on both engines and per item."""
+    d = tmp_path / "cache"
+    produce_cache(DataLoader(_WithEmpty(), batch_size=4), str(d), 4, lambda b: b, ("ids", "empty"), progress=False)
+    ds = CachedTensorDataset(str(d), "test", 1, ("ids", "empty"))
+    ds.copy_engine = engine
+    batch = ds.__getitems__([5, 1, 2])
+    assert batch.tensors["empty"].shape == (3, 0) and batch.tensors["ids"][:, 0].tolist() == [5, 1, 2]
+    assert ds[6]["empty"].shape == (0,)

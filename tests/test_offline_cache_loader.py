@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 from collections import namedtuple
 
 import pytest
 import torch
 from _offline_cache_support import CACHE_NAME, FORMAT_VERSION, make_cache
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from te_thd import ThdLayout
 from te_thd.attention import te_attention_kwargs
@@ -60,6 +63,20 @@ def _same(a, b):
                 assert torch.equal(ba[k], bb[k]), k
 
 
+class _PerItem(torch.utils.data.Dataset):
+    """A plain map-style dataset over the cache: no ``__getitems__``, one sample per call."""
+
+    def __init__(self, ds):
+        self.ds = ds
+        self.shard_size = ds.shard_size
+
+    def __len__(self):
+        return len(self.ds)
+
+    def __getitem__(self, i):
+        return self.ds[i]
+
+
 def test_reference_signature_and_defaults(cache):
     d, tensors = cache
     # positional, as on the reference page
@@ -97,22 +114,10 @@ def test_workers_give_identical_batches(cache):
 
 def test_batched_and_per_item_collate_paths_agree(cache):
     d, _ = cache
-
-    class PerItem(torch.utils.data.Dataset):  # the reference's path: no __getitems__
-        def __init__(self, ds):
-            self.ds = ds
-            self.shard_size = ds.shard_size
-
-        def __len__(self):
-            return len(self.ds)
-
-        def __getitem__(self, i):
-            return self.ds[i]
-
     ds = _ds(d)
     _same(
         _epochs(build_cached_dataloader(ds, 8, True, _collate(), seed=3)),
-        _epochs(build_cached_dataloader(PerItem(ds), 8, True, _collate(), seed=3)),
+        _epochs(build_cached_dataloader(_PerItem(ds), 8, True, _collate(), seed=3)),  # the reference's path
     )
 
 
@@ -198,6 +203,132 @@ def test_loader_bad_arguments(cache):
     loader = build_cached_dataloader(ds, 4, True, _collate())
     with pytest.raises(ValueError, match="loader state must hold 'sampler'"):
         loader.load_state_dict({})
+
+
+# -- the inline read path (num_workers=0) vs torch's own iterator ---------------------------
+
+
+def _through_torch(loader: CachedDataLoader) -> CachedDataLoader:
+    """The same loader, iterated by torch's ``_SingleProcessDataLoaderIter`` (the
+    reference the inline path must equal)."""
+    assert loader._reads_inline()
+    loader._reads_inline = lambda: False
+    return loader
+
+
+def _take(it, n, pause=0.0):
+    """The next ``n`` batches (all for ``n=-1``), copied; ``pause`` seconds of work per batch."""
+    out = []
+    for batch in it:
+        out.append({k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in batch.items()})
+        time.sleep(pause)
+        if len(out) == n:
+            break
+    return out
+
+
+def _pass(loader, epoch, stop, pause=0.0):
+    """One pass of ``epoch``: the first ``stop`` batches, the state then, the rest, the state at the end."""
+    loader.sampler.set_epoch(epoch)
+    it = iter(loader)
+    head = _take(it, stop, pause) if stop else []
+    state = loader.state_dict()
+    rest = _take(it, -1, pause)
+    return head, state, rest, loader.state_dict()
+
+
+@pytest.fixture
+def count_torch_iterators(monkeypatch):
+    """How many times torch's single-process iterator was built (the real one runs)."""
+    from torch.utils.data import dataloader as torch_dataloader
+
+    calls = []
+    real = torch_dataloader._SingleProcessDataLoaderIter.__init__
+
+    def init(self, loader):
+        calls.append(loader)
+        real(self, loader)
+
+    monkeypatch.setattr(torch_dataloader._SingleProcessDataLoaderIter, "__init__", init)
+    return calls
+
+
+@settings(max_examples=20)
+@given(st.integers(1, 12), st.booleans(), st.booleans(), st.integers(0, 3), st.integers(0, 2), st.integers(0, 12),
+       st.booleans(), st.booleans())
+def test_inline_batches_equal_torch_iterator(cache, batch_size, shuffle, drop_last, seed, epoch, stop, per_item, ahead):
+    """Differential: with ``num_workers=0`` the loader yields exactly the batches torch's
+    own iterator yields (shuffle on/off, drop_last, read-ahead on/off, a dataset with or
+    without ``__getitems__``), reports the same state mid-epoch and at the end, and a
+    loader resumed from that state continues with the same batches on both paths."""
+    d, _ = cache
+    ds = _PerItem(_ds(d)) if per_item else _ds(d)
+    started = []
+    if not per_item:  # count the batches read ahead (the real start_read runs)
+        start_read = ds.start_read
+        ds.start_read = lambda indices: started.append(indices) or start_read(indices)
+    pause = 0.001 if ahead else 0.0  # read-ahead only starts behind a consumer that leaves it time
+
+    def make(inline, **kw):
+        loader = build_cached_dataloader(ds, batch_size, shuffle, _collate(), seed=seed, drop_last=drop_last,
+                                         pin_memory=False, read_ahead=ahead, **kw)  # fmt: skip
+        return loader if inline else _through_torch(loader)
+
+    ours, ref = _pass(make(True), epoch, stop, pause), _pass(make(False), epoch, stop)
+    _same([ours[0], ours[2]], [ref[0], ref[2]])
+    assert ours[1] == ref[1] and ours[3] == ref[3]
+    resumed = [_pass(make(inline, resume_state=ours[1]), epoch, 0, pause) for inline in (True, False)]
+    _same([resumed[0][2]], [resumed[1][2]])
+    _same([resumed[0][2]], [ours[2]])  # continues with the batches the interrupted pass had left
+    assert resumed[0][3] == resumed[1][3] == ours[3]
+    assert bool(started) == (ahead and not per_item)
+
+
+def test_inline_path_is_taken_without_workers(cache, count_torch_iterators):
+    d, _ = cache
+    loader = build_cached_dataloader(_ds(d), 8, True, _collate(), pin_memory=False)
+    assert loader._reads_inline() and len(list(loader)) == 10
+    assert count_torch_iterators == []  # no torch iterator was built
+    assert len(list(_through_torch(loader))) == 10 and len(count_torch_iterators) == 1
+    assert not build_cached_dataloader(_ds(d), 8, True, _collate(), 1)._reads_inline()
+
+
+def test_inline_batches_equal_torch_iterator_with_balance(tmp_path):
+    """``balance=True`` (batch_size=None: one planned step per sampler item, read whole)
+    yields the same packed THD batches inline as through torch's iterator, also resumed."""
+    from te_thd.offline_cache.balanced_sampler import scan_lengths
+
+    make_cache(str(tmp_path), 60, 16, width=8)
+    keys = ("sample_id", "input_ids", "length")
+    data = CachedTensorDataset(str(tmp_path), CACHE_NAME, FORMAT_VERSION, keys)
+    lengths = scan_lengths(data, length_key="length")
+
+    def make(inline, rank, **kw):
+        loader = build_cached_dataloader(
+            data, 4, True, CachedThdCollator(16, length_key="length", keys=keys), distributed=True, dp_rank=rank,
+            dp_size=2, seed=5, balance=True, lengths=lengths, attn_scale=64.0, pin_memory=False, **kw,
+        )  # fmt: skip
+        assert loader.batch_size is None
+        return loader if inline else _through_torch(loader)
+
+    for rank in (0, 1):
+        for epoch in (0, 1):
+            ours, ref = _pass(make(True, rank), epoch, 3), _pass(make(False, rank), epoch, 3)
+            assert ours[0] and ours[2]
+            _same_batches(ours[0] + ours[2], ref[0] + ref[2])
+            assert ours[1] == ref[1] and ours[3] == ref[3]
+            resumed = [_pass(make(inline, rank, resume_state=ours[1]), epoch, 0)[2] for inline in (True, False)]
+            _same_batches(resumed[0], resumed[1])
+            _same_batches(resumed[0], ours[2])
+
+
+def _same_batches(a, b):
+    """Batches equal key by key: tensors by value, host scalars (``max_seqlen_int``, ...) by ==."""
+    assert len(a) == len(b)
+    for x, y in zip(a, b, strict=True):
+        assert x.keys() == y.keys()
+        for k in x:
+            assert torch.equal(x[k], y[k]) if isinstance(x[k], torch.Tensor) else x[k] == y[k], k
 
 
 # -- THD collate -----------------------------------------------------------------------

@@ -11,6 +11,8 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import pickle
+import threading
+import time
 
 import pytest
 import torch
@@ -18,7 +20,9 @@ from _offline_cache_support import CACHE_NAME, FORMAT_VERSION, make_cache
 from hypothesis import given
 from hypothesis import strategies as st
 from safetensors.torch import save_file
+from torch.utils.data import DataLoader, get_worker_info
 
+import te_thd.offline_cache.copyread as copyread
 import te_thd.offline_cache.reader as reader_module
 from te_thd.offline_cache import (
     CachedBatch,
@@ -229,6 +233,125 @@ def test_reads_do_not_load_the_whole_shard(tmp_path):
     assert not whole.resizable()  # a file mapping, not an allocation
 
 
+# -- reads on several threads ----------------------------------------------------------
+
+_THREADED: dict[tuple[str, str, int], CachedTensorDataset] = {}
+
+
+def _threaded(d: str, engine: str, threads: int) -> CachedTensorDataset:
+    """A dataset reading with ``threads`` threads from the first byte on (the test rows
+    are far below ``PARALLEL_MIN_BYTES``), kept across hypothesis examples."""
+    ds = _THREADED.get((d, engine, threads))
+    if ds is None:
+        ds = _THREADED[(d, engine, threads)] = _ds(d, engine, read_threads=threads)
+        ds.parallel_min_bytes = 0
+    return ds
+
+
+@pytest.mark.parametrize("copy_engine", ["auto", "preadv", "mapped"])
+@given(st.lists(st.integers(min_value=-N, max_value=N - 1), min_size=1, max_size=40), st.integers(2, 4))
+def test_parallel_reads_equal_one_thread_reads(cache, copy_engine, indices, threads):
+    """Differential: ``read_threads=2..4`` (threaded from any size) returns what
+    ``read_threads=1`` and the written tensors say, for any index set and engine."""
+    d, tensors = cache
+    one = _threaded(d, copy_engine, 1).__getitems__(indices)
+    many = _threaded(d, copy_engine, threads).__getitems__(indices)
+    _assert_batch(many, tensors, indices)
+    for k in KEYS:
+        assert torch.equal(many.tensors[k], one.tensors[k]), k
+
+
+@pytest.fixture
+def readers(monkeypatch):
+    """Thread names that read a piece (the real ``read_piece`` runs, then waits 1 ms as a
+    slow disk would, so that a helper thread wakes up before the caller has read it all)."""
+    names: list[str] = []
+    real = copyread.read_piece
+
+    def read_piece(piece):
+        real(piece)
+        names.append(threading.current_thread().name)
+        time.sleep(0.001)
+
+    monkeypatch.setattr(copyread, "read_piece", read_piece)
+    return names
+
+
+def test_parallel_reads_use_the_helper_threads(cache, readers):
+    """The threaded differential above is not vacuous: preadv pieces are read by helper
+    threads too; the mapped engine (no pieces) and ``read_threads=1`` never use them."""
+    d, tensors = cache
+    for engine, threads, helped in (("preadv", 2, True), ("auto", 3, True), ("mapped", 2, False), ("preadv", 1, False)):
+        ds = _ds(d, engine, read_threads=threads)
+        ds.parallel_min_bytes = 0
+        readers.clear()
+        _assert_batch(ds.__getitems__(list(range(10, 40))), tensors, list(range(10, 40)))
+        assert any(n.startswith("te_thd-read") for n in readers) == helped, (engine, threads, readers)
+
+
+def test_read_threads_default(cache):
+    """None: 2 threads in the main process on a machine with 2+ CPUs (1 on one CPU)."""
+    d, _ = cache
+    ds = _ds(d)
+    assert ds.read_threads is None
+    cpus = len(os.sched_getaffinity(0))
+    assert ds._parallel(False).threads == (2 if cpus >= 2 else 1) == copyread.default_read_threads()
+    assert ds._parallel(True).threads == 1  # inside a DataLoader worker
+    assert ds.parallel_min_bytes == copyread.PARALLEL_MIN_BYTES == 4 << 20
+    assert _ds(d, read_threads=3)._parallel(True).threads == 3  # explicit: also in workers
+
+
+def test_a_large_batch_is_read_by_two_threads_by_default(tmp_path, readers):
+    """Real sizes, default settings: an 8 x 512 KiB batch (4 MiB, ``PARALLEL_MIN_BYTES``)
+    is read by the caller and a helper thread and equals a one-thread read; half of it
+    stays on the calling thread."""
+    d = str(tmp_path)
+    tensors = make_cache(d, 16, 16, width=4096, hidden=64)
+    ds = CachedTensorDataset(d, CACHE_NAME, FORMAT_VERSION, ("hidden", "length"))
+    one = CachedTensorDataset(d, CACHE_NAME, FORMAT_VERSION, ("hidden", "length"), read_threads=1)
+    if ds._parallel(False).threads < 2:
+        pytest.skip("one CPU: the default reads on one thread")  # never here: CI has 2 cores
+    small = [3, 9, 4, 0]  # 2 MiB: one thread
+    assert torch.equal(ds.__getitems__(small).tensors["hidden"], tensors["hidden"][small])
+    assert set(readers) == {threading.current_thread().name}
+    for idx in ([1, 2, 3, 4, 5, 6, 7, 8], [15, 0, 7, 3, 3, 9, 11, 12, 2]):
+        readers.clear()
+        got = ds.__getitems__(idx)
+        assert any(n.startswith("te_thd-read") for n in readers), readers
+        for k in ("hidden", "length"):
+            assert torch.equal(got.tensors[k], tensors[k][idx]) and torch.equal(got.tensors[k], one.__getitems__(idx).tensors[k])
+
+
+def _collate_reporting_threads(batch: CachedBatch) -> tuple[dict[str, torch.Tensor], int, bool, int]:
+    """Collate in a worker and report its reader: (batch, threads, helper threads running here, pid)."""
+    reads = get_worker_info().dataset._reads[True]
+    helpers = any(t.name.startswith("te_thd-read") for t in threading.enumerate())
+    return collate_cached(batch, KEYS), reads.threads, helpers, os.getpid()
+
+
+@pytest.mark.parametrize(("method", "read_threads"), [("fork", None), ("fork", 2), ("spawn", 2)])
+def test_workers_read_correct_batches_after_the_parent_started_its_pool(tmp_path, method, read_threads):
+    """A dataset whose parent process already read on its thread pool is used by two
+    DataLoader workers: they read with 1 thread by default, with their own threads for
+    an explicit ``read_threads=2``, and return the written tensors either way."""
+    d = str(tmp_path)
+    tensors = make_cache(d, N, SHARD, width=8, hidden=3)
+    ds = _ds(d, "preadv", read_threads=read_threads)
+    ds.parallel_min_bytes = 0  # travels with the dataset into the workers
+    ds.__getitems__(list(range(0, 40)))
+    assert any(t.name.startswith("te_thd-read") for t in threading.enumerate())  # helper threads in the parent
+    loader = DataLoader(ds, batch_size=8, num_workers=2, multiprocessing_context=method, collate_fn=_collate_reporting_threads)
+    seen, pids = [], set()
+    for batch, threads, started, pid in loader:
+        assert threads == (read_threads or 1)
+        assert started == (threads > 1)  # the worker started its own helpers (a fork inherits none)
+        seen.append(batch)
+        pids.add(pid)
+    assert os.getpid() not in pids and len(pids) == 2
+    for k in KEYS:
+        assert torch.equal(torch.cat([b[k] for b in seen]), tensors[k]), k
+
+
 # -- bad input -----------------------------------------------------------------------
 
 
@@ -242,6 +365,14 @@ def test_bad_arguments(cache):
         _ds(d, max_open_shards=0)
     with pytest.raises(ValueError, match="format_version=3, expected 4"):
         CachedTensorDataset(d, CACHE_NAME, 4, KEYS)
+    for bad in (0, -2, True, 1.5, "2"):
+        with pytest.raises(ValueError, match=rf"read_threads={bad!r} must be an int >= 1 \(1: read on the calling thread only\)"):
+            _ds(d, read_threads=bad)
+    ds = _ds(d)
+    for bad in ("fast", "PREADV", None):
+        with pytest.raises(ValueError, match=rf"copy_engine={bad!r} must be one of \('auto', 'preadv', 'mapped'\)"):
+            ds.copy_engine = bad
+    assert ds.copy_engine == "auto"  # a refused value leaves the engine as it was
 
 
 def test_missing_key_rejected_at_open_with_a_schema(tmp_path):
