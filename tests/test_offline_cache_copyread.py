@@ -92,6 +92,14 @@ def shard(tmp_path_factory):
     return path
 
 
+@pytest.fixture(scope="module")
+def fd(shard):
+    """A read-only descriptor of ``shard`` (``preadv`` takes offsets: tests share it)."""
+    fd = os.open(shard, os.O_RDONLY)
+    yield fd
+    os.close(fd)
+
+
 def _read(path: str, key: str, local: list[int], dst: list[int] | None, batch: int) -> torch.Tensor:
     e = read_header(path)[key]
     out = torch.full((batch, *e.shape[1:]), 0, dtype=e.dtype)
@@ -327,7 +335,7 @@ def test_plan_pieces_tile_the_planned_rows(local, rnd, row_bytes, chunk_bytes, s
     assert sorted(got) == want
 
 
-def test_after_runs_once_per_piece_on_final_bytes(shard):
+def test_after_runs_once_per_piece_on_final_bytes(shard, fd):
     """``read_piece`` runs a piece's ``after`` once, after its bytes are in place."""
     expect = load_file(shard)["ids"]
     e = read_header(shard)["ids"]
@@ -339,13 +347,9 @@ def test_after_runs_once_per_piece_on_final_bytes(shard):
         calls.append((p, first, m))
         assert torch.equal(out[p : p + m], expect[first : first + m])
 
-    fd = os.open(shard, os.O_RDONLY)
-    try:
-        pieces = plan_pieces(fd, e.start, 56, plan_runs(local), tensor_memoryview(out), shard, after, 2 * 56)
-        for piece in pieces:
-            read_piece(piece)
-    finally:
-        os.close(fd)
+    pieces = plan_pieces(fd, e.start, 56, plan_runs(local), tensor_memoryview(out), shard, after, 2 * 56)
+    for piece in pieces:
+        read_piece(piece)
     assert sorted(calls) == sorted(piece.args for piece in pieces) and len(calls) == len(pieces)
     assert sorted(calls) == [(0, 3, 2), (2, 5, 2), (4, 20, 1), (5, 0, 1), (6, 0, 1)]  # at most 2 rows each
     assert torch.equal(out, expect[torch.tensor(local)])
@@ -389,7 +393,7 @@ def _batch_pieces(path: str, fd: int, local: list[int], dst: list[int], batch: i
 
 @given(st.lists(st.integers(0, 36), min_size=1, max_size=40), st.randoms(use_true_random=False),
        st.integers(2, 4), st.integers(0, 3), st.booleans(), st.booleans())
-def test_parallel_reads_equal_one_thread_and_load_file(shard, local, rnd, threads, chunk_rows, checked, ahead):
+def test_parallel_reads_equal_one_thread_and_load_file(shard, fd, local, rnd, threads, chunk_rows, checked, ahead):
     """Differential: a batch read by ``threads`` threads (``run``, or ``start`` then
     ``wait``) equals the same pieces read on this thread and safetensors' own
     ``load_file``; ``inline`` runs once, on the calling thread, and every ``after``
@@ -403,21 +407,17 @@ def test_parallel_reads_equal_one_thread_and_load_file(shard, local, rnd, thread
     def after_log(key, p, first, m, data):
         log.append((key, p, first, m, data))
 
-    fd = os.open(shard, os.O_RDONLY)
-    try:
-        want, serial, _ = _batch_pieces(shard, fd, local, dst, batch, chunk_rows)
-        for piece in serial:
-            read_piece(piece)
-        got, pieces, keys = _batch_pieces(shard, fd, local, dst, batch, chunk_rows, after_log if checked else None)
-        inline_threads = []
-        inline = lambda: inline_threads.append(threading.current_thread().name)  # noqa: E731
-        if ahead:
-            pending = _reads(threads).start(pieces, inline)
-            pending.wait()
-        else:
-            _reads(threads).run(pieces, inline)
-    finally:
-        os.close(fd)
+    want, serial, _ = _batch_pieces(shard, fd, local, dst, batch, chunk_rows)
+    for piece in serial:
+        read_piece(piece)
+    got, pieces, keys = _batch_pieces(shard, fd, local, dst, batch, chunk_rows, after_log if checked else None)
+    inline_threads = []
+    inline = lambda: inline_threads.append(threading.current_thread().name)  # noqa: E731
+    if ahead:
+        pending = _reads(threads).start(pieces, inline)
+        pending.wait()
+    else:
+        _reads(threads).run(pieces, inline)
     assert inline_threads == [me]
     idx, pos = torch.tensor(local), torch.tensor(dst)
     for key in _KEYS:
@@ -465,28 +465,24 @@ def _slow(names: list[str] | None = None, done: threading.Event | None = None, s
     return after
 
 
-def test_parallel_reads_share_a_batch_between_threads(shard):
+def test_parallel_reads_share_a_batch_between_threads(shard, fd):
     """Pieces that take time are read by the caller and the helpers together, and the
     batch is right; ``start`` hands them to the helpers before ``wait`` is called."""
     names: list[str] = []
-    fd = os.open(shard, os.O_RDONLY)
-    try:
-        out, pieces = _row_pieces(shard, fd, 8, [_slow(names)] * 8)
-        ParallelReads(2, min_bytes=0).run(pieces)
-        assert torch.equal(out, load_file(shard)["ids"][:8])
-        me = threading.current_thread().name
-        assert me in names and any(n.startswith("te_thd-read") for n in names), names
-        names.clear()
-        out, pieces = _row_pieces(shard, fd, 4, [_slow(names)] * 4)
-        pending = ParallelReads(2, min_bytes=0).start(pieces)
-        deadline = time.monotonic() + 10
-        while len(names) < 4 and time.monotonic() < deadline:  # read while nobody waits
-            time.sleep(0.01)
-        assert len(names) == 4 and all(n.startswith("te_thd-read") for n in names), names
-        pending.wait()
-        assert torch.equal(out, load_file(shard)["ids"][:4])
-    finally:
-        os.close(fd)
+    out, pieces = _row_pieces(shard, fd, 8, [_slow(names)] * 8)
+    ParallelReads(2, min_bytes=0).run(pieces)
+    assert torch.equal(out, load_file(shard)["ids"][:8])
+    me = threading.current_thread().name
+    assert me in names and any(n.startswith("te_thd-read") for n in names), names
+    names.clear()
+    out, pieces = _row_pieces(shard, fd, 4, [_slow(names)] * 4)
+    pending = ParallelReads(2, min_bytes=0).start(pieces)
+    deadline = time.monotonic() + 10
+    while len(names) < 4 and time.monotonic() < deadline:  # read while nobody waits
+        time.sleep(0.01)
+    assert len(names) == 4 and all(n.startswith("te_thd-read") for n in names), names
+    pending.wait()
+    assert torch.equal(out, load_file(shard)["ids"][:4])
 
 
 def _long(began: threading.Event, done: threading.Event):
@@ -500,53 +496,45 @@ def _long(began: threading.Event, done: threading.Event):
 
 
 @pytest.mark.parametrize("how", ["run", "start"])
-def test_parallel_reads_wait_for_every_thread_before_raising(shard, how):
+def test_parallel_reads_wait_for_every_thread_before_raising(shard, fd, how):
     """An error is raised only once no thread writes into the batch any more: a helper
     still reading a long piece when another piece fails is waited for. ``run``: the
     caller takes piece 0 (20 ms), the helper the long piece 1, the caller then the
     failing piece 2. ``start``: the helpers hold the long piece and the failing one
     before ``wait`` is called. The reader keeps working afterwards."""
     reads = ParallelReads(2, min_bytes=0)
-    fd = os.open(shard, os.O_RDONLY)
-    try:
-        for _ in range(3):
-            began, done = threading.Event(), threading.Event()
-            if how == "run":
-                _, pieces = _row_pieces(shard, fd, 3, [_slow(), _long(began, done), _raise("failed")])
-                with pytest.raises(_Boom, match="^failed$"):
-                    reads.run(pieces)
-            else:
-                _, pieces = _row_pieces(shard, fd, 2, [_long(began, done), _raise("failed")])
-                pending = reads.start(pieces)
-                assert began.wait(10)
-                with pytest.raises(_Boom, match="^failed$"):
-                    pending.wait()
-            assert done.is_set()
+    for _ in range(3):
         began, done = threading.Event(), threading.Event()
-        _, pieces = _row_pieces(shard, fd, 2, [_long(began, done), None])
-        pending = reads.start(pieces, _raise("inline"))
-        assert began.wait(10)
-        with pytest.raises(_Boom, match="^inline$"):  # the batch's other work fails: still waits
-            pending.wait()
+        if how == "run":
+            _, pieces = _row_pieces(shard, fd, 3, [_slow(), _long(began, done), _raise("failed")])
+            with pytest.raises(_Boom, match="^failed$"):
+                reads.run(pieces)
+        else:
+            _, pieces = _row_pieces(shard, fd, 2, [_long(began, done), _raise("failed")])
+            pending = reads.start(pieces)
+            assert began.wait(10)
+            with pytest.raises(_Boom, match="^failed$"):
+                pending.wait()
         assert done.is_set()
-        out, pieces = _row_pieces(shard, fd, 3, [None, None, None])
-        reads.run(pieces)
-        assert torch.equal(out, load_file(shard)["ids"][:3])
-    finally:
-        os.close(fd)
+    began, done = threading.Event(), threading.Event()
+    _, pieces = _row_pieces(shard, fd, 2, [_long(began, done), None])
+    pending = reads.start(pieces, _raise("inline"))
+    assert began.wait(10)
+    with pytest.raises(_Boom, match="^inline$"):  # the batch's other work fails: still waits
+        pending.wait()
+    assert done.is_set()
+    out, pieces = _row_pieces(shard, fd, 3, [None, None, None])
+    reads.run(pieces)
+    assert torch.equal(out, load_file(shard)["ids"][:3])
 
 
-def test_a_failed_piece_drops_the_rest_of_the_batch(shard):
+def test_a_failed_piece_drops_the_rest_of_the_batch(shard, fd):
     """After a failure the other pieces are not read: the batch is lost anyway."""
     names: list[str] = []
-    fd = os.open(shard, os.O_RDONLY)
-    try:
-        _, pieces = _row_pieces(shard, fd, 6, [_raise("first")] + [_slow(names)] * 5)
-        with pytest.raises(_Boom, match="^first$"):
-            ParallelReads(1).run(pieces)
-        assert names == []
-    finally:
-        os.close(fd)
+    _, pieces = _row_pieces(shard, fd, 6, [_raise("first")] + [_slow(names)] * 5)
+    with pytest.raises(_Boom, match="^first$"):
+        ParallelReads(1).run(pieces)
+    assert names == []
 
 
 def test_parallel_reads_a_file_that_shrank_raises_read_error(shard, tmp_path):
@@ -568,20 +556,16 @@ def test_parallel_reads_a_file_that_shrank_raises_read_error(shard, tmp_path):
         os.close(fd)
 
 
-def test_parallel_reads_below_min_bytes_stay_on_the_calling_thread(shard):
+def test_parallel_reads_below_min_bytes_stay_on_the_calling_thread(shard, fd):
     names: list[str] = []
-    fd = os.open(shard, os.O_RDONLY)
-    try:
-        _, pieces = _row_pieces(shard, fd, 4, [_slow(names)] * 4)
-        reads = ParallelReads(2, min_bytes=4 * 56 + 1)
-        reads.run(pieces)
-        reads.start(pieces).wait()  # start leaves a small batch to wait()
-        assert set(names) == {threading.current_thread().name} and len(names) == 8
-        names.clear()
-        reads.run(pieces, min_bytes=4 * 56)  # the threshold per call (a dataset's parallel_min_bytes)
-        assert len(set(names)) == 2
-    finally:
-        os.close(fd)
+    _, pieces = _row_pieces(shard, fd, 4, [_slow(names)] * 4)
+    reads = ParallelReads(2, min_bytes=4 * 56 + 1)
+    reads.run(pieces)
+    reads.start(pieces).wait()  # start leaves a small batch to wait()
+    assert set(names) == {threading.current_thread().name} and len(names) == 8
+    names.clear()
+    reads.run(pieces, min_bytes=4 * 56)  # the threshold per call (a dataset's parallel_min_bytes)
+    assert len(set(names)) == 2
 
 
 def test_parallel_reads_threads_are_checked():
@@ -603,18 +587,14 @@ def _helper_threads() -> int:
 
 
 @pytest.mark.parametrize("how", ["fork", "pickle"])
-def test_parallel_reads_in_a_child_process_start_their_own_threads(shard, how):
+def test_parallel_reads_in_a_child_process_start_their_own_threads(shard, fd, how):
     """Helper threads started in the parent do not exist in a forked child (a batch
     handed to them would never finish): the child starts its own. Pickled, the object
     travels without threads and starts them on first use."""
     reads = ParallelReads(2, min_bytes=0)
     names: list[str] = []
-    fd = os.open(shard, os.O_RDONLY)
-    try:
-        _, pieces = _row_pieces(shard, fd, 4, [_slow(names)] * 4)
-        reads.run(pieces)
-    finally:
-        os.close(fd)
+    _, pieces = _row_pieces(shard, fd, 4, [_slow(names)] * 4)
+    reads.run(pieces)
     assert any(n.startswith("te_thd-read") for n in names)  # the parent's helpers run
     want = load_file(shard)["ids"][:4].tolist()
     if how == "pickle":
@@ -645,19 +625,15 @@ def test_parallel_reads_in_a_child_process_start_their_own_threads(shard, how):
     reason="copyread._Worker threads loop forever on their queue and hold their _Worker: a ParallelReads "
     "(one per CachedTensorDataset and process) that is dropped leaves its helper threads running",
 )
-def test_helper_threads_end_with_their_reader(shard):
+def test_helper_threads_end_with_their_reader(shard, fd):
     """A reader that is gone takes its helper threads with it (as a ThreadPoolExecutor
     does): a process that builds datasets over and over does not pile up threads."""
     before = _helper_threads()
-    fd = os.open(shard, os.O_RDONLY)
-    try:
-        for _ in range(3):
-            reads = ParallelReads(2, min_bytes=0)
-            _, pieces = _row_pieces(shard, fd, 4, [None] * 4)
-            reads.run(pieces)
-            del reads, pieces
-    finally:
-        os.close(fd)
+    for _ in range(3):
+        reads = ParallelReads(2, min_bytes=0)
+        _, pieces = _row_pieces(shard, fd, 4, [None] * 4)
+        reads.run(pieces)
+        del reads, pieces
     gc.collect()
     deadline = time.monotonic() + 1
     while _helper_threads() > before and time.monotonic() < deadline:

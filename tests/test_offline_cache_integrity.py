@@ -413,8 +413,8 @@ def test_a_flip_read_by_a_helper_thread_names_its_sample(tmp_path: Path, monkeyp
 @pytest.mark.parametrize("threads", [1, 2])
 def test_a_shard_truncated_after_open_names_the_shard(tmp_path: Path, threads: int) -> None:
     """The descriptor is open and the header checked when the file shrinks: the read
-    that runs past its end (on a helper thread with ``threads=2``) is an integrity
-    error naming the shard, not a short batch."""
+    that runs past its end (on any thread with ``threads=2``; by ``__getitems__`` or
+    read ahead by ``start_read``) is an integrity error naming the shard, not a short batch."""
     d = tmp_path / "cache"
     _via_produce_cache(d)
     ds = _threaded_ds(d, threads)
@@ -423,9 +423,10 @@ def test_a_shard_truncated_after_open_names_the_shard(tmp_path: Path, threads: i
     p = shard_path(str(d), 2)
     e = read_shard_header(p).entries["ids"]
     os.truncate(p, e.start + (e.end - e.start) // 2)  # from 'ids' row 1 of shard 2 on, nothing is left
-    with pytest.raises(CacheIntegrityError, match=r"shard-000002\.safetensors cannot be read .*file ended at byte \d+ while reading") as err:
-        ds.__getitems__(everything)
-    assert err.value.path == p
+    for read in (ds.__getitems__, lambda idx: ds.start_read(idx).result()):
+        with pytest.raises(CacheIntegrityError, match=r"shard-000002\.safetensors cannot be read .*file ended at byte \d+ while reading") as err:
+            read(everything)
+        assert err.value.path == p
     assert torch.equal(ds.__getitems__([0, 5, 7]).tensors["ids"], _rows(0, N)["ids"][[0, 5, 7]])  # other shards still read
 
 

@@ -322,6 +322,32 @@ def test_inline_batches_equal_torch_iterator_with_balance(tmp_path):
             _same_batches(resumed[0], ours[2])
 
 
+@pytest.mark.parametrize("ahead", [True, False])
+def test_batches_the_consumer_keeps_are_never_overwritten(cache, ahead):
+    """A loop that keeps every batch (or only a view of one row) while the loader reads
+    on, with two reading threads and read-ahead: recycled buffers never reach a batch
+    that is still referenced; the kept batches equal the written tensors."""
+    d, tensors = cache
+    ds = CachedTensorDataset(d, CACHE_NAME, FORMAT_VERSION, KEYS, read_threads=2)
+    ds.parallel_min_bytes = 0
+    ds.copy_engine = "preadv"
+    loader = build_cached_dataloader(ds, 8, True, _collate(), seed=4, pin_memory=False, read_ahead=ahead)
+    for epoch in (0, 1):
+        loader.sampler.set_epoch(epoch)
+        kept, rows = [], []
+        for i, batch in enumerate(loader):
+            (kept.append(batch) if i % 2 else rows.append(batch["input_ids"][0]))
+            time.sleep(0.001)  # work per batch: the loader reads ahead behind it
+        order = list(loader.sampler)
+        assert len(kept) + len(rows) == len(loader)
+        for i, batch in enumerate(kept):
+            idx = torch.tensor(order[(2 * i + 1) * 8 : (2 * i + 2) * 8])
+            for k in KEYS:
+                assert torch.equal(batch[k], tensors[k][idx]), (epoch, i, k)
+        for i, row in enumerate(rows):
+            assert torch.equal(row, tensors["input_ids"][order[2 * i * 8]]), (epoch, i)
+
+
 def _same_batches(a, b):
     """Batches equal key by key: tensors by value, host scalars (``max_seqlen_int``, ...) by ==."""
     assert len(a) == len(b)
