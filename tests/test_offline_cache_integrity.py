@@ -143,11 +143,16 @@ def test_every_writer_writes_self_verifying_shards_and_reads_catch_a_flip(tmp_pa
         verify_cache(str(d), deep=True)
 
 
-def test_verification_through_dataloader_workers(tmp_path: Path) -> None:
+@pytest.mark.parametrize("read_threads", [None, 2])
+def test_verification_through_dataloader_workers(tmp_path: Path, read_threads: int | None) -> None:
+    """Workers read on one thread by default; with ``read_threads=2`` (and every batch
+    shared out) a worker's helper thread checks rows too, and its error still reaches
+    the training loop after every intact batch."""
     d = tmp_path / "cache"
     _via_produce_cache(d)
     _flip_data(d / "shard-000002.safetensors", "hidden", 1)  # sample 9
-    ds = CachedTensorDataset(str(d), "test", 1, KEYS)
+    ds = CachedTensorDataset(str(d), "test", 1, KEYS, read_threads=read_threads)
+    ds.parallel_min_bytes = 0
     loader = build_cached_dataloader(ds, 2, False, lambda b: collate_cached(b, KEYS), num_workers=2)
     seen = []
     with pytest.raises(CacheIntegrityError, match=r"sample 9 \(row 1 of the shard\), key 'hidden'") as e:
