@@ -10,15 +10,25 @@ free while it runs, and a background writer may use it. Per case, interleaved:
 - ``no_write``: the same DataLoader and ``compute_batch``, results dropped: the
   throughput a producer would have if writing cost nothing (goal: ours >= 0.95x
   of it when compute time == write time);
-- ``inline_write``: ``write_cache_shards`` with a ``DurableShardWriter`` whose
-  writes run on the caller's thread (only fsync + rename overlap): the producer
-  before write-behind, for the curve.
+- full runs only: ``inline_write``, ``write_cache_shards`` with a
+  ``DurableShardWriter`` whose writes run on the caller's thread (only fsync +
+  rename overlap), the producer before write-behind, for the curve; and
+  ``no_write_cpu_busy``, ``no_write`` while a thread burns the CPU seconds one
+  durable write takes (GIL released) after every shard: what a perfectly hidden
+  write would still cost a machine without a spare core.
 
 Shards: 16 samples of ``hidden`` [512, 768] bf16 + ``input_ids`` [512] int64
-(12.7 MB), batch 4, 16 shards (``--quick``: 8). ``W`` = the median time of one
-durable shard write, measured first in the same run; a case
-``compute_<r>x_write`` sets the compute time per shard to ``r * W``. Full runs
-report the curve r = 0.25, 0.5, 1, 2, 4; ``--quick`` r = 1 (the gated point).
+(12.7 MB), batch 4, 16 shards (``--quick``: 8). A case ``compute_<r>x_write``
+sets the compute time per shard to ``r * W``. ``W`` is measured in every trial,
+right before its candidates: the mean time of ``shards`` durable shard writes
+(after a first one that creates the directory), so that compute and write times
+come from the same state of the machine -- on a VM the write of a shard costs
+2-3x more when its page-cache pages are fresh memory than when they recycle
+memory just freed (e.g. by the previous run's directory removal), and a ``W``
+measured in another state than the timed runs would set ``r`` wrong. Each
+trial's times are taken in units of its ``W``; the medians over trials are
+reported at the median ``W``. Full runs report the curve r = 0.25, 0.5, 1, 2, 4;
+``--quick`` r = 1 (the gated point).
 
 Throughput is the producer's steady state, what a cache of thousands of shards
 sees: samples per second between the end of the first shard's last
@@ -27,18 +37,21 @@ same window of batches). What happens once per run -- the directory setup and
 lock, the first shard, and after the loop the write of the last shard (nothing
 can hide it) and the manifest -- is left out there and reported in
 ``extra["whole_run"]`` (samples/s of the full call per candidate).
-``extra["hidden_fraction"]`` = the share of the write time that the steady state
-did not pay: ``1 - (t_ours - t_no_write) / (shards_in_window * W)``.
+``extra["loss_s_per_shard"]`` = what writing added per shard in the steady
+state (``t_ours - t_no_write``), ``extra["hidden_fraction"]`` = ``1 - loss / W``.
 """
 
 from __future__ import annotations
 
 import os
+import queue
 import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
+import zlib
 from typing import Any
 
 import torch
@@ -86,23 +99,56 @@ def _table() -> dict[str, torch.Tensor]:
     }
 
 
-def _write_time(tmp: str, table: dict[str, torch.Tensor]) -> float:
-    """Median seconds of one durable shard write (serialise, write, fsync, rename)."""
+def _write_times(tmp: str, table: dict[str, torch.Tensor], count: int) -> tuple[list[float], float]:
+    """Seconds of each of ``count`` consecutive durable shard writes (serialise, checksum,
+    write, fsync, rename, directory fsync) into a fresh directory, removed afterwards, and
+    the CPU seconds (all threads) per write after the first."""
     from te_thd.offline_cache.writer import DurableShardWriter
 
     d = os.path.join(tmp, "calibrate")
     shard = {k: v[:SHARD].clone() for k, v in table.items()}
     times = []
     with DurableShardWriter(KEYS, "bench", pipelined=False) as w:
-        for i in range(7):
+        for i in range(count):
+            if i == 1:
+                cpu0 = time.process_time()
             t0 = time.perf_counter()
             w(d, i, shard)
             times.append(time.perf_counter() - t0)
+        cpu = (time.process_time() - cpu0) / (count - 1)
     shutil.rmtree(d)
-    return statistics.median(times)
+    return times, cpu
 
 
-def _candidates(tmp: str, n: int, compute: _Compute) -> dict[str, Any]:
+class _CpuBusy:
+    """``no_write`` plus a thread that burns ``seconds`` of CPU per shard the loop finishes
+    (``zlib.crc32``, which releases the GIL): the CPU a perfectly overlapped write takes
+    from the machine, without writing anything."""
+
+    def __init__(self, compute: _Compute, loader: torch.utils.data.DataLoader) -> None:
+        self.compute, self.loader = compute, loader
+        self.seconds = 0.0
+        self.buf = bytearray(1 << 20)
+
+    def _burn(self, shards: queue.Queue[bool | None]) -> None:
+        while shards.get():
+            end = time.thread_time() + self.seconds
+            while time.thread_time() < end:
+                zlib.crc32(self.buf)
+
+    def __call__(self) -> None:
+        shards: queue.Queue[bool | None] = queue.Queue()
+        t = threading.Thread(target=self._burn, args=(shards,), daemon=True)
+        t.start()
+        for i, batch in enumerate(self.loader):
+            self.compute(batch)
+            if (i + 1) % (SHARD // BATCH) == 0:
+                shards.put(True)
+        shards.put(None)
+        t.join()
+
+
+def _candidates(tmp: str, n: int, compute: _Compute, busy: bool) -> tuple[dict[str, Any], _CpuBusy]:
     import logging
 
     from te_thd.offline_cache import DurableShardWriter, produce_cache, write_cache_shards
@@ -130,7 +176,11 @@ def _candidates(tmp: str, n: int, compute: _Compute) -> dict[str, Any]:
             write_cache_shards(loader, d, SHARD, 0, compute, w, logging.getLogger("bench"))
         shutil.rmtree(d)
 
-    return {"ours": ours, "no_write": no_write, "inline_write": inline_write}
+    cpu_busy = _CpuBusy(compute, loader)
+    found = {"ours": ours, "no_write": no_write}
+    if busy:
+        found.update(inline_write=inline_write, no_write_cpu_busy=cpu_busy)
+    return found, cpu_busy
 
 
 def _steady(compute: _Compute, n_batches: int) -> float:
@@ -145,29 +195,40 @@ def _steady(compute: _Compute, n_batches: int) -> float:
 def run(quick: bool) -> list[Record]:
     shards = 8 if quick else 16
     factors = (1.0,) if quick else (0.25, 0.5, 1.0, 2.0, 4.0)
-    trials = 3 if quick else 5
+    trials = 4 if quick else 5
     n = shards * SHARD
     n_batches = n // BATCH
     table = _table()
     records = []
     with tempfile.TemporaryDirectory(prefix="te_thd_bench_produce_") as tmp:
-        w = _write_time(tmp, table)
         for r in factors:
-            compute = _Compute(table, r * w * BATCH / SHARD)
-            candidates = _candidates(tmp, n, compute)
+            compute = _Compute(table, 0.0)
+            # --quick times what the gate compares (ours, no_write); full runs add the curve's
+            # old producer and the CPU-contention baseline
+            candidates, cpu_busy = _candidates(tmp, n, compute, busy=not quick)
+            # per trial: seconds per batch (steady window) and per sample (whole call), in units of that trial's W
             steady: dict[str, list[float]] = {k: [] for k in candidates}
             whole: dict[str, list[float]] = {k: [] for k in candidates}
+            ws: list[float] = []
+            cpus: list[float] = []
             for trial in range(trials + 1):  # trial 0 warms up
+                times, cpu = _write_times(tmp, table, shards + 1)
+                w = statistics.mean(times[1:])
+                compute.seconds = r * w * BATCH / SHARD
+                cpu_busy.seconds = cpu
                 for name, fn in candidates.items():
                     compute.ends = []
                     t0 = time.perf_counter()
                     fn()
                     if trial:
-                        whole[name].append(time.perf_counter() - t0)
-                        steady[name].append(_steady(compute, n_batches))
-            per_batch = {k: statistics.median(v) for k, v in steady.items()}
-            window_shards = (n_batches - SHARD // BATCH) * BATCH / SHARD
-            hidden = 1.0 - (per_batch["ours"] - per_batch["no_write"]) * (n_batches - SHARD // BATCH) / (window_shards * w)
+                        whole[name].append((time.perf_counter() - t0) / n / w)
+                        steady[name].append(_steady(compute, n_batches) / w)
+                if trial:
+                    ws.append(w)
+                    cpus.append(cpu)
+            w = statistics.median(ws)
+            per_batch = {k: statistics.median(v) * w for k, v in steady.items()}
+            loss = (per_batch["ours"] - per_batch["no_write"]) * SHARD / BATCH
             rate = {k: BATCH / v for k, v in per_batch.items()}
             records.append(
                 Record(
@@ -179,11 +240,15 @@ def run(quick: bool) -> list[Record]:
                     baselines=rate,
                     extra={
                         "write_s_per_shard": w,
+                        "write_s_trials": ws,
+                        "write_cpu_s_per_shard": statistics.median(cpus),
                         "compute_s_per_shard": r * w,
                         "shards": shards,
                         "shard_mb": sum(v[0].numel() * v.element_size() for v in table.values()) * SHARD / 1e6,
-                        "hidden_fraction": hidden,
-                        "whole_run": {k: n / statistics.median(v) for k, v in whole.items()},
+                        "loss_s_per_shard": loss,
+                        "hidden_fraction": 1.0 - loss / w,
+                        "whole_run": {k: 1.0 / (statistics.median(v) * w) for k, v in whole.items()},
+                        "load_average": os.getloadavg()[0],
                     },
                 )
             )

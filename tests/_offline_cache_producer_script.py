@@ -59,7 +59,7 @@ def _install(crash: str) -> None:
     if kind == "mid_write":
         target = f".shard-{int(arg):06d}.safetensors."  # the prefix of that shard's temp file
         real_write_all = shardfile._write_all
-        real_write_file = shardfile.write_shard_file
+        real_write_file = shardfile.write_shard_pieces  # write_shard_file writes through it too
         current = {"path": "", "buffers": 0}
 
         def write_file(path, *a, **k):  # the writer's thread, or the caller's
@@ -74,8 +74,8 @@ def _install(crash: str) -> None:
                 _die()
 
         shardfile._write_all = write_all
-        shardfile.write_shard_file = write_file
-        writer.write_shard_file = write_file
+        shardfile.write_shard_pieces = write_file
+        writer.write_shard_pieces = write_file
     elif kind == "between":
         target = os.path.basename(f"shard-{int(arg):06d}.safetensors")
         real_commit = durable.commit_temp

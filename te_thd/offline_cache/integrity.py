@@ -67,15 +67,19 @@ def _byte_view(t: torch.Tensor) -> memoryview:
     return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
 
 
-def row_sums(t: torch.Tensor) -> list[int]:
-    """``xxh3_64`` of each row of ``t`` (``[n, ...]``, contiguous CPU), row ``i`` seeded with ``i``."""
-    return byte_row_sums(_byte_view(t), t.shape[0])
+def row_sums(t: torch.Tensor, first_row: int = 0) -> list[int]:
+    """``xxh3_64`` of each row of ``t`` (``[n, ...]``, contiguous CPU), row ``i`` seeded with ``first_row + i``.
+
+    ``first_row``: the shard row index of ``t``'s first row when ``t`` is one
+    piece of a shard's tensor.
+    """
+    return byte_row_sums(_byte_view(t), t.shape[0], first_row)
 
 
-def byte_row_sums(view: memoryview, rows: int) -> list[int]:
+def byte_row_sums(view: memoryview, rows: int, first_row: int = 0) -> list[int]:
     """:func:`row_sums` of ``rows`` equal rows laid out back to back in the bytes of ``view``."""
     rb = view.nbytes // rows if rows else 0
-    return [_hash(view[i * rb : i * rb + rb], i) for i in range(rows)]
+    return [_hash(view[i * rb : i * rb + rb], first_row + i) for i in range(rows)]
 
 
 def encode_sums(sums: Sequence[int]) -> str:

@@ -113,7 +113,7 @@ class _ShardAccumulator:
                 taken += need
         shard: dict[str, Any]
         if getattr(self._write_shard_fn, "takes_pieces", False):
-            # a write-behind writer concatenates on its own thread, off the compute loop
+            # a write-behind writer writes the pieces as they are, on its own thread
             shard = {k: [p[k] for p in pieces] for k in pieces[0]}
         else:
             shard = {k: pieces[0][k] if len(pieces) == 1 else torch.cat([p[k] for p in pieces]) for k in pieces[0]}

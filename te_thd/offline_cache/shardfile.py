@@ -83,16 +83,43 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
 
 def prepare_tensors(tensors: Mapping[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
     """CPU, contiguous, in file order (dtype rank descending, then name)."""
+    return [(name, parts[0]) for name, parts in prepare_pieces({k: [t] for k, t in tensors.items()})]
+
+
+def prepare_pieces(pieces: Mapping[str, Sequence[torch.Tensor]]) -> list[tuple[str, list[torch.Tensor]]]:
+    """Each key's pieces (``[n_i, *trailing]``, one dtype and trailing shape per key) CPU and
+    contiguous, keys in file order (dtype rank descending, then name).
+
+    A key stored from several pieces holds them concatenated on dim 0; a single
+    piece may have any shape (0-d included).
+    """
     items = []
-    for name, t in tensors.items():
-        if t.dtype not in DTYPE_TO_ST:
+    for name, parts in pieces.items():
+        parts = [p.detach().to("cpu").contiguous() for p in parts]
+        if not parts:
+            raise ValueError(f"tensor {name!r} has no pieces; pass at least one tensor per key")
+        dtype = parts[0].dtype
+        if dtype not in DTYPE_TO_ST:
             raise ValueError(
-                f"tensor {name!r} has dtype {t.dtype}, which safetensors cannot store; "
+                f"tensor {name!r} has dtype {dtype}, which safetensors cannot store; "
                 f"cast it to one of {sorted(dtype_name(d) for d in DTYPE_TO_ST)}"
             )
-        items.append((name, t.detach().to("cpu").contiguous()))
-    items.sort(key=lambda kv: (-DTYPE_RANK[kv[1].dtype], kv[0]))
+        if len(parts) > 1 and any(p.dim() == 0 or (p.dtype, p.shape[1:]) != (dtype, parts[0].shape[1:]) for p in parts):
+            raise ValueError(
+                f"the pieces of tensor {name!r} cannot be concatenated on dim 0: "
+                f"{[(dtype_name(p.dtype), list(p.shape)) for p in parts]}; give every piece one dtype and trailing shape"
+            )
+        items.append((name, parts))
+    items.sort(key=lambda kv: (-DTYPE_RANK[kv[1][0].dtype], kv[0]))
     return items
+
+
+def _joined(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``parts`` itself if one, else a shape-only (meta) tensor of their dim-0 concatenation."""
+    if len(parts) == 1:
+        return parts[0]
+    rows = sum(p.shape[0] for p in parts)
+    return torch.empty((rows, *parts[0].shape[1:]), dtype=parts[0].dtype, device="meta")
 
 
 def tensor_entries(items: Sequence[tuple[str, torch.Tensor]]) -> dict[str, Any]:
@@ -106,15 +133,25 @@ def tensor_entries(items: Sequence[tuple[str, torch.Tensor]]) -> dict[str, Any]:
     return entries
 
 
-def self_verifying_metadata(items: Sequence[tuple[str, torch.Tensor]]) -> dict[str, str]:
-    """The te_thd ``__metadata__`` of ``items`` (all ``[n, ...]`` with one ``n``): row sums, rows, digest."""
-    counts = {t.shape[0] if t.dim() else None for _, t in items}
+def self_verifying_metadata(items: Sequence[tuple[str, Sequence[torch.Tensor]]]) -> dict[str, str]:
+    """The te_thd ``__metadata__`` of ``items`` (:func:`prepare_pieces`; every key ``[n, ...]`` with one
+    ``n``): row sums, rows, digest."""
+    joined = [(k, _joined(parts)) for k, parts in items]
+    counts = {t.shape[0] if t.dim() else None for _, t in joined}
     if len(counts) != 1 or None in counts:
         raise ValueError(
             f"a self-verifying shard needs every tensor [n, ...] with one n; got shapes "
-            f"{ {k: list(t.shape) for k, t in items} }"
+            f"{ {k: list(t.shape) for k, t in joined} }"
         )
-    return shard_metadata(tensor_entries(items), {k: row_sums(t) for k, t in items}, counts.pop())
+    return shard_metadata(tensor_entries(joined), {k: _pieces_row_sums(parts) for k, parts in items}, counts.pop())
+
+
+def _pieces_row_sums(parts: Sequence[torch.Tensor]) -> list[int]:
+    """:func:`row_sums` of the dim-0 concatenation of ``parts``, without concatenating them."""
+    sums: list[int] = []
+    for p in parts:
+        sums += row_sums(p, first_row=len(sums))
+    return sums
 
 
 def build_header(items: Sequence[tuple[str, torch.Tensor]], metadata: Mapping[str, str] | None = None) -> bytes:
@@ -154,9 +191,23 @@ def write_shard_file(path: str, tensors: Mapping[str, torch.Tensor], self_verify
     ``n``); ``False`` writes plain ``save_file`` bytes. Not atomic by itself: the
     writer calls it on a temp path inside :func:`~te_thd.offline_cache.durable.atomic_write`.
     """
-    items = prepare_tensors(tensors)
+    return write_shard_pieces(path, {k: [t] for k, t in tensors.items()}, self_verifying)
+
+
+def write_shard_pieces(
+    path: str, pieces: Mapping[str, Sequence[torch.Tensor]], self_verifying: bool = True
+) -> ShardRecord:
+    """:func:`write_shard_file` of ``{key: torch.cat(pieces[key])}``, written from the pieces.
+
+    The file bytes are identical to concatenating first; the pieces go to the
+    file (and the checksums) straight from their own memory, so a shard buffered
+    as a list of batches is never copied into a fresh shard-sized tensor: that
+    copy, page faults included, would cost about as much as the file write itself.
+    """
+    items = prepare_pieces(pieces)
     metadata = self_verifying_metadata(items) if self_verifying else None
-    buffers = [memoryview(build_header(items, metadata))] + [tensor_bytes(t) for _, t in items]
+    header = build_header([(k, _joined(parts)) for k, parts in items], metadata)
+    buffers = [memoryview(header)] + [tensor_bytes(p) for _, parts in items for p in parts]
     total = sum(b.nbytes for b in buffers)
     crc_future = _pool().submit(_crc, buffers)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)

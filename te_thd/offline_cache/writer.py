@@ -33,7 +33,7 @@ from te_thd.offline_cache.format import (
     shard_path,
 )
 from te_thd.offline_cache.lengths import LENGTH_RULE_KEY, LengthRule, for_tensor
-from te_thd.offline_cache.shardfile import ShardRecord, write_shard_file
+from te_thd.offline_cache.shardfile import ShardRecord, write_shard_file, write_shard_pieces
 
 WriteShardFn = Callable[[str, int, dict[str, torch.Tensor]], str]
 
@@ -157,10 +157,10 @@ class DurableShardWriter:
     write, fsync, rename) runs on that thread: the call validates ``samples`` and
     returns, so the caller computes the next shard meanwhile (at most two shards
     queued). The caller must then not modify the tensors it passed. In this mode
-    ``samples[key]`` may also be a list of ``[n_i, ...]`` pieces, concatenated on
-    the thread (``takes_pieces``: te_thd's shard accumulator hands over the
-    batches of a shard that way instead of concatenating them on the compute
-    thread). Call :meth:`flush` (or
+    ``samples[key]`` may also be a list of ``[n_i, ...]`` pieces, stored
+    concatenated on dim 0 but written straight from the pieces, never joined in
+    memory (``takes_pieces``: te_thd's shard accumulator hands over the batches
+    of a shard that way). Call :meth:`flush` (or
     leave the ``with`` block) before relying on the files or on ``records``, e.g.
     before writing the manifest; a write error is raised by the next call,
     ``flush`` or ``close``.
@@ -213,8 +213,7 @@ class DurableShardWriter:
         return self.length_rule
 
     def _submit_write(self, cache_dir: str, shard_index: int, samples: Mapping[str, Any]) -> str:
-        """Validate now, concatenate and write on the commit thread; the record lands in
-        ``records`` once written."""
+        """Validate now, write on the commit thread; the record lands in ``records`` once written."""
         if samples and all(isinstance(samples.get(k), list) for k in self.keys):
             pieces = [{k: samples[k][j] for k in self.keys} for j in range(len(samples[self.keys[0]]))]
         else:
@@ -229,8 +228,11 @@ class DurableShardWriter:
         final = shard_path(cache_dir, shard_index)
 
         def write(tmp: str) -> None:
-            tensors = {k: checked[0][k] if len(checked) == 1 else torch.cat([p[k] for p in checked]) for k in self.keys}
-            self.records[shard_index] = with_lengths(write_shard_file(tmp, tensors), tensors, rule)
+            parts = {k: [p[k] for p in checked] for k in self.keys}
+            record = write_shard_pieces(tmp, parts)
+            if rule is not None:  # only the length key is joined (one small tensor)
+                record = with_lengths(record, {rule.key: torch.cat(parts[rule.key])}, rule)
+            self.records[shard_index] = record
 
         assert self._committer is not None
         self._committer.submit_write(final, write)
