@@ -72,13 +72,17 @@ def _tensor(dtype: torch.dtype, shape: tuple[int, ...], seed: int) -> torch.Tens
 # -- shard bytes --------------------------------------------------------------------------
 
 
+#: tensor name -> (dtype, trailing shape) of a shard's keys
+SHARD_ENTRIES = st.dictionaries(
+    st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), min_size=1, max_size=6),
+    st.tuples(st.sampled_from(DTYPES), st.lists(st.integers(0, 4), min_size=0, max_size=2)),
+    min_size=1,
+    max_size=5,
+)
+
+
 @given(
-    entries=st.dictionaries(
-        st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), min_size=1, max_size=6),
-        st.tuples(st.sampled_from(DTYPES), st.lists(st.integers(0, 4), min_size=0, max_size=2)),
-        min_size=1,
-        max_size=5,
-    ),
+    entries=SHARD_ENTRIES,
     rows=st.integers(0, 4),
     seed=st.integers(0, 2**16),
 )
@@ -129,12 +133,7 @@ def test_plain_shard_file_is_byte_identical_to_save_file(tmp_path_factory, entri
 
 
 @given(
-    entries=st.dictionaries(
-        st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), min_size=1, max_size=4),
-        st.tuples(st.sampled_from(DTYPES), st.lists(st.integers(0, 3), min_size=0, max_size=2)),
-        min_size=1,
-        max_size=3,
-    ),
+    entries=SHARD_ENTRIES,
     splits=st.lists(st.integers(0, 3), min_size=1, max_size=4),
     seed=st.integers(0, 2**16),
 )
