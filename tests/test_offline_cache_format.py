@@ -141,12 +141,10 @@ def test_shard_pieces_write_the_bytes_of_the_concatenation(tmp_path_factory, ent
     """A shard written from dim-0 pieces (some empty) is byte-identical to the shard of their
     concatenation: same header, row sums seeded by the shard row index, same record."""
     d = tmp_path_factory.mktemp("pieces")
-    pieces = {
-        k: [_tensor(dt, (n, *shape), seed + 7 * i + j) for j, n in enumerate(splits)]
-        for i, (k, (dt, shape)) in enumerate(entries.items())
-    }
+    full = {k: _tensor(dt, (sum(splits), *shape), seed + i) for i, (k, (dt, shape)) in enumerate(entries.items())}
+    pieces = {k: list(t.split(splits)) for k, t in full.items()}
     record = write_shard_pieces(str(d / "pieces.safetensors"), pieces)
-    joined = write_shard_file(str(d / "joined.safetensors"), {k: torch.cat(v) for k, v in pieces.items()})
+    joined = write_shard_file(str(d / "joined.safetensors"), full)
     assert (d / "pieces.safetensors").read_bytes() == (d / "joined.safetensors").read_bytes()
     assert record == joined
 

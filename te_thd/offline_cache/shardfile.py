@@ -199,8 +199,9 @@ def write_shard_pieces(
 ) -> ShardRecord:
     """:func:`write_shard_file` of ``{key: torch.cat(pieces[key])}``, written from the pieces.
 
-    The file bytes are identical to concatenating first; the pieces go to the
-    file (and the checksums) straight from their own memory, so a shard buffered
+    Each key's data is its pieces' bytes back to back (dim 0), the same file as
+    concatenating first; the pieces go to the file (and the checksums) straight
+    from their own memory, so a shard buffered
     as a list of batches is never copied into a fresh shard-sized tensor: that
     copy, page faults included, would cost about as much as the file write itself.
     """
