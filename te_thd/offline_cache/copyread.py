@@ -282,22 +282,22 @@ class _Batch:
     """
 
     def __init__(self, pieces: Sequence[Piece]) -> None:
-        self._todo: deque[Piece] = deque(pieces)
+        self._left: deque[Piece] = deque(pieces)
         self.errors: list[BaseException] = []
 
     def drain(self) -> None:
         """Read pieces until none is left; on a failure record it and drop the rest."""
-        todo = self._todo
+        left = self._left
         while True:
             try:
-                piece = todo.popleft()
+                piece = left.popleft()
             except IndexError:
                 return
             try:
                 read_piece(piece)
             except BaseException as exc:  # noqa: BLE001 - raised by the waiting thread
                 self.errors.append(exc)
-                todo.clear()
+                left.clear()
                 return
 
 
