@@ -619,12 +619,6 @@ def test_parallel_reads_in_a_child_process_start_their_own_threads(shard, fd, ho
     assert rows == want and any(n.startswith("te_thd-read") for n in child_names)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="copyread._Worker threads loop forever on their queue and hold their _Worker: a ParallelReads "
-    "(one per CachedTensorDataset and process) that is dropped leaves its helper threads running",
-)
 def test_helper_threads_end_with_their_reader(shard, fd):
     """A reader that is gone takes its helper threads with it (as a ThreadPoolExecutor
     does): a process that builds datasets over and over does not pile up threads."""

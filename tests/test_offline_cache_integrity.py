@@ -441,19 +441,10 @@ def _garble_header(path: Path) -> None:
         f.write(b"\x01")  # a control character inside the header JSON: the shard fails its open check
 
 
-_EARLY = pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="loader._read_ahead calls start_read(batch i+1) before yielding batch i, and start_read opens and "
-    "checks the shard while planning: an error there propagates before batch i is handed out",
-)
-
-
 @pytest.mark.parametrize(
     ("path", "damage"),
     [(p, d) for p in ("inline", "torch") for d in ("row", "header", "removed")]
-    + [("read_ahead", "row"), pytest.param("read_ahead", "header", marks=_EARLY),
-       pytest.param("read_ahead", "removed", marks=_EARLY)],
+    + [("read_ahead", d) for d in ("row", "header", "removed")],
 )  # fmt: skip
 def test_a_damaged_shard_stops_the_loader_at_the_same_batch_on_every_path(tmp_path: Path, damage: str, path: str) -> None:
     """Differential, ``num_workers=0``: the inline loader (with and without read-ahead)
@@ -503,12 +494,6 @@ class _WithEmpty(torch.utils.data.Dataset):
         return {"ids": torch.tensor([i, 2 * i]), "empty": torch.zeros(0)}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=ValueError,
-    reason="integrity.verify_row_bytes cuts the bytes with range(0, n * rb, rb): rows of 0 bytes make the "
-    "step 0 and every verified read raises ValueError('range() arg 3 must not be zero')",
-)
 @pytest.mark.parametrize("engine", ["preadv", "mapped"])
 def test_a_key_of_zero_size_samples_reads_back(tmp_path: Path, engine: str) -> None:
     """A key whose samples hold no elements (shape ``[0]``): written and checksummed by

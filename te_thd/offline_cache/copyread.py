@@ -309,20 +309,32 @@ class _Worker:
     """
 
     def __init__(self, name: str) -> None:
-        self._queue: queue.SimpleQueue[tuple[_Batch, Future[None]]] = queue.SimpleQueue()
-        threading.Thread(target=self._loop, name=name, daemon=True).start()
+        # the thread holds only the queue, so a dropped worker can be collected: its
+        # __del__ sends the thread the stop marker
+        self._queue: queue.SimpleQueue[tuple[_Batch, Future[None]] | None] = queue.SimpleQueue()
+        self._pid = os.getpid()
+        threading.Thread(target=_work, args=(self._queue,), name=name, daemon=True).start()
 
     def submit(self, batch: _Batch) -> Future[None]:
         done: Future[None] = Future()
         self._queue.put((batch, done))
         return done
 
-    def _loop(self) -> None:
-        while True:
-            batch, done = self._queue.get()
-            batch.drain()
-            done.set_result(None)
-            del batch, done  # while idle, hold no batch memory and no shard open
+    def __del__(self) -> None:
+        if getattr(self, "_pid", None) == os.getpid():  # a forked child has no thread to stop
+            self._queue.put(None)
+
+
+def _work(jobs: queue.SimpleQueue[tuple[_Batch, Future[None]] | None]) -> None:
+    """A helper thread's loop: drain each batch it is handed, until the stop marker."""
+    while True:
+        job = jobs.get()
+        if job is None:
+            return
+        batch, done = job
+        batch.drain()
+        done.set_result(None)
+        del job, batch, done  # while idle, hold no batch memory and no shard open
 
 
 class PendingReads:

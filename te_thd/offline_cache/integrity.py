@@ -224,7 +224,7 @@ def verify_row_bytes(
         return
     rb = view.nbytes // n
     # map() over prebuilt row views: ~40% less Python per row than an indexed loop
-    got = list(map(_hash, [view[i : i + rb] for i in range(0, n * rb, rb)], rows))
+    got = list(map(_hash, [view[i * rb : i * rb + rb] for i in range(n)], rows))
     want = list(map(expected.__getitem__, rows))
     if got == want:
         return

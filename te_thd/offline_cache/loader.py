@@ -246,7 +246,11 @@ def _read_ahead(
                 batch = current.result()
             indices = next(it, None)
             if indices is not None and step_s >= READ_AHEAD_MIN_STEP_SHARE * read_s:
-                pending = start(indices)
+                try:
+                    pending = start(indices)
+                except Exception:  # noqa: BLE001 - e.g. a damaged shard: raised by the plain read of
+                    pending = None  # this batch, once the batch before it has been handed out
+
             out = collate(batch)
             del batch
             t1 = time.perf_counter()
@@ -336,6 +340,8 @@ def build_cached_dataloader(
         raise ValueError(f"batch_size={batch_size!r} must be an int >= 1 (samples per data-parallel replica)")
     if not isinstance(num_workers, int) or num_workers < 0:
         raise ValueError(f"num_workers={num_workers!r} must be an int >= 0")
+    if not isinstance(read_ahead, bool):
+        raise ValueError(f"read_ahead={read_ahead!r} must be True or False")
     if (dp_rank is None) != (dp_size is None):
         raise ValueError(f"pass dp_rank and dp_size together (got dp_rank={dp_rank!r}, dp_size={dp_size!r})")
     if dp_size is None:
@@ -396,7 +402,7 @@ def build_cached_dataloader(
         drop_last=drop_last and not balance,
         **worker_kwargs,
     )
-    loader.read_ahead = bool(read_ahead)
+    loader.read_ahead = read_ahead
     if resume_state is not None:
         loader.load_state_dict(resume_state)
     return loader

@@ -312,6 +312,19 @@ class CachedTensorDataset(Dataset):
         self._reset_process_state()
 
     @property
+    def parallel_min_bytes(self) -> int:
+        return self._parallel_min_bytes
+
+    @parallel_min_bytes.setter
+    def parallel_min_bytes(self, value: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(
+                f"parallel_min_bytes={value!r} must be an int >= 0 (bytes from which a batch is shared "
+                "among the read_threads; 0: every batch of two pieces or more)"
+            )
+        self._parallel_min_bytes = value
+
+    @property
     def copy_engine(self) -> str:
         return self._copy_engine
 
@@ -414,9 +427,8 @@ class CachedTensorDataset(Dataset):
         return handle
 
     def _unreadable(self, path: str, exc: BaseException) -> CacheIntegrityError:
-        return CacheIntegrityError(
-            f"shard {path} cannot be read by safetensors ({exc}). {self._repair}", path=path
-        )
+        by = "" if isinstance(exc, ReadError) else " by safetensors"
+        return CacheIntegrityError(f"shard {path} cannot be read{by} ({exc}). {self._repair}", path=path)
 
     def _shard_views(self, shard_index: int) -> tuple[dict[str, torch.Tensor], ShardSums | None]:
         """``{key: [rows, *sample_shape] tensor}`` memory-mapped over shard ``shard_index``, and its sums."""
