@@ -351,24 +351,24 @@ def _threaded_ds(d: Path, threads: int) -> CachedTensorDataset:
 
 
 def _record_verifiers(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str, list[int], bool]]:
-    """Wrap the reader's ``verify_row_bytes`` (the real check still runs) to log
+    """Wrap the reader's ``verify_rows`` (the real check still runs) to log
     ``(thread name, key, shard rows, passed)`` per call."""
     import threading
 
     import te_thd.offline_cache.reader as reader
 
     log: list[tuple[str, str, list[int], bool]] = []
-    real = reader.verify_row_bytes
+    real = reader.verify_rows
 
-    def verify(view, rows, expected, **kw):
+    def verify(data, rows, expected, **kw):
         try:
-            real(view, rows, expected, **kw)
+            real(data, rows, expected, **kw)
         except CacheIntegrityError:
             log.append((threading.current_thread().name, kw["key"], list(rows), False))
             raise
         log.append((threading.current_thread().name, kw["key"], list(rows), True))
 
-    monkeypatch.setattr(reader, "verify_row_bytes", verify)
+    monkeypatch.setattr(reader, "verify_rows", verify)
     return log
 
 

@@ -62,7 +62,7 @@ from .copyread import (
 )
 from .errors import CacheIntegrityError, UnverifiedCacheWarning, repair_hint
 from .format import TensorSpec, load_safetensors, manifest_path, shard_path, shard_rows
-from .integrity import ShardSums, verify_row_bytes, verify_rows
+from .integrity import ShardSums, verify_rows
 from .manifest import manifest_schema, read_manifest
 from .shardfile import HeaderEntry, ShardHeader, check_shard_header
 from .verify import check_cache_files, requires_shard_sums
@@ -575,7 +575,7 @@ class CachedTensorDataset(Dataset):
         pieces: list[Piece] = []
         mapped: list[tuple[int, np.ndarray, np.ndarray | None, list[str]]] = []
         for shard, local, pos in groups:
-            self._plan_rows(shard, local, pos, raw, chunk, pieces, mapped)
+            self._plan_rows(shard, local, pos, out, raw, chunk, pieces, mapped)
 
         def gather() -> None:
             for shard, local, pos, keys in mapped:
@@ -593,11 +593,13 @@ class CachedTensorDataset(Dataset):
         return reads
 
     def _plan_rows(
-        self, shard: int, local: np.ndarray, pos: np.ndarray | None, raw: dict[str, memoryview], chunk: int,
-        pieces: list[Piece], mapped: list[tuple[int, np.ndarray, np.ndarray | None, list[str]]],
+        self, shard: int, local: np.ndarray, pos: np.ndarray | None, out: dict[str, torch.Tensor],
+        raw: dict[str, memoryview], chunk: int, pieces: list[Piece],
+        mapped: list[tuple[int, np.ndarray, np.ndarray | None, list[str]]],
     ) -> None:  # fmt: skip
         """Plan copying rows ``local`` (int64 ``[m]``) of shard ``shard`` into batch rows ``pos``
-        (int64 ``[m]``; None: ``0..m-1``) of every key's batch tensor (whose bytes are ``raw[key]``).
+        (int64 ``[m]``; None: ``0..m-1``) of every key's batch tensor ``out[key]`` (whose bytes
+        are ``raw[key]``).
 
         Keys read with ``preadv`` add their pieces to ``pieces`` (each piece of at most
         ``chunk`` bytes, 0: no limit, verified right after it is read, by the thread that
@@ -633,12 +635,11 @@ class CachedTensorDataset(Dataset):
             after = None
             if check:
                 expected = sums.sums[key]  # type: ignore[union-attr]
-                view = raw[key]
 
-                def after(p: int, first: int, m: int, key: str = key, view: memoryview = view,
-                          expected: Sequence[int] = expected, rb: int = row_bytes) -> None:  # fmt: skip
-                    verify_row_bytes(
-                        view[p * rb : (p + m) * rb], range(first, first + m), expected,
+                def after(p: int, first: int, m: int, key: str = key, dst: torch.Tensor = out[key],
+                          expected: Sequence[int] = expected) -> None:  # fmt: skip
+                    verify_rows(
+                        dst[p : p + m], range(first, first + m), expected,
                         path=path, key=key, first_sample=shard * self.shard_size, repair=self._repair,
                     )  # fmt: skip
 
@@ -676,7 +677,7 @@ class CachedTensorDataset(Dataset):
         if sums is None or not self.verify:
             return _take(view, local, run, dst)
         n = local.size
-        row_bytes = max(1, view[0].numel() * view.element_size()) if view.shape[0] else 1
+        row_bytes = max(1, view.numel() * view.element_size() // view.shape[0]) if view.shape[0] else 1
         step = max(1, VERIFY_CHUNK_BYTES // row_bytes)
         if step >= n:
             out = _take(view, local, run, dst)
