@@ -237,3 +237,24 @@ def test_a_pending_batch_dropped_unread_is_finished_before_its_buffers_are_reuse
         ds.start_read(list(range(0, 8)))  # dropped at once: waits in __del__
         got = ds.__getitems__(list(range(8, 16)))  # may get the same buffers
         assert torch.equal(got.tensors["hidden"], want["hidden"][8:16])
+
+
+def test_engine_choice(cache):
+    """``auto``: a key whose runs average at least ``preadv_min_run_bytes`` uses preadv, and
+    one-run keys join it; with no such key every key is gathered; forced engines decide alone.
+    Here ``hidden`` rows are 48 bytes, ``ids`` rows 40."""
+    ds = CachedTensorDataset(cache, "test", 1, KEYS)
+    entries = ds._shard_file(0).header.entries
+    seq, scattered = np.arange(0, 4), np.array([0, 2, 5, 7])
+    ds.preadv_min_run_bytes = 48  # hidden rows reach it, ids rows do not
+    assert ds._engines(scattered, None, entries) == {"hidden": True, "ids": False}
+    assert ds._engines(seq, None, entries) == {"hidden": True, "ids": True}  # one run rides along
+    assert ds._engines(seq, np.array([3, 0, 1, 2]), entries) == {"hidden": True, "ids": True}  # one file run of 160 B
+    ds.preadv_min_run_bytes = 1 << 20  # no key reaches it
+    assert ds._engines(seq, None, entries) == {"hidden": False, "ids": False}
+    ds.preadv_min_run_bytes = 100  # ids: 4 rows x 40 B in one run = 160 >= 100: preadv by bytes
+    assert ds._engines(seq, None, entries) == {"hidden": True, "ids": True}
+    assert ds._engines(scattered, None, entries) == {"hidden": False, "ids": False}  # 4 runs of 40-48 B
+    for engine in ("preadv", "mapped"):
+        ds.copy_engine = engine
+        assert ds._engines(scattered, None, entries) == dict.fromkeys(KEYS, engine == "preadv")
