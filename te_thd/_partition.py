@@ -205,6 +205,8 @@ def partition_np(
     proves every boundary (so every padded length) a multiple of ``2*cp``, and
     ``ndarray.repeat`` rejects the negative run of a decreasing array.
     """
+    if cu.ndim != 1:  # [[0]] would pass the checks below: .item(0) / .item(-1) read flat
+        return None
     n = cu.shape[0] - 1  # sequences
     # (.item: Python ints, cheaper than numpy scalars)
     if total_tokens % (2 * cp_size) or n < 0 or cu.item(0) != 0 or cu.item(-1) != total_tokens:

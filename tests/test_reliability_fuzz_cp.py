@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 from _fuzz_support import EITHER, FUZZ, INVALID, VALID, expect
 from hypothesis import given
@@ -368,3 +369,16 @@ def test_fuzz_shard_thd_batch_for_cp(drawn) -> None:
         if k not in (*_TOKEN_KEYS, *extra, "position_ids"):
             assert out[k] is v, k
     assert out["cp_size"] == cp and out["cp_rank"] == rank
+
+
+def test_two_d_boundaries_with_no_tokens_are_refused() -> None:
+    """Found by the fuzzer: ``[[0]]`` padded boundaries and an empty batch passed the host
+    fast path (its end checks read the flattened array) and were sharded silently."""
+    batch = {
+        "input_ids": torch.tensor([], dtype=torch.int64),
+        "qkv_format": "thd",
+        "cu_seqlens_padded": torch.tensor([[0]]),
+        "cu_seqlens": torch.tensor([0, 1], dtype=torch.int32),
+    }
+    with pytest.raises(ValueError, match=r"cu_seqlens_padded must be 1-D \[N\+1\], got shape \(1, 1\)"):
+        tcp.shard_thd_batch_for_cp(batch, 2, 0)
