@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from crash_test import IndexDataset
+
 #: Areas in the order the docs table lists them (the path a batch takes, then the cache).
 AREAS = ("THD", "CP", "packing", "attention", "cache", "CLI")
 
@@ -615,17 +617,6 @@ CASES.extend(_attention_rows())
 _CLEAN_CACHE: list[Path] = []
 
 
-class _Index:
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int) -> dict[str, int]:
-        return {"idx": i}
-
-
 def _compute(batch: Any) -> dict[str, Any]:
     import torch
 
@@ -642,7 +633,7 @@ def _produce(out: Path, n: int = 6, shard_size: int = 2, **kw: Any) -> Any:
     kw.setdefault("options", {"cp_size": 2})
     loader = kw.pop("loader", None)
     if loader is None:
-        loader = DataLoader(_Index(n), batch_size=2)
+        loader = DataLoader(IndexDataset(n), batch_size=2)
     return produce_cache(loader, str(out), shard_size, kw.pop("compute", _compute), progress=False, **kw)
 
 
@@ -1102,7 +1093,7 @@ def _more_cache_rows() -> list[BadInput]:
         from torch.utils.data import DataLoader
 
         return oc.write_cache_shards_distributed(
-            DataLoader(_Index(6), batch_size=2), str(tmp / "out"), 2, 1, 0, _compute,
+            DataLoader(IndexDataset(6), batch_size=2), str(tmp / "out"), 2, 1, 0, _compute,
             lambda d, i, s: oc.write_tensor_shard(d, i, s, ("hidden", "input_ids"), "offline"),
             logging.getLogger("te_thd.catalogue"), sync_max_steps=lambda steps: 0)
 

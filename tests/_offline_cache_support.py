@@ -42,19 +42,6 @@ def sample_tensors(num_samples: int, width: int = 8, seed: int = 0, hidden: int 
     return out
 
 
-class IndexDataset(torch.utils.data.Dataset):
-    """``n`` samples ``{"i": i}``: the input of a producer whose ``compute_batch`` builds rows from ``i``."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, i: int) -> dict[str, int]:
-        return {"i": i}
-
-
 class _Rows(torch.utils.data.Dataset):
     def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
         self.tensors = tensors

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _offline_cache_support import IndexDataset
+from crash_test import IndexDataset
 from hypothesis import given
 from hypothesis import strategies as st
 from safetensors import safe_open
@@ -53,7 +53,7 @@ def _rows(start: int, n: int) -> dict[str, torch.Tensor]:
 
 
 def _compute(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    rows = [_rows(int(i), 1) for i in batch["i"]]
+    rows = [_rows(int(i), 1) for i in batch["idx"]]
     return {k: torch.cat([r[k] for r in rows]) for k in KEYS}
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from _offline_cache_support import IndexDataset
+from crash_test import IndexDataset
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
@@ -37,7 +37,7 @@ N, SHARD = 40, 8
 
 
 def _compute(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    i = batch["i"].to(torch.int64)
+    i = batch["idx"].to(torch.int64)
     return {
         "hidden": torch.sin(i[:, None, None] * 0.3 + torch.arange(24).view(1, 4, 6)).to(torch.bfloat16),
         "ids": i[:, None] * 7 + torch.arange(5),
