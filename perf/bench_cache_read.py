@@ -222,7 +222,7 @@ def _raw_preadv(cache_dir: str, keys: tuple[str, ...], batch: int, shuffle: bool
     from concurrent.futures import ThreadPoolExecutor
 
     pool = ThreadPoolExecutor(threads - 1)
-    split = [split_even(jobs, threads, lambda job: job[1][0].nbytes) or [[]] for jobs in per_batch]
+    split = [split_even(jobs, threads, lambda job: job[1][0].nbytes) for jobs in per_batch]
 
     def read_threaded() -> int:
         for parts in split:

@@ -247,14 +247,14 @@ def test_engine_choice(cache):
     entries = ds._shard_file(0).header.entries
     seq, scattered = np.arange(0, 4), np.array([0, 2, 5, 7])
     ds.preadv_min_run_bytes = 48  # hidden rows reach it, ids rows do not
-    assert ds._engines(scattered, None, entries) == {"hidden": True, "ids": False}
-    assert ds._engines(seq, None, entries) == {"hidden": True, "ids": True}  # one run rides along
-    assert ds._engines(seq, np.array([3, 0, 1, 2]), entries) == {"hidden": True, "ids": True}  # one file run of 160 B
+    assert ds._engines(scattered, None, entries)[0] == {"hidden": True, "ids": False}
+    assert ds._engines(seq, None, entries)[0] == {"hidden": True, "ids": True}  # one run rides along
+    assert ds._engines(seq, np.array([3, 0, 1, 2]), entries)[0] == {"hidden": True, "ids": True}  # one file run of 160 B
     ds.preadv_min_run_bytes = 1 << 20  # no key reaches it
-    assert ds._engines(seq, None, entries) == {"hidden": False, "ids": False}
+    assert ds._engines(seq, None, entries)[0] == {"hidden": False, "ids": False}
     ds.preadv_min_run_bytes = 100  # ids: 4 rows x 40 B in one run = 160 >= 100: preadv by bytes
-    assert ds._engines(seq, None, entries) == {"hidden": True, "ids": True}
-    assert ds._engines(scattered, None, entries) == {"hidden": False, "ids": False}  # 4 runs of 40-48 B
+    assert ds._engines(seq, None, entries)[0] == {"hidden": True, "ids": True}
+    assert ds._engines(scattered, None, entries)[0] == {"hidden": False, "ids": False}  # 4 runs of 40-48 B
     for engine in ("preadv", "mapped"):
         ds.copy_engine = engine
-        assert ds._engines(scattered, None, entries) == dict.fromkeys(KEYS, engine == "preadv")
+        assert ds._engines(scattered, None, entries)[0] == dict.fromkeys(KEYS, engine == "preadv")

@@ -55,6 +55,7 @@ from .copyread import (
     PendingReads,
     Piece,
     ReadError,
+    RunPlan,
     default_read_threads,
     new_tensor,
     plan_pieces,
@@ -608,8 +609,7 @@ class CachedTensorDataset(Dataset):
         f = self._shard_file(shard)
         path, fd, entries, sums = f.path, f.fd, f.header.entries, f.header.sums
         check = sums is not None and self.verify
-        plan = None
-        engines = self._engines(local, pos, entries)
+        engines, plan = self._engines(local, pos, entries)
         gather: list[str] = []
         for key in self._disk_keys:
             e = entries[key]
@@ -633,8 +633,11 @@ class CachedTensorDataset(Dataset):
         if gather:
             mapped.append((shard, local, pos, gather))
 
-    def _engines(self, local: np.ndarray, pos: np.ndarray | None, entries: dict[str, HeaderEntry]) -> dict[str, bool]:
-        """``{key: read with preadv}`` for rows ``local`` -> batch rows ``pos`` of one shard.
+    def _engines(
+        self, local: np.ndarray, pos: np.ndarray | None, entries: dict[str, HeaderEntry]
+    ) -> tuple[dict[str, bool], RunPlan | None]:
+        """``{key: read with preadv}`` for rows ``local`` -> batch rows ``pos`` of one shard,
+        and the run plan if counting the runs needed one (the preadv pieces reuse it).
 
         ``copy_engine`` ``"preadv"`` / ``"mapped"`` decide alone. ``"auto"``: a key goes
         through ``preadv`` when its runs of consecutive file rows average at least
@@ -644,9 +647,9 @@ class CachedTensorDataset(Dataset):
         cost shared by all keys: measured 6% faster for small sequential rows).
         """
         if self.copy_engine != "auto":
-            return dict.fromkeys(self._disk_keys, self.copy_engine == "preadv")
+            return dict.fromkeys(self._disk_keys, self.copy_engine == "preadv"), None
         limit = self.preadv_min_run_bytes
-        runs: int | None = None  # the same row pattern for every key: counted at most once
+        plan: RunPlan | None = None  # the same row pattern for every key: planned at most once
         out: dict[str, bool] = {}
         for key in self._disk_keys:
             e = entries[key]
@@ -654,12 +657,12 @@ class CachedTensorDataset(Dataset):
             use = row_bytes >= limit
             # the run count is only needed when the bounds 1 <= runs <= m leave it open
             if not use and row_bytes * local.size >= limit:
-                runs = runs if runs is not None else plan_runs(local, pos).num_runs
-                use = row_bytes * local.size >= limit * runs
+                plan = plan or plan_runs(local, pos)
+                use = row_bytes * local.size >= limit * plan.num_runs
             out[key] = use
         if any(out.values()) and _is_run(local) and (pos is None or _is_run(pos)):
-            return dict.fromkeys(self._disk_keys, True)
-        return out
+            return dict.fromkeys(self._disk_keys, True), plan
+        return out, plan
 
     def _gather_rows(self, shard: int, local: np.ndarray, pos: np.ndarray | None, out: dict[str, torch.Tensor]) -> None:
         """Copy rows ``local`` of shard ``shard`` into batch rows ``pos`` (None: ``0..m-1``) of
