@@ -18,14 +18,18 @@ filesystems flock needs lock support (NFSv4; Lustre mounted with ``-o flock``).
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import fcntl
 import json
 import os
+import queue
 import re
 import secrets
 import socket
+import threading
 from collections.abc import Callable
+from typing import NamedTuple
 
 from te_thd.offline_cache.errors import CacheLockError
 
@@ -56,6 +60,27 @@ def fsync_dir(directory: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+_SYNC_FILE_RANGE_WRITE = 2  # <fcntl.h>: start writeback of dirty pages in the range, do not wait
+_sync_file_range: Callable[..., int] | None | bool = False  # False: not looked up yet
+
+
+def start_writeback(fd: int, offset: int, nbytes: int) -> None:
+    """Start writing ``nbytes`` at ``offset`` of ``fd`` to disk now, without waiting (Linux
+    ``sync_file_range(SYNC_FILE_RANGE_WRITE)``; a no-op elsewhere). A hint, not durability: the
+    file is still fsynced before it is committed."""
+    global _sync_file_range
+    if _sync_file_range is False:
+        try:
+            fn = ctypes.CDLL(None).sync_file_range
+            fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+            fn.restype = ctypes.c_int
+            _sync_file_range = fn
+        except (OSError, AttributeError):
+            _sync_file_range = None
+    if _sync_file_range is not None and nbytes > 0:
+        _sync_file_range(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)  # errors (e.g. EINVAL on a pipe) ignored
 
 
 def write_temp(path: str, write_fn: Callable[[str], None]) -> str:
@@ -111,65 +136,116 @@ def atomic_write(path: str, write_fn: Callable[[str], None]) -> str:
     return commit_temp(write_temp(path, write_fn), path)
 
 
+class _Job(NamedTuple):
+    """One job of :class:`BackgroundCommitter`: run ``task``, then commit a temp file as ``path``."""
+
+    path: str | None  # the name to commit; None: a task that commits nothing
+    tmp_path: str | None  # an already written temp file
+    write_fn: Callable[[str], None] | None  # writes a fresh temp file (instead of tmp_path)
+    task: Callable[[], None] | None  # runs first (e.g. writes the last piece of a streamed file)
+    on_drop: Callable[[], None] | None  # runs instead when an earlier job failed
+    nbytes: int  # memory the job holds until it is done (counted against max_pending_bytes)
+
+
 class BackgroundCommitter:
     """Finishes a stream of durable file writes on one background thread, in order.
 
-    Two kinds of job, committed in submission order:
+    Three kinds of job, run in submission order:
 
     - :meth:`submit` (a temp file the caller already wrote): fsync it and rename it
       into place. The caller serialises shard ``k+1`` while the disk flushes shard
       ``k``.
     - :meth:`submit_write` (the whole write): ``write_fn(tmp)`` writes a fresh temp
-      file on the thread, then fsync and rename as above. The caller only waits
-      when ``max_pending`` jobs are queued, so a producer computes shard ``k+1``
-      while shard ``k`` is serialised, written and flushed (file writes, fsync and
-      hashing release the GIL).
+      file on the thread, then fsync and rename as above. A producer computes
+      shard ``k+1`` while shard ``k`` is serialised, written and flushed (file
+      writes, fsync and hashing release the GIL).
+    - :meth:`submit_task` (part of a write, e.g. one batch of a streamed shard):
+      ``task()`` runs on the thread; :meth:`submit` with ``before=`` finishes
+      such a file and commits it.
 
     Each file is renamed only after its own fsync; the directory is fsynced
     whenever the queue runs empty and on :meth:`flush`, so consecutive renames
-    share one directory fsync. ``submit*`` block while ``max_pending`` jobs wait
-    (bounding the memory of queued shards and the dirty page cache); the first
-    error of the thread is raised by the next ``submit*`` or by ``flush`` /
-    ``close``, and every job after it is dropped (its temp file removed). Killed
-    mid-way, the process leaves temp files of uncommitted shards, which the next
-    producer removes and recomputes: the crash-safety of :func:`atomic_write`.
+    share one directory fsync. ``submit*`` block while ``max_pending`` jobs wait,
+    or while the jobs not yet done hold ``max_pending_bytes`` (when set; a job
+    larger than the budget runs alone), bounding the memory of queued data and
+    the dirty page cache. The first error of the thread is raised by the next
+    ``submit*`` or by ``flush`` / ``close``, and every job after it is dropped
+    (its temp file removed, its ``on_drop`` called). Killed mid-way, the process
+    leaves temp files of uncommitted shards, which the next producer removes and
+    recomputes: the crash-safety of :func:`atomic_write`.
+
+    ``writer_priority="idle"`` runs the thread at ``SCHED_IDLE`` while no caller waits
+    on it, so the caller's thread preempts it on wake-up
+    (:class:`~te_thd.offline_cache.hostmem.WriterPriority`; normal priority where
+    the host does not allow it, and whenever a ``submit*`` or ``flush`` waits).
     """
 
-    def __init__(self, max_pending: int = 2) -> None:
-        import queue
-        import threading
+    def __init__(
+        self, max_pending: int = 2, writer_priority: str = "normal", max_pending_bytes: int | None = None
+    ) -> None:
+        from te_thd.offline_cache.hostmem import WriterPriority
 
-        self._queue: queue.Queue[tuple[str | None, str, Callable[[str], None] | None] | None] = queue.Queue(
-            maxsize=max_pending
-        )
+        self.priority = WriterPriority(writer_priority)
+        self._queue: queue.Queue[_Job | None] = queue.Queue(maxsize=max_pending)
+        self.max_pending_bytes = max_pending_bytes
+        # pending bytes = queued - done; each counter has one writing thread, so the hot path takes
+        # no lock shared with the writer (a contended lock costs ~15 us of thread handoff here)
+        self._queued_bytes = 0
+        self._done_bytes = 0
+        self._budget = threading.Condition()
+        self._budget_waiters = 0
         self._error: BaseException | None = None
         self._dirty: set[str] = set()
         self._thread = threading.Thread(target=self._run, name="te_thd-commit", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
+        self.priority.attach()
         while True:
-            item = self._queue.get()
+            job = self._queue.get()
+            if job is None:
+                self._queue.task_done()
+                return
+            nbytes = job.nbytes
             try:
-                if item is None:
-                    return
-                tmp_path, path, write_fn = item
+                self.priority.job_started()
                 if self._error is not None:
-                    if tmp_path is not None:
-                        _unlink_quietly(tmp_path)
+                    if job.on_drop is not None:
+                        job.on_drop()
+                    elif job.tmp_path is not None:
+                        _unlink_quietly(job.tmp_path)
                     continue
                 try:
-                    if write_fn is not None:
-                        tmp_path = write_temp(path, write_fn)
-                    assert tmp_path is not None
-                    commit_temp(tmp_path, path, fsync_directory=False)
-                    self._dirty.add(os.path.dirname(path) or ".")
-                    if self._queue.empty():
-                        self._sync_dirs()
+                    if job.task is not None:
+                        job.task()
+                    path, tmp_path, write_fn = job.path, job.tmp_path, job.write_fn
+                    job = None
+                    if path is not None:
+                        if write_fn is not None:
+                            tmp_path = write_temp(path, write_fn)
+                        # drop what the job held (a shard's tensors) before the fsync wait: the
+                        # producer's next batches reuse that memory while it is still mapped
+                        write_fn = None
+                        self._release(nbytes)
+                        nbytes = 0
+                        assert tmp_path is not None
+                        commit_temp(tmp_path, path, fsync_directory=False)
+                        self._dirty.add(os.path.dirname(path) or ".")
+                        if self._queue.empty():
+                            self._sync_dirs()
                 except BaseException as exc:  # surfaced by submit()/flush()
                     self._error = exc
             finally:
+                job = write_fn = None  # nothing of a finished job outlives it while the queue is idle
+                self._release(nbytes)
                 self._queue.task_done()
+
+    def _release(self, nbytes: int) -> None:
+        if nbytes:
+            self._done_bytes += nbytes
+            if self._budget_waiters:
+                with self._budget:
+                    self._budget.notify_all()
 
     def _sync_dirs(self) -> None:
         while self._dirty:
@@ -179,30 +255,67 @@ class BackgroundCommitter:
         if self._error is not None:
             raise self._error
 
-    def submit(self, tmp_path: str, path: str) -> None:
-        """Queue ``tmp_path`` (already written) to be committed as ``path``."""
-        self._raise_error()
-        self._queue.put((tmp_path, path, None))
+    def _over_budget(self, nbytes: int) -> bool:
+        limit = self.max_pending_bytes
+        pending = self._queued_bytes - self._done_bytes
+        return limit is not None and pending > 0 and pending + nbytes > limit
 
-    def submit_write(self, path: str, write_fn: Callable[[str], None]) -> None:
+    def _put(self, job: _Job) -> None:
+        self._raise_error()
+        if job.nbytes and self._over_budget(job.nbytes):
+            with self.priority.waiting(), self._budget:  # the caller waits: no idle priority meanwhile
+                self._budget_waiters += 1
+                try:
+                    while self._over_budget(job.nbytes) and self._error is None:
+                        self._budget.wait(0.05)  # the timeout bounds a wake-up lost to the lock-free check
+                finally:
+                    self._budget_waiters -= 1
+            self._raise_error()
+        self._queued_bytes += job.nbytes
+        if self._queue.full():
+            with self.priority.waiting():
+                self._queue.put(job)
+        else:
+            self._queue.put(job)
+
+    def submit(
+        self,
+        tmp_path: str,
+        path: str,
+        before: Callable[[], None] | None = None,
+        on_drop: Callable[[], None] | None = None,
+    ) -> None:
+        """Queue ``tmp_path`` to be committed as ``path``, after ``before()`` ran on the thread.
+
+        ``on_drop`` replaces removing ``tmp_path`` when an earlier job failed.
+        """
+        self._put(_Job(path, tmp_path, None, before, on_drop, 0))
+
+    def submit_write(self, path: str, write_fn: Callable[[str], None], nbytes: int = 0) -> None:
         """Queue the whole durable write of ``path``: ``write_fn(tmp)`` runs on the thread.
 
-        Whatever ``write_fn`` reads (e.g. the tensors of a shard) must not change
-        until the job is done (:meth:`flush`).
+        Whatever ``write_fn`` reads (e.g. the tensors of a shard, ``nbytes`` of
+        memory) must not change until the job is done (:meth:`flush`).
         """
-        self._raise_error()
-        self._queue.put((None, path, write_fn))
+        self._put(_Job(path, None, write_fn, None, None, nbytes))
+
+    def submit_task(self, task: Callable[[], None], on_drop: Callable[[], None] | None = None, nbytes: int = 0) -> None:
+        """Queue ``task()`` (holding ``nbytes`` of memory until it ran); ``on_drop()`` runs instead
+        when an earlier job failed."""
+        self._put(_Job(None, None, None, task, on_drop, nbytes))
 
     def flush(self) -> None:
         """Wait until every submitted file is fsynced, renamed and its directory fsynced."""
-        self._queue.join()
+        with self.priority.waiting():
+            self._queue.join()
         self._raise_error()
         self._sync_dirs()
 
     def close(self) -> None:
         """Commit what is queued, stop the thread, raise a pending error."""
         if self._thread.is_alive():
-            self._queue.join()
+            with self.priority.waiting():
+                self._queue.join()
             self._queue.put(None)
             self._thread.join()
         self._raise_error()

@@ -61,6 +61,11 @@ def _batch_rows(batch_cache: Mapping[str, Any]) -> int:
     return rows
 
 
+def _on_cpu(t: torch.Tensor) -> torch.Tensor:
+    """``t`` detached on the CPU (``t`` itself when it already is: ``detach().to()`` costs ~3 us)."""
+    return t if t.device.type == "cpu" and not t.requires_grad else t.detach().to("cpu")
+
+
 class _ShardAccumulator:
     """Buffer per-batch cache tensors and flush them as fixed-size sequential shards.
 
@@ -71,6 +76,13 @@ class _ShardAccumulator:
     Batches are moved to the CPU as they arrive (a GPU producer does not hold a
     shard's worth of outputs in device memory) and each shard concatenates only
     the pieces it needs, so buffering is linear in the shard size.
+
+    Given the run's ``total_samples`` and a writer that streams
+    (``write_shard_fn.takes_stream``, a write-behind
+    :class:`~te_thd.offline_cache.writer.DurableShardWriter`), every shard's row
+    count is known before its first batch, so each batch goes to the writer at
+    once (``write_piece``; ``finish_shard`` when the shard is full) and nothing
+    is buffered here.
     """
 
     def __init__(
@@ -80,6 +92,7 @@ class _ShardAccumulator:
         start_shard_index: int,
         write_shard_fn: WriteShardFn,
         logger: logging.Logger,
+        total_samples: int | None = None,
     ) -> None:
         self._output_dir = output_dir
         self._shard_size = check_shard_size(shard_size)
@@ -89,6 +102,9 @@ class _ShardAccumulator:
         self._chunks: list[dict[str, torch.Tensor]] = []
         self._buffered = 0
         self.shards_written: list[int] = []
+        self._streaming = total_samples is not None and getattr(write_shard_fn, "takes_stream", False)
+        self._remaining = total_samples or 0  # streaming: samples of the run from the current shard on
+        self._keys: set[str] | None = None  # the first batch's keys; every batch returns the same
 
     @property
     def next_shard_index(self) -> int:
@@ -126,20 +142,60 @@ class _ShardAccumulator:
     def add(self, batch_cache: dict[str, torch.Tensor]) -> None:
         """Append one computed batch, flushing whole shards as they fill."""
         rows = _batch_rows(batch_cache)
-        if self._chunks and set(batch_cache) != set(self._chunks[0]):
+        if self._keys is None:
+            self._keys = set(batch_cache)
+        elif batch_cache.keys() != self._keys:
             raise SchemaError(
-                f"compute_batch returned keys {sorted(batch_cache)} after {sorted(self._chunks[0])}; "
+                f"compute_batch returned keys {sorted(batch_cache)} after {sorted(self._keys)}; "
                 "every batch must return the same keys"
             )
         if rows == 0:
             return
-        self._chunks.append({k: v.detach().to("cpu") for k, v in batch_cache.items()})
+        batch = {k: _on_cpu(v) for k, v in batch_cache.items()}
+        if self._streaming:
+            self._stream(batch, rows)
+            return
+        self._chunks.append(batch)
         self._buffered += rows
         while self._buffered >= self._shard_size:
             self._flush(self._shard_size)
 
+    def _stream(self, batch: dict[str, torch.Tensor], rows: int) -> None:
+        """Hand ``batch``'s rows to the writer now, cut at shard boundaries."""
+        writer: Any = self._write_shard_fn
+        offset = 0
+        while offset < rows:
+            shard_rows = min(self._shard_size, self._remaining)
+            if shard_rows == 0:
+                raise RuntimeError(
+                    f"compute_batch results hold more samples than the run's {self._remaining + self._buffered} "
+                    "still to come (the dataloader yielded more samples than its dataset holds)"
+                )
+            take = min(rows - offset, shard_rows - self._buffered)
+            piece = batch if take == rows else {k: v[offset : offset + take] for k, v in batch.items()}
+            writer.write_piece(self._output_dir, self._shard_index, shard_rows, piece)
+            offset += take
+            self._buffered += take
+            if self._buffered == shard_rows:
+                path = writer.finish_shard(self._output_dir, self._shard_index)
+                self._logger.info("Wrote %s (%d samples)", path, shard_rows)
+                self.shards_written.append(self._shard_index)
+                self._shard_index += 1
+                self._remaining -= shard_rows
+                self._buffered = 0
+
     def finalize(self) -> None:
         """Write the trailing partial shard, if any."""
+        if self._streaming:
+            if self._buffered:  # a writer that recorded an error drops the shard; else it is short
+                try:
+                    self._write_shard_fn.finish_shard(self._output_dir, self._shard_index)  # type: ignore[attr-defined]
+                except ValueError as exc:
+                    raise RuntimeError(
+                        f"the run ended {min(self._shard_size, self._remaining) - self._buffered} samples short "
+                        f"of shard {self._shard_index} (the dataloader yielded fewer samples than its dataset holds)"
+                    ) from exc
+            return
         self._flush()
 
 
@@ -249,7 +305,7 @@ def lockstep_write(
         )
     steps = 0
     for start_shard, start, n in runs:
-        accumulator = _ShardAccumulator(output_dir, shard_size, start_shard, write_shard_fn, logger)
+        accumulator = _ShardAccumulator(output_dir, shard_size, start_shard, write_shard_fn, logger, total_samples=n)
         for batch in _sequential_subset_loader(dataloader, start, start + n):
             out = compute_batch(batch)
             if out is not None:  # None: the caller chose not to store this batch (see produce_cache)

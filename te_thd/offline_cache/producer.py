@@ -62,6 +62,7 @@ from te_thd.offline_cache.format import (
     schema_to_json,
     shard_path,
 )
+from te_thd.offline_cache.hostmem import check_writer_priority, retained_freed_memory
 from te_thd.offline_cache.lengths import LENGTH_RULE_KEY, LengthRule, for_tensor_spec, producer_rule
 from te_thd.offline_cache.loops import (
     _batch_size,
@@ -82,7 +83,7 @@ from te_thd.offline_cache.producer_state import (
     verify_existing,
 )
 from te_thd.offline_cache.shardfile import ShardRecord
-from te_thd.offline_cache.writer import DurableShardWriter, validate_shard_tensors
+from te_thd.offline_cache.writer import DurableShardWriter, schema_of, validate_shard_tensors
 
 _log = logging.getLogger("te_thd.offline_cache")
 
@@ -167,11 +168,43 @@ class _RecordingWriter(DurableShardWriter):
     """
 
     def __init__(
-        self, keys: Sequence[str], cache_name: str, schema: CacheSchema | None, length_rule: LengthRule | None = None
-    ) -> None:
+        self, keys: Sequence[str], cache_name: str, schema: CacheSchema | None, length_rule: LengthRule | None = None,
+        writer_priority: str = "idle",
+    ) -> None:  # fmt: skip
         # write-behind: shard k is serialised, written and fsynced while k+1 is computed
-        super().__init__(keys, cache_name, schema, pipelined=True, write_behind=True, length_rule=length_rule)
+        super().__init__(keys, cache_name, schema, pipelined=True, write_behind=True, length_rule=length_rule,
+                         writer_priority=writer_priority)  # fmt: skip
         self.error: str | None = None
+
+    def check_batch(self, out: Any) -> dict[str, torch.Tensor] | None:
+        """One ``compute_batch`` result, validated against the schema (the first batch fixes it if
+        unset): the stored keys, or ``None`` after recording the first error."""
+        if self.error is not None:
+            return None
+        if not isinstance(out, Mapping):
+            self.error = f"compute_batch returned a {type(out).__name__}; it must return a dict of tensors"
+            return None
+        try:
+            checked = validate_shard_tensors(out, self.keys, self.cache_name, -1, self.schema, where="compute_batch output")
+        except SchemaError as exc:
+            self.error = str(exc)
+            return None
+        if self.schema is None:
+            self.schema = schema_of(checked)
+        return checked
+
+    def _check_pieces(self, pieces: list[Mapping[str, Any]], shard_index: int) -> list[dict[str, torch.Tensor]]:
+        # every piece is (a slice of) a batch check_batch validated against the schema
+        return [dict(p) for p in pieces]
+
+    def write_piece(self, cache_dir: str, shard_index: int, rows: int, piece: Mapping[str, Any]) -> None:
+        if self.error is None:
+            super().write_piece(cache_dir, shard_index, rows, piece)
+
+    def finish_shard(self, cache_dir: str, shard_index: int) -> str:
+        if self.error is not None:  # the shard stays unfinished; close() removes its temp file
+            return shard_path(cache_dir, shard_index)
+        return super().finish_shard(cache_dir, shard_index)
 
     def __call__(self, cache_dir: str, shard_index: int, samples: dict[str, torch.Tensor]) -> str:
         if self.error is not None:
@@ -211,6 +244,8 @@ def produce_cache(
     progress: bool | None = None,
     logger: logging.Logger | None = None,
     length_key: str | None = None,
+    writer_priority: str = "idle",
+    retain_freed_memory: bool = True,
 ) -> dict[str, Any]:
     """Produce (or finish, or reuse) the cache of ``dataloader`` in ``output_dir``; return its manifest.
 
@@ -242,9 +277,20 @@ def produce_cache(
             recorded per shard in the manifest (``te_thd.offline_cache.lengths``):
             its value when it holds one number per sample, else its non-padding
             length. Default ``input_ids`` when stored, else no lengths are recorded.
+        writer_priority: ``"idle"`` (default): the write-behind thread runs at
+            ``SCHED_IDLE`` while the compute thread does not wait on it, so it never
+            delays the compute thread's wake-ups (where the host allows a thread to
+            leave ``SCHED_IDLE`` again; else normal). ``"normal"``: default scheduling.
+        retain_freed_memory: keep the memory of written batches mapped for the next
+            batches (glibc's malloc thresholds, raised while computing; see
+            ``te_thd.offline_cache.hostmem``) instead of paying page faults for fresh
+            pages. ``False`` leaves the allocator alone.
 
     Every rank returns the same manifest dict (``read_manifest``'s view).
     """
+    check_writer_priority(writer_priority)
+    if not isinstance(retain_freed_memory, bool):
+        raise ValueError(f"retain_freed_memory={retain_freed_memory!r} must be True or False")
     job = _Job.plan(dataloader, output_dir, shard_size, keys, options, format_version, cache_name,
                     producer_name, rank, world_size, group, logger or _log, length_key)  # fmt: skip
     producer_lock = ProducerLock(output_dir) if (lock and job.comm.rank == 0) else None
@@ -254,7 +300,8 @@ def produce_cache(
             job.logger.info("%s is already a finished cache (%d samples); nothing to do", output_dir, job.num_samples)
             return finished
         records, schema, missing = job.verify_block()
-        writer = job.compute(dataloader, compute_batch, missing, schema, progress)
+        with retained_freed_memory(retain_freed_memory):
+            writer = job.compute(dataloader, compute_batch, missing, schema, progress, writer_priority)
         return job.finish({**records, **writer.records}, writer)
     finally:
         if producer_lock is not None:
@@ -356,27 +403,17 @@ class _Job:
 
     def compute(
         self, dataloader: DataLoader, compute_batch: Callable[[Any], Any], missing: Sequence[int],
-        schema: CacheSchema | None, progress: bool | None,
+        schema: CacheSchema | None, progress: bool | None, writer_priority: str = "idle",
     ) -> _RecordingWriter:  # fmt: skip
         """Compute and write the shards ``missing`` in lockstep with the other ranks."""
-        writer = _RecordingWriter(self.keys, self.cache_name, schema, self.length_rule)
+        writer = _RecordingWriter(self.keys, self.cache_name, schema, self.length_rule, writer_priority)
         runs = shard_runs(missing, self.num_samples, self.shard_size)
         bs = _batch_size(dataloader)
         global_steps = self.comm.max_int(sum(-(-n // bs) for _, _, n in runs))
         bar = _progress_bar(global_steps, progress, self.comm.rank)
 
         def compute(batch: Any) -> dict[str, torch.Tensor] | None:
-            out = compute_batch(batch)
-            if writer.error is not None:
-                return None
-            if not isinstance(out, Mapping):
-                writer.error = f"compute_batch returned a {type(out).__name__}; it must return a dict of tensors"
-                return None
-            try:
-                return validate_shard_tensors(out, self.keys, self.cache_name, -1, where="compute_batch output")
-            except SchemaError as exc:
-                writer.error = str(exc)
-                return None
+            return writer.check_batch(compute_batch(batch))
 
         try:
             lockstep_write(

@@ -20,7 +20,6 @@ import json
 import os
 import struct
 import sys
-import zlib
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -29,6 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from te_thd.offline_cache.crc import crc32 as _crc32
 from te_thd.offline_cache.errors import CacheIntegrityError
 from te_thd.offline_cache.format import (
     CHECKSUM_ALGORITHM,
@@ -161,12 +161,6 @@ def build_header(items: Sequence[tuple[str, torch.Tensor]], metadata: Mapping[st
     text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
     text += b" " * (-len(text) % 8)
     return struct.pack("<Q", len(text)) + text
-
-
-try:  # ISA-L's CRC-32: the same values as zlib.crc32, ~3-4x faster (optional dependency)
-    from isal.isal_zlib import crc32 as _crc32
-except ImportError:  # pragma: no cover - depends on the environment
-    _crc32 = zlib.crc32
 
 
 def _crc(buffers: Sequence[memoryview]) -> int:

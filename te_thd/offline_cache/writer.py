@@ -18,11 +18,12 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
+from functools import partial
 from typing import Any
 
 import torch
 
-from te_thd.offline_cache.durable import BackgroundCommitter, commit_temp, write_temp
+from te_thd.offline_cache.durable import BackgroundCommitter, commit_temp, temp_path_for, write_temp
 from te_thd.offline_cache.errors import SchemaError
 from te_thd.offline_cache.format import (
     DTYPE_TO_ST,
@@ -32,8 +33,10 @@ from te_thd.offline_cache.format import (
     schema_to_json,
     shard_path,
 )
+from te_thd.offline_cache.hostmem import check_writer_priority
 from te_thd.offline_cache.lengths import LENGTH_RULE_KEY, LengthRule, for_tensor
 from te_thd.offline_cache.shardfile import ShardRecord, write_shard_file, write_shard_pieces
+from te_thd.offline_cache.shardstream import ShardStream
 
 WriteShardFn = Callable[[str, int, dict[str, torch.Tensor]], str]
 
@@ -93,8 +96,9 @@ def validate_shard_tensors(
                 f"one of {sorted(str(d).removeprefix('torch.') for d in DTYPE_TO_ST)}"
             )
         if schema is not None:
-            want, got = schema[k], TensorSpec(t.dtype, tuple(t.shape[1:]))
-            if got != want:
+            want = schema[k]
+            if t.dtype != want.dtype or tuple(t.shape[1:]) != want.shape:  # (a TensorSpec per call costs ~1 us)
+                got = TensorSpec(t.dtype, tuple(t.shape[1:]))
                 raise SchemaError(
                     f"{where}: key {k!r} is {got.describe()} but the cache schema says "
                     f"{want.describe()} (dtype and per-sample shape are fixed per cache). Cast/reshape "
@@ -160,10 +164,20 @@ class DurableShardWriter:
     ``samples[key]`` may also be a list of ``[n_i, ...]`` pieces, stored
     concatenated on dim 0 but written straight from the pieces, never joined in
     memory (``takes_pieces``: te_thd's shard accumulator hands over the batches
-    of a shard that way). Call :meth:`flush` (or
+    of a shard that way). Write-behind writers also stream (``takes_stream``):
+    :meth:`write_piece` queues the next rows of a shard whose row count is known
+    up front, each written into the shard's temp file as soon as the thread gets
+    to it (:class:`~te_thd.offline_cache.shardstream.ShardStream`, the same
+    bytes), and :meth:`finish_shard` commits the shard once all its rows were
+    queued; a batch's memory is free once it is written, not once its shard is.
+    The memory queued and not yet written is bounded by three shards.
+    Call :meth:`flush` (or
     leave the ``with`` block) before relying on the files or on ``records``, e.g.
     before writing the manifest; a write error is raised by the next call,
     ``flush`` or ``close``.
+    ``writer_priority="idle"`` (write-behind only) lets the caller's thread
+    preempt the writer whenever it wakes (:class:`~te_thd.offline_cache.durable.BackgroundCommitter`);
+    ``"normal"`` keeps the default scheduling.
     With a ``length_rule`` (:class:`~te_thd.offline_cache.lengths.LengthRule`)
     every record also holds its rows' lengths, and :meth:`manifest_fields` gives
     the manifest's ``schema``, ``shards`` and ``length_rule``.
@@ -177,7 +191,9 @@ class DurableShardWriter:
         pipelined: bool = True,
         write_behind: bool = False,
         length_rule: LengthRule | None = None,
+        writer_priority: str = "idle",
     ) -> None:
+        check_writer_priority(writer_priority)
         if write_behind and not pipelined:
             raise ValueError("write_behind=True needs pipelined=True (the writes run on the commit thread)")
         self.keys = tuple(keys)
@@ -190,9 +206,18 @@ class DurableShardWriter:
         self.cache_name = cache_name
         self.schema: CacheSchema | None = dict(schema) if schema is not None else None
         self.records: dict[int, ShardRecord] = {}
-        self._committer = BackgroundCommitter() if pipelined else None
+        if not pipelined:
+            self._committer = None
+        elif write_behind:
+            # only a thread that does whole writes competes with the caller for the CPU; its
+            # queue is bounded by memory (PENDING_SHARDS shards, set once a shard's size is known)
+            self._committer = BackgroundCommitter(max_pending=1 << 20, writer_priority=writer_priority)
+        else:
+            self._committer = BackgroundCommitter()
         self._write_behind = write_behind
-        self.takes_pieces = write_behind
+        self.takes_pieces = self.takes_stream = write_behind
+        self._resolved = False  # write-behind: length rule kind and the safetensors check done
+        self._streams: dict[int, _StreamedShard] = {}
 
     def __call__(self, cache_dir: str, shard_index: int, samples: dict[str, Any]) -> str:
         if self._write_behind:
@@ -218,14 +243,12 @@ class DurableShardWriter:
             pieces = [{k: samples[k][j] for k in self.keys} for j in range(len(samples[self.keys[0]]))]
         else:
             pieces = [samples]
-        checked = [validate_shard_tensors(p, self.keys, self.cache_name, shard_index, self.schema) for p in pieces]
-        if self.schema is None:
-            self.schema = schema_of(checked[0])
-            for p in checked[1:]:  # every piece must agree with the first one's dtypes and shapes
-                validate_shard_tensors(p, self.keys, self.cache_name, shard_index, self.schema)
-        rule = self._resolve_length_rule(checked[0])
-        load_safetensors(self.cache_name)  # fail here, not on the thread, if safetensors is missing
+        checked = self._check_pieces(pieces, shard_index)
+        self._resolve_once(checked[0])
+        rule = self.length_rule
         final = shard_path(cache_dir, shard_index)
+        nbytes = sum(_nbytes(p) for p in checked)
+        self._budget(nbytes)
 
         def write(tmp: str) -> None:
             parts = {k: [p[k] for p in checked] for k in self.keys}
@@ -235,8 +258,84 @@ class DurableShardWriter:
             self.records[shard_index] = record
 
         assert self._committer is not None
-        self._committer.submit_write(final, write)
+        self._committer.submit_write(final, write, nbytes)
         return final
+
+    def _resolve_once(self, piece: Mapping[str, Any]) -> None:
+        """Write-behind, first shard: fix the length rule's kind; check that safetensors imports
+        (fail on the caller's thread, not on the writer's)."""
+        if not self._resolved:
+            self._resolve_length_rule(piece)
+            load_safetensors(self.cache_name)
+            self._resolved = True
+
+    def _budget(self, shard_bytes: int) -> None:
+        """Bound the write-behind queue to PENDING_SHARDS shards of the largest size seen."""
+        assert self._committer is not None
+        limit = PENDING_SHARDS * shard_bytes
+        if self._committer.max_pending_bytes is None or limit > self._committer.max_pending_bytes:
+            self._committer.max_pending_bytes = limit
+
+    def write_piece(self, cache_dir: str, shard_index: int, rows: int, piece: Mapping[str, Any]) -> None:
+        """Write-behind: queue the next rows (``{key: [n, ...]}``) of shard ``shard_index`` of ``rows`` rows.
+
+        The piece is validated here and written into the shard's temp file on the
+        thread; the caller must not modify it until then (it may drop it).
+        """
+        if not self._write_behind:
+            raise ValueError("write_piece needs a write-behind writer: DurableShardWriter(..., write_behind=True)")
+        checked = self._check_pieces([piece], shard_index)[0]
+        n = checked[self.keys[0]].shape[0]
+        nbytes = _nbytes(checked)
+        st = self._streams.get(shard_index)
+        if st is None:
+            self._resolve_once(checked)
+            assert self.schema is not None
+            st = _StreamedShard(shard_path(cache_dir, shard_index), {k: self.schema[k] for k in self.keys}, rows,
+                                self.length_rule)  # fmt: skip
+            self._streams[shard_index] = st
+            if n:
+                self._budget(rows * nbytes // n)
+        elif rows != st.rows:
+            raise ValueError(f"shard {shard_index} was started with rows={st.rows}, not {rows}")
+        if st.queued + n > st.rows:
+            raise ValueError(f"shard {shard_index} holds {st.rows} rows; {n} more after {st.queued} overflow it")
+        st.queued += n
+        assert self._committer is not None
+        self._committer.submit_task(partial(st.write, checked), st.abort, nbytes)
+
+    def finish_shard(self, cache_dir: str, shard_index: int) -> str:
+        """Write-behind: commit shard ``shard_index`` once its queued pieces are written; its path."""
+        st = self._streams.get(shard_index)
+        if st is None:
+            raise ValueError(f"shard {shard_index} has no pieces; call write_piece first")
+        if st.queued != st.rows:
+            raise ValueError(f"shard {shard_index} got {st.queued} of its {st.rows} rows; queue the rest first")
+        del self._streams[shard_index]
+        records = self.records
+
+        def finish() -> None:
+            records[shard_index] = st.finish()
+
+        assert self._committer is not None
+        self._committer.submit(st.tmp_path, st.final, before=finish, on_drop=st.abort)
+        return st.final
+
+    def _abort_streams(self) -> None:
+        """Remove the temp files of shards left unfinished (after their queued pieces)."""
+        streams, self._streams = list(self._streams.values()), {}
+        for st in streams:
+            assert self._committer is not None
+            self._committer.submit_task(st.abort)
+
+    def _check_pieces(self, pieces: list[Mapping[str, Any]], shard_index: int) -> list[dict[str, torch.Tensor]]:
+        """The pieces of one shard, validated against the schema (the first piece fixes it if unset)."""
+        checked = [validate_shard_tensors(p, self.keys, self.cache_name, shard_index, self.schema) for p in pieces]
+        if self.schema is None:
+            self.schema = schema_of(checked[0])
+            for p in checked[1:]:  # every piece must agree with the first one's dtypes and shapes
+                validate_shard_tensors(p, self.keys, self.cache_name, shard_index, self.schema)
+        return checked
 
     def manifest_fields(self, cache_dir: str) -> dict[str, Any]:
         """``schema``, ``shards`` (in index order) and, with lengths, ``length_rule`` for ``write_manifest``.
@@ -258,13 +357,71 @@ class DurableShardWriter:
 
     def close(self) -> None:
         if self._committer is not None:
-            self._committer.close()
+            if self._streams:  # an interrupted producer: its partial shard is never committed
+                try:
+                    self._abort_streams()
+                finally:
+                    self._committer.close()
+            else:
+                self._committer.close()
 
     def __enter__(self) -> DurableShardWriter:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+#: write-behind queue bound: shards (of the largest size seen) not yet written
+PENDING_SHARDS = 3
+
+
+def _nbytes(tensors: Mapping[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+class _StreamedShard:
+    """One streamed shard: its names, rows, and the :class:`ShardStream` the writer thread opens."""
+
+    def __init__(self, final: str, specs: Mapping[str, TensorSpec], rows: int, rule: LengthRule | None) -> None:
+        self.final, self.tmp_path = final, temp_path_for(final)
+        self.specs, self.rows, self.rule = dict(specs), rows, rule
+        self.queued = 0  # rows queued by the caller
+        self.lengths: list[int] = []
+        self._stream: ShardStream | None = None
+
+    def write(self, piece: Mapping[str, torch.Tensor]) -> None:
+        """On the writer thread: the next rows into the temp file (opened by the first piece)."""
+        try:
+            if self._stream is None:
+                os.makedirs(os.path.dirname(self.final) or ".", exist_ok=True)
+                self._stream = ShardStream(self.tmp_path, self.specs, self.rows)
+            self._stream.write(piece)
+            if self.rule is not None:
+                t = piece[self.rule.key]
+                self.lengths += [int(v) for v in self.rule.lengths(t)]
+        except BaseException:
+            self.abort()
+            raise
+
+    def finish(self) -> ShardRecord:
+        """On the writer thread: the header, the record (with lengths under the rule)."""
+        try:
+            assert self._stream is not None
+            record = self._stream.finish()
+        except BaseException:
+            self.abort()
+            raise
+        return record if self.rule is None else replace(record, lengths=tuple(self.lengths))
+
+    def abort(self) -> None:
+        if self._stream is not None:
+            self._stream.abort()
+        else:
+            try:
+                os.unlink(self.tmp_path)
+            except FileNotFoundError:
+                pass
 
 
 def write_tensor_shard(
