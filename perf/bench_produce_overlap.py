@@ -5,8 +5,10 @@ sleep of tunable length, as a GPU forward looks to the host thread: the CPU is
 free while it runs, and a background writer may use it. Per case, interleaved:
 
 - ``ours``: ``produce_cache`` over the whole dataset (fresh directory per call):
-  write-behind shard writes (serialise, checksum, write, fsync, rename on the
-  commit thread while the next shard is computed), manifest last;
+  each batch written into its shard's temp file on the write-behind thread as
+  soon as it is computed (checksums as it goes), each shard's header, fsync and
+  rename once its last batch is written, all while the next batches are
+  computed; manifest last;
 - ``no_write``: the same DataLoader and ``compute_batch``, results dropped: the
   throughput a producer would have if writing cost nothing (goal: ours >= 0.95x
   of it when compute time == write time);
@@ -20,8 +22,8 @@ free while it runs, and a background writer may use it. Per case, interleaved:
 Shards: 16 samples of ``hidden`` [512, 768] bf16 + ``input_ids`` [512] int64
 (12.7 MB), batch 4, 16 shards (``--quick``: 8). A case ``compute_<r>x_write``
 sets the compute time per shard to ``r * W``. ``W`` is measured in every trial,
-right before its candidates: the mean time of ``shards`` durable shard writes
-(after a first one that creates the directory), so that compute and write times
+right before its candidates: the mean time of ``shards`` durable whole-shard writes
+on the caller's thread (after a first one that creates the directory), so that compute and write times
 come from the same state of the machine -- on a VM the write of a shard costs
 2-3x more when its page-cache pages are fresh memory than when they recycle
 memory just freed (e.g. by the previous run's directory removal), and a ``W``

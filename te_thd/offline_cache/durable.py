@@ -318,6 +318,7 @@ class BackgroundCommitter:
                 self._queue.join()
             self._queue.put(None)
             self._thread.join()
+            self.priority.detach()  # its thread id may be reused now
         self._raise_error()
         self._sync_dirs()
 

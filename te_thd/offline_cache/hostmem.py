@@ -169,6 +169,11 @@ class WriterPriority:
         if self.mode == "idle" and idle_priority_available():
             self._tid = threading.get_native_id()
 
+    def detach(self) -> None:
+        """The writer thread ended: change nothing any more."""
+        with self._lock:
+            self._tid = None
+
     def _set(self, idle: bool) -> None:
         """Under ``_lock``."""
         if self._tid is None or idle == self._idle:

@@ -159,8 +159,9 @@ class DurableShardWriter:
     thread while shard ``k+1`` is serialised (:class:`BackgroundCommitter`).
     With ``write_behind=True`` as well, the whole write (serialise, checksum,
     write, fsync, rename) runs on that thread: the call validates ``samples`` and
-    returns, so the caller computes the next shard meanwhile (at most two shards
-    queued). The caller must then not modify the tensors it passed. In this mode
+    returns, so the caller computes the next shard meanwhile (a call waits while
+    three shards' worth of data is not yet written). The caller must then not
+    modify the tensors it passed. In this mode
     ``samples[key]`` may also be a list of ``[n_i, ...]`` pieces, stored
     concatenated on dim 0 but written straight from the pieces, never joined in
     memory (``takes_pieces``: te_thd's shard accumulator hands over the batches
@@ -170,7 +171,6 @@ class DurableShardWriter:
     to it (:class:`~te_thd.offline_cache.shardstream.ShardStream`, the same
     bytes), and :meth:`finish_shard` commits the shard once all its rows were
     queued; a batch's memory is free once it is written, not once its shard is.
-    The memory queued and not yet written is bounded by three shards.
     Call :meth:`flush` (or
     leave the ``with`` block) before relying on the files or on ``records``, e.g.
     before writing the manifest; a write error is raised by the next call,
@@ -321,12 +321,6 @@ class DurableShardWriter:
         self._committer.submit(st.tmp_path, st.final, before=finish, on_drop=st.abort)
         return st.final
 
-    def _abort_streams(self) -> None:
-        """Remove the temp files of shards left unfinished (after their queued pieces)."""
-        streams, self._streams = list(self._streams.values()), {}
-        for st in streams:
-            assert self._committer is not None
-            self._committer.submit_task(st.abort)
 
     def _check_pieces(self, pieces: list[Mapping[str, Any]], shard_index: int) -> list[dict[str, torch.Tensor]]:
         """The pieces of one shard, validated against the schema (the first piece fixes it if unset)."""
@@ -356,14 +350,16 @@ class DurableShardWriter:
             self._committer.flush()
 
     def close(self) -> None:
-        if self._committer is not None:
-            if self._streams:  # an interrupted producer: its partial shard is never committed
-                try:
-                    self._abort_streams()
-                finally:
-                    self._committer.close()
-            else:
-                self._committer.close()
+        if self._committer is None:
+            return
+        try:
+            self._committer.close()
+        finally:
+            # an interrupted producer's partial shard is never committed: once the thread has
+            # written (or dropped) its queued pieces, remove its temp file
+            streams, self._streams = list(self._streams.values()), {}
+            for st in streams:
+                st.abort()
 
     def __enter__(self) -> DurableShardWriter:
         return self
