@@ -781,6 +781,10 @@ def _cache_rows() -> list[BadInput]:
     def fresh(tmp: Path) -> Path:
         return tmp / "out"
 
+    def piece_without_write_behind(tmp: Path) -> None:
+        with oc.DurableShardWriter(("hidden",)) as w:
+            w.write_piece(str(tmp), 0, 2, {"hidden": torch.zeros(2, 4)})
+
     def unfinished(tmp: Path) -> Path:
         d = _cache(tmp)
         (d / "manifest.json").unlink()
@@ -936,6 +940,12 @@ def _cache_rows() -> list[BadInput]:
         BadInput("cache-write-dtype", "cache", "write_tensor_shard: a dtype safetensors cannot store",
                  lambda tmp: oc.write_tensor_shard(str(tmp), 0, {"a": torch.zeros(2, dtype=torch.complex128)}, ("a",), "offline"),
                  _re("key 'a' has dtype torch.complex128, which safetensors cannot store"), exc=oc.SchemaError),
+        BadInput("cache-writer-priority", "cache", "DurableShardWriter: writer_priority not 'idle' or 'normal'",
+                 lambda tmp: oc.DurableShardWriter(("hidden",), write_behind=True, writer_priority="fast"),
+                 _re("writer_priority='fast' must be one of ('idle', 'normal')")),
+        BadInput("cache-write-piece-not-write-behind", "cache", "DurableShardWriter.write_piece on a writer without write_behind",
+                 piece_without_write_behind,
+                 _re("write_piece needs a write-behind writer: DurableShardWriter(..., write_behind=True)")),
         BadInput("cache-shard-index", "cache", "shard_path: index beyond six digits",
                  lambda tmp: oc.shard_path(str(tmp), 1_000_000), _re("shard_index=1000000 is outside [0, 1000000)")),
         BadInput("cache-partition", "cache", "partition_cache_shards: rank outside [0, world_size)",
@@ -961,6 +971,12 @@ def _cache_rows() -> list[BadInput]:
         BadInput("cache-produce-world", "cache", "produce_cache: world_size > 1 without a process group",
                  lambda tmp: _produce(fresh(tmp), world_size=2, rank=0),
                  _re("world_size=2, rank=0 need an initialised torch.distributed process group")),
+        BadInput("cache-produce-writer-priority", "cache", "produce_cache: writer_priority not 'idle' or 'normal'",
+                 lambda tmp: _produce(fresh(tmp), writer_priority="fast"),
+                 _re("writer_priority='fast' must be one of ('idle', 'normal')")),
+        BadInput("cache-produce-retain-memory", "cache", "produce_cache: retain_freed_memory is not a bool",
+                 lambda tmp: _produce(fresh(tmp), retain_freed_memory="yes"),
+                 _re("retain_freed_memory='yes' must be True or False")),
         BadInput("cache-produce-schema", "cache", "produce_cache: compute_batch returns a missing key",
                  lambda tmp: _produce(fresh(tmp), compute=lambda b: {"hidden": b["idx"][:, None].float()}),
                  _re("compute_batch output is missing required cache keys ['input_ids']"), exc=oc.SchemaError),

@@ -5,8 +5,10 @@ Builds the cache of :func:`dataset` with :func:`te_thd.offline_cache.produce_cac
 (nothing is cleaned up, exactly as a killed job):
 
 - ``none``            run to completion
-- ``mid_write:K``     inside shard K's file write: the temp file holds the header
-                      and part of the tensors, the shard name does not exist yet
+- ``mid_write:K``     inside shard K's file write: the temp file holds part of the
+                      shard (a whole-shard write: the header and part of the tensors;
+                      a streamed one: its first rows, the header comes last), the
+                      shard name does not exist yet
 - ``between:K``       right after shard K is fsynced and renamed into place
 - ``mid_manifest``    inside the manifest write: its temp file exists, manifest.json not
 - ``before_manifest`` after every shard exists, before the manifest write starts
@@ -53,6 +55,7 @@ def _install(crash: str) -> None:
     import te_thd.offline_cache.manifest as fmt
     import te_thd.offline_cache.producer as producer
     import te_thd.offline_cache.shardfile as shardfile
+    import te_thd.offline_cache.shardstream as shardstream
     import te_thd.offline_cache.writer as writer
 
     kind, _, arg = crash.partition(":")
@@ -76,6 +79,20 @@ def _install(crash: str) -> None:
         shardfile._write_all = write_all
         shardfile.write_shard_pieces = write_file
         writer.write_shard_pieces = write_file
+
+        # produce_cache streams each batch into its shard's temp file (ShardStream)
+        real_pwrite_all = shardstream._pwrite_all
+        streamed = {"runs": 0}
+
+        def pwrite_all(fd, buf, offset):
+            real_pwrite_all(fd, buf, offset)
+            if os.path.basename(os.readlink(f"/proc/self/fd/{fd}")).startswith(target):
+                streamed["runs"] += 1
+                if streamed["runs"] == 2:
+                    os.fsync(fd)  # two runs of rows reached the disk, no header yet: die mid-file
+                    _die()
+
+        shardstream._pwrite_all = pwrite_all
     elif kind == "between":
         target = os.path.basename(f"shard-{int(arg):06d}.safetensors")
         real_commit = durable.commit_temp

@@ -210,10 +210,13 @@ class BackgroundCommitter:
             try:
                 self.priority.job_started()
                 if self._error is not None:
-                    if job.on_drop is not None:
-                        job.on_drop()
-                    elif job.tmp_path is not None:
-                        _unlink_quietly(job.tmp_path)
+                    try:
+                        if job.on_drop is not None:
+                            job.on_drop()
+                        elif job.tmp_path is not None:
+                            _unlink_quietly(job.tmp_path)
+                    except Exception:  # the first error is the one reported; a failed clean-up must not end
+                        pass  # the thread, or every later flush() would wait for it forever
                     continue
                 try:
                     if job.task is not None:
@@ -303,6 +306,11 @@ class BackgroundCommitter:
         """Queue ``task()`` (holding ``nbytes`` of memory until it ran); ``on_drop()`` runs instead
         when an earlier job failed."""
         self._put(_Job(None, None, None, task, on_drop, nbytes))
+
+    @property
+    def running(self) -> bool:
+        """Whether the thread still runs (:meth:`close` not called, or interrupted)."""
+        return self._thread.is_alive()
 
     def flush(self) -> None:
         """Wait until every submitted file is fsynced, renamed and its directory fsynced."""

@@ -321,6 +321,12 @@ class DurableShardWriter:
         self._committer.submit(st.tmp_path, st.final, before=finish, on_drop=st.abort)
         return st.final
 
+    def _abort_streams(self) -> None:
+        """Remove the temp files of shards left unfinished; only once the writer thread ended (every
+        queued piece of theirs written or dropped), on the caller's thread."""
+        streams, self._streams = list(self._streams.values()), {}
+        for st in streams:
+            st.abort()
 
     def _check_pieces(self, pieces: list[Mapping[str, Any]], shard_index: int) -> list[dict[str, torch.Tensor]]:
         """The pieces of one shard, validated against the schema (the first piece fixes it if unset)."""
@@ -350,16 +356,15 @@ class DurableShardWriter:
             self._committer.flush()
 
     def close(self) -> None:
-        if self._committer is None:
-            return
-        try:
-            self._committer.close()
-        finally:
-            # an interrupted producer's partial shard is never committed: once the thread has
-            # written (or dropped) its queued pieces, remove its temp file
-            streams, self._streams = list(self._streams.values()), {}
-            for st in streams:
-                st.abort()
+        if self._committer is not None:
+            try:
+                self._committer.close()
+            finally:
+                # an interrupted producer: its partial shards are never committed. After a write
+                # error too (a job queued now would be dropped, and its abort with it). If the wait
+                # for the thread was interrupted, its temp files stay for the next producer to remove.
+                if not self._committer.running:
+                    self._abort_streams()
 
     def __enter__(self) -> DurableShardWriter:
         return self
@@ -416,7 +421,7 @@ class _StreamedShard:
         else:
             try:
                 os.unlink(self.tmp_path)
-            except FileNotFoundError:
+            except (FileNotFoundError, NotADirectoryError):  # never created (e.g. its directory is a file)
                 pass
 
 
