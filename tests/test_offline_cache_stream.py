@@ -177,8 +177,8 @@ def test_shard_stream_rejects_bad_pieces_naming_the_key_and_stays_usable(tmp_pat
         s.write({"a": t["a"][:2].double(), "b": t["b"][:2]})
     with pytest.raises(ValueError, match=r"key 'a' is float32\[2, 4\], the shard holds float32\[n, 3\] rows"):
         s.write({"a": torch.zeros(2, 4), "b": t["b"][:2]})
-    # keys are checked in file order (int64 'b' first): 'a' disagrees with the row count 'b' set
-    with pytest.raises(ValueError, match=r"key 'a' is float32\[2, 3\], the shard holds float32\[n, 3\] rows and this piece 1 of them"):
+    # row counts are compared across keys first, naming every key's count
+    with pytest.raises(ValueError, match=r"its keys hold different row counts \{'b': 1, 'a': 2\}; every key holds the same rows"):
         s.write({"a": t["a"][:2], "b": t["b"][:1]})
     assert s.rows_written == 0  # a rejected piece writes nothing
     s.write({"a": t["a"][:3], "b": t["b"][:3]})
@@ -285,6 +285,12 @@ def test_streaming_writer_rejects_bad_calls_before_queuing(tmp_path: Path) -> No
     with DurableShardWriter(("a", "b"), write_behind=True) as w:
         with pytest.raises(ValueError, match=r"shard 7 has no pieces; call write_piece first"):
             w.finish_shard(d, 7)
+        for bad in (0, -1, True, 2.0):
+            with pytest.raises(ValueError, match=r"rows=.* must be an int >= 1: the number of rows shard 0 will hold"):
+                w.write_piece(d, 0, bad, {k: v[:1] for k, v in t.items()})
+        # a first piece that overflows its shard does not open it: a retry with the right rows works
+        with pytest.raises(ValueError, match=r"shard 0 holds 1 rows; 2 more after 0 overflow it"):
+            w.write_piece(d, 0, 1, {k: v[:2] for k, v in t.items()})
         w.write_piece(d, 0, 4, {k: v[:2] for k, v in t.items()})
         with pytest.raises(ValueError, match=r"shard 0 got 2 of its 4 rows; queue the rest first"):
             w.finish_shard(d, 0)
@@ -673,8 +679,8 @@ def test_a_dataloader_short_of_its_dataset_is_refused(tmp_path: Path) -> None:
         return default_collate(rows[:-1] if len(rows) > 1 else rows)
 
     out = tmp_path / "out"
-    with pytest.raises(RuntimeError, match=r"the run ended 1 samples short of shard 1 \(the dataloader yielded fewer "
-                                           r"samples than its dataset holds\)") as info:  # fmt: skip
+    with pytest.raises(RuntimeError, match=r"the run ended with 3 of shard 1's 4 rows: the dataloader yielded fewer "
+                                           r"samples than its dataset holds") as info:  # fmt: skip
         _produce(out, 10, 4, 3, collate_fn=drop_one)
     assert isinstance(info.value.__cause__, ValueError)
     assert _temps(out) == [] and "manifest.json" not in os.listdir(out)
@@ -685,7 +691,7 @@ def test_a_dataloader_beyond_its_dataset_is_refused(tmp_path: Path) -> None:
         return default_collate(rows + rows[:1])
 
     out = tmp_path / "out"
-    with pytest.raises(RuntimeError, match=r"compute_batch results hold more samples than the run's 0 still to come "
-                                           r"\(the dataloader yielded more samples than its dataset holds\)"):  # fmt: skip
+    with pytest.raises(RuntimeError, match=r"compute_batch returned 2 rows beyond the 6 samples of this run: "
+                                           r"the dataloader yields more samples than its dataset holds"):  # fmt: skip
         _produce(out, 6, 4, 3, collate_fn=repeat_one)
     assert _temps(out) == [] and "manifest.json" not in os.listdir(out)

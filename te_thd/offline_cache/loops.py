@@ -103,7 +103,7 @@ class _ShardAccumulator:
         self._buffered = 0
         self.shards_written: list[int] = []
         self._streaming = total_samples is not None and getattr(write_shard_fn, "takes_stream", False)
-        self._remaining = total_samples or 0  # streaming: samples of the run from the current shard on
+        self._total = self._remaining = total_samples or 0  # streaming: samples of the run from the current shard on
         self._keys: set[str] | None = None  # the first batch's keys; every batch returns the same
 
     @property
@@ -168,8 +168,10 @@ class _ShardAccumulator:
             shard_rows = min(self._shard_size, self._remaining)
             if shard_rows == 0:
                 raise RuntimeError(
-                    f"compute_batch results hold more samples than the run's {self._remaining + self._buffered} "
-                    "still to come (the dataloader yielded more samples than its dataset holds)"
+                    f"compute_batch returned {rows - offset} rows beyond the {self._total} samples of this run: "
+                    "the dataloader yields more samples than its dataset holds, e.g. "
+                    "a collate_fn or sampler that adds samples. Shards are cut by sample index, so a producer's "
+                    "loader must yield each sample of its dataset once, in order."
                 )
             take = min(rows - offset, shard_rows - self._buffered)
             piece = batch if take == rows else {k: v[offset : offset + take] for k, v in batch.items()}
@@ -191,9 +193,12 @@ class _ShardAccumulator:
                 try:
                     self._write_shard_fn.finish_shard(self._output_dir, self._shard_index)  # type: ignore[attr-defined]
                 except ValueError as exc:
+                    want = min(self._shard_size, self._remaining)
                     raise RuntimeError(
-                        f"the run ended {min(self._shard_size, self._remaining) - self._buffered} samples short "
-                        f"of shard {self._shard_index} (the dataloader yielded fewer samples than its dataset holds)"
+                        f"the run ended with {self._buffered} of shard {self._shard_index}'s {want} rows: the "
+                        "dataloader yielded fewer samples than its dataset holds (e.g. drop_last, or a collate_fn "
+                        "that drops samples). Shards are cut by sample index, so a producer's loader must yield "
+                        "each sample of its dataset once, in order."
                     ) from exc
             return
         self._flush()

@@ -112,15 +112,19 @@ class ShardStream:
         """Write the next rows: every key of ``specs``, ``[n, *trailing]`` with one ``n``."""
         if self._fd is None:
             raise ValueError(f"shard stream {self.path} is closed; start a new one")
-        n = None
+        counts = {k: piece[k].shape[0] if piece[k].dim() else None for k in self.specs}
+        if len(set(counts.values())) != 1 or None in counts.values():
+            raise ValueError(
+                f"piece of {self.path}: its keys hold different row counts {counts}; every key holds the same rows"
+            )
         for k, spec in self.specs.items():
             t = piece[k]
-            if t.dtype != spec.dtype or tuple(t.shape[1:]) != spec.shape or (n is not None and t.shape[0] != n):
+            if t.dtype != spec.dtype or tuple(t.shape[1:]) != spec.shape:
                 raise ValueError(
                     f"piece of {self.path}: key {k!r} is {dtype_name(t.dtype)}{list(t.shape)}, the shard holds "
-                    f"{spec.describe()} rows{'' if n is None else f' and this piece {n} of them'}"
+                    f"{spec.describe()} rows"
                 )
-            n = t.shape[0]
+        n = next(iter(counts.values()))
         assert n is not None
         if self._cursor + n > self.rows:
             raise ValueError(

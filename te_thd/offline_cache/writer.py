@@ -284,10 +284,17 @@ class DurableShardWriter:
         """
         if not self._write_behind:
             raise ValueError("write_piece needs a write-behind writer: DurableShardWriter(..., write_behind=True)")
+        if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
+            raise ValueError(f"rows={rows!r} must be an int >= 1: the number of rows shard {shard_index} will hold")
         checked = self._check_pieces([piece], shard_index)[0]
         n = checked[self.keys[0]].shape[0]
         nbytes = _nbytes(checked)
         st = self._streams.get(shard_index)
+        if st is not None and rows != st.rows:
+            raise ValueError(f"shard {shard_index} was started with rows={st.rows}, not {rows}")
+        queued = 0 if st is None else st.queued
+        if queued + n > rows:  # checked before a first piece opens the shard
+            raise ValueError(f"shard {shard_index} holds {rows} rows; {n} more after {queued} overflow it")
         if st is None:
             self._resolve_once(checked)
             assert self.schema is not None
@@ -296,10 +303,6 @@ class DurableShardWriter:
             self._streams[shard_index] = st
             if n:
                 self._budget(rows * nbytes // n)
-        elif rows != st.rows:
-            raise ValueError(f"shard {shard_index} was started with rows={st.rows}, not {rows}")
-        if st.queued + n > st.rows:
-            raise ValueError(f"shard {shard_index} holds {st.rows} rows; {n} more after {st.queued} overflow it")
         st.queued += n
         assert self._committer is not None
         self._committer.submit_task(partial(st.write, checked), st.abort, nbytes)
