@@ -53,7 +53,7 @@ META_KEY = "te_thd"
 _hash = xxhash.xxh3_64_intdigest
 
 
-def _byte_view(t: torch.Tensor) -> memoryview:
+def byte_view(t: torch.Tensor) -> memoryview:
     """Flat byte view of a CPU tensor's memory (zero-copy when contiguous; ``t`` must outlive it).
 
     Built from the data pointer: ~1 us, where ``t.view(torch.uint8).numpy()``
@@ -73,7 +73,7 @@ def row_sums(t: torch.Tensor, first_row: int = 0) -> list[int]:
     ``first_row``: the shard row index of ``t``'s first row when ``t`` is one
     piece of a shard's tensor.
     """
-    return byte_row_sums(_byte_view(t), t.shape[0], first_row)
+    return byte_row_sums(byte_view(t), t.shape[0], first_row)
 
 
 def byte_row_sums(view: memoryview, rows: int, first_row: int = 0) -> list[int]:
@@ -215,13 +215,13 @@ _ROW_VIEWS_MAX = 256
 def _row_views(data: torch.Tensor, n: int) -> list[memoryview]:
     """``n`` byte views, one per row, of the contiguous CPU tensor ``data`` (``[n, ...]``).
 
-    Cached by address and size: a view is only pointer and length (``_byte_view``), so
+    Cached by address and size: a view is only pointer and length (``byte_view``), so
     the cached views of an address are the right views of whatever tensor of that size
     sits there when they are used, and they are used only while it does.
     """
     if not data.is_contiguous():
         data = data.contiguous()  # a fresh copy: not worth caching
-        view = _byte_view(data)
+        view = byte_view(data)
         rb = view.nbytes // n
         return [view[i * rb : i * rb + rb] for i in range(n)]
     nbytes = data.numel() * data.element_size()
@@ -230,7 +230,7 @@ def _row_views(data: torch.Tensor, n: int) -> list[memoryview]:
     if views is None:
         if len(_ROW_VIEWS) >= _ROW_VIEWS_MAX:
             _ROW_VIEWS.clear()
-        view = _byte_view(data)
+        view = byte_view(data)
         rb = nbytes // n
         views = _ROW_VIEWS[cache_key] = [view[i * rb : i * rb + rb] for i in range(n)]
     return views

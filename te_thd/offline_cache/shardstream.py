@@ -38,12 +38,11 @@ import torch
 from te_thd.offline_cache.crc import crc32, crc32_combine
 from te_thd.offline_cache.durable import start_writeback
 from te_thd.offline_cache.format import DTYPE_RANK, TensorSpec, dtype_name
-from te_thd.offline_cache.integrity import row_sums, shard_metadata
+from te_thd.offline_cache.integrity import byte_row_sums, byte_view, shard_metadata
 from te_thd.offline_cache.shardfile import (
     ShardRecord,
     build_header,
     format_checksum,
-    tensor_bytes,
     tensor_entries,
 )
 
@@ -130,13 +129,17 @@ class ShardStream:
             raise ValueError(
                 f"piece of {self.path}: {n} rows after {self._cursor} overflow the shard's {self.rows} rows"
             )
+        # Python between the GIL-free calls (pwrite, hashes) is kept short: the producer's compute
+        # thread waits for the GIL whenever it wakes while this thread holds it
         for k in self.specs:
-            t = piece[k].detach().to("cpu").contiguous()
-            view = tensor_bytes(t)
+            t = piece[k]
+            if t.device.type != "cpu" or not t.is_contiguous():
+                t = t.detach().to("cpu").contiguous()
+            view = byte_view(t)  # t outlives the view: both end with this iteration
             offset = self._start[k] + self._cursor * self._row_bytes[k]
             _pwrite_all(self._fd, view, offset)
             start_writeback(self._fd, offset, view.nbytes)
-            self._sums[k] += row_sums(t, first_row=self._cursor)
+            self._sums[k] += byte_row_sums(view, n, self._cursor)
             self._runs[k].append((crc32(view), view.nbytes))
         self._cursor += n
 

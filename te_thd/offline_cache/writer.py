@@ -402,8 +402,7 @@ class _StreamedShard:
                 self._stream = ShardStream(self.tmp_path, self.specs, self.rows)
             self._stream.write(piece)
             if self.rule is not None:
-                t = piece[self.rule.key]
-                self.lengths += [int(v) for v in self.rule.lengths(t)]
+                self.lengths += self.rule.lengths(piece[self.rule.key]).tolist()
         except BaseException:
             self.abort()
             raise
