@@ -171,7 +171,7 @@ class _RecordingWriter(DurableShardWriter):
         self, keys: Sequence[str], cache_name: str, schema: CacheSchema | None, length_rule: LengthRule | None = None,
         writer_priority: str = "idle",
     ) -> None:  # fmt: skip
-        # write-behind: shard k is serialised, written and fsynced while k+1 is computed
+        # write-behind: batches are written (streamed into their shard) while the next are computed
         super().__init__(keys, cache_name, schema, pipelined=True, write_behind=True, length_rule=length_rule,
                          writer_priority=writer_priority)  # fmt: skip
         self.error: str | None = None
@@ -255,10 +255,11 @@ def produce_cache(
         shard_size: samples per shard (> 0). Prefer a multiple of the batch size
             (see ``loops``: then resumed/distributed runs form identical batches).
         compute_batch: ``batch -> {key: tensor [batch, ...]}``; may be a
-            collective (called equally often on every rank). Shards are written
-            behind the computation (the next shard is computed while the last one
-            is written and fsynced), so the returned tensors must not be modified
-            afterwards (return new tensors, as a model's forward does).
+            collective (called equally often on every rank). Each batch is written
+            behind the computation (into its shard's temp file while the next
+            batches are computed; a shard is fsynced and renamed after its last
+            batch), so the returned tensors must not be modified afterwards (return
+            new tensors, as a model's forward does).
         keys: the keys to store; each ``[n, *trailing]`` with a fixed dtype and
             trailing shape (the schema, fixed by the first shard).
         options: producer options recorded top-level in the manifest (JSON
