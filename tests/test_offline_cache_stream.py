@@ -472,6 +472,37 @@ def test_committer_drops_every_job_after_a_failure(tmp_path: Path) -> None:
     assert log == ["ran 1", "dropped 3", "dropped y"] and not c.running
 
 
+def test_a_failing_clean_up_of_a_dropped_job_does_not_end_the_thread() -> None:
+    """A dropped job's on_drop that raises is ignored: the thread keeps draining the queue, so
+    flush() returns (with the first error) instead of waiting forever."""
+    log: list[str] = []
+
+    def bad_clean_up() -> None:
+        log.append("clean-up raised")
+        raise OSError("clean-up failed")
+
+    c = BackgroundCommitter(max_pending=16)
+    c.submit_task(lambda: (_ for _ in ()).throw(RuntimeError("first error")))
+    c.submit_task(lambda: None, on_drop=bad_clean_up)
+    c.submit_task(lambda: None, on_drop=lambda: log.append("dropped after"))
+    done = threading.Event()
+    errors: list[BaseException] = []
+
+    def flush() -> None:
+        try:
+            c.flush()
+        except BaseException as exc:
+            errors.append(exc)
+        done.set()
+
+    threading.Thread(target=flush, daemon=True).start()
+    assert done.wait(WAIT), "flush() hung: the writer thread ended on the clean-up's error"
+    assert [str(e) for e in errors] == ["first error"]
+    assert log == ["clean-up raised", "dropped after"] and c.running
+    with pytest.raises(RuntimeError, match="first error"):
+        c.close()
+
+
 def _submit_in_thread(c: BackgroundCommitter, nbytes: int) -> tuple[threading.Thread, list[object]]:
     out: list[object] = []
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import fcntl
+import functools
 import json
 import os
 import queue
@@ -32,6 +33,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from te_thd.offline_cache.errors import CacheLockError
+from te_thd.offline_cache.hostmem import WriterPriority, process_libc
 
 LOCK_NAME = ".te_thd-producer.lock"
 # ".<target name>.<pid>-<8 hex>.tmp": dot-prefixed so SHARD_RE / MANIFEST_NAME never match.
@@ -63,24 +65,25 @@ def fsync_dir(directory: str) -> None:
 
 
 _SYNC_FILE_RANGE_WRITE = 2  # <fcntl.h>: start writeback of dirty pages in the range, do not wait
-_sync_file_range: Callable[..., int] | None | bool = False  # False: not looked up yet
+
+
+@functools.cache
+def _sync_file_range() -> Callable[..., int] | None:
+    """libc's ``sync_file_range`` (Linux), or ``None`` where the C library has none."""
+    fn = getattr(process_libc(), "sync_file_range", None)
+    if fn is not None:
+        fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+        fn.restype = ctypes.c_int
+    return fn
 
 
 def start_writeback(fd: int, offset: int, nbytes: int) -> None:
     """Start writing ``nbytes`` at ``offset`` of ``fd`` to disk now, without waiting (Linux
     ``sync_file_range(SYNC_FILE_RANGE_WRITE)``; a no-op elsewhere). A hint, not durability: the
     file is still fsynced before it is committed."""
-    global _sync_file_range
-    if _sync_file_range is False:
-        try:
-            fn = ctypes.CDLL(None).sync_file_range
-            fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-            fn.restype = ctypes.c_int
-            _sync_file_range = fn
-        except (OSError, AttributeError):
-            _sync_file_range = None
-    if _sync_file_range is not None and nbytes > 0:
-        _sync_file_range(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)  # errors (e.g. EINVAL on a pipe) ignored
+    fn = _sync_file_range()
+    if fn is not None and nbytes > 0:
+        fn(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)  # errors (e.g. EINVAL on a pipe) ignored
 
 
 def write_temp(path: str, write_fn: Callable[[str], None]) -> str:
@@ -94,7 +97,7 @@ def write_temp(path: str, write_fn: Callable[[str], None]) -> str:
     try:
         write_fn(tmp_path)
     except BaseException:
-        _unlink_quietly(tmp_path)
+        unlink_quietly(tmp_path)
         raise
     return tmp_path
 
@@ -110,14 +113,15 @@ def commit_temp(tmp_path: str, path: str, fsync_directory: bool = True) -> str:
         fsync_file(tmp_path)
         os.replace(tmp_path, path)
     except BaseException:
-        _unlink_quietly(tmp_path)
+        unlink_quietly(tmp_path)
         raise
     if fsync_directory:
         fsync_dir(os.path.dirname(path) or ".")
     return path
 
 
-def _unlink_quietly(path: str) -> None:
+def unlink_quietly(path: str) -> None:
+    """Remove ``path`` if it exists."""
     try:
         os.unlink(path)
     except FileNotFoundError:
@@ -183,8 +187,6 @@ class BackgroundCommitter:
     def __init__(
         self, max_pending: int = 2, writer_priority: str = "normal", max_pending_bytes: int | None = None
     ) -> None:
-        from te_thd.offline_cache.hostmem import WriterPriority
-
         self.priority = WriterPriority(writer_priority)
         self._queue: queue.Queue[_Job | None] = queue.Queue(maxsize=max_pending)
         self.max_pending_bytes = max_pending_bytes
@@ -214,7 +216,7 @@ class BackgroundCommitter:
                         if job.on_drop is not None:
                             job.on_drop()
                         elif job.tmp_path is not None:
-                            _unlink_quietly(job.tmp_path)
+                            unlink_quietly(job.tmp_path)
                     except Exception:  # the first error is the one reported; a failed clean-up must not end
                         pass  # the thread, or every later flush() would wait for it forever
                     continue

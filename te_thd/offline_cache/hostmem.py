@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import os
 import threading
 from collections.abc import Iterator
@@ -44,23 +45,23 @@ MMAP_THRESHOLD_MAX = 32 << 20
 #: free memory the heap keeps at its top while a producer runs
 PRODUCER_TRIM_THRESHOLD = 1 << 30
 
-_glibc: ctypes.CDLL | None | bool = False  # False: not looked up yet
+@functools.cache
+def process_libc() -> ctypes.CDLL | None:
+    """The C library this process runs on (``ctypes.CDLL(None)``), or ``None`` where it cannot be loaded."""
+    try:
+        return ctypes.CDLL(None)
+    except OSError:
+        return None
 
 
+@functools.cache
 def _libc() -> ctypes.CDLL | None:
-    """The process's glibc (``mallopt`` and ``malloc_trim``), or ``None`` on another C library."""
-    global _glibc
-    if _glibc is False:
-        try:
-            libc = ctypes.CDLL(None)
-            if not hasattr(libc, "gnu_get_libc_version"):  # glibc only: musl's mallopt is a stub
-                raise AttributeError("not glibc")
-            libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-            libc.malloc_trim.argtypes = [ctypes.c_size_t]
-            _glibc = libc
-        except (OSError, AttributeError):
-            _glibc = None
-    return _glibc
+    """The process's glibc (for ``mallopt``), or ``None`` on another C library."""
+    libc = process_libc()
+    if libc is None or not hasattr(libc, "gnu_get_libc_version"):  # glibc only: musl's mallopt is a stub
+        return None
+    libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    return libc
 
 
 def set_malloc_thresholds(mmap_threshold: int, trim_threshold: int) -> bool:

@@ -36,7 +36,7 @@ from typing import Any, NamedTuple
 import torch
 
 from te_thd.offline_cache.crc import crc32, crc32_combine
-from te_thd.offline_cache.durable import start_writeback
+from te_thd.offline_cache.durable import start_writeback, unlink_quietly
 from te_thd.offline_cache.format import DTYPE_RANK, TensorSpec, dtype_name
 from te_thd.offline_cache.integrity import byte_row_sums, byte_view, shard_metadata
 from te_thd.offline_cache.shardfile import (
@@ -170,7 +170,4 @@ class ShardStream:
         if self._fd is not None:
             fd, self._fd = self._fd, None
             os.close(fd)
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+        unlink_quietly(self.path)

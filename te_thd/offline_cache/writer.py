@@ -418,13 +418,9 @@ class _StreamedShard:
         return record if self.rule is None else replace(record, lengths=tuple(self.lengths))
 
     def abort(self) -> None:
+        # without a stream there is no file: the stream creates it, as its last step
         if self._stream is not None:
             self._stream.abort()
-        else:
-            try:
-                os.unlink(self.tmp_path)
-            except (FileNotFoundError, NotADirectoryError):  # never created (e.g. its directory is a file)
-                pass
 
 
 def write_tensor_shard(
