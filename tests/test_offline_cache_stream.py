@@ -15,6 +15,7 @@ import signal
 import tempfile
 import threading
 import zlib
+from collections.abc import Callable
 from itertools import pairwise
 from pathlib import Path
 
@@ -358,6 +359,22 @@ def test_a_write_error_on_the_thread_is_raised_and_leaves_no_temp_file(tmp_path:
     assert os.listdir(tmp_path) == [] and w.records == {}
 
 
+def _flush_errors(flush: Callable[[], None]) -> list[BaseException] | None:
+    """Run ``flush`` on a thread: the errors it raised, or ``None`` if it still waits after WAIT s."""
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            flush()
+        except BaseException as exc:
+            errors.append(exc)
+
+    th = threading.Thread(target=run, daemon=True)
+    th.start()
+    th.join(WAIT)
+    return None if th.is_alive() else errors
+
+
 def test_a_shard_dir_that_is_a_file_raises_and_does_not_hang_the_writer(tmp_path: Path) -> None:
     """Regression: the dropped pieces' clean-up raised on the thread (NotADirectoryError), ended it,
     and the next flush() waited forever."""
@@ -371,18 +388,8 @@ def test_a_shard_dir_that_is_a_file_raises_and_does_not_hang_the_writer(tmp_path
     w.write_piece(str(not_a_dir), 0, 4, {k: v[2:] for k, v in t.items()})
     w.finish_shard(str(not_a_dir), 0)
     gate.set()
-    errors: list[BaseException] = []
-
-    def flush() -> None:
-        try:
-            w.flush()
-        except BaseException as exc:
-            errors.append(exc)
-
-    th = threading.Thread(target=flush, daemon=True)
-    th.start()
-    th.join(WAIT)
-    assert not th.is_alive(), "flush() hangs: the writer thread died"
+    errors = _flush_errors(w.flush)
+    assert errors is not None, "flush() hangs: the writer thread died"
     assert len(errors) == 1 and isinstance(errors[0], FileExistsError)  # makedirs of the shard's directory
     with pytest.raises(FileExistsError):
         w.close()
@@ -485,18 +492,8 @@ def test_a_failing_clean_up_of_a_dropped_job_does_not_end_the_thread() -> None:
     c.submit_task(lambda: (_ for _ in ()).throw(RuntimeError("first error")))
     c.submit_task(lambda: None, on_drop=bad_clean_up)
     c.submit_task(lambda: None, on_drop=lambda: log.append("dropped after"))
-    done = threading.Event()
-    errors: list[BaseException] = []
-
-    def flush() -> None:
-        try:
-            c.flush()
-        except BaseException as exc:
-            errors.append(exc)
-        done.set()
-
-    threading.Thread(target=flush, daemon=True).start()
-    assert done.wait(WAIT), "flush() hung: the writer thread ended on the clean-up's error"
+    errors = _flush_errors(c.flush)
+    assert errors is not None, "flush() hung: the writer thread ended on the clean-up's error"
     assert [str(e) for e in errors] == ["first error"]
     assert log == ["clean-up raised", "dropped after"] and c.running
     with pytest.raises(RuntimeError, match="first error"):
