@@ -781,9 +781,9 @@ def _cache_rows() -> list[BadInput]:
     def fresh(tmp: Path) -> Path:
         return tmp / "out"
 
-    def piece_without_write_behind(tmp: Path) -> None:
+    def piece_rows(tmp: Path) -> None:
         with oc.DurableShardWriter(("hidden",)) as w:
-            w.write_piece(str(tmp), 0, 2, {"hidden": torch.zeros(2, 4)})
+            w.write_piece(str(tmp), 0, 0, {"hidden": torch.zeros(2, 4)})
 
     def unfinished(tmp: Path) -> Path:
         d = _cache(tmp)
@@ -914,15 +914,19 @@ def _cache_rows() -> list[BadInput]:
                  deep(flip_data), _re("<dir>/cache/shard-000001.safetensors: key 'hidden' row 1: checksum mismatch "
                                       "(expected xxh3_64:")),
         BadInput("cache-verify-swapped", "cache", "verify --deep: a sound shard of another cache in place of one of this cache's",
-                 deep(swap_in_other_shard), _re("<dir>/cache/shard-000001.safetensors: whole-file checksum crc32:")
-                 + ".*" + _re("differs from the manifest's crc32:")),
+                 deep(swap_in_other_shard), _re("<dir>/cache/shard-000001.safetensors: its header digest is xxh3_64:")
+                 + ".*" + _re("the manifest records xxh3_64:") + ".*" + _re("the shard was swapped for another or replaced")),
+        BadInput("cache-read-swapped", "cache", "reader: a sound shard of another cache in place of one of this cache's",
+                 lambda tmp: _open(swap_in_other_shard(tmp)).__getitems__([2]),
+                 _re("shard <dir>/cache/shard-000001.safetensors: its header digest is xxh3_64:")
+                 + ".*" + _re("the shard was swapped for another or replaced after the manifest was written")),
         BadInput("cache-verify-schema", "cache", "verify --deep: a shard's header differs from the schema",
                  deep(rewrite_shard({"hidden": torch.zeros(2, 4, dtype=torch.float64),
                                      "input_ids": torch.zeros(2, 3, dtype=torch.long)})),
                  _re("<dir>/cache/shard-000001.safetensors: key 'hidden' is float64[2, 4], the schema says float32[n, 4]")),
         BadInput("cache-verify-algorithm", "cache", "verify --deep: an unknown checksum algorithm in the manifest",
                  deep(lambda tmp: _edit_manifest(tmp, lambda m: m["shards"][0].__setitem__("checksum", "md5:00"))),
-                 _re("checksum algorithm 'md5' is not supported (expected 'crc32')")),
+                 _re("checksum algorithm 'md5' is not supported (expected 'xxh3_64', or 'crc32' in caches of older te_thd versions)")),
         BadInput("cache-options-mismatch", "cache", "ensure_supervision_options_match: recorded options differ",
                  options_mismatch, _re("was built with cp_size=2, but the run sets cp_size=4")),
         BadInput("cache-options-missing", "cache", "ensure_supervision_options_match: the manifest lacks an option",
@@ -940,12 +944,8 @@ def _cache_rows() -> list[BadInput]:
         BadInput("cache-write-dtype", "cache", "write_tensor_shard: a dtype safetensors cannot store",
                  lambda tmp: oc.write_tensor_shard(str(tmp), 0, {"a": torch.zeros(2, dtype=torch.complex128)}, ("a",), "offline"),
                  _re("key 'a' has dtype torch.complex128, which safetensors cannot store"), exc=oc.SchemaError),
-        BadInput("cache-writer-priority", "cache", "DurableShardWriter: writer_priority not 'idle' or 'normal'",
-                 lambda tmp: oc.DurableShardWriter(("hidden",), write_behind=True, writer_priority="fast"),
-                 _re("writer_priority='fast' must be one of ('idle', 'normal')")),
-        BadInput("cache-write-piece-not-write-behind", "cache", "DurableShardWriter.write_piece on a writer without write_behind",
-                 piece_without_write_behind,
-                 _re("write_piece needs a write-behind writer: DurableShardWriter(..., write_behind=True)")),
+        BadInput("cache-write-piece-rows", "cache", "DurableShardWriter.write_piece: the shard's row count is not an int >= 1",
+                 piece_rows, _re("rows=0 must be an int >= 1: the number of rows shard 0 will hold")),
         BadInput("cache-shard-index", "cache", "shard_path: index beyond six digits",
                  lambda tmp: oc.shard_path(str(tmp), 1_000_000), _re("shard_index=1000000 is outside [0, 1000000)")),
         BadInput("cache-partition", "cache", "partition_cache_shards: rank outside [0, world_size)",
@@ -971,12 +971,6 @@ def _cache_rows() -> list[BadInput]:
         BadInput("cache-produce-world", "cache", "produce_cache: world_size > 1 without a process group",
                  lambda tmp: _produce(fresh(tmp), world_size=2, rank=0),
                  _re("world_size=2, rank=0 need an initialised torch.distributed process group")),
-        BadInput("cache-produce-writer-priority", "cache", "produce_cache: writer_priority not 'idle' or 'normal'",
-                 lambda tmp: _produce(fresh(tmp), writer_priority="fast"),
-                 _re("writer_priority='fast' must be one of ('idle', 'normal')")),
-        BadInput("cache-produce-retain-memory", "cache", "produce_cache: retain_freed_memory is not a bool",
-                 lambda tmp: _produce(fresh(tmp), retain_freed_memory="yes"),
-                 _re("retain_freed_memory='yes' must be True or False")),
         BadInput("cache-produce-schema", "cache", "produce_cache: compute_batch returns a missing key",
                  lambda tmp: _produce(fresh(tmp), compute=lambda b: {"hidden": b["idx"][:, None].float()}),
                  _re("compute_batch output is missing required cache keys ['input_ids']"), exc=oc.SchemaError),

@@ -55,33 +55,13 @@ def _install(crash: str) -> None:
     import te_thd.offline_cache.manifest as fmt
     import te_thd.offline_cache.producer as producer
     import te_thd.offline_cache.shardfile as shardfile
-    import te_thd.offline_cache.shardstream as shardstream
     import te_thd.offline_cache.writer as writer
 
     kind, _, arg = crash.partition(":")
     if kind == "mid_write":
         target = f".shard-{int(arg):06d}.safetensors."  # the prefix of that shard's temp file
-        real_write_all = shardfile._write_all
-        real_write_file = shardfile.write_shard_pieces  # write_shard_file writes through it too
-        current = {"path": "", "buffers": 0}
-
-        def write_file(path, *a, **k):  # the writer's thread, or the caller's
-            current["path"], current["buffers"] = os.path.basename(path), 0
-            return real_write_file(path, *a, **k)
-
-        def write_all(fd, buf):
-            real_write_all(fd, buf)
-            current["buffers"] += 1
-            if current["path"].startswith(target) and current["buffers"] == 2:
-                os.fsync(fd)  # header + first tensor reached the disk: die mid-file
-                _die()
-
-        shardfile._write_all = write_all
-        shardfile.write_shard_pieces = write_file
-        writer.write_shard_pieces = write_file
-
-        # produce_cache streams each batch into its shard's temp file (ShardStream)
-        real_pwrite_all = shardstream._pwrite_all
+        # every writer serialises through ShardStream, whose rows go out through pwrite_all
+        real_pwrite_all = shardfile.pwrite_all
         streamed = {"runs": 0}
 
         def pwrite_all(fd, buf, offset):
@@ -92,10 +72,10 @@ def _install(crash: str) -> None:
                     os.fsync(fd)  # two runs of rows reached the disk, no header yet: die mid-file
                     _die()
 
-        shardstream._pwrite_all = pwrite_all
+        shardfile.pwrite_all = pwrite_all
     elif kind == "between":
         target = os.path.basename(f"shard-{int(arg):06d}.safetensors")
-        real_commit = durable.commit_temp
+        real_commit = writer.commit_temp
 
         def commit(tmp_path, path, *a, **k):
             out = real_commit(tmp_path, path, *a, **k)
@@ -104,19 +84,20 @@ def _install(crash: str) -> None:
                 _die()  # shard K is durable under its name; K+1 not started committing
             return out
 
-        durable.commit_temp = commit
+        writer.commit_temp = commit
     elif kind == "before_manifest":
         producer.write_manifest = lambda *a, **k: _die()
     elif kind == "mid_manifest":
-        real_atomic = fmt.atomic_write
+        real_atomic = fmt.atomic_write_bytes
 
-        def atomic(path, write_fn):
+        def atomic(path, data):
             if path.endswith("manifest.json"):
-                write_fn(durable.temp_path_for(path))
+                with open(durable.temp_path_for(path), "wb") as f:
+                    f.write(data[: len(data) // 2])
                 _die()
-            return real_atomic(path, write_fn)
+            return real_atomic(path, data)
 
-        fmt.atomic_write = atomic
+        fmt.atomic_write_bytes = atomic
     elif kind != "none":
         raise SystemExit(f"unknown crash point {crash!r}")
 

@@ -39,7 +39,7 @@ def test_info_prints_everything_a_user_checks(cache: Path, capsys: pytest.Captur
         "samples:        9",
         "shards:         3 x 4 samples",
         f"bytes:          {size} ({size / 1024:.1f} KiB)",
-        "checksum:       crc32",
+        "checksum:       xxh3_64",
         "  hidden               bfloat16   [n, 2, 3]",
         "  mask                 bool       [n, 3]",
         "  cp_size = 2",
@@ -70,7 +70,7 @@ def test_verify_sound_cache(cache: Path, capsys: pytest.CaptureFixture[str]) -> 
         assert main(argv) == 0
         captured = capsys.readouterr()
         assert "  checked: every row of every key against the xxh3_64 checksums each shard carries" in captured.out
-        assert "  checked: every shard's whole-file checksum against the manifest" in captured.out
+        assert "  checked: every shard's checksum (header digest, or whole-file CRC-32 in older caches) against the manifest" in captured.out
         assert "NOT checked" not in captured.out and captured.err == ""
 
 

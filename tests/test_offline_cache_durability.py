@@ -8,6 +8,7 @@ interruption.
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import subprocess
@@ -15,10 +16,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import te_thd.offline_cache.durable as durable
 from te_thd.offline_cache import (
     CacheLockError,
+    DurableShardWriter,
     ManifestNotFoundError,
     ProducerLock,
     atomic_write,
@@ -281,7 +284,9 @@ def test_fsync_is_called_for_file_and_directory(tmp_path: Path, monkeypatch: pyt
 # -- pipelined commits ----------------------------------------------------------------------
 
 
-def test_background_committer_fsyncs_before_rename_in_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_pipelined_writer_fsyncs_before_rename_in_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Shards committed on the writer's thread: each file's data is flushed before its name
+    appears, in shard order, and the renames are persisted by a directory fsync before flush returns."""
     events: list[str] = []
     real_fsync, real_replace = os.fsync, os.replace
 
@@ -291,35 +296,45 @@ def test_background_committer_fsyncs_before_rename_in_order(tmp_path: Path, monk
         real_fsync(fd)
 
     def replace(a, b):
-        events.append(f"rename:{os.path.basename(b)}")
+        events.append(f"rename:{os.path.basename(a)}->{os.path.basename(b)}")
         real_replace(a, b)
 
-    temps = []
-    for i in range(3):
-        tmp = durable.write_temp(str(tmp_path / f"f{i}"), lambda t, i=i: Path(t).write_bytes(bytes([i]) * 10))
-        temps.append(tmp)
     monkeypatch.setattr(os, "fsync", fsync)
     monkeypatch.setattr(os, "replace", replace)
-    with durable.BackgroundCommitter() as committer:
-        for i, tmp in enumerate(temps):
-            committer.submit(tmp, str(tmp_path / f"f{i}"))
-        committer.flush()
-        assert sorted(p.name for p in tmp_path.iterdir()) == ["f0", "f1", "f2"]
-    renames = [e for e in events if e.startswith("rename")]
-    assert renames == ["rename:f0", "rename:f1", "rename:f2"]
-    for i, tmp in enumerate(temps):  # each file's data is flushed before its name appears
-        assert events.index(f"fsync:{os.path.basename(tmp)}") < events.index(f"rename:f{i}")
-    assert events[-1] == "fsync:dir"  # the renames are persisted by a directory fsync
+    names = [f"shard-{i:06d}.safetensors" for i in range(3)]
+    for mode in ({}, {"write_behind": True}):
+        events.clear()
+        d = tmp_path / str(len(mode))
+        with DurableShardWriter(("x",), **mode) as w:
+            for i in range(3):
+                w(str(d), i, {"x": torch.full((2, 3), float(i))})
+            w.flush()
+            assert sorted(p.name for p in d.iterdir()) == names
+        renames = [e for e in events if e.startswith("rename")]
+        assert [r.split("->")[1] for r in renames] == names
+        for r in renames:
+            tmp = r.split(":", 1)[1].split("->")[0]
+            assert events.index(f"fsync:{tmp}") < events.index(r)
+        assert events[-1] == "fsync:dir"
 
 
-def test_background_committer_surfaces_errors(tmp_path: Path) -> None:
-    committer = durable.BackgroundCommitter()
-    committer.submit(str(tmp_path / ".gone.1-deadbeef.tmp"), str(tmp_path / "gone"))
-    with pytest.raises(FileNotFoundError):
-        committer.flush()
-    ok = durable.write_temp(str(tmp_path / "later"), lambda t: Path(t).write_bytes(b"x"))
-    with pytest.raises(FileNotFoundError):  # a failed committer refuses further work
-        committer.submit(ok, str(tmp_path / "later"))
-    with pytest.raises(FileNotFoundError):
-        committer.close()
-    assert not (tmp_path / "gone").exists() and not (tmp_path / "later").exists()
+def test_pipelined_writer_surfaces_commit_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A commit that fails on the thread is raised by flush, by every later call and by close; the
+    shard is not visible and its temp file is gone."""
+    real_replace = os.replace
+
+    def replace(a, b):
+        if b.endswith("shard-000000.safetensors"):
+            raise OSError(errno.EIO, "rename failed")
+        real_replace(a, b)
+
+    monkeypatch.setattr(os, "replace", replace)
+    w = DurableShardWriter(("x",))
+    w(str(tmp_path), 0, {"x": torch.ones(2, 3)})
+    with pytest.raises(OSError, match="rename failed"):
+        w.flush()
+    with pytest.raises(OSError, match="rename failed"):  # a failed writer refuses further work
+        w(str(tmp_path), 1, {"x": torch.ones(2, 3)})
+    with pytest.raises(OSError, match="rename failed"):
+        w.close()
+    assert os.listdir(tmp_path) == []

@@ -4,9 +4,10 @@ Every name of the reference module (NeMo AutoModel's
 ``components/datasets/llm/offline_cache``) is here with the same signature, so
 only the import changes. Modules: ``format`` (paths, dtypes, schema, shard
 layout), ``manifest`` (``manifest.json``), ``integrity`` (per-row checksums in
-each shard), ``durable`` (atomic writes, producer lock), ``shardfile`` (shard
-bytes, header checks), ``writer`` (one shard), ``loops`` (the reference producer
-loops), ``producer`` / ``producer_state`` (``produce_cache``: resume, lock,
+each shard), ``durable`` (atomic writes, producer lock), ``shardfile`` (the one
+shard serialiser, header checks), ``writebehind`` (the one background writer
+thread), ``writer`` (shards, validated and durable), ``loops`` (the reference
+producer loops), ``producer`` / ``producer_state`` (``produce_cache``: resume, lock,
 distributed, manifest), ``verify`` / ``repair`` (integrity checks and repair),
 ``reader`` / ``sampler`` / ``loader`` (reading side), ``cli`` (``te-thd cache ...``).
 

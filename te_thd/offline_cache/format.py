@@ -16,19 +16,21 @@ lock, damaged shards set aside by ``te-thd cache repair``, notes a user dropped
 there) is ignored by readers. The manifest is described in
 :mod:`~te_thd.offline_cache.manifest`.
 
-Whole-file checksum (recorded per shard in the manifest): CRC-32
-(``zlib.crc32``; ISA-L's when the optional ``isal`` package is installed, the
-same values ~3x faster), stored as ``"crc32:<8 hex>"`` so the algorithm can
-change without a format bump. The writer computes it on a second thread while
-the same bytes go to disk (``shardfile.py``), so it costs ~nothing there.
+Shard checksum (recorded per shard in the manifest): ``"xxh3_64:<header digest>"``,
+the digest each shard's header carries over its tensor entries and per-row
+checksums (:func:`~te_thd.offline_cache.integrity.shard_checksum`); manifests of
+older te_thd versions record ``"crc32:<8 hex>"`` of the whole file instead. The
+prefix names the algorithm, so it can change without a format bump.
 """
 
 
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import re
+import zlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -40,7 +42,7 @@ from te_thd.offline_cache.errors import CacheIntegrityError, producer_hint
 MANIFEST_NAME = "manifest.json"
 SHARD_RE = re.compile(r"^shard-(\d{6})\.safetensors$")
 
-#: Algorithm of the whole-file shard checksums the manifest records.
+#: Algorithm of a manifest's checksum of itself and of the lengths side files' (canonical JSON).
 CHECKSUM_ALGORITHM = "crc32"
 #: ``shard-%06d`` names: SHARD_RE matches exactly six digits.
 MAX_SHARDS = 1_000_000
@@ -71,6 +73,17 @@ DTYPE_TO_ST: dict[torch.dtype, str] = {d: code for d, code in _DTYPE_TABLE}
 ST_TO_DTYPE: dict[str, torch.dtype] = {code: d for d, code in _DTYPE_TABLE}
 DTYPE_RANK: dict[torch.dtype, int] = {d: i for i, (d, _) in enumerate(_DTYPE_TABLE)}
 _NAME_TO_DTYPE: dict[str, torch.dtype] = {str(d).removeprefix("torch."): d for d, _ in _DTYPE_TABLE}
+
+
+def canonical_json(obj: Any) -> bytes:
+    """``obj`` as canonical JSON (sorted keys, no whitespace, ASCII escapes): a function of the
+    parsed content only, so the digests of a manifest or a side file do not depend on formatting."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode("ascii")
+
+
+def json_crc32(obj: Any) -> str:
+    """``"crc32:<8 hex>"`` of :func:`canonical_json` of ``obj`` (a manifest's or side file's own checksum)."""
+    return f"{CHECKSUM_ALGORITHM}:{zlib.crc32(canonical_json(obj)) & 0xFFFFFFFF:08x}"
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -44,6 +44,7 @@ import torch
 import xxhash
 
 from te_thd.offline_cache.errors import CacheIntegrityError
+from te_thd.offline_cache.format import canonical_json
 
 #: Version of the self-verifying shard fields (the manifest's ``layout_version`` from this on).
 SHARD_LAYOUT = 3
@@ -105,16 +106,18 @@ def decode_sums(text: str, rows: int) -> array.array:
 def header_digest(tensor_entries: Mapping[str, Any], fields: Mapping[str, Any]) -> str:
     """Digest of a shard header: the safetensors tensor entries and the te_thd fields but ``header``."""
     body = {"tensors": tensor_entries, META_KEY: {k: v for k, v in fields.items() if k != "header"}}
-    text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
-    return f"{_hash(text.encode('ascii')):016x}"
+    return f"{_hash(canonical_json(body)):016x}"
 
 
-def shard_metadata(tensor_entries: Mapping[str, Any], sums: Mapping[str, Sequence[int]], rows: int) -> dict[str, str]:
-    """The ``__metadata__`` of a new shard: ``{"te_thd": <JSON of the fields>}``.
+def shard_metadata(
+    tensor_entries: Mapping[str, Any], sums: Mapping[str, Sequence[int]], rows: int
+) -> tuple[dict[str, str], str]:
+    """The ``__metadata__`` of a new shard (``{"te_thd": <JSON of the fields>}``) and its header digest.
 
     ``tensor_entries`` is the safetensors header without metadata
     (``{key: {"dtype", "shape", "data_offsets"}}``), ``sums`` the per-row sums of
-    every key (:func:`row_sums`), ``rows`` the sample count.
+    every key (:func:`row_sums`), ``rows`` the sample count. The digest is what
+    the manifest records for the shard (:func:`shard_checksum`).
     """
     fields: dict[str, Any] = {
         "layout": SHARD_LAYOUT,
@@ -122,16 +125,30 @@ def shard_metadata(tensor_entries: Mapping[str, Any], sums: Mapping[str, Sequenc
         "hash": HASH_NAME,
         "sums": {k: encode_sums(v) for k, v in sums.items()},
     }
-    fields["header"] = header_digest(tensor_entries, fields)
-    return {META_KEY: json.dumps(fields, sort_keys=True, separators=(",", ":"))}
+    fields["header"] = digest = header_digest(tensor_entries, fields)
+    return {META_KEY: json.dumps(fields, sort_keys=True, separators=(",", ":"))}, digest
+
+
+def shard_checksum(digest: str) -> str:
+    """The manifest's record of a shard: ``"xxh3_64:<header digest>"``.
+
+    The header digest covers every tensor entry and every row checksum, and the row
+    checksums cover every data byte, so this one value identifies the shard's whole
+    content: a shard swapped for another valid shard (or replaced by another
+    writer's) no longer matches its manifest record, and checking that costs one
+    header read, not a pass over the file.
+    """
+    return f"{HASH_NAME}:{digest}"
 
 
 @dataclass(frozen=True)
 class ShardSums:
-    """The verified te_thd fields of one shard: ``rows`` and ``sums[key]`` (uint64 ``[rows]``)."""
+    """The verified te_thd fields of one shard: ``rows``, ``sums[key]`` (uint64 ``[rows]``) and the
+    header ``digest``."""
 
     rows: int
     sums: dict[str, array.array]
+    digest: str
 
 
 def parse_shard_metadata(
@@ -177,7 +194,7 @@ def parse_shard_metadata(
         sums = {k: decode_sums(v, rows) for k, v in fields["sums"].items()}
     except (ValueError, TypeError, AttributeError) as exc:
         raise bad(f"hold unreadable row checksums ({exc})") from None
-    return ShardSums(rows, sums)
+    return ShardSums(rows, sums, recorded)
 
 
 def verify_rows(

@@ -29,7 +29,6 @@ from __future__ import annotations
 import errno
 import json
 import os
-import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -37,9 +36,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from te_thd.offline_cache.durable import atomic_write
+from te_thd.offline_cache.durable import atomic_write_bytes
 from te_thd.offline_cache.errors import CacheError
-from te_thd.offline_cache.format import TensorSpec, shard_path
+from te_thd.offline_cache.format import TensorSpec, json_crc32, shard_path
 
 #: The manifest field naming the rule the recorded per-shard lengths follow.
 LENGTH_RULE_KEY = "length_rule"
@@ -200,11 +199,6 @@ def side_file_path(cache_dir: str, rule: LengthRule) -> str:
     return os.path.join(cache_dir, f"lengths.{rule.key}{suffix}{pad}.json")
 
 
-def _body_checksum(body: Mapping[str, Any]) -> str:
-    text = json.dumps(body, sort_keys=True, separators=(",", ":"))
-    return f"crc32:{zlib.crc32(text.encode('ascii')) & 0xFFFFFFFF:08x}"
-
-
 def read_side_file(path: str, rule: LengthRule, manifest_sum: str, num_samples: int) -> np.ndarray | None:
     """The lengths kept in ``path`` when it is intact and belongs to this manifest and rule, else ``None``."""
     try:
@@ -212,7 +206,7 @@ def read_side_file(path: str, rule: LengthRule, manifest_sum: str, num_samples: 
             obj = json.load(f)
         body = {k: v for k, v in obj.items() if k != "checksum"}
         ok = (
-            obj.get("checksum") == _body_checksum(body)
+            obj.get("checksum") == json_crc32(body)
             and body.get("manifest_checksum") == manifest_sum
             and body.get("rule") == rule.to_json()
             and isinstance(body.get("lengths"), list)
@@ -225,13 +219,7 @@ def read_side_file(path: str, rule: LengthRule, manifest_sum: str, num_samples: 
 
 def write_side_file(path: str, rule: LengthRule, manifest_sum: str, lengths: np.ndarray) -> None:
     body = {"manifest_checksum": manifest_sum, "rule": rule.to_json(), "lengths": [int(v) for v in lengths]}
-    data = (json.dumps({**body, "checksum": _body_checksum(body)}, sort_keys=True) + "\n").encode("ascii")
-
-    def _write(tmp: str) -> None:
-        with open(tmp, "wb") as f:
-            f.write(data)
-
-    atomic_write(path, _write)
+    atomic_write_bytes(path, (json.dumps({**body, "checksum": json_crc32(body)}, sort_keys=True) + "\n").encode("ascii"))
 
 
 def cache_lengths(

@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader, Dataset, Subset
 
 from te_thd.offline_cache.errors import SchemaError
 from te_thd.offline_cache.format import check_shard_size, format_indices, shard_layout, shard_rows
-from te_thd.offline_cache.writer import WriteShardFn
+from te_thd.offline_cache.writer import DurableShardWriter, WriteShardFn
 
 
 def _loader_class() -> type:
@@ -77,12 +77,12 @@ class _ShardAccumulator:
     shard's worth of outputs in device memory) and each shard concatenates only
     the pieces it needs, so buffering is linear in the shard size.
 
-    Given the run's ``total_samples`` and a writer that streams
-    (``write_shard_fn.takes_stream``, a write-behind
-    :class:`~te_thd.offline_cache.writer.DurableShardWriter`), every shard's row
-    count is known before its first batch, so each batch goes to the writer at
-    once (``write_piece``; ``finish_shard`` when the shard is full) and nothing
-    is buffered here.
+    With a :class:`~te_thd.offline_cache.writer.DurableShardWriter` as
+    ``write_shard_fn`` the pieces go to it as they are (``write_piece``, then
+    ``finish_shard``), never concatenated; given the run's ``total_samples`` as
+    well, every shard's row count is known before its first batch, so each batch
+    goes to the writer at once and nothing is buffered here. Any other
+    ``write_shard_fn`` gets each shard as one ``{key: tensor}`` dict.
     """
 
     def __init__(
@@ -102,7 +102,7 @@ class _ShardAccumulator:
         self._chunks: list[dict[str, torch.Tensor]] = []
         self._buffered = 0
         self.shards_written: list[int] = []
-        self._streaming = total_samples is not None and getattr(write_shard_fn, "takes_stream", False)
+        self._streaming = total_samples is not None and isinstance(write_shard_fn, DurableShardWriter)
         self._total = self._remaining = total_samples or 0  # streaming: samples of the run from the current shard on
         self._keys: set[str] | None = None  # the first batch's keys; every batch returns the same
 
@@ -127,13 +127,14 @@ class _ShardAccumulator:
                 pieces.append({k: v[:need] for k, v in chunk.items()})
                 self._chunks[0] = {k: v[need:] for k, v in chunk.items()}
                 taken += need
-        shard: dict[str, Any]
-        if getattr(self._write_shard_fn, "takes_pieces", False):
-            # a write-behind writer writes the pieces as they are, on its own thread
-            shard = {k: [p[k] for p in pieces] for k in pieces[0]}
+        writer = self._write_shard_fn
+        if isinstance(writer, DurableShardWriter):
+            for piece in pieces:
+                writer.write_piece(self._output_dir, self._shard_index, n, piece)
+            path = writer.finish_shard(self._output_dir, self._shard_index)
         else:
             shard = {k: pieces[0][k] if len(pieces) == 1 else torch.cat([p[k] for p in pieces]) for k in pieces[0]}
-        path = self._write_shard_fn(self._output_dir, self._shard_index, shard)
+            path = writer(self._output_dir, self._shard_index, shard)
         self._logger.info("Wrote %s (%d samples)", path, n)
         self.shards_written.append(self._shard_index)
         self._buffered -= n
@@ -162,7 +163,8 @@ class _ShardAccumulator:
 
     def _stream(self, batch: dict[str, torch.Tensor], rows: int) -> None:
         """Hand ``batch``'s rows to the writer now, cut at shard boundaries."""
-        writer: Any = self._write_shard_fn
+        writer = self._write_shard_fn
+        assert isinstance(writer, DurableShardWriter)
         offset = 0
         while offset < rows:
             shard_rows = min(self._shard_size, self._remaining)
@@ -191,7 +193,8 @@ class _ShardAccumulator:
         if self._streaming:
             if self._buffered:  # a writer that recorded an error drops the shard; else it is short
                 try:
-                    self._write_shard_fn.finish_shard(self._output_dir, self._shard_index)  # type: ignore[attr-defined]
+                    assert isinstance(self._write_shard_fn, DurableShardWriter)
+                    self._write_shard_fn.finish_shard(self._output_dir, self._shard_index)
                 except ValueError as exc:
                     want = min(self._shard_size, self._remaining)
                     raise RuntimeError(

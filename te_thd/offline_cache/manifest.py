@@ -14,7 +14,7 @@ produced the same shards write byte-identical manifests)::
       },
       "shards": [
         {"file": "shard-000000.safetensors", "bytes": 1073741912,
-         "checksum": "crc32:9a1b2c3d"},
+         "checksum": "xxh3_64:5d1c0e2f8a7b9c31"},
         ...
       ],
       "mask_generation_prompt": true,   # producer options, top level (as in the
@@ -49,11 +49,10 @@ from __future__ import annotations
 
 import json
 import os
-import zlib
 from collections.abc import Mapping
 from typing import Any
 
-from te_thd.offline_cache.durable import atomic_write
+from te_thd.offline_cache.durable import atomic_write_bytes
 from te_thd.offline_cache.errors import (
     CacheIntegrityError,
     ManifestError,
@@ -65,6 +64,7 @@ from te_thd.offline_cache.format import (
     CHECKSUM_ALGORITHM,
     MAX_SHARDS,
     CacheSchema,
+    json_crc32,
     manifest_path,
     num_shards,
     schema_from_json,
@@ -146,7 +146,7 @@ def validate_manifest(manifest: Mapping[str, Any], path: str, producer: str | No
             if not ok:
                 raise ManifestError(
                     f"manifest {path}: shard record {i} is {rec!r}, expected "
-                    f"{{'file': {name!r}, 'bytes': int, 'checksum': 'crc32:<hex>'}}. "
+                    f"{{'file': {name!r}, 'bytes': int, 'checksum': '<algorithm>:<hex>'}}. "
                     "The manifest is damaged. " + _rebuild(path, producer)
                 )
             bad = check_lengths_record(rec, shard_rows(i, manifest["num_samples"], manifest["shard_size"]))
@@ -168,9 +168,7 @@ def manifest_checksum(manifest: Mapping[str, Any]) -> str:
     ``json.loads`` returns); NaN/inf are rendered (a manifest holding them never
     matches a checksum :func:`write_manifest` recorded, as it refuses them).
     """
-    body = {k: v for k, v in manifest.items() if k != MANIFEST_CHECKSUM_KEY}
-    text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
-    return f"{CHECKSUM_ALGORITHM}:{zlib.crc32(text.encode('ascii')) & 0xFFFFFFFF:08x}"
+    return json_crc32({k: v for k, v in manifest.items() if k != MANIFEST_CHECKSUM_KEY})
 
 
 def write_manifest(cache_dir: str, manifest: dict[str, Any], format_version: int) -> str:
@@ -179,7 +177,7 @@ def write_manifest(cache_dir: str, manifest: dict[str, Any], format_version: int
     Written as ``{"format_version": format_version, **manifest}`` plus its
     ``manifest_checksum`` (recomputed here; a value in ``manifest``, e.g. from
     a manifest read and edited, is replaced), with sorted keys and no volatile
-    fields, through :func:`atomic_write` (temp file, fsync, rename, fsync of the
+    fields, through :func:`~te_thd.offline_cache.durable.atomic_write` (temp file, fsync, rename, fsync of the
     directory). A producer writes it after every shard is on disk: its presence
     is what marks a cache finished.
     """
@@ -202,13 +200,7 @@ def write_manifest(cache_dir: str, manifest: dict[str, Any], format_version: int
             "Producer options must be JSON values (bool, int, float, str, list, dict)."
         ) from None
     parsed[MANIFEST_CHECKSUM_KEY] = manifest_checksum(parsed)
-    data = (json.dumps(parsed, indent=2, sort_keys=True) + "\n").encode("utf-8")
-
-    def _write(tmp_path: str) -> None:
-        with open(tmp_path, "wb") as f:
-            f.write(data)
-
-    return atomic_write(path, _write)
+    return atomic_write_bytes(path, (json.dumps(parsed, indent=2, sort_keys=True) + "\n").encode("utf-8"))
 
 
 def _read_checked_manifest(cache_dir: str, cache_name: str, producer: str | None) -> dict[str, Any]:

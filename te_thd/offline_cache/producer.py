@@ -20,7 +20,7 @@ What happens, in order (``rank`` is the rank in ``group``; one process is rank 0
    re-reads the shards of it that already exist (resume: checksum + header
    check), and computes only the missing ones, padding to the global step count
    with dummy forwards (:func:`lockstep_write`).
-3. the ranks all-gather their shard records (bytes, CRC-32, schema); rank 0
+3. the ranks all-gather their shard records (bytes, checksum, schema); rank 0
    checks that every shard exists exactly once with one schema and writes
    ``manifest.json`` atomically, last; then every rank returns the manifest.
 
@@ -62,7 +62,6 @@ from te_thd.offline_cache.format import (
     schema_to_json,
     shard_path,
 )
-from te_thd.offline_cache.hostmem import check_writer_priority, retained_freed_memory
 from te_thd.offline_cache.lengths import LENGTH_RULE_KEY, LengthRule, for_tensor_spec, producer_rule
 from te_thd.offline_cache.loops import (
     _batch_size,
@@ -83,7 +82,7 @@ from te_thd.offline_cache.producer_state import (
     verify_existing,
 )
 from te_thd.offline_cache.shardfile import ShardRecord
-from te_thd.offline_cache.writer import DurableShardWriter, schema_of, validate_shard_tensors
+from te_thd.offline_cache.writer import DurableShardWriter
 
 _log = logging.getLogger("te_thd.offline_cache")
 
@@ -168,12 +167,10 @@ class _RecordingWriter(DurableShardWriter):
     """
 
     def __init__(
-        self, keys: Sequence[str], cache_name: str, schema: CacheSchema | None, length_rule: LengthRule | None = None,
-        writer_priority: str = "idle",
-    ) -> None:  # fmt: skip
+        self, keys: Sequence[str], cache_name: str, schema: CacheSchema | None, length_rule: LengthRule | None = None
+    ) -> None:
         # write-behind: batches are written (streamed into their shard) while the next are computed
-        super().__init__(keys, cache_name, schema, pipelined=True, write_behind=True, length_rule=length_rule,
-                         writer_priority=writer_priority)  # fmt: skip
+        super().__init__(keys, cache_name, schema, pipelined=True, write_behind=True, length_rule=length_rule)
         self.error: str | None = None
 
     def check_batch(self, out: Any) -> dict[str, torch.Tensor] | None:
@@ -185,17 +182,10 @@ class _RecordingWriter(DurableShardWriter):
             self.error = f"compute_batch returned a {type(out).__name__}; it must return a dict of tensors"
             return None
         try:
-            checked = validate_shard_tensors(out, self.keys, self.cache_name, -1, self.schema, where="compute_batch output")
+            return self.validate(out, where="compute_batch output")
         except SchemaError as exc:
             self.error = str(exc)
             return None
-        if self.schema is None:
-            self.schema = schema_of(checked)
-        return checked
-
-    def _check_pieces(self, pieces: list[Mapping[str, Any]], shard_index: int) -> list[dict[str, torch.Tensor]]:
-        # every piece is (a slice of) a batch check_batch validated against the schema
-        return [dict(p) for p in pieces]
 
     def write_piece(self, cache_dir: str, shard_index: int, rows: int, piece: Mapping[str, Any]) -> None:
         if self.error is None:
@@ -244,8 +234,6 @@ def produce_cache(
     progress: bool | None = None,
     logger: logging.Logger | None = None,
     length_key: str | None = None,
-    writer_priority: str = "idle",
-    retain_freed_memory: bool = True,
 ) -> dict[str, Any]:
     """Produce (or finish, or reuse) the cache of ``dataloader`` in ``output_dir``; return its manifest.
 
@@ -278,20 +266,9 @@ def produce_cache(
             recorded per shard in the manifest (``te_thd.offline_cache.lengths``):
             its value when it holds one number per sample, else its non-padding
             length. Default ``input_ids`` when stored, else no lengths are recorded.
-        writer_priority: ``"idle"`` (default): the write-behind thread runs at
-            ``SCHED_IDLE`` while the compute thread does not wait on it, so it never
-            delays the compute thread's wake-ups (where the host allows a thread to
-            leave ``SCHED_IDLE`` again; else normal). ``"normal"``: default scheduling.
-        retain_freed_memory: keep the memory of written batches mapped for the next
-            batches (glibc's malloc thresholds, raised while computing; see
-            ``te_thd.offline_cache.hostmem``) instead of paying page faults for fresh
-            pages. ``False`` leaves the allocator alone.
 
     Every rank returns the same manifest dict (``read_manifest``'s view).
     """
-    check_writer_priority(writer_priority)
-    if not isinstance(retain_freed_memory, bool):
-        raise ValueError(f"retain_freed_memory={retain_freed_memory!r} must be True or False")
     job = _Job.plan(dataloader, output_dir, shard_size, keys, options, format_version, cache_name,
                     producer_name, rank, world_size, group, logger or _log, length_key)  # fmt: skip
     producer_lock = ProducerLock(output_dir) if (lock and job.comm.rank == 0) else None
@@ -301,8 +278,7 @@ def produce_cache(
             job.logger.info("%s is already a finished cache (%d samples); nothing to do", output_dir, job.num_samples)
             return finished
         records, schema, missing = job.verify_block()
-        with retained_freed_memory(retain_freed_memory):
-            writer = job.compute(dataloader, compute_batch, missing, schema, progress, writer_priority)
+        writer = job.compute(dataloader, compute_batch, missing, schema, progress)
         return job.finish({**records, **writer.records}, writer)
     finally:
         if producer_lock is not None:
@@ -404,10 +380,10 @@ class _Job:
 
     def compute(
         self, dataloader: DataLoader, compute_batch: Callable[[Any], Any], missing: Sequence[int],
-        schema: CacheSchema | None, progress: bool | None, writer_priority: str = "idle",
+        schema: CacheSchema | None, progress: bool | None,
     ) -> _RecordingWriter:  # fmt: skip
         """Compute and write the shards ``missing`` in lockstep with the other ranks."""
-        writer = _RecordingWriter(self.keys, self.cache_name, schema, self.length_rule, writer_priority)
+        writer = _RecordingWriter(self.keys, self.cache_name, schema, self.length_rule)
         runs = shard_runs(missing, self.num_samples, self.shard_size)
         bs = _batch_size(dataloader)
         global_steps = self.comm.max_int(sum(-(-n // bs) for _, _, n in runs))

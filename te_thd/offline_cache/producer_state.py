@@ -18,7 +18,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from te_thd.offline_cache.durable import atomic_write, fsync_dir, remove_stale_temp_files
+from te_thd.offline_cache.durable import atomic_write_bytes, fsync_dir, remove_stale_temp_files
 from te_thd.offline_cache.errors import CacheError, CacheIntegrityError, SchemaError
 from te_thd.offline_cache.format import (
     CacheSchema,
@@ -51,13 +51,7 @@ def run_params(
 
 
 def write_json(path: str, obj: Any) -> None:
-    data = (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode()
-
-    def _write(tmp: str) -> None:
-        with open(tmp, "wb") as f:
-            f.write(data)
-
-    atomic_write(path, _write)
+    atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
 
 
 def _describe_diff(recorded: Mapping[str, Any], wanted: Mapping[str, Any]) -> str:

@@ -64,7 +64,7 @@ from .copyread import (
 from .errors import CacheIntegrityError, UnverifiedCacheWarning, repair_hint
 from .format import TensorSpec, load_safetensors, manifest_path, shard_path, shard_rows
 from .integrity import ShardSums, verify_rows
-from .manifest import manifest_schema, read_manifest
+from .manifest import manifest_schema, read_manifest, shard_records
 from .shardfile import HeaderEntry, ShardHeader, check_shard_header
 from .verify import check_cache_files, requires_shard_sums
 
@@ -288,6 +288,8 @@ class CachedTensorDataset(Dataset):
         self.copy_engine = "auto"
         self.parallel_min_bytes = PARALLEL_MIN_BYTES
         self._require_sums = requires_shard_sums(self.manifest)
+        # the manifest's record of each shard, checked against its header digest on open
+        self._checksums = {i: str(r["checksum"]) for i, r in enumerate(shard_records(self.manifest) or [])}
         # Expected {key: TensorSpec}: from the manifest's schema when it records one
         # (te_thd producers), else from the first shard this process opens.
         schema = manifest_schema(self.manifest)
@@ -385,7 +387,9 @@ class CachedTensorDataset(Dataset):
         path = shard_path(self.cache_dir, shard_index)
         rows = shard_rows(shard_index, self.num_samples, self.shard_size)
         try:
-            header = check_shard_header(path, self._schema, rows, self._disk_keys, self._require_sums)
+            header = check_shard_header(
+                path, self._schema, rows, self._disk_keys, self._require_sums, self._checksums.get(shard_index)
+            )
         except CacheIntegrityError as exc:
             raise CacheIntegrityError(f"{exc}. {self._repair}", path=path) from None
         if self._schema is None:

@@ -1,4 +1,4 @@
-"""One shard file: deterministic safetensors bytes, written zero-copy with an overlapped CRC-32.
+"""One shard file: the safetensors bytes te_thd writes, row piece by row piece, and its header read back.
 
 The bytes are exactly those of ``safetensors.torch.save_file(tensors, path,
 metadata=...)`` with the single ``"te_thd"`` metadata entry of
@@ -6,58 +6,62 @@ metadata=...)`` with the single ``"te_thd"`` metadata entry of
 digest): an 8-byte little-endian header length, a compact JSON header padded
 with spaces to a multiple of 8, then every tensor's raw bytes, ordered by dtype
 (safetensors' enum order, descending, which keeps wider types aligned) and then
-by name. Writing the format here instead of calling ``save_file``
-lets the writer know the exact file bytes before they reach the disk, so the
-CRC-32 the manifest records runs on a second thread over the same in-memory
-buffers while the main thread writes them (``zlib.crc32`` and file writes both
-release the GIL): checksumming costs ~nothing instead of a second pass. The
-tests assert byte equality with ``save_file`` so the format cannot drift.
+by name. The tests assert byte equality with ``save_file`` so the format cannot
+drift.
+
+:class:`ShardStream` is the one serialiser, used by every writer: a shard's row
+count is known before its first row, so the header's length is known too (the
+per-row checksums are fixed-width base64, the digest 16 hex digits). Each piece
+of rows goes straight from its own memory to its final offset (``pwrite``), the
+rows are hashed right after, while still in cache, and the header is written at
+offset 0 last. A shard buffered as a list of batches is therefore never copied
+into a shard-sized tensor, and a producer's batch is free once it is written.
+Not atomic by itself: writers stream into a temp file and rename it when complete
+(:mod:`~te_thd.offline_cache.durable`).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import struct
 import sys
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
-from te_thd.offline_cache.crc import crc32 as _crc32
+from te_thd.offline_cache.durable import unlink_quietly
 from te_thd.offline_cache.errors import CacheIntegrityError
 from te_thd.offline_cache.format import (
-    CHECKSUM_ALGORITHM,
     DTYPE_RANK,
     DTYPE_TO_ST,
     ST_TO_DTYPE,
     TensorSpec,
     dtype_name,
 )
-from te_thd.offline_cache.integrity import ShardSums, parse_shard_metadata, row_sums, shard_metadata
+from te_thd.offline_cache.integrity import (
+    HASH_NAME,
+    ShardSums,
+    byte_row_sums,
+    byte_view,
+    parse_shard_metadata,
+    shard_checksum,
+    shard_metadata,
+)
 
 if sys.byteorder != "little":  # pragma: no cover - safetensors is little-endian on disk
     raise ImportError("te_thd.offline_cache writes raw tensor memory and needs a little-endian host")
 
 _HEADER_LIMIT = 100 * 1024 * 1024  # safetensors' own cap on header size
-_READ_CHUNK = 8 << 20
-_crc_pool: ThreadPoolExecutor | None = None
-
-
-def _pool() -> ThreadPoolExecutor:
-    global _crc_pool
-    if _crc_pool is None:
-        _crc_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="te_thd-crc")
-    return _crc_pool
 
 
 @dataclass(frozen=True)
 class ShardRecord:
-    """What the manifest records per shard: file size and checksum of the whole file."""
+    """What the manifest records per shard: file size and checksum (``"xxh3_64:<header digest>"``)."""
 
     bytes: int
     checksum: str
@@ -71,159 +75,225 @@ class ShardRecord:
         return rec
 
 
-def format_checksum(crc: int) -> str:
-    return f"{CHECKSUM_ALGORITHM}:{crc & 0xFFFFFFFF:08x}"
-
-
-def tensor_bytes(t: torch.Tensor) -> memoryview:
-    """Zero-copy ``uint8`` view of a contiguous CPU tensor's memory (``[numel * itemsize]``)."""
-    flat = t.reshape(-1).view(torch.uint8)
-    return memoryview(flat.numpy()) if flat.numel() else memoryview(b"")
-
-
-def prepare_tensors(tensors: Mapping[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
-    """CPU, contiguous, in file order (dtype rank descending, then name)."""
-    return [(name, parts[0]) for name, parts in prepare_pieces({k: [t] for k, t in tensors.items()})]
-
-
-def prepare_pieces(pieces: Mapping[str, Sequence[torch.Tensor]]) -> list[tuple[str, list[torch.Tensor]]]:
-    """Each key's pieces (``[n_i, *trailing]``, one dtype and trailing shape per key) CPU and
-    contiguous, keys in file order (dtype rank descending, then name).
-
-    A key stored from several pieces holds them concatenated on dim 0; a single
-    piece may have any shape (0-d included).
-    """
-    items = []
-    for name, parts in pieces.items():
-        parts = [p.detach().to("cpu").contiguous() for p in parts]
-        if not parts:
-            raise ValueError(f"tensor {name!r} has no pieces; pass at least one tensor per key")
-        dtype = parts[0].dtype
-        if dtype not in DTYPE_TO_ST:
-            raise ValueError(
-                f"tensor {name!r} has dtype {dtype}, which safetensors cannot store; "
-                f"cast it to one of {sorted(dtype_name(d) for d in DTYPE_TO_ST)}"
-            )
-        if len(parts) > 1 and any(p.dim() == 0 or (p.dtype, p.shape[1:]) != (dtype, parts[0].shape[1:]) for p in parts):
-            raise ValueError(
-                f"the pieces of tensor {name!r} cannot be concatenated on dim 0: "
-                f"{[(dtype_name(p.dtype), list(p.shape)) for p in parts]}; give every piece one dtype and trailing shape"
-            )
-        items.append((name, parts))
-    items.sort(key=lambda kv: (-DTYPE_RANK[kv[1][0].dtype], kv[0]))
-    return items
-
-
-def _joined(parts: Sequence[torch.Tensor]) -> torch.Tensor:
-    """``parts`` itself if one, else a shape-only (meta) tensor of their dim-0 concatenation."""
-    if len(parts) == 1:
-        return parts[0]
-    rows = sum(p.shape[0] for p in parts)
-    return torch.empty((rows, *parts[0].shape[1:]), dtype=parts[0].dtype, device="meta")
-
-
-def tensor_entries(items: Sequence[tuple[str, torch.Tensor]]) -> dict[str, Any]:
-    """The safetensors header entries (``{name: {dtype, shape, data_offsets}}``) of ``items``, in file order."""
+def tensor_entries(specs: Sequence[tuple[str, TensorSpec]], rows: int) -> dict[str, Any]:
+    """The safetensors header entries (``{name: {dtype, shape, data_offsets}}``) of a ``rows``-row
+    shard of ``specs`` (already in file order)."""
     entries: dict[str, Any] = {}
     offset = 0
-    for name, t in items:
-        n = t.numel() * t.element_size()
-        entries[name] = {"dtype": DTYPE_TO_ST[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+    for name, spec in specs:
+        shape = [rows, *spec.shape]
+        n = int(np.prod(shape, dtype=np.int64)) * spec.dtype.itemsize
+        entries[name] = {"dtype": DTYPE_TO_ST[spec.dtype], "shape": shape, "data_offsets": [offset, offset + n]}
         offset += n
     return entries
 
 
-def self_verifying_metadata(items: Sequence[tuple[str, Sequence[torch.Tensor]]]) -> dict[str, str]:
-    """The te_thd ``__metadata__`` of ``items`` (:func:`prepare_pieces`; every key ``[n, ...]`` with one
-    ``n``): row sums, rows, digest."""
-    joined = [(k, _joined(parts)) for k, parts in items]
-    counts = {t.shape[0] if t.dim() else None for _, t in joined}
-    if len(counts) != 1 or None in counts:
-        raise ValueError(
-            f"a self-verifying shard needs every tensor [n, ...] with one n; got shapes "
-            f"{ {k: list(t.shape) for k, t in joined} }"
-        )
-    return shard_metadata(tensor_entries(joined), {k: _pieces_row_sums(parts) for k, parts in items}, counts.pop())
-
-
-def _pieces_row_sums(parts: Sequence[torch.Tensor]) -> list[int]:
-    """:func:`row_sums` of the dim-0 concatenation of ``parts``, without concatenating them."""
-    sums: list[int] = []
-    for p in parts:
-        sums += row_sums(p, first_row=len(sums))
-    return sums
-
-
-def build_header(items: Sequence[tuple[str, torch.Tensor]], metadata: Mapping[str, str] | None = None) -> bytes:
-    """The 8-byte length prefix plus the padded JSON header for ``items`` (already in file order)."""
-    header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
-    header.update(tensor_entries(items))
+def build_header(entries: Mapping[str, Any], metadata: Mapping[str, str]) -> bytes:
+    """The 8-byte length prefix plus the padded JSON header of ``entries`` (in file order)."""
+    header: dict[str, Any] = {"__metadata__": dict(metadata), **entries}
     text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
     text += b" " * (-len(text) % 8)
     return struct.pack("<Q", len(text)) + text
 
 
-def _crc(buffers: Sequence[memoryview]) -> int:
-    crc = 0
-    for b in buffers:
-        crc = _crc32(b, crc)
-    return crc
-
-
-def _write_all(fd: int, buf: memoryview) -> None:
+def pwrite_all(fd: int, buf: memoryview, offset: int) -> None:
+    """Write all of ``buf`` at ``offset`` of ``fd`` (``os.pwrite`` may write less than asked)."""
     view = buf.cast("B") if buf.format != "B" else buf
     while view:
-        n = os.write(fd, view)
+        n = os.pwrite(fd, view, offset)
         view = view[n:]
+        offset += n
 
 
-def write_shard_file(path: str, tensors: Mapping[str, torch.Tensor], self_verifying: bool = True) -> ShardRecord:
-    """Write ``tensors`` to a NEW file ``path`` in safetensors format; return its record.
+class _Layout(NamedTuple):
+    specs: dict[str, TensorSpec]  # in file order
+    entries: dict[str, Any]  # the header's tensor entries
+    header_len: int
+    row_bytes: dict[str, int]
+    start: dict[str, int]  # file offset of each key's first row
 
-    ``self_verifying``: record per-row checksums, the row count and a header
-    digest in ``__metadata__`` (every tensor must then be ``[n, ...]`` with one
-    ``n``); ``False`` writes plain ``save_file`` bytes. Not atomic by itself: the
-    writer calls it on a temp path inside :func:`~te_thd.offline_cache.durable.atomic_write`.
+
+@functools.lru_cache(maxsize=16)
+def _layout(specs: tuple[tuple[str, TensorSpec], ...], rows: int) -> _Layout:
+    """Where everything of a ``rows``-row shard of ``specs`` goes; the same for every full shard of a
+    cache, so it is computed once."""
+    order = sorted(specs, key=lambda kv: (-DTYPE_RANK[kv[1].dtype], kv[0]))
+    entries = tensor_entries(order, rows)
+    placeholder, _ = shard_metadata(entries, {k: [0] * rows for k, _ in order}, rows)
+    header_len = len(build_header(entries, placeholder))
+    row_bytes = {k: int(np.prod(s.shape, dtype=np.int64)) * s.dtype.itemsize for k, s in order}
+    start = {k: header_len + e["data_offsets"][0] for k, e in entries.items()}
+    return _Layout(dict(order), entries, header_len, row_bytes, start)
+
+
+def check_cache_dtype(name: str, dtype: torch.dtype) -> None:
+    """``ValueError`` naming key ``name`` when safetensors cannot store ``dtype``."""
+    if dtype not in DTYPE_TO_ST:
+        raise ValueError(
+            f"tensor {name!r} has dtype {dtype}, which safetensors cannot store; "
+            f"cast it to one of {sorted(dtype_name(d) for d in DTYPE_TO_ST)}"
+        )
+
+
+class ShardStream:
+    """Write one self-verifying shard of ``rows`` rows to a NEW file ``path``, piece by piece.
+
+    ``specs``: ``{key: TensorSpec(dtype, trailing shape)}``. :meth:`write` takes
+    the next rows of every key (``{key: tensor [n, *trailing]}``, one ``n``);
+    :meth:`finish` writes the header once all ``rows`` arrived and returns the
+    shard's :class:`ShardRecord`; :meth:`abort` closes and removes the file.
+    Pieces are written when :meth:`write` returns: the caller may free them at once.
     """
-    return write_shard_pieces(path, {k: [t] for k, t in tensors.items()}, self_verifying)
+
+    def __init__(self, path: str, specs: Mapping[str, TensorSpec], rows: int) -> None:
+        if isinstance(rows, bool) or not isinstance(rows, int) or rows < 0:
+            raise ValueError(f"rows={rows!r} must be an int >= 0 (the samples the shard holds)")
+        for name, spec in specs.items():
+            check_cache_dtype(name, spec.dtype)
+        self.path = path
+        self.rows = rows
+        layout = _layout(tuple(specs.items()), rows)
+        self.specs = layout.specs
+        self._entries, self._header_len = layout.entries, layout.header_len
+        self._row_bytes, self._start = layout.row_bytes, layout.start
+        self._sums: dict[str, list[int]] = {k: [] for k in self.specs}
+        self._cursor = 0
+        self._fd: int | None = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+
+    @property
+    def rows_written(self) -> int:
+        return self._cursor
+
+    def write(self, piece: Mapping[str, torch.Tensor]) -> None:
+        """Write the next rows: every key of ``specs``, ``[n, *trailing]`` with one ``n``."""
+        if self._fd is None:
+            raise ValueError(f"shard stream {self.path} is closed; start a new one")
+        counts = {k: piece[k].shape[0] if piece[k].dim() else None for k in self.specs}
+        if len(set(counts.values())) != 1 or None in counts.values():
+            raise ValueError(
+                f"piece of {self.path}: its keys hold different row counts {counts}; every key holds the same rows"
+            )
+        for k, spec in self.specs.items():
+            t = piece[k]
+            if t.dtype != spec.dtype or tuple(t.shape[1:]) != spec.shape:
+                raise ValueError(
+                    f"piece of {self.path}: key {k!r} is {dtype_name(t.dtype)}{list(t.shape)}, the shard holds "
+                    f"{spec.describe()} rows"
+                )
+        n = next(iter(counts.values()))
+        assert n is not None
+        if self._cursor + n > self.rows:
+            raise ValueError(
+                f"piece of {self.path}: {n} rows after {self._cursor} overflow the shard's {self.rows} rows"
+            )
+        # little Python between the GIL-free calls (pwrite, hashes): a producer's compute thread
+        # waits for the GIL whenever it wakes while this thread holds it
+        for k in self.specs:
+            t = piece[k]
+            if t.device.type != "cpu" or not t.is_contiguous():
+                t = t.detach().to("cpu").contiguous()
+            view = byte_view(t)  # t outlives the view: both end with this iteration
+            pwrite_all(self._fd, view, self._start[k] + self._cursor * self._row_bytes[k])
+            self._sums[k] += byte_row_sums(view, n, self._cursor)
+        self._cursor += n
+
+    def finish(self) -> ShardRecord:
+        """Write the header (all ``rows`` must have arrived), close the file; the shard's record."""
+        if self._fd is None:
+            raise ValueError(f"shard stream {self.path} is closed")
+        if self._cursor != self.rows:
+            raise ValueError(f"shard stream {self.path} got {self._cursor} of its {self.rows} rows; write the rest first")
+        metadata, digest = shard_metadata(self._entries, self._sums, self.rows)
+        header = build_header(self._entries, metadata)
+        if len(header) != self._header_len:  # the format's fixed-width fields changed: a bug, never data
+            raise AssertionError(f"shard header is {len(header)} bytes, {self._header_len} were reserved")
+        fd, self._fd = self._fd, None
+        try:
+            pwrite_all(fd, memoryview(header), 0)
+        finally:
+            os.close(fd)
+        total = self._header_len + sum(self._row_bytes[k] * self.rows for k in self.specs)
+        return ShardRecord(bytes=total, checksum=shard_checksum(digest))
+
+    def abort(self) -> None:
+        """Close and remove the file (an unfinished shard is never kept)."""
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            os.close(fd)
+        unlink_quietly(self.path)
 
 
-def write_shard_pieces(
-    path: str, pieces: Mapping[str, Sequence[torch.Tensor]], self_verifying: bool = True
-) -> ShardRecord:
-    """:func:`write_shard_file` of ``{key: torch.cat(pieces[key])}``, written from the pieces.
+def pieces_specs(pieces: Mapping[str, Sequence[torch.Tensor]]) -> tuple[dict[str, TensorSpec], int]:
+    """``({key: TensorSpec}, rows)`` of a shard given as each key's ``[n_i, *trailing]`` pieces.
 
-    Each key's data is its pieces' bytes back to back (dim 0), the same file as
-    concatenating first; the pieces go to the file (and the checksums) straight
-    from their own memory, so a shard buffered
-    as a list of batches is never copied into a fresh shard-sized tensor: that
-    copy, page faults included, would cost about as much as the file write itself.
+    ``ValueError`` naming the key when a key has no pieces, a 0-d piece, pieces of
+    different dtypes or trailing shapes, or another row total than the others.
     """
-    items = prepare_pieces(pieces)
-    metadata = self_verifying_metadata(items) if self_verifying else None
-    header = build_header([(k, _joined(parts)) for k, parts in items], metadata)
-    buffers = [memoryview(header)] + [tensor_bytes(p) for _, parts in items for p in parts]
-    total = sum(b.nbytes for b in buffers)
-    crc_future = _pool().submit(_crc, buffers)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    specs: dict[str, TensorSpec] = {}
+    totals: dict[str, int] = {}
+    for name, parts in pieces.items():
+        if not parts:
+            raise ValueError(f"tensor {name!r} has no pieces; pass at least one tensor per key")
+        first = parts[0]
+        if any(p.dim() == 0 or (p.dtype, p.shape[1:]) != (first.dtype, first.shape[1:]) for p in parts):
+            raise ValueError(
+                f"the pieces of tensor {name!r} cannot be stacked as [n, ...] rows: "
+                f"{[(dtype_name(p.dtype), list(p.shape)) for p in parts]}; give every piece one dtype and trailing shape"
+            )
+        check_cache_dtype(name, first.dtype)
+        specs[name] = TensorSpec(first.dtype, tuple(first.shape[1:]))
+        totals[name] = sum(p.shape[0] for p in parts)
+    if len(set(totals.values())) > 1:
+        raise ValueError(f"a shard needs every tensor [n, ...] with one n; got row counts {totals}")
+    return specs, next(iter(totals.values()), 0)
+
+
+def write_shard_pieces(path: str, pieces: Mapping[str, Sequence[torch.Tensor]]) -> ShardRecord:
+    """Write the shard ``{key: torch.cat(pieces[key])}`` to a NEW file ``path``, from the pieces.
+
+    ``pieces[key]`` are ``[n_i, *trailing]`` tensors, stored back to back on dim 0
+    (the same file as concatenating first, without the copy). Returns the record.
+    """
+    specs, rows = pieces_specs(pieces)
+    stream = ShardStream(path, specs, rows)
     try:
-        for b in buffers:
-            _write_all(fd, b)
-    finally:
-        os.close(fd)
-        crc = crc_future.result()  # always join: the buffers must outlive the CRC thread
-    return ShardRecord(bytes=total, checksum=format_checksum(crc))
+        for piece in _aligned(pieces):
+            stream.write(piece)
+        return stream.finish()
+    except BaseException:
+        stream.abort()
+        raise
 
 
-def file_checksum(path: str) -> str:
-    """CRC-32 of the whole file at ``path`` (streamed; never holds the file in memory)."""
-    crc = 0
-    buf = bytearray(_READ_CHUNK)
-    view = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
-        while n := f.readinto(buf):
-            crc = _crc32(view[:n], crc)
-    return format_checksum(crc)
+def _aligned(pieces: Mapping[str, Sequence[torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
+    """The rows of ``pieces`` as pieces holding every key (views, cut where any key's pieces are)."""
+    cuts: set[int] = set()
+    for parts in pieces.values():
+        offset = 0
+        for p in parts:
+            offset += p.shape[0]
+            cuts.add(offset)
+    out: list[dict[str, torch.Tensor]] = []
+    lo = 0
+    for hi in sorted(cuts):
+        if hi == lo:
+            continue
+        piece = {}
+        for k, parts in pieces.items():
+            offset = 0
+            for p in parts:  # the piece of key k that holds rows [lo, hi): cuts never straddle one
+                if offset <= lo < offset + p.shape[0]:
+                    piece[k] = p[lo - offset : hi - offset]
+                    break
+                offset += p.shape[0]
+        out.append(piece)
+        lo = hi
+    return out or [{k: parts[0] for k, parts in pieces.items()}]
+
+
+def write_shard_file(path: str, tensors: Mapping[str, torch.Tensor]) -> ShardRecord:
+    """Write ``tensors`` (every one ``[n, ...]`` with one ``n``) to a NEW file ``path``; its record."""
+    return write_shard_pieces(path, {k: [t] for k, t in tensors.items()})
 
 
 @dataclass(frozen=True)
@@ -349,13 +419,17 @@ def check_shard_header(
     rows: int,
     keys: Sequence[str] | None = None,
     require_sums: bool = False,
+    checksum: str | None = None,
 ) -> ShardHeader:
     """Read shard ``path``'s header and check it (:func:`header_problems`); return it.
 
     The one header check of the cache: readers, ``verify_cache`` and the
     producer's resume all call it. ``require_sums``: the shard must carry te_thd
-    checksums (a manifest of layout >= 3 promises them). Raises
-    :class:`CacheIntegrityError` naming ``path`` and every problem.
+    checksums (a manifest of layout >= 3 promises them). ``checksum``: the
+    manifest's record of the shard; when it is a header digest
+    (:func:`~te_thd.offline_cache.integrity.shard_checksum`) the shard's own
+    digest must match it, which catches a shard swapped for another valid one.
+    Raises :class:`CacheIntegrityError` naming ``path`` and every problem.
     """
     try:
         header = read_shard_header(path)
@@ -367,6 +441,13 @@ def check_shard_header(
             "carries no te_thd checksums although the manifest's layout records them for every "
             "shard (the file was replaced by another writer's)"
         )
+    if checksum is not None and checksum.startswith(f"{HASH_NAME}:"):
+        actual = shard_checksum(header.sums.digest) if header.sums is not None else "no te_thd checksums"
+        if actual != checksum:
+            problems.append(
+                f"its header digest is {actual}, the manifest records {checksum}: the shard was swapped for "
+                "another or replaced after the manifest was written"
+            )
     if problems:
         raise CacheIntegrityError(f"shard {path}: {'; '.join(problems)}", path=path)
     return header

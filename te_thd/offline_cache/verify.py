@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import shlex
+import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -24,7 +25,6 @@ import numpy as np
 
 from te_thd.offline_cache.errors import CacheIntegrityError, repair_hint
 from te_thd.offline_cache.format import (
-    CHECKSUM_ALGORITHM,
     CacheSchema,
     manifest_path,
     num_shards,
@@ -32,7 +32,7 @@ from te_thd.offline_cache.format import (
     shard_rows,
     validate_contiguous_shards,
 )
-from te_thd.offline_cache.integrity import HASH_NAME, byte_row_sums
+from te_thd.offline_cache.integrity import HASH_NAME, byte_row_sums, shard_checksum
 from te_thd.offline_cache.lengths import LengthRule, read_shard_lengths, recorded_rule
 from te_thd.offline_cache.manifest import (
     LAYOUT_VERSION,
@@ -46,7 +46,6 @@ from te_thd.offline_cache.manifest import (
 from te_thd.offline_cache.shardfile import (
     ShardHeader,
     check_shard_header,
-    file_checksum,
     read_shard_header,
     schema_of_header,
 )
@@ -74,6 +73,21 @@ def check_cache_files(
     return indices
 
 
+#: The shard checksum manifests of older te_thd versions record: CRC-32 of the whole file.
+LEGACY_CHECKSUM = "crc32"
+
+
+def _file_crc32(path: str) -> str:
+    """``"crc32:<8 hex>"`` of the whole file at ``path`` (streamed; never holds the file in memory)."""
+    crc = 0
+    buf = bytearray(8 << 20)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            crc = zlib.crc32(view[:n], crc)
+    return f"{LEGACY_CHECKSUM}:{crc & 0xFFFFFFFF:08x}"
+
+
 def requires_shard_sums(manifest: Mapping[str, Any]) -> bool:
     """True when the manifest's layout promises te_thd checksums in every shard."""
     layout = manifest.get("layout_version")
@@ -82,7 +96,7 @@ def requires_shard_sums(manifest: Mapping[str, Any]) -> bool:
 
 @dataclass(frozen=True)
 class ShardCheck:
-    """What :func:`verify_shard_file` found: the header, the file's size and whole-file checksum."""
+    """What :func:`verify_shard_file` found: the header, the file's size and its checksum (the manifest's spelling)."""
 
     header: ShardHeader
     bytes: int
@@ -125,24 +139,32 @@ def verify_shard_file(
     Header against ``schema`` and ``rows`` (:func:`check_shard_header`), every
     row against the shard's own checksums (when it carries them;
     ``require_sums`` makes their absence an error), and -- given the manifest's
-    ``record`` (``{"bytes", "checksum"}``) -- the file's size and whole-file checksum.
+    ``record`` (``{"bytes", "checksum"}``) -- the file's size and its checksum:
+    the header digest a te_thd manifest records, or the whole-file CRC-32 that
+    manifests of older te_thd versions record (computed then; see docs/integrity.md).
     """
-    header = check_shard_header(path, schema, rows, require_sums=require_sums)
+    expected = str(record["checksum"]) if record is not None else None
+    algo = expected.split(":", 1)[0] if expected is not None else None
+    if algo not in (None, HASH_NAME, LEGACY_CHECKSUM):
+        raise CacheIntegrityError(
+            f"shard {path}: checksum algorithm {algo!r} is not supported (expected {HASH_NAME!r}, "
+            f"or {LEGACY_CHECKSUM!r} in caches of older te_thd versions)",
+            path=path,
+        )
+    header = check_shard_header(path, schema, rows, require_sums=require_sums, checksum=expected)
     if header.sums is not None:
         _check_row_sums(path, header)
     size = os.stat(path).st_size
-    checksum = file_checksum(path)
+    if algo == LEGACY_CHECKSUM or (algo is None and header.sums is None):
+        checksum = _file_crc32(path)
+    else:
+        assert header.sums is not None  # check_shard_header: a digest record needs the te_thd fields
+        checksum = shard_checksum(header.sums.digest)
     if record is not None:
-        expected = str(record["checksum"])
-        algo = expected.split(":", 1)[0]
-        if algo != CHECKSUM_ALGORITHM:
-            raise CacheIntegrityError(
-                f"shard {path}: checksum algorithm {algo!r} is not supported (expected {CHECKSUM_ALGORITHM!r})",
-                path=path,
-            )
+        assert expected is not None
         if checksum != expected or size != int(record["bytes"]):
             raise CacheIntegrityError(
-                f"shard {path}: whole-file checksum {checksum} ({size} bytes) differs from the manifest's "
+                f"shard {path}: checksum {checksum} ({size} bytes) differs from the manifest's "
                 f"{expected} ({record['bytes']} bytes): the file is corrupt or was replaced",
                 path=path,
                 expected=expected,
@@ -174,7 +196,7 @@ def _what_was_checked(cache_dir: str, deep: bool, records: bool, sums: int, n: i
             "the cache with te_thd's writers to make it verifiable"
         )
     if records:
-        checked.append("every shard's whole-file checksum against the manifest")
+        checked.append("every shard's checksum (header digest, or whole-file CRC-32 in older caches) against the manifest")
     else:
         not_checked.append(
             "whether a shard was swapped for another valid shard (the manifest records no per-shard checksums)"
@@ -189,7 +211,7 @@ def verify_cache(
 
     ``deep=False``: manifest + :func:`check_cache_files` (sizes). ``deep=True``:
     also :func:`verify_shard_file` on every shard (header, every row's checksum,
-    whole-file checksum). The result says what was verified: ``checked`` and
+    the manifest's record of the shard). The result says what was verified: ``checked`` and
     ``not_checked`` (lists of sentences), ``checksums_verified`` (every tensor
     byte was checked against a checksum), ``headers_verified``,
     ``shards_with_checksums``, ``lengths_recorded`` (the rule of the per-sample

@@ -1,14 +1,17 @@
-"""Shard writes of the reference API: one shard, validated, self-verifying, durable.
+"""Shard writes: one shard, validated, self-verifying, durable; and the writer of a stream of shards.
 
-- :func:`write_tensor_shard` writes one shard durably (``atomic_write``) and
+- :class:`DurableShardWriter` is the ``write_shard_fn`` of a stream of shards:
+  one schema, a manifest record per shard, its rows streamed into the shard's
+  temp file (:class:`~te_thd.offline_cache.shardfile.ShardStream`, the one
+  serialiser) and committed (fsync, rename) in order, optionally behind the
+  caller on a :class:`~te_thd.offline_cache.writebehind.WriteBehind` thread.
+- :func:`write_tensor_shard` (the reference API) writes one shard through it and
   rejects tensors that do not fit the cache: a missing key, keys whose sample
   counts disagree, and -- given a ``schema`` -- a dtype or trailing shape that
   differs from it. Every shard carries its row count and per-row checksums in
   its header (:mod:`~te_thd.offline_cache.integrity`), so a cache written only
   through this function (the reference producers' way: one call per shard, then
   ``write_manifest``) is verified on read like any other.
-- :class:`DurableShardWriter` is the ``write_shard_fn`` of a stream of shards:
-  one schema, a manifest record per shard, pipelined durability.
 
 The producer loops that call them live in :mod:`~te_thd.offline_cache.loops`.
 """
@@ -17,13 +20,11 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import replace
-from functools import partial
 from typing import Any
 
 import torch
 
-from te_thd.offline_cache.durable import BackgroundCommitter, commit_temp, temp_path_for, write_temp
+from te_thd.offline_cache.durable import commit_temp, fsync_dir, temp_path_for
 from te_thd.offline_cache.errors import SchemaError
 from te_thd.offline_cache.format import (
     DTYPE_TO_ST,
@@ -33,12 +34,14 @@ from te_thd.offline_cache.format import (
     schema_to_json,
     shard_path,
 )
-from te_thd.offline_cache.hostmem import check_writer_priority
 from te_thd.offline_cache.lengths import LENGTH_RULE_KEY, LengthRule, for_tensor
-from te_thd.offline_cache.shardfile import ShardRecord, write_shard_file, write_shard_pieces
-from te_thd.offline_cache.shardstream import ShardStream
+from te_thd.offline_cache.shardfile import ShardRecord, ShardStream
+from te_thd.offline_cache.writebehind import WriteBehind
 
 WriteShardFn = Callable[[str, int, dict[str, torch.Tensor]], str]
+
+#: write-behind queue bound: shards (of the largest size seen) not yet written
+PENDING_SHARDS = 3
 
 
 def validate_shard_tensors(
@@ -113,74 +116,79 @@ def schema_of(tensors: Mapping[str, torch.Tensor]) -> CacheSchema:
     return {k: TensorSpec(t.dtype, tuple(t.shape[1:])) for k, t in tensors.items()}
 
 
-def write_shard_with_record(
-    cache_dir: str,
-    shard_index: int,
-    samples: Mapping[str, Any],
-    keys: Sequence[str],
-    cache_name: str,
-    schema: Mapping[str, TensorSpec] | None = None,
-    committer: BackgroundCommitter | None = None,
-    length_rule: LengthRule | None = None,
-) -> tuple[str, ShardRecord]:
-    """:func:`write_tensor_shard` that also returns the shard's ``(bytes, checksum)`` record.
-
-    With a ``committer`` only the temp file is written here; its fsync + rename
-    happen on the committer's thread (the shard is visible once it committed).
-    With a ``length_rule`` the record also holds every row's length under it.
-    """
-    tensors = validate_shard_tensors(samples, keys, cache_name, shard_index, schema)
-    load_safetensors(cache_name)  # the format is safetensors': fail early if it is missing
-    final = shard_path(cache_dir, shard_index)
-    record: list[ShardRecord] = []
-    tmp = write_temp(final, lambda tmp: record.append(write_shard_file(tmp, tensors)))
-    if committer is None:
-        commit_temp(tmp, final)
-    else:
-        committer.submit(tmp, final)
-    return final, with_lengths(record[0], tensors, length_rule)
+def _nbytes(tensors: Mapping[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
-def with_lengths(record: ShardRecord, tensors: Mapping[str, torch.Tensor], rule: LengthRule | None) -> ShardRecord:
-    """``record`` holding every row's length under ``rule`` (``tensors``: the shard's keys); as is without a rule."""
-    if rule is None:
-        return record
-    t = tensors[rule.key]
-    return replace(record, lengths=tuple(int(v) for v in for_tensor(rule, t).lengths(t)))
+class _StreamedShard:
+    """One shard being written: its names, rows, and the :class:`ShardStream` its first piece opens."""
+
+    def __init__(self, final: str, specs: Mapping[str, TensorSpec], rows: int, rule: LengthRule | None) -> None:
+        self.final, self.tmp_path = final, temp_path_for(final)
+        self.specs, self.rows, self.rule = dict(specs), rows, rule
+        self.queued = 0  # rows handed over by the caller
+        self.lengths: list[int] = []
+        self._stream: ShardStream | None = None
+
+    def _open(self) -> ShardStream:
+        if self._stream is None:
+            os.makedirs(os.path.dirname(self.final) or ".", exist_ok=True)
+            self._stream = ShardStream(self.tmp_path, self.specs, self.rows)
+        return self._stream
+
+    def write(self, piece: Mapping[str, torch.Tensor]) -> None:
+        """The next rows into the temp file (opened by the first piece)."""
+        try:
+            self._open().write(piece)
+            if self.rule is not None:
+                self.lengths += self.rule.lengths(piece[self.rule.key]).tolist()
+        except BaseException:
+            self.abort()
+            raise
+
+    def finish(self) -> ShardRecord:
+        """The header; the record (with lengths under the rule)."""
+        try:
+            record = self._open().finish()
+        except BaseException:
+            self.abort()
+            raise
+        return record if self.rule is None else ShardRecord(record.bytes, record.checksum, tuple(self.lengths))
+
+    def abort(self) -> None:
+        # without a stream there is no file: the stream creates it, as its last step
+        if self._stream is not None:
+            self._stream.abort()
 
 
 class DurableShardWriter:
-    """``write_shard_fn`` for a stream of shards: one schema, a record per shard, pipelined durability.
+    """``write_shard_fn`` for a stream of shards: one schema, a record per shard, durable commits.
 
     ``writer(cache_dir, shard_index, samples) -> path`` validates ``samples``
     against the schema (the first shard's, unless ``schema`` is given), writes the
-    shard and keeps its :class:`ShardRecord` in ``records``. With
-    ``pipelined=True`` the fsync + rename of shard ``k`` run on a background
-    thread while shard ``k+1`` is serialised (:class:`BackgroundCommitter`).
-    With ``write_behind=True`` as well, the whole write (serialise, checksum,
-    write, fsync, rename) runs on that thread: the call validates ``samples`` and
-    returns, so the caller computes the next shard meanwhile (a call waits while
-    three shards' worth of data is not yet written). The caller must then not
-    modify the tensors it passed. In this mode
-    ``samples[key]`` may also be a list of ``[n_i, ...]`` pieces, stored
-    concatenated on dim 0 but written straight from the pieces, never joined in
-    memory (``takes_pieces``: te_thd's shard accumulator hands over the batches
-    of a shard that way). Write-behind writers also stream (``takes_stream``):
-    :meth:`write_piece` queues the next rows of a shard whose row count is known
-    up front, each written into the shard's temp file as soon as the thread gets
-    to it (:class:`~te_thd.offline_cache.shardstream.ShardStream`, the same
-    bytes), and :meth:`finish_shard` commits the shard once all its rows were
-    queued; a batch's memory is free once it is written, not once its shard is.
-    Call :meth:`flush` (or
-    leave the ``with`` block) before relying on the files or on ``records``, e.g.
-    before writing the manifest; a write error is raised by the next call,
-    ``flush`` or ``close``.
-    ``writer_priority="idle"`` (write-behind only) lets the caller's thread
-    preempt the writer whenever it wakes (:class:`~te_thd.offline_cache.durable.BackgroundCommitter`);
-    ``"normal"`` keeps the default scheduling.
-    With a ``length_rule`` (:class:`~te_thd.offline_cache.lengths.LengthRule`)
-    every record also holds its rows' lengths, and :meth:`manifest_fields` gives
-    the manifest's ``schema``, ``shards`` and ``length_rule``.
+    shard and keeps its :class:`~te_thd.offline_cache.shardfile.ShardRecord` in
+    ``records``. A shard can also be written piece by piece: :meth:`write_piece`
+    takes the next rows of a shard whose row count is known up front and
+    :meth:`finish_shard` commits it once all its rows arrived (the producer
+    streams each batch this way, so a batch's memory is free once it is written).
+
+    Where the work runs:
+
+    - ``pipelined=False``: everything on the caller's thread; each shard is
+      durable when the call returns.
+    - ``pipelined=True`` (default): the rows are written on the caller's thread,
+      the fsync + rename of each finished shard on a background thread.
+    - ``write_behind=True`` (needs ``pipelined``): the writes too. A call
+      validates its tensors and returns; the caller computes the next batch
+      meanwhile and must not modify the tensors it passed. Calls wait while
+      three shards' worth of data is not yet written.
+
+    Call :meth:`flush` (or leave the ``with`` block) before relying on the files
+    or on ``records``, e.g. before writing the manifest; a background error is
+    raised by the next call, ``flush`` or ``close``. With a ``length_rule``
+    (:class:`~te_thd.offline_cache.lengths.LengthRule`) every record also holds
+    its rows' lengths, and :meth:`manifest_fields` gives the manifest's
+    ``schema``, ``shards`` and ``length_rule``.
     """
 
     def __init__(
@@ -191,9 +199,7 @@ class DurableShardWriter:
         pipelined: bool = True,
         write_behind: bool = False,
         length_rule: LengthRule | None = None,
-        writer_priority: str = "idle",
     ) -> None:
-        check_writer_priority(writer_priority)
         if write_behind and not pipelined:
             raise ValueError("write_behind=True needs pipelined=True (the writes run on the commit thread)")
         self.keys = tuple(keys)
@@ -206,144 +212,108 @@ class DurableShardWriter:
         self.cache_name = cache_name
         self.schema: CacheSchema | None = dict(schema) if schema is not None else None
         self.records: dict[int, ShardRecord] = {}
-        if not pipelined:
-            self._committer = None
-        elif write_behind:
-            # only a thread that does whole writes competes with the caller for the CPU; its
-            # queue is bounded by memory (PENDING_SHARDS shards, set once a shard's size is known)
-            self._committer = BackgroundCommitter(max_pending=1 << 20, writer_priority=writer_priority)
-        else:
-            self._committer = BackgroundCommitter()
+        self._thread = WriteBehind() if pipelined else None
         self._write_behind = write_behind
-        self.takes_pieces = self.takes_stream = write_behind
-        self._resolved = False  # write-behind: length rule kind and the safetensors check done
+        self._resolved = False  # length rule kind fixed, safetensors import checked
         self._streams: dict[int, _StreamedShard] = {}
+        self._dirty: set[str] = set()  # directories with renames not yet fsynced
+
+    def validate(self, samples: Mapping[str, Any], shard_index: int = -1, where: str | None = None) -> dict[str, torch.Tensor]:
+        """The stored keys of ``samples``, checked against the schema (the first call fixes it if unset)."""
+        checked = validate_shard_tensors(samples, self.keys, self.cache_name, shard_index, self.schema, where)
+        if self.schema is None:
+            self.schema = schema_of(checked)
+        return checked
 
     def __call__(self, cache_dir: str, shard_index: int, samples: dict[str, Any]) -> str:
-        if self._write_behind:
-            return self._submit_write(cache_dir, shard_index, samples)
-        path, record = write_shard_with_record(
-            cache_dir, shard_index, samples, self.keys, self.cache_name, self.schema, self._committer, self.length_rule
-        )
-        self.records[shard_index] = record
-        if self.schema is None:
-            self.schema = schema_of({k: samples[k] for k in self.keys})
-        self._resolve_length_rule(samples)
-        return path
-
-    def _resolve_length_rule(self, samples: Mapping[str, Any]) -> LengthRule | None:
-        """Fix the length rule's kind by the key's shape (the same in every shard)."""
-        if self.length_rule is not None:
-            self.length_rule = for_tensor(self.length_rule, samples[self.length_rule.key])
-        return self.length_rule
-
-    def _submit_write(self, cache_dir: str, shard_index: int, samples: Mapping[str, Any]) -> str:
-        """Validate now, write on the commit thread; the record lands in ``records`` once written."""
-        if samples and all(isinstance(samples.get(k), list) for k in self.keys):
-            pieces = [{k: samples[k][j] for k in self.keys} for j in range(len(samples[self.keys[0]]))]
-        else:
-            pieces = [samples]
-        checked = self._check_pieces(pieces, shard_index)
-        self._resolve_once(checked[0])
-        rule = self.length_rule
-        final = shard_path(cache_dir, shard_index)
-        nbytes = sum(_nbytes(p) for p in checked)
-        self._budget(nbytes)
-
-        def write(tmp: str) -> None:
-            parts = {k: [p[k] for p in checked] for k in self.keys}
-            record = write_shard_pieces(tmp, parts)
-            if rule is not None:  # only the length key is joined (one small tensor)
-                record = with_lengths(record, {rule.key: torch.cat(parts[rule.key])}, rule)
-            self.records[shard_index] = record
-
-        assert self._committer is not None
-        self._committer.submit_write(final, write, nbytes)
-        return final
-
-    def _resolve_once(self, piece: Mapping[str, Any]) -> None:
-        """Write-behind, first shard: fix the length rule's kind; check that safetensors imports
-        (fail on the caller's thread, not on the writer's)."""
-        if not self._resolved:
-            self._resolve_length_rule(piece)
-            load_safetensors(self.cache_name)
-            self._resolved = True
-
-    def _budget(self, shard_bytes: int) -> None:
-        """Bound the write-behind queue to PENDING_SHARDS shards of the largest size seen."""
-        assert self._committer is not None
-        limit = PENDING_SHARDS * shard_bytes
-        if self._committer.max_pending_bytes is None or limit > self._committer.max_pending_bytes:
-            self._committer.max_pending_bytes = limit
+        checked = self.validate(samples, shard_index)
+        self._queue(cache_dir, shard_index, checked[self.keys[0]].shape[0], checked)
+        return self.finish_shard(cache_dir, shard_index)
 
     def write_piece(self, cache_dir: str, shard_index: int, rows: int, piece: Mapping[str, Any]) -> None:
-        """Write-behind: queue the next rows (``{key: [n, ...]}``) of shard ``shard_index`` of ``rows`` rows.
+        """Write the next rows (``{key: [n, ...]}``) of shard ``shard_index``, which holds ``rows`` rows.
 
-        The piece is validated here and written into the shard's temp file on the
-        thread; the caller must not modify it until then (it may drop it).
+        With ``write_behind`` the piece is written on the thread; the caller must
+        not modify it until then (it may drop it).
         """
-        if not self._write_behind:
-            raise ValueError("write_piece needs a write-behind writer: DurableShardWriter(..., write_behind=True)")
         if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
             raise ValueError(f"rows={rows!r} must be an int >= 1: the number of rows shard {shard_index} will hold")
-        checked = self._check_pieces([piece], shard_index)[0]
+        self._queue(cache_dir, shard_index, rows, self.validate(piece, shard_index))
+
+    def _queue(self, cache_dir: str, shard_index: int, rows: int, checked: dict[str, torch.Tensor]) -> None:
+        if self._thread is not None:
+            self._thread.raise_error()  # a failed writer writes nothing more
         n = checked[self.keys[0]].shape[0]
-        nbytes = _nbytes(checked)
         st = self._streams.get(shard_index)
         if st is not None and rows != st.rows:
             raise ValueError(f"shard {shard_index} was started with rows={st.rows}, not {rows}")
         queued = 0 if st is None else st.queued
         if queued + n > rows:  # checked before a first piece opens the shard
             raise ValueError(f"shard {shard_index} holds {rows} rows; {n} more after {queued} overflow it")
+        nbytes = _nbytes(checked)
         if st is None:
             self._resolve_once(checked)
             assert self.schema is not None
             st = _StreamedShard(shard_path(cache_dir, shard_index), {k: self.schema[k] for k in self.keys}, rows,
                                 self.length_rule)  # fmt: skip
             self._streams[shard_index] = st
-            if n:
+            if self._write_behind and n:
                 self._budget(rows * nbytes // n)
         st.queued += n
-        assert self._committer is not None
-        self._committer.submit_task(partial(st.write, checked), st.abort, nbytes)
+        if self._write_behind:
+            assert self._thread is not None
+            self._thread.submit(lambda: st.write(checked), nbytes, on_drop=st.abort)
+        else:
+            st.write(checked)
 
     def finish_shard(self, cache_dir: str, shard_index: int) -> str:
-        """Write-behind: commit shard ``shard_index`` once its queued pieces are written; its path."""
+        """Commit shard ``shard_index`` once all its rows were handed over; its path."""
         st = self._streams.get(shard_index)
         if st is None:
             raise ValueError(f"shard {shard_index} has no pieces; call write_piece first")
         if st.queued != st.rows:
             raise ValueError(f"shard {shard_index} got {st.queued} of its {st.rows} rows; queue the rest first")
-        del self._streams[shard_index]
-        records = self.records
+        records, dirty = self.records, self._dirty
 
         def finish() -> None:
             records[shard_index] = st.finish()
 
-        assert self._committer is not None
-        self._committer.submit(st.tmp_path, st.final, before=finish, on_drop=st.abort)
+        def commit() -> None:
+            commit_temp(st.tmp_path, st.final, fsync_directory=False)
+            dirty.add(os.path.dirname(st.final) or ".")
+
+        # a shard stays in _streams until its commit is queued: close() removes what is left
+        if self._thread is None:
+            finish()
+            commit_temp(st.tmp_path, st.final)
+        elif self._write_behind:
+            self._thread.submit(lambda: (finish(), commit()), on_drop=st.abort)
+        else:
+            finish()
+            self._thread.submit(commit, on_drop=st.abort)
+        del self._streams[shard_index]
         return st.final
 
-    def _abort_streams(self) -> None:
-        """Remove the temp files of shards left unfinished; only once the writer thread ended (every
-        queued piece of theirs written or dropped), on the caller's thread."""
-        streams, self._streams = list(self._streams.values()), {}
-        for st in streams:
-            st.abort()
+    def _resolve_once(self, piece: Mapping[str, torch.Tensor]) -> None:
+        """First shard: fix the length rule's kind by the key's shape (the same in every shard); check
+        that safetensors imports (fail on the caller's thread, not on the writer's)."""
+        if not self._resolved:
+            if self.length_rule is not None:
+                self.length_rule = for_tensor(self.length_rule, piece[self.length_rule.key])
+            load_safetensors(self.cache_name)
+            self._resolved = True
 
-    def _check_pieces(self, pieces: list[Mapping[str, Any]], shard_index: int) -> list[dict[str, torch.Tensor]]:
-        """The pieces of one shard, validated against the schema (the first piece fixes it if unset)."""
-        checked = [validate_shard_tensors(p, self.keys, self.cache_name, shard_index, self.schema) for p in pieces]
-        if self.schema is None:
-            self.schema = schema_of(checked[0])
-            for p in checked[1:]:  # every piece must agree with the first one's dtypes and shapes
-                validate_shard_tensors(p, self.keys, self.cache_name, shard_index, self.schema)
-        return checked
+    def _budget(self, shard_bytes: int) -> None:
+        """Bound the write-behind queue to PENDING_SHARDS shards of the largest size seen."""
+        assert self._thread is not None
+        limit = PENDING_SHARDS * shard_bytes
+        if self._thread.max_pending_bytes is None or limit > self._thread.max_pending_bytes:
+            self._thread.max_pending_bytes = limit
 
     def manifest_fields(self, cache_dir: str) -> dict[str, Any]:
         """``schema``, ``shards`` (in index order) and, with lengths, ``length_rule`` for ``write_manifest``.
 
-        Call :meth:`flush` first: with ``write_behind`` the records land when written.
+        Call :meth:`flush` first: in the background modes the records land when written.
         """
         fields: dict[str, Any] = {
             "schema": schema_to_json(self.schema or {}),
@@ -353,74 +323,36 @@ class DurableShardWriter:
             fields[LENGTH_RULE_KEY] = self.length_rule.to_json()
         return fields
 
+    def _sync_dirs(self) -> None:
+        while self._dirty:
+            fsync_dir(self._dirty.pop())
+
     def flush(self) -> None:
-        """Block until every shard written so far is durable under its final name."""
-        if self._committer is not None:
-            self._committer.flush()
+        """Block until every shard finished so far is durable under its final name."""
+        if self._thread is not None:
+            self._thread.flush()
+        self._sync_dirs()
 
     def close(self) -> None:
-        if self._committer is not None:
-            try:
-                self._committer.close()
-            finally:
-                # an interrupted producer: its partial shards are never committed. After a write
-                # error too (a job queued now would be dropped, and its abort with it). If the wait
-                # for the thread was interrupted, its temp files stay for the next producer to remove.
-                if not self._committer.running:
-                    self._abort_streams()
+        """Commit what is queued, stop the thread, raise a pending error; unfinished shards are removed."""
+        try:
+            if self._thread is not None:
+                self._thread.close()
+            self._sync_dirs()
+        finally:
+            # an interrupted producer: its partial shards are never committed. After a write error
+            # too (the thread dropped their pieces). If the wait for the thread was interrupted,
+            # its temp files stay for the next producer to remove.
+            if self._thread is None or not self._thread.running:
+                streams, self._streams = list(self._streams.values()), {}
+                for st in streams:
+                    st.abort()
 
     def __enter__(self) -> DurableShardWriter:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-#: write-behind queue bound: shards (of the largest size seen) not yet written
-PENDING_SHARDS = 3
-
-
-def _nbytes(tensors: Mapping[str, torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors.values())
-
-
-class _StreamedShard:
-    """One streamed shard: its names, rows, and the :class:`ShardStream` the writer thread opens."""
-
-    def __init__(self, final: str, specs: Mapping[str, TensorSpec], rows: int, rule: LengthRule | None) -> None:
-        self.final, self.tmp_path = final, temp_path_for(final)
-        self.specs, self.rows, self.rule = dict(specs), rows, rule
-        self.queued = 0  # rows queued by the caller
-        self.lengths: list[int] = []
-        self._stream: ShardStream | None = None
-
-    def write(self, piece: Mapping[str, torch.Tensor]) -> None:
-        """On the writer thread: the next rows into the temp file (opened by the first piece)."""
-        try:
-            if self._stream is None:
-                os.makedirs(os.path.dirname(self.final) or ".", exist_ok=True)
-                self._stream = ShardStream(self.tmp_path, self.specs, self.rows)
-            self._stream.write(piece)
-            if self.rule is not None:
-                self.lengths += self.rule.lengths(piece[self.rule.key]).tolist()
-        except BaseException:
-            self.abort()
-            raise
-
-    def finish(self) -> ShardRecord:
-        """On the writer thread: the header, the record (with lengths under the rule)."""
-        try:
-            assert self._stream is not None
-            record = self._stream.finish()
-        except BaseException:
-            self.abort()
-            raise
-        return record if self.rule is None else replace(record, lengths=tuple(self.lengths))
-
-    def abort(self) -> None:
-        # without a stream there is no file: the stream creates it, as its last step
-        if self._stream is not None:
-            self._stream.abort()
 
 
 def write_tensor_shard(
@@ -435,8 +367,9 @@ def write_tensor_shard(
 
     ``samples[k]`` is ``[n, *trailing]`` for every ``k`` in ``keys`` (extra keys
     are dropped). The file is byte-identical to ``safetensors.torch.save_file``
-    of those tensors and lands atomically and durably at ``shard_path``.
-    ``schema`` (te_thd extension) pins each key's dtype and trailing shape.
-    Returns the shard's path.
+    of those tensors (plus te_thd's checksum metadata) and lands atomically and
+    durably at ``shard_path``. ``schema`` (te_thd extension) pins each key's
+    dtype and trailing shape. Returns the shard's path.
     """
-    return write_shard_with_record(cache_dir, shard_index, samples, keys, cache_name, schema)[0]
+    with DurableShardWriter(keys, cache_name, schema, pipelined=False) as writer:
+        return writer(cache_dir, shard_index, samples)
