@@ -49,12 +49,12 @@ from .format import (
 from .format import TensorSpec as TensorSpec
 from .format import safe_import_from as safe_import_from
 from .loader import CachedDataLoader, build_cached_dataloader, collate_cached, to_device
-from .loops import _sequential_subset_loader as _sequential_subset_loader
-from .loops import _ShardAccumulator as _ShardAccumulator
 from .loops import (
+    ShardAccumulator,
     dataloader_from_sample,
     partition_cache_shards,
     resume_start_sample,
+    sequential_subset_loader,
     write_cache_shards,
     write_cache_shards_distributed,
 )
@@ -67,6 +67,10 @@ from .thd_collate import CachedThdCollator
 from .verify import cache_info, verify_cache
 from .verify import check_cache_files as check_cache_files
 from .writer import DurableShardWriter, write_tensor_shard
+
+# the reference module's private names, kept importable for its consumers
+_ShardAccumulator = ShardAccumulator
+_sequential_subset_loader = sequential_subset_loader
 
 __all__ = [
     "MANIFEST_NAME",

@@ -24,8 +24,10 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 
 from .balanced_sampler import BalancedBatchSampler, PlannedDataset
-from .lengths import cache_lengths, collator_rule
-from .reader import CachedBatch, CachedTensorDataset, _empty
+from .copyread import new_tensor
+from .length_scan import cache_lengths
+from .lengths import collator_rule
+from .reader import CachedBatch, CachedTensorDataset
 from .sampler import CacheShardSampler, default_data_parallel_rank_size
 
 __all__ = [
@@ -74,7 +76,7 @@ def collate_cached(features: Sequence[dict[str, torch.Tensor]], keys: tuple[str,
             dtype = functools.reduce(torch.promote_types, {r.dtype for r in rows}) if all(
                 isinstance(r, torch.Tensor) for r in rows) else None
             if dtype is not None:
-                dst = _empty((len(rows), *rows[0].shape), dtype, True)
+                dst = new_tensor((len(rows), *rows[0].shape), dtype, shared=True)
         try:
             out[key] = torch.stack(rows, dim=0, out=dst)
         except (RuntimeError, TypeError) as exc:
@@ -327,7 +329,7 @@ def build_cached_dataloader(
             the collator packs (its ``length_key``'s value, its ``mask_key``'s nonzero
             count, else full rows), from the cache's record when the producer
             recorded them under that rule, else from a scan kept beside the cache
-            (``te_thd.offline_cache.lengths.cache_lengths``).
+            (``te_thd.offline_cache.length_scan.cache_lengths``).
         length_key: with ``balance`` and no ``lengths``, read the lengths from this
             key instead of the collator's.
         attn_scale, rows_per_replica: with ``balance``, passed to the planner.

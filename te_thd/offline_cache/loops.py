@@ -1,6 +1,6 @@
 """Producer loops of the reference API: the accumulator, the single-process and distributed loops.
 
-- :class:`_ShardAccumulator` turns a stream of computed batches into
+- :class:`ShardAccumulator` (the reference's ``_ShardAccumulator``) turns a stream of computed batches into
   fixed-size shards with global indices; the single-process and the
   distributed loops share it, so both lay out identical files.
 - :func:`write_cache_shards` / :func:`write_cache_shards_distributed` are the
@@ -66,7 +66,7 @@ def _on_cpu(t: torch.Tensor) -> torch.Tensor:
     return t if t.device.type == "cpu" and not t.requires_grad else t.detach().to("cpu")
 
 
-class _ShardAccumulator:
+class ShardAccumulator:
     """Buffer per-batch cache tensors and flush them as fixed-size sequential shards.
 
     Shard indices count up from ``start_shard_index``; a trailing partial shard is
@@ -222,7 +222,7 @@ def write_cache_shards(
     cut into shards of ``shard_size`` samples numbered from ``start_shard_index``
     and written with ``write_shard_fn(output_dir, index, tensors) -> path``.
     """
-    accumulator = _ShardAccumulator(output_dir, shard_size, start_shard_index, write_shard_fn, logger)
+    accumulator = ShardAccumulator(output_dir, shard_size, start_shard_index, write_shard_fn, logger)
     for batch in dataloader:
         accumulator.add(compute_batch(batch))
     accumulator.finalize()
@@ -274,7 +274,7 @@ def shard_runs(
     return [r for r in runs if r[2] > 0]
 
 
-def _batch_size(dataloader: DataLoader) -> int:
+def loader_batch_size(dataloader: DataLoader) -> int:
     return int(getattr(dataloader, "batch_size", None) or 1)
 
 
@@ -303,7 +303,7 @@ def lockstep_write(
     ``(local_steps, global_steps)``.
     """
     dataset = dataloader.dataset
-    bs = _batch_size(dataloader)
+    bs = loader_batch_size(dataloader)
     local_steps = sum(-(-n // bs) for _, _, n in runs)
     global_steps = local_steps if sync_max_steps is None else int(sync_max_steps(local_steps))
     if global_steps < local_steps:
@@ -313,8 +313,8 @@ def lockstep_write(
         )
     steps = 0
     for start_shard, start, n in runs:
-        accumulator = _ShardAccumulator(output_dir, shard_size, start_shard, write_shard_fn, logger, total_samples=n)
-        for batch in _sequential_subset_loader(dataloader, start, start + n):
+        accumulator = ShardAccumulator(output_dir, shard_size, start_shard, write_shard_fn, logger, total_samples=n)
+        for batch in sequential_subset_loader(dataloader, start, start + n):
             out = compute_batch(batch)
             if out is not None:  # None: the caller chose not to store this batch (see produce_cache)
                 accumulator.add(out)
@@ -395,7 +395,7 @@ _TORCH_DEFAULT_PREFETCH = 2
 
 def _loader_kwargs(dataloader: DataLoader) -> dict[str, Any]:
     kwargs: dict[str, Any] = {
-        "batch_size": _batch_size(dataloader),
+        "batch_size": loader_batch_size(dataloader),
         "collate_fn": getattr(dataloader, "collate_fn", None),
         "pin_memory": bool(getattr(dataloader, "pin_memory", False)),
     }
@@ -417,7 +417,7 @@ def _loader_kwargs(dataloader: DataLoader) -> dict[str, Any]:
     return kwargs
 
 
-def _sequential_subset_loader(dataloader: DataLoader, start: int, end: int) -> DataLoader:
+def sequential_subset_loader(dataloader: DataLoader, start: int, end: int) -> DataLoader:
     """Return a sequential loader over ``dataset[start:end)`` mirroring ``dataloader``.
 
     Preserves the source loader's worker settings: in particular
@@ -442,10 +442,10 @@ def dataloader_from_sample(dataloader: DataLoader, start_sample: int) -> DataLoa
     if start_sample >= n:
         return _loader_class()(
             Subset(dataloader.dataset, []),
-            batch_size=_batch_size(dataloader),
+            batch_size=loader_batch_size(dataloader),
             shuffle=False,
             num_workers=0,
             collate_fn=getattr(dataloader, "collate_fn", None),
             drop_last=False,
         )
-    return _sequential_subset_loader(dataloader, start_sample, n)
+    return sequential_subset_loader(dataloader, start_sample, n)

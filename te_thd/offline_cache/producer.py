@@ -64,7 +64,7 @@ from te_thd.offline_cache.format import (
 )
 from te_thd.offline_cache.lengths import LENGTH_RULE_KEY, LengthRule, for_tensor_spec, producer_rule
 from te_thd.offline_cache.loops import (
-    _batch_size,
+    loader_batch_size,
     lockstep_write,
     partition_cache_shards,
     shard_runs,
@@ -385,7 +385,7 @@ class _Job:
         """Compute and write the shards ``missing`` in lockstep with the other ranks."""
         writer = _RecordingWriter(self.keys, self.cache_name, schema, self.length_rule)
         runs = shard_runs(missing, self.num_samples, self.shard_size)
-        bs = _batch_size(dataloader)
+        bs = loader_batch_size(dataloader)
         global_steps = self.comm.max_int(sum(-(-n // bs) for _, _, n in runs))
         bar = _progress_bar(global_steps, progress, self.comm.rank)
 

@@ -57,7 +57,6 @@ from .copyread import (
     ReadError,
     RunPlan,
     default_read_threads,
-    new_tensor,
     plan_pieces,
     plan_runs,
 )
@@ -157,16 +156,6 @@ class PendingBatch:
                 reads.wait()
             except Exception:  # noqa: BLE001 - nobody asked for this batch
                 pass
-
-
-def _empty(shape: tuple[int, ...], dtype: torch.dtype, shared: bool) -> torch.Tensor:
-    """Uninitialised tensor; in shared memory when ``shared`` (a DataLoader worker).
-
-    Same trick as torch's ``default_collate``: a worker's batch is pickled to the
-    main process by moving its storage to shared memory, so allocating it there
-    up front saves one copy of every batch.
-    """
-    return new_tensor(shape, dtype, shared=shared)
 
 
 def _map_shard(path: str, entries: dict[str, HeaderEntry], keys: tuple[str, ...], repair: str) -> dict[str, torch.Tensor]:
