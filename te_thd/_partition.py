@@ -28,12 +28,19 @@ from typing import Any
 import numpy as np
 import torch
 
-from te_thd.layout import cp_padding_fix
+from te_thd.args import check_int
+from te_thd.boundaries import (
+    check_covers,
+    check_cp_multiple,
+    check_non_decreasing,
+    check_starts_at_zero,
+    check_stream_divisible,
+    host_int64,
+)
 
 
 def check_total_tokens(total_tokens: Any) -> None:
-    if isinstance(total_tokens, bool) or not isinstance(total_tokens, int) or total_tokens < 0:
-        raise ValueError(f"total_tokens must be an int >= 0, got {total_tokens!r}")
+    check_int("total_tokens", total_tokens, 0)
 
 
 def check_boundaries_tensor(cu_seqlens_padded: Any, num_seqs: int | None) -> torch.Tensor:
@@ -58,8 +65,7 @@ def check_boundaries_tensor(cu_seqlens_padded: Any, num_seqs: int | None) -> tor
     if cu_seqlens_padded.numel() < 1:
         raise ValueError("cu_seqlens_padded must hold at least one boundary (the leading 0), got 0")
     if num_seqs is not None:
-        if isinstance(num_seqs, bool) or not isinstance(num_seqs, int):
-            raise ValueError(f"num_seqs must be an int or None, got {num_seqs!r}")
+        check_int("num_seqs", num_seqs, optional=True)
         if not 0 <= num_seqs <= cu_seqlens_padded.numel() - 1:
             raise ValueError(
                 f"num_seqs={num_seqs} is out of range for cu_seqlens_padded of length "
@@ -77,13 +83,6 @@ def _valid_boundaries(cu_seqlens_padded: torch.Tensor, num_seqs: int | None) -> 
     # them into repeats of the last real boundary, i.e. zero-length sequences that
     # contribute no tokens. On a valid array (non-decreasing) this is the identity.
     return torch.cummax(cu, dim=0).values
-
-
-def host_boundaries(cu_seqlens_padded: torch.Tensor) -> np.ndarray:
-    """int64 numpy copy/view of the boundaries (a device tensor is copied: a sync)."""
-    if cu_seqlens_padded.device.type != "cpu":
-        cu_seqlens_padded = cu_seqlens_padded.detach().cpu()
-    return cu_seqlens_padded.numpy().astype(np.int64, copy=False)  # read-only use below
 
 
 def _strip_sentinels(cu: np.ndarray) -> np.ndarray:
@@ -108,48 +107,24 @@ def validated_np(
 ) -> np.ndarray:
     """Check a host boundary array (see :func:`validate_cp_layout`); return its valid ``[N+1]``.
 
-    The common, valid case costs a handful of numpy calls (this runs on every shard);
-    the error paths take their time to name the offending entry.
+    The rules are :mod:`te_thd.boundaries`'; what is the partition's own is the sentinel
+    handling. The common, valid case costs a handful of numpy calls (this runs on every
+    shard); the error paths take their time to name the offending entry.
     """
-    multiple = 2 * cp_size
-    if cp_size > 1 and total_tokens % multiple != 0:
-        raise ValueError(
-            f"total_tokens={total_tokens} is not divisible by 2*cp_size={multiple}; "
-            f"{cp_padding_fix(cp_size)} (and so pads the stream)"
-        )
+    check_stream_divisible(total_tokens, cp_size)
     if num_seqs is not None:
         cu = cu[: num_seqs + 1]
     elif cu[-1] < 0:  # sentinels trail; one in the middle shows up as a decrease below
         cu = _strip_sentinels(cu)
-    if cu[0] != 0:
-        raise ValueError(f"cu_seqlens_padded[0] must be 0, got {int(cu[0])}")
-    lengths = cu[1:] - cu[:-1]
-    if np.count_nonzero(lengths < 0):
-        if num_seqs is None and np.count_nonzero(cu < 0):
-            _strip_sentinels(cu)  # raises, naming the misplaced sentinel
-        i = int((lengths < 0).argmax())
-        raise ValueError(
-            f"cu_seqlens_padded must be non-decreasing: sequence {i} has negative padded "
-            f"length {int(lengths[i])} (boundaries {int(cu[i])} -> {int(cu[i + 1])})"
-        )
-    if cp_size > 1 and np.count_nonzero(lengths % multiple):
-        i = int((lengths % multiple != 0).argmax())
-        raise ValueError(
-            f"sequence {i} has padded length {int(lengths[i])}, which is not a multiple of "
-            f"2*cp_size={multiple} (TE's THD context parallelism splits every sequence into "
-            f"{multiple} equal chunks); {cp_padding_fix(cp_size)}"
-        )
-    if cu[-1] != total_tokens:
-        raise ValueError(
-            f"cu_seqlens_padded ends at {int(cu[-1])} but total_tokens={total_tokens}; the "
-            "padded boundaries must cover the whole stream (TE assigns tokens past the last "
-            "boundary to the last sequence and produces overlapping partitions) -- grow the "
-            "last sequence's padded length to the end of the stream"
-        )
+    check_starts_at_zero("cu_seqlens_padded", cu)
+    if num_seqs is None and np.count_nonzero(cu < 0):
+        _strip_sentinels(cu)  # raises, naming the misplaced sentinel
+    lengths = check_non_decreasing(
+        "cu_seqlens_padded", cu, "pass num_seqs to say how many sequences are valid, or trim the array"
+    )
+    check_cp_multiple("cu_seqlens_padded", lengths, cp_size)
+    check_covers("cu_seqlens_padded", int(cu[-1]), total_tokens, exact=True)
     return cu
-
-
-
 
 
 @functools.lru_cache(maxsize=8)
@@ -277,7 +252,7 @@ def _host_indices(
     check: bool,
 ) -> np.ndarray:
     """Host path of :func:`indices` (``cu_seqlens_padded`` on the CPU): int64 numpy."""
-    cu = host_boundaries(cu_seqlens_padded)
+    cu = host_int64(cu_seqlens_padded)
     if check:
         if cp_size > 1:  # a valid layout needs no separate check: the rule proves it
             index = partition_np(
@@ -323,7 +298,7 @@ def indices(
             _host_indices(cu_seqlens_padded, total_tokens, cp_size, ranks, num_seqs, check)
         )
     if check:
-        validated_np(host_boundaries(cu_seqlens_padded), total_tokens, cp_size, num_seqs)
+        validated_np(host_int64(cu_seqlens_padded), total_tokens, cp_size, num_seqs)
     if cp_size == 1:
         return torch.arange(total_tokens, device=cu_seqlens_padded.device, dtype=torch.int64)
     return partition_torch(cu_seqlens_padded, cp_size, ranks, num_seqs, total_tokens)

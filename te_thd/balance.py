@@ -48,6 +48,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from te_thd.args import check_int
+
 __all__ = [
     "PlanBound",
     "document_costs",
@@ -71,9 +73,7 @@ _GOOD = 1.03
 
 
 def _int_arg(name: str, value: Any, minimum: int, meaning: str = "") -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
-        raise ValueError(f"{name}={value!r} must be an int >= {minimum}{meaning}")
-    return int(value)
+    return check_int(name, value, minimum, numpy_ints=True, meaning=meaning)
 
 
 def _lengths_array(lengths: Sequence[int] | np.ndarray | torch.Tensor) -> np.ndarray:

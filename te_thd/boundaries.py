@@ -25,8 +25,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from te_thd.args import check_int
+
 __all__ = [
     "ThdContractError",
+    "check_boundary_values",
     "check_covers",
     "check_cp_args",
     "check_cp_multiple",
@@ -49,14 +52,10 @@ def check_cp_args(cp_size: Any, *cp_rank: Any, error: type[ValueError] = ValueEr
     The one check of the context-parallel arguments; every module that takes them calls
     it. ``error`` lets the attention contract raise its own ``ValueError`` subclass.
     """
-    if isinstance(cp_size, bool) or not isinstance(cp_size, int) or cp_size < 1:
-        raise error(f"cp_size must be an int >= 1, got {cp_size!r}")
+    check_int("cp_size", cp_size, 1, error=error)
     for rank in cp_rank:
-        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < cp_size:
-            raise error(
-                f"cp_rank must be an int in [0, cp_size={cp_size}), got {rank!r}; "
-                "pass this process's rank in its context-parallel group"
-            )
+        check_int("cp_rank", rank, 0, below=cp_size, bound_name="cp_size", error=error,
+                  meaning="; pass this process's rank in its context-parallel group")  # fmt: skip
 
 
 def cp_padding_fix(cp_size: int) -> str:
@@ -165,4 +164,64 @@ def check_covers(name: str, end: int, total_tokens: int, exact: bool) -> None:
             f"{name} ends at {end} but the global stream has {total_tokens} tokens; under context "
             "parallelism the padded boundaries must cover the whole stream -- grow the last "
             "sequence's padded length to the end of the stream"
+        )
+
+
+def check_boundary_values(
+    cu: torch.Tensor,
+    cu_padded: torch.Tensor,
+    *,
+    max_seqlen: int | None,
+    total_tokens: int | None,
+    cp_size: int,
+    pad_between_seqs: bool | None,
+    names: tuple[str, str, str] = ("cu_seqlens", "cu_seqlens_padded", "max_seqlen"),
+) -> None:
+    """Host-side value rules of one boundary pair (their one implementation).
+
+    Args:
+        cu, cu_padded: int ``[N+1]`` real and physical boundaries, read on the host.
+        max_seqlen: host int that must be ``>=`` every real segment, or None.
+        total_tokens: length of the global stream, or None to skip the coverage rules.
+        cp_size: context-parallel size (``> 1`` adds TE's CP divisibility and coverage).
+        pad_between_seqs: False requires equal arrays (NVIDIA/TransformerEngine#3331); None/True skip it.
+        names: how the messages call ``cu``, ``cu_padded`` and ``max_seqlen``.
+
+    Raises:
+        ThdContractError: the first violated rule, naming the value and the fix.
+    """
+    cu_name, cup_name, max_name = names
+    c = host_int64(cu)
+    p = host_int64(cu_padded)
+    check_starts_at_zero(cu_name, c)
+    check_starts_at_zero(cup_name, p)
+    lens = check_non_decreasing(cu_name, c)
+    plens = check_non_decreasing(cup_name, p)
+    over = lens > plens
+    if over.any():
+        i = int(over.argmax())
+        raise ThdContractError(
+            f"sequence {i} has real length {int(lens[i])} ({cu_name}) but only "
+            f"{int(plens[i])} slots ({cup_name}); the padded length must be >= "
+            "the real length -- were the two arrays swapped?"
+        )
+    if plens.size and max_seqlen is not None:
+        i = int(lens.argmax())
+        if max_seqlen < lens[i]:
+            raise ThdContractError(
+                f"{max_name}={max_seqlen} is smaller than sequence {i}'s length "
+                f"{int(lens[i])}; TE requires {max_name} >= max({cu_name}[i+1] - "
+                f"{cu_name}[i]) -- pass the max over the padded lengths"
+            )
+    if total_tokens is not None:
+        check_covers(cup_name, int(p[-1]), total_tokens, exact=False)
+    check_cp_multiple(cup_name, plens, cp_size)
+    if total_tokens is not None and cp_size > 1:
+        check_covers(cup_name, int(p[-1]), total_tokens, exact=True)
+    if pad_between_seqs is False and not np.array_equal(c, p):
+        raise ThdContractError(
+            f"pad_between_seqs=False but {cu_name} {c.tolist()} differs from {cup_name} "
+            f"{p.tolist()}: TE would take the no-padding path and attend across the wrong "
+            "slots (NVIDIA/TransformerEngine#3331) -- compute pad_between_seqs on the complete arrays "
+            "(process_input_for_thd does) or pass True"
         )

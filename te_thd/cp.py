@@ -40,12 +40,12 @@ import torch
 from te_thd._partition import (
     check_boundaries_tensor,
     check_total_tokens,
-    host_boundaries,
     indices,
     partition_np,
     validated_np,
 )
-from te_thd.layout import LAYOUT_KEY, ThdLayout, _derive, check_cp_args
+from te_thd.boundaries import check_cp_args, host_int64
+from te_thd.layout import LAYOUT_KEY, ThdLayout, derive_unchecked
 
 __all__ = [
     "cp_rank_to_sequence_order",
@@ -90,7 +90,7 @@ def validate_cp_layout(
     check_cp_args(cp_size)
     check_boundaries_tensor(cu_seqlens_padded, num_seqs)
     check_total_tokens(total_tokens)
-    validated_np(host_boundaries(cu_seqlens_padded), total_tokens, cp_size, num_seqs)
+    validated_np(host_int64(cu_seqlens_padded), total_tokens, cp_size, num_seqs)
 
 
 def partition_indices(
@@ -274,7 +274,7 @@ def shard_thd_batch_for_cp(
         # layout.sharded(cp_size, cp_rank) without its re-validation: the layout was
         # checked when built, and the partition above just proved the cp_size rules
         # (padded lengths multiples of 2*cp_size, boundaries covering the stream)
-        out[LAYOUT_KEY] = _derive(layout, cp_size=cp_size, cp_rank=cp_rank)
+        out[LAYOUT_KEY] = derive_unchecked(layout, cp_size=cp_size, cp_rank=cp_rank)
     return out
 
 

@@ -23,41 +23,19 @@ from typing import Any
 import numpy as np
 import torch
 
+from te_thd.args import check_int, is_int
+from te_thd.boundaries import (
+    ThdContractError,
+    check_boundary_values,
+    check_cp_args,
+    require_boundary_tensor,
+)
+
 __all__ = ["ThdLayout"]
 
 #: Key under which a batch dict may carry its ``ThdLayout`` (the cache collator's
 #: output does; ``shard_thd_batch_for_cp`` carries it over, sharded).
 LAYOUT_KEY = "thd_layout"
-
-
-def check_cp_args(cp_size: Any, *cp_rank: Any, error: type[ValueError] = ValueError) -> None:
-    """Check ``cp_size`` (an int >= 1) and, when given, ``cp_rank`` (in ``[0, cp_size)``).
-
-    The one check of the context-parallel arguments; every module that takes them calls
-    it. ``error`` lets the attention contract raise its own ``ValueError`` subclass.
-    """
-    if isinstance(cp_size, bool) or not isinstance(cp_size, int) or cp_size < 1:
-        raise error(f"cp_size must be an int >= 1, got {cp_size!r}")
-    for rank in cp_rank:
-        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < cp_size:
-            raise error(
-                f"cp_rank must be an int in [0, cp_size={cp_size}), got {rank!r}; "
-                "pass this process's rank in its context-parallel group"
-            )
-
-
-def cp_padding_fix(cp_size: int) -> str:
-    """What to do about a document whose length is not a multiple of ``2 * cp_size``.
-
-    TE's THD context parallelism (and Megatron's per-document CP slicing, which calls
-    TE's partition on ``cu_seqlens`` when a batch has no padded boundaries) splits every
-    document into ``2 * cp_size`` equal chunks; te_thd's packer pads them so.
-    """
-    return (
-        f"pad every document to a multiple of {2 * cp_size}: "
-        f"te_thd.packing.PackingCollator(seq_len, pad_to_multiple_of=pad_to_multiple_for("
-        f"cp_size={cp_size})) does"
-    )
 
 
 @dataclass(frozen=True, eq=False)
@@ -147,7 +125,7 @@ class ThdLayout:
             cup = self.cu_seqlens_padded.to(device, non_blocking=non_blocking)
         if cu is self.cu_seqlens and cup is self.cu_seqlens_padded:
             return self
-        return _derive(self, cu_seqlens=cu, cu_seqlens_padded=cup)
+        return derive_unchecked(self, cu_seqlens=cu, cu_seqlens_padded=cup)
 
     def sharded(self, cp_size: int, cp_rank: int) -> ThdLayout:
         """This (global) layout as seen by CP rank ``cp_rank`` of ``cp_size``.
@@ -175,8 +153,7 @@ class ThdLayout:
             ValueError: the batch has more than ``max_num_seqs`` sequences, or the bound
                 is below its longest sequence (or unknown: pass ``max_seqlen``).
         """
-        if isinstance(max_num_seqs, bool) or not isinstance(max_num_seqs, int) or max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be an int >= 1, got {max_num_seqs!r}")
+        check_int("max_num_seqs", max_num_seqs, 1)
         n, total = self.num_seqs, self.total_tokens
         if n > max_num_seqs:
             # one sequence per padding multiple at most: that count always fits
@@ -211,7 +188,7 @@ class ThdLayout:
         cu = pad(self.cu_seqlens)
         cup = cu if self.cu_seqlens_padded is self.cu_seqlens else pad(self.cu_seqlens_padded)
         # proven, not re-checked: zero-length sequences break no rule, bound >= longest
-        return _derive(self, cu_seqlens=cu, cu_seqlens_padded=cup, num_seqs=max_num_seqs,
+        return derive_unchecked(self, cu_seqlens=cu, cu_seqlens_padded=cup, num_seqs=max_num_seqs,
                        max_seqlen=bound)  # fmt: skip
 
     @property
@@ -220,7 +197,7 @@ class ThdLayout:
         return None if self.total_tokens is None else self.total_tokens // self.cp_size
 
 
-def _derive(layout: ThdLayout, **changes: Any) -> ThdLayout:
+def derive_unchecked(layout: ThdLayout, **changes: Any) -> ThdLayout:
     """``layout`` with ``changes`` applied, *not* re-validated (a move, or a proven rule)."""
     fields = {f.name: getattr(layout, f.name) for f in dataclasses.fields(ThdLayout)}
     return _trusted(**{**fields, **changes})
@@ -238,25 +215,16 @@ def _trusted(**fields: Any) -> ThdLayout:
 
 def _validate(layout: ThdLayout) -> None:
     """Check a layout once, where it is built (see :class:`ThdLayout`)."""
-    from te_thd.attention.contract import (
-        ThdContractError,
-        _require_boundary,
-        check_boundary_values,
-    )
-
     cu, cup = layout.cu_seqlens, layout.cu_seqlens_padded
-    _require_boundary("cu_seqlens", cu, None, None)
-    _require_boundary("cu_seqlens_padded", cup, "cu_seqlens", cu)
+    require_boundary_tensor("cu_seqlens", cu, None, None)
+    require_boundary_tensor("cu_seqlens_padded", cup, "cu_seqlens", cu)
     check_cp_args(layout.cp_size, layout.cp_rank, error=ThdContractError)
     for name in ("num_seqs", "max_seqlen", "total_tokens"):
         value = getattr(layout, name)
         if value is None and name == "total_tokens":
             continue
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ThdContractError(
-                f"{name} must be a non-negative Python int, got {type(value).__name__} "
-                f"{value!r}; host ints keep consumers from syncing the device to read them"
-            )
+        check_int(name, value, 0, error=ThdContractError,
+                  meaning=" (a Python int: host ints keep consumers from syncing the device to read them)")  # fmt: skip
     if layout.num_seqs != cu.shape[0] - 1:
         raise ThdContractError(
             f"num_seqs={layout.num_seqs} but cu_seqlens holds {cu.shape[0]} boundaries "
@@ -308,12 +276,11 @@ def as_layout(
         changes["max_seqlen"] = max_seqlen
     if not changes:
         return layout
-    return dataclasses.replace(layout, **changes) if validate else _derive(layout, **changes)
+    return dataclasses.replace(layout, **changes) if validate else derive_unchecked(layout, **changes)
 
 
 def _check_max_seqlen(max_seqlen: Any) -> None:
-    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < 0:
-        raise ValueError(f"max_seqlen must be a non-negative Python int, got {max_seqlen!r}")
+    check_int("max_seqlen", max_seqlen, 0, meaning=" (a Python int: host ints keep consumers from syncing the device)")
 
 
 def _host_max_len(cu: torch.Tensor) -> int:
@@ -371,7 +338,7 @@ def _max_seqlen_of(
 ) -> int:
     """TE's ``max_seqlen``: the dict's host int where it suffices, else from CPU boundaries."""
     stored = thd.get("max_seqlen_int")
-    usable = isinstance(stored, int) and not isinstance(stored, bool)
+    usable = is_int(stored)
     if host:
         if usable and not pad:
             return stored

@@ -41,8 +41,9 @@ import numpy as np
 import torch
 
 from te_thd._flattened import seq_lens_from_position_ids, unflatten_from_position_ids
+from te_thd.args import check_int, is_int
 from te_thd.balance import plan_global_batch as plan_global_batch  # the planner, re-exported
-from te_thd.layout import check_cp_args
+from te_thd.boundaries import check_cp_args
 
 __all__ = [
     "PackingCollator",
@@ -53,12 +54,6 @@ __all__ = [
 ]
 
 IGNORE_INDEX = -100
-
-
-def _positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-    return value
 
 
 def pad_to_multiple_for(cp_size: int, tp_size: int = 1, sequence_parallel: bool = False) -> int:
@@ -73,7 +68,7 @@ def pad_to_multiple_for(cp_size: int, tp_size: int = 1, sequence_parallel: bool 
         int >= 1 to pass as ``PackingCollator(pad_to_multiple_of=...)``.
     """
     check_cp_args(cp_size)
-    _positive_int("tp_size", tp_size)
+    check_int("tp_size", tp_size, 1)
     multiple = 2 * cp_size if cp_size > 1 else 1
     if sequence_parallel and tp_size > 1:
         multiple *= tp_size
@@ -106,7 +101,7 @@ def assign_bins(
         int64 ``[n]``: the bin of each item; bins are numbered ``0 .. n_bins-1`` in
         opening order, with no gaps.
     """
-    _positive_int("capacity", capacity)
+    check_int("capacity", capacity, 1)
     sizes = np.asarray(
         lengths.detach().cpu() if isinstance(lengths, torch.Tensor) else lengths, dtype=np.int64
     ).reshape(-1)
@@ -358,8 +353,8 @@ class PackingCollator:
         pad_values: Mapping[str, int | float] | None = None,
         bin_packing: Literal["ffd", "first_fit"] = "ffd",
     ) -> None:
-        self.seq_len = _positive_int("seq_len", seq_len)
-        self.pad_to_multiple_of = _positive_int("pad_to_multiple_of", pad_to_multiple_of)
+        self.seq_len = check_int("seq_len", seq_len, 1)
+        self.pad_to_multiple_of = check_int("pad_to_multiple_of", pad_to_multiple_of, 1)
         if seq_len % pad_to_multiple_of:
             raise ValueError(
                 f"seq_len={seq_len} must be a multiple of pad_to_multiple_of={pad_to_multiple_of} "
@@ -369,18 +364,14 @@ class PackingCollator:
         if overlong not in ("truncate", "raise"):
             raise ValueError(f"overlong must be 'truncate' or 'raise', got {overlong!r}")
         self.overlong = overlong
-        if (
-            isinstance(seq_lens_padding_value, bool)
-            or not isinstance(seq_lens_padding_value, int)
-            or seq_lens_padding_value >= 0
-        ):
+        if not is_int(seq_lens_padding_value, below=0):
             raise ValueError(
                 f"seq_lens_padding_value must be a negative int (a length can never equal it), "
                 f"got {seq_lens_padding_value!r}"
             )
         self.seq_lens_padding_value = seq_lens_padding_value
         if rows is not None:
-            _positive_int("rows", rows)
+            check_int("rows", rows, 1)
         self.rows = rows
         self.label_key = label_key
         self.input_key = input_key

@@ -39,6 +39,7 @@ from te_thd._thd_layout import (
     pack_layout,
     stream_layout,
 )
+from te_thd.args import check_int
 
 __all__ = [
     "ThdBatch",
@@ -321,11 +322,8 @@ def split_batch_into_thd_chunks(
         ValueError: ``num_chunks`` not an int dividing ``B``, or any error of
             :func:`process_input_for_thd`.
     """
-    if isinstance(num_chunks, bool) or not isinstance(num_chunks, int | np.integer):
-        raise ValueError(
-            f"num_chunks must be an int, got {num_chunks!r} ({type(num_chunks).__name__}); "
-            "pass the number of chunks (e.g. the pipeline's micro-batch count)."
-        )
+    check_int("num_chunks", num_chunks, numpy_ints=True,
+              meaning="; pass the number of chunks (e.g. the pipeline's micro-batch count)")  # fmt: skip
     if num_chunks <= 1:
         return process_input_for_thd(
             batch, seq_lens_padding_value, padding_token_id, absorb_trailing_pad=absorb_trailing_pad

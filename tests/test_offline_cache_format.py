@@ -350,11 +350,11 @@ def test_partition_matches_loop_oracle(num_samples: int, shard_size: int, world_
 
 def test_partition_rank_without_shards_and_errors() -> None:
     assert partition_cache_shards(7, 4, 3, 2) == (2, 8, 0)
-    with pytest.raises(ValueError, match=r"shard_size must be a positive int \(samples per shard\), got 0\. Pass e\.g\. shard_size=256"):
+    with pytest.raises(ValueError, match=r"shard_size=0 must be an int >= 1 \(samples per shard\); pass e\.g\. shard_size=256"):
         partition_cache_shards(7, 0, 3, 0)
-    with pytest.raises(ValueError, match=r"rank=3 must be an int in \[0, 3\) for world_size=3"):
+    with pytest.raises(ValueError, match=r"rank=3 must be an int in \[0, world_size=3\)"):
         partition_cache_shards(7, 4, 3, 3)
-    with pytest.raises(ValueError, match=r"world_size must be an int >= 1, got 0"):
+    with pytest.raises(ValueError, match=r"world_size=0 must be an int >= 1"):
         partition_cache_shards(7, 4, 0, 0)
 
 
@@ -369,7 +369,7 @@ def test_resume_start_sample() -> None:
     assert resume_start_sample({0, 1, 2}, 4) == 12
     with pytest.raises(ValueError, match=r"contiguous prefix 0\.\.2, but found 0-1, 3 \(missing 2\)\. Delete the shards after the first gap"):
         resume_start_sample({0, 1, 3}, 4)
-    with pytest.raises(ValueError, match="shard_size must be a positive int"):
+    with pytest.raises(ValueError, match="shard_size=-1 must be an int >= 1"):
         resume_start_sample({0}, -1)
 
 
@@ -458,7 +458,7 @@ def test_accumulator_rejects_inconsistent_batches() -> None:
     acc.add({"a": torch.ones(1)})
     with pytest.raises(SchemaError, match=r"returned keys \['b'\] after \['a'\]; every batch must return the same keys"):
         acc.add({"b": torch.ones(1)})
-    with pytest.raises(ValueError, match="shard_size must be a positive int"):
+    with pytest.raises(ValueError, match="shard_size=0 must be an int >= 1"):
         _ShardAccumulator("d", 0, 0, _collecting_writer({}), LOG)
 
 

@@ -472,7 +472,7 @@ def test_thd_collate_bad_input(cache):
     batch = ds.__getitems__([0, 1])
     with pytest.raises(ValueError, match="pass length_key='length' or mask_key='loss_mask', not both"):
         CachedThdCollator(16, length_key="length", mask_key="loss_mask")
-    with pytest.raises(ValueError, match=r"cp_rank must be an int in \[0, cp_size=2\), got 2"):
+    with pytest.raises(ValueError, match=r"cp_rank=2 must be an int in \[0, cp_size=2\)"):
         CachedThdCollator(16, cp_size=2, cp_rank=2)
     with pytest.raises(ValueError, match="length_key='nope' was not read"):
         CachedThdCollator(16, length_key="nope")(batch)

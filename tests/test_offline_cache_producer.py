@@ -184,8 +184,8 @@ def test_existing_shard_with_other_schema_is_refused_on_resume(tmp_path: Path) -
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"shard_size": 0}, r"shard_size must be a positive int \(samples per shard\), got 0"),
-        ({"shard_size": -3}, r"shard_size must be a positive int \(samples per shard\), got -3"),
+        ({"shard_size": 0}, r"shard_size=0 must be an int >= 1 \(samples per shard\)"),
+        ({"shard_size": -3}, r"shard_size=-3 must be an int >= 1 \(samples per shard\)"),
         ({"options": {"num_samples": 3}}, r"options \['num_samples'\] clash with manifest fields te_thd writes itself"),
         ({"options": {"when": object()}}, r"options must be JSON values \(recorded in manifest.json\)"),
         ({"world_size": 2, "rank": 1}, r"world_size=2, rank=1 need an initialised torch.distributed process group"),

@@ -272,9 +272,9 @@ def test_errors():
         PackingCollator(4, overlong="drop")
     with pytest.raises(ValueError, match=r"seq_lens_padding_value must be a negative int.*got 0"):
         PackingCollator(4, seq_lens_padding_value=0)
-    with pytest.raises(ValueError, match=r"seq_len must be an int >= 1, got 0"):
+    with pytest.raises(ValueError, match=r"seq_len=0 must be an int >= 1"):
         PackingCollator(0)
-    with pytest.raises(ValueError, match=r"rows must be an int >= 1, got 0"):
+    with pytest.raises(ValueError, match=r"rows=0 must be an int >= 1"):
         PackingCollator(4, rows=0)
     with pytest.raises(ValueError, match=r"samples is empty"):
         PackingCollator(8)([])
@@ -301,7 +301,7 @@ def test_errors():
         assign_bins([3, 9], 8)
     with pytest.raises(ValueError, match=r"item 0 has length -1"):
         assign_bins([-1], 8)
-    with pytest.raises(ValueError, match=r"cp_size must be an int >= 1, got 0"):
+    with pytest.raises(ValueError, match=r"cp_size=0 must be an int >= 1"):
         pad_to_multiple_for(0)
 
 

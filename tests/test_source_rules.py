@@ -131,3 +131,72 @@ def test_cited_functions_exist() -> None:
                 if name.split(".")[-1] not in defined and not _importable(name):
                     missing.append(f"{path.relative_to(REPO)}:{n}: {name}")
     assert not missing, f"docstrings cite names that do not exist: {missing}"
+
+
+# ------------------------------------------------------------- the package's own boundaries
+
+
+def _package_imports() -> dict[str, list[tuple[str, str | None, int]]]:
+    """``{module: [(imported module, imported name or None, line)]}`` of every te_thd import in te_thd."""
+    import ast
+
+    modules = {}
+    for p in _python_files("te_thd"):
+        rel = p.relative_to(REPO).with_suffix("")
+        name = ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
+        modules[name] = p
+    found: dict[str, list[tuple[str, str | None, int]]] = {}
+    for name, p in modules.items():
+        package = name if p.name == "__init__.py" else name.rpartition(".")[0]
+        out = found.setdefault(name, [])
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    target = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    target = node.module or ""
+                if target.split(".")[0] != "te_thd":
+                    continue
+                for alias in node.names:
+                    sub = f"{target}.{alias.name}"
+                    out.append((sub, None, node.lineno) if sub in modules else (target, alias.name, node.lineno))
+            elif isinstance(node, ast.Import):
+                out += [(a.name, None, node.lineno) for a in node.names if a.name.split(".")[0] == "te_thd"]
+    return found
+
+
+def test_no_import_cycles_in_the_package() -> None:
+    """No module of te_thd imports (at any depth, also inside functions) a module that imports it."""
+    imports = _package_imports()
+    packages = {m for m in imports if (REPO / m.replace(".", "/") / "__init__.py").exists()}
+    graph = {m: {t for t, _, _ in deps if t in imports and t not in packages and t != m} for m, deps in imports.items()}
+    cycles = []
+    for start in graph:
+        if start in packages:
+            continue
+        stack, seen = [(start, [start])], set()
+        while stack:
+            node, path = stack.pop()
+            for nxt in graph.get(node, ()):
+                if nxt == start:
+                    cycles.append(" -> ".join([*path, start]))
+                elif nxt not in seen:
+                    seen.add(nxt)
+                    stack.append((nxt, [*path, nxt]))
+    assert not cycles, cycles
+
+
+def test_no_module_imports_an_underscore_name_from_another() -> None:
+    bad = [
+        f"{m}:{line}: {name} from {target}"
+        for m, deps in _package_imports().items()
+        for target, name, line in deps
+        if name is not None and name.startswith("_") and not name.startswith("__")
+    ]
+    assert not bad, bad
+
+
+def test_no_torch_private_apis_in_the_package() -> None:
+    files = _python_files("te_thd")
+    assert not _hits(r"torch\._C\b|\._cdata\b|_typed_storage\(|_new_shared\(|torch\.utils\.data\._utils", files)

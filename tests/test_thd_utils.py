@@ -438,7 +438,7 @@ def test_error_num_chunks_does_not_divide_batch() -> None:
 
 
 def test_error_num_chunks_not_an_int() -> None:
-    with err(r"num_chunks must be an int, got 2.0 \(float\)"):
+    with err(r"num_chunks=2.0 must be an int"):
         split_batch_into_thd_chunks(reference_4x6(), 2.0)  # type: ignore[arg-type]
 
 

@@ -16,10 +16,15 @@ from __future__ import annotations
 
 from typing import Any, TypedDict
 
-import numpy as np
 import torch
 
-from te_thd.layout import check_cp_args, cp_padding_fix
+from te_thd.args import check_int
+from te_thd.boundaries import (
+    ThdContractError,
+    check_boundary_values,
+    check_cp_args,
+    require_boundary_tensor,
+)
 
 __all__ = [
     "TE_ATTN_MASK_TYPES",
@@ -39,10 +44,6 @@ TE_ATTN_MASK_TYPES: tuple[str, ...] = (
     "padding_causal_bottom_right",
     "arbitrary",
 )
-
-
-class ThdContractError(ValueError):
-    """Arguments that break Transformer Engine's THD attention contract."""
 
 
 class TeThdKwargs(TypedDict):
@@ -87,132 +88,12 @@ def normalize_attn_mask_type(attn_mask_type: Any) -> str:
     return mask
 
 
-def _require_boundary(name: str, t: Any, ref_name: str | None, ref: torch.Tensor | None) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise ThdContractError(
-            f"{name} must be an int32 [N+1] tensor when qkv_format='thd', got "
-            f"{type(t).__name__} (TE: 'cu_seqlens_q and cu_seqlens_kv can not be None when "
-            "qkv_format = thd!'); build it with te_thd.thd_utils.process_input_for_thd"
-        )
-    if t.dim() != 1:
-        raise ThdContractError(
-            f"{name} must be 1-D [N+1], got shape {tuple(t.shape)} (TE: 'cu_seqlens_q and "
-            "cu_seqlens_q must both have shape [batch_size + 1]!'); for a chunked batch pass "
-            "one row per chunk, trimmed to its valid length on the host"
-        )
-    if t.dtype != torch.int32:
-        raise ThdContractError(
-            f"{name} must have dtype torch.int32, got {t.dtype} (TE: 'cu_seqlens_q and "
-            f"cu_seqlens_q must both be in dtype torch.int32!'); use {name}.to(torch.int32)"
-        )
-    if ref is not None and t.shape != ref.shape:
-        raise ThdContractError(
-            f"{name} has shape {tuple(t.shape)} but {ref_name} has shape {tuple(ref.shape)}; "
-            "all boundary arrays must describe the same N sequences ([N+1] each)"
-        )
-
-
 def _require_int(name: str, v: Any) -> int:
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise ThdContractError(
-            f"{name} must be a Python int (a tensor makes TE sync the device to read it), "
-            f"got {type(v).__name__} {v!r}; pass the host-side value, e.g. "
-            "thd['max_seqlen_int']"
-        )
-    return v
-
-
-def _host(t: torch.Tensor) -> np.ndarray:
-    """int64 host copy of a boundary tensor (reading a device tensor is a sync)."""
-    if t.device.type != "cpu":
-        t = t.detach().cpu()
-    return t.numpy().astype(np.int64)
-
-
-def check_boundary_values(
-    cu: torch.Tensor,
-    cu_padded: torch.Tensor,
-    *,
-    max_seqlen: int | None,
-    total_tokens: int | None,
-    cp_size: int,
-    pad_between_seqs: bool | None,
-    names: tuple[str, str, str] = ("cu_seqlens", "cu_seqlens_padded", "max_seqlen"),
-) -> None:
-    """Host-side value rules of one boundary pair (their one implementation).
-
-    Args:
-        cu, cu_padded: int ``[N+1]`` real and physical boundaries, read on the host.
-        max_seqlen: host int that must be ``>=`` every real segment, or None.
-        total_tokens: length of the global stream, or None to skip the coverage rules.
-        cp_size: context-parallel size (``> 1`` adds TE's CP divisibility and coverage).
-        pad_between_seqs: False requires equal arrays (NVIDIA/TransformerEngine#3331); None/True skip it.
-        names: how the messages call ``cu``, ``cu_padded`` and ``max_seqlen``.
-
-    Raises:
-        ThdContractError: the first violated rule, naming the value and the fix.
-    """
-    cu_name, cup_name, max_name = names
-    c = _host(cu)
-    p = _host(cu_padded)
-    if c[0] != 0 or p[0] != 0:
-        raise ThdContractError(f"{cu_name} and {cup_name} must start at 0, got {int(c[0])} and {int(p[0])}")
-    lens = c[1:] - c[:-1]
-    plens = p[1:] - p[:-1]
-    for name, arr in ((cu_name, lens), (cup_name, plens)):
-        neg = arr < 0
-        if neg.any():
-            i = int(neg.argmax())
-            raise ThdContractError(
-                f"{name} must be non-decreasing: sequence {i} has length {int(arr[i])}; "
-                "sentinel-padded rows must be trimmed to their valid length on the host"
-            )
-    over = lens > plens
-    if over.any():
-        i = int(over.argmax())
-        raise ThdContractError(
-            f"sequence {i} has real length {int(lens[i])} ({cu_name}) but only "
-            f"{int(plens[i])} slots ({cup_name}); the padded length must be >= "
-            "the real length -- were the two arrays swapped?"
-        )
-    if plens.size and max_seqlen is not None:
-        i = int(lens.argmax())
-        if max_seqlen < lens[i]:
-            raise ThdContractError(
-                f"{max_name}={max_seqlen} is smaller than sequence {i}'s length "
-                f"{int(lens[i])}; TE requires {max_name} >= max({cu_name}[i+1] - "
-                f"{cu_name}[i]) -- pass the max over the padded lengths"
-            )
-    if total_tokens is not None and p[-1] > total_tokens:
-        raise ThdContractError(
-            f"{cup_name} ends at {int(p[-1])}, beyond the {total_tokens} tokens "
-            f"of the global stream ({'local tokens x cp_size' if cp_size > 1 else 'T'}); "
-            "the boundaries do not belong to these tensors"
-        )
-    if cp_size > 1:
-        multiple = 2 * cp_size
-        bad = plens % multiple != 0
-        if bad.any():
-            i = int(bad.argmax())
-            raise ThdContractError(
-                f"sequence {i} has padded length {int(plens[i])} ({cup_name}), "
-                f"not a multiple of 2*cp_size={multiple}; TE's THD context parallelism "
-                f"splits every sequence into {multiple} equal chunks (thd_get_partitioned_"
-                f"indices asserts seqlen % (world_size * 2) == 0) -- {cp_padding_fix(cp_size)}"
-            )
-        if total_tokens is not None and p[-1] != total_tokens:
-            raise ThdContractError(
-                f"{cup_name} ends at {int(p[-1])} but the global stream has "
-                f"{total_tokens} tokens; under context parallelism the padded boundaries "
-                "must cover the whole stream -- grow the last sequence's padded length"
-            )
-    if pad_between_seqs is False and not np.array_equal(c, p):
-        raise ThdContractError(
-            f"pad_between_seqs=False but {cu_name} {c.tolist()} differs from {cup_name} "
-            f"{p.tolist()}: TE would take the no-padding path and attend across the wrong "
-            "slots (NVIDIA/TransformerEngine#3331) -- compute pad_between_seqs on the complete arrays "
-            "(process_input_for_thd does) or pass True"
-        )
+    return check_int(
+        name, v, error=ThdContractError,
+        meaning=" (a Python int: a tensor makes TE sync the device to read it); pass the host-side value, "
+        "e.g. thd['max_seqlen_int']",
+    )  # fmt: skip
 
 
 def check_mask_for_thd(attn_mask_type: Any, cp_size: int) -> str:
@@ -275,18 +156,17 @@ def check_te_thd_boundaries(
             f"qkv_format must be 'thd' for packed sequences, got {qkv_format!r}; "
             "te_thd's kwargs are for DotProductAttention(qkv_format='thd')"
         )
-    if isinstance(cp_size, bool) or not isinstance(cp_size, int) or cp_size < 1:
-        check_cp_args(cp_size, error=ThdContractError)
+    check_cp_args(cp_size, error=ThdContractError)
     mask = check_mask_for_thd(attn_mask_type, cp_size)
-    _require_boundary("cu_seqlens_q", cu_seqlens_q, None, None)
-    _require_boundary("cu_seqlens_kv", cu_seqlens_kv, "cu_seqlens_q", cu_seqlens_q)
+    require_boundary_tensor("cu_seqlens_q", cu_seqlens_q, None, None)
+    require_boundary_tensor("cu_seqlens_kv", cu_seqlens_kv, "cu_seqlens_q", cu_seqlens_q)
     assert cu_seqlens_q is not None and cu_seqlens_kv is not None  # for type checkers
     for name, t in (
         ("cu_seqlens_q_padded", cu_seqlens_q_padded),
         ("cu_seqlens_kv_padded", cu_seqlens_kv_padded),
     ):
         if t is not None:
-            _require_boundary(name, t, "cu_seqlens_q", cu_seqlens_q)
+            require_boundary_tensor(name, t, "cu_seqlens_q", cu_seqlens_q)
         elif cp_size > 1:
             raise ThdContractError(
                 f"{name} is required with context parallelism (cp_size={cp_size}): TE "

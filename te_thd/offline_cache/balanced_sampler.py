@@ -28,6 +28,7 @@ from torch.utils.data import Dataset, Sampler
 
 from te_thd.balance import DEFAULT_ATTN_SCALE, min_rows_per_replica, plan_global_batch
 
+from ..args import check_int
 from .lengths import LengthRule, scan_rule
 from .sampler import CacheShardSampler
 
@@ -132,8 +133,7 @@ class BalancedBatchSampler(Sampler[PlannedBatch]):
         self.order = CacheShardSampler(
             data_source, num_replicas, rank, shuffle, seed, drop_last, shard_size=shard_size
         )
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size={batch_size!r} must be an int >= 1 (samples per data-parallel replica)")
+        check_int("batch_size", batch_size, 1, meaning=" (samples per data-parallel replica)")
         if isinstance(lengths, torch.Tensor):
             lengths = lengths.detach().cpu().numpy()
         self.lengths = np.asarray(lengths, dtype=np.int64).reshape(-1)
@@ -172,8 +172,9 @@ class BalancedBatchSampler(Sampler[PlannedBatch]):
         return self.order.total_size
 
     @property
-    def _start(self) -> int:
-        return self.order._start
+    def resume_offset(self) -> int:
+        """Global samples of this epoch consumed before this pass (as ``CacheShardSampler.resume_offset``)."""
+        return self.order.resume_offset
 
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch's order (as ``CacheShardSampler.set_epoch``)."""
@@ -181,7 +182,7 @@ class BalancedBatchSampler(Sampler[PlannedBatch]):
 
     def global_batches(self) -> Iterator[np.ndarray]:
         """The remaining global batches of the epoch, int64 ``[<= R*b]`` dataset indices each."""
-        g = self.order.global_order().numpy()[self.order._start :]
+        g = self.order.global_order().numpy()[self.order.resume_offset :]
         step = self.num_replicas * self.batch_size
         for begin in range(0, g.shape[0], step):
             batch = g[begin : begin + step]
@@ -195,10 +196,10 @@ class BalancedBatchSampler(Sampler[PlannedBatch]):
             rows = plan_global_batch(self.lengths[batch], R, **self.plan_args)[r]
             yield PlannedBatch([int(batch[i]) for row in rows for i in row], [len(row) for row in rows])
         # as CacheShardSampler: a resume offset applies to one pass
-        self.order._start = 0
+        self.order.resume_offset = 0
 
     def __len__(self) -> int:
-        remaining = self.order.total_size - self.order._start
+        remaining = self.order.total_size - self.order.resume_offset
         step = self.num_replicas * self.batch_size
         return remaining // step if self.order.drop_last else -(-remaining // step)
 

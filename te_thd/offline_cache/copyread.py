@@ -32,6 +32,7 @@ from __future__ import annotations
 import math
 import os
 import queue
+import sys
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -41,6 +42,8 @@ from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 import torch
+
+from te_thd.args import check_int
 
 __all__ = [
     "DestinationBuffers",
@@ -385,8 +388,7 @@ class ParallelReads:
     """
 
     def __init__(self, threads: int, min_bytes: int = PARALLEL_MIN_BYTES) -> None:
-        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-            raise ValueError(f"read_threads={threads!r} must be an int >= 1 (1: read on the calling thread only)")
+        check_int("read_threads", threads, 1, meaning=" (1: read on the calling thread only)")
         self.threads = threads
         self.min_bytes = min_bytes
         self._workers: list[_Worker] = []
@@ -471,9 +473,31 @@ def new_tensor(shape: Sequence[int], dtype: torch.dtype, *, shared: bool = False
         return torch.empty(shape, dtype=dtype, pin_memory=True)
     if not shared:
         return torch.empty(shape, dtype=dtype)
-    proto = torch.empty(0, dtype=dtype)
-    storage = proto._typed_storage()._new_shared(math.prod(shape), device=proto.device)
-    return proto.new(storage).resize_(shape)
+    # public API: moving a fresh tensor to shared memory costs the one copy torch's
+    # worker pickling would make of a tensor that is not there yet
+    return torch.empty(shape, dtype=dtype).share_memory_()
+
+
+class _Buffer:
+    """One pooled buffer: its bytes (a numpy array, the owner of the memory), a writable view of
+    them, and the owner's reference count while no tensor uses it."""
+
+    __slots__ = ("idle_refs", "owner", "whole")
+
+    def __init__(self, nbytes: int) -> None:
+        self.owner = np.empty(nbytes, dtype=np.uint8)
+        self.whole = memoryview(self.owner)
+        self.idle_refs = 0
+        self.idle_refs = self.refs()
+
+    def refs(self) -> int:
+        """The owner's reference count: every tensor made over it holds one through its storage
+        (``torch.from_numpy``), however many views of that tensor exist. Always measured
+        through this method, so the interpreter's own temporaries count the same each time."""
+        return sys.getrefcount(self.owner)
+
+    def idle(self) -> bool:
+        return self.refs() == self.idle_refs
 
 
 class DestinationBuffers:
@@ -481,13 +505,16 @@ class DestinationBuffers:
 
     ``get(key, n, sample_shape, dtype)`` -> ``(tensor, bytes)``: an uninitialised
     ``[n, *sample_shape]`` tensor and a writable memoryview of its bytes (kept with
-    a pooled buffer, so a batch does not rebuild it). What the consumer sees is always a tensor nobody else uses: a buffer
-    handed out earlier is only handed out again once every reference to its
-    memory outside this pool is gone (the batch, its views, numpy arrays over it:
-    torch's storage use count says so). A training loop that drops batch ``i``
-    while it reads ``i + 1`` therefore cycles between two buffer sets, with no
-    lifetime rule to follow; a consumer that keeps its batches just gets new
-    memory. Recycling saves the page faults and cache misses of never-touched
+    a pooled buffer, so a batch does not rebuild it). What the consumer sees is always
+    a tensor nobody else uses: a buffer handed out earlier is only handed out again
+    once every reference to its memory outside this pool is gone (the batch, its
+    views, numpy arrays over it). The pool owns each buffer's memory as a numpy array
+    and hands out tensors made over it (``torch.from_numpy``), each of which keeps a
+    reference to the array for as long as any view of it lives: the array's Python
+    reference count says whether the consumer still holds the batch. A training loop
+    that drops batch ``i`` while it reads ``i + 1`` therefore cycles between two buffer
+    sets, with no lifetime rule to follow; a consumer that keeps its batches just gets
+    new memory. Recycling saves the page faults and cache misses of never-touched
     memory, measured here at 10-25 % of a large-sample read, up to 4x when the
     allocator returns freed batches to the kernel.
 
@@ -508,27 +535,31 @@ class DestinationBuffers:
         self.shared = shared
         self.pinned = pinned
         self.max_pooled = max_pooled
-        self._pool: dict[tuple[str, torch.dtype, tuple[int, ...]], list[tuple[torch.Tensor, int, memoryview]]] = {}
+        self._pool: dict[tuple[str, torch.dtype, tuple[int, ...]], list[_Buffer]] = {}
 
     def get(
         self, key: str, n: int, sample_shape: tuple[int, ...], dtype: torch.dtype
     ) -> tuple[torch.Tensor, memoryview]:
         shape = (n, *sample_shape)
-        if self.shared or self.pinned or _use_count is None:
+        if self.shared or self.pinned:
             t = new_tensor(shape, dtype, shared=self.shared, pinned=self.pinned)
             return t, tensor_memoryview(t)
+        nbytes = math.prod(shape) * dtype.itemsize
         entries = self._pool.setdefault((key, dtype, sample_shape), [])
-        for buf, alone, whole in entries:
-            if buf.shape[0] >= n and _use_count(buf) == alone:
-                return buf[:n], whole[: n * (whole.nbytes // buf.shape[0])]
-        buf = new_tensor(shape, dtype)
-        whole = tensor_memoryview(buf)  # counted in ``alone``: it lives as long as the entry
-        entries.append((buf, _use_count(buf), whole))
+        for buf in entries:
+            if buf.owner.nbytes >= nbytes and buf.idle():
+                return self._tensor(buf.owner, nbytes, dtype, shape), buf.whole[:nbytes]
+        buf = _Buffer(nbytes)
+        entries.append(buf)
         if len(entries) > self.max_pooled:
             entries.pop(0)  # the oldest: still held by the consumer (now only theirs) or idle
-        # always a view: its own tensor object, which counts in the storage's use count
-        # while the consumer holds it (the pooled tensor itself never leaves the pool)
-        return buf[:n], whole
+        return self._tensor(buf.owner, nbytes, dtype, shape), buf.whole
+
+    @staticmethod
+    def _tensor(owner: np.ndarray, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        if nbytes == 0:  # zero-size rows: nothing to share (an empty array has no strides to view)
+            return torch.empty(shape, dtype=dtype)
+        return torch.from_numpy(owner[:nbytes]).view(dtype).view(shape)
 
     def __getstate__(self) -> dict[str, object]:
         # buffers belong to the process that allocated them
@@ -536,12 +567,3 @@ class DestinationBuffers:
 
     def __setstate__(self, state: dict[str, object]) -> None:
         self.__init__(**state)  # type: ignore[misc, arg-type]
-
-
-def _storage_use_count(t: torch.Tensor) -> int:
-    """How many tensors / storage objects share ``t``'s memory (including ``t``)."""
-    return int(torch._C._storage_Use_Count(t.untyped_storage()._cdata))
-
-
-# torch's storage use count is a private API: without it every batch is fresh memory
-_use_count = _storage_use_count if hasattr(torch._C, "_storage_Use_Count") else None

@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from te_thd.args import check_int, is_int
 from te_thd.offline_cache.errors import CacheIntegrityError, producer_hint
 
 MANIFEST_NAME = "manifest.json"
@@ -117,7 +118,7 @@ class TensorSpec:
             not isinstance(obj, dict)
             or not isinstance(obj.get("dtype"), str)
             or not isinstance(obj.get("shape"), list)
-            or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in obj["shape"])
+            or not all(is_int(s, 0) for s in obj["shape"])
         ):
             raise ValueError(f"schema entry {obj!r} is not {{'dtype': str, 'shape': [int, ...]}}")
         return cls(dtype_from_name(obj["dtype"]), tuple(obj["shape"]))
@@ -217,12 +218,7 @@ def shard_rows(shard_index: int, num_samples: int, shard_size: int) -> int:
 
 
 def check_shard_size(shard_size: Any, name: str = "shard_size") -> int:
-    if isinstance(shard_size, bool) or not isinstance(shard_size, int) or shard_size <= 0:
-        raise ValueError(
-            f"{name} must be a positive int (samples per shard), got {shard_size!r}. "
-            "Pass e.g. shard_size=256."
-        )
-    return shard_size
+    return check_int(name, shard_size, 1, meaning=" (samples per shard); pass e.g. shard_size=256")
 
 
 def format_indices(indices: Iterable[int], limit: int = 8) -> str:

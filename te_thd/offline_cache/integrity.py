@@ -43,6 +43,7 @@ import numpy as np
 import torch
 import xxhash
 
+from te_thd.args import is_int
 from te_thd.offline_cache.errors import CacheIntegrityError
 from te_thd.offline_cache.format import canonical_json
 
@@ -175,7 +176,7 @@ def parse_shard_metadata(
     if not isinstance(fields, dict) or fields.get("hash") != HASH_NAME or not isinstance(fields.get("sums"), dict):
         raise bad(f"are malformed or name another hash than {HASH_NAME!r}")
     rows = fields.get("rows")
-    if isinstance(rows, bool) or not isinstance(rows, int) or rows < 0:
+    if not is_int(rows, 0):
         raise bad(f"record rows={rows!r}")
     recorded = fields.get("header")
     actual = header_digest(tensor_entries, fields)

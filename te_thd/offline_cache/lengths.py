@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from te_thd.args import is_int
 from te_thd.offline_cache.format import TensorSpec
 
 #: The manifest field naming the rule the recorded per-shard lengths follow.
@@ -63,7 +64,7 @@ class LengthRule:
         if not isinstance(obj, dict) or not isinstance(obj.get("key"), str) or obj.get("kind") not in _KINDS:
             raise ValueError(f"length rule {obj!r} is not {{'key': str, 'kind': one of {_KINDS}, 'pad_token_id': int}}")
         pad = obj.get("pad_token_id", 0)
-        if isinstance(pad, bool) or not isinstance(pad, int):
+        if not is_int(pad):
             raise ValueError(f"length rule {obj!r}: pad_token_id must be an int")
         return cls(obj["key"], obj["kind"], pad)
 
@@ -156,7 +157,7 @@ def check_lengths_record(rec: Mapping[str, Any], rows: int) -> str | None:
     got = rec[LENGTHS_KEY]
     if not isinstance(got, list) or len(got) != rows:
         return f"'lengths' must be a list of {rows} ints (one per row)"
-    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in got):
+    if not all(is_int(v, 0) for v in got):
         return "'lengths' must hold ints >= 0"
     return None
 

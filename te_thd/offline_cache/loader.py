@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 
+from ..args import check_int
 from .balanced_sampler import BalancedBatchSampler, PlannedDataset
 from .copyread import new_tensor
 from .length_scan import cache_lengths
@@ -127,7 +128,7 @@ class CachedDataLoader(DataLoader):
 
     def __iter__(self) -> Iterator[Any]:
         s = self.sampler
-        self._base, self._epoch_of_pass, self._batches = s._start, s.epoch, 0
+        self._base, self._epoch_of_pass, self._batches = s.resume_offset, s.epoch, 0
         for batch in self._inline_batches() if self._reads_inline() else super().__iter__():
             self._batches += 1
             yield batch
@@ -170,7 +171,7 @@ class CachedDataLoader(DataLoader):
         """Samples of the current epoch the loop has received, over all replicas."""
         s = self.sampler
         if self._epoch_of_pass is None or s.epoch != self._epoch_of_pass:
-            return s._start  # no pass of this epoch yet (or set_epoch since): only the resume offset
+            return s.resume_offset  # no pass of this epoch yet (or set_epoch since): only the resume offset
         # samples per replica per batch: the loader's batch_size, or a batch sampler's own
         per_batch = int(self.batch_size or getattr(s, "batch_size", 1))
         local = min(self._batches * per_batch, (s.total_size - self._base) // s.num_replicas)
@@ -338,10 +339,8 @@ def build_cached_dataloader(
             read's time per batch (``CachedDataLoader.read_ahead``; one more batch of
             buffers). False: read each batch when it is asked for.
     """
-    if not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size={batch_size!r} must be an int >= 1 (samples per data-parallel replica)")
-    if not isinstance(num_workers, int) or num_workers < 0:
-        raise ValueError(f"num_workers={num_workers!r} must be an int >= 0")
+    check_int("batch_size", batch_size, 1, meaning=" (samples per data-parallel replica)")
+    check_int("num_workers", num_workers, 0)
     if not isinstance(read_ahead, bool):
         raise ValueError(f"read_ahead={read_ahead!r} must be True or False")
     if (dp_rank is None) != (dp_size is None):

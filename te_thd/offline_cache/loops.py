@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset, Subset
 
+from te_thd.args import check_int
 from te_thd.offline_cache.errors import SchemaError
 from te_thd.offline_cache.format import check_shard_size, format_indices, shard_layout, shard_rows
 from te_thd.offline_cache.writer import DurableShardWriter, WriteShardFn
@@ -241,12 +242,9 @@ def partition_cache_shards(num_samples: int, shard_size: int, world_size: int, r
     Returns ``(start_shard_index, start_sample, num_local_samples)``.
     """
     check_shard_size(shard_size)
-    if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 0:
-        raise ValueError(f"num_samples must be an int >= 0, got {num_samples!r}")
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
-        raise ValueError(f"rank={rank!r} must be an int in [0, {world_size}) for world_size={world_size}")
+    check_int("num_samples", num_samples, 0)
+    check_int("world_size", world_size, 1)
+    check_int("rank", rank, 0, below=world_size, bound_name="world_size")
     total_shards = shard_layout(num_samples, shard_size)[0]
     base, remainder = divmod(total_shards, world_size)
     num_local_shards = base + (1 if rank < remainder else 0)

@@ -52,6 +52,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from te_thd.args import is_int
 from te_thd.offline_cache.durable import atomic_write_bytes
 from te_thd.offline_cache.errors import (
     CacheIntegrityError,
@@ -99,7 +100,7 @@ def _check_count(manifest: Mapping[str, Any], key: str, path: str, minimum: int,
             + _rebuild(path, producer)
         )
     value = manifest[key]
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    if not is_int(value, minimum):
         raise ManifestError(
             f"manifest {path} has {key}={value!r}; it must be an int >= {minimum}. "
             "The manifest is damaged. " + _rebuild(path, producer)
@@ -138,8 +139,7 @@ def validate_manifest(manifest: Mapping[str, Any], path: str, producer: str | No
             ok = (
                 isinstance(rec, dict)
                 and rec.get("file") == name
-                and isinstance(rec.get("bytes"), int)
-                and not isinstance(rec.get("bytes"), bool)
+                and is_int(rec.get("bytes"), 0)
                 and isinstance(rec.get("checksum"), str)
                 and ":" in rec["checksum"]
             )
@@ -251,7 +251,7 @@ def _check_manifest_checksum(manifest: Mapping[str, Any], path: str, cache_name:
     )
     if MANIFEST_CHECKSUM_KEY not in manifest:
         layout = manifest.get("layout_version")
-        if isinstance(layout, int) and not isinstance(layout, bool) and layout >= 2:
+        if is_int(layout, 2):
             raise ManifestError(
                 f"{cache_name} cache manifest {path} declares layout_version={layout} but has no "
                 f"{MANIFEST_CHECKSUM_KEY!r} field, which that layout always records: the file was "

@@ -48,6 +48,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, get_worker_info
 
+from ..args import check_int
 from .copyread import (
     PARALLEL_MIN_BYTES,
     DestinationBuffers,
@@ -254,8 +255,7 @@ class CachedTensorDataset(Dataset):
             raise ValueError(
                 f"disk_keys={disk_keys!r} must be a non-empty tuple of key names, e.g. ('input_ids', 'loss_mask')"
             )
-        if not isinstance(max_open_shards, int) or max_open_shards < 1:
-            raise ValueError(f"max_open_shards={max_open_shards!r} must be an int >= 1")
+        check_int("max_open_shards", max_open_shards, 1)
         self.cache_dir = cache_dir
         self.cache_name = cache_name
         self.verify = bool(verify)
@@ -308,11 +308,8 @@ class CachedTensorDataset(Dataset):
 
     @parallel_min_bytes.setter
     def parallel_min_bytes(self, value: int) -> None:
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(
-                f"parallel_min_bytes={value!r} must be an int >= 0 (bytes from which a batch is shared "
-                "among the read_threads; 0: every batch of two pieces or more)"
-            )
+        check_int("parallel_min_bytes", value, 0, meaning=" (bytes from which a batch is shared "
+                  "among the read_threads; 0: every batch of two pieces or more)")  # fmt: skip
         self._parallel_min_bytes = value
 
     @property

@@ -36,6 +36,7 @@ import numpy as np
 import torch
 from torch.utils.data import Sampler
 
+from te_thd.args import check_int
 from te_thd.offline_cache.format import shard_layout, shard_rows
 
 __all__ = ["CacheShardSampler", "default_data_parallel_rank_size", "shard_block_order"]
@@ -102,10 +103,8 @@ def shard_block_order(num_samples: int, shard_size: int, seed: int, epoch: int, 
 
 
 def _check_seed(seed: Any, epoch: Any) -> None:
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-        raise ValueError(f"seed={seed!r} must be an int >= 0 (the same on every rank)")
-    if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
-        raise ValueError(f"epoch={epoch!r} must be an int >= 0")
+    check_int("seed", seed, 0, meaning=" (the same on every rank)")
+    check_int("epoch", epoch, 0)
 
 
 class CacheShardSampler(Sampler[int]):
@@ -148,14 +147,11 @@ class CacheShardSampler(Sampler[int]):
                 num_replicas = d_size
             if rank is None:
                 rank = d_rank if num_replicas == d_size else 0
-        if not isinstance(num_replicas, int) or num_replicas < 1:
-            raise ValueError(f"num_replicas={num_replicas!r} must be an int >= 1 (the data-parallel size)")
-        if not isinstance(rank, int) or not 0 <= rank < num_replicas:
-            raise ValueError(f"rank={rank!r} must be an int in [0, num_replicas={num_replicas})")
+        check_int("num_replicas", num_replicas, 1, meaning=" (the data-parallel size)")
+        check_int("rank", rank, 0, below=num_replicas, bound_name="num_replicas")
         if shard_size is None:
             shard_size = int(getattr(data_source, "shard_size", 1) or 1)
-        if not isinstance(shard_size, int) or shard_size < 1:
-            raise ValueError(f"shard_size={shard_size!r} must be an int >= 1")
+        check_int("shard_size", shard_size, 1)
         _check_seed(seed, 0)
         self.num_samples_total = len(data_source)
         self.num_replicas = num_replicas
@@ -165,7 +161,8 @@ class CacheShardSampler(Sampler[int]):
         self.drop_last = bool(drop_last)
         self.shard_size = shard_size
         self.epoch = 0
-        self._start = 0  # global samples of this epoch already consumed (resume)
+        #: global samples of this epoch consumed before this pass (a resume's ``consumed_samples``)
+        self.resume_offset = 0
         n, r = self.num_samples_total, num_replicas
         self.total_size = (n // r) * r if self.drop_last else -(-n // r) * r
 
@@ -175,7 +172,7 @@ class CacheShardSampler(Sampler[int]):
         """Select the epoch's order; a resume offset is kept only for the epoch it was saved in."""
         _check_seed(self.seed, epoch)
         if epoch != self.epoch:
-            self._start = 0
+            self.resume_offset = 0
         self.epoch = epoch
 
     def global_order(self) -> torch.Tensor:
@@ -188,12 +185,12 @@ class CacheShardSampler(Sampler[int]):
 
     def local_indices(self) -> torch.Tensor:
         """This replica's remaining indices of the epoch, int64 ``[len(self)]``."""
-        return self.global_order()[self._start + self.rank :: self.num_replicas]
+        return self.global_order()[self.resume_offset + self.rank :: self.num_replicas]
 
     def __iter__(self) -> Iterator[int]:
         """This replica's indices, ``global_order()[start + rank :: num_replicas]``,
         streamed one shard block at a time (memory independent of the cache size)."""
-        n, r, total, start = self.num_samples_total, self.num_replicas, self.total_size, self._start
+        n, r, total, start = self.num_samples_total, self.num_replicas, self.total_size, self.resume_offset
         pos = 0  # global position of the current block's first sample
         while pos < total:  # more than one pass over the order only when padding wraps
             for shard, make in _epoch_blocks(n, self.shard_size, self.seed, self.epoch, self.shuffle):
@@ -209,21 +206,18 @@ class CacheShardSampler(Sampler[int]):
                     break
         # A resume offset applies to one pass: the next pass (also without
         # set_epoch, as with torch's samplers) starts the epoch from the beginning.
-        self._start = 0
+        self.resume_offset = 0
 
     def __len__(self) -> int:
-        return (self.total_size - self._start) // self.num_replicas
+        return (self.total_size - self.resume_offset) // self.num_replicas
 
     # -- resume ------------------------------------------------------------------------
 
     def state_dict(self, consumed_samples: int) -> dict[str, Any]:
         """Resume state after ``consumed_samples`` samples of the current epoch, counted
         over all replicas (``num_replicas`` x samples this replica consumed)."""
-        if not isinstance(consumed_samples, int) or not 0 <= consumed_samples <= self.total_size:
-            raise ValueError(
-                f"consumed_samples={consumed_samples!r} must be an int in [0, total_size={self.total_size}] "
-                "(samples of this epoch consumed by all data-parallel replicas together)"
-            )
+        check_int("consumed_samples", consumed_samples, 0, maximum=self.total_size, bound_name="total_size",
+                  meaning=" (samples of this epoch consumed by all data-parallel replicas together)")  # fmt: skip
         return {
             "version": _STATE_VERSION,
             "epoch": self.epoch,
@@ -257,4 +251,4 @@ class CacheShardSampler(Sampler[int]):
         if consumed > self.total_size:
             raise ValueError(f"consumed_samples={consumed} exceeds the epoch's total_size={self.total_size}")
         self.epoch = int(state["epoch"])
-        self._start = consumed
+        self.resume_offset = consumed

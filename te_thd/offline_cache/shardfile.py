@@ -34,6 +34,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+from te_thd.args import check_int
 from te_thd.offline_cache.durable import unlink_quietly
 from te_thd.offline_cache.errors import CacheIntegrityError
 from te_thd.offline_cache.format import (
@@ -146,8 +147,7 @@ class ShardStream:
     """
 
     def __init__(self, path: str, specs: Mapping[str, TensorSpec], rows: int) -> None:
-        if isinstance(rows, bool) or not isinstance(rows, int) or rows < 0:
-            raise ValueError(f"rows={rows!r} must be an int >= 0 (the samples the shard holds)")
+        check_int("rows", rows, 0, meaning=" (the samples the shard holds)")
         for name, spec in specs.items():
             check_cache_dtype(name, spec.dtype)
         self.path = path

@@ -23,8 +23,10 @@ from typing import Any, Literal
 
 import torch
 
+from te_thd.args import check_int
+from te_thd.boundaries import check_cp_args
 from te_thd.cp import partition_indices, shard_thd_batch_for_cp
-from te_thd.layout import LAYOUT_KEY, ThdLayout, check_cp_args
+from te_thd.layout import LAYOUT_KEY, ThdLayout
 from te_thd.packing import PackingCollator, pad_to_multiple_for
 from te_thd.thd_utils import process_input_for_thd
 
@@ -123,10 +125,7 @@ class CachedThdCollator:
         self.pad_values = dict(pad_values or {})
         self.seq_lens_padding_value = seq_lens_padding_value
         self.absorb_trailing_pad = absorb_trailing_pad
-        if max_num_seqs is not None and (
-            isinstance(max_num_seqs, bool) or not isinstance(max_num_seqs, int) or max_num_seqs < 1
-        ):
-            raise ValueError(f"max_num_seqs must be an int >= 1 or None, got {max_num_seqs!r}")
+        check_int("max_num_seqs", max_num_seqs, 1, optional=True)
         self.max_num_seqs = max_num_seqs
         self.packer = PackingCollator(
             seq_len,

@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from te_thd.args import is_int
 from te_thd.offline_cache.errors import CacheIntegrityError, repair_hint
 from te_thd.offline_cache.format import (
     CacheSchema,
@@ -91,7 +92,7 @@ def _file_crc32(path: str) -> str:
 def requires_shard_sums(manifest: Mapping[str, Any]) -> bool:
     """True when the manifest's layout promises te_thd checksums in every shard."""
     layout = manifest.get("layout_version")
-    return isinstance(layout, int) and not isinstance(layout, bool) and layout >= LAYOUT_VERSION
+    return is_int(layout, LAYOUT_VERSION)
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from te_thd.args import check_int
 from te_thd.offline_cache.durable import commit_temp, fsync_dir, temp_path_for
 from te_thd.offline_cache.errors import SchemaError
 from te_thd.offline_cache.format import (
@@ -236,8 +237,7 @@ class DurableShardWriter:
         With ``write_behind`` the piece is written on the thread; the caller must
         not modify it until then (it may drop it).
         """
-        if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
-            raise ValueError(f"rows={rows!r} must be an int >= 1: the number of rows shard {shard_index} will hold")
+        check_int("rows", rows, 1, meaning=f": the number of rows shard {shard_index} will hold")
         self._queue(cache_dir, shard_index, rows, self.validate(piece, shard_index))
 
     def _queue(self, cache_dir: str, shard_index: int, rows: int, checked: dict[str, torch.Tensor]) -> None:
