@@ -89,7 +89,7 @@ def measure(quick: bool) -> list[dict[str, Any]]:
                         ds = dss[name]
                         for b in idx:
                             if name == "mapped_cold":
-                                ds._views.clear()
+                                ds._files.close()  # every mapping (and descriptor) made again
                             ds.__getitems__(b)
 
                     for name in dss:

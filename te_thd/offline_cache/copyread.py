@@ -492,7 +492,7 @@ class _Buffer:
 
     def refs(self) -> int:
         """The owner's reference count: every tensor made over it holds one through its storage
-        (``torch.from_numpy``), however many views of that tensor exist. Always measured
+        (``torch.frombuffer``), however many views of that tensor exist. Always measured
         through this method, so the interpreter's own temporaries count the same each time."""
         return sys.getrefcount(self.owner)
 
@@ -509,7 +509,7 @@ class DestinationBuffers:
     a tensor nobody else uses: a buffer handed out earlier is only handed out again
     once every reference to its memory outside this pool is gone (the batch, its
     views, numpy arrays over it). The pool owns each buffer's memory as a numpy array
-    and hands out tensors made over it (``torch.from_numpy``), each of which keeps a
+    and hands out tensors made over it (``torch.frombuffer``), each of which keeps a
     reference to the array for as long as any view of it lives: the array's Python
     reference count says whether the consumer still holds the batch. A training loop
     that drops batch ``i`` while it reads ``i + 1`` therefore cycles between two buffer
@@ -559,7 +559,7 @@ class DestinationBuffers:
     def _tensor(owner: np.ndarray, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         if nbytes == 0:  # zero-size rows: nothing to share (an empty array has no strides to view)
             return torch.empty(shape, dtype=dtype)
-        return torch.from_numpy(owner[:nbytes]).view(dtype).view(shape)
+        return torch.frombuffer(owner, dtype=dtype, count=nbytes // dtype.itemsize).view(shape)
 
     def __getstate__(self) -> dict[str, object]:
         # buffers belong to the process that allocated them

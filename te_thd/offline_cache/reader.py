@@ -326,11 +326,8 @@ class CachedTensorDataset(Dataset):
 
     def _reset_process_state(self) -> None:
         self._pid = os.getpid()
-        self._open_handles: dict[int, Any] = OrderedDict()
-        self._views: OrderedDict[int, tuple[dict[str, torch.Tensor], ShardSums | None]] = OrderedDict()
-        self._handle_sums: dict[int, ShardSums | None] = {}
         self._paths: dict[int, str] = {}
-        # (path, checked header, descriptor) of the shards the batched path opened
+        # the one cache of open shards: checked header, and lazily a descriptor, a mapping, a safe_open handle
         self._files: _OpenFiles = _OpenFiles()
         self._buffers: dict[tuple[bool, bool], DestinationBuffers] = {}
         self._reads: dict[bool, ParallelReads] = {}  # by "inside a DataLoader worker"
@@ -340,9 +337,6 @@ class CachedTensorDataset(Dataset):
         # Handles, descriptors, mappings and buffers belong to this process: a
         # spawned/forkserver worker gets the dataset pickled and opens its own.
         state = self.__dict__.copy()
-        state["_open_handles"] = OrderedDict()
-        state["_views"] = OrderedDict()
-        state["_handle_sums"] = {}
         state["_files"] = _OpenFiles()
         state["_buffers"] = {}
         state["_reads"] = {}
@@ -397,24 +391,14 @@ class CachedTensorDataset(Dataset):
         Opening checks the shard first (:meth:`_checked_header`); a file safetensors
         still refuses is a :class:`CacheIntegrityError` naming it.
         """
-        self._own()
-        handles = self._open_handles
-        handle = handles.get(shard_index)
-        if handle is None:
-            path, header = self._checked_header(shard_index)
+        f = self._shard_file(shard_index)
+        if f.handle is None:
             _, safe_open = load_safetensors(self.cache_name)
             try:
-                handle = safe_open(path, framework="pt")
+                f.handle = safe_open(f.path, framework="pt")
             except (_SafetensorError, OSError) as exc:
-                raise self._unreadable(path, exc) from exc
-            handles[shard_index] = handle
-            self._handle_sums[shard_index] = header.sums
-            if len(handles) > self._max_open:
-                evicted, _ = handles.popitem(last=False)
-                self._handle_sums.pop(evicted, None)
-        else:
-            handles.move_to_end(shard_index)
-        return handle
+                raise self._unreadable(f.path, exc) from exc
+        return f.handle
 
     def _unreadable(self, path: str, exc: BaseException) -> CacheIntegrityError:
         by = "" if isinstance(exc, ReadError) else " by safetensors"
@@ -422,18 +406,10 @@ class CachedTensorDataset(Dataset):
 
     def _shard_views(self, shard_index: int) -> tuple[dict[str, torch.Tensor], ShardSums | None]:
         """``{key: [rows, *sample_shape] tensor}`` memory-mapped over shard ``shard_index``, and its sums."""
-        self._own()
-        entry = self._views.get(shard_index)
-        if entry is not None:
-            self._views.move_to_end(shard_index)
-            return entry
         f = self._shard_file(shard_index)
-        path, header = f.path, f.header
-        entry = (_map_shard(path, header.entries, self._disk_keys, self._repair), header.sums)
-        self._views[shard_index] = entry
-        if len(self._views) > self._max_open:
-            self._views.popitem(last=False)
-        return entry
+        if f.views is None:
+            f.views = _map_shard(f.path, f.header.entries, self._disk_keys, self._repair)
+        return f.views, f.header.sums
 
     def verify_copied_rows(
         self, shard_index: int, sums: ShardSums | None, key: str, data: torch.Tensor, rows: np.ndarray | list[int]
@@ -456,23 +432,29 @@ class CachedTensorDataset(Dataset):
         )  # fmt: skip
 
     def _shard_file(self, shard_index: int) -> _ShardFile:
-        """Shard ``shard_index`` open for reading: its path, checked header and descriptor."""
+        """Shard ``shard_index`` open in this process (the one LRU of ``max_open_shards``): its path and
+        checked header; its descriptor, mapping and ``safe_open`` handle are made when first used."""
         self._own()
         f = self._files.get(shard_index)
         if f is None:
             path, header = self._checked_header(shard_index)
+            f = self._files.put(shard_index, _ShardFile(path, header), self._max_open)
+        return f
+
+    def _descriptor(self, f: _ShardFile) -> int:
+        """``f``'s read-only descriptor, opened (with the ``readahead`` hint) on first use."""
+        if f.fd < 0:
             try:
-                fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+                f.fd = os.open(f.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
             except FileNotFoundError:
                 raise CacheIntegrityError(
-                    f"shard {path} is missing (removed after the cache was opened?). {self._repair}", path=path
+                    f"shard {f.path} is missing (removed after the cache was opened?). {self._repair}", path=f.path
                 ) from None
             if self.readahead and _fadvise is not None:
                 for key in self._disk_keys:
-                    e = header.entries[key]
-                    _fadvise(fd, e.start, e.end - e.start, os.POSIX_FADV_WILLNEED)
-            f = self._files.put(shard_index, _ShardFile(path, header, fd), self._max_open)
-        return f
+                    e = f.header.entries[key]
+                    _fadvise(f.fd, e.start, e.end - e.start, os.POSIX_FADV_WILLNEED)
+        return f.fd
 
     def _destination(self, shared: bool) -> DestinationBuffers:
         pinned = self.pin_memory and not shared
@@ -495,7 +477,7 @@ class CachedTensorDataset(Dataset):
             out = {key: handle.get_slice(key)[offset] for key in self._disk_keys}
         except _SafetensorError as exc:  # the header was checked on open; the file changed since?
             raise self._unreadable(shard_path(self.cache_dir, shard_index), exc) from exc
-        sums = self._handle_sums.get(shard_index)
+        sums = self._files.get(shard_index).header.sums  # type: ignore[union-attr]
         row = np.array([offset])
         for key, t in out.items():
             self.verify_copied_rows(shard_index, sums, key, t.unsqueeze(0), row)
@@ -597,7 +579,8 @@ class CachedTensorDataset(Dataset):
         ``(shard, local, pos, keys)``.
         """
         f = self._shard_file(shard)
-        path, fd, entries, sums = f.path, f.fd, f.header.entries, f.header.sums
+        fd = self._descriptor(f)  # opened by the first batched read of the shard, either engine: the readahead hint
+        path, entries, sums = f.path, f.header.entries, f.header.sums
         check = sums is not None and self.verify
         engines, plan = self._engines(local, pos, entries)
         gather: list[str] = []
@@ -703,7 +686,8 @@ _fadvise = getattr(os, "posix_fadvise", None)
 
 
 class _ShardFile:
-    """One open shard: ``path``, its checked ``header`` and a read-only descriptor ``fd``.
+    """One open shard: ``path``, its checked ``header``, a read-only descriptor ``fd``, and, once a
+    read needs them, its memory mapping ``views`` (``{key: [rows, ...]}``) and ``safe_open`` ``handle``.
 
     The descriptor is closed when the last reference goes: the LRU drops its
     reference on eviction, and every ``preadv`` piece planned from it holds one
@@ -713,10 +697,12 @@ class _ShardFile:
     number reused by the next open, which would read another file.
     """
 
-    __slots__ = ("path", "header", "fd", "_pid")
+    __slots__ = ("path", "header", "fd", "views", "handle", "_pid")
 
-    def __init__(self, path: str, header: ShardHeader, fd: int) -> None:
-        self.path, self.header, self.fd = path, header, fd
+    def __init__(self, path: str, header: ShardHeader) -> None:
+        self.path, self.header, self.fd = path, header, -1
+        self.views: dict[str, torch.Tensor] | None = None
+        self.handle: Any = None
         self._pid = os.getpid()
 
     def close(self) -> None:
