@@ -136,9 +136,10 @@ def test_read_rows_calls_after_on_each_piece_once_it_is_read(shard, local, rnd, 
     out = torch.zeros(len(local), 7, dtype=torch.int64)
     seen: list[int] = []
 
-    def after(p: int, first: int, m: int) -> None:
+    def after(p: int, rows: range) -> None:
+        m = len(rows)
         assert chunk_rows == 0 or m <= chunk_rows
-        assert torch.equal(out[p : p + m], expect[first : first + m])
+        assert torch.equal(out[p : p + m], expect[rows.start : rows.stop])
         seen.extend(range(p, p + m))
 
     fd = os.open(shard, os.O_RDONLY)
@@ -301,7 +302,7 @@ def test_plan_pieces_tile_the_planned_rows(local, rnd, row_bytes, chunk_bytes, s
     buf = torch.zeros(batch * row_bytes, dtype=torch.uint8)
     raw = tensor_memoryview(buf)
     start = _addr(raw)
-    after = (lambda p, first, m: None) if with_after else None
+    after = (lambda p, rows: None) if with_after else None
     old = copyread.IOV_MAX
     copyread.IOV_MAX = iov_max
     try:
@@ -327,9 +328,11 @@ def test_plan_pieces_tile_the_planned_rows(local, rnd, row_bytes, chunk_bytes, s
             rows_here += range(off // row_bytes, (off + v.nbytes) // row_bytes)
         got += [(b, file_row + j) for j, b in enumerate(rows_here)]
         if piece.after is not None:
-            p, first, m = piece.args
+            p, rows = piece.args
+            m = len(rows)
             assert piece.after is after
-            assert rows_here == list(range(p, p + m)) and first == file_row and m * row_bytes == piece.nbytes
+            assert rows_here == list(range(p, p + m)) and rows == range(file_row, file_row + m)
+            assert m * row_bytes == piece.nbytes
         else:
             assert not with_after
     assert sorted(got) == want
@@ -343,14 +346,15 @@ def test_after_runs_once_per_piece_on_final_bytes(shard, fd):
     out = torch.zeros(len(local), 7, dtype=torch.int64)
     calls = []
 
-    def after(p: int, first: int, m: int) -> None:
-        calls.append((p, first, m))
-        assert torch.equal(out[p : p + m], expect[first : first + m])
+    def after(p: int, rows: range) -> None:
+        calls.append((p, rows.start, len(rows)))
+        assert torch.equal(out[p : p + len(rows)], expect[rows.start : rows.stop])
 
     pieces = plan_pieces(fd, e.start, 56, plan_runs(local), tensor_memoryview(out), shard, after, 2 * 56)
     for piece in pieces:
         read_piece(piece)
-    assert sorted(calls) == sorted(piece.args for piece in pieces) and len(calls) == len(pieces)
+    assert sorted(calls) == sorted((p, rows.start, len(rows)) for p, rows in (pc.args for pc in pieces))
+    assert len(calls) == len(pieces)
     assert sorted(calls) == [(0, 3, 2), (2, 5, 2), (4, 20, 1), (5, 0, 1), (6, 0, 1)]  # at most 2 rows each
     assert torch.equal(out, expect[torch.tensor(local)])
 
@@ -383,8 +387,8 @@ def _batch_pieces(path: str, fd: int, local: list[int], dst: list[int], batch: i
         raw = tensor_memoryview(out[key])
         after = None
         if after_log is not None:
-            def after(p, first, m, key=key, raw=raw, row=row):
-                after_log(key, p, first, m, bytes(raw[p * row : (p + m) * row]))
+            def after(p, rows, key=key, raw=raw, row=row):
+                after_log(key, p, rows.start, len(rows), bytes(raw[p * row : (p + len(rows)) * row]))
         planned = plan_pieces(fd, e.start, row, plan_runs(local, dst), raw, path, after, chunk_rows * row)
         pieces += planned
         keys += [key] * len(planned)
@@ -396,8 +400,8 @@ def _batch_pieces(path: str, fd: int, local: list[int], dst: list[int], batch: i
 def test_parallel_reads_equal_one_thread_and_load_file(shard, fd, local, rnd, threads, chunk_rows, checked, ahead):
     """Differential: a batch read by ``threads`` threads (``run``, or ``start`` then
     ``wait``) equals the same pieces read on this thread and safetensors' own
-    ``load_file``; ``inline`` runs once, on the calling thread, and every ``after``
-    once, over the piece's final bytes."""
+    ``load_file``; ``finish`` runs once, on the calling thread, after every piece, and
+    every ``after`` once, over the piece's final bytes."""
     expect = load_file(shard)
     batch = len(local) + 2
     dst = rnd.sample(range(batch), len(local))
@@ -411,14 +415,17 @@ def test_parallel_reads_equal_one_thread_and_load_file(shard, fd, local, rnd, th
     for piece in serial:
         read_piece(piece)
     got, pieces, keys = _batch_pieces(shard, fd, local, dst, batch, chunk_rows, after_log if checked else None)
-    inline_threads = []
-    inline = lambda: inline_threads.append(threading.current_thread().name)  # noqa: E731
+    finish_calls = []
+
+    def finish() -> None:
+        finish_calls.append((threading.current_thread().name, len(log)))
+
     if ahead:
-        pending = _reads(threads).start(pieces, inline)
+        pending = _reads(threads).start(pieces, finish)
         pending.wait()
     else:
-        _reads(threads).run(pieces, inline)
-    assert inline_threads == [me]
+        _reads(threads).run(pieces, finish)
+    assert finish_calls == [(me, len(log))]  # once, last: every after had run
     idx, pos = torch.tensor(local), torch.tensor(dst)
     for key in _KEYS:
         ref = torch.zeros_like(got[key])
@@ -426,7 +433,8 @@ def test_parallel_reads_equal_one_thread_and_load_file(shard, fd, local, rnd, th
         assert torch.equal(got[key], ref), key
         assert torch.equal(want[key], ref), key
     if checked:
-        assert sorted(entry[:4] for entry in log) == sorted((k, *p.args) for k, p in zip(keys, pieces, strict=True))
+        want_args = sorted((k, p.args[0], p.args[1].start, len(p.args[1])) for k, p in zip(keys, pieces, strict=True))
+        assert sorted(entry[:4] for entry in log) == want_args
         for key, _, first, m, data in log:  # the bytes were final when the check ran
             assert data == expect[key][first : first + m].contiguous().view(torch.uint8).numpy().tobytes()
 
@@ -437,7 +445,7 @@ def _row_pieces(path: str, fd: int, rows: int, afters) -> tuple[torch.Tensor, li
     out = torch.zeros(rows, 7, dtype=torch.int64)
     raw = tensor_memoryview(out)
     return out, [
-        copyread.Piece(fd, e.start + j * 56, [raw[j * 56 : (j + 1) * 56]], 56, path, afters[j], (j, j, 1))
+        copyread.Piece(fd, e.start + j * 56, [raw[j * 56 : (j + 1) * 56]], 56, path, afters[j], (j, range(j, j + 1)))
         for j in range(rows)
     ]
 
@@ -518,9 +526,9 @@ def test_parallel_reads_wait_for_every_thread_before_raising(shard, fd, how):
         assert done.is_set()
     began, done = threading.Event(), threading.Event()
     _, pieces = _row_pieces(shard, fd, 2, [_long(began, done), None])
-    pending = reads.start(pieces, _raise("inline"))
+    pending = reads.start(pieces, _raise("finish"))
     assert began.wait(10)
-    with pytest.raises(_Boom, match="^inline$"):  # the batch's other work fails: still waits
+    with pytest.raises(_Boom, match="^finish$"):  # the batch's last step fails: only after every piece
         pending.wait()
     assert done.is_set()
     out, pieces = _row_pieces(shard, fd, 3, [None, None, None])

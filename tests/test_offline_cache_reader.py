@@ -279,12 +279,12 @@ def readers(monkeypatch):
 
 
 def test_parallel_reads_use_the_helper_threads(cache, readers):
-    """The threaded differential above is not vacuous: preadv pieces are read by helper
-    threads too; the mapped engine (no pieces), ``auto`` on these small rows (no key
-    reaches the preadv crossover, so every key is gathered) and ``read_threads=1`` never
-    use them."""
+    """The threaded differential above is not vacuous: the pieces of either copy engine
+    (``auto`` gathers these small rows from the mapped shard) are read by helper threads
+    too; ``read_threads=1`` never uses them."""
     d, tensors = cache
-    for engine, threads, helped in (("preadv", 2, True), ("auto", 3, False), ("mapped", 2, False), ("preadv", 1, False)):
+    for engine, threads, helped in (("preadv", 2, True), ("auto", 3, True), ("mapped", 2, True), ("preadv", 1, False),
+                                    ("mapped", 1, False)):  # fmt: skip
         ds = _ds(d, engine, read_threads=threads)
         ds.parallel_min_bytes = 0
         readers.clear()

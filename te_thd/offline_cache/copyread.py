@@ -47,6 +47,7 @@ from te_thd.args import check_int
 
 __all__ = [
     "DestinationBuffers",
+    "GatherPiece",
     "ParallelReads",
     "PendingReads",
     "Piece",
@@ -132,9 +133,9 @@ def tensor_memoryview(t: torch.Tensor) -> memoryview:
     return memoryview(flat.numpy()).cast("B") if flat.numel() else memoryview(bytearray())
 
 
-#: Called after each piece of a read: ``(batch row of the piece's first row, first
-#: file row, rows)``; the piece's batch rows are consecutive.
-AfterRead = Callable[[int, int, int], None]
+#: Called after each piece of a read: ``(batch row of the piece's first row, the file rows
+#: it read)`` (a ``range`` or a list, one per batch row); the piece's batch rows are consecutive.
+AfterRead = Callable[[int, Sequence[int]], None]
 
 
 class Piece(NamedTuple):
@@ -153,9 +154,27 @@ class Piece(NamedTuple):
     nbytes: int
     path: str
     after: AfterRead | None = None
-    args: tuple[int, int, int] = (0, 0, 0)
+    args: tuple[int, Sequence[int]] = (0, ())
     #: what keeps ``fd`` open until the piece is read (the reader's open-shard object)
     owner: object = None
+
+
+class GatherPiece(NamedTuple):
+    """One gather of a batch read: rows of ``src`` (a memory-mapped shard tensor ``[rows, ...]``)
+    copied into ``dst`` (``[m, ...]``, consecutive batch rows), then ``after(*args)``.
+
+    ``rows``: the file rows, int64 ``[m]``, or ``None`` for the run ``first, first + 1, ...``
+    (one slice copy instead of an index). ``src`` keeps its mapping alive until the piece is read.
+    """
+
+    src: torch.Tensor
+    rows: torch.Tensor | None
+    first: int
+    dst: torch.Tensor
+    nbytes: int
+    path: str
+    after: AfterRead | None = None
+    args: tuple[int, Sequence[int]] = (0, ())
 
 
 def plan_pieces(
@@ -169,8 +188,8 @@ def plan_pieces(
     ``chunk_bytes`` (whole rows; 0: no limit) -- so a checksum finds them in
     cache, or so that threads can share them. A run scattered over the batch is
     one iovec per row, at most ``IOV_MAX`` per piece; with ``after``, one row
-    per piece. ``after(batch row of the piece's first row, first file row, rows)``
-    is called once per piece, whose batch rows are consecutive. ``owner``: kept
+    per piece. ``after(batch row of the piece's first row, its file rows)`` is called
+    once per piece, whose batch rows are consecutive. ``owner``: kept
     by every piece (whatever keeps ``fd`` open while the pieces wait to be read).
     """
     dst_rows, starts, first, contiguous = plan.dst, plan.starts, plan.first_row, plan.dst_contiguous
@@ -185,18 +204,20 @@ def plan_pieces(
             for c in range(0, n, m):
                 r = min(m, n - c)
                 view = dst[(p + c) * row_bytes : (p + c + r) * row_bytes]
-                out.append(Piece(fd, offset + c * row_bytes, [view], r * row_bytes, path, after, (p + c, first[k] + c, r), owner))
+                rows = range(first[k] + c, first[k] + c + r)
+                out.append(Piece(fd, offset + c * row_bytes, [view], r * row_bytes, path, after, (p + c, rows), owner))
             continue
         if after is not None:
             for j, p in enumerate(dst_rows[a:b]):
                 view = dst[p * row_bytes : (p + 1) * row_bytes]
-                out.append(Piece(fd, offset + j * row_bytes, [view], row_bytes, path, after, (p, first[k] + j, 1), owner))
+                row = first[k] + j
+                out.append(Piece(fd, offset + j * row_bytes, [view], row_bytes, path, after, (p, range(row, row + 1)), owner))
             continue
         per = min(IOV_MAX, max(1, step)) if step else IOV_MAX
         for c in range(a, b, per):
             rows = dst_rows[c : min(b, c + per)]
             iov = [dst[p * row_bytes : (p + 1) * row_bytes] for p in rows]
-            out.append(Piece(fd, offset + (c - a) * row_bytes, iov, len(rows) * row_bytes, path, None, (0, 0, 0), owner))
+            out.append(Piece(fd, offset + (c - a) * row_bytes, iov, len(rows) * row_bytes, path, None, (0, ()), owner))
     return out
 
 
@@ -208,12 +229,19 @@ class ReadError(OSError):
         self.path = path
 
 
-def read_piece(piece: Piece) -> None:
+def read_piece(piece: Piece | GatherPiece) -> None:
     """Read ``piece`` and run its ``after``; a failed read raises :class:`ReadError`."""
-    try:
-        _preadv_all(piece.fd, piece.iov, piece.offset)
-    except OSError as exc:
-        raise ReadError(piece.path, str(exc)) from exc
+    if type(piece) is GatherPiece:
+        m = piece.dst.shape[0]
+        if piece.rows is None:
+            piece.dst.copy_(piece.src[piece.first : piece.first + m])
+        else:
+            torch.index_select(piece.src, 0, piece.rows, out=piece.dst)
+    else:
+        try:
+            _preadv_all(piece.fd, piece.iov, piece.offset)
+        except OSError as exc:
+            raise ReadError(piece.path, str(exc)) from exc
     if piece.after is not None:
         piece.after(*piece.args)
 
@@ -284,8 +312,8 @@ class _Batch:
     elsewhere, leaves its share to the others instead of holding up the batch.
     """
 
-    def __init__(self, pieces: Sequence[Piece]) -> None:
-        self._left: deque[Piece] = deque(pieces)
+    def __init__(self, pieces: Sequence[Piece | GatherPiece]) -> None:
+        self._left: deque[Piece | GatherPiece] = deque(pieces)
         self.errors: list[BaseException] = []
 
     def drain(self) -> None:
@@ -343,33 +371,28 @@ def _work(jobs: queue.SimpleQueue[tuple[_Batch, Future[None]] | None]) -> None:
 class PendingReads:
     """A batch being read (:meth:`ParallelReads.start`); :meth:`wait` finishes it."""
 
-    def __init__(self, batch: _Batch, helpers: list[Future[None]], inline: Callable[[], None] | None) -> None:
+    def __init__(self, batch: _Batch, helpers: list[Future[None]], finish: Callable[[], None] | None) -> None:
         self._batch: _Batch | None = batch
         self._helpers = helpers
-        self._inline = inline
+        self._finish = finish
 
     def wait(self) -> None:
-        """Finish the batch on this thread too: ``inline``, then whatever pieces are left.
+        """Read whatever pieces are left on this thread too, then run ``finish``.
 
         Returns once no thread writes into the batch any more, also when one of
-        them failed: then the first error recorded is raised.
+        them failed: then the first error recorded is raised (and ``finish`` does not run).
         """
         batch, self._batch = self._batch, None
         if batch is None:
             return
-        errors: list[BaseException] = []
-        try:
-            if self._inline is not None:
-                self._inline()
-        except BaseException as exc:  # noqa: BLE001 - re-raised below, after the helpers are done
-            errors.append(exc)
         batch.drain()
         for f in self._helpers:
             f.result()  # waits for the piece a helper may still be reading
-        self._helpers, self._inline = [], None
-        errors += batch.errors
-        if errors:
-            raise errors[0]
+        finish, self._helpers, self._finish = self._finish, [], None
+        if batch.errors:
+            raise batch.errors[0]
+        if finish is not None:
+            finish()
 
 
 class ParallelReads:
@@ -399,32 +422,33 @@ class ParallelReads:
         return self.threads > 1 and len(pieces) > 1 and sum(p.nbytes for p in pieces) >= limit
 
     def run(
-        self, pieces: Sequence[Piece], inline: Callable[[], None] | None = None, min_bytes: int | None = None
-    ) -> None:
-        """Read every piece; ``inline`` (other work of the batch) runs on the calling thread first.
+        self, pieces: Sequence[Piece | GatherPiece], finish: Callable[[], None] | None = None,
+        min_bytes: int | None = None,
+    ) -> None:  # fmt: skip
+        """Read every piece; ``finish`` (the batch's last step) then runs on the calling thread.
 
         The pieces are shared out only when they hold at least ``min_bytes``
         (default: this object's ``min_bytes``). Returns once every thread is done
         with the batch's memory, also when one of them failed: then the first
         error is raised.
         """
-        self.start(pieces, inline, min_bytes, helpers=self.threads - 1).wait()
+        self.start(pieces, finish, min_bytes, helpers=self.threads - 1).wait()
 
     def start(
-        self, pieces: Sequence[Piece], inline: Callable[[], None] | None = None, min_bytes: int | None = None,
-        helpers: int | None = None,
+        self, pieces: Sequence[Piece | GatherPiece], finish: Callable[[], None] | None = None,
+        min_bytes: int | None = None, helpers: int | None = None,
     ) -> PendingReads:  # fmt: skip
         """Hand the pieces to ``helpers`` (default ``threads``) helper threads and return at once.
 
-        ``run``'s threshold applies: a smaller batch is read, and ``inline`` run,
-        by :meth:`PendingReads.wait` on the waiting thread.
+        ``run``'s threshold applies: a smaller batch is read by :meth:`PendingReads.wait`
+        on the waiting thread, which also runs ``finish``.
         """
         batch = _Batch(pieces)
         if not self._shared(pieces, min_bytes):
-            return PendingReads(batch, [], inline)
+            return PendingReads(batch, [], finish)
         workers = self._started()
         n = self.threads if helpers is None else helpers
-        return PendingReads(batch, [w.submit(batch) for w in workers[:n]], inline)
+        return PendingReads(batch, [w.submit(batch) for w in workers[:n]], finish)
 
     def _started(self) -> list[_Worker]:
         """This process's ``threads`` helper threads, one queue each."""

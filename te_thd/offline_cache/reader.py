@@ -1,20 +1,25 @@
-# Over ~500 lines on purpose: one dataset class owns per-process handles, engine choice per batch and verification of each copied piece (the copy engine itself is copyread.py).
+# Over ~500 lines on purpose: one dataset class owns the per-process open shards, the copy choice per batch and verification of each copied piece (the read executor itself is copyread.py).
 """Read an offline cache: per-item (reference behaviour) and batched reads.
 
 ``CachedTensorDataset`` keeps the reference API (``__getitem__`` through a lazily
 opened ``safetensors.safe_open`` handle, ``_handle``, ``__len__``) and adds the
 batched hook torch's ``DataLoader`` calls, ``__getitems__``: the requested indices
 are grouped by shard and every key's rows are copied once, straight into the
-batch tensor, by one of two engines chosen per (key, shard) from the batch's shape:
+batch tensor. One engine does it: the batch is planned as pieces of at most
+:data:`VERIFY_CHUNK_BYTES`, read by ``read_threads`` threads
+(:class:`~te_thd.offline_cache.copyread.ParallelReads`; a batch under
+``copyread.PARALLEL_MIN_BYTES`` on the calling thread alone), and each piece is
+verified right after it is copied, by the thread that copied it. A piece copies
+its rows one of two ways, chosen per (key, shard) from the batch's shape:
 
-* ``preadv`` (``copyread.py``): one system call per run of consecutive file rows,
-  the kernel copying page cache -> batch tensor; no mapping, no page faults on
-  the source. Used when a key's runs average at least :data:`PREADV_MIN_RUN_BYTES`,
-  and then also for the part's other keys whose rows are one run. A batch of at least ``copyread.PARALLEL_MIN_BYTES``
-  is read by ``read_threads`` threads at once.
-* mapped gather: the shard is memory-mapped (``MAP_PRIVATE``, read-only use) and
-  the rows are one ``index_select`` into the batch; used for smaller scattered rows,
-  where one system call per row would cost more than the bytes.
+* ``preadv``: one system call per run of consecutive file rows, the kernel
+  copying page cache -> batch tensor; no mapping, no page faults on the source,
+  and a shard that shrinks under the reader is a clean error. Used when a key's
+  runs average at least :data:`PREADV_MIN_RUN_BYTES`, and then also for the
+  part's other keys whose rows are one run.
+* gather: rows copied from the memory-mapped shard (``MAP_PRIVATE``, read-only
+  use) with one ``index_select``; used for smaller scattered rows, where one
+  system call per row would cost 7x more (measured, docs/performance-io.md).
 
 Either way only the bytes a batch needs are read and the source stays file-backed
 page cache: the anonymous memory of a reader does not grow with the size of the
@@ -22,16 +27,19 @@ cache. Batch tensors come from :class:`~te_thd.offline_cache.copyread.Destinatio
 fresh to the consumer, recycled once it has dropped them, in shared memory inside
 DataLoader workers and page-locked when the loader pins for CUDA.
 
-Every open handle, descriptor and mapping belongs to the process that opened it: the caches
-are keyed by ``os.getpid()`` and dropped on pickling, so DataLoader workers started
-by fork, spawn or forkserver open their own on first use.
+A process keeps one cache of open shards (``max_open_shards``, LRU): each entry
+holds the shard's checked header and, made when a read first needs them, its
+descriptor, mapping and ``safe_open`` handle. It belongs to the process that
+opened it (keyed by ``os.getpid()``, dropped on pickling), so DataLoader workers
+started by fork, spawn or forkserver open their own on first use.
 
 Both read paths check a shard when this process first opens it (and again if it
 was evicted from the LRU): ``shardfile.check_shard_header`` parses the header
-(offsets must tile the file, its own checksum must match), and the keys, row
-count, dtypes and sample shapes must agree with the manifest's schema (or, for a
-reference manifest without one, with the first shard opened). Then every read
-verifies the rows it copied against the per-row checksums the shard carries
+(offsets must tile the file, its own digest must match, and so must the digest the
+manifest records for it), and the keys, row count, dtypes and sample shapes must
+agree with the manifest's schema (or, for a reference manifest without one, with
+the first shard opened). Then every read verifies the rows it copied against the
+per-row checksums the shard carries
 (:func:`~te_thd.offline_cache.integrity.verify_rows`), right after the copy.
 Failures are :class:`CacheIntegrityError` naming the shard.
 """
@@ -52,6 +60,7 @@ from ..args import check_int
 from .copyread import (
     PARALLEL_MIN_BYTES,
     DestinationBuffers,
+    GatherPiece,
     ParallelReads,
     PendingReads,
     Piece,
@@ -404,13 +413,6 @@ class CachedTensorDataset(Dataset):
         by = "" if isinstance(exc, ReadError) else " by safetensors"
         return CacheIntegrityError(f"shard {path} cannot be read{by} ({exc}). {self._repair}", path=path)
 
-    def _shard_views(self, shard_index: int) -> tuple[dict[str, torch.Tensor], ShardSums | None]:
-        """``{key: [rows, *sample_shape] tensor}`` memory-mapped over shard ``shard_index``, and its sums."""
-        f = self._shard_file(shard_index)
-        if f.views is None:
-            f.views = _map_shard(f.path, f.header.entries, self._disk_keys, self._repair)
-        return f.views, f.header.sums
-
     def verify_copied_rows(
         self, shard_index: int, sums: ShardSums | None, key: str, data: torch.Tensor, rows: np.ndarray | list[int]
     ) -> None:
@@ -487,14 +489,14 @@ class CachedTensorDataset(Dataset):
         """Read samples ``indices`` (in that order) into stacked tensors, verifying every row.
 
         Indices are grouped by shard; each (key, shard) part is copied straight into
-        the batch tensor by ``preadv`` runs or a mapped gather (module docstring) and
+        the batch tensor by ``preadv`` runs or gathers from the mapped shard (module docstring) and
         checked right after, in pieces of about :data:`VERIFY_CHUNK_BYTES` so the
         bytes are hashed while still in cache. Negative indices count from the end;
         an index out of range raises ``IndexError``.
         """
-        batch, reads, pieces, gather = self._plan_batch(indices)
+        batch, reads, pieces, finish = self._plan_batch(indices)
         try:
-            reads.run(pieces, gather, self.parallel_min_bytes)
+            reads.run(pieces, finish, self.parallel_min_bytes)
         except ReadError as exc:
             raise self._unreadable(exc.path, exc) from exc
         return batch
@@ -504,18 +506,17 @@ class CachedTensorDataset(Dataset):
 
         A batch of at least ``parallel_min_bytes`` is handed to the ``read_threads``
         helper threads, so the caller can plan the next batch or run a training
-        step meanwhile (read-ahead); a smaller one, and the mapped gather, are read
-        by ``result()``. Bad indices raise here. ``result()`` (or dropping the
+        step meanwhile (read-ahead); a smaller one is read by ``result()``. Bad indices raise here. ``result()`` (or dropping the
         pending batch) waits until no thread writes into the batch any more.
         """
-        batch, reads, pieces, gather = self._plan_batch(indices)
-        return PendingBatch(self, batch, reads.start(pieces, gather, self.parallel_min_bytes))
+        batch, reads, pieces, finish = self._plan_batch(indices)
+        return PendingBatch(self, batch, reads.start(pieces, finish, self.parallel_min_bytes))
 
     def _plan_batch(
         self, indices: Sequence[int]
-    ) -> tuple[CachedBatch, ParallelReads, list[Piece], Callable[[], None] | None]:
-        """The batch's tensors (unfilled), this process's reader, the ``preadv`` pieces and
-        the mapped gather (None: no key needs it) that fill them."""
+    ) -> tuple[CachedBatch, ParallelReads, list[Piece | GatherPiece], Callable[[], None] | None]:
+        """The batch's tensors (unfilled), this process's reader, the pieces that fill them, and
+        the batch's last step (None: nothing left once the pieces are read)."""
         if isinstance(indices, torch.Tensor | np.ndarray):
             indices = indices.tolist()
         n = len(indices)
@@ -544,16 +545,16 @@ class CachedTensorDataset(Dataset):
         for k in self._disk_keys:
             out[k], raw[k] = buffers.get(k, n, entries[k].shape[1:], entries[k].dtype)
         chunk = VERIFY_CHUNK_BYTES if self.verify or reads.threads > 1 else 0
-        pieces: list[Piece] = []
-        mapped: list[tuple[int, np.ndarray, np.ndarray | None, list[str]]] = []
+        pieces: list[Piece | GatherPiece] = []
+        scattered: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         for shard, local, pos in groups:
-            self._plan_rows(shard, local, pos, out, raw, chunk, pieces, mapped)
+            self._plan_rows(shard, local, pos, out, raw, chunk, pieces, scattered)
 
-        def gather() -> None:
-            for shard, local, pos, keys in mapped:
-                self._gather_rows(shard, local, pos, {k: out[k] for k in keys})
+        def finish() -> None:
+            for dst, pos, rows in scattered:  # gathered rows of shards whose batch rows interleave
+                dst.index_copy_(0, pos, rows)
 
-        return CachedBatch(out, n), reads, pieces, gather if mapped else None
+        return CachedBatch(out, n), reads, pieces, finish if scattered else None
 
     def _parallel(self, in_worker: bool) -> ParallelReads:
         """This process's :class:`ParallelReads`: ``read_threads``, or 1 thread inside a DataLoader worker
@@ -566,45 +567,80 @@ class CachedTensorDataset(Dataset):
 
     def _plan_rows(
         self, shard: int, local: np.ndarray, pos: np.ndarray | None, out: dict[str, torch.Tensor],
-        raw: dict[str, memoryview], chunk: int, pieces: list[Piece],
-        mapped: list[tuple[int, np.ndarray, np.ndarray | None, list[str]]],
+        raw: dict[str, memoryview], chunk: int, pieces: list[Piece | GatherPiece],
+        scattered: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
     ) -> None:  # fmt: skip
         """Plan copying rows ``local`` (int64 ``[m]``) of shard ``shard`` into batch rows ``pos``
         (int64 ``[m]``; None: ``0..m-1``) of every key's batch tensor ``out[key]`` (whose bytes
         are ``raw[key]``).
 
-        Keys read with ``preadv`` add their pieces to ``pieces`` (each piece of at most
-        ``chunk`` bytes, 0: no limit, verified right after it is read, by the thread that
-        read it); the keys left to the mapped gather are appended to ``mapped`` as one
-        ``(shard, local, pos, keys)``.
+        Every key's rows become pieces of at most ``chunk`` bytes (0: no limit; at least one
+        row), each verified right after it is read, by the thread that read it: ``preadv``
+        pieces, or gather pieces from the mapped shard (:meth:`_engines` chooses per key).
+        Gathered rows whose batch rows are not one stretch go to a scratch tensor, moved into
+        place by the batch's last step (appended to ``scattered``).
         """
         f = self._shard_file(shard)
         fd = self._descriptor(f)  # opened by the first batched read of the shard, either engine: the readahead hint
         path, entries, sums = f.path, f.header.entries, f.header.sums
         check = sums is not None and self.verify
         engines, plan = self._engines(local, pos, entries)
-        gather: list[str] = []
+        views: dict[str, torch.Tensor] | None = None
+        local_run = pos_run = False
+        rows_t: torch.Tensor | None = None
+        all_rows: Sequence[int] = ()
+        first_sample, repair = shard * self.shard_size, self._repair
+
+        def verifier(key: str, dst: torch.Tensor) -> Callable[[int, Sequence[int]], None] | None:
+            """The check of a piece's rows once they are in ``dst`` (None: nothing to check)."""
+            if not check:
+                return None
+            expected = sums.sums[key]  # type: ignore[union-attr]
+
+            def after(p: int, rows: Sequence[int]) -> None:
+                n = len(rows)
+                verify_rows(dst if p == 0 and n == dst.shape[0] else dst[p : p + n], rows, expected, path=path,
+                            key=key, first_sample=first_sample, repair=repair)  # fmt: skip
+
+            return after
+
         for key in self._disk_keys:
             e = entries[key]
             row_bytes = (e.end - e.start) // e.shape[0]
-            if not engines[key]:
-                gather.append(key)
+            if engines[key]:
+                after = verifier(key, out[key])
+                plan = plan or plan_runs(local, pos)
+                pieces += plan_pieces(fd, e.start, row_bytes, plan, raw[key], path, after, chunk, owner=f)
                 continue
-            plan = plan or plan_runs(local, pos)
-            after = None
-            if check:
-                expected = sums.sums[key]  # type: ignore[union-attr]
-
-                def after(p: int, first: int, m: int, key: str = key, dst: torch.Tensor = out[key],
-                          expected: Sequence[int] = expected) -> None:  # fmt: skip
-                    verify_rows(
-                        dst[p : p + m], range(first, first + m), expected,
-                        path=path, key=key, first_sample=shard * self.shard_size, repair=self._repair,
-                    )  # fmt: skip
-
-            pieces += plan_pieces(fd, e.start, row_bytes, plan, raw[key], path, after, chunk, owner=f)
-        if gather:
-            mapped.append((shard, local, pos, gather))
+            if views is None:  # the row pattern is the same for every key: work it out once per shard
+                if f.views is None:
+                    f.views = _map_shard(f.path, entries, self._disk_keys, self._repair)
+                views = f.views
+                local_run, pos_run = _is_run(local), pos is None or _is_run(pos)
+                rows_t = None if local_run else torch.from_numpy(local)
+                all_rows: Sequence[int] = range(int(local[0]), int(local[0]) + local.size) if local_run else local.tolist()
+            dst = out[key]
+            if pos is None and local.size == dst.shape[0]:
+                target = dst
+            elif pos is None or pos_run:
+                start = 0 if pos is None else int(pos[0])
+                target = dst[start : start + local.size]
+            else:
+                target = torch.empty((local.size, *dst.shape[1:]), dtype=dst.dtype)
+                scattered.append((dst, torch.from_numpy(pos), target))
+            after = verifier(key, target)
+            step = max(1, chunk // row_bytes) if chunk and row_bytes else local.size
+            first = int(local[0]) if local_run else 0
+            if step >= local.size:  # the common case: one piece for the key's rows of this shard
+                pieces.append(GatherPiece(views[key], rows_t, first, target, local.size * row_bytes, path, after,
+                                          (0, all_rows)))  # fmt: skip
+                continue
+            for a in range(0, local.size, step):
+                m = min(step, local.size - a)
+                pieces.append(GatherPiece(
+                    views[key], None if rows_t is None else rows_t[a : a + m], first + a if local_run else 0,
+                    target[a : a + m], m * row_bytes, path, after, (a, all_rows[a : a + m]),
+                ))  # fmt: skip
 
     def _engines(
         self, local: np.ndarray, pos: np.ndarray | None, entries: dict[str, HeaderEntry]
@@ -636,49 +672,6 @@ class CachedTensorDataset(Dataset):
         if any(out.values()) and _is_run(local) and (pos is None or _is_run(pos)):
             return dict.fromkeys(self._disk_keys, True), plan
         return out, plan
-
-    def _gather_rows(self, shard: int, local: np.ndarray, pos: np.ndarray | None, out: dict[str, torch.Tensor]) -> None:
-        """Copy rows ``local`` of shard ``shard`` into batch rows ``pos`` (None: ``0..m-1``) of
-        every ``out[key]`` (the keys ``_plan_rows`` left to the mapped gather) and verify them."""
-        views, sums = self._shard_views(shard)
-        runs: tuple[bool, bool] | None = None
-        for key, dst in out.items():
-            if runs is None:  # the row pattern is the same for every key: test it once per shard
-                runs = (_is_run(local), pos is not None and _is_run(pos))
-            local_run, pos_run = runs
-            view = views[key]
-            if pos is None:
-                self._copy(shard, sums, key, view, local, local_run, dst)
-            elif pos_run:  # this shard fills a stretch of the batch (shard-block order)
-                self._copy(shard, sums, key, view, local, local_run, dst[int(pos[0]) : int(pos[0]) + pos.size])
-            else:
-                dst.index_copy_(0, torch.from_numpy(pos), self._copy(shard, sums, key, view, local, local_run, None))
-
-    def _copy(
-        self, shard: int, sums: ShardSums | None, key: str, view: torch.Tensor, local: np.ndarray,
-        run: bool, dst: torch.Tensor | None,
-    ) -> torch.Tensor:  # fmt: skip
-        """Rows ``local`` of the mapped ``view`` copied (into ``dst`` if given) and verified.
-
-        Small rows: one copy, then one pass of row hashes over the copy (still in
-        cache). Rows larger than :data:`VERIFY_CHUNK_BYTES` per chunk: each chunk
-        is hashed right after it is copied, so it is still in cache.
-        """
-        if sums is None or not self.verify:
-            return _take(view, local, run, dst)
-        n = local.size
-        row_bytes = max(1, view.numel() * view.element_size() // view.shape[0]) if view.shape[0] else 1
-        step = max(1, VERIFY_CHUNK_BYTES // row_bytes)
-        if step >= n:
-            out = _take(view, local, run, dst)
-            self.verify_copied_rows(shard, sums, key, out, local.tolist())
-            return out
-        out = dst if dst is not None else torch.empty((n, *view.shape[1:]), dtype=view.dtype)
-        for a in range(0, n, step):
-            part = local[a : a + step]
-            chunk = _take(view, part, run, out[a : a + part.size])
-            self.verify_copied_rows(shard, sums, key, chunk, part.tolist())
-        return out
 
 
 # readahead hints where the platform has them (not on macOS)
@@ -759,18 +752,6 @@ def _shard_groups(idx: np.ndarray, shard_size: int) -> list[tuple[int, np.ndarra
         pos = order[a:b]
         out.append((shard, idx[pos] - shard * shard_size, pos))
     return out
-
-
-def _take(view: torch.Tensor, local: np.ndarray, run: bool, dst: torch.Tensor | None) -> torch.Tensor:
-    """Rows ``local`` of ``view`` (``[rows, ...]``) -> ``[len(local), ...]``, into ``dst`` if given.
-
-    ``run``: ``local`` is ``a, a+1, ...`` -- one slice copy instead of a gather.
-    """
-    if run:
-        src = view[int(local[0]) : int(local[0]) + local.size]
-        return src.clone() if dst is None else dst.copy_(src)
-    index = torch.from_numpy(local)
-    return view.index_select(0, index) if dst is None else torch.index_select(view, 0, index, out=dst)
 
 
 def _is_run(a: np.ndarray) -> bool:
