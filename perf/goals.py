@@ -39,7 +39,8 @@ class Goal:
     min_ratio: float
     noise_margin: float
     statement: str
-    source: str = ""
+    #: what the goal protects, in the repository's own words
+    purpose: str = ""
     needs_reference: bool = False
     #: why a miss of this goal cannot be fixed in code on the machine it is measured on
     #: (e.g. a physical bound). A miss is then reported as ``known-miss`` with this
@@ -109,7 +110,7 @@ def load_goals(path: str | Path) -> list[Goal]:
                 min_ratio=float(g["min_ratio"]),
                 noise_margin=margin,
                 statement=str(g["statement"]),
-                source=str(g.get("source", "")),
+                purpose=str(g.get("purpose", "")),
                 needs_reference=bool(g.get("needs_reference", False)),
                 known_miss=str(g.get("known_miss", "")),
             )

@@ -381,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
     run = build_run(
         mode=mode, argv=sys.argv if argv is None else argv, started=started, benches=entries,
         goals=[r.to_json() for r in results],
-        goal_specs=[{"id": g.id, "statement": g.statement, "source": g.source,
+        goal_specs=[{"id": g.id, "statement": g.statement, "purpose": g.purpose,
                      "min_ratio": g.min_ratio, "noise_margin": g.noise_margin} for g in goals],
         reference=reference,
         check_failures=[r.to_json() for r in fails] + bench_fail,

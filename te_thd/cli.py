@@ -1,4 +1,4 @@
-"""``te-thd`` command line: inspect/verify a cache, run the demo, run the benchmarks.
+"""``te-thd`` command line: inspect, verify or repair a cache, run the demo, run the benchmarks.
 
 Each subcommand is a thin shell over a library function so that everything the
 CLI does is also callable (and tested) from Python.
@@ -33,6 +33,16 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return subprocess.call([sys.executable, str(root / "perf" / "run.py"), *args.rest], env=env)
 
 
+def _has_checkout(*required: str) -> bool:
+    from te_thd._checkout import find_checkout
+
+    try:
+        find_checkout(*required)
+    except FileNotFoundError:
+        return False
+    return True
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="te-thd", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -47,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
         "bench",
         help="run the perf suite (perf/run.py of the checkout in $TE_THD_SOURCE or of an "
         "editable install); extra args pass through",
+        description="Run the perf suite: perf/run.py of a te_thd source checkout, from "
+        "$TE_THD_SOURCE or the editable install's own tree; every argument after 'bench' is "
+        "passed to it (inside a checkout, `te-thd bench --help` shows perf/run.py's options).",
     )
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     bench.set_defaults(func=_cmd_bench)
@@ -59,6 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"] and argv[1:2] in (["-h"], ["--help"]) and not _has_checkout("perf/run.py"):
+        # help always works; what is missing is said when the command runs
+        build_parser().parse_args(["bench", "--help"])
     if argv[:1] == ["bench"]:
         # argparse's REMAINDER does not capture a leading option (`te-thd bench --quick`),
         # so everything after `bench` goes to perf/run.py untouched

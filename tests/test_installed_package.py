@@ -70,6 +70,16 @@ def test_demo_and_bench_say_where_the_scripts_are(installed) -> None:
         assert "set TE_THD_SOURCE to the clone's root" in out.stderr
 
 
+def test_help_always_works_from_an_install(installed) -> None:
+    """``--help`` needs no checkout: it says what the command does; what is missing is said when it runs."""
+    for args in (("--help",), ("bench", "--help"), ("bench", "-h"), ("cache", "--help")):
+        out = _te_thd(installed, *args)
+        assert out.returncode == 0, (args, out.stderr)
+        assert out.stdout.startswith("usage: te-thd"), (args, out.stdout)
+    top = _te_thd(installed, "--help").stdout
+    assert "inspect, verify or repair an offline cache directory" in top
+
+
 def test_bench_runs_the_checkout_named_by_te_thd_source(installed) -> None:
     out = _te_thd(installed, "bench", "--list", TE_THD_SOURCE=str(REPO))
     assert out.returncode == 0, out.stderr

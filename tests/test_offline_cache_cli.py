@@ -37,7 +37,7 @@ def test_info_prints_everything_a_user_checks(cache: Path, capsys: pytest.Captur
         "format_version: 1",
         "layout_version: 3",
         "samples:        9",
-        "shards:         3 x 4 samples",
+        "shards:         3 x 4 samples (the last holds 1)",
         f"bytes:          {size} ({size / 1024:.1f} KiB)",
         "checksum:       xxh3_64",
         "  hidden               bfloat16   [n, 2, 3]",
@@ -104,3 +104,19 @@ def test_console_script_exit_codes(cache: Path, tmp_path: Path) -> None:
     (cache / "shard-000000.safetensors").write_bytes(b"")
     bad = subprocess.run([*cmd, "cache", "verify", str(cache)], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 1 and "shard-000000.safetensors" in bad.stderr
+
+
+@pytest.mark.parametrize(
+    ("num_samples", "shard_size", "line"),
+    [
+        (24, 128, "shards:         1 of 24 samples (shard_size 128)"),
+        (8, 4, "shards:         2 x 4 samples"),
+        (0, 4, "shards:         0 (shard_size 4)"),
+    ],
+)
+def test_info_says_how_the_samples_sit_in_the_shards(tmp_path: Path, capsys, num_samples, shard_size, line) -> None:
+    data = [{"x": torch.full((2,), float(i))} for i in range(num_samples)]
+    out = tmp_path / "cache"
+    produce_cache(DataLoader(data, batch_size=2), str(out), shard_size, lambda b: {"x": b["x"]}, ("x",), progress=False)
+    assert main(["cache", "info", str(out)]) == 0
+    assert line in capsys.readouterr().out.splitlines()

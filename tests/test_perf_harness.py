@@ -113,6 +113,13 @@ def test_checked_in_thresholds_parse():
     assert by["cache-read-large-verified-vs-raw-preadv-hash"].min_ratio == 0.9
     assert not by["cache-read-large-unverified-vs-reference"].known_miss
     assert not by["cache-read-large-vs-reference"].known_miss
+    # every goal says what it protects in words, and cites no tracker numbers
+    import re
+
+    for g in goals:
+        assert len(g.purpose.split()) >= 6, g.id
+        for text in (g.statement, g.purpose, g.known_miss):
+            assert not re.search(r"(?i)\bissues?\s*#?\d+", text), (g.id, text)
 
 
 FAKE_BENCH = """

@@ -29,6 +29,17 @@ def _human_bytes(n: int) -> str:
     return f"{n} B"  # pragma: no cover
 
 
+def _shards_line(info: dict[str, Any]) -> str:
+    """``"3 x 4 samples (the last holds 1)"``: how the samples sit in the shards."""
+    n, size, count = info["num_samples"], info["shard_size"], info["num_shards"]
+    if count == 0:
+        return f"0 (shard_size {size})"
+    last = n - (count - 1) * size
+    if count == 1:
+        return f"1 of {last} samples (shard_size {size})"
+    return f"{count} x {size} samples" + (f" (the last holds {last})" if last != size else "")
+
+
 def format_info(info: dict[str, Any]) -> str:
     """The human-readable text ``te-thd cache info`` prints."""
     lines = [
@@ -36,7 +47,7 @@ def format_info(info: dict[str, Any]) -> str:
         f"format_version: {info['format_version']}",
         f"layout_version: {info['layout_version'] if info['layout_version'] is not None else '- (reference manifest: no checksums)'}",
         f"samples:        {info['num_samples']}",
-        f"shards:         {info['num_shards']} x {info['shard_size']} samples",
+        f"shards:         {_shards_line(info)}",
         f"bytes:          {info['bytes']} ({_human_bytes(info['bytes'])})",
         f"checksum:       {info['checksum'] or '-'}",
         "keys:",
@@ -101,8 +112,8 @@ def _cmd_repair(args: argparse.Namespace) -> int:
 
 
 def add_cache_commands(subparsers: Any) -> None:
-    """Register ``cache info`` and ``cache verify`` on the ``te-thd`` subparsers."""
-    cache = subparsers.add_parser("cache", help="inspect or verify an offline cache directory")
+    """Register ``cache info``, ``cache verify`` and ``cache repair`` on the ``te-thd`` subparsers."""
+    cache = subparsers.add_parser("cache", help="inspect, verify or repair an offline cache directory")
     sub = cache.add_subparsers(dest="cache_command", required=True)
 
     info = sub.add_parser("info", help="samples, shards, keys (dtype/shape), bytes, producer options")

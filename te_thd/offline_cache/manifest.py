@@ -376,8 +376,10 @@ def shard_records(manifest: Mapping[str, Any]) -> list[dict[str, Any]] | None:
 
 
 def manifest_schema(manifest: Mapping[str, Any]) -> CacheSchema | None:
-    """The manifest's key schema, or ``None`` for a manifest without one."""
-    return schema_from_json(manifest["schema"]) if "schema" in manifest else None
+    """The manifest's key schema (``{}`` for an empty cache), or ``None`` for a manifest without one."""
+    if "schema" not in manifest:
+        return None
+    return {} if manifest["schema"] == {} else schema_from_json(manifest["schema"])
 
 
 def check_integrity_entry(path: str, expected_bytes: int, producer: str | None = None) -> None:
