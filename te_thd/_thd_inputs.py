@@ -38,12 +38,12 @@ def read_token_tensors(
         raise
     labels = batch.get("labels")
     # ``shape`` is read once: each ``.shape`` builds a new torch.Size.
-    plain = type(input_ids) is torch.Tensor and type(position_ids) is torch.Tensor
+    plain = type(input_ids) is torch.Tensor and (position_ids is None or type(position_ids) is torch.Tensor)
     if plain:
         shape = input_ids.shape
         plain = (
             len(shape) == 2
-            and position_ids.shape == shape
+            and (position_ids is None or position_ids.shape == shape)
             and (labels is None or (type(labels) is torch.Tensor and labels.shape == shape))
         )
     if not plain:
@@ -116,7 +116,7 @@ def check_keys(batch: Any) -> None:
         raise ValueError(
             f"batch is missing required key(s) {missing} (has {sorted(batch)}); "
             "process_input_for_thd needs input_ids [B, S(, H)], position_ids [B, S] or "
-            "[n_rope, B, S], and seq_lens [B, P] (seq_lens=None to infer padding from token ids)."
+            "[n_rope, B, S] (or None), and seq_lens [B, P] (seq_lens=None to infer padding from token ids)."
         )
 
 
@@ -128,7 +128,28 @@ def check_token_tensors(input_ids: Any, position_ids: Any, labels: Any) -> None:
             f"input_ids must be [B, S] token ids or [B, S, H] embeddings, got shape "
             f"{tuple(input_ids.shape)}; add or remove the batch axis."
         )
+    if input_ids.dim() == 3 and not input_ids.dtype.is_floating_point:
+        ids_shape = list(input_ids.shape)
+        fix = "input_ids[0]" if ids_shape[0] == 1 else "input_ids.squeeze(-1)" if ids_shape[2] == 1 else "input_ids"
+        raise ValueError(
+            f"input_ids has shape {ids_shape} and dtype {input_ids.dtype}: a 3-D input_ids is read as "
+            f"embeddings [B, S, H], which are floating point; token ids are [B, S] -- pass {fix} "
+            "with shape [B, S] (or float embeddings [B, S, H])."
+        )
     bsz, seq_len = int(input_ids.shape[0]), int(input_ids.shape[1])
+    if position_ids is not None:  # None is passed through as None (the reference's behaviour)
+        check_position_ids(position_ids, bsz, seq_len)
+    if labels is not None:
+        check_tensor(labels, "labels")
+        if labels.dim() < 2 or tuple(labels.shape[:2]) != (bsz, seq_len):
+            raise ValueError(
+                f"labels shape {tuple(labels.shape)} does not match the batch [B, S]=[{bsz}, "
+                f"{seq_len}] of input_ids; pass labels [B, S] aligned with input_ids."
+            )
+
+
+def check_position_ids(position_ids: Any, bsz: int, seq_len: int) -> None:
+    """``position_ids`` is ``[B, S]`` or ``[n_rope, B, S]`` (mRoPE) for a batch of ``[B, S]`` tokens."""
     check_tensor(position_ids, "position_ids")
     if not (
         (position_ids.dim() == 2 and tuple(position_ids.shape) == (bsz, seq_len))
@@ -138,13 +159,6 @@ def check_token_tensors(input_ids: Any, position_ids: Any, labels: Any) -> None:
             f"position_ids shape {tuple(position_ids.shape)} does not match the batch "
             f"[B, S]=[{bsz}, {seq_len}] of input_ids; pass [B, S] or [n_rope, B, S] (mRoPE)."
         )
-    if labels is not None:
-        check_tensor(labels, "labels")
-        if labels.dim() < 2 or tuple(labels.shape[:2]) != (bsz, seq_len):
-            raise ValueError(
-                f"labels shape {tuple(labels.shape)} does not match the batch [B, S]=[{bsz}, "
-                f"{seq_len}] of input_ids; pass labels [B, S] aligned with input_ids."
-            )
 
 
 def check_tensor(value: Any, name: str) -> None:

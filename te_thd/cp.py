@@ -213,7 +213,7 @@ def _index_on(
 
 
 def shard_thd_batch_for_cp(
-    thd: Mapping[str, Any],
+    thd: Mapping[str, Any] | ThdLayout,
     cp_size: int,
     cp_rank: int,
     extra_keys: Sequence[str] = (),
@@ -240,7 +240,8 @@ def shard_thd_batch_for_cp(
     tensors are built on the boundaries' device and moved to each tensor's device
     with ``non_blocking=True``.
 
-    ``cp_size == 1`` returns ``thd`` itself, unchanged.
+    ``cp_size == 1`` returns ``thd`` itself, unchanged. A bare :class:`~te_thd.layout.ThdLayout`
+    (no tokens) returns ``thd.sharded(cp_size, cp_rank)``: the rank's view of the layout.
 
     Raises:
         ValueError: bad ``cp_size`` / ``cp_rank``; missing ``input_ids`` or boundaries;
@@ -257,6 +258,8 @@ def shard_thd_batch_for_cp(
             f"extra_keys must be a sequence of key names, got the string {extra_keys!r}; "
             f"write extra_keys=({extra_keys!r},)"
         )
+    if isinstance(thd, ThdLayout):  # a layout alone, no tokens: the rank's view of it
+        return thd.sharded(cp_size, cp_rank)  # type: ignore[return-value]
     if cp_size == 1:
         return thd  # type: ignore[return-value]
     total = _token_count(thd)

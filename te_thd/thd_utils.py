@@ -19,7 +19,7 @@ names, parameters and keyword names), with these contracts:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, NotRequired, TypedDict
 
 import numpy as np
@@ -63,7 +63,7 @@ class ThdBatch(TypedDict):
     Attributes:
         input_ids: ``[T]`` token ids or ``[T, H]`` embeddings; a view of the input.
         labels: ``[T]`` (view); only present when the input batch had ``labels``.
-        position_ids: ``[T]``, or ``[n_rope, 1, T]`` for 3-D mRoPE input.
+        position_ids: ``[T]``, or ``[n_rope, 1, T]`` for 3-D mRoPE input (None when given as None).
         cu_seqlens: int32 ``[N+1]`` cumulative real lengths (after absorption);
             TE's ``cu_seqlens_q/kv``.
         cu_seqlens_padded: int32 ``[N+1]`` physical start offsets, last entry
@@ -79,7 +79,7 @@ class ThdBatch(TypedDict):
 
     input_ids: torch.Tensor
     labels: NotRequired[torch.Tensor]
-    position_ids: torch.Tensor
+    position_ids: torch.Tensor | None
     cu_seqlens: torch.Tensor
     cu_seqlens_padded: torch.Tensor
     pad_between_seqs: bool
@@ -113,7 +113,7 @@ class ThdChunkedBatch(TypedDict):
 
     input_ids: torch.Tensor
     labels: NotRequired[torch.Tensor]
-    position_ids: torch.Tensor
+    position_ids: torch.Tensor | None
     cu_seqlens: torch.Tensor
     cu_seqlens_padded: torch.Tensor
     pad_between_seqs: bool
@@ -226,13 +226,15 @@ def process_input_for_thd(
     padding_token_id: int = 0,
     *,
     absorb_trailing_pad: bool = True,
+    token_keys: Sequence[str] = (),
 ) -> ThdBatch:
     """Convert a packed BSHD batch to THD tensors plus TE's boundary arguments.
 
     Args:
         batch: mapping with
             ``input_ids`` ``[B, S]`` token ids or ``[B, S, H]`` embeddings (required);
-            ``position_ids`` ``[B, S]`` or ``[n_rope, B, S]`` for mRoPE (required);
+            ``position_ids`` ``[B, S]`` or ``[n_rope, B, S]`` for mRoPE (required;
+            ``None`` is returned as ``None``, as the reference does);
             ``seq_lens`` integer ``[B, P]`` real lengths, ``seq_lens_padding_value``
             in unused slots (required; an explicit ``None`` falls back to the
             token-id padding mask with one sequence per row, see below);
@@ -249,9 +251,13 @@ def process_input_for_thd(
             entry, the last sequence is grown to the end of the stream, so TE can
             use ``pad_between_seqs=False``. Correct only for causal masks; pass
             False for bidirectional attention (real tokens would attend to pad).
+        token_keys: keyword-only; other per-token keys of ``batch`` (``[B, S, ...]``,
+            e.g. ``loss_mask``) flattened to ``[T, ...]`` exactly like ``input_ids``.
+            Default: none, so every other key passes through untouched (the reference's
+            behaviour).
 
     Returns:
-        :class:`ThdBatch`: ``input_ids``/``labels``/``position_ids`` flattened to
+        :class:`ThdBatch`: ``input_ids``/``labels``/``position_ids`` (and ``token_keys``) flattened to
         ``T = B*S`` tokens (views), ``cu_seqlens`` and ``cu_seqlens_padded`` int32
         ``[N+1]`` on the device of ``seq_lens``, ``pad_between_seqs`` (bool),
         ``max_seqlen`` (int32 0-d) and ``max_seqlen_int`` (int), ``num_seqs``
@@ -271,7 +277,7 @@ def process_input_for_thd(
            pad_between_seqs True, max_seqlen 6
     """
     out, layout, device, mask = _convert(
-        batch, 1, seq_lens_padding_value, padding_token_id, absorb_trailing_pad
+        batch, 1, seq_lens_padding_value, padding_token_id, absorb_trailing_pad, token_keys
     )
     max_seqlen = np.array(layout.max_seqlen, dtype=np.int32)
     if device is None:  # lengths on the CPU, the normal case: zero-copy views
@@ -297,6 +303,7 @@ def split_batch_into_thd_chunks(
     padding_token_id: int = 0,
     *,
     absorb_trailing_pad: bool = True,
+    token_keys: Sequence[str] = (),
 ) -> ThdChunkedBatch | ThdBatch:
     """Split along the batch into ``num_chunks`` equal chunks and convert each.
 
@@ -312,6 +319,8 @@ def split_batch_into_thd_chunks(
         padding_token_id: as for :func:`process_input_for_thd` (the fallback
             validates each chunk's stream separately).
         absorb_trailing_pad: keyword-only; applied to each chunk's own stream.
+        token_keys: keyword-only; per-token keys (``[B, S, ...]``) split per chunk and
+            flattened to ``[C, T_c, ...]`` exactly like ``input_ids`` (default: none).
 
     Returns:
         :class:`ThdChunkedBatch` (see its attribute docs) plus every other input
@@ -326,10 +335,11 @@ def split_batch_into_thd_chunks(
               meaning="; pass the number of chunks (e.g. the pipeline's micro-batch count)")  # fmt: skip
     if num_chunks <= 1:
         return process_input_for_thd(
-            batch, seq_lens_padding_value, padding_token_id, absorb_trailing_pad=absorb_trailing_pad
-        )
+            batch, seq_lens_padding_value, padding_token_id, absorb_trailing_pad=absorb_trailing_pad,
+            token_keys=token_keys,
+        )  # fmt: skip
     out, layout, device, mask = _convert(
-        batch, int(num_chunks), seq_lens_padding_value, padding_token_id, absorb_trailing_pad
+        batch, int(num_chunks), seq_lens_padding_value, padding_token_id, absorb_trailing_pad, token_keys
     )
     out["cu_seqlens"] = _to_device(layout.cu_seqlens, device)
     out["cu_seqlens_padded"] = _to_device(layout.cu_seqlens_padded, device)
@@ -350,6 +360,7 @@ def _convert(
     sentinel: int,
     padding_token_id: int,
     absorb: bool,
+    token_keys: Sequence[str] = (),
 ) -> tuple[dict[str, Any], Any, torch.device | None, torch.Tensor]:
     """Shared body: validate, compute the layout, build the token part of the output.
 
@@ -379,13 +390,36 @@ def _convert(
         else pack_layout(sl, sp, seq_len, sentinel, num_chunks, absorb)
     )
     out = _flat_tokens(input_ids, position_ids, labels, plain, num_chunks, tok)
+    for key in _token_keys(token_keys, batch, bsz, seq_len):
+        t = batch[key]
+        out[key] = _flatten(t, (num_chunks, tok, *t.shape[2:]) if num_chunks > 1 else (tok, *t.shape[2:]))
     mask = _to_device(layout.padding_mask, None if input_ids.is_cpu else input_ids.device)
     return out, layout, meta_device, mask.view(num_chunks, tok) if num_chunks > 1 else mask
 
 
+def _token_keys(token_keys: Sequence[str], batch: Mapping[str, Any], bsz: int, seq_len: int) -> tuple[str, ...]:
+    """``token_keys``, checked: each names a tensor of ``batch`` shaped ``[B, S, ...]`` like the ids."""
+    if isinstance(token_keys, str):
+        raise ValueError(f"token_keys={token_keys!r} must be a tuple of key names, e.g. ({token_keys!r},)")
+    keys = tuple(token_keys)
+    for key in keys:
+        if key in ("input_ids", "labels", "position_ids") or key in _CONSUMED_KEYS:
+            raise ValueError(f"token_keys names {key!r}, which the conversion handles itself; drop it from token_keys")
+        if key not in batch:
+            raise ValueError(f"token_keys names {key!r}, which the batch does not hold (it has {sorted(batch)})")
+        t = batch[key]
+        if not isinstance(t, torch.Tensor) or t.dim() < 2 or tuple(t.shape[:2]) != (bsz, seq_len):
+            got = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(
+                f"token key {key!r} is {got}, not [B, S, ...]=[{bsz}, {seq_len}, ...] like input_ids; "
+                "pass only per-token tensors in token_keys"
+            )
+    return keys
+
+
 def _flat_tokens(
     input_ids: torch.Tensor,
-    position_ids: torch.Tensor,
+    position_ids: torch.Tensor | None,
     labels: torch.Tensor | None,
     plain: bool,
     num_chunks: int,
@@ -396,13 +430,15 @@ def _flat_tokens(
         out: dict[str, Any] = {"input_ids": input_ids.ravel()}
         if labels is not None:
             out["labels"] = labels.ravel()
-        out["position_ids"] = position_ids.ravel()
+        out["position_ids"] = None if position_ids is None else position_ids.ravel()
         return out
     lead = (num_chunks, tok) if num_chunks > 1 else (tok,)
     out = {"input_ids": _flatten(input_ids, lead if input_ids.dim() == 2 else (*lead, -1))}
     if labels is not None:
         out["labels"] = _flatten(labels, lead if labels.dim() == 2 else (*lead, *labels.shape[2:]))
-    if position_ids.dim() == 3:
+    if position_ids is None:
+        out["position_ids"] = None
+    elif position_ids.dim() == 3:
         n_rope = position_ids.shape[0]
         pos = position_ids.reshape(n_rope, num_chunks, 1, tok)
         out["position_ids"] = pos.transpose(0, 1) if num_chunks > 1 else pos[:, 0]

@@ -341,3 +341,19 @@ def test_error_shard_bad_batch():
         shard_thd_batch_for_cp(batch, 2, 0, num_seqs=5)
     with pytest.raises(ValueError, match=r"must hold 'cu_seqlens_padded' \(or 'cu_seqlens'\)"):
         shard_thd_batch_for_cp({"input_ids": batch["input_ids"]}, 2, 0)
+
+
+def test_shard_a_bare_layout_gives_the_ranks_layout():
+    """A ThdLayout alone (no tokens) shards to ``layout.sharded(cp_size, cp_rank)``, the layout the
+    dict form carries for the same boundaries."""
+    from te_thd.layout import LAYOUT_KEY, ThdLayout, as_layout
+
+    batch = _thd_batch([0, 8, 16])
+    layout = as_layout(batch)
+    for rank in (0, 1):
+        got = shard_thd_batch_for_cp(layout, 2, rank)
+        assert isinstance(got, ThdLayout) and (got.cp_size, got.cp_rank) == (2, rank)
+        via_dict = shard_thd_batch_for_cp({**batch, LAYOUT_KEY: layout}, 2, rank)[LAYOUT_KEY]
+        assert torch.equal(got.cu_seqlens_padded, via_dict.cu_seqlens_padded) and got.cp_rank == via_dict.cp_rank
+    with pytest.raises(ValueError, match=r"cp_rank=2 must be an int in \[0, cp_size=2\)"):
+        shard_thd_batch_for_cp(layout, 2, 2)

@@ -7,6 +7,8 @@ Property tests over random layouts live in test_thd_utils_properties.py.
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -678,3 +680,72 @@ def test_non_contiguous_inputs_are_copied_not_misread() -> None:
     batch["input_ids"] = ids_t
     out = process_input_for_thd(batch)
     assert_equal(out["input_ids"], torch.tensor([1, 2, 3, 99, 4, 5, 6, 7, 8, 9, 10, 11]))
+
+
+# -- drop-in details: position_ids None, per-token keys, integer 3-D ids -----------------------
+
+
+def _token_batch(position_ids=True):
+    b = {
+        "input_ids": torch.arange(1, 25).reshape(4, 6),
+        "position_ids": torch.arange(6).repeat(4, 1) if position_ids else None,
+        "seq_lens": torch.tensor([[3, 3], [6, -1000], [2, 4], [5, -1000]]),
+        "loss_mask": (torch.arange(24).reshape(4, 6) % 3 > 0),
+        "weights": torch.rand(4, 6, 2),
+    }
+    return b
+
+
+def test_position_ids_none_is_returned_as_none() -> None:
+    with_pos = process_input_for_thd(_token_batch())
+    out = process_input_for_thd(_token_batch(position_ids=False))
+    assert out["position_ids"] is None
+    for k in ("input_ids", "cu_seqlens", "cu_seqlens_padded"):
+        assert torch.equal(out[k], with_pos[k])
+    chunked = split_batch_into_thd_chunks(_token_batch(position_ids=False), 2)
+    assert chunked["position_ids"] is None and chunked["input_ids"].shape == (2, 12)
+
+
+@pytest.mark.parametrize("num_chunks", [1, 2, 4])
+def test_token_keys_are_flattened_and_split_like_the_ids(num_chunks: int) -> None:
+    batch = _token_batch()
+    out = split_batch_into_thd_chunks(batch, num_chunks, token_keys=("loss_mask", "weights"))
+    lead = (24,) if num_chunks == 1 else (num_chunks, 24 // num_chunks)
+    assert torch.equal(out["loss_mask"], batch["loss_mask"].reshape(lead))
+    assert torch.equal(out["weights"], batch["weights"].reshape(*lead, 2))
+    # each chunk's token keys line up with that chunk's ids, as a per-chunk conversion gives them
+    if num_chunks > 1:
+        rows = 4 // num_chunks
+        for c in range(num_chunks):
+            part = {k: (v[c * rows : (c + 1) * rows] if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+            one = process_input_for_thd(part, token_keys=("loss_mask",))
+            assert torch.equal(out["loss_mask"][c], one["loss_mask"]) and torch.equal(out["input_ids"][c], one["input_ids"])
+    # the default stays the reference's pass-through
+    plain = split_batch_into_thd_chunks(batch, num_chunks)
+    assert plain["loss_mask"] is batch["loss_mask"]
+
+
+@pytest.mark.parametrize(
+    ("token_keys", "match"),
+    [
+        (("nope",), r"token_keys names 'nope', which the batch does not hold"),
+        (("labels",), r"token_keys names 'labels', which the conversion handles itself"),
+        ("loss_mask", r"token_keys='loss_mask' must be a tuple of key names, e.g. \('loss_mask',\)"),
+        (("bad",), r"token key 'bad' is \[4\], not \[B, S, \.\.\.\]=\[4, 6, \.\.\.\] like input_ids"),
+    ],
+)
+def test_token_keys_bad_input(token_keys, match) -> None:
+    batch = {**_token_batch(), "bad": torch.zeros(4)}
+    with pytest.raises(ValueError, match=match):
+        process_input_for_thd(batch, token_keys=token_keys)
+
+
+@pytest.mark.parametrize(
+    ("shape", "fix"), [((1, 4, 6), r"input_ids\[0\]"), ((4, 6, 1), r"input_ids\.squeeze\(-1\)")]
+)
+def test_integer_3d_input_ids_are_refused_naming_the_fix(shape, fix) -> None:
+    batch = {**_token_batch(), "input_ids": torch.arange(24).reshape(shape)}
+    with pytest.raises(ValueError, match=re.escape(f"input_ids has shape {list(shape)}") + rf".*a 3-D input_ids is read as embeddings.*pass {fix}"):
+        process_input_for_thd(batch)
+    emb = {**_token_batch(), "input_ids": torch.rand(4, 6, 1)}  # float [B, S, 1] embeddings stay valid
+    assert process_input_for_thd(emb)["input_ids"].shape == (24, 1)
