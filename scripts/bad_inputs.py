@@ -846,7 +846,19 @@ def _cache_rows() -> list[BadInput]:
                  opened(lambda tmp: _replace_in(_cache(tmp) / "manifest.json", '"cp_size": 2', '"cp_size": 3')),
                  _re("offline cache manifest <dir>/cache/manifest.json does not match its own checksum (it records crc32:")),
         BadInput("cache-format-version", "cache", "the manifest's format_version differs from the reader's",
-                 opened(set_key("format_version", 2)), _re("has format_version=2, expected 1: its tensors mean something else. Rebuild it into a new directory")),
+                 opened(set_key("format_version", 2)), _re("has format_version=2, expected 1: its tensors mean something else. Point cache_dir at a cache built for format_version 1, or build one into a new directory with produce_cache(..., format_version=1)")),
+        BadInput("cache-dir-is-file", "cache", "cache_dir names manifest.json itself, not its directory",
+                 lambda tmp: _open(_cache(tmp) / "manifest.json"),
+                 _re("cache_dir='<dir>/cache/manifest.json' is a file, not a cache directory; pass its directory, cache_dir='<dir>/cache'")),
+        BadInput("cache-dir-misspelt", "cache", "cache_dir does not exist (a typo)",
+                 lambda tmp: _open(tmp / "cahce"),
+                 _re("cache_dir='<dir>/cahce': no such directory; check the path"), exc=oc.ManifestNotFoundError),
+        BadInput("cache-index-type", "cache", "dataset[i] with a float index",
+                 lambda tmp: _open(_cache(tmp))[1.0], _re("index=1.0 must be an int: a sample index in [-6, 6); pass int(i)")),
+        BadInput("cache-index-range", "cache", "dataset[i] with an index past the end",
+                 lambda tmp: _open(_cache(tmp))[5000],
+                 _re("index 5000 is out of range for the offline cache at <dir>/cache, which holds 6 samples; pass an index in [-6, 6)"),
+                 exc=IndexError),
         BadInput("cache-no-num-samples", "cache", "the manifest has no num_samples",
                  opened(drop_key("num_samples")), _re("manifest <dir>/cache/manifest.json has no 'num_samples' field")),
         BadInput("cache-shard-size", "cache", "the manifest's shard_size is not an int >= 1",
@@ -1038,6 +1050,10 @@ def _cli_rows() -> list[BadInput]:
 
         return run
 
+    def empty_dir(tmp: Path) -> Path:
+        (tmp / "empty").mkdir()
+        return tmp / "empty"
+
     def corrupt(tmp: Path) -> Path:
         d = _cache(tmp)
         p = d / "shard-000002.safetensors"
@@ -1058,18 +1074,20 @@ def _cli_rows() -> list[BadInput]:
         return d
 
     return [
-        BadInput("cli-verify-unfinished", "CLI", "te-thd cache verify DIR: no manifest", cli("cache", "verify", "DIR"),
-                 _re("te-thd cache verify: FAILED: offline cache manifest not found at <dir>/missing/manifest.json"), kind="cli"),
+        BadInput("cli-verify-unfinished", "CLI", "te-thd cache verify DIR: no manifest", cli("cache", "verify", "DIR", prepare=empty_dir),
+                 _re("te-thd cache verify: FAILED: offline cache manifest not found at <dir>/empty/manifest.json"), kind="cli"),
+        BadInput("cli-verify-misspelt", "CLI", "te-thd cache verify DIR: no such directory", cli("cache", "verify", "DIR"),
+                 _re("te-thd cache verify: FAILED: cache_dir='<dir>/missing': no such directory; check the path"), kind="cli"),
         BadInput("cli-verify-truncated", "CLI", "te-thd cache verify DIR: a truncated shard",
                  cli("cache", "verify", "DIR", prepare=truncated),
-                 _re("te-thd cache verify: FAILED: shard <dir>/cache/shard-000000.safetensors has 100 bytes"), kind="cli"),
+                 _re("te-thd cache verify: FAILED: offline cache at <dir>/cache: 1 bad shard(s): <dir>/cache/shard-000000.safetensors: has 100 bytes"), kind="cli"),
         BadInput("cli-verify-deep", "CLI", "te-thd cache verify --deep DIR: a flipped byte",
                  cli("cache", "verify", "--deep", "DIR", prepare=corrupt),
                  _re("te-thd cache verify: FAILED:") + ".*" + _re("<dir>/cache/shard-000002.safetensors: key"), kind="cli"),
         BadInput("cli-info-json", "CLI", "te-thd cache info DIR: manifest is not JSON", cli("cache", "info", "DIR", prepare=bad_json),
                  _re("te-thd cache info: offline cache manifest <dir>/cache/manifest.json is not valid JSON"), kind="cli"),
         BadInput("cli-info-missing", "CLI", "te-thd cache info DIR: no manifest", cli("cache", "info", "DIR"),
-                 _re("te-thd cache info: offline cache manifest not found"), kind="cli"),
+                 _re("te-thd cache info: cache_dir='<dir>/missing': no such directory"), kind="cli"),
         BadInput("cli-cache-subcommand", "CLI", "te-thd cache without a subcommand", cli("cache"),
                  _re("the following arguments are required: cache_command"), kind="cli"),
         BadInput("cli-unknown-command", "CLI", "an unknown te-thd command", cli("bogus"),

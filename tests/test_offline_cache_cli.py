@@ -88,7 +88,7 @@ def test_verify_names_the_bad_shard(cache: Path, capsys: pytest.CaptureFixture[s
 
     shard.write_bytes(bytes(data[:-10]))
     assert main(["cache", "verify", "--quick", str(cache)]) == 1
-    assert f"shard {shard} has {len(data) - 10} bytes, the manifest records {len(data)}" in capsys.readouterr().err
+    assert f"{shard}: has {len(data) - 10} bytes, the manifest records {len(data)}" in capsys.readouterr().err
 
 
 def test_verify_missing_shard(cache: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -231,8 +231,11 @@ def test_read_manifest_missing(tmp_path: Path) -> None:
     with pytest.raises(ManifestNotFoundError, match=r"test cache manifest not found at .*manifest.json\. A producer writes it last.*resume=True") as e:
         read_manifest(str(tmp_path), "test", 1)
     assert isinstance(e.value, FileNotFoundError) and isinstance(e.value, ValueError)
-    with pytest.raises(FileNotFoundError, match=r"the directory .*nope does not exist"):
+    with pytest.raises(FileNotFoundError, match=r"cache_dir='.*nope': no such directory; check the path"):
         read_manifest(str(tmp_path / "nope"), "test", 1)
+    with pytest.raises(ManifestError, match=r"cache_dir='.*manifest\.json' is a file, not a cache directory; pass its directory"):
+        _manifest(tmp_path, {"format_version": 1, "num_samples": 0, "shard_size": 1})
+        read_manifest(str(tmp_path / MANIFEST_NAME), "test", 1)
 
 
 def test_read_manifest_not_json(tmp_path: Path) -> None:
@@ -249,7 +252,7 @@ def test_read_manifest_not_an_object(tmp_path: Path) -> None:
 
 def test_read_manifest_wrong_version(tmp_path: Path) -> None:
     _manifest(tmp_path, {"format_version": 2, "num_samples": 3, "shard_size": 2})
-    with pytest.raises(ManifestError, match=r"has format_version=2, expected 3: its tensors mean something else\. Rebuild it into a new directory with the current producer: make_it\."):
+    with pytest.raises(ManifestError, match=r"has format_version=2, expected 3: its tensors mean something else\. Point cache_dir at a cache built for format_version 3, or build one into a new directory with make_it\.$"):
         read_manifest(str(tmp_path), "test", 3, producer_name="make_it")
 
 

@@ -505,3 +505,27 @@ def test_a_key_of_zero_size_samples_reads_back(tmp_path: Path, engine: str) -> N
     batch = ds.__getitems__([5, 1, 2])
     assert batch.tensors["empty"].shape == (3, 0) and batch.tensors["ids"][:, 0].tolist() == [5, 1, 2]
     assert ds[6]["empty"].shape == (0,)
+
+
+def test_verify_names_every_bad_shard_truncated_and_flipped(tmp_path: Path) -> None:
+    """A shard truncated (a size mismatch) does not hide the flipped ones: verify, quick or deep, and
+    the CLI name every bad shard, the same set ``repair`` sets aside."""
+    from te_thd.cli import main
+
+    clean = tmp_path / "clean"
+    produce_cache(DataLoader(IndexDataset(16), batch_size=2), str(clean), 2, _compute, KEYS, progress=False)
+    d = tmp_path / "cache"
+    shutil.copytree(clean, d)
+    p1 = d / "shard-000001.safetensors"
+    os.truncate(p1, p1.stat().st_size - 3)
+    _flip_data(d / "shard-000003.safetensors", "hidden", 1)
+    _flip_data(d / "shard-000006.safetensors", "ids", 0)
+    with pytest.raises(CacheIntegrityError, match=r"3 bad shard\(s\)") as deep:
+        verify_cache(str(d), deep=True)
+    named = [f"shard-00000{i}.safetensors" for i in (1, 3, 6)]
+    assert all(n in str(deep.value) for n in named) and deep.value.path == str(p1)
+    with pytest.raises(CacheIntegrityError, match=r"(?s)1 bad shard\(s\).*shard-000001\.safetensors: has \d+ bytes"):
+        verify_cache(str(d), deep=False)  # a quick verify reads no data: only the size is wrong
+    assert main(["cache", "verify", str(d)]) == 1
+    result = repair_cache(str(d))
+    assert sorted(result["damaged"]) == named

@@ -63,6 +63,7 @@ from te_thd.offline_cache.errors import (
 )
 from te_thd.offline_cache.format import (
     CHECKSUM_ALGORITHM,
+    MANIFEST_NAME,
     MAX_SHARDS,
     CacheSchema,
     json_crc32,
@@ -210,13 +211,20 @@ def _read_checked_manifest(cache_dir: str, cache_name: str, producer: str | None
     more useful message when a cache is merely old), then the layout.
     """
     path = manifest_path(cache_dir)
+    if os.path.isfile(cache_dir):
+        hint = f"pass its directory, cache_dir={os.path.dirname(cache_dir) or '.'!r}" if os.path.basename(cache_dir) == MANIFEST_NAME else "pass the directory that holds manifest.json and the shards"
+        raise ManifestError(f"cache_dir={cache_dir!r} is a file, not a cache directory; {hint}")
+    if not os.path.exists(cache_dir):
+        raise ManifestNotFoundError(
+            f"cache_dir={cache_dir!r}: no such directory; check the path (a cache directory holds "
+            f"manifest.json and shard-*.safetensors)"
+        )
     try:
         with open(path, "rb") as f:
             raw = f.read()
     except FileNotFoundError:
-        where = "" if os.path.isdir(cache_dir) else f" (the directory {cache_dir} does not exist)"
         raise ManifestNotFoundError(
-            f"{cache_name} cache manifest not found at {path}{where}. A producer writes it last, "
+            f"{cache_name} cache manifest not found at {path}. A producer writes it last, "
             f"so the cache was never finished: re-run {producer_hint(producer)}, or point "
             "cache_dir at a finished cache."
         ) from None
@@ -316,8 +324,9 @@ def read_manifest(
     if isinstance(version, bool) or version != format_version:
         raise ManifestError(
             f"{cache_name} cache manifest {path} has format_version={version!r}, expected "
-            f"{format_version}: its tensors mean something else. Rebuild it into a new directory "
-            f"with the current producer: {producer_hint(producer_name)}."
+            f"{format_version}: its tensors mean something else. Point cache_dir at a cache built "
+            f"for format_version {format_version}, or build one into a new directory"
+            f"{f' with {producer_name}' if producer_name else ' with produce_cache(..., format_version=' + str(format_version) + ')'}."
         )
     validate_manifest(manifest, path, producer_name)
     return {**(defaults or {}), **manifest}

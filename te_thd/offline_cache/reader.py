@@ -468,10 +468,16 @@ class CachedTensorDataset(Dataset):
     # -- reads -------------------------------------------------------------------------
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        n = self.num_samples
+        if type(index) is not int:
+            index = check_int("index", index, numpy_ints=True, meaning=f": a sample index in [-{n}, {n}); pass int(i)")
         if index < 0:
-            index += self.num_samples
-        if not 0 <= index < self.num_samples:
-            raise IndexError(index)
+            index += n
+        if not 0 <= index < n:
+            raise IndexError(
+                f"index {index if index >= 0 else index - n} is out of range for the {self.cache_name} cache at "
+                f"{self.cache_dir}, which holds {n} samples; pass an index in [-{n}, {n})"
+            )
         shard_index = index // self.shard_size
         offset = index % self.shard_size
         handle = self._handle(shard_index)

@@ -226,8 +226,10 @@ def verify_cache(
     manifest = load_manifest(cache_dir, cache_name, producer_name)
     if producer_name is None and isinstance(manifest.get("producer"), str):
         producer_name = f"{manifest['producer']} (the producer this cache records) with the arguments that built it"
-    indices = check_cache_files(cache_dir, manifest, cache_name, producer_name)
+    validate_manifest(manifest, manifest_path(cache_dir), producer_name)
     num_samples, shard_size = int(manifest["num_samples"]), int(manifest["shard_size"])
+    # presence of 0..N-1 (a gap or an extra shard is a problem of the set: raised at once)
+    indices = validate_contiguous_shards(cache_dir, cache_name, num_samples, shard_size)
     records = shard_records(manifest)
     result: dict[str, Any] = {
         "cache_dir": cache_dir,
@@ -242,7 +244,18 @@ def verify_cache(
     }
     rule = recorded_rule(manifest)
     result["lengths_recorded"] = rule.describe() if rule is not None else None
+    problems: list[tuple[str, str]] = []
+    sized = []  # the shards whose size matches the manifest: only those are read
+    for i in indices:
+        path = shard_path(cache_dir, i)
+        try:
+            if records is not None:
+                check_integrity_entry(path, int(records[i]["bytes"]), producer_name)
+            sized.append(i)
+        except CacheIntegrityError as exc:
+            problems.append((path, _problem(exc, path)))
     if not deep:
+        _raise_problems(problems, cache_dir, cache_name, producer_name)
         result["checked"], result["not_checked"] = _what_was_checked(cache_dir, False, records is not None, 0, len(indices))
         _lengths_lines(result, cache_dir, rule, False)
         return result
@@ -252,9 +265,8 @@ def verify_cache(
             schema = schema_of_header(read_shard_header(shard_path(cache_dir, 0)))
         except CacheIntegrityError:
             schema = None  # shard 0 itself is reported below
-    problems: list[tuple[str, str]] = []
     with_sums = 0
-    for i in indices:
+    for i in sized:
         path = shard_path(cache_dir, i)
         try:
             check = verify_shard_file(
@@ -265,15 +277,8 @@ def verify_cache(
             if rule is not None and records is not None:
                 _check_lengths(path, rule, records[i]["lengths"])
         except CacheIntegrityError as exc:
-            problems.append((path, str(exc).removeprefix(f"shard {path}").lstrip(": ")))
-    if problems:
-        listed = "\n".join(f"  {p}: {what}" for p, what in problems[:20])
-        more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
-        raise CacheIntegrityError(
-            f"{cache_name} cache at {cache_dir}: {len(problems)} bad shard(s):\n{listed}{more}\n"
-            f"Restore these files from a copy. {repair_hint(cache_dir, producer_name)}",
-            path=problems[0][0],
-        )
+            problems.append((path, _problem(exc, path)))
+    _raise_problems(sorted(problems), cache_dir, cache_name, producer_name)
     result["headers_verified"] = True
     result["shards_with_checksums"] = with_sums
     result["checksums_verified"] = with_sums == len(indices)
@@ -281,6 +286,25 @@ def verify_cache(
     result["lengths_verified"] = rule is not None
     _lengths_lines(result, cache_dir, rule, True)
     return result
+
+
+def _problem(exc: CacheIntegrityError, path: str) -> str:
+    """What is wrong with the shard at ``path``, without its name or the repair hint."""
+    text = str(exc).removeprefix(f"shard {path}").lstrip(": ")
+    return text.split(" Restore it from a copy.")[0].split(" Repair: ")[0]
+
+
+def _raise_problems(problems: list[tuple[str, str]], cache_dir: str, cache_name: str, producer: str | None) -> None:
+    """One :class:`CacheIntegrityError` naming every bad shard (``[(path, what)]``), or nothing."""
+    if not problems:
+        return
+    listed = "\n".join(f"  {p}: {what}" for p, what in problems[:20])
+    more = f"\n  ... and {len(problems) - 20} more" if len(problems) > 20 else ""
+    raise CacheIntegrityError(
+        f"{cache_name} cache at {cache_dir}: {len(problems)} bad shard(s):\n{listed}{more}\n"
+        f"Restore these files from a copy. {repair_hint(cache_dir, producer)}",
+        path=problems[0][0],
+    )
 
 
 def _check_lengths(path: str, rule: LengthRule, recorded: list[int]) -> None:
