@@ -994,7 +994,7 @@ def _cache_rows() -> list[BadInput]:
                  produce_into(unfinished, resume=False), _re("holds 3 shards of an unfinished run. Pass resume=True")),
         BadInput("cache-produce-unfinished-params", "cache", "resume of an unfinished run with other parameters",
                  produce_into(unfinished, options={"cp_size": 4}),
-                 _re("holds shards of an unfinished run with other parameters (options: recorded {'cp_size': 2}, this run {'cp_size': 4})")),
+                 _re("holds shards of an unfinished run with other parameters (options.cp_size: recorded 2, this run 4)")),
         BadInput("cache-produce-orphans", "cache", "produce_cache into shards of an unknown producer",
                  produce_into(orphan_shards), _re("holds shards (0-2) but no manifest and no producer record")),
         BadInput("cache-lock", "cache", "a second producer on a directory another producer holds", held,

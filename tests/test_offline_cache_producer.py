@@ -8,6 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from crash_test import IndexDataset
+from hypothesis import given
+from hypothesis import strategies as st
 from torch.utils.data import DataLoader, IterableDataset
 
 from te_thd.offline_cache import (
@@ -86,7 +89,7 @@ def test_finished_cache_with_other_parameters_is_refused(tmp_path: Path) -> None
     _produce(tmp_path)
     with pytest.raises(CacheError, match=r"holds a finished cache built with other parameters \(shard_size: recorded 4, this run 5\)\. Choose another output_dir"):
         _produce(tmp_path, shard_size=5)
-    with pytest.raises(CacheError, match=r"\(options: recorded \{'cp_size': 2\}, this run \{'cp_size': 4\}\)"):
+    with pytest.raises(CacheError, match=r"\(options\.cp_size: recorded 2, this run 4\)"):
         _produce(tmp_path, options={"cp_size": 4})
 
 
@@ -256,3 +259,27 @@ def test_progress_bar_is_off_when_stderr_is_not_a_tty(tmp_path: Path, capsys) ->
 def test_compute_batch_returning_a_tensor(tmp_path: Path) -> None:
     with pytest.raises(SchemaError, match=r"compute_batch returned a Tensor; it must return a dict of tensors"):
         _produce(tmp_path, compute=lambda b: b["x"])
+
+
+def test_a_rerun_with_other_options_names_only_the_fields_that_differ(tmp_path: Path) -> None:
+    """The refusal names each differing field with both values, not both option dicts."""
+    from te_thd.offline_cache.errors import CacheError
+
+    many = {f"opt_{i}": "x" * 40 for i in range(30)}
+    loader = DataLoader(IndexDataset(4), batch_size=2)
+    compute = lambda b: {"h": b["idx"].float()[:, None]}  # noqa: E731
+    produce_cache(loader, str(tmp_path / "c"), 2, compute, ("h",), {**many, "cp_size": 2}, progress=False)
+    with pytest.raises(CacheError) as err:
+        produce_cache(loader, str(tmp_path / "c"), 2, compute, ("h",), {**many, "cp_size": 4, "new": 1}, progress=False)
+    msg = str(err.value)
+    assert "(options.cp_size: recorded 2, this run 4; options.new: recorded absent, this run 1)" in msg
+    assert "opt_0" not in msg and len(msg) < 400
+
+
+@given(st.dictionaries(st.sampled_from("abcd"), st.integers(0, 2)), st.dictionaries(st.sampled_from("abcd"), st.integers(0, 2)))
+def test_describe_diff_lists_exactly_the_differing_fields(a: dict, b: dict) -> None:
+    from te_thd.offline_cache.producer_state import describe_diff
+
+    text = describe_diff({"options": a, "n": 1}, {"options": b, "n": 1})
+    named = {part.split(":")[0] for part in text.split("; ") if part}
+    assert named == {f"options.{k}" for k in set(a) | set(b) if a.get(k, -1) != b.get(k, -1)}

@@ -54,9 +54,26 @@ def write_json(path: str, obj: Any) -> None:
     atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
 
 
-def _describe_diff(recorded: Mapping[str, Any], wanted: Mapping[str, Any]) -> str:
-    diffs = [f"{k}: recorded {recorded.get(k)!r}, this run {wanted[k]!r}" for k in wanted if recorded.get(k) != wanted[k]]
+_ABSENT = object()
+
+
+def describe_diff(recorded: Mapping[str, Any], wanted: Mapping[str, Any], prefix: str = "") -> str:
+    """``"options.cp_size: recorded 2, this run 4; ..."``: only the fields that differ, nested
+    dicts field by field, each with both values (a field one side lacks: ``absent``)."""
+    diffs = []
+    for k in sorted(set(recorded) | set(wanted), key=str):
+        a, b = recorded.get(k, _ABSENT), wanted.get(k, _ABSENT)
+        if a == b:
+            continue
+        if isinstance(a, Mapping) and isinstance(b, Mapping):
+            diffs.append(describe_diff(a, b, f"{prefix}{k}."))
+        else:
+            diffs.append(f"{prefix}{k}: recorded {_show(a)}, this run {_show(b)}")
     return "; ".join(diffs)
+
+
+def _show(value: Any) -> str:
+    return "absent" if value is _ABSENT else repr(value)
 
 
 def params_of_manifest(manifest: Mapping[str, Any], keys: Sequence[str] = ()) -> dict[str, Any]:
@@ -88,7 +105,7 @@ def prepare_directory(
         if recorded != params:
             raise CacheError(
                 f"output_dir {output_dir} holds a finished cache built with other parameters "
-                f"({_describe_diff(recorded, params)}). Choose another output_dir, or delete this cache."
+                f"({describe_diff(recorded, params)}). Choose another output_dir, or delete this cache."
             )
         check_cache_files(output_dir, manifest, cache_name, producer_name)
         if os.path.exists(progress_path):  # killed after the manifest, before this cleanup
@@ -109,7 +126,7 @@ def prepare_directory(
         if shards and recorded != params:
             raise CacheError(
                 f"output_dir {output_dir} holds shards of an unfinished run with other parameters "
-                f"({_describe_diff(recorded, params)}). Resume with the same parameters, or choose "
+                f"({describe_diff(recorded, params)}). Resume with the same parameters, or choose "
                 "another output_dir."
             )
     elif shards:
