@@ -45,6 +45,7 @@ from torch.utils.data import DataLoader
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from ep_cp.cache_format import CACHE_NAME, FORMAT_VERSION, KEYS, LAYER_KEY, PRODUCER  # noqa: E402
+from ep_cp.cli_help import HelpFormatter  # noqa: E402
 from ep_cp.config import TargetConfig, config_to_dict  # noqa: E402
 from ep_cp.errors import run_main  # noqa: E402
 from ep_cp.hf_target import DTYPES, parse_layers  # noqa: E402
@@ -57,7 +58,7 @@ from te_thd.packing import pad_to_multiple_for  # noqa: E402
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        description=__doc__, formatter_class=HelpFormatter
     )
     p.add_argument("--out", required=True, help="cache directory")
     p.add_argument(

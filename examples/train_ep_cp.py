@@ -69,6 +69,7 @@ from ep_cp.checkpoint import (  # noqa: E402
     save_checkpoint,
     set_rng_state,
 )
+from ep_cp.cli_help import HelpFormatter  # noqa: E402
 from ep_cp.config import StudentConfig, config_to_dict  # noqa: E402
 from ep_cp.errors import run_main  # noqa: E402
 from ep_cp.parallel import (  # noqa: E402
@@ -96,7 +97,7 @@ from te_thd.packing import pad_to_multiple_for  # noqa: E402
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        description=__doc__, formatter_class=HelpFormatter
     )
     p.add_argument(
         "--cache-dir", required=True, help="cache written by examples/precompute_cache.py"
@@ -348,6 +349,18 @@ def build_collate(
     )
 
 
+def check_batch_fits(args: argparse.Namespace, num_samples: int, dp_size: int) -> None:
+    """A step takes ``--batch-size`` samples on each data-parallel replica: the cache must hold one."""
+    per = num_samples // dp_size
+    if per < args.batch_size:
+        raise ValueError(
+            f"--batch-size {args.batch_size}: the cache at {args.cache_dir} holds {num_samples} samples, {per} per "
+            f"data-parallel replica ({dp_size} replicas), fewer than one step's batch; pass --batch-size "
+            f"{per} or less{'' if per else ' (after building a cache of at least one sample per replica)'}, "
+            "or build a larger cache"
+        )
+
+
 def build_loader(
     args: argparse.Namespace,
     dataset: CachedTensorDataset,
@@ -472,6 +485,7 @@ def main(argv: list[str] | None = None) -> int:
         shutdown_parallel()
         return 0
 
+    check_batch_fits(args, len(dataset), ctx.dp_size)
     loader = build_loader(args, dataset, collate, epoch, loader_state, 12.0 * model.cfg.hidden_size)
     batches = iter(loader)
 

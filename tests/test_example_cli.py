@@ -121,3 +121,27 @@ def test_cli_exposes_the_demo():
 
     args = build_parser().parse_args(["demo", "--steps", "7", "--out", "x"])
     assert args.steps == 7 and args.cp == 2 and args.ep == 2 and args.nproc == 4
+
+
+def test_train_batch_larger_than_the_replicas_share_of_the_cache():
+    """docs/own-model.md's command 3 on the 24-sample chat file: 2 replicas, --batch-size 16 by
+    default. One line naming the numbers and the flag to change, not StopIteration."""
+    from train_ep_cp import check_batch_fits
+
+    args = _train_args()
+    assert args.batch_size == 16
+    with pytest.raises(ValueError, match=r"^--batch-size 16: the cache at unused holds 24 samples, 12 per data-parallel replica \(2 replicas\), fewer than one step's batch; pass --batch-size 12 or less, or build a larger cache$"):
+        check_batch_fits(args, 24, 2)
+    check_batch_fits(_train_args("--batch-size", "12"), 24, 2)
+
+
+@pytest.mark.parametrize("script", ["train_ep_cp", "precompute_cache"])
+def test_example_help_shows_the_defaults(script, capsys):
+    module = __import__(script)
+    with pytest.raises(SystemExit) as done:
+        module.build_parser().parse_args(["--help"])
+    assert done.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "(default: " in out
+    if script == "train_ep_cp":
+        assert "samples per data-parallel replica and step (default: 16)" in out

@@ -22,6 +22,7 @@ from te_thd.offline_cache import (
     CachedThdCollator,
     build_cached_dataloader,
     collate_cached,
+    produce_cache,
     to_device,
 )
 from te_thd.packing import PackingCollator
@@ -508,3 +509,18 @@ def test_to_device_moves_tensors_and_keeps_host_scalars():
     assert out["x"].device.type == "meta" and out["max_seqlen_int"] == 5 and out["pad_between_seqs"] is False
     assert out["nested"][0].device.type == "meta" and out["nested"][1][1] == "s"
     assert isinstance(out["pair"], Pair) and out["pair"].a.device.type == "meta" and out["pair"].b == 7
+
+
+@pytest.mark.parametrize("balance", [False, True])
+def test_drop_last_with_fewer_samples_than_a_batch_says_so(tmp_path, balance) -> None:
+    """24 samples over 2 replicas with batch_size 16 and drop_last: not an empty loader, one line
+    with the numbers and the fix."""
+    d = str(tmp_path / "c")
+    produce_cache(torch.utils.data.DataLoader([{"input_ids": torch.arange(1, 9)} for _ in range(24)], batch_size=4), d, 8,
+                  lambda b: {"input_ids": b["input_ids"]}, ("input_ids",), progress=False)  # fmt: skip
+    ds = CachedTensorDataset(d, "offline", 1, ("input_ids",))
+    collate = CachedThdCollator(8) if balance else functools.partial(collate_cached, keys=("input_ids",))
+    with pytest.raises(ValueError, match=r"batch_size=16 with drop_last=True: each of the 2 data-parallel replica\(s\) gets 12 of the 24 samples per epoch, fewer than one batch, so the loader would yield nothing; pass batch_size <= 12, or drop_last=False"):
+        build_cached_dataloader(ds, 16, True, collate, drop_last=True, dp_rank=0, dp_size=2, balance=balance)
+    loader = build_cached_dataloader(ds, 12, True, collate, drop_last=True, dp_rank=0, dp_size=2, balance=balance)
+    assert len(list(loader)) == 1

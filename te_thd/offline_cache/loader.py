@@ -378,6 +378,13 @@ def build_cached_dataloader(
         )
     else:
         sampler = CacheShardSampler(dataset, num_replicas=dp_size, rank=dp_rank, shuffle=shuffle, seed=seed, drop_last=drop_last)
+    per_replica = sampler.total_size // dp_size
+    if drop_last and len(dataset) > 0 and per_replica < batch_size:
+        raise ValueError(
+            f"batch_size={batch_size} with drop_last=True: each of the {dp_size} data-parallel replica(s) gets "
+            f"{per_replica} of the {len(dataset)} samples per epoch, fewer than one batch, so the loader would "
+            f"yield nothing; pass batch_size <= {per_replica}, or drop_last=False"
+        )
     if resume_state is not None and start_sample:
         raise ValueError(f"pass resume_state or start_sample={start_sample}, not both")
     if start_sample:
