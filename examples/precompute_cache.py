@@ -49,6 +49,7 @@ from ep_cp.cli_help import HelpFormatter  # noqa: E402
 from ep_cp.config import TargetConfig, config_to_dict  # noqa: E402
 from ep_cp.errors import run_main  # noqa: E402
 from ep_cp.hf_target import DTYPES, parse_layers  # noqa: E402
+from ep_cp.parallel import check_device  # noqa: E402
 from ep_cp.synthetic import SyntheticTokens  # noqa: E402
 from ep_cp.target import TargetTransformer  # noqa: E402
 
@@ -305,6 +306,7 @@ def hf_source(args: argparse.Namespace, device: torch.device) -> Source:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     check_args(args)
+    check_device(args.device)  # before any CUDA call: one line, not a traceback per rank
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1 and not dist.is_initialized():

@@ -145,3 +145,29 @@ def test_example_help_shows_the_defaults(script, capsys):
     assert "(default: " in out
     if script == "train_ep_cp":
         assert "samples per data-parallel replica and step (default: 16)" in out
+
+
+def test_precompute_device_cuda_without_cuda_is_one_line_per_job(tmp_path):
+    """``--device cuda`` where CUDA is not available: one ``error:`` line for the whole job (2 ranks
+    here), before any CUDA call, and no traceback."""
+    import os
+    import subprocess
+    import sys
+
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the flag is valid here")
+    env = {k: v for k, v in os.environ.items() if k != "TE_THD_TRACEBACK"}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    run = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         str(REPO / "examples" / "precompute_cache.py"), "--device", "cuda", "--out", str(tmp_path / "c")],
+        capture_output=True, text=True, timeout=180, env=env, cwd=REPO,
+    )  # fmt: skip
+    assert run.returncode != 0
+    errors = [line for line in run.stderr.splitlines() if line.startswith("error:")]
+    assert errors == ["error: --device cuda was given but CUDA is not available; use --device cpu"], run.stderr
+    # (torchrun itself still reports that its children failed: that report is the launcher's)
+    assert "_cuda_setDevice" not in run.stderr and "Torch not compiled with CUDA" not in run.stderr
+    assert 'File "' + str(REPO / "examples") not in run.stderr  # no traceback from the script

@@ -82,23 +82,27 @@ def check_layout(world_size: int, cp: int, ep: int, num_experts: int) -> None:
         )
 
 
+def check_device(device: str) -> None:
+    """``--device`` is ``cpu``, or ``cuda`` on a machine where CUDA works: one line otherwise."""
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda was given but CUDA is not available; use --device cpu")
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"--device={device!r} must be 'cpu' or 'cuda'")
+
+
 def init_parallel(cp: int, ep: int, device: str, num_experts: int) -> ParallelContext:
     """Initialise ``torch.distributed`` (from torchrun's environment) and Megatron's groups.
 
     ``device="cpu"`` uses gloo, ``"cuda"`` NCCL with ``LOCAL_RANK``'s GPU.
     """
     ps = megatron_parallel_state()
-
+    check_device(device)
     if device == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError("--device cuda was given but CUDA is not available; use --device cpu")
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dev = torch.device("cuda", torch.cuda.current_device())
         backend = "nccl"
-    elif device == "cpu":
-        dev, backend = torch.device("cpu"), "gloo"
     else:
-        raise ValueError(f"--device={device!r} must be 'cpu' or 'cuda'")
+        dev, backend = torch.device("cpu"), "gloo"
     if not dist.is_initialized():
         dist.init_process_group(backend, device_id=dev if backend == "nccl" else None)
     world = dist.get_world_size()
