@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import shlex
 import sys
 import time
 from collections.abc import Callable
@@ -44,7 +43,15 @@ from torch.utils.data import DataLoader
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from ep_cp.cache_format import CACHE_NAME, FORMAT_VERSION, KEYS, LAYER_KEY, PRODUCER  # noqa: E402
+from ep_cp.cache_format import (  # noqa: E402
+    CACHE_NAME,
+    FORMAT_VERSION,
+    KEYS,
+    LAYER_KEY,
+    PRODUCER,
+    producer_args,
+    producer_command,
+)
 from ep_cp.cli_help import HelpFormatter  # noqa: E402
 from ep_cp.config import TargetConfig, config_to_dict  # noqa: E402
 from ep_cp.errors import run_main  # noqa: E402
@@ -322,6 +329,8 @@ def main(argv: list[str] | None = None) -> int:
 
     build = synthetic_source if args.model_dir is None else hf_source
     data, compute_batch, options, keys = build(args, device)
+    # the exact command, recorded: te_thd's messages about this cache print it to re-run
+    options = {**options, "producer_args": producer_args({**options, "shard_size": args.shard_size})}
     loader = DataLoader(data, batch_size=args.batch_size, shuffle=False)
     if rank == 0 and getattr(data, "truncated", 0):
         print(
@@ -340,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
         options=options,
         format_version=FORMAT_VERSION,
         cache_name=CACHE_NAME,
-        producer_name=f"`{shlex.join(['python', PRODUCER, *(sys.argv[1:] if argv is None else argv)])}`",
+        producer_name=f"`{producer_command(args.out, {**options, 'shard_size': args.shard_size})}`",
         progress=None,  # tqdm on rank 0 when stderr is a terminal
         # each sample's real length, recorded in the manifest for balanced loading
         length_key="seq_len" if "seq_len" in keys else None,

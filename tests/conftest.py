@@ -32,3 +32,38 @@ settings.load_profile("ci" if os.environ.get("CI") else "dev")
 _SCRIPTS = str(Path(__file__).resolve().parents[1] / "scripts")
 if _SCRIPTS not in sys.path:
     sys.path.insert(0, _SCRIPTS)
+
+
+def pytest_configure(config) -> None:
+    """Every temporary file of the run -- the tests', their subprocesses' (torchrun's logs,
+    multiprocessing's sockets), scripts' ``mkdtemp`` -- goes under one directory of this run,
+    removed when the run ends: the suite leaves nothing behind in the system temp directory."""
+    import shutil
+    import tempfile
+
+    # pytest's own tmp_path directories stay in the system temp directory, where its
+    # retention policy (pyproject.toml: only failed tests') decides what is kept
+    os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", tempfile.gettempdir())
+    root = tempfile.mkdtemp(prefix="te_thd-tests-")
+    config._te_thd_tmp = (root, os.environ.get("TMPDIR"), tempfile.tempdir)
+    os.environ["TMPDIR"] = root
+    tempfile.tempdir = root
+
+    def _cleanup() -> None:
+        shutil.rmtree(root, ignore_errors=True)
+
+    config.add_cleanup(_cleanup)
+
+
+def pytest_unconfigure(config) -> None:
+    import tempfile
+
+    saved = getattr(config, "_te_thd_tmp", None)
+    if saved is None:
+        return
+    _, env, cached = saved
+    if env is None:
+        os.environ.pop("TMPDIR", None)
+    else:
+        os.environ["TMPDIR"] = env
+    tempfile.tempdir = cached

@@ -69,7 +69,7 @@ def _check_command(cmd: str) -> None:
     if argv[0] == "te-thd":
         te_thd_parser().parse_args(argv[1:])  # SystemExit on an unknown command or flag
         return
-    if argv[0] == "python":
+    if argv[0] == sys.executable:  # a script, with the interpreter that has torch
         script = REPO / argv[1]
         assert script.is_file(), cmd
         spec = importlib.util.spec_from_file_location(script.stem + "_hint", script)
@@ -101,15 +101,15 @@ def test_flipped_byte_stops_training_once_with_a_repair_that_works(cache_dir: Pa
     msg = _the_one_message(_train(cache, tmp_path / "run", 2))
     assert f"shard {cache}/shard-000001.safetensors: sample 11 (row 3 of the shard), key 'hidden': checksum mismatch" in msg
     cmds = _commands(msg)
-    assert cmds[0] == f"te-thd cache repair {cache}" and cmds[1].startswith("python examples/precompute_cache.py --out ")
+    assert cmds[0] == f"te-thd cache repair {cache}"
+    assert cmds[1].startswith(f"{shlex.quote(sys.executable)} examples/precompute_cache.py --out ")
     for cmd in cmds:
         _check_command(cmd)
     # ... and run as printed: repair, then the producer command, give the clean cache back
     from te_thd.cli import main
 
     assert main(shlex.split(cmds[0])[1:]) == 0
-    subprocess.run([sys.executable, *shlex.split(cmds[1])[1:]], check=True, capture_output=True,
-                   timeout=180, env=_env(), cwd=REPO)  # fmt: skip
+    subprocess.run(shlex.split(cmds[1]), check=True, capture_output=True, timeout=180, env=_env(), cwd=REPO)
     assert oc.verify_cache(str(cache), deep=True)["checksums_verified"]
     for name in ("shard-000000.safetensors", "shard-000002.safetensors", "shard-000003.safetensors"):
         assert (cache / name).read_bytes() == (cache_dir / name).read_bytes(), name  # kept, not recomputed
@@ -156,3 +156,44 @@ def test_library_hints_name_commands_that_exist(tmp_path: Path) -> None:
     }  # fmt: skip
     for cmd in cmds:
         _check_command(cmd.replace("...", "") if "(" in cmd else cmd)
+
+
+def _run_as_printed(cmd: str) -> None:
+    """Run a hint exactly as printed, from the checkout root: ``te-thd`` is this environment's."""
+    argv = shlex.split(cmd)
+    if argv[0] == "te-thd":
+        argv[0] = shutil.which("te-thd") or str(Path(sys.executable).with_name("te-thd"))
+    subprocess.run(argv, check=True, capture_output=True, timeout=240, env=_env(), cwd=REPO)
+
+
+@pytest.mark.parametrize("damage", ["missing", "truncated", "flipped"])
+def test_every_hint_about_a_damaged_shard_runs_as_printed(cache_dir: Path, tmp_path: Path, damage: str) -> None:
+    """A cache the example built, one shard damaged: ``te-thd cache verify`` and the reader name the
+    exact producer command the manifest records (with the interpreter that has torch), and running
+    every command they print, in order, as printed, gives back a cache that verifies: the clean bytes."""
+    cache = tmp_path / "cache"
+    shutil.copytree(cache_dir, cache)
+    shard = cache / "shard-000001.safetensors"
+    if damage == "missing":
+        shard.unlink()
+    elif damage == "truncated":
+        os.truncate(shard, shard.stat().st_size - 7)
+    else:
+        _flip(shard, "hidden", 3)
+    verify = subprocess.run([sys.executable, "-m", "te_thd.cli", "cache", "verify", str(cache)],
+                            capture_output=True, text=True, timeout=120, env=_env(), cwd=REPO)  # fmt: skip
+    assert verify.returncode == 1, verify.stdout + verify.stderr
+    with pytest.raises(oc.CacheError) as read:  # the reader's message names the same commands
+        from ep_cp.cache_format import CACHE_NAME, FORMAT_VERSION, KEYS
+
+        oc.CachedTensorDataset(str(cache), CACHE_NAME, FORMAT_VERSION, KEYS).__getitems__(list(range(16)))
+    for message in (verify.stderr, str(read.value)):
+        cmds = _commands(message)
+        producer = [c for c in cmds if "precompute_cache.py" in c]
+        assert producer and producer[0].startswith(f"{shlex.quote(sys.executable)} examples/precompute_cache.py --out {cache} "), message
+        assert "(the producer this cache records)" not in message and "`python " not in message
+    for cmd in _commands(verify.stderr):
+        _run_as_printed(cmd)
+    assert oc.verify_cache(str(cache), deep=True)["checksums_verified"]
+    for name in sorted(p.name for p in cache_dir.glob("shard-*.safetensors")):
+        assert (cache / name).read_bytes() == (cache_dir / name).read_bytes(), name

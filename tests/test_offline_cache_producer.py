@@ -283,3 +283,27 @@ def test_describe_diff_lists_exactly_the_differing_fields(a: dict, b: dict) -> N
     text = describe_diff({"options": a, "n": 1}, {"options": b, "n": 1})
     named = {part.split(":")[0] for part in text.split("; ") if part}
     assert named == {f"options.{k}" for k in set(a) | set(b) if a.get(k, -1) != b.get(k, -1)}
+
+
+@pytest.mark.parametrize("damage", ["missing", "truncated", "extra"])
+def test_the_same_call_fills_a_gap_in_a_finished_cache(tmp_path: Path, damage: str) -> None:
+    """Re-running the call that built a finished cache recomputes a missing or truncated shard (the
+    truncated one set aside, never read) and ends byte-identical to the clean cache."""
+    loader = DataLoader(IndexDataset(10), batch_size=2)
+    compute = lambda b: {"h": b["idx"].float()[:, None] * 2}  # noqa: E731
+    clean, d = tmp_path / "clean", tmp_path / "cache"
+    for out in (clean, d):
+        produce_cache(loader, str(out), 4, compute, ("h",), {"cp_size": 1}, progress=False)
+    shard = d / "shard-000001.safetensors"
+    if damage == "missing":
+        shard.unlink()
+    elif damage == "truncated":
+        os.truncate(shard, shard.stat().st_size - 5)
+    else:
+        (d / "shard-000007.safetensors").write_bytes(shard.read_bytes())
+    produce_cache(loader, str(d), 4, compute, ("h",), {"cp_size": 1}, progress=False)
+    assert sorted(p.name for p in d.iterdir() if not p.name.startswith(".")) == sorted(p.name for p in clean.iterdir())
+    for p in clean.iterdir():
+        assert (d / p.name).read_bytes() == p.read_bytes(), p.name
+    aside = sorted(p.name for p in (d / ".te_thd-damaged").iterdir()) if (d / ".te_thd-damaged").exists() else []
+    assert aside == {"missing": [], "truncated": ["shard-000001.safetensors"], "extra": ["shard-000007.safetensors"]}[damage]

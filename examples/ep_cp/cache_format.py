@@ -34,6 +34,7 @@ packed row of ``pack_seq_len`` slots at that multiple.
 from __future__ import annotations
 
 import shlex
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -100,14 +101,20 @@ def check_student_fits(student: Mapping[str, Any], dims: CacheDims, where: str) 
         )
 
 
-def producer_command(out: str, manifest: Mapping[str, Any] | None = None, **flags: Any) -> str:
-    """The ``precompute_cache.py`` command line that builds the cache ``manifest`` describes into ``out``.
+#: The place of the output directory in :func:`producer_args` (te_thd's manifest convention).
+CACHE_DIR = "{cache_dir}"
+
+
+def producer_args(manifest: Mapping[str, Any] | None = None, **flags: Any) -> list[str]:
+    """The ``precompute_cache.py`` arguments that build the cache ``manifest`` describes, ``--out``
+    given as :data:`CACHE_DIR`.
 
     Every option the manifest records becomes its flag, so the command rebuilds the
-    same cache (or, with ``out`` the cache's own directory after ``te-thd cache
-    repair``, recomputes its missing shards). ``flags`` override single flags, e.g.
-    ``cp=4`` for a cache packed for another CP size. Without a manifest (a damaged
-    one) only ``--out`` and ``flags`` are given. Returned quoted for a shell.
+    same cache (or, into the cache's own directory, recomputes its missing shards).
+    ``flags`` override single flags, e.g. ``cp=4`` for a cache packed for another CP
+    size. Without a manifest (a damaged one) only ``--out`` and ``flags`` are given.
+    The producer records them in the manifest (``producer_args``), so te_thd's own
+    messages about the cache print the exact command.
     """
     m = dict(manifest or {})
     if "mask_prompt" in flags:
@@ -134,10 +141,16 @@ def producer_command(out: str, manifest: Mapping[str, Any] | None = None, **flag
     elif "seed" in target:
         opts["target-seed"] = target["seed"]
     opts.update({k.replace("_", "-"): v for k, v in flags.items()})
-    argv = ["python", PRODUCER, "--out", out]
+    argv = ["--out", CACHE_DIR]
     for name, value in opts.items():
         if value is not None:
             argv += [f"--{name}", str(value)]
     if isinstance(m.get("mask_prompt"), bool):
         argv.append("--mask-prompt" if m["mask_prompt"] else "--no-mask-prompt")
-    return shlex.join(argv)
+    return argv
+
+
+def producer_command(out: str, manifest: Mapping[str, Any] | None = None, **flags: Any) -> str:
+    """The shell line that runs :func:`producer_args` into ``out``, with this interpreter (which has torch)."""
+    args = [out if a == CACHE_DIR else a for a in producer_args(manifest, **flags)]
+    return shlex.join([sys.executable, PRODUCER, *args])

@@ -105,8 +105,8 @@ def _cmd_repair(args: argparse.Namespace) -> int:
         print(f"missing: {name}")
     where = f" (moved to {result['set_aside_in']})" if result["set_aside_in"] else ""
     print(
-        f"{args.dir} is reopened for a resume{where}: re-run {result['producer']} with the arguments "
-        "that built it; it recomputes only these shards and writes a new manifest."
+        f"{args.dir} is reopened for a resume{where}: re-run {result['producer']}; it recomputes only "
+        "these shards and writes a new manifest."
     )
     return 0
 

@@ -247,12 +247,13 @@ def existing_shard_indices(cache_dir: str) -> set[int]:
 
 
 def validate_contiguous_shards(
-    cache_dir: str, cache_name: str, num_samples: int, shard_size: int
+    cache_dir: str, cache_name: str, num_samples: int, shard_size: int, *, producer: str | None = None
 ) -> list[int]:
     """Return shard indices, requiring exactly ``0..N-1`` for the manifest size.
 
     Raises :class:`CacheIntegrityError` naming the missing files (gaps) and the
     extra ones (indices ``>= N``, e.g. left over from a larger earlier run).
+    ``producer`` (te_thd extension): the command that re-runs the producer, named in the message.
     """
     expected = num_shards(num_samples, shard_size)
     present = existing_shard_indices(cache_dir)
@@ -274,7 +275,7 @@ def validate_contiguous_shards(
         raise CacheIntegrityError(
             f"{cache_name} cache at {cache_dir} declares {num_samples} samples in {expected} "
             f"shards of {shard_size}, but has {'; '.join(parts)}. Move shards that do not belong to "
-            f"this cache away; to fill gaps, re-run {producer_hint(None)}.",
+            f"this cache away; to fill gaps, re-run {producer_hint(producer)} (it computes only the missing shards).",
             path=shard_path(cache_dir, first),
         )
     return list(range(expected))

@@ -49,6 +49,8 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -376,6 +378,28 @@ def ensure_supervision_options_match(
             f"{configured}. The cached tensors are used as stored, so rebuild the cache with "
             f"{producer_name} under the run's settings or match them in the run."
         )
+
+
+#: Producer options that say how to run the producer again: ``producer`` (a script path) and
+#: ``producer_args`` (its arguments, :data:`CACHE_DIR_ARG` standing for the output directory).
+PRODUCER_KEY, PRODUCER_ARGS_KEY, CACHE_DIR_ARG = "producer", "producer_args", "{cache_dir}"
+
+
+def recorded_producer(cache_dir: str, manifest: Mapping[str, Any]) -> str | None:
+    """The command that re-runs the producer of ``manifest``'s cache into ``cache_dir``, in backticks.
+
+    From the ``producer`` and ``producer_args`` options a producer recorded (the
+    example's does), run by this interpreter (``sys.executable``: the one with torch
+    and te_thd); ``"<producer> with the arguments that built it"`` when only the
+    script is recorded; ``None`` when neither is.
+    """
+    producer, args = manifest.get(PRODUCER_KEY), manifest.get(PRODUCER_ARGS_KEY)
+    if not isinstance(producer, str):
+        return None
+    if not (isinstance(args, list) and all(isinstance(a, str) for a in args)):
+        return f"{producer} (the producer this cache records) with the arguments that built it"
+    argv = [sys.executable, producer, *(cache_dir if a == CACHE_DIR_ARG else a for a in args)]
+    return f"`{shlex.join(argv)}`"
 
 
 def shard_records(manifest: Mapping[str, Any]) -> list[dict[str, Any]] | None:

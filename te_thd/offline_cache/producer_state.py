@@ -25,6 +25,7 @@ from te_thd.offline_cache.format import (
     existing_shard_indices,
     format_indices,
     manifest_path,
+    num_shards,
     shard_path,
     shard_rows,
 )
@@ -87,6 +88,44 @@ def params_of_manifest(manifest: Mapping[str, Any], keys: Sequence[str] = ()) ->
     )
 
 
+#: Where damaged or foreign shards are moved when a cache is reopened (readers never look there).
+DAMAGED_DIR = ".te_thd-damaged"
+
+
+def reopen_for_resume(cache_dir: str, manifest: Mapping[str, Any], set_aside: Sequence[int]) -> str | None:
+    """Turn a finished cache into an unfinished run its producer resumes; the caller holds the lock.
+
+    The producer's run record is written from ``manifest``, the shards ``set_aside`` are
+    moved to :data:`DAMAGED_DIR` (kept for inspection), and ``manifest.json`` is removed
+    last. Returns the set-aside directory (``None`` when nothing was moved).
+    """
+    write_json(os.path.join(cache_dir, PROGRESS_NAME), params_of_manifest(manifest))
+    aside = None
+    if set_aside:
+        aside = os.path.join(cache_dir, DAMAGED_DIR)
+        os.makedirs(aside, exist_ok=True)
+        for i in set_aside:
+            path = shard_path(cache_dir, i)
+            os.replace(path, os.path.join(aside, os.path.basename(path)))
+        fsync_dir(aside)
+    os.unlink(manifest_path(cache_dir))
+    fsync_dir(cache_dir)
+    return aside
+
+
+def _wrong_sized(cache_dir: str, manifest: Mapping[str, Any]) -> list[int]:
+    """Shards of ``manifest``'s cache that are present with another size than recorded, or beyond its count."""
+    records = manifest.get("shards")
+    count = num_shards(int(manifest["num_samples"]), int(manifest["shard_size"]))
+    wrong = []
+    for i in sorted(existing_shard_indices(cache_dir)):
+        if i >= count:
+            wrong.append(i)
+        elif isinstance(records, list) and os.stat(shard_path(cache_dir, i)).st_size != records[i]["bytes"]:
+            wrong.append(i)
+    return wrong
+
+
 def prepare_directory(
     output_dir: str, params: dict[str, Any], resume: bool, cache_name: str, producer_name: str
 ) -> dict[str, Any] | None:
@@ -107,7 +146,17 @@ def prepare_directory(
                 f"output_dir {output_dir} holds a finished cache built with other parameters "
                 f"({describe_diff(recorded, params)}). Choose another output_dir, or delete this cache."
             )
-        check_cache_files(output_dir, manifest, cache_name, producer_name)
+        try:
+            check_cache_files(output_dir, manifest, cache_name, producer_name)
+        except CacheIntegrityError:
+            # a shard of a finished cache is missing, truncated or extra: this run has the same
+            # parameters, so it fills the gap itself (what `te-thd cache repair` then a resume do)
+            wrong = _wrong_sized(output_dir, manifest)
+            reopen_for_resume(output_dir, manifest, wrong)
+            _log.warning("%s: a finished cache with shards missing or of the wrong size (set aside: %s); "
+                         "recomputing them", output_dir, format_indices(wrong))
+            remove_stale_temp_files(output_dir)
+            return None
         if os.path.exists(progress_path):  # killed after the manifest, before this cleanup
             os.unlink(progress_path)
             fsync_dir(output_dir)

@@ -73,7 +73,7 @@ from .copyread import (
 from .errors import CacheIntegrityError, UnverifiedCacheWarning, repair_hint
 from .format import TensorSpec, load_safetensors, manifest_path, shard_path, shard_rows
 from .integrity import ShardSums, verify_rows
-from .manifest import manifest_schema, read_manifest, shard_records
+from .manifest import manifest_schema, read_manifest, recorded_producer, shard_records
 from .shardfile import HeaderEntry, ShardHeader, check_shard_header
 from .verify import check_cache_files, requires_shard_sums
 
@@ -271,6 +271,9 @@ class CachedTensorDataset(Dataset):
         self._producer = producer_name
         self._repair = repair_hint(cache_dir, producer_name)
         self.manifest = read_manifest(cache_dir, cache_name, format_version, producer_name)
+        if producer_name is None:  # the command the cache records, when its producer recorded one
+            producer_name = self._producer = recorded_producer(cache_dir, self.manifest)
+            self._repair = repair_hint(cache_dir, producer_name)
         self.shard_size = int(self.manifest["shard_size"])
         self.num_samples = int(self.manifest["num_samples"])
         self._disk_keys = tuple(disk_keys)

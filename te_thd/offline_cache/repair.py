@@ -24,21 +24,23 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from te_thd.offline_cache.durable import ProducerLock, fsync_dir
+from te_thd.offline_cache.durable import ProducerLock
 from te_thd.offline_cache.errors import CacheIntegrityError, producer_hint
 from te_thd.offline_cache.format import (
     existing_shard_indices,
-    manifest_path,
     num_shards,
     shard_path,
     shard_rows,
 )
-from te_thd.offline_cache.manifest import load_manifest, manifest_schema, shard_records
-from te_thd.offline_cache.producer_state import PROGRESS_NAME, params_of_manifest, write_json
+from te_thd.offline_cache.manifest import (
+    load_manifest,
+    manifest_schema,
+    recorded_producer,
+    shard_records,
+)
+from te_thd.offline_cache.producer_state import reopen_for_resume
 from te_thd.offline_cache.shardfile import read_shard_header, schema_of_header
 from te_thd.offline_cache.verify import requires_shard_sums, verify_shard_file
-
-DAMAGED_DIR = ".te_thd-damaged"
 
 
 def _find_bad(cache_dir: str, manifest: dict[str, Any]) -> tuple[dict[int, str], list[int], list[int]]:
@@ -89,20 +91,10 @@ def repair_cache(cache_dir: str, cache_name: str = "offline") -> dict[str, Any]:
             "extra": [os.path.basename(shard_path(cache_dir, i)) for i in extra],
             "set_aside_in": None,
             "reopened": False,
-            "producer": manifest.get("producer") if isinstance(manifest.get("producer"), str) else producer_hint(None),
+            "producer": recorded_producer(cache_dir, manifest) or producer_hint(None),
         }
         if not (bad or missing or extra):
             return result
-        write_json(os.path.join(cache_dir, PROGRESS_NAME), params_of_manifest(manifest))
-        if bad or extra:
-            aside = os.path.join(cache_dir, DAMAGED_DIR)
-            os.makedirs(aside, exist_ok=True)
-            for i in [*bad, *extra]:
-                path = shard_path(cache_dir, i)
-                os.replace(path, os.path.join(aside, os.path.basename(path)))
-            fsync_dir(aside)
-            result["set_aside_in"] = aside
-        os.unlink(manifest_path(cache_dir))
-        fsync_dir(cache_dir)
+        result["set_aside_in"] = reopen_for_resume(cache_dir, manifest, [*bad, *extra])
         result["reopened"] = True
         return result

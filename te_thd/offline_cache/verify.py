@@ -41,6 +41,7 @@ from te_thd.offline_cache.manifest import (
     check_integrity_entry,
     load_manifest,
     manifest_schema,
+    recorded_producer,
     shard_records,
     validate_manifest,
 )
@@ -65,7 +66,7 @@ def check_cache_files(
     """
     validate_manifest(manifest, manifest_path(cache_dir), producer)
     indices = validate_contiguous_shards(
-        cache_dir, cache_name, int(manifest["num_samples"]), int(manifest["shard_size"])
+        cache_dir, cache_name, int(manifest["num_samples"]), int(manifest["shard_size"]), producer=producer
     )
     records = shard_records(manifest)
     if records is not None:
@@ -224,12 +225,12 @@ def verify_cache(
     ``.path`` is the first bad shard.
     """
     manifest = load_manifest(cache_dir, cache_name, producer_name)
-    if producer_name is None and isinstance(manifest.get("producer"), str):
-        producer_name = f"{manifest['producer']} (the producer this cache records) with the arguments that built it"
+    if producer_name is None:
+        producer_name = recorded_producer(cache_dir, manifest)
     validate_manifest(manifest, manifest_path(cache_dir), producer_name)
     num_samples, shard_size = int(manifest["num_samples"]), int(manifest["shard_size"])
     # presence of 0..N-1 (a gap or an extra shard is a problem of the set: raised at once)
-    indices = validate_contiguous_shards(cache_dir, cache_name, num_samples, shard_size)
+    indices = validate_contiguous_shards(cache_dir, cache_name, num_samples, shard_size, producer=producer_name)
     records = shard_records(manifest)
     result: dict[str, Any] = {
         "cache_dir": cache_dir,
