@@ -44,6 +44,11 @@ def pytest_configure(config) -> None:
     # pytest's own tmp_path directories stay in the system temp directory, where its
     # retention policy (pyproject.toml: only failed tests') decides what is kept
     os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", tempfile.gettempdir())
+    # this process's multiprocessing directory is made first, where multiprocessing removes it
+    # itself at exit (after this run's directory is gone)
+    import multiprocessing.util
+
+    multiprocessing.util.get_temp_dir()
     root = tempfile.mkdtemp(prefix="te_thd-tests-")
     config._te_thd_tmp = (root, os.environ.get("TMPDIR"), tempfile.tempdir)
     os.environ["TMPDIR"] = root

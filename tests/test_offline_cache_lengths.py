@@ -25,7 +25,7 @@ from te_thd.offline_cache import (
     write_manifest,
 )
 from te_thd.offline_cache.balanced_sampler import scan_lengths
-from te_thd.offline_cache.errors import CacheIntegrityError, ManifestError
+from te_thd.offline_cache.errors import CacheIntegrityError, ManifestError, UnverifiedCacheWarning
 from te_thd.offline_cache.length_scan import (
     cache_lengths,
     read_side_file,
@@ -106,7 +106,9 @@ def test_tampered_length_is_detected(tmp_path: Path) -> None:
         write_manifest(str(tmp_path), m, m["format_version"])
 
 
-def test_reference_cache_scanned_once_kept_reused_and_invalidated(tmp_path: Path) -> None:
+@pytest.mark.filterwarnings("always::te_thd.offline_cache.errors.UnverifiedCacheWarning")
+def test_reference_cache_scanned_once_kept_reused_and_invalidated(tmp_path: Path, recwarn: pytest.WarningsRecorder) -> None:
+    """A reference-format cache (no checksums: its reads warn, asserted at the end) is scanned once."""
     tensors = make_cache(str(tmp_path), 19, 6, producer=False)
     want = tensors["length"].numpy()
     assert verify_cache(str(tmp_path), deep=True)["lengths_recorded"] is None
@@ -134,6 +136,8 @@ def test_reference_cache_scanned_once_kept_reused_and_invalidated(tmp_path: Path
     assert (tmp_path / "lengths.length.json").exists()
     with pytest.raises(ValueError, match="length_key='nope'"):
         cache_lengths(str(tmp_path), CACHE_NAME, "nope")
+    unverified = [w for w in recwarn if issubclass(w.category, UnverifiedCacheWarning)]
+    assert unverified and all("carries no checksums" in str(w.message) for w in unverified)
 
 
 _READ_ONLY = """
@@ -173,7 +177,8 @@ def test_read_only_cache_without_lengths_says_how_to_add_them(tmp_path: Path) ->
 
 
 @pytest.mark.parametrize("producer", [True, False])
-def test_balanced_loader_uses_recorded_or_kept_lengths(tmp_path: Path, producer: bool) -> None:
+@pytest.mark.filterwarnings("always::te_thd.offline_cache.errors.UnverifiedCacheWarning")
+def test_balanced_loader_uses_recorded_or_kept_lengths(tmp_path: Path, producer: bool, recwarn) -> None:
     tensors = sample_tensors(24, seed=5)
     if producer:  # lengths recorded from the key the collator packs by
         loader = torch.utils.data.DataLoader(_Rows(tensors), batch_size=6)
@@ -201,6 +206,9 @@ def test_balanced_loader_uses_recorded_or_kept_lengths(tmp_path: Path, producer:
     assert sorted(p.name for p in tmp_path.glob("lengths.*")) == ([] if producer else ["lengths.length.json"])
     with pytest.raises(ValueError, match="not a CachedTensorDataset"):
         build_cached_dataloader(list(range(4)), 2, False, CachedThdCollator(16), balance=True)
+    unverified = [w for w in recwarn if issubclass(w.category, UnverifiedCacheWarning)]
+    assert bool(unverified) == (not producer)  # only the reference-format cache reads unverified
+
 
 
 def test_reference_loop_with_durable_writer_records_lengths(tmp_path: Path) -> None:

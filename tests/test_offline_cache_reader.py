@@ -11,8 +11,10 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import pickle
+import re
 import threading
 import time
+import warnings
 
 import pytest
 import torch
@@ -28,6 +30,7 @@ from te_thd.offline_cache import (
     CachedBatch,
     CachedTensorDataset,
     CacheIntegrityError,
+    UnverifiedCacheWarning,
     collate_cached,
 )
 from te_thd.offline_cache.format import shard_path
@@ -36,6 +39,29 @@ from te_thd.offline_cache.shardfile import read_shard_header
 
 KEYS = ("sample_id", "input_ids", "loss_mask", "position_mask", "length", "hidden")
 N, SHARD = 83, 16  # 6 shards, the last one short (3 samples)
+
+
+@pytest.fixture(autouse=True)
+def _unverified_reads_are_asserted(request):
+    """The ``UnverifiedCacheWarning`` a read of a plain (reference-format) cache raises is
+    asserted here, not printed: a test of the plain cache may see it (when it reads a shard) and
+    it must say what it should; a test marked ``unverified_cache`` must see it; any other test
+    must not (pyproject makes it an error)."""
+    plain = "plain_save_file" in request.node.name
+    required = request.node.get_closest_marker("unverified_cache") is not None
+    if not (plain or required):
+        yield
+        return
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", UnverifiedCacheWarning)
+        yield
+    unverified = [w for w in caught if issubclass(w.category, UnverifiedCacheWarning)]
+    for w in unverified:
+        assert re.search(r"carries no checksums .* its reads are not verified", str(w.message)), w.message
+    assert unverified or not required, "the test reads no unverified shard"
+    for w in caught:  # anything else goes on to pytest's own handling
+        if not issubclass(w.category, UnverifiedCacheWarning):
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
 
 
 @pytest.fixture(scope="module", params=["produce_cache", "plain_save_file"])
@@ -410,6 +436,7 @@ def _write(d: str, shards: list[dict[str, torch.Tensor]], num_samples: int, shar
     write_manifest(d, {"num_samples": num_samples, "shard_size": shard_size}, FORMAT_VERSION)
 
 
+@pytest.mark.unverified_cache
 def test_shard_with_wrong_row_count(tmp_path):
     d = str(tmp_path)
     _write(d, [{"x": torch.zeros(4, 2)}, {"x": torch.zeros(3, 2)}], num_samples=8, shard_size=4)
@@ -419,6 +446,7 @@ def test_shard_with_wrong_row_count(tmp_path):
         ds.__getitems__([5])
 
 
+@pytest.mark.unverified_cache
 def test_shard_with_different_schema(tmp_path):
     d = str(tmp_path)
     _write(d, [{"x": torch.zeros(4, 2)}, {"x": torch.zeros(4, 2, dtype=torch.float64)}], num_samples=8, shard_size=4)
@@ -437,6 +465,7 @@ def test_shard_removed_after_open(tmp_path):
         ds.__getitems__([4])
 
 
+@pytest.mark.unverified_cache
 def test_item_path_checks_each_shard_on_first_open(tmp_path):
     """``ds[i]`` runs the batched path's header + schema checks when it opens a shard."""
     d = str(tmp_path)
