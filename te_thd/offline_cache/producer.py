@@ -42,6 +42,7 @@ import json
 import logging
 import os
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -285,11 +286,23 @@ def produce_cache(
             producer_lock.release()
 
 
+@dataclass(frozen=True)
 class _Job:
-    """One ``produce_cache`` call on one rank: its parameters and its phases, in order."""
+    """One ``produce_cache`` call on one rank: its parameters (validated by :meth:`plan`) and its
+    phases, in order."""
 
-    def __init__(self, **fields: Any) -> None:
-        self.__dict__.update(fields)
+    output_dir: str
+    shard_size: int
+    keys: tuple[str, ...]
+    options: dict[str, Any]  # the producer options, JSON values
+    format_version: int
+    cache_name: str
+    producer_name: str | None
+    num_samples: int
+    logger: logging.Logger
+    comm: _Comm
+    length_rule: LengthRule | None
+    params: dict[str, Any]  # what two runs must share to write one cache (``run_params``)
 
     @classmethod
     def plan(cls, dataloader: DataLoader, output_dir: str, shard_size: int, keys: Sequence[str],
