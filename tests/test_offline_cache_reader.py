@@ -546,3 +546,26 @@ def test_readahead_hints_the_read_keys_of_each_opened_shard(tmp_path, monkeypatc
             entries = read_shard_header(shard_path(d, s)).entries
             want += [(shard_path(d, s), entries[k].start, entries[k].end - entries[k].start, os.POSIX_FADV_WILLNEED) for k in keys]
         assert sorted(calls) == sorted(want)
+
+
+def test_a_reader_alive_at_interpreter_exit_leaves_quietly(tmp_path):
+    """Open shards and helper threads of a dataset still referenced at exit are finalised without
+    'Exception ignored' noise (their finalisers must not need modules torn down first)."""
+    import subprocess
+    import sys
+
+    d = str(tmp_path / "c")
+    make_cache(d, 64, 16, width=4096, hidden=64)
+    script = (
+        "import torch\n"
+        "import te_thd.offline_cache.reader as reader_module\n"
+        "from te_thd.offline_cache import CacheShardSampler, CachedTensorDataset\n"
+        f"ds = CachedTensorDataset({d!r}, {CACHE_NAME!r}, {FORMAT_VERSION!r}, ('hidden', 'length'), read_threads=2)\n"
+        "order = list(CacheShardSampler(ds, num_replicas=1, rank=0, shuffle=True, seed=0))\n"
+        "for i in range(0, len(order), 8):\n"
+        "    x = ds.__getitems__(order[i : i + 8]); del x\n"
+        "item = ds[3]\n"
+    )
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert "Exception ignored" not in run.stderr and "Traceback" not in run.stderr, run.stderr

@@ -351,8 +351,9 @@ class _Worker:
         self._queue.put((batch, done))
         return done
 
-    def __del__(self) -> None:
-        if getattr(self, "_pid", None) == os.getpid():  # a forked child has no thread to stop
+    # os.getpid bound at definition: at interpreter exit the module may be torn down first
+    def __del__(self, _getpid: Callable[[], int] = os.getpid) -> None:
+        if getattr(self, "_pid", None) == _getpid():  # a forked child has no thread to stop
             self._queue.put(None)
 
 

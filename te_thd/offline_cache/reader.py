@@ -707,14 +707,15 @@ class _ShardFile:
         self.handle: Any = None
         self._pid = os.getpid()
 
-    def close(self) -> None:
+    def close(self, _close: Callable[[int], None] = os.close) -> None:
         if self.fd >= 0:
             fd, self.fd = self.fd, -1
-            os.close(fd)
+            _close(fd)
 
-    def __del__(self) -> None:
+    # os's functions bound at definition: at interpreter exit the module may be torn down first
+    def __del__(self, _getpid: Callable[[], int] = os.getpid) -> None:
         # a forked child's inherited copies are closed by _OpenFiles.close() in _own()
-        if self._pid == os.getpid():
+        if self._pid == _getpid():
             try:
                 self.close()
             except OSError:
