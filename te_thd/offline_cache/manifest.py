@@ -327,8 +327,8 @@ def read_manifest(
         raise ManifestError(
             f"{cache_name} cache manifest {path} has format_version={version!r}, expected "
             f"{format_version}: its tensors mean something else. Point cache_dir at a cache built "
-            f"for format_version {format_version}, or build one into a new directory"
-            f"{f' with {producer_name}' if producer_name else ' with produce_cache(..., format_version=' + str(format_version) + ')'}."
+            f"for format_version {format_version}, or build one into a new directory with "
+            f"{producer_name or f'produce_cache(..., format_version={format_version})'}."
         )
     validate_manifest(manifest, path, producer_name)
     return {**(defaults or {}), **manifest}

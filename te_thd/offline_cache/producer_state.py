@@ -32,7 +32,7 @@ from te_thd.offline_cache.format import (
 from te_thd.offline_cache.lengths import LengthRule, for_tensor_spec, read_shard_lengths
 from te_thd.offline_cache.manifest import RESERVED_MANIFEST_KEYS, read_manifest
 from te_thd.offline_cache.shardfile import ShardRecord, read_shard_header, schema_of_header
-from te_thd.offline_cache.verify import check_cache_files, verify_shard_file
+from te_thd.offline_cache.verify import check_cache_files, shard_size_errors, verify_shard_file
 
 PROGRESS_NAME = ".te_thd-producer.json"
 _log = logging.getLogger("te_thd.offline_cache")
@@ -115,15 +115,10 @@ def reopen_for_resume(cache_dir: str, manifest: Mapping[str, Any], set_aside: Se
 
 def _wrong_sized(cache_dir: str, manifest: Mapping[str, Any]) -> list[int]:
     """Shards of ``manifest``'s cache that are present with another size than recorded, or beyond its count."""
-    records = manifest.get("shards")
     count = num_shards(int(manifest["num_samples"]), int(manifest["shard_size"]))
-    wrong = []
-    for i in sorted(existing_shard_indices(cache_dir)):
-        if i >= count:
-            wrong.append(i)
-        elif isinstance(records, list) and os.stat(shard_path(cache_dir, i)).st_size != records[i]["bytes"]:
-            wrong.append(i)
-    return wrong
+    present = sorted(existing_shard_indices(cache_dir))
+    wrong_size = shard_size_errors(cache_dir, manifest, [i for i in present if i < count])
+    return [*wrong_size, *(i for i in present if i >= count)]
 
 
 def prepare_directory(

@@ -403,7 +403,10 @@ class CachedTensorDataset(Dataset):
         Opening checks the shard first (:meth:`_checked_header`); a file safetensors
         still refuses is a :class:`CacheIntegrityError` naming it.
         """
-        f = self._shard_file(shard_index)
+        return self._safe_handle(self._shard_file(shard_index))
+
+    def _safe_handle(self, f: _ShardFile) -> Any:
+        """``f``'s ``safe_open`` handle, opened on first use."""
         if f.handle is None:
             _, safe_open = load_safetensors(self.cache_name)
             try:
@@ -483,12 +486,13 @@ class CachedTensorDataset(Dataset):
             )
         shard_index = index // self.shard_size
         offset = index % self.shard_size
-        handle = self._handle(shard_index)
+        f = self._shard_file(shard_index)
+        handle = self._safe_handle(f)
         try:
             out = {key: handle.get_slice(key)[offset] for key in self._disk_keys}
         except _SafetensorError as exc:  # the header was checked on open; the file changed since?
             raise self._unreadable(shard_path(self.cache_dir, shard_index), exc) from exc
-        sums = self._files.get(shard_index).header.sums  # type: ignore[union-attr]
+        sums = f.header.sums
         row = np.array([offset])
         for key, t in out.items():
             self.verify_copied_rows(shard_index, sums, key, t.unsqueeze(0), row)
@@ -627,7 +631,7 @@ class CachedTensorDataset(Dataset):
                 views = f.views
                 local_run, pos_run = _is_run(local), pos is None or _is_run(pos)
                 rows_t = None if local_run else torch.from_numpy(local)
-                all_rows: Sequence[int] = range(int(local[0]), int(local[0]) + local.size) if local_run else local.tolist()
+                all_rows = range(int(local[0]), int(local[0]) + local.size) if local_run else local.tolist()
             dst = out[key]
             if pos is None and local.size == dst.shape[0]:
                 target = dst

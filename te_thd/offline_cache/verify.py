@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import shlex
 import zlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,11 +68,27 @@ def check_cache_files(
     indices = validate_contiguous_shards(
         cache_dir, cache_name, int(manifest["num_samples"]), int(manifest["shard_size"]), producer=producer
     )
-    records = shard_records(manifest)
-    if records is not None:
-        for i, rec in zip(indices, records, strict=True):
-            check_integrity_entry(shard_path(cache_dir, i), int(rec["bytes"]), producer)
+    errors = shard_size_errors(cache_dir, manifest, indices, producer)
+    if errors:
+        raise errors[min(errors)]
     return indices
+
+
+def shard_size_errors(
+    cache_dir: str, manifest: Mapping[str, Any], indices: Sequence[int], producer: str | None = None
+) -> dict[int, CacheIntegrityError]:
+    """``{index: error}`` of the shards ``indices`` that are missing or whose size differs from the
+    manifest's record (none for a manifest without records). One ``stat`` per shard."""
+    records = shard_records(manifest)
+    errors: dict[int, CacheIntegrityError] = {}
+    if records is None:
+        return errors
+    for i in indices:
+        try:
+            check_integrity_entry(shard_path(cache_dir, i), int(records[i]["bytes"]), producer)
+        except CacheIntegrityError as exc:
+            errors[i] = exc
+    return errors
 
 
 #: The shard checksum manifests of older te_thd versions record: CRC-32 of the whole file.
@@ -245,16 +261,9 @@ def verify_cache(
     }
     rule = recorded_rule(manifest)
     result["lengths_recorded"] = rule.describe() if rule is not None else None
-    problems: list[tuple[str, str]] = []
-    sized = []  # the shards whose size matches the manifest: only those are read
-    for i in indices:
-        path = shard_path(cache_dir, i)
-        try:
-            if records is not None:
-                check_integrity_entry(path, int(records[i]["bytes"]), producer_name)
-            sized.append(i)
-        except CacheIntegrityError as exc:
-            problems.append((path, _problem(exc, path)))
+    size_errors = shard_size_errors(cache_dir, manifest, indices, producer_name)
+    problems = [(shard_path(cache_dir, i), _problem(exc, shard_path(cache_dir, i))) for i, exc in size_errors.items()]
+    sized = [i for i in indices if i not in size_errors]  # only the shards of the right size are read
     if not deep:
         _raise_problems(problems, cache_dir, cache_name, producer_name)
         result["checked"], result["not_checked"] = _what_was_checked(cache_dir, False, records is not None, 0, len(indices))
