@@ -125,3 +125,18 @@ def run_gloo(world: int, fn, *args, out_dir: str, timeout: float = 180) -> list:
     if codes != [0] * world:
         raise RuntimeError(f"gloo workers exited with {codes}")
     return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world)]
+
+
+def damage_shard(shard: str | os.PathLike, how: str, shorter_by: int = 7) -> None:
+    """Damage the shard file ``shard`` as a user finds it: ``"missing"`` (deleted), ``"truncated"``
+    (``shorter_by`` bytes short) or ``"extra"`` (a copy of it under index 7, beyond a small cache)."""
+    path = os.fspath(shard)
+    if how == "missing":
+        os.unlink(path)
+    elif how == "truncated":
+        os.truncate(path, os.path.getsize(path) - shorter_by)
+    elif how == "extra":
+        with open(path, "rb") as src, open(shard_path(os.path.dirname(path), 7), "wb") as dst:
+            dst.write(src.read())
+    else:
+        raise ValueError(f"how={how!r} must be 'missing', 'truncated' or 'extra'")

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 from _example_support import EXAMPLES, REPO, small_cache_argv
+from _offline_cache_support import damage_shard
 
 import te_thd.offline_cache as oc
 from te_thd.cli import build_parser as te_thd_parser
@@ -174,12 +175,10 @@ def test_every_hint_about_a_damaged_shard_runs_as_printed(cache_dir: Path, tmp_p
     cache = tmp_path / "cache"
     shutil.copytree(cache_dir, cache)
     shard = cache / "shard-000001.safetensors"
-    if damage == "missing":
-        shard.unlink()
-    elif damage == "truncated":
-        os.truncate(shard, shard.stat().st_size - 7)
-    else:
+    if damage == "flipped":
         _flip(shard, "hidden", 3)
+    else:
+        damage_shard(shard, damage)
     verify = subprocess.run([sys.executable, "-m", "te_thd.cli", "cache", "verify", str(cache)],
                             capture_output=True, text=True, timeout=120, env=_env(), cwd=REPO)  # fmt: skip
     assert verify.returncode == 1, verify.stdout + verify.stderr

@@ -236,6 +236,9 @@ def test_read_manifest_missing(tmp_path: Path) -> None:
     with pytest.raises(ManifestError, match=r"cache_dir='.*manifest\.json' is a file, not a cache directory; pass its directory"):
         _manifest(tmp_path, {"format_version": 1, "num_samples": 0, "shard_size": 1})
         read_manifest(str(tmp_path / MANIFEST_NAME), "test", 1)
+    (tmp_path / "notes.txt").write_text("x")
+    with pytest.raises(ManifestError, match=r"cache_dir='.*notes\.txt' is a file, not a cache directory; pass the directory that holds manifest\.json and the shards$"):
+        read_manifest(str(tmp_path / "notes.txt"), "test", 1)
 
 
 def test_read_manifest_not_json(tmp_path: Path) -> None:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _offline_cache_support import damage_shard
 from crash_test import IndexDataset
 from hypothesis import given
 from hypothesis import strategies as st
@@ -294,13 +295,7 @@ def test_the_same_call_fills_a_gap_in_a_finished_cache(tmp_path: Path, damage: s
     clean, d = tmp_path / "clean", tmp_path / "cache"
     for out in (clean, d):
         produce_cache(loader, str(out), 4, compute, ("h",), {"cp_size": 1}, progress=False)
-    shard = d / "shard-000001.safetensors"
-    if damage == "missing":
-        shard.unlink()
-    elif damage == "truncated":
-        os.truncate(shard, shard.stat().st_size - 5)
-    else:
-        (d / "shard-000007.safetensors").write_bytes(shard.read_bytes())
+    damage_shard(d / "shard-000001.safetensors", damage)
     produce_cache(loader, str(d), 4, compute, ("h",), {"cp_size": 1}, progress=False)
     assert sorted(p.name for p in d.iterdir() if not p.name.startswith(".")) == sorted(p.name for p in clean.iterdir())
     for p in clean.iterdir():
