@@ -27,7 +27,7 @@ OPTIONS = {"cp_size": 2, "mask_prompt": False}
 #: name -> (num_samples, shard_size, batch_size); per world size
 SCENARIOS: dict[int, dict[str, tuple[int, int, int]]] = {
     # 13 samples / shard 2 -> 7 shards: ranks own 4+3 shards (8 and 5 samples: 4 vs 3 steps)
-    2: {"uneven": (13, 2, 2), "two_shards": (7, 4, 2)},
+    2: {"uneven": (13, 2, 2), "two_shards": (7, 4, 2), "ragged": (13, 2, 2)},
     # 7 shards over 3 ranks: 3+2+2 shards (6, 4, 3 samples); 2 shards over 3 ranks: rank 2 owns none
     3: {"uneven": (13, 2, 2), "zero_rank": (7, 4, 2), "resume": (13, 2, 2), "subgroup": (7, 2, 2), "schema_error": (9, 2, 2)},
 }
@@ -38,8 +38,20 @@ def dataset(n: int) -> list[dict[str, torch.Tensor]]:
     return [{"x": torch.randn(4, generator=g), "i": torch.tensor([i, 2 * i, 3 * i])} for i in range(n)]
 
 
+#: scenarios whose name starts with "ragged" store "tok" ragged, fp8-encoded (the token layout)
+RAGGED = {"token_keys": ("tok",), "codecs": {"tok": "fp8_e4m3"}}
+
+
+def produce_kwargs(name: str) -> dict:
+    """The keys and layout arguments of scenario ``name``."""
+    return {"keys": KEYS + ("tok",), **RAGGED} if name.startswith("ragged") else {"keys": KEYS}
+
+
 def compute(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {"h": (batch["x"] * 0.5).to(torch.bfloat16), "ids": batch["i"] + 1, "n": batch["i"][:, 0] % 5 + 1}
+    n = batch["i"][:, 0] % 5 + 1
+    real = (torch.arange(5).unsqueeze(0) < n.unsqueeze(1)).unsqueeze(-1)  # [b, 5, 1]: tokens < n
+    tok = (batch["x"][:, None, :] * torch.arange(1, 6).view(1, 5, 1) * real).to(torch.bfloat16)  # [b, 5, 4]
+    return {"h": (batch["x"] * 0.5).to(torch.bfloat16), "ids": batch["i"] + 1, "n": n, "tok": tok}
 
 
 def loader(n: int, batch_size: int) -> DataLoader:
@@ -74,9 +86,10 @@ def main() -> None:
             return outp
 
         try:
+            kw = produce_kwargs(name)
             m = produce_cache(
-                loader(n, bs), f"{base}/{name}", shard_size, compute_collective, KEYS, OPTIONS,
-                group=group, progress=False, length_key=LENGTH_KEY,
+                loader(n, bs), f"{base}/{name}", shard_size, compute_collective, kw.pop("keys"), OPTIONS,
+                group=group, progress=False, length_key=LENGTH_KEY, **kw,
             )
             results[name] = {"calls": calls["n"], "manifest": m}
         except Exception as exc:  # recorded, the test asserts on it

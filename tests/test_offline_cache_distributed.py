@@ -44,8 +44,9 @@ def _bytes(d: Path) -> dict[str, bytes]:
 def _reference(tmp: Path, name: str, n: int, shard_size: int, bs: int) -> dict[str, bytes]:
     out = tmp / f"ref-{name}-{n}-{shard_size}-{bs}"
     if not out.exists():
-        produce_cache(w.loader(n, bs), str(out), shard_size, w.compute, w.KEYS, w.OPTIONS, progress=False,
-                      length_key=w.LENGTH_KEY)  # fmt: skip
+        kw = w.produce_kwargs(name)
+        produce_cache(w.loader(n, bs), str(out), shard_size, w.compute, kw.pop("keys"), w.OPTIONS, progress=False,
+                      length_key=w.LENGTH_KEY, **kw)  # fmt: skip
     return _bytes(out)
 
 
@@ -107,6 +108,9 @@ def test_two_ranks_uneven_counts_match_single_process(tmp_path: Path, ref_dir: P
         calls = [r[name]["calls"] for r in results]
         assert calls == [max(local)] * 2, (name, calls, local)  # lockstep: equal counts, padded
     assert _expected_steps(13, 2, 2, 2) == [4, 3]  # the scenario really is uneven
+    ragged = results[0]["ragged"]["manifest"]
+    assert ragged["token_layout"] == {"keys": ["tok"], "codecs": {"tok": "fp8_e4m3"}}
+    assert all(r["fidelity"]["tok"]["max_rel_l2"] < 0.1 for r in ragged["shards"])
 
 
 def test_three_ranks_uneven_zero_shard_rank_resume_subgroup_and_errors(tmp_path: Path, ref_dir: Path) -> None:

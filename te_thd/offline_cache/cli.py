@@ -54,7 +54,14 @@ def format_info(info: dict[str, Any]) -> str:
     ]
     for key, spec in info["schema"].items():
         shape = ", ".join(["n", *map(str, spec["shape"])])
-        lines.append(f"  {key:<20} {spec['dtype']:<10} [{shape}]")
+        line = f"  {key:<20} {spec['dtype']:<10} [{shape}]"
+        stored = info.get("storage", {}).get(key, "rows")
+        if stored != "rows":
+            line += f"  {stored}"
+        fid = info.get("fidelity", {}).get(key)
+        if fid is not None:
+            line += f"; relative L2 error per token: max {fid['max_rel_l2']:.2e}, mean {fid['mean_rel_l2']:.2e}"
+        lines.append(line)
     lines.append("producer options:" if info["options"] else "producer options: -")
     for k, v in sorted(info["options"].items()):
         lines.append(f"  {k} = {json.dumps(v)}")

@@ -111,14 +111,19 @@ def header_digest(tensor_entries: Mapping[str, Any], fields: Mapping[str, Any]) 
 
 
 def shard_metadata(
-    tensor_entries: Mapping[str, Any], sums: Mapping[str, Sequence[int]], rows: int
+    tensor_entries: Mapping[str, Any],
+    sums: Mapping[str, Sequence[int]],
+    rows: int,
+    tokens: Mapping[str, Any] | None = None,
 ) -> tuple[dict[str, str], str]:
     """The ``__metadata__`` of a new shard (``{"te_thd": <JSON of the fields>}``) and its header digest.
 
     ``tensor_entries`` is the safetensors header without metadata
     (``{key: {"dtype", "shape", "data_offsets"}}``), ``sums`` the per-row sums of
-    every key (:func:`row_sums`), ``rows`` the sample count. The digest is what
-    the manifest records for the shard (:func:`shard_checksum`).
+    every key (:func:`row_sums`), ``rows`` the sample count. ``tokens``: the
+    ragged tensors' fields of a token-layout shard (:mod:`~te_thd.offline_cache.token_shard`),
+    covered by the digest like the rest. The digest is what the manifest records
+    for the shard (:func:`shard_checksum`).
     """
     fields: dict[str, Any] = {
         "layout": SHARD_LAYOUT,
@@ -126,6 +131,8 @@ def shard_metadata(
         "hash": HASH_NAME,
         "sums": {k: encode_sums(v) for k, v in sums.items()},
     }
+    if tokens is not None:
+        fields["tokens"] = dict(tokens)
     fields["header"] = digest = header_digest(tensor_entries, fields)
     return {META_KEY: json.dumps(fields, sort_keys=True, separators=(",", ":"))}, digest
 
@@ -150,6 +157,8 @@ class ShardSums:
     rows: int
     sums: dict[str, array.array]
     digest: str
+    #: the ragged tensors' fields of a token-layout shard (parsed by ``token_read``), else None
+    tokens: dict[str, Any] | None = None
 
 
 def parse_shard_metadata(
@@ -188,14 +197,19 @@ def parse_shard_metadata(
             expected=f"{HASH_NAME}:{recorded}",
             actual=f"{HASH_NAME}:{actual}",
         )
-    missing = sorted(set(tensor_entries) - set(fields["sums"]))
+    tokens = fields.get("tokens")
+    if tokens is not None and not (isinstance(tokens, dict) and isinstance(tokens.get("stored"), dict)):
+        raise bad("hold a malformed 'tokens' entry")
+    # ragged tensors are covered by block sums (``tokens``), not row sums
+    ragged = set(tokens["stored"]) | {tokens.get("block_sums")} if tokens is not None else set()
+    missing = sorted(set(tensor_entries) - set(fields["sums"]) - ragged)
     if missing:
         raise bad(f"have no row checksums for keys {missing}")
     try:
         sums = {k: decode_sums(v, rows) for k, v in fields["sums"].items()}
     except (ValueError, TypeError, AttributeError) as exc:
         raise bad(f"hold unreadable row checksums ({exc})") from None
-    return ShardSums(rows, sums, recorded)
+    return ShardSums(rows, sums, recorded, tokens)
 
 
 def verify_rows(

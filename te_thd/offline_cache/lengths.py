@@ -163,8 +163,20 @@ def check_lengths_record(rec: Mapping[str, Any], rows: int) -> str | None:
 
 
 def read_shard_lengths(path: str, rule: LengthRule) -> np.ndarray:
-    """Lengths of every row of one shard file under ``rule`` (reads only the rule's key)."""
+    """Lengths of every row of one shard file under ``rule`` (reads only the rule's key).
+
+    A token-layout shard stored exactly those lengths (its row offsets, by its producer's rule): they
+    are read from its header when ``rule`` is that rule.
+    """
     from safetensors import safe_open
+
+    from te_thd.offline_cache.shardfile import read_shard_header  # lengths is imported by the shard writer's modules
+    from te_thd.offline_cache.tokens import decode_offsets
+
+    header = read_shard_header(path)
+    tokens = header.sums.tokens if header.sums is not None else None
+    if tokens is not None and LengthRule.from_json(tokens.get("length_rule")) == rule:
+        return np.diff(decode_offsets(tokens["offsets"], header.sums.rows))
 
     with safe_open(path, "pt") as f:
         return rule.lengths(f.get_tensor(rule.key))

@@ -76,6 +76,7 @@ from te_thd.offline_cache.format import (
 )
 from te_thd.offline_cache.integrity import SHARD_LAYOUT
 from te_thd.offline_cache.lengths import LENGTH_RULE_KEY, LengthRule, check_lengths_record
+from te_thd.offline_cache.tokens import TOKEN_LAYOUT_KEY, TokenLayout, parse_format_version, stored_format_version
 
 #: Version of the te_thd integrity fields a producer writes (see the module docstring).
 LAYOUT_VERSION = SHARD_LAYOUT
@@ -83,7 +84,8 @@ LAYOUT_VERSION = SHARD_LAYOUT
 MANIFEST_CHECKSUM_KEY = "manifest_checksum"
 #: Manifest keys te_thd writes itself; producer options may not use them.
 RESERVED_MANIFEST_KEYS = frozenset(
-    {"format_version", "num_samples", "shard_size", "layout_version", "schema", "shards", LENGTH_RULE_KEY, MANIFEST_CHECKSUM_KEY}
+    {"format_version", "num_samples", "shard_size", "layout_version", "schema", "shards", LENGTH_RULE_KEY,
+     TOKEN_LAYOUT_KEY, MANIFEST_CHECKSUM_KEY}
 )
 
 
@@ -160,6 +162,17 @@ def validate_manifest(manifest: Mapping[str, Any], path: str, producer: str | No
             LengthRule.from_json(manifest[LENGTH_RULE_KEY])
         except ValueError as exc:
             raise ManifestError(f"manifest {path} has an invalid 'length_rule': {exc}") from None
+    if TOKEN_LAYOUT_KEY in manifest:
+        try:
+            layout = TokenLayout.from_json(manifest[TOKEN_LAYOUT_KEY])
+        except ValueError as exc:
+            raise ManifestError(f"manifest {path} has an invalid {TOKEN_LAYOUT_KEY!r}: {exc}") from None
+        schema = manifest.get("schema") or {}
+        if LENGTH_RULE_KEY not in manifest or not set(layout.keys) <= set(schema):
+            raise ManifestError(
+                f"manifest {path}: {TOKEN_LAYOUT_KEY!r} needs a 'length_rule' and its keys {list(layout.keys)} in "
+                "the 'schema'. The manifest is damaged. " + _rebuild(path, producer)
+            )
 
 
 def manifest_checksum(manifest: Mapping[str, Any]) -> str:
@@ -193,6 +206,8 @@ def write_manifest(cache_dir: str, manifest: dict[str, Any], format_version: int
     full = {"format_version": format_version, **manifest}
     full.pop(MANIFEST_CHECKSUM_KEY, None)
     validate_manifest(full, path)
+    # a ragged cache records "<version>+tokens": readers that do not know the layout refuse it
+    full["format_version"] = stored_format_version(format_version, TOKEN_LAYOUT_KEY in full)
     try:
         # The checksum is taken over what a reader will parse (tuples become
         # lists, int dict keys strings), so write the JSON round trip.
@@ -250,6 +265,14 @@ def _read_checked_manifest(cache_dir: str, cache_name: str, producer: str | None
             "is not an offline-cache manifest (te_thd and the reference producer both write one). "
             + _rebuild(path, producer)
         )
+    version, tagged = parse_format_version(manifest["format_version"])
+    if tagged != (TOKEN_LAYOUT_KEY in manifest):
+        raise ManifestError(
+            f"{cache_name} cache manifest {path} has format_version={manifest['format_version']!r} "
+            f"{'without' if tagged else 'with'} a {TOKEN_LAYOUT_KEY!r} field; a ragged cache records both. "
+            "The manifest is damaged. " + _rebuild(path, producer)
+        )
+    manifest["format_version"] = version  # the caller's version; the layout is in token_layout
     return manifest
 
 

@@ -83,6 +83,7 @@ from te_thd.offline_cache.producer_state import (
     verify_existing,
 )
 from te_thd.offline_cache.shardfile import ShardRecord
+from te_thd.offline_cache.tokens import TOKEN_LAYOUT_KEY, TokenLayout, check_token_keys
 from te_thd.offline_cache.writer import DurableShardWriter
 
 _log = logging.getLogger("te_thd.offline_cache")
@@ -168,10 +169,12 @@ class _RecordingWriter(DurableShardWriter):
     """
 
     def __init__(
-        self, keys: Sequence[str], cache_name: str, schema: CacheSchema | None, length_rule: LengthRule | None = None
-    ) -> None:
+        self, keys: Sequence[str], cache_name: str, schema: CacheSchema | None, length_rule: LengthRule | None = None,
+        token_layout: TokenLayout | None = None,
+    ) -> None:  # fmt: skip
         # write-behind: batches are written (streamed into their shard) while the next are computed
-        super().__init__(keys, cache_name, schema, pipelined=True, write_behind=True, length_rule=length_rule)
+        super().__init__(keys, cache_name, schema, pipelined=True, write_behind=True, length_rule=length_rule,
+                         token_layout=token_layout)  # fmt: skip
         self.error: str | None = None
 
     def check_batch(self, out: Any) -> dict[str, torch.Tensor] | None:
@@ -235,6 +238,8 @@ def produce_cache(
     progress: bool | None = None,
     logger: logging.Logger | None = None,
     length_key: str | None = None,
+    token_keys: Sequence[str] = (),
+    codecs: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """Produce (or finish, or reuse) the cache of ``dataloader`` in ``output_dir``; return its manifest.
 
@@ -267,11 +272,19 @@ def produce_cache(
             recorded per shard in the manifest (``te_thd.offline_cache.lengths``):
             its value when it holds one number per sample, else its non-padding
             length. Default ``input_ids`` when stored, else no lengths are recorded.
+        token_keys: stored keys shaped ``[n, L, ...]`` to store ragged: only each
+            sample's first ``length`` tokens (``length`` by ``length_key``), back to
+            back (``te_thd.offline_cache.tokens``). Every reader returns them as the
+            padded cache would: ``[L, ...]`` per sample, zeros past the length.
+            Needs the lengths (``length_key``, or a stored ``input_ids``).
+        codecs: ``{token key: "fp8_e4m3"}``: store that float key as float8 e4m3
+            with one float32 scale per token; read back as its logical dtype
+            (``te_thd.offline_cache.codecs``). What it lost is recorded per shard.
 
     Every rank returns the same manifest dict (``read_manifest``'s view).
     """
     job = _Job.plan(dataloader, output_dir, shard_size, keys, options, format_version, cache_name,
-                    producer_name, rank, world_size, group, logger or _log, length_key)  # fmt: skip
+                    producer_name, rank, world_size, group, logger or _log, length_key, token_keys, codecs)  # fmt: skip
     producer_lock = ProducerLock(output_dir) if (lock and job.comm.rank == 0) else None
     try:
         finished = job.prepare(producer_lock, resume)
@@ -302,13 +315,15 @@ class _Job:
     logger: logging.Logger
     comm: _Comm
     length_rule: LengthRule | None
+    token_layout: TokenLayout | None
     params: dict[str, Any]  # what two runs must share to write one cache (``run_params``)
 
     @classmethod
     def plan(cls, dataloader: DataLoader, output_dir: str, shard_size: int, keys: Sequence[str],
              options: Mapping[str, Any] | None, format_version: int, cache_name: str,
              producer_name: str | None, rank: int | None, world_size: int | None, group: Any,
-             logger: logging.Logger, length_key: str | None = None) -> _Job:  # fmt: skip
+             logger: logging.Logger, length_key: str | None = None, token_keys: Sequence[str] = (),
+             codecs: Mapping[str, str] | None = None) -> _Job:  # fmt: skip
         """Validate the arguments (before any rank touches the directory)."""
         check_shard_size(shard_size)
         keys = tuple(keys)
@@ -316,6 +331,12 @@ class _Job:
             raise ValueError(f"keys={keys!r} must be a non-empty tuple of distinct key names, e.g. ('hidden',)")
         opts = _check_options(options)
         length_rule = producer_rule(length_key, keys)
+        token_layout = check_token_keys(token_keys, codecs, keys)
+        if token_layout is not None and length_rule is None:
+            raise ValueError(
+                f"token_keys={tuple(token_keys)} needs each sample's length to know which tokens to store; pass "
+                "length_key=<the stored key with each sample's length or its token ids>"
+            )
         try:
             num_samples = len(dataloader.dataset)  # type: ignore[arg-type]
         except TypeError:
@@ -332,8 +353,8 @@ class _Job:
         return cls(
             output_dir=output_dir, shard_size=shard_size, keys=keys, options=opts, format_version=format_version,
             cache_name=cache_name, producer_name=producer_name, num_samples=num_samples, logger=logger,
-            comm=_Comm(rank, world_size, group), length_rule=length_rule,
-            params=run_params(format_version, num_samples, shard_size, keys, opts),
+            comm=_Comm(rank, world_size, group), length_rule=length_rule, token_layout=token_layout,
+            params=run_params(format_version, num_samples, shard_size, keys, opts, token_layout),
         )  # fmt: skip
 
     def prepare(self, producer_lock: ProducerLock | None, resume: bool) -> dict[str, Any] | None:
@@ -396,7 +417,7 @@ class _Job:
         schema: CacheSchema | None, progress: bool | None,
     ) -> _RecordingWriter:  # fmt: skip
         """Compute and write the shards ``missing`` in lockstep with the other ranks."""
-        writer = _RecordingWriter(self.keys, self.cache_name, schema, self.length_rule)
+        writer = _RecordingWriter(self.keys, self.cache_name, schema, self.length_rule, self.token_layout)
         runs = shard_runs(missing, self.num_samples, self.shard_size)
         bs = loader_batch_size(dataloader)
         global_steps = self.comm.max_int(sum(-(-n // bs) for _, _, n in runs))
@@ -423,7 +444,7 @@ class _Job:
         comm = self.comm
         mine = (
             writer.error,
-            {i: (r.bytes, r.checksum, r.lengths) for i, r in records.items()},
+            {i: (r.bytes, r.checksum, r.lengths, r.fidelity) for i, r in records.items()},
             schema_to_json(writer.schema) if writer.schema is not None else None,
         )
         gathered = comm.all_gather(mine)
@@ -432,7 +453,8 @@ class _Job:
         if comm.rank == 0:
             try:
                 manifest = _assemble_manifest(
-                    gathered, self.params, self.options, self.output_dir, self.cache_name, self.length_rule
+                    gathered, self.params, self.options, self.output_dir, self.cache_name, self.length_rule,
+                    self.token_layout,
                 )
                 write_manifest(self.output_dir, manifest, self.format_version)
                 os.unlink(os.path.join(self.output_dir, PROGRESS_NAME))
@@ -452,19 +474,20 @@ class _Job:
 
 
 def _assemble_manifest(
-    gathered: Sequence[tuple[str | None, dict[int, tuple[int, str, tuple[int, ...] | None]], dict[str, Any] | None]],
+    gathered: Sequence[tuple[str | None, dict[int, tuple[Any, ...]], dict[str, Any] | None]],
     params: Mapping[str, Any],
     options: Mapping[str, Any],
     output_dir: str,
     cache_name: str,
     length_rule: LengthRule | None = None,
+    token_layout: TokenLayout | None = None,
 ) -> dict[str, Any]:
     errors = [(r, e) for r, (e, _, _) in enumerate(gathered) if e is not None]
     if errors:
         raise SchemaError("; ".join(f"rank {r}: {e}" for r, e in errors))
     num_samples, shard_size = params["num_samples"], params["shard_size"]
     expected = num_shards(num_samples, shard_size)
-    records: dict[int, tuple[int, str, tuple[int, ...] | None]] = {}
+    records: dict[int, tuple[Any, ...]] = {}
     for _, recs, _ in gathered:
         records.update(recs)
     missing = sorted(set(range(expected)) - set(records))
@@ -487,7 +510,7 @@ def _assemble_manifest(
         "layout_version": LAYOUT_VERSION,
         "schema": schema,
         "shards": [
-            ShardRecord(records[i][0], records[i][1], records[i][2] if lengths else None).to_json(
+            ShardRecord(records[i][0], records[i][1], records[i][2] if lengths else None, records[i][3]).to_json(
                 os.path.basename(shard_path(output_dir, i))
             )
             for i in range(expected)
@@ -496,6 +519,8 @@ def _assemble_manifest(
     if lengths:
         assert length_rule is not None
         manifest[LENGTH_RULE_KEY] = for_tensor_spec(length_rule, schema_from_json(schema)[length_rule.key]).to_json()
+    if token_layout is not None:
+        manifest[TOKEN_LAYOUT_KEY] = token_layout.to_json()
     return manifest
 
 

@@ -32,6 +32,7 @@ from te_thd.offline_cache.format import (
 from te_thd.offline_cache.lengths import LengthRule, for_tensor_spec, read_shard_lengths
 from te_thd.offline_cache.manifest import RESERVED_MANIFEST_KEYS, read_manifest
 from te_thd.offline_cache.shardfile import ShardRecord, read_shard_header, schema_of_header
+from te_thd.offline_cache.tokens import TOKEN_LAYOUT_KEY, TokenLayout, shard_fidelity
 from te_thd.offline_cache.verify import check_cache_files, shard_size_errors, verify_shard_file
 
 PROGRESS_NAME = ".te_thd-producer.json"
@@ -39,16 +40,20 @@ _log = logging.getLogger("te_thd.offline_cache")
 
 
 def run_params(
-    format_version: int, num_samples: int, shard_size: int, keys: Sequence[str], options: Mapping[str, Any]
+    format_version: int, num_samples: int, shard_size: int, keys: Sequence[str], options: Mapping[str, Any],
+    token_layout: TokenLayout | None = None,
 ) -> dict[str, Any]:
     # What must be equal for shards of two runs to belong to one cache.
-    return {
+    params = {
         "format_version": format_version,
         "num_samples": num_samples,
         "shard_size": shard_size,
         "keys": sorted(keys),
         "options": dict(options),
     }
+    if token_layout is not None:
+        params[TOKEN_LAYOUT_KEY] = token_layout.to_json()
+    return params
 
 
 def write_json(path: str, obj: Any) -> None:
@@ -85,6 +90,7 @@ def params_of_manifest(manifest: Mapping[str, Any], keys: Sequence[str] = ()) ->
         manifest.get("shard_size"),  # type: ignore[arg-type]
         list(manifest.get("schema") or {}) if manifest.get("num_samples") else keys,
         {k: v for k, v in manifest.items() if k not in RESERVED_MANIFEST_KEYS},
+        TokenLayout.from_json(manifest[TOKEN_LAYOUT_KEY]) if TOKEN_LAYOUT_KEY in manifest else None,
     )
 
 
@@ -222,5 +228,7 @@ def verify_existing(
         if length_rule is not None and schema is not None:
             rows = read_shard_lengths(path, for_tensor_spec(length_rule, schema[length_rule.key]))
             lengths = tuple(int(v) for v in rows)
-        records[i] = ShardRecord(bytes=check.bytes, checksum=check.checksum, lengths=lengths)
+        tokens = check.header.sums.tokens if check.header.sums is not None else None
+        fidelity = shard_fidelity(tokens) if tokens is not None else None
+        records[i] = ShardRecord(bytes=check.bytes, checksum=check.checksum, lengths=lengths, fidelity=fidelity)
     return records, schema

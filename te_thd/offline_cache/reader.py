@@ -74,7 +74,9 @@ from .errors import CacheIntegrityError, UnverifiedCacheWarning, repair_hint
 from .format import TensorSpec, load_safetensors, manifest_path, shard_path, shard_rows
 from .integrity import ShardSums, verify_rows
 from .manifest import manifest_schema, read_manifest, recorded_producer, shard_records
-from .shardfile import HeaderEntry, ShardHeader, check_shard_header
+from .shardfile import HeaderEntry, ShardHeader, check_shard_header, logical_entries
+from .token_read import ReadContext, TokenIndex, TokenRows, token_index
+from .tokens import TOKEN_LAYOUT_KEY, TokenLayout
 from .verify import check_cache_files, requires_shard_sums
 
 #: Rows are copied and hashed in chunks of about this many bytes per key, so the
@@ -112,11 +114,26 @@ class CachedBatch(Sequence[dict[str, torch.Tensor]]):
     of unstacking and restacking.
     """
 
-    __slots__ = ("tensors", "_len")
+    __slots__ = ("fixed", "tokens", "_len")
 
-    def __init__(self, tensors: dict[str, torch.Tensor], length: int) -> None:
-        self.tensors = tensors
+    def __init__(self, tensors: dict[str, torch.Tensor], length: int, tokens: TokenRows | None = None) -> None:
+        self.fixed = tensors
+        self.tokens = tokens
         self._len = length
+
+    @property
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Every key, stacked: ragged keys of a token-layout cache are read here, on first access,
+        zero-padded to ``[B, L, ...]`` (``fixed`` holds the others; ``tokens`` reads any tokens
+        of the ragged ones without padding them first, e.g. one CP rank's share)."""
+        if self.tokens is not None:
+            tokens, self.tokens = self.tokens, None
+            self.fixed = {**self.fixed, **{k: tokens.padded(k) for k in tokens.keys}}
+        return self.fixed
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # another process cannot read through this one's open shards: send the tensors
+        return (CachedBatch, (self.tensors, self._len))
 
     def __len__(self) -> int:
         return self._len
@@ -277,6 +294,11 @@ class CachedTensorDataset(Dataset):
         self.shard_size = int(self.manifest["shard_size"])
         self.num_samples = int(self.manifest["num_samples"])
         self._disk_keys = tuple(disk_keys)
+        # a ragged cache (``token_keys``): its token keys are read through ``token_read``, the rest as rows
+        layout = self.manifest.get(TOKEN_LAYOUT_KEY)
+        self._token_layout = TokenLayout.from_json(layout) if layout is not None else None
+        self._token_keys = tuple(k for k in self._disk_keys if self._token_layout and k in self._token_layout.keys)
+        self._row_keys = tuple(k for k in self._disk_keys if k not in self._token_keys)
         # presence of shards 0..N-1 and, when the manifest records them, their byte sizes
         self._shard_indices = check_cache_files(cache_dir, self.manifest, cache_name, producer_name)
         self._max_open = max_open_shards
@@ -385,7 +407,8 @@ class CachedTensorDataset(Dataset):
         except CacheIntegrityError as exc:
             raise CacheIntegrityError(f"{exc}. {self._repair}", path=path) from None
         if self._schema is None:
-            self._schema = {k: TensorSpec(header.entries[k].dtype, header.entries[k].shape[1:]) for k in self._disk_keys}
+            entries = logical_entries(header)
+            self._schema = {k: TensorSpec(entries[k].dtype, entries[k].shape[1:]) for k in self._disk_keys}
         if header.sums is None and not self._warned_unverified:
             self._warned_unverified = True
             warnings.warn(
@@ -446,8 +469,25 @@ class CachedTensorDataset(Dataset):
         f = self._files.get(shard_index)
         if f is None:
             path, header = self._checked_header(shard_index)
-            f = self._files.put(shard_index, _ShardFile(path, header), self._max_open)
+            f = _ShardFile(path, header)
+            if header.sums is not None and header.sums.tokens is not None:
+                try:
+                    f.tokens = token_index(path, header)
+                except CacheIntegrityError as exc:
+                    raise CacheIntegrityError(f"{exc}. {self._repair}", path=path) from None
+            elif self._token_layout is not None:
+                raise CacheIntegrityError(
+                    f"shard {path} has no token fields although the manifest records a token layout "
+                    f"(it was replaced by another writer's). {self._repair}", path=path,
+                )  # fmt: skip
+            f = self._files.put(shard_index, f, self._max_open)
         return f
+
+    def _token_opener(self, shard_index: int) -> tuple[int, TokenIndex, ReadContext]:
+        """How :class:`~te_thd.offline_cache.token_read.TokenRows` reaches shard ``shard_index``."""
+        f = self._shard_file(shard_index)
+        assert f.tokens is not None
+        return self._descriptor(f), f.tokens, ReadContext(self.verify, shard_index * self.shard_size, self._repair)
 
     def _descriptor(self, f: _ShardFile) -> int:
         """``f``'s read-only descriptor, opened (with the ``readahead`` hint) on first use."""
@@ -458,8 +498,11 @@ class CachedTensorDataset(Dataset):
                 raise CacheIntegrityError(
                     f"shard {f.path} is missing (removed after the cache was opened?). {self._repair}", path=f.path
                 ) from None
+            if f.tokens is not None and _fadvise is not None:
+                # ragged reads fetch a few blocks here and there (one CP rank's tokens): no kernel read-ahead
+                _fadvise(f.fd, 0, 0, os.POSIX_FADV_RANDOM)
             if self.readahead and _fadvise is not None:
-                for key in self._disk_keys:
+                for key in self._row_keys:
                     e = f.header.entries[key]
                     _fadvise(f.fd, e.start, e.end - e.start, os.POSIX_FADV_WILLNEED)
         return f.fd
@@ -489,13 +532,17 @@ class CachedTensorDataset(Dataset):
         f = self._shard_file(shard_index)
         handle = self._safe_handle(f)
         try:
-            out = {key: handle.get_slice(key)[offset] for key in self._disk_keys}
+            out = {key: handle.get_slice(key)[offset] for key in self._row_keys}
         except _SafetensorError as exc:  # the header was checked on open; the file changed since?
             raise self._unreadable(shard_path(self.cache_dir, shard_index), exc) from exc
         sums = f.header.sums
         row = np.array([offset])
         for key, t in out.items():
             self.verify_copied_rows(shard_index, sums, key, t.unsqueeze(0), row)
+        if self._token_keys:
+            tokens = TokenRows(self._token_opener, [(shard_index, offset)], {k: self._schema[k] for k in self._token_keys})
+            out.update({k: tokens.padded(k)[0] for k in self._token_keys})
+            out = {k: out[k] for k in self._disk_keys}
         return out
 
     def __getitems__(self, indices: Sequence[int]) -> CachedBatch:
@@ -555,7 +602,7 @@ class CachedTensorDataset(Dataset):
         entries = self._shard_file(groups[0][0]).header.entries
         out: dict[str, torch.Tensor] = {}
         raw: dict[str, memoryview] = {}
-        for k in self._disk_keys:
+        for k in self._row_keys:
             out[k], raw[k] = buffers.get(k, n, entries[k].shape[1:], entries[k].dtype)
         chunk = VERIFY_CHUNK_BYTES if self.verify or reads.threads > 1 else 0
         pieces: list[Piece | GatherPiece] = []
@@ -567,7 +614,11 @@ class CachedTensorDataset(Dataset):
             for dst, pos, rows in scattered:  # gathered rows of shards whose batch rows interleave
                 dst.index_copy_(0, pos, rows)
 
-        return CachedBatch(out, n), reads, pieces, finish if scattered else None
+        tokens = None
+        if self._token_keys:
+            places = _batch_places(groups, n)
+            tokens = TokenRows(self._token_opener, places, {k: self._schema[k] for k in self._token_keys})
+        return CachedBatch(out, n, tokens), reads, pieces, finish if scattered else None
 
     def _parallel(self, in_worker: bool) -> ParallelReads:
         """This process's :class:`ParallelReads`: ``read_threads``, or 1 thread inside a DataLoader worker
@@ -617,7 +668,7 @@ class CachedTensorDataset(Dataset):
 
             return after
 
-        for key in self._disk_keys:
+        for key in self._row_keys:
             e = entries[key]
             row_bytes = (e.end - e.start) // e.shape[0]
             if engines[key]:
@@ -627,7 +678,7 @@ class CachedTensorDataset(Dataset):
                 continue
             if views is None:  # the row pattern is the same for every key: work it out once per shard
                 if f.views is None:
-                    f.views = _map_shard(f.path, entries, self._disk_keys, self._repair)
+                    f.views = _map_shard(f.path, entries, self._row_keys, self._repair)
                 views = f.views
                 local_run, pos_run = _is_run(local), pos is None or _is_run(pos)
                 rows_t = None if local_run else torch.from_numpy(local)
@@ -669,11 +720,11 @@ class CachedTensorDataset(Dataset):
         cost shared by all keys: measured 6% faster for small sequential rows).
         """
         if self.copy_engine != "auto":
-            return dict.fromkeys(self._disk_keys, self.copy_engine == "preadv"), None
+            return dict.fromkeys(self._row_keys, self.copy_engine == "preadv"), None
         limit = self.preadv_min_run_bytes
         plan: RunPlan | None = None  # the same row pattern for every key: planned at most once
         out: dict[str, bool] = {}
-        for key in self._disk_keys:
+        for key in self._row_keys:
             e = entries[key]
             row_bytes = (e.end - e.start) // e.shape[0]
             use = row_bytes >= limit
@@ -683,7 +734,7 @@ class CachedTensorDataset(Dataset):
                 use = row_bytes * local.size >= limit * plan.num_runs
             out[key] = use
         if any(out.values()) and _is_run(local) and (pos is None or _is_run(pos)):
-            return dict.fromkeys(self._disk_keys, True), plan
+            return dict.fromkeys(self._row_keys, True), plan
         return out, plan
 
 
@@ -703,10 +754,11 @@ class _ShardFile:
     number reused by the next open, which would read another file.
     """
 
-    __slots__ = ("path", "header", "fd", "views", "handle", "_pid")
+    __slots__ = ("path", "header", "fd", "views", "handle", "tokens", "_pid")
 
     def __init__(self, path: str, header: ShardHeader) -> None:
         self.path, self.header, self.fd = path, header, -1
+        self.tokens: TokenIndex | None = None  # a token-layout shard's ragged index
         self.views: dict[str, torch.Tensor] | None = None
         self.handle: Any = None
         self._pid = os.getpid()
@@ -771,3 +823,14 @@ def _shard_groups(idx: np.ndarray, shard_size: int) -> list[tuple[int, np.ndarra
 def _is_run(a: np.ndarray) -> bool:
     """True iff the int array ``a`` is ``[a0, a0+1, ..., a0+n-1]``."""
     return a.size <= 1 or (int(a[-1]) - int(a[0]) == a.size - 1 and bool(np.all(np.diff(a) == 1)))
+
+
+def _batch_places(groups: Sequence[tuple[int, np.ndarray, np.ndarray | None]], n: int) -> list[tuple[int, int]]:
+    """``(shard, row)`` of each of the ``n`` batch rows, from the batch's shard groups
+    (``pos`` None: the group's rows are batch rows ``0..m-1``)."""
+    places: list[tuple[int, int]] = [(0, 0)] * n
+    for shard, local, pos in groups:
+        at = range(local.size) if pos is None else pos.tolist()
+        for p, r in zip(at, local.tolist(), strict=True):
+            places[p] = (shard, r)
+    return places

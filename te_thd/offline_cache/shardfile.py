@@ -44,6 +44,7 @@ from te_thd.offline_cache.format import (
     TensorSpec,
     dtype_name,
 )
+from te_thd.offline_cache.tokens import logical_specs
 from te_thd.offline_cache.integrity import (
     HASH_NAME,
     ShardSums,
@@ -68,11 +69,15 @@ class ShardRecord:
     checksum: str
     #: every row's real length (``te_thd.offline_cache.lengths``), when recorded
     lengths: tuple[int, ...] | None = None
+    #: per codec key of a token-layout shard, what its codec lost: ``{key: {"max_rel_l2", "mean_rel_l2"}}``
+    fidelity: dict[str, dict[str, float]] | None = None
 
     def to_json(self, file_name: str) -> dict[str, Any]:
         rec: dict[str, Any] = {"file": file_name, "bytes": self.bytes, "checksum": self.checksum}
         if self.lengths is not None:
             rec["lengths"] = list(self.lengths)
+        if self.fidelity is not None:
+            rec["fidelity"] = self.fidelity
         return rec
 
 
@@ -136,6 +141,25 @@ def check_cache_dtype(name: str, dtype: torch.dtype) -> None:
         )
 
 
+def check_piece(path: str, specs: Mapping[str, TensorSpec], piece: Mapping[str, torch.Tensor], cursor: int, rows: int) -> int:
+    """The row count ``n`` of ``piece`` (every key of ``specs``, ``[n, *trailing]``), checked against
+    the specs and against the ``rows - cursor`` rows the shard at ``path`` still takes."""
+    counts = {k: piece[k].shape[0] if piece[k].dim() else None for k in specs}
+    if len(set(counts.values())) != 1 or None in counts.values():
+        raise ValueError(f"piece of {path}: its keys hold different row counts {counts}; every key holds the same rows")
+    for k, spec in specs.items():
+        t = piece[k]
+        if t.dtype != spec.dtype or tuple(t.shape[1:]) != spec.shape:
+            raise ValueError(
+                f"piece of {path}: key {k!r} is {dtype_name(t.dtype)}{list(t.shape)}, the shard holds {spec.describe()} rows"
+            )
+    n = next(iter(counts.values()))
+    assert n is not None
+    if cursor + n > rows:
+        raise ValueError(f"piece of {path}: {n} rows after {cursor} overflow the shard's {rows} rows")
+    return n
+
+
 class ShardStream:
     """Write one self-verifying shard of ``rows`` rows to a NEW file ``path``, piece by piece.
 
@@ -168,24 +192,7 @@ class ShardStream:
         """Write the next rows: every key of ``specs``, ``[n, *trailing]`` with one ``n``."""
         if self._fd is None:
             raise ValueError(f"shard stream {self.path} is closed; start a new one")
-        counts = {k: piece[k].shape[0] if piece[k].dim() else None for k in self.specs}
-        if len(set(counts.values())) != 1 or None in counts.values():
-            raise ValueError(
-                f"piece of {self.path}: its keys hold different row counts {counts}; every key holds the same rows"
-            )
-        for k, spec in self.specs.items():
-            t = piece[k]
-            if t.dtype != spec.dtype or tuple(t.shape[1:]) != spec.shape:
-                raise ValueError(
-                    f"piece of {self.path}: key {k!r} is {dtype_name(t.dtype)}{list(t.shape)}, the shard holds "
-                    f"{spec.describe()} rows"
-                )
-        n = next(iter(counts.values()))
-        assert n is not None
-        if self._cursor + n > self.rows:
-            raise ValueError(
-                f"piece of {self.path}: {n} rows after {self._cursor} overflow the shard's {self.rows} rows"
-            )
+        n = check_piece(self.path, self.specs, piece, self._cursor, self.rows)
         # little Python between the GIL-free calls (pwrite, hashes): a producer's compute thread
         # waits for the GIL whenever it wakes while this thread holds it
         for k in self.specs:
@@ -387,7 +394,7 @@ def header_problems(
     reader needs (other keys may exist); ``None`` means exactly ``schema``'s keys.
     The row count the shard records itself must agree too.
     """
-    entries = header.entries
+    entries = logical_entries(header)
     problems = []
     required = list(keys) if keys is not None else list(schema or entries)
     missing = [k for k in required if k not in entries]
@@ -453,6 +460,24 @@ def check_shard_header(
     return header
 
 
+def logical_entries(header: ShardHeader) -> dict[str, HeaderEntry]:
+    """The header's entries as the cache's keys: a token-layout shard's ragged tensors
+    (``key@tokens``, ``key@scale``, the block sums) become their logical key ``[rows, L, ...]``
+    (its ``start``/``end`` then span nothing: read it through ``token_read``)."""
+    tokens = header.sums.tokens if header.sums is not None else None
+    if tokens is None:
+        return header.entries
+    try:
+        logical = logical_specs(tokens)
+    except ValueError as exc:
+        raise CacheIntegrityError(f"shard header's token fields are malformed ({exc})") from None
+    ragged = set(tokens["stored"]) | {tokens.get("block_sums")}
+    out = {k: e for k, e in header.entries.items() if k not in ragged}
+    for k, spec in logical.items():
+        out[k] = HeaderEntry(spec.dtype, (header.sums.rows, *spec.shape), 0, 0)
+    return out
+
+
 def schema_of_header(header: ShardHeader) -> dict[str, TensorSpec]:
-    """``{key: TensorSpec(dtype, trailing shape)}`` of a header's non-scalar entries."""
-    return {k: TensorSpec(e.dtype, e.shape[1:]) for k, e in header.entries.items() if e.shape}
+    """``{key: TensorSpec(dtype, trailing shape)}`` of a header's non-scalar entries (logical keys)."""
+    return {k: TensorSpec(e.dtype, e.shape[1:]) for k, e in logical_entries(header).items() if e.shape}

@@ -33,6 +33,7 @@ from te_thd.thd_utils import process_input_for_thd
 from .balanced_sampler import PlannedSamples
 from .loader import collate_cached
 from .reader import CachedBatch
+from .token_read import TokenRows
 
 __all__ = ["CachedThdCollator"]
 
@@ -141,19 +142,30 @@ class CachedThdCollator:
 
     # -- helpers ---------------------------------------------------------------------------
 
-    def _stacked(self, features: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    def _stacked(self, features: Sequence[Mapping[str, torch.Tensor]]) -> tuple[dict[str, torch.Tensor], TokenRows | None]:
+        """The batch's stacked keys, and the ragged keys of a token-layout cache not yet read (those
+        the packer needs -- ids, labels, lengths, mask -- are read whole, zero-padded, into the dict)."""
+        ragged: TokenRows | None = None
         if isinstance(features, CachedBatch):
-            tensors = features.tensors
+            tensors, ragged = dict(features.fixed), features.tokens
+            if ragged is not None:
+                for k in {self.input_key, self.label_key, self.length_key, self.mask_key} & set(ragged.keys):
+                    tensors[k] = ragged.padded(k)
         else:
             if len(features) == 0:
                 raise ValueError("features is empty; a THD batch needs at least one sample")
             tensors = collate_cached(features, tuple(features[0]))
         if self.keys is not None:
-            missing = [k for k in self.keys if k not in tensors]
+            have = set(tensors) | (set(ragged.keys) if ragged is not None else set())
+            missing = [k for k in self.keys if k not in have]
             if missing:
-                raise ValueError(f"keys {missing} were not read (read: {sorted(tensors)}); add them to the dataset's disk_keys")
-            tensors = {k: tensors[k] for k in self.keys}
-        return tensors
+                raise ValueError(f"keys {missing} were not read (read: {sorted(have)}); add them to the dataset's disk_keys")
+            tensors = {k: tensors[k] for k in self.keys if k in tensors}
+            if ragged is not None:
+                ragged = ragged.subset([k for k in ragged.keys if k in self.keys and k not in tensors])
+        elif ragged is not None:
+            ragged = ragged.subset([k for k in ragged.keys if k not in tensors])
+        return tensors, ragged
 
     def _lengths(self, tensors: Mapping[str, torch.Tensor], b: int, width: int) -> torch.Tensor:
         """Real length of every sample, int64 ``[B]`` on the CPU."""
@@ -204,7 +216,7 @@ class CachedThdCollator:
         rows = features.rows if isinstance(features, PlannedSamples) else None
         if rows is not None:
             features = features.batch
-        tensors = self._stacked(features)
+        tensors, ragged = self._stacked(features)
         if self.input_key not in tensors:
             raise ValueError(f"input_key={self.input_key!r} was not read (read: {sorted(tensors)})")
         ids = tensors[self.input_key]
@@ -229,16 +241,19 @@ class CachedThdCollator:
         packed = self.packer(samples, rows=rows)
 
         consumed = {self.input_key, self.label_key, self.length_key}
+        # per-sample shape of every carried key; a ragged key's without reading it
+        shapes = {k: tuple(v.shape[1:]) for k, v in tensors.items()}
+        if ragged is not None:
+            shapes.update({k: ragged.specs[k].shape for k in ragged.keys})
         if self.token_keys is not None:
             token_keys = self.token_keys
             for k in token_keys:
-                if k not in tensors or tensors[k].dim() < 2 or tensors[k].shape[1] != width:
-                    shape = tuple(tensors[k].shape[1:]) if k in tensors else "missing"
-                    raise ValueError(f"token_keys entry {k!r} must be read and shaped [L={width}, ...] per sample, got {shape}")
+                if k not in shapes or not shapes[k] or shapes[k][0] != width:
+                    raise ValueError(
+                        f"token_keys entry {k!r} must be read and shaped [L={width}, ...] per sample, got {shapes.get(k, 'missing')}"
+                    )
         else:
-            token_keys = tuple(
-                k for k, v in tensors.items() if k not in consumed and v.dim() >= 2 and v.shape[1] == width
-            )
+            token_keys = tuple(k for k, sh in shapes.items() if k not in consumed and sh and sh[0] == width)
         src_flat = packed.pop(_SRC).reshape(-1)  # [rows*S], -1 on padding
         is_pad = src_flat < 0
         gather = src_flat.clamp(min=0)
@@ -273,11 +288,24 @@ class CachedThdCollator:
             thd["num_seqs"], thd["max_seqlen_int"] = layout.num_seqs, layout.max_seqlen
             thd["max_seqlen"] = torch.tensor(layout.max_seqlen, dtype=torch.int32)
         for k in token_keys:
+            if k not in tensors:
+                # ragged: read exactly this rank's real tokens from the cache
+                assert ragged is not None
+                spec = ragged.specs[k]
+                real = torch.nonzero(~is_pad).view(-1)
+                at = gather.index_select(0, real).numpy()
+                flat = torch.full((gather.numel(), *spec.shape[1:]), self.pad_values.get(k, 0), dtype=spec.dtype)
+                flat[real] = ragged.gather(k, at // width, at % width)
+                thd[k] = flat
+                continue
             v = tensors[k]
             flat = v.reshape(b * width, *v.shape[2:]).index_select(0, gather)  # [T(/cp), ...]
             mask = is_pad.view(-1, *([1] * (flat.dim() - 1)))
             thd[k] = flat.masked_fill_(mask, self.pad_values.get(k, 0))
         out = dict(thd)
+        if ragged is not None:
+            # a ragged key packed per sample ([B, L, ...]) only when the caller's token_keys left it out
+            tensors.update({k: ragged.padded(k) for k in ragged.keys if k not in token_keys})
         for k, v in tensors.items():
             if k not in consumed and k not in token_keys:
                 out[k] = v  # per-sample keys, [B_samples, ...]

@@ -51,6 +51,8 @@ from te_thd.offline_cache.shardfile import (
     read_shard_header,
     schema_of_header,
 )
+from te_thd.offline_cache.token_read import check_token_blocks
+from te_thd.offline_cache.tokens import TOKEN_LAYOUT_KEY, TokenLayout, describe_stored
 
 
 def check_cache_files(
@@ -122,10 +124,15 @@ class ShardCheck:
 
 
 def _check_row_sums(path: str, header: ShardHeader) -> None:
-    """Hash every row of every key in the file and compare with the sums its header carries."""
+    """Hash every row of every key in the file (every block of a ragged tensor) and compare with the
+    sums its header carries."""
     assert header.sums is not None
+    if header.sums.tokens is not None:
+        check_token_blocks(path, header)
     data = np.memmap(path, dtype=np.uint8, mode="r") if os.path.getsize(path) else np.zeros(0, np.uint8)
     for key, e in sorted(header.entries.items(), key=lambda kv: kv[1].start):
+        if key not in header.sums.sums:  # a ragged tensor or the block sums: checked above
+            continue
         rows = e.shape[0] if e.shape else 0
         if not rows:
             continue
@@ -356,8 +363,10 @@ def cache_info(cache_dir: str) -> dict[str, Any]:
     Keys: ``cache_dir``, ``format_version``, ``layout_version`` (``None`` for a
     reference-format manifest), ``num_samples``, ``shard_size``, ``num_shards``,
     ``bytes`` (total shard bytes), ``checksum`` (algorithm or ``None``),
-    ``schema`` (``{key: {"dtype", "shape"}}``, per-sample shape), ``options``
-    (every other manifest field: the producer options).
+    ``schema`` (``{key: {"dtype", "shape"}}``, per-sample shape), ``storage``
+    (``{key: how it is stored}``: ``"rows"``, or ragged and its codec), ``fidelity``
+    (``{codec key: {"max_rel_l2", "mean_rel_l2"}}`` over all shards: what the codec lost),
+    ``options`` (every other manifest field: the producer options).
     """
     manifest = load_manifest(cache_dir)
     n = num_shards(int(manifest["num_samples"]), int(manifest["shard_size"]))
@@ -371,6 +380,22 @@ def cache_info(cache_dir: str) -> dict[str, Any]:
     schema = manifest_schema(manifest)
     if schema is None and os.path.exists(shard_path(cache_dir, 0)):
         schema = schema_of_header(read_shard_header(shard_path(cache_dir, 0)))
+    layout = TokenLayout.from_json(manifest[TOKEN_LAYOUT_KEY]) if TOKEN_LAYOUT_KEY in manifest else None
+    storage = {
+        k: describe_stored(layout, schema, k) if layout is not None and k in layout.keys else "rows"
+        for k in (schema or {})
+    }
+    fidelity: dict[str, dict[str, float]] = {}
+    rows_of = [shard_rows(i, int(manifest["num_samples"]), int(manifest["shard_size"])) for i in range(n)]
+    for rec, rows in zip(records or [], rows_of, strict=False):
+        for k, f in (rec.get("fidelity") or {}).items():
+            agg = fidelity.setdefault(k, {"max_rel_l2": 0.0, "mean_rel_l2": 0.0, "_w": 0})
+            agg["max_rel_l2"] = max(agg["max_rel_l2"], float(f["max_rel_l2"]))
+            agg["mean_rel_l2"] += float(f["mean_rel_l2"]) * rows  # weighted by samples, near enough per token
+            agg["_w"] += rows
+    for agg in fidelity.values():
+        w = agg.pop("_w")
+        agg["mean_rel_l2"] = agg["mean_rel_l2"] / w if w else 0.0
     return {
         "cache_dir": cache_dir,
         "format_version": manifest.get("format_version"),
@@ -381,5 +406,7 @@ def cache_info(cache_dir: str) -> dict[str, Any]:
         "bytes": total,
         "checksum": records[0]["checksum"].split(":", 1)[0] if records else None,
         "schema": {k: s.to_json() for k, s in (schema or {}).items()},
+        "storage": storage,
+        "fidelity": fidelity,
         "options": {k: v for k, v in manifest.items() if k not in RESERVED_MANIFEST_KEYS},
     }

@@ -37,6 +37,8 @@ from te_thd.offline_cache.format import (
 )
 from te_thd.offline_cache.lengths import LENGTH_RULE_KEY, LengthRule, for_tensor
 from te_thd.offline_cache.shardfile import ShardRecord, ShardStream
+from te_thd.offline_cache.token_shard import TokenShardStream
+from te_thd.offline_cache.tokens import TOKEN_LAYOUT_KEY, TokenLayout, check_token_schema
 from te_thd.offline_cache.writebehind import WriteBehind
 
 WriteShardFn = Callable[[str, int, dict[str, torch.Tensor]], str]
@@ -124,17 +126,24 @@ def _nbytes(tensors: Mapping[str, torch.Tensor]) -> int:
 class _StreamedShard:
     """One shard being written: its names, rows, and the :class:`ShardStream` its first piece opens."""
 
-    def __init__(self, final: str, specs: Mapping[str, TensorSpec], rows: int, rule: LengthRule | None) -> None:
+    def __init__(
+        self, final: str, specs: Mapping[str, TensorSpec], rows: int, rule: LengthRule | None,
+        tokens: TokenLayout | None = None,
+    ) -> None:  # fmt: skip
         self.final, self.tmp_path = final, temp_path_for(final)
-        self.specs, self.rows, self.rule = dict(specs), rows, rule
+        self.specs, self.rows, self.rule, self.tokens = dict(specs), rows, rule, tokens
         self.queued = 0  # rows handed over by the caller
         self.lengths: list[int] = []
-        self._stream: ShardStream | None = None
+        self._stream: ShardStream | TokenShardStream | None = None
 
-    def _open(self) -> ShardStream:
+    def _open(self) -> ShardStream | TokenShardStream:
         if self._stream is None:
             os.makedirs(os.path.dirname(self.final) or ".", exist_ok=True)
-            self._stream = ShardStream(self.tmp_path, self.specs, self.rows)
+            if self.tokens is None:
+                self._stream = ShardStream(self.tmp_path, self.specs, self.rows)
+            else:
+                assert self.rule is not None  # DurableShardWriter requires one with a token layout
+                self._stream = TokenShardStream(self.tmp_path, self.specs, self.rows, self.tokens, self.rule)
         return self._stream
 
     def write(self, piece: Mapping[str, torch.Tensor]) -> None:
@@ -154,7 +163,9 @@ class _StreamedShard:
         except BaseException:
             self.abort()
             raise
-        return record if self.rule is None else ShardRecord(record.bytes, record.checksum, tuple(self.lengths))
+        if self.rule is None:
+            return record
+        return ShardRecord(record.bytes, record.checksum, tuple(self.lengths), record.fidelity)
 
     def abort(self) -> None:
         # without a stream there is no file: the stream creates it, as its last step
@@ -189,7 +200,10 @@ class DurableShardWriter:
     raised by the next call, ``flush`` or ``close``. With a ``length_rule``
     (:class:`~te_thd.offline_cache.lengths.LengthRule`) every record also holds
     its rows' lengths, and :meth:`manifest_fields` gives the manifest's
-    ``schema``, ``shards`` and ``length_rule``.
+    ``schema``, ``shards`` and ``length_rule``. With a ``token_layout``
+    (:class:`~te_thd.offline_cache.tokens.TokenLayout`, needs a ``length_rule``) its
+    keys are stored ragged (:mod:`~te_thd.offline_cache.token_shard`): each sample's
+    first ``length`` tokens only, ``length`` by the rule.
     """
 
     def __init__(
@@ -200,6 +214,7 @@ class DurableShardWriter:
         pipelined: bool = True,
         write_behind: bool = False,
         length_rule: LengthRule | None = None,
+        token_layout: TokenLayout | None = None,
     ) -> None:
         if write_behind and not pipelined:
             raise ValueError("write_behind=True needs pipelined=True (the writes run on the commit thread)")
@@ -209,7 +224,10 @@ class DurableShardWriter:
                 f"length_rule reads key {length_rule.key!r}, which is not one of the stored keys {list(self.keys)}; "
                 "name a stored key"
             )
+        if token_layout is not None and length_rule is None:
+            raise ValueError("token_layout needs a length_rule: the rule says how many tokens of each sample are stored")
         self.length_rule = length_rule
+        self.token_layout = token_layout
         self.cache_name = cache_name
         self.schema: CacheSchema | None = dict(schema) if schema is not None else None
         self.records: dict[int, ShardRecord] = {}
@@ -255,7 +273,7 @@ class DurableShardWriter:
             self._resolve_once(checked)
             assert self.schema is not None
             st = _StreamedShard(shard_path(cache_dir, shard_index), {k: self.schema[k] for k in self.keys}, rows,
-                                self.length_rule)  # fmt: skip
+                                self.length_rule, self.token_layout)  # fmt: skip
             self._streams[shard_index] = st
             if self._write_behind and n:
                 self._budget(rows * nbytes // n)
@@ -300,6 +318,12 @@ class DurableShardWriter:
         if not self._resolved:
             if self.length_rule is not None:
                 self.length_rule = for_tensor(self.length_rule, piece[self.length_rule.key])
+            if self.token_layout is not None:
+                assert self.schema is not None
+                try:
+                    check_token_schema(self.token_layout, self.schema)
+                except ValueError as exc:
+                    raise SchemaError(f"{self.cache_name} cache: {exc}") from None
             load_safetensors(self.cache_name)
             self._resolved = True
 
@@ -321,6 +345,8 @@ class DurableShardWriter:
         }
         if self.length_rule is not None:
             fields[LENGTH_RULE_KEY] = self.length_rule.to_json()
+        if self.token_layout is not None:
+            fields[TOKEN_LAYOUT_KEY] = self.token_layout.to_json()
         return fields
 
     def _sync_dirs(self) -> None:
