@@ -49,6 +49,7 @@ from ep_cp.cache_format import (  # noqa: E402
     KEYS,
     LAYER_KEY,
     PRODUCER,
+    TOKEN_KEYS,
     producer_args,
     producer_command,
 )
@@ -126,6 +127,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pack-seq-len", type=int, default=256, help="packed row length S of training")
     p.add_argument("--data-seed", type=int, default=0)
     p.add_argument("--target-seed", type=int, default=TargetConfig.seed)
+    p.add_argument(
+        "--layout",
+        choices=("ragged", "padded"),
+        default="ragged",
+        help="ragged: store only each sample's real tokens of the per-token keys (the size "
+        "follows the real tokens); padded: every row right-padded to --max-len",
+    )
+    p.add_argument(
+        "--hidden-codec",
+        choices=("none", "fp8_e4m3"),
+        default="none",
+        help="store 'hidden' (and 'layer_hidden') as float8 e4m3 with one float32 scale per "
+        "token (needs --layout ragged); read back as bfloat16",
+    )
+    p.add_argument(
+        "--compact-dtypes",
+        action="store_true",
+        help="store topk_logprobs as bfloat16 and input_ids as int32 (the vocabulary fits); "
+        "the trainer reads them as float32 / int64",
+    )
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     return p
 
@@ -155,6 +176,11 @@ def check_args(args: argparse.Namespace) -> None:
             raise ValueError(f"--{name.replace('_', '-')}={v} must be >= 1")
     if args.num_samples is not None and args.num_samples < 1:
         raise ValueError(f"--num-samples={args.num_samples} must be >= 1")
+    if args.hidden_codec != "none" and args.layout != "ragged":
+        raise ValueError(
+            f"--hidden-codec {args.hidden_codec} needs --layout ragged (codecs apply to ragged token keys); "
+            "drop --layout padded"
+        )
     args.model_dir = _source_path("target", args.target, "hf")
     args.jsonl_path = _source_path("data", args.data, "jsonl")
     if args.model_dir is None and args.jsonl_path is not None:
@@ -310,6 +336,32 @@ def hf_source(args: argparse.Namespace, device: torch.device) -> Source:
     return data, compute_batch, options, keys
 
 
+def storage_options(args: argparse.Namespace) -> dict[str, Any]:
+    """How the cache stores its tensors (recorded, so the recorded command rebuilds the same bytes)."""
+    return {"layout": args.layout, "hidden_codec": args.hidden_codec, "compact_dtypes": bool(args.compact_dtypes)}
+
+
+def storage_layout(args: argparse.Namespace, keys: tuple) -> tuple[tuple[str, ...], dict[str, str]]:
+    """``(token_keys, codecs)`` for ``produce_cache``: every per-token key ragged unless --layout padded."""
+    if args.layout == "padded":
+        return (), {}
+    token_keys = tuple(k for k in keys if k in ("input_ids", *TOKEN_KEYS, LAYER_KEY))
+    codec = {} if args.hidden_codec == "none" else {k: args.hidden_codec for k in ("hidden", LAYER_KEY) if k in keys}
+    return token_keys, codec
+
+
+def compact(compute_batch: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]):
+    """``compute_batch`` storing log-probs as bfloat16 and ids as int32 (every example vocabulary fits)."""
+
+    def wrapped(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        out = dict(compute_batch(batch))
+        out["topk_logprobs"] = out["topk_logprobs"].to(torch.bfloat16)
+        out["input_ids"] = out["input_ids"].to(torch.int32)
+        return out
+
+    return wrapped
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     check_args(args)
@@ -329,8 +381,6 @@ def main(argv: list[str] | None = None) -> int:
 
     build = synthetic_source if args.model_dir is None else hf_source
     data, compute_batch, options, keys = build(args, device)
-    # the exact command, recorded: te_thd's messages about this cache print it to re-run
-    options = {**options, "producer_args": producer_args({**options, "shard_size": args.shard_size})}
     loader = DataLoader(data, batch_size=args.batch_size, shuffle=False)
     if rank == 0 and getattr(data, "truncated", 0):
         print(
@@ -339,6 +389,10 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
 
+    token_keys, codecs = storage_layout(args, keys)
+    options = {**options, "storage": storage_options(args)}
+    options = {**options, "producer_args": producer_args({**options, "shard_size": args.shard_size})}
+    compute_batch = compact(compute_batch) if args.compact_dtypes else compute_batch
     t0 = time.perf_counter()
     manifest = produce_cache(
         loader,
@@ -353,6 +407,8 @@ def main(argv: list[str] | None = None) -> int:
         progress=None,  # tqdm on rank 0 when stderr is a terminal
         # each sample's real length, recorded in the manifest for balanced loading
         length_key="seq_len" if "seq_len" in keys else None,
+        token_keys=token_keys,
+        codecs=codecs,
     )
     if rank == 0:
         n_bytes = sum(s["bytes"] for s in manifest.get("shards", []))

@@ -28,6 +28,7 @@ from _offline_cache_support import damage_shard
 import te_thd.offline_cache as oc
 from te_thd.cli import build_parser as te_thd_parser
 from te_thd.offline_cache.shardfile import read_shard_header
+from te_thd.offline_cache.token_read import token_index
 
 
 def _env() -> dict[str, str]:
@@ -88,8 +89,14 @@ def _check_command(cmd: str) -> None:
 
 
 def _flip(path: Path, key: str, row: int) -> None:
-    e = read_shard_header(str(path)).entries[key]
-    pos = e.start + row * (e.end - e.start) // e.shape[0] + 5
+    header = read_shard_header(str(path))
+    if key in header.entries:
+        e = header.entries[key]
+        pos = e.start + row * (e.end - e.start) // e.shape[0] + 5
+    else:  # a ragged cache (the example's default): the row's first token of key@tokens
+        e = header.entries[key + "@tokens"]
+        first = int(token_index(str(path), header).offsets[row])
+        pos = e.start + first * (e.end - e.start) // e.shape[0] + 5
     data = bytearray(path.read_bytes())
     data[pos] ^= 0x20
     path.write_bytes(bytes(data))
@@ -185,7 +192,8 @@ def test_every_hint_about_a_damaged_shard_runs_as_printed(cache_dir: Path, tmp_p
     with pytest.raises(oc.CacheError) as read:  # the reader's message names the same commands
         from ep_cp.cache_format import CACHE_NAME, FORMAT_VERSION, KEYS
 
-        oc.CachedTensorDataset(str(cache), CACHE_NAME, FORMAT_VERSION, KEYS).__getitems__(list(range(16)))
+        # .tensors: a ragged cache reads its token keys when the batch's tensors are first used
+        oc.CachedTensorDataset(str(cache), CACHE_NAME, FORMAT_VERSION, KEYS).__getitems__(list(range(16))).tensors
     for message in (verify.stderr, str(read.value)):
         cmds = _commands(message)
         producer = [c for c in cmds if "precompute_cache.py" in c]

@@ -126,14 +126,23 @@ def test_plan_token_reads_fetches_exactly_the_blocks_holding_the_tokens(lengths,
     if not real:
         return
     picks = data.draw(st.lists(st.sampled_from(real), min_size=1, max_size=30))
+    max_gap = data.draw(st.integers(0, 12))
     rows = np.asarray([r for r, _ in picks], dtype=np.int64)
     pos = np.asarray([p for _, p in picks], dtype=np.int64)
-    plan = plan_token_reads(table, offsets, rows, pos)
-    # brute force: the blocks of the picked tokens, read run by run into one buffer
+    plan = plan_token_reads(table, offsets, rows, pos, max_gap)
+    # brute force: the blocks of the picked tokens, each read once, run by run into one buffer
     wanted_blocks = sorted({int(table.row_first[r]) + p // block for r, p in picks})
     got_blocks = [g for a, b in plan.runs for g in range(a, b)]
-    assert got_blocks == wanted_blocks
-    assert all(b1 < a2 for (_, b1), (a2, _) in zip(plan.runs, plan.runs[1:], strict=False))  # merged, ascending
+    assert set(wanted_blocks) <= set(got_blocks) and len(got_blocks) == len(set(got_blocks))
+    assert plan.runs[0][0] == wanted_blocks[0] and plan.runs[-1][1] == wanted_blocks[-1] + 1
+    for a, b in plan.runs:  # a run starts and ends with a wanted block; its gaps hold <= max_gap tokens
+        assert a in wanted_blocks and b - 1 in wanted_blocks
+        inner = [g for g in wanted_blocks if a <= g < b]
+        assert all(table.start[y] - table.start[x + 1] <= max_gap for x, y in zip(inner, inner[1:], strict=False))
+    for (_, b1), (a2, _) in zip(plan.runs, plan.runs[1:], strict=False):  # ascending, gaps above max_gap
+        assert b1 < a2 and table.start[a2] - table.start[b1] > max_gap
+    if max_gap == 0:
+        assert got_blocks == wanted_blocks
     buffer = np.concatenate([np.arange(table.start[a], table.start[b]) for a, b in plan.runs])
     assert plan.tokens == buffer.size
     assert np.array_equal(buffer[plan.where], offsets[rows] + pos)

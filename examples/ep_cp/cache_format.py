@@ -17,7 +17,12 @@ key                 dtype, shape     meaning
                                      of the manifest's ``layers``
 ==================  ===============  =========================================
 
-Padding slots hold zeros in every key. ``hidden`` is the state the target's output
+Padding slots hold zeros in every key. ``precompute_cache.py`` stores every per-token key
+(``input_ids`` too) ragged by default (``--layout ragged``: only the real tokens are on
+disk; every reader still returns the rows above), ``--hidden-codec fp8_e4m3`` stores
+``hidden`` / ``layer_hidden`` as fp8 with a float32 scale per token (read back as bf16),
+and ``--compact-dtypes`` stores ``topk_logprobs`` as bf16 and ``input_ids`` as int32. The
+manifest's ``storage`` option records the choice. ``hidden`` is the state the target's output
 head reads (Hugging Face's ``hidden_states[-1]``); ``layer_hidden[:, j]`` is
 ``hidden_states[layers[j]]`` (0 = embedding output, ``i`` = after decoder layer
 ``i``) -- EAGLE-3's auxiliary states; ``reshape(L, n * H)`` gives their concatenation.
@@ -140,6 +145,8 @@ def producer_args(manifest: Mapping[str, Any] | None = None, **flags: Any) -> li
             opts["layers"] = ",".join(str(x) for x in m["layers"])
     elif "seed" in target:
         opts["target-seed"] = target["seed"]
+    storage = m.get("storage") if isinstance(m.get("storage"), Mapping) else {}
+    opts.update({"layout": storage.get("layout"), "hidden-codec": storage.get("hidden_codec")})
     opts.update({k.replace("_", "-"): v for k, v in flags.items()})
     argv = ["--out", CACHE_DIR]
     for name, value in opts.items():
@@ -147,6 +154,8 @@ def producer_args(manifest: Mapping[str, Any] | None = None, **flags: Any) -> li
             argv += [f"--{name}", str(value)]
     if isinstance(m.get("mask_prompt"), bool):
         argv.append("--mask-prompt" if m["mask_prompt"] else "--no-mask-prompt")
+    if storage.get("compact_dtypes"):
+        argv.append("--compact-dtypes")
     return argv
 
 

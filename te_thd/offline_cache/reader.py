@@ -128,7 +128,7 @@ class CachedBatch(Sequence[dict[str, torch.Tensor]]):
         of the ragged ones without padding them first, e.g. one CP rank's share)."""
         if self.tokens is not None:
             tokens, self.tokens = self.tokens, None
-            self.fixed = {**self.fixed, **{k: tokens.padded(k) for k in tokens.keys}}
+            self.fixed = {**self.fixed, **tokens.padded_many(tokens.keys)}
         return self.fixed
 
     def __reduce__(self) -> tuple[Any, ...]:
@@ -487,7 +487,9 @@ class CachedTensorDataset(Dataset):
         """How :class:`~te_thd.offline_cache.token_read.TokenRows` reaches shard ``shard_index``."""
         f = self._shard_file(shard_index)
         assert f.tokens is not None
-        return self._descriptor(f), f.tokens, ReadContext(self.verify, shard_index * self.shard_size, self._repair)
+        reads = self._parallel(get_worker_info() is not None)
+        ctx = ReadContext(self.verify, shard_index * self.shard_size, self._repair, reads, f)
+        return self._descriptor(f), f.tokens, ctx
 
     def _descriptor(self, f: _ShardFile) -> int:
         """``f``'s read-only descriptor, opened (with the ``readahead`` hint) on first use."""
@@ -541,7 +543,7 @@ class CachedTensorDataset(Dataset):
             self.verify_copied_rows(shard_index, sums, key, t.unsqueeze(0), row)
         if self._token_keys:
             tokens = TokenRows(self._token_opener, [(shard_index, offset)], {k: self._schema[k] for k in self._token_keys})
-            out.update({k: tokens.padded(k)[0] for k in self._token_keys})
+            out.update({k: v[0] for k, v in tokens.padded_many(self._token_keys).items()})
             out = {k: out[k] for k in self._disk_keys}
         return out
 
@@ -552,7 +554,9 @@ class CachedTensorDataset(Dataset):
         the batch tensor by ``preadv`` runs or gathers from the mapped shard (module docstring) and
         checked right after, in pieces of about :data:`VERIFY_CHUNK_BYTES` so the
         bytes are hashed while still in cache. Negative indices count from the end;
-        an index out of range raises ``IndexError``.
+        an index out of range raises ``IndexError``. The ragged keys of a token-layout cache
+        are read (and verified) when the batch's ``tensors`` are first used, or only the
+        tokens a ``CachedThdCollator`` places (``CachedBatch.tokens``).
         """
         batch, reads, pieces, finish = self._plan_batch(indices)
         try:
@@ -648,7 +652,13 @@ class CachedTensorDataset(Dataset):
         fd = self._descriptor(f)  # opened by the first batched read of the shard, either engine: the readahead hint
         path, entries, sums = f.path, f.header.entries, f.header.sums
         check = sums is not None and self.verify
-        engines, plan = self._engines(local, pos, entries)
+        if f.tokens is None:
+            engines, plan = self._engines(local, pos, entries)
+        else:
+            # a token shard's per-sample keys are small: preadv them. A mapping's page faults would
+            # read around them and leave read-ahead marks that make the kernel prefetch the ragged
+            # tensors behind them too, which a CP rank reads only a share of
+            engines, plan = dict.fromkeys(self._row_keys, True), None
         views: dict[str, torch.Tensor] | None = None
         local_run = pos_run = False
         rows_t: torch.Tensor | None = None

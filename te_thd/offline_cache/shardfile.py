@@ -336,15 +336,22 @@ def read_shard_header(path: str) -> ShardHeader:
     def bad(what: str) -> CacheIntegrityError:
         return CacheIntegrityError(f"shard {path} is not a valid safetensors file: {what}", path=path)
 
-    size = os.stat(path).st_size
-    with open(path, "rb") as f:
-        prefix = f.read(8)
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    try:
+        size = os.fstat(fd).st_size
+        if hasattr(os, "posix_fadvise"):
+            # read exactly the header: kernel read-ahead here would prefetch the tensors after it
+            # (and mark pages whose later reads prefetch more), which a reader may read only a share of
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+        prefix = os.pread(fd, 8, 0)
         if len(prefix) < 8:
             raise bad(f"only {size} bytes, shorter than the 8-byte header length")
         (n,) = struct.unpack("<Q", prefix)
         if n > _HEADER_LIMIT or 8 + n > size:
             raise bad(f"header length {n} does not fit in a {size}-byte file")
-        raw = f.read(n)
+        raw = os.pread(fd, n, 8)
+    finally:
+        os.close(fd)
     try:
         header = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:

@@ -149,8 +149,8 @@ class CachedThdCollator:
         if isinstance(features, CachedBatch):
             tensors, ragged = dict(features.fixed), features.tokens
             if ragged is not None:
-                for k in {self.input_key, self.label_key, self.length_key, self.mask_key} & set(ragged.keys):
-                    tensors[k] = ragged.padded(k)
+                needed = [k for k in ragged.keys if k in (self.input_key, self.label_key, self.length_key, self.mask_key)]
+                tensors.update(ragged.padded_many(needed) if needed else {})
         else:
             if len(features) == 0:
                 raise ValueError("features is empty; a THD batch needs at least one sample")
@@ -287,16 +287,20 @@ class CachedThdCollator:
             thd["cu_seqlens"], thd["cu_seqlens_padded"] = layout.cu_seqlens, layout.cu_seqlens_padded
             thd["num_seqs"], thd["max_seqlen_int"] = layout.num_seqs, layout.max_seqlen
             thd["max_seqlen"] = torch.tensor(layout.max_seqlen, dtype=torch.int32)
-        for k in token_keys:
-            if k not in tensors:
-                # ragged: read exactly this rank's real tokens from the cache
-                assert ragged is not None
+        unread = [k for k in token_keys if k not in tensors]
+        if unread:
+            # ragged: read exactly this rank's real tokens from the cache, every key at once
+            assert ragged is not None
+            real = torch.nonzero(~is_pad).view(-1)
+            at = gather.index_select(0, real).numpy()
+            values = ragged.gather_many(unread, at // width, at % width)
+            for k in unread:
                 spec = ragged.specs[k]
-                real = torch.nonzero(~is_pad).view(-1)
-                at = gather.index_select(0, real).numpy()
                 flat = torch.full((gather.numel(), *spec.shape[1:]), self.pad_values.get(k, 0), dtype=spec.dtype)
-                flat[real] = ragged.gather(k, at // width, at % width)
+                flat[real] = values[k]
                 thd[k] = flat
+        for k in token_keys:
+            if k in unread:
                 continue
             v = tensors[k]
             flat = v.reshape(b * width, *v.shape[2:]).index_select(0, gather)  # [T(/cp), ...]
@@ -305,7 +309,8 @@ class CachedThdCollator:
         out = dict(thd)
         if ragged is not None:
             # a ragged key packed per sample ([B, L, ...]) only when the caller's token_keys left it out
-            tensors.update({k: ragged.padded(k) for k in ragged.keys if k not in token_keys})
+            left = [k for k in ragged.keys if k not in token_keys]
+            tensors.update(ragged.padded_many(left) if left else {})
         for k, v in tensors.items():
             if k not in consumed and k not in token_keys:
                 out[k] = v  # per-sample keys, [B_samples, ...]

@@ -3,10 +3,12 @@
 Layout and block math: :mod:`~te_thd.offline_cache.tokens`. A shard's
 :class:`TokenIndex` is parsed from its checked header when the reader opens it;
 its block sums (one small tensor) are read and checked against the digest in
-the header on first use. :func:`read_key` fetches tokens ``pos`` of rows
-``rows`` of one key: one ``preadv`` per run of adjacent blocks, each block
-hashed right after it is read, then the wanted tokens picked out and decoded to
-the logical dtype (:mod:`~te_thd.offline_cache.codecs`). :class:`TokenRows` is a
+the header on first use. :func:`plan_stored` plans fetching tokens ``pos`` of
+rows ``rows`` of one stored tensor: one ``preadv`` piece per run of adjacent
+blocks, each block hashed right after it is read, by the thread that read it
+(the dataset's read threads, as for the rows of per-sample keys); then the
+wanted tokens are picked out and decoded to the logical dtype
+(:mod:`~te_thd.offline_cache.codecs`). :class:`TokenRows` is a
 batch's handle on its samples' ragged keys: whole samples, zero-padded to
 ``[B, L, ...]`` as the padded cache returns them (:meth:`TokenRows.padded`), or
 any tokens of them (:meth:`TokenRows.gather`: one CP rank's share).
@@ -24,13 +26,14 @@ import torch
 import xxhash
 
 from te_thd.offline_cache.codecs import decode_fp8
-from te_thd.offline_cache.copyread import tensor_memoryview
+from te_thd.offline_cache.copyread import ParallelReads, Piece, ReadError, read_piece, tensor_memoryview
 from te_thd.offline_cache.errors import CacheIntegrityError
 from te_thd.offline_cache.format import TensorSpec
 from te_thd.offline_cache.integrity import HASH_NAME
 from te_thd.offline_cache.shardfile import ShardHeader
 from te_thd.offline_cache.tokens import (
     BLOCK_SUMS,
+    PAGE_BYTES,
     SCALE_SUFFIX,
     TOKENS_SUFFIX,
     BlockTable,
@@ -43,6 +46,7 @@ from te_thd.offline_cache.tokens import (
 )
 
 _hash = xxhash.xxh3_64_intdigest
+_fadvise = getattr(os, "posix_fadvise", None)
 
 
 @dataclass
@@ -127,17 +131,38 @@ def load_block_sums(index: TokenIndex, fd: int, repair: str) -> dict[str, np.nda
 @dataclass(frozen=True)
 class ReadContext:
     """What a read needs besides the shard: ``verify``, the shard's first sample (for messages), the
-    repair sentence."""
+    repair sentence, the threads that read (``reads``: the dataset's; None: this thread) and what keeps
+    the descriptor open while pieces wait (``owner``)."""
 
     verify: bool
     first_sample: int
     repair: str
+    reads: ParallelReads | None = None
+    owner: object = None
 
 
-def read_stored(fd: int, index: TokenIndex, name: str, rows: np.ndarray, pos: np.ndarray, ctx: ReadContext) -> torch.Tensor:
-    """Tokens ``pos`` of rows ``rows`` of stored tensor ``name``: ``[M, *shape]`` of its stored dtype."""
+class _Part:
+    """One stored tensor's tokens of one shard, planned: the read buffer and each wanted token's place in it."""
+
+    __slots__ = ("buf", "where")
+
+    def __init__(self, buf: torch.Tensor, where: np.ndarray) -> None:
+        self.buf, self.where = buf, where
+
+    def result(self) -> torch.Tensor:
+        if self.where.size == self.buf.shape[0] and np.array_equal(self.where, np.arange(self.where.size)):
+            return self.buf
+        return self.buf.index_select(0, torch.from_numpy(self.where))
+
+
+def plan_stored(
+    fd: int, index: TokenIndex, name: str, rows: np.ndarray, pos: np.ndarray, ctx: ReadContext, pieces: list[Piece]
+) -> _Part:
+    """Plan reading tokens ``pos`` of rows ``rows`` of stored tensor ``name``: appends one ``preadv`` piece per
+    run of blocks to ``pieces`` (each verifies its blocks right after it is read); the part's ``result()``
+    is then ``[M, *shape]`` of the stored dtype."""
     s, table = index.stored[name], index.tables[name]
-    plan = plan_token_reads(table, index.offsets, rows, pos)
+    plan = plan_token_reads(table, index.offsets, rows, pos, PAGE_BYTES // max(1, s.token_bytes))
     buf = torch.empty((plan.tokens, *s.shape), dtype=s.dtype)
     raw = tensor_memoryview(buf)
     tb = s.token_bytes
@@ -146,44 +171,78 @@ def read_stored(fd: int, index: TokenIndex, name: str, rows: np.ndarray, pos: np
     for g0, g1 in plan.runs:
         a, b = int(table.start[g0]), int(table.start[g1])
         view = raw[cur * tb : (cur + b - a) * tb]
-        _pread_into(fd, view, index.start[name] + a * tb, index.path)
-        if sums is not None:
-            starts = table.start[g0 : g1 + 1].tolist()
-            for g, (x, y) in enumerate(zip(starts[:-1], starts[1:], strict=True), start=g0):
-                got = _hash(view[(x - a) * tb : (y - a) * tb], g)
-                if got != int(sums[g]):
-                    row = int(np.searchsorted(table.row_first, g, side="right") - 1)
-                    raise CacheIntegrityError(
-                        f"shard {index.path}: sample {ctx.first_sample + row} (row {row} of the shard), key "
-                        f"{s.key!r} ({name}, tokens {x - int(index.offsets[row])}..{y - int(index.offsets[row]) - 1}): "
-                        f"checksum mismatch (expected {HASH_NAME}:{int(sums[g]):016x}, the bytes read hash to "
-                        f"{HASH_NAME}:{got:016x}): the file is damaged; the batch was not returned. {ctx.repair}",
-                        path=index.path, sample=ctx.first_sample + row, key=s.key,
-                        expected=f"{HASH_NAME}:{int(sums[g]):016x}", actual=f"{HASH_NAME}:{got:016x}",
-                    )  # fmt: skip
+        after = None if sums is None else _block_check(view, a, table, sums, index, s, ctx)
+        pieces.append(Piece(fd, index.start[name] + a * tb, [view], view.nbytes, index.path, after,
+                            (g0, range(g0, g1)), ctx.owner))  # fmt: skip
         cur += b - a
-    if plan.where.size == plan.tokens and np.array_equal(plan.where, np.arange(plan.tokens)):
-        return buf
-    return buf.index_select(0, torch.from_numpy(plan.where))
+    return _Part(buf, plan.where)
 
 
-def read_key(fd: int, index: TokenIndex, key: str, rows: np.ndarray, pos: np.ndarray, ctx: ReadContext) -> torch.Tensor:
-    """Tokens ``pos`` of rows ``rows`` of ragged key ``key``, decoded: ``[M, *per_token]`` of its logical dtype."""
-    spec = index.logical[key]
-    q = read_stored(fd, index, key + TOKENS_SUFFIX, rows, pos, ctx)
+def _block_check(
+    view: memoryview, first_token: int, table: BlockTable, sums: np.ndarray, index: TokenIndex, s: StoredTensor,
+    ctx: ReadContext,
+) -> Callable[[int, Sequence[int]], None]:  # fmt: skip
+    """The check of a piece's blocks once read into ``view`` (tokens from ``first_token``)."""
+    tb = s.token_bytes
+
+    def after(_: int, blocks: Sequence[int]) -> None:
+        starts = table.start[blocks[0] : blocks[-1] + 2].tolist()
+        want = sums[blocks[0] : blocks[-1] + 1].tolist()
+        for j, g in enumerate(blocks):
+            got = _hash(view[(starts[j] - first_token) * tb : (starts[j + 1] - first_token) * tb], g)
+            if got != want[j]:
+                row = int(np.searchsorted(table.row_first, g, side="right") - 1)
+                lo, hi = starts[j] - int(index.offsets[row]), starts[j + 1] - int(index.offsets[row]) - 1
+                exp, act = f"{HASH_NAME}:{want[j]:016x}", f"{HASH_NAME}:{got:016x}"
+                raise CacheIntegrityError(
+                    f"shard {index.path}: sample {ctx.first_sample + row} (row {row} of the shard), key {s.key!r}: "
+                    f"checksum mismatch in its tokens {lo}..{hi} ({s.name}; expected {exp}, the bytes read hash to "
+                    f"{act}): the file is damaged; the batch was not returned. {ctx.repair}",
+                    path=index.path, sample=ctx.first_sample + row, key=s.key, expected=exp, actual=act,
+                )  # fmt: skip
+
+    return after
+
+
+def run_pieces(pieces: list[Piece], reads: ParallelReads | None) -> None:
+    """Read the planned pieces (on the dataset's read threads when given), verifying each.
+
+    First every piece's range is handed to the kernel (``POSIX_FADV_WILLNEED``: it starts reading
+    exactly those pages, all at once), so scattered reads -- a CP rank's chunks of each document --
+    are one deep queue of storage requests instead of one synchronous request per read.
+    """
+    if _fadvise is not None and len(pieces) > 1:
+        for piece in pieces:
+            _fadvise(piece.fd, piece.offset, piece.nbytes, os.POSIX_FADV_WILLNEED)
+    try:
+        if reads is None:
+            for piece in pieces:
+                read_piece(piece)
+        else:
+            reads.run(pieces)
+    except ReadError as exc:
+        raise CacheIntegrityError(f"shard {exc.path} cannot be read ({exc}); it was truncated after it was opened?",
+                                  path=exc.path) from exc  # fmt: skip
+
+
+def read_stored(fd: int, index: TokenIndex, name: str, rows: np.ndarray, pos: np.ndarray, ctx: ReadContext) -> torch.Tensor:
+    """Tokens ``pos`` of rows ``rows`` of stored tensor ``name``, read now: ``[M, *shape]`` of its stored dtype."""
+    pieces: list[Piece] = []
+    part = plan_stored(fd, index, name, rows, pos, ctx, pieces)
+    run_pieces(pieces, ctx.reads)
+    return part.result()
+
+
+def decode(index: TokenIndex, key: str, parts: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """Ragged key ``key`` from its stored tensors' tokens (``{stored name: [M, ...]}``): logical dtype."""
+    q = parts[key + TOKENS_SUFFIX]
     if index.layout.codec(key) is None:
         return q
-    scale = read_stored(fd, index, key + SCALE_SUFFIX, rows, pos, ctx)
-    return decode_fp8(q, scale, spec.dtype)
+    return decode_fp8(q, parts[key + SCALE_SUFFIX], index.logical[key].dtype)
 
 
-def _pread_into(fd: int, view: memoryview, offset: int, path: str) -> None:
-    while view:
-        n = os.preadv(fd, [view], offset)
-        if n <= 0:
-            raise CacheIntegrityError(f"shard {path} ended early (truncated after it was opened?)", path=path)
-        view = view[n:]
-        offset += n
+def stored_names(index: TokenIndex, key: str) -> tuple[str, ...]:
+    return (key + TOKENS_SUFFIX,) if index.layout.codec(key) is None else (key + TOKENS_SUFFIX, key + SCALE_SUFFIX)
 
 
 def whole_rows(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -233,32 +292,56 @@ class TokenRows:
     def gather(self, key: str, sample: np.ndarray, pos: np.ndarray) -> torch.Tensor:
         """Tokens ``pos`` of batch samples ``sample`` (int64 ``[M]``, each ``pos < length``) of ``key``:
         ``[M, *per_token]``, logical dtype, in the order asked."""
-        spec = self.specs[key]
+        return self.gather_many((key,), sample, pos)[key]
+
+    def gather_many(self, keys: Sequence[str], sample: np.ndarray, pos: np.ndarray) -> dict[str, torch.Tensor]:
+        """:meth:`gather` of several keys at once: every read of the batch planned, then read together
+        (on the dataset's read threads), each piece verified by the thread that read it."""
         sample = np.asarray(sample, dtype=np.int64)
         pos = np.asarray(pos, dtype=np.int64)
-        out = torch.empty((sample.size, *spec.shape[1:]), dtype=spec.dtype)
-        if sample.size == 0:
-            return out
-        if np.any(pos >= self.lengths[sample]) or np.any(pos < 0):
-            raise IndexError(f"token positions past their samples' lengths requested from key {key!r}")
+        if np.any(pos < 0) or np.any(pos >= self.lengths[sample]):
+            raise IndexError(f"token positions past their samples' lengths requested from keys {list(keys)}")
         shard_of = self.shards[sample]
-        for shard in np.unique(shard_of).tolist():
-            at = np.flatnonzero(shard_of == shard)
+        shards = np.unique(shard_of).tolist()
+        pieces: list[Piece] = []
+        planned: list[tuple[np.ndarray | None, TokenIndex, dict[str, _Part]]] = []
+        reads = None
+        for shard in shards:
+            at = None if len(shards) == 1 else np.flatnonzero(shard_of == shard)
             fd, index, ctx = self._opener(shard)
-            part = read_key(fd, index, key, self.rows[sample[at]], pos[at], ctx)
-            if at.size == sample.size:
-                return part
-            out[torch.from_numpy(at)] = part
+            reads = ctx.reads
+            rows, p = (self.rows[sample], pos) if at is None else (self.rows[sample[at]], pos[at])
+            parts = {n: plan_stored(fd, index, n, rows, p, ctx, pieces) for k in keys for n in stored_names(index, k)}
+            planned.append((at, index, parts))
+        run_pieces(pieces, reads)
+        out: dict[str, torch.Tensor] = {}
+        for key in keys:
+            spec = self.specs[key]
+            if len(planned) == 1:
+                _, index, parts = planned[0]
+                out[key] = decode(index, key, {n: parts[n].result() for n in stored_names(index, key)})
+                continue
+            dst = torch.empty((sample.size, *spec.shape[1:]), dtype=spec.dtype)
+            for at, index, parts in planned:
+                dst[torch.from_numpy(at)] = decode(index, key, {n: parts[n].result() for n in stored_names(index, key)})
+            out[key] = dst
         return out
 
     def padded(self, key: str) -> torch.Tensor:
         """``key`` of every sample, zero-padded: ``[B, L, *per_token]`` (what the padded cache returns)."""
-        spec = self.specs[key]
-        width = spec.shape[0]
+        return self.padded_many((key,))[key]
+
+    def padded_many(self, keys: Sequence[str]) -> dict[str, torch.Tensor]:
+        """:meth:`padded` of several keys, read together."""
         sample, pos = whole_rows(self.lengths)
-        out = torch.zeros((self.lengths.size, *spec.shape), dtype=spec.dtype)
-        data = self.gather(key, sample, pos)
-        out.view(self.lengths.size * width, *spec.shape[1:])[torch.from_numpy(sample * width + pos)] = data
+        data = self.gather_many(keys, sample, pos)
+        out = {}
+        for key in keys:
+            spec = self.specs[key]
+            width = spec.shape[0]
+            t = torch.zeros((self.lengths.size, *spec.shape), dtype=spec.dtype)
+            t.view(self.lengths.size * width, *spec.shape[1:])[torch.from_numpy(sample * width + pos)] = data[key]
+            out[key] = t
         return out
 
 
@@ -271,13 +354,10 @@ def check_token_blocks(path: str, header: ShardHeader) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         ctx = ReadContext(True, 0, "")
+        sample, pos = whole_rows(index.lengths)
         for name, s in index.stored.items():
-            table = index.tables[name]
             step = max(1, (64 << 20) // max(1, s.token_bytes))  # 64 MiB at a time
-            lengths = index.lengths
-            sample, pos = whole_rows(lengths)
             for a in range(0, sample.size, step):
                 read_stored(fd, index, name, sample[a : a + step], pos[a : a + step], ctx)
-            del table
     finally:
         os.close(fd)
