@@ -48,7 +48,12 @@ import torch
 from harness import Record
 from torch.utils.data import DataLoader
 
-from te_thd.offline_cache import CachedTensorDataset, CachedThdCollator, build_cached_dataloader, produce_cache
+from te_thd.offline_cache import (
+    CachedTensorDataset,
+    CachedThdCollator,
+    build_cached_dataloader,
+    produce_cache,
+)
 from te_thd.offline_cache.shardfile import read_shard_header
 
 BENCH = "tokens"

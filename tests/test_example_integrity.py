@@ -193,7 +193,7 @@ def test_every_hint_about_a_damaged_shard_runs_as_printed(cache_dir: Path, tmp_p
         from ep_cp.cache_format import CACHE_NAME, FORMAT_VERSION, KEYS
 
         # .tensors: a ragged cache reads its token keys when the batch's tensors are first used
-        oc.CachedTensorDataset(str(cache), CACHE_NAME, FORMAT_VERSION, KEYS).__getitems__(list(range(16))).tensors
+        _ = oc.CachedTensorDataset(str(cache), CACHE_NAME, FORMAT_VERSION, KEYS).__getitems__(list(range(16))).tensors
     for message in (verify.stderr, str(read.value)):
         cmds = _commands(message)
         producer = [c for c in cmds if "precompute_cache.py" in c]

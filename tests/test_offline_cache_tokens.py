@@ -22,9 +22,9 @@ from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 
 from te_thd.offline_cache import (
-    CacheIntegrityError,
     CachedTensorDataset,
     CachedThdCollator,
+    CacheIntegrityError,
     ManifestError,
     build_cached_dataloader,
     collate_cached,
@@ -45,7 +45,7 @@ TOKEN_KEYS = ("input_ids", "hidden", "logprobs")
 def _samples(n: int, seed: int = 0, min_len: int = 1) -> list[dict[str, torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
     out = []
-    for i in range(n):
+    for _ in range(n):
         length = int(torch.randint(min_len, L + 1, (1,), generator=g))
         ids = torch.zeros(L, dtype=torch.int64)
         ids[:length] = torch.randint(1, 1000, (length,), generator=g)

@@ -15,7 +15,7 @@ import json
 import sys
 from typing import Any
 
-from te_thd.offline_cache.errors import CacheError
+from te_thd.offline_cache.location import parse_location
 from te_thd.offline_cache.repair import repair_cache
 from te_thd.offline_cache.verify import cache_info, verify_cache
 
@@ -71,7 +71,7 @@ def format_info(info: dict[str, Any]) -> str:
 def _cmd_info(args: argparse.Namespace) -> int:
     try:
         info = cache_info(args.dir)
-    except CacheError as exc:
+    except (ValueError, ImportError) as exc:  # CacheError is a ValueError; a bad URL too
         print(f"te-thd cache info: {exc}", file=sys.stderr)
         return 1
     print(json.dumps(info, indent=2, sort_keys=True) if args.json else format_info(info))
@@ -81,7 +81,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
 def _cmd_verify(args: argparse.Namespace) -> int:
     try:
         result = verify_cache(args.dir, deep=not args.quick)
-    except CacheError as exc:
+    except (ValueError, ImportError) as exc:  # CacheError is a ValueError; a bad URL too
         print(f"te-thd cache verify: FAILED: {exc}", file=sys.stderr)
         return 1
     print(f"OK: {args.dir}: {result['num_samples']} samples in {result['num_shards']} shards")
@@ -98,7 +98,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 def _cmd_repair(args: argparse.Namespace) -> int:
     try:
         result = repair_cache(args.dir)
-    except CacheError as exc:
+    except (ValueError, ImportError) as exc:  # CacheError is a ValueError; a bad URL too
         print(f"te-thd cache repair: cannot repair {args.dir}: {exc}", file=sys.stderr)
         return 1
     if not result["reopened"]:
@@ -118,20 +118,41 @@ def _cmd_repair(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_unlock(args: argparse.Namespace) -> int:
+    try:
+        location = parse_location(args.dir, "dir")
+    except ValueError as exc:
+        print(f"te-thd cache unlock: {exc}", file=sys.stderr)
+        return 2
+    if isinstance(location, str):
+        print(
+            f"te-thd cache unlock: {args.dir} is a local directory: its producer lock is a flock the kernel "
+            "drops when the producer dies, so there is nothing to remove",
+            file=sys.stderr,
+        )
+        return 1
+    from te_thd.offline_cache.remote_tools import unlock_remote
+
+    holder = unlock_remote(location)
+    print(f"removed the producer lock of {location.url} (held by {holder})" if holder is not None
+          else f"{location.url} has no producer lock; nothing to remove")  # fmt: skip
+    return 0
+
+
 def add_cache_commands(subparsers: Any) -> None:
     """Register ``cache info``, ``cache verify`` and ``cache repair`` on the ``te-thd`` subparsers."""
     cache = subparsers.add_parser("cache", help="inspect, verify or repair an offline cache directory")
     sub = cache.add_subparsers(dest="cache_command", required=True)
 
     info = sub.add_parser("info", help="samples, shards, keys (dtype/shape), bytes, producer options")
-    info.add_argument("dir", help="cache directory (holds manifest.json)")
+    info.add_argument("dir", help="cache directory (holds manifest.json), or s3://bucket/prefix")
     info.add_argument("--json", action="store_true", help="print the summary as JSON")
     info.set_defaults(func=_cmd_info)
 
     verify = sub.add_parser(
         "verify", help="read every shard and check its checksums (exit 0 sound, 1 with the bad shards named)"
     )
-    verify.add_argument("dir", help="cache directory (holds manifest.json)")
+    verify.add_argument("dir", help="cache directory (holds manifest.json), or s3://bucket/prefix")
     verify.add_argument("--quick", action="store_true", help="only check that every shard exists with its recorded size")
     verify.add_argument("--deep", action="store_true", help="the default (kept for older scripts)")
     verify.set_defaults(func=_cmd_verify)
@@ -139,5 +160,11 @@ def add_cache_commands(subparsers: Any) -> None:
     repair = sub.add_parser(
         "repair", help="set damaged shards aside and reopen the cache so its producer recomputes them"
     )
-    repair.add_argument("dir", help="cache directory (holds manifest.json)")
+    repair.add_argument("dir", help="cache directory (holds manifest.json), or s3://bucket/prefix")
     repair.set_defaults(func=_cmd_repair)
+
+    unlock = sub.add_parser(
+        "unlock", help="remove the producer lock of an s3:// cache whose producer was killed on another host"
+    )
+    unlock.add_argument("dir", help="s3://bucket/prefix of the cache")
+    unlock.set_defaults(func=_cmd_unlock)

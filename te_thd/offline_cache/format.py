@@ -39,6 +39,7 @@ import torch
 
 from te_thd.args import check_int, is_int
 from te_thd.offline_cache.errors import CacheIntegrityError, producer_hint
+from te_thd.offline_cache.location import parse_location
 
 MANIFEST_NAME = "manifest.json"
 SHARD_RE = re.compile(r"^shard-(\d{6})\.safetensors$")
@@ -241,9 +242,16 @@ def existing_shard_indices(cache_dir: str) -> set[int]:
     Only names matching :data:`SHARD_RE` count; temp files, the lock and any
     foreign file are ignored.
     """
-    if not os.path.isdir(cache_dir):
+    location = parse_location(cache_dir)
+    if not isinstance(location, str):
+        from te_thd.offline_cache import objectstore  # the s3 extra: imported only for s3:// caches
+
+        names: Iterable[str] = objectstore.listing(location)
+    elif not os.path.isdir(cache_dir):
         return set()
-    return {int(m.group(1)) for name in os.listdir(cache_dir) if (m := SHARD_RE.match(name))}
+    else:
+        names = os.listdir(cache_dir)
+    return {int(m.group(1)) for name in names if (m := SHARD_RE.match(name))}
 
 
 def validate_contiguous_shards(

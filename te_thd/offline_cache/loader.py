@@ -394,6 +394,10 @@ def build_cached_dataloader(
         worker_kwargs["persistent_workers"] = persistent_workers
         if prefetch_factor is not None:
             worker_kwargs["prefetch_factor"] = prefetch_factor
+        if multiprocessing_context is None and getattr(dataset, "_mirror", None) is not None:
+            # an s3:// cache: the object-store client's runtime does not survive fork, so workers start
+            # from a fresh server process (forkserver) instead of a copy of this one
+            multiprocessing_context = "forkserver"
         if multiprocessing_context is not None:
             worker_kwargs["multiprocessing_context"] = multiprocessing_context
     pin = torch.cuda.is_available() if pin_memory is None else bool(pin_memory)

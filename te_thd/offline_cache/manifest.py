@@ -76,7 +76,13 @@ from te_thd.offline_cache.format import (
 )
 from te_thd.offline_cache.integrity import SHARD_LAYOUT
 from te_thd.offline_cache.lengths import LENGTH_RULE_KEY, LengthRule, check_lengths_record
-from te_thd.offline_cache.tokens import TOKEN_LAYOUT_KEY, TokenLayout, parse_format_version, stored_format_version
+from te_thd.offline_cache.location import parse_location
+from te_thd.offline_cache.tokens import (
+    TOKEN_LAYOUT_KEY,
+    TokenLayout,
+    parse_format_version,
+    stored_format_version,
+)
 
 #: Version of the te_thd integrity fields a producer writes (see the module docstring).
 LAYOUT_VERSION = SHARD_LAYOUT
@@ -218,7 +224,14 @@ def write_manifest(cache_dir: str, manifest: dict[str, Any], format_version: int
             "Producer options must be JSON values (bool, int, float, str, list, dict)."
         ) from None
     parsed[MANIFEST_CHECKSUM_KEY] = manifest_checksum(parsed)
-    return atomic_write_bytes(path, (json.dumps(parsed, indent=2, sort_keys=True) + "\n").encode("utf-8"))
+    data = (json.dumps(parsed, indent=2, sort_keys=True) + "\n").encode("utf-8")
+    location = parse_location(cache_dir)
+    if not isinstance(location, str):
+        from te_thd.offline_cache import objectstore  # the s3 extra: imported only for s3:// caches
+
+        objectstore.put_bytes(location, MANIFEST_NAME, data)  # one PUT: visible whole, after every shard
+        return f"{location.url}/{MANIFEST_NAME}"
+    return atomic_write_bytes(path, data)
 
 
 def _read_checked_manifest(cache_dir: str, cache_name: str, producer: str | None) -> dict[str, Any]:
@@ -227,6 +240,18 @@ def _read_checked_manifest(cache_dir: str, cache_name: str, producer: str | None
     Nothing else is validated: the caller checks ``format_version`` first (the
     more useful message when a cache is merely old), then the layout.
     """
+    location = parse_location(cache_dir)
+    if not isinstance(location, str):
+        from te_thd.offline_cache import objectstore  # the s3 extra: imported only for s3:// caches
+
+        path = f"{location.url}/{MANIFEST_NAME}"
+        raw = objectstore.get(location, MANIFEST_NAME)
+        if raw is None:
+            raise ManifestNotFoundError(
+                f"{cache_name} cache manifest not found at {path}. A producer writes it last, so the cache was "
+                f"never finished: re-run {producer_hint(producer)}, or point cache_dir at a finished cache."
+            )
+        return _parse_manifest(raw, path, cache_name, producer)
     path = manifest_path(cache_dir)
     if os.path.isfile(cache_dir):
         hint = f"pass its directory, cache_dir={os.path.dirname(cache_dir) or '.'!r}" if os.path.basename(cache_dir) == MANIFEST_NAME else "pass the directory that holds manifest.json and the shards"
@@ -245,6 +270,10 @@ def _read_checked_manifest(cache_dir: str, cache_name: str, producer: str | None
             f"so the cache was never finished: re-run {producer_hint(producer)}, or point "
             "cache_dir at a finished cache."
         ) from None
+    return _parse_manifest(raw, path, cache_name, producer)
+
+
+def _parse_manifest(raw: bytes, path: str, cache_name: str, producer: str | None) -> dict[str, Any]:
     try:
         manifest = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:

@@ -38,9 +38,12 @@ uninterrupted run (manifest included: it holds no timestamps or host names).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
+import shutil
+import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -49,11 +52,15 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
+from te_thd.offline_cache import objectstore
 from te_thd.offline_cache.durable import ProducerLock, fsync_dir
 from te_thd.offline_cache.errors import CacheError, CacheIntegrityError, SchemaError
 from te_thd.offline_cache.format import (
+    MANIFEST_NAME,
     MAX_SHARDS,
+    SHARD_RE,
     CacheSchema,
+    canonical_json,
     check_shard_size,
     existing_shard_indices,
     format_indices,
@@ -64,6 +71,7 @@ from te_thd.offline_cache.format import (
     shard_path,
 )
 from te_thd.offline_cache.lengths import LENGTH_RULE_KEY, LengthRule, for_tensor_spec, producer_rule
+from te_thd.offline_cache.location import ObjectLocation, parse_location
 from te_thd.offline_cache.loops import (
     loader_batch_size,
     lockstep_write,
@@ -76,8 +84,11 @@ from te_thd.offline_cache.manifest import (
     read_manifest,
     write_manifest,
 )
+from te_thd.offline_cache.object_lock import ObjectLock
 from te_thd.offline_cache.producer_state import (
     PROGRESS_NAME,
+    describe_diff,
+    params_of_manifest,
     prepare_directory,
     run_params,
     verify_existing,
@@ -281,8 +292,23 @@ def produce_cache(
             with one float32 scale per token; read back as its logical dtype
             (``te_thd.offline_cache.codecs``). What it lost is recorded per shard.
 
+    ``output_dir`` may be ``s3://bucket/prefix`` (the ``s3`` extra; any S3-compatible
+    store, configured by the standard AWS environment variables): every shard is
+    uploaded whole once written (a multipart upload when large, visible only once
+    complete), the manifest last; the lock is a conditional PUT
+    (:mod:`~te_thd.offline_cache.object_lock`); a run killed at any point is finished
+    by the same call, with the same bytes. A URL of another scheme is refused.
+
     Every rank returns the same manifest dict (``read_manifest``'s view).
     """
+    location = parse_location(output_dir, "output_dir")
+    if not isinstance(location, str):
+        return _produce_to_object_store(
+            location, dataloader, shard_size, compute_batch, keys, options, format_version=format_version,
+            cache_name=cache_name, producer_name=producer_name, resume=resume, rank=rank, world_size=world_size,
+            group=group, lock=lock, progress=progress, logger=logger, length_key=length_key,
+            token_keys=token_keys, codecs=codecs,
+        )  # fmt: skip
     job = _Job.plan(dataloader, output_dir, shard_size, keys, options, format_version, cache_name,
                     producer_name, rank, world_size, group, logger or _log, length_key, token_keys, codecs)  # fmt: skip
     producer_lock = ProducerLock(output_dir) if (lock and job.comm.rank == 0) else None
@@ -317,6 +343,8 @@ class _Job:
     length_rule: LengthRule | None
     token_layout: TokenLayout | None
     params: dict[str, Any]  # what two runs must share to write one cache (``run_params``)
+    #: an s3:// cache: where shards and the manifest go (``output_dir`` then only holds the run's state)
+    write_to: ObjectLocation | None = None
 
     @classmethod
     def plan(cls, dataloader: DataLoader, output_dir: str, shard_size: int, keys: Sequence[str],
@@ -357,7 +385,7 @@ class _Job:
             params=run_params(format_version, num_samples, shard_size, keys, opts, token_layout),
         )  # fmt: skip
 
-    def prepare(self, producer_lock: ProducerLock | None, resume: bool) -> dict[str, Any] | None:
+    def prepare(self, producer_lock: ProducerLock | _RemoteRun | None, resume: bool) -> dict[str, Any] | None:
         """Rank 0 inspects the directory under the lock; every rank learns the outcome.
 
         Returns the finished manifest (nothing to do) or ``None`` (produce).
@@ -428,7 +456,8 @@ class _Job:
 
         try:
             lockstep_write(
-                dataloader, self.output_dir, self.shard_size, runs, compute, writer, self.logger,
+                dataloader, self.output_dir if self.write_to is None else self.write_to.url, self.shard_size, runs,
+                compute, writer, self.logger,
                 sync_max_steps=lambda _steps: global_steps, progress=bar,
             )  # fmt: skip
         finally:
@@ -456,10 +485,13 @@ class _Job:
                     gathered, self.params, self.options, self.output_dir, self.cache_name, self.length_rule,
                     self.token_layout,
                 )
-                write_manifest(self.output_dir, manifest, self.format_version)
+                target = self.output_dir if self.write_to is None else self.write_to.url
+                write_manifest(target, manifest, self.format_version)
                 os.unlink(os.path.join(self.output_dir, PROGRESS_NAME))
                 fsync_dir(self.output_dir)
-                outcome = ("ok", read_manifest(self.output_dir, self.cache_name, self.format_version, self.producer_name))
+                if self.write_to is not None:
+                    objectstore.delete(self.write_to, PROGRESS_NAME)
+                outcome = ("ok", read_manifest(target, self.cache_name, self.format_version, self.producer_name))
                 self.logger.info("Wrote %s (%d samples, %d shards)", manifest_path(self.output_dir),
                                  self.num_samples, len(manifest["shards"]))  # fmt: skip
             except Exception as exc:
@@ -471,6 +503,90 @@ class _Job:
         if outcome[0] == "error":
             raise CacheError(f"rank 0 could not finish the cache: {outcome[1]}")
         return outcome[1]
+
+
+def _produce_to_object_store(
+    loc: ObjectLocation, dataloader: DataLoader, shard_size: int, compute_batch: Callable[[Any], Any],
+    keys: Sequence[str], options: Mapping[str, Any] | None, *, format_version: int, cache_name: str,
+    producer_name: str | None, resume: bool, rank: int | None, world_size: int | None, group: Any, lock: bool,
+    progress: bool | None, logger: logging.Logger | None, length_key: str | None, token_keys: Sequence[str],
+    codecs: Mapping[str, str] | None,
+) -> dict[str, Any]:  # fmt: skip
+    """:func:`produce_cache` into ``loc``: the local producer over a private staging directory that holds
+    the run's state (its producer record, and this rank's shards from the store that it verifies),
+    with every shard and the manifest written to the store."""
+    staging = tempfile.mkdtemp(prefix="te_thd-produce-")
+    try:
+        job = _Job.plan(dataloader, staging, shard_size, keys, options, format_version, cache_name, producer_name,
+                        rank, world_size, group, logger or _log, length_key, token_keys, codecs)  # fmt: skip
+        job = dataclasses.replace(job, write_to=loc)
+        if objectstore.get(loc, MANIFEST_NAME) is not None:  # every rank looks: a finished cache
+            if not resume:
+                raise CacheError(f"output_dir {loc.url} already holds a finished cache (manifest.json). Pass "
+                                 "resume=True to reuse it, or choose an empty prefix.")  # fmt: skip
+            manifest = read_manifest(loc.url, cache_name, format_version, producer_name)
+            recorded = params_of_manifest(manifest, job.params["keys"])
+            if recorded != job.params:
+                raise CacheError(f"output_dir {loc.url} holds a finished cache built with other parameters "
+                                 f"({describe_diff(recorded, job.params)}). Choose another prefix, or delete this cache.")  # fmt: skip
+            return manifest
+        holder = _RemoteRun(loc, staging, job.params, resume, lock) if job.comm.rank == 0 else None
+        try:
+            job.prepare(holder, resume)
+            # the shards of this rank's block already in the store: fetched, then verified like local ones
+            start, _, n_local = partition_cache_shards(job.num_samples, shard_size, job.comm.world_size, job.comm.rank)
+            stored = objectstore.listing(loc)
+            for i in range(start, start + num_shards(n_local, shard_size)):
+                name = os.path.basename(shard_path(staging, i))
+                if name in stored:
+                    objectstore.get_file(loc, name, shard_path(staging, i))
+            records, schema, missing = job.verify_block()
+            writer = job.compute(dataloader, compute_batch, missing, schema, progress)
+            return job.finish({**records, **writer.records}, writer)
+        finally:
+            if holder is not None:
+                holder.release()
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+class _RemoteRun:
+    """What ``_Job.prepare`` takes as the lock for an s3:// cache: the object lock, and the run's record
+    fetched from (or, new, written to) the store before any shard is, so a resumed run is checked."""
+
+    def __init__(self, loc: ObjectLocation, staging: str, params: dict[str, Any], resume: bool, lock: bool) -> None:
+        self.loc, self.staging, self.params, self.resume = loc, staging, params, resume
+        self.lock = ObjectLock(loc) if lock else None
+
+    def acquire(self) -> None:
+        if self.lock is not None:
+            self.lock.acquire()
+        raw = objectstore.get(self.loc, PROGRESS_NAME)
+        shards = sorted(n for n in objectstore.listing(self.loc) if SHARD_RE.match(n))
+        if raw is not None:
+            recorded = json.loads(raw.decode())
+            if shards and recorded != self.params:
+                raise CacheError(
+                    f"output_dir {self.loc.url} holds shards of an unfinished run with other parameters "
+                    f"({describe_diff(recorded, self.params)}). Resume with the same parameters, or choose another prefix."
+                )
+            with open(os.path.join(self.staging, PROGRESS_NAME), "wb") as f:
+                f.write(raw)
+        elif shards:
+            raise CacheError(
+                f"output_dir {self.loc.url} holds shards ({len(shards)}, e.g. {shards[0]}) but no manifest and no "
+                f"producer record ({PROGRESS_NAME}), so their parameters cannot be checked. Move them away or "
+                "choose an empty prefix."
+            )
+        if shards and not self.resume:
+            raise CacheError(f"output_dir {self.loc.url} holds {len(shards)} shards of an unfinished run. Pass "
+                             "resume=True to continue it, or choose an empty prefix.")  # fmt: skip
+        if raw is None:
+            objectstore.put_bytes(self.loc, PROGRESS_NAME, canonical_json(self.params))
+
+    def release(self) -> None:
+        if self.lock is not None:
+            self.lock.release()
 
 
 def _assemble_manifest(

@@ -71,9 +71,11 @@ from .copyread import (
     plan_runs,
 )
 from .errors import CacheIntegrityError, UnverifiedCacheWarning, repair_hint
-from .format import TensorSpec, load_safetensors, manifest_path, shard_path, shard_rows
+from .format import SHARD_RE, TensorSpec, load_safetensors, manifest_path, shard_path, shard_rows
 from .integrity import ShardSums, verify_rows
+from .location import parse_location
 from .manifest import manifest_schema, read_manifest, recorded_producer, shard_records
+from .mirror import ObjectMirror
 from .shardfile import HeaderEntry, ShardHeader, check_shard_header, logical_entries
 from .token_read import ReadContext, TokenIndex, TokenRows, token_index
 from .tokens import TOKEN_LAYOUT_KEY, TokenLayout
@@ -276,18 +278,27 @@ class CachedTensorDataset(Dataset):
         pin_memory: bool = False,
         readahead: bool = True,
         read_threads: int | None = None,
+        read_cache_dir: str | None = None,
+        read_cache_bytes: int | None = None,
     ) -> None:
         if isinstance(disk_keys, str) or not disk_keys or not all(isinstance(k, str) for k in disk_keys):
             raise ValueError(
                 f"disk_keys={disk_keys!r} must be a non-empty tuple of key names, e.g. ('input_ids', 'loss_mask')"
             )
         check_int("max_open_shards", max_open_shards, 1)
+        check_int("read_cache_bytes", read_cache_bytes, 1, optional=True)
+        location = parse_location(cache_dir)
+        # an s3:// cache is read through a local read-through copy (mirror.py); the reads below open its files
+        self._mirror = None if isinstance(location, str) else ObjectMirror(location, read_cache_dir, read_cache_bytes)
+        if self._mirror is not None:
+            self._mirror.sync()
+        self._root = location if self._mirror is None else self._mirror.root
         self.cache_dir = cache_dir
         self.cache_name = cache_name
         self.verify = bool(verify)
         self._producer = producer_name
         self._repair = repair_hint(cache_dir, producer_name)
-        self.manifest = read_manifest(cache_dir, cache_name, format_version, producer_name)
+        self.manifest = read_manifest(self._root, cache_name, format_version, producer_name)
         if producer_name is None:  # the command the cache records, when its producer recorded one
             producer_name = self._producer = recorded_producer(cache_dir, self.manifest)
             self._repair = repair_hint(cache_dir, producer_name)
@@ -300,7 +311,7 @@ class CachedTensorDataset(Dataset):
         self._token_keys = tuple(k for k in self._disk_keys if self._token_layout and k in self._token_layout.keys)
         self._row_keys = tuple(k for k in self._disk_keys if k not in self._token_keys)
         # presence of shards 0..N-1 and, when the manifest records them, their byte sizes
-        self._shard_indices = check_cache_files(cache_dir, self.manifest, cache_name, producer_name)
+        self._shard_indices = check_cache_files(self._root, self.manifest, cache_name, producer_name)
         self._max_open = max_open_shards
         self.pin_memory = bool(pin_memory)
         self.readahead = bool(readahead)
@@ -398,8 +409,10 @@ class CachedTensorDataset(Dataset):
         without one, the first shard this process opened), and the header's own
         checksum. Raises :class:`CacheIntegrityError` naming the file.
         """
-        path = shard_path(self.cache_dir, shard_index)
+        path = shard_path(self._root, shard_index)
         rows = shard_rows(shard_index, self.num_samples, self.shard_size)
+        if self._mirror is not None:
+            self._mirror.shard_ranges_header(os.path.basename(path))
         try:
             header = check_shard_header(
                 path, self._schema, rows, self._disk_keys, self._require_sums, self._checksums.get(shard_index)
@@ -456,7 +469,7 @@ class CachedTensorDataset(Dataset):
             return
         path = self._paths.get(shard_index)
         if path is None:
-            path = self._paths[shard_index] = shard_path(self.cache_dir, shard_index)
+            path = self._paths[shard_index] = shard_path(self._root, shard_index)
         verify_rows(
             data, rows, sums.sums[key], path=path, key=key,
             first_sample=shard_index * self.shard_size, repair=self._repair,
@@ -488,7 +501,14 @@ class CachedTensorDataset(Dataset):
         f = self._shard_file(shard_index)
         assert f.tokens is not None
         reads = self._parallel(get_worker_info() is not None)
-        ctx = ReadContext(self.verify, shard_index * self.shard_size, self._repair, reads, f)
+        ensure = None
+        if self._mirror is not None:
+            mirror, name = self._mirror, os.path.basename(f.path)
+
+            def ensure(ranges: Sequence[tuple[int, int]]) -> None:
+                mirror.ensure(name, ranges)
+
+        ctx = ReadContext(self.verify, shard_index * self.shard_size, self._repair, reads, f, ensure, self.refetch)
         return self._descriptor(f), f.tokens, ctx
 
     def _descriptor(self, f: _ShardFile) -> int:
@@ -519,6 +539,9 @@ class CachedTensorDataset(Dataset):
     # -- reads -------------------------------------------------------------------------
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return self._refetching(self._getitem, index)
+
+    def _getitem(self, index: int) -> dict[str, torch.Tensor]:
         n = self.num_samples
         if type(index) is not int:
             index = check_int("index", index, numpy_ints=True, meaning=f": a sample index in [-{n}, {n}); pass int(i)")
@@ -532,11 +555,13 @@ class CachedTensorDataset(Dataset):
         shard_index = index // self.shard_size
         offset = index % self.shard_size
         f = self._shard_file(shard_index)
+        if self._mirror is not None:
+            self._mirror.ensure(os.path.basename(f.path), _row_ranges(f.header.entries, self._row_keys, np.array([offset])))
         handle = self._safe_handle(f)
         try:
             out = {key: handle.get_slice(key)[offset] for key in self._row_keys}
         except _SafetensorError as exc:  # the header was checked on open; the file changed since?
-            raise self._unreadable(shard_path(self.cache_dir, shard_index), exc) from exc
+            raise self._unreadable(shard_path(self._root, shard_index), exc) from exc
         sums = f.header.sums
         row = np.array([offset])
         for key, t in out.items():
@@ -558,12 +583,48 @@ class CachedTensorDataset(Dataset):
         are read (and verified) when the batch's ``tensors`` are first used, or only the
         tokens a ``CachedThdCollator`` places (``CachedBatch.tokens``).
         """
+        return self._refetching(self._read_batch, indices)
+
+    def _read_batch(self, indices: Sequence[int]) -> CachedBatch:
         batch, reads, pieces, finish = self._plan_batch(indices)
         try:
             reads.run(pieces, finish, self.parallel_min_bytes)
         except ReadError as exc:
             raise self._unreadable(exc.path, exc) from exc
         return batch
+
+    def _refetching(self, read: Callable[[Any], Any], arg: Any) -> Any:
+        """``read(arg)``; for an s3:// cache, a shard that fails a check is fetched again and read once more."""
+        try:
+            return read(arg)
+        except CacheIntegrityError as exc:
+            if not self.refetch(exc.path):
+                raise
+        try:
+            return read(arg)
+        except CacheIntegrityError as exc:
+            raise self._object_damaged(exc) from None
+
+    def refetch(self, path: str | None) -> bool:
+        """Drop this process's local copy of the shard at ``path`` of an s3:// cache (a check failed on
+        it); False when there is nothing to fetch again (a local cache)."""
+        name = os.path.basename(path or "")
+        if self._mirror is None or name not in self._mirror.sizes:
+            return False
+        self._mirror.invalidate(name)
+        m = SHARD_RE.match(name)
+        if m is not None:
+            self._own()
+            self._files.drop(int(m.group(1)))
+        return True
+
+    def _object_damaged(self, exc: CacheIntegrityError) -> CacheIntegrityError:
+        assert self._mirror is not None
+        name = os.path.basename(exc.path or "")
+        return CacheIntegrityError(
+            f"{exc} The object {self._mirror.loc.url}/{name} itself is damaged: fetched again, it failed the same check.",
+            path=exc.path, sample=exc.sample, key=exc.key, expected=exc.expected, actual=exc.actual,
+        )  # fmt: skip
 
     def start_read(self, indices: Sequence[int]) -> PendingBatch:
         """Start reading ``indices`` and return at once: ``.result()`` is ``__getitems__(indices)``.
@@ -649,6 +710,8 @@ class CachedTensorDataset(Dataset):
         place by the batch's last step (appended to ``scattered``).
         """
         f = self._shard_file(shard)
+        if self._mirror is not None:
+            self._mirror.ensure(os.path.basename(f.path), _row_ranges(f.header.entries, self._row_keys, local))
         fd = self._descriptor(f)  # opened by the first batched read of the shard, either engine: the readahead hint
         path, entries, sums = f.path, f.header.entries, f.header.sums
         check = sums is not None and self.verify
@@ -809,6 +872,10 @@ class _OpenFiles:
     def __len__(self) -> int:
         return len(self._lru)
 
+    def drop(self, shard: int) -> None:
+        """Forget shard ``shard`` (it is opened, and its header read and checked, again on next use)."""
+        self._lru.pop(shard, None)
+
     def close(self) -> None:
         """Close every descriptor now (a forked child closing its inherited copies: no reads in flight)."""
         while self._lru:
@@ -844,3 +911,15 @@ def _batch_places(groups: Sequence[tuple[int, np.ndarray, np.ndarray | None]], n
         for p, r in zip(at, local.tolist(), strict=True):
             places[p] = (shard, r)
     return places
+
+
+def _row_ranges(entries: dict[str, HeaderEntry], keys: Sequence[str], rows: np.ndarray) -> list[tuple[int, int]]:
+    """``(file offset, bytes)`` of rows ``rows`` of every key in ``keys``: one range per run of consecutive rows."""
+    rows = np.unique(rows)
+    runs = np.split(rows, np.flatnonzero(np.diff(rows) != 1) + 1)
+    out = []
+    for key in keys:
+        e = entries[key]
+        rb = (e.end - e.start) // e.shape[0] if e.shape and e.shape[0] else 0
+        out += [(e.start + int(run[0]) * rb, int(run.size) * rb) for run in runs if run.size]
+    return out

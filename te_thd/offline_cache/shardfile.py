@@ -44,7 +44,6 @@ from te_thd.offline_cache.format import (
     TensorSpec,
     dtype_name,
 )
-from te_thd.offline_cache.tokens import logical_specs
 from te_thd.offline_cache.integrity import (
     HASH_NAME,
     ShardSums,
@@ -54,6 +53,7 @@ from te_thd.offline_cache.integrity import (
     shard_checksum,
     shard_metadata,
 )
+from te_thd.offline_cache.tokens import logical_specs
 
 if sys.byteorder != "little":  # pragma: no cover - safetensors is little-endian on disk
     raise ImportError("te_thd.offline_cache writes raw tensor memory and needs a little-endian host")

@@ -26,7 +26,13 @@ import torch
 import xxhash
 
 from te_thd.offline_cache.codecs import decode_fp8
-from te_thd.offline_cache.copyread import ParallelReads, Piece, ReadError, read_piece, tensor_memoryview
+from te_thd.offline_cache.copyread import (
+    ParallelReads,
+    Piece,
+    ReadError,
+    read_piece,
+    tensor_memoryview,
+)
 from te_thd.offline_cache.errors import CacheIntegrityError
 from te_thd.offline_cache.format import TensorSpec
 from te_thd.offline_cache.integrity import HASH_NAME
@@ -139,6 +145,10 @@ class ReadContext:
     repair: str
     reads: ParallelReads | None = None
     owner: object = None
+    #: makes byte ranges ``[(offset, n)]`` of the shard file present first (an s3:// cache's local copy)
+    ensure: Callable[[Sequence[tuple[int, int]]], None] | None = None
+    #: drops the local copy of the shard at a path after a failed check; True when it will be fetched again
+    refetch: Callable[[str | None], bool] | None = None
 
 
 class _Part:
@@ -166,6 +176,12 @@ def plan_stored(
     buf = torch.empty((plan.tokens, *s.shape), dtype=s.dtype)
     raw = tensor_memoryview(buf)
     tb = s.token_bytes
+    if ctx.ensure is not None:
+        total = sum(t.blocks for t in index.tables.values())
+        ctx.ensure([(index.sums_start, total * 8)] + [
+            (index.start[name] + int(table.start[g0]) * tb, int(table.start[g1] - table.start[g0]) * tb)
+            for g0, g1 in plan.runs
+        ])  # fmt: skip
     sums = load_block_sums(index, fd, ctx.repair)[name] if ctx.verify else None
     cur = 0
     for g0, g1 in plan.runs:
@@ -296,7 +312,23 @@ class TokenRows:
 
     def gather_many(self, keys: Sequence[str], sample: np.ndarray, pos: np.ndarray) -> dict[str, torch.Tensor]:
         """:meth:`gather` of several keys at once: every read of the batch planned, then read together
-        (on the dataset's read threads), each piece verified by the thread that read it."""
+        (on the dataset's read threads), each piece verified by the thread that read it. A shard of an
+        s3:// cache whose local copy fails a check is fetched again, once."""
+        try:
+            return self._gather_many(keys, sample, pos)
+        except CacheIntegrityError as exc:
+            ctx = self._opener(int(self.shards[0]))[2]
+            if ctx.refetch is None or not ctx.refetch(exc.path):
+                raise
+        try:
+            return self._gather_many(keys, sample, pos)
+        except CacheIntegrityError as exc:
+            raise CacheIntegrityError(
+                f"{exc} The object itself is damaged: fetched again, it failed the same check.", path=exc.path,
+                sample=exc.sample, key=exc.key, expected=exc.expected, actual=exc.actual,
+            ) from None  # fmt: skip
+
+    def _gather_many(self, keys: Sequence[str], sample: np.ndarray, pos: np.ndarray) -> dict[str, torch.Tensor]:
         sample = np.asarray(sample, dtype=np.int64)
         pos = np.asarray(pos, dtype=np.int64)
         if np.any(pos < 0) or np.any(pos >= self.lengths[sample]):

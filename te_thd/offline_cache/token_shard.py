@@ -30,9 +30,20 @@ from te_thd.args import check_int
 from te_thd.offline_cache.codecs import encode_fp8
 from te_thd.offline_cache.durable import temp_path_for, unlink_quietly
 from te_thd.offline_cache.format import DTYPE_RANK, DTYPE_TO_ST, TensorSpec
-from te_thd.offline_cache.integrity import byte_row_sums, byte_view, encode_sums, shard_checksum, shard_metadata
+from te_thd.offline_cache.integrity import (
+    byte_row_sums,
+    byte_view,
+    shard_checksum,
+    shard_metadata,
+)
 from te_thd.offline_cache.lengths import LengthRule
-from te_thd.offline_cache.shardfile import ShardRecord, build_header, check_cache_dtype, check_piece, pwrite_all
+from te_thd.offline_cache.shardfile import (
+    ShardRecord,
+    build_header,
+    check_cache_dtype,
+    check_piece,
+    pwrite_all,
+)
 from te_thd.offline_cache.tokens import (
     BLOCK_SUMS,
     StoredTensor,

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from te_thd.args import is_int
-from te_thd.offline_cache.errors import CacheIntegrityError, repair_hint
+from te_thd.offline_cache.errors import CacheError, CacheIntegrityError, repair_hint
 from te_thd.offline_cache.format import (
     CacheSchema,
     manifest_path,
@@ -35,6 +35,7 @@ from te_thd.offline_cache.format import (
 )
 from te_thd.offline_cache.integrity import HASH_NAME, byte_row_sums, shard_checksum
 from te_thd.offline_cache.lengths import LengthRule, read_shard_lengths, recorded_rule
+from te_thd.offline_cache.location import parse_location
 from te_thd.offline_cache.manifest import (
     LAYOUT_VERSION,
     RESERVED_MANIFEST_KEYS,
@@ -45,6 +46,7 @@ from te_thd.offline_cache.manifest import (
     shard_records,
     validate_manifest,
 )
+from te_thd.offline_cache.remote_tools import fetched, in_urls, named_by_url
 from te_thd.offline_cache.shardfile import (
     ShardHeader,
     check_shard_header,
@@ -247,6 +249,14 @@ def verify_cache(
     message lists every bad shard by path, ends with the repair command, and
     ``.path`` is the first bad shard.
     """
+    location = parse_location(cache_dir)
+    if not isinstance(location, str):
+        # every byte is needed: the checks below run on a fetched copy, and name the objects by URL
+        mirror = fetched(location, deep)
+        try:
+            return in_urls(verify_cache(mirror.root, deep, cache_name, producer_name), mirror.root, location.url)
+        except CacheError as exc:
+            raise named_by_url(exc, mirror) from None
     manifest = load_manifest(cache_dir, cache_name, producer_name)
     if producer_name is None:
         producer_name = recorded_producer(cache_dir, manifest)

@@ -1,0 +1,160 @@
+"""Reading a cache from S3-compatible object storage: requests, bytes fetched per byte used, throughput.
+
+A real SeaweedFS server (``weed server -s3``, ``perf/s3_server.py``) runs on this
+machine, so the figures measure the client's overhead, not a network. The same cache is
+produced locally and uploaded; then, interleaved, one epoch of
+``build_cached_dataloader`` + ``collate_cached`` (shuffled, ``num_workers=0``, verified)
+reads it:
+
+- ``local``: from the local directory (the baseline);
+- ``s3_cold``: from ``s3://``, a fresh read-through cache directory per trial;
+- ``s3_warm``: from ``s3://`` with the read-through cache directory of a previous epoch
+  (goal: >= 0.8x local).
+
+Records: ``epoch_<case>`` (samples/s; ours = ``s3_warm``, baselines ``local`` and
+``s3_cold``), with ``extra`` holding, for a cold epoch, the requests made per batch and
+the bytes fetched per byte the batches hold (``ObjectMirror.requests`` /
+``fetched_bytes``). Cases: ``large`` (``hidden`` [512, 768] bf16 + ``input_ids``, 64
+samples, batch 8) and ``ragged`` (the long-tailed token cache of ``bench_tokens``, read
+through ``CachedThdCollator`` at cp = 2, rank 0: the rank's share only). Skipped (no
+records) when the server or the s3 extra is not installed.
+
+Run: ``.venv/bin/python perf/run.py --only s3``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import sys
+import tempfile
+
+import torch
+from harness import Record, time_interleaved
+from torch.utils.data import DataLoader
+
+BENCH = "s3"
+
+
+def _server():
+    import s3_server as support
+
+    try:
+        import boto3  # noqa: F401
+        import obstore  # noqa: F401
+    except ImportError:
+        return None, None
+    if support.weed_binary() is None:
+        return None, None
+    return support, support.start()
+
+
+def _upload(local: str, url: str) -> None:
+    from te_thd.offline_cache import objectstore
+    from te_thd.offline_cache.location import parse_location
+
+    loc = parse_location(url)
+    for name in sorted(os.listdir(local)):
+        if not name.startswith("."):
+            objectstore.put_file(loc, name, os.path.join(local, name))
+
+
+def _large(out: str, n: int) -> tuple[tuple[str, ...], dict]:
+    from te_thd.offline_cache import produce_cache
+
+    def compute(batch):
+        g = torch.Generator().manual_seed(int(batch["i"][0]))
+        b = batch["i"].shape[0]
+        return {"hidden": torch.randn(b, 512, 768, generator=g).to(torch.bfloat16),
+                "input_ids": torch.randint(0, 32000, (b, 512), generator=g)}  # fmt: skip
+
+    produce_cache(DataLoader([{"i": torch.tensor(i)} for i in range(n)], batch_size=8), out, 16, compute,
+                  ("hidden", "input_ids"), progress=False)  # fmt: skip
+    return ("hidden", "input_ids"), {}
+
+
+def run(quick: bool) -> list[Record]:
+    support, server = _server()
+    if server is None:
+        return []
+    records: list[Record] = []
+    old = {k: os.environ.get(k) for k in server.env()}
+    os.environ.update(server.env())
+    try:
+        from te_thd.offline_cache import (
+            CachedTensorDataset,
+            CachedThdCollator,
+            build_cached_dataloader,
+            collate_cached,
+        )
+
+        support.make_bucket(server, "te-thd-bench")
+        import bench_tokens
+
+        with tempfile.TemporaryDirectory(prefix="te_thd_bench_s3_") as tmp:
+            large = os.path.join(tmp, "large")
+            keys, _ = _large(large, 32 if quick else 64)
+            ragged = os.path.join(tmp, "ragged")
+            lengths = bench_tokens._lengths("long_tail", 32 if quick else 64, 4096)
+            bench_tokens._produce(ragged, lengths, 4096, 256, token_keys=bench_tokens.TOKEN_KEYS)
+            cases = {
+                "large": (large, keys, 8, functools.partial(collate_cached, keys=keys)),
+                "ragged": (ragged, bench_tokens.KEYS, 8,
+                           CachedThdCollator(8192, length_key="seq_len", cp_size=2, cp_rank=0)),
+            }  # fmt: skip
+            for case, (local, case_keys, batch, collate) in cases.items():
+                url = f"s3://te-thd-bench/{case}"
+                _upload(local, url)
+                warm_dir = os.path.join(tmp, f"warm-{case}")
+                used = {"bytes": 0, "batches": 0}
+
+                def epoch(path, collate=collate, case_keys=case_keys, batch=batch, used=used, **kw):
+                    ds = CachedTensorDataset(path, "bench", 1, case_keys, **kw)
+                    loader = build_cached_dataloader(dataset=ds, batch_size=batch, shuffle=True, collate_fn=collate,
+                                                     seed=1)  # fmt: skip
+                    n = 0
+                    for out in loader:
+                        n += 1
+                        used["bytes"] += sum(t.numel() * t.element_size() for t in out.values() if isinstance(t, torch.Tensor))
+                    used["batches"] = n
+                    return ds
+
+                epoch(url, read_cache_dir=warm_dir)  # fills the read-through cache
+
+                def cold(url=url, case=case):
+                    d = os.path.join(tmp, f"cold-{case}")
+                    shutil.rmtree(d, ignore_errors=True)
+                    epoch(url, read_cache_dir=d)
+
+                times = time_interleaved(
+                    {"s3_warm": lambda url=url, warm_dir=warm_dir: epoch(url, read_cache_dir=warm_dir),
+                     "local": lambda local=local: epoch(local), "s3_cold": cold},
+                    trials=3 if quick else 5,
+                )  # fmt: skip
+                used["bytes"] = 0
+                shutil.rmtree(os.path.join(tmp, f"cold-{case}"), ignore_errors=True)
+                ds = epoch(url, read_cache_dir=os.path.join(tmp, f"cold-{case}"))
+                m = ds._mirror
+                n = len(ds)
+                records.append(Record(
+                    bench=BENCH, case=f"epoch_{case}", metric="throughput", unit="samples/s",
+                    ours=n / times["s3_warm"], baselines={"local": n / times["local"], "s3_cold": n / times["s3_cold"]},
+                    extra={"requests_per_batch": m.requests / max(1, used["batches"]),
+                           "fetched_per_used_byte": m.fetched_bytes / max(1, used["bytes"]),
+                           "fetched_bytes": m.fetched_bytes, "used_bytes": used["bytes"], "samples": n},
+                ))  # fmt: skip
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        server.stop()
+    return records
+
+
+if __name__ == "__main__":
+    from harness import print_records
+
+    print_records(run("--quick" in sys.argv))

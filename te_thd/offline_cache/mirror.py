@@ -1,0 +1,197 @@
+"""A local read-through copy of an s3:// cache: the bytes a reader fetched, kept in sparse local files.
+
+Reading an s3:// cache goes through an :class:`ObjectMirror`: a local directory with
+the cache's ``manifest.json`` and one *sparse* file per shard object, of the object's
+size. Before a reader touches a byte range of a shard (the header once, then a batch's
+rows, or a CP rank's token blocks) it calls :meth:`ObjectMirror.ensure`: the 64 KiB
+chunks of the range not fetched yet are fetched with ranged GETs (one ``get_ranges``
+call per shard and batch: obstore coalesces and parallelises them) and written into
+the sparse file, and then the ordinary local read path -- ``preadv``, the mapped
+gather, ``safe_open`` -- reads and verifies them exactly as for a local cache. Which
+chunks are present is kept beside each file (``.<shard>.present``, one byte per
+chunk), so a later process -- a DataLoader worker, the next run -- reuses them: that is
+the read-through cache. ``max_bytes`` bounds it: past the budget whole shards are
+dropped, least recently used first.
+
+Every read is still verified against the row checksums: a damaged local copy is caught
+by the read and fetched again once (:meth:`invalidate`); a second failure is the
+object's, and is raised naming it. Without ``cache_dir`` the mirror lives in a private
+temporary directory removed with the dataset.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tempfile
+import weakref
+from collections import OrderedDict
+from collections.abc import Iterable
+from typing import Any
+
+from te_thd.offline_cache import objectstore
+from te_thd.offline_cache.durable import atomic_write_bytes
+from te_thd.offline_cache.errors import ManifestNotFoundError
+from te_thd.offline_cache.format import MANIFEST_NAME, SHARD_RE
+from te_thd.offline_cache.location import ObjectLocation
+
+#: fetch granularity: a range is fetched as the chunks that hold it
+CHUNK_BYTES = 64 * 1024
+
+
+class ObjectMirror:
+    """The local read-through copy of the cache at ``loc`` (see the module docstring).
+
+    ``cache_dir``: where the copy lives (a subdirectory per cache URL), kept between runs;
+    None: a private temporary directory. ``max_bytes``: the most fetched bytes it keeps
+    (None: no limit). ``root`` is the local directory readers open.
+    """
+
+    def __init__(self, loc: ObjectLocation, cache_dir: str | None = None, max_bytes: int | None = None) -> None:
+        self.loc = loc
+        self.max_bytes = max_bytes
+        self.config = objectstore.settings()  # captured here: workers may have another environment
+        if cache_dir is None:
+            self.root = tempfile.mkdtemp(prefix="te_thd-s3-")
+            self._cleanup: Any = weakref.finalize(self, shutil.rmtree, self.root, True)
+        else:
+            self.root = os.path.join(cache_dir, hashlib.sha1(loc.url.encode()).hexdigest()[:16])
+            os.makedirs(self.root, exist_ok=True)
+            self._cleanup = None
+        self.sizes: dict[str, int] = {}
+        self._present: dict[str, bytearray] = {}
+        self._lru: OrderedDict[str, None] = OrderedDict()
+        #: requests made and bytes fetched from the store by this process (benchmarks, docs)
+        self.requests = 0
+        self.fetched_bytes = 0
+        self._pid = os.getpid()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_cleanup"] = None  # the directory belongs to the process that made it
+        state["_present"], state["_lru"] = {}, OrderedDict()
+        return state
+
+    # -- the cache as a whole ---------------------------------------------------------------
+
+    def sync(self) -> None:
+        """Fetch the manifest and list the shard objects; drop local copies the store no longer matches."""
+        raw = objectstore.get(self.loc, MANIFEST_NAME, self.config)
+        self.requests += 1
+        local = os.path.join(self.root, MANIFEST_NAME)
+        if raw is None:
+            raise ManifestNotFoundError(
+                f"cache manifest not found at {self.loc.key(MANIFEST_NAME)!r} in bucket {self.loc.bucket!r} "
+                f"({self.loc.url}/{MANIFEST_NAME}). A producer writes it last, so the cache was never "
+                "finished: re-run its producer, or point cache_dir at a finished cache."
+            )
+        old = open(local, "rb").read() if os.path.exists(local) else None
+        listing = objectstore.listing(self.loc, self.config)
+        self.requests += 1
+        self.sizes = {n: s for n, s in listing.items() if SHARD_RE.match(n)}
+        for name in os.listdir(self.root):
+            if SHARD_RE.match(name) and (name not in self.sizes or raw != old):
+                self._drop(name)  # another cache, or another version of this one, was here
+        for name, size in self.sizes.items():
+            path = os.path.join(self.root, name)
+            if not os.path.exists(path) or os.path.getsize(path) != size:
+                self._drop(name)
+                with open(path, "wb") as f:
+                    f.truncate(size)  # sparse: no data until fetched
+        if raw != old:
+            atomic_write_bytes(local, raw)
+
+    def _drop(self, name: str) -> None:
+        for p in (os.path.join(self.root, name), self._bitmap_path(name)):
+            try:
+                os.unlink(p)
+            except FileNotFoundError:
+                pass
+        self._present.pop(name, None)
+        self._lru.pop(name, None)
+
+    # -- one shard ------------------------------------------------------------------------
+
+    def _bitmap_path(self, name: str) -> str:
+        return os.path.join(self.root, f".{name}.present")
+
+    def _bitmap(self, name: str) -> bytearray:
+        bits = self._present.get(name)
+        if bits is None:
+            n = -(-self.sizes[name] // CHUNK_BYTES)
+            try:
+                with open(self._bitmap_path(name), "rb") as f:
+                    bits = bytearray(f.read(n).ljust(n, b"\0"))
+            except FileNotFoundError:
+                bits = bytearray(n)
+            self._present[name] = bits
+        return bits
+
+    def ensure(self, name: str, ranges: Iterable[tuple[int, int]]) -> None:
+        """Make bytes ``[offset, offset + n)`` of shard file ``name`` present locally, for each range."""
+        if self._pid != os.getpid():  # a forked worker: its own client and bookkeeping
+            self._pid, self._present, self._lru = os.getpid(), {}, OrderedDict()
+        size = self.sizes[name]
+        bits = self._bitmap(name)
+        want: set[int] = set()
+        for off, n in ranges:
+            if n > 0:
+                want.update(range(off // CHUNK_BYTES, min(-(-(off + n) // CHUNK_BYTES), len(bits))))
+        missing = sorted(c for c in want if not bits[c])
+        self._lru[name] = None
+        self._lru.move_to_end(name)
+        if not missing:
+            return
+        runs: list[tuple[int, int]] = []
+        for c in missing:
+            if runs and runs[-1][1] == c:
+                runs[-1] = (runs[-1][0], c + 1)
+            else:
+                runs.append((c, c + 1))
+        spans = [(a * CHUNK_BYTES, min(b * CHUNK_BYTES, size)) for a, b in runs]
+        data = objectstore.get_ranges(self.loc, name, spans, self.config)
+        self.requests += 1
+        fd = os.open(os.path.join(self.root, name), os.O_WRONLY)
+        try:
+            for (a, _), blob in zip(spans, data, strict=True):
+                os.pwrite(fd, blob, a)
+                self.fetched_bytes += len(blob)
+        finally:
+            os.close(fd)
+        for a, b in runs:
+            bits[a:b] = b"\1" * (b - a)
+        with open(self._bitmap_path(name), "wb") as f:  # after the data: a set byte means its chunk is there
+            f.write(bits)
+        self._evict(keep=name)
+
+    def invalidate(self, name: str) -> None:
+        """Forget shard ``name``'s local bytes (a read found them damaged): they are fetched again."""
+        path = os.path.join(self.root, name)
+        with open(path, "r+b") as f:
+            f.truncate(0)
+            f.truncate(self.sizes[name])
+        self._present[name] = bytearray(-(-self.sizes[name] // CHUNK_BYTES))
+        try:
+            os.unlink(self._bitmap_path(name))
+        except FileNotFoundError:
+            pass
+
+    def _evict(self, keep: str) -> None:
+        if self.max_bytes is None:
+            return
+        def held() -> int:
+            return sum(sum(b) * CHUNK_BYTES for b in self._present.values())
+        for name in list(self._lru):
+            if held() <= self.max_bytes:
+                break
+            if name != keep:
+                self.invalidate(name)
+                self._lru.pop(name, None)
+
+    def shard_ranges_header(self, name: str) -> None:
+        """Make the shard's header present (its length prefix first)."""
+        self.ensure(name, [(0, 8)])
+        with open(os.path.join(self.root, name), "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+        self.ensure(name, [(0, 8 + min(n, self.sizes[name]))])
