@@ -102,8 +102,8 @@ def test_checked_in_thresholds_parse():
     assert by["cp-shard-vs-index-select"].min_ratio == 0.5
     assert by["cache-write-vs-save-file"].min_ratio == 0.8
     # the one non-gating goal, with a gating goal beside it: writes at equal durability
-    assert [g.id for g in goals if g.known_miss] == ["cache-write-vs-save-file", "tokens-cp4-fetch", "tokens-cp-fetch-demo"]
-    assert not by["tokens-cp2-fetch"].known_miss and not by["tokens-cp2-throughput"].known_miss
+    assert [g.id for g in goals if g.known_miss] == ["cache-write-vs-save-file", "tokens-cp-fetch-demo"]
+    assert not any(by[g].known_miss for g in ("tokens-cp2-fetch", "tokens-cp4-fetch", "tokens-cp2-throughput"))
     assert by["cache-write-vs-save-file-fsync"].min_ratio == 0.8
     assert not by["cache-write-vs-save-file-fsync"].known_miss
     # the producer's writes hidden behind compute gate at the number
