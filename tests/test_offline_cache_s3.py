@@ -250,3 +250,35 @@ def test_an_unsupported_url_is_refused_never_taken_for_a_path(url, tmp_path, mon
     with pytest.raises(ValueError, match="cache_dir="):
         write_tensor_shard(url, 0, {"ids": torch.zeros(2, 1)}, ("ids",), "test")
     assert list(tmp_path.iterdir()) == []  # no local directory named after the URL
+
+
+def test_the_reference_loop_with_the_durable_writer_writes_to_a_url(bucket, local) -> None:
+    """``write_cache_shards`` (the reference loop) + a ``DurableShardWriter`` + ``write_manifest``: the
+    reference producers' way, into s3://, gives the shards the local producer wrote."""
+    import logging
+
+    from torch.utils.data import DataLoader
+
+    from te_thd.offline_cache import DurableShardWriter, write_cache_shards
+
+    url = f"s3://{bucket}/loop"
+    with DurableShardWriter(P.KEYS) as writer:
+        write_cache_shards(DataLoader(P.dataset(), batch_size=2), url, 4, 0, P.compute_batch, writer,
+                           logging.getLogger("test"))  # fmt: skip
+    write_manifest(url, {"num_samples": 22, "shard_size": 4, **writer.manifest_fields(url)}, 1)
+    assert existing_shard_indices(url) == set(range(6))
+    ref, ds = CachedTensorDataset(str(local), "test", 1, P.KEYS), CachedTensorDataset(url, "test", 1, P.KEYS)
+    assert all(torch.equal(ref[i][k], ds[i][k]) for i in range(22) for k in P.KEYS)
+
+
+def test_the_example_produces_and_trains_on_a_url(bucket, server, tmp_path) -> None:
+    repo = HERE.parent
+    url = f"s3://{bucket}/demo"
+    py = sys.executable
+    r = _run([py, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "examples/precompute_cache.py",
+              "--out", url, "--cp", "2", "--num-samples", "64", "--device", "cpu"], server, cwd=repo)  # fmt: skip
+    assert r.returncode == 0 and f"cache ready: {url}" in r.stdout, r.stderr[-2000:]
+    r = _run([py, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "examples/train_ep_cp.py",
+              "--cache-dir", url, "--out", str(tmp_path / "train"), "--cp", "2", "--ep", "1", "--steps", "4",
+              "--device", "cpu"], server, cwd=repo)  # fmt: skip
+    assert r.returncode == 0 and "summary: steps 0->4" in r.stdout, r.stderr[-2000:]
