@@ -30,6 +30,8 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from typing import Any
 
+import numpy as np
+
 from te_thd.offline_cache import objectstore
 from te_thd.offline_cache.durable import atomic_write_bytes
 from te_thd.offline_cache.errors import ManifestNotFoundError
@@ -61,6 +63,7 @@ class ObjectMirror:
             self._cleanup = None
         self.sizes: dict[str, int] = {}
         self._present: dict[str, bytearray] = {}
+        self._absent: dict[str, np.ndarray] = {}  # per shard: prefix counts of chunks not yet fetched
         self._lru: OrderedDict[str, None] = OrderedDict()
         #: requests made and bytes fetched from the store by this process (benchmarks, docs)
         self.requests = 0
@@ -70,7 +73,7 @@ class ObjectMirror:
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_cleanup"] = None  # the directory belongs to the process that made it
-        state["_present"], state["_lru"] = {}, OrderedDict()
+        state["_present"], state["_absent"], state["_lru"] = {}, {}, OrderedDict()
         return state
 
     # -- the cache as a whole ---------------------------------------------------------------
@@ -109,6 +112,7 @@ class ObjectMirror:
             except FileNotFoundError:
                 pass
         self._present.pop(name, None)
+        self._absent.pop(name, None)
         self._lru.pop(name, None)
 
     # -- one shard ------------------------------------------------------------------------
@@ -131,18 +135,23 @@ class ObjectMirror:
     def ensure(self, name: str, ranges: Iterable[tuple[int, int]]) -> None:
         """Make bytes ``[offset, offset + n)`` of shard file ``name`` present locally, for each range."""
         if self._pid != os.getpid():  # a forked worker: its own client and bookkeeping
-            self._pid, self._present, self._lru = os.getpid(), {}, OrderedDict()
+            self._pid, self._present, self._absent, self._lru = os.getpid(), {}, {}, OrderedDict()
         size = self.sizes[name]
         bits = self._bitmap(name)
-        want: set[int] = set()
-        for off, n in ranges:
-            if n > 0:
-                want.update(range(off // CHUNK_BYTES, min(-(-(off + n) // CHUNK_BYTES), len(bits))))
-        missing = sorted(c for c in want if not bits[c])
+        spans_in = np.asarray([(off, off + n) for off, n in ranges if n > 0], dtype=np.int64).reshape(-1, 2)
+        first = spans_in[:, 0] // CHUNK_BYTES
+        last = np.minimum(-(-spans_in[:, 1] // CHUNK_BYTES), len(bits))
         self._lru[name] = None
         self._lru.move_to_end(name)
-        if not missing:
+        absent = self._absent.get(name)
+        if absent is None:  # prefix counts of absent chunks: "is every chunk of these ranges here" in O(ranges)
+            absent = self._absent[name] = np.concatenate(([0], np.cumsum(np.frombuffer(bytes(bits), np.uint8) == 0)))
+        if not np.any(absent[last] - absent[first]):
             return
+        want: set[int] = set()
+        for a, b in zip(first.tolist(), last.tolist(), strict=True):
+            want.update(range(a, b))
+        missing = sorted(c for c in want if not bits[c])
         runs: list[tuple[int, int]] = []
         for c in missing:
             if runs and runs[-1][1] == c:
@@ -161,6 +170,7 @@ class ObjectMirror:
             os.close(fd)
         for a, b in runs:
             bits[a:b] = b"\1" * (b - a)
+        self._absent.pop(name, None)
         with open(self._bitmap_path(name), "wb") as f:  # after the data: a set byte means its chunk is there
             f.write(bits)
         self._evict(keep=name)
@@ -172,6 +182,7 @@ class ObjectMirror:
             f.truncate(0)
             f.truncate(self.sizes[name])
         self._present[name] = bytearray(-(-self.sizes[name] // CHUNK_BYTES))
+        self._absent.pop(name, None)
         try:
             os.unlink(self._bitmap_path(name))
         except FileNotFoundError:
