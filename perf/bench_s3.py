@@ -22,6 +22,10 @@ samples, ``--quick`` 128, batch 8) and ``ragged`` (the long-tailed token cache o
 through ``CachedThdCollator`` at cp = 2, rank 0: the rank's share only). Skipped (no
 records) when the server or the s3 extra is not installed.
 
+``client_batch_ranges``: the client choice -- one batch's 8 ranged reads (768 KiB rows of a
+shard object) by obstore's single ``get_ranges`` call against boto3, one request at a
+time and on 8 threads (MB/s; reported, not gated).
+
 Run: ``.venv/bin/python perf/run.py --only s3``.
 """
 
@@ -75,6 +79,45 @@ def _large(out: str, n: int) -> tuple[tuple[str, ...], dict]:
     produce_cache(DataLoader([{"i": torch.tensor(i)} for i in range(n)], batch_size=8), out, 16, compute,
                   ("hidden", "input_ids"), progress=False)  # fmt: skip
     return ("hidden", "input_ids"), {}
+
+
+def _clients(support, server, url: str, quick: bool) -> Record:
+    """One batch's ranged reads (8 random 768 KiB rows of a shard object) through obstore's one
+    ``get_ranges`` call, against boto3 one ``GetObject(Range=...)`` at a time and on 8 threads."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import boto3
+
+    from te_thd.offline_cache import objectstore
+    from te_thd.offline_cache.location import parse_location
+
+    loc = parse_location(url)
+    name = "shard-000000.safetensors"
+    size = objectstore.listing(loc)[name]
+    row = 512 * 768 * 2
+    g = torch.Generator().manual_seed(0)
+    starts = [int(v) * row for v in torch.randperm(max(1, (size - 4096) // row), generator=g)[:8]]
+    ranges = [(a, a + row) for a in starts]
+    c = boto3.client("s3", endpoint_url=server.endpoint, aws_access_key_id=support.ACCESS_KEY,
+                     aws_secret_access_key=support.SECRET_KEY, region_name="us-east-1")  # fmt: skip
+    key = loc.key(name)
+
+    def one(r):
+        return c.get_object(Bucket=loc.bucket, Key=key, Range=f"bytes={r[0]}-{r[1] - 1}")["Body"].read()
+
+    pool = ThreadPoolExecutor(8)
+    try:
+        times = time_interleaved({
+            "obstore_get_ranges": lambda: objectstore.get_ranges(loc, name, ranges),
+            "boto3_sequential": lambda: [one(r) for r in ranges],
+            "boto3_8_threads": lambda: list(pool.map(one, ranges)),
+        }, trials=5 if quick else 9, inner=3)  # fmt: skip
+    finally:
+        pool.shutdown()
+    mb = len(ranges) * row / 1e6
+    rate = {k: mb / v for k, v in times.items()}
+    return Record(bench=BENCH, case="client_batch_ranges", metric="throughput", unit="MB/s",
+                  ours=rate.pop("obstore_get_ranges"), baselines=rate, extra={"ranges": len(ranges), "range_bytes": row})
 
 
 def run(quick: bool) -> list[Record]:
@@ -148,6 +191,7 @@ def run(quick: bool) -> list[Record]:
                            "fetched_per_used_byte": m.fetched_bytes / max(1, used["bytes"]),
                            "fetched_bytes": m.fetched_bytes, "used_bytes": used["bytes"], "samples": n},
                 ))  # fmt: skip
+        records.append(_clients(support, server, "s3://te-thd-bench/large", quick))
     finally:
         for k, v in old.items():
             if v is None:

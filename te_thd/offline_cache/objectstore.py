@@ -4,7 +4,8 @@ Why obstore: it issues ranged GETs concurrently and coalesces nearby ranges itse
 (``get_ranges``), uploads large objects in parallel multipart parts, supports the
 conditional PUT (``If-None-Match: *``) the producer lock needs, and releases the GIL
 while it waits; boto3 would need a thread per request and s3fs an event loop of its
-own. Measured against the others: docs/object-storage.md.
+own. Measured against boto3 (``perf/bench_s3.py``, ``client_batch_ranges``):
+docs/object-storage.md.
 
 Configuration (read here, the names boto3, s3fs, obstore and MSC all honour):
 ``AWS_ENDPOINT_URL_S3`` or ``AWS_ENDPOINT_URL`` (an S3-compatible server; ``http://``
