@@ -83,7 +83,7 @@ def _large(out: str, n: int) -> tuple[tuple[str, ...], dict]:
 
 def _clients(support, server, url: str, quick: bool) -> Record:
     """One batch's ranged reads (8 random 768 KiB rows of a shard object) through obstore's one
-    ``get_ranges`` call, against boto3 one ``GetObject(Range=...)`` at a time and on 8 threads."""
+    ``get_ranges`` call, against boto3 issuing one ranged GET at a time, and on 8 threads."""
     from concurrent.futures import ThreadPoolExecutor
 
     import boto3
@@ -125,79 +125,73 @@ def run(quick: bool) -> list[Record]:
     if server is None:
         return []
     records: list[Record] = []
-    old = {k: os.environ.get(k) for k in server.env()}
-    os.environ.update(server.env())
     try:
-        from te_thd.offline_cache import (
-            CachedTensorDataset,
-            CachedThdCollator,
-            build_cached_dataloader,
-            collate_cached,
-        )
+        with server.environment():
+            from te_thd.offline_cache import (
+                CachedTensorDataset,
+                CachedThdCollator,
+                build_cached_dataloader,
+                collate_cached,
+            )
 
-        support.make_bucket(server, "te-thd-bench")
-        import bench_tokens
+            support.make_bucket(server, "te-thd-bench")
+            import bench_tokens
 
-        with tempfile.TemporaryDirectory(prefix="te_thd_bench_s3_") as tmp:
-            large = os.path.join(tmp, "large")
-            keys, _ = _large(large, 128 if quick else 256)
-            ragged = os.path.join(tmp, "ragged")
-            lengths = bench_tokens._lengths("long_tail", 48 if quick else 96, 4096)
-            bench_tokens._produce(ragged, lengths, 4096, 1024, token_keys=bench_tokens.TOKEN_KEYS)
-            cases = {
-                "large": (large, keys, 8, functools.partial(collate_cached, keys=keys)),
-                "ragged": (ragged, bench_tokens.KEYS, 8,
-                           CachedThdCollator(8192, length_key="seq_len", cp_size=2, cp_rank=0)),
-            }  # fmt: skip
-            for case, (local, case_keys, batch, collate) in cases.items():
-                url = f"s3://te-thd-bench/{case}"
-                _upload(local, url)
-                warm_dir = os.path.join(tmp, f"warm-{case}")
-                used = {"bytes": 0, "batches": 0}
+            with tempfile.TemporaryDirectory(prefix="te_thd_bench_s3_") as tmp:
+                large = os.path.join(tmp, "large")
+                keys, _ = _large(large, 128 if quick else 256)
+                ragged = os.path.join(tmp, "ragged")
+                lengths = bench_tokens._lengths("long_tail", 48 if quick else 96, 4096)
+                bench_tokens._produce(ragged, lengths, 4096, 1024, token_keys=bench_tokens.TOKEN_KEYS)
+                cases = {
+                    "large": (large, keys, 8, functools.partial(collate_cached, keys=keys)),
+                    "ragged": (ragged, bench_tokens.KEYS, 8,
+                               CachedThdCollator(8192, length_key="seq_len", cp_size=2, cp_rank=0)),
+                }  # fmt: skip
+                for case, (local, case_keys, batch, collate) in cases.items():
+                    url = f"s3://te-thd-bench/{case}"
+                    _upload(local, url)
+                    warm_dir = os.path.join(tmp, f"warm-{case}")
+                    used = {"bytes": 0, "batches": 0}
 
-                def epoch(ds, collate=collate, batch=batch, used=used):
-                    loader = build_cached_dataloader(dataset=ds, batch_size=batch, shuffle=True, collate_fn=collate,
-                                                     seed=1)  # fmt: skip
-                    n = 0
-                    for out in loader:
-                        n += 1
-                        used["bytes"] += sum(t.numel() * t.element_size() for t in out.values() if isinstance(t, torch.Tensor))
-                    used["batches"] = n
-                    return ds
+                    def epoch(ds, collate=collate, batch=batch, used=used):
+                        loader = build_cached_dataloader(dataset=ds, batch_size=batch, shuffle=True, collate_fn=collate,
+                                                         seed=1)  # fmt: skip
+                        n = 0
+                        for out in loader:
+                            n += 1
+                            used["bytes"] += sum(t.numel() * t.element_size() for t in out.values() if isinstance(t, torch.Tensor))
+                        used["batches"] = n
+                        return ds
 
-                # a job opens its dataset once and reads many epochs: the datasets are made outside the timing
-                ds_local = CachedTensorDataset(local, "bench", 1, case_keys)
-                ds_warm = epoch(CachedTensorDataset(url, "bench", 1, case_keys, read_cache_dir=warm_dir))
+                    # a job opens its dataset once and reads many epochs: the datasets are made outside the timing
+                    ds_local = CachedTensorDataset(local, "bench", 1, case_keys)
+                    ds_warm = epoch(CachedTensorDataset(url, "bench", 1, case_keys, read_cache_dir=warm_dir))
 
-                def cold(url=url, case=case, case_keys=case_keys, epoch=epoch):
-                    d = os.path.join(tmp, f"cold-{case}")
-                    shutil.rmtree(d, ignore_errors=True)
-                    epoch(CachedTensorDataset(url, "bench", 1, case_keys, read_cache_dir=d))
+                    def cold(url=url, case=case, case_keys=case_keys, epoch=epoch):
+                        d = os.path.join(tmp, f"cold-{case}")
+                        shutil.rmtree(d, ignore_errors=True)
+                        epoch(CachedTensorDataset(url, "bench", 1, case_keys, read_cache_dir=d))
 
-                times = time_interleaved(
-                    {"s3_warm": lambda ds=ds_warm, epoch=epoch: epoch(ds),
-                     "local": lambda ds=ds_local, epoch=epoch: epoch(ds), "s3_cold": cold},
-                    trials=3 if quick else 5, inner=3,
-                )  # fmt: skip
-                used["bytes"] = 0
-                shutil.rmtree(os.path.join(tmp, f"cold-{case}"), ignore_errors=True)
-                ds = epoch(CachedTensorDataset(url, "bench", 1, case_keys, read_cache_dir=os.path.join(tmp, f"cold-{case}")))
-                m = ds._mirror
-                n = len(ds)
-                records.append(Record(
-                    bench=BENCH, case=f"epoch_{case}", metric="throughput", unit="samples/s",
-                    ours=n / times["s3_warm"], baselines={"local": n / times["local"], "s3_cold": n / times["s3_cold"]},
-                    extra={"requests_per_batch": m.requests / max(1, used["batches"]),
-                           "fetched_per_used_byte": m.fetched_bytes / max(1, used["bytes"]),
-                           "fetched_bytes": m.fetched_bytes, "used_bytes": used["bytes"], "samples": n},
-                ))  # fmt: skip
-        records.append(_clients(support, server, "s3://te-thd-bench/large", quick))
+                    times = time_interleaved(
+                        {"s3_warm": lambda ds=ds_warm, epoch=epoch: epoch(ds),
+                         "local": lambda ds=ds_local, epoch=epoch: epoch(ds), "s3_cold": cold},
+                        trials=3 if quick else 5, inner=3,
+                    )  # fmt: skip
+                    used["bytes"] = 0
+                    shutil.rmtree(os.path.join(tmp, f"cold-{case}"), ignore_errors=True)
+                    ds = epoch(CachedTensorDataset(url, "bench", 1, case_keys, read_cache_dir=os.path.join(tmp, f"cold-{case}")))
+                    m = ds._mirror
+                    n = len(ds)
+                    records.append(Record(
+                        bench=BENCH, case=f"epoch_{case}", metric="throughput", unit="samples/s",
+                        ours=n / times["s3_warm"], baselines={"local": n / times["local"], "s3_cold": n / times["s3_cold"]},
+                        extra={"requests_per_batch": m.requests / max(1, used["batches"]),
+                               "fetched_per_used_byte": m.fetched_bytes / max(1, used["bytes"]),
+                               "fetched_bytes": m.fetched_bytes, "used_bytes": used["bytes"], "samples": n},
+                    ))  # fmt: skip
+            records.append(_clients(support, server, "s3://te-thd-bench/large", quick))
     finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
         server.stop()
     return records
 

@@ -10,6 +10,7 @@ timeout (it takes a while to stop). :meth:`SeaweedServer.env` is what a client p
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -19,6 +20,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,6 +55,20 @@ class SeaweedServer:
     def env(self) -> dict[str, str]:
         return {"AWS_ENDPOINT_URL": self.endpoint, "AWS_ACCESS_KEY_ID": ACCESS_KEY,
                 "AWS_SECRET_ACCESS_KEY": SECRET_KEY, "AWS_REGION": "us-east-1"}  # fmt: skip
+
+    @contextlib.contextmanager
+    def environment(self) -> Iterator[None]:
+        """This process's environment pointed at the server (restored on exit)."""
+        old = {k: os.environ.get(k) for k in self.env()}
+        os.environ.update(self.env())
+        try:
+            yield
+        finally:
+            for k, v in old.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
 
     def stop(self, timeout: float = 5.0) -> None:
         if self.proc.poll() is None:

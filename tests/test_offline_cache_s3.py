@@ -52,17 +52,10 @@ if S.weed_binary() is None:
 @pytest.fixture(scope="module")
 def server():
     srv = S.start()
-    old = {k: os.environ.get(k) for k in srv.env()}
-    os.environ.update(srv.env())
-    objectstore._CLIENTS.clear()
     try:
-        yield srv
+        with srv.environment():
+            yield srv
     finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
         srv.stop()
 
 
