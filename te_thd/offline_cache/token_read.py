@@ -45,6 +45,7 @@ from te_thd.offline_cache.tokens import (
     BlockTable,
     StoredTensor,
     TokenLayout,
+    TokenReadPlan,
     block_table,
     decode_offsets,
     logical_specs,
@@ -166,13 +167,20 @@ class _Part:
 
 
 def plan_stored(
-    fd: int, index: TokenIndex, name: str, rows: np.ndarray, pos: np.ndarray, ctx: ReadContext, pieces: list[Piece]
+    fd: int, index: TokenIndex, name: str, rows: np.ndarray, pos: np.ndarray, ctx: ReadContext, pieces: list[Piece],
+    plans: dict[tuple[int, int], TokenReadPlan] | None = None,
 ) -> _Part:
     """Plan reading tokens ``pos`` of rows ``rows`` of stored tensor ``name``: appends one ``preadv`` piece per
     run of blocks to ``pieces`` (each verifies its blocks right after it is read); the part's ``result()``
-    is then ``[M, *shape]`` of the stored dtype."""
+    is then ``[M, *shape]`` of the stored dtype. ``plans``: the plans of this request made so far, by
+    (block size, gap): tensors with the same token size share one (their blocks are the same)."""
     s, table = index.stored[name], index.tables[name]
-    plan = plan_token_reads(table, index.offsets, rows, pos, PAGE_BYTES // max(1, s.token_bytes))
+    shape = (table.block_tokens, PAGE_BYTES // max(1, s.token_bytes))
+    plan = None if plans is None else plans.get(shape)
+    if plan is None:
+        plan = plan_token_reads(table, index.offsets, rows, pos, shape[1])
+        if plans is not None:
+            plans[shape] = plan
     buf = torch.empty((plan.tokens, *s.shape), dtype=s.dtype)
     raw = tensor_memoryview(buf)
     tb = s.token_bytes
@@ -343,7 +351,8 @@ class TokenRows:
             fd, index, ctx = self._opener(shard)
             reads = ctx.reads
             rows, p = (self.rows[sample], pos) if at is None else (self.rows[sample[at]], pos[at])
-            parts = {n: plan_stored(fd, index, n, rows, p, ctx, pieces) for k in keys for n in stored_names(index, k)}
+            plans: dict[tuple[int, int], TokenReadPlan] = {}
+            parts = {n: plan_stored(fd, index, n, rows, p, ctx, pieces, plans) for k in keys for n in stored_names(index, k)}
             planned.append((at, index, parts))
         run_pieces(pieces, reads)
         out: dict[str, torch.Tensor] = {}
