@@ -275,3 +275,21 @@ def test_the_example_produces_and_trains_on_a_url(bucket, server, tmp_path) -> N
               "--cache-dir", url, "--out", str(tmp_path / "train"), "--cp", "2", "--ep", "1", "--steps", "4",
               "--device", "cpu"], server, cwd=repo)  # fmt: skip
     assert r.returncode == 0 and "summary: steps 0->4" in r.stdout, r.stderr[-2000:]
+
+
+def test_the_endpoint_and_keys_come_from_the_aws_config_files_too(bucket, local, server, tmp_path, monkeypatch) -> None:
+    """No AWS_* variables: the profile's endpoint_url, region and keys are read from the shared files."""
+    url = f"s3://{bucket}/profile"
+    P.produce(url)
+    (tmp_path / "config").write_text(f"[profile te]\nregion = us-east-1\nendpoint_url = {server.endpoint}\n")
+    (tmp_path / "credentials").write_text(
+        f"[te]\naws_access_key_id = {S.ACCESS_KEY}\naws_secret_access_key = {S.SECRET_KEY}\n"
+    )
+    for var in server.env():
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("AWS_PROFILE", "te")
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "config"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "credentials"))
+    ds = CachedTensorDataset(url, "test", 1, P.KEYS)
+    ref = CachedTensorDataset(str(local), "test", 1, P.KEYS)
+    assert all(torch.equal(ref[i]["hidden"], ds[i]["hidden"]) for i in range(22))

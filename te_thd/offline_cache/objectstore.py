@@ -11,8 +11,11 @@ Configuration (read here, the names boto3, s3fs, obstore and MSC all honour):
 ``AWS_ENDPOINT_URL_S3`` or ``AWS_ENDPOINT_URL`` (an S3-compatible server; ``http://``
 endpoints are allowed), ``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY`` /
 ``AWS_SESSION_TOKEN``, ``AWS_REGION`` or ``AWS_DEFAULT_REGION`` (default
-``us-east-1``). Without keys in the environment obstore's own provider chain is used
-(instance or container credentials). :func:`settings` reads them once; a reader keeps
+``us-east-1``), over the same settings of the profile ``AWS_PROFILE`` (default
+``default``) in the shared files ``~/.aws/config`` (``region``, ``endpoint_url``) and
+``~/.aws/credentials`` (``AWS_CONFIG_FILE`` / ``AWS_SHARED_CREDENTIALS_FILE`` move them).
+Without keys anywhere obstore's own provider chain is used (instance or container
+credentials). :func:`settings` reads them once; a reader keeps
 them (so DataLoader workers, started by a forkserver with its own environment, use the
 same), and each process makes its own client from them (DataLoader workers and torchrun
 ranks each open their own connections).
@@ -20,6 +23,7 @@ ranks each open their own connections).
 
 from __future__ import annotations
 
+import configparser
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -32,9 +36,35 @@ _VARS = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SE
          "AWS_REGION", "AWS_DEFAULT_REGION")  # fmt: skip
 
 
+def _profile() -> dict[str, str]:
+    """The settings of the AWS profile (``AWS_PROFILE``, default ``default``) in the shared config
+    and credentials files (``AWS_CONFIG_FILE`` / ``AWS_SHARED_CREDENTIALS_FILE``, default
+    ``~/.aws/config`` and ``~/.aws/credentials``), under the environment variables' names."""
+    name = os.environ.get("AWS_PROFILE") or "default"
+    out: dict[str, str] = {}
+    config = configparser.ConfigParser(interpolation=None)
+    config.read(os.path.expanduser(os.environ.get("AWS_CONFIG_FILE", "~/.aws/config")))
+    section = name if name == "default" else f"profile {name}"
+    if config.has_section(section):
+        for opt, var in (("region", "AWS_REGION"), ("endpoint_url", "AWS_ENDPOINT_URL"),
+                         ("aws_access_key_id", "AWS_ACCESS_KEY_ID"), ("aws_secret_access_key", "AWS_SECRET_ACCESS_KEY"),
+                         ("aws_session_token", "AWS_SESSION_TOKEN")):  # fmt: skip
+            if config.get(section, opt, fallback=None):
+                out[var] = config.get(section, opt)
+    creds = configparser.ConfigParser(interpolation=None)
+    creds.read(os.path.expanduser(os.environ.get("AWS_SHARED_CREDENTIALS_FILE", "~/.aws/credentials")))
+    if creds.has_section(name):
+        for opt, var in (("aws_access_key_id", "AWS_ACCESS_KEY_ID"), ("aws_secret_access_key", "AWS_SECRET_ACCESS_KEY"),
+                         ("aws_session_token", "AWS_SESSION_TOKEN")):  # fmt: skip
+            if creds.get(name, opt, fallback=None):
+                out[var] = creds.get(name, opt)
+    return out
+
+
 def settings() -> dict[str, str]:
-    """The object-store settings of this process's environment (the variables in the module docstring)."""
-    return {k: os.environ[k] for k in _VARS if os.environ.get(k)}
+    """The object-store settings of this process: the AWS profile's (config and credentials files),
+    overridden by the environment variables in the module docstring."""
+    return {**_profile(), **{k: os.environ[k] for k in _VARS if os.environ.get(k)}}
 
 
 def _obstore() -> Any:
