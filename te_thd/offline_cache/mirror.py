@@ -21,9 +21,12 @@ temporary directory removed with the dataset.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import hashlib
 import os
 import shutil
+import sys
 import tempfile
 import weakref
 from collections import OrderedDict
@@ -177,10 +180,7 @@ class ObjectMirror:
 
     def invalidate(self, name: str) -> None:
         """Forget shard ``name``'s local bytes (a read found them damaged): they are fetched again."""
-        path = os.path.join(self.root, name)
-        with open(path, "r+b") as f:
-            f.truncate(0)
-            f.truncate(self.sizes[name])
+        _punch(os.path.join(self.root, name), self.sizes[name])
         self._present[name] = bytearray(-(-self.sizes[name] // CHUNK_BYTES))
         self._absent.pop(name, None)
         try:
@@ -206,3 +206,35 @@ class ObjectMirror:
         with open(os.path.join(self.root, name), "rb") as f:
             n = int.from_bytes(f.read(8), "little")
         self.ensure(name, [(0, 8 + min(n, self.sizes[name]))])
+
+
+_FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 1, 2
+
+
+def _punch(path: str, size: int) -> None:
+    """Free the local bytes of file ``path`` (``size`` bytes) and read zeros there, keeping its size:
+    another process reading it through a mapping (a DataLoader worker sharing ``cache_dir``) then
+    reads zeros -- which its checksums reject, so it fetches again -- instead of faulting past the
+    end of a file truncated under it. On Linux the libc call fallocate with FALLOC_FL_PUNCH_HOLE; elsewhere truncate and extend."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        if _fallocate is not None and _fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, 0, size) == 0:
+            return
+        os.ftruncate(fd, 0)
+        os.ftruncate(fd, size)
+    finally:
+        os.close(fd)
+
+
+def _libc_fallocate() -> Any:
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        fn = libc.fallocate
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_fallocate = _libc_fallocate() if sys.platform.startswith("linux") else None
