@@ -508,7 +508,8 @@ class CachedTensorDataset(Dataset):
             def ensure(ranges: Sequence[tuple[int, int]]) -> None:
                 mirror.ensure(name, ranges)
 
-        ctx = ReadContext(self.verify, shard_index * self.shard_size, self._repair, reads, f, ensure, self.refetch)
+        ctx = ReadContext(self.verify, shard_index * self.shard_size, self._repair, reads, f, ensure,
+                          self._refetching if self._mirror is not None else None)  # fmt: skip
         return self._descriptor(f), f.tokens, ctx
 
     def _descriptor(self, f: _ShardFile) -> int:

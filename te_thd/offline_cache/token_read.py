@@ -148,8 +148,9 @@ class ReadContext:
     owner: object = None
     #: makes byte ranges ``[(offset, n)]`` of the shard file present first (an s3:// cache's local copy)
     ensure: Callable[[Sequence[tuple[int, int]]], None] | None = None
-    #: drops the local copy of the shard at a path after a failed check; True when it will be fetched again
-    refetch: Callable[[str | None], bool] | None = None
+    #: ``retry(read, arg)``: ``read(arg)``, read once more after a failed check when the shard can be
+    #: fetched again (the dataset's rule for an s3:// cache's local copy)
+    retry: Callable[[Callable[[Any], Any], Any], Any] | None = None
 
 
 class _Part:
@@ -322,19 +323,10 @@ class TokenRows:
         """:meth:`gather` of several keys at once: every read of the batch planned, then read together
         (on the dataset's read threads), each piece verified by the thread that read it. A shard of an
         s3:// cache whose local copy fails a check is fetched again, once."""
-        try:
+        retry = self._opener(int(self.shards[0]))[2].retry if self.shards.size else None
+        if retry is None:
             return self._gather_many(keys, sample, pos)
-        except CacheIntegrityError as exc:
-            ctx = self._opener(int(self.shards[0]))[2]
-            if ctx.refetch is None or not ctx.refetch(exc.path):
-                raise
-        try:
-            return self._gather_many(keys, sample, pos)
-        except CacheIntegrityError as exc:
-            raise CacheIntegrityError(
-                f"{exc} The object itself is damaged: fetched again, it failed the same check.", path=exc.path,
-                sample=exc.sample, key=exc.key, expected=exc.expected, actual=exc.actual,
-            ) from None  # fmt: skip
+        return retry(lambda _: self._gather_many(keys, sample, pos), None)
 
     def _gather_many(self, keys: Sequence[str], sample: np.ndarray, pos: np.ndarray) -> dict[str, torch.Tensor]:
         sample = np.asarray(sample, dtype=np.int64)
