@@ -312,17 +312,7 @@ def produce_cache(
     job = _Job.plan(dataloader, output_dir, shard_size, keys, options, format_version, cache_name,
                     producer_name, rank, world_size, group, logger or _log, length_key, token_keys, codecs)  # fmt: skip
     producer_lock = ProducerLock(output_dir) if (lock and job.comm.rank == 0) else None
-    try:
-        finished = job.prepare(producer_lock, resume)
-        if finished is not None:
-            job.logger.info("%s is already a finished cache (%d samples); nothing to do", output_dir, job.num_samples)
-            return finished
-        records, schema, missing = job.verify_block()
-        writer = job.compute(dataloader, compute_batch, missing, schema, progress)
-        return job.finish({**records, **writer.records}, writer)
-    finally:
-        if producer_lock is not None:
-            producer_lock.release()
+    return job.run(producer_lock, resume, dataloader, compute_batch, progress)
 
 
 @dataclass(frozen=True)
@@ -384,6 +374,37 @@ class _Job:
             comm=_Comm(rank, world_size, group), length_rule=length_rule, token_layout=token_layout,
             params=run_params(format_version, num_samples, shard_size, keys, opts, token_layout),
         )  # fmt: skip
+
+    def run(
+        self, producer_lock: ProducerLock | _RemoteRun | None, resume: bool, dataloader: DataLoader,
+        compute_batch: Callable[[Any], Any], progress: bool | None,
+    ) -> dict[str, Any]:  # fmt: skip
+        """Every phase in order, the lock (rank 0) held throughout; the finished manifest."""
+        try:
+            finished = self.prepare(producer_lock, resume)
+            if finished is not None:
+                self.logger.info("%s is already a finished cache (%d samples); nothing to do", self.output_dir,
+                                 self.num_samples)  # fmt: skip
+                return finished
+            if self.write_to is not None:
+                self.fetch_block()
+            records, schema, missing = self.verify_block()
+            writer = self.compute(dataloader, compute_batch, missing, schema, progress)
+            return self.finish({**records, **writer.records}, writer)
+        finally:
+            if producer_lock is not None:
+                producer_lock.release()
+
+    def fetch_block(self) -> None:
+        """An s3:// cache: the shards of this rank's block already in the store, fetched into the staging
+        directory, where :meth:`verify_block` verifies them like local ones."""
+        assert self.write_to is not None
+        start, _, n_local = partition_cache_shards(self.num_samples, self.shard_size, self.comm.world_size, self.comm.rank)
+        stored = objectstore.listing(self.write_to)
+        for i in range(start, start + num_shards(n_local, self.shard_size)):
+            path = shard_path(self.output_dir, i)
+            if os.path.basename(path) in stored:
+                objectstore.get_file(self.write_to, os.path.basename(path), path)
 
     def prepare(self, producer_lock: ProducerLock | _RemoteRun | None, resume: bool) -> dict[str, Any] | None:
         """Rank 0 inspects the directory under the lock; every rank learns the outcome.
@@ -531,21 +552,7 @@ def _produce_to_object_store(
                                  f"({describe_diff(recorded, job.params)}). Choose another prefix, or delete this cache.")  # fmt: skip
             return manifest
         holder = _RemoteRun(loc, staging, job.params, resume, lock) if job.comm.rank == 0 else None
-        try:
-            job.prepare(holder, resume)
-            # the shards of this rank's block already in the store: fetched, then verified like local ones
-            start, _, n_local = partition_cache_shards(job.num_samples, shard_size, job.comm.world_size, job.comm.rank)
-            stored = objectstore.listing(loc)
-            for i in range(start, start + num_shards(n_local, shard_size)):
-                name = os.path.basename(shard_path(staging, i))
-                if name in stored:
-                    objectstore.get_file(loc, name, shard_path(staging, i))
-            records, schema, missing = job.verify_block()
-            writer = job.compute(dataloader, compute_batch, missing, schema, progress)
-            return job.finish({**records, **writer.records}, writer)
-        finally:
-            if holder is not None:
-                holder.release()
+        return job.run(holder, resume, dataloader, compute_batch, progress)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 
