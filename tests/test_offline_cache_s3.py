@@ -293,3 +293,31 @@ def test_the_endpoint_and_keys_come_from_the_aws_config_files_too(bucket, local,
     ds = CachedTensorDataset(url, "test", 1, P.KEYS)
     ref = CachedTensorDataset(str(local), "test", 1, P.KEYS)
     assert all(torch.equal(ref[i]["hidden"], ds[i]["hidden"]) for i in range(22))
+
+
+def test_unlock_on_a_local_directory_says_there_is_nothing_to_remove(tmp_path) -> None:
+    out = subprocess.run([str(Path(sys.executable).with_name("te-thd")), "cache", "unlock", str(tmp_path)],
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert out.returncode == 1
+    assert f"te-thd cache unlock: {tmp_path} is a local directory: its producer lock is a flock" in out.stderr
+
+
+def test_a_forked_child_of_a_process_that_used_the_client_is_refused() -> None:
+    loc = parse_location("s3://te-thd-fork/x")
+    objectstore.client(loc, {"AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s"})  # made here: its runtime does not survive fork
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report the message, exit without pytest's teardown
+        os.close(r)
+        try:
+            objectstore.client(loc, {"AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s"})
+            msg = b"no error"
+        except RuntimeError as exc:
+            msg = str(exc).encode()
+        os.write(w, msg)
+        os._exit(0)
+    os.close(w)
+    msg = os.read(r, 4096).decode()
+    os.waitpid(pid, 0)
+    assert "forked from one that had used the object-store client" in msg
+    assert "multiprocessing_context='forkserver' or 'spawn'" in msg
