@@ -351,24 +351,24 @@ def _threaded_ds(d: Path, threads: int) -> CachedTensorDataset:
 
 
 def _record_verifiers(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str, list[int], bool]]:
-    """Wrap the reader's ``verify_rows`` (the real check still runs) to log
+    """Wrap the batched reader's check (``verify_row_bytes``; the real check still runs) to log
     ``(thread name, key, shard rows, passed)`` per call."""
     import threading
 
     import te_thd.offline_cache.reader as reader
 
     log: list[tuple[str, str, list[int], bool]] = []
-    real = reader.verify_rows
+    real = reader.verify_row_bytes
 
-    def verify(data, rows, expected, **kw):
+    def verify(view, row_bytes, first, rows, expected, **kw):
         try:
-            real(data, rows, expected, **kw)
+            real(view, row_bytes, first, rows, expected, **kw)
         except CacheIntegrityError:
             log.append((threading.current_thread().name, kw["key"], list(rows), False))
             raise
         log.append((threading.current_thread().name, kw["key"], list(rows), True))
 
-    monkeypatch.setattr(reader, "verify_rows", verify)
+    monkeypatch.setattr(reader, "verify_row_bytes", verify)
     return log
 
 

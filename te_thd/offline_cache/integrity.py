@@ -238,6 +238,30 @@ def verify_rows(
         _verify(_row_views(data, len(rows)), rows, expected, path, key, first_sample, repair)
 
 
+def verify_row_bytes(
+    view: memoryview,
+    row_bytes: int,
+    first: int,
+    rows: Sequence[int],
+    expected: Sequence[int],
+    *,
+    path: str,
+    key: str,
+    first_sample: int,
+    repair: str,
+) -> None:
+    """:func:`verify_rows` of the rows in bytes ``view[first * row_bytes:]``: row ``j`` of
+    ``rows`` is ``view[(first + j) * row_bytes : (first + j + 1) * row_bytes]``.
+
+    The form a batched read calls after each piece: ``view`` is the byte view of the
+    whole batch tensor (``[B, ...]``), made once per batch, so checking a piece slices
+    bytes instead of tensors (a tensor slice costs ~5 us of dispatch, a byte slice ~0.1 us).
+    """
+    a = first * row_bytes
+    views = [view[a + j * row_bytes : a + (j + 1) * row_bytes] for j in range(len(rows))]
+    _verify(views, rows, expected, path, key, first_sample, repair)
+
+
 #: ``(address, bytes, rows) -> one byte view per row``: batches land in a few recycled
 #: buffers, and cutting 32 row views costs as much as hashing 32 rows of 2 KiB.
 _ROW_VIEWS: dict[tuple[int, int, int], list[memoryview]] = {}

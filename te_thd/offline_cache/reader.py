@@ -72,7 +72,7 @@ from .copyread import (
 )
 from .errors import CacheIntegrityError, UnverifiedCacheWarning, repair_hint
 from .format import SHARD_RE, TensorSpec, load_safetensors, manifest_path, shard_path, shard_rows
-from .integrity import ShardSums, verify_rows
+from .integrity import ShardSums, byte_view, verify_row_bytes, verify_rows
 from .location import parse_location
 from .manifest import manifest_schema, read_manifest, recorded_producer, shard_records
 from .mirror import ObjectMirror
@@ -729,16 +729,16 @@ class CachedTensorDataset(Dataset):
         all_rows: Sequence[int] = ()
         first_sample, repair = shard * self.shard_size, self._repair
 
-        def verifier(key: str, dst: torch.Tensor) -> Callable[[int, Sequence[int]], None] | None:
-            """The check of a piece's rows once they are in ``dst`` (None: nothing to check)."""
+        def verifier(key: str, dst: memoryview, row_bytes: int) -> Callable[[int, Sequence[int]], None] | None:
+            """The check of a piece's rows once they are in ``dst`` (the bytes of ``[m, ...]``
+            rows; None: nothing to check)."""
             if not check:
                 return None
             expected = sums.sums[key]  # type: ignore[union-attr]
 
             def after(p: int, rows: Sequence[int]) -> None:
-                n = len(rows)
-                verify_rows(dst if p == 0 and n == dst.shape[0] else dst[p : p + n], rows, expected, path=path,
-                            key=key, first_sample=first_sample, repair=repair)  # fmt: skip
+                verify_row_bytes(dst, row_bytes, p, rows, expected, path=path, key=key,
+                                 first_sample=first_sample, repair=repair)  # fmt: skip
 
             return after
 
@@ -746,7 +746,7 @@ class CachedTensorDataset(Dataset):
             e = entries[key]
             row_bytes = (e.end - e.start) // e.shape[0]
             if engines[key]:
-                after = verifier(key, out[key])
+                after = verifier(key, raw[key], row_bytes)
                 plan = plan or plan_runs(local, pos)
                 pieces += plan_pieces(fd, e.start, row_bytes, plan, raw[key], path, after, chunk, owner=f)
                 continue
@@ -766,7 +766,7 @@ class CachedTensorDataset(Dataset):
             else:
                 target = torch.empty((local.size, *dst.shape[1:]), dtype=dst.dtype)
                 scattered.append((dst, torch.from_numpy(pos), target))
-            after = verifier(key, target)
+            after = verifier(key, raw[key] if target is dst else byte_view(target), row_bytes)
             step = max(1, chunk // row_bytes) if chunk and row_bytes else local.size
             first = int(local[0]) if local_run else 0
             if step >= local.size:  # the common case: one piece for the key's rows of this shard
