@@ -19,8 +19,8 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
 import te_thd.offline_cache.copyread as copyread
+from te_thd.offline_cache.buffers import DestinationBuffers
 from te_thd.offline_cache.copyread import (
-    DestinationBuffers,
     ParallelReads,
     ReadError,
     plan_pieces,

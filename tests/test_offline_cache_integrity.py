@@ -355,10 +355,10 @@ def _record_verifiers(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str, l
     ``(thread name, key, shard rows, passed)`` per call."""
     import threading
 
-    import te_thd.offline_cache.reader as reader
+    import te_thd.offline_cache.batch_plan as batch_plan
 
     log: list[tuple[str, str, list[int], bool]] = []
-    real = reader.verify_row_bytes
+    real = batch_plan.verify_row_bytes
 
     def verify(view, row_bytes, first, rows, expected, **kw):
         try:
@@ -368,7 +368,7 @@ def _record_verifiers(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str, l
             raise
         log.append((threading.current_thread().name, kw["key"], list(rows), True))
 
-    monkeypatch.setattr(reader, "verify_row_bytes", verify)
+    monkeypatch.setattr(batch_plan, "verify_row_bytes", verify)
     return log
 
 

@@ -243,18 +243,24 @@ def test_engine_choice(cache):
     """``auto``: a key whose runs average at least ``preadv_min_run_bytes`` uses preadv, and
     one-run keys join it; with no such key every key is gathered; forced engines decide alone.
     Here ``hidden`` rows are 48 bytes, ``ids`` rows 40."""
+    from te_thd.offline_cache.batch_plan import choose_engines
+
     ds = CachedTensorDataset(cache, "test", 1, KEYS)
     entries = ds._shard_file(0).header.entries
+
+    def engines(local, pos):
+        return choose_engines(ds.copy_engine, ds.preadv_min_run_bytes, KEYS, local, pos, entries)[0]
+
     seq, scattered = np.arange(0, 4), np.array([0, 2, 5, 7])
     ds.preadv_min_run_bytes = 48  # hidden rows reach it, ids rows do not
-    assert ds._engines(scattered, None, entries)[0] == {"hidden": True, "ids": False}
-    assert ds._engines(seq, None, entries)[0] == {"hidden": True, "ids": True}  # one run rides along
-    assert ds._engines(seq, np.array([3, 0, 1, 2]), entries)[0] == {"hidden": True, "ids": True}  # one file run of 160 B
+    assert engines(scattered, None) == {"hidden": True, "ids": False}
+    assert engines(seq, None) == {"hidden": True, "ids": True}  # one run rides along
+    assert engines(seq, np.array([3, 0, 1, 2])) == {"hidden": True, "ids": True}  # one file run of 160 B
     ds.preadv_min_run_bytes = 1 << 20  # no key reaches it
-    assert ds._engines(seq, None, entries)[0] == {"hidden": False, "ids": False}
+    assert engines(seq, None) == {"hidden": False, "ids": False}
     ds.preadv_min_run_bytes = 100  # ids: 4 rows x 40 B in one run = 160 >= 100: preadv by bytes
-    assert ds._engines(seq, None, entries)[0] == {"hidden": True, "ids": True}
-    assert ds._engines(scattered, None, entries)[0] == {"hidden": False, "ids": False}  # 4 runs of 40-48 B
+    assert engines(seq, None) == {"hidden": True, "ids": True}
+    assert engines(scattered, None) == {"hidden": False, "ids": False}  # 4 runs of 40-48 B
     for engine in ("preadv", "mapped"):
         ds.copy_engine = engine
-        assert ds._engines(scattered, None, entries)[0] == dict.fromkeys(KEYS, engine == "preadv")
+        assert engines(scattered, None) == dict.fromkeys(KEYS, engine == "preadv")

@@ -25,7 +25,6 @@ from safetensors.torch import save_file
 from torch.utils.data import DataLoader, get_worker_info
 
 import te_thd.offline_cache.copyread as copyread
-import te_thd.offline_cache.reader as reader_module
 from te_thd.offline_cache import (
     CachedBatch,
     CachedTensorDataset,
@@ -524,13 +523,15 @@ def test_readahead_hints_the_read_keys_of_each_opened_shard(tmp_path, monkeypatc
     d = str(tmp_path)
     tensors = make_cache(d, 20, 8, width=8, hidden=3)
     calls = []
-    real = reader_module._fadvise
+    import te_thd.offline_cache.open_shards as open_shards
+
+    real = open_shards._fadvise
 
     def fadvise(fd, offset, length, advice):
         calls.append((os.readlink(f"/proc/self/fd/{fd}"), offset, length, advice))
         return real(fd, offset, length, advice)
 
-    monkeypatch.setattr(reader_module, "_fadvise", fadvise)
+    monkeypatch.setattr(open_shards, "_fadvise", fadvise)
     keys = ("hidden", "length")
     for readahead in (True, False):
         calls.clear()

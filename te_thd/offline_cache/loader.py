@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_in
 
 from ..args import check_int
 from .balanced_sampler import BalancedBatchSampler, PlannedDataset
-from .copyread import new_tensor
+from .buffers import new_tensor
 from .length_scan import cache_lengths
 from .lengths import collator_rule
 from .reader import CachedBatch, CachedTensorDataset
@@ -133,7 +133,7 @@ class CachedDataLoader(DataLoader):
             self._batches += 1
             yield batch
             # while the next batch is read, the consumer's reference is the only one:
-            # a batch it has dropped can be recycled (see copyread.DestinationBuffers)
+            # a batch it has dropped can be recycled (see buffers.DestinationBuffers)
             del batch
 
     def _reads_inline(self) -> bool:

@@ -49,28 +49,25 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from te_thd.offline_cache import objectstore
+from te_thd.offline_cache.comm import ProducerComm, resolve_ranks
 from te_thd.offline_cache.durable import ProducerLock, fsync_dir
-from te_thd.offline_cache.errors import CacheError, CacheIntegrityError, SchemaError
+from te_thd.offline_cache.errors import CacheError, SchemaError
 from te_thd.offline_cache.format import (
     MANIFEST_NAME,
     MAX_SHARDS,
-    SHARD_RE,
     CacheSchema,
-    canonical_json,
     check_shard_size,
     existing_shard_indices,
     format_indices,
     manifest_path,
     num_shards,
-    schema_from_json,
     schema_to_json,
     shard_path,
 )
-from te_thd.offline_cache.lengths import LENGTH_RULE_KEY, LengthRule, for_tensor_spec, producer_rule
+from te_thd.offline_cache.lengths import LengthRule, producer_rule
 from te_thd.offline_cache.location import ObjectLocation, parse_location
 from te_thd.offline_cache.loops import (
     loader_batch_size,
@@ -79,14 +76,14 @@ from te_thd.offline_cache.loops import (
     shard_runs,
 )
 from te_thd.offline_cache.manifest import (
-    LAYOUT_VERSION,
     RESERVED_MANIFEST_KEYS,
     read_manifest,
     write_manifest,
 )
-from te_thd.offline_cache.object_lock import ObjectLock
 from te_thd.offline_cache.producer_state import (
     PROGRESS_NAME,
+    RemoteRun,
+    assemble_manifest,
     describe_diff,
     params_of_manifest,
     prepare_directory,
@@ -94,67 +91,10 @@ from te_thd.offline_cache.producer_state import (
     verify_existing,
 )
 from te_thd.offline_cache.shardfile import ShardRecord
-from te_thd.offline_cache.tokens import TOKEN_LAYOUT_KEY, TokenLayout, check_token_keys
+from te_thd.offline_cache.tokens import TokenLayout, check_token_keys
 from te_thd.offline_cache.writer import DurableShardWriter
 
 _log = logging.getLogger("te_thd.offline_cache")
-
-
-class _Comm:
-    """The few collectives the producer needs, trivial for a single process."""
-
-    def __init__(self, rank: int, world_size: int, group: Any) -> None:
-        self.rank, self.world_size, self.group = rank, world_size, group
-        self.distributed = world_size > 1
-        if self.distributed:
-            backend = dist.get_backend(group)
-            self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-            self.src = dist.get_global_rank(group, 0) if group is not None else 0
-
-    def broadcast(self, obj: Any) -> Any:
-        if not self.distributed:
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=self.src, group=self.group)
-        return box[0]
-
-    def all_gather(self, obj: Any) -> list[Any]:
-        if not self.distributed:
-            return [obj]
-        out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self.group)
-        return out
-
-    def max_int(self, value: int) -> int:
-        if not self.distributed:
-            return value
-        t = torch.tensor([value], dtype=torch.int64, device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
-        return int(t.item())
-
-    def barrier(self) -> None:
-        if self.distributed:
-            dist.barrier(group=self.group)
-
-
-def _resolve_ranks(rank: int | None, world_size: int | None, group: Any) -> tuple[int, int]:
-    initialized = dist.is_available() and dist.is_initialized()
-    if initialized:
-        g_rank, g_size = dist.get_rank(group), dist.get_world_size(group)
-        if (rank is not None and rank != g_rank) or (world_size is not None and world_size != g_size):
-            raise ValueError(
-                f"rank={rank!r}, world_size={world_size!r} contradict the process group "
-                f"(rank {g_rank} of {g_size}); omit them to use the group's"
-            )
-        return g_rank, g_size
-    rank = 0 if rank is None else rank
-    world_size = 1 if world_size is None else world_size
-    if world_size != 1 or rank != 0:
-        raise ValueError(
-            f"world_size={world_size!r}, rank={rank!r} need an initialised torch.distributed process "
-            "group (call torch.distributed.init_process_group first, or use world_size=1)"
-        )
-    return 0, 1
 
 
 def _check_options(options: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -329,7 +269,7 @@ class _Job:
     producer_name: str | None
     num_samples: int
     logger: logging.Logger
-    comm: _Comm
+    comm: ProducerComm
     length_rule: LengthRule | None
     token_layout: TokenLayout | None
     params: dict[str, Any]  # what two runs must share to write one cache (``run_params``)
@@ -367,16 +307,16 @@ class _Job:
                 f"shard_size={shard_size} gives {num_shards(num_samples, shard_size)} shards for "
                 f"{num_samples} samples; at most {MAX_SHARDS} fit the six-digit names. Use a larger shard_size."
             )
-        rank, world_size = _resolve_ranks(rank, world_size, group)
+        rank, world_size = resolve_ranks(rank, world_size, group)
         return cls(
             output_dir=output_dir, shard_size=shard_size, keys=keys, options=opts, format_version=format_version,
             cache_name=cache_name, producer_name=producer_name, num_samples=num_samples, logger=logger,
-            comm=_Comm(rank, world_size, group), length_rule=length_rule, token_layout=token_layout,
+            comm=ProducerComm(rank, world_size, group), length_rule=length_rule, token_layout=token_layout,
             params=run_params(format_version, num_samples, shard_size, keys, opts, token_layout),
         )  # fmt: skip
 
     def run(
-        self, producer_lock: ProducerLock | _RemoteRun | None, resume: bool, dataloader: DataLoader,
+        self, producer_lock: ProducerLock | RemoteRun | None, resume: bool, dataloader: DataLoader,
         compute_batch: Callable[[Any], Any], progress: bool | None,
     ) -> dict[str, Any]:  # fmt: skip
         """Every phase in order, the lock (rank 0) held throughout; the finished manifest."""
@@ -406,7 +346,7 @@ class _Job:
             if os.path.basename(path) in stored:
                 objectstore.get_file(self.write_to, os.path.basename(path), path)
 
-    def prepare(self, producer_lock: ProducerLock | _RemoteRun | None, resume: bool) -> dict[str, Any] | None:
+    def prepare(self, producer_lock: ProducerLock | RemoteRun | None, resume: bool) -> dict[str, Any] | None:
         """Rank 0 inspects the directory under the lock; every rank learns the outcome.
 
         Returns the finished manifest (nothing to do) or ``None`` (produce).
@@ -502,7 +442,7 @@ class _Job:
         rank0_exc: Exception | None = None
         if comm.rank == 0:
             try:
-                manifest = _assemble_manifest(
+                manifest = assemble_manifest(
                     gathered, self.params, self.options, self.output_dir, self.cache_name, self.length_rule,
                     self.token_layout,
                 )
@@ -551,100 +491,10 @@ def _produce_to_object_store(
                 raise CacheError(f"output_dir {loc.url} holds a finished cache built with other parameters "
                                  f"({describe_diff(recorded, job.params)}). Choose another prefix, or delete this cache.")  # fmt: skip
             return manifest
-        holder = _RemoteRun(loc, staging, job.params, resume, lock) if job.comm.rank == 0 else None
+        holder = RemoteRun(loc, staging, job.params, resume, lock) if job.comm.rank == 0 else None
         return job.run(holder, resume, dataloader, compute_batch, progress)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-
-
-class _RemoteRun:
-    """What ``_Job.prepare`` takes as the lock for an s3:// cache: the object lock, and the run's record
-    fetched from (or, new, written to) the store before any shard is, so a resumed run is checked."""
-
-    def __init__(self, loc: ObjectLocation, staging: str, params: dict[str, Any], resume: bool, lock: bool) -> None:
-        self.loc, self.staging, self.params, self.resume = loc, staging, params, resume
-        self.lock = ObjectLock(loc) if lock else None
-
-    def acquire(self) -> None:
-        if self.lock is not None:
-            self.lock.acquire()
-        raw = objectstore.get(self.loc, PROGRESS_NAME)
-        shards = sorted(n for n in objectstore.listing(self.loc) if SHARD_RE.match(n))
-        if raw is not None:
-            recorded = json.loads(raw.decode())
-            if shards and recorded != self.params:
-                raise CacheError(
-                    f"output_dir {self.loc.url} holds shards of an unfinished run with other parameters "
-                    f"({describe_diff(recorded, self.params)}). Resume with the same parameters, or choose another prefix."
-                )
-            with open(os.path.join(self.staging, PROGRESS_NAME), "wb") as f:
-                f.write(raw)
-        elif shards:
-            raise CacheError(
-                f"output_dir {self.loc.url} holds shards ({len(shards)}, e.g. {shards[0]}) but no manifest and no "
-                f"producer record ({PROGRESS_NAME}), so their parameters cannot be checked. Move them away or "
-                "choose an empty prefix."
-            )
-        if shards and not self.resume:
-            raise CacheError(f"output_dir {self.loc.url} holds {len(shards)} shards of an unfinished run. Pass "
-                             "resume=True to continue it, or choose an empty prefix.")  # fmt: skip
-        if raw is None:
-            objectstore.put_bytes(self.loc, PROGRESS_NAME, canonical_json(self.params))
-
-    def release(self) -> None:
-        if self.lock is not None:
-            self.lock.release()
-
-
-def _assemble_manifest(
-    gathered: Sequence[tuple[str | None, dict[int, tuple[Any, ...]], dict[str, Any] | None]],
-    params: Mapping[str, Any],
-    options: Mapping[str, Any],
-    output_dir: str,
-    cache_name: str,
-    length_rule: LengthRule | None = None,
-    token_layout: TokenLayout | None = None,
-) -> dict[str, Any]:
-    errors = [(r, e) for r, (e, _, _) in enumerate(gathered) if e is not None]
-    if errors:
-        raise SchemaError("; ".join(f"rank {r}: {e}" for r, e in errors))
-    num_samples, shard_size = params["num_samples"], params["shard_size"]
-    expected = num_shards(num_samples, shard_size)
-    records: dict[int, tuple[Any, ...]] = {}
-    for _, recs, _ in gathered:
-        records.update(recs)
-    missing = sorted(set(range(expected)) - set(records))
-    if missing:
-        raise CacheIntegrityError(
-            f"{cache_name} cache at {output_dir}: no rank reported shards {format_indices(missing)}; "
-            "the dataloader yielded fewer samples than len(dataset). Fix the dataset, then resume.",
-            path=shard_path(output_dir, missing[0]),
-        )
-    schemas = {json.dumps(s, sort_keys=True): (r, s) for r, (_, _, s) in enumerate(gathered) if s is not None}
-    if len(schemas) > 1:
-        desc = "; ".join(f"rank {r}: {schema_from_json(s)}" for r, s in schemas.values())
-        raise SchemaError(f"ranks wrote shards with different schemas ({desc}); compute_batch must be deterministic in dtype/shape")
-    schema = next(iter(schemas.values()))[1] if schemas else {}
-    lengths = length_rule is not None and schema != {}
-    manifest = {
-        **options,
-        "num_samples": num_samples,
-        "shard_size": shard_size,
-        "layout_version": LAYOUT_VERSION,
-        "schema": schema,
-        "shards": [
-            ShardRecord(records[i][0], records[i][1], records[i][2] if lengths else None, records[i][3]).to_json(
-                os.path.basename(shard_path(output_dir, i))
-            )
-            for i in range(expected)
-        ],
-    }
-    if lengths:
-        assert length_rule is not None
-        manifest[LENGTH_RULE_KEY] = for_tensor_spec(length_rule, schema_from_json(schema)[length_rule.key]).to_json()
-    if token_layout is not None:
-        manifest[TOKEN_LAYOUT_KEY] = token_layout.to_json()
-    return manifest
 
 
 __all__ = ["PROGRESS_NAME", "produce_cache"]

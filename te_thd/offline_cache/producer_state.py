@@ -7,7 +7,10 @@
 - :func:`prepare_directory`: rank 0's decision under the lock -- reuse a
   finished identical cache, resume, or refuse, naming the difference;
 - :func:`verify_existing`: shards a previous run left are verified completely
-  before they are kept.
+  before they are kept;
+- :class:`RemoteRun`: the same for an s3:// prefix, under its object lock;
+- :func:`assemble_manifest`: rank 0 turns every rank's shard records into the
+  manifest, refusing a missing shard or two schemas.
 """
 
 from __future__ import annotations
@@ -18,19 +21,30 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from te_thd.offline_cache import objectstore
 from te_thd.offline_cache.durable import atomic_write_bytes, fsync_dir, remove_stale_temp_files
 from te_thd.offline_cache.errors import CacheError, CacheIntegrityError, SchemaError
 from te_thd.offline_cache.format import (
+    SHARD_RE,
     CacheSchema,
+    canonical_json,
     existing_shard_indices,
     format_indices,
     manifest_path,
     num_shards,
+    schema_from_json,
     shard_path,
     shard_rows,
 )
-from te_thd.offline_cache.lengths import LengthRule, for_tensor_spec, read_shard_lengths
-from te_thd.offline_cache.manifest import RESERVED_MANIFEST_KEYS, read_manifest
+from te_thd.offline_cache.lengths import (
+    LENGTH_RULE_KEY,
+    LengthRule,
+    for_tensor_spec,
+    read_shard_lengths,
+)
+from te_thd.offline_cache.location import ObjectLocation
+from te_thd.offline_cache.manifest import LAYOUT_VERSION, RESERVED_MANIFEST_KEYS, read_manifest
+from te_thd.offline_cache.object_lock import ObjectLock
 from te_thd.offline_cache.shardfile import ShardRecord, read_shard_header, schema_of_header
 from te_thd.offline_cache.tokens import TOKEN_LAYOUT_KEY, TokenLayout, shard_fidelity
 from te_thd.offline_cache.verify import check_cache_files, shard_size_errors, verify_shard_file
@@ -232,3 +246,95 @@ def verify_existing(
         fidelity = shard_fidelity(tokens) if tokens is not None else None
         records[i] = ShardRecord(bytes=check.bytes, checksum=check.checksum, lengths=lengths, fidelity=fidelity)
     return records, schema
+
+
+def assemble_manifest(
+    gathered: Sequence[tuple[str | None, dict[int, tuple[Any, ...]], dict[str, Any] | None]],
+    params: Mapping[str, Any],
+    options: Mapping[str, Any],
+    output_dir: str,
+    cache_name: str,
+    length_rule: LengthRule | None = None,
+    token_layout: TokenLayout | None = None,
+) -> dict[str, Any]:
+    """The manifest of a finished run from ``gathered``: per rank ``(error or None, {shard: record
+    fields}, schema JSON or None)``. A rank's error, a shard no rank reported, or two schemas raise."""
+    errors = [(r, e) for r, (e, _, _) in enumerate(gathered) if e is not None]
+    if errors:
+        raise SchemaError("; ".join(f"rank {r}: {e}" for r, e in errors))
+    num_samples, shard_size = params["num_samples"], params["shard_size"]
+    expected = num_shards(num_samples, shard_size)
+    records: dict[int, tuple[Any, ...]] = {}
+    for _, recs, _ in gathered:
+        records.update(recs)
+    missing = sorted(set(range(expected)) - set(records))
+    if missing:
+        raise CacheIntegrityError(
+            f"{cache_name} cache at {output_dir}: no rank reported shards {format_indices(missing)}; "
+            "the dataloader yielded fewer samples than len(dataset). Fix the dataset, then resume.",
+            path=shard_path(output_dir, missing[0]),
+        )
+    schemas = {json.dumps(s, sort_keys=True): (r, s) for r, (_, _, s) in enumerate(gathered) if s is not None}
+    if len(schemas) > 1:
+        desc = "; ".join(f"rank {r}: {schema_from_json(s)}" for r, s in schemas.values())
+        raise SchemaError(f"ranks wrote shards with different schemas ({desc}); compute_batch must be deterministic in dtype/shape")
+    schema = next(iter(schemas.values()))[1] if schemas else {}
+    lengths = length_rule is not None and schema != {}
+    manifest = {
+        **options,
+        "num_samples": num_samples,
+        "shard_size": shard_size,
+        "layout_version": LAYOUT_VERSION,
+        "schema": schema,
+        "shards": [
+            ShardRecord(records[i][0], records[i][1], records[i][2] if lengths else None, records[i][3]).to_json(
+                os.path.basename(shard_path(output_dir, i))
+            )
+            for i in range(expected)
+        ],
+    }
+    if lengths:
+        assert length_rule is not None
+        manifest[LENGTH_RULE_KEY] = for_tensor_spec(length_rule, schema_from_json(schema)[length_rule.key]).to_json()
+    if token_layout is not None:
+        manifest[TOKEN_LAYOUT_KEY] = token_layout.to_json()
+    return manifest
+
+
+class RemoteRun:
+    """What the producer takes as the lock for an s3:// cache: the object lock, and the run's record
+    fetched from (or, new, written to) the store before any shard is, so a resumed run is checked."""
+
+    def __init__(self, loc: ObjectLocation, staging: str, params: dict[str, Any], resume: bool, lock: bool) -> None:
+        self.loc, self.staging, self.params, self.resume = loc, staging, params, resume
+        self.lock = ObjectLock(loc) if lock else None
+
+    def acquire(self) -> None:
+        if self.lock is not None:
+            self.lock.acquire()
+        raw = objectstore.get(self.loc, PROGRESS_NAME)
+        shards = sorted(n for n in objectstore.listing(self.loc) if SHARD_RE.match(n))
+        if raw is not None:
+            recorded = json.loads(raw.decode())
+            if shards and recorded != self.params:
+                raise CacheError(
+                    f"output_dir {self.loc.url} holds shards of an unfinished run with other parameters "
+                    f"({describe_diff(recorded, self.params)}). Resume with the same parameters, or choose another prefix."
+                )
+            with open(os.path.join(self.staging, PROGRESS_NAME), "wb") as f:
+                f.write(raw)
+        elif shards:
+            raise CacheError(
+                f"output_dir {self.loc.url} holds shards ({len(shards)}, e.g. {shards[0]}) but no manifest and no "
+                f"producer record ({PROGRESS_NAME}), so their parameters cannot be checked. Move them away or "
+                "choose an empty prefix."
+            )
+        if shards and not self.resume:
+            raise CacheError(f"output_dir {self.loc.url} holds {len(shards)} shards of an unfinished run. Pass "
+                             "resume=True to continue it, or choose an empty prefix.")  # fmt: skip
+        if raw is None:
+            objectstore.put_bytes(self.loc, PROGRESS_NAME, canonical_json(self.params))
+
+    def release(self) -> None:
+        if self.lock is not None:
+            self.lock.release()

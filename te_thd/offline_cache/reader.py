@@ -1,4 +1,3 @@
-# Over ~500 lines on purpose: one dataset class owns the per-process open shards, the copy choice per batch and verification of each copied piece (the read executor itself is copyread.py).
 """Read an offline cache: per-item (reference behaviour) and batched reads.
 
 ``CachedTensorDataset`` keeps the reference API (``__getitem__`` through a lazily
@@ -6,32 +5,22 @@ opened ``safetensors.safe_open`` handle, ``_handle``, ``__len__``) and adds the
 batched hook torch's ``DataLoader`` calls, ``__getitems__``: the requested indices
 are grouped by shard and every key's rows are copied once, straight into the
 batch tensor. One engine does it: the batch is planned as pieces of at most
-:data:`VERIFY_CHUNK_BYTES`, read by ``read_threads`` threads
+:data:`VERIFY_CHUNK_BYTES` (``batch_plan.py``: ``preadv`` runs or gathers from the
+mapped shard, chosen per key and shard), read by ``read_threads`` threads
 (:class:`~te_thd.offline_cache.copyread.ParallelReads`; a batch under
 ``copyread.PARALLEL_MIN_BYTES`` on the calling thread alone), and each piece is
-verified right after it is copied, by the thread that copied it. A piece copies
-its rows one of two ways, chosen per (key, shard) from the batch's shape:
+verified right after it is copied, by the thread that copied it.
 
-* ``preadv``: one system call per run of consecutive file rows, the kernel
-  copying page cache -> batch tensor; no mapping, no page faults on the source,
-  and a shard that shrinks under the reader is a clean error. Used when a key's
-  runs average at least :data:`PREADV_MIN_RUN_BYTES`, and then also for the
-  part's other keys whose rows are one run.
-* gather: rows copied from the memory-mapped shard (``MAP_PRIVATE``, read-only
-  use) with one ``index_select``; used for smaller scattered rows, where one
-  system call per row would cost 7x more (measured, docs/performance-io.md).
-
-Either way only the bytes a batch needs are read and the source stays file-backed
-page cache: the anonymous memory of a reader does not grow with the size of the
-cache. Batch tensors come from :class:`~te_thd.offline_cache.copyread.DestinationBuffers`:
+Only the bytes a batch needs are read and the source stays file-backed page
+cache: the anonymous memory of a reader does not grow with the size of the
+cache. Batch tensors come from :class:`~te_thd.offline_cache.buffers.DestinationBuffers`:
 fresh to the consumer, recycled once it has dropped them, in shared memory inside
 DataLoader workers and page-locked when the loader pins for CUDA.
 
-A process keeps one cache of open shards (``max_open_shards``, LRU): each entry
-holds the shard's checked header and, made when a read first needs them, its
-descriptor, mapping and ``safe_open`` handle. It belongs to the process that
-opened it (keyed by ``os.getpid()``, dropped on pickling), so DataLoader workers
-started by fork, spawn or forkserver open their own on first use.
+A process keeps one cache of open shards (``open_shards.OpenShards``,
+``max_open_shards``, LRU). It belongs to the process that opened it (keyed by
+``os.getpid()``, dropped on pickling), so DataLoader workers started by fork,
+spawn or forkserver open their own on first use.
 
 Both read paths check a shard when this process first opens it (and again if it
 was evicted from the LRU): ``shardfile.check_shard_header`` parses the header
@@ -48,35 +37,42 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any, overload
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset, get_worker_info
 
 from ..args import check_int
+from .batch_plan import (
+    COPY_ENGINES,
+    PREADV_MIN_RUN_BYTES,
+    Scattered,
+    batch_places,
+    choose_engines,
+    plan_shard_rows,
+    row_ranges,
+    shard_groups,
+)
+from .buffers import DestinationBuffers
+from .cached_batch import CachedBatch, PendingBatch
 from .copyread import (
     PARALLEL_MIN_BYTES,
-    DestinationBuffers,
     GatherPiece,
     ParallelReads,
-    PendingReads,
     Piece,
     ReadError,
-    RunPlan,
     default_read_threads,
-    plan_pieces,
-    plan_runs,
 )
 from .errors import CacheIntegrityError, UnverifiedCacheWarning, repair_hint
 from .format import SHARD_RE, TensorSpec, load_safetensors, manifest_path, shard_path, shard_rows
-from .integrity import ShardSums, byte_view, verify_row_bytes, verify_rows
+from .integrity import ShardSums, verify_rows
 from .location import parse_location
 from .manifest import manifest_schema, read_manifest, recorded_producer, shard_records
 from .mirror import ObjectMirror
-from .shardfile import HeaderEntry, ShardHeader, check_shard_header, logical_entries
+from .open_shards import OpenShard, OpenShards
+from .shardfile import ShardHeader, check_shard_header, logical_entries
 from .token_read import ReadContext, TokenIndex, TokenRows, token_index
 from .tokens import TOKEN_LAYOUT_KEY, TokenLayout
 from .verify import check_cache_files, requires_shard_sums
@@ -93,124 +89,6 @@ except ImportError:  # pragma: no cover - safetensors is a hard dependency (load
         pass
 
 __all__ = ["CachedBatch", "CachedTensorDataset", "PendingBatch"]
-
-#: A (key, shard) part of a batch is read with ``preadv`` when its runs of
-#: consecutive file rows average at least this many bytes, else gathered from the
-#: mapped shard. Measured crossover: see ``perf/measure_read_crossover.py`` and
-#: docs/performance-io.md.
-PREADV_MIN_RUN_BYTES = 256 * 1024
-
-#: Values of ``CachedTensorDataset.copy_engine``.
-COPY_ENGINES = ("auto", "preadv", "mapped")
-
-
-class CachedBatch(Sequence[dict[str, torch.Tensor]]):
-    """The result of ``CachedTensorDataset.__getitems__``: a batch already stacked.
-
-    ``tensors[key]`` is ``[B, *sample_shape]`` in the requested order, memory no
-    one else uses (the reader recycles it only once every reference to it is
-    gone; in shared memory inside a DataLoader worker, so sending it to the main
-    process costs no copy). The object is also a sequence of ``B`` per-sample dicts
-    (row views), so a collate function written for a list of samples still works;
-    ``collate_cached`` and ``CachedThdCollator`` take ``tensors`` as is instead
-    of unstacking and restacking.
-    """
-
-    __slots__ = ("fixed", "tokens", "_len")
-
-    def __init__(self, tensors: dict[str, torch.Tensor], length: int, tokens: TokenRows | None = None) -> None:
-        self.fixed = tensors
-        self.tokens = tokens
-        self._len = length
-
-    @property
-    def tensors(self) -> dict[str, torch.Tensor]:
-        """Every key, stacked: ragged keys of a token-layout cache are read here, on first access,
-        zero-padded to ``[B, L, ...]`` (``fixed`` holds the others; ``tokens`` reads any tokens
-        of the ragged ones without padding them first, e.g. one CP rank's share)."""
-        if self.tokens is not None:
-            tokens, self.tokens = self.tokens, None
-            self.fixed = {**self.fixed, **tokens.padded_many(tokens.keys)}
-        return self.fixed
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        # another process cannot read through this one's open shards: send the tensors
-        return (CachedBatch, (self.tensors, self._len))
-
-    def __len__(self) -> int:
-        return self._len
-
-    @overload
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]: ...
-    @overload
-    def __getitem__(self, i: slice) -> list[dict[str, torch.Tensor]]: ...
-    def __getitem__(self, i: int | slice) -> Any:
-        if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(self._len))]
-        if i < 0:
-            i += self._len
-        if not 0 <= i < self._len:
-            raise IndexError(i)
-        return {k: v[i] for k, v in self.tensors.items()}
-
-    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
-        return (self[i] for i in range(self._len))
-
-
-class PendingBatch:
-    """A batch being read (``CachedTensorDataset.start_read``); ``result()`` waits for it."""
-
-    def __init__(self, dataset: CachedTensorDataset, batch: CachedBatch, reads: PendingReads) -> None:
-        self._dataset = dataset
-        self._batch = batch
-        self._reads: PendingReads | None = reads
-
-    def result(self) -> CachedBatch:
-        """The batch, once every row is read and verified (``CacheIntegrityError`` otherwise)."""
-        if self._reads is not None:
-            reads, self._reads = self._reads, None
-            try:
-                reads.wait()
-            except ReadError as exc:
-                raise self._dataset._unreadable(exc.path, exc) from exc
-        return self._batch
-
-    def __del__(self) -> None:
-        # Dropped unread: its buffers look free to the pool (nothing references the
-        # tensors), so the helpers must be done writing into them before they can be
-        # handed out again.
-        reads, self._reads = getattr(self, "_reads", None), None
-        if reads is not None:
-            try:
-                reads.wait()
-            except Exception:  # noqa: BLE001 - nobody asked for this batch
-                pass
-
-
-def _map_shard(path: str, entries: dict[str, HeaderEntry], keys: tuple[str, ...], repair: str) -> dict[str, torch.Tensor]:
-    """Memory-map one safetensors file and return ``{key: [rows, ...] view}`` for ``keys``.
-
-    ``entries`` is the file's parsed header (``shardfile.check_shard_header``). The file is mapped copy-on-write
-    (``torch.from_file(shared=False)``: opened read-only, no descriptor kept) and
-    never written, so every page stays file-backed; safetensors itself has no
-    zero-copy view API, ``safe_open`` copies on every slice.
-    """
-    try:
-        size = os.path.getsize(path)
-    except FileNotFoundError:
-        raise CacheIntegrityError(
-            f"shard {path} is missing (removed after the cache was opened?). {repair}", path=path
-        ) from None
-    whole = torch.from_file(path, shared=False, size=size, dtype=torch.uint8)
-    views: dict[str, torch.Tensor] = {}
-    for key in keys:
-        e = entries[key]
-        raw = whole[e.start : e.end]
-        if e.start % raw.new_empty(0, dtype=e.dtype).element_size():
-            raw = raw.clone()  # misaligned (safetensors aligns; a foreign writer may not): copy once
-        views[key] = raw.view(e.dtype).view(e.shape)
-    return views
-
 
 class CachedTensorDataset(Dataset):
     """Lazily read fixed-key safetensors shards by sample index, verifying what it returns.
@@ -251,7 +129,7 @@ class CachedTensorDataset(Dataset):
             read on the calling thread.
 
     Engine choice per (key, shard) part of a batch, per dataset: ``copy_engine``
-    (attribute) ``"auto"`` (default: see :meth:`_engines`; ``preadv_min_run_bytes``,
+    (attribute) ``"auto"`` (default: see ``batch_plan.choose_engines``; ``preadv_min_run_bytes``,
     default :data:`PREADV_MIN_RUN_BYTES`, is its crossover), or ``"preadv"`` /
     ``"mapped"`` to force one engine (benchmarks, tests).
 
@@ -373,7 +251,7 @@ class CachedTensorDataset(Dataset):
         self._pid = os.getpid()
         self._paths: dict[int, str] = {}
         # the one cache of open shards: checked header, and lazily a descriptor, a mapping, a safe_open handle
-        self._files: _OpenFiles = _OpenFiles()
+        self._files: OpenShards = OpenShards()
         self._buffers: dict[tuple[bool, bool], DestinationBuffers] = {}
         self._reads: dict[bool, ParallelReads] = {}  # by "inside a DataLoader worker"
         self._schema = self._manifest_schema
@@ -382,7 +260,7 @@ class CachedTensorDataset(Dataset):
         # Handles, descriptors, mappings and buffers belong to this process: a
         # spawned/forkserver worker gets the dataset pickled and opens its own.
         state = self.__dict__.copy()
-        state["_files"] = _OpenFiles()
+        state["_files"] = OpenShards()
         state["_buffers"] = {}
         state["_reads"] = {}
         return state
@@ -441,7 +319,7 @@ class CachedTensorDataset(Dataset):
         """
         return self._safe_handle(self._shard_file(shard_index))
 
-    def _safe_handle(self, f: _ShardFile) -> Any:
+    def _safe_handle(self, f: OpenShard) -> Any:
         """``f``'s ``safe_open`` handle, opened on first use."""
         if f.handle is None:
             _, safe_open = load_safetensors(self.cache_name)
@@ -475,17 +353,17 @@ class CachedTensorDataset(Dataset):
             first_sample=shard_index * self.shard_size, repair=self._repair,
         )  # fmt: skip
 
-    def _shard_file(self, shard_index: int) -> _ShardFile:
+    def _shard_file(self, shard_index: int) -> OpenShard:
         """Shard ``shard_index`` open in this process (the one LRU of ``max_open_shards``): its path and
         checked header; its descriptor, mapping and ``safe_open`` handle are made when first used."""
         self._own()
         f = self._files.get(shard_index)
         if f is None:
             path, header = self._checked_header(shard_index)
-            f = _ShardFile(path, header)
+            tokens = None
             if header.sums is not None and header.sums.tokens is not None:
                 try:
-                    f.tokens = token_index(path, header)
+                    tokens = token_index(path, header)
                 except CacheIntegrityError as exc:
                     raise CacheIntegrityError(f"{exc}. {self._repair}", path=path) from None
             elif self._token_layout is not None:
@@ -493,7 +371,7 @@ class CachedTensorDataset(Dataset):
                     f"shard {path} has no token fields although the manifest records a token layout "
                     f"(it was replaced by another writer's). {self._repair}", path=path,
                 )  # fmt: skip
-            f = self._files.put(shard_index, f, self._max_open)
+            f = self._files.put(shard_index, OpenShard(path, header, tokens), self._max_open)
         return f
 
     def _token_opener(self, shard_index: int) -> tuple[int, TokenIndex, ReadContext]:
@@ -512,23 +390,9 @@ class CachedTensorDataset(Dataset):
                           self._refetching if self._mirror is not None else None)  # fmt: skip
         return self._descriptor(f), f.tokens, ctx
 
-    def _descriptor(self, f: _ShardFile) -> int:
+    def _descriptor(self, f: OpenShard) -> int:
         """``f``'s read-only descriptor, opened (with the ``readahead`` hint) on first use."""
-        if f.fd < 0:
-            try:
-                f.fd = os.open(f.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-            except FileNotFoundError:
-                raise CacheIntegrityError(
-                    f"shard {f.path} is missing (removed after the cache was opened?). {self._repair}", path=f.path
-                ) from None
-            if f.tokens is not None and _fadvise is not None:
-                # ragged reads fetch a few blocks here and there (one CP rank's tokens): no kernel read-ahead
-                _fadvise(f.fd, 0, 0, os.POSIX_FADV_RANDOM)
-            if self.readahead and _fadvise is not None:
-                for key in self._row_keys:
-                    e = f.header.entries[key]
-                    _fadvise(f.fd, e.start, e.end - e.start, os.POSIX_FADV_WILLNEED)
-        return f.fd
+        return f.descriptor(self._row_keys if self.readahead else (), self._repair)
 
     def _destination(self, shared: bool) -> DestinationBuffers:
         pinned = self.pin_memory and not shared
@@ -557,7 +421,7 @@ class CachedTensorDataset(Dataset):
         offset = index % self.shard_size
         f = self._shard_file(shard_index)
         if self._mirror is not None:
-            self._mirror.ensure(os.path.basename(f.path), _row_ranges(f.header.entries, self._row_keys, np.array([offset])))
+            self._mirror.ensure(os.path.basename(f.path), row_ranges(f.header.entries, self._row_keys, np.array([offset])))
         handle = self._safe_handle(f)
         try:
             out = {key: handle.get_slice(key)[offset] for key in self._row_keys}
@@ -636,7 +500,7 @@ class CachedTensorDataset(Dataset):
         pending batch) waits until no thread writes into the batch any more.
         """
         batch, reads, pieces, finish = self._plan_batch(indices)
-        return PendingBatch(self, batch, reads.start(pieces, finish, self.parallel_min_bytes))
+        return PendingBatch(batch, reads.start(pieces, finish, self.parallel_min_bytes), self._unreadable)
 
     def _plan_batch(
         self, indices: Sequence[int]
@@ -663,7 +527,7 @@ class CachedTensorDataset(Dataset):
             bad = idx[(idx < 0) | (idx >= total)]
             if bad.size:
                 raise IndexError(f"index {int(bad[0])} out of range for a cache of {total} samples")
-            groups = _shard_groups(idx, ss)
+            groups = shard_groups(idx, ss)
         buffers = self._destination(in_worker)
         entries = self._shard_file(groups[0][0]).header.entries
         out: dict[str, torch.Tensor] = {}
@@ -672,7 +536,7 @@ class CachedTensorDataset(Dataset):
             out[k], raw[k] = buffers.get(k, n, entries[k].shape[1:], entries[k].dtype)
         chunk = VERIFY_CHUNK_BYTES if self.verify or reads.threads > 1 else 0
         pieces: list[Piece | GatherPiece] = []
-        scattered: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        scattered: list[Scattered] = []
         for shard, local, pos in groups:
             self._plan_rows(shard, local, pos, out, raw, chunk, pieces, scattered)
 
@@ -682,7 +546,7 @@ class CachedTensorDataset(Dataset):
 
         tokens = None
         if self._token_keys:
-            places = _batch_places(groups, n)
+            places = batch_places(groups, n)
             tokens = TokenRows(self._token_opener, places, {k: self._schema[k] for k in self._token_keys})
         return CachedBatch(out, n, tokens), reads, pieces, finish if scattered else None
 
@@ -697,230 +561,21 @@ class CachedTensorDataset(Dataset):
 
     def _plan_rows(
         self, shard: int, local: np.ndarray, pos: np.ndarray | None, out: dict[str, torch.Tensor],
-        raw: dict[str, memoryview], chunk: int, pieces: list[Piece | GatherPiece],
-        scattered: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+        raw: dict[str, memoryview], chunk: int, pieces: list[Piece | GatherPiece], scattered: list[Scattered],
     ) -> None:  # fmt: skip
-        """Plan copying rows ``local`` (int64 ``[m]``) of shard ``shard`` into batch rows ``pos``
-        (int64 ``[m]``; None: ``0..m-1``) of every key's batch tensor ``out[key]`` (whose bytes
-        are ``raw[key]``).
-
-        Every key's rows become pieces of at most ``chunk`` bytes (0: no limit; at least one
-        row), each verified right after it is read, by the thread that read it: ``preadv``
-        pieces, or gather pieces from the mapped shard (:meth:`_engines` chooses per key).
-        Gathered rows whose batch rows are not one stretch go to a scratch tensor, moved into
-        place by the batch's last step (appended to ``scattered``).
-        """
+        """Plan copying rows ``local`` of shard ``shard`` into batch rows ``pos`` (``batch_plan.plan_shard_rows``)."""
         f = self._shard_file(shard)
         if self._mirror is not None:
-            self._mirror.ensure(os.path.basename(f.path), _row_ranges(f.header.entries, self._row_keys, local))
+            self._mirror.ensure(os.path.basename(f.path), row_ranges(f.header.entries, self._row_keys, local))
         fd = self._descriptor(f)  # opened by the first batched read of the shard, either engine: the readahead hint
-        path, entries, sums = f.path, f.header.entries, f.header.sums
-        check = sums is not None and self.verify
         if f.tokens is None:
-            engines, plan = self._engines(local, pos, entries)
+            engines, plan = choose_engines(self.copy_engine, self.preadv_min_run_bytes, self._row_keys, local, pos,
+                                           f.header.entries)  # fmt: skip
         else:
             # a token shard's per-sample keys are small: preadv them. A mapping's page faults would
             # read around them and leave read-ahead marks that make the kernel prefetch the ragged
             # tensors behind them too, which a CP rank reads only a share of
             engines, plan = dict.fromkeys(self._row_keys, True), None
-        views: dict[str, torch.Tensor] | None = None
-        local_run = pos_run = False
-        rows_t: torch.Tensor | None = None
-        all_rows: Sequence[int] = ()
-        first_sample, repair = shard * self.shard_size, self._repair
-
-        def verifier(key: str, dst: memoryview, row_bytes: int) -> Callable[[int, Sequence[int]], None] | None:
-            """The check of a piece's rows once they are in ``dst`` (the bytes of ``[m, ...]``
-            rows; None: nothing to check)."""
-            if not check:
-                return None
-            expected = sums.sums[key]  # type: ignore[union-attr]
-
-            def after(p: int, rows: Sequence[int]) -> None:
-                verify_row_bytes(dst, row_bytes, p, rows, expected, path=path, key=key,
-                                 first_sample=first_sample, repair=repair)  # fmt: skip
-
-            return after
-
-        for key in self._row_keys:
-            e = entries[key]
-            row_bytes = (e.end - e.start) // e.shape[0]
-            if engines[key]:
-                after = verifier(key, raw[key], row_bytes)
-                plan = plan or plan_runs(local, pos)
-                pieces += plan_pieces(fd, e.start, row_bytes, plan, raw[key], path, after, chunk, owner=f)
-                continue
-            if views is None:  # the row pattern is the same for every key: work it out once per shard
-                if f.views is None:
-                    f.views = _map_shard(f.path, entries, self._row_keys, self._repair)
-                views = f.views
-                local_run, pos_run = _is_run(local), pos is None or _is_run(pos)
-                rows_t = None if local_run else torch.from_numpy(local)
-                all_rows = range(int(local[0]), int(local[0]) + local.size) if local_run else local.tolist()
-            dst = out[key]
-            if pos is None and local.size == dst.shape[0]:
-                target = dst
-            elif pos is None or pos_run:
-                start = 0 if pos is None else int(pos[0])
-                target = dst[start : start + local.size]
-            else:
-                target = torch.empty((local.size, *dst.shape[1:]), dtype=dst.dtype)
-                scattered.append((dst, torch.from_numpy(pos), target))
-            after = verifier(key, raw[key] if target is dst else byte_view(target), row_bytes)
-            step = max(1, chunk // row_bytes) if chunk and row_bytes else local.size
-            first = int(local[0]) if local_run else 0
-            if step >= local.size:  # the common case: one piece for the key's rows of this shard
-                pieces.append(GatherPiece(views[key], rows_t, first, target, local.size * row_bytes, path, after,
-                                          (0, all_rows)))  # fmt: skip
-                continue
-            for a in range(0, local.size, step):
-                m = min(step, local.size - a)
-                pieces.append(GatherPiece(
-                    views[key], None if rows_t is None else rows_t[a : a + m], first + a if local_run else 0,
-                    target[a : a + m], m * row_bytes, path, after, (a, all_rows[a : a + m]),
-                ))  # fmt: skip
-
-    def _engines(
-        self, local: np.ndarray, pos: np.ndarray | None, entries: dict[str, HeaderEntry]
-    ) -> tuple[dict[str, bool], RunPlan | None]:
-        """``{key: read with preadv}`` for rows ``local`` -> batch rows ``pos`` of one shard,
-        and the run plan if counting the runs needed one (the preadv pieces reuse it).
-
-        ``copy_engine`` ``"preadv"`` / ``"mapped"`` decide alone. ``"auto"``: a key goes
-        through ``preadv`` when its runs of consecutive file rows average at least
-        ``preadv_min_run_bytes``; then every key whose rows are one run joins it (one
-        more system call costs less than the mapped gather's fixed cost for one small
-        key), while a part with no such key uses the mapped gather throughout (its fixed
-        cost shared by all keys: measured 6% faster for small sequential rows).
-        """
-        if self.copy_engine != "auto":
-            return dict.fromkeys(self._row_keys, self.copy_engine == "preadv"), None
-        limit = self.preadv_min_run_bytes
-        plan: RunPlan | None = None  # the same row pattern for every key: planned at most once
-        out: dict[str, bool] = {}
-        for key in self._row_keys:
-            e = entries[key]
-            row_bytes = (e.end - e.start) // e.shape[0]
-            use = row_bytes >= limit
-            # the run count is only needed when the bounds 1 <= runs <= m leave it open
-            if not use and row_bytes * local.size >= limit:
-                plan = plan or plan_runs(local, pos)
-                use = row_bytes * local.size >= limit * plan.num_runs
-            out[key] = use
-        if any(out.values()) and _is_run(local) and (pos is None or _is_run(pos)):
-            return dict.fromkeys(self._row_keys, True), plan
-        return out, plan
-
-
-# readahead hints where the platform has them (not on macOS)
-_fadvise = getattr(os, "posix_fadvise", None)
-
-
-class _ShardFile:
-    """One open shard: ``path``, its checked ``header``, a read-only descriptor ``fd``, and, once a
-    read needs them, its memory mapping ``views`` (``{key: [rows, ...]}``) and ``safe_open`` ``handle``.
-
-    The descriptor is closed when the last reference goes: the LRU drops its
-    reference on eviction, and every ``preadv`` piece planned from it holds one
-    (``Piece.owner``) until it is read. So a batch spanning more shards than
-    ``max_open_shards``, or a read still in flight while the next batch opens
-    other shards, never reads through a closed descriptor -- or through its
-    number reused by the next open, which would read another file.
-    """
-
-    __slots__ = ("path", "header", "fd", "views", "handle", "tokens", "_pid")
-
-    def __init__(self, path: str, header: ShardHeader) -> None:
-        self.path, self.header, self.fd = path, header, -1
-        self.tokens: TokenIndex | None = None  # a token-layout shard's ragged index
-        self.views: dict[str, torch.Tensor] | None = None
-        self.handle: Any = None
-        self._pid = os.getpid()
-
-    def close(self, _close: Callable[[int], None] = os.close) -> None:
-        if self.fd >= 0:
-            fd, self.fd = self.fd, -1
-            _close(fd)
-
-    # os's functions bound at definition: at interpreter exit the module may be torn down first
-    def __del__(self, _getpid: Callable[[], int] = os.getpid) -> None:
-        # a forked child's inherited copies are closed by _OpenFiles.close() in _own()
-        if self._pid == _getpid():
-            try:
-                self.close()
-            except OSError:
-                pass
-
-
-class _OpenFiles:
-    """LRU of ``shard -> _ShardFile``; an evicted file closes once nothing reads from it."""
-
-    def __init__(self) -> None:
-        self._lru: OrderedDict[int, _ShardFile] = OrderedDict()
-
-    def get(self, shard: int) -> _ShardFile | None:
-        f = self._lru.get(shard)
-        if f is not None:
-            self._lru.move_to_end(shard)
-        return f
-
-    def put(self, shard: int, f: _ShardFile, limit: int) -> _ShardFile:
-        self._lru[shard] = f
-        while len(self._lru) > limit:
-            self._lru.popitem(last=False)
-        return f
-
-    def __len__(self) -> int:
-        return len(self._lru)
-
-    def drop(self, shard: int) -> None:
-        """Forget shard ``shard`` (it is opened, and its header read and checked, again on next use)."""
-        self._lru.pop(shard, None)
-
-    def close(self) -> None:
-        """Close every descriptor now (a forked child closing its inherited copies: no reads in flight)."""
-        while self._lru:
-            self._lru.popitem()[1].close()
-
-
-def _shard_groups(idx: np.ndarray, shard_size: int) -> list[tuple[int, np.ndarray, np.ndarray]]:
-    """``[(shard, local rows, batch positions)]`` of ``idx`` (int64 ``[B]``, in range), by shard."""
-    shards = idx // shard_size
-    order = np.argsort(shards, kind="stable")  # batch positions, grouped by shard
-    sorted_shards = shards[order]
-    cuts = (np.flatnonzero(np.diff(sorted_shards)) + 1).tolist()
-    bounds = [0, *cuts, idx.size]
-    out = []
-    for a, b in zip(bounds[:-1], bounds[1:], strict=True):
-        shard = int(sorted_shards[a])
-        pos = order[a:b]
-        out.append((shard, idx[pos] - shard * shard_size, pos))
-    return out
-
-
-def _is_run(a: np.ndarray) -> bool:
-    """True iff the int array ``a`` is ``[a0, a0+1, ..., a0+n-1]``."""
-    return a.size <= 1 or (int(a[-1]) - int(a[0]) == a.size - 1 and bool(np.all(np.diff(a) == 1)))
-
-
-def _batch_places(groups: Sequence[tuple[int, np.ndarray, np.ndarray | None]], n: int) -> list[tuple[int, int]]:
-    """``(shard, row)`` of each of the ``n`` batch rows, from the batch's shard groups
-    (``pos`` None: the group's rows are batch rows ``0..m-1``)."""
-    places: list[tuple[int, int]] = [(0, 0)] * n
-    for shard, local, pos in groups:
-        at = range(local.size) if pos is None else pos.tolist()
-        for p, r in zip(at, local.tolist(), strict=True):
-            places[p] = (shard, r)
-    return places
-
-
-def _row_ranges(entries: dict[str, HeaderEntry], keys: Sequence[str], rows: np.ndarray) -> list[tuple[int, int]]:
-    """``(file offset, bytes)`` of rows ``rows`` of every key in ``keys``: one range per run of consecutive rows."""
-    rows = np.unique(rows)
-    runs = np.split(rows, np.flatnonzero(np.diff(rows) != 1) + 1)
-    out = []
-    for key in keys:
-        e = entries[key]
-        rb = (e.end - e.start) // e.shape[0] if e.shape and e.shape[0] else 0
-        out += [(e.start + int(run[0]) * rb, int(run.size) * rb) for run in runs if run.size]
-    return out
+        sums = f.header.sums if self.verify else None
+        plan_shard_rows(f, fd, self._row_keys, local, pos, out, raw, chunk, sums, shard * self.shard_size,
+                        self._repair, engines, plan, pieces, scattered)  # fmt: skip
