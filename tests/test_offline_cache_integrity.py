@@ -351,24 +351,24 @@ def _threaded_ds(d: Path, threads: int) -> CachedTensorDataset:
 
 
 def _record_verifiers(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str, list[int], bool]]:
-    """Wrap the batched reader's check (``verify_row_bytes``; the real check still runs) to log
+    """Wrap the batched reader's check (``verify_row_views``; the real check still runs) to log
     ``(thread name, key, shard rows, passed)`` per call."""
     import threading
 
     import te_thd.offline_cache.batch_plan as batch_plan
 
     log: list[tuple[str, str, list[int], bool]] = []
-    real = batch_plan.verify_row_bytes
+    real = batch_plan.verify_row_views
 
-    def verify(view, row_bytes, first, rows, expected, **kw):
+    def verify(views, rows, expected, **kw):
         try:
-            real(view, row_bytes, first, rows, expected, **kw)
+            real(views, rows, expected, **kw)
         except CacheIntegrityError:
             log.append((threading.current_thread().name, kw["key"], list(rows), False))
             raise
         log.append((threading.current_thread().name, kw["key"], list(rows), True))
 
-    monkeypatch.setattr(batch_plan, "verify_row_bytes", verify)
+    monkeypatch.setattr(batch_plan, "verify_row_views", verify)
     return log
 
 

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from .copyread import GatherPiece, Piece, RunPlan, plan_pieces, plan_runs
-from .integrity import ShardSums, byte_view, verify_row_bytes
+from .integrity import ShardSums, row_views, verify_row_views
 from .open_shards import OpenShard
 from .shardfile import HeaderEntry
 
@@ -154,15 +154,15 @@ def plan_shard_rows(
     """
     path, entries = f.path, f.header.entries
 
-    def verifier(key: str, dst: memoryview, row_bytes: int) -> Callable[[int, Sequence[int]], None] | None:
-        """The check of a piece's rows once they are in ``dst`` (the bytes of ``[m, ...]``
-        rows; None: nothing to check)."""
+    def verifier(key: str, dst: torch.Tensor) -> Callable[[int, Sequence[int]], None] | None:
+        """The check of a piece's rows once they are in ``dst`` (``[m, ...]`` rows, contiguous;
+        None: nothing to check)."""
         if sums is None:
             return None
-        expected = sums.sums[key]
+        expected, views = sums.sums[key], row_views(dst, dst.shape[0])
 
         def after(p: int, rows: Sequence[int]) -> None:
-            verify_row_bytes(dst, row_bytes, p, rows, expected, path=path, key=key,
+            verify_row_views(views[p : p + len(rows)], rows, expected, path=path, key=key,
                              first_sample=first_sample, repair=repair)  # fmt: skip
 
         return after
@@ -175,7 +175,7 @@ def plan_shard_rows(
         e = entries[key]
         row_bytes = _row_bytes(e)
         if engines[key]:
-            after = verifier(key, raw[key], row_bytes)
+            after = verifier(key, out[key])
             plan = plan or plan_runs(local, pos)
             pieces += plan_pieces(fd, e.start, row_bytes, plan, raw[key], path, after, chunk, owner=f)
             continue
@@ -193,7 +193,7 @@ def plan_shard_rows(
         else:
             target = torch.empty((local.size, *dst.shape[1:]), dtype=dst.dtype)
             scattered.append((dst, torch.from_numpy(pos), target))
-        after = verifier(key, raw[key] if target is dst else byte_view(target), row_bytes)
+        after = verifier(key, target)
         step = max(1, chunk // row_bytes) if chunk and row_bytes else local.size
         first = int(local[0]) if local_run else 0
         if step >= local.size:  # the common case: one piece for the key's rows of this shard
