@@ -459,7 +459,7 @@ def test_accumulator_matches_concatenate_then_split_oracle(batch_sizes, shard_si
 
 def test_accumulator_rejects_inconsistent_batches() -> None:
     acc = _ShardAccumulator("d", 4, 0, _collecting_writer({}), LOG)
-    with pytest.raises(SchemaError, match=r"compute_batch returned 'b' with 2 rows but other keys with 3"):
+    with pytest.raises(SchemaError, match=r"compute_batch's output: key 'b' has 2 samples on dim 0 but 'a' has 3; every key must hold one row per sample"):
         acc.add({"a": torch.ones(3), "b": torch.ones(2)})
     acc.add({"a": torch.ones(1)})
     with pytest.raises(SchemaError, match=r"returned keys \['b'\] after \['a'\]; every batch must return the same keys"):

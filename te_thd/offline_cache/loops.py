@@ -31,7 +31,7 @@ from torch.utils.data import DataLoader, Dataset, Subset
 from te_thd.args import check_int
 from te_thd.offline_cache.errors import SchemaError
 from te_thd.offline_cache.format import check_shard_size, format_indices, shard_layout, shard_rows
-from te_thd.offline_cache.writer import DurableShardWriter, WriteShardFn
+from te_thd.offline_cache.writer import DurableShardWriter, WriteShardFn, validate_shard_tensors
 
 
 def _loader_class() -> type:
@@ -42,24 +42,11 @@ def _loader_class() -> type:
 
 
 def _batch_rows(batch_cache: Mapping[str, Any]) -> int:
-    rows = None
-    for k, t in batch_cache.items():
-        if not isinstance(t, torch.Tensor) or t.dim() == 0:
-            raise SchemaError(
-                f"compute_batch returned {k!r} as {type(t).__name__}"
-                f"{'' if not isinstance(t, torch.Tensor) else ' (0-d)'}; every returned value must be "
-                "a tensor [batch, ...] (filter extra outputs, or store them with a batch dim)"
-            )
-        if rows is None:
-            rows = t.shape[0]
-        elif t.shape[0] != rows:
-            raise SchemaError(
-                f"compute_batch returned {k!r} with {t.shape[0]} rows but other keys with {rows}; "
-                "every key must hold one row per sample"
-            )
-    if rows is None:
+    """Rows of one ``compute_batch`` output, checked by the writer's rule (``validate_shard_tensors``)."""
+    if not batch_cache:
         raise SchemaError("compute_batch returned an empty dict; it must return the cache tensors")
-    return rows
+    checked = validate_shard_tensors(batch_cache, tuple(batch_cache), "", 0, where="compute_batch's output")
+    return next(iter(checked.values())).shape[0]
 
 
 def _on_cpu(t: torch.Tensor) -> torch.Tensor:
