@@ -1,4 +1,4 @@
-"""The one check of an integer argument, and the rule behind it.
+"""The one check of an integer argument and of a tuple of key names, and the rules behind them.
 
 :func:`is_int` is the rule (an ``int``, never a ``bool``, optionally within a range);
 :func:`check_int` applies it to an argument and, when it fails, raises one line that
@@ -9,7 +9,11 @@ names the argument, the value and what it must be::
 
 Parsers of te_thd's own files (a manifest's counts, a shard header's fields) use
 :func:`is_int` and word their own errors: there the value is damaged data, not an
-argument the caller can fix.
+argument the caller can fix. :func:`check_names` is the same for an argument that
+names tensor keys (``keys``, ``disk_keys``, ``token_keys``)::
+
+    check_names("disk_keys", "input_ids")
+    # ValueError: disk_keys='input_ids' must be a tuple of key names, e.g. ('input_ids',)
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["check_int", "is_int"]
+__all__ = ["check_int", "check_names", "is_int"]
 
 
 def is_int(value: Any, minimum: int | None = None, below: int | None = None, *, numpy_ints: bool = False) -> bool:
@@ -68,3 +72,30 @@ def check_int(
     else:
         need = "an int"
     raise error(f"{name}={value!r} must be {need}{' or None' if optional else ''}{meaning}")
+
+
+def check_names(
+    name: str, value: Any, *, non_empty: bool = False, distinct: bool = False, optional: bool = False
+) -> tuple[str, ...] | None:
+    """``value`` as a tuple of key names (``None`` when ``optional`` and ``None``), else ``ValueError``.
+
+    A key name is a non-empty ``str``; a bare string is refused rather than read as its
+    characters. ``non_empty``: at least one name; ``distinct``: no name twice.
+    """
+    if optional and value is None:
+        return None
+    names = None if isinstance(value, str | bytes) else _as_tuple(value)
+    ok = names is not None and all(isinstance(k, str) and k for k in names)
+    ok = ok and (not non_empty or bool(names)) and (not distinct or len(set(names)) == len(names))  # type: ignore[arg-type]
+    if ok:
+        return names
+    need = "a" + (" non-empty" if non_empty else "") + " tuple of" + (" distinct" if distinct else "") + " key names"
+    example = (value,) if isinstance(value, str) and value else ("input_ids",)
+    raise ValueError(f"{name}={value!r} must be {need}{' or None' if optional else ''}, e.g. {example!r}")
+
+
+def _as_tuple(value: Any) -> tuple[Any, ...] | None:
+    try:
+        return tuple(value)
+    except TypeError:
+        return None

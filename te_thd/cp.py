@@ -44,6 +44,7 @@ from te_thd._partition import (
     partition_np,
     validated_np,
 )
+from te_thd.args import check_names
 from te_thd.boundaries import check_cp_args, host_int64
 from te_thd.layout import LAYOUT_KEY, ThdLayout, derive_unchecked
 
@@ -253,11 +254,8 @@ def shard_thd_batch_for_cp(
     # and only anything else goes to the full checks (same errors, same messages).
     if type(cp_size) is not int or type(cp_rank) is not int or not 0 <= cp_rank < cp_size:
         check_cp_args(cp_size, cp_rank)
-    if isinstance(extra_keys, str):
-        raise ValueError(
-            f"extra_keys must be a sequence of key names, got the string {extra_keys!r}; "
-            f"write extra_keys=({extra_keys!r},)"
-        )
+    if extra_keys:
+        extra_keys = check_names("extra_keys", extra_keys)  # type: ignore[assignment]
     if isinstance(thd, ThdLayout):  # a layout alone, no tokens: the rank's view of it
         return thd.sharded(cp_size, cp_rank)  # type: ignore[return-value]
     if cp_size == 1:

@@ -39,7 +39,7 @@ from te_thd._thd_layout import (
     pack_layout,
     stream_layout,
 )
-from te_thd.args import check_int
+from te_thd.args import check_int, check_names
 
 __all__ = [
     "ThdBatch",
@@ -399,9 +399,7 @@ def _convert(
 
 def _token_keys(token_keys: Sequence[str], batch: Mapping[str, Any], bsz: int, seq_len: int) -> tuple[str, ...]:
     """``token_keys``, checked: each names a tensor of ``batch`` shaped ``[B, S, ...]`` like the ids."""
-    if isinstance(token_keys, str):
-        raise ValueError(f"token_keys={token_keys!r} must be a tuple of key names, e.g. ({token_keys!r},)")
-    keys = tuple(token_keys)
+    keys = check_names("token_keys", token_keys)
     for key in keys:
         if key in ("input_ids", "labels", "position_ids") or key in _CONSUMED_KEYS:
             raise ValueError(f"token_keys names {key!r}, which the conversion handles itself; drop it from token_keys")

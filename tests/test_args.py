@@ -1,4 +1,4 @@
-"""The one integer-argument check (te_thd.args): the rule, property-tested, and its message."""
+"""The one integer-argument check and the one key-names check (te_thd.args): the rules, property-tested, and their messages."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from te_thd.args import check_int, is_int
+from te_thd.args import check_int, check_names, is_int
 
 VALUES = st.one_of(
     st.integers(-50, 50), st.booleans(), st.floats(allow_nan=True), st.none(), st.text(max_size=2),
@@ -65,3 +65,34 @@ def test_check_int_accepts_none_when_optional_and_raises_the_callers_error() -> 
 
     with pytest.raises(Mine):
         check_int("x", None, 1, error=Mine)
+
+
+NAMES = st.one_of(
+    st.lists(st.sampled_from(["a", "b", "c", "", 1, None]), max_size=4).map(tuple),
+    st.lists(st.sampled_from(["a", "b"]), max_size=3),
+    st.sampled_from(["a", "", b"a", 3, None]),
+)
+
+
+@given(value=NAMES, non_empty=st.booleans(), distinct=st.booleans(), optional=st.booleans())
+def test_check_names_returns_a_tuple_of_names_or_raises_one_line_naming_the_value(value, non_empty, distinct, optional) -> None:
+    """A tuple (or list) of non-empty strings is returned as a tuple; a bare string, a non-name, an
+    empty tuple with ``non_empty`` or a repeat with ``distinct`` raise naming the argument and value."""
+    seq = isinstance(value, tuple | list)
+    want_ok = (optional and value is None) or (
+        seq and all(isinstance(k, str) and k for k in value)
+        and (not non_empty or len(value) > 0) and (not distinct or len(set(value)) == len(value))
+    )  # fmt: skip
+    if want_ok:
+        got = check_names("keys", value, non_empty=non_empty, distinct=distinct, optional=optional)
+        assert got == (None if value is None else tuple(value))
+        return
+    with pytest.raises(ValueError) as e:
+        check_names("keys", value, non_empty=non_empty, distinct=distinct, optional=optional)
+    msg = str(e.value)
+    assert msg.startswith(f"keys={value!r} must be a") and "\n" not in msg and "e.g. (" in msg
+
+
+def test_check_names_suggests_the_tuple_of_a_bare_string() -> None:
+    with pytest.raises(ValueError, match=r"^disk_keys='hidden' must be a non-empty tuple of key names, e\.g\. \('hidden',\)$"):
+        check_names("disk_keys", "hidden", non_empty=True)

@@ -325,7 +325,7 @@ def test_error_shard_bad_batch():
     ):
         shard_thd_batch_for_cp(batch, 2, 0, extra_keys=("nope",))
     with pytest.raises(
-        ValueError, match=r"extra_keys must be a sequence of key names.*\('hidden_target',\)"
+        ValueError, match=r"extra_keys='hidden_target' must be a tuple of key names, e.g. \('hidden_target',\)"
     ):
         shard_thd_batch_for_cp(batch, 2, 0, extra_keys="hidden_target")
     with pytest.raises(ValueError, match=r"must hold the flattened token tensor 'input_ids'"):

@@ -403,7 +403,7 @@ def test_zero_length_samples_read_back_as_zeros(tmp_path: Path) -> None:
     ("kwargs", "match"),
     [
         ({"token_keys": ("nope",)}, r"token_keys \['nope'\] are not stored keys"),
-        ({"token_keys": "hidden"}, r"token_keys='hidden' must be a sequence"),
+        ({"token_keys": "hidden"}, r"token_keys='hidden' must be a tuple of key names"),
         ({"token_keys": ("hidden",), "codecs": {"logprobs": "fp8_e4m3"}}, "add 'logprobs' to token_keys"),
         ({"token_keys": ("hidden",), "codecs": {"hidden": "int4"}}, r"codecs\['hidden'\]='int4' is not a storage codec"),
         ({"token_keys": ("input_ids",), "codecs": {"input_ids": "fp8_e4m3"}}, "stores float keys"),

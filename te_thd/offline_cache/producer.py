@@ -51,6 +51,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
+from te_thd.args import check_names
 from te_thd.offline_cache import objectstore
 from te_thd.offline_cache.comm import ProducerComm, resolve_ranks
 from te_thd.offline_cache.durable import ProducerLock, fsync_dir
@@ -284,9 +285,7 @@ class _Job:
              codecs: Mapping[str, str] | None = None) -> _Job:  # fmt: skip
         """Validate the arguments (before any rank touches the directory)."""
         check_shard_size(shard_size)
-        keys = tuple(keys)
-        if not keys or not all(isinstance(k, str) and k for k in keys) or len(set(keys)) != len(keys):
-            raise ValueError(f"keys={keys!r} must be a non-empty tuple of distinct key names, e.g. ('hidden',)")
+        keys = check_names("keys", keys, non_empty=True, distinct=True)
         opts = _check_options(options)
         length_rule = producer_rule(length_key, keys)
         token_layout = check_token_keys(token_keys, codecs, keys)

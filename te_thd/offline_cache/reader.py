@@ -45,7 +45,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, get_worker_info
 
-from ..args import check_int
+from ..args import check_int, check_names
 from .batch_plan import (
     COPY_ENGINES,
     PREADV_MIN_RUN_BYTES,
@@ -160,10 +160,7 @@ class CachedTensorDataset(Dataset):
         read_cache_dir: str | None = None,
         read_cache_bytes: int | None = None,
     ) -> None:
-        if isinstance(disk_keys, str) or not disk_keys or not all(isinstance(k, str) for k in disk_keys):
-            raise ValueError(
-                f"disk_keys={disk_keys!r} must be a non-empty tuple of key names, e.g. ('input_ids', 'loss_mask')"
-            )
+        disk_keys = check_names("disk_keys", disk_keys, non_empty=True)
         check_int("max_open_shards", max_open_shards, 1)
         check_int("read_cache_bytes", read_cache_bytes, 1, optional=True)
         location = parse_location(cache_dir)

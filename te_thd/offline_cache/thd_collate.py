@@ -23,7 +23,7 @@ from typing import Any, Literal
 
 import torch
 
-from te_thd.args import check_int
+from te_thd.args import check_int, check_names
 from te_thd.boundaries import check_cp_args
 from te_thd.cp import partition_indices, shard_thd_batch_for_cp
 from te_thd.layout import LAYOUT_KEY, ThdLayout
@@ -112,14 +112,12 @@ class CachedThdCollator:
                 f"pass length_key={length_key!r} or mask_key={mask_key!r}, not both: one source of sample lengths"
             )
         check_cp_args(cp_size, cp_rank)
-        if isinstance(keys, str) or isinstance(token_keys, str):
-            raise ValueError("keys and token_keys must be sequences of key names, not a single string")
-        self.keys = None if keys is None else tuple(keys)
+        self.keys = check_names("keys", keys, optional=True)
         self.input_key = input_key
         self.label_key = label_key
         self.length_key = length_key
         self.mask_key = mask_key
-        self.token_keys = None if token_keys is None else tuple(token_keys)
+        self.token_keys = check_names("token_keys", token_keys, optional=True)
         self.cp_size = cp_size
         self.cp_rank = cp_rank
         self.pad_token_id = pad_token_id

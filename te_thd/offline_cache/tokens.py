@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from te_thd.args import check_names
 from te_thd.offline_cache.codecs import CODECS, check_codec_dtype, stored_dtype
 from te_thd.offline_cache.format import TensorSpec, dtype_name
 
@@ -121,9 +122,7 @@ def check_token_keys(
     ``@`` (reserved for the ragged tensors' names), or a codec is unknown or names a
     key that is not a token key.
     """
-    if isinstance(token_keys, str):
-        raise ValueError(f"token_keys={token_keys!r} must be a sequence of key names, e.g. token_keys=({token_keys!r},)")
-    token_keys = tuple(token_keys)
+    token_keys = check_names("token_keys", token_keys)
     codecs = dict(codecs or {})
     unknown = [k for k in token_keys if k not in keys]
     if unknown:
