@@ -50,10 +50,10 @@ from te_thd.offline_cache.format import DTYPE_TO_ST, format_indices
 from te_thd.offline_cache.loops import shard_runs
 from te_thd.offline_cache.manifest import load_manifest
 from te_thd.offline_cache.shardfile import (
+    ShardStream,
     read_header,
     read_shard_header,
     write_shard_file,
-    write_shard_pieces,
 )
 
 LOG = logging.getLogger("test")
@@ -118,28 +118,29 @@ def test_shard_file_is_byte_identical_to_save_file(tmp_path_factory, entries, ro
     seed=st.integers(0, 2**16),
 )
 def test_shard_pieces_write_the_bytes_of_the_concatenation(tmp_path_factory, entries, splits, seed) -> None:
-    """A shard written from dim-0 pieces (some empty) is byte-identical to the shard of their
-    concatenation: same header, row sums seeded by the shard row index, same record."""
+    """A shard streamed as dim-0 pieces (some empty) is byte-identical to the shard of their
+    concatenation written whole: same header, row sums seeded by the shard row index, same record."""
     d = tmp_path_factory.mktemp("pieces")
     full = {k: _tensor(dt, (sum(splits), *shape), seed + i) for i, (k, (dt, shape)) in enumerate(entries.items())}
-    pieces = {k: list(t.split(splits)) for k, t in full.items()}
-    record = write_shard_pieces(str(d / "pieces.safetensors"), pieces)
+    specs = {k: TensorSpec(t.dtype, tuple(t.shape[1:])) for k, t in full.items()}
+    stream = ShardStream(str(d / "pieces.safetensors"), specs, sum(splits))
+    lo = 0
+    for n in splits:
+        stream.write({k: t[lo : lo + n] for k, t in full.items()})
+        lo += n
+    record = stream.finish()
     joined = write_shard_file(str(d / "joined.safetensors"), full)
     assert (d / "pieces.safetensors").read_bytes() == (d / "joined.safetensors").read_bytes()
     assert record == joined
 
 
-def test_shard_pieces_that_do_not_concatenate_are_refused(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match=r"pieces of tensor 'h' cannot be stacked as \[n, \.\.\.\] rows"):
-        write_shard_pieces(str(tmp_path / "a"), {"h": [torch.zeros(2, 3), torch.zeros(2, 4)]})
-    with pytest.raises(ValueError, match=r"pieces of tensor 'h' cannot be stacked"):
-        write_shard_pieces(str(tmp_path / "b"), {"h": [torch.zeros(2, 3), torch.zeros(1, 3, dtype=torch.int64)]})
-    with pytest.raises(ValueError, match=r"tensor 'h' has no pieces"):
-        write_shard_pieces(str(tmp_path / "c"), {"h": []})
-    with pytest.raises(ValueError, match=r"a shard needs every tensor \[n, \.\.\.\] with one n; got row counts \{'h': 2, 'g': 3\}"):
-        write_shard_pieces(str(tmp_path / "d"), {"h": [torch.zeros(2, 3)], "g": [torch.zeros(3)]})
-    with pytest.raises(ValueError, match=r"pieces of tensor 'h' cannot be stacked"):
-        write_shard_pieces(str(tmp_path / "e"), {"h": [torch.zeros(())]})
+def test_a_shard_that_cannot_be_written_is_refused_and_leaves_no_file(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"its keys hold different row counts \{'g': 3, 'h': 2\}; every key holds the same rows"):
+        write_shard_file(str(tmp_path / "a"), {"h": torch.zeros(2, 3), "g": torch.zeros(3)})
+    with pytest.raises(ValueError, match=r"tensor 'h' is 0-d; a shard stores \[n, \.\.\.\] rows"):
+        write_shard_file(str(tmp_path / "b"), {"h": torch.zeros(())})
+    with pytest.raises(ValueError, match=r"tensor 'h' has dtype torch.complex128, which safetensors cannot store"):
+        write_shard_file(str(tmp_path / "c"), {"h": torch.zeros(2, dtype=torch.complex128)})
     assert not any(tmp_path.iterdir())
 
 

@@ -41,7 +41,7 @@ from te_thd.offline_cache.shardfile import (
     ShardRecord,
     ShardStream,
     read_shard_header,
-    write_shard_pieces,
+    write_shard_file,
 )
 from te_thd.offline_cache.writebehind import WriteBehind
 from te_thd.offline_cache.writer import write_tensor_shard
@@ -97,12 +97,12 @@ def _stream(path: str, tensors: dict[str, torch.Tensor], bounds: list[int]) -> S
 
 @given(shard=_shards())
 @settings(max_examples=80)
-def test_shard_stream_writes_the_bytes_of_write_shard_pieces(shard) -> None:
+def test_shard_stream_writes_the_bytes_of_write_shard_file(shard) -> None:
     tensors, bounds = shard
     with tempfile.TemporaryDirectory() as d:
         streamed, whole = os.path.join(d, "streamed"), os.path.join(d, "whole")
         rec = _stream(streamed, tensors, bounds)
-        assert rec == write_shard_pieces(whole, {k: [t] for k, t in tensors.items()})
+        assert rec == write_shard_file(whole, tensors)
         data = Path(streamed).read_bytes()
         assert data == Path(whole).read_bytes()
         sums = read_shard_header(streamed).sums
@@ -124,7 +124,7 @@ def test_shard_stream_zero_width_key_and_uneven_pieces(tmp_path: Path) -> None:
     tensors = {"empty": torch.zeros(7, 0, dtype=torch.bfloat16), "ids": _rand(torch.int64, (7, 3), g),
                "mask": _rand(torch.bool, (7, 2, 0), g), "h": _rand(torch.float32, (7, 5), g)}  # fmt: skip
     rec = _stream(str(tmp_path / "s"), tensors, [0, 1, 6, 7])
-    assert rec == write_shard_pieces(str(tmp_path / "w"), {k: [t[:3], t[3:]] for k, t in tensors.items()})
+    assert rec == write_shard_file(str(tmp_path / "w"), tensors)
     assert (tmp_path / "s").read_bytes() == (tmp_path / "w").read_bytes()
     assert verify_shard_loads(tmp_path / "s", tensors)
 
@@ -156,7 +156,7 @@ def test_shard_stream_rejects_bad_pieces_naming_the_key_and_stays_usable(tmp_pat
         s.finish()
     s.write({"a": t["a"][3:], "b": t["b"][3:]})
     rec = s.finish()
-    assert rec == write_shard_pieces(str(tmp_path / "w"), {k: [v] for k, v in t.items()})
+    assert rec == write_shard_file(str(tmp_path / "w"), t)
     assert (tmp_path / "s").read_bytes() == (tmp_path / "w").read_bytes()
     with pytest.raises(ValueError, match=r"is closed; start a new one"):
         s.write({"a": t["a"][:1], "b": t["b"][:1]})
@@ -284,7 +284,7 @@ def test_streaming_writer_rejects_bad_calls_before_queuing(tmp_path: Path) -> No
         w.finish_shard(d, 0)
         with pytest.raises(ValueError, match=r"shard 0 has no pieces"):
             w.finish_shard(d, 0)  # finished: no longer open
-    write_shard_pieces(str(tmp_path / "ref"), {k: [v] for k, v in t.items()})
+    write_shard_file(str(tmp_path / "ref"), t)
     assert (tmp_path / "shard-000000.safetensors").read_bytes() == (tmp_path / "ref").read_bytes()
     sums = read_shard_header(str(tmp_path / "ref")).sums
     assert sums is not None and w.records[0] == ShardRecord(os.path.getsize(tmp_path / "ref"), f"xxh3_64:{sums.digest}")

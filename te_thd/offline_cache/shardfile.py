@@ -230,77 +230,21 @@ class ShardStream:
         unlink_quietly(self.path)
 
 
-def pieces_specs(pieces: Mapping[str, Sequence[torch.Tensor]]) -> tuple[dict[str, TensorSpec], int]:
-    """``({key: TensorSpec}, rows)`` of a shard given as each key's ``[n_i, *trailing]`` pieces.
-
-    ``ValueError`` naming the key when a key has no pieces, a 0-d piece, pieces of
-    different dtypes or trailing shapes, or another row total than the others.
-    """
-    specs: dict[str, TensorSpec] = {}
-    totals: dict[str, int] = {}
-    for name, parts in pieces.items():
-        if not parts:
-            raise ValueError(f"tensor {name!r} has no pieces; pass at least one tensor per key")
-        first = parts[0]
-        if any(p.dim() == 0 or (p.dtype, p.shape[1:]) != (first.dtype, first.shape[1:]) for p in parts):
-            raise ValueError(
-                f"the pieces of tensor {name!r} cannot be stacked as [n, ...] rows: "
-                f"{[(dtype_name(p.dtype), list(p.shape)) for p in parts]}; give every piece one dtype and trailing shape"
-            )
-        check_cache_dtype(name, first.dtype)
-        specs[name] = TensorSpec(first.dtype, tuple(first.shape[1:]))
-        totals[name] = sum(p.shape[0] for p in parts)
-    if len(set(totals.values())) > 1:
-        raise ValueError(f"a shard needs every tensor [n, ...] with one n; got row counts {totals}")
-    return specs, next(iter(totals.values()), 0)
-
-
-def write_shard_pieces(path: str, pieces: Mapping[str, Sequence[torch.Tensor]]) -> ShardRecord:
-    """Write the shard ``{key: torch.cat(pieces[key])}`` to a NEW file ``path``, from the pieces.
-
-    ``pieces[key]`` are ``[n_i, *trailing]`` tensors, stored back to back on dim 0
-    (the same file as concatenating first, without the copy). Returns the record.
-    """
-    specs, rows = pieces_specs(pieces)
-    stream = ShardStream(path, specs, rows)
+def write_shard_file(path: str, tensors: Mapping[str, torch.Tensor]) -> ShardRecord:
+    """Write ``tensors`` (every one ``[n, ...]`` with one ``n``) to a NEW file ``path`` in one
+    :class:`ShardStream` piece; its record. ``ValueError`` naming the key for a 0-d tensor, a dtype
+    safetensors cannot store, or row counts that differ (no file is left then)."""
+    for name, t in tensors.items():
+        if t.dim() == 0:
+            raise ValueError(f"tensor {name!r} is 0-d; a shard stores [n, ...] rows (unsqueeze(0) a scalar)")
+    specs = {name: TensorSpec(t.dtype, tuple(t.shape[1:])) for name, t in tensors.items()}
+    stream = ShardStream(path, specs, next(iter(tensors.values())).shape[0] if tensors else 0)
     try:
-        for piece in _aligned(pieces):
-            stream.write(piece)
+        stream.write(tensors)
         return stream.finish()
     except BaseException:
         stream.abort()
         raise
-
-
-def _aligned(pieces: Mapping[str, Sequence[torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
-    """The rows of ``pieces`` as pieces holding every key (views, cut where any key's pieces are)."""
-    cuts: set[int] = set()
-    for parts in pieces.values():
-        offset = 0
-        for p in parts:
-            offset += p.shape[0]
-            cuts.add(offset)
-    out: list[dict[str, torch.Tensor]] = []
-    lo = 0
-    for hi in sorted(cuts):
-        if hi == lo:
-            continue
-        piece = {}
-        for k, parts in pieces.items():
-            offset = 0
-            for p in parts:  # the piece of key k that holds rows [lo, hi): cuts never straddle one
-                if offset <= lo < offset + p.shape[0]:
-                    piece[k] = p[lo - offset : hi - offset]
-                    break
-                offset += p.shape[0]
-        out.append(piece)
-        lo = hi
-    return out or [{k: parts[0] for k, parts in pieces.items()}]
-
-
-def write_shard_file(path: str, tensors: Mapping[str, torch.Tensor]) -> ShardRecord:
-    """Write ``tensors`` (every one ``[n, ...]`` with one ``n``) to a NEW file ``path``; its record."""
-    return write_shard_pieces(path, {k: [t] for k, t in tensors.items()})
 
 
 @dataclass(frozen=True)
