@@ -38,14 +38,6 @@ class ObjectLocation:
         return self.url
 
 
-def is_url(path: object) -> bool:
-    """Whether ``path`` is a string with a URL scheme (``s3://...``, ``gs://...``; not ``C:\\...``)."""
-    if not isinstance(path, str):
-        return False
-    m = _SCHEME.match(path)
-    return m is not None and len(m.group(1)) > 1
-
-
 def parse_location(path: str, name: str = "cache_dir") -> str | ObjectLocation:
     """``path`` itself when it is a local path, else its :class:`ObjectLocation`.
 

@@ -226,11 +226,6 @@ def block_table(offsets: np.ndarray, block_tokens: int) -> BlockTable:
     return BlockTable(block_tokens, row_first, start)
 
 
-def row_blocks(table: BlockTable, first_row: int, rows: int) -> tuple[int, int]:
-    """Blocks ``[g0, g1)`` of rows ``[first_row, first_row + rows)``."""
-    return int(table.row_first[first_row]), int(table.row_first[first_row + rows])
-
-
 @dataclass(frozen=True)
 class TokenReadPlan:
     """How to fetch tokens of one ragged tensor: block ``runs`` ``[(g0, g1), ...]`` (each one
