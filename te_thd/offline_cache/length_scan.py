@@ -18,7 +18,7 @@ import numpy as np
 
 from te_thd.offline_cache.durable import atomic_write_bytes
 from te_thd.offline_cache.errors import CacheError
-from te_thd.offline_cache.format import json_crc32, shard_path
+from te_thd.offline_cache.format import json_crc32
 from te_thd.offline_cache.lengths import (
     DEFAULT_LENGTH_KEY,
     LengthRule,
@@ -28,9 +28,8 @@ from te_thd.offline_cache.lengths import (
     rule_for_key,
     scan_rule,
 )
-from te_thd.offline_cache.manifest import load_manifest, manifest_checksum, manifest_schema
+from te_thd.offline_cache.manifest import cache_schema, load_manifest, manifest_checksum
 from te_thd.offline_cache.reader import CachedTensorDataset
-from te_thd.offline_cache.shardfile import read_shard_header, schema_of_header
 
 
 def side_file_path(cache_dir: str, rule: LengthRule) -> str:
@@ -87,9 +86,8 @@ def cache_lengths(
     if recorded is not None and rule is None and length_key in (None, recorded.key):
         return recorded_lengths(manifest)
     key = rule.key if rule is not None else (length_key or DEFAULT_LENGTH_KEY)
-    schema = manifest_schema(manifest)
-    if schema is None:
-        schema = schema_of_header(read_shard_header(shard_path(cache_dir, 0))) if manifest["num_samples"] else {}
+    schema = cache_schema(cache_dir, manifest, strict=True)
+    assert schema is not None
     if key not in schema:
         raise ValueError(
             f"length_key={key!r}: the {cache_name} cache at {cache_dir} has no such key (it holds "

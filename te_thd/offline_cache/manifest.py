@@ -72,11 +72,13 @@ from te_thd.offline_cache.format import (
     manifest_path,
     num_shards,
     schema_from_json,
+    shard_path,
     shard_rows,
 )
 from te_thd.offline_cache.integrity import SHARD_LAYOUT
 from te_thd.offline_cache.lengths import LENGTH_RULE_KEY, LengthRule, check_lengths_record
 from te_thd.offline_cache.location import parse_location
+from te_thd.offline_cache.shardfile import read_shard_header, schema_of_header
 from te_thd.offline_cache.tokens import (
     TOKEN_LAYOUT_KEY,
     TokenLayout,
@@ -465,6 +467,26 @@ def manifest_schema(manifest: Mapping[str, Any]) -> CacheSchema | None:
     if "schema" not in manifest:
         return None
     return {} if manifest["schema"] == {} else schema_from_json(manifest["schema"])
+
+
+def cache_schema(cache_dir: str, manifest: Mapping[str, Any], *, strict: bool = False) -> CacheSchema | None:
+    """The cache's key schema: the manifest's, else (a reference manifest records none) shard 0's.
+
+    ``{}`` for an empty cache. Without a manifest schema and with shard 0 missing or its header
+    damaged: ``None`` (the caller's own checks report that shard), or with ``strict`` the
+    :class:`CacheIntegrityError` naming it.
+    """
+    schema = manifest_schema(manifest)
+    if schema is not None:
+        return schema
+    if not int(manifest.get("num_samples", 0)):
+        return {}
+    try:
+        return schema_of_header(read_shard_header(shard_path(cache_dir, 0)))
+    except (CacheIntegrityError, FileNotFoundError):
+        if strict:
+            raise
+        return None
 
 
 def check_integrity_entry(path: str, expected_bytes: int, producer: str | None = None) -> None:

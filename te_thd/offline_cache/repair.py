@@ -34,8 +34,8 @@ from te_thd.offline_cache.format import (
 )
 from te_thd.offline_cache.location import ObjectLocation, parse_location
 from te_thd.offline_cache.manifest import (
+    cache_schema,
     load_manifest,
-    manifest_schema,
     recorded_producer,
     shard_records,
 )
@@ -47,7 +47,6 @@ from te_thd.offline_cache.producer_state import (
     reopen_for_resume,
 )
 from te_thd.offline_cache.remote_tools import fetched, in_urls, named_by_url, set_aside_and_reopen
-from te_thd.offline_cache.shardfile import read_shard_header, schema_of_header
 from te_thd.offline_cache.verify import requires_shard_sums, verify_shard_file
 
 
@@ -57,12 +56,7 @@ def find_bad(cache_dir: str, manifest: dict[str, Any]) -> tuple[dict[int, str], 
     count = num_shards(num_samples, shard_size)
     present = existing_shard_indices(cache_dir)
     records = shard_records(manifest)
-    schema = manifest_schema(manifest)
-    if schema is None and 0 in present:
-        try:
-            schema = schema_of_header(read_shard_header(shard_path(cache_dir, 0)))
-        except CacheIntegrityError:
-            schema = None
+    schema = cache_schema(cache_dir, manifest)
     bad: dict[int, str] = {}
     for i in sorted(present):
         if i >= count:

@@ -39,9 +39,9 @@ from te_thd.offline_cache.location import parse_location
 from te_thd.offline_cache.manifest import (
     LAYOUT_VERSION,
     RESERVED_MANIFEST_KEYS,
+    cache_schema,
     check_integrity_entry,
     load_manifest,
-    manifest_schema,
     recorded_producer,
     shard_records,
     validate_manifest,
@@ -50,8 +50,6 @@ from te_thd.offline_cache.remote_tools import fetched, in_urls, named_by_url
 from te_thd.offline_cache.shardfile import (
     ShardHeader,
     check_shard_header,
-    read_shard_header,
-    schema_of_header,
 )
 from te_thd.offline_cache.token_read import check_token_blocks
 from te_thd.offline_cache.tokens import TOKEN_LAYOUT_KEY, TokenLayout, describe_stored
@@ -286,12 +284,7 @@ def verify_cache(
         result["checked"], result["not_checked"] = _what_was_checked(cache_dir, False, records is not None, 0, len(indices))
         _lengths_lines(result, cache_dir, rule, False)
         return result
-    schema = manifest_schema(manifest)
-    if schema is None and indices:
-        try:
-            schema = schema_of_header(read_shard_header(shard_path(cache_dir, 0)))
-        except CacheIntegrityError:
-            schema = None  # shard 0 itself is reported below
+    schema = cache_schema(cache_dir, manifest)  # None: shard 0 itself is reported below
     with_sums = 0
     for i in sized:
         path = shard_path(cache_dir, i)
@@ -387,9 +380,7 @@ def cache_info(cache_dir: str) -> dict[str, Any]:
         total = sum(
             os.stat(p).st_size for p in (shard_path(cache_dir, i) for i in range(n)) if os.path.exists(p)
         )
-    schema = manifest_schema(manifest)
-    if schema is None and os.path.exists(shard_path(cache_dir, 0)):
-        schema = schema_of_header(read_shard_header(shard_path(cache_dir, 0)))
+    schema = cache_schema(cache_dir, manifest)
     layout = TokenLayout.from_json(manifest[TOKEN_LAYOUT_KEY]) if TOKEN_LAYOUT_KEY in manifest else None
     storage = {
         k: describe_stored(layout, schema, k) if layout is not None and k in layout.keys else "rows"
