@@ -22,7 +22,7 @@ scattered and contiguous), read by ``preadv`` on one thread and on two
 split), interleaved; printed with ``1 thread / 2 threads`` and the smallest
 batch size from which two threads win every pattern.
 
-The crossovers ``PREADV_MIN_RUN_BYTES`` in ``te_thd/offline_cache/reader.py`` and
+The crossovers ``PREADV_MIN_RUN_BYTES`` in ``te_thd/offline_cache/batch_plan.py`` and
 ``PARALLEL_MIN_BYTES`` in ``te_thd/offline_cache/copyread.py`` and the tables in
 docs/performance-io.md come from this script.
 """

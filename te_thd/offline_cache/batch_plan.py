@@ -32,6 +32,8 @@ from .shardfile import HeaderEntry
 __all__ = [
     "COPY_ENGINES",
     "PREADV_MIN_RUN_BYTES",
+    "Part",
+    "Scattered",
     "batch_places",
     "choose_engines",
     "is_run",
