@@ -84,6 +84,8 @@ def check_names(
     """
     if optional and value is None:
         return None
+    if type(value) is tuple and not non_empty and not distinct and all(type(k) is str and k for k in value):
+        return value  # the common case, on per-batch paths: no copy, no generic checks
     names = None if isinstance(value, str | bytes) else _as_tuple(value)
     ok = names is not None and all(isinstance(k, str) and k for k in names)
     ok = ok and (not non_empty or bool(names)) and (not distinct or len(set(names)) == len(names))  # type: ignore[arg-type]

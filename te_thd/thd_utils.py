@@ -399,7 +399,7 @@ def _convert(
 
 def _token_keys(token_keys: Sequence[str], batch: Mapping[str, Any], bsz: int, seq_len: int) -> tuple[str, ...]:
     """``token_keys``, checked: each names a tensor of ``batch`` shaped ``[B, S, ...]`` like the ids."""
-    keys = check_names("token_keys", token_keys)
+    keys = check_names("token_keys", token_keys) if token_keys else ()
     for key in keys:
         if key in ("input_ids", "labels", "position_ids") or key in _CONSUMED_KEYS:
             raise ValueError(f"token_keys names {key!r}, which the conversion handles itself; drop it from token_keys")
