@@ -301,6 +301,26 @@ def test_a_flipped_byte_in_a_ragged_tensor_is_caught_on_every_path(tmp_path: Pat
     assert _ds(tmp_path / "c")[0]["hidden"].shape == (L, H)  # the undamaged shard still reads
 
 
+def test_a_token_shard_truncated_under_an_open_reader_names_it_and_the_repair(tmp_path: Path) -> None:
+    """The shard is opened and read once (header, token index and block sums checked and kept),
+    then loses its ragged tail: the next ragged reads (a padded batch, one CP rank's tokens) fail
+    with the reader's one "cannot be read" error, naming the shard, the short read and the repair
+    command."""
+    _produce(tmp_path / "c", _samples(16), token_keys=TOKEN_KEYS)
+    shard = tmp_path / "c" / "shard-000001.safetensors"
+    ds = _ds(tmp_path / "c")
+    assert ds.__getitems__([8]).tensors["hidden"].shape == (1, L, H)
+    batch = ds.__getitems__(list(range(8, 16)))  # its ragged keys are read when first used
+    start, _ = _entry(shard, "hidden@tokens")
+    os.truncate(shard, start + 8)
+    want = r"shard \S*shard-000001\.safetensors cannot be read \(.*file ended at byte \d+ while reading .*\)\. Repair: `te-thd cache repair "
+    with pytest.raises(CacheIntegrityError, match=want) as exc:
+        batch.tensors
+    assert exc.value.path == str(shard)
+    with pytest.raises(CacheIntegrityError, match=want):
+        CachedThdCollator(512, length_key="length", cp_size=2, cp_rank=1)(ds.__getitems__(list(range(8, 16))))
+
+
 def test_a_flipped_byte_in_the_token_offsets_is_caught_on_open(tmp_path: Path) -> None:
     _produce(tmp_path / "c", _samples(8), token_keys=TOKEN_KEYS)
     shard = tmp_path / "c" / "shard-000000.safetensors"

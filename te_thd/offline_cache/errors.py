@@ -68,6 +68,11 @@ class CacheIntegrityError(CacheError):
         self.sample, self.key, self.expected, self.actual = sample, key, expected, actual
 
 
+def unreadable_shard(path: str, why: BaseException, repair: str, by: str = "") -> CacheIntegrityError:
+    """The error of a shard that could not be read (``by``: e.g. " by safetensors"), naming it, why, and the repair."""
+    return CacheIntegrityError(f"shard {path} cannot be read{by} ({why}). {repair}", path=path)
+
+
 class SchemaError(CacheError):
     """Tensors handed to the writer do not match the cache's key/dtype/shape schema."""
 

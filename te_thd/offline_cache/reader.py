@@ -66,7 +66,7 @@ from .copyread import (
     ReadError,
     default_read_threads,
 )
-from .errors import CacheIntegrityError, UnverifiedCacheWarning, repair_hint
+from .errors import CacheIntegrityError, UnverifiedCacheWarning, repair_hint, unreadable_shard
 from .format import SHARD_RE, TensorSpec, load_safetensors, manifest_path, shard_path, shard_rows
 from .integrity import ShardSums, verify_rows
 from .location import parse_location
@@ -328,8 +328,7 @@ class CachedTensorDataset(Dataset):
         return f.handle
 
     def _unreadable(self, path: str, exc: BaseException) -> CacheIntegrityError:
-        by = "" if isinstance(exc, ReadError) else " by safetensors"
-        return CacheIntegrityError(f"shard {path} cannot be read{by} ({exc}). {self._repair}", path=path)
+        return unreadable_shard(path, exc, self._repair, "" if isinstance(exc, ReadError) else " by safetensors")
 
     def verify_copied_rows(
         self, shard_index: int, sums: ShardSums | None, key: str, data: torch.Tensor, rows: np.ndarray | list[int]

@@ -33,7 +33,7 @@ from te_thd.offline_cache.copyread import (
     read_piece,
     tensor_memoryview,
 )
-from te_thd.offline_cache.errors import CacheIntegrityError
+from te_thd.offline_cache.errors import CacheIntegrityError, unreadable_shard
 from te_thd.offline_cache.format import TensorSpec
 from te_thd.offline_cache.integrity import HASH_NAME
 from te_thd.offline_cache.shardfile import ShardHeader
@@ -229,32 +229,32 @@ def _block_check(
     return after
 
 
-def run_pieces(pieces: list[Piece], reads: ParallelReads | None) -> None:
-    """Read the planned pieces (on the dataset's read threads when given), verifying each.
+def run_pieces(pieces: list[Piece], ctx: ReadContext) -> None:
+    """Read the planned pieces (on ``ctx.reads``, the dataset's read threads, when given), verifying each.
 
     First every piece's range is handed to the kernel (``POSIX_FADV_WILLNEED``: it starts reading
     exactly those pages, all at once), so scattered reads -- a CP rank's chunks of each document --
-    are one deep queue of storage requests instead of one synchronous request per read.
+    are one deep queue of storage requests instead of one synchronous request per read. A failed
+    read (the file shrank after it was opened) is the reader's one "cannot be read" error.
     """
     if _fadvise is not None and len(pieces) > 1:
         for piece in pieces:
             _fadvise(piece.fd, piece.offset, piece.nbytes, os.POSIX_FADV_WILLNEED)
     try:
-        if reads is None:
+        if ctx.reads is None:
             for piece in pieces:
                 read_piece(piece)
         else:
-            reads.run(pieces)
+            ctx.reads.run(pieces)
     except ReadError as exc:
-        raise CacheIntegrityError(f"shard {exc.path} cannot be read ({exc}); it was truncated after it was opened?",
-                                  path=exc.path) from exc  # fmt: skip
+        raise unreadable_shard(exc.path, exc, ctx.repair) from exc
 
 
 def read_stored(fd: int, index: TokenIndex, name: str, rows: np.ndarray, pos: np.ndarray, ctx: ReadContext) -> torch.Tensor:
     """Tokens ``pos`` of rows ``rows`` of stored tensor ``name``, read now: ``[M, *shape]`` of its stored dtype."""
     pieces: list[Piece] = []
     part = plan_stored(fd, index, name, rows, pos, ctx, pieces)
-    run_pieces(pieces, ctx.reads)
+    run_pieces(pieces, ctx)
     return part.result()
 
 
@@ -337,16 +337,16 @@ class TokenRows:
         shards = np.unique(shard_of).tolist()
         pieces: list[Piece] = []
         planned: list[tuple[np.ndarray | None, TokenIndex, dict[str, _Part]]] = []
-        reads = None
+        ctx = None
         for shard in shards:
             at = None if len(shards) == 1 else np.flatnonzero(shard_of == shard)
             fd, index, ctx = self._opener(shard)
-            reads = ctx.reads
             rows, p = (self.rows[sample], pos) if at is None else (self.rows[sample[at]], pos[at])
             plans: dict[tuple[int, int], TokenReadPlan] = {}
             parts = {n: plan_stored(fd, index, n, rows, p, ctx, pieces, plans) for k in keys for n in stored_names(index, k)}
             planned.append((at, index, parts))
-        run_pieces(pieces, reads)
+        if ctx is not None:  # every shard's context reads on the same threads and repairs the same way
+            run_pieces(pieces, ctx)
         out: dict[str, torch.Tensor] = {}
         for key in keys:
             spec = self.specs[key]
