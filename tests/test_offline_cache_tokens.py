@@ -315,7 +315,7 @@ def test_a_token_shard_truncated_under_an_open_reader_names_it_and_the_repair(tm
     os.truncate(shard, start + 8)
     want = r"shard \S*shard-000001\.safetensors cannot be read \(.*file ended at byte \d+ while reading .*\)\. Repair: `te-thd cache repair "
     with pytest.raises(CacheIntegrityError, match=want) as exc:
-        batch.tensors
+        _ = batch.tensors
     assert exc.value.path == str(shard)
     with pytest.raises(CacheIntegrityError, match=want):
         CachedThdCollator(512, length_key="length", cp_size=2, cp_rank=1)(ds.__getitems__(list(range(8, 16))))
