@@ -77,6 +77,11 @@ class TokenIndex:
     def lengths(self) -> np.ndarray:
         return np.diff(self.offsets)
 
+    @property
+    def sums_bytes(self) -> int:
+        """Bytes of the block sums tensor (8 per block of every stored tensor)."""
+        return 8 * sum(t.blocks for t in self.tables.values())
+
 
 def token_index(path: str, header: ShardHeader) -> TokenIndex:
     """Parse and check a token shard's ragged fields against its tensor entries."""
@@ -116,10 +121,9 @@ def token_index(path: str, header: ShardHeader) -> TokenIndex:
 def load_block_sums(index: TokenIndex, fd: int, repair: str) -> dict[str, np.ndarray]:
     """``{stored name: uint64 [blocks]}`` of the shard, read once and checked against the header's digest."""
     if index.sums is None:
-        total = sum(t.blocks for t in index.tables.values())
-        raw = os.pread(fd, total * 8, index.sums_start)
+        raw = os.pread(fd, index.sums_bytes, index.sums_start)
         actual = f"{_hash(raw):016x}"
-        if len(raw) != total * 8 or actual != index.sums_digest:
+        if len(raw) != index.sums_bytes or actual != index.sums_digest:
             raise CacheIntegrityError(
                 f"shard {index.path}: its block checksums hash to {HASH_NAME}:{actual}, the header records "
                 f"{HASH_NAME}:{index.sums_digest}: the file is damaged. {repair}",
@@ -186,8 +190,7 @@ def plan_stored(
     raw = tensor_memoryview(buf)
     tb = s.token_bytes
     if ctx.ensure is not None:
-        total = sum(t.blocks for t in index.tables.values())
-        ctx.ensure([(index.sums_start, total * 8)] + [
+        ctx.ensure([(index.sums_start, index.sums_bytes)] + [
             (index.start[name] + int(table.start[g0]) * tb, int(table.start[g1] - table.start[g0]) * tb)
             for g0, g1 in plan.runs
         ])  # fmt: skip
