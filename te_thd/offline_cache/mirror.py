@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from te_thd.offline_cache import objectstore
-from te_thd.offline_cache.durable import atomic_write_bytes
+from te_thd.offline_cache.durable import atomic_write_bytes, unlink_quietly
 from te_thd.offline_cache.errors import ManifestNotFoundError
 from te_thd.offline_cache.format import MANIFEST_NAME, SHARD_RE
 from te_thd.offline_cache.location import ObjectLocation
@@ -109,11 +109,8 @@ class ObjectMirror:
             atomic_write_bytes(local, raw)
 
     def _drop(self, name: str) -> None:
-        for p in (os.path.join(self.root, name), self._bitmap_path(name)):
-            try:
-                os.unlink(p)
-            except FileNotFoundError:
-                pass
+        unlink_quietly(os.path.join(self.root, name))
+        unlink_quietly(self._bitmap_path(name))
         self._present.pop(name, None)
         self._absent.pop(name, None)
         self._lru.pop(name, None)
@@ -183,20 +180,18 @@ class ObjectMirror:
         _punch(os.path.join(self.root, name), self.sizes[name])
         self._present[name] = bytearray(-(-self.sizes[name] // CHUNK_BYTES))
         self._absent.pop(name, None)
-        try:
-            os.unlink(self._bitmap_path(name))
-        except FileNotFoundError:
-            pass
+        unlink_quietly(self._bitmap_path(name))
 
     def _evict(self, keep: str) -> None:
+        """Drop least recently used shards (never ``keep``) until the fetched bytes fit ``max_bytes``."""
         if self.max_bytes is None:
             return
-        def held() -> int:
-            return sum(sum(b) * CHUNK_BYTES for b in self._present.values())
+        held = sum(b.count(1) for b in self._present.values()) * CHUNK_BYTES  # counted once, then kept up to date
         for name in list(self._lru):
-            if held() <= self.max_bytes:
+            if held <= self.max_bytes:
                 break
             if name != keep:
+                held -= self._present[name].count(1) * CHUNK_BYTES if name in self._present else 0
                 self.invalidate(name)
                 self._lru.pop(name, None)
 
