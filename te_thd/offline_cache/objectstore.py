@@ -36,28 +36,28 @@ _VARS = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SE
          "AWS_REGION", "AWS_DEFAULT_REGION")  # fmt: skip
 
 
+#: credential options of the shared files, by the environment variable each stands for
+_CREDENTIALS = (("aws_access_key_id", "AWS_ACCESS_KEY_ID"), ("aws_secret_access_key", "AWS_SECRET_ACCESS_KEY"),
+                ("aws_session_token", "AWS_SESSION_TOKEN"))  # fmt: skip
+
+
 def _profile() -> dict[str, str]:
     """The settings of the AWS profile (``AWS_PROFILE``, default ``default``) in the shared config
     and credentials files (``AWS_CONFIG_FILE`` / ``AWS_SHARED_CREDENTIALS_FILE``, default
     ``~/.aws/config`` and ``~/.aws/credentials``), under the environment variables' names."""
     name = os.environ.get("AWS_PROFILE") or "default"
     out: dict[str, str] = {}
-    config = configparser.ConfigParser(interpolation=None)
-    config.read(os.path.expanduser(os.environ.get("AWS_CONFIG_FILE", "~/.aws/config")))
-    section = name if name == "default" else f"profile {name}"
-    if config.has_section(section):
-        for opt, var in (("region", "AWS_REGION"), ("endpoint_url", "AWS_ENDPOINT_URL"),
-                         ("aws_access_key_id", "AWS_ACCESS_KEY_ID"), ("aws_secret_access_key", "AWS_SECRET_ACCESS_KEY"),
-                         ("aws_session_token", "AWS_SESSION_TOKEN")):  # fmt: skip
-            if config.get(section, opt, fallback=None):
-                out[var] = config.get(section, opt)
-    creds = configparser.ConfigParser(interpolation=None)
-    creds.read(os.path.expanduser(os.environ.get("AWS_SHARED_CREDENTIALS_FILE", "~/.aws/credentials")))
-    if creds.has_section(name):
-        for opt, var in (("aws_access_key_id", "AWS_ACCESS_KEY_ID"), ("aws_secret_access_key", "AWS_SECRET_ACCESS_KEY"),
-                         ("aws_session_token", "AWS_SESSION_TOKEN")):  # fmt: skip
-            if creds.get(name, opt, fallback=None):
-                out[var] = creds.get(name, opt)
+    for file_var, default, section, options in (
+        ("AWS_CONFIG_FILE", "~/.aws/config", name if name == "default" else f"profile {name}",
+         (("region", "AWS_REGION"), ("endpoint_url", "AWS_ENDPOINT_URL"), *_CREDENTIALS)),
+        ("AWS_SHARED_CREDENTIALS_FILE", "~/.aws/credentials", name, _CREDENTIALS),
+    ):  # fmt: skip
+        parser = configparser.ConfigParser(interpolation=None)
+        parser.read(os.path.expanduser(os.environ.get(file_var, default)))
+        if parser.has_section(section):
+            for opt, var in options:
+                if parser.get(section, opt, fallback=None):
+                    out[var] = parser.get(section, opt)
     return out
 
 
@@ -100,10 +100,9 @@ def client(loc: ObjectLocation, config: dict[str, str] | None = None) -> Any:
             kwargs["endpoint"] = endpoint
             if endpoint.startswith("http://"):
                 kwargs["client_options"] = {"allow_http": True}
-        for var, opt in (("AWS_ACCESS_KEY_ID", "access_key_id"), ("AWS_SECRET_ACCESS_KEY", "secret_access_key"),
-                         ("AWS_SESSION_TOKEN", "session_token")):  # fmt: skip
+        for opt, var in _CREDENTIALS:
             if env.get(var):
-                kwargs[opt] = env[var]
+                kwargs[opt.removeprefix("aws_")] = env[var]
         store = _CLIENTS[key] = S3Store(loc.bucket, **kwargs)
     return store
 
