@@ -277,6 +277,11 @@ class _Job:
     #: an s3:// cache: where shards and the manifest go (``output_dir`` then only holds the run's state)
     write_to: ObjectLocation | None = None
 
+    @property
+    def target(self) -> str:
+        """Where the shards and the manifest go: ``output_dir``, or the s3:// URL."""
+        return self.output_dir if self.write_to is None else self.write_to.url
+
     @classmethod
     def plan(cls, dataloader: DataLoader, output_dir: str, shard_size: int, keys: Sequence[str],
              options: Mapping[str, Any] | None, format_version: int, cache_name: str,
@@ -416,7 +421,7 @@ class _Job:
 
         try:
             lockstep_write(
-                dataloader, self.output_dir if self.write_to is None else self.write_to.url, self.shard_size, runs,
+                dataloader, self.target, self.shard_size, runs,
                 compute, writer, self.logger,
                 sync_max_steps=lambda _steps: global_steps, progress=bar,
             )  # fmt: skip
@@ -445,13 +450,12 @@ class _Job:
                     gathered, self.params, self.options, self.output_dir, self.cache_name, self.length_rule,
                     self.token_layout,
                 )
-                target = self.output_dir if self.write_to is None else self.write_to.url
-                write_manifest(target, manifest, self.format_version)
+                write_manifest(self.target, manifest, self.format_version)
                 os.unlink(os.path.join(self.output_dir, PROGRESS_NAME))
                 fsync_dir(self.output_dir)
                 if self.write_to is not None:
                     objectstore.delete(self.write_to, PROGRESS_NAME)
-                outcome = ("ok", read_manifest(target, self.cache_name, self.format_version, self.producer_name))
+                outcome = ("ok", read_manifest(self.target, self.cache_name, self.format_version, self.producer_name))
                 self.logger.info("Wrote %s (%d samples, %d shards)", manifest_path(self.output_dir),
                                  self.num_samples, len(manifest["shards"]))  # fmt: skip
             except Exception as exc:
