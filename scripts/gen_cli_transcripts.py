@@ -18,8 +18,9 @@ steps call the console script's function (``te_thd.cli.main``, what ``te-thd`` r
 this process: one interpreter start instead of one per command keeps the check at
 seconds. Both use this checkout's ``te_thd`` (the script stops, saying so, when the
 interpreter imports another one). What differs from run to run is
-normalised: the scratch root and this checkout print as ``/path/to/te_thd``, this
-interpreter as ``python``, durations as ``<t> s``, trailing blanks are dropped.
+normalised: the scratch root and this checkout print as ``/path/to/te_thd``, the
+temporary directory as ``/tmp``, this interpreter as ``python``, durations as ``<t> s``;
+trailing blanks are dropped.
 
 Adding a transcript: add a block to ``BLOCKS`` (its steps run after the previous
 blocks', in the same scratch root), put its markers in docs/cli.md (copy a pair and
@@ -92,6 +93,12 @@ BLOCKS: dict[str, list[Step]] = {
         sh("cmp runs/damaged/shard-000002.safetensors runs/cache/shard-000002.safetensors && echo identical"),
         te_thd("cache repair runs/damaged"),
     ],
+    "cli-transcript-manifest": [
+        sh("cp -r runs/cache runs/lost && rm runs/lost/manifest.json"),
+        te_thd("cache verify runs/lost"),
+        te_thd("cache repair runs/lost"),
+        te_thd("cache verify --quick runs/lost"),
+    ],
     "cli-transcript-unlock": [
         te_thd("cache unlock runs/cache"),
     ],
@@ -137,6 +144,8 @@ def normalise(text: str, root: Path) -> str:
         text = text.replace(shlex.quote(exe), "python").replace(exe, "python")
     for path in sorted({str(root), str(root.resolve()), str(REPO_ROOT)}, key=len, reverse=True):
         text = text.replace(path, SHOWN_ROOT)
+    if tempfile.gettempdir() != "/tmp":  # e.g. the test suite's own TMPDIR
+        text = text.replace(tempfile.gettempdir(), "/tmp")
     text = re.sub(r"\b\d+(?:\.\d+)? s\b", "<t> s", text)
     return "\n".join(line.rstrip() for line in text.splitlines())
 
