@@ -69,10 +69,12 @@ class Step:
 
 
 def sh(command: str) -> Step:
+    """A shell step, run as written (``python`` is this interpreter); it must exit 0."""
     return Step(command)
 
 
 def te_thd(args: str) -> Step:
+    """``te-thd args``; the transcript shows its output and exit status, whatever they are."""
     return Step(args, cli=True)
 
 
