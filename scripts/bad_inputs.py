@@ -923,8 +923,8 @@ def _cache_rows() -> list[BadInput]:
                  lambda tmp: _open(swap_dtype(tmp)).__getitems__([2]),
                  _re("shard <dir>/cache/shard-000001.safetensors: header checksum mismatch (expected xxh3_64:")),
         BadInput("cache-verify-checksum", "cache", "verify --deep: a flipped byte in a shard's tensor data",
-                 deep(flip_data), _re("<dir>/cache/shard-000001.safetensors: key 'hidden' row 1: checksum mismatch "
-                                      "(expected xxh3_64:")),
+                 deep(flip_data), _re("<dir>/cache/shard-000001.safetensors: sample 3 (row 1 of the shard), key 'hidden': "
+                                      "checksum mismatch (expected xxh3_64:")),
         BadInput("cache-verify-swapped", "cache", "verify --deep: a sound shard of another cache in place of one of this cache's",
                  deep(swap_in_other_shard), _re("<dir>/cache/shard-000001.safetensors: its header digest is xxh3_64:")
                  + ".*" + _re("the manifest records xxh3_64:") + ".*" + _re("the shard was swapped for another or replaced")),
@@ -1092,7 +1092,7 @@ def _cli_rows() -> list[BadInput]:
                  _re("te-thd cache verify: FAILED: offline cache at <dir>/cache: 1 bad shard(s): <dir>/cache/shard-000000.safetensors: has 100 bytes"), kind="cli"),
         BadInput("cli-verify-deep", "CLI", "te-thd cache verify --deep DIR: a flipped byte",
                  cli("cache", "verify", "--deep", "DIR", prepare=corrupt),
-                 _re("te-thd cache verify: FAILED:") + ".*" + _re("<dir>/cache/shard-000002.safetensors: key"), kind="cli"),
+                 _re("te-thd cache verify: FAILED:") + ".*" + _re("<dir>/cache/shard-000002.safetensors: sample "), kind="cli"),
         BadInput("cli-info-json", "CLI", "te-thd cache info DIR: manifest is not JSON", cli("cache", "info", "DIR", prepare=bad_json),
                  _re("te-thd cache info: offline cache manifest <dir>/cache/manifest.json is not valid JSON"), kind="cli"),
         BadInput("cli-info-missing", "CLI", "te-thd cache info DIR: no manifest", cli("cache", "info", "DIR"),

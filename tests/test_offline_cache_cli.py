@@ -83,7 +83,7 @@ def test_verify_names_the_bad_shard(cache: Path, capsys: pytest.CaptureFixture[s
     capsys.readouterr()
     assert main(["cache", "verify", str(cache)]) == 1
     err = capsys.readouterr().err
-    assert "FAILED" in err and f"{shard}: key 'mask' row 3: checksum mismatch (expected xxh3_64:" in err
+    assert "FAILED" in err and f"{shard}: sample 7 (row 3 of the shard), key 'mask': checksum mismatch (expected xxh3_64:" in err
     assert f"Repair: `te-thd cache repair {cache}`" in err
 
     shard.write_bytes(bytes(data[:-10]))

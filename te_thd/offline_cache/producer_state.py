@@ -233,10 +233,12 @@ def verify_existing(
                         f"existing shard {path} holds keys {sorted(schema)}, this run stores {sorted(keys)}; "
                         "resume with the same keys, or choose another output_dir"
                     )
-            check = verify_shard_file(path, schema, shard_rows(i, num_samples, shard_size), require_sums=True)
+            check = verify_shard_file(path, schema, shard_rows(i, num_samples, shard_size), require_sums=True,
+                                      first_sample=i * shard_size)  # fmt: skip
         except CacheIntegrityError as exc:
             raise CacheIntegrityError(
-                f"existing {exc} Delete it and run again: the producer recomputes missing shards.", path=path
+                f"existing {str(exc).rstrip('. ')}. Delete it and run again: the producer recomputes missing shards.",
+                path=path
             ) from None
         lengths = None
         if length_rule is not None and schema is not None:

@@ -65,7 +65,7 @@ def find_bad(cache_dir: str, manifest: dict[str, Any]) -> tuple[dict[int, str], 
         try:
             verify_shard_file(
                 path, schema, shard_rows(i, num_samples, shard_size),
-                records[i] if records is not None else None, requires_shard_sums(manifest),
+                records[i] if records is not None else None, requires_shard_sums(manifest), i * shard_size,
             )  # fmt: skip
         except CacheIntegrityError as exc:
             bad[i] = str(exc)
