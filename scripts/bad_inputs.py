@@ -847,6 +847,14 @@ def _cache_rows() -> list[BadInput]:
                  _re("offline cache manifest <dir>/cache/manifest.json does not match its own checksum (it records crc32:")),
         BadInput("cache-format-version", "cache", "the manifest's format_version differs from the reader's",
                  opened(set_key("format_version", 2)), _re("has format_version=2, expected 1: its tensors mean something else. Point cache_dir at a cache built for format_version 1, or build one into a new directory with produce_cache(..., format_version=1)")),
+        BadInput("cache-format-version-str", "cache", "reader: format_version passed as a str (\"1\")",
+                 lambda tmp: oc.CachedTensorDataset(str(_cache(tmp)), "offline", "1", ("hidden",)),
+                 _re("format_version='1' is a str, but the version is an int (the types differ, so it never matches): "
+                     "pass format_version=1")),
+        BadInput("cache-format-version-tagged", "cache", "reader: format_version as manifest.json spells it for a ragged cache",
+                 lambda tmp: oc.CachedTensorDataset(str(_cache(tmp)), "offline", "1+tokens", ("hidden",)),
+                 _re("format_version='1+tokens' is how manifest.json records version 1 of a cache with ragged token "
+                     "keys: pass format_version=1")),
         BadInput("cache-dir-is-file", "cache", "cache_dir names manifest.json itself, not its directory",
                  lambda tmp: _open(_cache(tmp) / "manifest.json"),
                  _re("cache_dir='<dir>/cache/manifest.json' is a file, not a cache directory; pass its directory, cache_dir='<dir>/cache'")),

@@ -82,6 +82,7 @@ from te_thd.offline_cache.shardfile import read_shard_header, schema_of_header
 from te_thd.offline_cache.tokens import (
     TOKEN_LAYOUT_KEY,
     TokenLayout,
+    check_format_version_arg,
     parse_format_version,
     stored_format_version,
 )
@@ -366,15 +367,14 @@ def read_manifest(
     lacks such a field is read as if it recorded that default, so older caches
     keep comparing and training under the configuration they were built with.
 
-    Raises :class:`ManifestNotFoundError` (also a ``FileNotFoundError``) when the
-    manifest is absent, and :class:`ManifestError` naming ``manifest.json`` when
-    it is not JSON, not an object, fails its own ``manifest_checksum`` (damaged),
-    has no or another ``format_version``, or lacks ``num_samples``/``shard_size``.
-    The returned dict does not contain ``manifest_checksum`` (it describes the
-    file, not the cache; :func:`write_manifest` recomputes it).
+    Raises ``ValueError`` when ``format_version`` is not an int, :class:`ManifestNotFoundError` (also a
+    ``FileNotFoundError``) when the manifest is absent, and :class:`ManifestError` naming ``manifest.json``
+    when it is not JSON, not an object, fails its own ``manifest_checksum`` (damaged), has no or another
+    ``format_version``, or lacks ``num_samples``/``shard_size``. The returned dict does not contain
+    ``manifest_checksum`` (it describes the file, not the cache; :func:`write_manifest` recomputes it).
     """
-    path = manifest_path(cache_dir)
-    manifest = _read_checked_manifest(cache_dir, cache_name, producer_name)
+    check_format_version_arg(format_version)
+    path, manifest = manifest_path(cache_dir), _read_checked_manifest(cache_dir, cache_name, producer_name)
     version = manifest["format_version"]
     # Checked before the layout: a wrong version is the more useful message when both are wrong.
     if isinstance(version, bool) or version != format_version:
