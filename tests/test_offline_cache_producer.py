@@ -277,6 +277,23 @@ def test_a_rerun_with_other_options_names_only_the_fields_that_differ(tmp_path: 
     assert "opt_0" not in msg and len(msg) < 400
 
 
+def test_a_rerun_names_what_changed_first_and_cuts_long_values(tmp_path: Path) -> None:
+    """A recorded command line differs whenever any argument does: it is cut to the item that differs and
+    listed after the fields themselves, however they sort."""
+    from te_thd.offline_cache.errors import CacheError
+
+    loader = DataLoader(IndexDataset(4), batch_size=2)
+    compute = lambda b: {"h": b["idx"].float()[:, None]}  # noqa: E731
+    argv = ["--out", "{cache_dir}", *[f"--flag-{i}" for i in range(60)], "--shard-size", "2"]
+    produce_cache(loader, str(tmp_path / "c"), 2, compute, ("h",), {"argv": argv}, progress=False)
+    with pytest.raises(CacheError) as err:
+        produce_cache(loader, str(tmp_path / "c"), 4, compute, ("h",), {"argv": [*argv[:-1], "4"]}, progress=False)
+    assert str(err.value) == (
+        f"output_dir {tmp_path / 'c'} holds a finished cache built with other parameters (shard_size: recorded 2, "
+        "this run 4; options.argv[63]: recorded '2', this run '4'). Choose another output_dir, or delete this cache."
+    )
+
+
 @given(st.dictionaries(st.sampled_from("abcd"), st.integers(0, 2)), st.dictionaries(st.sampled_from("abcd"), st.integers(0, 2)))
 def test_describe_diff_lists_exactly_the_differing_fields(a: dict, b: dict) -> None:
     from te_thd.offline_cache.producer_state import describe_diff
