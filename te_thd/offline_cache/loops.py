@@ -271,6 +271,25 @@ def loader_batch_size(dataloader: DataLoader) -> int:
     return int(getattr(dataloader, "batch_size", None) or 1)
 
 
+def loader_num_samples(dataloader: DataLoader) -> int:
+    """``len(dataloader.dataset)`` of a producer's loader: a DataLoader over a non-empty map-style
+    dataset (shards are assigned by sample index), else one line saying what to pass."""
+    if not hasattr(dataloader, "dataset"):
+        raise TypeError(f"dataloader is a {type(dataloader).__name__}, not a torch DataLoader; pass "
+                        "DataLoader(samples, batch_size=...) (its batch size and collate_fn are used)")  # fmt: skip
+    try:
+        num_samples = len(dataloader.dataset)
+    except TypeError:
+        raise ValueError(
+            "produce_cache needs a map-style dataset with len(): shards are assigned by sample "
+            "index (got an iterable dataset)"
+        ) from None
+    if num_samples == 0:
+        raise ValueError("the dataloader's dataset is empty (len() == 0): there is nothing to cache; check what "
+                         "builds it (a data path, a filter that drops every sample)")  # fmt: skip
+    return num_samples
+
+
 def lockstep_write(
     dataloader: DataLoader,
     output_dir: str,
