@@ -1101,8 +1101,16 @@ def _cli_rows() -> list[BadInput]:
         return d
 
     return [
-        BadInput("cli-verify-unfinished", "CLI", "te-thd cache verify DIR: no manifest", cli("cache", "verify", "DIR", prepare=empty_dir),
-                 _re("te-thd cache verify: FAILED: offline cache manifest not found at <dir>/empty/manifest.json"), kind="cli"),
+        BadInput("cli-verify-not-a-cache", "CLI", "te-thd cache verify DIR: a directory with no manifest and no shards",
+                 cli("cache", "verify", "DIR", prepare=empty_dir),
+                 _re("te-thd cache verify: FAILED: cache_dir='<dir>/empty' holds no manifest.json and no shards: it is not "
+                     "a te_thd cache; check the path"), kind="cli"),
+        BadInput("cli-verify-quick-deep", "CLI", "te-thd cache verify --quick --deep: two depths at once",
+                 cli("cache", "verify", "--quick", "--deep", "DIR", prepare=empty_dir),
+                 _re("argument --deep: not allowed with argument --quick"), kind="cli"),
+        BadInput("cli-repair-misspelt", "CLI", "te-thd cache repair DIR: no such directory", cli("cache", "repair", "DIR"),
+                 _re("te-thd cache repair: cannot repair <dir>/missing: cache_dir='<dir>/missing': no such directory; "
+                     "check the path"), kind="cli"),
         BadInput("cli-verify-misspelt", "CLI", "te-thd cache verify DIR: no such directory", cli("cache", "verify", "DIR"),
                  _re("te-thd cache verify: FAILED: cache_dir='<dir>/missing': no such directory; check the path"), kind="cli"),
         BadInput("cli-verify-truncated", "CLI", "te-thd cache verify DIR: a truncated shard",

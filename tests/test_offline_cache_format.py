@@ -229,9 +229,12 @@ def test_manifest_round_trip_is_deterministic(tmp_path: Path) -> None:
 
 
 def test_read_manifest_missing(tmp_path: Path) -> None:
-    with pytest.raises(ManifestNotFoundError, match=r"test cache manifest not found at .*manifest.json\. A producer writes it last.*resume=True") as e:
+    with pytest.raises(ManifestNotFoundError, match=r"holds no manifest\.json and no shards: it is not a te_thd cache; check the path$") as e:
         read_manifest(str(tmp_path), "test", 1)
     assert isinstance(e.value, FileNotFoundError) and isinstance(e.value, ValueError)
+    (tmp_path / "shard-000000.safetensors").write_bytes(b"")  # a producer's shard, no manifest: unfinished
+    with pytest.raises(ManifestNotFoundError, match=r"test cache manifest not found at .*manifest.json\. A producer writes it last.*resume=True"):
+        read_manifest(str(tmp_path), "test", 1)
     with pytest.raises(FileNotFoundError, match=r"cache_dir='.*nope': no such directory; check the path"):
         read_manifest(str(tmp_path / "nope"), "test", 1)
     with pytest.raises(ManifestError, match=r"cache_dir='.*manifest\.json' is a file, not a cache directory; pass its directory"):
