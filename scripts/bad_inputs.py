@@ -243,6 +243,8 @@ def _thd_rows() -> list[BadInput]:
                  _re("valid_seq_lens[0]=3 exceeds valid_seq_lens_padded[0]=2")),
         BadInput("thd-chunks-type", "THD", "split_batch_into_thd_chunks: num_chunks is not an int", split(2.0),
                  _re("num_chunks=2.0 must be an int")),
+        BadInput("thd-chunks-negative", "THD", "split_batch_into_thd_chunks: a negative num_chunks", split(-1),
+                 _re("num_chunks=-1 must be an int >= 0; pass the number of chunks")),
         BadInput("thd-chunks-divide", "THD", "split_batch_into_thd_chunks: num_chunks does not divide B", split(3),
                  _re("num_chunks=3 does not divide the batch size B=2 (input_ids.shape[0])")),
         BadInput("thd-chunk-starts-empty", "THD", "split_batch_into_thd_chunks: a chunk's first row holds no sequence",
