@@ -135,7 +135,7 @@ class ShardAccumulator:
         if samples is not None and rows != samples:
             first = self._shard_index * self._shard_size + self._buffered  # the batch's first sample
             raise ValueError(
-                f"compute_batch returned {rows} rows for a batch of {samples} samples ({first}..{first + samples - 1} "
+                f"compute_batch returned {rows} row{'s' * (rows != 1)} for a batch of {samples} samples ({first}..{first + samples - 1} "
                 "of the dataset): it must return one row per sample of its batch, in order, as must the loader's "
                 "collate_fn (shards are cut by sample index)"
             )
