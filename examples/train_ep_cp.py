@@ -352,12 +352,18 @@ def build_collate(
 def check_batch_fits(args: argparse.Namespace, num_samples: int, dp_size: int) -> None:
     """A step takes ``--batch-size`` samples on each data-parallel replica: the cache must hold one."""
     per = num_samples // dp_size
-    if per < args.batch_size:
+    if per == 0:
         raise ValueError(
-            f"--batch-size {args.batch_size}: the cache at {args.cache_dir} holds {num_samples} samples, {per} per "
-            f"data-parallel replica ({dp_size} replicas), fewer than one step's batch; pass --batch-size "
-            f"{per} or less{'' if per else ' (after building a cache of at least one sample per replica)'}, "
-            "or build a larger cache"
+            f"the cache at {args.cache_dir} holds {num_samples} samples, too few for {dp_size} data-parallel "
+            f"replicas (each step gives every replica at least one); build a cache of at least {dp_size} samples, "
+            "or run fewer replicas"
+        )
+    if per < args.batch_size:
+        step = dp_size * args.batch_size
+        raise ValueError(
+            f"--batch-size {args.batch_size}: the cache at {args.cache_dir} holds {num_samples} samples, too few for "
+            f"{dp_size} data-parallel replicas at {args.batch_size} samples each (a step takes {step}); pass "
+            f"--batch-size {per} or less, or build a cache of at least {step} samples"
         )
 
 

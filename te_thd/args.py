@@ -44,7 +44,7 @@ def check_int(
     optional: bool = False,
     numpy_ints: bool = False,
     meaning: str = "",
-    error: type[ValueError] = ValueError,
+    error: type[ValueError] | type[TypeError] = ValueError,
 ) -> Any:
     """``value`` (as a Python int; ``None`` when ``optional`` and ``None``) if :func:`is_int`, else ``error``.
 
@@ -56,7 +56,8 @@ def check_int(
         optional: ``None`` is accepted too (and returned).
         numpy_ints: numpy integers are accepted too (returned as ``int``).
         meaning: appended to the message: what the value means, or the fix.
-        error: the ``ValueError`` subclass to raise.
+        error: the ``ValueError`` subclass to raise, or ``TypeError`` where only the type is checked
+            (Python's convention for an index of the wrong type).
     """
     if optional and value is None:
         return None

@@ -43,7 +43,9 @@ def _has_checkout(*required: str) -> bool:
     return True
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(cache_commands: bool = True) -> argparse.ArgumentParser:
+    """The ``te-thd`` parser. ``cache_commands=False`` leaves ``cache`` without its commands: they
+    come from ``te_thd.offline_cache``, which imports torch, and help for the rest must not wait for it."""
     p = argparse.ArgumentParser(prog="te-thd", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -64,9 +66,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     bench.set_defaults(func=_cmd_bench)
 
-    from te_thd.offline_cache.cli import add_cache_commands
+    cache = sub.add_parser("cache", help="inspect, verify or repair an offline cache directory")
+    if cache_commands:
+        from te_thd.offline_cache.cli import add_cache_commands
 
-    add_cache_commands(sub)
+        add_cache_commands(cache)
     return p
 
 
@@ -80,8 +84,15 @@ def main(argv: list[str] | None = None) -> int:
         # so everything after `bench` goes to perf/run.py untouched
         rest = argv[1:]
         return _cmd_bench(argparse.Namespace(rest=rest[1:] if rest[:1] == ["--"] else rest))
-    args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    args = build_parser(cache_commands=argv[:1] == ["cache"]).parse_args(argv)
+    try:
+        code = int(args.func(args) or 0)
+        sys.stdout.flush()  # here, not at exit: a reader that went away (`| head -1`) shows up at the flush
+        return code
+    except BrokenPipeError:
+        # as any Unix tool whose reader closed the pipe: no traceback; what is left unwritten goes nowhere
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":

@@ -312,8 +312,9 @@ def split_batch_into_thd_chunks(
 
     Args:
         batch: as for :func:`process_input_for_thd`.
-        num_chunks: ``C``; must divide ``B``. ``num_chunks <= 1`` returns
-            ``process_input_for_thd(batch, ...)`` unchanged (no chunk axis).
+        num_chunks: ``C``; must divide ``B``. ``0`` or ``1`` returns
+            ``process_input_for_thd(batch, ...)`` unchanged (no chunk axis); a negative
+            count is refused (the reference returned the batch unsplit).
         seq_lens_padding_value: sentinel of the length tables, and the value
             that right-pads the boundary rows to ``[C, maxN+1]``.
         padding_token_id: as for :func:`process_input_for_thd` (the fallback
@@ -328,11 +329,11 @@ def split_batch_into_thd_chunks(
         (not split: only the caller knows which axis of such a tensor is B).
 
     Raises:
-        ValueError: ``num_chunks`` not an int dividing ``B``, or any error of
+        ValueError: ``num_chunks`` not an int >= 0 dividing ``B``, or any error of
             :func:`process_input_for_thd`.
     """
-    check_int("num_chunks", num_chunks, numpy_ints=True,
-              meaning="; pass the number of chunks (e.g. the pipeline's micro-batch count)")  # fmt: skip
+    check_int("num_chunks", num_chunks, 0, numpy_ints=True,
+              meaning="; pass the number of chunks (e.g. the pipeline's micro-batch count; 0 or 1: no split)")  # fmt: skip
     if num_chunks <= 1:
         return process_input_for_thd(
             batch, seq_lens_padding_value, padding_token_id, absorb_trailing_pad=absorb_trailing_pad,

@@ -257,6 +257,37 @@ def test_packed_seq_params_is_real_megatron_dataclass():
         packed_seq_params(process_input_for_thd(TAIL_ONLY), causal=False)
 
 
+_QUIET_SCRIPT = """
+import sys, warnings
+import torch
+from te_thd.attention import packed_seq_params
+from te_thd.thd_utils import process_input_for_thd
+ids = torch.arange(1, 9).view(1, 8)
+batch = {"input_ids": ids, "labels": ids + 1, "position_ids": torch.zeros(1, 8, dtype=torch.long),
+         "seq_lens": torch.tensor([[3, 5]]), "seq_lens_padded": torch.tensor([[3, 5]])}
+before = list(warnings.filters)
+print(packed_seq_params(process_input_for_thd(batch)).qkv_format)
+assert warnings.filters == before, "the process's warning filters changed"
+"""
+
+
+def test_packed_seq_params_keeps_megatrons_import_warnings_out() -> None:
+    """Outside pytest (whose config ignores that warning), with every warning shown: megatron-core's
+    "Transformer Engine and Apex are not installed" (4 lines on import) does not reach the user, and
+    the process's warning filters are as they were."""
+    import subprocess
+    import sys
+
+    def run(code: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-W", "always", "-c", code], capture_output=True, text=True, timeout=300)
+
+    res = run(_QUIET_SCRIPT)
+    assert res.returncode == 0 and res.stdout == "thd\n", res.stderr
+    assert "Transformer Engine and Apex are not installed" not in res.stderr, res.stderr
+    control = run("import megatron.core.packed_seq_params")  # what the user would otherwise see
+    assert "Transformer Engine and Apex are not installed" in control.stderr
+
+
 @pytest.mark.parametrize("causal", [True, False])
 def test_torch_varlen_kwargs_bind_real_signature_and_mean_the_same_attention(causal):
     from torch.nn.attention.varlen import varlen_attn

@@ -130,9 +130,12 @@ def test_train_batch_larger_than_the_replicas_share_of_the_cache():
 
     args = _train_args()
     assert args.batch_size == 16
-    with pytest.raises(ValueError, match=r"^--batch-size 16: the cache at unused holds 24 samples, 12 per data-parallel replica \(2 replicas\), fewer than one step's batch; pass --batch-size 12 or less, or build a larger cache$"):
+    with pytest.raises(ValueError, match=r"^--batch-size 16: the cache at unused holds 24 samples, too few for 2 data-parallel replicas at 16 samples each \(a step takes 32\); pass --batch-size 12 or less, or build a cache of at least 32 samples$"):
         check_batch_fits(args, 24, 2)
     check_batch_fits(_train_args("--batch-size", "12"), 24, 2)
+    # more replicas than samples: no batch size helps
+    with pytest.raises(ValueError, match=r"^the cache at unused holds 1 samples, too few for 2 data-parallel replicas \(each step gives every replica at least one\); build a cache of at least 2 samples, or run fewer replicas$"):
+        check_batch_fits(args, 1, 2)
 
 
 @pytest.mark.parametrize("script", ["train_ep_cp", "precompute_cache"])

@@ -134,6 +134,34 @@ def test_cp_mismatch_and_world_size_are_one_message(cache_dir: Path, tmp_path: P
     assert "--cp=3 must divide the number of processes (2)" in msg
 
 
+def test_a_rerun_with_another_argument_names_it_first(cache_dir: Path) -> None:
+    """The producer's refusal starts with the argument that changed and stays short (the recorded
+    command line is cut to the item that differs)."""
+    argv = small_cache_argv(str(cache_dir), 32)
+    argv[argv.index("--shard-size") + 1] = "4"
+    res = subprocess.run([sys.executable, str(EXAMPLES / "precompute_cache.py"), *argv], capture_output=True,
+                         text=True, timeout=180, env=_env())  # fmt: skip
+    msg = _the_one_message(res)
+    assert msg.startswith(f"error: output_dir {cache_dir} holds a finished cache built with other parameters "
+                          "(shard_size: recorded 8, this run 4; options.producer_args[")  # fmt: skip
+    assert len(msg) < 300, msg
+
+
+def test_a_cache_too_small_for_the_replicas_says_so_once(tmp_path: Path) -> None:
+    """3 samples, 2 data-parallel replicas (CP=1) at --batch-size 4: the message says the cache is too
+    small for the replicas and names both ways out, not only a batch size."""
+    cache = tmp_path / "cache"
+    argv = small_cache_argv(str(cache), 3)
+    argv[argv.index("--cp") + 1] = "1"
+    subprocess.run([sys.executable, str(EXAMPLES / "precompute_cache.py"), *argv], check=True, capture_output=True,
+                   timeout=180, env=_env())  # fmt: skip
+    msg = _the_one_message(_train(cache, tmp_path / "run", 1))
+    assert msg == (
+        f"error: --batch-size 4: the cache at {cache} holds 3 samples, too few for 2 data-parallel replicas at "
+        "4 samples each (a step takes 8); pass --batch-size 1 or less, or build a cache of at least 8 samples"
+    )
+
+
 def test_library_hints_name_commands_that_exist(tmp_path: Path) -> None:
     """Every backticked command in the cache's own messages parses (Python and CLI users)."""
     from torch.utils.data import DataLoader

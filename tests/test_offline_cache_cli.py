@@ -14,7 +14,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from te_thd.cli import main
-from te_thd.offline_cache import produce_cache
+from te_thd.offline_cache import produce_cache, write_manifest
 
 
 @pytest.fixture
@@ -56,8 +56,55 @@ def test_info_json(cache: Path, capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_info_of_a_directory_without_manifest(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / ".te_thd-producer.json").write_text("{}")  # what a producer killed before its first shard leaves
     assert main(["cache", "info", str(tmp_path)]) == 1
     assert "manifest not found" in capsys.readouterr().err
+
+
+def test_a_directory_that_is_not_a_cache_is_named_so(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`verify /tmp`: not "the cache was never finished" -- nothing a producer writes is there."""
+    (tmp_path / "notes.txt").write_text("not a cache")
+    for cmd in ("info", "verify", "repair"):
+        assert main(["cache", cmd, str(tmp_path)]) == 1
+        assert f"cache_dir='{tmp_path}' holds no manifest.json and no shards: it is not a te_thd cache; check the path" in capsys.readouterr().err
+    assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]  # repair left nothing behind
+
+
+def test_a_missing_directory_is_named_alike_by_every_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    missing = tmp_path / "nope"
+    for cmd in ("info", "verify", "repair"):
+        assert main(["cache", cmd, str(missing)]) == 1
+        assert f"cache_dir='{missing}': no such directory; check the path" in capsys.readouterr().err
+    assert not missing.exists()  # repair's lock did not create it
+
+
+def test_verify_takes_one_depth(cache: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as done:
+        main(["cache", "verify", "--quick", "--deep", str(cache)])
+    assert done.value.code == 2
+    assert "te-thd cache verify: error: argument --deep: not allowed with argument --quick" in capsys.readouterr().err
+
+
+def test_a_reader_that_closes_the_pipe_gets_no_traceback(cache: Path) -> None:
+    """`te-thd cache info DIR | head -1`: the pipe's reader is gone before te-thd writes (here: closed
+    before it starts, so the write fails every time)."""
+    r, w = os.pipe()
+    os.close(r)
+    try:
+        res = subprocess.run([sys.executable, "-m", "te_thd.cli", "cache", "info", str(cache)], stdout=w,
+                             stderr=subprocess.PIPE, text=True, timeout=120)  # fmt: skip
+    finally:
+        os.close(w)
+    assert res.returncode == 1 and res.stderr == ""
+
+
+def test_help_does_not_import_torch() -> None:
+    """`te-thd --help` answers at once: torch is imported only by the commands that use it."""
+    res = subprocess.run([sys.executable, "-X", "importtime", "-m", "te_thd.cli", "--help"], capture_output=True,
+                         text=True, timeout=120)  # fmt: skip
+    assert res.returncode == 0 and res.stdout.startswith("usage: te-thd") and "cache" in res.stdout, res.stderr
+    imported = {line.rsplit("|", 1)[-1].strip() for line in res.stderr.splitlines() if line.startswith("import time:")}
+    assert "te_thd" in imported and not {m for m in imported if m.split(".")[0] == "torch"}
 
 
 def test_verify_sound_cache(cache: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -83,7 +130,7 @@ def test_verify_names_the_bad_shard(cache: Path, capsys: pytest.CaptureFixture[s
     capsys.readouterr()
     assert main(["cache", "verify", str(cache)]) == 1
     err = capsys.readouterr().err
-    assert "FAILED" in err and f"{shard}: key 'mask' row 3: checksum mismatch (expected xxh3_64:" in err
+    assert "FAILED" in err and f"{shard}: sample 7 (row 3 of the shard), key 'mask': checksum mismatch (expected xxh3_64:" in err
     assert f"Repair: `te-thd cache repair {cache}`" in err
 
     shard.write_bytes(bytes(data[:-10]))
@@ -117,6 +164,10 @@ def test_console_script_exit_codes(cache: Path, tmp_path: Path) -> None:
 def test_info_says_how_the_samples_sit_in_the_shards(tmp_path: Path, capsys, num_samples, shard_size, line) -> None:
     data = [{"x": torch.full((2,), float(i))} for i in range(num_samples)]
     out = tmp_path / "cache"
-    produce_cache(DataLoader(data, batch_size=2), str(out), shard_size, lambda b: {"x": b["x"]}, ("x",), progress=False)
+    if num_samples:
+        produce_cache(DataLoader(data, batch_size=2), str(out), shard_size, lambda b: {"x": b["x"]}, ("x",), progress=False)
+    else:  # an empty cache: produce_cache refuses an empty dataset, the reference's API writes one
+        out.mkdir()
+        write_manifest(str(out), {"num_samples": 0, "shard_size": shard_size}, 1)
     assert main(["cache", "info", str(out)]) == 0
     assert line in capsys.readouterr().out.splitlines()

@@ -229,9 +229,12 @@ def test_manifest_round_trip_is_deterministic(tmp_path: Path) -> None:
 
 
 def test_read_manifest_missing(tmp_path: Path) -> None:
-    with pytest.raises(ManifestNotFoundError, match=r"test cache manifest not found at .*manifest.json\. A producer writes it last.*resume=True") as e:
+    with pytest.raises(ManifestNotFoundError, match=r"holds no manifest\.json and no shards: it is not a te_thd cache; check the path$") as e:
         read_manifest(str(tmp_path), "test", 1)
     assert isinstance(e.value, FileNotFoundError) and isinstance(e.value, ValueError)
+    (tmp_path / "shard-000000.safetensors").write_bytes(b"")  # a producer's shard, no manifest: unfinished
+    with pytest.raises(ManifestNotFoundError, match=r"test cache manifest not found at .*manifest.json\. A producer writes it last.*resume=True"):
+        read_manifest(str(tmp_path), "test", 1)
     with pytest.raises(FileNotFoundError, match=r"cache_dir='.*nope': no such directory; check the path"):
         read_manifest(str(tmp_path / "nope"), "test", 1)
     with pytest.raises(ManifestError, match=r"cache_dir='.*manifest\.json' is a file, not a cache directory; pass its directory"):
@@ -574,7 +577,7 @@ def test_verify_deep_detects_bit_flip_with_same_size(small_cache: Path) -> None:
     data[-3] ^= 0x01
     shard.write_bytes(bytes(data))
     verify_cache(str(small_cache))  # sizes still match: the cheap check cannot see it
-    with pytest.raises(CacheIntegrityError, match=r"1 bad shard\(s\):\n  .*shard-000000\.safetensors: key '\w+' row \d+: checksum mismatch \(expected xxh3_64:[0-9a-f]{16}, the bytes hash to xxh3_64:[0-9a-f]{16}\)"):
+    with pytest.raises(CacheIntegrityError, match=r"1 bad shard\(s\):\n  .*shard-000000\.safetensors: sample (\d+) \(row \1 of the shard\), key '\w+': checksum mismatch \(expected xxh3_64:[0-9a-f]{16}, the bytes hash to xxh3_64:[0-9a-f]{16}\)"):
         verify_cache(str(small_cache), deep=True)
 
 
@@ -728,6 +731,23 @@ def test_wrong_format_version_names_manifest_json(tmp_path: Path) -> None:
     _manifest(tmp_path, {"format_version": 2, "num_samples": 3, "shard_size": 2})
     with pytest.raises(ManifestError, match=r"test cache manifest .*/manifest\.json has format_version=2, expected 1: its tensors mean something else"):
         read_manifest(str(tmp_path), "test", 1)
+
+
+def test_a_format_version_of_another_type_says_what_to_pass(tmp_path: Path) -> None:
+    """"1" is not 1 (the types differ); "1+tokens" is the manifest file's spelling of 1 for a ragged cache."""
+    from te_thd.offline_cache import CachedTensorDataset, produce_cache
+
+    data = [{"input_ids": torch.arange(1, 5)} for _ in range(4)]
+    produce_cache(torch.utils.data.DataLoader(data, batch_size=2), str(tmp_path), 2, lambda b: b, ("input_ids",),
+                  progress=False, token_keys=("input_ids",))  # fmt: skip
+    assert json.loads((tmp_path / MANIFEST_NAME).read_text())["format_version"] == "1+tokens"
+    with pytest.raises(ValueError, match=r"^format_version='1' is a str, but the version is an int \(the types differ, so it never matches\): pass format_version=1$"):
+        CachedTensorDataset(str(tmp_path), "offline", "1", ("input_ids",))
+    with pytest.raises(ValueError, match=r"^format_version='1\+tokens' is how manifest\.json records version 1 of a cache with ragged token keys: pass format_version=1$"):
+        CachedTensorDataset(str(tmp_path), "offline", "1+tokens", ("input_ids",))
+    with pytest.raises(ValueError, match=r"^format_version=1\.0 must be an int: the version of what the cached tensors mean, e\.g\. 1$"):
+        read_manifest(str(tmp_path), "offline", 1.0)
+    assert len(CachedTensorDataset(str(tmp_path), "offline", 1, ("input_ids",))) == 4
 
 
 @given(num_samples=st.integers(0, 60), shard_size=st.integers(1, 9), data=st.data())

@@ -140,7 +140,7 @@ def test_every_writer_writes_self_verifying_shards_and_reads_catch_a_flip(tmp_pa
     assert f"Repair: `te-thd cache repair {d}`" in msg
     with pytest.raises(CacheIntegrityError, match="sample 6"):
         ds[6]  # the reference per-item path
-    with pytest.raises(CacheIntegrityError, match=r"key 'ids' row 2: checksum mismatch"):
+    with pytest.raises(CacheIntegrityError, match=r"sample 6 \(row 2 of the shard\), key 'ids': checksum mismatch"):
         verify_cache(str(d), deep=True)
 
 
@@ -529,3 +529,42 @@ def test_verify_names_every_bad_shard_truncated_and_flipped(tmp_path: Path) -> N
     assert main(["cache", "verify", str(d)]) == 1
     result = repair_cache(str(d))
     assert sorted(result["damaged"]) == named
+
+
+def _flip_last_byte(path: Path, key: str) -> None:
+    """Flip the last byte of stored tensor ``key`` of shard file ``path`` (its last row's, or last token's)."""
+    e = read_shard_header(str(path)).entries[key]
+    data = bytearray(path.read_bytes())
+    data[e.end - 1] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("ragged", [False, True], ids=["rows", "ragged"])
+def test_every_path_names_a_damaged_row_by_its_global_sample(tmp_path: Path, ragged: bool) -> None:
+    """A flipped byte in the last row of shard 2 (shards of 4) is sample 11, not "sample 3": verify (the
+    API and the CLI), repair (the CLI) and the batched and per-item reads all name sample 11; verify and
+    repair, which return no batch, do not say that a batch was not returned."""
+    import subprocess
+    import sys
+
+    import _s3_producer_script as P
+
+    d = tmp_path / "cache"
+    produce_cache(DataLoader(P.dataset(), batch_size=2), str(d), 4, P.compute_batch, P.KEYS, progress=False,
+                  length_key="length", token_keys=P.TOKEN_KEYS if ragged else ())  # fmt: skip
+    _flip_last_byte(d / "shard-000002.safetensors", "hidden@tokens" if ragged else "hidden")
+    where = f"{d / 'shard-000002.safetensors'}: sample 11 (row 3 of the shard), key 'hidden': checksum mismatch"
+    ds = CachedTensorDataset(str(d), "test", 1, P.KEYS)
+    for read in (lambda: ds.__getitems__([8, 9, 10, 11]).tensors, lambda: ds[11]):
+        with pytest.raises(CacheIntegrityError) as e:
+            read()
+        assert e.value.sample == 11 and f"shard {where}" in str(e.value)
+    with pytest.raises(CacheIntegrityError) as e:
+        verify_cache(str(d), deep=True)
+    assert where in str(e.value) and "batch" not in str(e.value)
+    cli = [sys.executable, "-m", "te_thd.cli", "cache"]
+    out = subprocess.run([*cli, "verify", str(d)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1 and where in out.stderr and "batch" not in out.stderr, out.stderr
+    out = subprocess.run([*cli, "repair", str(d)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and f"set aside: shard-000002.safetensors: shard {where}" in out.stdout, out.stderr
+    assert "batch" not in out.stdout

@@ -98,7 +98,7 @@ def test_tampered_length_is_detected(tmp_path: Path) -> None:
     m["shards"][1]["lengths"][2] = old + 1
     write_manifest(str(tmp_path), m, m["format_version"])
     verify_cache(str(tmp_path))  # quick verify does not read the data
-    with pytest.raises(CacheIntegrityError, match=f"row 2: the manifest records length {old + 1}, the data gives {old}"):
+    with pytest.raises(CacheIntegrityError, match=rf"sample 6 \(row 2 of the shard\): the manifest records length {old + 1}, the data gives {old}"):
         verify_cache(str(tmp_path), deep=True)
     # a malformed lengths list is a damaged manifest
     m["shards"][0]["lengths"] = [1, 2]

@@ -524,3 +524,6 @@ def test_drop_last_with_fewer_samples_than_a_batch_says_so(tmp_path, balance) ->
         build_cached_dataloader(ds, 16, True, collate, drop_last=True, dp_rank=0, dp_size=2, balance=balance)
     loader = build_cached_dataloader(ds, 12, True, collate, drop_last=True, dp_rank=0, dp_size=2, balance=balance)
     assert len(list(loader)) == 1
+    # more replicas than samples: no batch size helps
+    with pytest.raises(ValueError, match=r"^the dataset's 24 samples are too few for 32 data-parallel replicas with drop_last=True: every replica needs at least one, so the loader would yield nothing; use a dataset of at least 32 samples, fewer replicas, or drop_last=False$"):
+        build_cached_dataloader(ds, 1, True, collate, drop_last=True, dp_rank=0, dp_size=32, balance=balance)

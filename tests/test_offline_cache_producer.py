@@ -213,11 +213,25 @@ def test_bad_keys_and_iterable_dataset(tmp_path: Path) -> None:
         produce_cache(DataLoader(Stream()), str(tmp_path), 4, _compute, KEYS)
 
 
-def test_empty_dataset_gives_an_empty_finished_cache(tmp_path: Path) -> None:
-    m = _produce(tmp_path, n=0)
-    assert m["num_samples"] == 0 and m["shards"] == [] and m["schema"] == {}
-    assert sorted(os.listdir(tmp_path)) == ["manifest.json"]
-    assert _produce(tmp_path, n=0) == m  # and it is reusable
+def test_an_empty_dataset_is_refused_and_nothing_is_written(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"^the dataloader's dataset is empty \(len\(\) == 0\): there is nothing to "
+                                         r"cache; check what builds it \(a data path, a filter that drops every sample\)$"):  # fmt: skip
+        _produce(tmp_path / "c", n=0)
+    assert not (tmp_path / "c").exists()
+
+
+def test_a_list_or_a_file_is_one_line_naming_the_argument(tmp_path: Path) -> None:
+    """A list where the DataLoader goes, an existing file as output_dir: no AttributeError, no bare
+    FileExistsError, and nothing written."""
+    with pytest.raises(TypeError, match=r"^dataloader is a list, not a torch DataLoader; pass DataLoader\(samples, "
+                                        r"batch_size=\.\.\.\) \(its batch size and collate_fn are used\)$"):  # fmt: skip
+        produce_cache(_data(), str(tmp_path / "c"), 4, _compute, KEYS, progress=False)
+    assert not (tmp_path / "c").exists()
+    (tmp_path / "f").write_text("notes")
+    with pytest.raises(ValueError, match=rf"^output_dir='{tmp_path}/f' is a file, not a directory; pass a directory "
+                                         r"\(new, or one this producer wrote\)$"):  # fmt: skip
+        _produce(tmp_path / "f")
+    assert (tmp_path / "f").read_text() == "notes"
 
 
 def test_manifest_has_no_volatile_fields(tmp_path: Path) -> None:
@@ -275,6 +289,23 @@ def test_a_rerun_with_other_options_names_only_the_fields_that_differ(tmp_path: 
     msg = str(err.value)
     assert "(options.cp_size: recorded 2, this run 4; options.new: recorded absent, this run 1)" in msg
     assert "opt_0" not in msg and len(msg) < 400
+
+
+def test_a_rerun_names_what_changed_first_and_cuts_long_values(tmp_path: Path) -> None:
+    """A recorded command line differs whenever any argument does: it is cut to the item that differs and
+    listed after the fields themselves, however they sort."""
+    from te_thd.offline_cache.errors import CacheError
+
+    loader = DataLoader(IndexDataset(4), batch_size=2)
+    compute = lambda b: {"h": b["idx"].float()[:, None]}  # noqa: E731
+    argv = ["--out", "{cache_dir}", *[f"--flag-{i}" for i in range(60)], "--shard-size", "2"]
+    produce_cache(loader, str(tmp_path / "c"), 2, compute, ("h",), {"argv": argv}, progress=False)
+    with pytest.raises(CacheError) as err:
+        produce_cache(loader, str(tmp_path / "c"), 4, compute, ("h",), {"argv": [*argv[:-1], "4"]}, progress=False)
+    assert str(err.value) == (
+        f"output_dir {tmp_path / 'c'} holds a finished cache built with other parameters (shard_size: recorded 2, "
+        "this run 4; options.argv[63]: recorded '2', this run '4'). Choose another output_dir, or delete this cache."
+    )
 
 
 @given(st.dictionaries(st.sampled_from("abcd"), st.integers(0, 2)), st.dictionaries(st.sampled_from("abcd"), st.integers(0, 2)))

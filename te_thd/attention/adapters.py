@@ -20,6 +20,7 @@ get them.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -27,6 +28,9 @@ import torch
 
 from te_thd.attention.contract import TeThdKwargs, check_mask_for_thd, normalize_attn_mask_type
 from te_thd.layout import ThdLayout, as_layout
+
+#: What megatron-core warns on import without Transformer Engine and Apex (:func:`packed_seq_params`).
+_MEGATRON_NO_TE_WARNING = "Transformer Engine and Apex are not installed"
 
 __all__ = [
     "VarlenLayoutError",
@@ -210,7 +214,11 @@ def packed_seq_params(
     Returns:
         ``megatron.core.packed_seq_params.PackedSeqParams``.
     """
-    from megatron.core import packed_seq_params as mcore
+    with warnings.catch_warnings():  # restored on exit: the process's filters are left as they were
+        # megatron-core warns once per module, on import, that it falls back from TE/Apex fused kernels
+        # (optimizer, grad clipping, FSDP) that a PackedSeqParams never uses: noise for this call
+        warnings.filterwarnings("ignore", message=_MEGATRON_NO_TE_WARNING, category=UserWarning)
+        from megatron.core import packed_seq_params as mcore
 
     cls = mcore.PackedSeqParams  # read at call time: the installed release's class
     mask = "padding_causal" if causal else "padding"

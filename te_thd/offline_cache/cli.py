@@ -139,9 +139,8 @@ def _cmd_unlock(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_cache_commands(subparsers: Any) -> None:
-    """Register ``cache info``, ``cache verify`` and ``cache repair`` on the ``te-thd`` subparsers."""
-    cache = subparsers.add_parser("cache", help="inspect, verify or repair an offline cache directory")
+def add_cache_commands(cache: argparse.ArgumentParser) -> None:
+    """Register ``info``, ``verify``, ``repair`` and ``unlock`` on the ``te-thd cache`` parser."""
     sub = cache.add_subparsers(dest="cache_command", required=True)
 
     info = sub.add_parser("info", help="samples, shards, keys (dtype/shape), bytes, producer options")
@@ -153,8 +152,9 @@ def add_cache_commands(subparsers: Any) -> None:
         "verify", help="read every shard and check its checksums (exit 0 sound, 1 with the bad shards named)"
     )
     verify.add_argument("dir", help="cache directory (holds manifest.json), or s3://bucket/prefix")
-    verify.add_argument("--quick", action="store_true", help="only check that every shard exists with its recorded size")
-    verify.add_argument("--deep", action="store_true", help="the default (kept for older scripts)")
+    depth = verify.add_mutually_exclusive_group()
+    depth.add_argument("--quick", action="store_true", help="only check that every shard exists with its recorded size")
+    depth.add_argument("--deep", action="store_true", help="the default (kept for older scripts)")
     verify.set_defaults(func=_cmd_verify)
 
     repair = sub.add_parser(

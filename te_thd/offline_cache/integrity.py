@@ -269,6 +269,12 @@ def row_views(data: torch.Tensor, n: int) -> list[memoryview]:
     return views
 
 
+def name_row(row: int, first_sample: int | None) -> str:
+    """How a message names row ``row`` of a shard whose row 0 is sample ``first_sample``: by its
+    global sample index, the one a user's dataset and the trainer use (``None``: not known)."""
+    return f"row {row} of the shard" if first_sample is None else f"sample {first_sample + row} (row {row} of the shard)"
+
+
 def verify_row_views(
     views: Sequence[memoryview], rows: Sequence[int], expected: Sequence[int], *, path: str, key: str,
     first_sample: int, repair: str,
@@ -288,7 +294,7 @@ def verify_row_views(
     j = next(j for j, (g, w) in enumerate(zip(got, want, strict=True)) if g != w)
     exp, act = f"{HASH_NAME}:{want[j]:016x}", f"{HASH_NAME}:{got[j]:016x}"
     raise CacheIntegrityError(
-        f"shard {path}: sample {first_sample + rows[j]} (row {rows[j]} of the shard), key {key!r}: "
+        f"shard {path}: {name_row(rows[j], first_sample)}, key {key!r}: "
         f"checksum mismatch (expected {exp}, the bytes read hash to {act}): the file is damaged; the "
         f"batch was not returned. {repair}",
         path=path,

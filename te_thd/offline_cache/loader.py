@@ -379,6 +379,12 @@ def build_cached_dataloader(
     else:
         sampler = CacheShardSampler(dataset, num_replicas=dp_size, rank=dp_rank, shuffle=shuffle, seed=seed, drop_last=drop_last)
     per_replica = sampler.total_size // dp_size
+    if drop_last and 0 < len(dataset) < dp_size:
+        raise ValueError(
+            f"the dataset's {len(dataset)} samples are too few for {dp_size} data-parallel replicas with "
+            "drop_last=True: every replica needs at least one, so the loader would yield nothing; use a dataset of "
+            f"at least {dp_size} samples, fewer replicas, or drop_last=False"
+        )
     if drop_last and len(dataset) > 0 and per_replica < batch_size:
         raise ValueError(
             f"batch_size={batch_size} with drop_last=True: each of the {dp_size} data-parallel replica(s) gets "

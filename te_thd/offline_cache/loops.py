@@ -128,9 +128,17 @@ class ShardAccumulator:
         self._buffered -= n
         self._shard_index += 1
 
-    def add(self, batch_cache: dict[str, torch.Tensor]) -> None:
-        """Append one computed batch, flushing whole shards as they fill."""
+    def add(self, batch_cache: dict[str, torch.Tensor], samples: int | None = None) -> None:
+        """Append one computed batch, flushing whole shards as they fill. ``samples``: how many
+        samples the batch held, when known (it must have as many rows)."""
         rows = _batch_rows(batch_cache)
+        if samples is not None and rows != samples:
+            first = self._shard_index * self._shard_size + self._buffered  # the batch's first sample
+            raise ValueError(
+                f"compute_batch returned {rows} row{'s' * (rows != 1)} for a batch of {samples} samples ({first}..{first + samples - 1} "
+                "of the dataset): it must return one row per sample of its batch, in order, as must the loader's "
+                "collate_fn (shards are cut by sample index)"
+            )
         if self._keys is None:
             self._keys = set(batch_cache)
         elif batch_cache.keys() != self._keys:
@@ -263,6 +271,25 @@ def loader_batch_size(dataloader: DataLoader) -> int:
     return int(getattr(dataloader, "batch_size", None) or 1)
 
 
+def loader_num_samples(dataloader: DataLoader) -> int:
+    """``len(dataloader.dataset)`` of a producer's loader: a DataLoader over a non-empty map-style
+    dataset (shards are assigned by sample index), else one line saying what to pass."""
+    if not hasattr(dataloader, "dataset"):
+        raise TypeError(f"dataloader is a {type(dataloader).__name__}, not a torch DataLoader; pass "
+                        "DataLoader(samples, batch_size=...) (its batch size and collate_fn are used)")  # fmt: skip
+    try:
+        num_samples = len(dataloader.dataset)
+    except TypeError:
+        raise ValueError(
+            "produce_cache needs a map-style dataset with len(): shards are assigned by sample "
+            "index (got an iterable dataset)"
+        ) from None
+    if num_samples == 0:
+        raise ValueError("the dataloader's dataset is empty (len() == 0): there is nothing to cache; check what "
+                         "builds it (a data path, a filter that drops every sample)")  # fmt: skip
+    return num_samples
+
+
 def lockstep_write(
     dataloader: DataLoader,
     output_dir: str,
@@ -299,10 +326,10 @@ def lockstep_write(
     steps = 0
     for start_shard, start, n in runs:
         accumulator = ShardAccumulator(output_dir, shard_size, start_shard, write_shard_fn, logger, total_samples=n)
-        for batch in sequential_subset_loader(dataloader, start, start + n):
+        for k, batch in enumerate(sequential_subset_loader(dataloader, start, start + n)):
             out = compute_batch(batch)
             if out is not None:  # None: the caller chose not to store this batch (see produce_cache)
-                accumulator.add(out)
+                accumulator.add(out, min(bs, n - k * bs))  # the subset loader's batches: bs samples, the last fewer
             steps += 1
             if progress is not None:
                 progress.update(1)

@@ -55,7 +55,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from te_thd.args import is_int
-from te_thd.offline_cache.durable import atomic_write_bytes
+from te_thd.offline_cache.durable import LOCK_NAME, TEMP_RE, atomic_write_bytes
 from te_thd.offline_cache.errors import (
     CacheIntegrityError,
     ManifestError,
@@ -67,6 +67,7 @@ from te_thd.offline_cache.format import (
     CHECKSUM_ALGORITHM,
     MANIFEST_NAME,
     MAX_SHARDS,
+    SHARD_RE,
     CacheSchema,
     json_crc32,
     manifest_path,
@@ -82,6 +83,7 @@ from te_thd.offline_cache.shardfile import read_shard_header, schema_of_header
 from te_thd.offline_cache.tokens import (
     TOKEN_LAYOUT_KEY,
     TokenLayout,
+    check_format_version_arg,
     parse_format_version,
     stored_format_version,
 )
@@ -239,8 +241,8 @@ def write_manifest(cache_dir: str, manifest: dict[str, Any], format_version: int
 def _read_checked_manifest(cache_dir: str, cache_name: str, producer: str | None) -> dict[str, Any]:
     """Parse ``manifest.json`` and check its own checksum; returns it without that field.
 
-    Nothing else is validated: the caller checks ``format_version`` first (the
-    more useful message when a cache is merely old), then the layout.
+    Nothing else is validated: the caller checks ``format_version`` first (the more useful message
+    when a cache is merely old), then the layout. A directory with nothing a producer writes is not a cache.
     """
     location = parse_location(cache_dir)
     if not isinstance(location, str):
@@ -267,11 +269,10 @@ def _read_checked_manifest(cache_dir: str, cache_name: str, producer: str | None
         with open(path, "rb") as f:
             raw = f.read()
     except FileNotFoundError:
-        raise ManifestNotFoundError(
-            f"{cache_name} cache manifest not found at {path}. A producer writes it last, "
-            f"so the cache was never finished: re-run {producer_hint(producer)}, or point "
-            "cache_dir at a finished cache."
-        ) from None
+        if not any(SHARD_RE.match(n) or TEMP_RE.match(n) or (n.startswith(".te_thd-") and n != LOCK_NAME) for n in os.listdir(cache_dir)):
+            raise ManifestNotFoundError(f"cache_dir={cache_dir!r} holds no manifest.json and no shards: it is not a te_thd cache; check the path") from None
+        raise ManifestNotFoundError(f"{cache_name} cache manifest not found at {path}. A producer writes it last, so the cache was never "
+                                    f"finished: re-run {producer_hint(producer)}, or point cache_dir at a finished cache.") from None  # fmt: skip
     return _parse_manifest(raw, path, cache_name, producer)
 
 
@@ -366,15 +367,14 @@ def read_manifest(
     lacks such a field is read as if it recorded that default, so older caches
     keep comparing and training under the configuration they were built with.
 
-    Raises :class:`ManifestNotFoundError` (also a ``FileNotFoundError``) when the
-    manifest is absent, and :class:`ManifestError` naming ``manifest.json`` when
-    it is not JSON, not an object, fails its own ``manifest_checksum`` (damaged),
-    has no or another ``format_version``, or lacks ``num_samples``/``shard_size``.
-    The returned dict does not contain ``manifest_checksum`` (it describes the
-    file, not the cache; :func:`write_manifest` recomputes it).
+    Raises ``ValueError`` when ``format_version`` is not an int, :class:`ManifestNotFoundError` (also a
+    ``FileNotFoundError``) when the manifest is absent, and :class:`ManifestError` naming ``manifest.json``
+    when it is not JSON, not an object, fails its own ``manifest_checksum`` (damaged), has no or another
+    ``format_version``, or lacks ``num_samples``/``shard_size``. The returned dict does not contain
+    ``manifest_checksum`` (it describes the file, not the cache; :func:`write_manifest` recomputes it).
     """
-    path = manifest_path(cache_dir)
-    manifest = _read_checked_manifest(cache_dir, cache_name, producer_name)
+    check_format_version_arg(format_version)
+    path, manifest = manifest_path(cache_dir), _read_checked_manifest(cache_dir, cache_name, producer_name)
     version = manifest["format_version"]
     # Checked before the layout: a wrong version is the more useful message when both are wrong.
     if isinstance(version, bool) or version != format_version:

@@ -72,6 +72,7 @@ from te_thd.offline_cache.lengths import LengthRule, producer_rule
 from te_thd.offline_cache.location import ObjectLocation, parse_location
 from te_thd.offline_cache.loops import (
     loader_batch_size,
+    loader_num_samples,
     lockstep_write,
     partition_cache_shards,
     shard_runs,
@@ -299,13 +300,9 @@ class _Job:
                 f"token_keys={tuple(token_keys)} needs each sample's length to know which tokens to store; pass "
                 "length_key=<the stored key with each sample's length or its token ids>"
             )
-        try:
-            num_samples = len(dataloader.dataset)  # type: ignore[arg-type]
-        except TypeError:
-            raise ValueError(
-                "produce_cache needs a map-style dataset with len(): shards are assigned by sample "
-                "index (got an iterable dataset)"
-            ) from None
+        num_samples = loader_num_samples(dataloader)
+        if os.path.exists(output_dir) and not os.path.isdir(output_dir):
+            raise ValueError(f"output_dir={output_dir!r} is a file, not a directory; pass a directory (new, or one this producer wrote)")
         if num_shards(num_samples, shard_size) > MAX_SHARDS:
             raise ValueError(
                 f"shard_size={shard_size} gives {num_shards(num_samples, shard_size)} shards for "

@@ -79,21 +79,41 @@ _ABSENT = object()
 
 def describe_diff(recorded: Mapping[str, Any], wanted: Mapping[str, Any], prefix: str = "") -> str:
     """``"options.cp_size: recorded 2, this run 4; ..."``: only the fields that differ, nested
-    dicts field by field, each with both values (a field one side lacks: ``absent``)."""
-    diffs = []
+    dicts field by field, each with both values (a field one side lacks: ``absent``). A long value
+    (a recorded command line) is cut to where it differs and listed last: what changed comes first."""
+    diffs = _diffs(recorded, wanted, prefix)
+    return "; ".join(text for _, text in sorted(diffs, key=lambda d: d[0]))  # stable: field order within each group
+
+
+def _diffs(recorded: Mapping[str, Any], wanted: Mapping[str, Any], prefix: str) -> list[tuple[bool, str]]:
+    """``[(cut, text)]`` of :func:`describe_diff`, in field order (``cut``: a long value was cut)."""
+    diffs: list[tuple[bool, str]] = []
     for k in sorted(set(recorded) | set(wanted), key=str):
         a, b = recorded.get(k, _ABSENT), wanted.get(k, _ABSENT)
         if a == b:
             continue
         if isinstance(a, Mapping) and isinstance(b, Mapping):
-            diffs.append(describe_diff(a, b, f"{prefix}{k}."))
+            diffs.extend(_diffs(a, b, f"{prefix}{k}."))
+            continue
+        text = f"{prefix}{k}: recorded {_show(a)}, this run {_show(b)}"
+        if len(text) <= _LONG:
+            diffs.append((False, text))
+        elif isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+            at = [i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y]
+            more = f" (and {len(at) - 1} more items)" if len(at) > 1 else ""
+            diffs.append((True, f"{prefix}{k}[{at[0]}]: recorded {_show(a[at[0]], 40)}, this run {_show(b[at[0]], 40)}{more}"))
         else:
-            diffs.append(f"{prefix}{k}: recorded {_show(a)}, this run {_show(b)}")
-    return "; ".join(diffs)
+            diffs.append((True, f"{prefix}{k}: recorded {_show(a, 40)}, this run {_show(b, 40)}"))
+    return diffs
 
 
-def _show(value: Any) -> str:
-    return "absent" if value is _ABSENT else repr(value)
+#: A difference longer than this (characters) is cut (:func:`describe_diff`).
+_LONG = 120
+
+
+def _show(value: Any, limit: int | None = None) -> str:
+    text = "absent" if value is _ABSENT else repr(value)
+    return text if limit is None or len(text) <= limit else text[: limit - 3] + "..."
 
 
 def params_of_manifest(manifest: Mapping[str, Any], keys: Sequence[str] = ()) -> dict[str, Any]:
@@ -233,10 +253,12 @@ def verify_existing(
                         f"existing shard {path} holds keys {sorted(schema)}, this run stores {sorted(keys)}; "
                         "resume with the same keys, or choose another output_dir"
                     )
-            check = verify_shard_file(path, schema, shard_rows(i, num_samples, shard_size), require_sums=True)
+            check = verify_shard_file(path, schema, shard_rows(i, num_samples, shard_size), require_sums=True,
+                                      first_sample=i * shard_size)  # fmt: skip
         except CacheIntegrityError as exc:
             raise CacheIntegrityError(
-                f"existing {exc} Delete it and run again: the producer recomputes missing shards.", path=path
+                f"existing {str(exc).rstrip('. ')}. Delete it and run again: the producer recomputes missing shards.",
+                path=path
             ) from None
         lengths = None
         if length_rule is not None and schema is not None:

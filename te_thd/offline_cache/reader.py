@@ -406,7 +406,7 @@ class CachedTensorDataset(Dataset):
     def _getitem(self, index: int) -> dict[str, torch.Tensor]:
         n = self.num_samples
         if type(index) is not int:
-            index = check_int("index", index, numpy_ints=True, meaning=f": a sample index in [-{n}, {n}); pass int(i)")
+            index = check_int("index", index, numpy_ints=True, error=TypeError, meaning=f": a sample index in [-{n}, {n}); pass int(i)")
         if index < 0:
             index += n
         if not 0 <= index < n:

@@ -65,7 +65,7 @@ def find_bad(cache_dir: str, manifest: dict[str, Any]) -> tuple[dict[int, str], 
         try:
             verify_shard_file(
                 path, schema, shard_rows(i, num_samples, shard_size),
-                records[i] if records is not None else None, requires_shard_sums(manifest),
+                records[i] if records is not None else None, requires_shard_sums(manifest), i * shard_size,
             )  # fmt: skip
         except CacheIntegrityError as exc:
             bad[i] = str(exc)
@@ -86,6 +86,8 @@ def repair_cache(cache_dir: str, cache_name: str = "offline") -> dict[str, Any]:
     location = parse_location(cache_dir)
     if not isinstance(location, str):
         return _repair_remote(location, cache_name)
+    if not os.path.isdir(cache_dir):  # the lock would create it: say what info and verify say
+        load_manifest(cache_dir, cache_name)
     with ProducerLock(cache_dir):
         manifest = load_manifest(cache_dir, cache_name)
         bad, missing, extra = find_bad(cache_dir, manifest)

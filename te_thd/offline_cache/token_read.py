@@ -35,7 +35,7 @@ from te_thd.offline_cache.copyread import (
 )
 from te_thd.offline_cache.errors import CacheIntegrityError, unreadable_shard
 from te_thd.offline_cache.format import TensorSpec
-from te_thd.offline_cache.integrity import HASH_NAME
+from te_thd.offline_cache.integrity import HASH_NAME, name_row
 from te_thd.offline_cache.shardfile import ShardHeader
 from te_thd.offline_cache.tokens import (
     BLOCK_SUMS,
@@ -146,7 +146,9 @@ class ReadContext:
     the descriptor open while pieces wait (``owner``)."""
 
     verify: bool
-    first_sample: int
+    #: the global index of the shard's row 0 (None: not known; messages name the row of the shard)
+    first_sample: int | None
+    #: the repair sentence; empty for a check that returns no batch (``verify --deep``)
     repair: str
     reads: ParallelReads | None = None
     owner: object = None
@@ -222,11 +224,13 @@ def _block_check(
                 row = int(np.searchsorted(table.row_first, g, side="right") - 1)
                 lo, hi = starts[j] - int(index.offsets[row]), starts[j + 1] - int(index.offsets[row]) - 1
                 exp, act = f"{HASH_NAME}:{want[j]:016x}", f"{HASH_NAME}:{got:016x}"
+                returned = f"; the batch was not returned. {ctx.repair}" if ctx.repair else ""
                 raise CacheIntegrityError(
-                    f"shard {index.path}: sample {ctx.first_sample + row} (row {row} of the shard), key {s.key!r}: "
+                    f"shard {index.path}: {name_row(row, ctx.first_sample)}, key {s.key!r}: "
                     f"checksum mismatch in its tokens {lo}..{hi} ({s.name}; expected {exp}, the bytes read hash to "
-                    f"{act}): the file is damaged; the batch was not returned. {ctx.repair}",
-                    path=index.path, sample=ctx.first_sample + row, key=s.key, expected=exp, actual=act,
+                    f"{act}): the file is damaged{returned}",
+                    path=index.path, sample=None if ctx.first_sample is None else ctx.first_sample + row,
+                    key=s.key, expected=exp, actual=act,
                 )  # fmt: skip
 
     return after
@@ -381,15 +385,16 @@ class TokenRows:
         return out
 
 
-def check_token_blocks(path: str, header: ShardHeader) -> None:
+def check_token_blocks(path: str, header: ShardHeader, first_sample: int | None) -> None:
     """Read every block of every ragged tensor of shard ``path`` and check it (``verify --deep``).
 
-    Raises :class:`CacheIntegrityError` naming the shard, the key and the sample on a mismatch.
+    Raises :class:`CacheIntegrityError` naming the shard, the key and the sample (``first_sample``:
+    the global index of the shard's row 0) on a mismatch.
     """
     index = token_index(path, header)
     fd = os.open(path, os.O_RDONLY)
     try:
-        ctx = ReadContext(True, 0, "")
+        ctx = ReadContext(True, first_sample, "")
         sample, pos = whole_rows(index.lengths)
         for name, s in index.stored.items():
             step = max(1, (64 << 20) // max(1, s.token_bytes))  # 64 MiB at a time

@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from te_thd.args import check_names
+from te_thd.args import check_int, check_names
 from te_thd.offline_cache.codecs import CODECS, check_codec_dtype, stored_dtype
 from te_thd.offline_cache.format import TensorSpec, dtype_name
 
@@ -163,6 +163,19 @@ def check_token_schema(layout: TokenLayout, schema: Mapping[str, TensorSpec]) ->
 def stored_format_version(version: int, tagged: bool) -> int | str:
     """What the manifest file records: ``version``, or ``"<version>+tokens"`` for a ragged cache."""
     return f"{version}{FORMAT_TAG}" if tagged else version
+
+
+def check_format_version_arg(value: Any) -> None:
+    """Refuse a reader's ``format_version`` argument that is not an int, saying what to pass: a
+    digit string or the manifest's tagged spelling (``"1+tokens"``) never equals the recorded int."""
+    version, tagged = parse_format_version(value)
+    if tagged:
+        raise ValueError(f"format_version={value!r} is how manifest.json records version {version} of a cache with "
+                         f"ragged token keys: pass format_version={version}")  # fmt: skip
+    if isinstance(value, str) and value.strip().isdigit():
+        raise ValueError(f"format_version={value!r} is a str, but the version is an int (the types differ, so it never "
+                         f"matches): pass format_version={int(value)}")  # fmt: skip
+    check_int("format_version", value, numpy_ints=True, meaning=": the version of what the cached tensors mean, e.g. 1")
 
 
 def parse_format_version(value: Any) -> tuple[Any, bool]:

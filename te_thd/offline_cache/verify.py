@@ -33,7 +33,7 @@ from te_thd.offline_cache.format import (
     shard_rows,
     validate_contiguous_shards,
 )
-from te_thd.offline_cache.integrity import HASH_NAME, byte_row_sums, shard_checksum
+from te_thd.offline_cache.integrity import HASH_NAME, byte_row_sums, name_row, shard_checksum
 from te_thd.offline_cache.lengths import LengthRule, read_shard_lengths, recorded_rule
 from te_thd.offline_cache.location import parse_location
 from te_thd.offline_cache.manifest import (
@@ -123,12 +123,12 @@ class ShardCheck:
     checksum: str
 
 
-def _check_row_sums(path: str, header: ShardHeader) -> None:
+def _check_row_sums(path: str, header: ShardHeader, first_sample: int | None) -> None:
     """Hash every row of every key in the file (every block of a ragged tensor) and compare with the
-    sums its header carries."""
+    sums its header carries. ``first_sample``: the global index of the shard's row 0 (for messages)."""
     assert header.sums is not None
     if header.sums.tokens is not None:
-        check_token_blocks(path, header)
+        check_token_blocks(path, header, first_sample)
     data = np.memmap(path, dtype=np.uint8, mode="r") if os.path.getsize(path) else np.zeros(0, np.uint8)
     for key, e in sorted(header.entries.items(), key=lambda kv: kv[1].start):
         if key not in header.sums.sums:  # a ragged tensor or the block sums: checked above
@@ -141,11 +141,12 @@ def _check_row_sums(path: str, header: ShardHeader) -> None:
         if bad.size:
             r = int(bad[0])
             raise CacheIntegrityError(
-                f"shard {path}: key {key!r} row {r}: checksum mismatch (expected "
+                f"shard {path}: {name_row(r, first_sample)}, key {key!r}: checksum mismatch (expected "
                 f"{HASH_NAME}:{int(header.sums.sums[key][r]):016x}, the bytes hash to "
                 f"{HASH_NAME}:{int(got[r]):016x}){f' and {bad.size - 1} more rows' if bad.size > 1 else ''}: "
                 "the file is damaged",
                 path=path,
+                sample=None if first_sample is None else first_sample + r,
                 key=key,
                 expected=f"{HASH_NAME}:{int(header.sums.sums[key][r]):016x}",
                 actual=f"{HASH_NAME}:{int(got[r]):016x}",
@@ -158,8 +159,12 @@ def verify_shard_file(
     rows: int,
     record: Mapping[str, Any] | None = None,
     require_sums: bool = False,
+    first_sample: int | None = None,
 ) -> ShardCheck:
     """Check one shard completely; raise :class:`CacheIntegrityError` naming it on the first problem.
+
+    ``first_sample``: the global index of the shard's row 0, so that a damaged row is named by
+    its sample (``None``: by its row of the shard only).
 
     Header against ``schema`` and ``rows`` (:func:`check_shard_header`), every
     row against the shard's own checksums (when it carries them;
@@ -178,7 +183,7 @@ def verify_shard_file(
         )
     header = check_shard_header(path, schema, rows, require_sums=require_sums, checksum=expected)
     if header.sums is not None:
-        _check_row_sums(path, header)
+        _check_row_sums(path, header, first_sample)
     size = os.stat(path).st_size
     if algo == LEGACY_CHECKSUM or (algo is None and header.sums is None):
         checksum = _file_crc32(path)
@@ -291,11 +296,11 @@ def verify_cache(
         try:
             check = verify_shard_file(
                 path, schema, shard_rows(i, num_samples, shard_size),
-                records[i] if records is not None else None, requires_shard_sums(manifest),
+                records[i] if records is not None else None, requires_shard_sums(manifest), i * shard_size,
             )  # fmt: skip
             with_sums += check.header.sums is not None
             if rule is not None and records is not None:
-                _check_lengths(path, rule, records[i]["lengths"])
+                _check_lengths(path, rule, records[i]["lengths"], i * shard_size)
         except CacheIntegrityError as exc:
             problems.append((path, _problem(exc, path)))
     _raise_problems(sorted(problems), cache_dir, cache_name, producer_name)
@@ -327,17 +332,19 @@ def _raise_problems(problems: list[tuple[str, str]], cache_dir: str, cache_name:
     )
 
 
-def _check_lengths(path: str, rule: LengthRule, recorded: list[int]) -> None:
-    """Recompute one shard's lengths from its data and compare them with the manifest's record."""
+def _check_lengths(path: str, rule: LengthRule, recorded: list[int], first_sample: int) -> None:
+    """Recompute one shard's lengths from its data and compare them with the manifest's record
+    (``first_sample``: the global index of the shard's row 0)."""
     got = read_shard_lengths(path, rule)
     bad = np.flatnonzero(got != np.asarray(recorded, dtype=np.int64))
     if bad.size:
         r = int(bad[0])
         raise CacheIntegrityError(
-            f"shard {path}: row {r}: the manifest records length {recorded[r]}, the data gives {int(got[r])} "
+            f"shard {path}: {name_row(r, first_sample)}: the manifest records length {recorded[r]}, the data gives {int(got[r])} "
             f"({rule.describe()}){f' and {bad.size - 1} more rows' if bad.size > 1 else ''}: the manifest's "
             "lengths do not describe this shard",
             path=path,
+            sample=first_sample + r,
             key=rule.key,
             expected=str(recorded[r]),
             actual=str(int(got[r])),
