@@ -55,6 +55,7 @@ from te_thd.offline_cache.shardfile import (
     read_shard_header,
     write_shard_file,
 )
+from te_thd.offline_cache.writer import DurableShardWriter
 
 LOG = logging.getLogger("test")
 DTYPES = sorted(DTYPE_TO_ST, key=str)
@@ -579,10 +580,12 @@ def test_verify_deep_detects_bit_flip_with_same_size(small_cache: Path) -> None:
 
 
 def test_verify_deep_detects_header_schema_mismatch_and_lists_every_bad_shard(small_cache: Path) -> None:
-    # same byte sizes, other dtypes for 'h' (int32 / uint32 instead of float32)
+    # same byte sizes (the same run record in the header), other dtypes for 'h' (int32 / uint32 instead of float32)
     m = torch.ones(4, 3, dtype=torch.bool)
-    write_tensor_shard(str(small_cache), 0, {"h": torch.ones(4, 3, dtype=torch.int32), "m": m}, ("h", "m"), "t")
-    write_tensor_shard(str(small_cache), 1, {"h": torch.ones(4, 3, dtype=torch.uint32), "m": m}, ("h", "m"), "t")
+    run = read_shard_header(str(small_cache / "shard-000000.safetensors")).sums.run
+    for i, dtype in ((0, torch.int32), (1, torch.uint32)):
+        with DurableShardWriter(("h", "m"), "t", pipelined=False, run_record=run) as writer:
+            writer(str(small_cache), i, {"h": torch.ones(4, 3, dtype=dtype), "m": m})
     with pytest.raises(CacheIntegrityError) as e:
         verify_cache(str(small_cache), deep=True)
     msg = str(e.value)

@@ -89,6 +89,7 @@ from te_thd.offline_cache.producer_state import (
     params_of_manifest,
     prepare_directory,
     run_params,
+    run_record,
     verify_existing,
 )
 from te_thd.offline_cache.shardfile import ShardRecord
@@ -122,11 +123,11 @@ class _RecordingWriter(DurableShardWriter):
 
     def __init__(
         self, keys: Sequence[str], cache_name: str, schema: CacheSchema | None, length_rule: LengthRule | None = None,
-        token_layout: TokenLayout | None = None,
+        token_layout: TokenLayout | None = None, run_record: Mapping[str, Any] | None = None,
     ) -> None:  # fmt: skip
         # write-behind: batches are written (streamed into their shard) while the next are computed
         super().__init__(keys, cache_name, schema, pipelined=True, write_behind=True, length_rule=length_rule,
-                         token_layout=token_layout)  # fmt: skip
+                         token_layout=token_layout, run_record=run_record)  # fmt: skip
         self.error: str | None = None
 
     def check_batch(self, out: Any) -> dict[str, torch.Tensor] | None:
@@ -410,7 +411,8 @@ class _Job:
         schema: CacheSchema | None, progress: bool | None,
     ) -> _RecordingWriter:  # fmt: skip
         """Compute and write the shards ``missing`` in lockstep with the other ranks."""
-        writer = _RecordingWriter(self.keys, self.cache_name, schema, self.length_rule, self.token_layout)
+        writer = _RecordingWriter(self.keys, self.cache_name, schema, self.length_rule, self.token_layout,
+                                  run_record(self.params, self.length_rule))  # fmt: skip
         runs = shard_runs(missing, self.num_samples, self.shard_size)
         bs = loader_batch_size(dataloader)
         global_steps = self.comm.max_int(sum(-(-n // bs) for _, _, n in runs))

@@ -70,6 +70,15 @@ def run_params(
     return params
 
 
+def run_record(params: Mapping[str, Any], length_rule: LengthRule | None) -> dict[str, Any]:
+    """What every shard of a run keeps in its header (``run``): :func:`run_params` and the producer's
+    length rule, so ``te-thd cache repair`` rebuilds the manifest from the shards alone."""
+    record = dict(params)
+    if length_rule is not None:
+        record[LENGTH_RULE_KEY] = length_rule.to_json()
+    return record
+
+
 def write_json(path: str, obj: Any) -> None:
     atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
 
