@@ -4,7 +4,8 @@ Thin shells over :func:`cache_info`, :func:`verify_cache` and :func:`repair_cach
 ``verify`` reads every shard (checksums of every row, headers, whole files) unless
 ``--quick`` (sizes only); it exits 0 when the cache is sound, printing what it
 checked and what it could not, and 1 with every bad file named (on stderr) when
-not. ``repair`` exits 0 when the cache is sound or was reopened for a resume.
+not. ``repair`` exits 0 when the cache is sound, was reopened for a resume, or its
+lost or damaged manifest was rebuilt from the shards.
 ``info`` exits 1 when the manifest cannot be read.
 """
 
@@ -97,10 +98,25 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
 def _cmd_repair(args: argparse.Namespace) -> int:
     try:
-        result = repair_cache(args.dir)
+        options = json.loads(args.options) if args.options is not None else None
+    except json.JSONDecodeError as exc:
+        print(f"te-thd cache repair: --options {args.options!r} is not JSON ({exc}); pass an object, e.g. "
+              "--options '{\"cp_size\": 2}'", file=sys.stderr)  # fmt: skip
+        return 2
+    given = {"format_version": args.format_version, "options": options, "shard_size": args.shard_size,
+             "num_samples": args.num_samples, "length_key": args.length_key}  # fmt: skip
+    try:
+        result = repair_cache(args.dir, **given)
     except (ValueError, ImportError) as exc:  # CacheError is a ValueError; a bad URL too
         print(f"te-thd cache repair: cannot repair {args.dir}: {exc}", file=sys.stderr)
         return 1
+    if result["rebuilt"]:
+        for name in result["extra"]:
+            print(f"set aside: {name}: not part of this cache")
+        passed = f" and the arguments ({', '.join(result['from_arguments'])})" if result["from_arguments"] else ""
+        aside = f"; the damaged one is in {result['set_aside_in']}" if result["set_aside_in"] else ""
+        print(f"rebuilt: {args.dir}: manifest.json written from its shards{passed}, every shard verified{aside}")
+        return 0
     if not result["reopened"]:
         print(f"OK: {args.dir}: every shard verified; nothing to repair")
         return 0
@@ -158,9 +174,21 @@ def add_cache_commands(subparsers: Any) -> None:
     verify.set_defaults(func=_cmd_verify)
 
     repair = sub.add_parser(
-        "repair", help="set damaged shards aside and reopen the cache so its producer recomputes them"
+        "repair", help="set damaged shards aside and reopen the cache so its producer recomputes them; rebuild a "
+        "lost or damaged manifest.json from the shards",
+    )  # fmt: skip
+    repair.add_argument("dir", help="cache directory (holds the shards), or s3://bucket/prefix")
+    lost = repair.add_argument_group(
+        "rebuilding a manifest from shards that do not record their producer run (repair names the ones it needs)"
     )
-    repair.add_argument("dir", help="cache directory (holds manifest.json), or s3://bucket/prefix")
+    lost.add_argument("--format-version", type=int, default=None, metavar="N", help="the format_version the cache's readers pass")
+    lost.add_argument("--options", default=None, metavar="JSON",
+                      help="the producer options (every manifest field te_thd does not write itself) as a JSON "
+                      "object; also adds fields to what the shards record")  # fmt: skip
+    lost.add_argument("--shard-size", type=int, default=None, metavar="N", help="samples per shard (a single shard does not tell)")
+    lost.add_argument("--num-samples", type=int, default=None, metavar="N",
+                      help="samples of the cache, when shards at its end are lost too")  # fmt: skip
+    lost.add_argument("--length-key", default=None, metavar="KEY", help="the producer's length_key (default: input_ids when stored)")
     repair.set_defaults(func=_cmd_repair)
 
     unlock = sub.add_parser(

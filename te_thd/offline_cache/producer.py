@@ -39,7 +39,6 @@ uninterrupted run (manifest included: it holds no timestamps or host names).
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import shutil
@@ -77,7 +76,6 @@ from te_thd.offline_cache.loops import (
     shard_runs,
 )
 from te_thd.offline_cache.manifest import (
-    RESERVED_MANIFEST_KEYS,
     read_manifest,
     write_manifest,
 )
@@ -85,6 +83,7 @@ from te_thd.offline_cache.producer_state import (
     PROGRESS_NAME,
     RemoteRun,
     assemble_manifest,
+    check_options,
     describe_diff,
     params_of_manifest,
     prepare_directory,
@@ -97,21 +96,6 @@ from te_thd.offline_cache.tokens import TokenLayout, check_token_keys
 from te_thd.offline_cache.writer import DurableShardWriter
 
 _log = logging.getLogger("te_thd.offline_cache")
-
-
-def _check_options(options: Mapping[str, Any] | None) -> dict[str, Any]:
-    options = dict(options or {})
-    clash = sorted(set(options) & RESERVED_MANIFEST_KEYS)
-    if clash:
-        raise ValueError(
-            f"options {clash} clash with manifest fields te_thd writes itself "
-            f"({sorted(RESERVED_MANIFEST_KEYS)}); rename them"
-        )
-    try:
-        json.dumps(options, allow_nan=False)
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"options must be JSON values (recorded in manifest.json): {exc}") from None
-    return options
 
 
 class _RecordingWriter(DurableShardWriter):
@@ -292,7 +276,7 @@ class _Job:
         """Validate the arguments (before any rank touches the directory)."""
         check_shard_size(shard_size)
         keys = check_names("keys", keys, non_empty=True, distinct=True)
-        opts = _check_options(options)
+        opts = check_options(options)
         length_rule = producer_rule(length_key, keys)
         token_layout = check_token_keys(token_keys, codecs, keys)
         if token_layout is not None and length_rule is None:
@@ -384,8 +368,9 @@ class _Job:
         schema: CacheSchema | None = None
         try:
             records, schema = verify_existing(
-                self.output_dir, sorted(present), self.keys, self.num_samples, self.shard_size, self.length_rule
-            )
+                self.output_dir, sorted(present), self.keys, self.num_samples, self.shard_size, self.length_rule,
+                run_record(self.params, self.length_rule),
+            )  # fmt: skip
         except Exception as exc:
             local_exc = exc
         errors = comm.all_gather((None if local_exc is None else f"rank {comm.rank}: {local_exc}", self.num_samples))
