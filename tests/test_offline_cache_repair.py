@@ -199,6 +199,18 @@ def test_a_lost_or_damaged_manifest_is_rebuilt_byte_identical(tmp_path: Path, la
     }  # fmt: skip
 
 
+def test_every_damaged_manifest_is_kept(tmp_path: Path) -> None:
+    d = tmp_path / "c"
+    produce(d)
+    clean = (d / "manifest.json").read_bytes()
+    for how in ("edited", "truncated"):
+        _damage(d / "manifest.json", how)
+        damaged = (d / "manifest.json").read_bytes()
+        assert repair_cache(str(d))["rebuilt"] and (d / "manifest.json").read_bytes() == clean
+        kept = d / ".te_thd-damaged" / ("manifest.json" if how == "edited" else "manifest.json.1")
+        assert kept.read_bytes() == damaged
+
+
 def test_the_cli_rebuilds_a_lost_manifest(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     d = tmp_path / "c"
     produce(d)
@@ -245,8 +257,8 @@ def test_a_gap_is_reported_and_the_printed_producer_fills_it(tmp_path: Path, cap
     assert out[1:] == [
         "missing: shard-000001.safetensors",
         f"{d} is reopened for a resume (moved to {d}/.te_thd-damaged): re-run the `te_thd.offline_cache.produce_cache"
-        "(...)` call that built it (resume=True, the default, computes only the missing shards); it recomputes only "
-        "these shards and writes a new manifest.",
+        "(...)` call that built it (resume=True, the default, computes only the missing shards); it writes the "
+        "manifest.",
     ]
     assert not (d / "manifest.json").exists() and (d / PROGRESS_NAME).exists()
     with pytest.raises(ManifestNotFoundError, match=rf"`te-thd cache repair {d}`"):

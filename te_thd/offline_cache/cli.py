@@ -16,6 +16,7 @@ import json
 import sys
 from typing import Any
 
+from te_thd.offline_cache.errors import PRODUCE_CACHE_HINT
 from te_thd.offline_cache.location import parse_location
 from te_thd.offline_cache.repair import repair_cache
 from te_thd.offline_cache.verify import cache_info, verify_cache
@@ -127,10 +128,11 @@ def _cmd_repair(args: argparse.Namespace) -> int:
     for name in result["missing"]:
         print(f"missing: {name}")
     where = f" (moved to {result['set_aside_in']})" if result["set_aside_in"] else ""
-    print(
-        f"{args.dir} is reopened for a resume{where}: re-run {result['producer']}; it recomputes only "
-        "these shards and writes a new manifest."
+    # the produce_cache hint says itself that it computes only the missing shards
+    then = "it writes the manifest" if result["producer"] == PRODUCE_CACHE_HINT else (
+        "it recomputes only these shards and writes the manifest"
     )
+    print(f"{args.dir} is reopened for a resume{where}: re-run {result['producer']}; {then}.")
     return 0
 
 

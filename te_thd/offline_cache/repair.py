@@ -412,11 +412,14 @@ def _apply_local(cache_dir: str, rebuilt: Rebuild, damaged: str | None) -> dict[
     result = _rebuilt_result(cache_dir, cache_dir, rebuilt)
     aside = [shard_path(cache_dir, i) for i in [*rebuilt.bad, *rebuilt.extra]] + ([damaged] if damaged else [])
     if aside:
-        result["set_aside_in"] = os.path.join(cache_dir, DAMAGED_DIR)
-        os.makedirs(result["set_aside_in"], exist_ok=True)
+        result["set_aside_in"] = where = os.path.join(cache_dir, DAMAGED_DIR)
+        os.makedirs(where, exist_ok=True)
         for path in aside:
-            os.replace(path, os.path.join(result["set_aside_in"], os.path.basename(path)))
-        fsync_dir(result["set_aside_in"])
+            name, n = os.path.basename(path), 1
+            while os.path.exists(os.path.join(where, name)):  # an earlier repair's: kept too
+                name, n = f"{os.path.basename(path)}.{n}", n + 1
+            os.replace(path, os.path.join(where, name))
+        fsync_dir(where)
     progress = os.path.join(cache_dir, PROGRESS_NAME)
     if rebuilt.manifest is None:
         write_json(progress, rebuilt.params)
