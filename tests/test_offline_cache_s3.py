@@ -363,3 +363,21 @@ def test_a_gap_with_the_manifest_lost_is_reported_and_filled(bucket, server) -> 
     assert "computes only the missing shards" in result["producer"]
     P.produce(url)  # the printed call: resumes, computes the gap, writes the manifest last
     assert _objects(url) == clean
+
+
+def test_shards_without_a_run_record_on_s3_name_the_arguments_that_pass_it_back(bucket, server) -> None:
+    from te_thd.offline_cache import ManifestError, repair_cache
+
+    url = f"s3://{bucket}/old"
+    ids = torch.arange(12).reshape(6, 2)
+    for i in range(3):  # the reference writer API: shards without the producer's run record
+        write_tensor_shard(url, i, {"ids": ids[2 * i : 2 * i + 2]}, ("ids",), "test")
+    with pytest.raises(ManifestError) as exc:
+        repair_cache(url)
+    assert f"cannot rebuild the manifest of {url}: its shards were written before" in str(exc.value)
+    assert f"`te-thd cache repair {url} --format-version <format_version> --options <options>`" in str(exc.value)
+    assert "te_thd-repair-" not in str(exc.value)  # the fetched copy is never named
+    assert repair_cache(url, format_version=1, options={"owner": "x"})["rebuilt"]
+    m = read_manifest(url, "test", 1)
+    assert (m["num_samples"], m["shard_size"], m["owner"]) == (6, 2, "x")
+    assert torch.equal(CachedTensorDataset(url, "test", 1, ("ids",))[5]["ids"], ids[5])
