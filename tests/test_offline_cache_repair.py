@@ -195,7 +195,7 @@ def test_a_lost_or_damaged_manifest_is_rebuilt_byte_identical(tmp_path: Path, la
     assert (d / "manifest.json").read_bytes() == clean
     assert repair_cache(str(d)) | {"producer": None} == {
         "cache_dir": str(d), "damaged": {}, "missing": [], "extra": [], "set_aside_in": None, "reopened": False,
-        "rebuilt": False, "from_arguments": [], "producer": None,
+        "rebuilt": False, "from_arguments": [], "notes": [], "producer": None,
     }  # fmt: skip
 
 
@@ -363,6 +363,9 @@ def test_shards_without_a_run_record_name_what_is_missing_and_the_arguments_pass
     assert sorted(p.name for p in d.iterdir()) == [f"shard-00000{i}.safetensors" for i in range(3)]  # untouched
     assert cli_main(["cache", "repair", str(d), "--format-version", "3", "--options", json.dumps(OPTIONS)]) == 0
     assert capsys.readouterr().out == (
+        "note: num_samples=10: shard 2 is taken for the last (pass --num-samples if shards after it were lost too)\n"
+        "note: lengths by the non-padding length of 'input_ids' (pad 0), the producer's default (pass --length-key "
+        "if it was given another length_key)\n"
         f"rebuilt: {d}: manifest.json written from its shards and the arguments (format_version, options), every "
         "shard verified\n"
     )

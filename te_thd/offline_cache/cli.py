@@ -111,6 +111,8 @@ def _cmd_repair(args: argparse.Namespace) -> int:
     except (ValueError, ImportError) as exc:  # CacheError is a ValueError; a bad URL too
         print(f"te-thd cache repair: cannot repair {args.dir}: {exc}", file=sys.stderr)
         return 1
+    for note in result["notes"]:
+        print(f"note: {note}")
     if result["rebuilt"]:
         for name in result["extra"]:
             print(f"set aside: {name}: not part of this cache")

@@ -137,6 +137,7 @@ class Rebuild:
     missing: list[int] = field(default_factory=list)
     extra: list[int] = field(default_factory=list)
     from_arguments: list[str] = field(default_factory=list)  # the fields the caller passed back
+    notes: list[str] = field(default_factory=list)  # what was assumed (shards without a run record)
 
 
 def _problem(exc: CacheIntegrityError, path: str) -> str:
@@ -201,8 +202,8 @@ def _from_record(record: dict[str, Any], given: dict[str, Any], cache_dir: str) 
 
 def _from_arguments(
     headers: Mapping[int, ShardHeader], given: dict[str, Any], cache_dir: str, damaged: str | None
-) -> tuple[dict[str, Any], LengthRule | None, dict[str, Any]]:
-    """``(params, length rule, options)`` of shards that predate the run record: what they tell
+) -> tuple[dict[str, Any], LengthRule | None, dict[str, Any], list[str]]:
+    """``(params, length rule, options, notes on what was assumed)`` of shards that predate the run record: what they tell
     (keys, token layout and its length rule, shard size and sample count when they fix them), the rest
     from ``given``; a :class:`ManifestError` names every field still missing and the argument for it."""
     headers = {i: h for i, h in headers.items() if h.sums is not None}
@@ -222,8 +223,11 @@ def _from_arguments(
     if shard_size is None and top > min(headers):
         shard_size = first.sums.rows  # type: ignore[union-attr]  # a shard before the last: a full one
     num_samples = given.get("num_samples")
+    notes = []
     if num_samples is None and shard_size is not None:
         num_samples = top * shard_size + headers[top].sums.rows  # type: ignore[union-attr]  # the last present ends it
+        notes.append(f"num_samples={num_samples}: shard {top} is taken for the last (pass {REBUILD_ARGS['num_samples']} "
+                     "if shards after it were lost too)")  # fmt: skip
     needs = {
         "format_version": ("format_version" not in given, "the int its readers pass"),
         "options": ("options" not in given, "the producer options, a JSON object: {} for none"),
@@ -246,8 +250,11 @@ def _from_arguments(
             raise ValueError(f"length_key={given['length_key']!r} contradicts the shards, which store tokens by {rule.key!r}")
     else:
         rule = producer_rule(given.get("length_key"), list(schema))
+        if "length_key" not in given:
+            notes.append(f"lengths by {rule.describe() if rule else 'no key (no input_ids stored)'}, the producer's "
+                         f"default (pass {REBUILD_ARGS['length_key']} if it was given another length_key)")  # fmt: skip
     params = run_params(given["format_version"], num_samples, shard_size, list(schema), given["options"], layout)
-    return params, rule, dict(given["options"])
+    return params, rule, dict(given["options"]), notes
 
 
 def rebuild_manifest(cache_dir: str, cache_name: str = "offline", damaged: str | None = None, **given: Any) -> Rebuild:
@@ -284,11 +291,12 @@ def rebuild_manifest(cache_dir: str, cache_name: str = "offline", damaged: str |
             f"({'; '.join(f'shard {i}: {why}' for i, why in list(bad.items())[:3])})", path=shard_path(cache_dir, present[0]),
         )  # fmt: skip
     record = _group_runs(headers, cache_dir)
+    notes: list[str] = []
     if record is not None:
         params, rule, options = _from_record(record, given, cache_dir)
         used: list[str] = sorted(set(given.get("options", {})) - set(params["options"]))
     else:
-        params, rule, options = _from_arguments(headers, given, cache_dir, damaged)
+        params, rule, options, notes = _from_arguments(headers, given, cache_dir, damaged)
         used = sorted(given)
     count = num_shards(params["num_samples"], params["shard_size"])
     extra = [i for i in present if i >= count]
@@ -311,7 +319,7 @@ def rebuild_manifest(cache_dir: str, cache_name: str = "offline", damaged: str |
             bad[i] = _problem(exc, path)
     missing = sorted(set(range(count)) - set(records) - set(bad))
     result = Rebuild(params, None, {i: bad[i] for i in sorted(bad) if i < count}, missing,
-                     sorted({*extra, *(i for i in bad if i >= count)}), used)  # fmt: skip
+                     sorted({*extra, *(i for i in bad if i >= count)}), used, notes)  # fmt: skip
     if not (result.bad or missing) and schema is not None or count == 0:
         gathered = [(None, {i: (r.bytes, r.checksum, r.lengths, r.fidelity) for i, r in records.items()},
                      schema_to_json(schema) if schema is not None else None)]  # fmt: skip
@@ -335,7 +343,7 @@ def repair_cache(
 
     Returns ``{"cache_dir", "damaged": {file: problem}, "missing": [file],
     "extra": [file], "set_aside_in": dir or None, "reopened": bool, "producer": str,
-    "rebuilt": bool, "from_arguments": [field]}``. ``reopened``: the cache waits for its
+    "rebuilt": bool, "from_arguments": [field], "notes": [what a rebuild assumed]}``. ``reopened``: the cache waits for its
     producer (re-run ``producer``: it computes the missing and damaged shards); False when
     every shard is sound (nothing is changed then, unless ``rebuilt``: the manifest was
     written again from the shards). ``format_version``, ``options``, ``shard_size``,
@@ -392,6 +400,7 @@ def _result(
         "reopened": False,
         "rebuilt": False,
         "from_arguments": [],
+        "notes": [],
         "producer": producer or producer_hint(None),
     }
 
@@ -399,7 +408,7 @@ def _result(
 def _rebuilt_result(cache_dir: str, shown: str, rebuilt: Rebuild) -> dict[str, Any]:
     result = _result(cache_dir, shown, rebuilt.bad, rebuilt.missing, rebuilt.extra,
                      recorded_producer(shown, rebuilt.params["options"]))  # fmt: skip
-    result["from_arguments"] = rebuilt.from_arguments
+    result["from_arguments"], result["notes"] = rebuilt.from_arguments, rebuilt.notes
     result["rebuilt"] = rebuilt.manifest is not None
     result["reopened"] = rebuilt.manifest is None
     return result
