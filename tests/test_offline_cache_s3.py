@@ -356,10 +356,15 @@ def test_a_gap_with_the_manifest_lost_is_reported_and_filled(bucket, server) -> 
     clean = _objects(url)
     objectstore.delete(loc, "manifest.json")
     objectstore.delete(loc, "shard-000005.safetensors")  # the last: only the shards' run record tells
+    flipped = bytearray(clean["shard-000001.safetensors"])
+    flipped[-5] ^= 0x10
+    objectstore.put_bytes(loc, "shard-000001.safetensors", bytes(flipped))
     with pytest.raises(CacheError, match=rf"holds shards \(5, e\.g\. shard-000000\.safetensors\) but no manifest and no producer record .*`te-thd cache repair {url}`"):
         P.produce(url)
     result = repair_cache(url)
     assert result["reopened"] and not result["rebuilt"] and result["missing"] == ["shard-000005.safetensors"]
+    assert list(result["damaged"]) == ["shard-000001.safetensors"] and "te_thd-repair-" not in str(result)
+    assert objectstore.get(loc, ".te_thd-damaged/shard-000001.safetensors") == bytes(flipped)
     assert "computes only the missing shards" in result["producer"]
     P.produce(url)  # the printed call: resumes, computes the gap, writes the manifest last
     assert _objects(url) == clean
