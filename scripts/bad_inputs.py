@@ -1109,6 +1109,16 @@ def _cli_rows() -> list[BadInput]:
         (d / "manifest.json").write_text("{")
         return d
 
+    def old_shards(tmp: Path) -> Path:
+        import torch
+
+        from te_thd.offline_cache import write_tensor_shard
+
+        d = tmp / "old"
+        for i in range(2):  # shards as te_thd wrote them before they recorded their producer run
+            write_tensor_shard(str(d), i, {"x": torch.ones(2, 3)}, ("x",), "offline")
+        return d
+
     return [
         BadInput("cli-verify-not-a-cache", "CLI", "te-thd cache verify DIR: a directory with no manifest and no shards",
                  cli("cache", "verify", "DIR", prepare=empty_dir),
@@ -1132,6 +1142,13 @@ def _cli_rows() -> list[BadInput]:
                  _re("te-thd cache info: offline cache manifest <dir>/cache/manifest.json is not valid JSON"), kind="cli"),
         BadInput("cli-info-missing", "CLI", "te-thd cache info DIR: no manifest", cli("cache", "info", "DIR"),
                  _re("te-thd cache info: cache_dir='<dir>/missing': no such directory"), kind="cli"),
+        BadInput("cli-repair-old-shards", "CLI", "te-thd cache repair DIR: no manifest, shards that predate the run record",
+                 cli("cache", "repair", "DIR", prepare=old_shards),
+                 _re("te-thd cache repair: cannot repair <dir>/old: cannot rebuild the manifest of <dir>/old: its shards were "
+                     "written before shards recorded their producer run, so they do not tell format_version"), kind="cli"),
+        BadInput("cli-repair-options-json", "CLI", "te-thd cache repair DIR --options with text that is not JSON",
+                 cli("cache", "repair", "DIR", "--options", "{cp_size: 2}", prepare=old_shards),
+                 _re("te-thd cache repair: --options '{cp_size: 2}' is not JSON"), kind="cli"),
         BadInput("cli-cache-subcommand", "CLI", "te-thd cache without a subcommand", cli("cache"),
                  _re("the following arguments are required: cache_command"), kind="cli"),
         BadInput("cli-unknown-command", "CLI", "an unknown te-thd command", cli("bogus"),

@@ -123,6 +123,28 @@ def test_flipped_byte_stops_training_once_with_a_repair_that_works(cache_dir: Pa
         assert (cache / name).read_bytes() == (cache_dir / name).read_bytes(), name  # kept, not recomputed
 
 
+@pytest.mark.parametrize("how", ["lost", "truncated"])
+def test_a_lost_or_damaged_manifest_stops_training_once_and_its_repair_runs_as_printed(
+    cache_dir: Path, tmp_path: Path, how: str
+) -> None:
+    """The trainer names `te-thd cache repair` (not a producer command of its own defaults), and that
+    command, run as printed, writes back the manifest the producer wrote."""
+    cache = tmp_path / "cache"
+    shutil.copytree(cache_dir, cache)
+    manifest = cache / "manifest.json"
+    clean = manifest.read_bytes()
+    if how == "lost":
+        manifest.unlink()
+    else:
+        manifest.write_bytes(clean[: len(clean) // 2])
+    msg = _the_one_message(_train(cache, tmp_path / "run", 2))
+    assert _commands(msg) == [f"te-thd cache repair {cache}"], msg
+    assert "precompute_cache.py" not in msg and "computes only the missing shards" not in msg
+    _check_command(_commands(msg)[0])
+    _run_as_printed(_commands(msg)[0])
+    assert manifest.read_bytes() == clean
+
+
 def test_cp_mismatch_and_world_size_are_one_message(cache_dir: Path, tmp_path: Path) -> None:
     msg = _the_one_message(_train(cache_dir, tmp_path / "a", 1))
     assert "was built with cp_size=2" in msg and "cp_size=1" in msg

@@ -126,7 +126,8 @@ def test_three_ranks_uneven_zero_shard_rank_resume_subgroup_and_errors(tmp_path:
         return w.compute(batch)
 
     with pytest.raises(RuntimeError):
-        produce_cache(w.loader(n, bs), str(resume_dir), shard_size, dies, w.KEYS, w.OPTIONS, progress=False)
+        produce_cache(w.loader(n, bs), str(resume_dir), shard_size, dies, w.KEYS, w.OPTIONS, progress=False,
+                      length_key=w.LENGTH_KEY)  # fmt: skip
     assert existing_shard_indices(str(resume_dir)) == {0, 1, 2}
 
     results = _spawn(3, tmp_path)

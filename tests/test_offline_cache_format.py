@@ -55,6 +55,7 @@ from te_thd.offline_cache.shardfile import (
     read_shard_header,
     write_shard_file,
 )
+from te_thd.offline_cache.writer import DurableShardWriter
 
 LOG = logging.getLogger("test")
 DTYPES = sorted(DTYPE_TO_ST, key=str)
@@ -200,10 +201,11 @@ def test_validate_contiguous_shards_names_gaps(tmp_path: Path) -> None:
     _touch_shards(tmp_path, [0, 1, 3])
     with pytest.raises(
         CacheIntegrityError,
-        match=r"declares 16 samples in 4 shards of 4, but has missing shard indices 2 \(e\.g\. shard-000002\.safetensors\)\. Move shards that do not belong to this cache away; to fill gaps, re-run the `te_thd\.offline_cache\.produce_cache\(\.\.\.\)` call",
+        match=r"declares 16 samples in 4 shards of 4, but has missing shard indices 2 \(e\.g\. shard-000002\.safetensors\)\. Move shards that do not belong to this cache away\. Repair: `te-thd cache repair \S+` \(sets the damaged shards aside and reopens the cache for a resume\), then re-run the `te_thd\.offline_cache\.produce_cache\(\.\.\.\)` call that built it \(resume=True, the default, computes only the missing shards\)\.$",
     ) as e:
         validate_contiguous_shards(str(tmp_path), "test", 16, 4)
     assert e.value.path == shard_path(str(tmp_path), 2)
+    assert str(e.value).count("computes only the missing shards") == 1
 
 
 def test_validate_contiguous_shards_names_extra_indices(tmp_path: Path) -> None:
@@ -232,9 +234,11 @@ def test_read_manifest_missing(tmp_path: Path) -> None:
     with pytest.raises(ManifestNotFoundError, match=r"holds no manifest\.json and no shards: it is not a te_thd cache; check the path$") as e:
         read_manifest(str(tmp_path), "test", 1)
     assert isinstance(e.value, FileNotFoundError) and isinstance(e.value, ValueError)
-    (tmp_path / "shard-000000.safetensors").write_bytes(b"")  # a producer's shard, no manifest: unfinished
-    with pytest.raises(ManifestNotFoundError, match=r"test cache manifest not found at .*manifest.json\. A producer writes it last.*resume=True"):
-        read_manifest(str(tmp_path), "test", 1)
+    _touch_shards(tmp_path, [0, 2])  # shards, no manifest: rebuild it from them
+    with pytest.raises(ManifestNotFoundError, match=rf"test cache manifest not found at .*manifest.json, but {tmp_path} holds 2 shard\(s\): the manifest was lost, or the cache was never finished\. Rebuild it from the shards: `te-thd cache repair {tmp_path}` \(it verifies every shard; when one is missing it prints the producer command that computes it\)\.$"):
+        read_manifest(str(tmp_path), "test", 1, "`the producer`")
+    for i in (0, 2):
+        os.unlink(shard_path(str(tmp_path), i))
     with pytest.raises(FileNotFoundError, match=r"cache_dir='.*nope': no such directory; check the path"):
         read_manifest(str(tmp_path / "nope"), "test", 1)
     with pytest.raises(ManifestError, match=r"cache_dir='.*manifest\.json' is a file, not a cache directory; pass its directory"):
@@ -247,7 +251,7 @@ def test_read_manifest_missing(tmp_path: Path) -> None:
 
 def test_read_manifest_not_json(tmp_path: Path) -> None:
     _manifest(tmp_path, '{"num_samples": 3,')
-    with pytest.raises(ManifestError, match=r"manifest .*manifest.json is not valid JSON \(.*line 1.*Restore manifest.json from a copy, or delete .* and re-run the `te_thd.offline_cache.produce_cache\(...\)` call"):
+    with pytest.raises(ManifestError, match=r"manifest .*manifest.json is not valid JSON \(.*line 1.*Restore manifest.json from a copy, or rebuild it from the shards: `te-thd cache repair \S+` \(it verifies every shard and keeps the damaged file\)\.$"):
         read_manifest(str(tmp_path), "test", 1)
 
 
@@ -582,10 +586,12 @@ def test_verify_deep_detects_bit_flip_with_same_size(small_cache: Path) -> None:
 
 
 def test_verify_deep_detects_header_schema_mismatch_and_lists_every_bad_shard(small_cache: Path) -> None:
-    # same byte sizes, other dtypes for 'h' (int32 / uint32 instead of float32)
+    # same byte sizes (the same run record in the header), other dtypes for 'h' (int32 / uint32 instead of float32)
     m = torch.ones(4, 3, dtype=torch.bool)
-    write_tensor_shard(str(small_cache), 0, {"h": torch.ones(4, 3, dtype=torch.int32), "m": m}, ("h", "m"), "t")
-    write_tensor_shard(str(small_cache), 1, {"h": torch.ones(4, 3, dtype=torch.uint32), "m": m}, ("h", "m"), "t")
+    run = read_shard_header(str(small_cache / "shard-000000.safetensors")).sums.run
+    for i, dtype in ((0, torch.int32), (1, torch.uint32)):
+        with DurableShardWriter(("h", "m"), "t", pipelined=False, run_record=run) as writer:
+            writer(str(small_cache), i, {"h": torch.ones(4, 3, dtype=dtype), "m": m})
     with pytest.raises(CacheIntegrityError) as e:
         verify_cache(str(small_cache), deep=True)
     msg = str(e.value)

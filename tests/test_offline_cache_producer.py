@@ -131,7 +131,7 @@ def test_resume_with_other_parameters_is_refused(tmp_path: Path) -> None:
 
 def test_shards_of_an_unknown_producer_are_refused(tmp_path: Path) -> None:
     write_tensor_shard(str(tmp_path), 0, _compute({"x": torch.ones(4, 3), "i": torch.ones(4, 2, dtype=torch.int64)}), KEYS, "t")
-    with pytest.raises(CacheError, match=r"holds shards \(0\) but no manifest and no producer record \(\.te_thd-producer\.json\).*Move them away"):
+    with pytest.raises(CacheError, match=rf"holds shards \(0\) but no manifest and no producer record \(\.te_thd-producer\.json\), so their parameters cannot be checked\. Rebuild the manifest from the shards: `te-thd cache repair {tmp_path}`"):
         _produce(tmp_path)
 
 

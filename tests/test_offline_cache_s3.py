@@ -31,6 +31,7 @@ import s3_server as S  # noqa: E402
 from te_thd.offline_cache import (  # noqa: E402
     CachedTensorDataset,
     CachedThdCollator,
+    CacheError,
     CacheIntegrityError,
     CacheLockError,
     build_cached_dataloader,
@@ -353,3 +354,67 @@ def test_a_forked_child_of_a_process_that_used_the_client_is_refused() -> None:
     os.waitpid(pid, 0)
     assert "forked from one that had used the object-store client" in msg
     assert "multiprocessing_context='forkserver' or 'spawn'" in msg
+
+
+@pytest.mark.parametrize("how", ["lost", "edited"])
+def test_a_lost_or_damaged_manifest_is_rebuilt_from_the_shards(bucket, server, how) -> None:
+    url = f"s3://{bucket}/c"
+    P.produce(url)
+    loc = parse_location(url)
+    clean = objectstore.get(loc, "manifest.json")
+    damaged = clean.replace(b'"cp_size": 2', b'"cp_size": 3')
+    if how == "lost":
+        objectstore.delete(loc, "manifest.json")
+    else:
+        objectstore.put_bytes(loc, "manifest.json", damaged)
+    with pytest.raises(ValueError, match=f"`te-thd cache repair {url}`"):
+        verify_cache(url, deep=True)
+    cli = str(Path(sys.executable).with_name("te-thd"))
+    out = _run([cli, "cache", "repair", url], server)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith(f"rebuilt: {url}: manifest.json written from its shards, every shard verified")
+    assert objectstore.get(loc, "manifest.json") == clean
+    assert objectstore.get(loc, ".te_thd-damaged/manifest.json") == (damaged if how == "edited" else None)
+    assert P.produce(url)["num_samples"] == 22  # the producer's same call finds its finished cache
+    assert verify_cache(url, deep=True)["checksums_verified"]
+
+
+def test_a_gap_with_the_manifest_lost_is_reported_and_filled(bucket, server) -> None:
+    from te_thd.offline_cache import repair_cache
+
+    url = f"s3://{bucket}/c"
+    P.produce(url)
+    loc = parse_location(url)
+    clean = _objects(url)
+    objectstore.delete(loc, "manifest.json")
+    objectstore.delete(loc, "shard-000005.safetensors")  # the last: only the shards' run record tells
+    flipped = bytearray(clean["shard-000001.safetensors"])
+    flipped[-5] ^= 0x10
+    objectstore.put_bytes(loc, "shard-000001.safetensors", bytes(flipped))
+    with pytest.raises(CacheError, match=rf"holds shards \(5, e\.g\. shard-000000\.safetensors\) but no manifest and no producer record .*`te-thd cache repair {url}`"):
+        P.produce(url)
+    result = repair_cache(url)
+    assert result["reopened"] and not result["rebuilt"] and result["missing"] == ["shard-000005.safetensors"]
+    assert list(result["damaged"]) == ["shard-000001.safetensors"] and "te_thd-repair-" not in str(result)
+    assert objectstore.get(loc, ".te_thd-damaged/shard-000001.safetensors") == bytes(flipped)
+    assert "computes only the missing shards" in result["producer"]
+    P.produce(url)  # the printed call: resumes, computes the gap, writes the manifest last
+    assert _objects(url) == clean
+
+
+def test_shards_without_a_run_record_on_s3_name_the_arguments_that_pass_it_back(bucket, server) -> None:
+    from te_thd.offline_cache import ManifestError, repair_cache
+
+    url = f"s3://{bucket}/old"
+    ids = torch.arange(12).reshape(6, 2)
+    for i in range(3):  # the reference writer API: shards without the producer's run record
+        write_tensor_shard(url, i, {"ids": ids[2 * i : 2 * i + 2]}, ("ids",), "test")
+    with pytest.raises(ManifestError) as exc:
+        repair_cache(url)
+    assert f"cannot rebuild the manifest of {url}: its shards were written before" in str(exc.value)
+    assert f"`te-thd cache repair {url} --format-version <format_version> --options <options>`" in str(exc.value)
+    assert "te_thd-repair-" not in str(exc.value)  # the fetched copy is never named
+    assert repair_cache(url, format_version=1, options={"owner": "x"})["rebuilt"]
+    m = read_manifest(url, "test", 1)
+    assert (m["num_samples"], m["shard_size"], m["owner"]) == (6, 2, "x")
+    assert torch.equal(CachedTensorDataset(url, "test", 1, ("ids",))[5]["ids"], ids[5])

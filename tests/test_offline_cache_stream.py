@@ -597,9 +597,10 @@ def test_streaming_output_equals_the_non_streaming_path(tmp_path: Path, n: int, 
     # the reference loop (the accumulator's buffering path, the run's length unknown): writers are
     # handed each full shard's batches as pieces, any other write_shard_fn the joined shard
     shards = {k: v for k, v in _bytes(tmp_path / "default").items() if k.startswith("shard-")}
+    run = read_shard_header(str(tmp_path / "default" / "shard-000000.safetensors")).sums.run  # produce_cache's record
     for write_behind in (True, False):
         ref = tmp_path / f"ref-{write_behind}"
-        with _CountingWriter(KEYS, length_rule=LengthRule("input_ids"), write_behind=write_behind) as w:
+        with _CountingWriter(KEYS, length_rule=LengthRule("input_ids"), write_behind=write_behind, run_record=run) as w:
             loader = DataLoader(IndexDataset(n), batch_size=batch_size)
             write_cache_shards(loader, str(ref), shard_size, 0, _compute, w, LOG)
             w.flush()
@@ -607,16 +608,18 @@ def test_streaming_output_equals_the_non_streaming_path(tmp_path: Path, n: int, 
         assert w.whole == 0 and w.pieces >= -(-n // shard_size)
         assert shards == _bytes(ref)
         assert {k: default[k] for k in fields} == fields  # schema, shards (bytes, checksum, lengths), length_rule
-    joined = tmp_path / "ref-fn"
+    plain, joined = tmp_path / "ref-plain", tmp_path / "ref-fn"  # without a run record: write_tensor_shard's bytes
+    with _CountingWriter(KEYS, length_rule=LengthRule("input_ids")) as w:
+        write_cache_shards(DataLoader(IndexDataset(n), batch_size=batch_size), str(plain), shard_size, 0, _compute, w, LOG)
     write_cache_shards(DataLoader(IndexDataset(n), batch_size=batch_size), str(joined), shard_size, 0, _compute,
                        lambda d, i, t: write_tensor_shard(d, i, t, KEYS, "test"), LOG)  # fmt: skip
-    assert shards == _bytes(joined)
+    assert _bytes(plain) == _bytes(joined)
     lengths = [x for s in default["shards"] for x in s["lengths"]]
     assert lengths == [i % 5 for i in range(n)]
 
     # lockstep_write with total_samples: the streaming path, piece by piece
     streamed = tmp_path / "streamed"
-    with _CountingWriter(KEYS, length_rule=LengthRule("input_ids"), write_behind=True) as w:
+    with _CountingWriter(KEYS, length_rule=LengthRule("input_ids"), write_behind=True, run_record=run) as w:
         lockstep_write(DataLoader(IndexDataset(n), batch_size=batch_size), str(streamed), shard_size,
                        [(0, 0, n)], _compute, w, LOG)  # fmt: skip
         w.flush()

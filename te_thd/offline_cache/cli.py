@@ -4,7 +4,8 @@ Thin shells over :func:`cache_info`, :func:`verify_cache` and :func:`repair_cach
 ``verify`` reads every shard (checksums of every row, headers, whole files) unless
 ``--quick`` (sizes only); it exits 0 when the cache is sound, printing what it
 checked and what it could not, and 1 with every bad file named (on stderr) when
-not. ``repair`` exits 0 when the cache is sound or was reopened for a resume.
+not. ``repair`` exits 0 when the cache is sound, was reopened for a resume, or its
+lost or damaged manifest was rebuilt from the shards.
 ``info`` exits 1 when the manifest cannot be read.
 """
 
@@ -15,6 +16,7 @@ import json
 import sys
 from typing import Any
 
+from te_thd.offline_cache.errors import PRODUCE_CACHE_HINT
 from te_thd.offline_cache.location import parse_location
 from te_thd.offline_cache.repair import repair_cache
 from te_thd.offline_cache.verify import cache_info, verify_cache
@@ -97,10 +99,27 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
 def _cmd_repair(args: argparse.Namespace) -> int:
     try:
-        result = repair_cache(args.dir)
+        options = json.loads(args.options) if args.options is not None else None
+    except json.JSONDecodeError as exc:
+        print(f"te-thd cache repair: --options {args.options!r} is not JSON ({exc}); pass an object, e.g. "
+              "--options '{\"cp_size\": 2}'", file=sys.stderr)  # fmt: skip
+        return 2
+    given = {"format_version": args.format_version, "options": options, "shard_size": args.shard_size,
+             "num_samples": args.num_samples, "length_key": args.length_key}  # fmt: skip
+    try:
+        result = repair_cache(args.dir, **given)
     except (ValueError, ImportError) as exc:  # CacheError is a ValueError; a bad URL too
         print(f"te-thd cache repair: cannot repair {args.dir}: {exc}", file=sys.stderr)
         return 1
+    for note in result["notes"]:
+        print(f"note: {note}")
+    if result["rebuilt"]:
+        for name in result["extra"]:
+            print(f"set aside: {name}: not part of this cache")
+        passed = f" and the arguments ({', '.join(result['from_arguments'])})" if result["from_arguments"] else ""
+        aside = f"; the damaged one is in {result['set_aside_in']}" if result["set_aside_in"] else ""
+        print(f"rebuilt: {args.dir}: manifest.json written from its shards{passed}, every shard verified{aside}")
+        return 0
     if not result["reopened"]:
         print(f"OK: {args.dir}: every shard verified; nothing to repair")
         return 0
@@ -111,10 +130,11 @@ def _cmd_repair(args: argparse.Namespace) -> int:
     for name in result["missing"]:
         print(f"missing: {name}")
     where = f" (moved to {result['set_aside_in']})" if result["set_aside_in"] else ""
-    print(
-        f"{args.dir} is reopened for a resume{where}: re-run {result['producer']}; it recomputes only "
-        "these shards and writes a new manifest."
+    # the produce_cache hint says itself that it computes only the missing shards
+    then = "it writes the manifest" if result["producer"] == PRODUCE_CACHE_HINT else (
+        "it recomputes only these shards and writes the manifest"
     )
+    print(f"{args.dir} is reopened for a resume{where}: re-run {result['producer']}; {then}.")
     return 0
 
 
@@ -158,9 +178,21 @@ def add_cache_commands(cache: argparse.ArgumentParser) -> None:
     verify.set_defaults(func=_cmd_verify)
 
     repair = sub.add_parser(
-        "repair", help="set damaged shards aside and reopen the cache so its producer recomputes them"
+        "repair", help="set damaged shards aside and reopen the cache so its producer recomputes them; rebuild a "
+        "lost or damaged manifest.json from the shards",
+    )  # fmt: skip
+    repair.add_argument("dir", help="cache directory (holds the shards), or s3://bucket/prefix")
+    lost = repair.add_argument_group(
+        "rebuilding a manifest from shards that do not record their producer run (repair names the ones it needs)"
     )
-    repair.add_argument("dir", help="cache directory (holds manifest.json), or s3://bucket/prefix")
+    lost.add_argument("--format-version", type=int, default=None, metavar="N", help="the format_version the cache's readers pass")
+    lost.add_argument("--options", default=None, metavar="JSON",
+                      help="the producer options (every manifest field te_thd does not write itself) as a JSON "
+                      "object; also adds fields to what the shards record")  # fmt: skip
+    lost.add_argument("--shard-size", type=int, default=None, metavar="N", help="samples per shard (a single shard does not tell)")
+    lost.add_argument("--num-samples", type=int, default=None, metavar="N",
+                      help="samples of the cache, when shards at its end are lost too")  # fmt: skip
+    lost.add_argument("--length-key", default=None, metavar="KEY", help="the producer's length_key (default: input_ids when stored)")
     repair.set_defaults(func=_cmd_repair)
 
     unlock = sub.add_parser(

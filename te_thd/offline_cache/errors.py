@@ -8,6 +8,7 @@ what is wrong, and what to run to fix it.
 
 from __future__ import annotations
 
+import os
 import shlex
 
 #: What a Python user re-runs when the caller named no producer command.
@@ -27,6 +28,32 @@ def repair_hint(cache_dir: str, producer: str | None = None) -> str:
     return (
         f"Repair: `te-thd cache repair {shlex.quote(cache_dir)}` (sets the damaged shards aside and "
         f"reopens the cache for a resume), then re-run {producer_hint(producer)}."
+    )
+
+
+def lost_manifest(path: str, cache_dir: str, cache_name: str, shards: int, producer: str | None) -> ManifestNotFoundError:
+    """The error of a cache with no manifest at ``path``: with ``shards`` shard files in ``cache_dir``,
+    the command that rebuilds it from them; else what builds the cache."""
+    if shards:
+        return ManifestNotFoundError(
+            f"{cache_name} cache manifest not found at {path}, but {cache_dir} holds {shards} shard(s): the manifest "
+            f"was lost, or the cache was never finished. Rebuild it from the shards: `te-thd cache repair "
+            f"{shlex.quote(cache_dir)}` (it verifies every shard; when one is missing it prints the producer command "
+            "that computes it)."
+        )
+    build = producer or "its producer (e.g. `te_thd.offline_cache.produce_cache(...)`)"
+    return ManifestNotFoundError(
+        f"{cache_name} cache manifest not found at {path}, and {cache_dir} holds no shards: the cache was never "
+        f"finished there. Build it with {build}, or point cache_dir at a finished cache."
+    )
+
+
+def rebuild_manifest_hint(path: str) -> str:
+    """What to do about the damaged manifest at ``path``: restore it, or rebuild it from the shards."""
+    cache_dir = os.path.dirname(path) or "."
+    return (
+        f"Restore {os.path.basename(path)} from a copy, or rebuild it from the shards: "
+        f"`te-thd cache repair {shlex.quote(cache_dir)}` (it verifies every shard and keeps the damaged file)."
     )
 
 

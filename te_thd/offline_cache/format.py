@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from te_thd.args import check_int, is_int
-from te_thd.offline_cache.errors import CacheIntegrityError, producer_hint
+from te_thd.offline_cache.errors import CacheIntegrityError, repair_hint
 from te_thd.offline_cache.location import parse_location
 
 MANIFEST_NAME = "manifest.json"
@@ -283,7 +283,7 @@ def validate_contiguous_shards(
         raise CacheIntegrityError(
             f"{cache_name} cache at {cache_dir} declares {num_samples} samples in {expected} "
             f"shards of {shard_size}, but has {'; '.join(parts)}. Move shards that do not belong to "
-            f"this cache away; to fill gaps, re-run {producer_hint(producer)} (it computes only the missing shards).",
+            f"this cache away. {repair_hint(cache_dir, producer)}",
             path=shard_path(cache_dir, first),
         )
     return list(range(expected))

@@ -15,6 +15,10 @@ entry ``"te_thd"`` whose value is a compact JSON object::
   other te_thd fields (:func:`header_digest`): a flipped dtype, shape, offset or
   stored checksum is caught when the shard is opened.
 - ``rows`` is the shard's sample count, so a shard can be checked with no manifest.
+- ``run`` (shards ``produce_cache`` writes): the producer's run record -- ``format_version``,
+  ``num_samples``, ``shard_size``, ``keys``, ``options`` (``token_layout``, ``length_rule``
+  when set) -- the same in every shard of a cache, so ``te-thd cache repair`` rebuilds a
+  lost manifest from the shards alone. Shards written without it read as before.
 
 One metadata key (not one per field) keeps the bytes deterministic: safetensors
 itself writes metadata keys in hash-map order, so with a single key
@@ -115,6 +119,7 @@ def shard_metadata(
     sums: Mapping[str, Sequence[int]],
     rows: int,
     tokens: Mapping[str, Any] | None = None,
+    run: Mapping[str, Any] | None = None,
 ) -> tuple[dict[str, str], str]:
     """The ``__metadata__`` of a new shard (``{"te_thd": <JSON of the fields>}``) and its header digest.
 
@@ -122,8 +127,9 @@ def shard_metadata(
     (``{key: {"dtype", "shape", "data_offsets"}}``), ``sums`` the per-row sums of
     every key (:func:`row_sums`), ``rows`` the sample count. ``tokens``: the
     ragged tensors' fields of a token-layout shard (:mod:`~te_thd.offline_cache.token_shard`),
-    covered by the digest like the rest. The digest is what the manifest records
-    for the shard (:func:`shard_checksum`).
+    covered by the digest like the rest. ``run``: the producer's run record (JSON
+    values; see the module docstring), covered too. The digest is what the manifest
+    records for the shard (:func:`shard_checksum`).
     """
     fields: dict[str, Any] = {
         "layout": SHARD_LAYOUT,
@@ -133,6 +139,8 @@ def shard_metadata(
     }
     if tokens is not None:
         fields["tokens"] = dict(tokens)
+    if run is not None:
+        fields["run"] = dict(run)
     fields["header"] = digest = header_digest(tensor_entries, fields)
     return {META_KEY: json.dumps(fields, sort_keys=True, separators=(",", ":"))}, digest
 
@@ -159,6 +167,8 @@ class ShardSums:
     digest: str
     #: the ragged tensors' fields of a token-layout shard (parsed by ``token_read``), else None
     tokens: dict[str, Any] | None = None
+    #: the producer's run record (``produce_cache`` shards), else None
+    run: dict[str, Any] | None = None
 
 
 def parse_shard_metadata(
@@ -200,6 +210,9 @@ def parse_shard_metadata(
     tokens = fields.get("tokens")
     if tokens is not None and not (isinstance(tokens, dict) and isinstance(tokens.get("stored"), dict)):
         raise bad("hold a malformed 'tokens' entry")
+    run = fields.get("run")
+    if run is not None and not isinstance(run, dict):
+        raise bad("hold a malformed 'run' entry")
     # ragged tensors are covered by block sums (``tokens``), not row sums
     ragged = set(tokens["stored"]) | {tokens.get("block_sums")} if tokens is not None else set()
     missing = sorted(set(tensor_entries) - set(fields["sums"]) - ragged)
@@ -209,7 +222,7 @@ def parse_shard_metadata(
         sums = {k: decode_sums(v, rows) for k, v in fields["sums"].items()}
     except (ValueError, TypeError, AttributeError) as exc:
         raise bad(f"hold unreadable row checksums ({exc})") from None
-    return ShardSums(rows, sums, recorded, tokens)
+    return ShardSums(rows, sums, recorded, tokens, run)
 
 
 def verify_rows(

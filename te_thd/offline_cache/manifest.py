@@ -60,7 +60,8 @@ from te_thd.offline_cache.errors import (
     CacheIntegrityError,
     ManifestError,
     ManifestNotFoundError,
-    producer_hint,
+    lost_manifest,
+    rebuild_manifest_hint,
     repair_hint,
 )
 from te_thd.offline_cache.format import (
@@ -69,6 +70,7 @@ from te_thd.offline_cache.format import (
     MAX_SHARDS,
     SHARD_RE,
     CacheSchema,
+    existing_shard_indices,
     json_crc32,
     manifest_path,
     num_shards,
@@ -99,26 +101,18 @@ RESERVED_MANIFEST_KEYS = frozenset(
 )
 
 
-def _rebuild(path: str, producer: str | None) -> str:
-    """What to do about a damaged manifest at ``path``."""
-    return (
-        f"Restore {os.path.basename(path)} from a copy, or delete {os.path.dirname(path) or '.'} and "
-        f"re-run {producer_hint(producer)}."
-    )
-
-
 def _check_count(manifest: Mapping[str, Any], key: str, path: str, minimum: int, producer: str | None) -> None:
     if key not in manifest:
         raise ManifestError(
             f"manifest {path} has no {key!r} field, so the cache layout is unknown. "
             "The manifest is damaged or was not written by an offline-cache producer. "
-            + _rebuild(path, producer)
+            + rebuild_manifest_hint(path)
         )
     value = manifest[key]
     if not is_int(value, minimum):
         raise ManifestError(
             f"manifest {path} has {key}={value!r}; it must be an int >= {minimum}. "
-            "The manifest is damaged. " + _rebuild(path, producer)
+            "The manifest is damaged. " + rebuild_manifest_hint(path)
         )
 
 
@@ -147,7 +141,7 @@ def validate_manifest(manifest: Mapping[str, Any], path: str, producer: str | No
             raise ManifestError(
                 f"manifest {path} lists {got} shard records but num_samples="
                 f"{manifest['num_samples']} / shard_size={manifest['shard_size']} means {n}. "
-                "The manifest is damaged. " + _rebuild(path, producer)
+                "The manifest is damaged. " + rebuild_manifest_hint(path)
             )
         for i, rec in enumerate(shards):
             name = f"shard-{i:06d}.safetensors"
@@ -162,11 +156,11 @@ def validate_manifest(manifest: Mapping[str, Any], path: str, producer: str | No
                 raise ManifestError(
                     f"manifest {path}: shard record {i} is {rec!r}, expected "
                     f"{{'file': {name!r}, 'bytes': int, 'checksum': '<algorithm>:<hex>'}}. "
-                    "The manifest is damaged. " + _rebuild(path, producer)
+                    "The manifest is damaged. " + rebuild_manifest_hint(path)
                 )
             bad = check_lengths_record(rec, shard_rows(i, manifest["num_samples"], manifest["shard_size"]))
             if bad is not None:
-                raise ManifestError(f"manifest {path}: shard record {i}: {bad}. The manifest is damaged. " + _rebuild(path, producer))
+                raise ManifestError(f"manifest {path}: shard record {i}: {bad}. The manifest is damaged. " + rebuild_manifest_hint(path))
     if LENGTH_RULE_KEY in manifest:
         try:
             LengthRule.from_json(manifest[LENGTH_RULE_KEY])
@@ -181,7 +175,7 @@ def validate_manifest(manifest: Mapping[str, Any], path: str, producer: str | No
         if LENGTH_RULE_KEY not in manifest or not set(layout.keys) <= set(schema):
             raise ManifestError(
                 f"manifest {path}: {TOKEN_LAYOUT_KEY!r} needs a 'length_rule' and its keys {list(layout.keys)} in "
-                "the 'schema'. The manifest is damaged. " + _rebuild(path, producer)
+                "the 'schema'. The manifest is damaged. " + rebuild_manifest_hint(path)
             )
 
 
@@ -251,10 +245,7 @@ def _read_checked_manifest(cache_dir: str, cache_name: str, producer: str | None
         path = f"{location.url}/{MANIFEST_NAME}"
         raw = objectstore.get(location, MANIFEST_NAME)
         if raw is None:
-            raise ManifestNotFoundError(
-                f"{cache_name} cache manifest not found at {path}. A producer writes it last, so the cache was "
-                f"never finished: re-run {producer_hint(producer)}, or point cache_dir at a finished cache."
-            )
+            raise lost_manifest(path, location.url, cache_name, len(existing_shard_indices(location.url)), producer)
         return _parse_manifest(raw, path, cache_name, producer)
     path = manifest_path(cache_dir)
     if os.path.isfile(cache_dir):
@@ -271,8 +262,7 @@ def _read_checked_manifest(cache_dir: str, cache_name: str, producer: str | None
     except FileNotFoundError:
         if not any(SHARD_RE.match(n) or TEMP_RE.match(n) or (n.startswith(".te_thd-") and n != LOCK_NAME) for n in os.listdir(cache_dir)):
             raise ManifestNotFoundError(f"cache_dir={cache_dir!r} holds no manifest.json and no shards: it is not a te_thd cache; check the path") from None
-        raise ManifestNotFoundError(f"{cache_name} cache manifest not found at {path}. A producer writes it last, so the cache was never "
-                                    f"finished: re-run {producer_hint(producer)}, or point cache_dir at a finished cache.") from None  # fmt: skip
+        raise lost_manifest(path, cache_dir, cache_name, len(existing_shard_indices(cache_dir)), producer) from None
     return _parse_manifest(raw, path, cache_name, producer)
 
 
@@ -282,12 +272,12 @@ def _parse_manifest(raw: bytes, path: str, cache_name: str, producer: str | None
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ManifestError(
             f"{cache_name} cache manifest {path} is not valid JSON ({exc}). It was not written by "
-            f"an offline-cache producer or was damaged. {_rebuild(path, producer)}"
+            f"an offline-cache producer or was damaged. {rebuild_manifest_hint(path)}"
         ) from None
     if not isinstance(manifest, dict):
         raise ManifestError(
             f"{cache_name} cache manifest {path} holds a JSON {type(manifest).__name__}, not an "
-            f"object. {_rebuild(path, producer)}"
+            f"object. {rebuild_manifest_hint(path)}"
         )
     _check_manifest_checksum(manifest, path, cache_name, producer)
     manifest.pop(MANIFEST_CHECKSUM_KEY, None)
@@ -295,14 +285,14 @@ def _parse_manifest(raw: bytes, path: str, cache_name: str, producer: str | None
         raise ManifestError(
             f"{cache_name} cache manifest {path} has no 'format_version' field: it is damaged, or it "
             "is not an offline-cache manifest (te_thd and the reference producer both write one). "
-            + _rebuild(path, producer)
+            + rebuild_manifest_hint(path)
         )
     version, tagged = parse_format_version(manifest["format_version"])
     if tagged != (TOKEN_LAYOUT_KEY in manifest):
         raise ManifestError(
             f"{cache_name} cache manifest {path} has format_version={manifest['format_version']!r} "
             f"{'without' if tagged else 'with'} a {TOKEN_LAYOUT_KEY!r} field; a ragged cache records both. "
-            "The manifest is damaged. " + _rebuild(path, producer)
+            "The manifest is damaged. " + rebuild_manifest_hint(path)
         )
     manifest["format_version"] = version  # the caller's version; the layout is in token_layout
     return manifest
@@ -310,7 +300,7 @@ def _parse_manifest(raw: bytes, path: str, cache_name: str, producer: str | None
 
 def _check_manifest_checksum(manifest: Mapping[str, Any], path: str, cache_name: str, producer: str | None) -> None:
     damaged = (
-        f"so none of its fields can be trusted. {_rebuild(path, producer)} (After a deliberate "
+        f"so none of its fields can be trusted. {rebuild_manifest_hint(path)} (After a deliberate "
         "edit, rewrite it with `te_thd.offline_cache.write_manifest(cache_dir, manifest, "
         "format_version)`, which records a new checksum.)"
     )

@@ -37,7 +37,7 @@ import numpy as np
 
 from te_thd.offline_cache import objectstore
 from te_thd.offline_cache.durable import atomic_write_bytes, unlink_quietly
-from te_thd.offline_cache.errors import ManifestNotFoundError
+from te_thd.offline_cache.errors import lost_manifest
 from te_thd.offline_cache.format import MANIFEST_NAME, SHARD_RE
 from te_thd.offline_cache.location import ObjectLocation
 
@@ -87,11 +87,8 @@ class ObjectMirror:
         self.requests += 1
         local = os.path.join(self.root, MANIFEST_NAME)
         if raw is None:
-            raise ManifestNotFoundError(
-                f"cache manifest not found at {self.loc.key(MANIFEST_NAME)!r} in bucket {self.loc.bucket!r} "
-                f"({self.loc.url}/{MANIFEST_NAME}). A producer writes it last, so the cache was never "
-                "finished: re-run its producer, or point cache_dir at a finished cache."
-            )
+            shards = sum(1 for name in objectstore.listing(self.loc, self.config) if SHARD_RE.match(name))
+            raise lost_manifest(f"{self.loc.url}/{MANIFEST_NAME}", self.loc.url, "offline", shards, None)
         old = open(local, "rb").read() if os.path.exists(local) else None
         listing = objectstore.listing(self.loc, self.config)
         self.requests += 1

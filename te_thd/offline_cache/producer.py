@@ -39,7 +39,6 @@ uninterrupted run (manifest included: it holds no timestamps or host names).
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import shutil
@@ -78,7 +77,6 @@ from te_thd.offline_cache.loops import (
     shard_runs,
 )
 from te_thd.offline_cache.manifest import (
-    RESERVED_MANIFEST_KEYS,
     read_manifest,
     write_manifest,
 )
@@ -86,10 +84,12 @@ from te_thd.offline_cache.producer_state import (
     PROGRESS_NAME,
     RemoteRun,
     assemble_manifest,
+    check_options,
     describe_diff,
     params_of_manifest,
     prepare_directory,
     run_params,
+    run_record,
     verify_existing,
 )
 from te_thd.offline_cache.shardfile import ShardRecord
@@ -97,21 +97,6 @@ from te_thd.offline_cache.tokens import TokenLayout, check_token_keys
 from te_thd.offline_cache.writer import DurableShardWriter
 
 _log = logging.getLogger("te_thd.offline_cache")
-
-
-def _check_options(options: Mapping[str, Any] | None) -> dict[str, Any]:
-    options = dict(options or {})
-    clash = sorted(set(options) & RESERVED_MANIFEST_KEYS)
-    if clash:
-        raise ValueError(
-            f"options {clash} clash with manifest fields te_thd writes itself "
-            f"({sorted(RESERVED_MANIFEST_KEYS)}); rename them"
-        )
-    try:
-        json.dumps(options, allow_nan=False)
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"options must be JSON values (recorded in manifest.json): {exc}") from None
-    return options
 
 
 class _RecordingWriter(DurableShardWriter):
@@ -123,11 +108,11 @@ class _RecordingWriter(DurableShardWriter):
 
     def __init__(
         self, keys: Sequence[str], cache_name: str, schema: CacheSchema | None, length_rule: LengthRule | None = None,
-        token_layout: TokenLayout | None = None,
+        token_layout: TokenLayout | None = None, run_record: Mapping[str, Any] | None = None,
     ) -> None:  # fmt: skip
         # write-behind: batches are written (streamed into their shard) while the next are computed
         super().__init__(keys, cache_name, schema, pipelined=True, write_behind=True, length_rule=length_rule,
-                         token_layout=token_layout)  # fmt: skip
+                         token_layout=token_layout, run_record=run_record)  # fmt: skip
         self.error: str | None = None
 
     def check_batch(self, out: Any) -> dict[str, torch.Tensor] | None:
@@ -292,7 +277,7 @@ class _Job:
         """Validate the arguments (before any rank touches the directory)."""
         check_shard_size(shard_size)
         keys = check_names("keys", keys, non_empty=True, distinct=True)
-        opts = _check_options(options)
+        opts = check_options(options)
         length_rule = producer_rule(length_key, keys)
         token_layout = check_token_keys(token_keys, codecs, keys)
         if token_layout is not None and length_rule is None:
@@ -380,8 +365,9 @@ class _Job:
         schema: CacheSchema | None = None
         try:
             records, schema = verify_existing(
-                self.output_dir, sorted(present), self.keys, self.num_samples, self.shard_size, self.length_rule
-            )
+                self.output_dir, sorted(present), self.keys, self.num_samples, self.shard_size, self.length_rule,
+                run_record(self.params, self.length_rule),
+            )  # fmt: skip
         except Exception as exc:
             local_exc = exc
         errors = comm.all_gather((None if local_exc is None else f"rank {comm.rank}: {local_exc}", self.num_samples))
@@ -407,7 +393,8 @@ class _Job:
         schema: CacheSchema | None, progress: bool | None,
     ) -> _RecordingWriter:  # fmt: skip
         """Compute and write the shards ``missing`` in lockstep with the other ranks."""
-        writer = _RecordingWriter(self.keys, self.cache_name, schema, self.length_rule, self.token_layout)
+        writer = _RecordingWriter(self.keys, self.cache_name, schema, self.length_rule, self.token_layout,
+                                  run_record(self.params, self.length_rule))  # fmt: skip
         runs = shard_runs(missing, self.num_samples, self.shard_size)
         bs = loader_batch_size(dataloader)
         global_steps = self.comm.max_int(sum(-(-n // bs) for _, _, n in runs))

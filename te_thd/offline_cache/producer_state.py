@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shlex
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -68,6 +69,32 @@ def run_params(
     if token_layout is not None:
         params[TOKEN_LAYOUT_KEY] = token_layout.to_json()
     return params
+
+
+def check_options(options: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The producer options as a dict, refused (``ValueError``) when a key is one te_thd writes itself or a
+    value is not JSON (they are recorded top-level in the manifest)."""
+    options = dict(options or {})
+    clash = sorted(set(options) & RESERVED_MANIFEST_KEYS)
+    if clash:
+        raise ValueError(
+            f"options {clash} clash with manifest fields te_thd writes itself "
+            f"({sorted(RESERVED_MANIFEST_KEYS)}); rename them"
+        )
+    try:
+        json.dumps(options, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"options must be JSON values (recorded in manifest.json): {exc}") from None
+    return options
+
+
+def run_record(params: Mapping[str, Any], length_rule: LengthRule | None) -> dict[str, Any]:
+    """What every shard of a run keeps in its header (``run``): :func:`run_params` and the producer's
+    length rule, so ``te-thd cache repair`` rebuilds the manifest from the shards alone."""
+    record = dict(params)
+    if length_rule is not None:
+        record[LENGTH_RULE_KEY] = length_rule.to_json()
+    return record
 
 
 def write_json(path: str, obj: Any) -> None:
@@ -201,7 +228,10 @@ def prepare_directory(
             with open(progress_path, "rb") as f:
                 recorded = json.loads(f.read().decode())
         except (OSError, ValueError) as exc:
-            raise CacheError(f"cannot read the producer record {progress_path} ({exc}); delete it and the shards") from None
+            raise CacheError(
+                f"cannot read the producer record {progress_path} ({exc}); delete it, then rebuild the record from the "
+                f"shards: `te-thd cache repair {shlex.quote(output_dir)}`"
+            ) from None
         if shards and not resume:
             raise CacheError(
                 f"output_dir {output_dir} holds {len(shards)} shards of an unfinished run. Pass resume=True "
@@ -216,8 +246,9 @@ def prepare_directory(
     elif shards:
         raise CacheError(
             f"output_dir {output_dir} holds shards ({format_indices(shards)}) but no manifest and no "
-            f"producer record ({PROGRESS_NAME}), so their parameters cannot be checked. Move them "
-            "away or choose an empty output_dir."
+            f"producer record ({PROGRESS_NAME}), so their parameters cannot be checked. Rebuild the manifest "
+            f"from the shards: `te-thd cache repair {shlex.quote(output_dir)}` (when a shard is missing it prints "
+            "the producer command that computes it), or choose an empty output_dir."
         )
     removed = remove_stale_temp_files(output_dir)
     if removed:
@@ -233,12 +264,14 @@ def verify_existing(
     num_samples: int,
     shard_size: int,
     length_rule: LengthRule | None = None,
+    run: Mapping[str, Any] | None = None,
 ) -> tuple[dict[int, ShardRecord], CacheSchema | None]:
     """Records of shards a previous run wrote, each verified completely (:func:`verify_shard_file`).
 
     The first shard fixes the schema (its keys must be this run's); every shard
     must carry te_thd checksums (a previous run of this producer wrote them).
-    With a ``length_rule`` each record also holds the shard's lengths, read from it.
+    With a ``length_rule`` each record also holds the shard's lengths, read from it. ``run``:
+    this run's record (:func:`run_record`); a shard that records another run is refused.
     Raises :class:`CacheIntegrityError` naming a damaged shard and what to do.
     """
     records: dict[int, ShardRecord] = {}
@@ -253,21 +286,38 @@ def verify_existing(
                         f"existing shard {path} holds keys {sorted(schema)}, this run stores {sorted(keys)}; "
                         "resume with the same keys, or choose another output_dir"
                     )
-            check = verify_shard_file(path, schema, shard_rows(i, num_samples, shard_size), require_sums=True,
-                                      first_sample=i * shard_size)  # fmt: skip
+            records[i] = existing_record(path, schema, shard_rows(i, num_samples, shard_size), length_rule, run,
+                                         first_sample=i * shard_size)
         except CacheIntegrityError as exc:
             raise CacheIntegrityError(
                 f"existing {str(exc).rstrip('. ')}. Delete it and run again: the producer recomputes missing shards.",
                 path=path
             ) from None
-        lengths = None
-        if length_rule is not None and schema is not None:
-            rows = read_shard_lengths(path, for_tensor_spec(length_rule, schema[length_rule.key]))
-            lengths = tuple(int(v) for v in rows)
-        tokens = check.header.sums.tokens if check.header.sums is not None else None
-        fidelity = shard_fidelity(tokens) if tokens is not None else None
-        records[i] = ShardRecord(bytes=check.bytes, checksum=check.checksum, lengths=lengths, fidelity=fidelity)
     return records, schema
+
+
+def existing_record(
+    path: str, schema: CacheSchema, rows: int, length_rule: LengthRule | None, run: Mapping[str, Any] | None = None,
+    first_sample: int | None = None,
+) -> ShardRecord:
+    """The manifest record of the shard at ``path`` (``rows`` rows of ``schema``), verified completely
+    (:func:`verify_shard_file`: header, every row, te_thd checksums required); with a ``length_rule``
+    its rows' lengths, read from it. ``run``: the run record the shard must carry when it carries one.
+    ``first_sample``: the global index of its row 0, so that a damaged row is named by its sample.
+    Raises :class:`CacheIntegrityError` naming the shard."""
+    check = verify_shard_file(path, schema, rows, require_sums=True, first_sample=first_sample)
+    theirs = check.header.sums.run if check.header.sums is not None else None
+    if run is not None and theirs is not None and theirs != run:
+        raise CacheIntegrityError(
+            f"shard {path} was written by a producer run with other arguments ({describe_diff(theirs, run)}), so "
+            "it is not part of this run's cache: resume with the arguments that wrote it.", path=path,
+        )  # fmt: skip
+    lengths = None
+    if length_rule is not None:
+        lengths = tuple(int(v) for v in read_shard_lengths(path, for_tensor_spec(length_rule, schema[length_rule.key])))
+    tokens = check.header.sums.tokens if check.header.sums is not None else None
+    fidelity = shard_fidelity(tokens) if tokens is not None else None
+    return ShardRecord(bytes=check.bytes, checksum=check.checksum, lengths=lengths, fidelity=fidelity)
 
 
 def assemble_manifest(
@@ -348,8 +398,9 @@ class RemoteRun:
         elif shards:
             raise CacheError(
                 f"output_dir {self.loc.url} holds shards ({len(shards)}, e.g. {shards[0]}) but no manifest and no "
-                f"producer record ({PROGRESS_NAME}), so their parameters cannot be checked. Move them away or "
-                "choose an empty prefix."
+                f"producer record ({PROGRESS_NAME}), so their parameters cannot be checked. Rebuild the manifest "
+                f"from the shards: `te-thd cache repair {self.loc.url}` (when a shard is missing it prints the "
+                "producer command that computes it), or choose an empty prefix."
             )
         if shards and not self.resume:
             raise CacheError(f"output_dir {self.loc.url} holds {len(shards)} shards of an unfinished run. Pass "

@@ -1,4 +1,4 @@
-"""``te-thd cache repair DIR``: set damaged shards aside and reopen the cache for its producer.
+"""``te-thd cache repair DIR``: set damaged shards aside, rebuild a lost manifest, reopen the cache for its producer.
 
 A shard that fails verification cannot be fixed in place (its bytes are the
 producer's output); it has to be computed again. :func:`repair_cache` makes that
@@ -13,41 +13,94 @@ a plain resume of the producer that built the cache:
    ``DIR/.te_thd-damaged/`` (kept for inspection, never read), and
    ``manifest.json`` is removed: the cache is unfinished until the producer ran.
 
-Re-running the producer then verifies the shards that remain, computes the
-missing ones and writes a new manifest. A damaged manifest cannot be repaired
-this way (it is the only record of the producer's options): restore it from a
-copy, or rebuild the cache.
+A lost or damaged manifest (missing, truncated, edited, failing its own
+checksum) is rebuilt from the shards (:func:`rebuild_manifest`): every shard
+``produce_cache`` writes records the producer's run in its header, so the
+schema, the lengths and the producer options come from the shards, each shard is
+verified, and the manifest -- the bytes the producer wrote -- is written last,
+atomically. The damaged manifest is kept in ``.te_thd-damaged/``. A gap (a shard
+missing or damaged) reopens the cache as above, and the producer command fills it.
+Shards written before they recorded their run need the fields they cannot tell
+passed back (``format_version``, ``options``, and ``shard_size`` / ``num_samples``
+/ ``length_key`` where the shards leave them open); the error names each one.
+
+The rebuild works on a directory of shards; an s3:// cache is rebuilt over a
+fetched copy of its shards and the result written back to the store.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import shlex
+import shutil
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
-from te_thd.offline_cache.durable import ProducerLock
-from te_thd.offline_cache.errors import CacheError, CacheIntegrityError, producer_hint
+from te_thd.args import is_int
+from te_thd.offline_cache import objectstore
+from te_thd.offline_cache.durable import ProducerLock, fsync_dir, unlink_quietly
+from te_thd.offline_cache.errors import (
+    CacheError,
+    CacheIntegrityError,
+    ManifestError,
+    producer_hint,
+)
 from te_thd.offline_cache.format import (
+    MANIFEST_NAME,
+    SHARD_RE,
+    CacheSchema,
+    canonical_json,
     existing_shard_indices,
+    format_indices,
+    manifest_path,
     num_shards,
+    schema_to_json,
     shard_path,
     shard_rows,
 )
+from te_thd.offline_cache.lengths import LENGTH_RULE_KEY, LengthRule, producer_rule
 from te_thd.offline_cache.location import ObjectLocation, parse_location
 from te_thd.offline_cache.manifest import (
     cache_schema,
     load_manifest,
     recorded_producer,
     shard_records,
+    write_manifest,
 )
 from te_thd.offline_cache.object_lock import ObjectLock
 from te_thd.offline_cache.producer_state import (
     DAMAGED_DIR,
     PROGRESS_NAME,
+    assemble_manifest,
+    check_options,
+    describe_diff,
+    existing_record,
     params_of_manifest,
     reopen_for_resume,
+    run_params,
+    write_json,
 )
 from te_thd.offline_cache.remote_tools import fetched, in_urls, named_by_url, set_aside_and_reopen
+from te_thd.offline_cache.shardfile import (
+    ShardHeader,
+    ShardRecord,
+    read_shard_header,
+    schema_of_header,
+)
+from te_thd.offline_cache.tokens import TokenLayout
 from te_thd.offline_cache.verify import requires_shard_sums, verify_shard_file
+
+#: What a caller passes back when the shards cannot tell it: repair_cache's keyword -> its CLI flag.
+REBUILD_ARGS = {
+    "format_version": "--format-version",
+    "options": "--options",
+    "shard_size": "--shard-size",
+    "num_samples": "--num-samples",
+    "length_key": "--length-key",
+}
 
 
 def find_bad(cache_dir: str, manifest: dict[str, Any]) -> tuple[dict[int, str], list[int], list[int]]:
@@ -74,32 +127,249 @@ def find_bad(cache_dir: str, manifest: dict[str, Any]) -> tuple[dict[int, str], 
     return bad, missing, extra
 
 
-def repair_cache(cache_dir: str, cache_name: str = "offline") -> dict[str, Any]:
-    """Verify every shard; set the damaged ones aside and reopen the cache for a resume.
+@dataclass
+class Rebuild:
+    """What :func:`rebuild_manifest` found in a directory of shards."""
+
+    params: dict[str, Any]  # the producer's run parameters (``run_params``): its record
+    manifest: dict[str, Any] | None  # the manifest to write (for write_manifest); None while a shard is missing
+    bad: dict[int, str] = field(default_factory=dict)  # {index: problem}: set aside, recomputed
+    missing: list[int] = field(default_factory=list)
+    extra: list[int] = field(default_factory=list)
+    from_arguments: list[str] = field(default_factory=list)  # the fields the caller passed back
+    notes: list[str] = field(default_factory=list)  # what was assumed (shards without a run record)
+
+
+def _problem(exc: CacheIntegrityError, path: str) -> str:
+    return str(exc).removeprefix(f"shard {path}").lstrip(": ")
+
+
+def _check_given(given: Mapping[str, Any]) -> dict[str, Any]:
+    """The rebuild arguments that were passed, each checked (one ``ValueError`` naming it)."""
+    out = {k: v for k, v in given.items() if v is not None}
+    for key in ("format_version", "shard_size", "num_samples"):
+        if key in out and not is_int(out[key], 0 if key == "num_samples" else 1):
+            raise ValueError(f"{key}={out[key]!r} must be an int >= {0 if key == 'num_samples' else 1}")
+    if "options" in out:
+        if not isinstance(out["options"], Mapping):
+            raise ValueError(f"options={out['options']!r} must be a dict: the manifest's producer options")
+        out["options"] = json.loads(json.dumps(check_options(out["options"])))
+    if "length_key" in out and not isinstance(out["length_key"], str):
+        raise ValueError(f"length_key={out['length_key']!r} must be the name of a stored key")
+    return out
+
+
+def _group_runs(headers: Mapping[int, ShardHeader], cache_dir: str) -> dict[str, Any] | None:
+    """The one run record the shards carry (``None``: none carries one); refuses two."""
+    groups: dict[bytes, list[int]] = {}
+    for i, h in headers.items():
+        if h.sums is not None and h.sums.run is not None:
+            groups.setdefault(canonical_json(h.sums.run), []).append(i)
+    if len(groups) > 1:
+        (a, ia), (b, ib) = sorted(groups.items(), key=lambda kv: -len(kv[1]))[:2]
+        raise CacheIntegrityError(
+            f"{cache_dir}: shards {format_indices(ia)} and shards {format_indices(ib)} record different producer "
+            f"runs ({describe_diff(json.loads(a), json.loads(b))}), so they are not one cache. Move the shards that "
+            f"do not belong away, then run `te-thd cache repair {shlex.quote(cache_dir)}` again.",
+            path=shard_path(cache_dir, ib[0]),
+        )
+    return json.loads(next(iter(groups))) if groups else None
+
+
+def _from_record(record: dict[str, Any], given: dict[str, Any], cache_dir: str) -> tuple[dict[str, Any], LengthRule | None, dict[str, Any]]:
+    """``(params, length rule, manifest options)`` of shards that record their run; an argument that
+    contradicts the record is refused, ``options`` the record lacks are added (caller metadata)."""
+    rule = LengthRule.from_json(record[LENGTH_RULE_KEY]) if LENGTH_RULE_KEY in record else None
+    params = {k: v for k, v in record.items() if k != LENGTH_RULE_KEY}
+    recorded = {"format_version": params["format_version"], "shard_size": params["shard_size"],
+                "num_samples": params["num_samples"], "length_key": rule.key if rule is not None else None}  # fmt: skip
+    for key, value in given.items():
+        if key == "options":
+            clash = {k: v for k, v in value.items() if k in params["options"] and params["options"][k] != v}
+            if clash:
+                theirs = {k: params["options"][k] for k in clash}
+                raise ValueError(
+                    f"options={clash!r} contradicts the producer options the shards of {cache_dir} record "
+                    f"({theirs!r}); pass only fields the shards do not record"
+                )
+        elif recorded[key] != value:
+            raise ValueError(
+                f"{key}={value!r} contradicts the shards of {cache_dir}, which record {key}={recorded[key]!r}; "
+                f"leave {REBUILD_ARGS[key]} out (the shards say it)"
+            )
+    return params, rule, {**params["options"], **given.get("options", {})}
+
+
+def _from_arguments(
+    headers: Mapping[int, ShardHeader], given: dict[str, Any], cache_dir: str, damaged: str | None
+) -> tuple[dict[str, Any], LengthRule | None, dict[str, Any], list[str]]:
+    """``(params, length rule, options, notes on what was assumed)`` of shards that predate the run record: what they tell
+    (keys, token layout and its length rule, shard size and sample count when they fix them), the rest
+    from ``given``; a :class:`ManifestError` names every field still missing and the argument for it."""
+    headers = {i: h for i, h in headers.items() if h.sums is not None}
+    if not headers:
+        raise ManifestError(
+            f"cannot rebuild the manifest of {cache_dir}: its shards carry no te_thd checksums (plain safetensors "
+            "files, e.g. the reference implementation's), so they cannot be verified. Restore the manifest from a "
+            "copy, or write one: te_thd.offline_cache.write_manifest(cache_dir, {'num_samples': ..., "
+            "'shard_size': ...}, format_version)."
+        )
+    first = headers[min(headers)]
+    schema = schema_of_header(first)
+    tokens = first.sums.tokens if first.sums is not None else None
+    layout = TokenLayout.from_json(tokens["layout"]) if tokens is not None else None
+    top = max(headers)
+    shard_size = given.get("shard_size")
+    if shard_size is None and top > min(headers):
+        shard_size = first.sums.rows  # type: ignore[union-attr]  # a shard before the last: a full one
+    num_samples = given.get("num_samples")
+    notes = []
+    if num_samples is None and shard_size is not None:
+        num_samples = top * shard_size + headers[top].sums.rows  # type: ignore[union-attr]  # the last present ends it
+        notes.append(f"num_samples={num_samples}: shard {top} is taken for the last (pass {REBUILD_ARGS['num_samples']} "
+                     "if shards after it were lost too)")  # fmt: skip
+    needs = {
+        "format_version": ("format_version" not in given, "the int its readers pass"),
+        "options": ("options" not in given, "the producer options, a JSON object: {} for none"),
+        "shard_size": (shard_size is None, "samples per shard: one shard does not tell"),
+    }
+    missing = [k for k, (lacking, _) in needs.items() if lacking]
+    if missing:
+        flags = " ".join(f"{REBUILD_ARGS[k]} <{k}>" for k in missing)
+        kwargs = ", ".join(f"{k}=..." for k in missing)
+        where = (f" The damaged manifest is still in place ({damaged}): its fields may tell them." if damaged else "")
+        raise ManifestError(
+            f"cannot rebuild the manifest of {cache_dir}: its shards were written before shards recorded their "
+            f"producer run, so they do not tell {'; '.join(f'{k} ({needs[k][1]})' for k in missing)}. Pass "
+            f"{'them' if len(missing) > 1 else 'it'} back: `te-thd cache repair {shlex.quote(cache_dir)} {flags}`, "
+            f"or repair_cache(cache_dir, {kwargs}).{where}"
+        )
+    if layout is not None:
+        rule: LengthRule | None = LengthRule.from_json(tokens["length_rule"])  # type: ignore[index]
+        if "length_key" in given and given["length_key"] != rule.key:
+            raise ValueError(f"length_key={given['length_key']!r} contradicts the shards, which store tokens by {rule.key!r}")
+    else:
+        rule = producer_rule(given.get("length_key"), list(schema))
+        if "length_key" not in given:
+            notes.append(f"lengths by {rule.describe() if rule else 'no key (no input_ids stored)'}, the producer's "
+                         f"default (pass {REBUILD_ARGS['length_key']} if it was given another length_key)")  # fmt: skip
+    params = run_params(given["format_version"], num_samples, shard_size, list(schema), given["options"], layout)
+    return params, rule, dict(given["options"]), notes
+
+
+def rebuild_manifest(cache_dir: str, cache_name: str = "offline", damaged: str | None = None, **given: Any) -> Rebuild:
+    """Rebuild the manifest of the directory of shards ``cache_dir`` (changes nothing).
+
+    Every shard's header is read; the producer run they record (or, for shards that record
+    none, the ``given`` fields: ``format_version``, ``options``, ``shard_size``,
+    ``num_samples``, ``length_key``) gives the parameters; every shard is verified
+    completely and its manifest record taken from it (:func:`existing_record`).
+    Shards that fail, or belong to no run of this cache, are ``bad``; indices the cache
+    lacks are ``missing``. ``manifest`` is what the producer would have written, or
+    ``None`` while a shard is bad or missing. ``damaged``: the damaged manifest's path
+    (named in messages). Raises :class:`ManifestError` when the shards leave a field open
+    (naming the argument that passes it) and :class:`CacheIntegrityError` when they record
+    two runs.
+    """
+    given = _check_given(given)
+    present = sorted(existing_shard_indices(cache_dir))
+    if not present:
+        raise ManifestError(
+            f"cannot rebuild the manifest of {cache_dir}: it holds no shards (shard-NNNNNN.safetensors). Point "
+            f"at the directory the cache was built in, or build it: run {producer_hint(None)}."
+        )
+    headers: dict[int, ShardHeader] = {}
+    bad: dict[int, str] = {}
+    for i in present:
+        try:
+            headers[i] = read_shard_header(shard_path(cache_dir, i))
+        except CacheIntegrityError as exc:
+            bad[i] = _problem(exc, shard_path(cache_dir, i))
+    if not headers:
+        raise CacheIntegrityError(
+            f"cannot rebuild the manifest of {cache_dir}: no shard header is readable "
+            f"({'; '.join(f'shard {i}: {why}' for i, why in list(bad.items())[:3])})", path=shard_path(cache_dir, present[0]),
+        )  # fmt: skip
+    record = _group_runs(headers, cache_dir)
+    notes: list[str] = []
+    if record is not None:
+        params, rule, options = _from_record(record, given, cache_dir)
+        used: list[str] = sorted(set(given.get("options", {})) - set(params["options"]))
+    else:
+        params, rule, options, notes = _from_arguments(headers, given, cache_dir, damaged)
+        used = sorted(given)
+    count = num_shards(params["num_samples"], params["shard_size"])
+    extra = [i for i in present if i >= count]
+    schema: CacheSchema | None = None
+    records: dict[int, ShardRecord] = {}
+    for i in (i for i in present if i < count and i in headers):
+        path = shard_path(cache_dir, i)
+        sums = headers[i].sums
+        if record is not None and (sums is None or sums.run != record):
+            bad[i] = "records no producer run or another one than the other shards: it does not belong to this cache"
+            continue
+        if schema is None and set(schema_of_header(headers[i])) == set(params["keys"]):
+            schema = schema_of_header(headers[i])
+        if schema is None:
+            bad[i] = f"holds keys {sorted(schema_of_header(headers[i]))}, the cache stores {params['keys']}"
+            continue
+        try:
+            records[i] = existing_record(path, schema, shard_rows(i, params["num_samples"], params["shard_size"]), rule,
+                                         first_sample=i * params["shard_size"])
+        except CacheIntegrityError as exc:
+            bad[i] = _problem(exc, path)
+    missing = sorted(set(range(count)) - set(records) - set(bad))
+    result = Rebuild(params, None, {i: bad[i] for i in sorted(bad) if i < count}, missing,
+                     sorted({*extra, *(i for i in bad if i >= count)}), used, notes)  # fmt: skip
+    if not (result.bad or missing) and schema is not None or count == 0:
+        gathered = [(None, {i: (r.bytes, r.checksum, r.lengths, r.fidelity) for i, r in records.items()},
+                     schema_to_json(schema) if schema is not None else None)]  # fmt: skip
+        token_layout = TokenLayout.from_json(params["token_layout"]) if "token_layout" in params else None
+        result.manifest = assemble_manifest(gathered, params, options, cache_dir, cache_name, rule, token_layout)
+    return result
+
+
+def repair_cache(
+    cache_dir: str,
+    cache_name: str = "offline",
+    *,
+    format_version: int | None = None,
+    options: Mapping[str, Any] | None = None,
+    shard_size: int | None = None,
+    num_samples: int | None = None,
+    length_key: str | None = None,
+) -> dict[str, Any]:
+    """Verify every shard; set the damaged ones aside and reopen the cache for a resume, or rebuild a
+    lost or damaged manifest from the shards.
 
     Returns ``{"cache_dir", "damaged": {file: problem}, "missing": [file],
-    "extra": [file], "set_aside_in": dir or None, "reopened": bool, "producer": str}``.
-    ``reopened`` is False when every shard is sound (nothing is changed then).
-    Raises :class:`ManifestError` when the manifest itself is damaged and
-    :class:`CacheLockError` while a producer holds the directory.
+    "extra": [file], "set_aside_in": dir or None, "reopened": bool, "producer": str,
+    "rebuilt": bool, "from_arguments": [field], "notes": [what a rebuild assumed]}``. ``reopened``: the cache waits for its
+    producer (re-run ``producer``: it computes the missing and damaged shards); False when
+    every shard is sound (nothing is changed then, unless ``rebuilt``: the manifest was
+    written again from the shards). ``format_version``, ``options``, ``shard_size``,
+    ``num_samples``, ``length_key``: only for a rebuild from shards that do not record
+    their producer run (the error says which are needed); ``options`` may also add manifest
+    fields the shards do not record. Raises :class:`CacheLockError` while a producer holds
+    the directory.
     """
+    given = {"format_version": format_version, "options": options, "shard_size": shard_size,
+             "num_samples": num_samples, "length_key": length_key}  # fmt: skip
     location = parse_location(cache_dir)
     if not isinstance(location, str):
-        return _repair_remote(location, cache_name)
-    if not os.path.isdir(cache_dir):  # the lock would create it: say what info and verify say
-        load_manifest(cache_dir, cache_name)
+        return _repair_remote(location, cache_name, given)
+    if not os.path.isdir(cache_dir):
+        load_manifest(cache_dir, cache_name)  # the one message for a path that is no directory
     with ProducerLock(cache_dir):
-        manifest = load_manifest(cache_dir, cache_name)
+        try:
+            manifest = load_manifest(cache_dir, cache_name)
+        except ManifestError:
+            damaged = manifest_path(cache_dir) if os.path.exists(manifest_path(cache_dir)) else None
+            rebuilt = rebuild_manifest(cache_dir, cache_name, damaged, **given)
+            return _apply_local(cache_dir, rebuilt, damaged)
+        _refuse_arguments(cache_dir, given)
         bad, missing, extra = find_bad(cache_dir, manifest)
-        result: dict[str, Any] = {
-            "cache_dir": cache_dir,
-            "damaged": {os.path.basename(shard_path(cache_dir, i)): why for i, why in bad.items()},
-            "missing": [os.path.basename(shard_path(cache_dir, i)) for i in missing],
-            "extra": [os.path.basename(shard_path(cache_dir, i)) for i in extra],
-            "set_aside_in": None,
-            "reopened": False,
-            "producer": recorded_producer(cache_dir, manifest) or producer_hint(None),
-        }
+        result = _result(cache_dir, cache_dir, bad, missing, extra, recorded_producer(cache_dir, manifest))
         if not (bad or missing or extra):
             return result
         result["set_aside_in"] = reopen_for_resume(cache_dir, manifest, [*bad, *extra])
@@ -107,29 +377,121 @@ def repair_cache(cache_dir: str, cache_name: str = "offline") -> dict[str, Any]:
         return result
 
 
-def _repair_remote(loc: ObjectLocation, cache_name: str) -> dict[str, Any]:
+def _refuse_arguments(cache_dir: str, given: Mapping[str, Any]) -> None:
+    passed = [k for k, v in given.items() if v is not None]
+    if passed:
+        raise ValueError(
+            f"{', '.join(passed)}: only a rebuild of a lost or damaged manifest takes them, and the manifest of "
+            f"{cache_dir} is sound; run `te-thd cache repair {shlex.quote(cache_dir)}` without them"
+        )
+
+
+def _result(
+    cache_dir: str, shown: str, bad: Mapping[int, str], missing: list[int], extra: list[int], producer: str | None
+) -> dict[str, Any]:
+    def name(i: int) -> str:
+        return os.path.basename(shard_path(cache_dir, i))
+
+    return {
+        "cache_dir": shown,
+        "damaged": {name(i): why for i, why in bad.items()},
+        "missing": [name(i) for i in missing],
+        "extra": [name(i) for i in extra],
+        "set_aside_in": None,
+        "reopened": False,
+        "rebuilt": False,
+        "from_arguments": [],
+        "notes": [],
+        "producer": producer or producer_hint(None),
+    }
+
+
+def _rebuilt_result(cache_dir: str, shown: str, rebuilt: Rebuild) -> dict[str, Any]:
+    result = _result(cache_dir, shown, rebuilt.bad, rebuilt.missing, rebuilt.extra,
+                     recorded_producer(shown, rebuilt.params["options"]))  # fmt: skip
+    result["from_arguments"], result["notes"] = rebuilt.from_arguments, rebuilt.notes
+    result["rebuilt"] = rebuilt.manifest is not None
+    result["reopened"] = rebuilt.manifest is None
+    return result
+
+
+def _apply_local(cache_dir: str, rebuilt: Rebuild, damaged: str | None) -> dict[str, Any]:
+    """Write what :func:`rebuild_manifest` found into ``cache_dir`` (the lock is held): the damaged
+    manifest and bad shards set aside, then the manifest last -- or, with a shard missing, the
+    producer's run record, so the producer command resumes and fills the gap."""
+    result = _rebuilt_result(cache_dir, cache_dir, rebuilt)
+    aside = [shard_path(cache_dir, i) for i in [*rebuilt.bad, *rebuilt.extra]] + ([damaged] if damaged else [])
+    if aside:
+        result["set_aside_in"] = where = os.path.join(cache_dir, DAMAGED_DIR)
+        os.makedirs(where, exist_ok=True)
+        for path in aside:
+            name, n = os.path.basename(path), 1
+            while os.path.exists(os.path.join(where, name)):  # an earlier repair's: kept too
+                name, n = f"{os.path.basename(path)}.{n}", n + 1
+            os.replace(path, os.path.join(where, name))
+        fsync_dir(where)
+    progress = os.path.join(cache_dir, PROGRESS_NAME)
+    if rebuilt.manifest is None:
+        write_json(progress, rebuilt.params)
+    else:
+        write_manifest(cache_dir, rebuilt.manifest, rebuilt.params["format_version"])
+        unlink_quietly(progress)  # as the producer does once its manifest is written
+    fsync_dir(cache_dir)
+    return result
+
+
+def _repair_remote(loc: ObjectLocation, cache_name: str, given: dict[str, Any]) -> dict[str, Any]:
     """:func:`repair_cache` of an s3:// cache, under its producer lock: verified on a fetched copy,
     damaged objects moved under ``<prefix>/.te_thd-damaged/`` (readers list only the objects
-    directly under the prefix), the cache reopened for its producer."""
+    directly under the prefix), the cache reopened for its producer -- or its lost manifest rebuilt
+    from a fetched copy of its shards and put back, last."""
     with ObjectLock(loc):
+        if objectstore.get(loc, MANIFEST_NAME) is None:
+            return _rebuild_remote(loc, cache_name, given, damaged=False)
         mirror = fetched(loc, True)
         try:
             manifest = load_manifest(mirror.root, cache_name)
+        except ManifestError:
+            return _rebuild_remote(loc, cache_name, given, damaged=True)
         except CacheError as exc:
             raise named_by_url(exc, mirror) from None
+        _refuse_arguments(loc.url, given)
         bad, missing, extra = find_bad(mirror.root, manifest)
-        names = {i: os.path.basename(shard_path(mirror.root, i)) for i in [*bad, *missing, *extra]}
-        result: dict[str, Any] = {
-            "cache_dir": loc.url,
-            "damaged": {names[i]: in_urls(why, mirror.root, loc.url) for i, why in bad.items()},
-            "missing": [names[i] for i in missing],
-            "extra": [names[i] for i in extra],
-            "set_aside_in": f"{loc.url}/{DAMAGED_DIR}" if (bad or extra) else None,
-            "reopened": False,
-            "producer": recorded_producer(loc.url, manifest) or producer_hint(None),
-        }
+        result = _result(mirror.root, loc.url, {i: in_urls(why, mirror.root, loc.url) for i, why in bad.items()},
+                         missing, extra, recorded_producer(loc.url, manifest))  # fmt: skip
         if bad or missing or extra:
-            set_aside_and_reopen(loc, [names[i] for i in [*bad, *extra]], DAMAGED_DIR, PROGRESS_NAME,
-                                 params_of_manifest(manifest))  # fmt: skip
+            result["set_aside_in"] = f"{loc.url}/{DAMAGED_DIR}" if (bad or extra) else None
+            names = [os.path.basename(shard_path(mirror.root, i)) for i in [*bad, *extra]]
+            set_aside_and_reopen(loc, names, DAMAGED_DIR, PROGRESS_NAME, params_of_manifest(manifest))
             result["reopened"] = True
         return result
+
+
+def _rebuild_remote(loc: ObjectLocation, cache_name: str, given: dict[str, Any], damaged: bool) -> dict[str, Any]:
+    """:func:`rebuild_manifest` over a private copy of the shard objects; the outcome written back."""
+    staging = tempfile.mkdtemp(prefix="te_thd-repair-")
+    try:
+        for name in objectstore.listing(loc):
+            if SHARD_RE.match(name):
+                objectstore.get_file(loc, name, os.path.join(staging, name))
+        try:
+            rebuilt = rebuild_manifest(staging, cache_name, f"{loc.url}/{MANIFEST_NAME}" if damaged else None, **given)
+        except CacheError as exc:
+            raise type(exc)(str(exc).replace(staging, loc.url)) from None
+        rebuilt.bad = {i: in_urls(why, staging, loc.url) for i, why in rebuilt.bad.items()}
+        result = _rebuilt_result(staging, loc.url, rebuilt)
+        names = [os.path.basename(shard_path(staging, i)) for i in [*rebuilt.bad, *rebuilt.extra]]
+        names += [MANIFEST_NAME] if damaged else []
+        if names:
+            result["set_aside_in"] = f"{loc.url}/{DAMAGED_DIR}"
+        if rebuilt.manifest is None:
+            set_aside_and_reopen(loc, names, DAMAGED_DIR, PROGRESS_NAME, rebuilt.params)
+        else:
+            for name in names:
+                objectstore.copy(loc, name, f"{DAMAGED_DIR}/{name}")
+                objectstore.delete(loc, name)
+            write_manifest(loc.url, rebuilt.manifest, rebuilt.params["format_version"])  # one PUT, last
+            objectstore.delete(loc, PROGRESS_NAME)
+        return result
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)

@@ -120,12 +120,13 @@ class _Layout(NamedTuple):
 
 
 @functools.lru_cache(maxsize=16)
-def _layout(specs: tuple[tuple[str, TensorSpec], ...], rows: int) -> _Layout:
-    """Where everything of a ``rows``-row shard of ``specs`` goes; the same for every full shard of a
-    cache, so it is computed once."""
+def _layout(specs: tuple[tuple[str, TensorSpec], ...], rows: int, run: str | None) -> _Layout:
+    """Where everything of a ``rows``-row shard of ``specs`` goes (``run``: the run record's JSON); the
+    same for every full shard of a cache, so it is computed once."""
     order = sorted(specs, key=lambda kv: (-DTYPE_RANK[kv[1].dtype], kv[0]))
     entries = tensor_entries(order, rows)
-    placeholder, _ = shard_metadata(entries, {k: [0] * rows for k, _ in order}, rows)
+    placeholder, _ = shard_metadata(entries, {k: [0] * rows for k, _ in order}, rows,
+                                    run=json.loads(run) if run is not None else None)  # fmt: skip
     header_len = len(build_header(entries, placeholder))
     row_bytes = {k: int(np.prod(s.shape, dtype=np.int64)) * s.dtype.itemsize for k, s in order}
     start = {k: header_len + e["data_offsets"][0] for k, e in entries.items()}
@@ -168,15 +169,17 @@ class ShardStream:
     :meth:`finish` writes the header once all ``rows`` arrived and returns the
     shard's :class:`ShardRecord`; :meth:`abort` closes and removes the file.
     Pieces are written when :meth:`write` returns: the caller may free them at once.
+    ``run``: the producer's run record, kept in the header (:func:`shard_metadata`).
     """
 
-    def __init__(self, path: str, specs: Mapping[str, TensorSpec], rows: int) -> None:
+    def __init__(self, path: str, specs: Mapping[str, TensorSpec], rows: int, run: Mapping[str, Any] | None = None) -> None:
         check_int("rows", rows, 0, meaning=" (the samples the shard holds)")
         for name, spec in specs.items():
             check_cache_dtype(name, spec.dtype)
         self.path = path
         self.rows = rows
-        layout = _layout(tuple(specs.items()), rows)
+        self._run = dict(run) if run is not None else None
+        layout = _layout(tuple(specs.items()), rows, json.dumps(self._run, sort_keys=True) if run is not None else None)
         self.specs = layout.specs
         self._entries, self._header_len = layout.entries, layout.header_len
         self._row_bytes, self._start = layout.row_bytes, layout.start
@@ -210,7 +213,7 @@ class ShardStream:
             raise ValueError(f"shard stream {self.path} is closed")
         if self._cursor != self.rows:
             raise ValueError(f"shard stream {self.path} got {self._cursor} of its {self.rows} rows; write the rest first")
-        metadata, digest = shard_metadata(self._entries, self._sums, self.rows)
+        metadata, digest = shard_metadata(self._entries, self._sums, self.rows, run=self._run)
         header = build_header(self._entries, metadata)
         if len(header) != self._header_len:  # the format's fixed-width fields changed: a bug, never data
             raise AssertionError(f"shard header is {len(header)} bytes, {self._header_len} were reserved")

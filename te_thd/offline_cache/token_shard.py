@@ -72,12 +72,15 @@ class TokenShardStream:
     Same interface as :class:`~te_thd.offline_cache.shardfile.ShardStream`:
     :meth:`write` the next rows (logical, padded ``[n, L, ...]`` for token keys),
     :meth:`finish` returns the :class:`ShardRecord`, :meth:`abort` removes the files.
+    ``run``: the producer's run record, kept in the header.
     """
 
     def __init__(
-        self, path: str, specs: Mapping[str, TensorSpec], rows: int, layout: TokenLayout, rule: LengthRule
-    ) -> None:
+        self, path: str, specs: Mapping[str, TensorSpec], rows: int, layout: TokenLayout, rule: LengthRule,
+        run: Mapping[str, Any] | None = None,
+    ) -> None:  # fmt: skip
         check_int("rows", rows, 0, meaning=" (the samples the shard holds)")
+        self._run = dict(run) if run is not None else None
         for name, spec in specs.items():
             check_cache_dtype(name, spec.dtype)
         self.path, self.rows, self.layout, self.rule = path, rows, layout, rule
@@ -162,7 +165,7 @@ class TokenShardStream:
             "fidelity": fidelity,
         }
         sums = {k: v if real else [0] * self.rows for k, v in self._sums.items()}
-        metadata, self._digest = shard_metadata(entries, sums, self.rows, tokens_fields)
+        metadata, self._digest = shard_metadata(entries, sums, self.rows, tokens_fields, self._run)
         return build_header(entries, metadata)
 
     # -- rows ----------------------------------------------------------------------------

@@ -133,10 +133,10 @@ class _StreamedShard:
 
     def __init__(
         self, final: str, specs: Mapping[str, TensorSpec], rows: int, rule: LengthRule | None,
-        tokens: TokenLayout | None = None,
+        tokens: TokenLayout | None = None, run: Mapping[str, Any] | None = None,
     ) -> None:  # fmt: skip
         self.final, self.tmp_path = final, temp_path_for(final)
-        self.specs, self.rows, self.rule, self.tokens = dict(specs), rows, rule, tokens
+        self.specs, self.rows, self.rule, self.tokens, self.run = dict(specs), rows, rule, tokens, run
         self.queued = 0  # rows handed over by the caller
         self.lengths: list[int] = []
         self._stream: ShardStream | TokenShardStream | None = None
@@ -145,10 +145,10 @@ class _StreamedShard:
         if self._stream is None:
             os.makedirs(os.path.dirname(self.final) or ".", exist_ok=True)
             if self.tokens is None:
-                self._stream = ShardStream(self.tmp_path, self.specs, self.rows)
+                self._stream = ShardStream(self.tmp_path, self.specs, self.rows, self.run)
             else:
                 assert self.rule is not None  # DurableShardWriter requires one with a token layout
-                self._stream = TokenShardStream(self.tmp_path, self.specs, self.rows, self.tokens, self.rule)
+                self._stream = TokenShardStream(self.tmp_path, self.specs, self.rows, self.tokens, self.rule, self.run)
         return self._stream
 
     def write(self, piece: Mapping[str, torch.Tensor]) -> None:
@@ -208,7 +208,8 @@ class DurableShardWriter:
     ``schema``, ``shards`` and ``length_rule``. With a ``token_layout``
     (:class:`~te_thd.offline_cache.tokens.TokenLayout`, needs a ``length_rule``) its
     keys are stored ragged (:mod:`~te_thd.offline_cache.token_shard`): each sample's
-    first ``length`` tokens only, ``length`` by the rule.
+    first ``length`` tokens only, ``length`` by the rule. ``run_record``: the producer's
+    run record every shard's header keeps (:mod:`~te_thd.offline_cache.integrity`).
     """
 
     def __init__(
@@ -220,6 +221,7 @@ class DurableShardWriter:
         write_behind: bool = False,
         length_rule: LengthRule | None = None,
         token_layout: TokenLayout | None = None,
+        run_record: Mapping[str, Any] | None = None,
     ) -> None:
         if write_behind and not pipelined:
             raise ValueError("write_behind=True needs pipelined=True (the writes run on the commit thread)")
@@ -233,6 +235,7 @@ class DurableShardWriter:
             raise ValueError("token_layout needs a length_rule: the rule says how many tokens of each sample are stored")
         self.length_rule = length_rule
         self.token_layout = token_layout
+        self.run_record = dict(run_record) if run_record is not None else None
         self.cache_name = cache_name
         self.schema: CacheSchema | None = dict(schema) if schema is not None else None
         self.records: dict[int, ShardRecord] = {}
@@ -279,7 +282,7 @@ class DurableShardWriter:
             self._resolve_once(checked)
             assert self.schema is not None
             st = _StreamedShard(shard_path(self._local_dir(cache_dir), shard_index), {k: self.schema[k] for k in self.keys},
-                                rows, self.length_rule, self.token_layout)  # fmt: skip
+                                rows, self.length_rule, self.token_layout, self.run_record)  # fmt: skip
             self._streams[shard_index] = st
             if self._write_behind and n:
                 self._budget(rows * nbytes // n)
