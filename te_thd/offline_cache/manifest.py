@@ -456,6 +456,13 @@ def recorded_producer(cache_dir: str, manifest: Mapping[str, Any]) -> str | None
     return f"`{shlex.join(argv)}`"
 
 
+def producer_command(cache_dir: str, manifest: Mapping[str, Any], producer: str | None = None) -> str:
+    """What re-runs the producer of ``manifest``'s cache, as every hint names it: ``producer`` (the
+    caller's), else the command the cache records (:func:`recorded_producer`), else the
+    ``produce_cache`` call (:func:`~te_thd.offline_cache.errors.producer_hint`)."""
+    return producer_hint(producer or recorded_producer(cache_dir, manifest))
+
+
 def shard_records(manifest: Mapping[str, Any]) -> list[dict[str, Any]] | None:
     """The per-shard ``{file, bytes, checksum}`` records, or ``None`` for a manifest without them."""
     recs = manifest.get("shards")

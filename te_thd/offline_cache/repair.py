@@ -25,7 +25,7 @@ import os
 from typing import Any
 
 from te_thd.offline_cache.durable import ProducerLock
-from te_thd.offline_cache.errors import CacheError, CacheIntegrityError, producer_hint
+from te_thd.offline_cache.errors import CacheError, CacheIntegrityError
 from te_thd.offline_cache.format import (
     existing_shard_indices,
     num_shards,
@@ -36,7 +36,7 @@ from te_thd.offline_cache.location import ObjectLocation, parse_location
 from te_thd.offline_cache.manifest import (
     cache_schema,
     load_manifest,
-    recorded_producer,
+    producer_command,
     shard_records,
 )
 from te_thd.offline_cache.object_lock import ObjectLock
@@ -96,7 +96,7 @@ def repair_cache(cache_dir: str, cache_name: str = "offline") -> dict[str, Any]:
             "extra": [os.path.basename(shard_path(cache_dir, i)) for i in extra],
             "set_aside_in": None,
             "reopened": False,
-            "producer": recorded_producer(cache_dir, manifest) or producer_hint(None),
+            "producer": producer_command(cache_dir, manifest),
         }
         if not (bad or missing or extra):
             return result
@@ -124,7 +124,7 @@ def _repair_remote(loc: ObjectLocation, cache_name: str) -> dict[str, Any]:
             "extra": [names[i] for i in extra],
             "set_aside_in": f"{loc.url}/{DAMAGED_DIR}" if (bad or extra) else None,
             "reopened": False,
-            "producer": recorded_producer(loc.url, manifest) or producer_hint(None),
+            "producer": producer_command(loc.url, manifest),
         }
         if bad or missing or extra:
             set_aside_and_reopen(loc, [names[i] for i in [*bad, *extra]], DAMAGED_DIR, PROGRESS_NAME,
