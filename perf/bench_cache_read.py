@@ -64,7 +64,7 @@ import warnings
 from typing import Any
 
 import torch
-from harness import Record, print_records, reference_offline_cache, time_interleaved
+from harness import Record, print_records, reference_offline_cache, split_even, time_interleaved
 
 BENCH = "cache_read"
 FORMAT_VERSION = 1
@@ -153,9 +153,9 @@ def _raw_preadv(cache_dir: str, keys: tuple[str, ...], batch: int, shuffle: bool
     import xxhash
 
     from te_thd.offline_cache import CachedTensorDataset, CacheShardSampler
-    from te_thd.offline_cache.copyread import plan_runs, split_even
+    from te_thd.offline_cache.copyread import plan_runs
     from te_thd.offline_cache.format import shard_path
-    from te_thd.offline_cache.shardfile import read_header
+    from te_thd.offline_cache.shardfile import read_shard_header
 
     ds = CachedTensorDataset(cache_dir, "bench", FORMAT_VERSION, keys)
     sampler = CacheShardSampler(ds, num_replicas=1, rank=0, shuffle=shuffle, seed=0)
@@ -174,7 +174,7 @@ def _raw_preadv(cache_dir: str, keys: tuple[str, ...], batch: int, shuffle: bool
         jobs: list[Job] = []
         for shard in np.unique(shards).tolist():
             if shard not in fds:
-                headers[shard] = read_header(shard_path(cache_dir, shard))
+                headers[shard] = read_shard_header(shard_path(cache_dir, shard)).entries
                 fds[shard] = os.open(shard_path(cache_dir, shard), os.O_RDONLY)
             plan = plan_runs(idx[shards == shard] - shard * ss)
             for key in keys:

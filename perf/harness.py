@@ -22,11 +22,13 @@ import math
 import os
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 #: The file naming the reference implementation every "reference" baseline means;
 #: ``scripts/setup.sh`` installs it with ``--no-deps`` (benches must run without it).
@@ -201,6 +203,25 @@ def time_interleaved(
         if gc_was_enabled:
             gc.enable()
     return {k: statistics.median(v) for k, v in samples.items()}
+
+
+def split_even(pieces: Sequence[T], parts: int, size: Callable[[T], int]) -> list[list[T]]:
+    """Cut ``pieces`` (in order) into at most ``parts`` consecutive groups of about equal ``size``.
+
+    Group ``g`` ends at the first piece whose cumulative size reaches ``(g + 1) / parts``
+    of the total; empty groups are dropped. The static split of the raw multi-thread
+    read loops (one group per thread); te_thd's reader instead lets its threads take
+    pieces one at a time, so a late thread holds nothing up.
+    """
+    total = sum(size(p) for p in pieces)
+    groups: list[list[T]] = [[]]
+    done = 0
+    for piece in pieces:
+        if done * parts >= total * len(groups) and len(groups) < parts and groups[-1]:
+            groups.append([])
+        groups[-1].append(piece)
+        done += size(piece)
+    return groups
 
 
 def print_records(records: list[Record]) -> None:

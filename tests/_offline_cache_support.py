@@ -13,9 +13,10 @@ import socket
 import torch
 from safetensors.torch import save_file
 
-from te_thd.offline_cache.format import shard_path
+from te_thd.offline_cache.format import TensorSpec, shard_path
 from te_thd.offline_cache.manifest import write_manifest
 from te_thd.offline_cache.producer import produce_cache
+from te_thd.offline_cache.shardfile import HeaderEntry, ShardRecord, ShardStream, read_shard_header
 
 FORMAT_VERSION = 3
 CACHE_NAME = "test"
@@ -51,6 +52,55 @@ class _Rows(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         return {k: v[i] for k, v in self.tensors.items()}
+
+
+#: the read path's tuning constants a test changed, with their values before it: restored by
+#: ``restore_read_tuning`` after every test (tests/conftest.py)
+_TUNED: dict[tuple[object, str], object] = {}
+
+
+def read_tuning(engine: str | None = None, parallel_min_bytes: int | None = None,
+                preadv_min_run_bytes: int | None = None) -> None:  # fmt: skip
+    """Set the read path's tuning constants as a bench does: ``batch_plan.COPY_ENGINE``
+    (``"auto"`` / ``"preadv"`` / ``"mapped"``), ``copyread.PARALLEL_MIN_BYTES``,
+    ``batch_plan.PREADV_MIN_RUN_BYTES``; ``None`` leaves one as it is."""
+    from te_thd.offline_cache import batch_plan, copyread
+
+    for module, name, value in ((batch_plan, "COPY_ENGINE", engine), (copyread, "PARALLEL_MIN_BYTES", parallel_min_bytes),
+                                (batch_plan, "PREADV_MIN_RUN_BYTES", preadv_min_run_bytes)):  # fmt: skip
+        if value is not None:
+            _TUNED.setdefault((module, name), getattr(module, name))
+            setattr(module, name, value)
+
+
+def share_every_batch(_worker_id: int = 0) -> None:
+    """A DataLoader ``worker_init_fn``: the worker's read threads share out every batch, however
+    small (a spawned worker imports the constants afresh)."""
+    read_tuning(parallel_min_bytes=0)
+
+
+def restore_read_tuning() -> None:
+    while _TUNED:
+        (module, name), value = _TUNED.popitem()
+        setattr(module, name, value)
+
+
+def write_shard_file(path: str, tensors: dict[str, torch.Tensor]) -> ShardRecord:
+    """Write ``tensors`` (every one ``[n, ...]`` with one ``n``, as the writer checks them) to a NEW
+    file ``path`` as one :class:`ShardStream` piece: the serialiser alone; its record."""
+    specs = {name: TensorSpec(t.dtype, tuple(t.shape[1:])) for name, t in tensors.items()}
+    stream = ShardStream(path, specs, next(iter(tensors.values())).shape[0] if tensors else 0)
+    try:
+        stream.write(tensors)
+        return stream.finish()
+    except BaseException:
+        stream.abort()
+        raise
+
+
+def read_header(path: str) -> dict[str, HeaderEntry]:
+    """The checked header entries of shard ``path`` (``{key: HeaderEntry}``)."""
+    return read_shard_header(path).entries
 
 
 def make_cache(

@@ -13,6 +13,7 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
 from hypothesis import HealthCheck, settings
 
 settings.register_profile(
@@ -32,6 +33,16 @@ settings.load_profile("ci" if os.environ.get("CI") else "dev")
 _SCRIPTS = str(Path(__file__).resolve().parents[1] / "scripts")
 if _SCRIPTS not in sys.path:
     sys.path.insert(0, _SCRIPTS)
+
+
+@pytest.fixture(autouse=True)
+def _restore_read_tuning():
+    """The read path's tuning constants a test set (``_offline_cache_support.read_tuning``) are
+    restored after it."""
+    yield
+    support = sys.modules.get("_offline_cache_support")
+    if support is not None:
+        support.restore_read_tuning()
 
 
 def pytest_configure(config) -> None:

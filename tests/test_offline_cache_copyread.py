@@ -14,7 +14,8 @@ import time
 import numpy as np
 import pytest
 import torch
-from hypothesis import example, given
+from _offline_cache_support import read_header
+from hypothesis import given
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
@@ -26,11 +27,8 @@ from te_thd.offline_cache.copyread import (
     plan_pieces,
     plan_runs,
     read_piece,
-    read_rows,
-    split_even,
     tensor_memoryview,
 )
-from te_thd.offline_cache.shardfile import read_header
 
 # -- planning ------------------------------------------------------------------------
 
@@ -71,6 +69,12 @@ def test_plan_runs_examples():
     assert plan_runs([]).num_runs == 0 and plan_runs([]).starts == [0]
     with pytest.raises(ValueError, match=r"dst has 2 rows, local 3"):
         plan_runs(np.arange(3), np.arange(2))
+
+
+def read_rows(fd, base, row_bytes, plan, dst, path, after=None, chunk_bytes=0) -> None:
+    """Read the planned rows of one tensor into ``dst`` on this thread: every planned piece in turn."""
+    for piece in plan_pieces(fd, base, row_bytes, plan, dst, path, after, chunk_bytes):
+        read_piece(piece)
 
 
 # -- reads ---------------------------------------------------------------------------
@@ -245,35 +249,6 @@ def test_buffer_options_are_checked():
 
 def _piece(nbytes: int, tag: int = 0) -> copyread.Piece:
     return copyread.Piece(-1, tag, [], nbytes, "p")
-
-
-@example([1, 0], 1)  # a zero-byte piece (rows of shape [0]) after the bytes are all done
-@given(st.lists(st.sampled_from([0, 1, 2, 64]) | st.integers(0, 1000), max_size=40), st.integers(1, 6))
-def test_split_even_keeps_order_and_balances_bytes(sizes, parts):
-    """Consecutive groups: every piece once and in order, at most ``parts`` groups,
-    none empty, and a group's bytes without its last piece under ``total / parts``
-    (so no group exceeds its share by more than one piece); when no piece exceeds the
-    share, every thread gets a group."""
-    pieces = [_piece(n, i) for i, n in enumerate(sizes)]
-    groups = split_even(pieces, parts)
-    flat = [p for g in groups for p in g]
-    assert [p.offset for p in flat] == list(range(len(sizes)))  # each once, in order
-    assert len(groups) <= parts
-    assert all(groups) or (not sizes and groups == [[]])
-    total = sum(sizes)
-    for g in groups:
-        before_last = sum(p.nbytes for p in g[:-1])
-        assert before_last * parts <= total, (sizes, parts, [[p.nbytes for p in g] for g in groups])
-    if total and len(sizes) >= parts and max(sizes) * parts <= total:
-        assert len(groups) == parts
-
-
-def test_split_even_examples():
-    sizes = lambda groups: [[p.nbytes for p in g] for g in groups]  # noqa: E731
-    assert sizes(split_even([_piece(n) for n in (4, 4, 4, 4)], 2)) == [[4, 4], [4, 4]]
-    assert sizes(split_even([_piece(n) for n in (10, 1, 1, 1)], 2)) == [[10], [1, 1, 1]]
-    assert sizes(split_even([_piece(n) for n in (3, 3, 3)], 4)) == [[3], [3], [3]]  # fewer pieces than threads
-    assert sizes(split_even([_piece(5)], 3)) == [[5]]
 
 
 def _addr(v: memoryview) -> int:
@@ -572,7 +547,7 @@ def test_parallel_reads_below_min_bytes_stay_on_the_calling_thread(shard, fd):
     reads.start(pieces).wait()  # start leaves a small batch to wait()
     assert set(names) == {threading.current_thread().name} and len(names) == 8
     names.clear()
-    reads.run(pieces, min_bytes=4 * 56)  # the threshold per call (a dataset's parallel_min_bytes)
+    ParallelReads(2, min_bytes=4 * 56).run(pieces)  # at the threshold: shared out
     assert len(set(names)) == 2
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _offline_cache_support import read_tuning, share_every_batch
 from crash_test import IndexDataset
 from hypothesis import given
 from hypothesis import strategies as st
@@ -153,8 +154,8 @@ def test_verification_through_dataloader_workers(tmp_path: Path, read_threads: i
     _via_produce_cache(d)
     _flip_data(d / "shard-000002.safetensors", "hidden", 1)  # sample 9
     ds = CachedTensorDataset(str(d), "test", 1, KEYS, read_threads=read_threads)
-    ds.parallel_min_bytes = 0
     loader = build_cached_dataloader(ds, 2, False, lambda b: collate_cached(b, KEYS), num_workers=2)
+    loader.worker_init_fn = share_every_batch
     seen = []
     with pytest.raises(CacheIntegrityError, match=r"sample 9 \(row 1 of the shard\), key 'hidden'") as e:
         for batch in loader:
@@ -326,14 +327,13 @@ def test_preadv_reads_are_verified(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(reader, "VERIFY_CHUNK_BYTES", chunk)
     d = tmp_path / "cache"
     _via_produce_cache(d)
+    read_tuning(engine="preadv")
     ds = CachedTensorDataset(str(d), "test", 1, KEYS)
-    ds.copy_engine = "preadv"
     got = ds.__getitems__(indices)
     for k in KEYS:
         assert torch.equal(got.tensors[k], _rows(0, N)[k][indices])
     _flip_data(d / "shard-000001.safetensors", "hidden", 2)  # sample 6
     ds = CachedTensorDataset(str(d), "test", 1, KEYS)
-    ds.copy_engine = "preadv"
     with pytest.raises(CacheIntegrityError, match=r"sample 6 \(row 2 of the shard\), key 'hidden'"):
         ds.__getitems__(indices)
 
@@ -344,10 +344,8 @@ def test_preadv_reads_are_verified(tmp_path: Path, monkeypatch: pytest.MonkeyPat
 def _threaded_ds(d: Path, threads: int) -> CachedTensorDataset:
     """A preadv dataset that reads every batch on ``threads`` threads (the rows here are
     far below ``PARALLEL_MIN_BYTES``)."""
-    ds = CachedTensorDataset(str(d), "test", 1, KEYS, read_threads=threads)
-    ds.copy_engine = "preadv"
-    ds.parallel_min_bytes = 0
-    return ds
+    read_tuning(engine="preadv", parallel_min_bytes=0)
+    return CachedTensorDataset(str(d), "test", 1, KEYS, read_threads=threads)
 
 
 def _record_verifiers(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str, list[int], bool]]:
@@ -500,8 +498,8 @@ def test_a_key_of_zero_size_samples_reads_back(tmp_path: Path, engine: str) -> N
     ``produce_cache`` like any other key, so it must read back, on both engines and per item."""
     d = tmp_path / "cache"
     produce_cache(DataLoader(_WithEmpty(), batch_size=4), str(d), 4, lambda b: b, ("ids", "empty"), progress=False)
+    read_tuning(engine=engine)
     ds = CachedTensorDataset(str(d), "test", 1, ("ids", "empty"))
-    ds.copy_engine = engine
     batch = ds.__getitems__([5, 1, 2])
     assert batch.tensors["empty"].shape == (3, 0) and batch.tensors["ids"][:, 0].tolist() == [5, 1, 2]
     assert ds[6]["empty"].shape == (0,)

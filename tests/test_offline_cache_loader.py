@@ -9,7 +9,7 @@ from collections import namedtuple
 
 import pytest
 import torch
-from _offline_cache_support import CACHE_NAME, FORMAT_VERSION, make_cache
+from _offline_cache_support import CACHE_NAME, FORMAT_VERSION, make_cache, read_tuning
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -329,9 +329,8 @@ def test_batches_the_consumer_keeps_are_never_overwritten(cache, ahead):
     on, with two reading threads and read-ahead: recycled buffers never reach a batch
     that is still referenced; the kept batches equal the written tensors."""
     d, tensors = cache
+    read_tuning(engine="preadv", parallel_min_bytes=0)
     ds = CachedTensorDataset(d, CACHE_NAME, FORMAT_VERSION, KEYS, read_threads=2)
-    ds.parallel_min_bytes = 0
-    ds.copy_engine = "preadv"
     loader = build_cached_dataloader(ds, 8, True, _collate(), seed=4, pin_memory=False, read_ahead=ahead)
     for epoch in (0, 1):
         loader.sampler.set_epoch(epoch)

@@ -1,7 +1,7 @@
 """Read-ahead: ``CachedTensorDataset.start_read`` and the loader that starts batch ``i + 1`` before handing out ``i``.
 
 Real shard files written by the producer; the threaded path is forced on these
-small files with ``parallel_min_bytes = 0`` and compared with the plain
+small files with ``copyread.PARALLEL_MIN_BYTES = 0`` and compared with the plain
 single-thread read (differential), with a flipped byte, and with the loader's
 resume state.
 """
@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from _offline_cache_support import read_tuning
 from crash_test import IndexDataset
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -57,10 +58,8 @@ def _expected(d: str) -> dict[str, torch.Tensor]:
 
 
 def _threaded(d: str, engine: str = "auto", threads: int = 2) -> CachedTensorDataset:
-    ds = CachedTensorDataset(d, "test", 1, KEYS, read_threads=threads)
-    ds.copy_engine = engine
-    ds.parallel_min_bytes = 0  # share out every batch, however small
-    return ds
+    read_tuning(engine=engine, parallel_min_bytes=0)  # share out every batch, however small
+    return CachedTensorDataset(d, "test", 1, KEYS, read_threads=threads)
 
 
 @settings(max_examples=40, deadline=None)
@@ -217,9 +216,8 @@ def test_a_batch_over_more_shards_than_max_open_shards_reads_right(cache, thread
     would read the wrong file)."""
     want = _expected(cache)
     indices = [1, 9, 17, 25, 33, 2, 10]  # five shards
+    read_tuning(engine="preadv", parallel_min_bytes=0)
     ds = CachedTensorDataset(cache, "test", 1, KEYS, max_open_shards=1, read_threads=threads, verify=verify)
-    ds.copy_engine = "preadv"
-    ds.parallel_min_bytes = 0
     for read in (ds.__getitems__, lambda i: ds.start_read(i).result()):
         got = read(indices)
         for k in KEYS:
@@ -240,7 +238,7 @@ def test_a_pending_batch_dropped_unread_is_finished_before_its_buffers_are_reuse
 
 
 def test_engine_choice(cache):
-    """``auto``: a key whose runs average at least ``preadv_min_run_bytes`` uses preadv, and
+    """``auto``: a key whose runs average at least ``PREADV_MIN_RUN_BYTES`` uses preadv, and
     one-run keys join it; with no such key every key is gathered; forced engines decide alone.
     Here ``hidden`` rows are 48 bytes, ``ids`` rows 40."""
     from te_thd.offline_cache.batch_plan import choose_engines
@@ -249,18 +247,18 @@ def test_engine_choice(cache):
     entries = ds._shard_file(0).header.entries
 
     def engines(local, pos):
-        return choose_engines(ds.copy_engine, ds.preadv_min_run_bytes, KEYS, local, pos, entries)[0]
+        return choose_engines(KEYS, local, pos, entries)[0]
 
     seq, scattered = np.arange(0, 4), np.array([0, 2, 5, 7])
-    ds.preadv_min_run_bytes = 48  # hidden rows reach it, ids rows do not
+    read_tuning(preadv_min_run_bytes=48)  # hidden rows reach it, ids rows do not
     assert engines(scattered, None) == {"hidden": True, "ids": False}
     assert engines(seq, None) == {"hidden": True, "ids": True}  # one run rides along
     assert engines(seq, np.array([3, 0, 1, 2])) == {"hidden": True, "ids": True}  # one file run of 160 B
-    ds.preadv_min_run_bytes = 1 << 20  # no key reaches it
+    read_tuning(preadv_min_run_bytes=1 << 20)  # no key reaches it
     assert engines(seq, None) == {"hidden": False, "ids": False}
-    ds.preadv_min_run_bytes = 100  # ids: 4 rows x 40 B in one run = 160 >= 100: preadv by bytes
+    read_tuning(preadv_min_run_bytes=100)  # ids: 4 rows x 40 B in one run = 160 >= 100: preadv by bytes
     assert engines(seq, None) == {"hidden": True, "ids": True}
     assert engines(scattered, None) == {"hidden": False, "ids": False}  # 4 runs of 40-48 B
     for engine in ("preadv", "mapped"):
-        ds.copy_engine = engine
+        read_tuning(engine=engine)
         assert engines(scattered, None) == dict.fromkeys(KEYS, engine == "preadv")

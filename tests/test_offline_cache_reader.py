@@ -18,7 +18,13 @@ import warnings
 
 import pytest
 import torch
-from _offline_cache_support import CACHE_NAME, FORMAT_VERSION, make_cache
+from _offline_cache_support import (
+    CACHE_NAME,
+    FORMAT_VERSION,
+    make_cache,
+    read_tuning,
+    share_every_batch,
+)
 from hypothesis import given
 from hypothesis import strategies as st
 from safetensors.torch import save_file
@@ -74,16 +80,15 @@ def cache(tmp_path_factory, request):
 
 @pytest.fixture(scope="module", params=["preadv", "mapped"])
 def engine(request) -> str:
-    """A ``copy_engine`` that forces one copy engine for every (key, shard) part of a
+    """A ``batch_plan.COPY_ENGINE`` that forces one copy engine for every (key, shard) part of a
     batch (the test rows are tiny: the default choice would mostly pick the mapped
     gather)."""
     return request.param
 
 
 def _ds(d: str, engine: str = "auto", **kw) -> CachedTensorDataset:
-    ds = CachedTensorDataset(d, CACHE_NAME, FORMAT_VERSION, KEYS, **kw)
-    ds.copy_engine = engine
-    return ds
+    read_tuning(engine=engine)
+    return CachedTensorDataset(d, CACHE_NAME, FORMAT_VERSION, KEYS, **kw)
 
 
 def _assert_batch(batch: CachedBatch, tensors: dict[str, torch.Tensor], indices: list[int]) -> None:
@@ -261,16 +266,16 @@ def test_reads_do_not_load_the_whole_shard(tmp_path):
 
 # -- reads on several threads ----------------------------------------------------------
 
-_THREADED: dict[tuple[str, str, int], CachedTensorDataset] = {}
+_THREADED: dict[tuple[str, int], CachedTensorDataset] = {}
 
 
 def _threaded(d: str, engine: str, threads: int) -> CachedTensorDataset:
     """A dataset reading with ``threads`` threads from the first byte on (the test rows
     are far below ``PARALLEL_MIN_BYTES``), kept across hypothesis examples."""
-    ds = _THREADED.get((d, engine, threads))
+    read_tuning(engine=engine, parallel_min_bytes=0)
+    ds = _THREADED.get((d, threads))
     if ds is None:
-        ds = _THREADED[(d, engine, threads)] = _ds(d, engine, read_threads=threads)
-        ds.parallel_min_bytes = 0
+        ds = _THREADED[(d, threads)] = _ds(d, engine, read_threads=threads)
     return ds
 
 
@@ -311,7 +316,7 @@ def test_parallel_reads_use_the_helper_threads(cache, readers):
     for engine, threads, helped in (("preadv", 2, True), ("auto", 3, True), ("mapped", 2, True), ("preadv", 1, False),
                                     ("mapped", 1, False)):  # fmt: skip
         ds = _ds(d, engine, read_threads=threads)
-        ds.parallel_min_bytes = 0
+        read_tuning(parallel_min_bytes=0)
         readers.clear()
         _assert_batch(ds.__getitems__(list(range(10, 40))), tensors, list(range(10, 40)))
         assert any(n.startswith("te_thd-read") for n in readers) == helped, (engine, threads, readers)
@@ -325,7 +330,7 @@ def test_read_threads_default(cache):
     cpus = len(os.sched_getaffinity(0))
     assert ds._parallel(False).threads == (2 if cpus >= 2 else 1) == copyread.default_read_threads()
     assert ds._parallel(True).threads == 1  # inside a DataLoader worker
-    assert ds.parallel_min_bytes == copyread.PARALLEL_MIN_BYTES == 4 << 20
+    assert copyread.PARALLEL_MIN_BYTES == 4 << 20
     assert _ds(d, read_threads=3)._parallel(True).threads == 3  # explicit: also in workers
 
 
@@ -365,10 +370,11 @@ def test_workers_read_correct_batches_after_the_parent_started_its_pool(tmp_path
     d = str(tmp_path)
     tensors = make_cache(d, N, SHARD, width=8, hidden=3)
     ds = _ds(d, "preadv", read_threads=read_threads)
-    ds.parallel_min_bytes = 0  # travels with the dataset into the workers
+    read_tuning(parallel_min_bytes=0)
     ds.__getitems__(list(range(0, 40)))
     assert any(t.name.startswith("te_thd-read") for t in threading.enumerate())  # helper threads in the parent
-    loader = DataLoader(ds, batch_size=8, num_workers=2, multiprocessing_context=method, collate_fn=_collate_reporting_threads)
+    loader = DataLoader(ds, batch_size=8, num_workers=2, multiprocessing_context=method, collate_fn=_collate_reporting_threads,
+                        worker_init_fn=share_every_batch)  # a spawned worker imports the constants afresh
     seen, pids = [], set()
     for batch, threads, started, pid in loader:
         assert threads == (read_threads or 1)
@@ -396,11 +402,6 @@ def test_bad_arguments(cache):
     for bad in (0, -2, True, 1.5, "2"):
         with pytest.raises(ValueError, match=rf"read_threads={bad!r} must be an int >= 1 \(1: read on the calling thread only\)"):
             _ds(d, read_threads=bad)
-    ds = _ds(d)
-    for bad in ("fast", "PREADV", None):
-        with pytest.raises(ValueError, match=rf"copy_engine={bad!r} must be one of \('auto', 'preadv', 'mapped'\)"):
-            ds.copy_engine = bad
-    assert ds.copy_engine == "auto"  # a refused value leaves the engine as it was
 
 
 def test_missing_key_rejected_at_open_with_a_schema(tmp_path):
@@ -523,15 +524,16 @@ def test_readahead_hints_the_read_keys_of_each_opened_shard(tmp_path, monkeypatc
     d = str(tmp_path)
     tensors = make_cache(d, 20, 8, width=8, hidden=3)
     calls = []
-    import te_thd.offline_cache.open_shards as open_shards
+    import te_thd.offline_cache.copyread as copyread
 
-    real = open_shards._fadvise
+    real = copyread._fadvise
 
     def fadvise(fd, offset, length, advice):
-        calls.append((os.readlink(f"/proc/self/fd/{fd}"), offset, length, advice))
+        if advice == os.POSIX_FADV_WILLNEED:  # (each header is read with read-ahead off)
+            calls.append((os.readlink(f"/proc/self/fd/{fd}"), offset, length, advice))
         return real(fd, offset, length, advice)
 
-    monkeypatch.setattr(open_shards, "_fadvise", fadvise)
+    monkeypatch.setattr(copyread, "_fadvise", fadvise)
     keys = ("hidden", "length")
     for readahead in (True, False):
         calls.clear()

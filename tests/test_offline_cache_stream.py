@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _offline_cache_support import write_shard_file
 from crash_test import IndexDataset
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -29,6 +30,7 @@ from torch.utils.data import DataLoader, default_collate
 
 from te_thd.offline_cache import (
     DurableShardWriter,
+    SchemaError,
     produce_cache,
     read_manifest,
     verify_cache,
@@ -41,7 +43,6 @@ from te_thd.offline_cache.shardfile import (
     ShardRecord,
     ShardStream,
     read_shard_header,
-    write_shard_file,
 )
 from te_thd.offline_cache.writebehind import WriteBehind
 from te_thd.offline_cache.writer import write_tensor_shard
@@ -91,7 +92,6 @@ def _stream(path: str, tensors: dict[str, torch.Tensor], bounds: list[int]) -> S
     s = ShardStream(path, _specs(tensors), rows)
     for lo, hi in pairwise(bounds):
         s.write({k: t[lo:hi] for k, t in tensors.items()})
-        assert s.rows_written == hi
     return s.finish()
 
 
@@ -138,26 +138,32 @@ def _two_keys(rows: int = 4) -> dict[str, torch.Tensor]:
     return {"a": torch.arange(rows * 3, dtype=torch.float32).reshape(rows, 3), "b": torch.arange(rows)}
 
 
-def test_shard_stream_rejects_bad_pieces_naming_the_key_and_stays_usable(tmp_path: Path) -> None:
+def test_the_writer_checks_each_piece_once_and_stays_usable(tmp_path: Path) -> None:
+    """Pieces are checked at the writer's boundary (the stream trusts it): a rejected piece names
+    the key and queues nothing, so the shard completes as if it never came."""
     t = _two_keys()
+    d = str(tmp_path / "d")
+    with DurableShardWriter(("a", "b"), schema=_specs(t), pipelined=False) as w:
+        with pytest.raises(SchemaError, match=r"key 'a' is float64\[n, 3\] but the cache schema says float32\[n, 3\]"):
+            w.write_piece(d, 0, 4, {"a": t["a"][:2].double(), "b": t["b"][:2]})
+        with pytest.raises(SchemaError, match=r"key 'a' is float32\[n, 4\] but the cache schema says float32\[n, 3\]"):
+            w.write_piece(d, 0, 4, {"a": torch.zeros(2, 4), "b": t["b"][:2]})
+        with pytest.raises(SchemaError, match=r"key 'b' has 1 samples on dim 0 but 'a' has 2; every key must hold one row per sample"):
+            w.write_piece(d, 0, 4, {"a": t["a"][:2], "b": t["b"][:1]})
+        w.write_piece(d, 0, 4, {"a": t["a"][:3], "b": t["b"][:3]})
+        with pytest.raises(ValueError, match=r"shard 0 holds 4 rows; 2 more after 3 overflow it"):
+            w.write_piece(d, 0, 4, {"a": t["a"][:2], "b": t["b"][:2]})
+        w.write_piece(d, 0, 4, {"a": t["a"][3:], "b": t["b"][3:]})
+        w.finish_shard(d, 0)
     s = ShardStream(str(tmp_path / "s"), _specs(t), 4)
-    with pytest.raises(ValueError, match=r"key 'a' is float64\[2, 3\], the shard holds float32\[n, 3\] rows"):
-        s.write({"a": t["a"][:2].double(), "b": t["b"][:2]})
-    with pytest.raises(ValueError, match=r"key 'a' is float32\[2, 4\], the shard holds float32\[n, 3\] rows"):
-        s.write({"a": torch.zeros(2, 4), "b": t["b"][:2]})
-    # row counts are compared across keys first, naming every key's count
-    with pytest.raises(ValueError, match=r"its keys hold different row counts \{'b': 1, 'a': 2\}; every key holds the same rows"):
-        s.write({"a": t["a"][:2], "b": t["b"][:1]})
-    assert s.rows_written == 0  # a rejected piece writes nothing
     s.write({"a": t["a"][:3], "b": t["b"][:3]})
-    with pytest.raises(ValueError, match=r"2 rows after 3 overflow the shard's 4 rows"):
-        s.write({"a": t["a"][:2], "b": t["b"][:2]})
     with pytest.raises(ValueError, match=r"got 3 of its 4 rows; write the rest first"):
         s.finish()
     s.write({"a": t["a"][3:], "b": t["b"][3:]})
     rec = s.finish()
     assert rec == write_shard_file(str(tmp_path / "w"), t)
     assert (tmp_path / "s").read_bytes() == (tmp_path / "w").read_bytes()
+    assert (tmp_path / "d" / "shard-000000.safetensors").read_bytes() == (tmp_path / "w").read_bytes()
     with pytest.raises(ValueError, match=r"is closed; start a new one"):
         s.write({"a": t["a"][:1], "b": t["b"][:1]})
     with pytest.raises(ValueError, match=r"is closed"):
@@ -574,15 +580,19 @@ def _bytes(d: Path) -> dict[str, bytes]:
 
 
 class _CountingWriter(DurableShardWriter):
-    """A real write-behind writer that counts the streaming calls it gets."""
+    """A real write-behind writer that counts the streaming calls it gets and the batches it checks."""
 
     def __init__(self, *a, **kw) -> None:
         super().__init__(*a, **kw)
-        self.pieces = self.whole = 0
+        self.pieces = self.whole = self.checked = 0
 
-    def write_piece(self, *a, **kw) -> None:
+    def validate(self, *a, **kw):
+        self.checked += 1
+        return super().validate(*a, **kw)
+
+    def queue(self, *a, **kw) -> None:
         self.pieces += 1
-        super().write_piece(*a, **kw)
+        super().queue(*a, **kw)
 
     def __call__(self, *a, **kw) -> str:
         self.whole += 1
@@ -606,6 +616,7 @@ def test_streaming_output_equals_the_non_streaming_path(tmp_path: Path, n: int, 
             w.flush()
             fields = w.manifest_fields(str(ref))
         assert w.whole == 0 and w.pieces >= -(-n // shard_size)
+        assert w.checked == -(-n // batch_size)  # each batch checked once, at the writer's boundary
         assert shards == _bytes(ref)
         assert {k: default[k] for k in fields} == fields  # schema, shards (bytes, checksum, lengths), length_rule
     plain, joined = tmp_path / "ref-plain", tmp_path / "ref-fn"  # without a run record: write_tensor_shard's bytes
@@ -624,7 +635,7 @@ def test_streaming_output_equals_the_non_streaming_path(tmp_path: Path, n: int, 
                        [(0, 0, n)], _compute, w, LOG)  # fmt: skip
         w.flush()
         assert w.manifest_fields(str(streamed)) == fields
-    assert w.whole == 0 and w.pieces >= -(-n // batch_size)
+    assert w.whole == 0 and w.pieces >= -(-n // batch_size) and w.checked == -(-n // batch_size)
     assert _bytes(streamed) == shards
 
 

@@ -10,14 +10,17 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
+from hypothesis import example, given
+from hypothesis import strategies as st
 
 PERF = Path(__file__).resolve().parents[1] / "perf"
 sys.path.insert(0, str(PERF))
 
 from goals import Goal, evaluate, failures, judge, load_goals  # noqa: E402
-from harness import Record  # noqa: E402
+from harness import Record, split_even  # noqa: E402
 
 
 def _goal(min_ratio: float, margin: float = 0.1, **kw) -> Goal:
@@ -310,3 +313,48 @@ def test_te_thd_bench_help_and_errors_name_te_thd_bench():
     p = subprocess.run([sys.executable, "-c", "import sys; from te_thd.cli import main; sys.exit(main())",
                         "bench", "--only", "nosuch"], capture_output=True, text=True, timeout=60)
     assert p.returncode == 2 and p.stderr.startswith("te-thd bench: --only nosuch: no such bench"), p.stderr
+
+
+# -- the raw loops' static split of pieces over threads ----------------------------------------
+
+
+class _Piece(NamedTuple):
+    nbytes: int
+    tag: int = 0
+
+
+def _piece(nbytes: int, tag: int = 0) -> _Piece:
+    return _Piece(nbytes, tag)
+
+
+def _size(p: _Piece) -> int:
+    return p.nbytes
+
+
+@example([1, 0], 1)  # a zero-byte piece (rows of shape [0]) after the bytes are all done
+@given(st.lists(st.sampled_from([0, 1, 2, 64]) | st.integers(0, 1000), max_size=40), st.integers(1, 6))
+def test_split_even_keeps_order_and_balances_bytes(sizes, parts):
+    """Consecutive groups: every piece once and in order, at most ``parts`` groups,
+    none empty, and a group's bytes without its last piece under ``total / parts``
+    (so no group exceeds its share by more than one piece); when no piece exceeds the
+    share, every thread gets a group."""
+    pieces = [_piece(n, i) for i, n in enumerate(sizes)]
+    groups = split_even(pieces, parts, _size)
+    flat = [p for g in groups for p in g]
+    assert [p.tag for p in flat] == list(range(len(sizes)))  # each once, in order
+    assert len(groups) <= parts
+    assert all(groups) or (not sizes and groups == [[]])
+    total = sum(sizes)
+    for g in groups:
+        before_last = sum(p.nbytes for p in g[:-1])
+        assert before_last * parts <= total, (sizes, parts, [[p.nbytes for p in g] for g in groups])
+    if total and len(sizes) >= parts and max(sizes) * parts <= total:
+        assert len(groups) == parts
+
+
+def test_split_even_examples():
+    sizes = lambda groups: [[p.nbytes for p in g] for g in groups]  # noqa: E731
+    assert sizes(split_even([_piece(n) for n in (4, 4, 4, 4)], 2, _size)) == [[4, 4], [4, 4]]
+    assert sizes(split_even([_piece(n) for n in (10, 1, 1, 1)], 2, _size)) == [[10], [1, 1, 1]]
+    assert sizes(split_even([_piece(n) for n in (3, 3, 3)], 4, _size)) == [[3], [3], [3]]  # fewer pieces than threads
+    assert sizes(split_even([_piece(5)], 3, _size)) == [[5]]

@@ -13,8 +13,8 @@ that read it. A part is copied one of two ways, chosen per (key, shard) by
   runs average at least :data:`PREADV_MIN_RUN_BYTES`, and then also for the
   part's other keys whose rows are one run.
 * gather: rows copied from the memory-mapped shard with one ``index_select``;
-  used for smaller scattered rows, where one system call per row would cost 7x
-  more (measured, docs/performance-io.md).
+  used for smaller scattered rows, where one system call per row costs more
+  than the row's bytes (figures: docs/performance-io.md).
 """
 
 from __future__ import annotations
@@ -25,12 +25,13 @@ import numpy as np
 import torch
 
 from .copyread import GatherPiece, Piece, RunPlan, plan_pieces, plan_runs
+from .format import tensor_nbytes
 from .integrity import ShardSums, row_views, verify_row_views
 from .open_shards import OpenShard
 from .shardfile import HeaderEntry
 
 __all__ = [
-    "COPY_ENGINES",
+    "COPY_ENGINE",
     "PREADV_MIN_RUN_BYTES",
     "Part",
     "Scattered",
@@ -48,8 +49,10 @@ __all__ = [
 #: docs/performance-io.md.
 PREADV_MIN_RUN_BYTES = 256 * 1024
 
-#: Values of ``CachedTensorDataset.copy_engine``.
-COPY_ENGINES = ("auto", "preadv", "mapped")
+#: How every (key, shard) part of a batch is copied: ``"auto"`` (:func:`choose_engines`),
+#: or ``"preadv"`` / ``"mapped"`` for all of them. Looked up per batch, so a bench that
+#: measures one engine patches this constant.
+COPY_ENGINE = "auto"
 
 #: One shard's part of a batch: ``(shard, local rows int64 [m], batch rows int64 [m] or None for 0..m-1)``.
 Part = tuple[int, np.ndarray, "np.ndarray | None"]
@@ -96,35 +99,31 @@ def row_ranges(entries: dict[str, HeaderEntry], keys: Sequence[str], rows: np.nd
     out = []
     for key in keys:
         e = entries[key]
-        rb = (e.end - e.start) // e.shape[0] if e.shape and e.shape[0] else 0
+        rb = tensor_nbytes(e.dtype, e.shape[1:])
         out += [(e.start + int(run[0]) * rb, int(run.size) * rb) for run in runs if run.size]
     return out
 
 
-def _row_bytes(e: HeaderEntry) -> int:
-    return (e.end - e.start) // e.shape[0]
-
-
 def choose_engines(
-    copy_engine: str, min_run_bytes: int, keys: Sequence[str], local: np.ndarray, pos: np.ndarray | None,
-    entries: dict[str, HeaderEntry],
+    keys: Sequence[str], local: np.ndarray, pos: np.ndarray | None, entries: dict[str, HeaderEntry],
 ) -> tuple[dict[str, bool], RunPlan | None]:  # fmt: skip
     """``{key: read with preadv}`` for rows ``local`` -> batch rows ``pos`` of one shard,
     and the run plan if counting the runs needed one (the preadv pieces reuse it).
 
-    ``copy_engine`` ``"preadv"`` / ``"mapped"`` decide alone. ``"auto"``: a key goes
+    :data:`COPY_ENGINE` ``"preadv"`` / ``"mapped"`` decides alone. ``"auto"``: a key goes
     through ``preadv`` when its runs of consecutive file rows average at least
-    ``min_run_bytes``; then every key whose rows are one run joins it (one
+    :data:`PREADV_MIN_RUN_BYTES`; then every key whose rows are one run joins it (one
     more system call costs less than the mapped gather's fixed cost for one small
     key), while a part with no such key uses the mapped gather throughout (its fixed
-    cost shared by all keys: measured 6% faster for small sequential rows).
+    cost shared by all keys).
     """
-    if copy_engine != "auto":
-        return dict.fromkeys(keys, copy_engine == "preadv"), None
+    if COPY_ENGINE != "auto":
+        return dict.fromkeys(keys, COPY_ENGINE == "preadv"), None
+    min_run_bytes = PREADV_MIN_RUN_BYTES
     plan: RunPlan | None = None  # the same row pattern for every key: planned at most once
     out: dict[str, bool] = {}
     for key in keys:
-        row_bytes = _row_bytes(entries[key])
+        row_bytes = tensor_nbytes(entries[key].dtype, entries[key].shape[1:])
         use = row_bytes >= min_run_bytes
         # the run count is only needed when the bounds 1 <= runs <= m leave it open
         if not use and row_bytes * local.size >= min_run_bytes:
@@ -175,7 +174,7 @@ def plan_shard_rows(
     all_rows: Sequence[int] = ()
     for key in keys:
         e = entries[key]
-        row_bytes = _row_bytes(e)
+        row_bytes = tensor_nbytes(e.dtype, e.shape[1:])
         if engines[key]:
             after = verifier(key, out[key])
             plan = plan or plan_runs(local, pos)

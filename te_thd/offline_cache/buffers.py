@@ -4,8 +4,8 @@
 
 * fresh (default) -- memory no one else uses; a buffer handed out earlier is handed
   out again only once every reference to it outside the pool is gone. Never-touched
-  memory costs page faults and cache misses on every batch (measured here: a fresh
-  destination alone costs ~10-25 % of a large-sample read), so recycling matters.
+  memory costs page faults and cache misses on every batch, a sizeable share of a
+  large-sample read (docs/performance-io.md), so recycling matters.
 * ``shared`` -- inside a DataLoader worker the batch is pickled to the main
   process; allocating it in shared memory up front (as ``default_collate`` does)
   saves that copy. Such a batch leaves the process, so it is never recycled.
@@ -16,7 +16,6 @@
 
 from __future__ import annotations
 
-import math
 import sys
 from collections.abc import Sequence
 
@@ -24,6 +23,7 @@ import numpy as np
 import torch
 
 from .copyread import tensor_memoryview
+from .format import tensor_nbytes
 
 __all__ = ["DestinationBuffers", "new_tensor"]
 
@@ -82,8 +82,7 @@ class DestinationBuffers:
     that drops batch ``i`` while it reads ``i + 1`` therefore cycles between two buffer
     sets, with no lifetime rule to follow; a consumer that keeps its batches just gets
     new memory. Recycling saves the page faults and cache misses of never-touched
-    memory, measured here at 10-25 % of a large-sample read, up to 4x when the
-    allocator returns freed batches to the kernel.
+    memory, most when the allocator returns freed batches to the kernel.
 
     Args:
         shared: allocate in shared memory, never recycle (inside a DataLoader
@@ -111,7 +110,7 @@ class DestinationBuffers:
         if self.shared or self.pinned:
             t = new_tensor(shape, dtype, shared=self.shared, pinned=self.pinned)
             return t, tensor_memoryview(t)
-        nbytes = math.prod(shape) * dtype.itemsize
+        nbytes = tensor_nbytes(dtype, shape)
         entries = self._pool.setdefault((key, dtype, sample_shape), [])
         for buf in entries:
             if buf.owner.nbytes >= nbytes and buf.idle():

@@ -3,8 +3,8 @@
 A batch of a cache key is ``n`` rows of ``row_bytes`` bytes each, at file offset
 ``base + row * row_bytes`` (safetensors stores every tensor contiguously, row-major).
 :func:`plan_runs` sorts the batch's rows by file position and cuts them into
-*runs* of consecutive file rows; :func:`read_rows` reads each run with one
-``os.preadv`` whose iovecs point straight at the destination rows (in batch order,
+*runs* of consecutive file rows; :func:`plan_pieces` makes each run one
+``os.preadv`` (:func:`read_piece`) whose iovecs point straight at the destination rows (in batch order,
 wherever they sit), so the kernel copies each byte once from the page cache into
 the tensor: no mapping, so no page faults on the source, and no staging buffer.
 
@@ -23,7 +23,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, NamedTuple, TypeVar
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -37,17 +37,30 @@ __all__ = [
     "Piece",
     "ReadError",
     "RunPlan",
+    "advise",
     "plan_pieces",
     "plan_runs",
     "default_read_threads",
     "read_piece",
-    "read_rows",
-    "split_even",
     "tensor_memoryview",
 ]
 
 #: Linux's limit on iovecs per ``preadv`` call; longer runs are split.
 IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") and "SC_IOV_MAX" in os.sysconf_names else 1024
+
+_fadvise = getattr(os, "posix_fadvise", None)  # not on macOS
+
+
+def advise(fd: int, advice: str, offset: int = 0, length: int = 0) -> None:
+    """Page-cache advice on ``fd``'s bytes ``[offset, offset + length)`` (``length`` 0: to the end), the
+    one place the cache gives it; nothing where the platform has no ``posix_fadvise``.
+
+    ``"willneed"``: start reading those pages now, so scattered reads queue up at the
+    storage at once. ``"random"``: no kernel read-ahead, for a file read a few pieces
+    here and there (a shard header; a ragged shard), where read-ahead reads what is not needed.
+    """
+    if _fadvise is not None:
+        _fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED if advice == "willneed" else os.POSIX_FADV_RANDOM)
 
 
 @dataclass(frozen=True)
@@ -127,8 +140,8 @@ class Piece(NamedTuple):
     ``after(*args)`` (or None) runs right after the bytes are in place, on the
     thread that read them: a checksum finds them still in cache. ``nbytes`` is
     the size of ``iov``; ``path`` names the file in errors. A named tuple, not a
-    frozen dataclass: a batch builds a dozen of these, and a frozen dataclass
-    costs ~2 us each to build.
+    frozen dataclass: a batch builds a dozen of these, and a frozen dataclass's
+    checked ``__init__`` is several times slower to build.
     """
 
     fd: int
@@ -229,50 +242,9 @@ def read_piece(piece: Piece | GatherPiece) -> None:
         piece.after(*piece.args)
 
 
-def read_rows(
-    fd: int, base: int, row_bytes: int, plan: RunPlan, dst: memoryview, path: str,
-    after: AfterRead | None = None, chunk_bytes: int = 0,
-) -> None:  # fmt: skip
-    """Read the planned rows of one tensor into ``dst`` on this thread (:func:`plan_pieces`, then each piece).
-
-    A short read means the file shrank under the reader: ``OSError`` naming ``path``.
-    """
-    for piece in plan_pieces(fd, base, row_bytes, plan, dst, path, after, chunk_bytes):
-        read_piece(piece)
-
-
-T = TypeVar("T")
-
-
-def _nbytes(piece: Any) -> int:
-    return int(piece.nbytes)
-
-
-def split_even(pieces: Sequence[T], parts: int, size: Callable[[T], int] = _nbytes) -> list[list[T]]:
-    """Cut ``pieces`` (in order) into at most ``parts`` consecutive groups of about equal size.
-
-    Pure. ``size(piece)``: its bytes (default ``piece.nbytes``). Group ``g`` ends
-    at the first piece whose cumulative size reaches ``(g + 1) / parts`` of the
-    total; empty groups are dropped. A static split, one group per thread (the
-    benchmark's raw two-thread loop reads this way); :class:`ParallelReads` instead
-    lets its threads take pieces one at a time, so a late thread holds nothing up.
-    """
-    total = sum(size(p) for p in pieces)
-    groups: list[list[T]] = [[]]
-    done = 0
-    for piece in pieces:
-        if done * parts >= total * len(groups) and len(groups) < parts and groups[-1]:
-            groups.append([])
-        groups[-1].append(piece)
-        done += size(piece)
-    return groups
-
-
 #: A batch is read by several threads only from this many bytes on: below it,
-#: waking a helper thread (tens of microseconds when its core sleeps) costs more
-#: than the second core saves -- measured here, 2 MiB batches read 5-20% slower on
-#: two threads, 4 MiB 15% faster, 8 MiB 30-45% faster (``perf/measure_read_crossover.py``,
-#: docs/performance-io.md).
+#: waking a helper thread (when its core sleeps) costs more than the second core
+#: saves (the crossover, measured by ``perf/measure_read_crossover.py``: docs/performance-io.md).
 PARALLEL_MIN_BYTES = 4 << 20
 
 
@@ -384,8 +356,7 @@ class ParallelReads:
 
     ``preadv`` and ``xxh3_64`` both release the GIL, so each thread's kernel copy
     and checksum run on their own core; a single-threaded copy tops out at one
-    core's memory bandwidth (measured here: 6 MiB in ~830 us on one thread,
-    ~520 us on two). The pieces sit in one queue per batch that every
+    core's memory bandwidth. The pieces sit in one queue per batch that every
     participating thread takes from (``_Batch``). :meth:`run` reads with the
     calling thread and ``threads - 1`` helpers; :meth:`start` hands a batch to
     ``threads`` helpers and returns at once (read-ahead: the caller plans the
@@ -394,33 +365,33 @@ class ParallelReads:
     that started them (a forked DataLoader worker starts its own).
     """
 
-    def __init__(self, threads: int, min_bytes: int = PARALLEL_MIN_BYTES) -> None:
+    def __init__(self, threads: int, min_bytes: int | None = None) -> None:
         check_int("read_threads", threads, 1, meaning=" (1: read on the calling thread only)")
         self.threads = threads
         self.min_bytes = min_bytes
         self._workers: list[_Worker] = []
         self._pid = os.getpid()
 
-    def _shared(self, pieces: Sequence[Piece], min_bytes: int | None) -> bool:
-        limit = self.min_bytes if min_bytes is None else min_bytes
+    def _shared(self, pieces: Sequence[Piece]) -> bool:
+        # the module constant is looked up per batch: a bench measuring the split patches it
+        limit = PARALLEL_MIN_BYTES if self.min_bytes is None else self.min_bytes
         return self.threads > 1 and len(pieces) > 1 and sum(p.nbytes for p in pieces) >= limit
 
     def run(
-        self, pieces: Sequence[Piece | GatherPiece], finish: Callable[[], None] | None = None,
-        min_bytes: int | None = None,
-    ) -> None:  # fmt: skip
+        self, pieces: Sequence[Piece | GatherPiece], finish: Callable[[], None] | None = None
+    ) -> None:
         """Read every piece; ``finish`` (the batch's last step) then runs on the calling thread.
 
         The pieces are shared out only when they hold at least ``min_bytes``
-        (default: this object's ``min_bytes``). Returns once every thread is done
+        (``None``: :data:`PARALLEL_MIN_BYTES`). Returns once every thread is done
         with the batch's memory, also when one of them failed: then the first
         error is raised.
         """
-        self.start(pieces, finish, min_bytes, helpers=self.threads - 1).wait()
+        self.start(pieces, finish, helpers=self.threads - 1).wait()
 
     def start(
         self, pieces: Sequence[Piece | GatherPiece], finish: Callable[[], None] | None = None,
-        min_bytes: int | None = None, helpers: int | None = None,
+        helpers: int | None = None,
     ) -> PendingReads:  # fmt: skip
         """Hand the pieces to ``helpers`` (default ``threads``) helper threads and return at once.
 
@@ -428,7 +399,7 @@ class ParallelReads:
         on the waiting thread, which also runs ``finish``.
         """
         batch = _Batch(pieces)
-        if not self._shared(pieces, min_bytes):
+        if not self._shared(pieces):
             return PendingReads(batch, [], finish)
         workers = self._started()
         n = self.threads if helpers is None else helpers
@@ -441,11 +412,11 @@ class ParallelReads:
             self._workers = [_Worker(f"te_thd-read-{i}") for i in range(self.threads)]
         return self._workers
 
-    def __getstate__(self) -> dict[str, int]:
+    def __getstate__(self) -> dict[str, int | None]:
         # threads belong to the process that started them
         return {"threads": self.threads, "min_bytes": self.min_bytes}
 
-    def __setstate__(self, state: dict[str, int]) -> None:
+    def __setstate__(self, state: dict[str, int | None]) -> None:
         self.__init__(**state)  # type: ignore[misc]
 
 

@@ -28,10 +28,11 @@ from __future__ import annotations
 
 import importlib
 import json
+import math
 import os
 import re
 import zlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -101,6 +102,13 @@ def dtype_from_name(name: str) -> torch.dtype:
         raise ValueError(
             f"dtype {name!r} is not a cache dtype; supported: {sorted(_NAME_TO_DTYPE)}"
         ) from None
+
+
+def tensor_nbytes(dtype: torch.dtype, shape: Sequence[int]) -> int:
+    """Bytes of a ``dtype`` tensor of ``shape``; given a sample's trailing shape, the bytes of one row.
+
+    The one formula by which shards are laid out, written and read back (exact: Python ints)."""
+    return math.prod(shape) * dtype.itemsize
 
 
 @dataclass(frozen=True)

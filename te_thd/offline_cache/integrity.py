@@ -24,12 +24,11 @@ One metadata key (not one per field) keeps the bytes deterministic: safetensors
 itself writes metadata keys in hash-map order, so with a single key
 ``save_file(tensors, metadata={"te_thd": ...})`` produces the identical file.
 
-Hash choice, measured on the 2-core CI box (single thread, ``perf`` numbers in
-the docs): xxh3_64 14.4 GB/s on 64 MiB and 0.24 us per 2 KiB row (the Python
-call dominates small rows); crc32c 13.8 GB/s and 0.39 us; zlib.crc32 4.1 GB/s
-and 0.75 us; google-crc32c needs a read-only ``bytes`` copy (1.3 GB/s through
-numpy buffers). Both xxhash and crc32c release the GIL. Per-row sums must be
-cheap per call, so xxh3_64 wins.
+Hash choice (figures: docs/performance-io.md): per-row sums must be cheap per
+call, as the Python call dominates small rows, and must release the GIL, so two
+read threads hash at once. xxh3_64 is the cheapest per call of the hashes tried
+(crc32c, zlib.crc32, google-crc32c, which needs a read-only ``bytes`` copy) at
+the same bulk rate as the fastest of them.
 """
 
 from __future__ import annotations
@@ -62,8 +61,8 @@ _hash = xxhash.xxh3_64_intdigest
 def byte_view(t: torch.Tensor) -> memoryview:
     """Flat byte view of a CPU tensor's memory (zero-copy when contiguous; ``t`` must outlive it).
 
-    Built from the data pointer: ~1 us, where ``t.view(torch.uint8).numpy()``
-    costs ~10 us of dispatch per call -- more than hashing a small batch.
+    Built from the data pointer: ``t.view(torch.uint8).numpy()`` goes through torch's
+    dispatcher twice, which costs more than hashing a small batch.
     """
     if not t.is_contiguous():
         t = t.contiguous()
@@ -73,17 +72,17 @@ def byte_view(t: torch.Tensor) -> memoryview:
     return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
 
 
-def row_sums(t: torch.Tensor, first_row: int = 0) -> list[int]:
-    """``xxh3_64`` of each row of ``t`` (``[n, ...]``, contiguous CPU), row ``i`` seeded with ``first_row + i``.
-
-    ``first_row``: the shard row index of ``t``'s first row when ``t`` is one
-    piece of a shard's tensor.
-    """
-    return byte_row_sums(byte_view(t), t.shape[0], first_row)
+def on_cpu(t: torch.Tensor) -> torch.Tensor:
+    """``t`` detached, on the CPU and contiguous, as a shard's rows are written and hashed from:
+    ``t`` itself when it already is one (a GPU producer's batch is copied once, here)."""
+    if t.device.type == "cpu" and t.is_contiguous() and not t.requires_grad:
+        return t
+    return t.detach().to("cpu").contiguous()
 
 
 def byte_row_sums(view: memoryview, rows: int, first_row: int = 0) -> list[int]:
-    """:func:`row_sums` of ``rows`` equal rows laid out back to back in the bytes of ``view``."""
+    """``xxh3_64`` of each of ``rows`` equal rows laid out back to back in the bytes of ``view``,
+    row ``i`` seeded with ``first_row + i`` (the shard row index of the view's first row)."""
     rb = view.nbytes // rows if rows else 0
     return [_hash(view[i * rb : i * rb + rb], first_row + i) for i in range(rows)]
 
@@ -96,7 +95,8 @@ def decode_sums(text: str, rows: int) -> array.array:
     """Inverse of :func:`encode_sums`: ``array('Q')`` of ``rows`` sums (``ValueError`` otherwise).
 
     An ``array`` rather than an ndarray: a reader picks a batch's sums by Python
-    index, which costs ~50 ns per row here and ~5 us of fancy indexing in numpy.
+    index, where numpy's fancy indexing pays a fixed cost per call larger than
+    a small batch's lookups.
     """
     raw = base64.b64decode(text.encode("ascii"), validate=True)
     if len(raw) != 8 * rows:
@@ -125,7 +125,7 @@ def shard_metadata(
 
     ``tensor_entries`` is the safetensors header without metadata
     (``{key: {"dtype", "shape", "data_offsets"}}``), ``sums`` the per-row sums of
-    every key (:func:`row_sums`), ``rows`` the sample count. ``tokens``: the
+    every key (:func:`byte_row_sums`), ``rows`` the sample count. ``tokens``: the
     ragged tensors' fields of a token-layout shard (:mod:`~te_thd.offline_cache.token_shard`),
     covered by the digest like the rest. ``run``: the producer's run record (JSON
     values; see the module docstring), covered too. The digest is what the manifest
@@ -297,9 +297,9 @@ def verify_row_views(
 
     The form a batched read calls after each piece: the batch tensor's row views are cut
     once per batch (cached by address), so checking a piece slices a list, not a tensor
-    (a tensor slice costs ~5 us of dispatch).
+    (a tensor slice goes through torch's dispatcher).
     """
-    # map() over prebuilt row views: ~40% less Python per row than an indexed loop
+    # map() over prebuilt row views: no Python bytecode per row, unlike an indexed loop
     got = list(map(_hash, views, rows))
     want = list(map(expected.__getitem__, rows))
     if got == want:

@@ -113,7 +113,7 @@ class CachedDataLoader(DataLoader):
     sampler: CacheShardSampler | BalancedBatchSampler
 
     #: With ``num_workers=0`` (also pinned for CUDA): when the training step leaves time
-    #: for it (:data:`READ_AHEAD_MIN_STEP_SHARE`), start reading batch ``i + 1``
+    #: for it (a step of at least half a batch's read), start reading batch ``i + 1``
     #: (``CachedTensorDataset.start_read``) before handing out batch ``i``, so its copy
     #: runs on the reader's helper threads while the step runs. Costs one more batch of
     #: buffers; the sampler is then one batch ahead (as with DataLoader workers).
@@ -145,8 +145,8 @@ class CachedDataLoader(DataLoader):
 
         Same batches in the same order (batch sampler -> ``__getitems__`` or one
         ``dataset[i]`` per index -> ``collate_fn``; without a batch size, one
-        ``dataset[index]`` per sampler item), minus ~25-50 us a batch of profiler
-        hooks and fetcher dispatch: 5-20% of reading a cached batch. With
+        ``dataset[index]`` per sampler item), minus the profiler hooks and fetcher
+        dispatch of each batch, a share of reading a cached batch worth saving. With
         ``pin_memory`` on a CUDA machine every batch is pinned, as torch's pin step does.
         """
         dataset, collate = self.dataset, self.collate_fn
@@ -211,13 +211,6 @@ def _map_tensors(batch: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     return batch
 
 
-#: Read ahead once the consumer spends at least this share of a batch's read time
-#: between batches (the last synchronous read, an average of the consumer's recent
-#: times): then part of the read
-#: hides behind its work; below it the extra threads only contend with the reader.
-READ_AHEAD_MIN_STEP_SHARE = 0.5
-
-
 def _read_ahead(
     start: Callable[[Sequence[int]], Any], read: Callable[[Sequence[int]], Any],
     batches: Iterator[Sequence[int]] | Any, collate: Callable[[Any], Any],
@@ -225,18 +218,19 @@ def _read_ahead(
     """``collate(batch)`` for every index list of ``batches``, read ahead when the consumer leaves time for it.
 
     Each batch is read by ``read`` (on this thread and the reader's helpers), or,
-    when the consumer's time between batches is at least
-    :data:`READ_AHEAD_MIN_STEP_SHARE` of a read, started by ``start`` before the
-    previous batch is handed out, so the reader's threads copy it while the
-    consumer works. A consumer that asks for the next batch at once (a bare read
-    loop) is served synchronously, where read-ahead would only add contention
-    (measured: 5-20% slower on 2 cores). A read still in flight when the consumer
-    stops early is waited for (its buffers must not be written once they can be
-    handed out again).
+    when the consumer's last time between batches was at least half the last
+    synchronous read, started by ``start`` before the previous batch is handed
+    out, so the reader's threads copy it while the consumer works: then at least
+    half of each read hides behind the consumer's work. A consumer that asks for
+    the next batch at once (a bare read loop) is served synchronously, where
+    read-ahead would only make the reader's threads contend with the planning of
+    the next batch (docs/performance-io.md). A read still in flight when the
+    consumer stops early is waited for (its buffers must not be written once they
+    can be handed out again).
     """
     it = iter(batches)
     pending = None
-    read_s = step_s = 0.0  # the last synchronous read; an exponential average of the consumer's time
+    read_s = step_s = 0.0  # the last synchronous read; the consumer's last time between batches
     try:
         indices = next(it, None)
         while indices is not None:
@@ -248,7 +242,7 @@ def _read_ahead(
                 current, pending = pending, None
                 batch = current.result()
             indices = next(it, None)
-            if indices is not None and step_s >= READ_AHEAD_MIN_STEP_SHARE * read_s:
+            if indices is not None and 2 * step_s >= read_s:
                 try:
                     pending = start(indices)
                 except Exception:  # noqa: BLE001 - e.g. a damaged shard: raised by the plain read of
@@ -258,8 +252,7 @@ def _read_ahead(
             del batch
             t1 = time.perf_counter()
             yield out
-            took = time.perf_counter() - t1
-            step_s = took if not step_s else 0.75 * step_s + 0.25 * took
+            step_s = time.perf_counter() - t1
     finally:
         if pending is not None:
             try:

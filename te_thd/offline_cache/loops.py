@@ -22,7 +22,7 @@ consumers patch that attribute to capture the loaders.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -31,6 +31,7 @@ from torch.utils.data import DataLoader, Dataset, Subset
 from te_thd.args import check_int
 from te_thd.offline_cache.errors import SchemaError
 from te_thd.offline_cache.format import check_shard_size, format_indices, shard_layout, shard_rows
+from te_thd.offline_cache.integrity import on_cpu
 from te_thd.offline_cache.writer import DurableShardWriter, WriteShardFn, validate_shard_tensors
 
 
@@ -41,17 +42,16 @@ def _loader_class() -> type:
     return package.DataLoader
 
 
-def _batch_rows(batch_cache: Mapping[str, Any]) -> int:
-    """Rows of one ``compute_batch`` output, checked by the writer's rule (``validate_shard_tensors``)."""
+def _checked(batch_cache: Any, writer: WriteShardFn) -> dict[str, torch.Tensor]:
+    """One ``compute_batch`` output, checked once, at the writer's boundary: a
+    :class:`DurableShardWriter` checks its stored keys against the schema (``{}``: a
+    producer's writer that recorded an error stores nothing more); for any other
+    ``write_shard_fn`` the accumulator is that boundary and checks every key."""
+    if isinstance(writer, DurableShardWriter):
+        return writer.validate(batch_cache, where="compute_batch's output")
     if not batch_cache:
         raise SchemaError("compute_batch returned an empty dict; it must return the cache tensors")
-    checked = validate_shard_tensors(batch_cache, tuple(batch_cache), "", 0, where="compute_batch's output")
-    return next(iter(checked.values())).shape[0]
-
-
-def _on_cpu(t: torch.Tensor) -> torch.Tensor:
-    """``t`` detached on the CPU (``t`` itself when it already is: ``detach().to()`` costs ~3 us)."""
-    return t if t.device.type == "cpu" and not t.requires_grad else t.detach().to("cpu")
+    return validate_shard_tensors(batch_cache, tuple(batch_cache), "", 0, where="compute_batch's output")
 
 
 class ShardAccumulator:
@@ -94,10 +94,6 @@ class ShardAccumulator:
         self._total = self._remaining = total_samples or 0  # streaming: samples of the run from the current shard on
         self._keys: set[str] | None = None  # the first batch's keys; every batch returns the same
 
-    @property
-    def next_shard_index(self) -> int:
-        return self._shard_index
-
     def _flush(self, max_samples: int | None = None) -> None:
         if self._buffered == 0:
             return
@@ -118,7 +114,7 @@ class ShardAccumulator:
         writer = self._write_shard_fn
         if isinstance(writer, DurableShardWriter):
             for piece in pieces:
-                writer.write_piece(self._output_dir, self._shard_index, n, piece)
+                writer.queue(self._output_dir, self._shard_index, n, piece)
             path = writer.finish_shard(self._output_dir, self._shard_index)
         else:
             shard = {k: pieces[0][k] if len(pieces) == 1 else torch.cat([p[k] for p in pieces]) for k in pieces[0]}
@@ -131,7 +127,10 @@ class ShardAccumulator:
     def add(self, batch_cache: dict[str, torch.Tensor], samples: int | None = None) -> None:
         """Append one computed batch, flushing whole shards as they fill. ``samples``: how many
         samples the batch held, when known (it must have as many rows)."""
-        rows = _batch_rows(batch_cache)
+        checked = _checked(batch_cache, self._write_shard_fn)
+        if not checked:
+            return
+        rows = next(iter(checked.values())).shape[0]
         if samples is not None and rows != samples:
             first = self._shard_index * self._shard_size + self._buffered  # the batch's first sample
             raise ValueError(
@@ -140,15 +139,15 @@ class ShardAccumulator:
                 "collate_fn (shards are cut by sample index)"
             )
         if self._keys is None:
-            self._keys = set(batch_cache)
-        elif batch_cache.keys() != self._keys:
+            self._keys = set(checked)
+        elif checked.keys() != self._keys:
             raise SchemaError(
-                f"compute_batch returned keys {sorted(batch_cache)} after {sorted(self._keys)}; "
+                f"compute_batch returned keys {sorted(checked)} after {sorted(self._keys)}; "
                 "every batch must return the same keys"
             )
         if rows == 0:
             return
-        batch = {k: _on_cpu(v) for k, v in batch_cache.items()}
+        batch = {k: on_cpu(v) for k, v in checked.items()}
         if self._streaming:
             self._stream(batch, rows)
             return
@@ -173,7 +172,7 @@ class ShardAccumulator:
                 )
             take = min(rows - offset, shard_rows - self._buffered)
             piece = batch if take == rows else {k: v[offset : offset + take] for k, v in batch.items()}
-            writer.write_piece(self._output_dir, self._shard_index, shard_rows, piece)
+            writer.queue(self._output_dir, self._shard_index, shard_rows, piece)
             offset += take
             self._buffered += take
             if self._buffered == shard_rows:
@@ -309,9 +308,7 @@ def lockstep_write(
     forwards (one sample, ``dataset[0]``, output discarded) pad this rank to
     ``sync_max_steps(local_steps)``: every rank calls ``compute_batch`` equally
     often, which a sharded model's collectives require. ``progress`` (a tqdm-like
-    object or ``None``) gets ``update(1)`` per step. A ``compute_batch`` result of
-    ``None`` stores nothing for that batch (the producer uses it to keep stepping
-    after an error without writing). Returns
+    object or ``None``) gets ``update(1)`` per step. Returns
     ``(local_steps, global_steps)``.
     """
     dataset = dataloader.dataset
@@ -327,9 +324,7 @@ def lockstep_write(
     for start_shard, start, n in runs:
         accumulator = ShardAccumulator(output_dir, shard_size, start_shard, write_shard_fn, logger, total_samples=n)
         for k, batch in enumerate(sequential_subset_loader(dataloader, start, start + n)):
-            out = compute_batch(batch)
-            if out is not None:  # None: the caller chose not to store this batch (see produce_cache)
-                accumulator.add(out, min(bs, n - k * bs))  # the subset loader's batches: bs samples, the last fewer
+            accumulator.add(compute_batch(batch), min(bs, n - k * bs))  # the subset loader's batches: bs samples, the last fewer
             steps += 1
             if progress is not None:
                 progress.update(1)

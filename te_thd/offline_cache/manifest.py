@@ -61,6 +61,7 @@ from te_thd.offline_cache.errors import (
     ManifestError,
     ManifestNotFoundError,
     lost_manifest,
+    producer_hint,
     rebuild_manifest_hint,
     repair_hint,
 )
@@ -429,20 +430,18 @@ def ensure_supervision_options_match(
 PRODUCER_KEY, PRODUCER_ARGS_KEY, CACHE_DIR_ARG = "producer", "producer_args", "{cache_dir}"
 
 
-def recorded_producer(cache_dir: str, manifest: Mapping[str, Any]) -> str | None:
-    """The command that re-runs the producer of ``manifest``'s cache into ``cache_dir``, in backticks.
-
-    From the ``producer`` and ``producer_args`` options a producer recorded (the
-    example's does), run by this interpreter (``sys.executable``: the one with torch
-    and te_thd); ``"<producer> with the arguments that built it"`` when only the
-    script is recorded; ``None`` when neither is.
-    """
-    producer, args = manifest.get(PRODUCER_KEY), manifest.get(PRODUCER_ARGS_KEY)
-    if not isinstance(producer, str):
-        return None
+def producer_command(cache_dir: str, manifest: Mapping[str, Any], producer: str | None = None) -> str:
+    """What re-runs the producer of ``manifest``'s cache into ``cache_dir``, as every hint names it:
+    ``producer`` (the caller's); else the command the cache records in its ``producer`` and
+    ``producer_args`` options (the example's does), in backticks, run by this interpreter
+    (``sys.executable``: the one with torch and te_thd), or ``"<producer> with the arguments that
+    built it"`` when only the script is recorded; else the ``produce_cache`` call (``producer_hint``)."""
+    recorded, args = manifest.get(PRODUCER_KEY), manifest.get(PRODUCER_ARGS_KEY)
+    if producer or not isinstance(recorded, str):
+        return producer_hint(producer)
     if not (isinstance(args, list) and all(isinstance(a, str) for a in args)):
-        return f"{producer} (the producer this cache records) with the arguments that built it"
-    argv = [sys.executable, producer, *(cache_dir if a == CACHE_DIR_ARG else a for a in args)]
+        return f"{recorded} (the producer this cache records) with the arguments that built it"
+    argv = [sys.executable, recorded, *(cache_dir if a == CACHE_DIR_ARG else a for a in args)]
     return f"`{shlex.join(argv)}`"
 
 

@@ -16,15 +16,12 @@ from typing import Any
 
 import torch
 
+from .copyread import advise
 from .errors import CacheIntegrityError
 from .shardfile import HeaderEntry, ShardHeader
 from .token_read import TokenIndex
 
 __all__ = ["OpenShard", "OpenShards", "map_shard"]
-
-# readahead hints where the platform has them (not on macOS)
-_fadvise = getattr(os, "posix_fadvise", None)
-
 
 def map_shard(path: str, entries: dict[str, HeaderEntry], keys: Sequence[str], repair: str) -> dict[str, torch.Tensor]:
     """Memory-map one safetensors file and return ``{key: [rows, ...] view}`` for ``keys``.
@@ -87,12 +84,11 @@ class OpenShard:
                 raise CacheIntegrityError(
                     f"shard {self.path} is missing (removed after the cache was opened?). {repair}", path=self.path
                 ) from None
-            if _fadvise is not None:
-                if self.tokens is not None:
-                    _fadvise(self.fd, 0, 0, os.POSIX_FADV_RANDOM)
-                for key in prefetch:
-                    e = self.header.entries[key]
-                    _fadvise(self.fd, e.start, e.end - e.start, os.POSIX_FADV_WILLNEED)
+            if self.tokens is not None:
+                advise(self.fd, "random")
+            for key in prefetch:
+                e = self.header.entries[key]
+                advise(self.fd, "willneed", e.start, e.end - e.start)
         return self.fd
 
     def mapped(self, keys: Sequence[str], repair: str) -> dict[str, torch.Tensor]:

@@ -115,37 +115,22 @@ class _RecordingWriter(DurableShardWriter):
                          token_layout=token_layout, run_record=run_record)  # fmt: skip
         self.error: str | None = None
 
-    def check_batch(self, out: Any) -> dict[str, torch.Tensor] | None:
+    def validate(self, samples: Any, shard_index: int = -1, where: str | None = None) -> dict[str, torch.Tensor]:
         """One ``compute_batch`` result, validated against the schema (the first batch fixes it if
-        unset): the stored keys, or ``None`` after recording the first error."""
-        if self.error is not None:
-            return None
-        if not isinstance(out, Mapping):
-            self.error = f"compute_batch returned a {type(out).__name__}; it must return a dict of tensors"
-            return None
-        try:
-            return self.validate(out, where="compute_batch output")
-        except SchemaError as exc:
-            self.error = str(exc)
-            return None
-
-    def write_piece(self, cache_dir: str, shard_index: int, rows: int, piece: Mapping[str, Any]) -> None:
+        unset): the stored keys, or ``{}`` (nothing to store) once the first error is recorded."""
         if self.error is None:
-            super().write_piece(cache_dir, shard_index, rows, piece)
+            try:
+                if not isinstance(samples, Mapping):
+                    raise SchemaError(f"compute_batch returned a {type(samples).__name__}; it must return a dict of tensors")
+                return super().validate(samples, shard_index, "compute_batch output")
+            except SchemaError as exc:
+                self.error = str(exc)
+        return {}
 
     def finish_shard(self, cache_dir: str, shard_index: int) -> str:
         if self.error is not None:  # the shard stays unfinished; close() removes its temp file
             return shard_path(cache_dir, shard_index)
         return super().finish_shard(cache_dir, shard_index)
-
-    def __call__(self, cache_dir: str, shard_index: int, samples: dict[str, torch.Tensor]) -> str:
-        if self.error is not None:
-            return shard_path(cache_dir, shard_index)
-        try:
-            return super().__call__(cache_dir, shard_index, samples)
-        except SchemaError as exc:
-            self.error = str(exc)
-            return shard_path(cache_dir, shard_index)
 
 
 def _progress_bar(total: int, enabled: bool | None, rank: int) -> Any:
@@ -400,13 +385,10 @@ class _Job:
         global_steps = self.comm.max_int(sum(-(-n // bs) for _, _, n in runs))
         bar = _progress_bar(global_steps, progress, self.comm.rank)
 
-        def compute(batch: Any) -> dict[str, torch.Tensor] | None:
-            return writer.check_batch(compute_batch(batch))
-
         try:
             lockstep_write(
                 dataloader, self.target, self.shard_size, runs,
-                compute, writer, self.logger,
+                compute_batch, writer, self.logger,
                 sync_max_steps=lambda _steps: global_steps, progress=bar,
             )  # fmt: skip
         finally:

@@ -47,8 +47,6 @@ from torch.utils.data import Dataset, get_worker_info
 
 from ..args import check_int, check_names
 from .batch_plan import (
-    COPY_ENGINES,
-    PREADV_MIN_RUN_BYTES,
     Scattered,
     batch_places,
     choose_engines,
@@ -59,7 +57,6 @@ from .batch_plan import (
 from .buffers import DestinationBuffers
 from .cached_batch import CachedBatch, PendingBatch
 from .copyread import (
-    PARALLEL_MIN_BYTES,
     GatherPiece,
     ParallelReads,
     Piece,
@@ -70,7 +67,7 @@ from .errors import CacheIntegrityError, UnverifiedCacheWarning, repair_hint, un
 from .format import SHARD_RE, TensorSpec, load_safetensors, manifest_path, shard_path, shard_rows
 from .integrity import ShardSums, verify_rows
 from .location import parse_location
-from .manifest import manifest_schema, read_manifest, recorded_producer, shard_records
+from .manifest import manifest_schema, producer_command, read_manifest, shard_records
 from .mirror import ObjectMirror
 from .open_shards import OpenShard, OpenShards
 from .shardfile import ShardHeader, check_shard_header, logical_entries
@@ -115,24 +112,21 @@ class CachedTensorDataset(Dataset):
             reading the ``disk_keys`` byte ranges of it in the background
             (``os.posix_fadvise(fd, start, size, POSIX_FADV_WILLNEED)``): a
             cache that is not in the page cache then streams ahead of the reads
-            (measured: a cold epoch ~10% faster through the loader, a warm one
-            unchanged; docs/performance-io.md).
+            (a cold epoch gains, a warm one is unchanged: docs/performance-io.md).
             Pass False when each node reads only a small part of every shard
             from a shared network filesystem (many nodes, few ranks each): the
             hint reads the whole shard on every node.
         read_threads: threads that copy (and verify) a batch of at least
-            ``parallel_min_bytes`` (attribute, default ``copyread.PARALLEL_MIN_BYTES``,
-            4 MiB): the caller's and
+            ``copyread.PARALLEL_MIN_BYTES``: the caller's and
             ``read_threads - 1`` helpers, each ``preadv`` + checksum on its own
             core (both release the GIL). ``None`` (default): 2 in the main process
             when this process may run on 2 CPUs or more (``copyread.default_read_threads``),
             1 inside DataLoader workers, which are the parallelism there. 1: every
             read on the calling thread.
 
-    Engine choice per (key, shard) part of a batch, per dataset: ``copy_engine``
-    (attribute) ``"auto"`` (default: see ``batch_plan.choose_engines``; ``preadv_min_run_bytes``,
-    default :data:`PREADV_MIN_RUN_BYTES`, is its crossover), or ``"preadv"`` /
-    ``"mapped"`` to force one engine (benchmarks, tests).
+    Engine choice per (key, shard) part of a batch: ``batch_plan.choose_engines``
+    (its crossover ``batch_plan.PREADV_MIN_RUN_BYTES``; ``batch_plan.COPY_ENGINE``
+    forces one engine).
 
     ``dataset[i]`` -> ``{key: tensor[*sample_shape]}`` (reference behaviour);
     ``dataset.__getitems__([i, j, ...])`` -> :class:`CachedBatch` with
@@ -172,12 +166,9 @@ class CachedTensorDataset(Dataset):
         self.cache_dir = cache_dir
         self.cache_name = cache_name
         self.verify = bool(verify)
-        self._producer = producer_name
-        self._repair = repair_hint(cache_dir, producer_name)
         self.manifest = read_manifest(self._root, cache_name, format_version, producer_name)
-        if producer_name is None:  # the command the cache records, when its producer recorded one
-            producer_name = self._producer = recorded_producer(cache_dir, self.manifest)
-            self._repair = repair_hint(cache_dir, producer_name)
+        producer_name = producer_command(cache_dir, self.manifest, producer_name)
+        self._repair = repair_hint(cache_dir, producer_name)
         self.shard_size = int(self.manifest["shard_size"])
         self.num_samples = int(self.manifest["num_samples"])
         self._disk_keys = tuple(disk_keys)
@@ -194,9 +185,6 @@ class CachedTensorDataset(Dataset):
         if read_threads is not None:
             ParallelReads(read_threads)  # checks the value: an int >= 1
         self.read_threads = read_threads
-        self.preadv_min_run_bytes = PREADV_MIN_RUN_BYTES
-        self.copy_engine = "auto"
-        self.parallel_min_bytes = PARALLEL_MIN_BYTES
         self._require_sums = requires_shard_sums(self.manifest)
         # the manifest's record of each shard, checked against its header digest on open
         self._checksums = {i: str(r["checksum"]) for i, r in enumerate(shard_records(self.manifest) or [])}
@@ -222,26 +210,6 @@ class CachedTensorDataset(Dataset):
             )
         self._warned_unverified = not self.verify
         self._reset_process_state()
-
-    @property
-    def parallel_min_bytes(self) -> int:
-        return self._parallel_min_bytes
-
-    @parallel_min_bytes.setter
-    def parallel_min_bytes(self, value: int) -> None:
-        check_int("parallel_min_bytes", value, 0, meaning=" (bytes from which a batch is shared "
-                  "among the read_threads; 0: every batch of two pieces or more)")  # fmt: skip
-        self._parallel_min_bytes = value
-
-    @property
-    def copy_engine(self) -> str:
-        return self._copy_engine
-
-    @copy_engine.setter
-    def copy_engine(self, value: str) -> None:
-        if value not in COPY_ENGINES:
-            raise ValueError(f"copy_engine={value!r} must be one of {COPY_ENGINES}")
-        self._copy_engine = value
 
     # -- per-process state -------------------------------------------------------------
 
@@ -450,7 +418,7 @@ class CachedTensorDataset(Dataset):
     def _read_batch(self, indices: Sequence[int]) -> CachedBatch:
         batch, reads, pieces, finish = self._plan_batch(indices)
         try:
-            reads.run(pieces, finish, self.parallel_min_bytes)
+            reads.run(pieces, finish)
         except ReadError as exc:
             raise self._unreadable(exc.path, exc) from exc
         return batch
@@ -491,13 +459,13 @@ class CachedTensorDataset(Dataset):
     def start_read(self, indices: Sequence[int]) -> PendingBatch:
         """Start reading ``indices`` and return at once: ``.result()`` is ``__getitems__(indices)``.
 
-        A batch of at least ``parallel_min_bytes`` is handed to the ``read_threads``
+        A batch of at least ``copyread.PARALLEL_MIN_BYTES`` is handed to the ``read_threads``
         helper threads, so the caller can plan the next batch or run a training
         step meanwhile (read-ahead); a smaller one is read by ``result()``. Bad indices raise here. ``result()`` (or dropping the
         pending batch) waits until no thread writes into the batch any more.
         """
         batch, reads, pieces, finish = self._plan_batch(indices)
-        return PendingBatch(batch, reads.start(pieces, finish, self.parallel_min_bytes), self._unreadable)
+        return PendingBatch(batch, reads.start(pieces, finish), self._unreadable)
 
     def _plan_batch(
         self, indices: Sequence[int]
@@ -566,8 +534,7 @@ class CachedTensorDataset(Dataset):
             self._mirror.ensure(os.path.basename(f.path), row_ranges(f.header.entries, self._row_keys, local))
         fd = self._descriptor(f)  # opened by the first batched read of the shard, either engine: the readahead hint
         if f.tokens is None:
-            engines, plan = choose_engines(self.copy_engine, self.preadv_min_run_bytes, self._row_keys, local, pos,
-                                           f.header.entries)  # fmt: skip
+            engines, plan = choose_engines(self._row_keys, local, pos, f.header.entries)
         else:
             # a token shard's per-sample keys are small: preadv them. A mapping's page faults would
             # read around them and leave read-ahead marks that make the kernel prefetch the ragged

@@ -66,7 +66,7 @@ from te_thd.offline_cache.location import ObjectLocation, parse_location
 from te_thd.offline_cache.manifest import (
     cache_schema,
     load_manifest,
-    recorded_producer,
+    producer_command,
     shard_records,
     write_manifest,
 )
@@ -369,7 +369,7 @@ def repair_cache(
             return _apply_local(cache_dir, rebuilt, damaged)
         _refuse_arguments(cache_dir, given)
         bad, missing, extra = find_bad(cache_dir, manifest)
-        result = _result(cache_dir, cache_dir, bad, missing, extra, recorded_producer(cache_dir, manifest))
+        result = _result(cache_dir, cache_dir, bad, missing, extra, producer_command(cache_dir, manifest))
         if not (bad or missing or extra):
             return result
         result["set_aside_in"] = reopen_for_resume(cache_dir, manifest, [*bad, *extra])
@@ -408,7 +408,7 @@ def _result(
 
 def _rebuilt_result(cache_dir: str, shown: str, rebuilt: Rebuild) -> dict[str, Any]:
     result = _result(cache_dir, shown, rebuilt.bad, rebuilt.missing, rebuilt.extra,
-                     recorded_producer(shown, rebuilt.params["options"]))  # fmt: skip
+                     producer_command(shown, rebuilt.params["options"]))  # fmt: skip
     result["from_arguments"], result["notes"] = rebuilt.from_arguments, rebuilt.notes
     result["rebuilt"] = rebuilt.manifest is not None
     result["reopened"] = rebuilt.manifest is None
@@ -458,7 +458,7 @@ def _repair_remote(loc: ObjectLocation, cache_name: str, given: dict[str, Any]) 
         _refuse_arguments(loc.url, given)
         bad, missing, extra = find_bad(mirror.root, manifest)
         result = _result(mirror.root, loc.url, {i: in_urls(why, mirror.root, loc.url) for i, why in bad.items()},
-                         missing, extra, recorded_producer(loc.url, manifest))  # fmt: skip
+                         missing, extra, producer_command(loc.url, manifest))  # fmt: skip
         if bad or missing or extra:
             result["set_aside_in"] = f"{loc.url}/{DAMAGED_DIR}" if (bad or extra) else None
             names = [os.path.basename(shard_path(mirror.root, i)) for i in [*bad, *extra]]

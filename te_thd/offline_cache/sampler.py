@@ -183,10 +183,6 @@ class CacheShardSampler(Sampler[int]):
         reps = -(-self.total_size // g.numel())
         return g.repeat(reps)[: self.total_size]
 
-    def local_indices(self) -> torch.Tensor:
-        """This replica's remaining indices of the epoch, int64 ``[len(self)]``."""
-        return self.global_order()[self.resume_offset + self.rank :: self.num_replicas]
-
     def __iter__(self) -> Iterator[int]:
         """This replica's indices, ``global_order()[start + rank :: num_replicas]``,
         streamed one shard block at a time (memory independent of the cache size)."""

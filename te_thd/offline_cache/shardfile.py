@@ -31,10 +31,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-import numpy as np
 import torch
 
 from te_thd.args import check_int
+from te_thd.offline_cache.copyread import advise
 from te_thd.offline_cache.durable import unlink_quietly
 from te_thd.offline_cache.errors import CacheIntegrityError
 from te_thd.offline_cache.format import (
@@ -43,12 +43,14 @@ from te_thd.offline_cache.format import (
     ST_TO_DTYPE,
     TensorSpec,
     dtype_name,
+    tensor_nbytes,
 )
 from te_thd.offline_cache.integrity import (
     HASH_NAME,
     ShardSums,
     byte_row_sums,
     byte_view,
+    on_cpu,
     parse_shard_metadata,
     shard_checksum,
     shard_metadata,
@@ -88,7 +90,7 @@ def tensor_entries(specs: Sequence[tuple[str, TensorSpec]], rows: int) -> dict[s
     offset = 0
     for name, spec in specs:
         shape = [rows, *spec.shape]
-        n = int(np.prod(shape, dtype=np.int64)) * spec.dtype.itemsize
+        n = tensor_nbytes(spec.dtype, shape)
         entries[name] = {"dtype": DTYPE_TO_ST[spec.dtype], "shape": shape, "data_offsets": [offset, offset + n]}
         offset += n
     return entries
@@ -128,37 +130,14 @@ def _layout(specs: tuple[tuple[str, TensorSpec], ...], rows: int, run: str | Non
     placeholder, _ = shard_metadata(entries, {k: [0] * rows for k, _ in order}, rows,
                                     run=json.loads(run) if run is not None else None)  # fmt: skip
     header_len = len(build_header(entries, placeholder))
-    row_bytes = {k: int(np.prod(s.shape, dtype=np.int64)) * s.dtype.itemsize for k, s in order}
+    row_bytes = {k: tensor_nbytes(s.dtype, s.shape) for k, s in order}
     start = {k: header_len + e["data_offsets"][0] for k, e in entries.items()}
     return _Layout(dict(order), entries, header_len, row_bytes, start)
 
 
-def check_cache_dtype(name: str, dtype: torch.dtype) -> None:
-    """``ValueError`` naming key ``name`` when safetensors cannot store ``dtype``."""
-    if dtype not in DTYPE_TO_ST:
-        raise ValueError(
-            f"tensor {name!r} has dtype {dtype}, which safetensors cannot store; "
-            f"cast it to one of {sorted(dtype_name(d) for d in DTYPE_TO_ST)}"
-        )
-
-
-def check_piece(path: str, specs: Mapping[str, TensorSpec], piece: Mapping[str, torch.Tensor], cursor: int, rows: int) -> int:
-    """The row count ``n`` of ``piece`` (every key of ``specs``, ``[n, *trailing]``), checked against
-    the specs and against the ``rows - cursor`` rows the shard at ``path`` still takes."""
-    counts = {k: piece[k].shape[0] if piece[k].dim() else None for k in specs}
-    if len(set(counts.values())) != 1 or None in counts.values():
-        raise ValueError(f"piece of {path}: its keys hold different row counts {counts}; every key holds the same rows")
-    for k, spec in specs.items():
-        t = piece[k]
-        if t.dtype != spec.dtype or tuple(t.shape[1:]) != spec.shape:
-            raise ValueError(
-                f"piece of {path}: key {k!r} is {dtype_name(t.dtype)}{list(t.shape)}, the shard holds {spec.describe()} rows"
-            )
-    n = next(iter(counts.values()))
-    assert n is not None
-    if cursor + n > rows:
-        raise ValueError(f"piece of {path}: {n} rows after {cursor} overflow the shard's {rows} rows")
-    return n
+def piece_rows(specs: Mapping[str, TensorSpec], piece: Mapping[str, torch.Tensor]) -> int:
+    """The row count of a piece the writer checked (every key ``[n, *trailing]`` with one ``n``)."""
+    return next((piece[k].shape[0] for k in specs), 0)
 
 
 class ShardStream:
@@ -170,12 +149,12 @@ class ShardStream:
     shard's :class:`ShardRecord`; :meth:`abort` closes and removes the file.
     Pieces are written when :meth:`write` returns: the caller may free them at once.
     ``run``: the producer's run record, kept in the header (:func:`shard_metadata`).
+    Pieces are not checked here: the writer checks each batch once, at its boundary
+    (:meth:`~te_thd.offline_cache.writer.DurableShardWriter.validate`).
     """
 
     def __init__(self, path: str, specs: Mapping[str, TensorSpec], rows: int, run: Mapping[str, Any] | None = None) -> None:
         check_int("rows", rows, 0, meaning=" (the samples the shard holds)")
-        for name, spec in specs.items():
-            check_cache_dtype(name, spec.dtype)
         self.path = path
         self.rows = rows
         self._run = dict(run) if run is not None else None
@@ -187,21 +166,15 @@ class ShardStream:
         self._cursor = 0
         self._fd: int | None = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
 
-    @property
-    def rows_written(self) -> int:
-        return self._cursor
-
     def write(self, piece: Mapping[str, torch.Tensor]) -> None:
         """Write the next rows: every key of ``specs``, ``[n, *trailing]`` with one ``n``."""
         if self._fd is None:
             raise ValueError(f"shard stream {self.path} is closed; start a new one")
-        n = check_piece(self.path, self.specs, piece, self._cursor, self.rows)
+        n = piece_rows(self.specs, piece)
         # little Python between the GIL-free calls (pwrite, hashes): a producer's compute thread
         # waits for the GIL whenever it wakes while this thread holds it
         for k in self.specs:
-            t = piece[k]
-            if t.device.type != "cpu" or not t.is_contiguous():
-                t = t.detach().to("cpu").contiguous()
+            t = on_cpu(piece[k])
             view = byte_view(t)  # t outlives the view: both end with this iteration
             pwrite_all(self._fd, view, self._start[k] + self._cursor * self._row_bytes[k])
             self._sums[k] += byte_row_sums(view, n, self._cursor)
@@ -233,23 +206,6 @@ class ShardStream:
         unlink_quietly(self.path)
 
 
-def write_shard_file(path: str, tensors: Mapping[str, torch.Tensor]) -> ShardRecord:
-    """Write ``tensors`` (every one ``[n, ...]`` with one ``n``) to a NEW file ``path`` in one
-    :class:`ShardStream` piece; its record. ``ValueError`` naming the key for a 0-d tensor, a dtype
-    safetensors cannot store, or row counts that differ (no file is left then)."""
-    for name, t in tensors.items():
-        if t.dim() == 0:
-            raise ValueError(f"tensor {name!r} is 0-d; a shard stores [n, ...] rows (unsqueeze(0) a scalar)")
-    specs = {name: TensorSpec(t.dtype, tuple(t.shape[1:])) for name, t in tensors.items()}
-    stream = ShardStream(path, specs, next(iter(tensors.values())).shape[0] if tensors else 0)
-    try:
-        stream.write(tensors)
-        return stream.finish()
-    except BaseException:
-        stream.abort()
-        raise
-
-
 @dataclass(frozen=True)
 class HeaderEntry:
     dtype: torch.dtype
@@ -264,11 +220,6 @@ class ShardHeader:
 
     entries: dict[str, HeaderEntry]
     sums: ShardSums | None
-
-
-def read_header(path: str) -> dict[str, HeaderEntry]:
-    """:func:`read_shard_header`'s ``entries``."""
-    return read_shard_header(path).entries
 
 
 def read_shard_header(path: str) -> ShardHeader:
@@ -286,10 +237,9 @@ def read_shard_header(path: str) -> ShardHeader:
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
     try:
         size = os.fstat(fd).st_size
-        if hasattr(os, "posix_fadvise"):
-            # read exactly the header: kernel read-ahead here would prefetch the tensors after it
-            # (and mark pages whose later reads prefetch more), which a reader may read only a share of
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+        # read exactly the header: kernel read-ahead here would prefetch the tensors after it
+        # (and mark pages whose later reads prefetch more), which a reader may read only a share of
+        advise(fd, "random")
         prefix = os.pread(fd, 8, 0)
         if len(prefix) < 8:
             raise bad(f"only {size} bytes, shorter than the 8-byte header length")
@@ -316,7 +266,7 @@ def read_shard_header(path: str) -> ShardHeader:
             start, end = (int(o) for o in info["data_offsets"])
         except (KeyError, TypeError, ValueError):
             raise bad(f"entry {key!r} is malformed: {info!r}") from None
-        nbytes = int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
+        nbytes = tensor_nbytes(dtype, shape)
         if end - start != nbytes:
             raise bad(f"entry {key!r} spans {end - start} bytes but {dtype}{list(shape)} needs {nbytes}")
         entries[key] = HeaderEntry(dtype, shape, base + start, base + end)

@@ -30,6 +30,7 @@ from te_thd.offline_cache.copyread import (
     ParallelReads,
     Piece,
     ReadError,
+    advise,
     read_piece,
     tensor_memoryview,
 )
@@ -53,7 +54,6 @@ from te_thd.offline_cache.tokens import (
 )
 
 _hash = xxhash.xxh3_64_intdigest
-_fadvise = getattr(os, "posix_fadvise", None)
 
 
 @dataclass
@@ -244,9 +244,9 @@ def run_pieces(pieces: list[Piece], ctx: ReadContext) -> None:
     are one deep queue of storage requests instead of one synchronous request per read. A failed
     read (the file shrank after it was opened) is the reader's one "cannot be read" error.
     """
-    if _fadvise is not None and len(pieces) > 1:
+    if len(pieces) > 1:
         for piece in pieces:
-            _fadvise(piece.fd, piece.offset, piece.nbytes, os.POSIX_FADV_WILLNEED)
+            advise(piece.fd, "willneed", piece.offset, piece.nbytes)
     try:
         if ctx.reads is None:
             for piece in pieces:

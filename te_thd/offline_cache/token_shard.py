@@ -29,10 +29,11 @@ import xxhash
 from te_thd.args import check_int
 from te_thd.offline_cache.codecs import encode_fp8
 from te_thd.offline_cache.durable import temp_path_for, unlink_quietly
-from te_thd.offline_cache.format import DTYPE_RANK, DTYPE_TO_ST, TensorSpec
+from te_thd.offline_cache.format import DTYPE_RANK, DTYPE_TO_ST, TensorSpec, tensor_nbytes
 from te_thd.offline_cache.integrity import (
     byte_row_sums,
     byte_view,
+    on_cpu,
     shard_checksum,
     shard_metadata,
 )
@@ -40,8 +41,7 @@ from te_thd.offline_cache.lengths import LengthRule
 from te_thd.offline_cache.shardfile import (
     ShardRecord,
     build_header,
-    check_cache_dtype,
-    check_piece,
+    piece_rows,
     pwrite_all,
 )
 from te_thd.offline_cache.tokens import (
@@ -81,14 +81,12 @@ class TokenShardStream:
     ) -> None:  # fmt: skip
         check_int("rows", rows, 0, meaning=" (the samples the shard holds)")
         self._run = dict(run) if run is not None else None
-        for name, spec in specs.items():
-            check_cache_dtype(name, spec.dtype)
         self.path, self.rows, self.layout, self.rule = path, rows, layout, rule
         self.specs = dict(specs)
         self.width = check_token_schema(layout, self.specs)
         fixed = [(k, s) for k, s in self.specs.items() if k not in layout.keys]
         self._fixed = sorted(fixed, key=lambda kv: (-DTYPE_RANK[kv[1].dtype], kv[0]))
-        self._row_bytes = {k: int(np.prod(s.shape, dtype=np.int64)) * s.dtype.itemsize for k, s in self._fixed}
+        self._row_bytes = {k: tensor_nbytes(s.dtype, s.shape) for k, s in self._fixed}
         self.stored: list[StoredTensor] = layout.stored(self.specs)
         self._sums: dict[str, list[int]] = {k: [] for k, _ in self._fixed}
         self._block_sums: dict[str, list[int]] = {s.name: [] for s in self.stored}
@@ -113,10 +111,6 @@ class TokenShardStream:
             self.abort()
             raise
 
-    @property
-    def rows_written(self) -> int:
-        return self._cursor
-
     # -- the header -----------------------------------------------------------------
 
     def _entries(self, tokens: int) -> dict[str, Any]:
@@ -125,7 +119,7 @@ class TokenShardStream:
 
         def add(name: str, dtype: torch.dtype, shape: list[int]) -> None:
             nonlocal offset
-            n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+            n = tensor_nbytes(dtype, shape)
             entries[name] = {"dtype": DTYPE_TO_ST[dtype], "shape": shape, "data_offsets": [offset, offset + n]}
             offset += n
 
@@ -174,9 +168,8 @@ class TokenShardStream:
         """Write the next rows: every key of ``specs`` (token keys padded ``[n, L, ...]``), one ``n``."""
         if self._fd is None:
             raise ValueError(f"shard stream {self.path} is closed; start a new one")
-        n = check_piece(self.path, self.specs, piece, self._cursor, self.rows)
-        piece = {k: t if t.device.type == "cpu" and t.is_contiguous() else t.detach().to("cpu").contiguous()
-                 for k, t in piece.items() if k in self.specs}  # fmt: skip
+        n = piece_rows(self.specs, piece)
+        piece = {k: on_cpu(t) for k, t in piece.items() if k in self.specs}
         lengths = self.rule.lengths(piece[self.rule.key])
         bad = np.flatnonzero((lengths < 0) | (lengths > self.width))
         if bad.size:

@@ -39,7 +39,7 @@ import torch
 
 from te_thd.args import check_int, check_names
 from te_thd.offline_cache.codecs import CODECS, check_codec_dtype, stored_dtype
-from te_thd.offline_cache.format import TensorSpec, dtype_name
+from te_thd.offline_cache.format import TensorSpec, dtype_name, tensor_nbytes
 
 #: suffix of a ragged key's tensor of tokens, and of a codec's per-token scales
 TOKENS_SUFFIX = "@tokens"
@@ -66,7 +66,7 @@ class StoredTensor:
 
     @property
     def token_bytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+        return tensor_nbytes(self.dtype, self.shape)
 
     @property
     def block_tokens(self) -> int:

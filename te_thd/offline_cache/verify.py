@@ -42,7 +42,7 @@ from te_thd.offline_cache.manifest import (
     cache_schema,
     check_integrity_entry,
     load_manifest,
-    recorded_producer,
+    producer_command,
     shard_records,
     validate_manifest,
 )
@@ -261,8 +261,7 @@ def verify_cache(
         except CacheError as exc:
             raise named_by_url(exc, mirror) from None
     manifest = load_manifest(cache_dir, cache_name, producer_name)
-    if producer_name is None:
-        producer_name = recorded_producer(cache_dir, manifest)
+    producer_name = producer_command(cache_dir, manifest, producer_name)
     validate_manifest(manifest, manifest_path(cache_dir), producer_name)
     num_samples, shard_size = int(manifest["num_samples"]), int(manifest["shard_size"])
     # presence of 0..N-1 (a gap or an extra shard is a problem of the set: raised at once)

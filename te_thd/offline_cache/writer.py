@@ -108,7 +108,7 @@ def validate_shard_tensors(
             )
         if schema is not None:
             want = schema[k]
-            if t.dtype != want.dtype or tuple(t.shape[1:]) != want.shape:  # (a TensorSpec per call costs ~1 us)
+            if t.dtype != want.dtype or tuple(t.shape[1:]) != want.shape:  # no TensorSpec built per call
                 got = TensorSpec(t.dtype, tuple(t.shape[1:]))
                 raise SchemaError(
                     f"{where}: key {k!r} is {got.describe()} but the cache schema says "
@@ -255,7 +255,7 @@ class DurableShardWriter:
 
     def __call__(self, cache_dir: str, shard_index: int, samples: dict[str, Any]) -> str:
         checked = self.validate(samples, shard_index)
-        self._queue(cache_dir, shard_index, checked[self.keys[0]].shape[0], checked)
+        self.queue(cache_dir, shard_index, checked[self.keys[0]].shape[0], checked)
         return self.finish_shard(cache_dir, shard_index)
 
     def write_piece(self, cache_dir: str, shard_index: int, rows: int, piece: Mapping[str, Any]) -> None:
@@ -265,9 +265,10 @@ class DurableShardWriter:
         not modify it until then (it may drop it).
         """
         check_int("rows", rows, 1, meaning=f": the number of rows shard {shard_index} will hold")
-        self._queue(cache_dir, shard_index, rows, self.validate(piece, shard_index))
+        self.queue(cache_dir, shard_index, rows, self.validate(piece, shard_index))
 
-    def _queue(self, cache_dir: str, shard_index: int, rows: int, checked: dict[str, torch.Tensor]) -> None:
+    def queue(self, cache_dir: str, shard_index: int, rows: int, checked: dict[str, torch.Tensor]) -> None:
+        """:meth:`write_piece` of rows :meth:`validate` returned: a batch is checked once, at this boundary."""
         if self._thread is not None:
             self._thread.raise_error()  # a failed writer writes nothing more
         n = checked[self.keys[0]].shape[0]

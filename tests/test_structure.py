@@ -1,0 +1,140 @@
+"""Limits on the shape of ``te_thd/offline_cache``, checked over its source, so that a change
+cannot quietly undo them.
+
+- Nothing in the package exists only for tests or benchmarks: every function, class and
+  method it defines is used by the package itself (or the examples), unless it is public API.
+- Comments and docstrings say why, never a measured figure: times, rates, percentages and
+  speed-ups live in docs/performance-io.md, next to the command that measures them.
+"""
+
+from __future__ import annotations
+
+import ast
+import io
+import re
+import tokenize
+from pathlib import Path
+
+import te_thd.offline_cache as oc
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGE = REPO / "te_thd" / "offline_cache"
+
+#: Public API that the package does not call itself, beyond ``__all__`` and the reference's
+#: names: documented for users (each must appear in docs/, checked below).
+DOCUMENTED_API = {
+    "CachedTensorDataset.start_read": "offline_cache.md",
+    "DurableShardWriter.write_piece": "offline_cache.md",
+    "DurableShardWriter.manifest_fields": "integrity.md",
+    "scan_lengths": "balance.md",
+}
+#: The reference module's names (tests/test_offline_cache_api.py checks their signatures).
+REFERENCE_API = {"_ShardAccumulator", "_sequential_subset_loader", "CachedTensorDataset._handle"}
+
+
+def _package_files() -> list[Path]:
+    return sorted(PACKAGE.glob("*.py"))
+
+
+def _definitions() -> dict[str, str]:
+    """``{name or Class.method: module}`` of every function, class and method the package defines
+    (dunder methods aside: Python calls them)."""
+    out: dict[str, str] = {}
+    for path in _package_files():
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                out[node.name] = path.name
+            if isinstance(node, ast.ClassDef):
+                for member in node.body:
+                    if isinstance(member, ast.FunctionDef | ast.AsyncFunctionDef) and not member.name.startswith("__"):
+                        out[f"{node.name}.{member.name}"] = path.name
+    return out
+
+
+def _names_used(paths: list[Path]) -> set[str]:
+    """Every name these files refer to: names, attributes, imported names, and identifier strings
+    (``getattr(obj, "name")``), but not a module's own ``__all__`` (listing a name is no use of it)."""
+    used: set[str] = set()
+    for path in paths:
+        tree = ast.parse(path.read_text())
+        listed = {
+            id(const)
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets)
+            for const in ast.walk(node.value)
+        }
+        for node in ast.walk(tree):
+            if id(node) in listed:
+                continue
+            if isinstance(node, ast.Name):
+                used.add(node.id)
+            elif isinstance(node, ast.Attribute):
+                used.add(node.attr)
+            elif isinstance(node, ast.alias):
+                used.add(node.name.rsplit(".", 1)[-1])
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.isidentifier():
+                used.add(node.value)
+    return used
+
+
+def test_structure_documented_api_is_documented() -> None:
+    for name, page in DOCUMENTED_API.items():
+        assert name.rsplit(".", 1)[-1] in (REPO / "docs" / page).read_text(), (name, page)
+
+
+def test_structure_nothing_in_offline_cache_is_used_only_by_tests_or_benches() -> None:
+    """A function, class or method of the package that the package (or an example) never uses is
+    there for tests or benches: a test helper belongs in tests/, a tuning knob is a module
+    constant that a bench patches. Public API (``__all__``, the reference's names, what docs/
+    documents) is exempt."""
+    users = [p for d in ("te_thd", "examples") for p in (REPO / d).rglob("*.py")]
+    used = _names_used(users)
+    public = set(oc.__all__) | REFERENCE_API | set(DOCUMENTED_API)
+    unused = {
+        name: module
+        for name, module in _definitions().items()
+        if name not in public and name.rsplit(".", 1)[-1] not in used
+    }
+    assert not unused, f"defined in te_thd/offline_cache but used only by tests/, perf/ or scripts/ (or nowhere): {unused}"
+
+
+#: a measured time, rate, percentage or speed-up: "~2 us", "5-20%", "14.4 GB/s", "1.3x"
+FIGURE = re.compile(
+    r"(?<![\w.])\d+(?:\.\d+)?(?:\s*[-–]\s*\d+(?:\.\d+)?)?\s*(?:us|µs|ms|ns|s|sec|seconds|[GMK]i?B/s|%)(?![\w/])"
+    r"|(?<![\w.])\d+(?:\.\d+)?x\b"
+)
+
+
+def _comments_and_docstrings(path: Path) -> list[tuple[int, str]]:
+    """``(line, text)`` of every comment and docstring line of ``path``."""
+    source = path.read_text()
+    out = [
+        (tok.start[0], tok.string)
+        for tok in tokenize.generate_tokens(io.StringIO(source).readline)
+        if tok.type == tokenize.COMMENT
+    ]
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+                out += [(first.lineno + i, line) for i, line in enumerate(first.value.value.splitlines())]
+    return out
+
+
+def test_structure_figure_pattern_catches_measured_figures() -> None:
+    for text in ("costs ~2 us each", "5-20% slower on 2 cores", "1.3x the reference", "14.4 GB/s", "10-25 % of a read"):
+        assert FIGURE.search(text), text
+    for text in ("4 MiB batches", "int64 [n, 3]", "shard-000001", "the 8-byte length", "xxh3_64", "0x1F"):
+        assert not FIGURE.search(text), text
+
+
+def test_structure_no_measured_figures_in_offline_cache_comments() -> None:
+    """Comments and docstrings say why; the figures behind a choice go to docs/performance-io.md,
+    each with the command that measures it (a figure in code goes stale when the hardware changes)."""
+    found = [
+        f"{path.name}:{line}: {text.strip()}"
+        for path in _package_files()
+        for line, text in _comments_and_docstrings(path)
+        if FIGURE.search(text)
+    ]
+    assert not found, "move these figures to docs/performance-io.md:\n" + "\n".join(found)
