@@ -124,9 +124,13 @@ class ShardAccumulator:
         self._buffered -= n
         self._shard_index += 1
 
-    def add(self, batch_cache: dict[str, torch.Tensor], samples: int | None = None) -> None:
-        """Append one computed batch, flushing whole shards as they fill. ``samples``: how many
-        samples the batch held, when known (it must have as many rows)."""
+    def add(self, batch_cache: dict[str, torch.Tensor]) -> None:
+        """Append one computed batch, flushing whole shards as they fill (the reference's call)."""
+        self.add_batch(batch_cache)
+
+    def add_batch(self, batch_cache: dict[str, torch.Tensor], samples: int | None = None) -> None:
+        """:meth:`add`, where ``samples`` is how many samples the batch held, when known: the
+        output must have as many rows, so that a short ``compute_batch`` is named at its batch."""
         checked = _checked(batch_cache, self._write_shard_fn)
         if not checked:
             return
@@ -324,7 +328,7 @@ def lockstep_write(
     for start_shard, start, n in runs:
         accumulator = ShardAccumulator(output_dir, shard_size, start_shard, write_shard_fn, logger, total_samples=n)
         for k, batch in enumerate(sequential_subset_loader(dataloader, start, start + n)):
-            accumulator.add(compute_batch(batch), min(bs, n - k * bs))  # the subset loader's batches: bs samples, the last fewer
+            accumulator.add_batch(compute_batch(batch), min(bs, n - k * bs))  # the subset loader's batches: bs samples, the last fewer
             steps += 1
             if progress is not None:
                 progress.update(1)

@@ -365,6 +365,8 @@ def repair_cache(
             manifest = load_manifest(cache_dir, cache_name)
         except ManifestError:
             damaged = manifest_path(cache_dir) if os.path.exists(manifest_path(cache_dir)) else None
+            if damaged is None and not existing_shard_indices(cache_dir):
+                raise  # no manifest and no shards: nothing to rebuild from, and the error says what the path is
             rebuilt = rebuild_manifest(cache_dir, cache_name, damaged, **given)
             return _apply_local(cache_dir, rebuilt, damaged)
         _refuse_arguments(cache_dir, given)
