@@ -14,12 +14,18 @@
 The commands are printed before they run, so they can be copied and changed. Both
 use ``sys.executable -m torch.distributed.run`` (``torchrun`` of this interpreter),
 so the demo works from a virtual environment without activating it.
+
+Every run is kept: the first trains into ``<out>/train``, a later one into the next
+free ``<out>/train-N`` (the cache in ``<out>/cache`` is shared), and ``--resume``
+continues the newest run that saved a checkpoint.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -30,6 +36,11 @@ from te_thd._checkout import find_checkout
 
 #: the two scripts the demo runs, relative to the checkout root
 SCRIPTS = ("examples/precompute_cache.py", "examples/train_ep_cp.py")
+#: train_ep_cp.py's ``--experts`` and ``--batch-size`` defaults, which the demo keeps:
+#: ``--ep`` must divide the experts, every replica needs one step's batch of samples
+EXPERTS, BATCH_SIZE = 4, 16
+#: a run directory of the demo: ``train``, then ``train-2``, ``train-3``, ...
+RUN_DIR = re.compile(r"train(?:-([2-9]|[1-9][0-9]+))?")
 
 
 def add_demo_arguments(p: argparse.ArgumentParser) -> None:
@@ -64,17 +75,70 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+def layout_problems(nproc: int, cp: int, ep: int, num_samples: int) -> list[str]:
+    """What keeps the demo's flags (all >= 1) from forming a job; empty when they do."""
+    problems = [
+        f"--{n}={v} must divide --nproc={nproc}" for n, v in (("cp", cp), ("ep", ep)) if nproc % v
+    ]
+    if EXPERTS % ep:
+        problems.append(f"--ep={ep} must divide the student's {EXPERTS} experts")
+    if not problems and num_samples // (nproc // cp) < BATCH_SIZE:
+        problems.append(
+            f"--num-samples={num_samples} gives each of the {nproc // cp} data-parallel replicas "
+            f"(--nproc / --cp) fewer than one step's {BATCH_SIZE} samples"
+        )
+    return problems
+
+
+def suggest_layout(nproc: int, cp: int, ep: int, num_samples: int) -> tuple[int, int, int, int]:
+    """``(nproc, cp, ep, num_samples)`` closest to the given ones (all >= 1) that form a job.
+
+    Keeps ``cp``; ``ep`` becomes the largest divisor of the experts not above it; ``nproc``
+    the multiple of both nearest to it (the larger on a tie); ``num_samples`` grows to one
+    step's batch per data-parallel replica. Flags that already form a job come back as given.
+    """
+    ep = max(d for d in range(1, min(ep, EXPERTS) + 1) if EXPERTS % d == 0)
+    step = math.lcm(cp, ep)
+    below = nproc // step * step
+    nproc = below if below and nproc - below < below + step - nproc else below + step
+    return nproc, cp, ep, max(num_samples, BATCH_SIZE * (nproc // cp))
+
+
 def _check(args: argparse.Namespace) -> None:
     for name in ("nproc", "cp", "ep", "steps", "num_samples"):
         v = getattr(args, name)
         if v < 1:
             raise ValueError(f"--{name.replace('_', '-')}={v} must be >= 1")
-    for name in ("cp", "ep"):
-        v = getattr(args, name)
-        if args.nproc % v:
-            raise ValueError(
-                f"--{name}={v} must divide --nproc={args.nproc}; e.g. --nproc {v * max(1, args.nproc // v)}"
-            )
+    given = (args.nproc, args.cp, args.ep, args.num_samples)
+    problems = layout_problems(*given)
+    if problems:
+        fit = suggest_layout(*given)
+        flags = f"--nproc {fit[0]} --cp {fit[1]} --ep {fit[2]}"
+        if fit[3] != args.num_samples:
+            flags += f" --num-samples {fit[3]}"
+        raise ValueError(f"{'; '.join(problems)}; this combination satisfies all: {flags}")
+
+
+def run_dirs(out: Path) -> list[Path]:
+    """The demo's run directories under ``out`` (``train``, ``train-2``, ...), oldest first."""
+    found = [
+        (int(m.group(1) or 1), d) for d in out.glob("train*") if (m := RUN_DIR.fullmatch(d.name))
+    ]
+    return [d for _, d in sorted(found)]
+
+
+def new_run_dir(out: Path) -> Path:
+    """Where a new run trains: ``out/train`` unless a run is there, else the next ``train-N``."""
+    held = [d for d in run_dirs(out) if not d.is_dir() or any(d.iterdir())]
+    if not held:
+        return out / "train"
+    return out / f"train-{int(RUN_DIR.fullmatch(held[-1].name).group(1) or 1) + 1}"
+
+
+def resume_run_dir(out: Path) -> Path | None:
+    """The newest run under ``out`` that published a checkpoint, or None."""
+    saved = [d for d in run_dirs(out) if (d / "ckpt" / "latest.json").is_file()]
+    return saved[-1] if saved else None
 
 
 def _run(title: str, cmd: list[str], cwd: Path) -> int:
@@ -100,7 +164,26 @@ def run_demo(args: argparse.Namespace) -> int:
         return 2
     scripts = tuple(root / s for s in SCRIPTS)
     out = Path(args.out).resolve()
-    cache, train = out / "cache", out / "train"
+    cache, earlier = out / "cache", run_dirs(out)
+    if args.resume:
+        train = resume_run_dir(out)
+        if train is None:
+            print(
+                f"te-thd demo: --resume: nothing to resume, no checkpoint in {out}/train*/ckpt "
+                f"(looked in {', '.join(d.name for d in earlier) or 'no run directory'}); run "
+                "te-thd demo without --resume to start a run",
+                file=sys.stderr,
+            )
+            return 2
+        print(f"resuming the run in {train}", flush=True)
+    else:
+        train = new_run_dir(out)
+        if earlier and train not in earlier:
+            print(
+                f"earlier runs kept ({', '.join(str(d) for d in earlier)}); this run trains into "
+                f"{train} (te-thd demo --resume continues the newest run instead)",
+                flush=True,
+            )
     torchrun = [
         sys.executable,
         "-m",
