@@ -16,8 +16,9 @@ use ``sys.executable -m torch.distributed.run`` (``torchrun`` of this interprete
 so the demo works from a virtual environment without activating it.
 
 Every run is kept: the first trains into ``<out>/train``, a later one into the next
-free ``<out>/train-N`` (the cache in ``<out>/cache`` is shared), and ``--resume``
-continues the newest run that saved a checkpoint.
+free ``<out>/train-N``, and ``--resume`` continues the newest run that saved a
+checkpoint. Runs share the cache built for their ``--cp`` and ``--num-samples``
+(:func:`cache_dir`).
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ SCRIPTS = ("examples/precompute_cache.py", "examples/train_ep_cp.py")
 #: ``--ep`` must divide the experts, every replica needs one step's batch of samples
 EXPERTS, BATCH_SIZE = 4, 16
 #: a run directory of the demo: ``train``, then ``train-2``, ``train-3``, ...
+#: the defaults of --cp and --num-samples: their cache is ``<out>/cache``
+DEFAULT_CP, DEFAULT_SAMPLES = 2, 1024
 RUN_DIR = re.compile(r"train(?:-([2-9]|[1-9][0-9]+))?")
 
 
@@ -52,20 +55,32 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--out",
         default="runs/demo",
-        help="working directory (cache in <out>/cache, run in <out>/train)",
+        help="working directory: caches in <out>/cache*, runs in <out>/train, <out>/train-2, "
+        "... (every run is kept) (default: runs/demo)",
     )
-    p.add_argument("--nproc", type=int, default=4, help="processes (ranks) to launch")
-    p.add_argument("--cp", type=int, default=2, help="context-parallel size")
-    p.add_argument("--ep", type=int, default=2, help="expert-parallel size")
-    p.add_argument("--steps", type=int, default=100, help="training steps")
+    p.add_argument("--nproc", type=int, default=4, help="processes (ranks) to launch (default: 4)")
     p.add_argument(
-        "--device", choices=("cpu", "cuda"), default="cpu", help="cpu: gloo; cuda: NCCL + TE"
+        "--cp", type=int, default=DEFAULT_CP, help=f"context-parallel size (default: {DEFAULT_CP})"
     )
-    p.add_argument("--num-samples", type=int, default=1024, help="samples in the synthetic dataset")
+    p.add_argument("--ep", type=int, default=2, help="expert-parallel size (default: 2)")
+    p.add_argument("--steps", type=int, default=100, help="training steps (default: 100)")
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cpu: gloo (default); cuda: NCCL + TE",
+    )
+    p.add_argument(
+        "--num-samples",
+        type=int,
+        default=DEFAULT_SAMPLES,
+        help=f"samples in the synthetic dataset (default: {DEFAULT_SAMPLES})",
+    )
     p.add_argument(
         "--resume",
         action="store_true",
-        help="continue the previous demo run from its checkpoint (keeping its LR schedule)",
+        help="continue the newest run under --out that saved a checkpoint (keeping its LR "
+        "schedule) instead of starting a new one",
     )
     p.add_argument(
         "--balance",
@@ -119,6 +134,17 @@ def _check(args: argparse.Namespace) -> None:
         raise ValueError(f"{'; '.join(problems)}; this combination satisfies all: {flags}")
 
 
+def cache_dir(out: Path, cp: int, num_samples: int) -> Path:
+    """The demo's cache for ``cp`` and ``num_samples``: ``out/cache`` for the defaults, else
+    ``out/cache-cp{cp}-n{num_samples}``.
+
+    The producer reuses a finished cache only for the options that built it, so each
+    setting gets its own directory and a run with other flags never meets a refusal.
+    """
+    default = (cp, num_samples) == (DEFAULT_CP, DEFAULT_SAMPLES)
+    return out / ("cache" if default else f"cache-cp{cp}-n{num_samples}")
+
+
 def run_dirs(out: Path) -> list[Path]:
     """The demo's run directories under ``out`` (``train``, ``train-2``, ...), oldest first."""
     found = [
@@ -164,7 +190,7 @@ def run_demo(args: argparse.Namespace) -> int:
         return 2
     scripts = tuple(root / s for s in SCRIPTS)
     out = Path(args.out).resolve()
-    cache, earlier = out / "cache", run_dirs(out)
+    cache, earlier = cache_dir(out, args.cp, args.num_samples), run_dirs(out)
     if args.resume:
         train = resume_run_dir(out)
         if train is None:

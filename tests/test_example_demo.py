@@ -123,6 +123,15 @@ def test_run_directories_are_numbered_and_the_newest_checkpoint_resumes(tmp_path
     assert demo.resume_run_dir(out) == out / "train-2"
 
 
+def test_each_cache_setting_has_its_own_directory(tmp_path):
+    """The producer reuses a cache only for the options that built it: a demo with another
+    --cp or --num-samples on the same --out builds its own cache instead of being refused."""
+    defaults = _args()
+    assert demo.cache_dir(tmp_path, defaults.cp, defaults.num_samples) == tmp_path / "cache"
+    names = {demo.cache_dir(tmp_path, cp, n).name for cp in (1, 2, 3) for n in (64, 1024)}
+    assert len(names) == 6 and "cache-cp3-n64" in names
+
+
 def test_demo_resume_with_no_run_says_where_it_looked(tmp_path):
     run = _demo("--resume", "--out", "d", cwd=tmp_path)
     assert run.returncode == 2 and run.stdout == ""
@@ -147,6 +156,7 @@ def test_the_demo_run_twice_keeps_both_runs_and_resume_continues_the_newest(tmp_
 
     first = _demo(*fit, *small, cwd=tmp_path)
     assert first.returncode == 0, first.stdout + first.stderr
+    assert f"--out {out}/cache-cp2-n64 " in first.stdout  # not the default settings' cache
     assert f"--out {out}/train " in first.stdout and "earlier runs kept" not in first.stdout
     kept = {p: p.read_bytes() for p in sorted((out / "train").rglob("*")) if p.is_file()}
     assert out / "train" / "ckpt" / "iter_0000002" / "rank_00000.pt" in kept
