@@ -205,3 +205,21 @@ def test_train_help_has_no_empty_or_none_defaults(capsys):
     assert "--device {cpu,cuda} cpu: gloo" in out
     assert "an earlier run's with --resume (default: runs/train)" in out
     assert all(a.help for a in train_ep_cp.build_parser()._actions), "an option without help"
+
+
+def test_a_recorded_producer_script_is_named_by_its_absolute_path(monkeypatch, tmp_path):
+    """Cache hints print the producer the manifest records (relative to the checkout) by its
+    absolute path, so the command runs from any directory."""
+    from te_thd._checkout import SOURCE_ENV, checkout_file
+
+    monkeypatch.delenv(SOURCE_ENV, raising=False)
+    assert checkout_file("examples/precompute_cache.py") == str(REPO / "examples" / "precompute_cache.py")
+    other = tmp_path / "checkout"
+    (other / "examples").mkdir(parents=True)
+    (other / "examples" / "precompute_cache.py").write_text("")
+    monkeypatch.setenv(SOURCE_ENV, str(other))
+    assert checkout_file("examples/precompute_cache.py") == str(other / "examples" / "precompute_cache.py")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mine.py").write_text("")
+    assert checkout_file("mine.py") == str(tmp_path / "mine.py")  # a user's own producer, run here
+    assert checkout_file("gone.py") == "gone.py" and checkout_file("/abs/p.py") == "/abs/p.py"

@@ -54,6 +54,7 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
+from te_thd._checkout import checkout_file
 from te_thd.args import is_int
 from te_thd.offline_cache.durable import atomic_write_bytes
 from te_thd.offline_cache.errors import (
@@ -442,17 +443,17 @@ PRODUCER_KEY, PRODUCER_ARGS_KEY, CACHE_DIR_ARG = "producer", "producer_args", "{
 def recorded_producer(cache_dir: str, manifest: Mapping[str, Any]) -> str | None:
     """The command that re-runs the producer of ``manifest``'s cache into ``cache_dir``, in backticks.
 
-    From the ``producer`` and ``producer_args`` options a producer recorded (the
-    example's does), run by this interpreter (``sys.executable``: the one with torch
-    and te_thd); ``"<producer> with the arguments that built it"`` when only the
-    script is recorded; ``None`` when neither is.
+    From the ``producer`` and ``producer_args`` options a producer recorded (the example's does),
+    run by this interpreter (``sys.executable``: the one with torch and te_thd), the script by its
+    absolute path when found (:func:`checkout_file`: the command runs from any directory);
+    ``"<producer> with the arguments that built it"`` when only the script is recorded; else ``None``.
     """
     producer, args = manifest.get(PRODUCER_KEY), manifest.get(PRODUCER_ARGS_KEY)
     if not isinstance(producer, str):
         return None
     if not (isinstance(args, list) and all(isinstance(a, str) for a in args)):
         return f"{producer} (the producer this cache records) with the arguments that built it"
-    argv = [sys.executable, producer, *(cache_dir if a == CACHE_DIR_ARG else a for a in args)]
+    argv = [sys.executable, checkout_file(producer), *(cache_dir if a == CACHE_DIR_ARG else a for a in args)]
     return f"`{shlex.join(argv)}`"
 
 
