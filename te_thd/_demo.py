@@ -40,9 +40,9 @@ SCRIPTS = ("examples/precompute_cache.py", "examples/train_ep_cp.py")
 #: train_ep_cp.py's ``--experts`` and ``--batch-size`` defaults, which the demo keeps:
 #: ``--ep`` must divide the experts, every replica needs one step's batch of samples
 EXPERTS, BATCH_SIZE = 4, 16
-#: a run directory of the demo: ``train``, then ``train-2``, ``train-3``, ...
 #: the defaults of --cp and --num-samples: their cache is ``<out>/cache``
 DEFAULT_CP, DEFAULT_SAMPLES = 2, 1024
+#: a run directory of the demo: ``train``, then ``train-2``, ``train-3``, ...
 RUN_DIR = re.compile(r"train(?:-([2-9]|[1-9][0-9]+))?")
 
 
