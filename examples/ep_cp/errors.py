@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from collections.abc import Callable
 
 import torch.distributed as dist
@@ -32,6 +33,11 @@ class UsageError(ValueError):
 
 
 _KEY = "te_thd/user_error"
+#: How long a rank that met the error but does not report it waits before it exits. The
+#: launcher stops the whole job as soon as one worker exits, so a quiet rank that left at
+#: once could stop the reporting rank before its line is out; the reporter exits right
+#: after printing, which ends the wait.
+QUIET_RANK_GRACE_S = 30.0
 
 
 def _store():
@@ -86,6 +92,8 @@ def run_main(main: Callable[[list[str] | None], int], argv: list[str] | None = N
             raise
         if _first_to_report():
             print(f"error: {user_message(exc)}", file=sys.stderr)
+        elif "LOCAL_RANK" in os.environ:  # under a launcher: let the reporter print first
+            time.sleep(QUIET_RANK_GRACE_S)
         _leave(getattr(exc, "exit_status", 1))
     except Exception:
         if _another_rank_reported():
