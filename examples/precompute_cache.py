@@ -1,4 +1,4 @@
-"""Precompute the distillation cache: a frozen target model's per-token supervision.
+r"""Precompute the distillation cache: a frozen target model's per-token supervision.
 
 Runs a frozen target model over a dataset and stores, per sample, the tokens, a loss
 mask, the target's top-k next-token distribution and its final hidden states as a
@@ -66,9 +66,7 @@ from te_thd.packing import pad_to_multiple_for  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=HelpFormatter
-    )
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--out", required=True, help="cache directory")
     p.add_argument(
         "--target",
@@ -106,7 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--num-samples",
         type=int,
         default=None,
-        help="synthetic samples (default 1024) / first lines of --data jsonl: (default all)",
+        help="synthetic samples to generate, or the first lines of --data jsonl: to read "
+        "(default: 1024 synthetic ones, every line of the file)",
     )
     p.add_argument("--min-len", type=int, default=16, help="shortest synthetic sample")
     p.add_argument("--max-len", type=int, default=96, help="longest sample (cache row width L)")
@@ -125,8 +124,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--cp", type=int, default=1, help="context-parallel size the cache is packed for"
     )
     p.add_argument("--pack-seq-len", type=int, default=256, help="packed row length S of training")
-    p.add_argument("--data-seed", type=int, default=0)
-    p.add_argument("--target-seed", type=int, default=TargetConfig.seed)
+    p.add_argument("--data-seed", type=int, default=0, help="seed of the synthetic samples")
+    p.add_argument(
+        "--target-seed",
+        type=int,
+        default=TargetConfig.seed,
+        help="seed of the synthetic target's weights",
+    )
     p.add_argument(
         "--layout",
         choices=("ragged", "padded"),
@@ -147,7 +151,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="store topk_logprobs as bfloat16 and input_ids as int32 (the vocabulary fits); "
         "the trainer reads them as float32 / int64",
     )
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="where the target runs: cpu (ranks talk over gloo), or cuda (each rank on its "
+        "LOCAL_RANK GPU, NCCL)",
+    )
     return p
 
 

@@ -32,6 +32,10 @@ What one step does, and which te_thd piece does it:
    checkpoint's LR schedule (``--resume --steps N`` past the schedule's end trains at
    its floor LR, and says so).
 
+A run starts in a new or empty ``--out``: one that already holds files (an earlier run)
+is refused unless ``--resume`` continues it, and ``--resume`` with no checkpoint there is
+refused too (both exit with status 2, changing nothing).
+
 Rank 0 logs loss, tokens/s and the data-wait share of the step time, shows a tqdm
 bar on a terminal, appends every step to ``<out>/metrics.jsonl`` and ends with a
 ``summary:`` line, which also gives the fastest and the slowest rank's compute time per
@@ -63,6 +67,7 @@ from ep_cp.cache_format import (  # noqa: E402
     producer_command,
 )
 from ep_cp.checkpoint import (  # noqa: E402
+    LATEST,
     latest_step,
     load_checkpoint,
     rng_state,
@@ -71,7 +76,7 @@ from ep_cp.checkpoint import (  # noqa: E402
 )
 from ep_cp.cli_help import HelpFormatter  # noqa: E402
 from ep_cp.config import StudentConfig, config_to_dict  # noqa: E402
-from ep_cp.errors import run_main  # noqa: E402
+from ep_cp.errors import UsageError, run_main  # noqa: E402
 from ep_cp.parallel import (  # noqa: E402
     ParallelContext,
     clip_grad_norm,
@@ -96,17 +101,28 @@ from te_thd.packing import pad_to_multiple_for  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        description=__doc__, formatter_class=HelpFormatter
-    )
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument(
         "--cache-dir", required=True, help="cache written by examples/precompute_cache.py"
     )
-    p.add_argument("--out", default="runs/train", help="metrics.jsonl and checkpoints (<out>/ckpt)")
+    p.add_argument(
+        "--out",
+        default="runs/train",
+        help="metrics.jsonl, summary.json and checkpoints (<out>/ckpt); a new or empty "
+        "directory, or an earlier run's with --resume",
+    )
     p.add_argument("--cp", type=int, default=1, help="context-parallel size")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel size")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("--steps", type=int, default=200)
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cpu: gloo and the reference CP attention; cuda: NCCL and Transformer Engine, one "
+        "GPU per local rank",
+    )
+    p.add_argument(
+        "--steps", type=int, default=200, help="training steps (the LR schedule's length)"
+    )
     p.add_argument(
         "--batch-size", type=int, default=16, help="samples per data-parallel replica and step"
     )
@@ -134,12 +150,12 @@ def build_parser() -> argparse.ArgumentParser:
         default="p2p",
         help="TE's context-parallel communication (a2a: heads divisible by --cp)",
     )
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--lr", type=float, default=3e-3, help="peak AdamW learning rate")
     p.add_argument(
         "--min-lr-ratio", type=float, default=0.1, help="cosine decay floor, as a fraction of --lr"
     )
     p.add_argument("--warmup", type=int, default=10, help="linear warm-up steps")
-    p.add_argument("--weight-decay", type=float, default=0.01)
+    p.add_argument("--weight-decay", type=float, default=0.01, help="AdamW weight decay")
     p.add_argument("--clip", type=float, default=1.0, help="global gradient-norm clip")
     p.add_argument(
         "--hidden-weight", type=float, default=1.0, help="weight of the hidden-state regression"
@@ -147,9 +163,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--aux-weight", type=float, default=0.01, help="weight of the load-balancing loss"
     )
-    p.add_argument("--experts", type=int, default=StudentConfig.num_experts)
-    p.add_argument("--topk-experts", type=int, default=StudentConfig.router_topk)
-    p.add_argument("--layers", type=int, default=StudentConfig.num_layers)
+    p.add_argument(
+        "--experts", type=int, default=StudentConfig.num_experts, help="experts per MoE layer"
+    )
+    p.add_argument(
+        "--topk-experts",
+        type=int,
+        default=StudentConfig.router_topk,
+        help="experts each token is routed to",
+    )
+    p.add_argument(
+        "--layers", type=int, default=StudentConfig.num_layers, help="student transformer layers"
+    )
     p.add_argument("--seed", type=int, default=1, help="data order seed")
     p.add_argument(
         "--num-workers",
@@ -214,6 +239,76 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--lr={args.lr} must be > 0")
     if args.attn_scale is not None and not args.attn_scale > 0:
         raise ValueError(f"--attn-scale={args.attn_scale} must be > 0")
+
+
+def check_out(args: argparse.Namespace) -> None:
+    """Refuse ``--out`` when the run would lose or miss what is there (:class:`UsageError`).
+
+    Without ``--resume`` a run writes ``metrics.jsonl``, ``summary.json`` and ``ckpt/``
+    from step 0, and its first checkpoint removes the older ones: in a non-empty
+    ``--out`` that deletes the earlier run. ``--resume`` needs a published checkpoint
+    (``<out>/ckpt/latest.json``); without one it would silently start at step 0.
+    Every rank runs this before the process group exists, so none has written yet.
+    """
+    out, ckpt = args.out, os.path.join(args.out, "ckpt")
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise UsageError(f"--out {out} is a file, not a directory; pass a new --out")
+    held = sorted(os.listdir(out)) if os.path.isdir(out) else []
+    if args.resume and not os.path.isfile(os.path.join(ckpt, LATEST)):
+        fix = (
+            "pass a new --out to start a new run (this one saved no checkpoint)"
+            if held
+            else f"drop --resume to start a new run in {out}, or pass the --out of the run to continue"
+        )
+        raise UsageError(
+            f"--resume: nothing to resume, no checkpoint in {ckpt} (no {LATEST}); {fix}"
+        )
+    if held and not args.resume:
+        shown = ", ".join(held[:3]) + (", ..." if len(held) > 3 else "")
+        raise UsageError(
+            f"--out {out} already holds a run ({shown}); pass --resume to continue it, or a new "
+            "--out to start another (nothing was changed)"
+        )
+
+
+def check_resume_cache(
+    args: argparse.Namespace,
+    saved: dict[str, Any],
+    num_samples: int,
+    shard_size: int,
+    meta: dict[str, Any],
+) -> None:
+    """``--resume`` on the cache the checkpoint's data position belongs to, or :class:`UsageError`.
+
+    ``saved`` is the checkpoint's sampler state (``num_samples``, ``shard_size``), ``meta``
+    its ``latest.json`` (which names the cache it was trained on, when recorded).
+    """
+    was = (saved.get("num_samples"), saved.get("shard_size"))
+    if was == (num_samples, shard_size):
+        return
+    original = meta.get("cache_dir")
+    fix = f"--cache-dir {original}" if original else "the --cache-dir it was trained on"
+    raise UsageError(
+        f"--resume: the checkpoint in {os.path.join(args.out, 'ckpt')} was trained on a cache of "
+        f"{was[0]} samples in shards of {was[1]}, but --cache-dir {args.cache_dir} holds "
+        f"{num_samples} samples in shards of {shard_size}; resume with {fix}, or train on this "
+        "cache into a new --out"
+    )
+
+
+def loss_summary(losses: list[float]) -> tuple[float, float, int, str]:
+    """``(first, last, k, text)``: the mean loss of the first and of the last ``k`` steps.
+
+    The two windows never overlap (``k`` is at most half the steps, and at most 10), so
+    a short run compares its start with its end instead of one window with itself.
+    """
+    n = len(losses)
+    k = max(1, min(10, n // 2))
+    first, last = sum(losses[:k]) / k, sum(losses[-k:]) / k
+    if n == 1:
+        return first, last, k, f"loss {first:.4f} (a single step)"
+    how = "first vs last step" if k == 1 else f"mean of first/last {k} steps"
+    return first, last, k, f"loss {first:.4f} -> {last:.4f} ({how})"
 
 
 class LrSchedule:
@@ -434,6 +529,7 @@ class MetricsLog:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     check_args(args)
+    check_out(args)
     if args.num_workers is None:
         args.num_workers = 2 if args.device == "cuda" else 0
     ctx = init_parallel(args.cp, args.ep, args.device, args.experts)
@@ -463,26 +559,31 @@ def main(argv: list[str] | None = None) -> int:
         "student": config_to_dict(model.cfg),
     }
     ckpt_dir = os.path.join(args.out, "ckpt")
+    cache_at = args.cache_dir if "://" in args.cache_dir else os.path.abspath(args.cache_dir)
     step, epoch, loader_state = 0, 0, None
     if args.resume:
-        meta = latest_step(ckpt_dir)
-        if meta is not None and "student" in meta:
+        meta = latest_step(ckpt_dir) or {}  # check_out saw it published
+        if "student" in meta:
             check_student_fits(meta["student"], cache_dims(manifest, args.cache_dir), ckpt_dir)
         found = load_checkpoint(ckpt_dir, layout)
-        if found is not None:
-            step, state = found
-            model.load_state_dict(state["model"])
-            optimizer.load_state_dict(state["optimizer"])
-            scheduler.load_state_dict(state["scheduler"])
-            set_rng_state(state["rng"])
-            epoch, loader_state = int(state["epoch"]), state["loader"]
-            if rank0:
-                print(f"resumed from step {step} ({ckpt_dir})", flush=True)
-                note = schedule_note(scheduler, state["scheduler"], args)
-                if note:
-                    print(note, flush=True)
-        elif rank0:
-            print(f"--resume: no checkpoint in {ckpt_dir}, starting at step 0", flush=True)
+        if found is None:
+            raise UsageError(
+                f"--resume: nothing to resume, no checkpoint in {ckpt_dir} (no {LATEST})"
+            )
+        step, state = found
+        check_resume_cache(
+            args, state["loader"]["sampler"], len(dataset), int(manifest["shard_size"]), meta
+        )
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        set_rng_state(state["rng"])
+        epoch, loader_state = int(state["epoch"]), state["loader"]
+        if rank0:
+            print(f"resumed from step {step} ({ckpt_dir})", flush=True)
+            note = schedule_note(scheduler, state["scheduler"], args)
+            if note:
+                print(note, flush=True)
     if step >= args.steps:
         if rank0:
             print(
@@ -586,6 +687,9 @@ def main(argv: list[str] | None = None) -> int:
                     "rng": rng_state(),
                 },
                 layout,
+                # not part of the layout (a moved cache resumes): it names the fix when
+                # --resume meets another cache
+                info={"cache_dir": cache_at},
             )
     wall = time.perf_counter() - t_start
     if bar is not None:
@@ -594,9 +698,7 @@ def main(argv: list[str] | None = None) -> int:
     compute = spread(timer.gather())  # every rank takes part: one collective, after the run
 
     if rank0 and history:
-        k = min(10, len(history))
-        first = sum(r["loss"] for r in history[:k]) / k
-        last = sum(r["loss"] for r in history[-k:]) / k
+        first, last, k, loss_text = loss_summary([r["loss"] for r in history])
         timed = history[1:] or history  # the first step includes worker start-up
         step_s = sum(r["step_s"] for r in timed)
         wait = sum(r["data_wait_s"] for r in timed) / step_s if step_s else 0.0
@@ -606,6 +708,7 @@ def main(argv: list[str] | None = None) -> int:
             "first_step": history[0]["step"],
             "loss_first": round(first, 6),
             "loss_last": round(last, 6),
+            "loss_window": k,
             "tokens_per_s": round(tok_s, 1),
             "data_wait_pct": round(100 * wait, 3),
             "wall_s": round(wall, 3),
@@ -620,8 +723,8 @@ def main(argv: list[str] | None = None) -> int:
         with open(os.path.join(args.out, "summary.json"), "w") as f:
             json.dump(summary, f, indent=1)
         print(
-            f"summary: steps {history[0]['step'] - 1}->{step} | loss {first:.4f} -> {last:.4f} "
-            f"(mean of first/last {k} steps) | {tok_s:.0f} tok/s | data wait {100 * wait:.1f}% of step time "
+            f"summary: steps {history[0]['step'] - 1}->{step} | {loss_text} "
+            f"| {tok_s:.0f} tok/s | data wait {100 * wait:.1f}% of step time "
             f"| compute per step {compute['compute_min_s']:.3f}-{compute['compute_max_s']:.3f} s "
             f"(fastest-slowest rank{', balanced' if args.balance else ''}) "
             f"| dp {ctx.dp_size} x cp {ctx.cp_size}, ep {ctx.ep_size} on {ctx.world_size} {args.device} ranks "

@@ -10,6 +10,10 @@ part of the installed package. Both commands take them from, in this order:
 
 A regular install lives in ``site-packages`` with no checkout beside it, so without
 ``TE_THD_SOURCE`` these commands stop with a message saying how to point them at one.
+
+Hints about a cache name its producer script the way the producer recorded it,
+relative to the checkout (``examples/precompute_cache.py``); :func:`checkout_file`
+turns that into the absolute path, so the printed command runs from any directory.
 """
 
 from __future__ import annotations
@@ -58,3 +62,19 @@ def find_checkout(*required: str) -> Path:
         f"does not contain: clone the repository and set {SOURCE_ENV} to the clone's root, or run "
         "`bash scripts/setup.sh` in the clone (an editable install finds its own checkout)"
     )
+
+
+def checkout_file(path: str) -> str:
+    """``path`` made absolute when it names a file of a checkout or of the current directory.
+
+    Looked up in ``TE_THD_SOURCE``, then this package's own source tree, then the
+    current directory; an absolute ``path``, or one found in none of them, comes back
+    unchanged.
+    """
+    if os.path.isabs(path):
+        return path
+    env = os.environ.get(SOURCE_ENV)
+    for root in (Path(env).expanduser().resolve() if env else None, _own_source_tree(), Path.cwd()):
+        if root is not None and (root / path).is_file():
+            return str(root / path)
+    return path

@@ -14,12 +14,19 @@
 The commands are printed before they run, so they can be copied and changed. Both
 use ``sys.executable -m torch.distributed.run`` (``torchrun`` of this interpreter),
 so the demo works from a virtual environment without activating it.
+
+Every run is kept: the first trains into ``<out>/train``, a later one into the next
+free ``<out>/train-N``, and ``--resume`` continues the newest run that saved a
+checkpoint. Runs share the cache built for their ``--cp`` and ``--num-samples``
+(:func:`cache_dir`).
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -30,6 +37,13 @@ from te_thd._checkout import find_checkout
 
 #: the two scripts the demo runs, relative to the checkout root
 SCRIPTS = ("examples/precompute_cache.py", "examples/train_ep_cp.py")
+#: train_ep_cp.py's ``--experts`` and ``--batch-size`` defaults, which the demo keeps:
+#: ``--ep`` must divide the experts, every replica needs one step's batch of samples
+EXPERTS, BATCH_SIZE = 4, 16
+#: the defaults of --cp and --num-samples: their cache is ``<out>/cache``
+DEFAULT_CP, DEFAULT_SAMPLES = 2, 1024
+#: a run directory of the demo: ``train``, then ``train-2``, ``train-3``, ...
+RUN_DIR = re.compile(r"train(?:-([2-9]|[1-9][0-9]+))?")
 
 
 def add_demo_arguments(p: argparse.ArgumentParser) -> None:
@@ -41,20 +55,32 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--out",
         default="runs/demo",
-        help="working directory (cache in <out>/cache, run in <out>/train)",
+        help="working directory: caches in <out>/cache*, runs in <out>/train, <out>/train-2, "
+        "... (every run is kept) (default: runs/demo)",
     )
-    p.add_argument("--nproc", type=int, default=4, help="processes (ranks) to launch")
-    p.add_argument("--cp", type=int, default=2, help="context-parallel size")
-    p.add_argument("--ep", type=int, default=2, help="expert-parallel size")
-    p.add_argument("--steps", type=int, default=100, help="training steps")
+    p.add_argument("--nproc", type=int, default=4, help="processes (ranks) to launch (default: 4)")
     p.add_argument(
-        "--device", choices=("cpu", "cuda"), default="cpu", help="cpu: gloo; cuda: NCCL + TE"
+        "--cp", type=int, default=DEFAULT_CP, help=f"context-parallel size (default: {DEFAULT_CP})"
     )
-    p.add_argument("--num-samples", type=int, default=1024, help="samples in the synthetic dataset")
+    p.add_argument("--ep", type=int, default=2, help="expert-parallel size (default: 2)")
+    p.add_argument("--steps", type=int, default=100, help="training steps (default: 100)")
+    p.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cpu: gloo (default); cuda: NCCL + TE",
+    )
+    p.add_argument(
+        "--num-samples",
+        type=int,
+        default=DEFAULT_SAMPLES,
+        help=f"samples in the synthetic dataset (default: {DEFAULT_SAMPLES})",
+    )
     p.add_argument(
         "--resume",
         action="store_true",
-        help="continue the previous demo run from its checkpoint (keeping its LR schedule)",
+        help="continue the newest run under --out that saved a checkpoint (keeping its LR "
+        "schedule) instead of starting a new one",
     )
     p.add_argument(
         "--balance",
@@ -64,17 +90,81 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+def layout_problems(nproc: int, cp: int, ep: int, num_samples: int) -> list[str]:
+    """What keeps the demo's flags (all >= 1) from forming a job; empty when they do."""
+    problems = [
+        f"--{n}={v} must divide --nproc={nproc}" for n, v in (("cp", cp), ("ep", ep)) if nproc % v
+    ]
+    if EXPERTS % ep:
+        problems.append(f"--ep={ep} must divide the student's {EXPERTS} experts")
+    if not problems and num_samples // (nproc // cp) < BATCH_SIZE:
+        problems.append(
+            f"--num-samples={num_samples} gives each of the {nproc // cp} data-parallel replicas "
+            f"(--nproc / --cp) fewer than one step's {BATCH_SIZE} samples"
+        )
+    return problems
+
+
+def suggest_layout(nproc: int, cp: int, ep: int, num_samples: int) -> tuple[int, int, int, int]:
+    """``(nproc, cp, ep, num_samples)`` closest to the given ones (all >= 1) that form a job.
+
+    Keeps ``cp``; ``ep`` becomes the largest divisor of the experts not above it; ``nproc``
+    the multiple of both nearest to it (the larger on a tie); ``num_samples`` grows to one
+    step's batch per data-parallel replica. Flags that already form a job come back as given.
+    """
+    ep = max(d for d in range(1, min(ep, EXPERTS) + 1) if EXPERTS % d == 0)
+    step = math.lcm(cp, ep)
+    below = nproc // step * step
+    nproc = below if below and nproc - below < below + step - nproc else below + step
+    return nproc, cp, ep, max(num_samples, BATCH_SIZE * (nproc // cp))
+
+
 def _check(args: argparse.Namespace) -> None:
     for name in ("nproc", "cp", "ep", "steps", "num_samples"):
         v = getattr(args, name)
         if v < 1:
             raise ValueError(f"--{name.replace('_', '-')}={v} must be >= 1")
-    for name in ("cp", "ep"):
-        v = getattr(args, name)
-        if args.nproc % v:
-            raise ValueError(
-                f"--{name}={v} must divide --nproc={args.nproc}; e.g. --nproc {v * max(1, args.nproc // v)}"
-            )
+    given = (args.nproc, args.cp, args.ep, args.num_samples)
+    problems = layout_problems(*given)
+    if problems:
+        fit = suggest_layout(*given)
+        flags = f"--nproc {fit[0]} --cp {fit[1]} --ep {fit[2]}"
+        if fit[3] != args.num_samples:
+            flags += f" --num-samples {fit[3]}"
+        raise ValueError(f"{'; '.join(problems)}; this combination satisfies all: {flags}")
+
+
+def cache_dir(out: Path, cp: int, num_samples: int) -> Path:
+    """The demo's cache for ``cp`` and ``num_samples``: ``out/cache`` for the defaults, else
+    ``out/cache-cp{cp}-n{num_samples}``.
+
+    The producer reuses a finished cache only for the options that built it, so each
+    setting gets its own directory and a run with other flags never meets a refusal.
+    """
+    default = (cp, num_samples) == (DEFAULT_CP, DEFAULT_SAMPLES)
+    return out / ("cache" if default else f"cache-cp{cp}-n{num_samples}")
+
+
+def run_dirs(out: Path) -> list[Path]:
+    """The demo's run directories under ``out`` (``train``, ``train-2``, ...), oldest first."""
+    found = [
+        (int(m.group(1) or 1), d) for d in out.glob("train*") if (m := RUN_DIR.fullmatch(d.name))
+    ]
+    return [d for _, d in sorted(found)]
+
+
+def new_run_dir(out: Path) -> Path:
+    """Where a new run trains: ``out/train`` unless a run is there, else the next ``train-N``."""
+    held = [d for d in run_dirs(out) if not d.is_dir() or any(d.iterdir())]
+    if not held:
+        return out / "train"
+    return out / f"train-{int(RUN_DIR.fullmatch(held[-1].name).group(1) or 1) + 1}"
+
+
+def resume_run_dir(out: Path) -> Path | None:
+    """The newest run under ``out`` that published a checkpoint, or None."""
+    saved = [d for d in run_dirs(out) if (d / "ckpt" / "latest.json").is_file()]
+    return saved[-1] if saved else None
 
 
 def _run(title: str, cmd: list[str], cwd: Path) -> int:
@@ -100,7 +190,26 @@ def run_demo(args: argparse.Namespace) -> int:
         return 2
     scripts = tuple(root / s for s in SCRIPTS)
     out = Path(args.out).resolve()
-    cache, train = out / "cache", out / "train"
+    cache, earlier = cache_dir(out, args.cp, args.num_samples), run_dirs(out)
+    if args.resume:
+        train = resume_run_dir(out)
+        if train is None:
+            print(
+                f"te-thd demo: --resume: nothing to resume, no checkpoint in {out}/train*/ckpt "
+                f"(looked in {', '.join(d.name for d in earlier) or 'no run directory'}); run "
+                "te-thd demo without --resume to start a run",
+                file=sys.stderr,
+            )
+            return 2
+        print(f"resuming the run in {train}", flush=True)
+    else:
+        train = new_run_dir(out)
+        if earlier and train not in earlier:
+            print(
+                f"earlier runs kept ({', '.join(str(d) for d in earlier)}); this run trains into "
+                f"{train} (te-thd demo --resume continues the newest run instead)",
+                flush=True,
+            )
     torchrun = [
         sys.executable,
         "-m",

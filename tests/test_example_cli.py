@@ -174,3 +174,55 @@ def test_precompute_device_cuda_without_cuda_is_one_line_per_job(tmp_path):
     # (torchrun itself still reports that its children failed: that report is the launcher's)
     assert "_cuda_setDevice" not in run.stderr and "Torch not compiled with CUDA" not in run.stderr
     assert 'File "' + str(REPO / "examples") not in run.stderr  # no traceback from the script
+
+
+def _help_text(script: str, capsys) -> str:
+    module = __import__(script)
+    with pytest.raises(SystemExit):
+        module.build_parser().parse_args(["--help"])
+    return capsys.readouterr().out
+
+
+def test_precompute_help_shows_each_default_once_and_none_for_required_flags(capsys):
+    import precompute_cache
+
+    raw = _help_text("precompute_cache", capsys)
+    out = " ".join(raw.split())
+    assert "(default: None)" not in out
+    assert "JSONL key of plain text (default: text) --messages-key" in out  # once, not twice
+    assert "--out OUT cache directory --target" in out  # required: no default to show
+    assert "(default: cpu)" in out and "where the target runs: cpu" in out
+    # the docstring's shell line continuation is shown as written, not joined into one line
+    assert "--target hf:models/my-llm \\\n        --data jsonl:chats.jsonl" in raw
+    for action in precompute_cache.build_parser()._actions:
+        assert action.help, f"{action.option_strings} has no help text"
+        assert action.help.count("(default") <= 1
+
+
+def test_train_help_has_no_empty_or_none_defaults(capsys):
+    import train_ep_cp
+
+    out = " ".join(_help_text("train_ep_cp", capsys).split())
+    assert "(default: None)" not in out
+    assert "--cache-dir CACHE_DIR cache written by examples/precompute_cache.py --out" in out
+    assert "--device {cpu,cuda} cpu: gloo" in out
+    assert "an earlier run's with --resume (default: runs/train)" in out
+    assert all(a.help for a in train_ep_cp.build_parser()._actions), "an option without help"
+
+
+def test_a_recorded_producer_script_is_named_by_its_absolute_path(monkeypatch, tmp_path):
+    """Cache hints print the producer the manifest records (relative to the checkout) by its
+    absolute path, so the command runs from any directory."""
+    from te_thd._checkout import SOURCE_ENV, checkout_file
+
+    monkeypatch.delenv(SOURCE_ENV, raising=False)
+    assert checkout_file("examples/precompute_cache.py") == str(REPO / "examples" / "precompute_cache.py")
+    other = tmp_path / "checkout"
+    (other / "examples").mkdir(parents=True)
+    (other / "examples" / "precompute_cache.py").write_text("")
+    monkeypatch.setenv(SOURCE_ENV, str(other))
+    assert checkout_file("examples/precompute_cache.py") == str(other / "examples" / "precompute_cache.py")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mine.py").write_text("")
+    assert checkout_file("mine.py") == str(tmp_path / "mine.py")  # a user's own producer, run here
+    assert checkout_file("gone.py") == "gone.py" and checkout_file("/abs/p.py") == "/abs/p.py"

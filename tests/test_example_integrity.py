@@ -110,14 +110,17 @@ def test_flipped_byte_stops_training_once_with_a_repair_that_works(cache_dir: Pa
     assert f"shard {cache}/shard-000001.safetensors: sample 11 (row 3 of the shard), key 'hidden': checksum mismatch" in msg
     cmds = _commands(msg)
     assert cmds[0] == f"te-thd cache repair {cache}"
-    assert cmds[1].startswith(f"{shlex.quote(sys.executable)} examples/precompute_cache.py --out ")
+    assert cmds[1].startswith(f"{shlex.quote(sys.executable)} {EXAMPLES}/precompute_cache.py --out ")
     for cmd in cmds:
         _check_command(cmd)
-    # ... and run as printed: repair, then the producer command, give the clean cache back
+    # ... and run as printed: repair, then the producer command (from another directory than
+    # the checkout: the script is named by its absolute path), give the clean cache back
     from te_thd.cli import main
 
     assert main(shlex.split(cmds[0])[1:]) == 0
-    subprocess.run(shlex.split(cmds[1]), check=True, capture_output=True, timeout=180, env=_env(), cwd=REPO)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    subprocess.run(shlex.split(cmds[1]), check=True, capture_output=True, timeout=180, env=_env(), cwd=elsewhere)
     assert oc.verify_cache(str(cache), deep=True)["checksums_verified"]
     for name in ("shard-000000.safetensors", "shard-000002.safetensors", "shard-000003.safetensors"):
         assert (cache / name).read_bytes() == (cache_dir / name).read_bytes(), name  # kept, not recomputed
@@ -149,9 +152,18 @@ def test_cp_mismatch_and_world_size_are_one_message(cache_dir: Path, tmp_path: P
     msg = _the_one_message(_train(cache_dir, tmp_path / "a", 1))
     assert "was built with cp_size=2" in msg and "cp_size=1" in msg
     cmds = _commands(msg)
-    assert cmds and "--cp 1" in cmds[0] and "--out " in cmds[0]
+    assert cmds and "--cp 1" in cmds[0] and f"--out {cache_dir}-cp1-seq128 " in cmds[0]
     for cmd in cmds:
         _check_command(cmd)
+    # the rebuild runs as printed from any directory: absolute script and output paths
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    subprocess.run(shlex.split(cmds[0]), check=True, capture_output=True, timeout=180, env=_env(), cwd=elsewhere)
+    from ep_cp.cache_format import CACHE_NAME, FORMAT_VERSION
+
+    rebuilt = oc.read_manifest(f"{cache_dir}-cp1-seq128", CACHE_NAME, FORMAT_VERSION)
+    assert (rebuilt["cp_size"], rebuilt["num_samples"]) == (1, 32)
+    assert not list(elsewhere.iterdir())
     msg = _the_one_message(_train(cache_dir, tmp_path / "b", 3))
     assert "--cp=3 must divide the number of processes (2)" in msg
 
@@ -216,12 +228,12 @@ def test_library_hints_name_commands_that_exist(tmp_path: Path) -> None:
         _check_command(cmd.replace("...", "") if "(" in cmd else cmd)
 
 
-def _run_as_printed(cmd: str) -> None:
-    """Run a hint exactly as printed, from the checkout root: ``te-thd`` is this environment's."""
+def _run_as_printed(cmd: str, cwd: Path) -> None:
+    """Run a hint exactly as printed, from ``cwd``: ``te-thd`` is this environment's."""
     argv = shlex.split(cmd)
     if argv[0] == "te-thd":
         argv[0] = shutil.which("te-thd") or str(Path(sys.executable).with_name("te-thd"))
-    subprocess.run(argv, check=True, capture_output=True, timeout=240, env=_env(), cwd=REPO)
+    subprocess.run(argv, check=True, capture_output=True, timeout=240, env=_env(), cwd=cwd)
 
 
 @pytest.mark.parametrize("damage", ["missing", "truncated", "flipped"])
@@ -247,10 +259,12 @@ def test_every_hint_about_a_damaged_shard_runs_as_printed(cache_dir: Path, tmp_p
     for message in (verify.stderr, str(read.value)):
         cmds = _commands(message)
         producer = [c for c in cmds if "precompute_cache.py" in c]
-        assert producer and producer[0].startswith(f"{shlex.quote(sys.executable)} examples/precompute_cache.py --out {cache} "), message
+        assert producer and producer[0].startswith(f"{shlex.quote(sys.executable)} {EXAMPLES}/precompute_cache.py --out {cache} "), message
         assert "(the producer this cache records)" not in message and "`python " not in message
+    elsewhere = tmp_path / "elsewhere"  # not the checkout: the printed commands run from anywhere
+    elsewhere.mkdir()
     for cmd in _commands(verify.stderr):
-        _run_as_printed(cmd)
+        _run_as_printed(cmd, elsewhere)
     assert oc.verify_cache(str(cache), deep=True)["checksums_verified"]
     for name in sorted(p.name for p in cache_dir.glob("shard-*.safetensors")):
         assert (cache / name).read_bytes() == (cache_dir / name).read_bytes(), name

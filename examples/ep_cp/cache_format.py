@@ -38,6 +38,7 @@ packed row of ``pack_seq_len`` slots at that multiple.
 
 from __future__ import annotations
 
+import os
 import shlex
 import sys
 from collections.abc import Mapping
@@ -47,6 +48,10 @@ from typing import Any
 CACHE_NAME = "ep_cp_distill"
 FORMAT_VERSION = 1
 PRODUCER = "examples/precompute_cache.py"
+#: the producer script where it is now, for commands that must run from any directory
+PRODUCER_PATH = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "precompute_cache.py"
+)
 KEYS = ("input_ids", "seq_len", "loss_mask", "topk_logprobs", "topk_indices", "hidden")
 #: hidden states of the layers chosen with ``--layers`` (not read by the trainer)
 LAYER_KEY = "layer_hidden"
@@ -160,6 +165,10 @@ def producer_args(manifest: Mapping[str, Any] | None = None, **flags: Any) -> li
 
 
 def producer_command(out: str, manifest: Mapping[str, Any] | None = None, **flags: Any) -> str:
-    """The shell line that runs :func:`producer_args` into ``out``, with this interpreter (which has torch)."""
+    """The shell line that runs :func:`producer_args` into ``out``, with this interpreter (which has torch).
+
+    The script and a local ``out`` are absolute paths, so the line works from any directory.
+    """
+    out = out if "://" in out else os.path.abspath(out)
     args = [out if a == CACHE_DIR else a for a in producer_args(manifest, **flags)]
-    return shlex.join([sys.executable, PRODUCER, *args])
+    return shlex.join([sys.executable, PRODUCER_PATH, *args])

@@ -52,11 +52,18 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_checkpoint(root: str, step: int, state: dict[str, Any], layout: dict[str, Any]) -> None:
+def save_checkpoint(
+    root: str,
+    step: int,
+    state: dict[str, Any],
+    layout: dict[str, Any],
+    info: dict[str, Any] | None = None,
+) -> None:
     """Write this rank's ``state`` for ``step``; rank 0 publishes it once all ranks have.
 
     Collective over the default group. ``layout`` (world size, cp, ep, ...) is recorded
-    in ``latest.json`` and checked by :func:`load_checkpoint`.
+    in ``latest.json`` and checked by :func:`load_checkpoint`; ``info`` is recorded there
+    too, unchecked.
     """
     rank = dist.get_rank()
     path = _rank_file(root, step, rank)
@@ -64,7 +71,7 @@ def save_checkpoint(root: str, step: int, state: dict[str, Any], layout: dict[st
     atomic_write(path, lambda tmp: torch.save(state, tmp))
     dist.barrier()
     if rank == 0:
-        meta = {"step": step, **layout}
+        meta = {"step": step, **layout, **(info or {})}
 
         def write_meta(tmp: str) -> None:
             with open(tmp, "w") as f:

@@ -9,20 +9,35 @@ left. The first rank is elected through the job's ``torch.distributed`` store; b
 the process group exists (bad flags, seen alike by every rank) rank 0 prints.
 
 User errors are the ``ValueError`` family (te_thd's cache errors included) and a
-missing file. Anything else keeps its traceback; ``TE_THD_TRACEBACK=1`` shows it for
-user errors too.
+missing file; a :class:`UsageError` (flags that contradict what is on disk) exits with
+status 2, as argparse does for a bad flag. Anything else keeps its traceback;
+``TE_THD_TRACEBACK=1`` shows it for user errors too.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import time
 from collections.abc import Callable
 
 import torch.distributed as dist
 
 USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError)
+
+
+class UsageError(ValueError):
+    """A command line that cannot run as given (exit status 2); its message names the fix."""
+
+    exit_status = 2
+
+
 _KEY = "te_thd/user_error"
+#: How long a rank that met the error but does not report it waits before it exits. The
+#: launcher stops the whole job as soon as one worker exits, so a quiet rank that left at
+#: once could stop the reporting rank before its line is out; the reporter exits right
+#: after printing, which ends the wait.
+QUIET_RANK_GRACE_S = 30.0
 
 
 def _store():
@@ -77,7 +92,9 @@ def run_main(main: Callable[[list[str] | None], int], argv: list[str] | None = N
             raise
         if _first_to_report():
             print(f"error: {user_message(exc)}", file=sys.stderr)
-        _leave(1)
+        elif "LOCAL_RANK" in os.environ:  # under a launcher: let the reporter print first
+            time.sleep(QUIET_RANK_GRACE_S)
+        _leave(getattr(exc, "exit_status", 1))
     except Exception:
         if _another_rank_reported():
             _leave(1)  # a peer reported the cause and left; this rank's failure is the echo

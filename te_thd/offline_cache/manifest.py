@@ -54,6 +54,7 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
+from te_thd._checkout import checkout_file
 from te_thd.args import is_int
 from te_thd.offline_cache.durable import LOCK_NAME, TEMP_RE, atomic_write_bytes
 from te_thd.offline_cache.errors import (
@@ -435,13 +436,15 @@ def producer_command(cache_dir: str, manifest: Mapping[str, Any], producer: str 
     ``producer`` (the caller's); else the command the cache records in its ``producer`` and
     ``producer_args`` options (the example's does), in backticks, run by this interpreter
     (``sys.executable``: the one with torch and te_thd), or ``"<producer> with the arguments that
-    built it"`` when only the script is recorded; else the ``produce_cache`` call (``producer_hint``)."""
+    built it"`` when only the script is recorded; else the ``produce_cache`` call (``producer_hint``).
+    The script is named by its absolute path when found (:func:`checkout_file`), so the command runs
+    from any directory."""
     recorded, args = manifest.get(PRODUCER_KEY), manifest.get(PRODUCER_ARGS_KEY)
     if producer or not isinstance(recorded, str):
         return producer_hint(producer)
     if not (isinstance(args, list) and all(isinstance(a, str) for a in args)):
         return f"{recorded} (the producer this cache records) with the arguments that built it"
-    argv = [sys.executable, recorded, *(cache_dir if a == CACHE_DIR_ARG else a for a in args)]
+    argv = [sys.executable, checkout_file(recorded), *(cache_dir if a == CACHE_DIR_ARG else a for a in args)]
     return f"`{shlex.join(argv)}`"
 
 
