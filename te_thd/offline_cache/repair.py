@@ -21,39 +21,31 @@ copy, or rebuild the cache.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
-from te_thd.offline_cache.durable import ProducerLock
-from te_thd.offline_cache.errors import CacheError, CacheIntegrityError, producer_hint
+from te_thd.offline_cache.errors import CacheIntegrityError, producer_hint
 from te_thd.offline_cache.format import (
     existing_shard_indices,
     num_shards,
-    shard_path,
+    shard_name,
     shard_rows,
 )
-from te_thd.offline_cache.location import ObjectLocation, parse_location
 from te_thd.offline_cache.manifest import (
     cache_schema,
     load_manifest,
     recorded_producer,
     shard_records,
 )
-from te_thd.offline_cache.object_lock import ObjectLock
-from te_thd.offline_cache.producer_state import (
-    DAMAGED_DIR,
-    PROGRESS_NAME,
-    params_of_manifest,
-    reopen_for_resume,
-)
-from te_thd.offline_cache.remote_tools import fetched, in_urls, named_by_url, set_aside_and_reopen
-from te_thd.offline_cache.verify import requires_shard_sums, verify_shard_file
+from te_thd.offline_cache.producer_state import reopen_for_resume
+from te_thd.offline_cache.storage import open_storage
+from te_thd.offline_cache.verify import requires_shard_sums, shard_problem, verify_shard_file
 
 
 def find_bad(cache_dir: str, manifest: dict[str, Any]) -> tuple[dict[int, str], list[int], list[int]]:
     """``({index: problem} of damaged shards, missing indices, extra indices)``."""
     num_samples, shard_size = int(manifest["num_samples"]), int(manifest["shard_size"])
     count = num_shards(num_samples, shard_size)
+    storage = open_storage(cache_dir)
     present = existing_shard_indices(cache_dir)
     records = shard_records(manifest)
     schema = cache_schema(cache_dir, manifest)
@@ -61,14 +53,14 @@ def find_bad(cache_dir: str, manifest: dict[str, Any]) -> tuple[dict[int, str], 
     for i in sorted(present):
         if i >= count:
             continue
-        path = shard_path(cache_dir, i)
+        path = storage.whole(shard_name(i))  # every byte is read: an object is fetched into a local copy
         try:
             verify_shard_file(
                 path, schema, shard_rows(i, num_samples, shard_size),
                 records[i] if records is not None else None, requires_shard_sums(manifest),
             )  # fmt: skip
         except CacheIntegrityError as exc:
-            bad[i] = str(exc)
+            bad[i] = shard_problem(exc, path)
     missing = sorted(set(range(count)) - present)
     extra = sorted(i for i in present if i >= count)
     return bad, missing, extra
@@ -83,17 +75,16 @@ def repair_cache(cache_dir: str, cache_name: str = "offline") -> dict[str, Any]:
     Raises :class:`ManifestError` when the manifest itself is damaged and
     :class:`CacheLockError` while a producer holds the directory.
     """
-    location = parse_location(cache_dir)
-    if not isinstance(location, str):
-        return _repair_remote(location, cache_name)
-    with ProducerLock(cache_dir):
+    lock = open_storage(cache_dir).lock()
+    lock.acquire()
+    try:
         manifest = load_manifest(cache_dir, cache_name)
         bad, missing, extra = find_bad(cache_dir, manifest)
         result: dict[str, Any] = {
             "cache_dir": cache_dir,
-            "damaged": {os.path.basename(shard_path(cache_dir, i)): why for i, why in bad.items()},
-            "missing": [os.path.basename(shard_path(cache_dir, i)) for i in missing],
-            "extra": [os.path.basename(shard_path(cache_dir, i)) for i in extra],
+            "damaged": {shard_name(i): why for i, why in bad.items()},
+            "missing": [shard_name(i) for i in missing],
+            "extra": [shard_name(i) for i in extra],
             "set_aside_in": None,
             "reopened": False,
             "producer": recorded_producer(cache_dir, manifest) or producer_hint(None),
@@ -103,31 +94,5 @@ def repair_cache(cache_dir: str, cache_name: str = "offline") -> dict[str, Any]:
         result["set_aside_in"] = reopen_for_resume(cache_dir, manifest, [*bad, *extra])
         result["reopened"] = True
         return result
-
-
-def _repair_remote(loc: ObjectLocation, cache_name: str) -> dict[str, Any]:
-    """:func:`repair_cache` of an s3:// cache, under its producer lock: verified on a fetched copy,
-    damaged objects moved under ``<prefix>/.te_thd-damaged/`` (readers list only the objects
-    directly under the prefix), the cache reopened for its producer."""
-    with ObjectLock(loc):
-        mirror = fetched(loc, True)
-        try:
-            manifest = load_manifest(mirror.root, cache_name)
-        except CacheError as exc:
-            raise named_by_url(exc, mirror) from None
-        bad, missing, extra = find_bad(mirror.root, manifest)
-        names = {i: os.path.basename(shard_path(mirror.root, i)) for i in [*bad, *missing, *extra]}
-        result: dict[str, Any] = {
-            "cache_dir": loc.url,
-            "damaged": {names[i]: in_urls(why, mirror.root, loc.url) for i, why in bad.items()},
-            "missing": [names[i] for i in missing],
-            "extra": [names[i] for i in extra],
-            "set_aside_in": f"{loc.url}/{DAMAGED_DIR}" if (bad or extra) else None,
-            "reopened": False,
-            "producer": recorded_producer(loc.url, manifest) or producer_hint(None),
-        }
-        if bad or missing or extra:
-            set_aside_and_reopen(loc, [names[i] for i in [*bad, *extra]], DAMAGED_DIR, PROGRESS_NAME,
-                                 params_of_manifest(manifest))  # fmt: skip
-            result["reopened"] = True
-        return result
+    finally:
+        lock.release()

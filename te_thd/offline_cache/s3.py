@@ -170,6 +170,9 @@ class S3Prefix(Storage):
         self.copy.ensure(obj, [(0, self.copy.sizes[obj])])
         return os.path.join(self.copy.root, obj)
 
+    def prepare_reads(self) -> None:
+        self.copy  # noqa: B018 - made and synced here, before any worker starts
+
     def refetch(self, obj: str) -> bool:
         if obj not in self.copy.sizes:
             return False

@@ -33,7 +33,7 @@ from te_thd.offline_cache.durable import (
     remove_stale_temp_files,
     unlink_quietly,
 )
-from te_thd.offline_cache.errors import CacheLockError
+from te_thd.offline_cache.errors import CacheLockError, ManifestError, ManifestNotFoundError
 
 #: fetch byte ranges ``[(offset, length)]`` of one shard into its local file (``Storage.readable``)
 Fetch = Callable[[Sequence[tuple[int, int]]], None]
@@ -96,6 +96,10 @@ class Storage(ABC):
             fetch([(0, self.list()[obj])])
         return path
 
+    def prepare_reads(self) -> None:  # noqa: B027 - a local directory needs nothing
+        """Prepare this process and the DataLoader workers it starts to read (an object store: the
+        read-through copy's directory and the listing of the shards)."""
+
     def refetch(self, obj: str) -> bool:
         """Forget the local bytes of shard ``obj`` (a check failed on them); False when they are the
         cache's own (nothing to fetch again)."""
@@ -116,6 +120,10 @@ class Storage(ABC):
     def clean(self) -> list[str]:
         """Remove what killed writers left (only under the lock); what was removed."""
         return []
+
+    def must_exist(self, marker: str) -> None:  # noqa: B027 - an object store has no such place
+        """Raise :class:`ManifestError` when no cache can be here at all (a local path that is a file,
+        e.g. its ``marker`` file, or that does not exist); a missing object is its reader's to report."""
 
 
 class LocalDirectory(Storage):
@@ -139,7 +147,6 @@ class LocalDirectory(Storage):
             return None
 
     def put(self, obj: str, data: bytes) -> str:
-        os.makedirs(self.name, exist_ok=True)
         return atomic_write_bytes(self.display(obj), data)
 
     def delete(self, obj: str) -> None:
@@ -182,6 +189,17 @@ class LocalDirectory(Storage):
 
     def clean(self) -> list[str]:
         return remove_stale_temp_files(self.name)
+
+    def must_exist(self, marker: str) -> None:
+        path = self.name
+        if os.path.isfile(path):
+            hint = f"pass its directory, cache_dir={os.path.dirname(path) or '.'!r}" if os.path.basename(path) == marker else "pass the directory that holds manifest.json and the shards"
+            raise ManifestError(f"cache_dir={path!r} is a file, not a cache directory; {hint}")
+        if not os.path.exists(path):
+            raise ManifestNotFoundError(
+                f"cache_dir={path!r}: no such directory; check the path (a cache directory holds "
+                f"manifest.json and shard-*.safetensors)"
+            )
 
 
 #: the implementation of each URL scheme te_thd reads and writes (``module:class``, imported when a
