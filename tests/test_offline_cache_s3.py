@@ -320,3 +320,14 @@ def test_a_forked_child_of_a_process_that_used_the_client_is_refused() -> None:
     os.waitpid(pid, 0)
     assert "forked from one that had used the object-store client" in msg
     assert "multiprocessing_context='forkserver' or 'spawn'" in msg
+
+
+def test_a_finished_cache_missing_an_object_is_completed_by_the_same_call(bucket, local) -> None:
+    """As in a local directory: the producer's same call recomputes a shard object that went missing."""
+    url = f"s3://{bucket}/c"
+    P.produce(url)
+    open_storage(url).delete("shard-000003.safetensors")
+    with pytest.raises(CacheIntegrityError, match=f"cache at {url} declares 22 samples.*missing shard indices 3"):
+        CachedTensorDataset(url, "test", 1, P.KEYS)
+    P.produce(url)
+    assert _objects(url) == _files(local)
