@@ -1,6 +1,5 @@
-"""The s3:// storage of a cache (:class:`S3Prefix`): any S3-compatible store, through obstore.
-
-``storage.open_storage`` makes it; no other module knows that object stores exist.
+"""The s3:// storage of a cache (:class:`S3Prefix`, made by ``storage.open_storage``): any
+S3-compatible store, through obstore. No other module knows that object stores exist.
 
 - **client settings.** obstore issues ranged GETs concurrently and coalesces nearby
   ranges itself (``get_ranges``), uploads large objects in parallel multipart parts,
@@ -15,7 +14,8 @@
   (DataLoader workers, started by a forkserver with its own environment, use the same);
   each process makes its own client (its runtime does not survive fork).
 - **staged upload.** A shard is written in a private local directory, then uploaded
-  whole (one PUT, or a multipart upload visible only once complete).
+  whole (one PUT, or a multipart upload visible only once complete). Objects set aside
+  go under ``<prefix>/.te_thd-damaged/``, which readers never list.
 - **the producer lock** (:class:`ObjectLock`): ``.te_thd-producer.lock`` created with
   ``If-None-Match: *``, which the store performs atomically. It records the holder
   (host, pid, start time). A holder killed with SIGKILL cannot delete it: a producer on
@@ -30,9 +30,6 @@
   worker or the next run reuses them; ``max_bytes`` bounds the copy (whole shards
   dropped, least recently used first). A damaged local copy fails the read's checksums
   and is fetched again once (:meth:`S3Prefix.refetch`); a second failure is the object's.
-
-Objects set aside go under ``<prefix>/.te_thd-damaged/``: readers list only the objects
-directly under the prefix.
 """
 
 from __future__ import annotations
