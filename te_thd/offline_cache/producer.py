@@ -81,7 +81,7 @@ from te_thd.offline_cache.producer_state import (
     verify_existing,
 )
 from te_thd.offline_cache.shardfile import ShardRecord
-from te_thd.offline_cache.storage import Storage, open_storage
+from te_thd.offline_cache.storage import Lock, Storage, open_storage
 from te_thd.offline_cache.tokens import TokenLayout, check_token_keys
 from te_thd.offline_cache.writer import DurableShardWriter
 
@@ -298,7 +298,7 @@ class _Job:
         )  # fmt: skip
 
     def run(
-        self, producer_lock: Any, resume: bool, dataloader: DataLoader,
+        self, producer_lock: Lock | None, resume: bool, dataloader: DataLoader,
         compute_batch: Callable[[Any], Any], progress: bool | None,
     ) -> dict[str, Any]:  # fmt: skip
         """Every phase in order, the lock (rank 0) held throughout; the finished manifest."""
@@ -315,7 +315,7 @@ class _Job:
             if producer_lock is not None:
                 producer_lock.release()
 
-    def prepare(self, producer_lock: Any, resume: bool) -> dict[str, Any] | None:
+    def prepare(self, producer_lock: Lock | None, resume: bool) -> dict[str, Any] | None:
         """Rank 0 inspects the directory under the lock; every rank learns the outcome.
 
         Returns the finished manifest (nothing to do) or ``None`` (produce).

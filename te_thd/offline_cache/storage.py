@@ -23,7 +23,7 @@ import os
 import re
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from te_thd.offline_cache.durable import (
     ProducerLock,
@@ -37,6 +37,14 @@ from te_thd.offline_cache.errors import CacheLockError, ManifestError, ManifestN
 
 #: fetch byte ranges ``[(offset, length)]`` of one shard into its local file (``Storage.readable``)
 Fetch = Callable[[Sequence[tuple[int, int]]], None]
+
+
+class Lock(Protocol):
+    """The producer lock of a cache: ``acquire`` raises :class:`CacheLockError` while another holds it."""
+
+    def acquire(self) -> Any: ...
+
+    def release(self) -> None: ...
 
 
 class Storage(ABC):
@@ -110,12 +118,13 @@ class Storage(ABC):
         """Move objects ``objs`` under ``into/`` (which readers never list); where they went (None: none)."""
 
     @abstractmethod
-    def lock(self) -> Any:
-        """The producer lock: ``acquire()`` (raises :class:`CacheLockError` while another holds it), ``release()``."""
+    def lock(self) -> Lock:
+        """The producer lock (one producer per cache)."""
 
     @abstractmethod
     def unlock(self) -> dict[str, Any] | None:
-        """Remove a lock its holder could not (killed elsewhere); the holder it recorded (None: no lock)."""
+        """Remove a lock its holder could not (killed elsewhere); the holder it recorded (None: no lock).
+        :class:`CacheLockError` where no lock ever needs removing (a flock dies with its holder)."""
 
     def clean(self) -> list[str]:
         """Remove what killed writers left (only under the lock); what was removed."""
