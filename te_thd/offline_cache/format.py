@@ -40,7 +40,7 @@ import torch
 
 from te_thd.args import check_int, is_int
 from te_thd.offline_cache.errors import CacheIntegrityError, repair_hint
-from te_thd.offline_cache.location import parse_location
+from te_thd.offline_cache.storage import open_storage
 
 MANIFEST_NAME = "manifest.json"
 SHARD_RE = re.compile(r"^shard-(\d{6})\.safetensors$")
@@ -188,12 +188,17 @@ def load_safetensors(cache_name: str):
 
 def shard_path(cache_dir: str, shard_index: int) -> str:
     """Return the path of shard ``shard_index`` inside ``cache_dir``."""
+    return os.path.join(cache_dir, shard_name(shard_index))
+
+
+def shard_name(shard_index: int) -> str:
+    """The file (object) name of shard ``shard_index``."""
     if not 0 <= shard_index < MAX_SHARDS:
         raise ValueError(
             f"shard_index={shard_index} is outside [0, {MAX_SHARDS}): shard names have six "
             "digits. Use a larger shard_size so the cache needs fewer shards."
         )
-    return os.path.join(cache_dir, f"shard-{shard_index:06d}.safetensors")
+    return f"shard-{shard_index:06d}.safetensors"
 
 
 def manifest_path(cache_dir: str) -> str:
@@ -250,16 +255,7 @@ def existing_shard_indices(cache_dir: str) -> set[int]:
     Only names matching :data:`SHARD_RE` count; temp files, the lock and any
     foreign file are ignored.
     """
-    location = parse_location(cache_dir)
-    if not isinstance(location, str):
-        from te_thd.offline_cache import objectstore  # the s3 extra: imported only for s3:// caches
-
-        names: Iterable[str] = objectstore.listing(location)
-    elif not os.path.isdir(cache_dir):
-        return set()
-    else:
-        names = os.listdir(cache_dir)
-    return {int(m.group(1)) for name in names if (m := SHARD_RE.match(name))}
+    return {int(m.group(1)) for name in open_storage(cache_dir).list() if (m := SHARD_RE.match(name))}
 
 
 def validate_contiguous_shards(

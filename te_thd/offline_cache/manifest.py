@@ -56,7 +56,7 @@ from typing import Any
 
 from te_thd._checkout import checkout_file
 from te_thd.args import is_int
-from te_thd.offline_cache.durable import LOCK_NAME, TEMP_RE, atomic_write_bytes
+from te_thd.offline_cache.durable import LOCK_NAME, TEMP_RE
 from te_thd.offline_cache.errors import (
     CacheIntegrityError,
     ManifestError,
@@ -72,18 +72,17 @@ from te_thd.offline_cache.format import (
     MAX_SHARDS,
     SHARD_RE,
     CacheSchema,
-    existing_shard_indices,
     json_crc32,
     manifest_path,
     num_shards,
     schema_from_json,
-    shard_path,
+    shard_name,
     shard_rows,
 )
 from te_thd.offline_cache.integrity import SHARD_LAYOUT
 from te_thd.offline_cache.lengths import LENGTH_RULE_KEY, LengthRule, check_lengths_record
-from te_thd.offline_cache.location import parse_location
 from te_thd.offline_cache.shardfile import read_shard_header, schema_of_header
+from te_thd.offline_cache.storage import open_storage
 from te_thd.offline_cache.tokens import (
     TOKEN_LAYOUT_KEY,
     TokenLayout,
@@ -225,13 +224,7 @@ def write_manifest(cache_dir: str, manifest: dict[str, Any], format_version: int
         ) from None
     parsed[MANIFEST_CHECKSUM_KEY] = manifest_checksum(parsed)
     data = (json.dumps(parsed, indent=2, sort_keys=True) + "\n").encode("utf-8")
-    location = parse_location(cache_dir)
-    if not isinstance(location, str):
-        from te_thd.offline_cache import objectstore  # the s3 extra: imported only for s3:// caches
-
-        objectstore.put_bytes(location, MANIFEST_NAME, data)  # one PUT: visible whole, after every shard
-        return f"{location.url}/{MANIFEST_NAME}"
-    return atomic_write_bytes(path, data)
+    return open_storage(cache_dir).put(MANIFEST_NAME, data)
 
 
 def _read_checked_manifest(cache_dir: str, cache_name: str, producer: str | None) -> dict[str, Any]:
@@ -240,31 +233,15 @@ def _read_checked_manifest(cache_dir: str, cache_name: str, producer: str | None
     Nothing else is validated: the caller checks ``format_version`` first (the more useful message
     when a cache is merely old), then the layout. A directory with nothing a producer writes is not a cache.
     """
-    location = parse_location(cache_dir)
-    if not isinstance(location, str):
-        from te_thd.offline_cache import objectstore  # the s3 extra: imported only for s3:// caches
-
-        path = f"{location.url}/{MANIFEST_NAME}"
-        raw = objectstore.get(location, MANIFEST_NAME)
-        if raw is None:
-            raise lost_manifest(path, location.url, cache_name, len(existing_shard_indices(location.url)), producer)
-        return _parse_manifest(raw, path, cache_name, producer)
-    path = manifest_path(cache_dir)
-    if os.path.isfile(cache_dir):
-        hint = f"pass its directory, cache_dir={os.path.dirname(cache_dir) or '.'!r}" if os.path.basename(cache_dir) == MANIFEST_NAME else "pass the directory that holds manifest.json and the shards"
-        raise ManifestError(f"cache_dir={cache_dir!r} is a file, not a cache directory; {hint}")
-    if not os.path.exists(cache_dir):
-        raise ManifestNotFoundError(
-            f"cache_dir={cache_dir!r}: no such directory; check the path (a cache directory holds "
-            f"manifest.json and shard-*.safetensors)"
-        )
-    try:
-        with open(path, "rb") as f:
-            raw = f.read()
-    except FileNotFoundError:
-        if not any(SHARD_RE.match(n) or TEMP_RE.match(n) or (n.startswith(".te_thd-") and n != LOCK_NAME) for n in os.listdir(cache_dir)):
-            raise ManifestNotFoundError(f"cache_dir={cache_dir!r} holds no manifest.json and no shards: it is not a te_thd cache; check the path") from None
-        raise lost_manifest(path, cache_dir, cache_name, len(existing_shard_indices(cache_dir)), producer) from None
+    storage = open_storage(cache_dir)
+    storage.must_exist(MANIFEST_NAME)
+    path = storage.display(MANIFEST_NAME)
+    raw = storage.get(MANIFEST_NAME)
+    if raw is None:
+        names = storage.list()
+        if not any(SHARD_RE.match(n) or TEMP_RE.match(n) or (n.startswith(".te_thd-") and n != LOCK_NAME) for n in names):
+            raise ManifestNotFoundError(f"cache_dir={cache_dir!r} holds no manifest.json and no shards: it is not a te_thd cache; check the path")
+        raise lost_manifest(path, storage.name, cache_name, sum(1 for n in names if SHARD_RE.match(n)), producer)
     return _parse_manifest(raw, path, cache_name, producer)
 
 
@@ -474,23 +451,21 @@ def cache_schema(cache_dir: str, manifest: Mapping[str, Any], *, strict: bool = 
     if not int(manifest.get("num_samples", 0)):
         return {}
     try:
-        return schema_of_header(read_shard_header(shard_path(cache_dir, 0)))
-    except (CacheIntegrityError, FileNotFoundError):
+        return schema_of_header(read_shard_header(open_storage(cache_dir).header(shard_name(0))))
+    except (CacheIntegrityError, FileNotFoundError, KeyError):  # KeyError: no such object
         if strict:
             raise
         return None
 
 
-def check_integrity_entry(path: str, expected_bytes: int, producer: str | None = None) -> None:
-    """Raise :class:`CacheIntegrityError` unless ``path`` exists with ``expected_bytes`` bytes."""
+def check_integrity_entry(path: str, size: int | None, expected_bytes: int, producer: str | None = None) -> None:
+    """Raise :class:`CacheIntegrityError` unless the shard ``path`` exists (``size`` not None) with ``expected_bytes`` bytes."""
     repair = repair_hint(os.path.dirname(path) or ".", producer)
-    try:
-        size = os.stat(path).st_size
-    except FileNotFoundError:
+    if size is None:
         raise CacheIntegrityError(
             f"shard {path} is missing (the manifest lists it). Restore it from a copy. {repair}",
             path=path,
-        ) from None
+        )
     if size != expected_bytes:
         raise CacheIntegrityError(
             f"shard {path} has {size} bytes, the manifest records {expected_bytes}: the file was "

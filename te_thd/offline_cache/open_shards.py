@@ -19,6 +19,7 @@ import torch
 from .copyread import advise
 from .errors import CacheIntegrityError
 from .shardfile import HeaderEntry, ShardHeader
+from .storage import Fetch
 from .token_read import TokenIndex
 
 __all__ = ["OpenShard", "OpenShards", "map_shard"]
@@ -60,11 +61,12 @@ class OpenShard:
     number reused by the next open, which would read another file.
     """
 
-    __slots__ = ("path", "header", "fd", "views", "handle", "tokens", "_pid")
+    __slots__ = ("path", "header", "fd", "views", "handle", "tokens", "fetch", "_pid")
 
-    def __init__(self, path: str, header: ShardHeader, tokens: TokenIndex | None = None) -> None:
+    def __init__(self, path: str, header: ShardHeader, tokens: TokenIndex | None = None, fetch: Fetch | None = None) -> None:
         self.path, self.header, self.fd = path, header, -1
         self.tokens = tokens  # a token-layout shard's ragged index
+        self.fetch = fetch  # makes byte ranges present in the local file (``Storage.readable``; None: all are)
         self.views: dict[str, torch.Tensor] | None = None
         self.handle: Any = None
         self._pid = os.getpid()

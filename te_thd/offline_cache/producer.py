@@ -38,11 +38,8 @@ uninterrupted run (manifest included: it holds no timestamps or host names).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
-import shutil
-import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -51,9 +48,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from te_thd.args import check_names
-from te_thd.offline_cache import objectstore
 from te_thd.offline_cache.comm import ProducerComm, resolve_ranks
-from te_thd.offline_cache.durable import ProducerLock, fsync_dir
 from te_thd.offline_cache.errors import CacheError, SchemaError
 from te_thd.offline_cache.format import (
     MANIFEST_NAME,
@@ -62,13 +57,11 @@ from te_thd.offline_cache.format import (
     check_shard_size,
     existing_shard_indices,
     format_indices,
-    manifest_path,
     num_shards,
     schema_to_json,
     shard_path,
 )
 from te_thd.offline_cache.lengths import LengthRule, producer_rule
-from te_thd.offline_cache.location import ObjectLocation, parse_location
 from te_thd.offline_cache.loops import (
     loader_batch_size,
     loader_num_samples,
@@ -82,17 +75,15 @@ from te_thd.offline_cache.manifest import (
 )
 from te_thd.offline_cache.producer_state import (
     PROGRESS_NAME,
-    RemoteRun,
     assemble_manifest,
     check_options,
-    describe_diff,
-    params_of_manifest,
     prepare_directory,
     run_params,
     run_record,
     verify_existing,
 )
 from te_thd.offline_cache.shardfile import ShardRecord
+from te_thd.offline_cache.storage import Lock, Storage, open_storage
 from te_thd.offline_cache.tokens import TokenLayout, check_token_keys
 from te_thd.offline_cache.writer import DurableShardWriter
 
@@ -208,22 +199,15 @@ def produce_cache(
     store, configured by the standard AWS environment variables): every shard is
     uploaded whole once written (a multipart upload when large, visible only once
     complete), the manifest last; the lock is a conditional PUT
-    (:mod:`~te_thd.offline_cache.object_lock`); a run killed at any point is finished
+    (:mod:`~te_thd.offline_cache.s3`); a run killed at any point is finished
     by the same call, with the same bytes. A URL of another scheme is refused.
 
     Every rank returns the same manifest dict (``read_manifest``'s view).
     """
-    location = parse_location(output_dir, "output_dir")
-    if not isinstance(location, str):
-        return _produce_to_object_store(
-            location, dataloader, shard_size, compute_batch, keys, options, format_version=format_version,
-            cache_name=cache_name, producer_name=producer_name, resume=resume, rank=rank, world_size=world_size,
-            group=group, lock=lock, progress=progress, logger=logger, length_key=length_key,
-            token_keys=token_keys, codecs=codecs,
-        )  # fmt: skip
+    storage = open_storage(output_dir, "output_dir")  # a bad URL is refused before anything else
     job = _Job.plan(dataloader, output_dir, shard_size, keys, options, format_version, cache_name,
                     producer_name, rank, world_size, group, logger or _log, length_key, token_keys, codecs)  # fmt: skip
-    producer_lock = ProducerLock(output_dir) if (lock and job.comm.rank == 0) else None
+    producer_lock = storage.lock() if (lock and job.comm.rank == 0) else None
     return job.run(producer_lock, resume, dataloader, compute_batch, progress)
 
 
@@ -245,13 +229,7 @@ class _Job:
     length_rule: LengthRule | None
     token_layout: TokenLayout | None
     params: dict[str, Any]  # what two runs must share to write one cache (``run_params``)
-    #: an s3:// cache: where shards and the manifest go (``output_dir`` then only holds the run's state)
-    write_to: ObjectLocation | None = None
-
-    @property
-    def target(self) -> str:
-        """Where the shards and the manifest go: ``output_dir``, or the s3:// URL."""
-        return self.output_dir if self.write_to is None else self.write_to.url
+    storage: Storage  # where ``output_dir`` lives
 
     @classmethod
     def plan(cls, dataloader: DataLoader, output_dir: str, shard_size: int, keys: Sequence[str],
@@ -284,10 +262,11 @@ class _Job:
             cache_name=cache_name, producer_name=producer_name, num_samples=num_samples, logger=logger,
             comm=ProducerComm(rank, world_size, group), length_rule=length_rule, token_layout=token_layout,
             params=run_params(format_version, num_samples, shard_size, keys, opts, token_layout),
+            storage=open_storage(output_dir, "output_dir"),
         )  # fmt: skip
 
     def run(
-        self, producer_lock: ProducerLock | RemoteRun | None, resume: bool, dataloader: DataLoader,
+        self, producer_lock: Lock | None, resume: bool, dataloader: DataLoader,
         compute_batch: Callable[[Any], Any], progress: bool | None,
     ) -> dict[str, Any]:  # fmt: skip
         """Every phase in order, the lock (rank 0) held throughout; the finished manifest."""
@@ -297,8 +276,6 @@ class _Job:
                 self.logger.info("%s is already a finished cache (%d samples); nothing to do", self.output_dir,
                                  self.num_samples)  # fmt: skip
                 return finished
-            if self.write_to is not None:
-                self.fetch_block()
             records, schema, missing = self.verify_block()
             writer = self.compute(dataloader, compute_batch, missing, schema, progress)
             return self.finish({**records, **writer.records}, writer)
@@ -306,18 +283,7 @@ class _Job:
             if producer_lock is not None:
                 producer_lock.release()
 
-    def fetch_block(self) -> None:
-        """An s3:// cache: the shards of this rank's block already in the store, fetched into the staging
-        directory, where :meth:`verify_block` verifies them like local ones."""
-        assert self.write_to is not None
-        start, _, n_local = partition_cache_shards(self.num_samples, self.shard_size, self.comm.world_size, self.comm.rank)
-        stored = objectstore.listing(self.write_to)
-        for i in range(start, start + num_shards(n_local, self.shard_size)):
-            path = shard_path(self.output_dir, i)
-            if os.path.basename(path) in stored:
-                objectstore.get_file(self.write_to, os.path.basename(path), path)
-
-    def prepare(self, producer_lock: ProducerLock | RemoteRun | None, resume: bool) -> dict[str, Any] | None:
+    def prepare(self, producer_lock: Lock | None, resume: bool) -> dict[str, Any] | None:
         """Rank 0 inspects the directory under the lock; every rank learns the outcome.
 
         Returns the finished manifest (nothing to do) or ``None`` (produce).
@@ -387,7 +353,7 @@ class _Job:
 
         try:
             lockstep_write(
-                dataloader, self.target, self.shard_size, runs,
+                dataloader, self.output_dir, self.shard_size, runs,
                 compute_batch, writer, self.logger,
                 sync_max_steps=lambda _steps: global_steps, progress=bar,
             )  # fmt: skip
@@ -416,13 +382,10 @@ class _Job:
                     gathered, self.params, self.options, self.output_dir, self.cache_name, self.length_rule,
                     self.token_layout,
                 )
-                write_manifest(self.target, manifest, self.format_version)
-                os.unlink(os.path.join(self.output_dir, PROGRESS_NAME))
-                fsync_dir(self.output_dir)
-                if self.write_to is not None:
-                    objectstore.delete(self.write_to, PROGRESS_NAME)
-                outcome = ("ok", read_manifest(self.target, self.cache_name, self.format_version, self.producer_name))
-                self.logger.info("Wrote %s (%d samples, %d shards)", manifest_path(self.output_dir),
+                write_manifest(self.output_dir, manifest, self.format_version)
+                self.storage.delete(PROGRESS_NAME)
+                outcome = ("ok", read_manifest(self.output_dir, self.cache_name, self.format_version, self.producer_name))
+                self.logger.info("Wrote %s (%d samples, %d shards)", self.storage.display(MANIFEST_NAME),
                                  self.num_samples, len(manifest["shards"]))  # fmt: skip
             except Exception as exc:
                 rank0_exc = exc
@@ -433,37 +396,6 @@ class _Job:
         if outcome[0] == "error":
             raise CacheError(f"rank 0 could not finish the cache: {outcome[1]}")
         return outcome[1]
-
-
-def _produce_to_object_store(
-    loc: ObjectLocation, dataloader: DataLoader, shard_size: int, compute_batch: Callable[[Any], Any],
-    keys: Sequence[str], options: Mapping[str, Any] | None, *, format_version: int, cache_name: str,
-    producer_name: str | None, resume: bool, rank: int | None, world_size: int | None, group: Any, lock: bool,
-    progress: bool | None, logger: logging.Logger | None, length_key: str | None, token_keys: Sequence[str],
-    codecs: Mapping[str, str] | None,
-) -> dict[str, Any]:  # fmt: skip
-    """:func:`produce_cache` into ``loc``: the local producer over a private staging directory that holds
-    the run's state (its producer record, and this rank's shards from the store that it verifies),
-    with every shard and the manifest written to the store."""
-    staging = tempfile.mkdtemp(prefix="te_thd-produce-")
-    try:
-        job = _Job.plan(dataloader, staging, shard_size, keys, options, format_version, cache_name, producer_name,
-                        rank, world_size, group, logger or _log, length_key, token_keys, codecs)  # fmt: skip
-        job = dataclasses.replace(job, write_to=loc)
-        if objectstore.get(loc, MANIFEST_NAME) is not None:  # every rank looks: a finished cache
-            if not resume:
-                raise CacheError(f"output_dir {loc.url} already holds a finished cache (manifest.json). Pass "
-                                 "resume=True to reuse it, or choose an empty prefix.")  # fmt: skip
-            manifest = read_manifest(loc.url, cache_name, format_version, producer_name)
-            recorded = params_of_manifest(manifest, job.params["keys"])
-            if recorded != job.params:
-                raise CacheError(f"output_dir {loc.url} holds a finished cache built with other parameters "
-                                 f"({describe_diff(recorded, job.params)}). Choose another prefix, or delete this cache.")  # fmt: skip
-            return manifest
-        holder = RemoteRun(loc, staging, job.params, resume, lock) if job.comm.rank == 0 else None
-        return job.run(holder, resume, dataloader, compute_batch, progress)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
 
 
 __all__ = ["PROGRESS_NAME", "produce_cache"]

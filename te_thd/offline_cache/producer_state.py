@@ -8,7 +8,6 @@
   finished identical cache, resume, or refuse, naming the difference;
 - :func:`verify_existing`: shards a previous run left are verified completely
   before they are kept;
-- :class:`RemoteRun`: the same for an s3:// prefix, under its object lock;
 - :func:`assemble_manifest`: rank 0 turns every rank's shard records into the
   manifest, refusing a missing shard or two schemas.
 """
@@ -17,23 +16,20 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shlex
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from te_thd.offline_cache import objectstore
-from te_thd.offline_cache.durable import atomic_write_bytes, fsync_dir, remove_stale_temp_files
 from te_thd.offline_cache.errors import CacheError, CacheIntegrityError, SchemaError
 from te_thd.offline_cache.format import (
+    MANIFEST_NAME,
     SHARD_RE,
     CacheSchema,
-    canonical_json,
     existing_shard_indices,
     format_indices,
-    manifest_path,
     num_shards,
     schema_from_json,
+    shard_name,
     shard_path,
     shard_rows,
 )
@@ -43,12 +39,15 @@ from te_thd.offline_cache.lengths import (
     for_tensor_spec,
     read_shard_lengths,
 )
-from te_thd.offline_cache.location import ObjectLocation
 from te_thd.offline_cache.manifest import LAYOUT_VERSION, RESERVED_MANIFEST_KEYS, read_manifest
-from te_thd.offline_cache.object_lock import ObjectLock
 from te_thd.offline_cache.shardfile import ShardRecord, read_shard_header, schema_of_header
+from te_thd.offline_cache.storage import open_storage
 from te_thd.offline_cache.tokens import TOKEN_LAYOUT_KEY, TokenLayout, shard_fidelity
-from te_thd.offline_cache.verify import check_cache_files, shard_size_errors, verify_shard_file
+from te_thd.offline_cache.verify import (
+    check_cache_files,
+    shard_size_errors,
+    verify_shard_file,
+)
 
 PROGRESS_NAME = ".te_thd-producer.json"
 _log = logging.getLogger("te_thd.offline_cache")
@@ -97,8 +96,9 @@ def run_record(params: Mapping[str, Any], length_rule: LengthRule | None) -> dic
     return record
 
 
-def write_json(path: str, obj: Any) -> None:
-    atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
+def record_bytes(obj: Any) -> bytes:
+    """The bytes of a producer record (JSON a person can read)."""
+    return (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode()
 
 
 _ABSENT = object()
@@ -166,17 +166,10 @@ def reopen_for_resume(cache_dir: str, manifest: Mapping[str, Any], set_aside: Se
     moved to :data:`DAMAGED_DIR` (kept for inspection), and ``manifest.json`` is removed
     last. Returns the set-aside directory (``None`` when nothing was moved).
     """
-    write_json(os.path.join(cache_dir, PROGRESS_NAME), params_of_manifest(manifest))
-    aside = None
-    if set_aside:
-        aside = os.path.join(cache_dir, DAMAGED_DIR)
-        os.makedirs(aside, exist_ok=True)
-        for i in set_aside:
-            path = shard_path(cache_dir, i)
-            os.replace(path, os.path.join(aside, os.path.basename(path)))
-        fsync_dir(aside)
-    os.unlink(manifest_path(cache_dir))
-    fsync_dir(cache_dir)
+    storage = open_storage(cache_dir)
+    storage.put(PROGRESS_NAME, record_bytes(params_of_manifest(manifest)))
+    aside = storage.set_aside([shard_name(i) for i in set_aside], DAMAGED_DIR)
+    storage.delete(MANIFEST_NAME)
     return aside
 
 
@@ -192,10 +185,10 @@ def prepare_directory(
     output_dir: str, params: dict[str, Any], resume: bool, cache_name: str, producer_name: str
 ) -> dict[str, Any] | None:
     """Rank 0, under the lock: decide. Returns the finished manifest, or ``None`` (= produce)."""
-    os.makedirs(output_dir, exist_ok=True)
-    progress_path = os.path.join(output_dir, PROGRESS_NAME)
-    shards = existing_shard_indices(output_dir)
-    if os.path.exists(manifest_path(output_dir)):
+    storage = open_storage(output_dir, "output_dir")
+    listing = storage.list()
+    shards = {int(m.group(1)) for name in listing if (m := SHARD_RE.match(name))}
+    if MANIFEST_NAME in listing:
         if not resume:
             raise CacheError(
                 f"output_dir {output_dir} already holds a finished cache (manifest.json). Pass "
@@ -217,20 +210,19 @@ def prepare_directory(
             reopen_for_resume(output_dir, manifest, wrong)
             _log.warning("%s: a finished cache with shards missing or of the wrong size (set aside: %s); "
                          "recomputing them", output_dir, format_indices(wrong))
-            remove_stale_temp_files(output_dir)
+            storage.clean()
             return None
-        if os.path.exists(progress_path):  # killed after the manifest, before this cleanup
-            os.unlink(progress_path)
-            fsync_dir(output_dir)
+        if PROGRESS_NAME in listing:  # killed after the manifest, before this cleanup
+            storage.delete(PROGRESS_NAME)
         return manifest
-    if os.path.exists(progress_path):
+    raw = storage.get(PROGRESS_NAME)
+    if raw is not None:
         try:
-            with open(progress_path, "rb") as f:
-                recorded = json.loads(f.read().decode())
-        except (OSError, ValueError) as exc:
+            recorded = json.loads(raw.decode())
+        except ValueError as exc:
             raise CacheError(
-                f"cannot read the producer record {progress_path} ({exc}); delete it, then rebuild the record from the "
-                f"shards: `te-thd cache repair {shlex.quote(output_dir)}`"
+                f"cannot read the producer record {storage.display(PROGRESS_NAME)} ({exc}); delete it, then rebuild the "
+                f"record from the shards: `te-thd cache repair {shlex.quote(output_dir)}`"
             ) from None
         if shards and not resume:
             raise CacheError(
@@ -250,10 +242,10 @@ def prepare_directory(
             f"from the shards: `te-thd cache repair {shlex.quote(output_dir)}` (when a shard is missing it prints "
             "the producer command that computes it), or choose an empty output_dir."
         )
-    removed = remove_stale_temp_files(output_dir)
+    removed = storage.clean()
     if removed:
         _log.info("Removed %d temp file(s) of an interrupted writer in %s", len(removed), output_dir)
-    write_json(progress_path, params)
+    storage.put(PROGRESS_NAME, record_bytes(params))
     return None
 
 
@@ -276,23 +268,25 @@ def verify_existing(
     """
     records: dict[int, ShardRecord] = {}
     schema: CacheSchema | None = None
+    storage = open_storage(output_dir, "output_dir")
     for i in sorted(indices):
-        path = shard_path(output_dir, i)
+        shown = storage.display(shard_name(i))
+        path = storage.whole(shard_name(i))  # every byte is read: an object is fetched into a local copy
         try:
             if schema is None:
                 schema = schema_of_header(read_shard_header(path))
                 if set(schema) != set(keys):
                     raise SchemaError(
-                        f"existing shard {path} holds keys {sorted(schema)}, this run stores {sorted(keys)}; "
+                        f"existing shard {shown} holds keys {sorted(schema)}, this run stores {sorted(keys)}; "
                         "resume with the same keys, or choose another output_dir"
                     )
             records[i] = existing_record(path, schema, shard_rows(i, num_samples, shard_size), length_rule, run,
                                          first_sample=i * shard_size)
         except CacheIntegrityError as exc:
             raise CacheIntegrityError(
-                f"existing {str(exc).rstrip('. ')}. Delete it and run again: the producer recomputes missing shards.",
-                path=path
-            ) from None
+                f"existing shard {shown}{str(exc).removeprefix(f'shard {path}').rstrip('. ')}. Delete it and run again: "
+                "the producer recomputes missing shards.", path=shown,
+            ) from None  # fmt: skip
     return records, schema
 
 
@@ -360,7 +354,7 @@ def assemble_manifest(
         "schema": schema,
         "shards": [
             ShardRecord(records[i][0], records[i][1], records[i][2] if lengths else None, records[i][3]).to_json(
-                os.path.basename(shard_path(output_dir, i))
+                shard_name(i)
             )
             for i in range(expected)
         ],
@@ -371,43 +365,3 @@ def assemble_manifest(
     if token_layout is not None:
         manifest[TOKEN_LAYOUT_KEY] = token_layout.to_json()
     return manifest
-
-
-class RemoteRun:
-    """What the producer takes as the lock for an s3:// cache: the object lock, and the run's record
-    fetched from (or, new, written to) the store before any shard is, so a resumed run is checked."""
-
-    def __init__(self, loc: ObjectLocation, staging: str, params: dict[str, Any], resume: bool, lock: bool) -> None:
-        self.loc, self.staging, self.params, self.resume = loc, staging, params, resume
-        self.lock = ObjectLock(loc) if lock else None
-
-    def acquire(self) -> None:
-        if self.lock is not None:
-            self.lock.acquire()
-        raw = objectstore.get(self.loc, PROGRESS_NAME)
-        shards = sorted(n for n in objectstore.listing(self.loc) if SHARD_RE.match(n))
-        if raw is not None:
-            recorded = json.loads(raw.decode())
-            if shards and recorded != self.params:
-                raise CacheError(
-                    f"output_dir {self.loc.url} holds shards of an unfinished run with other parameters "
-                    f"({describe_diff(recorded, self.params)}). Resume with the same parameters, or choose another prefix."
-                )
-            with open(os.path.join(self.staging, PROGRESS_NAME), "wb") as f:
-                f.write(raw)
-        elif shards:
-            raise CacheError(
-                f"output_dir {self.loc.url} holds shards ({len(shards)}, e.g. {shards[0]}) but no manifest and no "
-                f"producer record ({PROGRESS_NAME}), so their parameters cannot be checked. Rebuild the manifest "
-                f"from the shards: `te-thd cache repair {self.loc.url}` (when a shard is missing it prints the "
-                "producer command that computes it), or choose an empty prefix."
-            )
-        if shards and not self.resume:
-            raise CacheError(f"output_dir {self.loc.url} holds {len(shards)} shards of an unfinished run. Pass "
-                             "resume=True to continue it, or choose an empty prefix.")  # fmt: skip
-        if raw is None:
-            objectstore.put_bytes(self.loc, PROGRESS_NAME, canonical_json(self.params))
-
-    def release(self) -> None:
-        if self.lock is not None:
-            self.lock.release()

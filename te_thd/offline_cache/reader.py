@@ -64,13 +64,12 @@ from .copyread import (
     default_read_threads,
 )
 from .errors import CacheIntegrityError, UnverifiedCacheWarning, repair_hint, unreadable_shard
-from .format import SHARD_RE, TensorSpec, load_safetensors, manifest_path, shard_path, shard_rows
+from .format import SHARD_RE, TensorSpec, load_safetensors, manifest_path, shard_name, shard_rows
 from .integrity import ShardSums, verify_rows
-from .location import parse_location
 from .manifest import manifest_schema, producer_command, read_manifest, shard_records
-from .mirror import ObjectMirror
 from .open_shards import OpenShard, OpenShards
 from .shardfile import ShardHeader, check_shard_header, logical_entries
+from .storage import open_storage
 from .token_read import ReadContext, TokenIndex, TokenRows, token_index
 from .tokens import TOKEN_LAYOUT_KEY, TokenLayout
 from .verify import check_cache_files, requires_shard_sums
@@ -157,16 +156,12 @@ class CachedTensorDataset(Dataset):
         disk_keys = check_names("disk_keys", disk_keys, non_empty=True)
         check_int("max_open_shards", max_open_shards, 1)
         check_int("read_cache_bytes", read_cache_bytes, 1, optional=True)
-        location = parse_location(cache_dir)
-        # an s3:// cache is read through a local read-through copy (mirror.py); the reads below open its files
-        self._mirror = None if isinstance(location, str) else ObjectMirror(location, read_cache_dir, read_cache_bytes)
-        if self._mirror is not None:
-            self._mirror.sync()
-        self._root = location if self._mirror is None else self._mirror.root
+        # where the cache lives; the reads below open local files (of an s3:// cache: its read-through copy)
+        self._storage = open_storage(cache_dir, read_cache_dir=read_cache_dir, read_cache_bytes=read_cache_bytes)
         self.cache_dir = cache_dir
         self.cache_name = cache_name
         self.verify = bool(verify)
-        self.manifest = read_manifest(self._root, cache_name, format_version, producer_name)
+        self.manifest = read_manifest(cache_dir, cache_name, format_version, producer_name)
         producer_name = producer_command(cache_dir, self.manifest, producer_name)
         self._repair = repair_hint(cache_dir, producer_name)
         self.shard_size = int(self.manifest["shard_size"])
@@ -178,7 +173,8 @@ class CachedTensorDataset(Dataset):
         self._token_keys = tuple(k for k in self._disk_keys if self._token_layout and k in self._token_layout.keys)
         self._row_keys = tuple(k for k in self._disk_keys if k not in self._token_keys)
         # presence of shards 0..N-1 and, when the manifest records them, their byte sizes
-        self._shard_indices = check_cache_files(self._root, self.manifest, cache_name, producer_name)
+        self._shard_indices = check_cache_files(cache_dir, self.manifest, cache_name, producer_name)
+        self._storage.prepare_reads()  # before any DataLoader worker starts: they share what it prepares
         self._max_open = max_open_shards
         self.pin_memory = bool(pin_memory)
         self.readahead = bool(readahead)
@@ -253,10 +249,8 @@ class CachedTensorDataset(Dataset):
         without one, the first shard this process opened), and the header's own
         checksum. Raises :class:`CacheIntegrityError` naming the file.
         """
-        path = shard_path(self._root, shard_index)
+        path = self._storage.header(shard_name(shard_index))
         rows = shard_rows(shard_index, self.num_samples, self.shard_size)
-        if self._mirror is not None:
-            self._mirror.shard_ranges_header(os.path.basename(path))
         try:
             header = check_shard_header(
                 path, self._schema, rows, self._disk_keys, self._require_sums, self._checksums.get(shard_index)
@@ -312,7 +306,7 @@ class CachedTensorDataset(Dataset):
             return
         path = self._paths.get(shard_index)
         if path is None:
-            path = self._paths[shard_index] = shard_path(self._root, shard_index)
+            path = self._paths[shard_index] = self._storage.display(shard_name(shard_index))
         verify_rows(
             data, rows, sums.sums[key], path=path, key=key,
             first_sample=shard_index * self.shard_size, repair=self._repair,
@@ -336,7 +330,8 @@ class CachedTensorDataset(Dataset):
                     f"shard {path} has no token fields although the manifest records a token layout "
                     f"(it was replaced by another writer's). {self._repair}", path=path,
                 )  # fmt: skip
-            f = self._files.put(shard_index, OpenShard(path, header, tokens), self._max_open)
+            fetch = self._storage.readable(shard_name(shard_index))[1]
+            f = self._files.put(shard_index, OpenShard(path, header, tokens, fetch), self._max_open)
         return f
 
     def _token_opener(self, shard_index: int) -> tuple[int, TokenIndex, ReadContext]:
@@ -344,15 +339,8 @@ class CachedTensorDataset(Dataset):
         f = self._shard_file(shard_index)
         assert f.tokens is not None
         reads = self._parallel(get_worker_info() is not None)
-        ensure = None
-        if self._mirror is not None:
-            mirror, name = self._mirror, os.path.basename(f.path)
-
-            def ensure(ranges: Sequence[tuple[int, int]]) -> None:
-                mirror.ensure(name, ranges)
-
-        ctx = ReadContext(self.verify, shard_index * self.shard_size, self._repair, reads, f, ensure,
-                          self._refetching if self._mirror is not None else None)  # fmt: skip
+        ctx = ReadContext(self.verify, shard_index * self.shard_size, self._repair, reads, f, f.fetch,
+                          self._refetching if f.fetch is not None else None)  # fmt: skip
         return self._descriptor(f), f.tokens, ctx
 
     def _descriptor(self, f: OpenShard) -> int:
@@ -385,13 +373,13 @@ class CachedTensorDataset(Dataset):
         shard_index = index // self.shard_size
         offset = index % self.shard_size
         f = self._shard_file(shard_index)
-        if self._mirror is not None:
-            self._mirror.ensure(os.path.basename(f.path), row_ranges(f.header.entries, self._row_keys, np.array([offset])))
+        if f.fetch is not None:
+            f.fetch(row_ranges(f.header.entries, self._row_keys, np.array([offset])))
         handle = self._safe_handle(f)
         try:
             out = {key: handle.get_slice(key)[offset] for key in self._row_keys}
         except _SafetensorError as exc:  # the header was checked on open; the file changed since?
-            raise self._unreadable(shard_path(self._root, shard_index), exc) from exc
+            raise self._unreadable(f.path, exc) from exc
         sums = f.header.sums
         row = np.array([offset])
         for key, t in out.items():
@@ -439,9 +427,8 @@ class CachedTensorDataset(Dataset):
         """Drop this process's local copy of the shard at ``path`` of an s3:// cache (a check failed on
         it); False when there is nothing to fetch again (a local cache)."""
         name = os.path.basename(path or "")
-        if self._mirror is None or name not in self._mirror.sizes:
+        if not self._storage.refetch(name):
             return False
-        self._mirror.invalidate(name)
         m = SHARD_RE.match(name)
         if m is not None:
             self._own()
@@ -449,10 +436,9 @@ class CachedTensorDataset(Dataset):
         return True
 
     def _object_damaged(self, exc: CacheIntegrityError) -> CacheIntegrityError:
-        assert self._mirror is not None
         name = os.path.basename(exc.path or "")
         return CacheIntegrityError(
-            f"{exc} The object {self._mirror.loc.url}/{name} itself is damaged: fetched again, it failed the same check.",
+            f"{exc} The object {self._storage.display(name)} itself is damaged: fetched again, it failed the same check.",
             path=exc.path, sample=exc.sample, key=exc.key, expected=exc.expected, actual=exc.actual,
         )  # fmt: skip
 
@@ -530,8 +516,8 @@ class CachedTensorDataset(Dataset):
     ) -> None:  # fmt: skip
         """Plan copying rows ``local`` of shard ``shard`` into batch rows ``pos`` (``batch_plan.plan_shard_rows``)."""
         f = self._shard_file(shard)
-        if self._mirror is not None:
-            self._mirror.ensure(os.path.basename(f.path), row_ranges(f.header.entries, self._row_keys, local))
+        if f.fetch is not None:
+            f.fetch(row_ranges(f.header.entries, self._row_keys, local))
         fd = self._descriptor(f)  # opened by the first batched read of the shard, either engine: the readahead hint
         if f.tokens is None:
             engines, plan = choose_engines(self._row_keys, local, pos, f.header.entries)

@@ -24,45 +24,32 @@ Shards written before they recorded their run need the fields they cannot tell
 passed back (``format_version``, ``options``, and ``shard_size`` / ``num_samples``
 / ``length_key`` where the shards leave them open); the error names each one.
 
-The rebuild works on a directory of shards; an s3:// cache is rebuilt over a
-fetched copy of its shards and the result written back to the store.
+Every step goes through the cache's :class:`~te_thd.offline_cache.storage.Storage`, so a
+local directory and an s3:// prefix are repaired by the same code.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import shlex
-import shutil
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from te_thd.args import is_int
-from te_thd.offline_cache import objectstore
-from te_thd.offline_cache.durable import ProducerLock, fsync_dir, unlink_quietly
-from te_thd.offline_cache.errors import (
-    CacheError,
-    CacheIntegrityError,
-    ManifestError,
-    producer_hint,
-)
+from te_thd.offline_cache.errors import CacheIntegrityError, ManifestError, producer_hint
 from te_thd.offline_cache.format import (
     MANIFEST_NAME,
-    SHARD_RE,
     CacheSchema,
     canonical_json,
     existing_shard_indices,
     format_indices,
-    manifest_path,
     num_shards,
     schema_to_json,
-    shard_path,
+    shard_name,
     shard_rows,
 )
 from te_thd.offline_cache.lengths import LENGTH_RULE_KEY, LengthRule, producer_rule
-from te_thd.offline_cache.location import ObjectLocation, parse_location
 from te_thd.offline_cache.manifest import (
     cache_schema,
     load_manifest,
@@ -70,7 +57,6 @@ from te_thd.offline_cache.manifest import (
     shard_records,
     write_manifest,
 )
-from te_thd.offline_cache.object_lock import ObjectLock
 from te_thd.offline_cache.producer_state import (
     DAMAGED_DIR,
     PROGRESS_NAME,
@@ -78,20 +64,19 @@ from te_thd.offline_cache.producer_state import (
     check_options,
     describe_diff,
     existing_record,
-    params_of_manifest,
+    record_bytes,
     reopen_for_resume,
     run_params,
-    write_json,
 )
-from te_thd.offline_cache.remote_tools import fetched, in_urls, named_by_url, set_aside_and_reopen
 from te_thd.offline_cache.shardfile import (
     ShardHeader,
     ShardRecord,
     read_shard_header,
     schema_of_header,
 )
+from te_thd.offline_cache.storage import Storage, open_storage
 from te_thd.offline_cache.tokens import TokenLayout
-from te_thd.offline_cache.verify import requires_shard_sums, verify_shard_file
+from te_thd.offline_cache.verify import requires_shard_sums, shard_problem, verify_shard_file
 
 #: What a caller passes back when the shards cannot tell it: repair_cache's keyword -> its CLI flag.
 REBUILD_ARGS = {
@@ -107,6 +92,7 @@ def find_bad(cache_dir: str, manifest: dict[str, Any]) -> tuple[dict[int, str], 
     """``({index: problem} of damaged shards, missing indices, extra indices)``."""
     num_samples, shard_size = int(manifest["num_samples"]), int(manifest["shard_size"])
     count = num_shards(num_samples, shard_size)
+    storage = open_storage(cache_dir)
     present = existing_shard_indices(cache_dir)
     records = shard_records(manifest)
     schema = cache_schema(cache_dir, manifest)
@@ -114,14 +100,14 @@ def find_bad(cache_dir: str, manifest: dict[str, Any]) -> tuple[dict[int, str], 
     for i in sorted(present):
         if i >= count:
             continue
-        path = shard_path(cache_dir, i)
+        path = storage.whole(shard_name(i))  # every byte is read: an object is fetched into a local copy
         try:
             verify_shard_file(
                 path, schema, shard_rows(i, num_samples, shard_size),
                 records[i] if records is not None else None, requires_shard_sums(manifest), i * shard_size,
             )  # fmt: skip
         except CacheIntegrityError as exc:
-            bad[i] = str(exc)
+            bad[i] = shard_problem(exc, path)
     missing = sorted(set(range(count)) - present)
     extra = sorted(i for i in present if i >= count)
     return bad, missing, extra
@@ -138,10 +124,6 @@ class Rebuild:
     extra: list[int] = field(default_factory=list)
     from_arguments: list[str] = field(default_factory=list)  # the fields the caller passed back
     notes: list[str] = field(default_factory=list)  # what was assumed (shards without a run record)
-
-
-def _problem(exc: CacheIntegrityError, path: str) -> str:
-    return str(exc).removeprefix(f"shard {path}").lstrip(": ")
 
 
 def _check_given(given: Mapping[str, Any]) -> dict[str, Any]:
@@ -171,7 +153,7 @@ def _group_runs(headers: Mapping[int, ShardHeader], cache_dir: str) -> dict[str,
             f"{cache_dir}: shards {format_indices(ia)} and shards {format_indices(ib)} record different producer "
             f"runs ({describe_diff(json.loads(a), json.loads(b))}), so they are not one cache. Move the shards that "
             f"do not belong away, then run `te-thd cache repair {shlex.quote(cache_dir)}` again.",
-            path=shard_path(cache_dir, ib[0]),
+            path=open_storage(cache_dir).display(shard_name(ib[0])),
         )
     return json.loads(next(iter(groups))) if groups else None
 
@@ -278,17 +260,20 @@ def rebuild_manifest(cache_dir: str, cache_name: str = "offline", damaged: str |
             f"cannot rebuild the manifest of {cache_dir}: it holds no shards (shard-NNNNNN.safetensors). Point "
             f"at the directory the cache was built in, or build it: run {producer_hint(None)}."
         )
+    storage = open_storage(cache_dir)
     headers: dict[int, ShardHeader] = {}
     bad: dict[int, str] = {}
     for i in present:
+        path = storage.header(shard_name(i))
         try:
-            headers[i] = read_shard_header(shard_path(cache_dir, i))
+            headers[i] = read_shard_header(path)
         except CacheIntegrityError as exc:
-            bad[i] = _problem(exc, shard_path(cache_dir, i))
+            bad[i] = shard_problem(exc, path)
     if not headers:
         raise CacheIntegrityError(
             f"cannot rebuild the manifest of {cache_dir}: no shard header is readable "
-            f"({'; '.join(f'shard {i}: {why}' for i, why in list(bad.items())[:3])})", path=shard_path(cache_dir, present[0]),
+            f"({'; '.join(f'shard {i}: {why}' for i, why in list(bad.items())[:3])})",
+            path=storage.display(shard_name(present[0])),
         )  # fmt: skip
     record = _group_runs(headers, cache_dir)
     notes: list[str] = []
@@ -303,7 +288,6 @@ def rebuild_manifest(cache_dir: str, cache_name: str = "offline", damaged: str |
     schema: CacheSchema | None = None
     records: dict[int, ShardRecord] = {}
     for i in (i for i in present if i < count and i in headers):
-        path = shard_path(cache_dir, i)
         sums = headers[i].sums
         if record is not None and (sums is None or sums.run != record):
             bad[i] = "records no producer run or another one than the other shards: it does not belong to this cache"
@@ -313,11 +297,12 @@ def rebuild_manifest(cache_dir: str, cache_name: str = "offline", damaged: str |
         if schema is None:
             bad[i] = f"holds keys {sorted(schema_of_header(headers[i]))}, the cache stores {params['keys']}"
             continue
+        path = storage.whole(shard_name(i))  # every byte is read: an object is fetched into a local copy
         try:
             records[i] = existing_record(path, schema, shard_rows(i, params["num_samples"], params["shard_size"]), rule,
                                          first_sample=i * params["shard_size"])
         except CacheIntegrityError as exc:
-            bad[i] = _problem(exc, path)
+            bad[i] = shard_problem(exc, path)
     missing = sorted(set(range(count)) - set(records) - set(bad))
     result = Rebuild(params, None, {i: bad[i] for i in sorted(bad) if i < count}, missing,
                      sorted({*extra, *(i for i in bad if i >= count)}), used, notes)  # fmt: skip
@@ -355,28 +340,29 @@ def repair_cache(
     """
     given = {"format_version": format_version, "options": options, "shard_size": shard_size,
              "num_samples": num_samples, "length_key": length_key}  # fmt: skip
-    location = parse_location(cache_dir)
-    if not isinstance(location, str):
-        return _repair_remote(location, cache_name, given)
-    if not os.path.isdir(cache_dir):
-        load_manifest(cache_dir, cache_name)  # the one message for a path that is no directory
-    with ProducerLock(cache_dir):
+    storage = open_storage(cache_dir)
+    storage.must_exist(MANIFEST_NAME)  # before the lock, which would create a missing directory
+    lock = storage.lock()
+    lock.acquire()
+    try:
         try:
             manifest = load_manifest(cache_dir, cache_name)
         except ManifestError:
-            damaged = manifest_path(cache_dir) if os.path.exists(manifest_path(cache_dir)) else None
-            if damaged is None and not existing_shard_indices(cache_dir):
+            damaged = MANIFEST_NAME in storage.list()
+            if not damaged and not existing_shard_indices(cache_dir):
                 raise  # no manifest and no shards: nothing to rebuild from, and the error says what the path is
-            rebuilt = rebuild_manifest(cache_dir, cache_name, damaged, **given)
-            return _apply_local(cache_dir, rebuilt, damaged)
+            rebuilt = rebuild_manifest(cache_dir, cache_name, storage.display(MANIFEST_NAME) if damaged else None, **given)
+            return _apply_rebuild(storage, rebuilt, damaged)
         _refuse_arguments(cache_dir, given)
         bad, missing, extra = find_bad(cache_dir, manifest)
-        result = _result(cache_dir, cache_dir, bad, missing, extra, producer_command(cache_dir, manifest))
+        result = _result(cache_dir, bad, missing, extra, producer_command(cache_dir, manifest))
         if not (bad or missing or extra):
             return result
         result["set_aside_in"] = reopen_for_resume(cache_dir, manifest, [*bad, *extra])
         result["reopened"] = True
         return result
+    finally:
+        lock.release()
 
 
 def _refuse_arguments(cache_dir: str, given: Mapping[str, Any]) -> None:
@@ -389,16 +375,13 @@ def _refuse_arguments(cache_dir: str, given: Mapping[str, Any]) -> None:
 
 
 def _result(
-    cache_dir: str, shown: str, bad: Mapping[int, str], missing: list[int], extra: list[int], producer: str | None
+    cache_dir: str, bad: Mapping[int, str], missing: list[int], extra: list[int], producer: str | None
 ) -> dict[str, Any]:
-    def name(i: int) -> str:
-        return os.path.basename(shard_path(cache_dir, i))
-
     return {
-        "cache_dir": shown,
-        "damaged": {name(i): why for i, why in bad.items()},
-        "missing": [name(i) for i in missing],
-        "extra": [name(i) for i in extra],
+        "cache_dir": cache_dir,
+        "damaged": {shard_name(i): why for i, why in bad.items()},
+        "missing": [shard_name(i) for i in missing],
+        "extra": [shard_name(i) for i in extra],
         "set_aside_in": None,
         "reopened": False,
         "rebuilt": False,
@@ -408,92 +391,22 @@ def _result(
     }
 
 
-def _rebuilt_result(cache_dir: str, shown: str, rebuilt: Rebuild) -> dict[str, Any]:
-    result = _result(cache_dir, shown, rebuilt.bad, rebuilt.missing, rebuilt.extra,
-                     producer_command(shown, rebuilt.params["options"]))  # fmt: skip
+def _apply_rebuild(storage: Storage, rebuilt: Rebuild, damaged: bool) -> dict[str, Any]:
+    """Write what :func:`rebuild_manifest` found (the lock is held): the damaged manifest and bad
+    shards set aside, then the manifest last -- or, with a shard missing, the producer's run
+    record, so the producer command resumes and fills the gap."""
+    cache_dir = storage.name
+    result = _result(cache_dir, rebuilt.bad, rebuilt.missing, rebuilt.extra,
+                     producer_command(cache_dir, rebuilt.params["options"]))  # fmt: skip
     result["from_arguments"], result["notes"] = rebuilt.from_arguments, rebuilt.notes
     result["rebuilt"] = rebuilt.manifest is not None
     result["reopened"] = rebuilt.manifest is None
-    return result
-
-
-def _apply_local(cache_dir: str, rebuilt: Rebuild, damaged: str | None) -> dict[str, Any]:
-    """Write what :func:`rebuild_manifest` found into ``cache_dir`` (the lock is held): the damaged
-    manifest and bad shards set aside, then the manifest last -- or, with a shard missing, the
-    producer's run record, so the producer command resumes and fills the gap."""
-    result = _rebuilt_result(cache_dir, cache_dir, rebuilt)
-    aside = [shard_path(cache_dir, i) for i in [*rebuilt.bad, *rebuilt.extra]] + ([damaged] if damaged else [])
-    if aside:
-        result["set_aside_in"] = where = os.path.join(cache_dir, DAMAGED_DIR)
-        os.makedirs(where, exist_ok=True)
-        for path in aside:
-            name, n = os.path.basename(path), 1
-            while os.path.exists(os.path.join(where, name)):  # an earlier repair's: kept too
-                name, n = f"{os.path.basename(path)}.{n}", n + 1
-            os.replace(path, os.path.join(where, name))
-        fsync_dir(where)
-    progress = os.path.join(cache_dir, PROGRESS_NAME)
+    aside = [shard_name(i) for i in [*rebuilt.bad, *rebuilt.extra]] + ([MANIFEST_NAME] if damaged else [])
     if rebuilt.manifest is None:
-        write_json(progress, rebuilt.params)
-    else:
-        write_manifest(cache_dir, rebuilt.manifest, rebuilt.params["format_version"])
-        unlink_quietly(progress)  # as the producer does once its manifest is written
-    fsync_dir(cache_dir)
+        storage.put(PROGRESS_NAME, record_bytes(rebuilt.params))
+    result["set_aside_in"] = storage.set_aside(aside, DAMAGED_DIR)
+    if rebuilt.manifest is not None:
+        write_manifest(cache_dir, rebuilt.manifest, rebuilt.params["format_version"])  # last: the cache is finished
+        storage.delete(PROGRESS_NAME)  # as the producer does once its manifest is written
+    storage.flush()
     return result
-
-
-def _repair_remote(loc: ObjectLocation, cache_name: str, given: dict[str, Any]) -> dict[str, Any]:
-    """:func:`repair_cache` of an s3:// cache, under its producer lock: verified on a fetched copy,
-    damaged objects moved under ``<prefix>/.te_thd-damaged/`` (readers list only the objects
-    directly under the prefix), the cache reopened for its producer -- or its lost manifest rebuilt
-    from a fetched copy of its shards and put back, last."""
-    with ObjectLock(loc):
-        if objectstore.get(loc, MANIFEST_NAME) is None:
-            return _rebuild_remote(loc, cache_name, given, damaged=False)
-        mirror = fetched(loc, True)
-        try:
-            manifest = load_manifest(mirror.root, cache_name)
-        except ManifestError:
-            return _rebuild_remote(loc, cache_name, given, damaged=True)
-        except CacheError as exc:
-            raise named_by_url(exc, mirror) from None
-        _refuse_arguments(loc.url, given)
-        bad, missing, extra = find_bad(mirror.root, manifest)
-        result = _result(mirror.root, loc.url, {i: in_urls(why, mirror.root, loc.url) for i, why in bad.items()},
-                         missing, extra, producer_command(loc.url, manifest))  # fmt: skip
-        if bad or missing or extra:
-            result["set_aside_in"] = f"{loc.url}/{DAMAGED_DIR}" if (bad or extra) else None
-            names = [os.path.basename(shard_path(mirror.root, i)) for i in [*bad, *extra]]
-            set_aside_and_reopen(loc, names, DAMAGED_DIR, PROGRESS_NAME, params_of_manifest(manifest))
-            result["reopened"] = True
-        return result
-
-
-def _rebuild_remote(loc: ObjectLocation, cache_name: str, given: dict[str, Any], damaged: bool) -> dict[str, Any]:
-    """:func:`rebuild_manifest` over a private copy of the shard objects; the outcome written back."""
-    staging = tempfile.mkdtemp(prefix="te_thd-repair-")
-    try:
-        for name in objectstore.listing(loc):
-            if SHARD_RE.match(name):
-                objectstore.get_file(loc, name, os.path.join(staging, name))
-        try:
-            rebuilt = rebuild_manifest(staging, cache_name, f"{loc.url}/{MANIFEST_NAME}" if damaged else None, **given)
-        except CacheError as exc:
-            raise type(exc)(str(exc).replace(staging, loc.url)) from None
-        rebuilt.bad = {i: in_urls(why, staging, loc.url) for i, why in rebuilt.bad.items()}
-        result = _rebuilt_result(staging, loc.url, rebuilt)
-        names = [os.path.basename(shard_path(staging, i)) for i in [*rebuilt.bad, *rebuilt.extra]]
-        names += [MANIFEST_NAME] if damaged else []
-        if names:
-            result["set_aside_in"] = f"{loc.url}/{DAMAGED_DIR}"
-        if rebuilt.manifest is None:
-            set_aside_and_reopen(loc, names, DAMAGED_DIR, PROGRESS_NAME, rebuilt.params)
-        else:
-            for name in names:
-                objectstore.copy(loc, name, f"{DAMAGED_DIR}/{name}")
-                objectstore.delete(loc, name)
-            write_manifest(loc.url, rebuilt.manifest, rebuilt.params["format_version"])  # one PUT, last
-            objectstore.delete(loc, PROGRESS_NAME)
-        return result
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)

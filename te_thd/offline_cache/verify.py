@@ -24,18 +24,17 @@ from typing import Any
 import numpy as np
 
 from te_thd.args import is_int
-from te_thd.offline_cache.errors import CacheError, CacheIntegrityError, repair_hint
+from te_thd.offline_cache.errors import CacheIntegrityError, repair_hint
 from te_thd.offline_cache.format import (
     CacheSchema,
     manifest_path,
     num_shards,
-    shard_path,
+    shard_name,
     shard_rows,
     validate_contiguous_shards,
 )
 from te_thd.offline_cache.integrity import HASH_NAME, byte_row_sums, name_row, shard_checksum
 from te_thd.offline_cache.lengths import LengthRule, read_shard_lengths, recorded_rule
-from te_thd.offline_cache.location import parse_location
 from te_thd.offline_cache.manifest import (
     LAYOUT_VERSION,
     RESERVED_MANIFEST_KEYS,
@@ -46,11 +45,11 @@ from te_thd.offline_cache.manifest import (
     shard_records,
     validate_manifest,
 )
-from te_thd.offline_cache.remote_tools import fetched, in_urls, named_by_url
 from te_thd.offline_cache.shardfile import (
     ShardHeader,
     check_shard_header,
 )
+from te_thd.offline_cache.storage import open_storage
 from te_thd.offline_cache.token_read import check_token_blocks
 from te_thd.offline_cache.tokens import TOKEN_LAYOUT_KEY, TokenLayout, describe_stored
 
@@ -80,14 +79,16 @@ def shard_size_errors(
     cache_dir: str, manifest: Mapping[str, Any], indices: Sequence[int], producer: str | None = None
 ) -> dict[int, CacheIntegrityError]:
     """``{index: error}`` of the shards ``indices`` that are missing or whose size differs from the
-    manifest's record (none for a manifest without records). One ``stat`` per shard."""
+    manifest's record (none for a manifest without records). One listing of the cache."""
     records = shard_records(manifest)
     errors: dict[int, CacheIntegrityError] = {}
     if records is None:
         return errors
+    storage = open_storage(cache_dir)
+    sizes = storage.list()
     for i in indices:
         try:
-            check_integrity_entry(shard_path(cache_dir, i), int(records[i]["bytes"]), producer)
+            check_integrity_entry(storage.display(shard_name(i)), sizes.get(shard_name(i)), int(records[i]["bytes"]), producer)
         except CacheIntegrityError as exc:
             errors[i] = exc
     return errors
@@ -252,14 +253,7 @@ def verify_cache(
     message lists every bad shard by path, ends with the repair command, and
     ``.path`` is the first bad shard.
     """
-    location = parse_location(cache_dir)
-    if not isinstance(location, str):
-        # every byte is needed: the checks below run on a fetched copy, and name the objects by URL
-        mirror = fetched(location, deep)
-        try:
-            return in_urls(verify_cache(mirror.root, deep, cache_name, producer_name), mirror.root, location.url)
-        except CacheError as exc:
-            raise named_by_url(exc, mirror) from None
+    storage = open_storage(cache_dir)
     manifest = load_manifest(cache_dir, cache_name, producer_name)
     producer_name = producer_command(cache_dir, manifest, producer_name)
     validate_manifest(manifest, manifest_path(cache_dir), producer_name)
@@ -281,7 +275,8 @@ def verify_cache(
     rule = recorded_rule(manifest)
     result["lengths_recorded"] = rule.describe() if rule is not None else None
     size_errors = shard_size_errors(cache_dir, manifest, indices, producer_name)
-    problems = [(shard_path(cache_dir, i), _problem(exc, shard_path(cache_dir, i))) for i, exc in size_errors.items()]
+    shown = {i: storage.display(shard_name(i)) for i in indices}  # what messages name: the file or the object
+    problems = [(shown[i], shard_problem(exc, shown[i])) for i, exc in size_errors.items()]
     sized = [i for i in indices if i not in size_errors]  # only the shards of the right size are read
     if not deep:
         _raise_problems(problems, cache_dir, cache_name, producer_name)
@@ -291,7 +286,7 @@ def verify_cache(
     schema = cache_schema(cache_dir, manifest)  # None: shard 0 itself is reported below
     with_sums = 0
     for i in sized:
-        path = shard_path(cache_dir, i)
+        path = storage.whole(shard_name(i))  # every byte is read: an object is fetched into a local copy
         try:
             check = verify_shard_file(
                 path, schema, shard_rows(i, num_samples, shard_size),
@@ -301,7 +296,7 @@ def verify_cache(
             if rule is not None and records is not None:
                 _check_lengths(path, rule, records[i]["lengths"], i * shard_size)
         except CacheIntegrityError as exc:
-            problems.append((path, _problem(exc, path)))
+            problems.append((shown[i], shard_problem(exc, path)))
     _raise_problems(sorted(problems), cache_dir, cache_name, producer_name)
     result["headers_verified"] = True
     result["shards_with_checksums"] = with_sums
@@ -312,7 +307,7 @@ def verify_cache(
     return result
 
 
-def _problem(exc: CacheIntegrityError, path: str) -> str:
+def shard_problem(exc: CacheIntegrityError, path: str) -> str:
     """What is wrong with the shard at ``path``, without its name or the repair hint."""
     text = str(exc).removeprefix(f"shard {path}").lstrip(": ")
     return text.split(" Restore it from a copy.")[0].split(" Repair: ")[0]
@@ -383,9 +378,8 @@ def cache_info(cache_dir: str) -> dict[str, Any]:
     if records is not None:
         total = sum(int(r["bytes"]) for r in records)
     else:
-        total = sum(
-            os.stat(p).st_size for p in (shard_path(cache_dir, i) for i in range(n)) if os.path.exists(p)
-        )
+        sizes = open_storage(cache_dir).list()
+        total = sum(sizes.get(shard_name(i), 0) for i in range(n))
     schema = cache_schema(cache_dir, manifest)
     layout = TokenLayout.from_json(manifest[TOKEN_LAYOUT_KEY]) if TOKEN_LAYOUT_KEY in manifest else None
     storage = {

@@ -19,17 +19,13 @@ The producer loops that call them live in :mod:`~te_thd.offline_cache.loops`.
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
-import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from te_thd.args import check_int
-from te_thd.offline_cache import objectstore
-from te_thd.offline_cache.durable import commit_temp, fsync_dir, temp_path_for, unlink_quietly
+from te_thd.offline_cache.durable import temp_path_for
 from te_thd.offline_cache.errors import SchemaError
 from te_thd.offline_cache.format import (
     DTYPE_TO_ST,
@@ -37,11 +33,12 @@ from te_thd.offline_cache.format import (
     TensorSpec,
     load_safetensors,
     schema_to_json,
+    shard_name,
     shard_path,
 )
 from te_thd.offline_cache.lengths import LENGTH_RULE_KEY, LengthRule, for_tensor
-from te_thd.offline_cache.location import parse_location
 from te_thd.offline_cache.shardfile import ShardRecord, ShardStream
+from te_thd.offline_cache.storage import Storage, open_storage
 from te_thd.offline_cache.token_shard import TokenShardStream
 from te_thd.offline_cache.tokens import TOKEN_LAYOUT_KEY, TokenLayout, check_token_schema
 from te_thd.offline_cache.writebehind import WriteBehind
@@ -243,8 +240,8 @@ class DurableShardWriter:
         self._write_behind = write_behind
         self._resolved = False  # length rule kind fixed, safetensors import checked
         self._streams: dict[int, _StreamedShard] = {}
-        self._dirty: set[str] = set()  # directories with renames not yet fsynced
-        self._staging: str | None = None  # an s3:// cache_dir's shards are written here, then uploaded
+        self._dirty: set[Storage] = set()  # with commits not yet flushed
+        self._storages: dict[str, Storage] = {}
 
     def validate(self, samples: Mapping[str, Any], shard_index: int = -1, where: str | None = None) -> dict[str, torch.Tensor]:
         """The stored keys of ``samples``, checked against the schema (the first call fixes it if unset)."""
@@ -282,7 +279,7 @@ class DurableShardWriter:
         if st is None:
             self._resolve_once(checked)
             assert self.schema is not None
-            st = _StreamedShard(shard_path(self._local_dir(cache_dir), shard_index), {k: self.schema[k] for k in self.keys},
+            st = _StreamedShard(os.path.join(self._storage(cache_dir).work_dir, shard_name(shard_index)), {k: self.schema[k] for k in self.keys},
                                 rows, self.length_rule, self.token_layout, self.run_record)  # fmt: skip
             self._streams[shard_index] = st
             if self._write_behind and n:
@@ -301,20 +298,14 @@ class DurableShardWriter:
             raise ValueError(f"shard {shard_index} has no pieces; call write_piece first")
         if st.queued != st.rows:
             raise ValueError(f"shard {shard_index} got {st.queued} of its {st.rows} rows; queue the rest first")
-        records, dirty = self.records, self._dirty
-        location = parse_location(cache_dir)
+        records, dirty, storage = self.records, self._dirty, self._storage(cache_dir)
 
         def finish() -> None:
             records[shard_index] = st.finish()
 
         def commit() -> None:
-            if not isinstance(location, str):
-                # one PUT (multipart when large): the object appears whole or not at all
-                objectstore.put_file(location, os.path.basename(st.final), st.tmp_path)
-                unlink_quietly(st.tmp_path)
-                return
-            commit_temp(st.tmp_path, st.final, fsync_directory=False)
-            dirty.add(os.path.dirname(st.final) or ".")
+            storage.commit(shard_name(shard_index), st.tmp_path)
+            dirty.add(storage)
 
         # a shard stays in _streams until its commit is queued: close() removes what is left
         if self._thread is None:
@@ -327,17 +318,14 @@ class DurableShardWriter:
             finish()
             self._thread.submit(commit, on_drop=st.abort)
         del self._streams[shard_index]
-        return st.final if isinstance(location, str) else f"{location.url}/{os.path.basename(st.final)}"
+        return storage.display(shard_name(shard_index))
 
-    def _local_dir(self, cache_dir: str) -> str:
-        """Where shard files of ``cache_dir`` are written: itself, or for an s3:// URL a private staging
-        directory (each shard is uploaded once written, then removed)."""
-        if isinstance(parse_location(cache_dir, "cache_dir"), str):
-            return cache_dir
-        if self._staging is None:
-            self._staging = tempfile.mkdtemp(prefix="te_thd-upload-")
-            self._cleanup = weakref.finalize(self, shutil.rmtree, self._staging, True)
-        return self._staging
+    def _storage(self, cache_dir: str) -> Storage:
+        """Where ``cache_dir`` lives (its shards are written in its ``work_dir``, then committed)."""
+        storage = self._storages.get(cache_dir)
+        if storage is None:
+            storage = self._storages[cache_dir] = open_storage(cache_dir, "cache_dir")
+        return storage
 
     def _resolve_once(self, piece: Mapping[str, torch.Tensor]) -> None:
         """First shard: fix the length rule's kind by the key's shape (the same in every shard); check
@@ -378,7 +366,7 @@ class DurableShardWriter:
 
     def _sync_dirs(self) -> None:
         while self._dirty:
-            fsync_dir(self._dirty.pop())
+            self._dirty.pop().flush()
 
     def flush(self) -> None:
         """Block until every shard finished so far is durable under its final name."""

@@ -1,0 +1,500 @@
+"""The s3:// storage of a cache (:class:`S3Prefix`, made by ``storage.open_storage``): any
+S3-compatible store, through obstore. No other module knows that object stores exist.
+
+- **client settings.** obstore issues ranged GETs concurrently and coalesces nearby
+  ranges itself (``get_ranges``), uploads large objects in parallel multipart parts,
+  has the conditional PUT the lock needs, and releases the GIL while it waits (boto3
+  would need a thread per request, s3fs an event loop of its own; docs/object-storage.md).
+  It is configured like the AWS tools: ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL``
+  (``http://`` allowed), ``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY`` /
+  ``AWS_SESSION_TOKEN``, ``AWS_REGION`` / ``AWS_DEFAULT_REGION`` (default ``us-east-1``),
+  over the profile ``AWS_PROFILE`` (default ``default``) of ``~/.aws/config`` and
+  ``~/.aws/credentials`` (moved by ``AWS_CONFIG_FILE`` / ``AWS_SHARED_CREDENTIALS_FILE``);
+  without keys, obstore's own provider chain. A storage reads them once and keeps them
+  (DataLoader workers, started by a forkserver with its own environment, use the same);
+  each process makes its own client (its runtime does not survive fork).
+- **staged upload.** A shard is written in a private local directory, then uploaded
+  whole (one PUT, or a multipart upload visible only once complete). Objects set aside
+  go under ``<prefix>/.te_thd-damaged/``, which readers never list.
+- **the producer lock** (:class:`ObjectLock`): ``.te_thd-producer.lock`` created with
+  ``If-None-Match: *``, which the store performs atomically. It records the holder
+  (host, pid, start time). A holder killed with SIGKILL cannot delete it: a producer on
+  the same host that finds its pid gone takes it over; across hosts a dead holder looks
+  like a slow one, so the second producer is refused, naming ``te-thd cache unlock URL``.
+  Users guarantee at most one producer per prefix, and unlock only when none runs.
+- **the read-through copy** (:class:`ReadThrough`): a local directory with the manifest
+  and one *sparse* file per shard. Before a reader touches a byte range, the 64 KiB
+  chunks of it not fetched yet are fetched (one ``get_ranges`` call per shard and batch)
+  into the sparse file; the ordinary local read path then reads and verifies them. Which
+  chunks are present is kept beside each file (``.<shard>.present``), so a DataLoader
+  worker or the next run reuses them; ``max_bytes`` bounds the copy (whole shards
+  dropped, least recently used first). A damaged local copy fails the read's checksums
+  and is fetched again once (:meth:`S3Prefix.refetch`); a second failure is the object's.
+"""
+
+from __future__ import annotations
+
+import configparser
+import ctypes
+import ctypes.util
+import hashlib
+import json
+import os
+import shutil
+import socket
+import sys
+import tempfile
+import time
+import weakref
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+
+from te_thd.offline_cache.durable import LOCK_NAME, atomic_write_bytes, unlink_quietly
+from te_thd.offline_cache.errors import CacheLockError
+from te_thd.offline_cache.format import MANIFEST_NAME, SHARD_RE
+from te_thd.offline_cache.storage import Fetch, Storage
+
+
+class S3Prefix(Storage):
+    """The cache at ``s3://bucket/prefix`` (``prefix`` without leading or trailing slashes; ``""``:
+    the bucket's root). ``read_cache_dir`` / ``read_cache_bytes``: where the read-through copy lives
+    and its byte budget (:class:`ReadThrough`)."""
+
+    fork_safe = False
+
+    def __init__(self, scheme: str, bucket: str, prefix: str, read_cache_dir: str | None = None, read_cache_bytes: int | None = None) -> None:  # fmt: skip
+        self.bucket, self.prefix = bucket, prefix
+        self.name = f"{scheme}://{bucket}/{prefix}" if prefix else f"{scheme}://{bucket}"
+        self.config = settings()  # captured here: workers may have another environment
+        self._copy_options = (read_cache_dir, read_cache_bytes)
+        self._copy: ReadThrough | None = None
+        self._work: str | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_work"] = None  # the staging directory belongs to the process that made it
+        state.pop("_cleanup", None)
+        return state
+
+    def display(self, obj: str) -> str:
+        return f"{self.name}/{obj}"
+
+    def key(self, obj: str) -> str:  # the object key of ``obj``
+        return f"{self.prefix}/{obj}" if self.prefix else obj
+
+    def list(self) -> dict[str, int]:
+        prefix = self.prefix + "/" if self.prefix else None
+        out: dict[str, int] = {}
+        for batch in _obstore().list(client(self.bucket, self.config), prefix=prefix):
+            for meta in batch:
+                name = meta["path"][len(prefix or "") :]
+                if "/" not in name:
+                    out[name] = int(meta["size"])
+        return out
+
+    def get(self, obj: str) -> bytes | None:
+        try:
+            return bytes(_obstore().get(client(self.bucket, self.config), self.key(obj)).bytes())
+        except FileNotFoundError:
+            return None
+
+    def get_ranges(self, obj: str, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
+        """Bytes ``[start, end)`` of ``obj`` for each range: one call, obstore coalesces and parallelises."""
+        if not ranges:
+            return []
+        out = _obstore().get_ranges(client(self.bucket, self.config), self.key(obj), starts=[a for a, _ in ranges], ends=[b for _, b in ranges])
+        return [bytes(b) for b in out]
+
+    def put(self, obj: str, data: bytes, *, create: bool = False) -> str:
+        """Also ``create``: only if it does not exist (conditional PUT); then ``""`` when it did."""
+        try:
+            _obstore().put(client(self.bucket, self.config), self.key(obj), data, mode="create" if create else "overwrite")
+        except FileExistsError:
+            return ""
+        except Exception as exc:  # obstore raises its own AlreadyExistsError (a FileExistsError in recent versions)
+            if type(exc).__name__ == "AlreadyExistsError":
+                return ""
+            raise
+        return self.display(obj)
+
+    def delete(self, obj: str) -> None:
+        try:
+            _obstore().delete(client(self.bucket, self.config), self.key(obj))
+        except FileNotFoundError:
+            pass
+
+    @property
+    def work_dir(self) -> str:
+        if self._work is None:
+            self._work = tempfile.mkdtemp(prefix="te_thd-upload-")
+            self._cleanup = weakref.finalize(self, shutil.rmtree, self._work, True)
+        return self._work
+
+    def commit(self, obj: str, tmp_path: str) -> str:
+        with open(tmp_path, "rb") as f:  # one PUT (multipart when large): the object appears whole or not at all
+            _obstore().put(client(self.bucket, self.config), self.key(obj), f)
+        unlink_quietly(tmp_path)
+        return self.display(obj)
+
+    @property
+    def copy(self) -> ReadThrough:
+        """The read-through copy, made and synced with the store on first use (a reader makes it when it
+        opens the cache, so its DataLoader workers share it)."""
+        if self._copy is None:
+            self._copy = ReadThrough(self, *self._copy_options)
+            self._copy.sync()
+        return self._copy
+
+    def readable(self, obj: str) -> tuple[str, Fetch | None]:
+        copy = self.copy
+
+        def fetch(ranges: Sequence[tuple[int, int]]) -> None:
+            copy.ensure(obj, ranges)
+
+        return os.path.join(copy.root, obj), fetch
+
+    def header(self, obj: str) -> str:
+        path, fetch = self.readable(obj)
+        fetch([(0, 8)])  # the length prefix, then the header it gives
+        with open(path, "rb") as f:
+            fetch([(0, 8 + min(int.from_bytes(f.read(8), "little"), self.copy.sizes[obj]))])
+        return path
+
+    def whole(self, obj: str) -> str:
+        self.copy.ensure(obj, [(0, self.copy.sizes[obj])])
+        return os.path.join(self.copy.root, obj)
+
+    def prepare_reads(self) -> None:
+        self.copy  # noqa: B018 - made and synced here, before any worker starts
+
+    def refetch(self, obj: str) -> bool:
+        if obj not in self.copy.sizes:
+            return False
+        self.copy.invalidate(obj)
+        return True
+
+    def set_aside(self, objs: Sequence[str], into: str) -> str | None:
+        for obj in objs:
+            _obstore().copy(client(self.bucket, self.config), self.key(obj), self.key(f"{into}/{obj}"))
+            self.delete(obj)
+        return self.display(into) if objs else None
+
+    def lock(self) -> ObjectLock:
+        return ObjectLock(self)
+
+    def unlock(self) -> dict[str, Any] | None:
+        holder = read_holder(self)
+        if holder is not None:
+            self.delete(LOCK_NAME)
+        return holder
+
+
+def _alive(pid: Any) -> bool:
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def read_holder(store: S3Prefix) -> dict[str, Any] | None:
+    """The lock object's holder record, or None when nobody holds the lock."""
+    raw = store.get(LOCK_NAME)
+    if raw is None:
+        return None
+    try:
+        holder = json.loads(raw.decode())
+    except (UnicodeDecodeError, ValueError):
+        return {}
+    return holder if isinstance(holder, dict) else {}
+
+
+class ObjectLock:
+    """Take (:meth:`acquire`) and release the producer lock of the cache ``store``."""
+
+    def __init__(self, store: S3Prefix) -> None:
+        self.store, self.held = store, False
+
+    def acquire(self) -> ObjectLock:
+        me = {"host": socket.gethostname(), "pid": os.getpid(), "since": int(time.time())}
+        data = json.dumps(me, sort_keys=True).encode()
+        url = self.store.display(LOCK_NAME)
+        for _ in range(2):
+            if self.store.put(LOCK_NAME, data, create=True):
+                self.held = True
+                return self
+            holder = read_holder(self.store)
+            if holder is None:
+                continue  # released in between: try again
+            if holder.get("host") == me["host"] and not _alive(holder.get("pid")):
+                self.store.delete(LOCK_NAME)  # its holder died on this host
+                continue
+            since = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(holder.get("since", 0)))
+            raise CacheLockError(
+                f"another producer holds {url} (host {holder.get('host')!r}, pid "
+                f"{holder.get('pid')}, since {since} UTC). Wait for it to finish; if no producer is running "
+                f"(one was killed on another host), run `te-thd cache unlock {self.store.name}` and start again."
+            )
+        raise CacheLockError(f"could not take {url}: it changed hands twice; run again")
+
+    def release(self) -> None:
+        if self.held:
+            self.held = False
+            self.store.delete(LOCK_NAME)
+
+
+_CLIENTS: dict[tuple[int, str, tuple[tuple[str, str], ...]], Any] = {}
+#: the environment variables a client is configured from
+_VARS = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN",
+         "AWS_REGION", "AWS_DEFAULT_REGION")  # fmt: skip
+
+
+#: credential options of the shared files, by the environment variable each stands for
+_CREDENTIALS = (("aws_access_key_id", "AWS_ACCESS_KEY_ID"), ("aws_secret_access_key", "AWS_SECRET_ACCESS_KEY"),
+                ("aws_session_token", "AWS_SESSION_TOKEN"))  # fmt: skip
+
+
+def _profile() -> dict[str, str]:
+    """The settings of the AWS profile in the shared config and credentials files, under the
+    environment variables' names."""
+    name = os.environ.get("AWS_PROFILE") or "default"
+    out: dict[str, str] = {}
+    for file_var, default, section, options in (
+        ("AWS_CONFIG_FILE", "~/.aws/config", name if name == "default" else f"profile {name}",
+         (("region", "AWS_REGION"), ("endpoint_url", "AWS_ENDPOINT_URL"), *_CREDENTIALS)),
+        ("AWS_SHARED_CREDENTIALS_FILE", "~/.aws/credentials", name, _CREDENTIALS),
+    ):  # fmt: skip
+        parser = configparser.ConfigParser(interpolation=None)
+        parser.read(os.path.expanduser(os.environ.get(file_var, default)))
+        if parser.has_section(section):
+            for opt, var in options:
+                if parser.get(section, opt, fallback=None):
+                    out[var] = parser.get(section, opt)
+    return out
+
+
+def settings() -> dict[str, str]:
+    """The object-store settings of this process: the AWS profile's (config and credentials files),
+    overridden by the environment variables in the module docstring."""
+    return {**_profile(), **{k: os.environ[k] for k in _VARS if os.environ.get(k)}}
+
+
+def _obstore() -> Any:
+    try:
+        import obstore
+    except ImportError:
+        raise ImportError(
+            "s3:// caches need the object-store client: install te_thd's s3 extra, "
+            "`pip install 'te_thd[s3]'` (it adds obstore)"
+        ) from None
+    return obstore
+
+
+def client(bucket: str, config: dict[str, str] | None = None) -> Any:
+    """This process's ``obstore`` store for ``bucket``, configured by ``config`` (default: this
+    process's :func:`settings`), made on first use."""
+    env = settings() if config is None else config
+    key = (os.getpid(), bucket, tuple(sorted(env.items())))
+    store = _CLIENTS.get(key)
+    if store is None:
+        if any(pid != key[0] for pid, *_ in _CLIENTS):
+            raise RuntimeError(
+                "this process was forked from one that had used the object-store client, whose runtime does not "
+                "survive fork: start DataLoader workers with multiprocessing_context='forkserver' or 'spawn' "
+                "(build_cached_dataloader does this for s3:// caches)"
+            )
+        _obstore()
+        from obstore.store import S3Store
+
+        kwargs: dict[str, Any] = {"region": env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or "us-east-1"}
+        endpoint = env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL")
+        if endpoint:
+            kwargs["endpoint"] = endpoint
+            if endpoint.startswith("http://"):
+                kwargs["client_options"] = {"allow_http": True}
+        for opt, var in _CREDENTIALS:
+            if env.get(var):
+                kwargs[opt.removeprefix("aws_")] = env[var]
+        store = _CLIENTS[key] = S3Store(bucket, **kwargs)
+    return store
+
+
+#: fetch granularity: a range is fetched as the chunks that hold it
+CHUNK_BYTES = 64 * 1024
+
+
+class ReadThrough:
+    """The local read-through copy of the cache ``store`` (see the module docstring).
+
+    ``cache_dir``: where the copy lives (a subdirectory per cache URL), kept between runs;
+    None: a private temporary directory. ``max_bytes``: the most fetched bytes it keeps
+    (None: no limit). ``root`` is the local directory readers open.
+    """
+
+    def __init__(self, store: S3Prefix, cache_dir: str | None = None, max_bytes: int | None = None) -> None:
+        self.store = store
+        self.max_bytes = max_bytes
+        if cache_dir is None:
+            self.root = tempfile.mkdtemp(prefix="te_thd-s3-")
+            self._cleanup: Any = weakref.finalize(self, shutil.rmtree, self.root, True)
+        else:
+            self.root = os.path.join(cache_dir, hashlib.sha1(store.name.encode()).hexdigest()[:16])
+            os.makedirs(self.root, exist_ok=True)
+            self._cleanup = None
+        self.sizes: dict[str, int] = {}
+        self._present: dict[str, bytearray] = {}
+        self._absent: dict[str, np.ndarray] = {}  # per shard: prefix counts of chunks not yet fetched
+        self._lru: OrderedDict[str, None] = OrderedDict()
+        #: requests made and bytes fetched from the store by this process (benchmarks, docs)
+        self.requests = self.fetched_bytes = 0
+        self._pid = os.getpid()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_cleanup"] = None  # the directory belongs to the process that made it
+        state["_present"], state["_absent"], state["_lru"] = {}, {}, OrderedDict()
+        return state
+
+    def sync(self) -> None:
+        """Fetch the manifest and list the shard objects; drop local copies the store no longer matches."""
+        raw = self.store.get(MANIFEST_NAME) or b""  # none while a producer runs: its private copy
+        self.requests += 1
+        local = os.path.join(self.root, MANIFEST_NAME)
+        old = open(local, "rb").read() if os.path.exists(local) else None
+        listing = self.store.list()
+        self.requests += 1
+        self.sizes = {n: s for n, s in listing.items() if SHARD_RE.match(n)}
+        for name in os.listdir(self.root):
+            if SHARD_RE.match(name) and (name not in self.sizes or raw != old):
+                self._drop(name)  # another cache, or another version of this one, was here
+        for name, size in self.sizes.items():
+            path = os.path.join(self.root, name)
+            if not os.path.exists(path) or os.path.getsize(path) != size:
+                self._drop(name)
+                with open(path, "wb") as f:
+                    f.truncate(size)  # sparse: no data until fetched
+        if raw != old:
+            atomic_write_bytes(local, raw)
+
+    def _drop(self, name: str) -> None:
+        unlink_quietly(os.path.join(self.root, name))
+        unlink_quietly(self._bitmap_path(name))
+        self._present.pop(name, None)
+        self._absent.pop(name, None)
+        self._lru.pop(name, None)
+
+    def _bitmap_path(self, name: str) -> str:
+        return os.path.join(self.root, f".{name}.present")
+
+    def _bitmap(self, name: str) -> bytearray:
+        bits = self._present.get(name)
+        if bits is None:
+            n = -(-self.sizes[name] // CHUNK_BYTES)
+            try:
+                with open(self._bitmap_path(name), "rb") as f:
+                    bits = bytearray(f.read(n).ljust(n, b"\0"))
+            except FileNotFoundError:
+                bits = bytearray(n)
+            self._present[name] = bits
+        return bits
+
+    def ensure(self, name: str, ranges: Iterable[tuple[int, int]]) -> None:
+        """Make bytes ``[offset, offset + n)`` of shard file ``name`` present locally, for each range."""
+        if self._pid != os.getpid():  # a forked worker: its own client and bookkeeping
+            self._pid, self._present, self._absent, self._lru = os.getpid(), {}, {}, OrderedDict()
+        size = self.sizes[name]
+        bits = self._bitmap(name)
+        spans_in = np.asarray([(off, off + n) for off, n in ranges if n > 0], dtype=np.int64).reshape(-1, 2)
+        first = spans_in[:, 0] // CHUNK_BYTES
+        last = np.minimum(-(-spans_in[:, 1] // CHUNK_BYTES), len(bits))
+        self._lru[name] = None
+        self._lru.move_to_end(name)
+        absent = self._absent.get(name)
+        if absent is None:  # prefix counts of absent chunks: "is every chunk of these ranges here" in O(ranges)
+            absent = self._absent[name] = np.concatenate(([0], np.cumsum(np.frombuffer(bytes(bits), np.uint8) == 0)))
+        if not np.any(absent[last] - absent[first]):
+            return
+        want: set[int] = set()
+        for a, b in zip(first.tolist(), last.tolist(), strict=True):
+            want.update(range(a, b))
+        missing = sorted(c for c in want if not bits[c])
+        runs: list[tuple[int, int]] = []
+        for c in missing:
+            if runs and runs[-1][1] == c:
+                runs[-1] = (runs[-1][0], c + 1)
+            else:
+                runs.append((c, c + 1))
+        spans = [(a * CHUNK_BYTES, min(b * CHUNK_BYTES, size)) for a, b in runs]
+        data = self.store.get_ranges(name, spans)
+        self.requests += 1
+        fd = os.open(os.path.join(self.root, name), os.O_WRONLY)
+        try:
+            for (a, _), blob in zip(spans, data, strict=True):
+                os.pwrite(fd, blob, a)
+                self.fetched_bytes += len(blob)
+        finally:
+            os.close(fd)
+        for a, b in runs:
+            bits[a:b] = b"\1" * (b - a)
+        self._absent.pop(name, None)
+        with open(self._bitmap_path(name), "wb") as f:  # after the data: a set byte means its chunk is there
+            f.write(bits)
+        self._evict(keep=name)
+
+    def invalidate(self, name: str) -> None:
+        """Forget shard ``name``'s local bytes (a read found them damaged): they are fetched again."""
+        _punch(os.path.join(self.root, name), self.sizes[name])
+        self._present[name] = bytearray(-(-self.sizes[name] // CHUNK_BYTES))
+        self._absent.pop(name, None)
+        unlink_quietly(self._bitmap_path(name))
+
+    def _evict(self, keep: str) -> None:
+        """Drop least recently used shards (never ``keep``) until the fetched bytes fit ``max_bytes``."""
+        if self.max_bytes is None:
+            return
+        held = sum(b.count(1) for b in self._present.values()) * CHUNK_BYTES  # counted once, then kept up to date
+        for name in list(self._lru):
+            if held <= self.max_bytes:
+                break
+            if name != keep:
+                held -= self._present[name].count(1) * CHUNK_BYTES if name in self._present else 0
+                self.invalidate(name)
+                self._lru.pop(name, None)
+
+
+_FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 1, 2
+
+
+def _punch(path: str, size: int) -> None:
+    """Free the local bytes of file ``path`` (``size`` bytes), keeping its size: another process
+    reading it through a mapping (a DataLoader worker) then reads zeros, which its checksums reject,
+    instead of faulting past the end of a truncated file. Linux: fallocate(FALLOC_FL_PUNCH_HOLE)."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        if _fallocate is not None and _fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, 0, size) == 0:
+            return
+        os.ftruncate(fd, 0)
+        os.ftruncate(fd, size)
+    finally:
+        os.close(fd)
+
+
+def _libc_fallocate() -> Any:
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        fn = libc.fallocate
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_fallocate = _libc_fallocate() if sys.platform.startswith("linux") else None

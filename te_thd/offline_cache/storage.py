@@ -1,0 +1,251 @@
+"""Where a cache lives: one interface, chosen once from the path by its URL scheme.
+
+Every writer, reader and tool of the cache reaches its files through a :class:`Storage`
+made by :func:`open_storage`, never by testing what kind of path it was given. The
+implementation is chosen from the path's URL scheme by :data:`SCHEMES`: a path
+without one is a local directory (:class:`LocalDirectory`, here); ``s3://bucket/prefix``
+is any S3-compatible store (``te_thd.offline_cache.s3``, imported only when such a
+cache is opened: the ``s3`` extra). A string with a scheme is never taken for a local
+path (``"s3://b/x"`` would become the directory ``s3:/b/x``); any other scheme is
+refused with what to do.
+
+Readers only ever open local files: :meth:`Storage.readable` returns the local path of
+a shard and the function that makes its byte ranges present there (``None`` for a
+local directory, where every byte already is; the read-through copy of an s3:// cache).
+Messages name the cache's objects as :meth:`Storage.display` spells them: the file's
+path, or the object's URL.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import re
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+from te_thd.offline_cache.durable import (
+    ProducerLock,
+    atomic_write_bytes,
+    commit_temp,
+    fsync_dir,
+    remove_stale_temp_files,
+    unlink_quietly,
+)
+from te_thd.offline_cache.errors import CacheLockError, ManifestError, ManifestNotFoundError
+
+#: fetch byte ranges ``[(offset, length)]`` of one shard into its local file (``Storage.readable``)
+Fetch = Callable[[Sequence[tuple[int, int]]], None]
+
+
+class Lock(Protocol):
+    """The producer lock of a cache: ``acquire`` raises :class:`CacheLockError` while another holds it."""
+
+    def acquire(self) -> Any: ...
+
+    def release(self) -> None: ...
+
+
+class Storage(ABC):
+    """What the cache needs from the place it lives in. ``name``: the cache as messages name it."""
+
+    name: str
+    #: False when a process forked from one that used this storage cannot use it (an object-store
+    #: client's runtime does not survive fork): DataLoader workers then start by forkserver
+    fork_safe: bool = True
+
+    def display(self, obj: str) -> str:
+        """Object ``obj`` of the cache as messages name it."""
+        return os.path.join(self.name, obj)
+
+    @abstractmethod
+    def list(self) -> dict[str, int]:
+        """``{name: size}`` of the objects directly in the cache (``{}``: no such cache)."""
+
+    @abstractmethod
+    def get(self, obj: str) -> bytes | None:
+        """The whole (small) object ``obj``: a manifest, a producer record; None when there is none."""
+
+    @abstractmethod
+    def put(self, obj: str, data: bytes) -> str:
+        """Write object ``obj`` whole: a reader finds the old bytes or the new ones. Its display name."""
+
+    @abstractmethod
+    def delete(self, obj: str) -> None:
+        """Remove object ``obj`` durably (nothing when there is none)."""
+
+    @property
+    @abstractmethod
+    def work_dir(self) -> str:
+        """The local directory a shard is written in before :meth:`commit`."""
+
+    @abstractmethod
+    def commit(self, obj: str, tmp_path: str) -> str:
+        """Make the finished local file ``tmp_path`` (in :attr:`work_dir`) object ``obj``, whole or not at
+        all; its display name. A local rename is made durable by :meth:`flush`."""
+
+    def flush(self) -> None:  # noqa: B027 - most stores have nothing to flush
+        """Make the commits so far survive a power cut."""
+
+    @abstractmethod
+    def readable(self, obj: str) -> tuple[str, Fetch | None]:
+        """The local path of shard ``obj`` and the function that makes its byte ranges present there
+        (None: every byte already is). Called once per shard open."""
+
+    def header(self, obj: str) -> str:
+        """The local path of shard ``obj`` with its header present (the length prefix, then the JSON)."""
+        return self.readable(obj)[0]
+
+    def whole(self, obj: str) -> str:
+        """The local path of shard ``obj`` with every byte present (verify, resume)."""
+        path, fetch = self.readable(obj)
+        if fetch is not None:
+            fetch([(0, self.list()[obj])])
+        return path
+
+    def prepare_reads(self) -> None:  # noqa: B027 - a local directory needs nothing
+        """Prepare this process and the DataLoader workers it starts to read (an object store: the
+        read-through copy's directory and the listing of the shards)."""
+
+    def refetch(self, obj: str) -> bool:
+        """Forget the local bytes of shard ``obj`` (a check failed on them); False when they are the
+        cache's own (nothing to fetch again)."""
+        return False
+
+    @abstractmethod
+    def set_aside(self, objs: Sequence[str], into: str) -> str | None:
+        """Move objects ``objs`` under ``into/`` (which readers never list); where they went (None: none)."""
+
+    @abstractmethod
+    def lock(self) -> Lock:
+        """The producer lock (one producer per cache)."""
+
+    @abstractmethod
+    def unlock(self) -> dict[str, Any] | None:
+        """Remove a lock its holder could not (killed elsewhere); the holder it recorded (None: no lock).
+        :class:`CacheLockError` where no lock ever needs removing (a flock dies with its holder)."""
+
+    def clean(self) -> list[str]:
+        """Remove what killed writers left (only under the lock); what was removed."""
+        return []
+
+    def must_exist(self, marker: str) -> None:  # noqa: B027 - an object store has no such place
+        """Raise :class:`ManifestError` when no cache can be here at all (a local path that is a file,
+        e.g. its ``marker`` file, or that does not exist); a missing object is its reader's to report."""
+
+
+class LocalDirectory(Storage):
+    """A cache in a local directory (``name``: the path as given)."""
+
+    def __init__(self, path: str) -> None:
+        self.name = path
+
+    def list(self) -> dict[str, int]:
+        try:
+            with os.scandir(self.name) as entries:
+                return {e.name: e.stat().st_size for e in entries if e.is_file()}
+        except (FileNotFoundError, NotADirectoryError):
+            return {}
+
+    def get(self, obj: str) -> bytes | None:
+        try:
+            with open(self.display(obj), "rb") as f:
+                return f.read()
+        except FileNotFoundError:
+            return None
+
+    def put(self, obj: str, data: bytes) -> str:
+        return atomic_write_bytes(self.display(obj), data)
+
+    def delete(self, obj: str) -> None:
+        if os.path.exists(self.display(obj)):
+            unlink_quietly(self.display(obj))
+            fsync_dir(self.name)
+
+    @property
+    def work_dir(self) -> str:
+        return self.name  # the rename that commits a shard stays on one filesystem
+
+    def commit(self, obj: str, tmp_path: str) -> str:
+        return commit_temp(tmp_path, self.display(obj), fsync_directory=False)
+
+    def flush(self) -> None:
+        fsync_dir(self.name)
+
+    def readable(self, obj: str) -> tuple[str, Fetch | None]:
+        return self.display(obj), None
+
+    def set_aside(self, objs: Sequence[str], into: str) -> str | None:
+        if not objs:
+            return None
+        aside = self.display(into)
+        os.makedirs(aside, exist_ok=True)
+        for obj in objs:
+            name, n = obj, 1
+            while os.path.exists(os.path.join(aside, name)):  # what an earlier repair set aside is kept too
+                name, n = f"{obj}.{n}", n + 1
+            os.replace(self.display(obj), os.path.join(aside, name))
+        fsync_dir(aside)
+        fsync_dir(self.name)
+        return aside
+
+    def lock(self) -> ProducerLock:
+        return ProducerLock(self.name)
+
+    def unlock(self) -> dict[str, Any] | None:
+        raise CacheLockError(
+            f"{self.name} is a local directory: its producer lock is a flock the kernel drops when the "
+            "producer dies, so there is nothing to remove"
+        )
+
+    def clean(self) -> list[str]:
+        return remove_stale_temp_files(self.name)
+
+    def must_exist(self, marker: str) -> None:
+        path = self.name
+        if os.path.isfile(path):
+            hint = f"pass its directory, cache_dir={os.path.dirname(path) or '.'!r}" if os.path.basename(path) == marker else "pass the directory that holds manifest.json and the shards"
+            raise ManifestError(f"cache_dir={path!r} is a file, not a cache directory; {hint}")
+        if not os.path.exists(path):
+            raise ManifestNotFoundError(
+                f"cache_dir={path!r}: no such directory; check the path (a cache directory holds "
+                f"manifest.json and shard-*.safetensors)"
+            )
+
+
+#: the implementation of each URL scheme te_thd reads and writes (``module:class``, imported when a
+#: cache of that scheme is opened: its client is an optional extra); a path without a scheme is local
+SCHEMES: dict[str, str] = {"s3": "te_thd.offline_cache.s3:S3Prefix"}
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*):")
+_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$")
+
+
+def open_storage(path: str | os.PathLike[str], name: str = "cache_dir", **options: Any) -> Storage:
+    """The :class:`Storage` of the cache at ``path``: a local directory, or by :data:`SCHEMES` its URL's.
+
+    ``options`` go to a URL's implementation (an s3:// reader's ``read_cache_dir`` and
+    ``read_cache_bytes``). ``ValueError`` naming the argument ``name`` for a scheme te_thd
+    does not support, a malformed URL, or a bucket name S3 refuses.
+    """
+    path = os.fspath(path) if isinstance(path, os.PathLike) else str(path)
+    m = _SCHEME.match(path)
+    if m is None or len(m.group(1)) == 1:  # a Windows drive letter is no scheme
+        return LocalDirectory(path)
+    scheme = m.group(1).lower()
+    if scheme not in SCHEMES:
+        raise ValueError(
+            f"{name}={path!r}: URL scheme {scheme!r} is not supported; te_thd caches live in a local "
+            f"directory or at s3://bucket/prefix (any S3-compatible store). Pass a local path or an s3:// URL"
+        )
+    rest = path[len(m.group(0)) :]
+    if not rest.startswith("//"):
+        raise ValueError(f"{name}={path!r} is not a URL of the form {scheme}://bucket/prefix; write {scheme}://{rest.lstrip('/')}")
+    bucket, _, prefix = rest[2:].partition("/")
+    if not _BUCKET.match(bucket):
+        raise ValueError(
+            f"{name}={path!r}: {bucket!r} is not an S3 bucket name (3-63 lowercase letters, digits, dots "
+            "and hyphens); write s3://<bucket>/<prefix>"
+        )
+    module, _, cls = SCHEMES[scheme].partition(":")
+    return getattr(importlib.import_module(module), cls)(scheme, bucket, prefix.strip("/"), **options)
