@@ -549,3 +549,60 @@ def test_private_directories_of_live_owners_and_of_other_hosts_are_kept(tmp_path
     import tempfile
 
     assert os.path.dirname(private_dir("s3", Owner())) == os.path.join(tempfile.gettempdir(), "te_thd")
+
+
+#: the ports `weed mini` listens on by default (docs/object-storage.md, "Try it locally", uses them as printed)
+_MINI_PORTS = (8333, 9333, 8888, 7333, 23646, 18333, 19333, 18888, 33646, 9340, 19340, 8181, 9101)
+
+
+def _listening(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def _processes_naming(text: str) -> list[int]:
+    """The pids of the processes whose command line names ``text``."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and text.encode() in (entry / "cmdline").read_bytes():
+                out.append(int(entry.name))
+        except OSError:
+            continue
+    return out
+
+
+def test_the_try_it_locally_section_runs_as_printed(tmp_path) -> None:
+    """The doc's commands, run by bash from the checkout: a server, a bucket, a produced cache, a short
+    training run, a verify; then nothing of the server is left running, listening or in /tmp."""
+    import signal
+
+    repo = HERE.parent
+    text = (repo / "docs" / "object-storage.md").read_text()
+    block = re.search(r"<!-- try-it-locally -->\n```bash\n(.*?)```\n<!-- /try-it-locally -->", text, re.S)
+    assert block is not None, "docs/object-storage.md lost its try-it-locally block"
+    if not (repo / ".venv" / "bin" / "weed").exists():
+        pytest.skip("no .venv/bin/weed: scripts/setup.sh installs it (tests/s3-server-requirements.txt)")
+    busy = [p for p in _MINI_PORTS if _listening(p)]
+    if busy:
+        pytest.skip(f"ports {busy} are in use: the section runs weed mini on its default ports")
+    sockets = set(Path("/tmp").glob("seaweedfs-*.sock"))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    env.update(TMPDIR=str(tmp_path), PYTHONPATH=str(repo), OMP_NUM_THREADS="1")  # $S3_DIR: under tmp_path
+    try:
+        r = subprocess.run(["bash", "-euo", "pipefail", "-c", block[1]], cwd=repo, env=env, capture_output=True,
+                           text=True, timeout=900)  # fmt: skip
+    finally:
+        left = _processes_naming(str(tmp_path))
+        for pid in left:
+            os.kill(pid, signal.SIGKILL)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert "cache ready: s3://te-thd-demo/run1" in r.stdout and "summary: steps 0->4" in r.stdout, r.stdout[-2000:]
+    assert "OK: s3://te-thd-demo/run1: 64 samples" in r.stdout
+    assert not left, "the server is left running"
+    assert not [p for p in _MINI_PORTS if _listening(p)]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("tmp.")], "$S3_DIR is left"
+    assert not [p for p in Path("/tmp").glob("seaweedfs-*.sock") if p not in sockets and any(
+        p.name.endswith(f"-{port}.sock") for port in _MINI_PORTS)], "the server's sockets are left in /tmp"  # fmt: skip

@@ -243,8 +243,8 @@ class ObjectLock:
 
 
 _CLIENTS: dict[tuple[int, str, tuple[tuple[str, str], ...]], Any] = {}
-#: a failed request (no connection within CLIENT_OPTIONS' 3 s, a 5xx answer, a dropped connection) is tried
-#: again at most 4 times, waiting at most 0.2, 0.4, 0.8, 1.6 s: a store that does not answer fails in seconds
+#: a failed request (no connection within CLIENT_OPTIONS' connect_timeout, a 5xx answer, a dropped
+#: connection) is tried again a few times with short backoffs: a store that does not answer fails in seconds
 RETRY: Any = {"max_retries": 4, "retry_timeout": timedelta(seconds=30), "backoff": {"init_backoff": timedelta(seconds=0.2), "max_backoff": timedelta(seconds=2), "base": 2}}  # fmt: skip
 CLIENT_OPTIONS = {"connect_timeout": "3s", "timeout": "300s"}  # one request (a multipart part) may take 5 min
 _CODE = re.compile(r"<Code>(\w+)</Code>")  # an S3 error answer's code
