@@ -606,3 +606,11 @@ def test_the_try_it_locally_section_runs_as_printed(tmp_path) -> None:
     assert not [p for p in tmp_path.iterdir() if p.name.startswith("tmp.")], "$S3_DIR is left"
     assert not [p for p in Path("/tmp").glob("seaweedfs-*.sock") if p not in sockets and any(
         p.name.endswith(f"-{port}.sock") for port in _MINI_PORTS)], "the server's sockets are left in /tmp"  # fmt: skip
+
+
+def test_without_obstore_the_message_names_the_install_command_that_works_from_a_checkout() -> None:
+    code = ("import sys; sys.modules['obstore'] = None\n"  # as if the s3 extra were not installed
+            "from te_thd.offline_cache.storage import open_storage\n"
+            "try:\n    open_storage('s3://b-1/x').list()\nexcept ImportError as exc:\n    print(exc)\n")  # fmt: skip
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "`pip install -e '.[s3]'`" in r.stdout and "te_thd[s3]" not in r.stdout, r.stdout + r.stderr
