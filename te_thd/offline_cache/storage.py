@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import importlib
 import os
 import re
@@ -293,12 +294,12 @@ _FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 1, 2
 
 
 def punch_hole(path: str, size: int) -> None:
-    """Free the local bytes of file ``path`` (``size`` bytes; a private copy's shard), keeping its size: another process
-    reading it through a mapping (a DataLoader worker) then reads zeros, which its checksums reject,
-    instead of faulting past the end of a truncated file. Linux: fallocate(FALLOC_FL_PUNCH_HOLE)."""
-    fd = os.open(path, os.O_RDWR)
+    """Free the local bytes of file ``path`` (``size`` bytes; a read-through copy's shard), keeping its
+    size: another process reading it through a mapping (a DataLoader worker) then reads zeros, which its
+    checksums reject, instead of faulting past the end of a truncated file. Linux: fallocate(PUNCH_HOLE)."""
+    fd, fallocate = os.open(path, os.O_RDWR), _libc_fallocate()
     try:
-        if _fallocate is not None and _fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, 0, size) == 0:
+        if fallocate is not None and fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, 0, size) == 0:
             return
         os.ftruncate(fd, 0)
         os.ftruncate(fd, size)
@@ -306,7 +307,10 @@ def punch_hole(path: str, size: int) -> None:
         os.close(fd)
 
 
+@functools.cache  # looked up on first use: finding libc may run a program, which no import should wait for
 def _libc_fallocate() -> Any:
+    if not sys.platform.startswith("linux"):
+        return None
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
         fn = libc.fallocate
@@ -316,8 +320,6 @@ def _libc_fallocate() -> Any:
     fn.restype = ctypes.c_int
     return fn
 
-
-_fallocate = _libc_fallocate() if sys.platform.startswith("linux") else None
 
 
 #: the implementation of each URL scheme te_thd reads and writes (``module:class``, imported when a
