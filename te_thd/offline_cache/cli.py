@@ -6,7 +6,9 @@ Thin shells over :func:`cache_info`, :func:`verify_cache` and :func:`repair_cach
 checked and what it could not, and 1 with every bad file named (on stderr) when
 not. ``repair`` exits 0 when the cache is sound, was reopened for a resume, or its
 lost or damaged manifest was rebuilt from the shards.
-``info`` exits 1 when the manifest cannot be read.
+``info`` exits 1 when the manifest cannot be read. Every command exits 2 when the store
+cannot be used as configured (an object store that does not answer, no such bucket,
+access denied: ``storage.StorageError``).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import json
 import sys
 from typing import Any
 
-from te_thd.offline_cache.errors import PRODUCE_CACHE_HINT, CacheLockError
+from te_thd.offline_cache.errors import PRODUCE_CACHE_HINT, CacheError
 from te_thd.offline_cache.repair import repair_cache
 from te_thd.offline_cache.storage import open_storage
 from te_thd.offline_cache.verify import cache_info, verify_cache
@@ -75,7 +77,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
         info = cache_info(args.dir)
     except (ValueError, ImportError) as exc:  # CacheError is a ValueError; a bad URL too
         print(f"te-thd cache info: {exc}", file=sys.stderr)
-        return 1
+        return getattr(exc, "exit_status", 1)  # 2: the store as configured cannot be used
     print(json.dumps(info, indent=2, sort_keys=True) if args.json else format_info(info))
     return 0
 
@@ -85,7 +87,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         result = verify_cache(args.dir, deep=not args.quick)
     except (ValueError, ImportError) as exc:  # CacheError is a ValueError; a bad URL too
         print(f"te-thd cache verify: FAILED: {exc}", file=sys.stderr)
-        return 1
+        return getattr(exc, "exit_status", 1)
     print(f"OK: {args.dir}: {result['num_samples']} samples in {result['num_shards']} shards")
     for line in result["checked"]:
         print(f"  checked: {line}")
@@ -110,7 +112,7 @@ def _cmd_repair(args: argparse.Namespace) -> int:
         result = repair_cache(args.dir, **given)
     except (ValueError, ImportError) as exc:  # CacheError is a ValueError; a bad URL too
         print(f"te-thd cache repair: cannot repair {args.dir}: {exc}", file=sys.stderr)
-        return 1
+        return getattr(exc, "exit_status", 1)
     for note in result["notes"]:
         print(f"note: {note}")
     if result["rebuilt"]:
@@ -146,9 +148,9 @@ def _cmd_unlock(args: argparse.Namespace) -> int:
         return 2
     try:
         holder = storage.unlock()
-    except CacheLockError as exc:  # a lock that needs no removing (a local directory's flock)
+    except CacheError as exc:  # a lock that needs no removing (a local directory's flock); a store unusable
         print(f"te-thd cache unlock: {exc}", file=sys.stderr)
-        return 1
+        return getattr(exc, "exit_status", 1)
     print(f"removed the producer lock of {storage.name} (held by {holder})" if holder is not None
           else f"{storage.name} has no producer lock; nothing to remove")  # fmt: skip
     return 0

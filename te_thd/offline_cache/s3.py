@@ -1,64 +1,55 @@
 """The s3:// storage of a cache (:class:`S3Prefix`, made by ``storage.open_storage``): any
 S3-compatible store, through obstore. No other module knows that object stores exist.
 
-- **client settings.** obstore issues ranged GETs concurrently and coalesces nearby
-  ranges itself (``get_ranges``), uploads large objects in parallel multipart parts,
-  has the conditional PUT the lock needs, and releases the GIL while it waits (boto3
-  would need a thread per request, s3fs an event loop of its own; docs/object-storage.md).
-  It is configured like the AWS tools: ``AWS_ENDPOINT_URL_S3`` / ``AWS_ENDPOINT_URL``
-  (``http://`` allowed), ``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY`` /
-  ``AWS_SESSION_TOKEN``, ``AWS_REGION`` / ``AWS_DEFAULT_REGION`` (default ``us-east-1``),
-  over the profile ``AWS_PROFILE`` (default ``default``) of ``~/.aws/config`` and
-  ``~/.aws/credentials`` (moved by ``AWS_CONFIG_FILE`` / ``AWS_SHARED_CREDENTIALS_FILE``);
-  without keys, obstore's own provider chain. A storage reads them once and keeps them
-  (DataLoader workers, started by a forkserver with its own environment, use the same);
-  each process makes its own client (its runtime does not survive fork).
-- **staged upload.** A shard is written in a private local directory, then uploaded
-  whole (one PUT, or a multipart upload visible only once complete). Objects set aside
-  go under ``<prefix>/.te_thd-damaged/``, which readers never list.
+- **client.** obstore issues ranged GETs concurrently and coalesces nearby ranges
+  (``get_ranges``), uploads large objects in parallel multipart parts, has the conditional
+  PUT the lock needs, and releases the GIL while it waits. Configured like the AWS tools
+  (:data:`_VARS` over the AWS profile's files), read once per storage (DataLoader workers use
+  the same); each process makes its own client (its runtime does not survive fork). Requests
+  are retried by :data:`RETRY`. What stops every request alike (no answer, no such bucket,
+  access denied) is one :class:`StorageError` line (:func:`_store_error`).
+- **staged upload.** A shard is written in a private local directory, then uploaded whole
+  (one PUT, or a multipart upload visible only once complete). Objects set aside go under
+  ``<prefix>/.te_thd-damaged/``, which readers never list.
 - **the producer lock** (:class:`ObjectLock`): ``.te_thd-producer.lock`` created with
-  ``If-None-Match: *``, which the store performs atomically. It records the holder
-  (host, pid, start time). A holder killed with SIGKILL cannot delete it: a producer on
-  the same host that finds its pid gone takes it over; across hosts a dead holder looks
-  like a slow one, so the second producer is refused, naming ``te-thd cache unlock URL``.
-  Users guarantee at most one producer per prefix, and unlock only when none runs.
+  ``If-None-Match: *`` (atomic in the store), recording the holder (host, pid, start time).
+  A holder killed with SIGKILL cannot delete it: a producer on the same host that finds its
+  pid gone takes it over; across hosts a dead holder looks like a slow one, so the second
+  producer is refused, naming ``te-thd cache unlock URL``.
 - **the read-through copy** (:class:`ReadThrough`): a local directory with the manifest
   and one *sparse* file per shard. Before a reader touches a byte range, the 64 KiB
   chunks of it not fetched yet are fetched (one ``get_ranges`` call per shard and batch)
   into the sparse file; the ordinary local read path then reads and verifies them. Which
   chunks are present is kept beside each file (``.<shard>.present``), so a DataLoader
-  worker or the next run reuses them; ``max_bytes`` bounds the copy (whole shards
-  dropped, least recently used first). A damaged local copy fails the read's checksums
-  and is fetched again once (:meth:`S3Prefix.refetch`); a second failure is the object's.
+  worker or the next run reuses them; ``max_bytes`` bounds the copy (LRU shards dropped).
+  A damaged local copy fails the read's checksums and is fetched again once
+  (:meth:`S3Prefix.refetch`); a second failure is the object's.
 """
 
 from __future__ import annotations
 
 import configparser
-import ctypes
-import ctypes.util
+import contextlib
 import hashlib
 import json
 import os
-import shutil
+import re
 import socket
-import sys
-import tempfile
 import time
-import weakref
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from datetime import timedelta
 from typing import Any
 
 import numpy as np
 
+from te_thd.offline_cache import storage
 from te_thd.offline_cache.durable import LOCK_NAME, atomic_write_bytes, unlink_quietly
 from te_thd.offline_cache.errors import CacheLockError
 from te_thd.offline_cache.format import MANIFEST_NAME, SHARD_RE
-from te_thd.offline_cache.storage import Fetch, Storage
 
 
-class S3Prefix(Storage):
+class S3Prefix(storage.Storage):
     """The cache at ``s3://bucket/prefix`` (``prefix`` without leading or trailing slashes; ``""``:
     the bucket's root). ``read_cache_dir`` / ``read_cache_bytes``: where the read-through copy lives
     and its byte budget (:class:`ReadThrough`)."""
@@ -76,11 +67,22 @@ class S3Prefix(Storage):
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_work"] = None  # the staging directory belongs to the process that made it
-        state.pop("_cleanup", None)
         return state
 
     def display(self, obj: str) -> str:
         return f"{self.name}/{obj}"
+
+    @contextlib.contextmanager
+    def calls(self) -> Iterator[None]:
+        """Around every obstore call: a failure that every request would meet becomes one
+        :class:`StorageError` line (:func:`_store_error`); the rest (a missing object) stay as raised."""
+        try:
+            yield
+        except Exception as exc:  # obstore's own types: _store_error picks the ones it knows
+            err = _store_error(exc, self)
+            if err is None:
+                raise
+            raise err from exc
 
     def key(self, obj: str) -> str:  # the object key of ``obj``
         return f"{self.prefix}/{obj}" if self.prefix else obj
@@ -88,30 +90,32 @@ class S3Prefix(Storage):
     def list(self) -> dict[str, int]:
         prefix = self.prefix + "/" if self.prefix else None
         out: dict[str, int] = {}
-        for batch in _obstore().list(client(self.bucket, self.config), prefix=prefix):
-            for meta in batch:
-                name = meta["path"][len(prefix or "") :]
-                if "/" not in name:
-                    out[name] = int(meta["size"])
+        with self.calls():
+            for batch in _obstore().list(client(self.bucket, self.config), prefix=prefix):
+                for meta in batch:
+                    name = meta["path"][len(prefix or "") :]
+                    if "/" not in name:
+                        out[name] = int(meta["size"])
         return out
 
     def get(self, obj: str) -> bytes | None:
         try:
-            return bytes(_obstore().get(client(self.bucket, self.config), self.key(obj)).bytes())
+            with self.calls():
+                return bytes(_obstore().get(client(self.bucket, self.config), self.key(obj)).bytes())
         except FileNotFoundError:
             return None
 
     def get_ranges(self, obj: str, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
         """Bytes ``[start, end)`` of ``obj`` for each range: one call, obstore coalesces and parallelises."""
-        if not ranges:
-            return []
-        out = _obstore().get_ranges(client(self.bucket, self.config), self.key(obj), starts=[a for a, _ in ranges], ends=[b for _, b in ranges])
+        with self.calls():
+            out = _obstore().get_ranges(client(self.bucket, self.config), self.key(obj), starts=[a for a, _ in ranges], ends=[b for _, b in ranges]) if ranges else []  # fmt: skip
         return [bytes(b) for b in out]
 
     def put(self, obj: str, data: bytes, *, create: bool = False) -> str:
         """Also ``create``: only if it does not exist (conditional PUT); then ``""`` when it did."""
         try:
-            _obstore().put(client(self.bucket, self.config), self.key(obj), data, mode="create" if create else "overwrite")
+            with self.calls():
+                _obstore().put(client(self.bucket, self.config), self.key(obj), data, mode="create" if create else "overwrite")
         except FileExistsError:
             return ""
         except Exception as exc:  # obstore raises its own AlreadyExistsError (a FileExistsError in recent versions)
@@ -121,20 +125,17 @@ class S3Prefix(Storage):
         return self.display(obj)
 
     def delete(self, obj: str) -> None:
-        try:
+        with contextlib.suppress(FileNotFoundError), self.calls():
             _obstore().delete(client(self.bucket, self.config), self.key(obj))
-        except FileNotFoundError:
-            pass
 
     @property
     def work_dir(self) -> str:
         if self._work is None:
-            self._work = tempfile.mkdtemp(prefix="te_thd-upload-")
-            self._cleanup = weakref.finalize(self, shutil.rmtree, self._work, True)
+            self._work = storage.private_dir("upload", self)
         return self._work
 
     def commit(self, obj: str, tmp_path: str) -> str:
-        with open(tmp_path, "rb") as f:  # one PUT (multipart when large): the object appears whole or not at all
+        with open(tmp_path, "rb") as f, self.calls():  # one PUT (multipart when large): whole or not at all
             _obstore().put(client(self.bucket, self.config), self.key(obj), f)
         unlink_quietly(tmp_path)
         return self.display(obj)
@@ -148,7 +149,7 @@ class S3Prefix(Storage):
             self._copy.sync()
         return self._copy
 
-    def readable(self, obj: str) -> tuple[str, Fetch | None]:
+    def readable(self, obj: str) -> tuple[str, storage.Fetch | None]:
         copy = self.copy
 
         def fetch(ranges: Sequence[tuple[int, int]]) -> None:
@@ -178,7 +179,8 @@ class S3Prefix(Storage):
 
     def set_aside(self, objs: Sequence[str], into: str) -> str | None:
         for obj in objs:
-            _obstore().copy(client(self.bucket, self.config), self.key(obj), self.key(f"{into}/{obj}"))
+            with self.calls():
+                _obstore().copy(client(self.bucket, self.config), self.key(obj), self.key(f"{into}/{obj}"))
             self.delete(obj)
         return self.display(into) if objs else None
 
@@ -190,18 +192,6 @@ class S3Prefix(Storage):
         if holder is not None:
             self.delete(LOCK_NAME)
         return holder
-
-
-def _alive(pid: Any) -> bool:
-    if not isinstance(pid, int) or pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def read_holder(store: S3Prefix) -> dict[str, Any] | None:
@@ -226,6 +216,8 @@ class ObjectLock:
         me = {"host": socket.gethostname(), "pid": os.getpid(), "since": int(time.time())}
         data = json.dumps(me, sort_keys=True).encode()
         url = self.store.display(LOCK_NAME)
+        with self.store.calls():  # a missing bucket is named as such before the PUT (stores create it, or deny it)
+            next(iter(_obstore().list(client(self.store.bucket, self.store.config), prefix=self.store.key(""))), None)
         for _ in range(2):
             if self.store.put(LOCK_NAME, data, create=True):
                 self.held = True
@@ -233,7 +225,7 @@ class ObjectLock:
             holder = read_holder(self.store)
             if holder is None:
                 continue  # released in between: try again
-            if holder.get("host") == me["host"] and not _alive(holder.get("pid")):
+            if holder.get("host") == me["host"] and not storage.process_alive(holder.get("pid")):
                 self.store.delete(LOCK_NAME)  # its holder died on this host
                 continue
             since = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(holder.get("since", 0)))
@@ -251,11 +243,14 @@ class ObjectLock:
 
 
 _CLIENTS: dict[tuple[int, str, tuple[tuple[str, str], ...]], Any] = {}
+#: a failed request (no connection within CLIENT_OPTIONS' connect_timeout, a 5xx answer, a dropped
+#: connection) is tried again a few times with short backoffs: a store that does not answer fails in seconds
+RETRY: Any = {"max_retries": 4, "retry_timeout": timedelta(seconds=30), "backoff": {"init_backoff": timedelta(seconds=0.2), "max_backoff": timedelta(seconds=2), "base": 2}}  # fmt: skip
+CLIENT_OPTIONS = {"connect_timeout": "3s", "timeout": "300s"}  # one request (a multipart part) may take 5 min
+_CODE = re.compile(r"<Code>(\w+)</Code>")  # an S3 error answer's code
 #: the environment variables a client is configured from
 _VARS = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN",
          "AWS_REGION", "AWS_DEFAULT_REGION")  # fmt: skip
-
-
 #: credential options of the shared files, by the environment variable each stands for
 _CREDENTIALS = (("aws_access_key_id", "AWS_ACCESS_KEY_ID"), ("aws_secret_access_key", "AWS_SECRET_ACCESS_KEY"),
                 ("aws_session_token", "AWS_SESSION_TOKEN"))  # fmt: skip
@@ -263,7 +258,7 @@ _CREDENTIALS = (("aws_access_key_id", "AWS_ACCESS_KEY_ID"), ("aws_secret_access_
 
 def _profile() -> dict[str, str]:
     """The settings of the AWS profile in the shared config and credentials files, under the
-    environment variables' names."""
+    environment variables' names (``from:<name>``: which file and profile each came from)."""
     name = os.environ.get("AWS_PROFILE") or "default"
     out: dict[str, str] = {}
     for file_var, default, section, options in (
@@ -272,18 +267,53 @@ def _profile() -> dict[str, str]:
         ("AWS_SHARED_CREDENTIALS_FILE", "~/.aws/credentials", name, _CREDENTIALS),
     ):  # fmt: skip
         parser = configparser.ConfigParser(interpolation=None)
-        parser.read(os.path.expanduser(os.environ.get(file_var, default)))
+        path = os.path.expanduser(os.environ.get(file_var, default))
+        parser.read(path)
         if parser.has_section(section):
             for opt, var in options:
                 if parser.get(section, opt, fallback=None):
-                    out[var] = parser.get(section, opt)
+                    out[var], out[f"from:{var}"] = parser.get(section, opt), f"{opt} of profile {name!r} in {path}"
     return out
 
 
 def settings() -> dict[str, str]:
     """The object-store settings of this process: the AWS profile's (config and credentials files),
     overridden by the environment variables in the module docstring."""
-    return {**_profile(), **{k: os.environ[k] for k in _VARS if os.environ.get(k)}}
+    env = {k: os.environ[k] for k in _VARS if os.environ.get(k)}
+    return {**_profile(), **env, **{f"from:{k}": k for k in env}}
+
+
+def _store_error(exc: BaseException, store: S3Prefix) -> storage.StorageError | None:
+    """The one line for an obstore error that every request would meet (no answer from the endpoint, no
+    such bucket, access denied), naming the URL, the endpoint and its origin, and what to check; None
+    for an error about one object or request."""
+    text, kind = str(exc).split("\n\nDebug source:", 1)[0], type(exc).__name__
+    code, (url, origin) = _CODE.search(text), endpoint(store.config)
+    at = f"(endpoint {url}, from {origin})"
+    if code and code[1] == "NoSuchBucket":
+        why = (f"bucket {store.bucket!r} does not exist {at}; te_thd never creates buckets: create it first, or "
+               "check the bucket name and the endpoint")  # fmt: skip
+    elif kind in ("PermissionDeniedError", "UnauthenticatedError") or re.search(r" 40[13] (Forbidden|Unauth)", text):
+        keys = store.config.get("from:AWS_ACCESS_KEY_ID", "obstore's provider chain: none set")
+        why = (f"access denied: the store answered {code[1] if code else kind} {at[:-1]}; keys from {keys}); check "
+               f"the keys and that they may read and write bucket {store.bucket!r} at this endpoint")  # fmt: skip
+    elif kind == "GenericError" and not code and re.search(r"error sending request|HTTP error|timed out", text):
+        tried = re.search(r" in ([0-9.]+)(\w*s), after ([0-9]+) retries", text)
+        why = (f"no answer from the object store {at}" + (f" after {tried[3]} retries in {float(tried[1]):.2g} {tried[2]}" if tried else "")
+               + "; check that the server runs and the endpoint is right (AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL, "
+               "or endpoint_url in the AWS profile's config file; none for AWS S3)")  # fmt: skip
+    else:
+        return None
+    return storage.StorageError(f"{store.name}: {why}")
+
+
+def endpoint(config: dict[str, str]) -> tuple[str, str]:
+    """The endpoint the client of ``config`` (:func:`settings`) uses, and where that came from."""
+    for var in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"):
+        if config.get(var):
+            return config[var], config.get(f"from:{var}", var)
+    region = config.get("AWS_REGION") or config.get("AWS_DEFAULT_REGION") or "us-east-1"
+    return f"https://s3.{region}.amazonaws.com", "the default: AWS S3, as no endpoint is set"
 
 
 def _obstore() -> Any:
@@ -291,8 +321,8 @@ def _obstore() -> Any:
         import obstore
     except ImportError:
         raise ImportError(
-            "s3:// caches need the object-store client: install te_thd's s3 extra, "
-            "`pip install 'te_thd[s3]'` (it adds obstore)"
+            "s3:// caches need the object-store client obstore: install te_thd's s3 extra from its checkout, "
+            "`pip install -e '.[s3]'`"
         ) from None
     return obstore
 
@@ -313,12 +343,12 @@ def client(bucket: str, config: dict[str, str] | None = None) -> Any:
         _obstore()
         from obstore.store import S3Store
 
-        kwargs: dict[str, Any] = {"region": env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or "us-east-1"}
-        endpoint = env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL")
-        if endpoint:
-            kwargs["endpoint"] = endpoint
-            if endpoint.startswith("http://"):
-                kwargs["client_options"] = {"allow_http": True}
+        kwargs: dict[str, Any] = {"region": env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or "us-east-1",
+                                  "retry_config": RETRY, "client_options": dict(CLIENT_OPTIONS)}  # fmt: skip
+        url = env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL")
+        if url:
+            kwargs["endpoint"] = url
+            kwargs["client_options"]["allow_http"] = url.startswith("http://")
         for opt, var in _CREDENTIALS:
             if env.get(var):
                 kwargs[opt.removeprefix("aws_")] = env[var]
@@ -342,12 +372,10 @@ class ReadThrough:
         self.store = store
         self.max_bytes = max_bytes
         if cache_dir is None:
-            self.root = tempfile.mkdtemp(prefix="te_thd-s3-")
-            self._cleanup: Any = weakref.finalize(self, shutil.rmtree, self.root, True)
-        else:
+            self.root = storage.private_dir("s3", self)
+        else:  # the user's directory: never removed
             self.root = os.path.join(cache_dir, hashlib.sha1(store.name.encode()).hexdigest()[:16])
             os.makedirs(self.root, exist_ok=True)
-            self._cleanup = None
         self.sizes: dict[str, int] = {}
         self._present: dict[str, bytearray] = {}
         self._absent: dict[str, np.ndarray] = {}  # per shard: prefix counts of chunks not yet fetched
@@ -357,8 +385,7 @@ class ReadThrough:
         self._pid = os.getpid()
 
     def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state["_cleanup"] = None  # the directory belongs to the process that made it
+        state = self.__dict__.copy()  # (the directory stays its maker's: the copy has no finalizer)
         state["_present"], state["_absent"], state["_lru"] = {}, {}, OrderedDict()
         return state
 
@@ -450,7 +477,7 @@ class ReadThrough:
 
     def invalidate(self, name: str) -> None:
         """Forget shard ``name``'s local bytes (a read found them damaged): they are fetched again."""
-        _punch(os.path.join(self.root, name), self.sizes[name])
+        storage.punch_hole(os.path.join(self.root, name), self.sizes[name])
         self._present[name] = bytearray(-(-self.sizes[name] // CHUNK_BYTES))
         self._absent.pop(name, None)
         unlink_quietly(self._bitmap_path(name))
@@ -467,34 +494,3 @@ class ReadThrough:
                 held -= self._present[name].count(1) * CHUNK_BYTES if name in self._present else 0
                 self.invalidate(name)
                 self._lru.pop(name, None)
-
-
-_FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 1, 2
-
-
-def _punch(path: str, size: int) -> None:
-    """Free the local bytes of file ``path`` (``size`` bytes), keeping its size: another process
-    reading it through a mapping (a DataLoader worker) then reads zeros, which its checksums reject,
-    instead of faulting past the end of a truncated file. Linux: fallocate(FALLOC_FL_PUNCH_HOLE)."""
-    fd = os.open(path, os.O_RDWR)
-    try:
-        if _fallocate is not None and _fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, 0, size) == 0:
-            return
-        os.ftruncate(fd, 0)
-        os.ftruncate(fd, size)
-    finally:
-        os.close(fd)
-
-
-def _libc_fallocate() -> Any:
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        fn = libc.fallocate
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_fallocate = _libc_fallocate() if sys.platform.startswith("linux") else None

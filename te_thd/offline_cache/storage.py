@@ -14,13 +14,28 @@ a shard and the function that makes its byte ranges present there (``None`` for 
 local directory, where every byte already is; the read-through copy of an s3:// cache).
 Messages name the cache's objects as :meth:`Storage.display` spells them: the file's
 path, or the object's URL.
+
+A store's own local directories -- a reader's private read-through copy, a producer's
+staging -- are made by :func:`private_dir` under one root, ``$TE_THD_TMPDIR`` (default
+``<tempfile.gettempdir()>/te_thd``), each named after its owner (``<kind>-<host>-<pid>-<start
+time>-<random>``). The owner removes its own when it ends normally; what a killed owner
+left is removed by the next process on that host that makes one (its pid is gone, or was
+reused: the start time differs). A ``read_cache_dir`` the user passed is never removed.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
 import importlib
 import os
 import re
+import shutil
+import socket
+import sys
+import tempfile
+import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
@@ -33,7 +48,68 @@ from te_thd.offline_cache.durable import (
     remove_stale_temp_files,
     unlink_quietly,
 )
-from te_thd.offline_cache.errors import CacheLockError, ManifestError, ManifestNotFoundError
+from te_thd.offline_cache.errors import (
+    CacheError,
+    CacheLockError,
+    ManifestError,
+    ManifestNotFoundError,
+)
+
+#: the environment variable naming the root of the private local directories (:func:`private_dir`)
+TMPDIR_VAR = "TE_THD_TMPDIR"
+_PRIVATE = re.compile(r"^[a-z0-9]+-(?P<host>.+)-(?P<pid>[0-9]+)-(?P<start>[0-9]+)-[a-z0-9_]+$")
+
+
+class StorageError(CacheError):
+    """The store cannot be used as configured: unreachable, no such bucket, access denied. A
+    configuration problem, not a damaged cache: the command line exits with :attr:`exit_status`."""
+
+    exit_status = 2
+
+
+def private_root() -> str:
+    """Where :func:`private_dir` makes its directories: ``$TE_THD_TMPDIR``, else ``<tempdir>/te_thd``."""
+    return os.environ.get(TMPDIR_VAR) or os.path.join(tempfile.gettempdir(), "te_thd")
+
+
+def start_time(pid: int) -> int:
+    """When process ``pid`` started (clock ticks since boot, Linux); 0 where that cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read().rsplit(b")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def process_alive(pid: object, started: int = 0) -> bool:
+    """Whether process ``pid`` of this host runs; with ``started`` (its :func:`start_time`), whether it
+    is still that process and not a later one that got the same pid."""
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # another user's process: it runs
+    return not started or start_time(pid) in (0, started)
+
+
+def private_dir(kind: str, owner: object) -> str:
+    """A new local directory of this process (``kind``: what it holds, e.g. ``"s3"``) under
+    :func:`private_root`, removed when ``owner`` is collected or this interpreter exits
+    (``weakref.finalize``: a pickled copy of ``owner`` in another process does not remove it). The
+    directories that dead owners on this host left there are removed first."""
+    root, host = private_root(), socket.gethostname()
+    os.makedirs(root, exist_ok=True)
+    for name in os.listdir(root):
+        m = _PRIVATE.match(name)
+        if m and m["host"] == host and not process_alive(int(m["pid"]), int(m["start"])):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    path = tempfile.mkdtemp(prefix=f"{kind}-{host}-{os.getpid()}-{start_time(os.getpid())}-", dir=root)
+    weakref.finalize(owner, shutil.rmtree, path, True)
+    return path
+
 
 #: fetch byte ranges ``[(offset, length)]`` of one shard into its local file (``Storage.readable``)
 Fetch = Callable[[Sequence[tuple[int, int]]], None]
@@ -212,6 +288,38 @@ class LocalDirectory(Storage):
                 f"cache_dir={path!r}: no such directory; check the path (a cache directory holds "
                 f"manifest.json and shard-*.safetensors)"
             )
+
+
+_FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 1, 2
+
+
+def punch_hole(path: str, size: int) -> None:
+    """Free the local bytes of file ``path`` (``size`` bytes; a read-through copy's shard), keeping its
+    size: another process reading it through a mapping (a DataLoader worker) then reads zeros, which its
+    checksums reject, instead of faulting past the end of a truncated file. Linux: fallocate(PUNCH_HOLE)."""
+    fd, fallocate = os.open(path, os.O_RDWR), _libc_fallocate()
+    try:
+        if fallocate is not None and fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, 0, size) == 0:
+            return
+        os.ftruncate(fd, 0)
+        os.ftruncate(fd, size)
+    finally:
+        os.close(fd)
+
+
+@functools.cache  # looked up on first use: finding libc may run a program, which no import should wait for
+def _libc_fallocate() -> Any:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        fn = libc.fallocate
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    fn.restype = ctypes.c_int
+    return fn
+
 
 
 #: the implementation of each URL scheme te_thd reads and writes (``module:class``, imported when a
