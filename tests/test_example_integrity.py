@@ -144,7 +144,7 @@ def test_a_lost_or_damaged_manifest_stops_training_once_and_its_repair_runs_as_p
     assert _commands(msg) == [f"te-thd cache repair {cache}"], msg
     assert "precompute_cache.py" not in msg and "computes only the missing shards" not in msg
     _check_command(_commands(msg)[0])
-    _run_as_printed(_commands(msg)[0])
+    _run_as_printed(_commands(msg)[0], tmp_path)
     assert manifest.read_bytes() == clean
 
 

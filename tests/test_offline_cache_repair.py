@@ -253,7 +253,7 @@ def test_a_gap_is_reported_and_the_printed_producer_fills_it(tmp_path: Path, cap
     (d / "shard-000002.safetensors").write_bytes(bytes(data))
     assert cli_main(["cache", "repair", str(d)]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[0].startswith("set aside: shard-000002.safetensors: key 'hidden' row 1: checksum mismatch")
+    assert out[0].startswith("set aside: shard-000002.safetensors: sample 9 (row 1 of the shard), key 'hidden': checksum mismatch")
     assert out[1:] == [
         "missing: shard-000001.safetensors",
         f"{d} is reopened for a resume (moved to {d}/.te_thd-damaged): re-run the `te_thd.offline_cache.produce_cache"
@@ -286,8 +286,8 @@ def test_a_gap_in_the_example_cache_prints_the_command_that_fills_it(tmp_path: P
     assert out.returncode == 0, out.stderr
     assert "missing: shard-000002.safetensors" in out.stdout
     cmd = re.findall(r"`([^`]+)`", out.stdout)
-    assert len(cmd) == 1 and f"/python examples/precompute_cache.py --out {d} " in cmd[0]  # te-thd's interpreter
-    subprocess.run(shlex.split(cmd[0]), check=True, capture_output=True, timeout=180, env=env, cwd=REPO)  # as printed
+    assert len(cmd) == 1 and f"/python {REPO / 'examples' / 'precompute_cache.py'} --out {d} " in cmd[0]  # te-thd's interpreter
+    subprocess.run(shlex.split(cmd[0]), check=True, capture_output=True, timeout=180, env=env, cwd=d.parent)  # as printed, elsewhere
     assert (d / "manifest.json").read_bytes() == clean
     assert verify_cache(str(d), deep=True)["checksums_verified"]
     again = subprocess.run([cli, "cache", "repair", str(d)], capture_output=True, text=True, timeout=120, env=env)
