@@ -456,3 +456,25 @@ def test_cache_info_shows_the_storage_and_the_fidelity(caches) -> None:
     assert "fp8_e4m3" in out and "input_ids" in out and "ragged" in out
     report = verify_cache(str(caches["fp8"]), deep=True)
     assert report["checksums_verified"] and report["lengths_verified"]
+
+
+def test_a_length_outside_the_row_names_its_global_sample(tmp_path: Path) -> None:
+    """A ``compute_batch`` whose length key gives sample 5 more tokens than a row holds is refused
+    at that sample's shard, naming sample 5 (row 1 of shard 1, shards of 4), not its row alone."""
+    import _s3_producer_script as P
+
+    from te_thd.offline_cache import produce_cache
+
+    def compute(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        out = P.compute_batch(batch)
+        if 5 in batch["index"].tolist():
+            out["length"] = out["length"].clone()
+            out["length"][batch["index"].tolist().index(5)] = P.L + 3
+        return out
+
+    samples = [{**s, "index": torch.tensor(i)} for i, s in enumerate(P.dataset(12))]
+    with pytest.raises(ValueError) as e:
+        produce_cache(DataLoader(samples, batch_size=2), str(tmp_path / "c"), 4, compute, P.KEYS,
+                      progress=False, length_key="length", token_keys=P.TOKEN_KEYS)  # fmt: skip
+    assert f"sample 5 (row 1 of the shard) has length {P.L + 3} by" in str(e.value)
+    assert f"outside [0, L={P.L}]" in str(e.value) and ".tmp" not in str(e.value)

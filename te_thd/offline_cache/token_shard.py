@@ -77,10 +77,11 @@ class TokenShardStream:
 
     def __init__(
         self, path: str, specs: Mapping[str, TensorSpec], rows: int, layout: TokenLayout, rule: LengthRule,
-        run: Mapping[str, Any] | None = None,
+        run: Mapping[str, Any] | None = None, first_sample: int | None = None,
     ) -> None:  # fmt: skip
         check_int("rows", rows, 0, meaning=" (the samples the shard holds)")
         self._run = dict(run) if run is not None else None
+        self._first = first_sample  # the global index of row 0, when the writer knows it (for messages)
         self.path, self.rows, self.layout, self.rule = path, rows, layout, rule
         self.specs = dict(specs)
         self.width = check_token_schema(layout, self.specs)
@@ -173,9 +174,11 @@ class TokenShardStream:
         lengths = self.rule.lengths(piece[self.rule.key])
         bad = np.flatnonzero((lengths < 0) | (lengths > self.width))
         if bad.size:
+            row = self._cursor + int(bad[0])
+            which = f"row {row} of the shard" if self._first is None else f"sample {self._first + row} (row {row} of the shard)"
             raise ValueError(
-                f"piece of {self.path}: sample {self._cursor + int(bad[0])} of the shard has length "
-                f"{int(lengths[bad[0]])} by {self.rule.describe()}, outside [0, L={self.width}]; fix the length key"
+                f"{which} has length {int(lengths[bad[0]])} by {self.rule.describe()}, outside [0, L={self.width}]: "
+                "compute_batch's length key must give each sample's real token count; nothing of this shard was kept"
             )
         for k, _ in self._fixed:
             view = byte_view(piece[k])

@@ -130,9 +130,9 @@ class _StreamedShard:
 
     def __init__(
         self, final: str, specs: Mapping[str, TensorSpec], rows: int, rule: LengthRule | None,
-        tokens: TokenLayout | None = None, run: Mapping[str, Any] | None = None,
+        tokens: TokenLayout | None = None, run: Mapping[str, Any] | None = None, first_sample: int | None = None,
     ) -> None:  # fmt: skip
-        self.final, self.tmp_path = final, temp_path_for(final)
+        self.final, self.tmp_path, self.first_sample = final, temp_path_for(final), first_sample
         self.specs, self.rows, self.rule, self.tokens, self.run = dict(specs), rows, rule, tokens, run
         self.queued = 0  # rows handed over by the caller
         self.lengths: list[int] = []
@@ -145,7 +145,8 @@ class _StreamedShard:
                 self._stream = ShardStream(self.tmp_path, self.specs, self.rows, self.run)
             else:
                 assert self.rule is not None  # DurableShardWriter requires one with a token layout
-                self._stream = TokenShardStream(self.tmp_path, self.specs, self.rows, self.tokens, self.rule, self.run)
+                self._stream = TokenShardStream(self.tmp_path, self.specs, self.rows, self.tokens, self.rule, self.run,
+                                                self.first_sample)  # fmt: skip
         return self._stream
 
     def write(self, piece: Mapping[str, torch.Tensor]) -> None:
@@ -280,7 +281,8 @@ class DurableShardWriter:
             self._resolve_once(checked)
             assert self.schema is not None
             st = _StreamedShard(os.path.join(self._storage(cache_dir).work_dir, shard_name(shard_index)), {k: self.schema[k] for k in self.keys},
-                                rows, self.length_rule, self.token_layout, self.run_record)  # fmt: skip
+                                rows, self.length_rule, self.token_layout, self.run_record,
+                                shard_index * self.run_record["shard_size"] if self.run_record else None)  # fmt: skip
             self._streams[shard_index] = st
             if self._write_behind and n:
                 self._budget(rows * nbytes // n)
