@@ -6,6 +6,7 @@ import io
 import os
 import queue as queue_mod
 import socket
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -99,3 +100,14 @@ def small_cache_argv(out: str, num_samples: int) -> list[str]:
         "--shard-size", "8", "--batch-size", "8",
         "--cp", "2", "--pack-seq-len", "128",
     ]  # fmt: skip
+
+
+def one_error(res: subprocess.CompletedProcess, script: str = "train_ep_cp.py") -> str:
+    """The job failed with exactly one ``error:`` line (not one per rank) and no traceback of ``script``;
+    that line without its ``error: `` prefix."""
+    text = res.stdout + res.stderr
+    assert res.returncode != 0, text
+    errors = [ln for ln in text.splitlines() if ln.startswith("error: ")]
+    assert len(errors) == 1, text
+    assert f'{script}", line' not in text, text  # no rank printed a traceback
+    return errors[0].removeprefix("error: ")

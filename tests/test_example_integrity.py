@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from _example_support import EXAMPLES, REPO, small_cache_argv
+from _example_support import EXAMPLES, REPO, one_error, small_cache_argv
 from _offline_cache_support import damage_shard
 
 import te_thd.offline_cache as oc
@@ -51,14 +51,6 @@ def _train(cache: Path, out: Path, cp: int, *extra: str) -> subprocess.Completed
     ]  # fmt: skip
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=_env(), cwd=REPO)
 
-
-def _the_one_message(res: subprocess.CompletedProcess) -> str:
-    text = res.stdout + res.stderr
-    assert res.returncode != 0, text
-    errors = [ln for ln in text.splitlines() if ln.startswith("error: ")]
-    assert len(errors) == 1, text
-    assert "train_ep_cp.py\", line" not in text, text  # no rank printed a traceback
-    return errors[0]
 
 
 def _commands(message: str) -> list[str]:
@@ -106,7 +98,7 @@ def test_flipped_byte_stops_training_once_with_a_repair_that_works(cache_dir: Pa
     cache = tmp_path / "cache"
     shutil.copytree(cache_dir, cache)
     _flip(cache / "shard-000001.safetensors", "hidden", 3)
-    msg = _the_one_message(_train(cache, tmp_path / "run", 2))
+    msg = one_error(_train(cache, tmp_path / "run", 2))
     assert f"shard {cache}/shard-000001.safetensors: sample 11 (row 3 of the shard), key 'hidden': checksum mismatch" in msg
     cmds = _commands(msg)
     assert cmds[0] == f"te-thd cache repair {cache}"
@@ -140,7 +132,7 @@ def test_a_lost_or_damaged_manifest_stops_training_once_and_its_repair_runs_as_p
         manifest.unlink()
     else:
         manifest.write_bytes(clean[: len(clean) // 2])
-    msg = _the_one_message(_train(cache, tmp_path / "run", 2))
+    msg = one_error(_train(cache, tmp_path / "run", 2))
     assert _commands(msg) == [f"te-thd cache repair {cache}"], msg
     assert "precompute_cache.py" not in msg and "computes only the missing shards" not in msg
     _check_command(_commands(msg)[0])
@@ -149,7 +141,7 @@ def test_a_lost_or_damaged_manifest_stops_training_once_and_its_repair_runs_as_p
 
 
 def test_cp_mismatch_and_world_size_are_one_message(cache_dir: Path, tmp_path: Path) -> None:
-    msg = _the_one_message(_train(cache_dir, tmp_path / "a", 1))
+    msg = one_error(_train(cache_dir, tmp_path / "a", 1))
     assert "was built with cp_size=2" in msg and "cp_size=1" in msg
     cmds = _commands(msg)
     assert cmds and "--cp 1" in cmds[0] and f"--out {cache_dir}-cp1-seq128 " in cmds[0]
@@ -164,7 +156,7 @@ def test_cp_mismatch_and_world_size_are_one_message(cache_dir: Path, tmp_path: P
     rebuilt = oc.read_manifest(f"{cache_dir}-cp1-seq128", CACHE_NAME, FORMAT_VERSION)
     assert (rebuilt["cp_size"], rebuilt["num_samples"]) == (1, 32)
     assert not list(elsewhere.iterdir())
-    msg = _the_one_message(_train(cache_dir, tmp_path / "b", 3))
+    msg = one_error(_train(cache_dir, tmp_path / "b", 3))
     assert "--cp=3 must divide the number of processes (2)" in msg
 
 
@@ -175,8 +167,8 @@ def test_a_rerun_with_another_argument_names_it_first(cache_dir: Path) -> None:
     argv[argv.index("--shard-size") + 1] = "4"
     res = subprocess.run([sys.executable, str(EXAMPLES / "precompute_cache.py"), *argv], capture_output=True,
                          text=True, timeout=180, env=_env())  # fmt: skip
-    msg = _the_one_message(res)
-    assert msg.startswith(f"error: output_dir {cache_dir} holds a finished cache built with other parameters "
+    msg = one_error(res)
+    assert msg.startswith(f"output_dir {cache_dir} holds a finished cache built with other parameters "
                           "(shard_size: recorded 8, this run 4; options.producer_args[")  # fmt: skip
     assert len(msg) < 300, msg
 
@@ -189,9 +181,9 @@ def test_a_cache_too_small_for_the_replicas_says_so_once(tmp_path: Path) -> None
     argv[argv.index("--cp") + 1] = "1"
     subprocess.run([sys.executable, str(EXAMPLES / "precompute_cache.py"), *argv], check=True, capture_output=True,
                    timeout=180, env=_env())  # fmt: skip
-    msg = _the_one_message(_train(cache, tmp_path / "run", 1))
+    msg = one_error(_train(cache, tmp_path / "run", 1))
     assert msg == (
-        f"error: --batch-size 4: the cache at {cache} holds 3 samples, too few for 2 data-parallel replicas at "
+        f"--batch-size 4: the cache at {cache} holds 3 samples, too few for 2 data-parallel replicas at "
         "4 samples each (a step takes 8); pass --batch-size 1 or less, or build a cache of at least 8 samples"
     )
 

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from _example_support import EXAMPLES, REPO, small_cache_argv
+from _example_support import EXAMPLES, REPO, one_error, small_cache_argv
 
 
 def _env() -> dict[str, str]:
@@ -47,15 +47,6 @@ def _train(cache: str, out: Path, *extra: str, steps: int = 3, cwd: Path = REPO)
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=_env(), cwd=cwd)
 
 
-def _one_error(res: subprocess.CompletedProcess) -> str:
-    """The job failed with exactly one ``error:`` line (not one per rank) and no traceback of the script."""
-    text = res.stdout + res.stderr
-    assert res.returncode != 0, text
-    errors = [ln for ln in text.splitlines() if ln.startswith("error: ")]
-    assert len(errors) == 1, text
-    assert 'train_ep_cp.py", line' not in text, text
-    return errors[0].removeprefix("error: ")
-
 
 def _snapshot(d: Path) -> dict[str, bytes]:
     return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
@@ -74,7 +65,7 @@ def test_a_run_into_a_non_empty_out_is_refused_once_and_changes_nothing(first_ru
     out, _, before = first_run
     assert _snapshot(out) == before
     assert "ckpt/iter_0000003/rank_00000.pt" in before
-    msg = _one_error(_train(caches["main"], out, steps=5))
+    msg = one_error(_train(caches["main"], out, steps=5))
     assert msg == (
         f"--out {out} already holds a run (ckpt, metrics.jsonl, summary.json); pass --resume to "
         "continue it, or a new --out to start another (nothing was changed)"
@@ -91,7 +82,7 @@ def test_a_run_into_a_non_empty_out_is_refused_once_and_changes_nothing(first_ru
 
 def test_resume_with_nothing_to_resume_is_refused(caches, tmp_path):
     fresh = tmp_path / "fresh"
-    msg = _one_error(_train(caches["main"], fresh, "--resume"))
+    msg = one_error(_train(caches["main"], fresh, "--resume"))
     assert msg == (
         f"--resume: nothing to resume, no checkpoint in {fresh}/ckpt (no latest.json); drop "
         f"--resume to start a new run in {fresh}, or pass the --out of the run to continue"
@@ -119,7 +110,7 @@ def test_resume_on_another_cache_names_the_original_and_that_fix_runs(first_run,
     elsewhere = tmp_path / "elsewhere"  # the cache given relative to another directory
     elsewhere.mkdir()
     other = os.path.relpath(caches["other"], elsewhere)
-    msg = _one_error(_train(other, out, "--resume", steps=5, cwd=elsewhere))
+    msg = one_error(_train(other, out, "--resume", steps=5, cwd=elsewhere))
     assert msg == (
         f"--resume: the checkpoint in {out}/ckpt was trained on a cache of 48 samples in shards of "
         f"8, but --cache-dir {other} holds 40 samples in shards of 8; resume with --cache-dir "
