@@ -360,11 +360,14 @@ def _place_balanced(b: _Batch, order: np.ndarray, K: int) -> tuple[np.ndarray, n
     pool = order
     rows_of = np.arange(R) * K  # flat index of each replica's first row
     flat = res.reshape(-1)
+    # a round is a few dozen numpy calls on arrays of at most R elements, so their
+    # fixed cost is the planner's cost: methods, not module functions, and no call
+    # whose answer another already gives
     while pool.size:
-        by_load = np.argsort(load, kind="stable")
+        by_load = load.argsort(kind="stable")
         # replicas below the mean, least loaded first (all of them only if rounding
         # left documents with every replica at the mean)
-        m = min(int(np.count_nonzero(load < level)) or R, pool.size)
+        m = min(int((load < level).sum()) or R, pool.size)
         reps, items = by_load[:m], pool[:m]
         p = P[items]
         free = res[reps]  # [m, K]
@@ -378,7 +381,7 @@ def _place_balanced(b: _Batch, order: np.ndarray, K: int) -> tuple[np.ndarray, n
             room = np.flatnonzero(res.max(1) >= P[d])
             if room.size == 0:
                 return None
-            r = int(room[np.argmin(load[room])])
+            r = int(room[load[room].argmin()])
             kk = int(np.where(res[r] >= P[d], res[r], S + 1).argmin())
             res[r, kk] -= P[d]
             load[r] += C[d]
@@ -388,10 +391,10 @@ def _place_balanced(b: _Batch, order: np.ndarray, K: int) -> tuple[np.ndarray, n
         c = C[items]
         keep = fits & (load[reps] + 0.5 * c <= level)
         keep[0] = True
-        if keep.all():
+        if keep.sum() == m:
             pool = pool[m:]
         else:
-            pool = np.concatenate([pool[:m][~keep], pool[m:]])
+            pool = np.concatenate((items[~keep], pool[m:]))
             reps, items, slots, p, c, k = reps[keep], items[keep], slots[keep], p[keep], c[keep], k[keep]
         flat[slots] -= p
         load[reps] += c
@@ -540,8 +543,8 @@ def plan_global_batch(
     if n == 0:
         return [[[] for _ in range(K)] for _ in range(b.num_replicas)]
     order = np.lexsort((np.arange(n), -b.C))  # decreasing cost, ties in arrival order
-    # Per document while replicas are few (a heap step costs ~1 us), in vectorised
-    # rounds when they are many (a round costs ~20 us but places up to R documents).
+    # Per document while replicas are few; in vectorised rounds when they are many,
+    # where one round's fixed cost is spread over up to R documents.
     balanced = _place_lpt if b.num_replicas <= 24 or n < 100 else _place_balanced
     while True:
         placed = balanced(b, order, K) or _place_packed(b, order, K)

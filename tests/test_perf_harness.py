@@ -104,8 +104,10 @@ def test_checked_in_thresholds_parse():
     assert by["cache-read-small-vs-reference"].min_ratio == 10.0
     assert by["cp-shard-vs-index-select"].min_ratio == 0.5
     assert by["cache-write-vs-save-file"].min_ratio == 0.8
-    # the one non-gating goal, with a gating goal beside it: writes at equal durability
-    assert [g.id for g in goals if g.known_miss] == ["cache-write-vs-save-file", "tokens-cp-fetch-demo"]
+    # the non-gating goals, each with a gating goal beside it
+    assert [g.id for g in goals if g.known_miss] == [
+        "cache-write-vs-save-file", "balance-plan-time", "tokens-cp-fetch-demo"]
+    assert {"cache-write-vs-save-file-fsync", "balance-plan-vs-ffd", "tokens-cp2-fetch"} <= set(by)
     assert not any(by[g].known_miss for g in ("tokens-cp2-fetch", "tokens-cp4-fetch", "tokens-cp2-throughput"))
     assert by["cache-write-vs-save-file-fsync"].min_ratio == 0.8
     assert not by["cache-write-vs-save-file-fsync"].known_miss
