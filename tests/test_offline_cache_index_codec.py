@@ -213,8 +213,9 @@ def test_the_codec_is_recorded_and_stores_fewer_bytes(caches) -> None:
     assert nbytes == tokens * {16: 2 * K, 17: 2 * K + 1, 32: 4 * K}[index_bits(vocab)]
     info = cache_info(str(c["codec"]))
     bits = index_bits(vocab)
-    assert info["storage"]["ids"].startswith(f"ragged, topk_index:{vocab}, {bits} bits per index")
-    assert info["storage"]["ids"].endswith("(logical int64)") and info["fidelity"] == {}
+    form = {16: "", 17: ": 16 + 1 packed high bit", 32: ": int32"}[bits]
+    assert info["storage"]["ids"] == f"ragged, topk_index:{vocab}, {bits} bits per index{form} (logical int64)"
+    assert info["fidelity"] == {}
     report = verify_cache(str(c["codec"]), deep=True)
     assert report["checksums_verified"] and report["lengths_verified"]
 

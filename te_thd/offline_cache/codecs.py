@@ -124,8 +124,8 @@ def describe(codec: str, dtype: torch.dtype) -> str:
     if vocab is None:
         return f"{codec} + float32 scale per token (logical {logical})"
     bits = index_bits(vocab)
-    form = {16: "16-bit", 17: "16-bit + 1 packed high bit", 32: "int32"}[bits]
-    return f"{codec}, {bits} bits per index as {form} (logical {logical})"
+    form = {16: "", 17: ": 16 + 1 packed high bit", 32: ": int32"}[bits]
+    return f"{codec}, {bits} bits per index{form} (logical {logical})"
 
 
 def out_of_range(x: torch.Tensor, codec: str) -> tuple[int, int] | None:
