@@ -148,8 +148,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--compact-dtypes",
         action="store_true",
-        help="store topk_logprobs as bfloat16 and input_ids as int32 (the vocabulary fits); "
-        "the trainer reads them as float32 / int64",
+        help="store topk_logprobs as bfloat16 and input_ids as int32 (the vocabulary fits), and "
+        "with --layout ragged topk_indices in the topk_index codec (16 or 17 bits per index "
+        "for vocabularies up to 131,072, read back as int32); the trainer reads them as "
+        "float32 / int64",
     )
     p.add_argument(
         "--device",
@@ -351,12 +353,17 @@ def storage_options(args: argparse.Namespace) -> dict[str, Any]:
     return {"layout": args.layout, "hidden_codec": args.hidden_codec, "compact_dtypes": bool(args.compact_dtypes)}
 
 
-def storage_layout(args: argparse.Namespace, keys: tuple) -> tuple[tuple[str, ...], dict[str, str]]:
-    """``(token_keys, codecs)`` for ``produce_cache``: every per-token key ragged unless --layout padded."""
+def storage_layout(
+    args: argparse.Namespace, keys: tuple, vocab_size: int
+) -> tuple[tuple[str, ...], dict[str, str]]:
+    """``(token_keys, codecs)`` for ``produce_cache``: every per-token key ragged unless --layout padded;
+    with --compact-dtypes the top-k ids in the narrowest width that holds ``vocab_size``."""
     if args.layout == "padded":
         return (), {}
     token_keys = tuple(k for k in keys if k in ("input_ids", *TOKEN_KEYS, LAYER_KEY))
     codec = {} if args.hidden_codec == "none" else {k: args.hidden_codec for k in ("hidden", LAYER_KEY) if k in keys}
+    if args.compact_dtypes:
+        codec["topk_indices"] = f"topk_index:{vocab_size}"
     return token_keys, codec
 
 
@@ -399,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
 
-    token_keys, codecs = storage_layout(args, keys)
+    token_keys, codecs = storage_layout(args, keys, int(options["target"]["vocab_size"]))
     options = {**options, "storage": storage_options(args)}
     options = {**options, "producer_args": producer_args({**options, "shard_size": args.shard_size})}
     compute_batch = compact(compute_batch) if args.compact_dtypes else compute_batch

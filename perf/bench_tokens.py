@@ -1,8 +1,9 @@
-"""What ragged token keys and the fp8 codec buy: bytes on disk, bytes fetched per CP rank, tokens/s.
+"""What ragged token keys and the codecs buy: bytes on disk, bytes fetched per CP rank, tokens/s.
 
-The same samples are produced three times with ``produce_cache``: padded (every row
-``L`` tokens), ragged (``token_keys``: only the real tokens) and ragged with
-``hidden`` in fp8_e4m3. Two length distributions:
+The same samples are produced four times with ``produce_cache``: padded (every row
+``L`` tokens), ragged (``token_keys``: only the real tokens), ragged with
+``hidden`` in fp8_e4m3, and ragged with ``topk_indices`` in ``topk_index`` (a
+vocabulary of 128,256 tokens, Llama 3's: 17 bits an index). Two length distributions:
 
 - ``demo``: the demo's cache (lengths uniform in 16..96, ``L`` = 96, hidden 64,
   top-k 8), 512 samples (``--quick``: 256);
@@ -13,7 +14,7 @@ The same samples are produced three times with ``produce_cache``: padded (every 
   tokens/s to be more than its fixed costs).
 
 Keys: ``input_ids`` int64 ``[L]``, ``seq_len`` int64, ``loss_mask`` bool ``[L]``,
-``topk_logprobs`` float32 ``[L, 8]``, ``topk_indices`` int32 ``[L, 8]``, ``hidden``
+``topk_logprobs`` float32 ``[L, 8]``, ``topk_indices`` int32 ``[L, 8]`` (ids below 128,256), ``hidden``
 bf16 ``[L, H]``; every per-token key ragged in the ragged caches.
 
 Records per distribution:
@@ -23,6 +24,11 @@ Records per distribution:
   and against the padded cache (``padded``).
 - ``fp8_hidden_<dist>``: stored bytes of ``hidden`` (fp8 values + float32 scales)
   against its bf16 bytes in the ragged cache (goal: <= 0.55x).
+- ``topk_index_<dist>``: stored bytes of ``topk_indices`` with ``topk_index``
+  (16-bit ids + their packed 17th bits) against its int32 bytes in the ragged cache
+  (goal: <= 0.54x; 17/32 is the floor).
+- ``topk_cache_<dist>``: the whole cache's shard bytes with ``topk_index`` on
+  ``topk_indices`` against the same ragged cache without it (goal on ``demo``: <= 0.93x).
 - ``cp<C>_fetch_<dist>`` (C = 2, 4): bytes one CP rank fetches from storage in an
   epoch through ``CachedThdCollator(cp_size=C, cp_rank=r)``, the most of any rank,
   against its share of its replica's epoch at cp = 1 (``replica_share`` = the cp = 1
@@ -63,6 +69,8 @@ BENCH = "tokens"
 KEYS = ("input_ids", "seq_len", "loss_mask", "topk_logprobs", "topk_indices", "hidden")
 TOKEN_KEYS = ("input_ids", "loss_mask", "topk_logprobs", "topk_indices", "hidden")
 TOPK = 8
+#: the vocabulary of the top-k ids (Llama 3's: past 65,536, so the 17-bit form)
+TOPK_VOCAB = 128256
 
 
 def _lengths(dist: str, n: int, width: int) -> np.ndarray:
@@ -85,7 +93,8 @@ def _produce(out: str, lengths: np.ndarray, width: int, hidden: int, **kw) -> No
             "seq_len": n,
             "loss_mask": real,
             "topk_logprobs": -torch.rand(b, width, TOPK, generator=g) * real.unsqueeze(-1),
-            "topk_indices": torch.randint(0, 32000, (b, width, TOPK), generator=g, dtype=torch.int32) * real.unsqueeze(-1),
+            "topk_indices": torch.randint(0, TOPK_VOCAB, (b, width, TOPK), generator=g, dtype=torch.int32)
+            * real.unsqueeze(-1),
             "hidden": (torch.randn(b, width, hidden, generator=g) * real.unsqueeze(-1)).to(torch.bfloat16),
         }
 
@@ -152,10 +161,12 @@ def run(quick: bool) -> list[Record]:
     with tempfile.TemporaryDirectory(prefix="te_thd_bench_tokens_") as tmp:
         for dist, (width, hidden, n) in configs.items():
             lengths = _lengths(dist, n, width)
-            dirs = {k: os.path.join(tmp, f"{dist}-{k}") for k in ("padded", "ragged", "fp8")}
+            dirs = {k: os.path.join(tmp, f"{dist}-{k}") for k in ("padded", "ragged", "fp8", "topk")}
             _produce(dirs["padded"], lengths, width, hidden)
             _produce(dirs["ragged"], lengths, width, hidden, token_keys=TOKEN_KEYS)
             _produce(dirs["fp8"], lengths, width, hidden, token_keys=TOKEN_KEYS, codecs={"hidden": "fp8_e4m3"})
+            _produce(dirs["topk"], lengths, width, hidden, token_keys=TOKEN_KEYS,
+                     codecs={"topk_indices": f"topk_index:{TOPK_VOCAB}"})  # fmt: skip
             real = int(lengths.sum())
             per_token = 8 + 1 + TOPK * 4 + TOPK * 4 + hidden * 2
             records.append(Record(
@@ -169,6 +180,17 @@ def run(quick: bool) -> list[Record]:
             records.append(Record(
                 bench=BENCH, case=f"fp8_hidden_{dist}", metric="time", unit="bytes",
                 ours=fp8, baselines={"bf16": _stored(dirs["ragged"], ("hidden@tokens",))}, extra={"hidden": hidden},
+            ))  # fmt: skip
+            records.append(Record(
+                bench=BENCH, case=f"topk_index_{dist}", metric="time", unit="bytes",
+                ours=_stored(dirs["topk"], ("topk_indices@tokens", "topk_indices@high")),
+                baselines={"int32": _stored(dirs["ragged"], ("topk_indices@tokens",))},
+                extra={"vocab": TOPK_VOCAB, "topk": TOPK, "real_tokens": real},
+            ))  # fmt: skip
+            records.append(Record(
+                bench=BENCH, case=f"topk_cache_{dist}", metric="time", unit="bytes",
+                ours=_bytes(dirs["topk"]), baselines={"no_codec": _bytes(dirs["ragged"])},
+                extra={"vocab": TOPK_VOCAB, "hidden": hidden, "real_tokens": real},
             ))  # fmt: skip
             seq = 1 << int(np.ceil(np.log2(width * 2)))  # packed rows hold the longest sample
             replica = _fetched(dirs["ragged"], CachedThdCollator(seq, length_key="seq_len"))

@@ -1002,7 +1002,16 @@ def _cache_rows() -> list[BadInput]:
                  _re("codecs names 'hidden', which is not in token_keys=('input_ids',)")),
         BadInput("cache-produce-codec-name", "cache", "produce_cache: an unknown storage codec",
                  lambda tmp: _produce(fresh(tmp), token_keys=("hidden",), codecs={"hidden": "fp4"}),
-                 _re("codecs['hidden']='fp4' is not a storage codec; use one of ('fp8_e4m3',)")),
+                 _re("codecs['hidden']='fp4' is not a storage codec; use 'fp8_e4m3' or 'topk_index:<vocabulary size>'")),
+        BadInput("cache-produce-index-vocab", "cache", "produce_cache: an index codec without its vocabulary size",
+                 lambda tmp: _produce(fresh(tmp), token_keys=("input_ids",), codecs={"input_ids": "topk_index"}),
+                 _re("codecs['input_ids']='topk_index' is not a storage codec (the vocabulary size must be an int in "
+                     "[1, 2147483648], e.g. 'topk_index:151936'); use 'fp8_e4m3' or 'topk_index:<vocabulary size>'")),
+        BadInput("cache-produce-index-range", "cache", "produce_cache: an index outside the index codec's vocabulary",
+                 lambda tmp: _produce(fresh(tmp), token_keys=("input_ids",), codecs={"input_ids": "topk_index:50"}),
+                 _re("sample 5 (row 1 of the shard): key 'input_ids' holds index 50, outside [0, 50) of "
+                     "codecs['input_ids']='topk_index:50': give the codec the vocabulary size of the model that "
+                     "produced it, codecs={'input_ids': 'topk_index:<vocabulary size>'}; nothing of this shard was kept")),
         BadInput("cache-produce-world", "cache", "produce_cache: world_size > 1 without a process group",
                  lambda tmp: _produce(fresh(tmp), world_size=2, rank=0),
                  _re("world_size=2, rank=0 need an initialised torch.distributed process group")),

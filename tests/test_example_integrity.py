@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
+import json
 import os
 import re
 import shlex
@@ -260,3 +261,37 @@ def test_every_hint_about_a_damaged_shard_runs_as_printed(cache_dir: Path, tmp_p
     assert oc.verify_cache(str(cache), deep=True)["checksums_verified"]
     for name in sorted(p.name for p in cache_dir.glob("shard-*.safetensors")):
         assert (cache / name).read_bytes() == (cache_dir / name).read_bytes(), name
+
+
+def test_compact_dtypes_store_the_topk_ids_in_the_index_codec_and_verify_and_repair_work(
+    cache_dir: Path, tmp_path: Path
+) -> None:
+    """``--compact-dtypes`` stores ``topk_indices`` as ``topk_index:<vocab>`` (the synthetic target's 256
+    tokens: 16 bits an id); the ids read back are those of the cache without it, and a flipped byte
+    in them is found by ``te-thd cache verify``, whose printed commands give the clean bytes back."""
+    from ep_cp.cache_format import CACHE_NAME, FORMAT_VERSION, KEYS
+
+    cache = tmp_path / "compact"
+    cmd = [sys.executable, str(EXAMPLES / "precompute_cache.py"), *small_cache_argv(str(cache), 32), "--compact-dtypes"]
+    subprocess.run(cmd, check=True, capture_output=True, timeout=180, env=_env())
+    manifest = json.loads((cache / "manifest.json").read_text())
+    assert manifest["token_layout"]["codecs"] == {"topk_indices": "topk_index:256"}
+    entries = read_shard_header(str(cache / "shard-000000.safetensors")).entries
+    plain = read_shard_header(str(cache_dir / "shard-000000.safetensors")).entries
+    assert entries["topk_indices@tokens"].end - entries["topk_indices@tokens"].start == (
+        plain["topk_indices@tokens"].end - plain["topk_indices@tokens"].start
+    ) // 2  # int16 for int32
+    a = oc.CachedTensorDataset(str(cache_dir), CACHE_NAME, FORMAT_VERSION, KEYS).__getitems__(list(range(32))).tensors
+    b = oc.CachedTensorDataset(str(cache), CACHE_NAME, FORMAT_VERSION, KEYS).__getitems__(list(range(32))).tensors
+    assert b["topk_indices"].dtype == a["topk_indices"].dtype and b["topk_indices"].equal(a["topk_indices"])
+    clean = {p.name: p.read_bytes() for p in cache.glob("shard-*.safetensors")}
+    _flip(cache / "shard-000001.safetensors", "topk_indices", 3)
+    verify = subprocess.run([sys.executable, "-m", "te_thd.cli", "cache", "verify", str(cache)],
+                            capture_output=True, text=True, timeout=120, env=_env(), cwd=REPO)  # fmt: skip
+    assert verify.returncode == 1 and "key 'topk_indices'" in verify.stderr, verify.stdout + verify.stderr
+    cmds = _commands(verify.stderr)
+    assert any("precompute_cache.py" in c and c.endswith("--compact-dtypes") for c in cmds), cmds
+    for c in cmds:
+        _run_as_printed(c, tmp_path)
+    assert oc.verify_cache(str(cache), deep=True)["checksums_verified"]
+    assert {p.name: p.read_bytes() for p in cache.glob("shard-*.safetensors")} == clean

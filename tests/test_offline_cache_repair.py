@@ -165,7 +165,9 @@ def _damage(manifest: Path, how: str) -> None:
 
 
 LAYOUTS = {"padded": {}, "ragged": {"token_keys": ("input_ids", "hidden"), "length_key": "length"},
-           "fp8": {"token_keys": ("hidden",), "codecs": {"hidden": "fp8_e4m3"}}}  # fmt: skip
+           "fp8": {"token_keys": ("hidden",), "codecs": {"hidden": "fp8_e4m3"}},
+           "topk": {"token_keys": ("input_ids", "hidden"), "length_key": "length",
+                    "codecs": {"input_ids": "topk_index:131072"}}}  # fmt: skip
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))

@@ -194,6 +194,8 @@ def produce_cache(
         codecs: ``{token key: "fp8_e4m3"}``: store that float key as float8 e4m3
             with one float32 scale per token; read back as its logical dtype
             (``te_thd.offline_cache.codecs``). What it lost is recorded per shard.
+            ``{token key: "topk_index:<V>"}``: store that int32/int64 key of indices
+            in ``[0, V)`` losslessly in 16, 17 or 32 bits each, as ``V`` needs.
 
     ``output_dir`` may be ``s3://bucket/prefix`` (the ``s3`` extra; any S3-compatible
     store, configured by the standard AWS environment variables): every shard is

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 import xxhash
 
-from te_thd.offline_cache.codecs import decode_fp8
+from te_thd.offline_cache.codecs import decode as decode_codec
 from te_thd.offline_cache.copyread import (
     ParallelReads,
     Piece,
@@ -41,7 +41,6 @@ from te_thd.offline_cache.shardfile import ShardHeader
 from te_thd.offline_cache.tokens import (
     BLOCK_SUMS,
     PAGE_BYTES,
-    SCALE_SUFFIX,
     TOKENS_SUFFIX,
     BlockTable,
     StoredTensor,
@@ -267,14 +266,16 @@ def read_stored(fd: int, index: TokenIndex, name: str, rows: np.ndarray, pos: np
 
 def decode(index: TokenIndex, key: str, parts: Mapping[str, torch.Tensor]) -> torch.Tensor:
     """Ragged key ``key`` from its stored tensors' tokens (``{stored name: [M, ...]}``): logical dtype."""
-    q = parts[key + TOKENS_SUFFIX]
-    if index.layout.codec(key) is None:
-        return q
-    return decode_fp8(q, parts[key + SCALE_SUFFIX], index.logical[key].dtype)
+    codec = index.layout.codec(key)
+    if codec is None:
+        return parts[key + TOKENS_SUFFIX]
+    roles = {index.stored[n].role: parts[n] for n in stored_names(index, key)}
+    return decode_codec(codec, roles, index.logical[key].dtype)
 
 
 def stored_names(index: TokenIndex, key: str) -> tuple[str, ...]:
-    return (key + TOKENS_SUFFIX,) if index.layout.codec(key) is None else (key + TOKENS_SUFFIX, key + SCALE_SUFFIX)
+    """The stored tensors of ragged key ``key`` (its tokens, then a codec's other parts)."""
+    return (key + TOKENS_SUFFIX, *(n for n, s in index.stored.items() if s.key == key and s.role != "tokens"))
 
 
 def whole_rows(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

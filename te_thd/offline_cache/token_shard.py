@@ -27,7 +27,7 @@ import torch
 import xxhash
 
 from te_thd.args import check_int
-from te_thd.offline_cache.codecs import encode_fp8
+from te_thd.offline_cache.codecs import encode, is_lossy, out_of_range, range_problem
 from te_thd.offline_cache.durable import temp_path_for, unlink_quietly
 from te_thd.offline_cache.format import DTYPE_RANK, DTYPE_TO_ST, TensorSpec, tensor_nbytes
 from te_thd.offline_cache.integrity import (
@@ -94,7 +94,7 @@ class TokenShardStream:
         self._lengths: list[int] = []
         self._tokens = 0
         self._cursor = 0
-        self._err: dict[str, list[float]] = {k: [0.0, 0.0, 0] for k, _ in layout.codecs}  # max, sum, count
+        self._err: dict[str, list[float]] = {k: [0.0, 0.0, 0] for k, c in layout.codecs if is_lossy(c)}  # max, sum, count
         self._header_len = len(self._header(rows * self.width, None))
         self._fixed_start: dict[str, int] = {}
         pos = self._header_len
@@ -174,10 +174,8 @@ class TokenShardStream:
         lengths = self.rule.lengths(piece[self.rule.key])
         bad = np.flatnonzero((lengths < 0) | (lengths > self.width))
         if bad.size:
-            row = self._cursor + int(bad[0])
-            which = f"row {row} of the shard" if self._first is None else f"sample {self._first + row} (row {row} of the shard)"
             raise ValueError(
-                f"{which} has length {int(lengths[bad[0]])} by {self.rule.describe()}, outside [0, L={self.width}]: "
+                f"{self._which(int(bad[0]))} has length {int(lengths[bad[0]])} by {self.rule.describe()}, outside [0, L={self.width}]: "
                 "compute_batch's length key must give each sample's real token count; nothing of this shard was kept"
             )
         for k, _ in self._fixed:
@@ -188,7 +186,7 @@ class TokenShardStream:
         flat = torch.nonzero(valid.view(-1)).view(-1)
         local = row_offsets(lengths)
         tokens = int(local[-1])
-        data = self._ragged_data(piece, flat, n)
+        data = self._ragged_data(piece, flat, n, local)
         for s in self.stored:
             t = data[s.name]
             view = byte_view(t)
@@ -207,17 +205,32 @@ class TokenShardStream:
         self._tokens += tokens
         self._cursor += n
 
-    def _ragged_data(self, piece: Mapping[str, torch.Tensor], flat: torch.Tensor, n: int) -> dict[str, torch.Tensor]:
-        """Each ragged tensor's bytes of this piece: ``{name: [tokens, ...]}`` (encoded where a codec says)."""
+    def _which(self, row: int) -> str:
+        """Row ``row`` of this piece in messages: its global sample where the writer knows it."""
+        row += self._cursor
+        return f"row {row} of the shard" if self._first is None else f"sample {self._first + row} (row {row} of the shard)"
+
+    def _ragged_data(
+        self, piece: Mapping[str, torch.Tensor], flat: torch.Tensor, n: int, local: np.ndarray
+    ) -> dict[str, torch.Tensor]:
+        """Each ragged tensor's bytes of this piece: ``{name: [tokens, ...]}`` (encoded where a codec says);
+        ``local``: the piece's row offsets (:func:`~te_thd.offline_cache.tokens.row_offsets`)."""
         out: dict[str, torch.Tensor] = {}
         for key in self.layout.keys:
             v = piece[key]
             real = v.reshape(n * self.width, *v.shape[2:]).index_select(0, flat)
-            if self.layout.codec(key) is None:
+            codec = self.layout.codec(key)
+            if codec is None:
                 out[key + "@tokens"] = real.contiguous()
                 continue
-            q, scale, err = encode_fp8(real)
-            out[key + "@tokens"], out[key + "@scale"] = q.contiguous(), scale
+            bad = out_of_range(real, codec)
+            if bad is not None:
+                row = int(np.searchsorted(local, bad[0], side="right")) - 1
+                raise ValueError(f"{self._which(row)}: {range_problem(key, codec, bad[1])}; nothing of this shard was kept")
+            parts, err = encode(codec, real)
+            out.update({f"{key}@{role}": t.contiguous() for role, t in parts.items()})
+            if err is None:
+                continue
             e = self._err[key]
             if err.numel():
                 e[0] = max(e[0], float(err.max()))

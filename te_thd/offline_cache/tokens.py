@@ -4,8 +4,8 @@ A cache produced with ``token_keys=("hidden", ...)`` stores each of those keys
 (logically ``[n, L, *per_token]``, right-padded) as only every sample's first
 ``length`` tokens, back to back: shard tensor ``"hidden@tokens"`` is
 ``[T, *per_token]``, ``T`` the shard's real tokens. A key stored with a codec
-(:mod:`~te_thd.offline_cache.codecs`) also has ``"<key>@scale"`` (one float32 per
-token). The names differ from the logical key on purpose: a reader that does not
+(:mod:`~te_thd.offline_cache.codecs`) may have more, ``"<key>@<role>"`` (``@scale``:
+one float32 per token of ``fp8_e4m3``; ``@high``: the packed 17th bits of ``topk_index``). The names differ from the logical key on purpose: a reader that does not
 know the layout finds no tensor called ``hidden`` and fails, instead of reading
 token ``i`` as sample ``i``. For the same reason the manifest's ``format_version``
 is written as ``"<version>+tokens"``, which the reference implementation's
@@ -38,12 +38,18 @@ import numpy as np
 import torch
 
 from te_thd.args import check_int, check_names
-from te_thd.offline_cache.codecs import CODECS, check_codec_dtype, stored_dtype
-from te_thd.offline_cache.format import TensorSpec, dtype_name, tensor_nbytes
+from te_thd.offline_cache.codecs import (
+    CODEC_FORMS,
+    check_codec,
+    check_codec_dtype,
+    describe,
+    is_codec,
+    stored_parts,
+)
+from te_thd.offline_cache.format import TensorSpec, tensor_nbytes
 
-#: suffix of a ragged key's tensor of tokens, and of a codec's per-token scales
+#: suffix of a ragged key's tensor of tokens (a codec's other tensors are ``@<role>``)
 TOKENS_SUFFIX = "@tokens"
-SCALE_SUFFIX = "@scale"
 #: the tensor holding every ragged tensor's block checksums (uint64), stored last
 BLOCK_SUMS = "__te_thd_block_sums__"
 #: target bytes of one checksum block: about a page, the unit storage reads anyway
@@ -60,7 +66,7 @@ class StoredTensor:
 
     name: str
     key: str
-    role: str  # "tokens" or "scale"
+    role: str  # "tokens", or a codec's other part ("scale", "high")
     dtype: torch.dtype
     shape: tuple[int, ...]
 
@@ -94,10 +100,10 @@ class TokenLayout:
             or not obj["keys"]
             or not all(isinstance(k, str) for k in obj["keys"])
             or not isinstance(obj.get("codecs", {}), dict)
-            or not all(v in CODECS for v in obj.get("codecs", {}).values())
+            or not all(is_codec(v) for v in obj.get("codecs", {}).values())
             or not set(obj.get("codecs", {})) <= set(obj["keys"])
         ):
-            raise ValueError(f"token layout {obj!r} is not {{'keys': [str, ...], 'codecs': {{key: one of {CODECS}}}}}")
+            raise ValueError(f"token layout {obj!r} is not {{'keys': [str, ...], 'codecs': {{key: {CODEC_FORMS}}}}}")
         return cls(tuple(obj["keys"]), tuple(sorted(obj.get("codecs", {}).items())))
 
     def stored(self, schema: Mapping[str, TensorSpec]) -> list[StoredTensor]:
@@ -106,10 +112,8 @@ class TokenLayout:
         out = []
         for key in self.keys:
             spec = schema[key]
-            codec = self.codec(key)
-            out.append(StoredTensor(key + TOKENS_SUFFIX, key, "tokens", stored_dtype(spec.dtype, codec), spec.shape[1:]))
-            if codec is not None:
-                out.append(StoredTensor(key + SCALE_SUFFIX, key, "scale", torch.float32, ()))
+            for role, dtype, shape in stored_parts(self.codec(key), spec.dtype, spec.shape[1:]):
+                out.append(StoredTensor(f"{key}@{role}", key, role, dtype, shape))
         return sorted(out, key=lambda s: (-s.token_bytes, s.name))
 
 
@@ -131,8 +135,7 @@ def check_token_keys(
         if "@" in k:
             raise ValueError(f"key {k!r} holds '@', which ragged caches reserve for their tensor names; rename the key")
     for k, c in codecs.items():
-        if c not in CODECS:
-            raise ValueError(f"codecs[{k!r}]={c!r} is not a storage codec; use one of {CODECS}")
+        check_codec(k, c)
         if k not in token_keys:
             raise ValueError(
                 f"codecs names {k!r}, which is not in token_keys={token_keys}; a codec applies to a ragged "
@@ -287,9 +290,7 @@ PAGE_BYTES = 4096
 def describe_stored(layout: TokenLayout, schema: Mapping[str, TensorSpec], key: str) -> str:
     """How ``key`` is stored, for ``te-thd cache info``: ``"ragged"`` or ``"ragged, fp8_e4m3 + float32 scale"``."""
     codec = layout.codec(key)
-    if codec is None:
-        return "ragged"
-    return f"ragged, {codec} + float32 scale per token (logical {dtype_name(schema[key].dtype)})"
+    return "ragged" if codec is None else f"ragged, {describe(codec, schema[key].dtype)}"
 
 
 def logical_specs(tokens: Mapping[str, Any]) -> dict[str, TensorSpec]:
