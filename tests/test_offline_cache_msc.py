@@ -49,23 +49,24 @@ CLI = str(Path(sys.executable).with_name("te-thd"))
 LOCK = ".te_thd-producer.lock"
 
 
-def _profile(endpoint: str, base_path: str) -> str:
+def _profile(endpoint: str, base_path: str, secret: str = S.SECRET_KEY) -> str:
     return (f"    storage_provider:\n      type: s3\n      options:\n        base_path: {base_path}\n"
             f"        endpoint_url: {endpoint}\n        region_name: us-east-1\n"
             "        s3: {addressing_style: path}\n"
             "    credentials_provider:\n      type: S3Credentials\n      options:\n"
-            f"        access_key: {S.ACCESS_KEY}\n        secret_key: {S.SECRET_KEY}\n")  # fmt: skip
+            f"        access_key: {S.ACCESS_KEY}\n        secret_key: {secret}\n")  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     """The server, and ``MSC_CONFIG`` naming a file with the profiles ``te`` (the test bucket),
-    ``nobucket`` (a bucket that does not exist) and ``dead`` (an endpoint nobody answers)."""
+    ``nobucket`` (a bucket that does not exist), ``dead`` (an endpoint nobody answers) and
+    ``badkeys`` (a wrong secret key)."""
     srv = S.start()
     config = tmp_path_factory.mktemp("msc") / "msc_config.yaml"
-    config.write_text("profiles:\n" + "".join(f"  {name}:\n" + _profile(ep, base) for name, ep, base in (
+    config.write_text("profiles:\n" + "".join(f"  {name}:\n" + _profile(*args) for name, *args in (
         ("te", srv.endpoint, BUCKET), ("nobucket", srv.endpoint, "te-thd-no-such-bucket"),
-        ("dead", "http://127.0.0.1:1", BUCKET))))  # fmt: skip
+        ("dead", "http://127.0.0.1:1", BUCKET), ("badkeys", srv.endpoint, BUCKET, "wrong"))))  # fmt: skip
     old = {k: os.environ.pop(k, None) for k in (*srv.env(), "MSC_CONFIG")}
     os.environ["MSC_CONFIG"] = str(config)
     try:
@@ -201,6 +202,8 @@ def test_the_example_produces_and_trains_on_an_msc_url(url, tmp_path) -> None:
                          "endpoint_url {endpoint}, base_path te-thd-no-such-bucket)); te_thd never creates buckets"),
         ("dead", {}, "no answer from the object store (MSC profile 'dead' in {config} (type s3, endpoint_url "
                      "http://127.0.0.1:1, base_path te-thd-msc-tests)); check that the server runs"),
+        ("badkeys", {}, "access denied (MSC profile 'badkeys' in {config} (type s3, endpoint_url {endpoint}, "
+                        "base_path te-thd-msc-tests)); check the profile's credentials_provider"),
     ],
 )  # fmt: skip
 def test_a_store_that_cannot_be_used_is_one_line_naming_the_url_and_what_to_check(server, profile, env, want, monkeypatch) -> None:

@@ -5,8 +5,8 @@ addresses object storage behind ``--enable-msc``.
 - **the profile** is MSC's own: defined in the file ``MSC_CONFIG`` names, else in MSC's
   default config file (``~/.msc_config.yaml``, ``~/.config/msc/config.yaml``, ``/etc/msc_config.yaml``,
   ...). Its provider (s3, gcs, azure, oci, ais, ...), credentials, endpoint and retries are MSC's;
-  ``path`` is relative to the profile's ``base_path``. The file is found once per storage (DataLoader
-  workers use the same); each process makes its own client.
+  ``path`` is relative to the profile's ``base_path``. Each process (every rank, every DataLoader
+  worker) finds the file as MSC does and makes its own client.
 - **everything but the object operations** is :class:`~te_thd.offline_cache.s3.S3Prefix`'s: the
   staged upload (a shard goes up whole, with MSC's multipart upload when large), the read-through
   copy, the producer lock's record and its takeover, the objects set aside. Here each object
@@ -56,44 +56,39 @@ class MSCPrefix(S3Prefix):
     def __init__(self, scheme: str, profile: str, prefix: str, read_cache_dir: str | None = None, read_cache_bytes: int | None = None) -> None:  # fmt: skip
         super().__init__(scheme, profile, prefix, read_cache_dir, read_cache_bytes)
         self.profile = profile
-        self.config = {"MSC_CONFIG": os.environ.get("MSC_CONFIG", "")}  # captured here: workers may have another environment
+        self.config = {}  # MSC finds its own configuration, in every process alike (MSC_CONFIG, else its default files)
 
     def client(self) -> tuple[Any, Any]:
         """This process's MSC ``StorageClient`` of the profile and its storage provider, made on first use."""
-        key = (os.getpid(), self.profile, self.config["MSC_CONFIG"])
+        key = (os.getpid(), self.profile, os.environ.get("MSC_CONFIG", ""))
         if key not in _CLIENTS:
             msc = _msc()
             try:
-                conf = msc.StorageClientConfig.from_file(self.config_paths(), profile=self.profile)
+                conf = msc.StorageClientConfig.from_file(profile=self.profile)
                 _CLIENTS[key] = msc.StorageClient(conf), conf.storage_provider
             except Exception as exc:  # MSC reports every configuration problem as its own error
                 raise storage.StorageError(f"{self.name}: {self.profile_problem(exc)}") from exc
         return _CLIENTS[key]
 
-    def config_paths(self) -> list[str] | None:
-        """The MSC config file this storage reads (``MSC_CONFIG``), or None: MSC's default search."""
-        return [self.config["MSC_CONFIG"]] if self.config["MSC_CONFIG"] else None
-
     def profile_problem(self, exc: BaseException) -> str:
         """What is wrong with the profile, for a client MSC could not make from it."""
-        where = self.where()
+        named = os.environ.get("MSC_CONFIG")
         if re.search(r"Profile .* not found in configuration", str(exc)):
-            if self.config["MSC_CONFIG"] and not os.path.isfile(self.config["MSC_CONFIG"]):
-                return (f"MSC_CONFIG={self.config['MSC_CONFIG']} names no file; point MSC_CONFIG at the MSC config "
-                        f"file that defines profile {self.profile!r}")  # fmt: skip
-            return (f"MSC profile {self.profile!r} is not defined {where}; add it under `profiles:` there, or set "
-                    "MSC_CONFIG to the MSC config file that defines it")  # fmt: skip
-        return f"MSC cannot make a client of profile {self.profile!r} {where}: {str(exc).splitlines()[0]}; fix the profile"
+            if named and not os.path.isfile(named):
+                return (f"MSC_CONFIG={named} names no file; point MSC_CONFIG at the MSC config file that defines "
+                        f"profile {self.profile!r}")  # fmt: skip
+            return (f"MSC profile {self.profile!r} is not defined {self.where()}; add it under `profiles:` there, or "
+                    "set MSC_CONFIG to the MSC config file that defines it")  # fmt: skip
+        return f"MSC cannot make a client of profile {self.profile!r} {self.where()}: {str(exc).splitlines()[0]}; fix the profile"
 
     def where(self) -> str:
         """Where the profile is defined, and its provider's endpoint and base path, as messages say it."""
         try:
-            conf, path = _msc().StorageClientConfig.read_msc_config(self.config_paths())
+            conf, path = _msc().StorageClientConfig.read_msc_config()
         except Exception:  # noqa: BLE001 - a malformed file: the caller's message names MSC's own error
             return "in the MSC config file"
         if path is None:
-            via = f"MSC_CONFIG={self.config['MSC_CONFIG']}" if self.config["MSC_CONFIG"] else "MSC_CONFIG is not set"
-            return f"in any MSC config file ({via}, and no file at MSC's default paths such as ~/.msc_config.yaml)"
+            return "in any MSC config file (MSC_CONFIG is not set, and none of MSC's default files such as ~/.msc_config.yaml exists)"
         provider = ((conf or {}).get("profiles", {}).get(self.profile) or {}).get("storage_provider") or {}
         opts = provider.get("options") or {}
         shown = ", ".join(f"{k} {opts[k]}" for k in ("endpoint_url", "base_path") if opts.get(k))
@@ -103,18 +98,17 @@ class MSCPrefix(S3Prefix):
         """The one line for an MSC error that every request would meet; None for one about one object."""
         # MSC raises its own errors from the client's (a missing bucket's GET: a FileNotFoundError from NoSuchBucket)
         text = " ".join(f"{type(e).__name__}: {e}" for e in (exc, exc.__cause__, exc.__context__) if e is not None)
-        at = f"(MSC profile {self.profile!r} {self.where()})"
         if "NoSuchBucket" in text:
-            why = (f"the profile's bucket does not exist {at}; te_thd never creates buckets: create it first, or check "
+            why = ("the profile's bucket does not exist {}; te_thd never creates buckets: create it first, or check "
                    "the profile's base_path and endpoint_url")  # fmt: skip
-        elif isinstance(exc, PermissionError) or re.search(r"AccessDenied|InvalidAccessKeyId|SignatureDoesNotMatch|\b40[13]\b", text):
-            why = (f"access denied {at}; check the profile's credentials_provider, and that its keys may read and "
+        elif isinstance(exc, PermissionError) or re.search(r"AccessDenied|InvalidAccessKeyId|SignatureDoesNotMatch", text):
+            why = ("access denied {}; check the profile's credentials_provider, and that its keys may read and "
                    "write the profile's base_path")  # fmt: skip
         elif re.search(r"Could not connect|EndpointConnectionError|ConnectTimeout|Connection refused|timed out|network timeout", text):
-            why = f"no answer from the object store {at}; check that the server runs and the profile's endpoint_url"
+            why = "no answer from the object store {}; check that the server runs and the profile's endpoint_url"
         else:
             return None
-        return storage.StorageError(f"{self.name}: {why}")
+        return storage.StorageError(f"{self.name}: " + why.format(f"(MSC profile {self.profile!r} {self.where()})"))
 
     def list(self) -> dict[str, int]:
         prefix, cli = self.prefix + "/" if self.prefix else "", self.client()[0]
