@@ -219,6 +219,10 @@ def test_a_store_that_cannot_be_used_is_one_line_naming_the_url_and_what_to_chec
     if profile in ("nosuch", "nobucket"):  # the CLI's commands share one path to the store: two of them here
         cmd = "info" if profile == "nosuch" else "unlock"
         assert want in _one_line(_run([CLI, "cache", cmd, url]), f"te-thd cache {cmd}: ")
+    if profile == "nosuch":  # and the example's producer
+        r = _run([sys.executable, "examples/precompute_cache.py", "--out", url, "--num-samples", "8", "--device", "cpu"],
+                 cwd=HERE.parent)  # fmt: skip
+        assert want in _one_line(r, "error: ")
 
 
 def test_a_profile_name_msc_refuses_is_refused_never_taken_for_a_path(tmp_path, monkeypatch) -> None:
