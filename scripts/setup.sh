@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create (or reuse) a virtual environment with te_thd and its test, perf, examples and s3 extras.
+# Create (or reuse) a virtual environment with te_thd and its test, perf, examples, s3 and msc extras.
 #   VENV=path  where to put it (default .venv in the repository root)
 #   FRESH=1    delete it first
 # torch is installed FIRST and pinned: a CPU wheel of torch==2.13.0 is what pip
@@ -11,9 +11,9 @@ if [ "${FRESH:-0}" = "1" ]; then rm -rf "$VENV"; fi
 if [ ! -x "$VENV/bin/python" ]; then python3 -m venv "$VENV"; fi
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
 "${PIP[@]}" install "torch==2.13.0"
-"${PIP[@]}" install -e ".[test,perf,examples,s3]"
+"${PIP[@]}" install -e ".[test,perf,examples,s3,msc]"
 # the S3-compatible server the object-storage tests start (SeaweedFS) and the client that makes
-# their buckets; tests/test_offline_cache_s3.py skips, saying so, when these cannot be installed
+# their buckets; tests/test_offline_cache_s3.py and tests/test_offline_cache_msc.py skip, saying so, when these cannot be installed
 "${PIP[@]}" install -r tests/s3-server-requirements.txt \
   || echo "warning: the S3 test server was not installed (see tests/s3-server-requirements.txt)" >&2
 # perf/'s reference baseline, without its dependencies (they would replace the pinned

@@ -1,7 +1,8 @@
 """A producer into object storage for the tests: ``python _s3_producer_script.py URL CRASH``.
 
 Builds the cache of :func:`dataset` at ``URL`` (``s3://...``; endpoint and credentials from
-the environment) with :func:`te_thd.offline_cache.produce_cache`. ``CRASH``:
+the environment; ``msc://...``: the profile of ``MSC_CONFIG``) with
+:func:`te_thd.offline_cache.produce_cache`. ``CRASH``:
 
 - ``none``          run to completion
 - ``mid_upload:K``  shard K's upload is started as a streamed (multipart) upload, half its bytes written,
@@ -55,12 +56,14 @@ def produce(url: str, **kw) -> dict:
                          progress=False, length_key="length", token_keys=TOKEN_KEYS, **kw)  # fmt: skip
 
 
-def _install_crash(spec: str) -> None:
-    from te_thd.offline_cache.s3 import S3Prefix, client
+def _install_crash(spec: str, url: str) -> None:
+    from te_thd.offline_cache.s3 import client
+    from te_thd.offline_cache.storage import open_storage
 
     kind, _, k = spec.partition(":")
     target = f"shard-{int(k):06d}.safetensors"
-    real_commit = S3Prefix.commit
+    cls = type(open_storage(url))  # S3Prefix, or MSCPrefix for msc:// (after_upload only: mid_upload writes with obstore)
+    real_commit = cls.commit
 
     def commit(store, name, path):
         if name == target and kind == "mid_upload":
@@ -76,7 +79,7 @@ def _install_crash(spec: str) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         return shown
 
-    S3Prefix.commit = commit
+    cls.commit = commit
 
 
 def _digest(t: torch.Tensor) -> str:
@@ -86,7 +89,7 @@ def _digest(t: torch.Tensor) -> str:
 def main() -> None:
     url, crash = sys.argv[1], sys.argv[2]
     if crash != "none":
-        _install_crash(crash)
+        _install_crash(crash, url)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
         import torch.distributed as dist

@@ -9,8 +9,9 @@ shard serialiser, header checks), ``writebehind`` (the one background writer
 thread), ``writer`` (shards, validated and durable), ``loops`` (the reference
 producer loops), ``producer`` / ``producer_state`` (``produce_cache``: resume, lock,
 distributed, manifest), ``verify`` / ``repair`` (integrity checks and repair),
-``reader`` / ``sampler`` / ``loader`` (reading side), ``storage`` / ``s3`` (where a cache
-lives: a local directory or ``s3://bucket/prefix``), ``cli`` (``te-thd cache ...``).
+``reader`` / ``sampler`` / ``loader`` (reading side), ``storage`` / ``s3`` / ``msc`` (where a
+cache lives: a local directory, ``s3://bucket/prefix`` or ``msc://profile/path``), ``cli``
+(``te-thd cache ...``).
 
 ``__all__`` lists the public API. The reference's private helpers
 (``_ShardAccumulator``, ``_sequential_subset_loader``) and the file-layout plumbing the

@@ -161,14 +161,14 @@ def add_cache_commands(cache: argparse.ArgumentParser) -> None:
     sub = cache.add_subparsers(dest="cache_command", required=True)
 
     info = sub.add_parser("info", help="samples, shards, keys (dtype/shape), bytes, producer options")
-    info.add_argument("dir", help="cache directory (holds manifest.json), or s3://bucket/prefix")
+    info.add_argument("dir", help="cache directory (holds manifest.json), s3://bucket/prefix or msc://profile/path")
     info.add_argument("--json", action="store_true", help="print the summary as JSON")
     info.set_defaults(func=_cmd_info)
 
     verify = sub.add_parser(
         "verify", help="read every shard and check its checksums (exit 0 sound, 1 with the bad shards named)"
     )
-    verify.add_argument("dir", help="cache directory (holds manifest.json), or s3://bucket/prefix")
+    verify.add_argument("dir", help="cache directory (holds manifest.json), s3://bucket/prefix or msc://profile/path")
     depth = verify.add_mutually_exclusive_group()
     depth.add_argument("--quick", action="store_true", help="only check that every shard exists with its recorded size")
     depth.add_argument("--deep", action="store_true", help="the default (kept for older scripts)")
@@ -178,7 +178,7 @@ def add_cache_commands(cache: argparse.ArgumentParser) -> None:
         "repair", help="set damaged shards aside and reopen the cache so its producer recomputes them; rebuild a "
         "lost or damaged manifest.json from the shards",
     )  # fmt: skip
-    repair.add_argument("dir", help="cache directory (holds the shards), or s3://bucket/prefix")
+    repair.add_argument("dir", help="cache directory (holds the shards), s3://bucket/prefix or msc://profile/path")
     lost = repair.add_argument_group(
         "rebuilding a manifest from shards that do not record their producer run (repair names the ones it needs)"
     )
@@ -193,7 +193,7 @@ def add_cache_commands(cache: argparse.ArgumentParser) -> None:
     repair.set_defaults(func=_cmd_repair)
 
     unlock = sub.add_parser(
-        "unlock", help="remove the producer lock of an s3:// cache whose producer was killed on another host"
+        "unlock", help="remove the producer lock of an s3:// or msc:// cache whose producer was killed on another host"
     )
-    unlock.add_argument("dir", help="s3://bucket/prefix of the cache")
+    unlock.add_argument("dir", help="s3://bucket/prefix or msc://profile/path of the cache")
     unlock.set_defaults(func=_cmd_unlock)

@@ -394,7 +394,7 @@ def build_cached_dataloader(
         if prefetch_factor is not None:
             worker_kwargs["prefetch_factor"] = prefetch_factor
         if multiprocessing_context is None and not getattr(getattr(dataset, "_storage", None), "fork_safe", True):
-            # an s3:// cache: the object-store client's runtime does not survive fork, so workers start
+            # an object store's cache: its client's runtime does not survive fork, so workers start
             # from a fresh server process (forkserver) instead of a copy of this one
             multiprocessing_context = "forkserver"
         if multiprocessing_context is not None:

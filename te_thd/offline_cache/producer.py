@@ -202,7 +202,9 @@ def produce_cache(
     uploaded whole once written (a multipart upload when large, visible only once
     complete), the manifest last; the lock is a conditional PUT
     (:mod:`~te_thd.offline_cache.s3`); a run killed at any point is finished
-    by the same call, with the same bytes. A URL of another scheme is refused.
+    by the same call, with the same bytes. ``msc://profile/path`` (the ``msc`` extra) is a
+    profile of MSC's config file, the same way (:mod:`~te_thd.offline_cache.msc`). A URL of
+    another scheme is refused.
 
     Every rank returns the same manifest dict (``read_manifest``'s view).
     """

@@ -1,5 +1,5 @@
 """The s3:// storage of a cache (:class:`S3Prefix`, made by ``storage.open_storage``): any
-S3-compatible store, through obstore. No other module knows that object stores exist.
+S3-compatible store, through obstore; ``msc.py`` reuses all but the object operations for msc://.
 
 - **client.** obstore issues ranged GETs concurrently and coalesces nearby ranges
   (``get_ranges``), uploads large objects in parallel multipart parts, has the conditional
@@ -79,10 +79,13 @@ class S3Prefix(storage.Storage):
         try:
             yield
         except Exception as exc:  # obstore's own types: _store_error picks the ones it knows
-            err = _store_error(exc, self)
+            err = self.store_error(exc)
             if err is None:
                 raise
             raise err from exc
+
+    def store_error(self, exc: BaseException) -> storage.StorageError | None:
+        return _store_error(exc, self)
 
     def key(self, obj: str) -> str:  # the object key of ``obj``
         return f"{self.prefix}/{obj}" if self.prefix else obj
@@ -216,8 +219,7 @@ class ObjectLock:
         me = {"host": socket.gethostname(), "pid": os.getpid(), "since": int(time.time())}
         data = json.dumps(me, sort_keys=True).encode()
         url = self.store.display(LOCK_NAME)
-        with self.store.calls():  # a missing bucket is named as such before the PUT (stores create it, or deny it)
-            next(iter(_obstore().list(client(self.store.bucket, self.store.config), prefix=self.store.key(""))), None)
+        self.store.list()  # a missing bucket is named as such before the PUT (stores create it, or deny it)
         for _ in range(2):
             if self.store.put(LOCK_NAME, data, create=True):
                 self.held = True
@@ -372,7 +374,7 @@ class ReadThrough:
         self.store = store
         self.max_bytes = max_bytes
         if cache_dir is None:
-            self.root = storage.private_dir("s3", self)
+            self.root = storage.private_dir(store.name.partition(":")[0], self)
         else:  # the user's directory: never removed
             self.root = os.path.join(cache_dir, hashlib.sha1(store.name.encode()).hexdigest()[:16])
             os.makedirs(self.root, exist_ok=True)

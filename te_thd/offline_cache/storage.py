@@ -5,7 +5,8 @@ made by :func:`open_storage`, never by testing what kind of path it was given. T
 implementation is chosen from the path's URL scheme by :data:`SCHEMES`: a path
 without one is a local directory (:class:`LocalDirectory`, here); ``s3://bucket/prefix``
 is any S3-compatible store (``te_thd.offline_cache.s3``, imported only when such a
-cache is opened: the ``s3`` extra). A string with a scheme is never taken for a local
+cache is opened: the ``s3`` extra), ``msc://profile/path`` a profile of NVIDIA's
+multi-storage-client (``te_thd.offline_cache.msc``: the ``msc`` extra). A string with a scheme is never taken for a local
 path (``"s3://b/x"`` would become the directory ``s3:/b/x``); any other scheme is
 refused with what to do.
 
@@ -324,17 +325,23 @@ def _libc_fallocate() -> Any:
 
 #: the implementation of each URL scheme te_thd reads and writes (``module:class``, imported when a
 #: cache of that scheme is opened: its client is an optional extra); a path without a scheme is local
-SCHEMES: dict[str, str] = {"s3": "te_thd.offline_cache.s3:S3Prefix"}
+SCHEMES: dict[str, str] = {"s3": "te_thd.offline_cache.s3:S3Prefix", "msc": "te_thd.offline_cache.msc:MSCPrefix"}
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*):")
-_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$")
+#: per scheme: the URL's form, the rule its first part (after ``//``) must meet, and what that part is
+_AUTHORITY = {
+    "s3": ("s3://<bucket>/<prefix>", re.compile(r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$"),
+           "an S3 bucket name (3-63 lowercase letters, digits, dots and hyphens)"),
+    "msc": ("msc://<profile>/<path>", re.compile(r"^[\w.\-]+$"),
+            "an MSC profile name (letters, digits, '_', '-' and '.')"),
+}  # fmt: skip
 
 
 def open_storage(path: str | os.PathLike[str], name: str = "cache_dir", **options: Any) -> Storage:
     """The :class:`Storage` of the cache at ``path``: a local directory, or by :data:`SCHEMES` its URL's.
 
-    ``options`` go to a URL's implementation (an s3:// reader's ``read_cache_dir`` and
+    ``options`` go to a URL's implementation (an object store reader's ``read_cache_dir`` and
     ``read_cache_bytes``). ``ValueError`` naming the argument ``name`` for a scheme te_thd
-    does not support, a malformed URL, or a bucket name S3 refuses.
+    does not support, a malformed URL, or a bucket (profile) name the scheme refuses.
     """
     path = os.fspath(path) if isinstance(path, os.PathLike) else str(path)
     m = _SCHEME.match(path)
@@ -344,16 +351,15 @@ def open_storage(path: str | os.PathLike[str], name: str = "cache_dir", **option
     if scheme not in SCHEMES:
         raise ValueError(
             f"{name}={path!r}: URL scheme {scheme!r} is not supported; te_thd caches live in a local "
-            f"directory or at s3://bucket/prefix (any S3-compatible store). Pass a local path or an s3:// URL"
+            f"directory, at s3://bucket/prefix (any S3-compatible store) or at msc://profile/path "
+            f"(multi-storage-client). Pass a local path, an s3:// or an msc:// URL"
         )
+    form, rule, what = _AUTHORITY[scheme]
     rest = path[len(m.group(0)) :]
     if not rest.startswith("//"):
-        raise ValueError(f"{name}={path!r} is not a URL of the form {scheme}://bucket/prefix; write {scheme}://{rest.lstrip('/')}")
+        raise ValueError(f"{name}={path!r} is not a URL of the form {form}; write {scheme}://{rest.lstrip('/')}")
     bucket, _, prefix = rest[2:].partition("/")
-    if not _BUCKET.match(bucket):
-        raise ValueError(
-            f"{name}={path!r}: {bucket!r} is not an S3 bucket name (3-63 lowercase letters, digits, dots "
-            "and hyphens); write s3://<bucket>/<prefix>"
-        )
+    if not rule.match(bucket):
+        raise ValueError(f"{name}={path!r}: {bucket!r} is not {what}; write {form}")
     module, _, cls = SCHEMES[scheme].partition(":")
     return getattr(importlib.import_module(module), cls)(scheme, bucket, prefix.strip("/"), **options)
