@@ -44,7 +44,11 @@ def _cmd_plan_example(rest: list[str]) -> int:
         print(f"te-thd cache plan: --target/--data read the samples as examples/precompute_cache.py does: {exc}",
               file=sys.stderr)  # fmt: skip
         return 2
-    return subprocess.call([sys.executable, str(root / "examples" / "precompute_cache.py"), "--plan", *rest])
+    done = subprocess.run([sys.executable, str(root / "examples" / "precompute_cache.py"), "--plan", *rest],
+                          capture_output=True, text=True)  # fmt: skip
+    sys.stdout.write(done.stdout)  # through this process's streams: what captures them sees the plan
+    sys.stderr.write(done.stderr)
+    return done.returncode
 
 
 def _has_checkout(*required: str) -> bool:

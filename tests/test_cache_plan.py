@@ -246,19 +246,29 @@ def test_cli_target_and_data_run_the_examples_plan(tmp_path):
         ("16\nabc\n", (), r"--lengths {f}:2 holds 'abc', not a length; write one integer >= 0 per line"),
         ("", (), r"--lengths {f} holds no lengths; write one integer >= 0 per line, one line per sample"),
         ("16\n200\n", ("--max-len", "96"), r"lengths: sample 1 has length 200, longer than L=96 of the token keys; "
-         r"raise the padded length to at least 200, or truncate the samples"),
+         r"raise the padded length (te-thd cache plan --max-len) to at least 200, or truncate the samples"),
         ("16\n", ("--key", "x=int65:L"), r"--key 'x=int65:L' is not NAME=DTYPE[:SHAPE]; write e.g. --key "
          r"hidden=bfloat16:L,4096"),
         ("16\n", ("--cp", "0"), r"--cp=0 must be >= 1: the context-parallel size of training, e.g. --cp 2"),
         ("16\n", ("--shard-size", "0"), r"--shard-size=0 must be >= 1: samples per shard, e.g. --shard-size 256"),
-        ("16\n", ("--length-key", "nope"), r"--length-key='nope' is not a --key (['hidden', 'input_ids', 'seq_len']); "
+        ("16\n", ("--length-key", "nope"), r"--length-key: 'nope' is not a --key (['hidden', 'input_ids', 'seq_len']); "
          r"name one of them"),
+        ("16\n", ("--key", "x=bfloat16:L,8"), None),
+        ("16\n", ("--codec-keys", "hidden,hiden"), r"--codec-keys: 'hiden' is not a --key (['hidden', 'input_ids', "
+         r"'seq_len']); name one of them"),
+        ("16\n90\n", ("--cp", "2", "--pack-seq-len", "50"), r"--pack-seq-len=50 must be a multiple of 2*cp=4 and hold "
+         r"the longest sample padded to it (92); pass a multiple of 4 of at least 92"),
     ],
 )  # fmt: skip
 def test_cli_bad_input_is_one_line_exit_2(tmp_path, lines, extra, message):
     f = tmp_path / "lengths.txt"
     f.write_text(lines)
-    res = _te_thd("cache", "plan", "--lengths", str(f), *KEYS, *extra)
+    if message is None:  # no key the lengths come from
+        res = _te_thd("cache", "plan", "--lengths", str(f), *extra)
+        message = "--length-key: none given and no --key input_ids, but a ragged layout stores each sample's real tokens: "
+        message += "pass --length-key KEY naming the key that holds each length"
+    else:
+        res = _te_thd("cache", "plan", "--lengths", str(f), *KEYS, *extra)
     assert res.returncode == 2, res.stdout + res.stderr
     err = res.stderr.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("te-thd cache plan: "), res.stderr

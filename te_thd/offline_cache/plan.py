@@ -150,10 +150,11 @@ def check_lengths(lengths: np.ndarray, spec: CacheSpec, flag: str = "lengths") -
     """``L``, the token keys' padded length; ``ValueError`` when a length exceeds it."""
     widths = {spec.schema[k].shape[0] for k in spec.token_keys if spec.schema[k].shape}
     width = max(widths) if widths else 0
-    if lengths.size and int(lengths.max()) > width:
+    if widths and lengths.size and int(lengths.max()) > width:
         i = int(np.argmax(lengths))
         raise ValueError(f"{flag}: sample {i} has length {int(lengths[i])}, longer than L={width} of the token keys; "
-                         f"raise the padded length to at least {int(lengths.max())}, or truncate the samples")  # fmt: skip
+                         f"raise the padded length (te-thd cache plan --max-len) to at least {int(lengths.max())}, or "
+                         "truncate the samples")  # fmt: skip
     return width
 
 
@@ -205,7 +206,8 @@ def cp_spans(lengths: np.ndarray, cp: int, pack_seq_len: int | None, batch_size:
     check_int("batch_size", batch_size, 1, meaning=" (samples per training batch)")
     if pack_seq_len % multiple or (padded.size and int(padded.max()) > pack_seq_len):
         raise ValueError(f"pack_seq_len={pack_seq_len} must be a multiple of 2*cp={multiple} and hold the longest "
-                         f"sample padded to it ({int(padded.max())}); pass a larger multiple of {multiple}")  # fmt: skip
+                         f"sample padded to it ({int(padded.max())}); pass a multiple of {multiple} of at least "
+                         f"{int(padded.max())}")  # fmt: skip
     out = np.empty_like(lengths)
     for a in range(0, lengths.size, batch_size):
         out[a : a + batch_size] = document_spans(lengths[a : a + batch_size], pack_seq_len, multiple)
@@ -308,12 +310,13 @@ def plan_cache(lengths: Sequence[int] | np.ndarray, spec: CacheSpec) -> list[Lay
 
 
 def human_bytes(n: float) -> str:
-    """``1536`` -> ``"1.5 KiB"``."""
+    """``1536`` -> ``"1.5 KiB"`` (``"512 B"`` below a KiB; TiB at most)."""
+    value = float(n)
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "PiB":
-            return f"{n:.0f} B" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} PiB"
+        if value < 1024 or unit == "TiB":
+            return f"{value:.1f} {unit}" if unit != "B" else f"{n:.0f} B"
+        value /= 1024
+    return f"{n:.0f} B"  # pragma: no cover
 
 
 def plan_json(costs: Sequence[LayoutCost], spec: CacheSpec, lengths: np.ndarray) -> dict[str, Any]:
@@ -360,4 +363,7 @@ def default_token_keys(schema: Mapping[str, TensorSpec], max_len: int) -> tuple[
     return tuple(k for k, s in schema.items() if s.shape and s.shape[0] == max_len)
 
 
-__all__ = ["CacheSpec", "LayoutCost", "format_plan", "layouts", "parse_key", "plan_cache", "plan_json", "read_lengths"]
+__all__ = [
+    "CacheSpec", "LayoutCost", "check_lengths", "cp_spans", "cp_tokens_read", "default_token_keys", "format_plan",
+    "human_bytes", "layouts", "parse_key", "plan_cache", "plan_json", "rank_bytes", "read_lengths", "shard_bytes",
+]  # fmt: skip
