@@ -280,3 +280,19 @@ def test_cli_missing_lengths_file_names_it(tmp_path):
     assert res.returncode == 2
     assert res.stderr.strip().startswith(f"te-thd cache plan: --lengths {tmp_path / 'none.txt'}: cannot be read")
     assert "pass a text file with one length per line" in res.stderr
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        ([], "--out is required: pass the cache directory, e.g. --out runs/cache (or --plan to cost it)"),
+        (["--out", "x", "--json"], "--json applies to --plan only: add --plan, or drop --json"),
+        (["--plan", "--plan-batch-size", "0"], "--plan-batch-size=0 must be >= 1"),
+    ],
+)
+def test_example_plan_flag_errors(argv, message):
+    from precompute_cache import build_parser, check_args
+
+    with pytest.raises(ValueError) as exc:
+        check_args(build_parser().parse_args(argv))
+    assert str(exc.value) == message
