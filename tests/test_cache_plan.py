@@ -296,3 +296,14 @@ def test_example_plan_flag_errors(argv, message):
     with pytest.raises(ValueError) as exc:
         check_args(build_parser().parse_args(argv))
     assert str(exc.value) == message
+
+
+def test_library_refusals_name_the_argument():
+    schema = {"hidden": TensorSpec(torch.bfloat16, (8, 4))}
+    with pytest.raises(ValueError, match=r"^a ragged cache needs each sample's length: pass length_key \(a stored key\) "
+                                         r"or store input_ids$"):  # fmt: skip
+        plan_cache([3], CacheSpec(schema, ("hidden",), 4))
+    with pytest.raises(ValueError, match=r"^cp=0 "):
+        plan_cache([3], CacheSpec(schema, (), 4, cp=0))
+    with pytest.raises(ValueError, match=r"^pack_seq_len=6 must be a multiple of 2\*cp=4"):
+        cp_spans(np.asarray([3]), 2, 6, 1)

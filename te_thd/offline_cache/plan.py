@@ -47,6 +47,7 @@ from te_thd.offline_cache.format import (
     dtype_from_name,
     dtype_name,
     shard_layout,
+    shard_rows,
     tensor_nbytes,
 )
 from te_thd.offline_cache.lengths import LengthRule, for_tensor_spec, producer_rule
@@ -279,8 +280,9 @@ def rank_bytes(spec: CacheSpec, layout: TokenLayout | None, lengths: np.ndarray,
 
 
 def _shards(num_samples: int, shard_size: int) -> list[tuple[int, int]]:
+    """``[(first sample, end)]`` of every shard."""
     count, _ = shard_layout(num_samples, shard_size)
-    return [(i * shard_size, min(num_samples, (i + 1) * shard_size)) for i in range(count)]
+    return [(i * shard_size, i * shard_size + shard_rows(i, num_samples, shard_size)) for i in range(count)]
 
 
 def plan_cache(lengths: Sequence[int] | np.ndarray, spec: CacheSpec) -> list[LayoutCost]:
