@@ -307,3 +307,25 @@ def test_library_refusals_name_the_argument():
         plan_cache([3], CacheSpec(schema, (), 4, cp=0))
     with pytest.raises(ValueError, match=r"^pack_seq_len=6 must be a multiple of 2\*cp=4"):
         cp_spans(np.asarray([3]), 2, 6, 1)
+
+
+def test_cli_target_without_a_checkout_says_what_to_do(monkeypatch, tmp_path, capsys):
+    from te_thd.cli import main
+
+    monkeypatch.setenv("TE_THD_SOURCE", str(tmp_path))
+    assert main(["cache", "plan", "--target", "hf:models/my-llm", "--data", "jsonl:chats.jsonl"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        "te-thd cache plan: --target/--data read the samples as examples/precompute_cache.py does: "
+        f"TE_THD_SOURCE={tmp_path} has no examples/precompute_cache.py; set it to the root of a te_thd checkout "
+        "(the directory with pyproject.toml, examples/ and perf/)"
+    ]
+
+
+def test_cli_target_and_data_bad_input_is_the_examples_one_line(tmp_path):
+    res = _te_thd("cache", "plan", "--data", "jsonl:chats.jsonl", cwd=str(tmp_path))
+    assert res.returncode == 1 and res.stdout == ""
+    assert res.stderr.strip().splitlines() == [
+        "error: --data jsonl:chats.jsonl needs --target hf:DIR: text is tokenized with the model's tokenizer, and the "
+        "synthetic target has none"
+    ]
