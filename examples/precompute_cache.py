@@ -30,6 +30,7 @@ on a finished cache with the same options it does nothing.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -45,6 +46,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from ep_cp.cache_format import (  # noqa: E402
     CACHE_NAME,
+    CODEC_KEYS,
+    COMPACT_DTYPES,
     FORMAT_VERSION,
     KEYS,
     LAYER_KEY,
@@ -52,6 +55,7 @@ from ep_cp.cache_format import (  # noqa: E402
     TOKEN_KEYS,
     producer_args,
     producer_command,
+    stored_schema,
 )
 from ep_cp.cli_help import HelpFormatter  # noqa: E402
 from ep_cp.config import TargetConfig, config_to_dict  # noqa: E402
@@ -67,7 +71,7 @@ from te_thd.packing import pad_to_multiple_for  # noqa: E402
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
-    p.add_argument("--out", required=True, help="cache directory")
+    p.add_argument("--out", default=None, help="cache directory (required unless --plan)")
     p.add_argument(
         "--target",
         default="synthetic",
@@ -154,6 +158,21 @@ def build_parser() -> argparse.ArgumentParser:
         "float32 / int64",
     )
     p.add_argument(
+        "--plan",
+        action="store_true",
+        help="compute nothing: print the cache's bytes, shards and each CP rank's reads per epoch, "
+        "padded, ragged and ragged with each codec (te_thd.offline_cache.plan); the samples are "
+        "read and tokenized, the model's config.json alone is read",
+    )
+    p.add_argument("--json", action="store_true", help="with --plan: print the figures as JSON")
+    p.add_argument(
+        "--plan-batch-size",
+        type=int,
+        default=16,
+        help="with --plan: samples per training batch, packed together into rows of --pack-seq-len "
+        "(train_ep_cp.py's --batch-size); a row's unused tail joins its last sample's CP chunks",
+    )
+    p.add_argument(
         "--device",
         choices=("cpu", "cuda"),
         default="cpu",
@@ -182,7 +201,11 @@ def check_args(args: argparse.Namespace) -> None:
     ``mask_prompt``, ``text_key``, ``dtype``) and sets ``model_dir`` / ``jsonl_path``
     (``None`` for the synthetic source).
     """
-    for name in ("min_len", "max_len", "shard_size", "batch_size", "topk", "cp", "pack_seq_len"):
+    if args.out is None and not args.plan:
+        raise ValueError("--out is required: pass the cache directory, e.g. --out runs/cache (or --plan to cost it)")
+    if args.json and not args.plan:
+        raise ValueError("--json applies to --plan only: add --plan, or drop --json")
+    for name in ("min_len", "max_len", "shard_size", "batch_size", "topk", "cp", "pack_seq_len", "plan_batch_size"):
         v = getattr(args, name)
         if v < 1:
             raise ValueError(f"--{name.replace('_', '-')}={v} must be >= 1")
@@ -292,12 +315,11 @@ def synthetic_source(args: argparse.Namespace, device: torch.device) -> Source:
     return data, compute_batch, producer_options(args, cfg), KEYS
 
 
-def hf_source(args: argparse.Namespace, device: torch.device) -> Source:
-    """JSONL text, tokenized with the model's tokenizer, through a Hugging Face model."""
-    from ep_cp.hf_target import HFTarget, check_model_dir
+def hf_data(args: argparse.Namespace) -> tuple[Any, Any]:
+    """``(dataset, source)``: the JSONL samples tokenized as the producer stores them."""
+    from ep_cp.hf_target import check_model_dir
     from ep_cp.jsonl_data import JsonlSource, build_jsonl_dataset, load_tokenizer
 
-    # The data first: a bad line is reported before a large model is loaded.
     check_model_dir(args.model_dir, f"--target {args.target}")
     tok_dir = args.tokenizer or args.model_dir
     tokenizer = load_tokenizer(
@@ -305,21 +327,29 @@ def hf_source(args: argparse.Namespace, device: torch.device) -> Source:
     )
     source = JsonlSource(os.path.abspath(args.jsonl_path), args.text_key, args.messages_key)
     data = build_jsonl_dataset(source, tokenizer, args.max_len, args.num_samples, args.mask_prompt)
-    target = HFTarget(args.model_dir, args.dtype, device, parse_layers(args.layers))
-    if args.topk > target.vocab_size:
+    return data, source
+
+
+def check_vocab(args: argparse.Namespace, data: Any, vocab_size: int) -> None:
+    """Refuse a top-k or a tokenizer that does not fit the model's ``vocab_size`` rows."""
+    if args.topk > vocab_size:
         raise ValueError(
-            f"--topk={args.topk} exceeds the vocabulary of {args.model_dir} ({target.vocab_size}); "
-            f"use --topk <= {target.vocab_size}"
+            f"--topk={args.topk} exceeds the vocabulary of {args.model_dir} ({vocab_size}); "
+            f"use --topk <= {vocab_size}"
         )
-    if data.max_token_id() >= target.vocab_size:
+    if data.max_token_id() >= vocab_size:
         raise ValueError(
-            f"the tokenizer of {tok_dir} produces token id {data.max_token_id()}, but the model "
-            f"{args.model_dir} has {target.vocab_size} vocabulary rows; use the model's own "
+            f"the tokenizer of {args.tokenizer or args.model_dir} produces token id {data.max_token_id()}, "
+            f"but the model {args.model_dir} has {vocab_size} vocabulary rows; use the model's own "
             "tokenizer (leave out --tokenizer, or point it at a tokenizer of this model)"
         )
+
+
+def hf_options(args: argparse.Namespace, data: Any, source: Any, target: dict[str, Any], layers: list[int]) -> dict:
+    """The manifest options of ``--target hf:``: the target's record (``target``) and the data's."""
     options = {
         "producer": PRODUCER,
-        "target": target.describe(),
+        "target": target,
         "topk": args.topk,
         "mask_prompt": bool(args.mask_prompt),
         "data": {
@@ -327,7 +357,7 @@ def hf_source(args: argparse.Namespace, device: torch.device) -> Source:
             "path": source.path,
             "text_key": source.text_key,
             "messages_key": source.messages_key,
-            "tokenizer": os.path.abspath(tok_dir),
+            "tokenizer": os.path.abspath(args.tokenizer or args.model_dir),
             "num_samples": len(data),
             "max_len": args.max_len,
             "truncated": data.truncated,
@@ -335,10 +365,21 @@ def hf_source(args: argparse.Namespace, device: torch.device) -> Source:
         },
         **packing_options(args),
     }
-    keys = KEYS
-    if target.layers:
-        options["layers"] = target.layers
-        keys = (*KEYS, LAYER_KEY)
+    if layers:
+        options["layers"] = layers
+    return options
+
+
+def hf_source(args: argparse.Namespace, device: torch.device) -> Source:
+    """JSONL text, tokenized with the model's tokenizer, through a Hugging Face model."""
+    from ep_cp.hf_target import HFTarget
+
+    # The data first: a bad line is reported before a large model is loaded.
+    data, source = hf_data(args)
+    target = HFTarget(args.model_dir, args.dtype, device, parse_layers(args.layers))
+    check_vocab(args, data, target.vocab_size)
+    options = hf_options(args, data, source, target.describe(), target.layers)
+    keys = (*KEYS, LAYER_KEY) if target.layers else KEYS
 
     def compute_batch(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return target.supervision(
@@ -353,6 +394,11 @@ def storage_options(args: argparse.Namespace) -> dict[str, Any]:
     return {"layout": args.layout, "hidden_codec": args.hidden_codec, "compact_dtypes": bool(args.compact_dtypes)}
 
 
+def ragged_keys(keys: tuple) -> tuple[str, ...]:
+    """The per-token keys of ``keys``: stored ragged by ``--layout ragged``."""
+    return tuple(k for k in keys if k in ("input_ids", *TOKEN_KEYS, LAYER_KEY))
+
+
 def storage_layout(
     args: argparse.Namespace, keys: tuple, vocab_size: int
 ) -> tuple[tuple[str, ...], dict[str, str]]:
@@ -360,7 +406,7 @@ def storage_layout(
     with --compact-dtypes the top-k ids in the narrowest width that holds ``vocab_size``."""
     if args.layout == "padded":
         return (), {}
-    token_keys = tuple(k for k in keys if k in ("input_ids", *TOKEN_KEYS, LAYER_KEY))
+    token_keys = ragged_keys(keys)
     codec = {} if args.hidden_codec == "none" else {k: args.hidden_codec for k in ("hidden", LAYER_KEY) if k in keys}
     if args.compact_dtypes:
         codec["topk_indices"] = f"topk_index:{vocab_size}"
@@ -372,16 +418,52 @@ def compact(compute_batch: Callable[[dict[str, torch.Tensor]], dict[str, torch.T
 
     def wrapped(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         out = dict(compute_batch(batch))
-        out["topk_logprobs"] = out["topk_logprobs"].to(torch.bfloat16)
-        out["input_ids"] = out["input_ids"].to(torch.int32)
-        return out
+        return {**out, **{k: out[k].to(dtype) for k, dtype in COMPACT_DTYPES.items()}}
 
     return wrapped
+
+
+def print_plan(args: argparse.Namespace) -> int:
+    """``--plan``: the cache's cost in every layout (te_thd.offline_cache.plan), nothing computed.
+
+    The samples are read as the producer reads them; the stored keys and their shapes are
+    :func:`ep_cp.cache_format.stored_schema` of the target's sizes (``config.json`` of ``hf:DIR``).
+    """
+    from te_thd.offline_cache.plan import CacheSpec, format_plan, plan_cache, plan_json
+
+    if args.model_dir is None:
+        cfg = TargetConfig(seed=args.target_seed)
+        data = SyntheticTokens(args.num_samples, args.min_len, args.max_len, cfg.vocab_size, seed=args.data_seed)
+        lengths, hidden_size, layers = data.seq_len.numpy(), cfg.hidden_size, []
+        options = producer_options(args, cfg)
+    else:
+        from ep_cp.hf_target import check_layers, describe_config, load_config, text_dims
+
+        data, source = hf_data(args)
+        config = load_config(args.model_dir)
+        num_layers, hidden_size, vocab_size = text_dims(config)
+        layers = parse_layers(args.layers)
+        check_layers(layers, num_layers, args.model_dir)
+        check_vocab(args, data, vocab_size)
+        target = describe_config(os.path.abspath(args.model_dir), config, args.dtype, vocab_size)
+        options = hf_options(args, data, source, target, layers)
+        lengths = data.offsets[1:] - data.offsets[:-1]
+    schema = stored_schema(args.max_len, args.topk, hidden_size, len(layers), args.compact_dtypes)
+    options = {**options, "storage": storage_options(args)}
+    options = {**options, "producer_args": producer_args({**options, "shard_size": args.shard_size})}
+    spec = CacheSpec(schema, ragged_keys(tuple(schema)), args.shard_size, args.cp, length_key="seq_len",
+                     codec_keys=CODEC_KEYS, options=options, format_version=FORMAT_VERSION,
+                     pack_seq_len=args.pack_seq_len, batch_size=args.plan_batch_size)  # fmt: skip
+    costs = plan_cache(lengths, spec)
+    print(json.dumps(plan_json(costs, spec, lengths), indent=2) if args.json else format_plan(costs, spec, lengths))
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     check_args(args)
+    if args.plan:
+        return print_plan(args)
     check_device(args.device)  # before any CUDA call: one line, not a traceback per rank
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     world = int(os.environ.get("WORLD_SIZE", "1"))

@@ -1112,6 +1112,13 @@ def _cli_rows() -> list[BadInput]:
         (d / "manifest.json").write_text("{")
         return d
 
+    def lengths_file(text: str) -> Callable[[Path], Path]:
+        def write(tmp: Path) -> Path:
+            (tmp / "lengths.txt").write_text(text)
+            return tmp / "lengths.txt"
+
+        return write
+
     def old_shards(tmp: Path) -> Path:
         import torch
 
@@ -1152,6 +1159,19 @@ def _cli_rows() -> list[BadInput]:
         BadInput("cli-repair-options-json", "CLI", "te-thd cache repair DIR --options with text that is not JSON",
                  cli("cache", "repair", "DIR", "--options", "{cp_size: 2}", prepare=old_shards),
                  _re("te-thd cache repair: --options '{cp_size: 2}' is not JSON"), kind="cli"),
+        BadInput("cli-plan-lengths-line", "CLI", "te-thd cache plan --lengths FILE: a line that is not a length",
+                 cli("cache", "plan", "--lengths", "DIR", "--key", "input_ids=int64:L", prepare=lengths_file("16\n1.5e3\n")),
+                 _re("te-thd cache plan: --lengths <dir>/lengths.txt:2 holds '1.5e3', not a length; write one integer "
+                     ">= 0 per line"), kind="cli"),
+        BadInput("cli-plan-too-long", "CLI", "te-thd cache plan: a sample longer than --max-len",
+                 cli("cache", "plan", "--lengths", "DIR", "--key", "input_ids=int64:L", "--max-len", "8",
+                     prepare=lengths_file("16\n")),
+                 _re("te-thd cache plan: lengths: sample 0 has length 16, longer than L=8 of the token keys; raise the "
+                     "padded length (te-thd cache plan --max-len) to at least 16, or truncate the samples"), kind="cli"),
+        BadInput("cli-plan-key", "CLI", "te-thd cache plan --key: not NAME=DTYPE[:SHAPE]",
+                 cli("cache", "plan", "--lengths", "DIR", "--key", "hidden=bf16:L,64", prepare=lengths_file("16\n")),
+                 _re("te-thd cache plan: --key 'hidden=bf16:L,64' is not NAME=DTYPE[:SHAPE]; write e.g. --key "
+                     "hidden=bfloat16:L,4096 or --key seq_len=int64"), kind="cli"),
         BadInput("cli-cache-subcommand", "CLI", "te-thd cache without a subcommand", cli("cache"),
                  _re("the following arguments are required: cache_command"), kind="cli"),
         BadInput("cli-unknown-command", "CLI", "an unknown te-thd command", cli("bogus"),

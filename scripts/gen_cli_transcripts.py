@@ -104,6 +104,13 @@ BLOCKS: dict[str, list[Step]] = {
     "cli-transcript-unlock": [
         te_thd("cache unlock runs/cache"),
     ],
+    "cli-transcript-plan": [
+        te_thd("cache plan --data synthetic --cp 2 --num-samples 1024"),
+        sh("printf '# one length per line\\n3100\\n870\\n15000\\n4096\\n' > runs/lengths.txt"),
+        te_thd("cache plan --lengths runs/lengths.txt --max-len 16384 --key input_ids=int64:L --key seq_len=int64 "
+               "--key hidden=bfloat16:L,4096 --length-key seq_len --shard-size 2 --cp 2"),  # fmt: skip
+        te_thd("cache plan --lengths runs/lengths.txt --key hidden=bfloat16:L,4096 --cp 3"),
+    ],
 }
 
 

@@ -33,6 +33,24 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return subprocess.call([sys.executable, str(root / "perf" / "run.py"), *args.rest], env=env)
 
 
+def _cmd_plan_example(rest: list[str]) -> int:
+    """``te-thd cache plan --target ... --data ...``: ``examples/precompute_cache.py --plan`` of a source
+    checkout (see te_thd._checkout), which reads the samples and the model's config as it produces."""
+    from te_thd._checkout import find_checkout
+
+    try:
+        root = find_checkout("examples/precompute_cache.py")
+    except FileNotFoundError as exc:
+        print(f"te-thd cache plan: --target/--data read the samples as examples/precompute_cache.py does: {exc}",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    done = subprocess.run([sys.executable, str(root / "examples" / "precompute_cache.py"), "--plan", *rest],
+                          capture_output=True, text=True)  # fmt: skip
+    sys.stdout.write(done.stdout)  # through this process's streams: what captures them sees the plan
+    sys.stderr.write(done.stderr)
+    return done.returncode
+
+
 def _has_checkout(*required: str) -> bool:
     from te_thd._checkout import find_checkout
 
@@ -66,7 +84,7 @@ def build_parser(cache_commands: bool = True) -> argparse.ArgumentParser:
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     bench.set_defaults(func=_cmd_bench)
 
-    cache = sub.add_parser("cache", help="inspect, verify or repair an offline cache directory")
+    cache = sub.add_parser("cache", help="inspect, verify or repair an offline cache directory; plan one")
     if cache_commands:
         from te_thd.offline_cache.cli import add_cache_commands
 
@@ -84,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
         # so everything after `bench` goes to perf/run.py untouched
         rest = argv[1:]
         return _cmd_bench(argparse.Namespace(rest=rest[1:] if rest[:1] == ["--"] else rest))
+    if argv[:2] == ["cache", "plan"] and any(a.split("=")[0] in ("--target", "--data") for a in argv[2:]):
+        return _cmd_plan_example(argv[2:])
     args = build_parser(cache_commands=argv[:1] == ["cache"]).parse_args(argv)
     try:
         code = int(args.func(args) or 0)

@@ -277,6 +277,18 @@ def _row_layout(
     return _Rows(B, n_bins, order, row, slot, counts, real[order], span)
 
 
+def document_spans(lengths: Sequence[int] | np.ndarray, seq_len: int, multiple: int, *, decreasing: bool = True) -> np.ndarray:
+    """Slots of each of a batch's documents in the rows :class:`PackingCollator` packs them into:
+    int64 ``[n]`` in arrival order, each document's length padded to ``multiple`` plus, for the
+    last document of a row, the row's unused tail -- its span in ``cu_seqlens_padded``, which
+    context parallelism splits into ``2*cp`` chunks. ``lengths``: ``[n]`` real token counts."""
+    full = np.asarray(lengths, dtype=np.int64).reshape(-1)
+    rows = _row_layout(full, seq_len, multiple, None, decreasing)
+    out = np.empty(full.shape[0], dtype=np.int64)
+    out[rows.order] = rows.span
+    return out
+
+
 def _gather_index(full: np.ndarray, rows: _Rows, seq_len: int) -> np.ndarray:
     """int64 ``[B*S]``: for every output slot, its position in a key's source.
 

@@ -190,7 +190,7 @@ def test_precompute_help_shows_each_default_once_and_none_for_required_flags(cap
     out = " ".join(raw.split())
     assert "(default: None)" not in out
     assert "JSONL key of plain text (default: text) --messages-key" in out  # once, not twice
-    assert "--out OUT cache directory --target" in out  # required: no default to show
+    assert "--out OUT cache directory (required unless --plan) --target" in out  # required: no default to show
     assert "(default: cpu)" in out and "where the target runs: cpu" in out
     # the docstring's shell line continuation is shown as written, not joined into one line
     assert "--target hf:models/my-llm \\\n        --data jsonl:chats.jsonl" in raw

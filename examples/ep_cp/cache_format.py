@@ -45,6 +45,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
+from te_thd.offline_cache.format import TensorSpec
+
 CACHE_NAME = "ep_cp_distill"
 FORMAT_VERSION = 1
 PRODUCER = "examples/precompute_cache.py"
@@ -57,6 +61,32 @@ KEYS = ("input_ids", "seq_len", "loss_mask", "topk_logprobs", "topk_indices", "h
 LAYER_KEY = "layer_hidden"
 #: per-token supervision the trainer packs alongside the ids
 TOKEN_KEYS = ("loss_mask", "topk_logprobs", "topk_indices", "hidden")
+#: each key's stored dtype (:func:`ep_cp.supervision.cache_rows` casts to it)
+DTYPES = {
+    "input_ids": torch.int64, "seq_len": torch.int64, "loss_mask": torch.bool, "topk_logprobs": torch.float32,
+    "topk_indices": torch.int32, "hidden": torch.bfloat16, LAYER_KEY: torch.bfloat16,
+}  # fmt: skip
+#: what ``--compact-dtypes`` stores instead (the trainer reads them back as DTYPES)
+COMPACT_DTYPES = {"topk_logprobs": torch.bfloat16, "input_ids": torch.int32}
+#: the keys a codec may take: the hidden states (``--hidden-codec``) and the top-k ids
+CODEC_KEYS = ("hidden", LAYER_KEY, "topk_indices")
+
+
+def stored_schema(
+    max_len: int, topk: int, hidden_size: int, num_layers: int = 0, compact_dtypes: bool = False
+) -> dict[str, TensorSpec]:
+    """``{key: TensorSpec}`` of the cache's rows (the table above): what the producer stores for
+    ``--max-len``, ``--topk``, the target's hidden size and ``num_layers`` chosen with ``--layers``."""
+    shapes = {
+        "input_ids": (max_len,), "seq_len": (), "loss_mask": (max_len,), "topk_logprobs": (max_len, topk),
+        "topk_indices": (max_len, topk), "hidden": (max_len, hidden_size),
+    }  # fmt: skip
+    if num_layers:
+        shapes[LAYER_KEY] = (max_len, num_layers, hidden_size)
+    dtypes = {**DTYPES, **COMPACT_DTYPES} if compact_dtypes else DTYPES
+    return {k: TensorSpec(dtypes[k], shape) for k, shape in shapes.items()}
+
+
 #: options that change the stored supervision or the packing it was validated for
 CHECKED_OPTIONS = ("mask_prompt", "topk", "cp_size", "pad_to_multiple_of", "pack_seq_len")
 

@@ -81,6 +81,44 @@ def _text_config(config: Any) -> Any:
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
+def load_config(path: str) -> Any:
+    """The model's ``config.json`` as ``transformers`` reads it (no weights are loaded)."""
+    full = check_model_dir(path, f"--target hf:{path}")
+    return import_transformers().AutoConfig.from_pretrained(full, local_files_only=True)
+
+
+def text_dims(config: Any) -> tuple[int, int, int]:
+    """``(num_hidden_layers, hidden_size, vocab_size)`` of the language model of ``config``."""
+    text = _text_config(config)
+    return int(text.num_hidden_layers), int(text.hidden_size), int(text.vocab_size)
+
+
+def check_layers(layers: list[int], num_layers: int, path: str) -> None:
+    """Refuse ``--layers`` indices outside ``hidden_states`` of a model with ``num_layers`` layers."""
+    bad = [i for i in layers if not 0 <= i <= num_layers]
+    if bad:
+        raise ValueError(
+            f"--layers {','.join(map(str, layers))}: {bad} out of range for {path}, "
+            f"which has {num_layers} layers: indices run from 0 (embedding output) to "
+            f"{num_layers} (final hidden state)"
+        )
+
+
+def describe_config(path: str, config: Any, dtype: str, vocab_size: int) -> dict[str, Any]:
+    """The manifest's ``target`` record of the model at ``path``: what the trainer sizes its student from."""
+    num_layers, hidden_size, _ = text_dims(config)
+    return {
+        "kind": "hf",
+        "path": path,
+        "model_type": getattr(config, "model_type", None),
+        "architectures": list(getattr(config, "architectures", None) or []),
+        "dtype": dtype,
+        "vocab_size": vocab_size,
+        "hidden_size": hidden_size,
+        "num_hidden_layers": num_layers,
+    }
+
+
 class HFTarget:
     """A frozen ``AutoModelForCausalLM`` loaded from ``path``.
 
@@ -108,33 +146,15 @@ class HFTarget:
         self.model = model.to(device).eval().requires_grad_(False)
         self.device = device
         self.dtype = dtype
-        text = _text_config(model.config)
-        self.num_layers = int(text.num_hidden_layers)
-        self.hidden_size = int(text.hidden_size)
+        self.num_layers, self.hidden_size, _ = text_dims(model.config)
         # The LM head's rows, which may exceed the tokenizer's length (padded vocabularies).
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         self.layers = list(layers or [])
-        bad = [i for i in self.layers if not 0 <= i <= self.num_layers]
-        if bad:
-            raise ValueError(
-                f"--layers {','.join(map(str, self.layers))}: {bad} out of range for {path}, "
-                f"which has {self.num_layers} layers: indices run from 0 (embedding output) to "
-                f"{self.num_layers} (final hidden state)"
-            )
+        check_layers(self.layers, self.num_layers, path)
 
     def describe(self) -> dict[str, Any]:
         """The manifest's ``target`` record: what the trainer sizes its student from."""
-        cfg = self.model.config
-        return {
-            "kind": "hf",
-            "path": self.path,
-            "model_type": getattr(cfg, "model_type", None),
-            "architectures": list(getattr(cfg, "architectures", None) or []),
-            "dtype": self.dtype,
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "num_hidden_layers": self.num_layers,
-        }
+        return describe_config(self.path, self.model.config, self.dtype, self.vocab_size)
 
     @torch.no_grad()
     def supervision(

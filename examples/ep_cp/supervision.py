@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from ep_cp.cache_format import DTYPES
+
 
 def topk_logprobs(logits: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k of the next-token log-softmax at every position.
@@ -68,9 +70,9 @@ def cache_rows(
         "seq_len": seq_len,
         "loss_mask": loss_mask.bool() & real,
         "topk_logprobs": top_v.masked_fill(~keep, 0.0),
-        "topk_indices": top_i.masked_fill(~keep, 0).to(torch.int32),
-        "hidden": hidden.masked_fill(~keep, 0.0).to(torch.bfloat16),
+        "topk_indices": top_i.masked_fill(~keep, 0),
+        "hidden": hidden.masked_fill(~keep, 0.0),
     }
     if layer_hidden is not None:
-        rows["layer_hidden"] = layer_hidden.masked_fill(~keep[..., None], 0.0).to(torch.bfloat16)
-    return {k: v.cpu() for k, v in rows.items()}
+        rows["layer_hidden"] = layer_hidden.masked_fill(~keep[..., None], 0.0)
+    return {k: v.to(DTYPES[k]).cpu() for k, v in rows.items()}

@@ -1,6 +1,7 @@
-"""``te-thd cache info DIR``, ``te-thd cache verify DIR [--quick]``, ``te-thd cache repair DIR``.
+"""``te-thd cache info DIR``, ``te-thd cache verify DIR [--quick]``, ``te-thd cache repair DIR``, ``te-thd cache plan``.
 
-Thin shells over :func:`cache_info`, :func:`verify_cache` and :func:`repair_cache`.
+Thin shells over :func:`cache_info`, :func:`verify_cache`, :func:`repair_cache` and
+:func:`~te_thd.offline_cache.plan.plan_cache` (which reads and writes no cache).
 ``verify`` reads every shard (checksums of every row, headers, whole files) unless
 ``--quick`` (sizes only); it exits 0 when the cache is sound, printing what it
 checked and what it could not, and 1 with every bad file named (on stderr) when
@@ -19,18 +20,10 @@ import sys
 from typing import Any
 
 from te_thd.offline_cache.errors import PRODUCE_CACHE_HINT, CacheError
+from te_thd.offline_cache.plan import human_bytes
 from te_thd.offline_cache.repair import repair_cache
 from te_thd.offline_cache.storage import open_storage
 from te_thd.offline_cache.verify import cache_info, verify_cache
-
-
-def _human_bytes(n: int) -> str:
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
-            return f"{value:.1f} {unit}" if unit != "B" else f"{n} B"
-        value /= 1024
-    return f"{n} B"  # pragma: no cover
 
 
 def _shards_line(info: dict[str, Any]) -> str:
@@ -52,7 +45,7 @@ def format_info(info: dict[str, Any]) -> str:
         f"layout_version: {info['layout_version'] if info['layout_version'] is not None else '- (reference manifest: no checksums)'}",
         f"samples:        {info['num_samples']}",
         f"shards:         {_shards_line(info)}",
-        f"bytes:          {info['bytes']} ({_human_bytes(info['bytes'])})",
+        f"bytes:          {info['bytes']} ({human_bytes(info['bytes'])})",
         f"checksum:       {info['checksum'] or '-'}",
         "keys:",
     ]
@@ -156,6 +149,59 @@ def _cmd_unlock(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from te_thd.offline_cache.plan import (
+        CacheSpec,
+        default_token_keys,
+        format_plan,
+        parse_key,
+        plan_cache,
+        plan_json,
+        read_lengths,
+    )
+
+    try:
+        for flag, value, meaning in (("--max-len", args.max_len, "the padded length L of the token keys"),
+                                     ("--shard-size", args.shard_size, "samples per shard, e.g. --shard-size 256"),
+                                     ("--cp", args.cp, "the context-parallel size of training, e.g. --cp 2"),
+                                     ("--pack-seq-len", args.pack_seq_len, "the packed row length S of training"),
+                                     ("--batch-size", args.batch_size, "samples per training batch")):  # fmt: skip
+            if value is not None and value < 1:
+                raise ValueError(f"{flag}={value} must be >= 1: {meaning}")
+        try:
+            with open(args.lengths, encoding="utf-8") as f:
+                text = f.read()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"--lengths {args.lengths}: cannot be read ({exc.__class__.__name__}: {exc}); pass a text "
+                             "file with one length per line") from None  # fmt: skip
+        lengths = read_lengths(text, f"--lengths {args.lengths}")
+        max_len = args.max_len if args.max_len is not None else int(lengths.max())
+        schema = dict(parse_key(k, max_len) for k in args.key)
+        if len(schema) != len(args.key):
+            raise ValueError(f"--key names a key twice ({[k.partition('=')[0] for k in args.key]}); give each key once")
+        token_keys = default_token_keys(schema, max_len) if args.token_keys is None else tuple(
+            k for k in args.token_keys.split(",") if k
+        )  # fmt: skip
+        named = [("--length-key", args.length_key), ("--input-key", args.input_key)]
+        named += [(f, k) for f, v in (("--token-keys", args.token_keys), ("--codec-keys", args.codec_keys)) if v for k in v.split(",") if k]
+        for flag, value in named:
+            if value is not None and value not in schema:
+                raise ValueError(f"{flag}: {value!r} is not a --key ({sorted(schema)}); name one of them")
+        if token_keys and args.length_key is None and "input_ids" not in schema:
+            raise ValueError("--length-key: none given and no --key input_ids, but a ragged layout stores each sample's "
+                             "real tokens: pass --length-key KEY naming the key that holds each length")  # fmt: skip
+        spec = CacheSpec(schema, token_keys, args.shard_size, args.cp, length_key=args.length_key,
+                         input_key=args.input_key or "input_ids", pack_seq_len=args.pack_seq_len,
+                         codec_keys=None if args.codec_keys is None else tuple(k for k in args.codec_keys.split(",") if k),
+                         batch_size=args.batch_size)  # fmt: skip
+        costs = plan_cache(lengths, spec)
+    except ValueError as exc:  # the library names its argument; the flag is named here
+        print(f"te-thd cache plan: {str(exc).replace('pack_seq_len=', '--pack-seq-len=')}", file=sys.stderr)
+        return 2
+    print(json.dumps(plan_json(costs, spec, lengths), indent=2) if args.json else format_plan(costs, spec, lengths))
+    return 0
+
+
 def add_cache_commands(cache: argparse.ArgumentParser) -> None:
     """Register ``info``, ``verify``, ``repair`` and ``unlock`` on the ``te-thd cache`` parser."""
     sub = cache.add_subparsers(dest="cache_command", required=True)
@@ -191,6 +237,40 @@ def add_cache_commands(cache: argparse.ArgumentParser) -> None:
                       help="samples of the cache, when shards at its end are lost too")  # fmt: skip
     lost.add_argument("--length-key", default=None, metavar="KEY", help="the producer's length_key (default: input_ids when stored)")
     repair.set_defaults(func=_cmd_repair)
+
+    plan = sub.add_parser(
+        "plan", help="before producing: bytes per sample and in all, shards, each CP rank's reads per epoch, "
+        "padded / ragged / ragged with each codec",
+        description="What a cache will cost, from its samples' lengths and its keys' shapes, before anything "
+        "is computed: bytes per sample and in all, shards, and the bytes each CP rank fetches per epoch, for "
+        "the padded, the ragged and the ragged layout with each codec, side by side (docs/cache-plan.md). "
+        "With --target/--data instead of --lengths/--key it runs `examples/precompute_cache.py --plan` of a "
+        "source checkout with the same arguments: lengths from a JSONL file tokenized as that producer does, "
+        "key shapes from a Hugging Face config.json.",
+    )  # fmt: skip
+    plan.add_argument("--lengths", required=True, metavar="FILE",
+                      help="every sample's real token count, one integer per line ('#' lines and blank lines skipped)")  # fmt: skip
+    plan.add_argument("--key", action="append", required=True, metavar="NAME=DTYPE[:SHAPE]",
+                      help="a stored key and its per-sample shape, L for the padded length; repeat per key, e.g. "
+                      "--key input_ids=int64:L --key seq_len=int64 --key hidden=bfloat16:L,4096")  # fmt: skip
+    plan.add_argument("--max-len", type=int, default=None, metavar="L", help="padded length L (default: the longest sample)")
+    plan.add_argument("--token-keys", default=None, metavar="K1,K2",
+                      help="keys the ragged layouts store ragged (default: every key shaped [L, ...])")  # fmt: skip
+    plan.add_argument("--codec-keys", default=None, metavar="K1,K2",
+                      help="token keys a codec may store (default: every token key it can store)")  # fmt: skip
+    plan.add_argument("--length-key", default=None, metavar="KEY",
+                      help="the producer's length_key (default: input_ids when stored)")  # fmt: skip
+    plan.add_argument("--input-key", default=None, metavar="KEY",
+                      help="the token ids CachedThdCollator packs, read whole by every CP rank (default: input_ids)")  # fmt: skip
+    plan.add_argument("--shard-size", type=int, default=256, metavar="N", help="samples per shard (default: 256)")
+    plan.add_argument("--cp", type=int, default=1, metavar="N", help="context-parallel size of training (default: 1)")
+    plan.add_argument("--pack-seq-len", type=int, default=None, metavar="S",
+                      help="packed row length of training: a row's unused tail joins its last sample's CP chunks "
+                      "(default: each sample alone, padded to 2*cp)")  # fmt: skip
+    plan.add_argument("--batch-size", type=int, default=16, metavar="B",
+                      help="with --pack-seq-len: samples per training batch, packed together (default: 16)")  # fmt: skip
+    plan.add_argument("--json", action="store_true", help="print the figures as JSON")
+    plan.set_defaults(func=_cmd_plan)
 
     unlock = sub.add_parser(
         "unlock", help="remove the producer lock of an s3:// or msc:// cache whose producer was killed on another host"

@@ -135,6 +135,12 @@ def _layout(specs: tuple[tuple[str, TensorSpec], ...], rows: int, run: str | Non
     return _Layout(dict(order), entries, header_len, row_bytes, start)
 
 
+def shard_header_len(specs: Mapping[str, TensorSpec], rows: int, run: Mapping[str, Any] | None = None) -> int:
+    """Bytes (length prefix included) of the header of a ``rows``-row shard of ``specs`` that
+    :class:`ShardStream` writes with the run record ``run``."""
+    return _layout(tuple(specs.items()), rows, json.dumps(dict(run), sort_keys=True) if run is not None else None).header_len
+
+
 def piece_rows(specs: Mapping[str, TensorSpec], piece: Mapping[str, torch.Tensor]) -> int:
     """The row count of a piece the writer checked (every key ``[n, *trailing]`` with one ``n``)."""
     return next((piece[k].shape[0] for k in specs), 0)

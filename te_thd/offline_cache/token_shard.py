@@ -72,11 +72,12 @@ class TokenShardStream:
     Same interface as :class:`~te_thd.offline_cache.shardfile.ShardStream`:
     :meth:`write` the next rows (logical, padded ``[n, L, ...]`` for token keys),
     :meth:`finish` returns the :class:`ShardRecord`, :meth:`abort` removes the files.
-    ``run``: the producer's run record, kept in the header.
+    ``run``: the producer's run record, kept in the header. ``path=None`` opens nothing: the
+    stream only lays the shard out (:func:`reserved_header_len`).
     """
 
     def __init__(
-        self, path: str, specs: Mapping[str, TensorSpec], rows: int, layout: TokenLayout, rule: LengthRule,
+        self, path: str | None, specs: Mapping[str, TensorSpec], rows: int, layout: TokenLayout, rule: LengthRule,
         run: Mapping[str, Any] | None = None, first_sample: int | None = None,
     ) -> None:  # fmt: skip
         check_int("rows", rows, 0, meaning=" (the samples the shard holds)")
@@ -102,8 +103,11 @@ class TokenShardStream:
             self._fixed_start[k] = pos
             pos += self._row_bytes[k] * rows
         self._ragged_start = pos  # the first ragged tensor's file offset
-        self._fd: int | None = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         self._side: dict[str, tuple[str, int]] = {}
+        self._fd: int | None = None
+        if path is None:  # the layout only (:func:`reserved_header_len`): no file
+            return
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
             for s in self.stored[1:]:
                 side = temp_path_for(path + "." + s.name.replace("@", "."))
@@ -283,6 +287,14 @@ class TokenShardStream:
             os.close(fd)
         self._close_side()
         unlink_quietly(self.path)
+
+
+def reserved_header_len(
+    specs: Mapping[str, TensorSpec], rows: int, layout: TokenLayout, rule: LengthRule, run: Mapping[str, Any] | None = None
+) -> int:
+    """Bytes (length prefix included) of the header a token shard of ``rows`` rows reserves: the most
+    its rows can need, padded with spaces once the real one is written, so the file's size."""
+    return TokenShardStream(None, specs, rows, layout, rule, run)._header_len
 
 
 def _copy_range(src: int, dst: int, count: int, dst_offset: int) -> None:
