@@ -434,7 +434,7 @@ def print_plan(args: argparse.Namespace) -> int:
     if args.model_dir is None:
         cfg = TargetConfig(seed=args.target_seed)
         data = SyntheticTokens(args.num_samples, args.min_len, args.max_len, cfg.vocab_size, seed=args.data_seed)
-        lengths, hidden_size, layers = data.seq_len.numpy(), cfg.hidden_size, []
+        lengths, hidden_size, layers, vocab_size = data.seq_len.numpy(), cfg.hidden_size, [], cfg.vocab_size
         options = producer_options(args, cfg)
     else:
         from ep_cp.hf_target import check_layers, describe_config, load_config, text_dims
@@ -453,7 +453,8 @@ def print_plan(args: argparse.Namespace) -> int:
     options = {**options, "producer_args": producer_args({**options, "shard_size": args.shard_size})}
     spec = CacheSpec(schema, ragged_keys(tuple(schema)), args.shard_size, args.cp, length_key="seq_len",
                      codec_keys=CODEC_KEYS, options=options, format_version=FORMAT_VERSION,
-                     pack_seq_len=args.pack_seq_len, batch_size=args.plan_batch_size)  # fmt: skip
+                     pack_seq_len=args.pack_seq_len, batch_size=args.plan_batch_size,
+                     vocab_size=vocab_size)  # fmt: skip
     costs = plan_cache(lengths, spec)
     print(json.dumps(plan_json(costs, spec, lengths), indent=2) if args.json else format_plan(costs, spec, lengths))
     return 0

@@ -70,14 +70,15 @@ def _disk_bytes(d: str) -> int:
     hidden=st.integers(1, 70),
     topk=st.integers(1, 4),
     dtype=st.sampled_from([torch.bfloat16, torch.float32, torch.float16]),
+    vocab=st.sampled_from([100, 65_536, 65_537, 131_073]),
 )
-def test_predicted_shard_bytes_are_the_writers(tmp_path_factory, lengths, shard_size, hidden, topk, dtype):
+def test_predicted_shard_bytes_are_the_writers(tmp_path_factory, lengths, shard_size, hidden, topk, dtype, vocab):
     width = 24
     schema = {
         "input_ids": TensorSpec(torch.int64, (width,)), "seq_len": TensorSpec(torch.int64, ()),
         "ids": TensorSpec(torch.int32, (width, topk)), "hidden": TensorSpec(dtype, (width, hidden)),
     }  # fmt: skip
-    spec = CacheSpec(schema, ("input_ids", "ids", "hidden"), shard_size, 2, length_key="seq_len")
+    spec = CacheSpec(schema, ("input_ids", "ids", "hidden"), shard_size, 2, length_key="seq_len", vocab_size=vocab)
     costs = {c.name: c for c in plan_cache(lengths, spec)}
     assert set(costs) == {"padded", "ragged", *(f"ragged+{c}" for c in CODECS)}
     samples = [{"n": torch.tensor(v)} for v in lengths]
@@ -88,7 +89,7 @@ def test_predicted_shard_bytes_are_the_writers(tmp_path_factory, lengths, shard_
         g = torch.Generator().manual_seed(int(n.sum()))
         return {
             "input_ids": torch.randint(1, 100, (n.numel(), width), generator=g) * real, "seq_len": n,
-            "ids": torch.randint(0, 100, (n.numel(), width, topk), generator=g, dtype=torch.int32) * real[..., None],
+            "ids": torch.randint(0, vocab, (n.numel(), width, topk), generator=g, dtype=torch.int32) * real[..., None],
             "hidden": (torch.randn(n.numel(), width, hidden, generator=g) * real[..., None]).to(dtype),
         }  # fmt: skip
 
@@ -221,8 +222,14 @@ def test_cli_prints_every_layout_side_by_side_and_json(tmp_path):
                   "--cp", "2")  # fmt: skip
     assert res.returncode == 0, res.stderr
     header = next(line for line in res.stdout.splitlines() if "padded" in line and "ragged" in line)
-    assert header.split() == ["padded", "ragged", *(f"ragged+{c}" for c in CODECS)]
+    assert header.split() == ["padded", "ragged", "ragged+fp8_e4m3"]  # no vocabulary: no index codec
     assert "CP rank 1 reads/epoch" in res.stdout
+    res = _te_thd("cache", "plan", "--lengths", str(lengths), "--max-len", "96", *KEYS, "--length-key", "seq_len",
+                  "--cp", "2", "--vocab-size", "70000")  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    header = next(line for line in res.stdout.splitlines() if "padded" in line and "ragged" in line)
+    assert header.split() == ["padded", "ragged", *(f"ragged+{c}" for c in CODECS)]
+    assert "input_ids as topk_index:70000" in res.stdout
     res = _te_thd("cache", "plan", "--lengths", str(lengths), "--max-len", "96", *KEYS, "--length-key", "seq_len",
                   "--cp", "2", "--json")  # fmt: skip
     out = json.loads(res.stdout)

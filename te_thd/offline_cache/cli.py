@@ -193,7 +193,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         spec = CacheSpec(schema, token_keys, args.shard_size, args.cp, length_key=args.length_key,
                          input_key=args.input_key or "input_ids", pack_seq_len=args.pack_seq_len,
                          codec_keys=None if args.codec_keys is None else tuple(k for k in args.codec_keys.split(",") if k),
-                         batch_size=args.batch_size)  # fmt: skip
+                         batch_size=args.batch_size, vocab_size=args.vocab_size)  # fmt: skip
         costs = plan_cache(lengths, spec)
     except ValueError as exc:  # the library names its argument; the flag is named here
         print(f"te-thd cache plan: {str(exc).replace('pack_seq_len=', '--pack-seq-len=')}", file=sys.stderr)
@@ -269,6 +269,9 @@ def add_cache_commands(cache: argparse.ArgumentParser) -> None:
                       "(default: each sample alone, padded to 2*cp)")  # fmt: skip
     plan.add_argument("--batch-size", type=int, default=16, metavar="B",
                       help="with --pack-seq-len: samples per training batch, packed together (default: 16)")  # fmt: skip
+    plan.add_argument("--vocab-size", type=int, default=None, metavar="V",
+                      help="the target's vocabulary: plans the top-k index codec on integer token keys "
+                      "(16 bits an index up to 65,536, 17 up to 131,072, else 32; default: not planned)")  # fmt: skip
     plan.add_argument("--json", action="store_true", help="print the figures as JSON")
     plan.set_defaults(func=_cmd_plan)
 

@@ -58,6 +58,15 @@ def index_vocab(codec: str) -> int | None:
     return int(vocab)
 
 
+def full_name(codec: str, vocab_size: int | None) -> str | None:
+    """The name a cache records for codec ``codec`` of :data:`CODECS`: an index codec carries the
+    vocabulary (``"topk_index:<vocab_size>"``; ``None`` when no ``vocab_size`` is known), another its
+    own name."""
+    if codec != INDEX:
+        return codec
+    return None if vocab_size is None else f"{INDEX}:{vocab_size}"
+
+
 def check_codec(key: str, codec: object) -> None:
     """``ValueError`` naming ``key`` when ``codec`` is not a storage codec."""
     try:

@@ -41,7 +41,7 @@ import torch
 
 from te_thd.args import check_int
 from te_thd.cp import partition_indices
-from te_thd.offline_cache.codecs import CODECS, check_codec_dtype
+from te_thd.offline_cache.codecs import CODECS, check_codec_dtype, full_name
 from te_thd.offline_cache.format import (
     TensorSpec,
     dtype_from_name,
@@ -74,7 +74,8 @@ class CacheSpec:
     can be stored ragged (``token_keys``), ``shard_size``, ``cp``, the producer's ``length_key``
     (``None``: its default), the key the collator packs (``input_key``), the keys a codec may take
     (``codec_keys``; ``None``: every token key), the producer ``options`` every shard header records,
-    and how training packs a sequential epoch (``pack_seq_len``, ``batch_size``)."""
+    how training packs a sequential epoch (``pack_seq_len``, ``batch_size``), and the target's
+    ``vocab_size``, which sizes an index codec (``None``: index codecs are not planned)."""
 
     schema: dict[str, TensorSpec]
     token_keys: tuple[str, ...]
@@ -89,6 +90,7 @@ class CacheSpec:
     #: document, whose CP chunks grow with it; ``None``: each document alone, padded to ``2*cp``
     pack_seq_len: int | None = None
     batch_size: int = 16
+    vocab_size: int | None = None
 
 
 @dataclass(frozen=True)
@@ -167,7 +169,10 @@ def layouts(spec: CacheSpec) -> list[tuple[str, TokenLayout | None]]:
         return out
     out.append(("ragged", check_token_keys(spec.token_keys, None, keys)))
     allowed = spec.token_keys if spec.codec_keys is None else [k for k in spec.token_keys if k in spec.codec_keys]
-    for codec in CODECS:
+    for name in CODECS:
+        codec = full_name(name, spec.vocab_size)
+        if codec is None:
+            continue
         codecs = {}
         for k in allowed:
             try:
@@ -176,7 +181,7 @@ def layouts(spec: CacheSpec) -> list[tuple[str, TokenLayout | None]]:
                 continue
             codecs[k] = codec
         if codecs:
-            out.append((f"ragged+{codec}", check_token_keys(spec.token_keys, codecs, keys)))
+            out.append((f"ragged+{name}", check_token_keys(spec.token_keys, codecs, keys)))
     return out
 
 
