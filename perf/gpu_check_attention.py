@@ -215,25 +215,36 @@ def naive_lowp_attention(
     return out
 
 
+def _varlen_call(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, thd: dict[str, Any], causal: bool
+) -> torch.Tensor:
+    """``varlen_attn(q, k, v, **torch_varlen_kwargs(thd))``; where the installed
+    ``varlen_attn`` has no ``enable_gqa`` (torch 2.11), GQA runs on repeated k/v heads,
+    as ``torch_varlen_kwargs``'s refusal tells a user to."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    gqa = q.shape[1] != k.shape[1]
+    if gqa and "enable_gqa" not in inspect.signature(varlen_attn).parameters:
+        k, v = (x.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for x in (k, v))
+        gqa = False
+    kw = torch_varlen_kwargs(thd, enable_gqa=gqa, device=q.device)
+    if not causal:  # the layout's own boundaries, attended both ways
+        kw["window_size"] = (-1, -1)
+    return varlen_attn(q, k, v, **kw)
+
+
 def varlen_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, thd: dict[str, Any]
 ) -> torch.Tensor:
     """torch's FlashAttention varlen kernel fed by ``torch_varlen_kwargs(thd)`` (CUDA only)."""
-    from torch.nn.attention.varlen import varlen_attn
-
-    kw = torch_varlen_kwargs(thd, enable_gqa=q.shape[1] != k.shape[1], device=q.device)
-    return varlen_attn(q, k, v, **kw)
+    return _varlen_call(q, k, v, thd, causal=True)
 
 
 def varlen_attention_noncausal(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, thd: dict[str, Any]
 ) -> torch.Tensor:
     """Negative control: the varlen kernel without the causal mask (must fail the tolerance)."""
-    from torch.nn.attention.varlen import varlen_attn
-
-    kw = torch_varlen_kwargs(thd, enable_gqa=q.shape[1] != k.shape[1], device=q.device)
-    kw["window_size"] = (-1, -1)
-    return varlen_attn(q, k, v, **kw)
+    return _varlen_call(q, k, v, thd, causal=False)
 
 
 def naive_lowp_noncausal(
@@ -557,17 +568,18 @@ def run_numerics(
         if kind == "nopad" and thd["pad_between_seqs"]:
             layout_errors.append(f"layout {idx}: generator produced padding between sequences")
             continue
-        if kind == "pad":
+        if kind == "pad" and thd["pad_between_seqs"]:
+            # Bidirectional attention cannot be expressed over padding between
+            # sequences with one boundary array; causal attention can (and runs below).
             varlen_refusals["checked"] += 1
             try:
-                torch_varlen_kwargs(thd)
+                torch_varlen_kwargs(thd, causal=False)
             except VarlenLayoutError:
                 varlen_refusals["refused"] += 1
             else:
-                if thd["pad_between_seqs"]:
-                    failures.append(
-                        f"layout {idx}: torch_varlen_kwargs accepted padding between sequences"
-                    )
+                failures.append(
+                    f"layout {idx}: torch_varlen_kwargs(causal=False) accepted padding between sequences"
+                )
         if sig is None:
             try:
                 sig = check_kwarg_signatures(thd, te_status)
@@ -638,7 +650,7 @@ def run_numerics(
         "counts": counts,
         "summary": _summarise(cases, impls),
         "signatures": sig,
-        "varlen_refuses_padding": varlen_refusals,
+        "varlen_refuses_bidirectional_padding": varlen_refusals,
         "negative_control": {
             "kernel": neg_name,
             "detected": neg_detected,

@@ -322,11 +322,61 @@ def test_flash_attn_varlen_kwargs():
     assert kw["max_seqlen_q"] == kw["max_seqlen_k"] == 8 and kw["causal"] is True
 
 
+@settings(max_examples=100)
+@given(layouts())
+def test_varlen_kwargs_over_padding_between_sequences_are_exact_at_real_tokens(layout):
+    # A varlen kernel reads one boundary array as physical offsets, causally. Stand in
+    # for it with the reference over those boundaries alone; TE's own contract (real
+    # and padded arrays) is the oracle at every real token, forward and backward.
+    lens, pads, tail, hkv, groups, d, dv, _, scale, chunk, seed = layout
+    cu = _cu(lens)
+    cup = _cu([a + b for a, b in zip(lens, pads, strict=True)])
+    t = int(cup[-1]) + tail
+    thd = {"cu_seqlens": cu, "cu_seqlens_padded": cup, "input_ids": torch.zeros(t, dtype=torch.long)}
+    q, k, v, g = _qkv(t, hkv * groups, hkv, d, dv, seed)
+    for fn, names in (
+        (torch_varlen_kwargs, ("cu_seq_q", "cu_seq_k", "max_q", "max_k")),
+        (flash_attn_varlen_kwargs, ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")),
+    ):
+        kw = fn(thd)
+        cq, ck, mq, mk = (kw[n] for n in names)
+        assert torch.equal(cq, cup) and type(mq) is int
+        assert mq == mk >= max([int(x) for x in (cup[1:] - cup[:-1])], default=0)
+        out = thd_attention_reference(
+            q, k, v, cu_seqlens_q=cq, cu_seqlens_kv=ck, max_seqlen_q=mq, max_seqlen_kv=mk,
+            attn_mask_type="padding_causal", softmax_scale=scale, query_chunk_size=chunk,
+        )  # fmt: skip
+        want = sdpa_oracle(q, k, v, cu, cup, True, scale)
+        real = torch.zeros(t, dtype=torch.bool)
+        for i, n in enumerate(lens):
+            real[int(cup[i]) : int(cup[i]) + n] = True
+        torch.testing.assert_close(out[real], want[real], rtol=1e-10, atol=1e-10)
+        # The loss reads real tokens only: gradients are TE's exactly.
+        grad_out = torch.randn(out.shape, generator=g, dtype=out.dtype) * real[:, None, None]
+        got = torch.autograd.grad((out * grad_out).sum(), (q, k, v))
+        exp = torch.autograd.grad((want * grad_out).sum(), (q, k, v))
+        for a, b in zip(got, exp, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10)
+
+
+def test_torch_varlen_kwargs_follow_the_installed_signature(monkeypatch):
+    from te_thd.attention import adapters
+
+    thd = process_input_for_thd(NO_PAD)
+    assert "enable_gqa" in torch_varlen_kwargs(thd, enable_gqa=True)  # torch 2.13 has it
+    # A torch whose varlen_attn lacks enable_gqa (2.11) gets no such key, and GQA there
+    # is refused with the way out rather than a TypeError from inside the kernel call.
+    monkeypatch.setattr(adapters, "_varlen_accepts", lambda name: name != "enable_gqa")
+    assert "enable_gqa" not in torch_varlen_kwargs(thd)
+    with pytest.raises(ValueError, match=r"enable_gqa=True.*repeat_interleave"):
+        torch_varlen_kwargs(thd, enable_gqa=True)
+
+
 @pytest.mark.parametrize("fn", [flash_attn_varlen_kwargs, torch_varlen_kwargs])
 def test_varlen_kwargs_reject_padding_between_sequences_and_cp(fn):
     thd = process_input_for_thd(PAD_BETWEEN)
     with pytest.raises(VarlenLayoutError, match="cannot express padding between sequences"):
-        fn(thd)
+        fn(thd, causal=False)
     cp_ready = _bshd_batch([[4, 4], [8]], [[4, 4], [8]], 8)
     sharded = shard_thd_batch_for_cp(process_input_for_thd(cp_ready), cp_size=2, cp_rank=0)
     with pytest.raises(VarlenLayoutError, match="has no context parallelism.*cp_size=2"):

@@ -58,7 +58,7 @@ def test_dry_run_json(dry_run: dict) -> None:
     assert n["ok"] and n["counts"]["layouts_without_padding"] == 6
     assert n["counts"]["layouts_with_padding"] == 3 and n["counts"]["gqa_cases"] > 0
     # every padded layout really has padding between sequences, and the varlen adapter refuses it
-    assert n["varlen_refuses_padding"] == {"checked": 3, "refused": 3}
+    assert n["varlen_refuses_bidirectional_padding"] == {"checked": 3, "refused": 3}
     assert n["negative_control"]["detected"] and n["negative_control"]["worst_ratio"] > 1.0
     assert set(n["signatures"]["varlen_attn"]["bound"]) == {
         "cu_seq_q",

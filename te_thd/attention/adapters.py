@@ -20,6 +20,8 @@ get them.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -94,7 +96,7 @@ def _attention_layout(
     if check:
         check_mask_for_thd(mask, layout.cp_size)
     if varlen_kernel is not None:
-        _reject_for_varlen(layout, varlen_kernel)
+        _reject_for_varlen(layout, varlen_kernel, "causal" in mask)
     if "causal" not in mask:
         _reject_absorbed_tail_for_bidirectional(thd, layout)
     return layout if device is None else layout.to(device, non_blocking=True)
@@ -252,15 +254,18 @@ def _move_tensor_fields(params: Any, device: torch.device | str) -> None:
             setattr(params, f.name, moved[id(v)])
 
 
-def _reject_for_varlen(layout: ThdLayout, kernel: str) -> None:
-    """Varlen kernels take one boundary array and no CP group; say so for layouts that need more."""
-    if layout.pad_between_seqs:
+def _reject_for_varlen(layout: ThdLayout, kernel: str, causal: bool) -> None:
+    """Varlen kernels take one boundary array and no CP group; say so for layouts that need more.
+
+    Padding between sequences is expressible for a causal mask only (see
+    :func:`_varlen_boundaries`)."""
+    if layout.pad_between_seqs and not causal:
         raise VarlenLayoutError(
-            f"{kernel} cannot express padding between sequences (thd['pad_between_seqs'] is "
-            "True: cu_seqlens and cu_seqlens_padded differ, so sequences do not start where "
-            "the previous one's real tokens end). Use TE DotProductAttention with "
-            "te_attention_kwargs(thd), or pack without per-sequence padding "
-            "(pad_to_multiple_of=1, no context parallelism) so only the pack's tail is padded"
+            f"{kernel} cannot express padding between sequences for bidirectional attention "
+            "(thd['pad_between_seqs'] is True: cu_seqlens and cu_seqlens_padded differ, so "
+            "sequences do not start where the previous one's real tokens end). Use causal=True, "
+            "TE DotProductAttention with te_attention_kwargs(thd), or pack without per-sequence "
+            "padding (pad_to_multiple_of=1, no context parallelism) so only the pack's tail is padded"
         )
     if layout.cp_size != 1:
         raise VarlenLayoutError(
@@ -268,6 +273,54 @@ def _reject_for_varlen(layout: ThdLayout, kernel: str) -> None:
             f"cp_size={layout.cp_size}; pass the unsharded batch, or use TE "
             "DotProductAttention with a cp_group"
         )
+
+
+def _varlen_boundaries(layout: ThdLayout) -> tuple[torch.Tensor, int]:
+    """The one boundary array (int32 ``[N+1]``) and its longest segment for a varlen kernel.
+
+    A varlen kernel reads ``cu_seqlens`` as physical offsets. With padding between
+    sequences the offsets are ``cu_seqlens_padded``: each segment is a sequence's real
+    tokens followed by its padding. Under a causal mask a real token attends only to
+    earlier slots of its segment, which are all real, so every real token's output and
+    gradient is exactly TE's; the padding slots attend to their own sequence and carry no
+    loss. The longest segment is then a padded length, read from the host array."""
+    if not layout.pad_between_seqs:
+        return layout.cu_seqlens, layout.max_seqlen
+    cup = layout.cu_seqlens_padded
+    if cup.device.type != "cpu":
+        raise VarlenLayoutError(
+            "a varlen kernel over padding between sequences needs the longest padded "
+            f"sequence, but thd's cu_seqlens_padded is on {cup.device}; build the kwargs from "
+            "the CPU batch (pass device= to move them)"
+        )
+    longest = int((cup[1:] - cup[:-1]).max()) if layout.num_seqs else 0
+    return cup, max(longest, layout.max_seqlen)
+
+
+def _varlen_layout(
+    thd: ThdLayout | Mapping[str, Any],
+    mask: str,
+    max_seqlen: int | None,
+    device: torch.device | str | None,
+    check: bool,
+    kernel: str,
+) -> tuple[torch.Tensor, int]:
+    """The checked boundary array of a varlen kernel (moved to ``device``) and its
+    longest segment, decided on the host before the move."""
+    layout = _attention_layout(thd, mask, None, max_seqlen, None, check, kernel)
+    cu, longest = _varlen_boundaries(layout)
+    return (cu if device is None else cu.to(device, non_blocking=True)), longest
+
+
+@functools.cache
+def _varlen_accepts(name: str) -> bool:
+    """Whether the installed ``torch.nn.attention.varlen.varlen_attn`` takes keyword ``name``
+    (torch 2.11 has no ``enable_gqa``; 2.13 has)."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:  # no varlen_attn at all: the kwargs are for a newer torch elsewhere
+        return True
+    return name in inspect.signature(varlen_attn).parameters
 
 
 def flash_attn_varlen_kwargs(
@@ -284,19 +337,21 @@ def flash_attn_varlen_kwargs(
     Returns ``cu_seqlens_q``, ``cu_seqlens_k`` (int32 ``[N+1]``), ``max_seqlen_q``,
     ``max_seqlen_k`` (ints), ``causal`` and ``softmax_scale``. Slots past
     ``cu_seqlens[-1]`` (if any) are not written by the kernel: mask them downstream.
+    With padding between sequences (causal only) the boundaries are
+    ``cu_seqlens_padded``: exact at every real token, the padding slots written too.
 
     Raises:
-        VarlenLayoutError: padding between sequences, or a CP-sharded batch.
+        VarlenLayoutError: padding between sequences with ``causal=False``, or a
+            CP-sharded batch.
     """
     mask = "padding_causal" if causal else "padding"
     kernel = "flash_attn_varlen_func"
-    layout = _attention_layout(thd, mask, None, max_seqlen, device, check, kernel)
-    cu = layout.cu_seqlens
+    cu, longest = _varlen_layout(thd, mask, max_seqlen, device, check, kernel)
     return {
         "cu_seqlens_q": cu,
         "cu_seqlens_k": cu,
-        "max_seqlen_q": layout.max_seqlen,
-        "max_seqlen_k": layout.max_seqlen,
+        "max_seqlen_q": longest,
+        "max_seqlen_k": longest,
         "causal": causal,
         "softmax_scale": softmax_scale,
     }
@@ -316,21 +371,32 @@ def torch_varlen_kwargs(
 
     Returns ``cu_seq_q``, ``cu_seq_k`` (int32 ``[N+1]``), ``max_q``, ``max_k`` (ints),
     ``window_size`` (the tuple ``(-1, 0)`` for causal -- ``varlen_attn`` recognises
-    causal by tuple equality -- else ``(-1, -1)``), ``scale`` and ``enable_gqa``.
+    causal by tuple equality -- else ``(-1, -1)``), ``scale`` and, where the installed
+    ``varlen_attn`` takes it, ``enable_gqa``. With padding between sequences (causal
+    only) the boundaries are ``cu_seqlens_padded``: exact at every real token.
 
     Raises:
-        VarlenLayoutError: padding between sequences, or a CP-sharded batch.
+        VarlenLayoutError: padding between sequences with ``causal=False``, or a
+            CP-sharded batch.
+        ValueError: ``enable_gqa=True`` on a torch whose ``varlen_attn`` lacks it.
     """
     mask = "padding_causal" if causal else "padding"
     kernel = "torch.nn.attention.varlen.varlen_attn"
-    layout = _attention_layout(thd, mask, None, max_seqlen, device, check, kernel)
-    cu = layout.cu_seqlens
-    return {
+    cu, longest = _varlen_layout(thd, mask, max_seqlen, device, check, kernel)
+    kw: dict[str, Any] = {
         "cu_seq_q": cu,
         "cu_seq_k": cu,
-        "max_q": layout.max_seqlen,
-        "max_k": layout.max_seqlen,
+        "max_q": longest,
+        "max_k": longest,
         "window_size": (-1, 0) if causal else (-1, -1),
         "scale": scale,
-        "enable_gqa": enable_gqa,
     }
+    if _varlen_accepts("enable_gqa"):
+        kw["enable_gqa"] = enable_gqa
+    elif enable_gqa:
+        raise ValueError(
+            f"enable_gqa=True, but this torch's ({torch.__version__}) varlen_attn has no "
+            "enable_gqa; repeat the key/value heads to the query's "
+            "(k.repeat_interleave(H // H_kv, dim=1), likewise v) and pass enable_gqa=False"
+        )
+    return kw
