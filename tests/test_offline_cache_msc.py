@@ -16,6 +16,7 @@ import os
 import re
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -134,6 +135,26 @@ def test_produce_writes_the_local_bytes_and_readers_with_workers_return_the_loca
     assert info.returncode == 0 and "samples:        22" in info.stdout, info.stderr
     ok = _run([CLI, "cache", "verify", url])
     assert ok.returncode == 0 and f"OK: {url}: 22 samples in 6 shards" in ok.stdout, ok.stderr
+
+
+def test_forkserver_workers_started_before_msc_config_was_set_still_read(url, local) -> None:
+    """A worker forked from a forkserver has the forkserver's environment: the profile's file is
+    the one the opening process found, not whatever the worker's environment says."""
+    P.produce(url)
+    code = textwrap.dedent(f"""
+        import functools, multiprocessing as mp, os
+        config = os.environ.pop("MSC_CONFIG")
+        p = mp.get_context("forkserver").Process(target=print)  # the forkserver starts without MSC_CONFIG
+        p.start(); p.join()
+        os.environ["MSC_CONFIG"] = config
+        from te_thd.offline_cache import CachedTensorDataset, build_cached_dataloader, collate_cached
+        ds = CachedTensorDataset({url!r}, "test", 1, {P.KEYS!r})
+        batches = build_cached_dataloader(dataset=ds, batch_size=4, shuffle=False, num_workers=1, multiprocessing_context="forkserver",
+                                          collate_fn=functools.partial(collate_cached, keys={P.KEYS!r}))
+        print("batches", sum(1 for _ in batches))
+    """)
+    r = _run([sys.executable, "-c", code])
+    assert r.returncode == 0 and "batches 6" in r.stdout, r.stderr[-3000:]
 
 
 def test_a_killed_producer_is_resumed_to_the_same_cache(url, local) -> None:

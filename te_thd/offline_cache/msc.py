@@ -5,8 +5,9 @@ addresses object storage behind ``--enable-msc``.
 - **the profile** is MSC's own: defined in the file ``MSC_CONFIG`` names, else in MSC's
   default config file (``~/.msc_config.yaml``, ``~/.config/msc/config.yaml``, ``/etc/msc_config.yaml``,
   ...). Its provider (s3, gcs, azure, oci, ais, ...), credentials, endpoint and retries are MSC's;
-  ``path`` is relative to the profile's ``base_path``. Each process (every rank, every DataLoader
-  worker) finds the file as MSC does and makes its own client.
+  ``path`` is relative to the profile's ``base_path``. The process that opens the cache finds the
+  file as MSC does; each process (every rank, every DataLoader worker) makes its own client from
+  that file, whatever its own environment says.
 - **everything but the object operations** is :class:`~te_thd.offline_cache.s3.S3Prefix`'s: the
   staged upload (a shard goes up whole, with MSC's multipart upload when large), the read-through
   copy, the producer lock's record and its takeover, the objects set aside. Here each object
@@ -35,7 +36,7 @@ from te_thd.offline_cache.s3 import S3Prefix
 CONDITIONAL = ("S3StorageProvider", "OracleStorageProvider")
 #: ranged reads of one batch in flight at once (MSC issues one request per range)
 RANGE_THREADS = 8
-_CLIENTS: dict[tuple[int, str, str], tuple[Any, Any]] = {}
+_CLIENTS: dict[tuple[int, str, str | None], tuple[Any, Any]] = {}
 
 
 def _msc() -> Any:
@@ -56,15 +57,26 @@ class MSCPrefix(S3Prefix):
     def __init__(self, scheme: str, profile: str, prefix: str, read_cache_dir: str | None = None, read_cache_bytes: int | None = None) -> None:  # fmt: skip
         super().__init__(scheme, profile, prefix, read_cache_dir, read_cache_bytes)
         self.profile = profile
-        self.config = {}  # MSC finds its own configuration, in every process alike (MSC_CONFIG, else its default files)
+        self.config = {}  # the client's settings are MSC's own, read from the file below
+        # The file MSC finds here (MSC_CONFIG, else its default files), found once: a DataLoader worker
+        # started from a forkserver has the forkserver's environment, not this process's.
+        self.config_file = self._found_config()
+
+    @staticmethod
+    def _found_config() -> str | None:
+        try:
+            return _msc().StorageClientConfig.read_msc_config()[1]
+        except Exception:  # noqa: BLE001 - a malformed file: the client's own error names it on first use
+            return None
 
     def client(self) -> tuple[Any, Any]:
         """This process's MSC ``StorageClient`` of the profile and its storage provider, made on first use."""
-        key = (os.getpid(), self.profile, os.environ.get("MSC_CONFIG", ""))
+        key = (os.getpid(), self.profile, self.config_file)
         if key not in _CLIENTS:
             msc = _msc()
+            paths = [self.config_file] if self.config_file else None
             try:
-                conf = msc.StorageClientConfig.from_file(profile=self.profile)
+                conf = msc.StorageClientConfig.from_file(config_file_paths=paths, profile=self.profile)
                 _CLIENTS[key] = msc.StorageClient(conf), conf.storage_provider
             except Exception as exc:  # MSC reports every configuration problem as its own error
                 raise storage.StorageError(f"{self.name}: {self.profile_problem(exc)}") from exc
@@ -84,7 +96,7 @@ class MSCPrefix(S3Prefix):
     def where(self) -> str:
         """Where the profile is defined, and its provider's endpoint and base path, as messages say it."""
         try:
-            conf, path = _msc().StorageClientConfig.read_msc_config()
+            conf, path = _msc().StorageClientConfig.read_msc_config([self.config_file] if self.config_file else None)
         except Exception:  # noqa: BLE001 - a malformed file: the caller's message names MSC's own error
             return "in the MSC config file"
         if path is None:
