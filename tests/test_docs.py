@@ -22,7 +22,7 @@ DOCS = REPO / "docs"
 PAGES = [README, *sorted(DOCS.glob("*.md"))]
 MODULE_PAGES = ("packing", "thd_utils", "layout", "cp", "attention", "offline_cache", "balance", "cli")
 COMMAND_1 = "bash scripts/setup.sh && .venv/bin/te-thd demo"
-COMMAND_2 = "bash scripts/setup.sh && .venv/bin/python -m pytest -q"
+COMMAND_2 = "bash scripts/setup.sh && .venv/bin/python -m pytest -q -n 2 --dist loadfile"
 
 
 def _load(path: Path, name: str):
