@@ -47,6 +47,20 @@ def _cu(lengths: list[int]) -> torch.Tensor:
     return torch.tensor([0, *torch.tensor(lengths, dtype=torch.int64).cumsum(0).tolist()], dtype=I32)
 
 
+def _stream(lens: list[int], pads: list[int], tail: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """``cu_seqlens``, ``cu_seqlens_padded`` (int32 ``[N+1]``) and the stream length ``T``."""
+    cup = _cu([a + b for a, b in zip(lens, pads, strict=True)])
+    return _cu(lens), cup, int(cup[-1]) + tail
+
+
+def _real_slots(lens: list[int], cup: torch.Tensor, t: int) -> torch.Tensor:
+    """bool ``[T]``: the slots holding a sequence's real tokens."""
+    real = torch.zeros(t, dtype=torch.bool)
+    for i, n in enumerate(lens):
+        real[int(cup[i]) : int(cup[i]) + n] = True
+    return real
+
+
 def sdpa_oracle(q, k, v, cu, cup, causal, scale):
     """Per-sequence SDPA over real tokens; zeros everywhere else. q/k/v [T, H, D]."""
     t = q.shape[0]
@@ -99,9 +113,7 @@ def _qkv(t, h, hkv, d, dv, seed, dtype=torch.float64):
 @given(layouts())
 def test_reference_matches_per_sequence_sdpa(layout):
     lens, pads, tail, hkv, groups, d, dv, causal, scale, chunk, seed = layout
-    cu = _cu(lens)
-    cup = _cu([a + b for a, b in zip(lens, pads, strict=True)])
-    t = int(cup[-1]) + tail
+    cu, cup, t = _stream(lens, pads, tail)
     q, k, v, g = _qkv(t, hkv * groups, hkv, d, dv, seed)
     mask = "padding_causal" if causal else "padding"
     out = thd_attention_reference(
@@ -119,9 +131,7 @@ def test_reference_matches_per_sequence_sdpa(layout):
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10)
     # Padding slots: zero output, zero gradient.
-    real = torch.zeros(t, dtype=torch.bool)
-    for i, n in enumerate(lens):
-        real[int(cup[i]) : int(cup[i]) + n] = True
+    real = _real_slots(lens, cup, t)
     assert not out.detach()[~real].any()
     for grad in got:
         assert not grad[~real].any()
@@ -329,9 +339,7 @@ def test_varlen_kwargs_over_padding_between_sequences_are_exact_at_real_tokens(l
     # for it with the reference over those boundaries alone; TE's own contract (real
     # and padded arrays) is the oracle at every real token, forward and backward.
     lens, pads, tail, hkv, groups, d, dv, _, scale, chunk, seed = layout
-    cu = _cu(lens)
-    cup = _cu([a + b for a, b in zip(lens, pads, strict=True)])
-    t = int(cup[-1]) + tail
+    cu, cup, t = _stream(lens, pads, tail)
     thd = {"cu_seqlens": cu, "cu_seqlens_padded": cup, "input_ids": torch.zeros(t, dtype=torch.long)}
     q, k, v, g = _qkv(t, hkv * groups, hkv, d, dv, seed)
     for fn, names in (
@@ -347,9 +355,7 @@ def test_varlen_kwargs_over_padding_between_sequences_are_exact_at_real_tokens(l
             attn_mask_type="padding_causal", softmax_scale=scale, query_chunk_size=chunk,
         )  # fmt: skip
         want = sdpa_oracle(q, k, v, cu, cup, True, scale)
-        real = torch.zeros(t, dtype=torch.bool)
-        for i, n in enumerate(lens):
-            real[int(cup[i]) : int(cup[i]) + n] = True
+        real = _real_slots(lens, cup, t)
         torch.testing.assert_close(out[real], want[real], rtol=1e-10, atol=1e-10)
         # The loss reads real tokens only: gradients are TE's exactly.
         grad_out = torch.randn(out.shape, generator=g, dtype=out.dtype) * real[:, None, None]
