@@ -31,7 +31,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from te_thd.offline_cache.errors import CacheError, CacheIntegrityError
+from te_thd.offline_cache.errors import CacheError, CacheIntegrityError, ManifestNotFoundError
 from te_thd.offline_cache.format import (
     MANIFEST_NAME,
     CacheSchema,
@@ -122,6 +122,12 @@ def open_followed(
     Neither there yet (the producer has not started): waits up to ``follow_timeout`` seconds for one.
     Raises :class:`FollowTimeoutError`, or ``ManifestError`` for a record of another ``format_version``."""
     timeout = _check_timeout(follow_timeout)
+    try:
+        storage.must_exist(
+            MANIFEST_NAME
+        )  # a local path that is a file holds no cache, now or later
+    except ManifestNotFoundError:
+        pass  # not there yet: the producer makes it
     deadline = time.monotonic() + timeout
     for pause in _pauses():
         if storage.get(MANIFEST_NAME) is not None:

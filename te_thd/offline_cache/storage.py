@@ -242,7 +242,7 @@ class LocalDirectory(Storage):
         try:
             with open(self.display(obj), "rb") as f:
                 return f.read()
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             return None
 
     def put(self, obj: str, data: bytes) -> str:
