@@ -1,7 +1,7 @@
 """Training while the cache is produced (``follow=True``, docs/follow.md), with real processes.
 
 The producer is ``examples/precompute_cache.py`` with its ``compute_batch`` slowed by a real sleep
-(``_follow_slow_producer.py``), so that it is slower than training; the trainer is
+(``perf/slow_producer.py``), so that it is slower than training; the trainer is
 ``examples/train_ep_cp.py --follow`` under torchrun (2 ranks, gloo). The reference is the same
 trainer, same flags, started after the producer finished. Asserted: the same losses and the
 same final weights, bit for bit; a producer killed with SIGKILL stops the trainer after
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -40,7 +41,7 @@ from te_thd.offline_cache import (  # noqa: E402
 from te_thd.offline_cache.follow import FollowTimeoutError  # noqa: E402
 
 PY = sys.executable
-SLOW = str(HERE / "_follow_slow_producer.py")
+SLOW = str(REPO / "perf" / "slow_producer.py")
 PRODUCER = str(REPO / "examples" / "precompute_cache.py")
 TRAINER = str(REPO / "examples" / "train_ep_cp.py")
 #: 48 samples in 6 shards of 8, one compute batch per shard
@@ -144,26 +145,40 @@ def test_a_trainer_started_before_the_producer_trains_bit_identically(reference,
     assert verify_cache(str(cache), deep=True)["checksums_verified"]
 
 
-def test_a_killed_producer_stops_the_trainer_with_one_line(tmp_path) -> None:
-    """SIGKILL after shard 1: the trainer waits --follow-timeout, then one line names the shard it waited
-    for, the producer's recorded command that resumes it, and the resume of training."""
-    cache = tmp_path / "cache"
+def test_a_killed_producer_stops_the_trainer_with_one_line_and_both_resume(
+    reference, tmp_path
+) -> None:
+    """SIGKILL after shard 2: the trainer waits --follow-timeout, then one line names the shard it waited
+    for, the producer's recorded command that resumes it, and the resume of training. That command, run
+    as printed, finishes the cache; ``--resume`` from the checkpoint taken while the producer ran then
+    trains on in the same order: the same losses and final weights as the uninterrupted run."""
+    cache, train = tmp_path / "cache", tmp_path / "train"
     producer = _producer(cache, 0.5)
-    trainer = _trainer(cache, tmp_path / "train", "--follow", "--follow-timeout", "2")
-    _wait_for(cache / "shard-000001.safetensors")
+    trainer = _trainer(cache, train, "--follow", "--follow-timeout", "3")
+    _wait_for(cache / "shard-000002.safetensors")
     producer.send_signal(signal.SIGKILL)
     producer.wait()
     present = sorted(p.name for p in cache.glob("shard-*"))
     line = one_error(_finish(trainer))
     waited = f"shard-{len(present):06d}.safetensors"
     assert line.startswith(
-        f"waited 2 s (follow_timeout) for {cache}/{waited}, which the producer"
+        f"waited 3 s (follow_timeout) for {cache}/{waited}, which the producer"
     ), line
-    assert (
-        f"{PRODUCER} --out {cache} " in line and "--num-samples 48" in line
-    )  # the recorded command, runnable
     assert line.endswith("then resume training from its last checkpoint"), line
     assert (cache / FOLLOW_RECORD).exists() and not (cache / "manifest.json").exists()
+    step = json.loads((train / "ckpt" / "latest.json").read_text())["step"]
+    assert step == 4 * (
+        len(present) // 2
+    )  # 4 steps per 2 shards: the last checkpoint before the wait
+    command = shlex.split(line.split("Resume it with `", 1)[1].split("`", 1)[0])
+    assert command[1:4] == [PRODUCER, "--out", str(cache)]
+    resumed = subprocess.run(command, env=_env(), capture_output=True, text=True, timeout=120)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    r = _finish(_trainer(cache, train, "--follow", "--resume"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"resumed from step {step} " in r.stdout
+    _same_training(train, reference[1])
+    assert _files(cache) == _files(reference[0])
 
 
 def test_a_producer_resumed_in_time_lets_training_go_on_with_the_same_bytes(
@@ -330,3 +345,36 @@ def test_on_s3_a_trainer_with_forkserver_workers_trains_bit_identically(
         _same_training(tmp_path / "train", reference[1])
     finally:
         server.stop()
+
+
+def test_balanced_steps_while_following_need_the_lengths_and_plan_as_after(
+    killed, reference
+) -> None:
+    """balance=True plans from every sample's length, which a running producer has not recorded: refused
+    without lengths=; with them, the planned steps are those of the finished cache (same order, same plan)."""
+    from te_thd.offline_cache import CachedThdCollator
+    from te_thd.offline_cache.length_scan import cache_lengths
+
+    collate = CachedThdCollator(128, length_key="seq_len")
+    following = CachedTensorDataset(str(killed), "ep_cp", 1, ("input_ids", "seq_len"), follow=True)
+    with pytest.raises(ValueError, match="^balance=True plans every step .* pass lengths="):
+        build_cached_dataloader(following, 4, True, collate, balance=True, dp_size=2, dp_rank=0)
+    lengths = cache_lengths(str(reference[0]), "ep_cp", "seq_len")
+    finished = CachedTensorDataset(
+        str(reference[0]), "ep_cp", 1, ("input_ids", "seq_len"), follow=True
+    )
+    for epoch in (0, 1):
+        plans = []
+        for ds in (following, finished):
+            loader = build_cached_dataloader(
+                ds, 4, True, collate, balance=True, lengths=lengths, dp_size=2, dp_rank=1
+            )
+            loader.sampler.set_epoch(epoch)
+            plans.append([(list(b), b.rows) for b in loader.sampler])
+        assert plans[0] == plans[1] and len(plans[0]) == 6
+    loader = build_cached_dataloader(
+        following, 4, True, collate, balance=True, lengths=lengths, dp_size=2, dp_rank=1
+    )
+    assert all(
+        i < 8 for i in next(iter(loader.sampler))
+    )  # epoch 0 starts with shard 0, the producer's first

@@ -66,7 +66,7 @@ _VERSION = 1
 #: seconds a followed read waits for a shard before :class:`FollowTimeoutError`
 DEFAULT_FOLLOW_TIMEOUT = 600.0
 #: the first and the longest pause between two polls (seconds): a few requests per second at most
-POLL_FIRST_S, POLL_MAX_S = 0.25, 2.0
+POLL_FIRST_S, POLL_MAX_S = 0.25, 1.0
 
 
 class FollowTimeoutError(CacheError):

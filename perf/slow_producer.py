@@ -1,5 +1,6 @@
-"""``python _follow_slow_producer.py SECONDS ARGS...``: ``examples/precompute_cache.py ARGS...`` with every
-``compute_batch`` slowed by ``SECONDS`` (a target model slower than training), for the follow tests.
+"""``python perf/slow_producer.py SECONDS ARGS...``: ``examples/precompute_cache.py ARGS...`` with every
+``compute_batch`` slowed by ``SECONDS`` (a target model slower than training), for ``bench_follow.py``
+and the follow tests.
 
 Only the compute is slowed (a real sleep in the producer process); what it writes, the command it
 records and everything else are the example's own, so ``precompute_cache.py ARGS...`` resumes it.
