@@ -311,7 +311,8 @@ def test_dataloader_workers_follow_on_their_own(reference, tmp_path) -> None:
         return [b["hidden"] for b in loader]
 
     got = batches(ds)
-    assert _finish(producer).returncode == 0
+    p = _finish(producer)
+    assert p.returncode == 0, p.stderr[-3000:]
     want = batches(_dataset(reference[0]))
     assert len(got) == len(want) == 12 and all(
         torch.equal(a, b) for a, b in zip(got, want, strict=True)
