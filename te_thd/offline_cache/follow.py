@@ -10,8 +10,8 @@ What a reader needs before the manifest exists comes from the producer's **follo
   carries in its header, so a shard of another run is refused;
 - ``producer_command``: the command that resumes the producer, named in every hint.
 
-A read of a shard not committed yet waits for it (:meth:`Follower.wait`): one size
-request (a ``stat``, a HEAD) per poll, the polls spaced :data:`POLL_FIRST_S` doubling to
+A read of a shard not committed yet waits for it (:meth:`Follower.wait`): one listing of
+the cache per poll (which also tells every other shard committed so far), the polls spaced :data:`POLL_FIRST_S` doubling to
 :data:`POLL_MAX_S`, the thread asleep in between. After :attr:`Follower.timeout` seconds
 without the shard it raises :class:`FollowTimeoutError`, one line naming the shard, the
 producer's command that resumes it and that training resumes from its last checkpoint.
@@ -34,6 +34,7 @@ from typing import Any
 from te_thd.offline_cache.errors import CacheError, CacheIntegrityError, ManifestNotFoundError
 from te_thd.offline_cache.format import (
     MANIFEST_NAME,
+    SHARD_RE,
     CacheSchema,
     TensorSpec,
     schema_to_json,
@@ -183,21 +184,24 @@ class Follower:
     def wait(self, shard: int) -> None:
         """Return once shard ``shard`` is committed (and readable through the storage), or raise
         :class:`FollowTimeoutError` after :attr:`timeout` seconds."""
-        if shard in self.committed:
-            return
-        name = shard_name(shard)
         deadline = time.monotonic() + self.timeout
         for pause in _pauses():
-            size = self.storage.size(name)
-            if size is not None:
-                self.storage.admit(name, size)
-                self.committed.add(shard)
+            if shard in self.committed:
+                return
+            # one listing tells every shard committed so far: later shards then cost no request
+            for obj, size in self.storage.list().items():
+                m = SHARD_RE.match(obj)
+                if m is not None and int(m.group(1)) not in self.committed:
+                    self.storage.admit(obj, size)
+                    self.committed.add(int(m.group(1)))
+            if shard in self.committed:
                 return
             if time.monotonic() >= deadline:
                 raise FollowTimeoutError(
-                    f"waited {self.timeout:g} s (follow_timeout) for {self.storage.display(name)}, which the producer "
-                    f"of the {self.cache_name} cache has not committed: it stopped or runs slower than that. Resume it "
-                    f"with {self.command} (it keeps the committed shards), then resume training from its last checkpoint"
+                    f"waited {self.timeout:g} s (follow_timeout) for {self.storage.display(shard_name(shard))}, which "
+                    f"the producer of the {self.cache_name} cache has not committed: it stopped or runs slower than "
+                    f"that. Resume it with {self.command} (it keeps the committed shards), then resume training from "
+                    "its last checkpoint"
                 )
             time.sleep(pause)
 

@@ -140,10 +140,6 @@ class Storage(ABC):
     def list(self) -> dict[str, int]:
         """``{name: size}`` of the objects directly in the cache (``{}``: no such cache)."""
 
-    def size(self, obj: str) -> int | None:
-        """The size of object ``obj`` (None: there is none): how a reader following a producer polls."""
-        return self.list().get(obj)
-
     def admit(self, obj: str, size: int) -> None:  # noqa: B027 - a local directory reads every file as it is
         """Make shard ``obj`` (``size`` bytes), committed after :meth:`prepare_reads`, readable here."""
 
@@ -231,12 +227,6 @@ class LocalDirectory(Storage):
                 return {e.name: e.stat().st_size for e in entries if e.is_file()}
         except (FileNotFoundError, NotADirectoryError):
             return {}
-
-    def size(self, obj: str) -> int | None:
-        try:
-            return os.stat(self.display(obj)).st_size
-        except (FileNotFoundError, NotADirectoryError):
-            return None
 
     def get(self, obj: str) -> bytes | None:
         try:
