@@ -208,6 +208,20 @@ def build_parser() -> argparse.ArgumentParser:
         "(te_thd.balance.plan_global_batch, from the cache's sample lengths)",
     )
     p.add_argument(
+        "--follow",
+        action="store_true",
+        help="train while the producer still writes the cache: start after its first shard "
+        "(or before: wait for it); epoch 0 reads the shards in the order the producer commits "
+        "them, the same batches as on the finished cache with --follow (docs/follow.md)",
+    )
+    p.add_argument(
+        "--follow-timeout",
+        type=float,
+        default=600.0,
+        help="with --follow: seconds a read waits for a shard the producer has not committed "
+        "before the run stops (resume the producer, then --resume)",
+    )
+    p.add_argument(
         "--attn-scale",
         type=float,
         default=None,
@@ -239,6 +253,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--lr={args.lr} must be > 0")
     if args.attn_scale is not None and not args.attn_scale > 0:
         raise ValueError(f"--attn-scale={args.attn_scale} must be > 0")
+    if not args.follow_timeout > 0:
+        raise ValueError(f"--follow-timeout={args.follow_timeout} must be > 0 (seconds); pass e.g. 600")
 
 
 def check_out(args: argparse.Namespace) -> None:
@@ -367,11 +383,15 @@ def schedule_note(
     )
 
 
-def open_cache(args: argparse.Namespace, cp: int) -> tuple[dict[str, Any], int]:
-    """Read the manifest, refuse a cache built for other options; return it and the row length."""
-    manifest = read_manifest(
-        args.cache_dir, CACHE_NAME, FORMAT_VERSION, f"`{producer_command(args.cache_dir, cp=cp)}`"
-    )
+def open_cache(
+    args: argparse.Namespace, cp: int, manifest: dict[str, Any] | None = None
+) -> tuple[dict[str, Any], int]:
+    """Read the manifest (``manifest``: what a dataset following its producer read), refuse a cache
+    built for other options; return it and the row length."""
+    if manifest is None:
+        manifest = read_manifest(
+            args.cache_dir, CACHE_NAME, FORMAT_VERSION, f"`{producer_command(args.cache_dir, cp=cp)}`"
+        )
     seq_len = args.seq_len or int(manifest.get("pack_seq_len", 0)) or 256
     expected: dict[str, Any] = {
         "cp_size": cp,
@@ -534,12 +554,18 @@ def main(argv: list[str] | None = None) -> int:
         args.num_workers = 2 if args.device == "cuda" else 0
     ctx = init_parallel(args.cp, args.ep, args.device, args.experts)
     rank0 = ctx.rank == 0
-    manifest, seq_len = open_cache(args, ctx.cp_size)
-
-    dataset = CachedTensorDataset(
-        args.cache_dir, CACHE_NAME, FORMAT_VERSION, KEYS,
-        producer_name=f"`{producer_command(args.cache_dir, manifest)}`",
-    )  # fmt: skip
+    if args.follow:  # the producer may still run: its record stands in for the manifest until it is written
+        dataset = CachedTensorDataset(
+            args.cache_dir, CACHE_NAME, FORMAT_VERSION, KEYS,
+            follow=True, follow_timeout=args.follow_timeout,
+        )  # fmt: skip
+        manifest, seq_len = open_cache(args, ctx.cp_size, dataset.manifest)
+    else:
+        manifest, seq_len = open_cache(args, ctx.cp_size)
+        dataset = CachedTensorDataset(
+            args.cache_dir, CACHE_NAME, FORMAT_VERSION, KEYS,
+            producer_name=f"`{producer_command(args.cache_dir, manifest)}`",
+        )  # fmt: skip
     collate = build_collate(seq_len, ctx.cp_size, ctx.cp_rank, args.rows, args.max_num_seqs)
     model = build_student(args, manifest, ctx)
     dense, expert = model.dense_parameters(), model.expert_parameters()

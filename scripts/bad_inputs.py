@@ -864,6 +864,18 @@ def _cache_rows() -> list[BadInput]:
         BadInput("cache-dir-misspelt", "cache", "cache_dir does not exist (a typo)",
                  lambda tmp: _open(tmp / "cahce"),
                  _re("cache_dir='<dir>/cahce': no such directory; check the path"), exc=oc.ManifestNotFoundError),
+        BadInput("cache-follow-timeout", "cache", "follow=True with follow_timeout not > 0",
+                 opened(_cache, follow=True, follow_timeout=0),
+                 _re("follow_timeout=0: it must be a number of seconds > 0 (how long a read waits for a shard the "
+                     "producer has not committed yet); pass e.g. follow_timeout=600.0")),
+        BadInput("cache-follow-no-producer", "cache", "follow=True on a path no producer writes (follow_timeout passes)",
+                 lambda tmp: _open(tmp / "nothing", follow=True, follow_timeout=0.3),
+                 _re("waited 0.3 s (follow_timeout) for the offline cache at <dir>/nothing: it has no manifest.json "
+                     "and no producer records following it (.te_thd-follow.json); start its producer, or pass the "
+                     "cache_dir it writes"), exc=oc.FollowTimeoutError),
+        BadInput("cache-follow-dir-is-file", "cache", "follow=True with cache_dir naming a file",
+                 lambda tmp: _open(_cache(tmp) / "manifest.json", follow=True),
+                 _re("cache_dir='<dir>/cache/manifest.json' is a file, not a cache directory; pass its directory")),
         BadInput("cache-index-type", "cache", "dataset[i] with a float index",
                  lambda tmp: _open(_cache(tmp))[1.0], _re("index=1.0 must be an int: a sample index in [-6, 6); pass int(i)"),
                  exc=TypeError),

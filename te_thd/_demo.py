@@ -11,7 +11,10 @@
    distilled on the cache with context parallelism (``--cp``) and expert parallelism
    (``--ep``) over real ``torch.distributed`` process groups (gloo on CPU).
 
-The commands are printed before they run, so they can be copied and changed. Both
+The commands are printed before they run, so they can be copied and changed. With
+``--follow`` both run at the same time (the trainer follows the producer, docs/follow.md):
+their output goes to logs beside the runs, and the demo shows one progress bar for each,
+read from what they write (the cache's shards, the run's ``metrics.jsonl``). Both
 use ``sys.executable -m torch.distributed.run`` (``torchrun`` of this interpreter),
 so the demo works from a virtual environment without activating it.
 
@@ -24,6 +27,7 @@ checkpoint. Runs share the cache built for their ``--cp`` and ``--num-samples``
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import re
@@ -87,6 +91,12 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="work-balanced steps (train_ep_cp.py --balance): equal rows and near-equal "
         "compute on every data-parallel replica",
+    )
+    p.add_argument(
+        "--follow",
+        action="store_true",
+        help="run the producer and the trainer at the same time (train_ep_cp.py --follow): "
+        "training starts after the first shard; both progress bars, their logs in <out>",
     )
 
 
@@ -176,6 +186,89 @@ def _run(title: str, cmd: list[str], cwd: Path) -> int:
     return subprocess.call(cmd, cwd=cwd, env=env)
 
 
+#: how often ``--follow`` reads the two jobs' progress (seconds)
+POLL_S = 0.5
+#: the lines of a job's log the concurrent demo prints at the end: its result, or its error
+RESULT_LINE = re.compile(r"^(cache ready|summary:|error:|nothing to do|resumed from)")
+
+
+def shards_done(cache: Path) -> tuple[int, int | None]:
+    """``(shards committed, shards in all)`` of the cache being produced at ``cache``; the total is None
+    until the producer has recorded its plan (its follow record, or the manifest)."""
+    done = len(list(cache.glob("shard-*.safetensors")))
+    for name in ("manifest.json", ".te_thd-follow.json"):
+        try:
+            record = json.loads((cache / name).read_text())
+        except (OSError, ValueError):
+            continue
+        run = record.get("run", record)
+        n, size = run.get("num_samples"), run.get("shard_size")
+        if isinstance(n, int) and isinstance(size, int) and size > 0:
+            return done, -(-n // size)
+    return done, None
+
+
+def steps_done(train: Path) -> int:
+    """Training steps the run in ``train`` has logged (``metrics.jsonl``: one line per step, kept on resume)."""
+    try:
+        with open(train / "metrics.jsonl") as f:
+            return sum(1 for line in f if line.strip())
+    except OSError:
+        return 0
+
+
+def run_concurrently(
+    produce: list[str], train_cmd: list[str], cache: Path, train: Path, steps: int, cwd: Path
+) -> int:
+    """Run the producer and the trainer (which follows it) at the same time, each logging to a file beside
+    its directory, with a progress bar for each; the first non-zero exit status, else 0. A producer that
+    fails stops the trainer (it would wait for shards nobody writes)."""
+    from tqdm.auto import tqdm
+
+    logs = (cache.parent / f"{cache.name}.log", train.parent / f"{train.name}.log")
+    print(f"\n== precompute and train at the same time (the trainer follows the producer)\n"
+          f"$ {shlex.join(produce)}\n$ {shlex.join(train_cmd)}\nlogs: {logs[0]}, {logs[1]}", flush=True)  # fmt: skip
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    with open(logs[0], "w") as plog, open(logs[1], "w") as tlog:
+        jobs = [subprocess.Popen(produce, cwd=cwd, env=env, stdout=plog, stderr=subprocess.STDOUT),
+                subprocess.Popen(train_cmd, cwd=cwd, env=env, stdout=tlog, stderr=subprocess.STDOUT)]  # fmt: skip
+        bars = [tqdm(desc="produce", unit="shard", position=0, disable=None, file=sys.stderr),
+                tqdm(total=steps, desc="train", unit="step", position=1, disable=None, file=sys.stderr)]  # fmt: skip
+        try:
+            while True:
+                running = [j.poll() is None for j in jobs]
+                if jobs[0].returncode not in (None, 0) and running[1]:
+                    jobs[1].terminate()
+                done, total = shards_done(cache)
+                bars[0].total = total
+                bars[0].n = done
+                bars[1].n = steps_done(train)
+                for bar in bars:
+                    bar.refresh()
+                if not any(running):
+                    break
+                time.sleep(POLL_S)
+        finally:
+            for j in jobs:
+                if j.poll() is None:
+                    j.terminate()
+                    j.wait()
+            for bar in bars:
+                bar.close()
+    for job, log, name in zip(jobs, logs, ("precompute", "train"), strict=True):
+        lines = log.read_text(errors="replace").splitlines()
+        shown = [ln for ln in lines if RESULT_LINE.match(ln)]  # its result, or its one error line
+        if job.returncode and not any(ln.startswith("error:") for ln in shown):
+            shown = (
+                lines[-20:]
+                if job is jobs[0]
+                else [f"{name}: stopped, the producer failed (log: {log})"]
+            )
+        print("\n".join(shown), flush=True)
+    return next((j.returncode for j in jobs if j.returncode), 0)
+
+
 def run_demo(args: argparse.Namespace) -> int:
     """Run precompute + training; returns the first non-zero exit status, else 0."""
     try:
@@ -218,44 +311,31 @@ def run_demo(args: argparse.Namespace) -> int:
         f"--nproc-per-node={args.nproc}",
     ]
     t0 = time.perf_counter()
+    if args.follow and args.balance:
+        print("te-thd demo: --follow with --balance: balancing plans from the lengths the finished cache "
+              "records; drop one of the two", file=sys.stderr)  # fmt: skip
+        return 2
+    produce = [*torchrun, str(scripts[0]), "--out", str(cache), "--cp", str(args.cp),
+               "--num-samples", str(args.num_samples), "--device", args.device]  # fmt: skip
+    train_cmd = [*torchrun, str(scripts[1]), "--cache-dir", str(cache), "--out", str(train), "--cp", str(args.cp),
+                 "--ep", str(args.ep), "--steps", str(args.steps), "--device", args.device,
+                 *(["--resume"] if args.resume else []), *(["--balance"] if args.balance else [])]  # fmt: skip
+    if args.follow:
+        rc = run_concurrently(produce, [*train_cmd, "--follow"], cache, train, args.steps, root)
+        if rc == 0:
+            print(f"\ndemo finished in {time.perf_counter() - t0:.0f} s; per-step metrics: {train / 'metrics.jsonl'}",
+                  flush=True)  # fmt: skip
+        return rc
     rc = _run(
         f"1/2 precompute the offline cache ({args.nproc} ranks, resumable; reused when it exists)",
-        [
-            *torchrun,
-            str(scripts[0]),
-            "--out",
-            str(cache),
-            "--cp",
-            str(args.cp),
-            "--num-samples",
-            str(args.num_samples),
-            "--device",
-            args.device,
-        ],
+        produce,
         root,
     )
     if rc != 0:
         return rc
     rc = _run(
         f"2/2 train the MoE student: {args.nproc} ranks, CP={args.cp}, EP={args.ep}, {args.device}",
-        [
-            *torchrun,
-            str(scripts[1]),
-            "--cache-dir",
-            str(cache),
-            "--out",
-            str(train),
-            "--cp",
-            str(args.cp),
-            "--ep",
-            str(args.ep),
-            "--steps",
-            str(args.steps),
-            "--device",
-            args.device,
-            *(["--resume"] if args.resume else []),
-            *(["--balance"] if args.balance else []),
-        ],
+        train_cmd,
         root,
     )
     if rc == 0:

@@ -177,3 +177,30 @@ def test_the_demo_run_twice_keeps_both_runs_and_resume_continues_the_newest(tmp_
     assert f"resumed from step 2 ({out}/train-2/ckpt)" in resumed.stdout
     assert [r["step"] for r in _metrics(out / "train-2")] == [1, 2, 3]
     assert not (out / "train-3").exists()
+
+
+def test_the_demo_with_follow_runs_the_producer_and_the_trainer_at_once(tmp_path):
+    """``--follow``: one step starts both (the trainer follows the producer), their logs beside the runs,
+    each job's result line at the end; a second run trains on the finished cache the same way."""
+    small = ["--nproc", "2", "--cp", "2", "--ep", "1", "--steps", "4", "--num-samples", "64", "--out", "d"]
+    run = _demo(*small, "--follow", cwd=tmp_path)
+    assert run.returncode == 0, run.stdout + run.stderr
+    out = tmp_path / "d"
+    assert "== precompute and train at the same time (the trainer follows the producer)" in run.stdout
+    assert f"--cache-dir {out}/cache-cp2-n64 --out {out}/train " in run.stdout and " --follow\n" in run.stdout
+    assert f"logs: {out}/cache-cp2-n64.log, {out}/train.log" in run.stdout
+    assert f"cache ready: {out}/cache-cp2-n64 " in run.stdout and "summary: steps 0->4 " in run.stdout
+    assert [r["step"] for r in _metrics(out / "train")] == [1, 2, 3, 4]
+    assert not (out / "cache-cp2-n64" / ".te_thd-follow.json").exists()
+    again = _demo(*small, "--follow", cwd=tmp_path)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert [r["loss"] for r in _metrics(out / "train-2")] == [r["loss"] for r in _metrics(out / "train")]
+
+
+def test_the_demo_with_follow_stops_the_trainer_when_the_producer_fails(tmp_path):
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "cache-cp2-n64").write_text("not a cache")
+    small = ["--nproc", "2", "--cp", "2", "--ep", "1", "--steps", "4", "--num-samples", "64", "--out", "d"]
+    run = _demo(*small, "--follow", cwd=tmp_path)
+    assert run.returncode != 0
+    assert "is a file, not a directory" in run.stdout, run.stdout + run.stderr

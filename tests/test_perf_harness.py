@@ -106,7 +106,9 @@ def test_checked_in_thresholds_parse():
     assert by["cache-write-vs-save-file"].min_ratio == 0.8
     # the non-gating goals, each with a gating goal beside it
     assert [g.id for g in goals if g.known_miss] == [
-        "cache-write-vs-save-file", "balance-plan-time", "tokens-cp-fetch-demo", "s3-warm-vs-local-large"]
+        "cache-write-vs-save-file", "follow-pipeline-vs-producer", "follow-pipeline-vs-sequential",
+        "balance-plan-time", "tokens-cp-fetch-demo", "s3-warm-vs-local-large"]
+    assert not by["follow-first-step"].known_miss
     assert {"cache-write-vs-save-file-fsync", "balance-plan-vs-ffd", "tokens-cp2-fetch", "s3-warm-vs-local"} <= set(by)
     assert not by["s3-warm-vs-local"].known_miss and by["s3-warm-vs-local"].min_ratio == 0.8
     assert not any(by[g].known_miss for g in ("tokens-cp2-fetch", "tokens-cp4-fetch", "tokens-cp2-throughput"))

@@ -9,7 +9,7 @@ shard serialiser, header checks), ``writebehind`` (the one background writer
 thread), ``writer`` (shards, validated and durable), ``loops`` (the reference
 producer loops), ``producer`` / ``producer_state`` (``produce_cache``: resume, lock,
 distributed, manifest), ``verify`` / ``repair`` (integrity checks and repair),
-``reader`` / ``sampler`` / ``loader`` (reading side), ``storage`` / ``s3`` / ``msc`` (where a
+``reader`` / ``sampler`` / ``loader`` (reading side), ``follow`` (reading while the producer runs), ``storage`` / ``s3`` / ``msc`` (where a
 cache lives: a local directory, ``s3://bucket/prefix`` or ``msc://profile/path``), ``cli``
 (``te-thd cache ...``).
 
@@ -39,6 +39,7 @@ from .errors import (
     SchemaError,
     UnverifiedCacheWarning,
 )
+from .follow import FollowTimeoutError
 from .format import (
     MANIFEST_NAME,
     SHARD_RE,
@@ -80,6 +81,7 @@ __all__ = [
     "CacheError",
     "CacheIntegrityError",
     "CacheLockError",
+    "FollowTimeoutError",
     "CacheShardSampler",
     "CachedBatch",
     "CachedDataLoader",

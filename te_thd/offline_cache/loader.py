@@ -361,6 +361,12 @@ def build_cached_dataloader(
                     f"({type(dataset).__name__}) is not a CachedTensorDataset; pass lengths= (every sample's "
                     "length, e.g. te_thd.offline_cache.balanced_sampler.scan_lengths(dataset, mask_key=...))"
                 )
+            if getattr(dataset, "follow", False) and "shards" not in dataset.manifest:
+                raise ValueError(
+                    "balance=True plans every step from the samples' lengths, which a cache whose producer still "
+                    "runs has not recorded yet; pass lengths= (every sample's length, e.g. from the tokenized "
+                    "data the producer reads), or build the loader once the producer has finished"
+                )
             # plan with what the collator packs: its length key, its mask, or full rows
             rule = None if length_key is not None else collator_rule(collate_fn)
             lengths = cache_lengths(cache_dir, dataset.cache_name, length_key, rule=rule)

@@ -135,6 +135,10 @@ class OpenShards:
     def __len__(self) -> int:
         return len(self._lru)
 
+    def items(self) -> list[tuple[int, OpenShard]]:
+        """``[(shard index, open shard)]``, least recently used first."""
+        return list(self._lru.items())
+
     def drop(self, shard: int) -> None:
         """Forget shard ``shard`` (it is opened, and its header read and checked, again on next use)."""
         self._lru.pop(shard, None)

@@ -50,6 +50,7 @@ from torch.utils.data import DataLoader
 from te_thd.args import check_names
 from te_thd.offline_cache.comm import ProducerComm, resolve_ranks
 from te_thd.offline_cache.errors import CacheError, SchemaError
+from te_thd.offline_cache.follow import FOLLOW_NAME, follow_record
 from te_thd.offline_cache.format import (
     MANIFEST_NAME,
     MAX_SHARDS,
@@ -299,6 +300,8 @@ class _Job:
                 if producer_lock is not None:
                     producer_lock.acquire()
                 finished = prepare_directory(self.output_dir, self.params, resume, self.cache_name, self.producer_name)
+                if finished is None:  # before any shard: what a reader following this run needs (follow.py)
+                    self.storage.put(FOLLOW_NAME, follow_record(run_record(self.params, self.length_rule), self.producer_name))
                 status = ("done", finished) if finished is not None else ("work", None)
             except Exception as exc:
                 # Tell the other ranks before raising, or they wait in broadcast forever.
@@ -388,6 +391,7 @@ class _Job:
                 )
                 write_manifest(self.output_dir, manifest, self.format_version)
                 self.storage.delete(PROGRESS_NAME)
+                self.storage.delete(FOLLOW_NAME)
                 outcome = ("ok", read_manifest(self.output_dir, self.cache_name, self.format_version, self.producer_name))
                 self.logger.info("Wrote %s (%d samples, %d shards)", self.storage.display(MANIFEST_NAME),
                                  self.num_samples, len(manifest["shards"]))  # fmt: skip

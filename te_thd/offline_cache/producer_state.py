@@ -50,6 +50,8 @@ from te_thd.offline_cache.verify import (
 )
 
 PROGRESS_NAME = ".te_thd-producer.json"
+#: what a reader following a running producer reads (``follow.py``): written before its first shard
+FOLLOW_NAME = ".te_thd-follow.json"
 _log = logging.getLogger("te_thd.offline_cache")
 
 
@@ -212,8 +214,9 @@ def prepare_directory(
                          "recomputing them", output_dir, format_indices(wrong))
             storage.clean()
             return None
-        if PROGRESS_NAME in listing:  # killed after the manifest, before this cleanup
-            storage.delete(PROGRESS_NAME)
+        for leftover in (PROGRESS_NAME, FOLLOW_NAME):  # killed after the manifest, before this cleanup
+            if leftover in listing:
+                storage.delete(leftover)
         return manifest
     raw = storage.get(PROGRESS_NAME)
     if raw is not None:

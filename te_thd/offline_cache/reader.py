@@ -64,7 +64,16 @@ from .copyread import (
     default_read_threads,
 )
 from .errors import CacheIntegrityError, UnverifiedCacheWarning, repair_hint, unreadable_shard
-from .format import SHARD_RE, TensorSpec, load_safetensors, manifest_path, shard_name, shard_rows
+from .follow import DEFAULT_FOLLOW_TIMEOUT, Follower, open_followed
+from .format import (
+    SHARD_RE,
+    TensorSpec,
+    load_safetensors,
+    manifest_path,
+    num_shards,
+    shard_name,
+    shard_rows,
+)
 from .integrity import ShardSums, verify_rows
 from .manifest import manifest_schema, producer_command, read_manifest, shard_records
 from .open_shards import OpenShard, OpenShards
@@ -122,6 +131,13 @@ class CachedTensorDataset(Dataset):
             when this process may run on 2 CPUs or more (``copyread.default_read_threads``),
             1 inside DataLoader workers, which are the parallelism there. 1: every
             read on the calling thread.
+        follow: open a cache whose producer may still be running (docs/follow.md):
+            without a manifest, the length, options and shard plan come from the
+            record the producer wrote before its first shard, and a read of a shard
+            not committed yet waits for it; once the manifest appears it is used.
+            Epoch 0 then visits the shards in commit order (``CacheShardSampler``).
+        follow_timeout: with ``follow``, the seconds a read waits for a shard (and
+            the open for the producer's record) before :class:`FollowTimeoutError`.
 
     Engine choice per (key, shard) part of a batch: ``batch_plan.choose_engines``
     (its crossover ``batch_plan.PREADV_MIN_RUN_BYTES``; ``batch_plan.COPY_ENGINE``
@@ -152,6 +168,8 @@ class CachedTensorDataset(Dataset):
         read_threads: int | None = None,
         read_cache_dir: str | None = None,
         read_cache_bytes: int | None = None,
+        follow: bool = False,
+        follow_timeout: float = DEFAULT_FOLLOW_TIMEOUT,
     ) -> None:
         disk_keys = check_names("disk_keys", disk_keys, non_empty=True)
         check_int("max_open_shards", max_open_shards, 1)
@@ -161,8 +179,18 @@ class CachedTensorDataset(Dataset):
         self.cache_dir = cache_dir
         self.cache_name = cache_name
         self.verify = bool(verify)
-        self.manifest = read_manifest(cache_dir, cache_name, format_version, producer_name)
+        #: epoch 0 visits the shards in the order the producer commits them (``sampler.CacheShardSampler``)
+        self.follow = bool(follow)
+        self._follower: Follower | None = None
+        run = None
+        if follow:  # a cache whose producer may still run: its manifest, else the producer's follow record
+            self.manifest, run, producer_name = open_followed(
+                self._storage, cache_dir, cache_name, format_version, producer_name, follow_timeout
+            )
+        else:
+            self.manifest = read_manifest(cache_dir, cache_name, format_version, producer_name)
         producer_name = producer_command(cache_dir, self.manifest, producer_name)
+        self._versions = (format_version, producer_name)
         self._repair = repair_hint(cache_dir, producer_name)
         self.shard_size = int(self.manifest["shard_size"])
         self.num_samples = int(self.manifest["num_samples"])
@@ -172,8 +200,12 @@ class CachedTensorDataset(Dataset):
         self._token_layout = TokenLayout.from_json(layout) if layout is not None else None
         self._token_keys = tuple(k for k in self._disk_keys if self._token_layout and k in self._token_layout.keys)
         self._row_keys = tuple(k for k in self._disk_keys if k not in self._token_keys)
-        # presence of shards 0..N-1 and, when the manifest records them, their byte sizes
-        self._shard_indices = check_cache_files(cache_dir, self.manifest, cache_name, producer_name)
+        if run is None:  # presence of shards 0..N-1 and, when the manifest records them, their byte sizes
+            self._shard_indices = check_cache_files(cache_dir, self.manifest, cache_name, producer_name)
+        else:  # each shard is waited for, then checked, when first read
+            self._shard_indices = list(range(num_shards(self.num_samples, self.shard_size)))
+            self._follower = Follower(self._storage, cache_dir, cache_name, run, follow_timeout, producer_name)
+            self._follower.check_keys(self._disk_keys)
         self._storage.prepare_reads()  # before any DataLoader worker starts: they share what it prepares
         self._max_open = max_open_shards
         self.pin_memory = bool(pin_memory)
@@ -318,7 +350,11 @@ class CachedTensorDataset(Dataset):
         self._own()
         f = self._files.get(shard_index)
         if f is None:
+            if self._follower is not None:
+                self._follow(shard_index)
             path, header = self._checked_header(shard_index)
+            if self._follower is not None:
+                self._follower.check_shard(path, header, self._repair)
             tokens = None
             if header.sums is not None and header.sums.tokens is not None:
                 try:
@@ -333,6 +369,20 @@ class CachedTensorDataset(Dataset):
             fetch = self._storage.readable(shard_name(shard_index))[1]
             f = self._files.put(shard_index, OpenShard(path, header, tokens, fetch), self._max_open)
         return f
+
+    def _follow(self, shard_index: int) -> None:
+        """Wait until the followed producer has committed shard ``shard_index``; read by the manifest once it
+        is there (checked against the followed run and the shards this process has opened)."""
+        assert self._follower is not None
+        self._follower.wait(shard_index)
+        manifest = self._follower.finished(*self._versions)
+        if manifest is None:
+            return
+        check_cache_files(self.cache_dir, manifest, self.cache_name, self._versions[1])
+        self._checksums = {i: str(r["checksum"]) for i, r in enumerate(shard_records(manifest) or [])}
+        self._follower.check_opened(self._files.items(), self._checksums, manifest_schema(manifest), self._schema,
+                                    self._repair)  # fmt: skip
+        self.manifest, self._follower = manifest, None
 
     def _token_opener(self, shard_index: int) -> tuple[int, TokenIndex, ReadContext]:
         """How :class:`~te_thd.offline_cache.token_read.TokenRows` reaches shard ``shard_index``."""

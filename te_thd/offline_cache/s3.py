@@ -65,17 +65,14 @@ class S3Prefix(storage.Storage):
         self._work: str | None = None
 
     def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state["_work"] = None  # the staging directory belongs to the process that made it
-        return state
+        return {**self.__dict__, "_work": None}  # the staging directory belongs to the process that made it
 
     def display(self, obj: str) -> str:
         return f"{self.name}/{obj}"
 
     @contextlib.contextmanager
     def calls(self) -> Iterator[None]:
-        """Around every obstore call: a failure that every request would meet becomes one
-        :class:`StorageError` line (:func:`_store_error`); the rest (a missing object) stay as raised."""
+        """Around every obstore call: what every request would meet is one :class:`StorageError` line."""
         try:
             yield
         except Exception as exc:  # obstore's own types: _store_error picks the ones it knows
@@ -171,6 +168,9 @@ class S3Prefix(storage.Storage):
         self.copy.ensure(obj, [(0, self.copy.sizes[obj])])
         return os.path.join(self.copy.root, obj)
 
+    def admit(self, obj: str, size: int) -> None:
+        self.copy.add(obj, size)
+
     def prepare_reads(self) -> None:
         self.copy  # noqa: B018 - made and synced here, before any worker starts
 
@@ -200,13 +200,11 @@ class S3Prefix(storage.Storage):
 def read_holder(store: S3Prefix) -> dict[str, Any] | None:
     """The lock object's holder record, or None when nobody holds the lock."""
     raw = store.get(LOCK_NAME)
-    if raw is None:
-        return None
     try:
-        holder = json.loads(raw.decode())
+        holder = None if raw is None else json.loads(raw.decode())
     except (UnicodeDecodeError, ValueError):
         return {}
-    return holder if isinstance(holder, dict) else {}
+    return holder if holder is None or isinstance(holder, dict) else {}
 
 
 class ObjectLock:
@@ -403,14 +401,18 @@ class ReadThrough:
         for name in os.listdir(self.root):
             if SHARD_RE.match(name) and (name not in self.sizes or raw != old):
                 self._drop(name)  # another cache, or another version of this one, was here
-        for name, size in self.sizes.items():
-            path = os.path.join(self.root, name)
-            if not os.path.exists(path) or os.path.getsize(path) != size:
-                self._drop(name)
-                with open(path, "wb") as f:
-                    f.truncate(size)  # sparse: no data until fetched
+        for name, size in list(self.sizes.items()):
+            self.add(name, size)
         if raw != old:
             atomic_write_bytes(local, raw)
+
+    def add(self, name: str, size: int) -> None:
+        """Make shard ``name`` (``size`` bytes) readable: a sparse local file, no data until fetched."""
+        self.sizes[name], path = size, os.path.join(self.root, name)
+        if not os.path.exists(path) or os.path.getsize(path) != size:
+            self._drop(name)
+            with open(path, "ab") as f:
+                f.truncate(size)
 
     def _drop(self, name: str) -> None:
         unlink_quietly(os.path.join(self.root, name))

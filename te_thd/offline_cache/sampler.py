@@ -66,15 +66,18 @@ def _shard_rng(seed: int, epoch: int, *rest: int) -> np.random.Generator:
     return np.random.default_rng([seed, epoch, *rest])
 
 
-def _epoch_blocks(num_samples: int, shard_size: int, seed: int, epoch: int, shuffle: bool) -> Iterator[tuple[int, Any]]:
+def _epoch_blocks(
+    num_samples: int, shard_size: int, seed: int, epoch: int, shuffle: bool, follow: bool = False
+) -> Iterator[tuple[int, Any]]:
     """The epoch's order as ``(shard, make)`` pairs in visiting order, lazily.
 
     ``make()`` returns that shard's sample ids (int64 ndarray) in their epoch
     order; it is called only for blocks that are read, so the order costs
-    O(num_shards + shard_size) memory whatever the cache size.
+    O(num_shards + shard_size) memory whatever the cache size. ``follow``: epoch 0
+    visits the shards in index order, the order the producer commits them.
     """
     count = shard_layout(num_samples, shard_size)[0]
-    shards = _shard_rng(seed, epoch).permutation(count) if shuffle else range(count)
+    shards = _shard_rng(seed, epoch).permutation(count) if shuffle and not (follow and epoch == 0) else range(count)
     for shard in shards:
         shard = int(shard)
         first = shard * shard_size
@@ -85,7 +88,9 @@ def _epoch_blocks(num_samples: int, shard_size: int, seed: int, epoch: int, shuf
             yield shard, lambda first=first, rows=rows: np.arange(first, first + rows, dtype=np.int64)
 
 
-def shard_block_order(num_samples: int, shard_size: int, seed: int, epoch: int, shuffle: bool = True) -> torch.Tensor:
+def shard_block_order(
+    num_samples: int, shard_size: int, seed: int, epoch: int, shuffle: bool = True, follow: bool = False
+) -> torch.Tensor:
     """The epoch's global sample order, int64 ``[num_samples]``.
 
     ``shuffle=False``: ``0..N-1``. Otherwise a permutation in which each shard's
@@ -96,9 +101,14 @@ def shard_block_order(num_samples: int, shard_size: int, seed: int, epoch: int, 
     ``SeedSequence`` streams of those words): the same on every rank and in every
     worker, independent of the global RNG. ``CacheShardSampler``
     streams the same order shard by shard instead of materialising it.
+
+    ``follow=True`` (a reader following its producer, docs/follow.md): epoch 0 visits the
+    shards in index order ``0, 1, ...``, the order a producer commits them, each shard's
+    samples still in the order above; later epochs are unchanged. A function of the seed,
+    the epoch and the shard plan alone, never of when a shard was committed.
     """
     _check_seed(seed, epoch)
-    blocks = [make() for _, make in _epoch_blocks(num_samples, shard_size, seed, epoch, shuffle)]
+    blocks = [make() for _, make in _epoch_blocks(num_samples, shard_size, seed, epoch, shuffle, follow)]
     return torch.from_numpy(np.concatenate(blocks)) if blocks else torch.zeros(0, dtype=torch.int64)
 
 
@@ -125,6 +135,10 @@ class CacheShardSampler(Sampler[int]):
             instead of padding it with wrapped-around samples.
         shard_size: block size for the shuffle (default ``data_source.shard_size``,
             else 1, which is a plain random permutation).
+
+    A ``data_source`` with ``follow`` set (``CachedTensorDataset(follow=True)``) gets epoch 0
+    in the producer's commit order (``shard_block_order(..., follow=True)``); its blocks must
+    then be the cache's shards (``shard_size`` equal to ``data_source.shard_size``).
 
     Yields this replica's sample indices (Python ints) for the current epoch.
     """
@@ -153,6 +167,14 @@ class CacheShardSampler(Sampler[int]):
             shard_size = int(getattr(data_source, "shard_size", 1) or 1)
         check_int("shard_size", shard_size, 1)
         _check_seed(seed, 0)
+        #: epoch 0 in the producer's commit order (a dataset following its producer)
+        self.follow = bool(getattr(data_source, "follow", False))
+        if self.follow and shard_size != getattr(data_source, "shard_size", None):
+            raise ValueError(
+                f"shard_size={shard_size}: the dataset follows its producer, whose shards hold "
+                f"{getattr(data_source, 'shard_size', None)} samples; epoch 0 visits them in commit order, so omit "
+                "shard_size (the dataset's is used)"
+            )
         self.num_samples_total = len(data_source)
         self.num_replicas = num_replicas
         self.rank = rank
@@ -177,7 +199,7 @@ class CacheShardSampler(Sampler[int]):
 
     def global_order(self) -> torch.Tensor:
         """The epoch's order over all replicas, int64 ``[total_size]`` (padded / cut)."""
-        g = shard_block_order(self.num_samples_total, self.shard_size, self.seed, self.epoch, self.shuffle)
+        g = shard_block_order(self.num_samples_total, self.shard_size, self.seed, self.epoch, self.shuffle, self.follow)
         if self.total_size <= g.numel():
             return g[: self.total_size]
         reps = -(-self.total_size // g.numel())
@@ -189,7 +211,7 @@ class CacheShardSampler(Sampler[int]):
         n, r, total, start = self.num_samples_total, self.num_replicas, self.total_size, self.resume_offset
         pos = 0  # global position of the current block's first sample
         while pos < total:  # more than one pass over the order only when padding wraps
-            for shard, make in _epoch_blocks(n, self.shard_size, self.seed, self.epoch, self.shuffle):
+            for shard, make in _epoch_blocks(n, self.shard_size, self.seed, self.epoch, self.shuffle, self.follow):
                 length = min(self.shard_size, n - shard * self.shard_size)
                 end = min(pos + length, total)
                 # first global position >= max(pos, start) that belongs to this rank
@@ -222,6 +244,7 @@ class CacheShardSampler(Sampler[int]):
             "shuffle": self.shuffle,
             "shard_size": self.shard_size,
             "num_samples": self.num_samples_total,
+            "follow": self.follow,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -232,8 +255,9 @@ class CacheShardSampler(Sampler[int]):
                 raise ValueError(f"sampler state is missing {key!r} (got keys {sorted(state)}); pass a dict from state_dict()")
         mismatch = {
             k: (state[k], mine)
-            for k, mine in (("seed", self.seed), ("shuffle", self.shuffle), ("shard_size", self.shard_size), ("num_samples", self.num_samples_total))
-            if state[k] != mine
+            for k, mine in (("seed", self.seed), ("shuffle", self.shuffle), ("shard_size", self.shard_size),
+                            ("num_samples", self.num_samples_total), ("follow", self.follow))  # fmt: skip
+            if state.get(k, False) != mine  # a state saved before "follow" existed did not follow
         }
         if mismatch:
             detail = ", ".join(f"{k}: saved {a!r}, now {b!r}" for k, (a, b) in mismatch.items())

@@ -140,6 +140,9 @@ class Storage(ABC):
     def list(self) -> dict[str, int]:
         """``{name: size}`` of the objects directly in the cache (``{}``: no such cache)."""
 
+    def admit(self, obj: str, size: int) -> None:  # noqa: B027 - a local directory reads every file as it is
+        """Make shard ``obj`` (``size`` bytes), committed after :meth:`prepare_reads`, readable here."""
+
     @abstractmethod
     def get(self, obj: str) -> bytes | None:
         """The whole (small) object ``obj``: a manifest, a producer record; None when there is none."""
@@ -229,7 +232,7 @@ class LocalDirectory(Storage):
         try:
             with open(self.display(obj), "rb") as f:
                 return f.read()
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             return None
 
     def put(self, obj: str, data: bytes) -> str:

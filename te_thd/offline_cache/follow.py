@@ -1,0 +1,263 @@
+"""Follow a cache while its producer still writes it (``CachedTensorDataset(follow=True)``).
+
+What a reader needs before the manifest exists comes from the producer's **follow record**,
+``.te_thd-follow.json`` (:data:`FOLLOW_NAME`), which ``produce_cache`` writes (through
+``Storage.put``) before its first shard and deletes together with its run record once
+``manifest.json`` is committed:
+
+- ``run``: the run's parameters (``format_version``, ``num_samples``, ``shard_size``,
+  ``keys``, ``options``, the token layout and length rule), the record every shard of the run
+  carries in its header, so a shard of another run is refused;
+- ``producer_command``: the command that resumes the producer, named in every hint.
+
+A read of a shard not committed yet waits for it (:meth:`Follower.wait`): one listing of
+the cache per poll (which also tells every other shard committed so far), the polls spaced :data:`POLL_FIRST_S` doubling to
+:data:`POLL_MAX_S`, the thread asleep in between. After :attr:`Follower.timeout` seconds
+without the shard it raises :class:`FollowTimeoutError`, one line naming the shard, the
+producer's command that resumes it and that training resumes from its last checkpoint.
+Each newly seen shard is checked as any shard is (header, digest, row checksums), and also
+against the run record. Once the manifest appears the reader switches to it
+(:meth:`Follower.finished`), refusing one whose parameters differ from the record.
+
+Each process (rank, DataLoader worker) follows on its own: no collective, no shared state;
+what it reads is fixed by the record, never by when a shard arrived (the order is the
+sampler's: ``sampler.follow_blocks``).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+from te_thd.offline_cache.errors import CacheError, CacheIntegrityError, ManifestNotFoundError
+from te_thd.offline_cache.format import (
+    MANIFEST_NAME,
+    SHARD_RE,
+    CacheSchema,
+    TensorSpec,
+    schema_to_json,
+    shard_name,
+)
+from te_thd.offline_cache.integrity import shard_checksum
+from te_thd.offline_cache.lengths import LENGTH_RULE_KEY
+from te_thd.offline_cache.manifest import LAYOUT_VERSION, read_manifest
+from te_thd.offline_cache.open_shards import OpenShard
+from te_thd.offline_cache.producer_state import (
+    FOLLOW_NAME,
+    describe_diff,
+    params_of_manifest,
+    record_bytes,
+)
+from te_thd.offline_cache.shardfile import ShardHeader
+from te_thd.offline_cache.storage import Storage
+from te_thd.offline_cache.tokens import TOKEN_LAYOUT_KEY
+
+__all__ = [
+    "FOLLOW_NAME",
+    "DEFAULT_FOLLOW_TIMEOUT",
+    "FollowTimeoutError",
+    "Follower",
+    "follow_record",
+    "open_followed",
+]
+
+_VERSION = 1
+#: seconds a followed read waits for a shard before :class:`FollowTimeoutError`
+DEFAULT_FOLLOW_TIMEOUT = 600.0
+#: the first and the longest pause between two polls (seconds): a few requests per second at most
+POLL_FIRST_S, POLL_MAX_S = 0.25, 1.0
+
+
+class FollowTimeoutError(CacheError):
+    """A followed read waited ``follow_timeout`` seconds for a shard its producer did not commit."""
+
+
+def follow_record(run: Mapping[str, Any], producer_command: str | None) -> bytes:
+    """The bytes of the follow record: ``run`` (``producer_state.run_record``) and the resume command."""
+    return record_bytes(
+        {"follow_version": _VERSION, "run": dict(run), "producer_command": producer_command}
+    )
+
+
+def _pauses() -> Iterator[float]:
+    pause = POLL_FIRST_S
+    while True:
+        yield pause
+        pause = min(2 * pause, POLL_MAX_S)
+
+
+def _check_timeout(follow_timeout: Any) -> float:
+    if (
+        isinstance(follow_timeout, bool)
+        or not isinstance(follow_timeout, int | float)
+        or not follow_timeout > 0
+    ):
+        raise ValueError(
+            f"follow_timeout={follow_timeout!r}: it must be a number of seconds > 0 (how long a read waits "
+            f"for a shard the producer has not committed yet); pass e.g. follow_timeout={DEFAULT_FOLLOW_TIMEOUT}"
+        )
+    return float(follow_timeout)
+
+
+def record_view(run: Mapping[str, Any]) -> dict[str, Any]:
+    """The manifest a finished run will write, as far as the record knows it (no schema, no shards):
+    what readers and the options checks (``ensure_supervision_options_match``) read."""
+    view: dict[str, Any] = {k: run[k] for k in ("format_version", "num_samples", "shard_size")}
+    view.update(run.get("options") or {})
+    for key in (TOKEN_LAYOUT_KEY, LENGTH_RULE_KEY):
+        if key in run:
+            view[key] = run[key]
+    view["layout_version"] = LAYOUT_VERSION  # te_thd's producer: every shard carries its checksums
+    return view
+
+
+def open_followed(
+    storage: Storage, cache_dir: str, cache_name: str, format_version: int, producer: str | None,
+    follow_timeout: float = DEFAULT_FOLLOW_TIMEOUT,
+) -> tuple[dict[str, Any], dict[str, Any] | None, str | None]:  # fmt: skip
+    """``(manifest, None, producer)`` of a finished cache, else ``(record_view, run, command)`` of the running
+    producer's record (``command``: ``producer``, else the one the producer recorded).
+
+    Neither there yet (the producer has not started): waits up to ``follow_timeout`` seconds for one.
+    Raises :class:`FollowTimeoutError`, or ``ManifestError`` for a record of another ``format_version``."""
+    timeout = _check_timeout(follow_timeout)
+    try:
+        storage.must_exist(
+            MANIFEST_NAME
+        )  # a local path that is a file holds no cache, now or later
+    except ManifestNotFoundError:
+        pass  # not there yet: the producer makes it
+    deadline = time.monotonic() + timeout
+    for pause in _pauses():
+        if storage.get(MANIFEST_NAME) is not None:
+            return read_manifest(cache_dir, cache_name, format_version, producer), None, producer
+        raw = storage.get(FOLLOW_NAME)
+        if raw is not None:
+            return _parse(raw, storage, cache_name, format_version, producer)
+        if time.monotonic() >= deadline:
+            raise FollowTimeoutError(
+                f"waited {timeout:g} s (follow_timeout) for the {cache_name} cache at {cache_dir}: it has no "
+                f"manifest.json and no producer records following it ({FOLLOW_NAME}); start its producer, or pass "
+                "the cache_dir it writes"
+            )
+        time.sleep(pause)
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _parse(
+    raw: bytes, storage: Storage, cache_name: str, format_version: int, producer: str | None
+) -> tuple[dict[str, Any], dict[str, Any], str | None]:
+    where = storage.display(FOLLOW_NAME)
+    try:
+        record = json.loads(raw.decode())
+        run = record["run"]
+        view = record_view(run)
+        command = record.get("producer_command")
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CacheError(
+            f"cannot read the follow record {where} ({type(exc).__name__}: {exc}); open the cache with "
+            "follow=False once its producer has finished"
+        ) from None
+    if view["format_version"] != format_version:
+        raise CacheError(
+            f"{cache_name} cache being produced at {storage.name} has format_version={view['format_version']!r} "
+            f"({where}), expected {format_version}: its tensors mean something else; follow a cache built for "
+            f"format_version {format_version}"
+        )
+    return view, dict(run), producer or (command if isinstance(command, str) else None)
+
+
+class Follower:
+    """One reader's view of a cache whose producer still runs: which shards it has seen committed, how to
+    wait for the others, and when to switch to the manifest. Picklable (DataLoader workers follow on their own)."""
+
+    def __init__(self, storage: Storage, cache_dir: str, cache_name: str, run: Mapping[str, Any], timeout: float,
+                 command: str) -> None:  # fmt: skip
+        self.storage, self.cache_dir, self.cache_name = storage, cache_dir, cache_name
+        self.run = dict(run)
+        self.timeout = _check_timeout(timeout)
+        self.command = command
+        self.committed: set[int] = set()
+
+    def wait(self, shard: int) -> None:
+        """Return once shard ``shard`` is committed (and readable through the storage), or raise
+        :class:`FollowTimeoutError` after :attr:`timeout` seconds."""
+        deadline = time.monotonic() + self.timeout
+        for pause in _pauses():
+            if shard in self.committed:
+                return
+            # one listing tells every shard committed so far: later shards then cost no request
+            for obj, size in self.storage.list().items():
+                m = SHARD_RE.match(obj)
+                if m is not None and int(m.group(1)) not in self.committed:
+                    self.storage.admit(obj, size)
+                    self.committed.add(int(m.group(1)))
+            if shard in self.committed:
+                return
+            if time.monotonic() >= deadline:
+                raise FollowTimeoutError(
+                    f"waited {self.timeout:g} s (follow_timeout) for {self.storage.display(shard_name(shard))}, which "
+                    f"the producer of the {self.cache_name} cache has not committed: it stopped or runs slower than "
+                    f"that. Resume it with {self.command} (it keeps the committed shards), then resume training from "
+                    "its last checkpoint"
+                )
+            time.sleep(pause)
+
+    def check_shard(self, path: str, header: ShardHeader, repair: str) -> None:
+        """Refuse a shard that another producer run wrote (its header's run record is not the followed one)."""
+        theirs = header.sums.run if header.sums is not None else None
+        if theirs is not None and theirs != self.run:
+            raise CacheIntegrityError(
+                f"shard {path} was written by a producer run with other arguments than the one this reader follows "
+                f"({describe_diff(self.run, theirs)}). {repair}", path=path,
+            )  # fmt: skip
+
+    def check_keys(self, disk_keys: Sequence[str]) -> None:
+        """Refuse ``disk_keys`` the followed producer does not store (``ValueError`` naming them)."""
+        stored = list(self.run.get("keys") or ())
+        unknown = [k for k in disk_keys if k not in stored]
+        if unknown:
+            raise ValueError(
+                f"disk_keys {unknown} are not in the {self.cache_name} cache being produced at {self.cache_dir} "
+                f"(its producer stores {stored}, {self.storage.display(FOLLOW_NAME)}); pass keys the producer writes"
+            )
+
+    def check_opened(
+        self, opened: Sequence[tuple[int, OpenShard]], checksums: Mapping[int, str], schema: CacheSchema | None,
+        seen: Mapping[str, TensorSpec] | None, repair: str,
+    ) -> None:  # fmt: skip
+        """At the switch to the manifest: the shards this process opened while following (``opened``) must be the
+        ones it records (``checksums``), and the schema they showed (``seen``) its ``schema``."""
+        if (
+            schema is not None
+            and seen is not None
+            and any(schema.get(k) != spec for k, spec in seen.items())
+        ):
+            raise CacheIntegrityError(
+                f"the manifest of {self.cache_dir} records the schema {schema_to_json(schema)}, the shards read while "
+                f"its producer ran showed {schema_to_json(dict(seen))}. {repair}"
+            )
+        for i, f in opened:
+            actual = shard_checksum(f.header.sums.digest) if f.header.sums is not None else None
+            if actual != checksums.get(i):
+                raise CacheIntegrityError(
+                    f"shard {f.path} was replaced after this reader read it (its header digest is {actual}, the "
+                    f"manifest records {checksums.get(i)}). {repair}", path=f.path,
+                )  # fmt: skip
+
+    def finished(self, format_version: int, producer: str | None) -> dict[str, Any] | None:
+        """The manifest, once the producer has committed it (checked against the followed run), else None."""
+        if self.storage.get(MANIFEST_NAME) is None:
+            return None
+        manifest = read_manifest(self.cache_dir, self.cache_name, format_version, producer)
+        recorded = params_of_manifest(manifest, self.run.get("keys", ()))
+        followed = {k: v for k, v in self.run.items() if k != LENGTH_RULE_KEY}
+        if recorded != followed:
+            raise CacheError(
+                f"the {self.cache_name} cache at {self.cache_dir} was finished by a producer run with other arguments "
+                f"than the one this reader followed ({describe_diff(followed, recorded)}); the cache was rebuilt while "
+                "training read it: restart training on the finished cache"
+            )
+        return manifest

