@@ -17,6 +17,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -68,26 +69,38 @@ def _env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
 
 
+def _popen(cmd: list[str]) -> subprocess.Popen:
+    """``cmd`` with its output in files, not pipes: a pipe nobody drains while the test waits on
+    the other process would stall its writer once full, and the follower would time out."""
+    logs = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+    p = subprocess.Popen(cmd, env=_env(), stdout=logs[0], stderr=logs[1], text=True)
+    p.logs = logs  # type: ignore[attr-defined]
+    return p
+
+
 def _producer(out: Path | str, delay: float) -> subprocess.Popen:
-    return subprocess.Popen([PY, SLOW, str(delay), "--out", str(out), *CACHE_ARGS], env=_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    return _popen([PY, SLOW, str(delay), "--out", str(out), *CACHE_ARGS])
 
 
 def _trainer(cache: Path | str, out: Path, *extra: str) -> subprocess.Popen:
     cmd = [PY, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}", TRAINER,
            "--cache-dir", str(cache), "--out", str(out), *TRAIN_ARGS, *extra]  # fmt: skip
-    return subprocess.Popen(
-        cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
+    return _popen(cmd)
 
 
 def _finish(p: subprocess.Popen, timeout: float = 120) -> subprocess.CompletedProcess:
     try:
-        out, err = p.communicate(timeout=timeout)
+        p.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         p.kill()
-        raise
-    return subprocess.CompletedProcess(p.args, p.returncode, out, err)
+        p.wait()
+        raise AssertionError(f"{p.args} still ran after {timeout} s: {_read(p.logs[1])[-3000:]}") from None
+    return subprocess.CompletedProcess(p.args, p.returncode, _read(p.logs[0]), _read(p.logs[1]))
+
+
+def _read(log) -> str:
+    log.seek(0)
+    return log.read()
 
 
 def _trained(out: Path) -> tuple[list[float], list[dict[str, torch.Tensor]]]:
