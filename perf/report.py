@@ -434,13 +434,14 @@ def write_report(run: dict[str, Any], results_dir: Path, *, latest: str | None =
     results_dir.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S", time.strptime(run["started"][:19], "%Y-%m-%dT%H:%M:%S"))
     commit = (run["git"].get("commit") or "nogit")[:8]
-    stem = results_dir / f"run-{stamp}-{commit}-{run['mode']}"
+    # Names are joined, not made with Path.with_suffix: a second run in the same second is
+    # "run-<stamp>.2-...", whose dot with_suffix would take for the start of a suffix.
+    name = f"run-{stamp}-{commit}-{run['mode']}"
     n = 1
-    while stem.with_suffix(".json").exists():  # two runs in one second keep both files
+    while (results_dir / f"{name}.json").exists():  # two runs in one second keep both files
         n += 1
-        stem = results_dir / f"run-{stamp}.{n}-{commit}-{run['mode']}"
-    paths = {"json": stem.with_suffix(".json"), "md": stem.with_suffix(".md"),
-             "png": stem.with_suffix(".png")}
+        name = f"run-{stamp}.{n}-{commit}-{run['mode']}"
+    paths = {kind: results_dir / f"{name}.{kind}" for kind in ("json", "md", "png")}
     prev = previous_ratios(results_dir, run, exclude=paths["json"])
     _atomic_text(paths["json"], json.dumps(run, indent=1, allow_nan=False) + "\n")
     _atomic_text(paths["md"], render_markdown(run, prev))

@@ -363,3 +363,19 @@ def test_split_even_examples():
     assert sizes(split_even([_piece(n) for n in (10, 1, 1, 1)], 2, _size)) == [[10], [1, 1, 1]]
     assert sizes(split_even([_piece(n) for n in (3, 3, 3)], 4, _size)) == [[3], [3], [3]]  # fewer pieces than threads
     assert sizes(split_even([_piece(5)], 3, _size)) == [[5]]
+
+
+@pytest.mark.timeout(120)  # the old naming looped for ever on a third run in one second
+def test_two_runs_in_one_second_keep_both_reports(fake_suite):
+    _, _, results = fake_suite
+    assert _run(fake_suite, "--only", "good").returncode == 0
+    from report import write_report
+
+    doc = json.loads(next(results.glob("run-*-quick.json")).read_text())
+    again = write_report(doc, results, latest=None)  # the same "started" second
+    third = write_report(doc, results, latest=None)
+    runs = sorted(p.name for p in results.glob("run-*-quick.json"))
+    assert len(runs) == 3 and again["json"].name in runs and third["json"].name in runs
+    for paths in (again, third):
+        assert {p.suffix for p in paths.values()} <= {".json", ".md", ".png"}
+        assert len({p.stem for p in paths.values()}) == 1 and paths["json"].stem.endswith("-quick")
