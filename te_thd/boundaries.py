@@ -105,6 +105,14 @@ def host_int64(t: torch.Tensor) -> np.ndarray:
     return t.numpy().astype(np.int64, copy=False)
 
 
+def longest_segment(cu: torch.Tensor) -> int:
+    """Longest segment of CPU boundaries ``cu`` (int ``[N+1]``); 0 without sequences."""
+    if cu.shape[0] < 2:
+        return 0
+    c = cu.numpy()
+    return int((c[1:] - c[:-1]).max())
+
+
 def check_starts_at_zero(name: str, cu: np.ndarray) -> None:
     """``cu[0] == 0``: the first sequence starts at the stream's first token."""
     if cu.size and cu[0] != 0:

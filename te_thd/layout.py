@@ -28,6 +28,7 @@ from te_thd.boundaries import (
     ThdContractError,
     check_boundary_values,
     check_cp_args,
+    longest_segment,
     require_boundary_tensor,
 )
 
@@ -283,14 +284,6 @@ def _check_max_seqlen(max_seqlen: Any) -> None:
     check_int("max_seqlen", max_seqlen, 0, meaning=" (a Python int: host ints keep consumers from syncing the device)")
 
 
-def _host_max_len(cu: torch.Tensor) -> int:
-    """Longest segment of CPU boundaries ``[N+1]`` (0 without sequences)."""
-    if cu.shape[0] < 2:
-        return 0
-    c = cu.numpy()
-    return int((c[1:] - c[:-1]).max())
-
-
 def _boundaries_of(thd: Any) -> tuple[torch.Tensor, torch.Tensor]:
     """``(cu_seqlens, cu_seqlens_padded)`` of a batch dict, with today's errors."""
     if not isinstance(thd, Mapping):
@@ -345,7 +338,7 @@ def _max_seqlen_of(
         # Over the padded lengths too: TE divides max_seqlen by cp_size for each CP
         # step, and a rank's share of a tail-padded sequence can hold more real tokens
         # than real_len / cp_size. max(padded) >= max(real) keeps TE's contract.
-        return max(stored if usable else _host_max_len(cu), _host_max_len(cup))
+        return max(stored if usable else longest_segment(cu), longest_segment(cup))
     if usable and (cp_size == 1 or not pad):
         return stored
     raise ValueError(

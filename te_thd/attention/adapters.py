@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from te_thd.attention.contract import TeThdKwargs, check_mask_for_thd, normalize_attn_mask_type
+from te_thd.boundaries import longest_segment
 from te_thd.layout import ThdLayout, as_layout
 
 #: What megatron-core warns on import without Transformer Engine and Apex (:func:`packed_seq_params`).
@@ -293,8 +294,7 @@ def _varlen_boundaries(layout: ThdLayout) -> tuple[torch.Tensor, int]:
             f"sequence, but thd's cu_seqlens_padded is on {cup.device}; build the kwargs from "
             "the CPU batch (pass device= to move them)"
         )
-    longest = int((cup[1:] - cup[:-1]).max()) if layout.num_seqs else 0
-    return cup, max(longest, layout.max_seqlen)
+    return cup, max(longest_segment(cup), layout.max_seqlen)
 
 
 def _varlen_layout(

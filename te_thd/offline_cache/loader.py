@@ -361,7 +361,7 @@ def build_cached_dataloader(
                     f"({type(dataset).__name__}) is not a CachedTensorDataset; pass lengths= (every sample's "
                     "length, e.g. te_thd.offline_cache.balanced_sampler.scan_lengths(dataset, mask_key=...))"
                 )
-            if getattr(dataset, "follow", False) and "shards" not in dataset.manifest:
+            if getattr(dataset, "following", False):
                 raise ValueError(
                     "balance=True plans every step from the samples' lengths, which a cache whose producer still "
                     "runs has not recorded yet; pass lengths= (every sample's length, e.g. from the tokenized "

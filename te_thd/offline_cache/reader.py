@@ -270,6 +270,11 @@ class CachedTensorDataset(Dataset):
             self._files.close()
             self._reset_process_state()
 
+    @property
+    def following(self) -> bool:
+        """Whether this process still reads by the producer's follow record (it has not seen the manifest)."""
+        return self._follower is not None
+
     def __len__(self) -> int:
         return self.num_samples
 
