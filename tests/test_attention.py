@@ -365,6 +365,16 @@ def test_varlen_kwargs_over_padding_between_sequences_are_exact_at_real_tokens(l
             torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10)
 
 
+@pytest.mark.parametrize("fn", [flash_attn_varlen_kwargs, torch_varlen_kwargs])
+def test_varlen_kwargs_over_padding_need_host_boundaries(fn):
+    # The longest padded segment would take a device sync to read: refused, naming the fix.
+    thd = {"cu_seqlens": torch.tensor([0, 3, 5], dtype=I32).to("meta"), "pad_between_seqs": True,
+           "cu_seqlens_padded": torch.tensor([0, 4, 8], dtype=I32).to("meta"), "max_seqlen_int": 4,
+           "input_ids": torch.zeros(8, dtype=torch.long, device="meta")}  # fmt: skip
+    with pytest.raises(VarlenLayoutError, match=r"cu_seqlens_padded is on meta; build the kwargs from the CPU batch"):
+        fn(thd)
+
+
 def test_torch_varlen_kwargs_follow_the_installed_signature(monkeypatch):
     from te_thd.attention import adapters
 
