@@ -48,10 +48,9 @@ they carry.
 from __future__ import annotations
 
 import json
-import os
 import shlex
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from te_thd._checkout import checkout_file
@@ -64,7 +63,6 @@ from te_thd.offline_cache.errors import (
     lost_manifest,
     producer_hint,
     rebuild_manifest_hint,
-    repair_hint,
 )
 from te_thd.offline_cache.format import (
     CHECKSUM_ALGORITHM,
@@ -102,19 +100,17 @@ RESERVED_MANIFEST_KEYS = frozenset(
 )
 
 
-def _check_count(manifest: Mapping[str, Any], key: str, path: str, minimum: int, producer: str | None) -> None:
-    if key not in manifest:
-        raise ManifestError(
-            f"manifest {path} has no {key!r} field, so the cache layout is unknown. "
-            "The manifest is damaged or was not written by an offline-cache producer. "
-            + rebuild_manifest_hint(path)
-        )
-    value = manifest[key]
-    if not is_int(value, minimum):
-        raise ManifestError(
-            f"manifest {path} has {key}={value!r}; it must be an int >= {minimum}. "
-            "The manifest is damaged. " + rebuild_manifest_hint(path)
-        )
+def _damaged(path: str, what: str) -> ManifestError:
+    """The error of the manifest at ``path`` whose content is damaged: ``what``, and how to fix it."""
+    return ManifestError(f"{what}. The manifest is damaged. {rebuild_manifest_hint(path)}")
+
+
+def _parsed(manifest: Mapping[str, Any], key: str, parse: Callable[[Any], Any], path: str) -> Any:
+    """``parse(manifest[key])``, its ``ValueError`` a :class:`ManifestError` naming the field."""
+    try:
+        return parse(manifest[key])
+    except ValueError as exc:
+        raise ManifestError(f"manifest {path} has an invalid {key!r}: {exc}") from None
 
 
 def validate_manifest(manifest: Mapping[str, Any], path: str, producer: str | None = None) -> None:
@@ -125,27 +121,28 @@ def validate_manifest(manifest: Mapping[str, Any], path: str, producer: str | No
     parses, ``shards`` has one ``{file, bytes, checksum}`` entry per shard, in order.
     ``producer`` is the command that rebuilds the cache (named in messages).
     """
-    _check_count(manifest, "num_samples", path, 0, producer)
-    _check_count(manifest, "shard_size", path, 1, producer)
+    for key, minimum in (("num_samples", 0), ("shard_size", 1)):
+        if key not in manifest:
+            raise ManifestError(
+                f"manifest {path} has no {key!r} field, so the cache layout is unknown. "
+                "The manifest is damaged or was not written by an offline-cache producer. "
+                + rebuild_manifest_hint(path)
+            )
+        if not is_int(manifest[key], minimum):
+            raise _damaged(path, f"manifest {path} has {key}={manifest[key]!r}; it must be an int >= {minimum}")
     n = num_shards(manifest["num_samples"], manifest["shard_size"])
     if n > MAX_SHARDS:
         raise ManifestError(f"manifest {path} declares {n} shards; at most {MAX_SHARDS} are addressable")
     if "schema" in manifest and not (manifest["schema"] == {} and manifest["num_samples"] == 0):
-        try:
-            schema_from_json(manifest["schema"])
-        except ValueError as exc:
-            raise ManifestError(f"manifest {path} has an invalid 'schema': {exc}") from None
+        _parsed(manifest, "schema", schema_from_json, path)
     if "shards" in manifest:
         shards = manifest["shards"]
         if not isinstance(shards, list) or len(shards) != n:
             got = len(shards) if isinstance(shards, list) else type(shards).__name__
-            raise ManifestError(
-                f"manifest {path} lists {got} shard records but num_samples="
-                f"{manifest['num_samples']} / shard_size={manifest['shard_size']} means {n}. "
-                "The manifest is damaged. " + rebuild_manifest_hint(path)
-            )
+            raise _damaged(path, f"manifest {path} lists {got} shard records but num_samples="
+                           f"{manifest['num_samples']} / shard_size={manifest['shard_size']} means {n}")  # fmt: skip
         for i, rec in enumerate(shards):
-            name = f"shard-{i:06d}.safetensors"
+            name = shard_name(i)
             ok = (
                 isinstance(rec, dict)
                 and rec.get("file") == name
@@ -154,30 +151,19 @@ def validate_manifest(manifest: Mapping[str, Any], path: str, producer: str | No
                 and ":" in rec["checksum"]
             )
             if not ok:
-                raise ManifestError(
-                    f"manifest {path}: shard record {i} is {rec!r}, expected "
-                    f"{{'file': {name!r}, 'bytes': int, 'checksum': '<algorithm>:<hex>'}}. "
-                    "The manifest is damaged. " + rebuild_manifest_hint(path)
-                )
+                raise _damaged(path, f"manifest {path}: shard record {i} is {rec!r}, expected "
+                               f"{{'file': {name!r}, 'bytes': int, 'checksum': '<algorithm>:<hex>'}}")  # fmt: skip
             bad = check_lengths_record(rec, shard_rows(i, manifest["num_samples"], manifest["shard_size"]))
             if bad is not None:
-                raise ManifestError(f"manifest {path}: shard record {i}: {bad}. The manifest is damaged. " + rebuild_manifest_hint(path))
+                raise _damaged(path, f"manifest {path}: shard record {i}: {bad}")
     if LENGTH_RULE_KEY in manifest:
-        try:
-            LengthRule.from_json(manifest[LENGTH_RULE_KEY])
-        except ValueError as exc:
-            raise ManifestError(f"manifest {path} has an invalid 'length_rule': {exc}") from None
+        _parsed(manifest, LENGTH_RULE_KEY, LengthRule.from_json, path)
     if TOKEN_LAYOUT_KEY in manifest:
-        try:
-            layout = TokenLayout.from_json(manifest[TOKEN_LAYOUT_KEY])
-        except ValueError as exc:
-            raise ManifestError(f"manifest {path} has an invalid {TOKEN_LAYOUT_KEY!r}: {exc}") from None
+        layout = _parsed(manifest, TOKEN_LAYOUT_KEY, TokenLayout.from_json, path)
         schema = manifest.get("schema") or {}
         if LENGTH_RULE_KEY not in manifest or not set(layout.keys) <= set(schema):
-            raise ManifestError(
-                f"manifest {path}: {TOKEN_LAYOUT_KEY!r} needs a 'length_rule' and its keys {list(layout.keys)} in "
-                "the 'schema'. The manifest is damaged. " + rebuild_manifest_hint(path)
-            )
+            raise _damaged(path, f"manifest {path}: {TOKEN_LAYOUT_KEY!r} needs a 'length_rule' and its keys "
+                           f"{list(layout.keys)} in the 'schema'")  # fmt: skip
 
 
 def manifest_checksum(manifest: Mapping[str, Any]) -> str:
@@ -268,11 +254,8 @@ def _parse_manifest(raw: bytes, path: str, cache_name: str, producer: str | None
         )
     version, tagged = parse_format_version(manifest["format_version"])
     if tagged != (TOKEN_LAYOUT_KEY in manifest):
-        raise ManifestError(
-            f"{cache_name} cache manifest {path} has format_version={manifest['format_version']!r} "
-            f"{'without' if tagged else 'with'} a {TOKEN_LAYOUT_KEY!r} field; a ragged cache records both. "
-            "The manifest is damaged. " + rebuild_manifest_hint(path)
-        )
+        raise _damaged(path, f"{cache_name} cache manifest {path} has format_version={manifest['format_version']!r} "
+                       f"{'without' if tagged else 'with'} a {TOKEN_LAYOUT_KEY!r} field; a ragged cache records both")  # fmt: skip
     manifest["format_version"] = version  # the caller's version; the layout is in token_layout
     return manifest
 
@@ -456,19 +439,3 @@ def cache_schema(cache_dir: str, manifest: Mapping[str, Any], *, strict: bool = 
         if strict:
             raise
         return None
-
-
-def check_integrity_entry(path: str, size: int | None, expected_bytes: int, producer: str | None = None) -> None:
-    """Raise :class:`CacheIntegrityError` unless the shard ``path`` exists (``size`` not None) with ``expected_bytes`` bytes."""
-    repair = repair_hint(os.path.dirname(path) or ".", producer)
-    if size is None:
-        raise CacheIntegrityError(
-            f"shard {path} is missing (the manifest lists it). Restore it from a copy. {repair}",
-            path=path,
-        )
-    if size != expected_bytes:
-        raise CacheIntegrityError(
-            f"shard {path} has {size} bytes, the manifest records {expected_bytes}: the file was "
-            f"truncated or replaced. Restore it from a copy. {repair}",
-            path=path,
-        )

@@ -51,10 +51,8 @@ from te_thd.offline_cache.format import (
 )
 from te_thd.offline_cache.lengths import LENGTH_RULE_KEY, LengthRule, producer_rule
 from te_thd.offline_cache.manifest import (
-    cache_schema,
     load_manifest,
     producer_command,
-    shard_records,
     write_manifest,
 )
 from te_thd.offline_cache.producer_state import (
@@ -76,7 +74,7 @@ from te_thd.offline_cache.shardfile import (
 )
 from te_thd.offline_cache.storage import Storage, open_storage
 from te_thd.offline_cache.tokens import TokenLayout
-from te_thd.offline_cache.verify import requires_shard_sums, shard_problem, verify_shard_file
+from te_thd.offline_cache.verify import shard_problem, verify_shards
 
 #: What a caller passes back when the shards cannot tell it: repair_cache's keyword -> its CLI flag.
 REBUILD_ARGS = {
@@ -90,27 +88,10 @@ REBUILD_ARGS = {
 
 def find_bad(cache_dir: str, manifest: dict[str, Any]) -> tuple[dict[int, str], list[int], list[int]]:
     """``({index: problem} of damaged shards, missing indices, extra indices)``."""
-    num_samples, shard_size = int(manifest["num_samples"]), int(manifest["shard_size"])
-    count = num_shards(num_samples, shard_size)
-    storage = open_storage(cache_dir)
+    count = num_shards(int(manifest["num_samples"]), int(manifest["shard_size"]))
     present = existing_shard_indices(cache_dir)
-    records = shard_records(manifest)
-    schema = cache_schema(cache_dir, manifest)
-    bad: dict[int, str] = {}
-    for i in sorted(present):
-        if i >= count:
-            continue
-        path = storage.whole(shard_name(i))  # every byte is read: an object is fetched into a local copy
-        try:
-            verify_shard_file(
-                path, schema, shard_rows(i, num_samples, shard_size),
-                records[i] if records is not None else None, requires_shard_sums(manifest), i * shard_size,
-            )  # fmt: skip
-        except CacheIntegrityError as exc:
-            bad[i] = shard_problem(exc, path)
-    missing = sorted(set(range(count)) - present)
-    extra = sorted(i for i in present if i >= count)
-    return bad, missing, extra
+    bad, _ = verify_shards(cache_dir, manifest, sorted(i for i in present if i < count))
+    return bad, sorted(set(range(count)) - present), sorted(i for i in present if i >= count)
 
 
 @dataclass
@@ -387,7 +368,7 @@ def _result(
         "rebuilt": False,
         "from_arguments": [],
         "notes": [],
-        "producer": producer or producer_hint(None),
+        "producer": producer_hint(producer),
     }
 
 

@@ -39,7 +39,6 @@ from te_thd.offline_cache.manifest import (
     LAYOUT_VERSION,
     RESERVED_MANIFEST_KEYS,
     cache_schema,
-    check_integrity_entry,
     load_manifest,
     producer_command,
     shard_records,
@@ -87,10 +86,18 @@ def shard_size_errors(
     storage = open_storage(cache_dir)
     sizes = storage.list()
     for i in indices:
-        try:
-            check_integrity_entry(storage.display(shard_name(i)), sizes.get(shard_name(i)), int(records[i]["bytes"]), producer)
-        except CacheIntegrityError as exc:
-            errors[i] = exc
+        path, size, expected = storage.display(shard_name(i)), sizes.get(shard_name(i)), int(records[i]["bytes"])
+        repair = repair_hint(os.path.dirname(path) or ".", producer)
+        if size is None:
+            errors[i] = CacheIntegrityError(
+                f"shard {path} is missing (the manifest lists it). Restore it from a copy. {repair}", path=path
+            )
+        elif size != expected:
+            errors[i] = CacheIntegrityError(
+                f"shard {path} has {size} bytes, the manifest records {expected}: the file was "
+                f"truncated or replaced. Restore it from a copy. {repair}",
+                path=path,
+            )
     return errors
 
 
@@ -283,20 +290,8 @@ def verify_cache(
         result["checked"], result["not_checked"] = _what_was_checked(cache_dir, False, records is not None, 0, len(indices))
         _lengths_lines(result, cache_dir, rule, False)
         return result
-    schema = cache_schema(cache_dir, manifest)  # None: shard 0 itself is reported below
-    with_sums = 0
-    for i in sized:
-        path = storage.whole(shard_name(i))  # every byte is read: an object is fetched into a local copy
-        try:
-            check = verify_shard_file(
-                path, schema, shard_rows(i, num_samples, shard_size),
-                records[i] if records is not None else None, requires_shard_sums(manifest), i * shard_size,
-            )  # fmt: skip
-            with_sums += check.header.sums is not None
-            if rule is not None and records is not None:
-                _check_lengths(path, rule, records[i]["lengths"], i * shard_size)
-        except CacheIntegrityError as exc:
-            problems.append((shown[i], shard_problem(exc, path)))
+    bad, with_sums = verify_shards(cache_dir, manifest, sized, rule)
+    problems += [(shown[i], why) for i, why in bad.items()]
     _raise_problems(sorted(problems), cache_dir, cache_name, producer_name)
     result["headers_verified"] = True
     result["shards_with_checksums"] = with_sums
@@ -305,6 +300,33 @@ def verify_cache(
     result["lengths_verified"] = rule is not None
     _lengths_lines(result, cache_dir, rule, True)
     return result
+
+
+def verify_shards(
+    cache_dir: str, manifest: Mapping[str, Any], indices: Sequence[int], rule: LengthRule | None = None
+) -> tuple[dict[int, str], int]:
+    """Verify the shards ``indices`` of ``manifest``'s cache completely (:func:`verify_shard_file`
+    against the manifest's records; with a length ``rule``, also the lengths it records):
+    ``({index: what is wrong}, how many of the sound ones carry checksums)``."""
+    storage = open_storage(cache_dir)
+    num_samples, shard_size = int(manifest["num_samples"]), int(manifest["shard_size"])
+    records = shard_records(manifest)
+    schema = cache_schema(cache_dir, manifest)  # None: shard 0 itself is reported
+    bad: dict[int, str] = {}
+    with_sums = 0
+    for i in indices:
+        path = storage.whole(shard_name(i))  # every byte is read: an object is fetched into a local copy
+        try:
+            check = verify_shard_file(
+                path, schema, shard_rows(i, num_samples, shard_size),
+                records[i] if records is not None else None, requires_shard_sums(manifest), i * shard_size,
+            )  # fmt: skip
+            if rule is not None and records is not None:
+                _check_lengths(path, rule, records[i]["lengths"], i * shard_size)
+            with_sums += check.header.sums is not None
+        except CacheIntegrityError as exc:
+            bad[i] = shard_problem(exc, path)
+    return bad, with_sums
 
 
 def shard_problem(exc: CacheIntegrityError, path: str) -> str:
