@@ -20,7 +20,16 @@ import sys
 from typing import Any
 
 from te_thd.offline_cache.errors import PRODUCE_CACHE_HINT, CacheError
-from te_thd.offline_cache.plan import human_bytes
+from te_thd.offline_cache.plan import (
+    CacheSpec,
+    default_token_keys,
+    format_plan,
+    human_bytes,
+    parse_key,
+    plan_cache,
+    plan_json,
+    read_lengths,
+)
 from te_thd.offline_cache.repair import repair_cache
 from te_thd.offline_cache.storage import open_storage
 from te_thd.offline_cache.verify import cache_info, verify_cache
@@ -150,16 +159,6 @@ def _cmd_unlock(args: argparse.Namespace) -> int:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from te_thd.offline_cache.plan import (
-        CacheSpec,
-        default_token_keys,
-        format_plan,
-        parse_key,
-        plan_cache,
-        plan_json,
-        read_lengths,
-    )
-
     try:
         for flag, value, meaning in (("--max-len", args.max_len, "the padded length L of the token keys"),
                                      ("--shard-size", args.shard_size, "samples per shard, e.g. --shard-size 256"),

@@ -83,8 +83,13 @@ def on_cpu(t: torch.Tensor) -> torch.Tensor:
 def byte_row_sums(view: memoryview, rows: int, first_row: int = 0) -> list[int]:
     """``xxh3_64`` of each of ``rows`` equal rows laid out back to back in the bytes of ``view``,
     row ``i`` seeded with ``first_row + i`` (the shard row index of the view's first row)."""
-    rb = view.nbytes // rows if rows else 0
-    return [_hash(view[i * rb : i * rb + rb], first_row + i) for i in range(rows)]
+    return [_hash(row, first_row + i) for i, row in enumerate(_cut_rows(view, rows))]
+
+
+def _cut_rows(view: memoryview, n: int) -> list[memoryview]:
+    """``view`` cut into ``n`` equal rows."""
+    rb = view.nbytes // n if n else 0
+    return [view[i * rb : i * rb + rb] for i in range(n)]
 
 
 def encode_sums(sums: Sequence[int]) -> str:
@@ -267,18 +272,13 @@ def row_views(data: torch.Tensor, n: int) -> list[memoryview]:
     """
     if not data.is_contiguous():
         data = data.contiguous()  # a fresh copy: not worth caching
-        view = byte_view(data)
-        rb = view.nbytes // n
-        return [view[i * rb : i * rb + rb] for i in range(n)]
-    nbytes = data.numel() * data.element_size()
-    cache_key = (data.data_ptr(), nbytes, n)
+        return _cut_rows(byte_view(data), n)
+    cache_key = (data.data_ptr(), data.numel() * data.element_size(), n)
     views = _ROW_VIEWS.get(cache_key)
     if views is None:
         if len(_ROW_VIEWS) >= _ROW_VIEWS_MAX:
             _ROW_VIEWS.clear()
-        view = byte_view(data)
-        rb = nbytes // n
-        views = _ROW_VIEWS[cache_key] = [view[i * rb : i * rb + rb] for i in range(n)]
+        views = _ROW_VIEWS[cache_key] = _cut_rows(byte_view(data), n)
     return views
 
 

@@ -1,33 +1,15 @@
 """What a cache will cost before it is produced: its bytes, its shards, and each CP rank's reads per epoch.
 
 :func:`plan_cache` takes every sample's real length and the logical schema (token keys
-``[L, ...]`` per sample, as ``compute_batch`` returns them) and lays the cache out with
-the writers' own rules, for every way it can be stored:
-
-- ``padded``: every row ``L`` tokens (:class:`~te_thd.offline_cache.shardfile.ShardStream`);
-- ``ragged``: the token keys stored as each sample's real tokens
-  (:class:`~te_thd.offline_cache.token_shard.TokenShardStream`);
-- ``ragged+<codec>``: the same with each codec of
-  :data:`~te_thd.offline_cache.codecs.CODECS` on every token key it can store (what a
-  codec stores per token comes from :meth:`~te_thd.offline_cache.tokens.TokenLayout.stored`,
-  so a codec added to the table is planned with no change here).
-
-A shard's bytes are its header (the writers' own header functions, with the producer's
-run record) plus its tensors (:func:`~te_thd.offline_cache.format.tensor_nbytes`; a
-ragged tensor's block checksums from :func:`~te_thd.offline_cache.tokens.block_table`);
-the manifest is not counted. A CP rank's bytes per epoch are what the reader fetches
-for it through ``CachedThdCollator(cp_size=C, cp_rank=r)`` over every sample (one
-data-parallel replica reading the whole dataset; divide by the replicas for one
-replica's share): every shard's header; of a padded cache every row; of a ragged one
-the per-sample keys and the keys the collator packs (``input_key``, the length key)
-whole, and of every other token key only the checksum blocks holding the rank's tokens
-(:func:`~te_thd.cp.partition_indices` of the sample padded to
-:func:`~te_thd.packing.pad_to_multiple_for`), planned by
-:func:`~te_thd.offline_cache.tokens.plan_token_reads`, plus the shard's block sums.
-The epoch is the sequential one (batches of consecutive samples, each packed into rows as
-``CachedThdCollator`` packs it, which sets every document's CP chunks); a shuffled epoch
-reads about as much, more where the gaps under a page between one batch's samples of a
-shard are read through.
+``[L, ...]`` per sample, as ``compute_batch`` returns them) and lays the cache out with the
+writers' own rules -- not a formula of its own, so the plan cannot drift from what they
+write -- for every way it can be stored: ``padded``, ``ragged``, and ``ragged+<codec>`` for
+each codec of :data:`~te_thd.offline_cache.codecs.CODECS` on every token key it can store
+(what a codec stores per token comes from :meth:`~te_thd.offline_cache.tokens.TokenLayout.stored`,
+so a new codec is planned with no change here). A CP rank's bytes are what the reader fetches
+for ``CachedThdCollator(cp_size=C, cp_rank=r)`` over one sequential epoch, planned by the
+reader's own :func:`~te_thd.offline_cache.tokens.plan_token_reads`. What is counted and
+what is not: docs/cache-plan.md.
 """
 
 from __future__ import annotations

@@ -1,31 +1,15 @@
 """``te-thd cache repair DIR``: set damaged shards aside, rebuild a lost manifest, reopen the cache for its producer.
 
-A shard that fails verification cannot be fixed in place (its bytes are the
-producer's output); it has to be computed again. :func:`repair_cache` makes that
-a plain resume of the producer that built the cache:
-
-1. under the producer lock, every shard is verified completely
-   (:func:`~te_thd.offline_cache.verify.verify_shard_file`);
-2. the producer's run record (``.te_thd-producer.json``) is written from the
-   manifest, so ``produce_cache`` with the same arguments resumes instead of
-   refusing the directory;
-3. damaged shards, and shards beyond the manifest's count, are moved to
-   ``DIR/.te_thd-damaged/`` (kept for inspection, never read), and
-   ``manifest.json`` is removed: the cache is unfinished until the producer ran.
-
-A lost or damaged manifest (missing, truncated, edited, failing its own
-checksum) is rebuilt from the shards (:func:`rebuild_manifest`): every shard
-``produce_cache`` writes records the producer's run in its header, so the
-schema, the lengths and the producer options come from the shards, each shard is
-verified, and the manifest -- the bytes the producer wrote -- is written last,
-atomically. The damaged manifest is kept in ``.te_thd-damaged/``. A gap (a shard
-missing or damaged) reopens the cache as above, and the producer command fills it.
-Shards written before they recorded their run need the fields they cannot tell
-passed back (``format_version``, ``options``, and ``shard_size`` / ``num_samples``
-/ ``length_key`` where the shards leave them open); the error names each one.
-
-Every step goes through the cache's :class:`~te_thd.offline_cache.storage.Storage`, so a
-local directory and an s3:// prefix are repaired by the same code.
+A damaged shard cannot be fixed in place (its bytes are the producer's output): it is
+computed again. :func:`repair_cache` turns that into a plain resume of the producer that
+built the cache: under the producer lock every shard is verified
+(:func:`~te_thd.offline_cache.verify.verify_shards`), the producer's run record is written
+from the manifest, damaged and extra shards go to ``DIR/.te_thd-damaged/`` and
+``manifest.json`` is removed. A lost or damaged manifest is rebuilt from the run record
+every ``produce_cache`` shard carries (:func:`rebuild_manifest`) and written last; shards
+that predate the record need the fields they cannot tell passed back, and the error names
+each one. Everything goes through the cache's :class:`~te_thd.offline_cache.storage.Storage`,
+so a directory and an s3:// prefix are repaired by the same code (docs/integrity.md).
 """
 
 from __future__ import annotations

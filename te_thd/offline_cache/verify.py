@@ -263,42 +263,33 @@ def verify_cache(
     storage = open_storage(cache_dir)
     manifest = load_manifest(cache_dir, cache_name, producer_name)
     producer_name = producer_command(cache_dir, manifest, producer_name)
-    validate_manifest(manifest, manifest_path(cache_dir), producer_name)
     num_samples, shard_size = int(manifest["num_samples"]), int(manifest["shard_size"])
     # presence of 0..N-1 (a gap or an extra shard is a problem of the set: raised at once)
     indices = validate_contiguous_shards(cache_dir, cache_name, num_samples, shard_size, producer=producer_name)
-    records = shard_records(manifest)
+    records, rule = shard_records(manifest), recorded_rule(manifest)
+    size_errors = shard_size_errors(cache_dir, manifest, indices, producer_name)
+    shown = {i: storage.display(shard_name(i)) for i in indices}  # what messages name: the file or the object
+    problems = [(shown[i], shard_problem(exc, shown[i])) for i, exc in size_errors.items()]
+    with_sums = 0
+    if deep:  # only the shards of the right size are read
+        bad, with_sums = verify_shards(cache_dir, manifest, [i for i in indices if i not in size_errors], rule)
+        problems += [(shown[i], why) for i, why in bad.items()]
+    _raise_problems(sorted(problems), cache_dir, cache_name, producer_name)
+    checked, not_checked = _what_was_checked(cache_dir, deep, records is not None, with_sums, len(indices))
     result: dict[str, Any] = {
         "cache_dir": cache_dir,
         "num_samples": num_samples,
         "num_shards": len(indices),
         "deep": deep,
-        "checksums_verified": False,
-        "headers_verified": False,
-        "shards_with_checksums": None,
-        "lengths_recorded": None,
-        "lengths_verified": False,
+        "checksums_verified": deep and with_sums == len(indices),
+        "headers_verified": deep,
+        "shards_with_checksums": with_sums if deep else None,
+        "lengths_recorded": rule.describe() if rule is not None else None,
+        "lengths_verified": deep and rule is not None,
+        "checked": checked,
+        "not_checked": not_checked,
     }
-    rule = recorded_rule(manifest)
-    result["lengths_recorded"] = rule.describe() if rule is not None else None
-    size_errors = shard_size_errors(cache_dir, manifest, indices, producer_name)
-    shown = {i: storage.display(shard_name(i)) for i in indices}  # what messages name: the file or the object
-    problems = [(shown[i], shard_problem(exc, shown[i])) for i, exc in size_errors.items()]
-    sized = [i for i in indices if i not in size_errors]  # only the shards of the right size are read
-    if not deep:
-        _raise_problems(problems, cache_dir, cache_name, producer_name)
-        result["checked"], result["not_checked"] = _what_was_checked(cache_dir, False, records is not None, 0, len(indices))
-        _lengths_lines(result, cache_dir, rule, False)
-        return result
-    bad, with_sums = verify_shards(cache_dir, manifest, sized, rule)
-    problems += [(shown[i], why) for i, why in bad.items()]
-    _raise_problems(sorted(problems), cache_dir, cache_name, producer_name)
-    result["headers_verified"] = True
-    result["shards_with_checksums"] = with_sums
-    result["checksums_verified"] = with_sums == len(indices)
-    result["checked"], result["not_checked"] = _what_was_checked(cache_dir, True, records is not None, with_sums, len(indices))
-    result["lengths_verified"] = rule is not None
-    _lengths_lines(result, cache_dir, rule, True)
+    _lengths_lines(result, cache_dir, rule, deep)
     return result
 
 
