@@ -228,10 +228,6 @@ def _read_checked_manifest(cache_dir: str, cache_name: str, producer: str | None
         if not any(SHARD_RE.match(n) or TEMP_RE.match(n) or (n.startswith(".te_thd-") and n != LOCK_NAME) for n in names):
             raise ManifestNotFoundError(f"cache_dir={cache_dir!r} holds no manifest.json and no shards: it is not a te_thd cache; check the path")
         raise lost_manifest(path, storage.name, cache_name, sum(1 for n in names if SHARD_RE.match(n)), producer)
-    return _parse_manifest(raw, path, cache_name, producer)
-
-
-def _parse_manifest(raw: bytes, path: str, cache_name: str, producer: str | None) -> dict[str, Any]:
     try:
         manifest = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -244,7 +240,7 @@ def _parse_manifest(raw: bytes, path: str, cache_name: str, producer: str | None
             f"{cache_name} cache manifest {path} holds a JSON {type(manifest).__name__}, not an "
             f"object. {rebuild_manifest_hint(path)}"
         )
-    _check_manifest_checksum(manifest, path, cache_name, producer)
+    _check_manifest_checksum(manifest, path, cache_name)
     manifest.pop(MANIFEST_CHECKSUM_KEY, None)
     if "format_version" not in manifest:
         raise ManifestError(
@@ -260,7 +256,7 @@ def _parse_manifest(raw: bytes, path: str, cache_name: str, producer: str | None
     return manifest
 
 
-def _check_manifest_checksum(manifest: Mapping[str, Any], path: str, cache_name: str, producer: str | None) -> None:
+def _check_manifest_checksum(manifest: Mapping[str, Any], path: str, cache_name: str) -> None:
     damaged = (
         f"so none of its fields can be trusted. {rebuild_manifest_hint(path)} (After a deliberate "
         "edit, rewrite it with `te_thd.offline_cache.write_manifest(cache_dir, manifest, "

@@ -167,14 +167,22 @@ def layouts(spec: CacheSpec) -> list[tuple[str, TokenLayout | None]]:
     return out
 
 
+def header_bytes(spec: CacheSpec, layout: TokenLayout | None, rows: int, run: Mapping[str, Any],
+                 rule: LengthRule | None) -> int:  # fmt: skip
+    """Bytes of the header of a shard of ``rows`` samples, as its writer builds it."""
+    if layout is None:
+        return shard_header_len(spec.schema, rows, run)
+    assert rule is not None
+    return reserved_header_len(spec.schema, rows, layout, rule, run)
+
+
 def shard_bytes(spec: CacheSpec, layout: TokenLayout | None, lengths: np.ndarray, run: Mapping[str, Any],
                 rule: LengthRule | None) -> int:  # fmt: skip
     """Bytes of the shard holding samples of ``lengths`` (int64 ``[rows]``), as its writer lays it out."""
     rows = int(lengths.size)
+    total = header_bytes(spec, layout, rows, run, rule)
     if layout is None:
-        return shard_header_len(spec.schema, rows, run) + sum(tensor_nbytes(s.dtype, (rows, *s.shape)) for s in spec.schema.values())
-    assert rule is not None
-    total = reserved_header_len(spec.schema, rows, layout, rule, run)
+        return total + sum(tensor_nbytes(s.dtype, (rows, *s.shape)) for s in spec.schema.values())
     total += sum(tensor_nbytes(s.dtype, (rows, *s.shape)) for k, s in spec.schema.items() if k not in layout.keys)
     offsets = row_offsets(lengths)
     for s in layout.stored(spec.schema):
@@ -288,10 +296,7 @@ def plan_cache(lengths: Sequence[int] | np.ndarray, spec: CacheSpec) -> list[Lay
         params = run_params(spec.format_version, int(lengths.size), spec.shard_size, keys, spec.options, layout)
         run = run_record(params, rule)
         sizes = [shard_bytes(spec, layout, lengths[a:b], run, shard_rule) for a, b in shards]
-        headers = sum(
-            shard_header_len(spec.schema, b - a, run) if layout is None else reserved_header_len(spec.schema, b - a, layout, shard_rule, run)
-            for a, b in shards
-        )  # fmt: skip
+        headers = sum(header_bytes(spec, layout, b - a, run, shard_rule) for a, b in shards)
         total = sum(sizes)
         out.append(LayoutCost(name, dict(layout.codecs) if layout else {}, int(lengths.size), total, len(shards),
                               rank_bytes(spec, layout, lengths, headers, total)))  # fmt: skip

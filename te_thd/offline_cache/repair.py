@@ -70,14 +70,6 @@ REBUILD_ARGS = {
 }
 
 
-def find_bad(cache_dir: str, manifest: dict[str, Any]) -> tuple[dict[int, str], list[int], list[int]]:
-    """``({index: problem} of damaged shards, missing indices, extra indices)``."""
-    count = num_shards(int(manifest["num_samples"]), int(manifest["shard_size"]))
-    present = existing_shard_indices(cache_dir)
-    bad, _ = verify_shards(cache_dir, manifest, sorted(i for i in present if i < count))
-    return bad, sorted(set(range(count)) - present), sorted(i for i in present if i >= count)
-
-
 @dataclass
 class Rebuild:
     """What :func:`rebuild_manifest` found in a directory of shards."""
@@ -318,8 +310,16 @@ def repair_cache(
                 raise  # no manifest and no shards: nothing to rebuild from, and the error says what the path is
             rebuilt = rebuild_manifest(cache_dir, cache_name, storage.display(MANIFEST_NAME) if damaged else None, **given)
             return _apply_rebuild(storage, rebuilt, damaged)
-        _refuse_arguments(cache_dir, given)
-        bad, missing, extra = find_bad(cache_dir, manifest)
+        passed = [k for k, v in given.items() if v is not None]
+        if passed:
+            raise ValueError(
+                f"{', '.join(passed)}: only a rebuild of a lost or damaged manifest takes them, and the manifest of "
+                f"{cache_dir} is sound; run `te-thd cache repair {shlex.quote(cache_dir)}` without them"
+            )
+        count = num_shards(int(manifest["num_samples"]), int(manifest["shard_size"]))
+        present = existing_shard_indices(cache_dir)
+        bad, _ = verify_shards(cache_dir, manifest, sorted(i for i in present if i < count))
+        missing, extra = sorted(set(range(count)) - present), sorted(i for i in present if i >= count)
         result = _result(cache_dir, bad, missing, extra, producer_command(cache_dir, manifest))
         if not (bad or missing or extra):
             return result
@@ -330,18 +330,8 @@ def repair_cache(
         lock.release()
 
 
-def _refuse_arguments(cache_dir: str, given: Mapping[str, Any]) -> None:
-    passed = [k for k, v in given.items() if v is not None]
-    if passed:
-        raise ValueError(
-            f"{', '.join(passed)}: only a rebuild of a lost or damaged manifest takes them, and the manifest of "
-            f"{cache_dir} is sound; run `te-thd cache repair {shlex.quote(cache_dir)}` without them"
-        )
-
-
-def _result(
-    cache_dir: str, bad: Mapping[int, str], missing: list[int], extra: list[int], producer: str | None
-) -> dict[str, Any]:
+def _result(cache_dir: str, bad: Mapping[int, str], missing: list[int], extra: list[int], producer: str) -> dict[str, Any]:
+    """What :func:`repair_cache` returns, before anything is changed (``producer``: :func:`producer_command`)."""
     return {
         "cache_dir": cache_dir,
         "damaged": {shard_name(i): why for i, why in bad.items()},
@@ -352,7 +342,7 @@ def _result(
         "rebuilt": False,
         "from_arguments": [],
         "notes": [],
-        "producer": producer_hint(producer),
+        "producer": producer,
     }
 
 

@@ -6,7 +6,8 @@
 - :func:`verify_shard_file`: everything one shard can be checked for -- its
   header against the cache schema and row count, every row of every key against
   the checksums the shard carries, and the whole file against the manifest's
-  record. ``verify_cache(deep=True)`` and the producer's resume both call it.
+  record. The producer's resume calls it, and :func:`verify_shards`, the one walk over a
+  cache's shards that ``verify_cache(deep=True)`` and ``repair_cache`` share.
 - :func:`verify_cache`: the whole cache; says exactly what it checked and what it
   could not (a reference-format cache carries no checksums).
 - :func:`cache_info`: what ``te-thd cache info`` prints.
