@@ -277,7 +277,9 @@ def verify_cache(
         problems += [(shown[i], why) for i, why in bad.items()]
     _raise_problems(sorted(problems), cache_dir, cache_name, producer_name)
     checked, not_checked = _what_was_checked(cache_dir, deep, records is not None, with_sums, len(indices))
-    result: dict[str, Any] = {
+    if deep and rule is not None:
+        checked.append(f"every sample's recorded length against {rule.describe()}")
+    return {
         "cache_dir": cache_dir,
         "num_samples": num_samples,
         "num_shards": len(indices),
@@ -289,9 +291,8 @@ def verify_cache(
         "lengths_verified": deep and rule is not None,
         "checked": checked,
         "not_checked": not_checked,
+        "lengths": _lengths_line(cache_dir, rule, deep),
     }
-    _lengths_lines(result, cache_dir, rule, deep)
-    return result
 
 
 def verify_shards(
@@ -359,20 +360,16 @@ def _check_lengths(path: str, rule: LengthRule, recorded: list[int], first_sampl
         )
 
 
-def _lengths_lines(result: dict[str, Any], cache_dir: str, rule: LengthRule | None, deep: bool) -> None:
-    """``result["lengths"]``: whether the cache records per-sample lengths and whether they were checked."""
+def _lengths_line(cache_dir: str, rule: LengthRule | None, deep: bool) -> str:
+    """Whether the cache records per-sample lengths and whether they were checked."""
     if rule is None:
-        result["lengths"] = (
-            "not recorded (a balanced loader scans them once and keeps them beside the cache in lengths.<key>.json)"
-        )
-    elif deep:
-        result["checked"].append(f"every sample's recorded length against {rule.describe()}")
-        result["lengths"] = f"recorded ({rule.describe()}), checked against the data"
-    else:
-        result["lengths"] = (
-            f"recorded ({rule.describe()}), covered by the manifest checksum; a full verify checks them "
-            f"against the data: `te-thd cache verify {shlex.quote(cache_dir)}`"
-        )
+        return "not recorded (a balanced loader scans them once and keeps them beside the cache in lengths.<key>.json)"
+    if deep:
+        return f"recorded ({rule.describe()}), checked against the data"
+    return (
+        f"recorded ({rule.describe()}), covered by the manifest checksum; a full verify checks them "
+        f"against the data: `te-thd cache verify {shlex.quote(cache_dir)}`"
+    )
 
 
 def cache_info(cache_dir: str) -> dict[str, Any]:
