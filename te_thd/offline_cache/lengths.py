@@ -5,7 +5,7 @@ producer records them per shard (``"lengths"`` in each shard record, the rule in
 the manifest's ``"length_rule"``), so the manifest checksum covers them and
 ``verify_cache(deep=True)`` checks them against the data. For a cache without
 them (the reference producer's, an older te_thd's)
-:func:`~te_thd.offline_cache.length_scan.cache_lengths` scans the cache once and
+:func:`~te_thd.offline_cache.loader.cache_lengths` scans the cache once and
 keeps the result beside it.
 
 The rule (:class:`LengthRule`), one implementation for the producer, the scan

@@ -18,10 +18,12 @@ e.g. hidden states ``[L, H]`` — is then placed with one ``index_select`` by th
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 import torch
+from torch.utils.data import get_worker_info
 
 from te_thd.args import check_int, check_names
 from te_thd.boundaries import check_cp_args
@@ -30,14 +32,76 @@ from te_thd.layout import LAYOUT_KEY, ThdLayout
 from te_thd.packing import PackingCollator, pad_to_multiple_for
 from te_thd.thd_utils import process_input_for_thd
 
-from .balanced_sampler import PlannedSamples
-from .loader import collate_cached
+from .buffers import new_tensor
 from .reader import CachedBatch
+from .sampler import PlannedSamples
 from .token_read import TokenRows
 
-__all__ = ["CachedThdCollator"]
+__all__ = ["CachedThdCollator", "collate_cached"]
 
 _SRC = "__te_thd_src__"  # per-token source position, packed alongside the ids
+
+
+def collate_cached(features: Sequence[dict[str, torch.Tensor]], keys: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """Stack per-sample cache dicts into a batch: ``{key: [B, *sample_shape]}``.
+
+    A :class:`CachedBatch` (what ``CachedTensorDataset.__getitems__`` returns) is
+    already stacked: its tensors are returned as they are, without the unstack +
+    restack a list of samples needs. Inside a DataLoader worker a list is stacked
+    straight into shared memory (one copy less on the way to the main process).
+    """
+    if isinstance(features, CachedBatch):
+        try:
+            return {key: features.tensors[key] for key in keys}
+        except KeyError as e:
+            raise ValueError(
+                f"collate_cached: key {e.args[0]!r} was not read (the dataset's disk_keys are "
+                f"{tuple(features.tensors)}); add it to disk_keys or drop it from keys"
+            ) from None
+    if len(features) == 0:
+        raise ValueError(
+            "collate_cached: features is empty; a batch needs at least one sample (a sampler "
+            "or batch_sampler yielded an empty batch)"
+        )
+    shared = get_worker_info() is not None
+    out = {}
+    for key in keys:
+        try:
+            rows = [feature[key] for feature in features]
+        except KeyError:
+            i = next(i for i, f in enumerate(features) if key not in f)
+            raise ValueError(
+                f"collate_cached: sample {i} has no key {key!r} (it holds {sorted(features[i])}); "
+                "add it to the dataset's disk_keys or drop it from keys"
+            ) from None
+        dst = None
+        if shared:
+            # torch.stack promotes mixed dtypes; the shared-memory output must too
+            dtype = functools.reduce(torch.promote_types, {r.dtype for r in rows}) if all(
+                isinstance(r, torch.Tensor) for r in rows) else None
+            if dtype is not None:
+                dst = new_tensor((len(rows), *rows[0].shape), dtype, shared=True)
+        try:
+            out[key] = torch.stack(rows, dim=0, out=dst)
+        except (RuntimeError, TypeError) as exc:
+            raise _stack_error(key, rows, exc) from None
+    return out
+
+
+def _stack_error(key: str, rows: list[Any], exc: Exception) -> ValueError:
+    """Why ``torch.stack(rows)`` failed, naming the key and the first offending sample."""
+    for i, r in enumerate(rows):
+        if not isinstance(r, torch.Tensor):
+            return ValueError(f"collate_cached: key {key!r} of sample {i} is of type {type(r).__name__}, not a tensor")
+    first = list(rows[0].shape)
+    for i, r in enumerate(rows):
+        if list(r.shape) != first:
+            return ValueError(
+                f"collate_cached: key {key!r} of sample {i} is {list(r.shape)}, sample 0's is {first}: "
+                "the samples of one batch must share each key's shape (pad them when producing the "
+                "cache, or collate variable lengths with CachedThdCollator)"
+            )
+    return ValueError(f"collate_cached: cannot stack key {key!r} ({exc})")
 
 
 class CachedThdCollator:
