@@ -4,12 +4,11 @@ A balanced loader plans each step from its samples' real token counts. The
 producer records them per shard (``"lengths"`` in each shard record, the rule in
 the manifest's ``"length_rule"``), so the manifest checksum covers them and
 ``verify_cache(deep=True)`` checks them against the data. For a cache without
-them (the reference producer's, an older te_thd's)
-:func:`~te_thd.offline_cache.loader.cache_lengths` scans the cache once and
+them :func:`~te_thd.offline_cache.loader.cache_lengths` scans the cache once and
 keeps the result beside it.
 
-The rule (:class:`LengthRule`), one implementation for the producer, the scan
-and ``verify``:
+The rule (:class:`LengthRule`), one implementation for the producer, the scan,
+``verify`` and the THD collate:
 
 - ``value``: the key holds one integer per sample (``[n]`` or ``[n, 1]``);
 - ``nonzero``: the nonzero count of a per-token mask;

@@ -35,6 +35,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from ..args import check_int
+from ..balance import DEFAULT_ATTN_SCALE
 from .durable import atomic_write_bytes
 from .errors import CacheError
 from .format import json_crc32
@@ -71,12 +72,8 @@ class CachedDataLoader(DataLoader):
 
     sampler: CacheShardSampler | BalancedBatchSampler
 
-    #: With ``num_workers=0`` (also pinned for CUDA): when the training step leaves time
-    #: for it (a step of at least half a batch's read), start reading batch ``i + 1``
-    #: (``CachedTensorDataset.start_read``) before handing out batch ``i``, so its copy
-    #: runs on the reader's helper threads while the step runs. Costs one more batch of
-    #: buffers; the sampler is then one batch ahead (as with DataLoader workers).
-    #: ``build_cached_dataloader(read_ahead=...)``.
+    #: ``build_cached_dataloader(read_ahead=...)``: with ``num_workers=0``, start reading batch
+    #: ``i + 1`` before handing out batch ``i`` when the step leaves time for it (:func:`_read_ahead`)
     read_ahead: bool = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -105,8 +102,8 @@ class CachedDataLoader(DataLoader):
         Same batches in the same order (batch sampler -> ``__getitems__`` or one
         ``dataset[i]`` per index -> ``collate_fn``; without a batch size, one
         ``dataset[index]`` per sampler item), minus the profiler hooks and fetcher
-        dispatch of each batch, a share of reading a cached batch worth saving. With
-        ``pin_memory`` on a CUDA machine every batch is pinned, as torch's pin step does.
+        dispatch of each batch. With ``pin_memory`` on a CUDA machine every batch is
+        pinned, as torch's pin step does.
         """
         dataset, collate = self.dataset, self.collate_fn
         if self.pin_memory and torch.cuda.is_available():
@@ -149,12 +146,8 @@ class CachedDataLoader(DataLoader):
 
 
 def _pinned_collate(collate: Callable[[Any], Any], data: Any) -> Any:
-    return _pin(collate(data))
-
-
-def _pin(batch: Any) -> Any:
-    """Every tensor of ``batch`` (dicts/lists/tuples nested) in page-locked memory (CUDA only)."""
-    return _map_tensors(batch, torch.Tensor.pin_memory)
+    """``collate(data)`` with every tensor in page-locked memory (CUDA only)."""
+    return _map_tensors(collate(data), torch.Tensor.pin_memory)
 
 
 def _map_tensors(batch: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
@@ -176,16 +169,13 @@ def _read_ahead(
 ) -> Iterator[Any]:  # fmt: skip
     """``collate(batch)`` for every index list of ``batches``, read ahead when the consumer leaves time for it.
 
-    Each batch is read by ``read`` (on this thread and the reader's helpers), or,
-    when the consumer's last time between batches was at least half the last
-    synchronous read, started by ``start`` before the previous batch is handed
-    out, so the reader's threads copy it while the consumer works: then at least
-    half of each read hides behind the consumer's work. A consumer that asks for
-    the next batch at once (a bare read loop) is served synchronously, where
-    read-ahead would only make the reader's threads contend with the planning of
-    the next batch (docs/performance-io.md). A read still in flight when the
-    consumer stops early is waited for (its buffers must not be written once they
-    can be handed out again).
+    Each batch is read by ``read``, or, when the consumer's last time between batches
+    was at least half the last synchronous read, started by ``start`` before the
+    previous batch is handed out, so the reader's threads copy it while the consumer
+    works. A consumer that asks for the next batch at once is served synchronously:
+    there read-ahead would only contend with the planning of the next batch
+    (docs/performance-io.md). A read still in flight when the consumer stops early is
+    waited for (its buffers must not be written once they can be handed out again).
     """
     it = iter(batches)
     pending = None
@@ -262,12 +252,9 @@ def cache_lengths(
 
     Under ``rule``, else under ``length_key``'s (its value when it holds one
     number per sample, else its non-padding length), else under the rule the
-    cache records, else ``input_ids``' non-padding length. The lengths the
-    producer recorded when their rule is that one; else the side file
-    ``lengths.<key>.json`` when it belongs to the current manifest; else a scan of
-    the cache (reading only the key), kept in that side file for the next run.
-    Raises :class:`CacheError` when the scan's result cannot be kept because the
-    directory is read-only (saying how to add the lengths).
+    cache records, else ``input_ids``' non-padding length; recorded, kept or
+    scanned as the module docstring says. Raises :class:`CacheError` when a scan's
+    result cannot be kept because the directory is read-only (saying how to add the lengths).
     """
     manifest = load_manifest(cache_dir, cache_name)
     recorded = recorded_rule(manifest)
@@ -335,7 +322,7 @@ def build_cached_dataloader(
     multiprocessing_context: Any = None,
     balance: bool = False,
     lengths: Sequence[int] | Any = None,
-    attn_scale: float = 49152.0,
+    attn_scale: float = DEFAULT_ATTN_SCALE,
     rows_per_replica: int | None = None,
     length_key: str | None = None,
     read_ahead: bool = True,
@@ -349,9 +336,7 @@ def build_cached_dataloader(
 
     Keyword options:
         seed: order seed, the same on every rank; epoch ``e`` reads
-            ``shard_block_order(N, shard_size, seed, e)`` (numpy ``default_rng([seed,
-            e])`` for the shard order, ``default_rng([seed, e, s])`` inside shard ``s``;
-            see :class:`CacheShardSampler`).
+            ``shard_block_order(N, shard_size, seed, e)`` (:class:`CacheShardSampler`).
         drop_last: drop the samples that do not split evenly over the replicas and
             the last incomplete batch (default: pad by wrap-around, keep it).
         dp_rank, dp_size: the data-parallel rank and size. Default with

@@ -1,9 +1,9 @@
-"""THD-ready collate for cached samples: cache rows -> packed rows -> THD (-> one CP rank).
+"""The collates of cached samples: stacked (:func:`collate_cached`) or packed THD (:class:`CachedThdCollator`).
 
-Runs where a ``collate_fn`` runs, i.e. on the CPU inside DataLoader workers, so every
-piece of metadata (``cu_seqlens*``, ``max_seqlen``, CP partition indices) is built on
+Both run where a ``collate_fn`` runs, on the CPU inside DataLoader workers, so every
+piece of THD metadata (``cu_seqlens*``, ``max_seqlen``, CP partition indices) is built on
 the host and the training step gets tensors plus Python ints/bools: nothing in it
-forces a host-device synchronisation. The path is the package's batch path::
+forces a host-device synchronisation. The THD path is the package's batch path::
 
     CachedBatch -> te_thd.packing.PackingCollator -> te_thd.thd_utils.process_input_for_thd
                 -> te_thd.cp.shard_thd_batch_for_cp (cp_size > 1)
@@ -33,6 +33,7 @@ from te_thd.packing import PackingCollator, pad_to_multiple_for
 from te_thd.thd_utils import process_input_for_thd
 
 from .buffers import new_tensor
+from .lengths import collator_rule
 from .reader import CachedBatch
 from .sampler import PlannedSamples
 from .token_read import TokenRows
@@ -230,38 +231,33 @@ class CachedThdCollator:
         return tensors, ragged
 
     def _lengths(self, tensors: Mapping[str, torch.Tensor], b: int, width: int) -> torch.Tensor:
-        """Real length of every sample, int64 ``[B]`` on the CPU."""
-        if self.length_key is not None:
-            if self.length_key not in tensors:
-                raise ValueError(f"length_key={self.length_key!r} was not read (read: {sorted(tensors)})")
-            t = tensors[self.length_key]
-            if t.numel() != b or t.is_floating_point():
-                raise ValueError(
-                    f"length_key={self.length_key!r} must hold one integer per sample, got "
-                    f"{tuple(t.shape)} {t.dtype} for {b} samples"
-                )
-            lengths = t.reshape(b).to(torch.int64)
-        elif self.mask_key is not None:
-            if self.mask_key not in tensors:
-                raise ValueError(f"mask_key={self.mask_key!r} was not read (read: {sorted(tensors)})")
-            t = tensors[self.mask_key]
+        """Real length of every sample, int64 ``[B]`` on the CPU, by the rule the balanced
+        loader plans with (:func:`~te_thd.offline_cache.lengths.collator_rule`)."""
+        rule = collator_rule(self)
+        if rule.kind != "row" and rule.key not in tensors:
+            arg = "length_key" if rule.kind == "value" else "mask_key"
+            raise ValueError(f"{arg}={rule.key!r} was not read (read: {sorted(tensors)})")
+        t = tensors[rule.key]
+        if rule.kind == "value" and (t.numel() != b or t.is_floating_point()):
+            raise ValueError(
+                f"length_key={self.length_key!r} must hold one integer per sample, got "
+                f"{tuple(t.shape)} {t.dtype} for {b} samples"
+            )
+        if rule.kind == "nonzero":
             if t.numel() != b * width:
                 raise ValueError(
                     f"mask_key={self.mask_key!r} must be [L] or [L, 1] per sample (L={width}), got "
                     f"{tuple(t.shape[1:])}"
                 )
-            m = t.reshape(b, width) != 0
-            lengths = m.sum(1)
             # right padding: the nonzero entries form a prefix of the row
-            prefix = m.to(torch.int8).cumprod(1).sum(1)
-            bad = torch.nonzero(prefix != lengths).view(-1)
+            m = t.reshape(b, width) != 0
+            bad = torch.nonzero(m.to(torch.int8).cumprod(1).sum(1) != m.sum(1)).view(-1)
             if bad.numel():
                 raise ValueError(
                     f"mask_key={self.mask_key!r} of sample {int(bad[0])} (of this batch) is not right-padded "
                     "(a zero before a nonzero); pass length_key instead, or store a right-padded mask"
                 )
-        else:
-            lengths = torch.full((b,), width, dtype=torch.int64)
+        lengths = torch.from_numpy(rule.lengths(t.reshape(b, -1)))
         if lengths.numel() and (int(lengths.min()) < 1 or int(lengths.max()) > width):
             i = int(torch.nonzero((lengths < 1) | (lengths > width)).view(-1)[0])
             raise ValueError(
