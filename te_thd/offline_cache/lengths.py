@@ -92,13 +92,6 @@ class LengthRule:
         return out.to(torch.int64).numpy()
 
 
-def rule_for_key(length_key: str, spec: TensorSpec | None) -> LengthRule:
-    """The rule for a key the user names: its value when it holds one number per sample, else its non-padding length."""
-    if spec is not None and int(np.prod(spec.shape, dtype=np.int64)) == 1:
-        return LengthRule(length_key, "value")
-    return LengthRule(length_key, "last_nonpad")
-
-
 def producer_rule(length_key: str | None, keys: Sequence[str]) -> LengthRule | None:
     """The rule ``produce_cache`` records with: ``length_key``'s, else ``input_ids``' when stored, else none.
 
@@ -115,8 +108,11 @@ def producer_rule(length_key: str | None, keys: Sequence[str]) -> LengthRule | N
 
 
 def for_tensor_spec(rule: LengthRule, spec: TensorSpec) -> LengthRule:
-    """``rule`` with its kind fixed by its key's per-sample shape, unless it counts a mask or a width."""
-    return rule if rule.kind in ("nonzero", "row") else rule_for_key(rule.key, spec)
+    """``rule`` with its kind fixed by its key's per-sample shape, unless it counts a mask or a width:
+    the key's value when it holds one number per sample, else its non-padding length."""
+    if rule.kind in ("nonzero", "row"):
+        return rule
+    return LengthRule(rule.key, "value" if int(np.prod(spec.shape, dtype=np.int64)) == 1 else "last_nonpad")
 
 
 def collator_rule(collate_fn: Any) -> LengthRule:
@@ -181,17 +177,3 @@ def read_shard_lengths(path: str, rule: LengthRule) -> np.ndarray:
 
     with safe_open(path, "pt") as f:
         return rule.lengths(f.get_tensor(rule.key))
-
-
-def scan_rule(dataset: Any, rule: LengthRule, block: int = 4096) -> np.ndarray:
-    """Every sample's length under ``rule``, int64 ``[len(dataset)]``, reading ``block`` samples at a time."""
-    n = len(dataset)
-    out = np.empty(n, dtype=np.int64)
-    read = getattr(dataset, "__getitems__", None)
-    for begin in range(0, n, block):
-        idx = list(range(begin, min(begin + block, n)))
-        batch = read(idx) if read is not None else [dataset[i] for i in idx]
-        tensors = getattr(batch, "tensors", None)
-        t = tensors[rule.key] if tensors is not None else torch.stack([s[rule.key] for s in batch])
-        out[begin : begin + len(idx)] = rule.lengths(t.reshape(len(idx), -1))
-    return out

@@ -46,8 +46,6 @@ from .lengths import (
     for_tensor_spec,
     recorded_lengths,
     recorded_rule,
-    rule_for_key,
-    scan_rule,
 )
 from .manifest import cache_schema, load_manifest, manifest_checksum
 from .reader import CachedTensorDataset
@@ -56,6 +54,8 @@ from .sampler import (
     CacheShardSampler,
     PlannedDataset,
     default_data_parallel_rank_size,
+    read_samples,
+    scan_rule,
 )
 
 __all__ = ["CachedDataLoader", "build_cached_dataloader", "cache_lengths", "to_device"]
@@ -119,9 +119,8 @@ class CachedDataLoader(DataLoader):
         if start is not None:
             yield from _read_ahead(start, dataset.__getitems__, self.batch_sampler, collate)
             return
-        getitems = getattr(dataset, "__getitems__", None)
         for indices in self.batch_sampler:
-            yield collate(getitems(indices) if getitems else [dataset[i] for i in indices])
+            yield collate(read_samples(dataset, indices))
 
     def consumed_samples(self) -> int:
         """Samples of the current epoch the loop has received, over all replicas."""
@@ -268,7 +267,7 @@ def cache_lengths(
             f"length_key={key!r}: the {cache_name} cache at {cache_dir} has no such key (it holds "
             f"{sorted(schema)}); pass length_key= naming the key with each sample's length or tokens"
         )
-    rule = for_tensor_spec(rule, schema[key]) if rule is not None else rule_for_key(key, schema[key])
+    rule = for_tensor_spec(rule or LengthRule(key), schema[key])
     num_samples = int(manifest["num_samples"])
     if rule == recorded:
         return recorded_lengths(manifest)

@@ -13,11 +13,6 @@ epoch)``), with three differences that a cache reader needs:
 * **resume from a consumed-sample count**, global over all replicas, so the same state
   also resumes at a different data-parallel size.
 
-The global order ``G`` (length ``N``) is cut to ``total_size``: with ``drop_last`` the
-uneven tail is dropped, otherwise ``G`` is padded by wrapping around. Replica ``r``
-reads ``G[start + r :: num_replicas]``, streamed one shard block at a time, so the order
-costs O(num_shards + shard_size) memory, not O(N).
-
 :class:`BalancedBatchSampler` takes at step ``i`` exactly the unbalanced path's global
 slice ``[start + i*R*b, start + (i+1)*R*b)`` (same samples per step, same resume points)
 and hands each replica the rows :func:`te_thd.balance.plan_global_batch` plans for it,
@@ -41,7 +36,7 @@ from te_thd.args import check_int
 from te_thd.balance import DEFAULT_ATTN_SCALE, min_rows_per_replica, plan_global_batch
 from te_thd.offline_cache.format import shard_layout, shard_rows
 from te_thd.offline_cache.integrity import on_cpu
-from te_thd.offline_cache.lengths import LengthRule, scan_rule
+from te_thd.offline_cache.lengths import LengthRule
 
 __all__ = [
     "BalancedBatchSampler",
@@ -338,8 +333,7 @@ class PlannedDataset(Dataset):
         return getattr(self.dataset, name)
 
     def __getitems__(self, indices: Sequence[int]) -> PlannedSamples | Sequence[Any]:
-        read = getattr(self.dataset, "__getitems__", None)
-        batch = read(list(indices)) if read is not None else [self.dataset[i] for i in indices]
+        batch = read_samples(self.dataset, list(indices))
         rows = getattr(indices, "rows", None)
         return batch if rows is None else PlannedSamples(batch, rows)
 
@@ -482,3 +476,23 @@ def scan_lengths(
     else:
         rule = LengthRule(input_key, "last_nonpad", pad_token_id)
     return scan_rule(dataset, rule, block)
+
+
+def read_samples(dataset: Any, indices: list[int]) -> Any:
+    """The samples ``indices`` of a map-style dataset: its batched ``__getitems__`` when it has one
+    (a ``CachedBatch`` for a cache), else a list of ``dataset[i]``."""
+    read = getattr(dataset, "__getitems__", None)
+    return read(indices) if read is not None else [dataset[i] for i in indices]
+
+
+def scan_rule(dataset: Any, rule: LengthRule, block: int = 4096) -> np.ndarray:
+    """Every sample's length under ``rule``, int64 ``[len(dataset)]``, reading ``block`` samples at a time."""
+    n = len(dataset)
+    out = np.empty(n, dtype=np.int64)
+    for begin in range(0, n, block):
+        idx = list(range(begin, min(begin + block, n)))
+        batch = read_samples(dataset, idx)
+        tensors = getattr(batch, "tensors", None)
+        t = tensors[rule.key] if tensors is not None else torch.stack([s[rule.key] for s in batch])
+        out[begin : begin + len(idx)] = rule.lengths(t.reshape(len(idx), -1))
+    return out
