@@ -16,10 +16,6 @@ The rule (:class:`LengthRule`), one implementation for the producer, the scan,
   ``pad_token_id`` (the non-padding length of right-padded ``input_ids``);
 - ``row``: the key's full per-sample width (what a collator without length
   information packs).
-
-The balanced loader plans with the lengths its collator packs
-(:func:`collator_rule`), so it uses the recorded ones when the rules agree and
-otherwise the side file of its own rule.
 """
 
 from __future__ import annotations
