@@ -240,9 +240,8 @@ def read_throughput(quick: bool) -> Record:
     from harness import time_interleaved
     from torch.utils.data import DataLoader
 
-    from te_thd.offline_cache.balanced_sampler import BalancedBatchSampler
     from te_thd.offline_cache.reader import CachedTensorDataset
-    from te_thd.offline_cache.sampler import CacheShardSampler
+    from te_thd.offline_cache.sampler import BalancedBatchSampler, CacheShardSampler
 
     R, b, S, n = 4, 8, 2048, 256 if quick else 512
     lengths = draw_lengths("lognormal", n, S, np.random.default_rng(2))

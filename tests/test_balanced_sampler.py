@@ -10,8 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from te_thd.balance import replica_costs
-from te_thd.offline_cache.balanced_sampler import BalancedBatchSampler, PlannedBatch
-from te_thd.offline_cache.sampler import CacheShardSampler
+from te_thd.offline_cache.sampler import BalancedBatchSampler, CacheShardSampler, PlannedBatch
 
 
 class Samples:
@@ -140,7 +139,7 @@ def _loaders(cache_dir, R, **kw):
     from _offline_cache_support import CACHE_NAME, FORMAT_VERSION
 
     from te_thd.offline_cache import CachedTensorDataset, CachedThdCollator, build_cached_dataloader
-    from te_thd.offline_cache.balanced_sampler import scan_lengths
+    from te_thd.offline_cache.sampler import scan_lengths
 
     data = CachedTensorDataset(cache_dir, CACHE_NAME, FORMAT_VERSION, ("sample_id", "input_ids", "length"))
     lengths = scan_lengths(data, length_key="length")
@@ -187,7 +186,7 @@ def scan_lengths_matches(tmp_path, tensors) -> bool:
     from _offline_cache_support import CACHE_NAME, FORMAT_VERSION
 
     from te_thd.offline_cache import CachedTensorDataset
-    from te_thd.offline_cache.balanced_sampler import scan_lengths
+    from te_thd.offline_cache.sampler import scan_lengths
 
     data = CachedTensorDataset(str(tmp_path), CACHE_NAME, FORMAT_VERSION, ("input_ids", "length", "position_mask"))
     by_key = scan_lengths(data, length_key="length")

@@ -46,7 +46,7 @@ def _grad_worker(rank: int, world: int, cache_dir: str) -> dict:
 
     from te_thd.attention import te_attention_kwargs
     from te_thd.offline_cache import CachedTensorDataset, build_cached_dataloader, read_manifest
-    from te_thd.offline_cache.balanced_sampler import scan_lengths
+    from te_thd.offline_cache.sampler import scan_lengths
 
     manifest = read_manifest(cache_dir, CACHE_NAME, FORMAT_VERSION)
     dataset = CachedTensorDataset(cache_dir, CACHE_NAME, FORMAT_VERSION, KEYS)

@@ -367,7 +367,7 @@ def test_balanced_steps_while_following_need_the_lengths_and_plan_as_after(
     """balance=True plans from every sample's length, which a running producer has not recorded: refused
     without lengths=; with them, the planned steps are those of the finished cache (same order, same plan)."""
     from te_thd.offline_cache import CachedThdCollator
-    from te_thd.offline_cache.length_scan import cache_lengths
+    from te_thd.offline_cache.loader import cache_lengths
 
     collate = CachedThdCollator(128, length_key="seq_len")
     following = CachedTensorDataset(str(killed), "ep_cp", 1, ("input_ids", "seq_len"), follow=True)

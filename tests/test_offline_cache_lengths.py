@@ -24,16 +24,16 @@ from te_thd.offline_cache import (
     verify_cache,
     write_manifest,
 )
-from te_thd.offline_cache.balanced_sampler import scan_lengths
 from te_thd.offline_cache.errors import CacheIntegrityError, ManifestError, UnverifiedCacheWarning
-from te_thd.offline_cache.length_scan import (
+from te_thd.offline_cache.lengths import LengthRule, recorded_lengths
+from te_thd.offline_cache.loader import (
     cache_lengths,
     read_side_file,
     side_file_path,
     write_side_file,
 )
-from te_thd.offline_cache.lengths import LengthRule, recorded_lengths
 from te_thd.offline_cache.manifest import load_manifest, manifest_checksum
+from te_thd.offline_cache.sampler import scan_lengths
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -143,7 +143,7 @@ def test_reference_cache_scanned_once_kept_reused_and_invalidated(tmp_path: Path
 _READ_ONLY = """
 import sys
 from te_thd.offline_cache.errors import CacheError
-from te_thd.offline_cache.length_scan import cache_lengths
+from te_thd.offline_cache.loader import cache_lengths
 try:
     cache_lengths(sys.argv[1], "test")
 except CacheError as exc:

@@ -297,7 +297,7 @@ def test_inline_path_is_taken_without_workers(cache, count_torch_iterators):
 def test_inline_batches_equal_torch_iterator_with_balance(tmp_path):
     """``balance=True`` (batch_size=None: one planned step per sampler item, read whole)
     yields the same packed THD batches inline as through torch's iterator, also resumed."""
-    from te_thd.offline_cache.balanced_sampler import scan_lengths
+    from te_thd.offline_cache.sampler import scan_lengths
 
     make_cache(str(tmp_path), 60, 16, width=8)
     keys = ("sample_id", "input_ids", "length")

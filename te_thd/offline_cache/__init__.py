@@ -51,7 +51,7 @@ from .format import (
 )
 from .format import TensorSpec as TensorSpec
 from .format import safe_import_from as safe_import_from
-from .loader import CachedDataLoader, build_cached_dataloader, collate_cached, to_device
+from .loader import CachedDataLoader, build_cached_dataloader, to_device
 from .loops import (
     ShardAccumulator,
     dataloader_from_sample,
@@ -66,7 +66,7 @@ from .producer import produce_cache
 from .reader import CachedBatch, CachedTensorDataset, PendingBatch
 from .repair import repair_cache
 from .sampler import CacheShardSampler, shard_block_order
-from .thd_collate import CachedThdCollator
+from .thd_collate import CachedThdCollator, collate_cached
 from .verify import cache_info, verify_cache
 from .verify import check_cache_files as check_cache_files
 from .writer import DurableShardWriter, write_tensor_shard

@@ -4,12 +4,11 @@ A balanced loader plans each step from its samples' real token counts. The
 producer records them per shard (``"lengths"`` in each shard record, the rule in
 the manifest's ``"length_rule"``), so the manifest checksum covers them and
 ``verify_cache(deep=True)`` checks them against the data. For a cache without
-them (the reference producer's, an older te_thd's)
-:func:`~te_thd.offline_cache.length_scan.cache_lengths` scans the cache once and
+them :func:`~te_thd.offline_cache.loader.cache_lengths` scans the cache once and
 keeps the result beside it.
 
-The rule (:class:`LengthRule`), one implementation for the producer, the scan
-and ``verify``:
+The rule (:class:`LengthRule`), one implementation for the producer, the scan,
+``verify`` and the THD collate:
 
 - ``value``: the key holds one integer per sample (``[n]`` or ``[n, 1]``);
 - ``nonzero``: the nonzero count of a per-token mask;
@@ -17,10 +16,6 @@ and ``verify``:
   ``pad_token_id`` (the non-padding length of right-padded ``input_ids``);
 - ``row``: the key's full per-sample width (what a collator without length
   information packs).
-
-The balanced loader plans with the lengths its collator packs
-(:func:`collator_rule`), so it uses the recorded ones when the rules agree and
-otherwise the side file of its own rule.
 """
 
 from __future__ import annotations
@@ -93,13 +88,6 @@ class LengthRule:
         return out.to(torch.int64).numpy()
 
 
-def rule_for_key(length_key: str, spec: TensorSpec | None) -> LengthRule:
-    """The rule for a key the user names: its value when it holds one number per sample, else its non-padding length."""
-    if spec is not None and int(np.prod(spec.shape, dtype=np.int64)) == 1:
-        return LengthRule(length_key, "value")
-    return LengthRule(length_key, "last_nonpad")
-
-
 def producer_rule(length_key: str | None, keys: Sequence[str]) -> LengthRule | None:
     """The rule ``produce_cache`` records with: ``length_key``'s, else ``input_ids``' when stored, else none.
 
@@ -116,8 +104,11 @@ def producer_rule(length_key: str | None, keys: Sequence[str]) -> LengthRule | N
 
 
 def for_tensor_spec(rule: LengthRule, spec: TensorSpec) -> LengthRule:
-    """``rule`` with its kind fixed by its key's per-sample shape, unless it counts a mask or a width."""
-    return rule if rule.kind in ("nonzero", "row") else rule_for_key(rule.key, spec)
+    """``rule`` with its kind fixed by its key's per-sample shape, unless it counts a mask or a width:
+    the key's value when it holds one number per sample, else its non-padding length."""
+    if rule.kind in ("nonzero", "row"):
+        return rule
+    return LengthRule(rule.key, "value" if int(np.prod(spec.shape, dtype=np.int64)) == 1 else "last_nonpad")
 
 
 def collator_rule(collate_fn: Any) -> LengthRule:
@@ -182,17 +173,3 @@ def read_shard_lengths(path: str, rule: LengthRule) -> np.ndarray:
 
     with safe_open(path, "pt") as f:
         return rule.lengths(f.get_tensor(rule.key))
-
-
-def scan_rule(dataset: Any, rule: LengthRule, block: int = 4096) -> np.ndarray:
-    """Every sample's length under ``rule``, int64 ``[len(dataset)]``, reading ``block`` samples at a time."""
-    n = len(dataset)
-    out = np.empty(n, dtype=np.int64)
-    read = getattr(dataset, "__getitems__", None)
-    for begin in range(0, n, block):
-        idx = list(range(begin, min(begin + block, n)))
-        batch = read(idx) if read is not None else [dataset[i] for i in idx]
-        tensors = getattr(batch, "tensors", None)
-        t = tensors[rule.key] if tensors is not None else torch.stack([s[rule.key] for s in batch])
-        out[begin : begin + len(idx)] = rule.lengths(t.reshape(len(idx), -1))
-    return out

@@ -11,94 +11,54 @@ batches the training loop took, for ``state_dict()`` / ``load_state_dict()``.
 parallelism (megatron's ``parallel_state`` when initialised), so the CP ranks of a
 replica read the same samples. The reference shards over the whole world, which
 hands different samples to the CP ranks of one replica.
+
+A balanced loader plans from every sample's real length. :func:`cache_lengths` returns
+the producer's record (:mod:`~te_thd.offline_cache.lengths`) when its rule is the one
+asked for, else the side file ``lengths.<key>.json`` when it belongs to the current
+manifest, else a scan of the cache (reading only the key), kept in that side file for
+the next run. The side file is checksummed and tied to the manifest's checksum, so a
+changed manifest makes it stale; readers ignore it.
 """
 
 from __future__ import annotations
 
+import errno
 import functools
+import json
+import os
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
+from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from ..args import check_int
-from .balanced_sampler import BalancedBatchSampler, PlannedDataset
-from .buffers import new_tensor
-from .length_scan import cache_lengths
-from .lengths import collator_rule
-from .reader import CachedBatch, CachedTensorDataset
-from .sampler import CacheShardSampler, default_data_parallel_rank_size
+from ..balance import DEFAULT_ATTN_SCALE
+from .durable import atomic_write_bytes
+from .errors import CacheError
+from .format import json_crc32
+from .lengths import (
+    DEFAULT_LENGTH_KEY,
+    LengthRule,
+    collator_rule,
+    for_tensor_spec,
+    recorded_lengths,
+    recorded_rule,
+)
+from .manifest import cache_schema, load_manifest, manifest_checksum
+from .reader import CachedTensorDataset
+from .sampler import (
+    BalancedBatchSampler,
+    CacheShardSampler,
+    PlannedDataset,
+    default_data_parallel_rank_size,
+    read_samples,
+    scan_rule,
+)
 
-__all__ = [
-    "CachedDataLoader",
-    "build_cached_dataloader",
-    "collate_cached",
-    "to_device",
-]
-
-
-def collate_cached(features: Sequence[dict[str, torch.Tensor]], keys: tuple[str, ...]) -> dict[str, torch.Tensor]:
-    """Stack per-sample cache dicts into a batch: ``{key: [B, *sample_shape]}``.
-
-    A :class:`CachedBatch` (what ``CachedTensorDataset.__getitems__`` returns) is
-    already stacked: its tensors are returned as they are, without the unstack +
-    restack a list of samples needs. Inside a DataLoader worker a list is stacked
-    straight into shared memory (one copy less on the way to the main process).
-    """
-    if isinstance(features, CachedBatch):
-        try:
-            return {key: features.tensors[key] for key in keys}
-        except KeyError as e:
-            raise ValueError(
-                f"collate_cached: key {e.args[0]!r} was not read (the dataset's disk_keys are "
-                f"{tuple(features.tensors)}); add it to disk_keys or drop it from keys"
-            ) from None
-    if len(features) == 0:
-        raise ValueError(
-            "collate_cached: features is empty; a batch needs at least one sample (a sampler "
-            "or batch_sampler yielded an empty batch)"
-        )
-    shared = get_worker_info() is not None
-    out = {}
-    for key in keys:
-        try:
-            rows = [feature[key] for feature in features]
-        except KeyError:
-            i = next(i for i, f in enumerate(features) if key not in f)
-            raise ValueError(
-                f"collate_cached: sample {i} has no key {key!r} (it holds {sorted(features[i])}); "
-                "add it to the dataset's disk_keys or drop it from keys"
-            ) from None
-        dst = None
-        if shared:
-            # torch.stack promotes mixed dtypes; the shared-memory output must too
-            dtype = functools.reduce(torch.promote_types, {r.dtype for r in rows}) if all(
-                isinstance(r, torch.Tensor) for r in rows) else None
-            if dtype is not None:
-                dst = new_tensor((len(rows), *rows[0].shape), dtype, shared=True)
-        try:
-            out[key] = torch.stack(rows, dim=0, out=dst)
-        except (RuntimeError, TypeError) as exc:
-            raise _stack_error(key, rows, exc) from None
-    return out
-
-
-def _stack_error(key: str, rows: list[Any], exc: Exception) -> ValueError:
-    """Why ``torch.stack(rows)`` failed, naming the key and the first offending sample."""
-    for i, r in enumerate(rows):
-        if not isinstance(r, torch.Tensor):
-            return ValueError(f"collate_cached: key {key!r} of sample {i} is of type {type(r).__name__}, not a tensor")
-    first = list(rows[0].shape)
-    for i, r in enumerate(rows):
-        if list(r.shape) != first:
-            return ValueError(
-                f"collate_cached: key {key!r} of sample {i} is {list(r.shape)}, sample 0's is {first}: "
-                "the samples of one batch must share each key's shape (pad them when producing the "
-                "cache, or collate variable lengths with CachedThdCollator)"
-            )
-    return ValueError(f"collate_cached: cannot stack key {key!r} ({exc})")
+__all__ = ["CachedDataLoader", "build_cached_dataloader", "cache_lengths", "to_device"]
 
 
 class CachedDataLoader(DataLoader):
@@ -112,12 +72,8 @@ class CachedDataLoader(DataLoader):
 
     sampler: CacheShardSampler | BalancedBatchSampler
 
-    #: With ``num_workers=0`` (also pinned for CUDA): when the training step leaves time
-    #: for it (a step of at least half a batch's read), start reading batch ``i + 1``
-    #: (``CachedTensorDataset.start_read``) before handing out batch ``i``, so its copy
-    #: runs on the reader's helper threads while the step runs. Costs one more batch of
-    #: buffers; the sampler is then one batch ahead (as with DataLoader workers).
-    #: ``build_cached_dataloader(read_ahead=...)``.
+    #: ``build_cached_dataloader(read_ahead=...)``: with ``num_workers=0``, start reading batch
+    #: ``i + 1`` before handing out batch ``i`` when the step leaves time for it (:func:`_read_ahead`)
     read_ahead: bool = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -146,8 +102,8 @@ class CachedDataLoader(DataLoader):
         Same batches in the same order (batch sampler -> ``__getitems__`` or one
         ``dataset[i]`` per index -> ``collate_fn``; without a batch size, one
         ``dataset[index]`` per sampler item), minus the profiler hooks and fetcher
-        dispatch of each batch, a share of reading a cached batch worth saving. With
-        ``pin_memory`` on a CUDA machine every batch is pinned, as torch's pin step does.
+        dispatch of each batch. With ``pin_memory`` on a CUDA machine every batch is
+        pinned, as torch's pin step does.
         """
         dataset, collate = self.dataset, self.collate_fn
         if self.pin_memory and torch.cuda.is_available():
@@ -163,9 +119,8 @@ class CachedDataLoader(DataLoader):
         if start is not None:
             yield from _read_ahead(start, dataset.__getitems__, self.batch_sampler, collate)
             return
-        getitems = getattr(dataset, "__getitems__", None)
         for indices in self.batch_sampler:
-            yield collate(getitems(indices) if getitems else [dataset[i] for i in indices])
+            yield collate(read_samples(dataset, indices))
 
     def consumed_samples(self) -> int:
         """Samples of the current epoch the loop has received, over all replicas."""
@@ -190,12 +145,8 @@ class CachedDataLoader(DataLoader):
 
 
 def _pinned_collate(collate: Callable[[Any], Any], data: Any) -> Any:
-    return _pin(collate(data))
-
-
-def _pin(batch: Any) -> Any:
-    """Every tensor of ``batch`` (dicts/lists/tuples nested) in page-locked memory (CUDA only)."""
-    return _map_tensors(batch, torch.Tensor.pin_memory)
+    """``collate(data)`` with every tensor in page-locked memory (CUDA only)."""
+    return _map_tensors(collate(data), torch.Tensor.pin_memory)
 
 
 def _map_tensors(batch: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
@@ -217,16 +168,13 @@ def _read_ahead(
 ) -> Iterator[Any]:  # fmt: skip
     """``collate(batch)`` for every index list of ``batches``, read ahead when the consumer leaves time for it.
 
-    Each batch is read by ``read`` (on this thread and the reader's helpers), or,
-    when the consumer's last time between batches was at least half the last
-    synchronous read, started by ``start`` before the previous batch is handed
-    out, so the reader's threads copy it while the consumer works: then at least
-    half of each read hides behind the consumer's work. A consumer that asks for
-    the next batch at once (a bare read loop) is served synchronously, where
-    read-ahead would only make the reader's threads contend with the planning of
-    the next batch (docs/performance-io.md). A read still in flight when the
-    consumer stops early is waited for (its buffers must not be written once they
-    can be handed out again).
+    Each batch is read by ``read``, or, when the consumer's last time between batches
+    was at least half the last synchronous read, started by ``start`` before the
+    previous batch is handed out, so the reader's threads copy it while the consumer
+    works. A consumer that asks for the next batch at once is served synchronously:
+    there read-ahead would only contend with the planning of the next batch
+    (docs/performance-io.md). A read still in flight when the consumer stops early is
+    waited for (its buffers must not be written once they can be handed out again).
     """
     it = iter(batches)
     pending = None
@@ -261,6 +209,98 @@ def _read_ahead(
                 pass
 
 
+def side_file_path(cache_dir: str, rule: LengthRule) -> str:
+    """``lengths.<key>[.nonzero][.pad<id>].json`` in ``cache_dir``: one file per rule."""
+    suffix = "" if rule.kind != "nonzero" else ".nonzero"
+    pad = f".pad{rule.pad_token_id}" if rule.kind == "last_nonpad" and rule.pad_token_id else ""
+    return os.path.join(cache_dir, f"lengths.{rule.key}{suffix}{pad}.json")
+
+
+def read_side_file(path: str, rule: LengthRule, manifest_sum: str, num_samples: int) -> np.ndarray | None:
+    """The lengths kept in ``path`` when it is intact and belongs to this manifest and rule, else ``None``."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            obj = json.load(f)
+        body = {k: v for k, v in obj.items() if k != "checksum"}
+        ok = (
+            obj.get("checksum") == json_crc32(body)
+            and body.get("manifest_checksum") == manifest_sum
+            and body.get("rule") == rule.to_json()
+            and isinstance(body.get("lengths"), list)
+            and len(body["lengths"]) == num_samples
+        )
+    except (OSError, ValueError, AttributeError):
+        return None
+    return np.asarray(body["lengths"], dtype=np.int64) if ok else None
+
+
+def write_side_file(path: str, rule: LengthRule, manifest_sum: str, lengths: np.ndarray) -> None:
+    body = {"manifest_checksum": manifest_sum, "rule": rule.to_json(), "lengths": [int(v) for v in lengths]}
+    atomic_write_bytes(path, (json.dumps({**body, "checksum": json_crc32(body)}, sort_keys=True) + "\n").encode("ascii"))
+
+
+def cache_lengths(
+    cache_dir: str,
+    cache_name: str = "offline",
+    length_key: str | None = None,
+    *,
+    rule: LengthRule | None = None,
+    block: int = 4096,
+) -> np.ndarray:
+    """Every sample's real length in the cache at ``cache_dir``: int64 ``[num_samples]``.
+
+    Under ``rule``, else under ``length_key``'s (its value when it holds one
+    number per sample, else its non-padding length), else under the rule the
+    cache records, else ``input_ids``' non-padding length; recorded, kept or
+    scanned as the module docstring says. Raises :class:`CacheError` when a scan's
+    result cannot be kept because the directory is read-only (saying how to add the lengths).
+    """
+    manifest = load_manifest(cache_dir, cache_name)
+    recorded = recorded_rule(manifest)
+    if recorded is not None and rule is None and length_key in (None, recorded.key):
+        return recorded_lengths(manifest)
+    key = rule.key if rule is not None else (length_key or DEFAULT_LENGTH_KEY)
+    schema = cache_schema(cache_dir, manifest, strict=True)
+    assert schema is not None
+    if key not in schema:
+        raise ValueError(
+            f"length_key={key!r}: the {cache_name} cache at {cache_dir} has no such key (it holds "
+            f"{sorted(schema)}); pass length_key= naming the key with each sample's length or tokens"
+        )
+    rule = for_tensor_spec(rule or LengthRule(key), schema[key])
+    num_samples = int(manifest["num_samples"])
+    if rule == recorded:
+        return recorded_lengths(manifest)
+    if rule.kind == "row":  # known from the schema: nothing to scan or keep
+        return np.full(num_samples, int(np.prod(schema[key].shape, dtype=np.int64)), dtype=np.int64)
+    path = side_file_path(cache_dir, rule)
+    msum = manifest_checksum(manifest)
+    kept = read_side_file(path, rule, msum, num_samples)
+    if kept is not None:
+        return kept
+    if not os.access(cache_dir, os.W_OK):
+        raise CacheError(_read_only_message(cache_dir, key))
+    dataset = CachedTensorDataset(cache_dir, cache_name, manifest["format_version"], (key,))
+    lengths = scan_rule(dataset, rule, block)
+    try:
+        write_side_file(path, rule, msum, lengths)
+    except OSError as exc:
+        if exc.errno in (errno.EACCES, errno.EROFS, errno.EPERM):
+            raise CacheError(_read_only_message(cache_dir, key)) from None
+        raise
+    return lengths
+
+
+def _read_only_message(cache_dir: str, key: str) -> str:
+    return (
+        f"the cache at {cache_dir} records no per-sample lengths and its directory is read-only, so the "
+        f"lengths scanned from {key!r} cannot be kept beside it. Either rebuild it with "
+        f"produce_cache(..., length_key={key!r}) (which records them in the manifest), or run "
+        f"`te_thd.offline_cache.loader.cache_lengths({cache_dir!r}, length_key={key!r})` once where the "
+        "directory is writable, or pass lengths=scan_lengths(...) to build_cached_dataloader on every run."
+    )
+
+
 def build_cached_dataloader(
     dataset: Dataset,
     batch_size: int,
@@ -281,7 +321,7 @@ def build_cached_dataloader(
     multiprocessing_context: Any = None,
     balance: bool = False,
     lengths: Sequence[int] | Any = None,
-    attn_scale: float = 49152.0,
+    attn_scale: float = DEFAULT_ATTN_SCALE,
     rows_per_replica: int | None = None,
     length_key: str | None = None,
     read_ahead: bool = True,
@@ -295,9 +335,7 @@ def build_cached_dataloader(
 
     Keyword options:
         seed: order seed, the same on every rank; epoch ``e`` reads
-            ``shard_block_order(N, shard_size, seed, e)`` (numpy ``default_rng([seed,
-            e])`` for the shard order, ``default_rng([seed, e, s])`` inside shard ``s``;
-            see :class:`CacheShardSampler`).
+            ``shard_block_order(N, shard_size, seed, e)`` (:class:`CacheShardSampler`).
         drop_last: drop the samples that do not split evenly over the replicas and
             the last incomplete batch (default: pad by wrap-around, keep it).
         dp_rank, dp_size: the data-parallel rank and size. Default with
@@ -323,7 +361,7 @@ def build_cached_dataloader(
             the collator packs (its ``length_key``'s value, its ``mask_key``'s nonzero
             count, else full rows), from the cache's record when the producer
             recorded them under that rule, else from a scan kept beside the cache
-            (``te_thd.offline_cache.length_scan.cache_lengths``).
+            (:func:`cache_lengths`).
         length_key: with ``balance`` and no ``lengths``, read the lengths from this
             key instead of the collator's.
         attn_scale, rows_per_replica: with ``balance``, passed to the planner.
@@ -359,7 +397,7 @@ def build_cached_dataloader(
                 raise ValueError(
                     f"balance=True without lengths= reads the lengths a cache records, but the dataset "
                     f"({type(dataset).__name__}) is not a CachedTensorDataset; pass lengths= (every sample's "
-                    "length, e.g. te_thd.offline_cache.balanced_sampler.scan_lengths(dataset, mask_key=...))"
+                    "length, e.g. te_thd.offline_cache.sampler.scan_lengths(dataset, mask_key=...))"
                 )
             if getattr(dataset, "following", False):
                 raise ValueError(

@@ -1,9 +1,9 @@
-"""THD-ready collate for cached samples: cache rows -> packed rows -> THD (-> one CP rank).
+"""The collates of cached samples: stacked (:func:`collate_cached`) or packed THD (:class:`CachedThdCollator`).
 
-Runs where a ``collate_fn`` runs, i.e. on the CPU inside DataLoader workers, so every
-piece of metadata (``cu_seqlens*``, ``max_seqlen``, CP partition indices) is built on
+Both run where a ``collate_fn`` runs, on the CPU inside DataLoader workers, so every
+piece of THD metadata (``cu_seqlens*``, ``max_seqlen``, CP partition indices) is built on
 the host and the training step gets tensors plus Python ints/bools: nothing in it
-forces a host-device synchronisation. The path is the package's batch path::
+forces a host-device synchronisation. The THD path is the package's batch path::
 
     CachedBatch -> te_thd.packing.PackingCollator -> te_thd.thd_utils.process_input_for_thd
                 -> te_thd.cp.shard_thd_batch_for_cp (cp_size > 1)
@@ -18,10 +18,12 @@ e.g. hidden states ``[L, H]`` — is then placed with one ``index_select`` by th
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 import torch
+from torch.utils.data import get_worker_info
 
 from te_thd.args import check_int, check_names
 from te_thd.boundaries import check_cp_args
@@ -30,14 +32,77 @@ from te_thd.layout import LAYOUT_KEY, ThdLayout
 from te_thd.packing import PackingCollator, pad_to_multiple_for
 from te_thd.thd_utils import process_input_for_thd
 
-from .balanced_sampler import PlannedSamples
-from .loader import collate_cached
+from .buffers import new_tensor
+from .lengths import collator_rule
 from .reader import CachedBatch
+from .sampler import PlannedSamples
 from .token_read import TokenRows
 
-__all__ = ["CachedThdCollator"]
+__all__ = ["CachedThdCollator", "collate_cached"]
 
 _SRC = "__te_thd_src__"  # per-token source position, packed alongside the ids
+
+
+def collate_cached(features: Sequence[dict[str, torch.Tensor]], keys: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """Stack per-sample cache dicts into a batch: ``{key: [B, *sample_shape]}``.
+
+    A :class:`CachedBatch` (what ``CachedTensorDataset.__getitems__`` returns) is
+    already stacked: its tensors are returned as they are, without the unstack +
+    restack a list of samples needs. Inside a DataLoader worker a list is stacked
+    straight into shared memory (one copy less on the way to the main process).
+    """
+    if isinstance(features, CachedBatch):
+        try:
+            return {key: features.tensors[key] for key in keys}
+        except KeyError as e:
+            raise ValueError(
+                f"collate_cached: key {e.args[0]!r} was not read (the dataset's disk_keys are "
+                f"{tuple(features.tensors)}); add it to disk_keys or drop it from keys"
+            ) from None
+    if len(features) == 0:
+        raise ValueError(
+            "collate_cached: features is empty; a batch needs at least one sample (a sampler "
+            "or batch_sampler yielded an empty batch)"
+        )
+    shared = get_worker_info() is not None
+    out = {}
+    for key in keys:
+        try:
+            rows = [feature[key] for feature in features]
+        except KeyError:
+            i = next(i for i, f in enumerate(features) if key not in f)
+            raise ValueError(
+                f"collate_cached: sample {i} has no key {key!r} (it holds {sorted(features[i])}); "
+                "add it to the dataset's disk_keys or drop it from keys"
+            ) from None
+        dst = None
+        if shared:
+            # torch.stack promotes mixed dtypes; the shared-memory output must too
+            dtype = functools.reduce(torch.promote_types, {r.dtype for r in rows}) if all(
+                isinstance(r, torch.Tensor) for r in rows) else None
+            if dtype is not None:
+                dst = new_tensor((len(rows), *rows[0].shape), dtype, shared=True)
+        try:
+            out[key] = torch.stack(rows, dim=0, out=dst)
+        except (RuntimeError, TypeError) as exc:
+            raise _stack_error(key, rows, exc) from None
+    return out
+
+
+def _stack_error(key: str, rows: list[Any], exc: Exception) -> ValueError:
+    """Why ``torch.stack(rows)`` failed, naming the key and the first offending sample."""
+    for i, r in enumerate(rows):
+        if not isinstance(r, torch.Tensor):
+            return ValueError(f"collate_cached: key {key!r} of sample {i} is of type {type(r).__name__}, not a tensor")
+    first = list(rows[0].shape)
+    for i, r in enumerate(rows):
+        if list(r.shape) != first:
+            return ValueError(
+                f"collate_cached: key {key!r} of sample {i} is {list(r.shape)}, sample 0's is {first}: "
+                "the samples of one batch must share each key's shape (pad them when producing the "
+                "cache, or collate variable lengths with CachedThdCollator)"
+            )
+    return ValueError(f"collate_cached: cannot stack key {key!r} ({exc})")
 
 
 class CachedThdCollator:
@@ -166,38 +231,33 @@ class CachedThdCollator:
         return tensors, ragged
 
     def _lengths(self, tensors: Mapping[str, torch.Tensor], b: int, width: int) -> torch.Tensor:
-        """Real length of every sample, int64 ``[B]`` on the CPU."""
-        if self.length_key is not None:
-            if self.length_key not in tensors:
-                raise ValueError(f"length_key={self.length_key!r} was not read (read: {sorted(tensors)})")
-            t = tensors[self.length_key]
-            if t.numel() != b or t.is_floating_point():
-                raise ValueError(
-                    f"length_key={self.length_key!r} must hold one integer per sample, got "
-                    f"{tuple(t.shape)} {t.dtype} for {b} samples"
-                )
-            lengths = t.reshape(b).to(torch.int64)
-        elif self.mask_key is not None:
-            if self.mask_key not in tensors:
-                raise ValueError(f"mask_key={self.mask_key!r} was not read (read: {sorted(tensors)})")
-            t = tensors[self.mask_key]
+        """Real length of every sample, int64 ``[B]`` on the CPU, by the rule the balanced
+        loader plans with (:func:`~te_thd.offline_cache.lengths.collator_rule`)."""
+        rule = collator_rule(self)
+        if rule.kind != "row" and rule.key not in tensors:
+            arg = "length_key" if rule.kind == "value" else "mask_key"
+            raise ValueError(f"{arg}={rule.key!r} was not read (read: {sorted(tensors)})")
+        t = tensors[rule.key]
+        if rule.kind == "value" and (t.numel() != b or t.is_floating_point()):
+            raise ValueError(
+                f"length_key={self.length_key!r} must hold one integer per sample, got "
+                f"{tuple(t.shape)} {t.dtype} for {b} samples"
+            )
+        if rule.kind == "nonzero":
             if t.numel() != b * width:
                 raise ValueError(
                     f"mask_key={self.mask_key!r} must be [L] or [L, 1] per sample (L={width}), got "
                     f"{tuple(t.shape[1:])}"
                 )
-            m = t.reshape(b, width) != 0
-            lengths = m.sum(1)
             # right padding: the nonzero entries form a prefix of the row
-            prefix = m.to(torch.int8).cumprod(1).sum(1)
-            bad = torch.nonzero(prefix != lengths).view(-1)
+            m = t.reshape(b, width) != 0
+            bad = torch.nonzero(m.to(torch.int8).cumprod(1).sum(1) != m.sum(1)).view(-1)
             if bad.numel():
                 raise ValueError(
                     f"mask_key={self.mask_key!r} of sample {int(bad[0])} (of this batch) is not right-padded "
                     "(a zero before a nonzero); pass length_key instead, or store a right-padded mask"
                 )
-        else:
-            lengths = torch.full((b,), width, dtype=torch.int64)
+        lengths = torch.from_numpy(rule.lengths(t.reshape(b, -1)))
         if lengths.numel() and (int(lengths.min()) < 1 or int(lengths.max()) > width):
             i = int(torch.nonzero((lengths < 1) | (lengths > width)).view(-1)[0])
             raise ValueError(
