@@ -224,3 +224,10 @@ def test_bad_resume_state():
         CacheShardSampler(_Sized(10, 4), num_replicas=4, rank=0, seed=1, drop_last=True).load_state_dict(
             {**good, "consumed_samples": 12}
         )
+    # a state saved before samplers recorded "follow" did not follow: a following sampler refuses it
+    following = _Sized(10, 4)
+    following.follow = True
+    old = {k: v for k, v in good.items() if k != "follow"}
+    with pytest.raises(ValueError, match="follow: saved False, now True"):
+        CacheShardSampler(following, num_replicas=2, rank=0, seed=1).load_state_dict(old)
+    CacheShardSampler(_Sized(10, 4), num_replicas=2, rank=0, seed=1).load_state_dict(old)

@@ -257,7 +257,7 @@ class CacheShardSampler(Sampler[int]):
             if key not in state:
                 raise ValueError(f"sampler state is missing {key!r} (got keys {sorted(state)}); pass a dict from state_dict()")
         mismatch = {
-            k: (state[k], mine)
+            k: (state.get(k, False), mine)
             for k, mine in (("seed", self.seed), ("shuffle", self.shuffle), ("shard_size", self.shard_size),
                             ("num_samples", self.num_samples_total), ("follow", self.follow))  # fmt: skip
             if state.get(k, False) != mine  # a state saved before "follow" existed did not follow
