@@ -100,6 +100,24 @@ def unlink_quietly(path: str) -> None:
         pass
 
 
+def copy_range(src: int, dst: int, count: int, dst_offset: int) -> None:
+    """Copy bytes ``[0, count)`` of ``src`` to ``dst`` at ``dst_offset`` (in the kernel where it can)."""
+    src_off = 0
+    while count > 0:
+        try:
+            n = os.copy_file_range(src, dst, count, src_off, dst_offset)
+        except (AttributeError, OSError):  # no copy_file_range here (or across these files): read and write
+            n = 0
+        if n <= 0:
+            chunk = os.pread(src, min(count, 8 << 20), src_off)
+            if not chunk:
+                raise OSError(f"temp file ended {count} bytes early while finishing a shard")
+            n = os.pwrite(dst, chunk, dst_offset)  # a short write: the rest is read again
+        src_off += n
+        dst_offset += n
+        count -= n
+
+
 def atomic_write(path: str, write_fn: Callable[[str], None]) -> str:
     """Write through a sibling temporary file, then atomically replace the target path.
 

@@ -6,7 +6,7 @@ the writers' own rules, for every way it can be stored:
 
 - ``padded``: every row ``L`` tokens (:class:`~te_thd.offline_cache.shardfile.ShardStream`);
 - ``ragged``: the token keys stored as each sample's real tokens
-  (:class:`~te_thd.offline_cache.token_shard.TokenShardStream`);
+  (:class:`~te_thd.offline_cache.shardfile.ShardStream`);
 - ``ragged+<codec>``: the same with each codec of
   :data:`~te_thd.offline_cache.codecs.CODECS` on every token key it can store (what a
   codec stores per token comes from :meth:`~te_thd.offline_cache.tokens.TokenLayout.stored`,
@@ -52,8 +52,7 @@ from te_thd.offline_cache.format import (
 )
 from te_thd.offline_cache.lengths import LengthRule, for_tensor_spec, producer_rule
 from te_thd.offline_cache.producer_state import run_params, run_record
-from te_thd.offline_cache.shardfile import shard_header_len
-from te_thd.offline_cache.token_shard import reserved_header_len
+from te_thd.offline_cache.shardfile import reserved_header_len, shard_header_len
 from te_thd.offline_cache.tokens import (
     PAGE_BYTES,
     TokenLayout,
