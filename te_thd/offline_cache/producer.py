@@ -6,34 +6,24 @@ One call turns ``dataloader`` + ``compute_batch`` into a finished cache::
                              compute_batch=lambda b: {"hidden": model(b)},
                              keys=("hidden",), options={"cp_size": 2})
 
-What happens, in order (``rank`` is the rank in ``group``; one process is rank 0 of 1):
+In order (``rank`` in ``group``; one process is rank 0 of 1):
 
-1. rank 0 takes the :class:`ProducerLock` (a second producer on the directory
-   is refused), inspects the directory and tells every rank what to do:
-   - a finished cache with the same parameters: nothing (returns its manifest);
-   - a finished cache with other parameters, or shards of an unknown producer:
-     refuse, naming the difference;
-   - otherwise it deletes temp files of killed writers and records the run's
-     parameters in ``.te_thd-producer.json`` (so a resume with other parameters
-     is refused instead of mixing shards).
-2. every rank takes its contiguous shard block (:func:`partition_cache_shards`),
-   re-reads the shards of it that already exist (resume: checksum + header
-   check), and computes only the missing ones, padding to the global step count
-   with dummy forwards (:func:`lockstep_write`).
-3. the ranks all-gather their shard records (bytes, checksum, schema); rank 0
-   checks that every shard exists exactly once with one schema and writes
-   ``manifest.json`` atomically, last; then every rank returns the manifest.
+1. rank 0 takes the producer lock, inspects the directory and tells every rank what to do
+   (:func:`~te_thd.offline_cache.producer_state.prepare_directory`): reuse a finished cache
+   with the same parameters, refuse one with others (naming the difference), or record the
+   run's parameters and produce.
+2. every rank takes its contiguous shard block (:func:`partition_cache_shards`), verifies the
+   shards of it that exist, and computes only the missing ones, padding to the global step
+   count with dummy forwards (:func:`lockstep_write`). :class:`ProducerComm` holds the few
+   collectives this needs, trivial for one process.
+3. the ranks all-gather their shard records; rank 0 checks that every shard exists once with
+   one schema and writes ``manifest.json`` atomically, last; every rank returns it.
 
-Errors raised while writing on one rank (a schema mismatch) do not hang the
-others: the rank keeps stepping (without writing) to the end of the lockstep
-loop and the error is raised on every rank after the all-gather. An exception
-inside ``compute_batch`` itself propagates at once, as in any training loop.
-
-Crash safety: a producer killed at any point leaves complete shards, maybe temp
-files, maybe no manifest. Run the same call again (``resume=True``, the
-default): temp files are removed, existing shards are verified and kept, the
-missing ones are computed, and the finished directory is byte-identical to an
-uninterrupted run (manifest included: it holds no timestamps or host names).
+A write error on one rank (a schema mismatch) does not hang the others: the rank keeps stepping
+without writing and the error is raised on every rank after the all-gather. An exception inside
+``compute_batch`` propagates at once. A producer killed at any point is finished by the same
+call (``resume=True``): temp files removed, existing shards verified and kept, the directory
+byte-identical to an uninterrupted run (the manifest holds no timestamps or host names).
 """
 
 from __future__ import annotations
@@ -122,10 +112,6 @@ class ProducerComm:
         t = torch.tensor([value], dtype=torch.int64, device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return int(t.item())
-
-    def barrier(self) -> None:
-        if self.distributed:
-            dist.barrier(group=self.group)
 
 
 def resolve_ranks(rank: int | None, world_size: int | None, group: Any) -> tuple[int, int]:
