@@ -255,16 +255,39 @@ def produce_cache(
     Every rank returns the same manifest dict (``read_manifest``'s view).
     """
     storage = open_storage(output_dir, "output_dir")  # a bad URL is refused before anything else
-    job = _Job.plan(dataloader, output_dir, shard_size, keys, options, format_version, cache_name,
-                    producer_name, rank, world_size, group, logger or _log, length_key, token_keys, codecs)  # fmt: skip
+    # every argument is checked before any rank touches the directory
+    check_shard_size(shard_size)
+    keys = check_names("keys", keys, non_empty=True, distinct=True)
+    opts = check_options(options)
+    length_rule = producer_rule(length_key, keys)
+    token_layout = check_token_keys(token_keys, codecs, keys)
+    if token_layout is not None and length_rule is None:
+        raise ValueError(
+            f"token_keys={tuple(token_keys)} needs each sample's length to know which tokens to store; pass "
+            "length_key=<the stored key with each sample's length or its token ids>"
+        )
+    num_samples = loader_num_samples(dataloader)
+    if os.path.exists(output_dir) and not os.path.isdir(output_dir):
+        raise ValueError(f"output_dir={output_dir!r} is a file, not a directory; pass a directory (new, or one this producer wrote)")
+    if num_shards(num_samples, shard_size) > MAX_SHARDS:
+        raise ValueError(
+            f"shard_size={shard_size} gives {num_shards(num_samples, shard_size)} shards for "
+            f"{num_samples} samples; at most {MAX_SHARDS} fit the six-digit names. Use a larger shard_size."
+        )
+    rank, world_size = resolve_ranks(rank, world_size, group)
+    job = _Job(
+        output_dir=output_dir, shard_size=shard_size, keys=keys, options=opts, format_version=format_version,
+        cache_name=cache_name, producer_name=producer_name, num_samples=num_samples, logger=logger or _log,
+        comm=ProducerComm(rank, world_size, group), length_rule=length_rule, token_layout=token_layout,
+        params=run_params(format_version, num_samples, shard_size, keys, opts, token_layout), storage=storage,
+    )  # fmt: skip
     producer_lock = storage.lock() if (lock and job.comm.rank == 0) else None
     return job.run(producer_lock, resume, dataloader, compute_batch, progress)
 
 
 @dataclass(frozen=True)
 class _Job:
-    """One ``produce_cache`` call on one rank: its parameters (validated by :meth:`plan`) and its
-    phases, in order."""
+    """One ``produce_cache`` call on one rank: its parameters (validated) and its phases, in order."""
 
     output_dir: str
     shard_size: int
@@ -280,40 +303,6 @@ class _Job:
     token_layout: TokenLayout | None
     params: dict[str, Any]  # what two runs must share to write one cache (``run_params``)
     storage: Storage  # where ``output_dir`` lives
-
-    @classmethod
-    def plan(cls, dataloader: DataLoader, output_dir: str, shard_size: int, keys: Sequence[str],
-             options: Mapping[str, Any] | None, format_version: int, cache_name: str,
-             producer_name: str | None, rank: int | None, world_size: int | None, group: Any,
-             logger: logging.Logger, length_key: str | None = None, token_keys: Sequence[str] = (),
-             codecs: Mapping[str, str] | None = None) -> _Job:  # fmt: skip
-        """Validate the arguments (before any rank touches the directory)."""
-        check_shard_size(shard_size)
-        keys = check_names("keys", keys, non_empty=True, distinct=True)
-        opts = check_options(options)
-        length_rule = producer_rule(length_key, keys)
-        token_layout = check_token_keys(token_keys, codecs, keys)
-        if token_layout is not None and length_rule is None:
-            raise ValueError(
-                f"token_keys={tuple(token_keys)} needs each sample's length to know which tokens to store; pass "
-                "length_key=<the stored key with each sample's length or its token ids>"
-            )
-        num_samples = loader_num_samples(dataloader)
-        if os.path.exists(output_dir) and not os.path.isdir(output_dir):
-            raise ValueError(f"output_dir={output_dir!r} is a file, not a directory; pass a directory (new, or one this producer wrote)")
-        if num_shards(num_samples, shard_size) > MAX_SHARDS:
-            raise ValueError(
-                f"shard_size={shard_size} gives {num_shards(num_samples, shard_size)} shards for "
-                f"{num_samples} samples; at most {MAX_SHARDS} fit the six-digit names. Use a larger shard_size."
-            )
-        rank, world_size = resolve_ranks(rank, world_size, group)
-        return cls(
-            output_dir=output_dir, shard_size=shard_size, keys=keys, options=opts, format_version=format_version,
-            cache_name=cache_name, producer_name=producer_name, num_samples=num_samples, logger=logger,
-            comm=ProducerComm(rank, world_size, group), length_rule=length_rule, token_layout=token_layout,
-            params=run_params(format_version, num_samples, shard_size, keys, opts, token_layout),
-            storage=open_storage(output_dir, "output_dir"),
-        )  # fmt: skip
 
     def run(
         self, producer_lock: Lock | None, resume: bool, dataloader: DataLoader,
