@@ -106,6 +106,22 @@ class ProducerComm:
         dist.all_gather_object(out, obj, group=self.group)
         return out
 
+    def on_rank0(self, fn: Callable[[], Any], failed: str) -> Any:
+        """``fn()`` on rank 0, its result broadcast to every rank. An error there is raised on rank 0
+        and, as a :class:`CacheError` ``"<failed>: <error>"``, on the others: told before rank 0
+        raises, or they would wait in the broadcast forever."""
+        outcome: tuple[str, Any] | None = None
+        if self.rank == 0:
+            try:
+                outcome = ("ok", fn())
+            except Exception as exc:
+                self.broadcast(("error", f"{type(exc).__name__}: {exc}"))
+                raise
+        outcome = self.broadcast(outcome)
+        if outcome[0] == "error":
+            raise CacheError(f"{failed}: {outcome[1]}")
+        return outcome[1]
+
     def max_int(self, value: int) -> int:
         if not self.distributed:
             return value
@@ -327,24 +343,16 @@ class _Job:
 
         Returns the finished manifest (nothing to do) or ``None`` (produce).
         """
-        comm = self.comm
-        status: tuple[str, Any] | None = None
-        if comm.rank == 0:
-            try:
-                if producer_lock is not None:
-                    producer_lock.acquire()
-                finished = prepare_directory(self.output_dir, self.params, resume, self.cache_name, self.producer_name)
-                if finished is None:  # before any shard: what a reader following this run needs (follow.py)
-                    self.storage.put(FOLLOW_NAME, follow_record(run_record(self.params, self.length_rule), self.producer_name))
-                status = ("done", finished) if finished is not None else ("work", None)
-            except Exception as exc:
-                # Tell the other ranks before raising, or they wait in broadcast forever.
-                comm.broadcast(("error", f"{type(exc).__name__}: {exc}"))
-                raise
-        status = comm.broadcast(status)
-        if status[0] == "error":
-            raise CacheError(f"rank 0 refused to produce the cache: {status[1]}")
-        return status[1] if status[0] == "done" else None
+
+        def decide() -> dict[str, Any] | None:
+            if producer_lock is not None:
+                producer_lock.acquire()
+            finished = prepare_directory(self.output_dir, self.params, resume, self.cache_name, self.producer_name)
+            if finished is None:  # before any shard: what a reader following this run needs (follow.py)
+                self.storage.put(FOLLOW_NAME, follow_record(run_record(self.params, self.length_rule), self.producer_name))
+            return finished
+
+        return self.comm.on_rank0(decide, "rank 0 refused to produce the cache")
 
     def verify_block(self) -> tuple[dict[int, ShardRecord], CacheSchema | None, list[int]]:
         """This rank's shard block: verify the shards that exist; return their records, schema, the rest."""
@@ -415,29 +423,19 @@ class _Job:
             schema_to_json(writer.schema) if writer.schema is not None else None,
         )
         gathered = comm.all_gather(mine)
-        outcome: tuple[str, Any] | None = None
-        rank0_exc: Exception | None = None
-        if comm.rank == 0:
-            try:
-                manifest = assemble_manifest(
-                    gathered, self.params, self.options, self.output_dir, self.cache_name, self.length_rule,
-                    self.token_layout,
-                )
-                write_manifest(self.output_dir, manifest, self.format_version)
-                self.storage.delete(PROGRESS_NAME)
-                self.storage.delete(FOLLOW_NAME)
-                outcome = ("ok", read_manifest(self.output_dir, self.cache_name, self.format_version, self.producer_name))
-                self.logger.info("Wrote %s (%d samples, %d shards)", self.storage.display(MANIFEST_NAME),
-                                 self.num_samples, len(manifest["shards"]))  # fmt: skip
-            except Exception as exc:
-                rank0_exc = exc
-                outcome = ("error", f"{type(exc).__name__}: {exc}")
-        outcome = comm.broadcast(outcome)
-        if rank0_exc is not None:
-            raise rank0_exc
-        if outcome[0] == "error":
-            raise CacheError(f"rank 0 could not finish the cache: {outcome[1]}")
-        return outcome[1]
+
+        def write() -> dict[str, Any]:
+            manifest = assemble_manifest(gathered, self.params, self.options, self.output_dir, self.cache_name,
+                                         self.length_rule, self.token_layout)  # fmt: skip
+            write_manifest(self.output_dir, manifest, self.format_version)
+            self.storage.delete(PROGRESS_NAME)
+            self.storage.delete(FOLLOW_NAME)
+            finished = read_manifest(self.output_dir, self.cache_name, self.format_version, self.producer_name)
+            self.logger.info("Wrote %s (%d samples, %d shards)", self.storage.display(MANIFEST_NAME),
+                             self.num_samples, len(manifest["shards"]))  # fmt: skip
+            return finished
+
+        return comm.on_rank0(write, "rank 0 could not finish the cache")
 
 
 __all__ = ["PROGRESS_NAME", "produce_cache"]
