@@ -55,22 +55,8 @@ def fsync_dir(directory: str) -> None:
         os.close(fd)
 
 
-def write_temp(path: str, write_fn: Callable[[str], None]) -> str:
-    """Stage 1 of an atomic write: ``write_fn(tmp)`` into a fresh sibling temp file (removed if
-    ``write_fn`` raises); returns ``tmp``."""
-    directory = os.path.dirname(path) or "."
-    os.makedirs(directory, exist_ok=True)
-    tmp_path = temp_path_for(path)
-    try:
-        write_fn(tmp_path)
-    except BaseException:
-        unlink_quietly(tmp_path)
-        raise
-    return tmp_path
-
-
 def commit_temp(tmp_path: str, path: str, fsync_directory: bool = True) -> str:
-    """Stage 2: fsync ``tmp_path``, rename it over ``path``, fsync the directory; returns ``path``.
+    """Fsync ``tmp_path``, rename it over ``path``, fsync the directory; returns ``path``.
 
     The data is on stable storage before the name points at it: no crash exposes a torn file.
     ``fsync_directory=False`` leaves the rename to a later :func:`fsync_dir` (the writer batches it).
@@ -117,7 +103,14 @@ def atomic_write(path: str, write_fn: Callable[[str], None]) -> str:
     fsynced and renamed over ``path`` (``os.replace``: a reader sees the old file or the new one,
     never a mix), then the directory is fsynced. If ``write_fn`` raises, ``path`` is untouched.
     Returns ``path``."""
-    return commit_temp(write_temp(path, write_fn), path)
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    tmp_path = temp_path_for(path)
+    try:
+        write_fn(tmp_path)
+    except BaseException:
+        unlink_quietly(tmp_path)
+        raise
+    return commit_temp(tmp_path, path)
 
 
 def atomic_write_bytes(path: str, data: bytes) -> str:
@@ -149,10 +142,6 @@ def remove_stale_temp_files(cache_dir: str) -> list[str]:
     return removed
 
 
-def lock_path(cache_dir: str) -> str:
-    return os.path.join(cache_dir, LOCK_NAME)
-
-
 class ProducerLock:
     """Exclusive, crash-released lock on a cache directory (``with ProducerLock(d): ...``).
     ``acquire`` never waits: another holder is a :class:`CacheLockError` naming its pid and host
@@ -160,7 +149,7 @@ class ProducerLock:
 
     def __init__(self, cache_dir: str) -> None:
         self.cache_dir = cache_dir
-        self.path = lock_path(cache_dir)
+        self.path = os.path.join(cache_dir, LOCK_NAME)
         self._fd: int | None = None
 
     @property
