@@ -37,7 +37,7 @@ from te_thd.offline_cache.codecs import (
     out_of_range,
     stored_parts,
 )
-from te_thd.offline_cache.shardfile import read_shard_header
+from te_thd.offline_cache.shardheader import read_shard_header
 from te_thd.offline_cache.verify import cache_info
 
 L, K = 20, 5  # K not a multiple of 8: the last byte of packed high bits is partly padding

@@ -39,13 +39,9 @@ from te_thd.offline_cache import (
 from te_thd.offline_cache.format import TensorSpec, shard_path
 from te_thd.offline_cache.lengths import LengthRule
 from te_thd.offline_cache.loops import lockstep_write
-from te_thd.offline_cache.shardfile import (
-    ShardRecord,
-    ShardStream,
-    read_shard_header,
-)
-from te_thd.offline_cache.writebehind import WriteBehind
-from te_thd.offline_cache.writer import write_tensor_shard
+from te_thd.offline_cache.shardfile import ShardRecord, ShardStream
+from te_thd.offline_cache.shardheader import read_shard_header
+from te_thd.offline_cache.writer import WriteBehind, write_tensor_shard
 
 LOG = logging.getLogger("test_offline_cache_stream")
 DTYPES = (torch.bfloat16, torch.float32, torch.int64, torch.uint8, torch.bool)

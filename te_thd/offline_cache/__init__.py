@@ -5,10 +5,10 @@ Every name of the reference module (NeMo AutoModel's
 only the import changes. Modules: ``format`` (paths, dtypes, schema, shard
 layout), ``manifest`` (``manifest.json``), ``integrity`` (per-row checksums in
 each shard), ``durable`` (atomic writes, producer lock), ``shardfile`` (the one
-shard serialiser, header checks), ``writebehind`` (the one background writer
-thread), ``writer`` (shards, validated and durable), ``loops`` (the reference
-producer loops), ``producer`` / ``producer_state`` (``produce_cache``: resume, lock,
-distributed, manifest), ``verify`` / ``repair`` (integrity checks and repair),
+shard serialiser of both layouts), ``shardheader`` (a shard's header read back and
+checked), ``writer`` (shards, validated and durable, behind the one background
+writer thread), ``loops`` (the reference producer loops), ``producer`` /
+``producer_state`` (``produce_cache``: resume, lock, distributed, manifest), ``verify`` / ``repair`` (integrity checks and repair),
 ``reader`` / ``sampler`` / ``loader`` (reading side), ``follow`` (reading while the producer runs), ``storage`` / ``s3`` / ``msc`` (where a
 cache lives: a local directory, ``s3://bucket/prefix`` or ``msc://profile/path``), ``cli``
 (``te-thd cache ...``).

@@ -28,7 +28,7 @@ from .copyread import GatherPiece, Piece, RunPlan, plan_pieces, plan_runs
 from .format import tensor_nbytes
 from .integrity import ShardSums, row_views, verify_row_views
 from .open_shards import OpenShard
-from .shardfile import HeaderEntry
+from .shardheader import HeaderEntry
 
 __all__ = [
     "COPY_ENGINE",

@@ -1,18 +1,15 @@
 """Crash-safe file writes and the producer lock.
 
-``atomic_write``: the target name only ever points at a complete, fsynced file.
-The bytes go to a sibling temp file whose name is unique to the writer (pid +
-random token, dot-prefixed so no reader pattern matches it), are flushed to
-stable storage, renamed over the target, and the directory entry is fsynced so
-the rename itself survives a power cut. A writer killed at any point leaves at
-worst a dot-prefixed temp file, which readers never look at and
-:func:`remove_stale_temp_files` (run by the next producer, under the lock)
-deletes.
+``atomic_write``: the target name only ever points at a complete, fsynced file. The bytes go
+to a sibling temp file whose name is unique to the writer (pid + random token, dot-prefixed so
+no reader pattern matches it), are flushed to stable storage, renamed over the target, and the
+directory entry is fsynced so the rename itself survives a power cut. A writer killed at any
+point leaves at worst a dot-prefixed temp file, which :func:`remove_stale_temp_files` (run by
+the next producer, under the lock) deletes.
 
-``ProducerLock``: one producer per output directory. It is an
-``fcntl.flock`` on ``<dir>/.te_thd-producer.lock``; the kernel drops a flock
-when its holder dies, SIGKILL included, so a crashed producer never leaves a
-stale lock behind (the file may remain; the lock does not). On network
+``ProducerLock``: one producer per output directory, an ``fcntl.flock`` on
+``<dir>/.te_thd-producer.lock``. The kernel drops a flock when its holder dies, SIGKILL
+included, so a crashed producer never leaves a stale lock (the file may remain). On network
 filesystems flock needs lock support (NFSv4; Lustre mounted with ``-o flock``).
 """
 
@@ -58,28 +55,11 @@ def fsync_dir(directory: str) -> None:
         os.close(fd)
 
 
-def write_temp(path: str, write_fn: Callable[[str], None]) -> str:
-    """Stage 1 of an atomic write: ``write_fn(tmp)`` into a fresh sibling temp file; returns ``tmp``.
-
-    If ``write_fn`` raises, the temp file is removed and the error propagates.
-    """
-    directory = os.path.dirname(path) or "."
-    os.makedirs(directory, exist_ok=True)
-    tmp_path = temp_path_for(path)
-    try:
-        write_fn(tmp_path)
-    except BaseException:
-        unlink_quietly(tmp_path)
-        raise
-    return tmp_path
-
-
 def commit_temp(tmp_path: str, path: str, fsync_directory: bool = True) -> str:
-    """Stage 2: fsync ``tmp_path``, rename it over ``path``, fsync the directory; returns ``path``.
+    """Fsync ``tmp_path``, rename it over ``path``, fsync the directory; returns ``path``.
 
-    The data is on stable storage before the name points at it, so no crash can
-    expose a torn file under ``path``. ``fsync_directory=False`` leaves persisting
-    the rename to a later :func:`fsync_dir` (the shard writer batches it).
+    The data is on stable storage before the name points at it: no crash exposes a torn file.
+    ``fsync_directory=False`` leaves the rename to a later :func:`fsync_dir` (the writer batches it).
     """
     try:
         fsync_file(tmp_path)
@@ -100,16 +80,37 @@ def unlink_quietly(path: str) -> None:
         pass
 
 
-def atomic_write(path: str, write_fn: Callable[[str], None]) -> str:
-    """Write through a sibling temporary file, then atomically replace the target path.
+def copy_range(src: int, dst: int, count: int, dst_offset: int) -> None:
+    """Copy bytes ``[0, count)`` of ``src`` to ``dst`` at ``dst_offset`` (in the kernel where it can)."""
+    src_off = 0
+    while count > 0:
+        try:
+            n = os.copy_file_range(src, dst, count, src_off, dst_offset)
+        except (AttributeError, OSError):  # no copy_file_range here (or across these files): read and write
+            n = 0
+        if n <= 0:
+            chunk = os.pread(src, min(count, 8 << 20), src_off)
+            if not chunk:
+                raise OSError(f"temp file ended {count} bytes early while finishing a shard")
+            n = os.pwrite(dst, chunk, dst_offset)  # a short write: the rest is read again
+        src_off += n
+        dst_offset += n
+        count -= n
 
-    ``write_fn(tmp_path)`` writes the complete content to ``tmp_path``. Then the
-    temp file is fsynced, renamed over ``path`` (``os.replace``: atomic on POSIX,
-    so a reader sees the old file or the new one, never a mix) and the directory
-    is fsynced. If ``write_fn`` raises, the temp file is removed and the error
-    propagates; ``path`` is untouched. Returns ``path``.
-    """
-    return commit_temp(write_temp(path, write_fn), path)
+
+def atomic_write(path: str, write_fn: Callable[[str], None]) -> str:
+    """``write_fn(tmp_path)`` writes the complete content to a sibling temp file, which is
+    fsynced and renamed over ``path`` (``os.replace``: a reader sees the old file or the new one,
+    never a mix), then the directory is fsynced. If ``write_fn`` raises, ``path`` is untouched.
+    Returns ``path``."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    tmp_path = temp_path_for(path)
+    try:
+        write_fn(tmp_path)
+    except BaseException:
+        unlink_quietly(tmp_path)
+        raise
+    return commit_temp(tmp_path, path)
 
 
 def atomic_write_bytes(path: str, data: bytes) -> str:
@@ -123,11 +124,8 @@ def atomic_write_bytes(path: str, data: bytes) -> str:
 
 
 def remove_stale_temp_files(cache_dir: str) -> list[str]:
-    """Delete temp files left by killed writers; returns the removed paths.
-
-    Only safe while holding the :class:`ProducerLock` of ``cache_dir`` (a live
-    writer's temp file looks the same as a dead one's).
-    """
+    """Delete temp files left by killed writers; returns the removed paths. Only safe while holding
+    the :class:`ProducerLock` of ``cache_dir`` (a live writer's temp file looks like a dead one's)."""
     removed = []
     if not os.path.isdir(cache_dir):
         return removed
@@ -144,21 +142,14 @@ def remove_stale_temp_files(cache_dir: str) -> list[str]:
     return removed
 
 
-def lock_path(cache_dir: str) -> str:
-    return os.path.join(cache_dir, LOCK_NAME)
-
-
 class ProducerLock:
     """Exclusive, crash-released lock on a cache directory (``with ProducerLock(d): ...``).
-
-    ``acquire`` never waits: when another producer holds the directory it raises
-    :class:`CacheLockError` naming that producer's pid and host (read from the
-    lock file, informational only: the flock is the lock).
-    """
+    ``acquire`` never waits: another holder is a :class:`CacheLockError` naming its pid and host
+    (read from the lock file, informational only: the flock is the lock)."""
 
     def __init__(self, cache_dir: str) -> None:
         self.cache_dir = cache_dir
-        self.path = lock_path(cache_dir)
+        self.path = os.path.join(cache_dir, LOCK_NAME)
         self._fd: int | None = None
 
     @property

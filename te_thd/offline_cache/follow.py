@@ -50,7 +50,7 @@ from te_thd.offline_cache.producer_state import (
     params_of_manifest,
     record_bytes,
 )
-from te_thd.offline_cache.shardfile import ShardHeader
+from te_thd.offline_cache.shardheader import ShardHeader
 from te_thd.offline_cache.storage import Storage
 from te_thd.offline_cache.tokens import TOKEN_LAYOUT_KEY
 

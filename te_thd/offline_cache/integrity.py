@@ -131,7 +131,7 @@ def shard_metadata(
     ``tensor_entries`` is the safetensors header without metadata
     (``{key: {"dtype", "shape", "data_offsets"}}``), ``sums`` the per-row sums of
     every key (:func:`byte_row_sums`), ``rows`` the sample count. ``tokens``: the
-    ragged tensors' fields of a token-layout shard (:mod:`~te_thd.offline_cache.token_shard`),
+    ragged tensors' fields of a token-layout shard (:mod:`~te_thd.offline_cache.shardfile`),
     covered by the digest like the rest. ``run``: the producer's run record (JSON
     values; see the module docstring), covered too. The digest is what the manifest
     records for the shard (:func:`shard_checksum`).

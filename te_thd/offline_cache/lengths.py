@@ -161,7 +161,7 @@ def read_shard_lengths(path: str, rule: LengthRule) -> np.ndarray:
     """
     from safetensors import safe_open
 
-    from te_thd.offline_cache.shardfile import (
+    from te_thd.offline_cache.shardheader import (
         read_shard_header,  # lengths is imported by the shard writer's modules
     )
     from te_thd.offline_cache.tokens import decode_offsets

@@ -1,22 +1,19 @@
 """Producer loops of the reference API: the accumulator, the single-process and distributed loops.
 
-- :class:`ShardAccumulator` (the reference's ``_ShardAccumulator``) turns a stream of computed batches into
-  fixed-size shards with global indices; the single-process and the
-  distributed loops share it, so both lay out identical files.
-- :func:`write_cache_shards` / :func:`write_cache_shards_distributed` are the
-  reference loops; :func:`lockstep_write` is their engine, generalised to a
-  list of shard runs so a resumed (or distributed-resumed) producer recomputes
-  only missing shards. ``te_thd.offline_cache.producer.produce_cache`` builds on it.
+- :class:`ShardAccumulator` (the reference's ``_ShardAccumulator``) turns a stream of computed
+  batches into fixed-size shards with global indices; both loops share it, so both lay out
+  identical files.
+- :func:`write_cache_shards` / :func:`write_cache_shards_distributed` are the reference loops;
+  :func:`lockstep_write` is their engine, over a list of shard runs so a resumed producer
+  recomputes only missing shards (``produce_cache`` builds on it).
 
-Byte-identical output across resume / world sizes holds when ``compute_batch``
-gives each sample the same result whatever batch it is in. Runs start at shard
-boundaries, so with ``shard_size % batch_size == 0`` every run forms exactly the
-batches an uninterrupted single-process run forms, and even batch-dependent
-numerics (padding, kernel choice) reproduce.
+Output is byte-identical across resume / world sizes when ``compute_batch`` gives each sample
+the same result whatever batch it is in. Runs start at shard boundaries, so with
+``shard_size % batch_size == 0`` every run forms exactly the batches of an uninterrupted
+single-process run, and even batch-dependent numerics reproduce.
 
-Every loader these loops build is made by ``te_thd.offline_cache.DataLoader``,
-looked up on the package at call time: tests of the reference module's
-consumers patch that attribute to capture the loaders.
+Every loader these loops build is made by ``te_thd.offline_cache.DataLoader``, looked up on
+the package at call time: tests of the reference module's consumers patch it.
 """
 
 from __future__ import annotations
@@ -57,20 +54,13 @@ def _checked(batch_cache: Any, writer: WriteShardFn) -> dict[str, torch.Tensor]:
 class ShardAccumulator:
     """Buffer per-batch cache tensors and flush them as fixed-size sequential shards.
 
-    Shard indices count up from ``start_shard_index``; a trailing partial shard is
-    written by ``finalize``. Shared by the single-process and distributed
-    precompute loops so both produce the identical on-disk shard layout.
-
-    Batches are moved to the CPU as they arrive (a GPU producer does not hold a
-    shard's worth of outputs in device memory) and each shard concatenates only
-    the pieces it needs, so buffering is linear in the shard size.
-
-    With a :class:`~te_thd.offline_cache.writer.DurableShardWriter` as
-    ``write_shard_fn`` the pieces go to it as they are (``write_piece``, then
-    ``finish_shard``), never concatenated; given the run's ``total_samples`` as
-    well, every shard's row count is known before its first batch, so each batch
-    goes to the writer at once and nothing is buffered here. Any other
-    ``write_shard_fn`` gets each shard as one ``{key: tensor}`` dict.
+    Shard indices count up from ``start_shard_index``; ``finalize`` writes a trailing partial
+    shard. Batches are moved to the CPU as they arrive (a GPU producer holds no shard's worth
+    of outputs in device memory). A :class:`~te_thd.offline_cache.writer.DurableShardWriter`
+    gets the pieces as they are, never concatenated; given the run's ``total_samples`` too,
+    every shard's row count is known before its first batch, so each batch goes to the writer
+    at once and nothing is buffered here. Any other ``write_shard_fn`` gets each shard as one
+    ``{key: tensor}`` dict.
     """
 
     def __init__(
@@ -228,16 +218,12 @@ def write_cache_shards(
 
 
 def partition_cache_shards(num_samples: int, shard_size: int, world_size: int, rank: int) -> tuple[int, int, int]:
-    """Assign a contiguous, shard-aligned block of samples to ``rank``.
+    """Assign a contiguous, shard-aligned block of samples to ``rank``:
+    ``(start_shard_index, start_sample, num_local_samples)``.
 
-    Splits the ``ceil(num_samples / shard_size)`` shards into contiguous runs across
-    ``world_size`` ranks (the first ``total_shards % world_size`` ranks take one
-    extra shard). Because the split is on whole shards, every shard is owned by
-    exactly one rank, so ranks can write straight into a shared output directory
-    with global shard indices and no cross-rank overlap. Ranks that receive no
-    shards (when ``total_shards < world_size``) get ``num_local_samples == 0``.
-
-    Returns ``(start_shard_index, start_sample, num_local_samples)``.
+    The shards are split into contiguous runs across ``world_size`` ranks (the first
+    ``total_shards % world_size`` take one extra), so every shard is owned by exactly one rank
+    and ranks write straight into one directory. A rank without shards gets 0 samples.
     """
     check_shard_size(shard_size)
     check_int("num_samples", num_samples, 0)
@@ -304,16 +290,14 @@ def lockstep_write(
     sync_max_steps: Callable[[int], int] | None = None,
     progress: Any = None,
 ) -> tuple[int, int]:
-    """Compute and write the shard ``runs`` of this rank, padding to the global step count.
-
-    ``runs`` are ``(start_shard_index, start_sample, num_samples)`` blocks (see
-    :func:`shard_runs`); each gets a sequential loader over its samples and its own
-    accumulator, so batches never straddle a run. After the real batches, dummy
-    forwards (one sample, ``dataset[0]``, output discarded) pad this rank to
-    ``sync_max_steps(local_steps)``: every rank calls ``compute_batch`` equally
-    often, which a sharded model's collectives require. ``progress`` (a tqdm-like
-    object or ``None``) gets ``update(1)`` per step. Returns
+    """Compute and write the shard ``runs`` of this rank, padding to the global step count;
     ``(local_steps, global_steps)``.
+
+    ``runs``: ``(start_shard_index, start_sample, num_samples)`` blocks (:func:`shard_runs`), each
+    with its own sequential loader and accumulator, so batches never straddle a run. Dummy
+    forwards (``dataset[0]``, output discarded) then pad this rank to
+    ``sync_max_steps(local_steps)``: a sharded model's collectives need every rank to call
+    ``compute_batch`` equally often. ``progress`` (tqdm-like or ``None``) gets ``update(1)`` per step.
     """
     dataset = dataloader.dataset
     bs = loader_batch_size(dataloader)
@@ -359,17 +343,11 @@ def write_cache_shards_distributed(
 ) -> None:
     """Distributed precompute loop: each rank writes its contiguous shard block.
 
-    The target model is sharded across all ranks (expert-parallel / FSDP), so every
-    ``compute_batch`` call is a collective that all ranks must enter the same number
-    of times. This rank forwards its own contiguous slice of the dataset (a different
-    slice per rank -- pure data parallelism, which the MoE all-to-all routes tokens
-    for), and pads its step count up to the global maximum with dummy forwards whose
-    output is discarded, keeping the collectives in lockstep.
-
-    Writes are idempotent (atomic replace), so re-running after a partial failure
-    safely recomputes and overwrites rather than resuming. ``sync_max_steps`` reduces
-    the per-rank step count to the global max across ranks (an all-reduce MAX); it
-    defaults to the identity for a single-process run.
+    The model is sharded across all ranks (expert-parallel / FSDP), so every ``compute_batch``
+    is a collective all ranks enter equally often: this rank forwards its own slice of the
+    dataset and pads its step count to the global maximum with dummy forwards. Writes are
+    atomic replaces, so a re-run after a failure recomputes and overwrites. ``sync_max_steps``
+    reduces the step count to the max across ranks (an all-reduce MAX); default: identity.
     """
     num_samples = len(dataloader.dataset)
     start_shard, start_sample, n_local = partition_cache_shards(num_samples, shard_size, world_size, rank)
@@ -429,14 +407,12 @@ def _loader_kwargs(dataloader: DataLoader) -> dict[str, Any]:
 
 
 def sequential_subset_loader(dataloader: DataLoader, start: int, end: int) -> DataLoader:
-    """Return a sequential loader over ``dataset[start:end)`` mirroring ``dataloader``.
+    """Return a sequential loader over ``dataset[start:end)`` mirroring ``dataloader``'s settings.
 
-    Preserves the source loader's worker settings: in particular
-    ``multiprocessing_context`` -- the precompute paths load the target onto CUDA
-    before iterating, so fork-started workers would inherit a live CUDA context and
-    abort (use a ``"forkserver"`` or ``"spawn"`` context there). Also kept:
-    ``batch_size``, ``collate_fn``, ``pin_memory``, ``persistent_workers``,
-    ``worker_init_fn``, ``prefetch_factor`` (when not torch's default), ``timeout``.
+    Kept: ``multiprocessing_context`` (the precompute paths load the target onto CUDA first, so
+    fork-started workers would inherit a live CUDA context: use ``"forkserver"`` or ``"spawn"``),
+    ``batch_size``, ``collate_fn``, ``pin_memory``, ``persistent_workers``, ``worker_init_fn``,
+    ``prefetch_factor`` (when not torch's default) and ``timeout``.
     """
     dataset: Dataset = dataloader.dataset
     return _loader_class()(Subset(dataset, range(start, end)), shuffle=False, drop_last=False, **_loader_kwargs(dataloader))

@@ -79,7 +79,7 @@ from te_thd.offline_cache.format import (
 )
 from te_thd.offline_cache.integrity import SHARD_LAYOUT
 from te_thd.offline_cache.lengths import LENGTH_RULE_KEY, LengthRule, check_lengths_record
-from te_thd.offline_cache.shardfile import read_shard_header, schema_of_header
+from te_thd.offline_cache.shardheader import read_shard_header, schema_of_header
 from te_thd.offline_cache.storage import open_storage
 from te_thd.offline_cache.tokens import (
     TOKEN_LAYOUT_KEY,

@@ -18,7 +18,7 @@ import torch
 
 from .copyread import advise
 from .errors import CacheIntegrityError
-from .shardfile import HeaderEntry, ShardHeader
+from .shardheader import HeaderEntry, ShardHeader
 from .storage import Fetch
 from .token_read import TokenIndex
 
@@ -27,7 +27,7 @@ __all__ = ["OpenShard", "OpenShards", "map_shard"]
 def map_shard(path: str, entries: dict[str, HeaderEntry], keys: Sequence[str], repair: str) -> dict[str, torch.Tensor]:
     """Memory-map one safetensors file and return ``{key: [rows, ...] view}`` for ``keys``.
 
-    ``entries`` is the file's parsed header (``shardfile.check_shard_header``). The file is mapped copy-on-write
+    ``entries`` is the file's parsed header (``shardheader.check_shard_header``). The file is mapped copy-on-write
     (``torch.from_file(shared=False)``: opened read-only, no descriptor kept) and
     never written, so every page stays file-backed; safetensors itself has no
     zero-copy view API, ``safe_open`` copies on every slice.

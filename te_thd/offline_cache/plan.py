@@ -34,8 +34,7 @@ from te_thd.offline_cache.format import (
 )
 from te_thd.offline_cache.lengths import LengthRule, for_tensor_spec, producer_rule
 from te_thd.offline_cache.producer_state import run_params, run_record
-from te_thd.offline_cache.shardfile import shard_header_len
-from te_thd.offline_cache.token_shard import reserved_header_len
+from te_thd.offline_cache.shardfile import reserved_header_len, shard_header_len
 from te_thd.offline_cache.tokens import (
     PAGE_BYTES,
     TokenLayout,

@@ -6,34 +6,24 @@ One call turns ``dataloader`` + ``compute_batch`` into a finished cache::
                              compute_batch=lambda b: {"hidden": model(b)},
                              keys=("hidden",), options={"cp_size": 2})
 
-What happens, in order (``rank`` is the rank in ``group``; one process is rank 0 of 1):
+In order (``rank`` in ``group``; one process is rank 0 of 1):
 
-1. rank 0 takes the :class:`ProducerLock` (a second producer on the directory
-   is refused), inspects the directory and tells every rank what to do:
-   - a finished cache with the same parameters: nothing (returns its manifest);
-   - a finished cache with other parameters, or shards of an unknown producer:
-     refuse, naming the difference;
-   - otherwise it deletes temp files of killed writers and records the run's
-     parameters in ``.te_thd-producer.json`` (so a resume with other parameters
-     is refused instead of mixing shards).
-2. every rank takes its contiguous shard block (:func:`partition_cache_shards`),
-   re-reads the shards of it that already exist (resume: checksum + header
-   check), and computes only the missing ones, padding to the global step count
-   with dummy forwards (:func:`lockstep_write`).
-3. the ranks all-gather their shard records (bytes, checksum, schema); rank 0
-   checks that every shard exists exactly once with one schema and writes
-   ``manifest.json`` atomically, last; then every rank returns the manifest.
+1. rank 0 takes the producer lock, inspects the directory and tells every rank what to do
+   (:func:`~te_thd.offline_cache.producer_state.prepare_directory`): reuse a finished cache
+   with the same parameters, refuse one with others (naming the difference), or record the
+   run's parameters and produce.
+2. every rank takes its contiguous shard block (:func:`partition_cache_shards`), verifies the
+   shards of it that exist, and computes only the missing ones, padding to the global step
+   count with dummy forwards (:func:`lockstep_write`). :class:`ProducerComm` holds the few
+   collectives this needs, trivial for one process.
+3. the ranks all-gather their shard records; rank 0 checks that every shard exists once with
+   one schema and writes ``manifest.json`` atomically, last; every rank returns it.
 
-Errors raised while writing on one rank (a schema mismatch) do not hang the
-others: the rank keeps stepping (without writing) to the end of the lockstep
-loop and the error is raised on every rank after the all-gather. An exception
-inside ``compute_batch`` itself propagates at once, as in any training loop.
-
-Crash safety: a producer killed at any point leaves complete shards, maybe temp
-files, maybe no manifest. Run the same call again (``resume=True``, the
-default): temp files are removed, existing shards are verified and kept, the
-missing ones are computed, and the finished directory is byte-identical to an
-uninterrupted run (manifest included: it holds no timestamps or host names).
+A write error on one rank (a schema mismatch) does not hang the others: the rank keeps stepping
+without writing and the error is raised on every rank after the all-gather. An exception inside
+``compute_batch`` propagates at once. A producer killed at any point is finished by the same
+call (``resume=True``): temp files removed, existing shards verified and kept, the directory
+byte-identical to an uninterrupted run (the manifest holds no timestamps or host names).
 """
 
 from __future__ import annotations
@@ -45,10 +35,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from te_thd.args import check_names
-from te_thd.offline_cache.comm import ProducerComm, resolve_ranks
 from te_thd.offline_cache.errors import CacheError, SchemaError
 from te_thd.offline_cache.follow import FOLLOW_NAME, follow_record
 from te_thd.offline_cache.format import (
@@ -89,6 +79,77 @@ from te_thd.offline_cache.tokens import TokenLayout, check_token_keys
 from te_thd.offline_cache.writer import DurableShardWriter
 
 _log = logging.getLogger("te_thd.offline_cache")
+
+
+class ProducerComm:
+    """The few collectives the producer needs, trivial for a single process."""
+
+    def __init__(self, rank: int, world_size: int, group: Any) -> None:
+        self.rank, self.world_size, self.group = rank, world_size, group
+        self.distributed = world_size > 1
+        if self.distributed:
+            backend = dist.get_backend(group)
+            self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+            self.src = dist.get_global_rank(group, 0) if group is not None else 0
+
+    def broadcast(self, obj: Any) -> Any:
+        if not self.distributed:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=self.src, group=self.group)
+        return box[0]
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        if not self.distributed:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def on_rank0(self, fn: Callable[[], Any], failed: str) -> Any:
+        """``fn()`` on rank 0, its result broadcast to every rank. An error there is raised on rank 0
+        and, as a :class:`CacheError` ``"<failed>: <error>"``, on the others: told before rank 0
+        raises, or they would wait in the broadcast forever."""
+        outcome: tuple[str, Any] | None = None
+        if self.rank == 0:
+            try:
+                outcome = ("ok", fn())
+            except Exception as exc:
+                self.broadcast(("error", f"{type(exc).__name__}: {exc}"))
+                raise
+        outcome = self.broadcast(outcome)
+        if outcome[0] == "error":
+            raise CacheError(f"{failed}: {outcome[1]}")
+        return outcome[1]
+
+    def max_int(self, value: int) -> int:
+        if not self.distributed:
+            return value
+        t = torch.tensor([value], dtype=torch.int64, device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return int(t.item())
+
+
+def resolve_ranks(rank: int | None, world_size: int | None, group: Any) -> tuple[int, int]:
+    """``(rank, world_size)`` of this process: the initialised ``group``'s (the arguments, if given,
+    must agree), else ``(0, 1)``; any other value without a process group is a ``ValueError``."""
+    initialized = dist.is_available() and dist.is_initialized()
+    if initialized:
+        g_rank, g_size = dist.get_rank(group), dist.get_world_size(group)
+        if (rank is not None and rank != g_rank) or (world_size is not None and world_size != g_size):
+            raise ValueError(
+                f"rank={rank!r}, world_size={world_size!r} contradict the process group "
+                f"(rank {g_rank} of {g_size}); omit them to use the group's"
+            )
+        return g_rank, g_size
+    rank = 0 if rank is None else rank
+    world_size = 1 if world_size is None else world_size
+    if world_size != 1 or rank != 0:
+        raise ValueError(
+            f"world_size={world_size!r}, rank={rank!r} need an initialised torch.distributed process "
+            "group (call torch.distributed.init_process_group first, or use world_size=1)"
+        )
+    return 0, 1
 
 
 class _RecordingWriter(DurableShardWriter):
@@ -210,16 +271,39 @@ def produce_cache(
     Every rank returns the same manifest dict (``read_manifest``'s view).
     """
     storage = open_storage(output_dir, "output_dir")  # a bad URL is refused before anything else
-    job = _Job.plan(dataloader, output_dir, shard_size, keys, options, format_version, cache_name,
-                    producer_name, rank, world_size, group, logger or _log, length_key, token_keys, codecs)  # fmt: skip
+    # every argument is checked before any rank touches the directory
+    check_shard_size(shard_size)
+    keys = check_names("keys", keys, non_empty=True, distinct=True)
+    opts = check_options(options)
+    length_rule = producer_rule(length_key, keys)
+    token_layout = check_token_keys(token_keys, codecs, keys)
+    if token_layout is not None and length_rule is None:
+        raise ValueError(
+            f"token_keys={tuple(token_keys)} needs each sample's length to know which tokens to store; pass "
+            "length_key=<the stored key with each sample's length or its token ids>"
+        )
+    num_samples = loader_num_samples(dataloader)
+    if os.path.exists(output_dir) and not os.path.isdir(output_dir):
+        raise ValueError(f"output_dir={output_dir!r} is a file, not a directory; pass a directory (new, or one this producer wrote)")
+    if num_shards(num_samples, shard_size) > MAX_SHARDS:
+        raise ValueError(
+            f"shard_size={shard_size} gives {num_shards(num_samples, shard_size)} shards for "
+            f"{num_samples} samples; at most {MAX_SHARDS} fit the six-digit names. Use a larger shard_size."
+        )
+    rank, world_size = resolve_ranks(rank, world_size, group)
+    job = _Job(
+        output_dir=output_dir, shard_size=shard_size, keys=keys, options=opts, format_version=format_version,
+        cache_name=cache_name, producer_name=producer_name, num_samples=num_samples, logger=logger or _log,
+        comm=ProducerComm(rank, world_size, group), length_rule=length_rule, token_layout=token_layout,
+        params=run_params(format_version, num_samples, shard_size, keys, opts, token_layout), storage=storage,
+    )  # fmt: skip
     producer_lock = storage.lock() if (lock and job.comm.rank == 0) else None
     return job.run(producer_lock, resume, dataloader, compute_batch, progress)
 
 
 @dataclass(frozen=True)
 class _Job:
-    """One ``produce_cache`` call on one rank: its parameters (validated by :meth:`plan`) and its
-    phases, in order."""
+    """One ``produce_cache`` call on one rank: its parameters (validated) and its phases, in order."""
 
     output_dir: str
     shard_size: int
@@ -235,40 +319,6 @@ class _Job:
     token_layout: TokenLayout | None
     params: dict[str, Any]  # what two runs must share to write one cache (``run_params``)
     storage: Storage  # where ``output_dir`` lives
-
-    @classmethod
-    def plan(cls, dataloader: DataLoader, output_dir: str, shard_size: int, keys: Sequence[str],
-             options: Mapping[str, Any] | None, format_version: int, cache_name: str,
-             producer_name: str | None, rank: int | None, world_size: int | None, group: Any,
-             logger: logging.Logger, length_key: str | None = None, token_keys: Sequence[str] = (),
-             codecs: Mapping[str, str] | None = None) -> _Job:  # fmt: skip
-        """Validate the arguments (before any rank touches the directory)."""
-        check_shard_size(shard_size)
-        keys = check_names("keys", keys, non_empty=True, distinct=True)
-        opts = check_options(options)
-        length_rule = producer_rule(length_key, keys)
-        token_layout = check_token_keys(token_keys, codecs, keys)
-        if token_layout is not None and length_rule is None:
-            raise ValueError(
-                f"token_keys={tuple(token_keys)} needs each sample's length to know which tokens to store; pass "
-                "length_key=<the stored key with each sample's length or its token ids>"
-            )
-        num_samples = loader_num_samples(dataloader)
-        if os.path.exists(output_dir) and not os.path.isdir(output_dir):
-            raise ValueError(f"output_dir={output_dir!r} is a file, not a directory; pass a directory (new, or one this producer wrote)")
-        if num_shards(num_samples, shard_size) > MAX_SHARDS:
-            raise ValueError(
-                f"shard_size={shard_size} gives {num_shards(num_samples, shard_size)} shards for "
-                f"{num_samples} samples; at most {MAX_SHARDS} fit the six-digit names. Use a larger shard_size."
-            )
-        rank, world_size = resolve_ranks(rank, world_size, group)
-        return cls(
-            output_dir=output_dir, shard_size=shard_size, keys=keys, options=opts, format_version=format_version,
-            cache_name=cache_name, producer_name=producer_name, num_samples=num_samples, logger=logger,
-            comm=ProducerComm(rank, world_size, group), length_rule=length_rule, token_layout=token_layout,
-            params=run_params(format_version, num_samples, shard_size, keys, opts, token_layout),
-            storage=open_storage(output_dir, "output_dir"),
-        )  # fmt: skip
 
     def run(
         self, producer_lock: Lock | None, resume: bool, dataloader: DataLoader,
@@ -293,24 +343,16 @@ class _Job:
 
         Returns the finished manifest (nothing to do) or ``None`` (produce).
         """
-        comm = self.comm
-        status: tuple[str, Any] | None = None
-        if comm.rank == 0:
-            try:
-                if producer_lock is not None:
-                    producer_lock.acquire()
-                finished = prepare_directory(self.output_dir, self.params, resume, self.cache_name, self.producer_name)
-                if finished is None:  # before any shard: what a reader following this run needs (follow.py)
-                    self.storage.put(FOLLOW_NAME, follow_record(run_record(self.params, self.length_rule), self.producer_name))
-                status = ("done", finished) if finished is not None else ("work", None)
-            except Exception as exc:
-                # Tell the other ranks before raising, or they wait in broadcast forever.
-                comm.broadcast(("error", f"{type(exc).__name__}: {exc}"))
-                raise
-        status = comm.broadcast(status)
-        if status[0] == "error":
-            raise CacheError(f"rank 0 refused to produce the cache: {status[1]}")
-        return status[1] if status[0] == "done" else None
+
+        def decide() -> dict[str, Any] | None:
+            if producer_lock is not None:
+                producer_lock.acquire()
+            finished = prepare_directory(self.output_dir, self.params, resume, self.cache_name, self.producer_name)
+            if finished is None:  # before any shard: what a reader following this run needs (follow.py)
+                self.storage.put(FOLLOW_NAME, follow_record(run_record(self.params, self.length_rule), self.producer_name))
+            return finished
+
+        return self.comm.on_rank0(decide, "rank 0 refused to produce the cache")
 
     def verify_block(self) -> tuple[dict[int, ShardRecord], CacheSchema | None, list[int]]:
         """This rank's shard block: verify the shards that exist; return their records, schema, the rest."""
@@ -381,29 +423,19 @@ class _Job:
             schema_to_json(writer.schema) if writer.schema is not None else None,
         )
         gathered = comm.all_gather(mine)
-        outcome: tuple[str, Any] | None = None
-        rank0_exc: Exception | None = None
-        if comm.rank == 0:
-            try:
-                manifest = assemble_manifest(
-                    gathered, self.params, self.options, self.output_dir, self.cache_name, self.length_rule,
-                    self.token_layout,
-                )
-                write_manifest(self.output_dir, manifest, self.format_version)
-                self.storage.delete(PROGRESS_NAME)
-                self.storage.delete(FOLLOW_NAME)
-                outcome = ("ok", read_manifest(self.output_dir, self.cache_name, self.format_version, self.producer_name))
-                self.logger.info("Wrote %s (%d samples, %d shards)", self.storage.display(MANIFEST_NAME),
-                                 self.num_samples, len(manifest["shards"]))  # fmt: skip
-            except Exception as exc:
-                rank0_exc = exc
-                outcome = ("error", f"{type(exc).__name__}: {exc}")
-        outcome = comm.broadcast(outcome)
-        if rank0_exc is not None:
-            raise rank0_exc
-        if outcome[0] == "error":
-            raise CacheError(f"rank 0 could not finish the cache: {outcome[1]}")
-        return outcome[1]
+
+        def write() -> dict[str, Any]:
+            manifest = assemble_manifest(gathered, self.params, self.options, self.output_dir, self.cache_name,
+                                         self.length_rule, self.token_layout)  # fmt: skip
+            write_manifest(self.output_dir, manifest, self.format_version)
+            self.storage.delete(PROGRESS_NAME)
+            self.storage.delete(FOLLOW_NAME)
+            finished = read_manifest(self.output_dir, self.cache_name, self.format_version, self.producer_name)
+            self.logger.info("Wrote %s (%d samples, %d shards)", self.storage.display(MANIFEST_NAME),
+                             self.num_samples, len(manifest["shards"]))  # fmt: skip
+            return finished
+
+        return comm.on_rank0(write, "rank 0 could not finish the cache")
 
 
 __all__ = ["PROGRESS_NAME", "produce_cache"]

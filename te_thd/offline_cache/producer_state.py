@@ -40,7 +40,8 @@ from te_thd.offline_cache.lengths import (
     read_shard_lengths,
 )
 from te_thd.offline_cache.manifest import LAYOUT_VERSION, RESERVED_MANIFEST_KEYS, read_manifest
-from te_thd.offline_cache.shardfile import ShardRecord, read_shard_header, schema_of_header
+from te_thd.offline_cache.shardfile import ShardRecord
+from te_thd.offline_cache.shardheader import read_shard_header, schema_of_header
 from te_thd.offline_cache.storage import open_storage
 from te_thd.offline_cache.tokens import TOKEN_LAYOUT_KEY, TokenLayout, shard_fidelity
 from te_thd.offline_cache.verify import (
@@ -261,13 +262,10 @@ def verify_existing(
     length_rule: LengthRule | None = None,
     run: Mapping[str, Any] | None = None,
 ) -> tuple[dict[int, ShardRecord], CacheSchema | None]:
-    """Records of shards a previous run wrote, each verified completely (:func:`verify_shard_file`).
+    """Records of shards a previous run wrote, each verified completely (:func:`existing_record`).
 
-    The first shard fixes the schema (its keys must be this run's); every shard
-    must carry te_thd checksums (a previous run of this producer wrote them).
-    With a ``length_rule`` each record also holds the shard's lengths, read from it. ``run``:
-    this run's record (:func:`run_record`); a shard that records another run is refused.
-    Raises :class:`CacheIntegrityError` naming a damaged shard and what to do.
+    The first shard fixes the schema (its keys must be this run's). ``run``: this run's record
+    (:func:`run_record`). Raises :class:`CacheIntegrityError` naming a damaged shard and what to do.
     """
     records: dict[int, ShardRecord] = {}
     schema: CacheSchema | None = None
@@ -298,10 +296,9 @@ def existing_record(
     first_sample: int | None = None,
 ) -> ShardRecord:
     """The manifest record of the shard at ``path`` (``rows`` rows of ``schema``), verified completely
-    (:func:`verify_shard_file`: header, every row, te_thd checksums required); with a ``length_rule``
-    its rows' lengths, read from it. ``run``: the run record the shard must carry when it carries one.
-    ``first_sample``: the global index of its row 0, so that a damaged row is named by its sample.
-    Raises :class:`CacheIntegrityError` naming the shard."""
+    (:func:`verify_shard_file`, te_thd checksums required); with a ``length_rule`` its rows' lengths.
+    ``run``: the run record the shard must carry when it carries one. ``first_sample``: the global
+    index of its row 0, to name a damaged row by its sample. Raises :class:`CacheIntegrityError`."""
     check = verify_shard_file(path, schema, rows, require_sums=True, first_sample=first_sample)
     theirs = check.header.sums.run if check.header.sums is not None else None
     if run is not None and theirs is not None and theirs != run:

@@ -24,7 +24,7 @@ A process keeps one cache of open shards (``open_shards.OpenShards``,
 spawn or forkserver open their own on first use.
 
 Both read paths check a shard when this process first opens it (and again if it
-was evicted from the LRU): ``shardfile.check_shard_header`` parses the header
+was evicted from the LRU): ``shardheader.check_shard_header`` parses the header
 (offsets must tile the file, its own digest must match, and so must the digest the
 manifest records for it), and the keys, row count, dtypes and sample shapes must
 agree with the manifest's schema (or, for a reference manifest without one, with
@@ -77,7 +77,7 @@ from .format import (
 from .integrity import ShardSums, verify_rows
 from .manifest import manifest_schema, producer_command, read_manifest, shard_records
 from .open_shards import OpenShard, OpenShards
-from .shardfile import ShardHeader, check_shard_header, logical_entries
+from .shardheader import ShardHeader, check_shard_header, logical_entries
 from .storage import open_storage
 from .token_read import ReadContext, TokenIndex, TokenRows, token_index
 from .tokens import TOKEN_LAYOUT_KEY, TokenLayout
@@ -279,7 +279,7 @@ class CachedTensorDataset(Dataset):
         return self.num_samples
 
     def _checked_header(self, shard_index: int) -> tuple[str, ShardHeader]:
-        """Parse shard ``shard_index``'s header and check it against the cache (``shardfile.check_shard_header``).
+        """Parse shard ``shard_index``'s header and check it against the cache (``shardheader.check_shard_header``).
 
         Run by both read paths when this process opens the shard (not per read):
         keys, row count, dtypes and sample shapes against the manifest schema (or,

@@ -1,23 +1,21 @@
-"""One shard file: the safetensors bytes te_thd writes, row piece by row piece, and its header read back.
+"""One shard file: the safetensors bytes te_thd writes, row piece by row piece, in either layout.
 
-The bytes are exactly those of ``safetensors.torch.save_file(tensors, path,
-metadata=...)`` with the single ``"te_thd"`` metadata entry of
-:mod:`~te_thd.offline_cache.integrity` (per-row checksums, row count, header
-digest): an 8-byte little-endian header length, a compact JSON header padded
-with spaces to a multiple of 8, then every tensor's raw bytes, ordered by dtype
-(safetensors' enum order, descending, which keeps wider types aligned) and then
-by name. The tests assert byte equality with ``save_file`` so the format cannot
-drift.
+The bytes are exactly those of ``safetensors.torch.save_file(tensors, path, metadata=...)``
+with the ``"te_thd"`` metadata entry of :mod:`~te_thd.offline_cache.integrity`: an 8-byte
+little-endian header length, a compact JSON header padded with spaces to a multiple of 8,
+then every tensor's raw bytes, ordered by dtype (safetensors' enum order, descending, which
+keeps wider types aligned) and then by name. The tests assert byte equality with ``save_file``.
 
-:class:`ShardStream` is the one serialiser, used by every writer: a shard's row
-count is known before its first row, so the header's length is known too (the
-per-row checksums are fixed-width base64, the digest 16 hex digits). Each piece
-of rows goes straight from its own memory to its final offset (``pwrite``), the
-rows are hashed right after, while still in cache, and the header is written at
-offset 0 last. A shard buffered as a list of batches is therefore never copied
-into a shard-sized tensor, and a producer's batch is free once it is written.
-Not atomic by itself: writers stream into a temp file and rename it when complete
-(:mod:`~te_thd.offline_cache.durable`).
+:class:`ShardStream` is the one serialiser of both layouts. A shard's row count is known
+before its first row, so is its header's length (fixed-width checksums): each piece of rows
+goes straight from its own memory to its final offset (``pwrite``), is hashed while still in
+cache, and the header is written at offset 0 last. A token-layout shard
+(:mod:`~te_thd.offline_cache.tokens`) holds the per-sample keys as rows, then the ragged
+tensors ``[T, ...]`` (the most bytes per token first), then the uint64 block sums. Its token
+count is known only after its last row, so its header reserves room for ``rows * L`` tokens,
+padded with spaces (valid JSON); the first ragged tensor goes to its final offset, the others
+to sibling temp files appended on finish. Not atomic by itself: writers stream into a temp
+file and rename it (:mod:`~te_thd.offline_cache.durable`).
 """
 
 from __future__ import annotations
@@ -29,38 +27,40 @@ import struct
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
+import numpy as np
 import torch
+import xxhash
 
 from te_thd.args import check_int
-from te_thd.offline_cache.copyread import advise
-from te_thd.offline_cache.durable import unlink_quietly
-from te_thd.offline_cache.errors import CacheIntegrityError
-from te_thd.offline_cache.format import (
-    DTYPE_RANK,
-    DTYPE_TO_ST,
-    ST_TO_DTYPE,
-    TensorSpec,
-    dtype_name,
-    tensor_nbytes,
-)
+from te_thd.offline_cache.codecs import encode, is_lossy, out_of_range, range_problem
+from te_thd.offline_cache.durable import copy_range, temp_path_for, unlink_quietly
+from te_thd.offline_cache.format import DTYPE_RANK, DTYPE_TO_ST, TensorSpec, tensor_nbytes
 from te_thd.offline_cache.integrity import (
-    HASH_NAME,
-    ShardSums,
     byte_row_sums,
     byte_view,
     on_cpu,
-    parse_shard_metadata,
     shard_checksum,
     shard_metadata,
 )
-from te_thd.offline_cache.tokens import logical_specs
+from te_thd.offline_cache.lengths import LengthRule
+from te_thd.offline_cache.tokens import (
+    BLOCK_SUMS,
+    StoredTensor,
+    TokenLayout,
+    block_table,
+    check_token_schema,
+    encode_offsets,
+    row_offsets,
+)
 
 if sys.byteorder != "little":  # pragma: no cover - safetensors is little-endian on disk
     raise ImportError("te_thd.offline_cache writes raw tensor memory and needs a little-endian host")
 
-_HEADER_LIMIT = 100 * 1024 * 1024  # safetensors' own cap on header size
+_hash = xxhash.xxh3_64_intdigest
+#: widest fidelity figure the header holds (the reservation's placeholder)
+_WIDEST_FLOAT = "9.9999e-100"
 
 
 @dataclass(frozen=True)
@@ -83,15 +83,14 @@ class ShardRecord:
         return rec
 
 
-def tensor_entries(specs: Sequence[tuple[str, TensorSpec]], rows: int) -> dict[str, Any]:
-    """The safetensors header entries (``{name: {dtype, shape, data_offsets}}``) of a ``rows``-row
-    shard of ``specs`` (already in file order)."""
+def tensor_entries(tensors: Sequence[tuple[str, torch.dtype, Sequence[int]]]) -> dict[str, Any]:
+    """The safetensors header entries (``{name: {dtype, shape, data_offsets}}``) of ``(name, dtype,
+    shape)`` tensors in file order."""
     entries: dict[str, Any] = {}
     offset = 0
-    for name, spec in specs:
-        shape = [rows, *spec.shape]
-        n = tensor_nbytes(spec.dtype, shape)
-        entries[name] = {"dtype": DTYPE_TO_ST[spec.dtype], "shape": shape, "data_offsets": [offset, offset + n]}
+    for name, dtype, shape in tensors:
+        n = tensor_nbytes(dtype, shape)
+        entries[name] = {"dtype": DTYPE_TO_ST[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
         offset += n
     return entries
 
@@ -113,281 +112,238 @@ def pwrite_all(fd: int, buf: memoryview, offset: int) -> None:
         offset += n
 
 
-class _Layout(NamedTuple):
-    specs: dict[str, TensorSpec]  # in file order
-    entries: dict[str, Any]  # the header's tensor entries
-    header_len: int
-    row_bytes: dict[str, int]
-    start: dict[str, int]  # file offset of each key's first row
-
-
 @functools.lru_cache(maxsize=16)
-def _layout(specs: tuple[tuple[str, TensorSpec], ...], rows: int, run: str | None) -> _Layout:
-    """Where everything of a ``rows``-row shard of ``specs`` goes (``run``: the run record's JSON); the
-    same for every full shard of a cache, so it is computed once."""
-    order = sorted(specs, key=lambda kv: (-DTYPE_RANK[kv[1].dtype], kv[0]))
-    entries = tensor_entries(order, rows)
-    placeholder, _ = shard_metadata(entries, {k: [0] * rows for k, _ in order}, rows,
-                                    run=json.loads(run) if run is not None else None)  # fmt: skip
-    header_len = len(build_header(entries, placeholder))
-    row_bytes = {k: tensor_nbytes(s.dtype, s.shape) for k, s in order}
-    start = {k: header_len + e["data_offsets"][0] for k, e in entries.items()}
-    return _Layout(dict(order), entries, header_len, row_bytes, start)
+def _reserved_len(specs: tuple[tuple[str, TensorSpec], ...], rows: int, run: str | None, tokens: TokenLayout | None,
+                  rule: LengthRule | None) -> int:  # fmt: skip
+    """:func:`shard_header_len` (``run``: the run record's JSON); the same for every full shard of a
+    cache, so it is computed once."""
+    stream = ShardStream(None, dict(specs), rows, json.loads(run) if run is not None else None, tokens, rule)
+    return len(stream.header(final=False))
 
 
-def shard_header_len(specs: Mapping[str, TensorSpec], rows: int, run: Mapping[str, Any] | None = None) -> int:
-    """Bytes (length prefix included) of the header of a ``rows``-row shard of ``specs`` that
-    :class:`ShardStream` writes with the run record ``run``."""
-    return _layout(tuple(specs.items()), rows, json.dumps(dict(run), sort_keys=True) if run is not None else None).header_len
+def shard_header_len(
+    specs: Mapping[str, TensorSpec], rows: int, run: Mapping[str, Any] | None = None,
+    tokens: TokenLayout | None = None, rule: LengthRule | None = None,
+) -> int:  # fmt: skip
+    """Bytes (length prefix included) of the header :class:`ShardStream` reserves for a ``rows``-row
+    shard of ``specs`` with the run record ``run``: a padded shard's header, or the most a token
+    shard's rows can need (padded with spaces once the real one is written)."""
+    return _reserved_len(tuple(specs.items()), rows, json.dumps(dict(run), sort_keys=True) if run is not None else None,
+                         tokens, rule)  # fmt: skip
 
 
-def piece_rows(specs: Mapping[str, TensorSpec], piece: Mapping[str, torch.Tensor]) -> int:
-    """The row count of a piece the writer checked (every key ``[n, *trailing]`` with one ``n``)."""
-    return next((piece[k].shape[0] for k in specs), 0)
+def reserved_header_len(
+    specs: Mapping[str, TensorSpec], rows: int, layout: TokenLayout, rule: LengthRule, run: Mapping[str, Any] | None = None
+) -> int:
+    """:func:`shard_header_len` of a token shard."""
+    return shard_header_len(specs, rows, run, layout, rule)
 
 
 class ShardStream:
     """Write one self-verifying shard of ``rows`` rows to a NEW file ``path``, piece by piece.
 
-    ``specs``: ``{key: TensorSpec(dtype, trailing shape)}``. :meth:`write` takes
-    the next rows of every key (``{key: tensor [n, *trailing]}``, one ``n``);
-    :meth:`finish` writes the header once all ``rows`` arrived and returns the
-    shard's :class:`ShardRecord`; :meth:`abort` closes and removes the file.
-    Pieces are written when :meth:`write` returns: the caller may free them at once.
-    ``run``: the producer's run record, kept in the header (:func:`shard_metadata`).
-    Pieces are not checked here: the writer checks each batch once, at its boundary
-    (:meth:`~te_thd.offline_cache.writer.DurableShardWriter.validate`).
+    ``specs``: ``{key: TensorSpec(dtype, trailing shape)}`` (a token key's logical ``[L, ...]``).
+    :meth:`write` writes the next rows of every key (``[n, *trailing]``, one ``n``) before it
+    returns; :meth:`finish` writes the header and returns the :class:`ShardRecord`; :meth:`abort`
+    removes the files. ``run``: the producer's run record, kept in the header. ``rule`` (a
+    ``LengthRule``): each row's length, recorded; with ``tokens`` (a ``TokenLayout``) the token
+    keys are stored ragged. ``first_sample``: the global index of row 0, for messages. Pieces are
+    checked by the writer, once (:meth:`~te_thd.offline_cache.writer.DurableShardWriter.validate`).
+    ``path=None`` opens nothing: the stream only lays the shard out.
     """
 
-    def __init__(self, path: str, specs: Mapping[str, TensorSpec], rows: int, run: Mapping[str, Any] | None = None) -> None:
+    def __init__(
+        self, path: str | None, specs: Mapping[str, TensorSpec], rows: int, run: Mapping[str, Any] | None = None,
+        tokens: TokenLayout | None = None, rule: LengthRule | None = None, first_sample: int | None = None,
+    ) -> None:  # fmt: skip
         check_int("rows", rows, 0, meaning=" (the samples the shard holds)")
-        self.path = path
-        self.rows = rows
+        self.path, self.rows, self.tokens, self.rule, self._first = path, rows, tokens, rule, first_sample
         self._run = dict(run) if run is not None else None
-        layout = _layout(tuple(specs.items()), rows, json.dumps(self._run, sort_keys=True) if run is not None else None)
-        self.specs = layout.specs
-        self._entries, self._header_len = layout.entries, layout.header_len
-        self._row_bytes, self._start = layout.row_bytes, layout.start
-        self._sums: dict[str, list[int]] = {k: [] for k in self.specs}
-        self._cursor = 0
-        self._fd: int | None = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        self.specs = dict(specs)
+        self.width = check_token_schema(tokens, self.specs) if tokens is not None else 0
+        self.stored: list[StoredTensor] = tokens.stored(self.specs) if tokens is not None else []
+        fixed = [(k, s) for k, s in self.specs.items() if tokens is None or k not in tokens.keys]
+        self._fixed = sorted(fixed, key=lambda kv: (-DTYPE_RANK[kv[1].dtype], kv[0]))
+        self._row_bytes = {k: tensor_nbytes(s.dtype, s.shape) for k, s in self._fixed}
+        self._sums: dict[str, list[int]] = {k: [] for k, _ in self._fixed}
+        self._block_sums: dict[str, list[int]] = {s.name: [] for s in self.stored}
+        self._lengths: list[int] = []
+        self._tokens = self._cursor = 0
+        self._err = {k: [0.0, 0.0, 0] for k, c in tokens.codecs if is_lossy(c)} if tokens is not None else {}  # max, sum, count
+        self._side: dict[str, tuple[str, int]] = {}
+        self._fd: int | None = None
+        if path is None:  # the layout only (:func:`shard_header_len`): no file
+            return
+        self._header_len = shard_header_len(self.specs, rows, self._run, tokens, rule)
+        self._start: dict[str, int] = {}
+        pos = self._header_len
+        for k, _ in self._fixed:
+            self._start[k] = pos
+            pos += self._row_bytes[k] * rows
+        self._ragged_start = pos  # the first ragged tensor's file offset
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            for s in self.stored[1:]:
+                side = temp_path_for(path + "." + s.name.replace("@", "."))
+                self._side[s.name] = (side, os.open(side, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644))
+        except BaseException:
+            self.abort()
+            raise
+
+    def header(self, final: bool, blocks_digest: str = "0" * 16) -> bytes:
+        """The header: the real one (``final``: every row written), else the reservation's, whose
+        checksums, offsets and figures are placeholders of their widest size."""
+        tokens = self._tokens if final else self.rows * self.width
+        if final:
+            blocks = sum(len(v) for v in self._block_sums.values())
+        else:  # every row at full width
+            blocks = sum(self.rows * -(-self.width // s.block_tokens) for s in self.stored)
+        entries = tensor_entries(
+            [(k, s.dtype, [self.rows, *s.shape]) for k, s in self._fixed]
+            + [(s.name, s.dtype, [tokens, *s.shape]) for s in self.stored]
+            + ([(BLOCK_SUMS, torch.uint64, [blocks])] if self.tokens is not None else [])
+        )
+        fields = None
+        if self.tokens is not None:
+            assert self.rule is not None  # the writer requires one with a token layout
+            offsets = row_offsets(np.asarray(self._lengths if final else [0] * self.rows, dtype=np.int64))
+            fidelity = {k: _fidelity(e) if final else dict.fromkeys(("max_rel_l2", "mean_rel_l2"), _WIDEST_FLOAT)
+                        for k, e in self._err.items()}  # fmt: skip
+            fields = {
+                "layout": self.tokens.to_json(),
+                "logical": {k: self.specs[k].to_json() for k in self.tokens.keys},
+                "length_rule": self.rule.to_json(),
+                "offsets": encode_offsets(offsets),
+                "stored": {s.name: {"key": s.key, "role": s.role, "block_tokens": s.block_tokens} for s in self.stored},
+                "block_sums": BLOCK_SUMS,
+                "block_sums_digest": blocks_digest,
+                "fidelity": fidelity,
+            }
+        sums = {k: v if final else [0] * self.rows for k, v in self._sums.items()}
+        metadata, self._digest = shard_metadata(entries, sums, self.rows, fields, self._run)
+        return build_header(entries, metadata)
 
     def write(self, piece: Mapping[str, torch.Tensor]) -> None:
         """Write the next rows: every key of ``specs``, ``[n, *trailing]`` with one ``n``."""
         if self._fd is None:
             raise ValueError(f"shard stream {self.path} is closed; start a new one")
-        n = piece_rows(self.specs, piece)
+        n = next((piece[k].shape[0] for k in self.specs), 0)
+        piece = {k: on_cpu(piece[k]) for k in self.specs}
+        lengths = self.rule.lengths(piece[self.rule.key]) if self.rule is not None else None
+        if self.tokens is not None:
+            bad = np.flatnonzero((lengths < 0) | (lengths > self.width))
+            if bad.size:
+                raise ValueError(
+                    f"{self._which(int(bad[0]))} has length {int(lengths[bad[0]])} by {self.rule.describe()}, outside [0, L={self.width}]: "
+                    "compute_batch's length key must give each sample's real token count; nothing of this shard was kept"
+                )
         # little Python between the GIL-free calls (pwrite, hashes): a producer's compute thread
         # waits for the GIL whenever it wakes while this thread holds it
-        for k in self.specs:
-            t = on_cpu(piece[k])
-            view = byte_view(t)  # t outlives the view: both end with this iteration
+        for k, _ in self._fixed:
+            view = byte_view(piece[k])
             pwrite_all(self._fd, view, self._start[k] + self._cursor * self._row_bytes[k])
             self._sums[k] += byte_row_sums(view, n, self._cursor)
+        if self.tokens is not None:
+            self._write_ragged(piece, lengths, n)
+        if lengths is not None:
+            self._lengths += lengths.tolist()
         self._cursor += n
 
+    def _write_ragged(self, piece: Mapping[str, torch.Tensor], lengths: np.ndarray, n: int) -> None:
+        """Each row's first ``lengths`` tokens of every token key (encoded where a codec says), and
+        the block sums of each ragged tensor."""
+        assert self.tokens is not None and self._fd is not None
+        flat = torch.nonzero((torch.arange(self.width).unsqueeze(0) < torch.from_numpy(lengths).unsqueeze(1)).view(-1))
+        local = row_offsets(lengths)
+        data: dict[str, torch.Tensor] = {}
+        for key in self.tokens.keys:
+            v = piece[key]
+            real = v.reshape(n * self.width, *v.shape[2:]).index_select(0, flat.view(-1))
+            codec = self.tokens.codec(key)
+            if codec is None:
+                data[key + "@tokens"] = real.contiguous()
+                continue
+            bad = out_of_range(real, codec)
+            if bad is not None:
+                row = int(np.searchsorted(local, bad[0], side="right")) - 1
+                raise ValueError(f"{self._which(row)}: {range_problem(key, codec, bad[1])}; nothing of this shard was kept")
+            parts, err = encode(codec, real)
+            data.update({f"{key}@{role}": t.contiguous() for role, t in parts.items()})
+            if err is not None and err.numel():
+                e = self._err[key]
+                e[0] = max(e[0], float(err.max()))
+                e[1] += float(err.double().sum())
+                e[2] += int(err.numel())
+        for s in self.stored:
+            view, tb = byte_view(data[s.name]), s.token_bytes
+            if s is self.stored[0]:
+                pwrite_all(self._fd, view, self._ragged_start + self._tokens * tb)
+            else:
+                pwrite_all(self._side[s.name][1], view, self._tokens * tb)
+            first = len(self._block_sums[s.name])
+            starts = block_table(local, s.block_tokens).start.tolist()
+            self._block_sums[s.name] += [
+                _hash(view[a * tb : b * tb], first + g) for g, (a, b) in enumerate(zip(starts[:-1], starts[1:], strict=True))
+            ]
+        self._tokens += int(local[-1])
+
+    def _which(self, row: int) -> str:
+        """Row ``row`` of this piece in messages: its global sample where the writer knows it."""
+        row += self._cursor
+        return f"row {row} of the shard" if self._first is None else f"sample {self._first + row} (row {row} of the shard)"
+
     def finish(self) -> ShardRecord:
-        """Write the header (all ``rows`` must have arrived), close the file; the shard's record."""
+        """Append the other ragged tensors and the block sums, write the header (all ``rows`` must have
+        arrived), close the files; the shard's record."""
         if self._fd is None:
             raise ValueError(f"shard stream {self.path} is closed")
         if self._cursor != self.rows:
             raise ValueError(f"shard stream {self.path} got {self._cursor} of its {self.rows} rows; write the rest first")
-        metadata, digest = shard_metadata(self._entries, self._sums, self.rows, run=self._run)
-        header = build_header(self._entries, metadata)
-        if len(header) != self._header_len:  # the format's fixed-width fields changed: a bug, never data
-            raise AssertionError(f"shard header is {len(header)} bytes, {self._header_len} were reserved")
-        fd, self._fd = self._fd, None
+        fd = self._fd
         try:
-            pwrite_all(fd, memoryview(header), 0)
-        finally:
+            pos = self._ragged_start + (self._tokens * self.stored[0].token_bytes if self.stored else 0)
+            for s in self.stored[1:]:
+                n = self._tokens * s.token_bytes
+                copy_range(self._side[s.name][1], fd, n, pos)
+                pos += n
+            digest = "0" * 16
+            if self.tokens is not None:
+                sums = np.asarray([v for s in self.stored for v in self._block_sums[s.name]], dtype="<u8")
+                pwrite_all(fd, memoryview(sums.tobytes()), pos)
+                pos += sums.nbytes
+                digest = f"{_hash(sums.tobytes()):016x}"
+            header = self.header(final=True, blocks_digest=digest)
+            # the reservation is the most any rows can need, and exactly a padded shard's: else a bug, never data
+            if len(header) > self._header_len or (self.tokens is None and len(header) != self._header_len):
+                raise AssertionError(f"shard header is {len(header)} bytes, {self._header_len} were reserved")
+            body = header[8:] + b" " * (self._header_len - len(header))  # spaces up to the reserved length
+            pwrite_all(fd, memoryview(len(body).to_bytes(8, "little") + body), 0)
+        except BaseException:
+            self.abort()
+            raise
+        self._fd = None
+        os.close(fd)
+        self._close_side()
+        fidelity = {k: {name: float(v) for name, v in _fidelity(e).items()} for k, e in self._err.items()}
+        lengths = tuple(self._lengths) if self.rule is not None else None
+        return ShardRecord(bytes=pos, checksum=shard_checksum(self._digest), lengths=lengths, fidelity=fidelity or None)
+
+    def _close_side(self) -> None:
+        side, self._side = self._side, {}
+        for path, fd in side.values():
             os.close(fd)
-        total = self._header_len + sum(self._row_bytes[k] * self.rows for k in self.specs)
-        return ShardRecord(bytes=total, checksum=shard_checksum(digest))
+            unlink_quietly(path)
 
     def abort(self) -> None:
-        """Close and remove the file (an unfinished shard is never kept)."""
+        """Close and remove the files (an unfinished shard is never kept)."""
         if self._fd is not None:
             fd, self._fd = self._fd, None
             os.close(fd)
-        unlink_quietly(self.path)
+        self._close_side()
+        if self.path is not None:
+            unlink_quietly(self.path)
 
 
-@dataclass(frozen=True)
-class HeaderEntry:
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    start: int
-    end: int
-
-
-@dataclass(frozen=True)
-class ShardHeader:
-    """A parsed shard header: ``entries`` (``{key: HeaderEntry}``) and its te_thd ``sums`` (or ``None``)."""
-
-    entries: dict[str, HeaderEntry]
-    sums: ShardSums | None
-
-
-def read_shard_header(path: str) -> ShardHeader:
-    """Parse and sanity-check a safetensors header, with its te_thd checksum fields when present.
-
-    Raises :class:`CacheIntegrityError` naming ``path`` if the header is
-    unreadable, the offsets do not tile the data region exactly, the file
-    size disagrees with the last offset (a truncated or padded file), or the
-    te_thd fields do not match the header (see :func:`parse_shard_metadata`).
-    """
-
-    def bad(what: str) -> CacheIntegrityError:
-        return CacheIntegrityError(f"shard {path} is not a valid safetensors file: {what}", path=path)
-
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-    try:
-        size = os.fstat(fd).st_size
-        # read exactly the header: kernel read-ahead here would prefetch the tensors after it
-        # (and mark pages whose later reads prefetch more), which a reader may read only a share of
-        advise(fd, "random")
-        prefix = os.pread(fd, 8, 0)
-        if len(prefix) < 8:
-            raise bad(f"only {size} bytes, shorter than the 8-byte header length")
-        (n,) = struct.unpack("<Q", prefix)
-        if n > _HEADER_LIMIT or 8 + n > size:
-            raise bad(f"header length {n} does not fit in a {size}-byte file")
-        raw = os.pread(fd, n, 8)
-    finally:
-        os.close(fd)
-    try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise bad(f"header is not JSON ({exc})") from None
-    if not isinstance(header, dict):
-        raise bad("header is not a JSON object")
-    metadata = header.pop("__metadata__", None)
-    base = 8 + n
-    entries: dict[str, HeaderEntry] = {}
-    spans = []
-    for key, info in header.items():
-        try:
-            dtype = ST_TO_DTYPE[info["dtype"]]
-            shape = tuple(int(s) for s in info["shape"])
-            start, end = (int(o) for o in info["data_offsets"])
-        except (KeyError, TypeError, ValueError):
-            raise bad(f"entry {key!r} is malformed: {info!r}") from None
-        nbytes = tensor_nbytes(dtype, shape)
-        if end - start != nbytes:
-            raise bad(f"entry {key!r} spans {end - start} bytes but {dtype}{list(shape)} needs {nbytes}")
-        entries[key] = HeaderEntry(dtype, shape, base + start, base + end)
-        spans.append((start, end))
-    spans.sort()
-    pos = 0
-    for start, end in spans:
-        if start != pos:
-            raise bad(f"data offsets leave a gap or overlap at byte {pos}")
-        pos = end
-    if base + pos != size:
-        raise bad(f"the header describes {base + pos} bytes but the file has {size}")
-    if metadata is not None and not isinstance(metadata, dict):
-        raise bad("__metadata__ is not a JSON object")
-    return ShardHeader(entries, parse_shard_metadata(path, metadata, header))
-
-
-def header_problems(
-    header: ShardHeader,
-    schema: Mapping[str, TensorSpec] | None,
-    rows: int,
-    keys: Sequence[str] | None = None,
-) -> list[str]:
-    """What is wrong with a shard's header for its cache (an empty list: sound).
-
-    ``schema``: ``{key: TensorSpec}`` every shard must follow (``None``: no
-    dtype/shape check). ``rows``: the samples the cache puts in this shard
-    (:func:`~te_thd.offline_cache.format.shard_rows`). ``keys``: the keys a
-    reader needs (other keys may exist); ``None`` means exactly ``schema``'s keys.
-    The row count the shard records itself must agree too.
-    """
-    entries = logical_entries(header)
-    problems = []
-    required = list(keys) if keys is not None else list(schema or entries)
-    missing = [k for k in required if k not in entries]
-    if missing:
-        problems.append(f"lacks keys {missing} (it holds {sorted(entries)})")
-    if keys is None and schema is not None:
-        extra = [k for k in entries if k not in schema]
-        if extra:
-            problems.append(f"has keys {extra} the schema does not list")
-    for key in required:
-        e = entries.get(key)
-        if e is None:
-            continue
-        spec = schema.get(key) if schema is not None else None
-        if not e.shape:
-            problems.append(f"key {key!r} is a scalar, not [samples, ...]")
-        elif spec is not None and TensorSpec(e.dtype, e.shape[1:]) != spec:
-            problems.append(f"key {key!r} is {dtype_name(e.dtype)}{list(e.shape)}, the schema says {spec.describe()}")
-        elif e.shape[0] != rows:
-            problems.append(f"key {key!r} holds {e.shape[0]} samples, the manifest puts {rows} in this shard")
-    if header.sums is not None and header.sums.rows != rows:
-        problems.append(f"records {header.sums.rows} rows, the manifest puts {rows} in this shard")
-    return problems
-
-
-def check_shard_header(
-    path: str,
-    schema: Mapping[str, TensorSpec] | None,
-    rows: int,
-    keys: Sequence[str] | None = None,
-    require_sums: bool = False,
-    checksum: str | None = None,
-) -> ShardHeader:
-    """Read shard ``path``'s header and check it (:func:`header_problems`); return it.
-
-    The one header check of the cache: readers, ``verify_cache`` and the
-    producer's resume all call it. ``require_sums``: the shard must carry te_thd
-    checksums (a manifest of layout >= 3 promises them). ``checksum``: the
-    manifest's record of the shard; when it is a header digest
-    (:func:`~te_thd.offline_cache.integrity.shard_checksum`) the shard's own
-    digest must match it, which catches a shard swapped for another valid one.
-    Raises :class:`CacheIntegrityError` naming ``path`` and every problem.
-    """
-    try:
-        header = read_shard_header(path)
-    except FileNotFoundError:
-        raise CacheIntegrityError(f"shard {path} is missing", path=path) from None
-    problems = header_problems(header, schema, rows, keys)
-    if require_sums and header.sums is None:
-        problems.append(
-            "carries no te_thd checksums although the manifest's layout records them for every "
-            "shard (the file was replaced by another writer's)"
-        )
-    if checksum is not None and checksum.startswith(f"{HASH_NAME}:"):
-        actual = shard_checksum(header.sums.digest) if header.sums is not None else "no te_thd checksums"
-        if actual != checksum:
-            problems.append(
-                f"its header digest is {actual}, the manifest records {checksum}: the shard was swapped for "
-                "another or replaced after the manifest was written"
-            )
-    if problems:
-        raise CacheIntegrityError(f"shard {path}: {'; '.join(problems)}", path=path)
-    return header
-
-
-def logical_entries(header: ShardHeader) -> dict[str, HeaderEntry]:
-    """The header's entries as the cache's keys: a token-layout shard's ragged tensors
-    (``key@tokens``, ``key@scale``, the block sums) become their logical key ``[rows, L, ...]``
-    (its ``start``/``end`` then span nothing: read it through ``token_read``)."""
-    tokens = header.sums.tokens if header.sums is not None else None
-    if tokens is None:
-        return header.entries
-    try:
-        logical = logical_specs(tokens)
-    except ValueError as exc:
-        raise CacheIntegrityError(f"shard header's token fields are malformed ({exc})") from None
-    ragged = set(tokens["stored"]) | {tokens.get("block_sums")}
-    out = {k: e for k, e in header.entries.items() if k not in ragged}
-    for k, spec in logical.items():
-        out[k] = HeaderEntry(spec.dtype, (header.sums.rows, *spec.shape), 0, 0)
-    return out
-
-
-def schema_of_header(header: ShardHeader) -> dict[str, TensorSpec]:
-    """``{key: TensorSpec(dtype, trailing shape)}`` of a header's non-scalar entries (logical keys)."""
-    return {k: TensorSpec(e.dtype, e.shape[1:]) for k, e in logical_entries(header).items() if e.shape}
+def _fidelity(err: list[float]) -> dict[str, str]:
+    """What a codec lost over a shard, as its header records it: from ``[max, sum, count]``."""
+    return {"max_rel_l2": f"{err[0]:.4e}", "mean_rel_l2": f"{err[1] / err[2] if err[2] else 0.0:.4e}"}

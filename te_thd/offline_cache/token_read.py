@@ -37,7 +37,7 @@ from te_thd.offline_cache.copyread import (
 from te_thd.offline_cache.errors import CacheIntegrityError, unreadable_shard
 from te_thd.offline_cache.format import TensorSpec
 from te_thd.offline_cache.integrity import HASH_NAME, name_row
-from te_thd.offline_cache.shardfile import ShardHeader
+from te_thd.offline_cache.shardheader import ShardHeader
 from te_thd.offline_cache.tokens import (
     BLOCK_SUMS,
     PAGE_BYTES,

@@ -23,7 +23,7 @@ manifest records. So a read of a few tokens (one CP rank's share of a document)
 fetches and verifies only the blocks that hold them.
 
 Everything here is pure layout math on numpy arrays, used by the shard writer
-(:mod:`~te_thd.offline_cache.token_shard`) and the reader (:mod:`~te_thd.offline_cache.token_read`).
+(:mod:`~te_thd.offline_cache.shardfile`) and the reader (:mod:`~te_thd.offline_cache.token_read`).
 """
 
 from __future__ import annotations

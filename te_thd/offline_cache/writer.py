@@ -1,26 +1,28 @@
-"""Shard writes: one shard, validated, self-verifying, durable; and the writer of a stream of shards.
+"""Shard writes: one shard, validated, self-verifying, durable; the writer of a stream of shards.
 
-- :class:`DurableShardWriter` is the ``write_shard_fn`` of a stream of shards:
-  one schema, a manifest record per shard, its rows streamed into the shard's
-  temp file (:class:`~te_thd.offline_cache.shardfile.ShardStream`, the one
-  serialiser) and committed (fsync, rename) in order, optionally behind the
-  caller on a :class:`~te_thd.offline_cache.writebehind.WriteBehind` thread.
-- :func:`write_tensor_shard` (the reference API) writes one shard through it and
-  rejects tensors that do not fit the cache: a missing key, keys whose sample
-  counts disagree, and -- given a ``schema`` -- a dtype or trailing shape that
-  differs from it. Every shard carries its row count and per-row checksums in
-  its header (:mod:`~te_thd.offline_cache.integrity`), so a cache written only
-  through this function (the reference producers' way: one call per shard, then
-  ``write_manifest``) is verified on read like any other.
+- :class:`DurableShardWriter` is the ``write_shard_fn`` of a stream of shards: one schema, a
+  manifest record per shard, its rows streamed into the shard's temp file
+  (:class:`~te_thd.offline_cache.shardfile.ShardStream`, the one serialiser) and committed
+  (fsync, rename) in order, optionally behind the caller on the :class:`WriteBehind` thread.
+  It is the boundary where a written batch is validated, once (:func:`validate_shard_tensors`).
+  :func:`write_tensor_shard` (the reference API) writes one shard through it.
+- :class:`WriteBehind`: the one background writer thread. Jobs run one at a time, in order;
+  ``submit`` blocks while the jobs not yet done hold more than ``max_pending_bytes`` (a single
+  larger job runs alone), so a producer holds a few shards' worth of tensors at most. The first
+  error a job raises is kept, every later job is dropped (its ``on_drop`` runs instead) and the
+  error is raised by the next call. The thread is a daemon that holds no reference to its owner
+  and ends with :meth:`WriteBehind.close` or the owner's collection.
 
 The producer loops that call them live in :mod:`~te_thd.offline_cache.loops`.
 """
-
 from __future__ import annotations
 
+import collections
 import os
+import threading
+import weakref
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -35,18 +37,145 @@ from te_thd.offline_cache.format import (
     schema_to_json,
     shard_name,
     shard_path,
+    tensor_nbytes,
 )
 from te_thd.offline_cache.lengths import LENGTH_RULE_KEY, LengthRule, for_tensor
 from te_thd.offline_cache.shardfile import ShardRecord, ShardStream
 from te_thd.offline_cache.storage import Storage, open_storage
-from te_thd.offline_cache.token_shard import TokenShardStream
 from te_thd.offline_cache.tokens import TOKEN_LAYOUT_KEY, TokenLayout, check_token_schema
-from te_thd.offline_cache.writebehind import WriteBehind
 
 WriteShardFn = Callable[[str, int, dict[str, torch.Tensor]], str]
 
 #: write-behind queue bound: shards (of the largest size seen) not yet written
 PENDING_SHARDS = 3
+
+
+class _Job(NamedTuple):
+    run: Callable[[], None]
+    on_drop: Callable[[], None] | None  # runs instead of ``run`` once an earlier job failed
+    nbytes: int  # memory the job holds until it is done
+
+
+class _State:
+    """What the thread and its owner share; the thread holds only this, never the owner."""
+
+    def __init__(self, max_pending_bytes: int | None) -> None:
+        self.cond = threading.Condition()
+        self.jobs: collections.deque[_Job | None] = collections.deque()
+        self.pending_bytes = 0  # held by jobs submitted and not yet done
+        self.unfinished = 0  # jobs submitted and not yet done
+        self.max_pending_bytes = max_pending_bytes
+        self.error: BaseException | None = None
+
+
+def _run(state: _State) -> None:
+    cond = state.cond
+    while True:
+        with cond:
+            while not state.jobs:
+                cond.wait()
+            job = state.jobs.popleft()
+        if job is None:
+            return
+        try:
+            if state.error is None:
+                job.run()
+            elif job.on_drop is not None:
+                job.on_drop()
+        except BaseException as exc:  # surfaced by the owner's next call
+            if state.error is None:
+                state.error = exc
+            # a failing clean-up of a dropped job must not end the thread: flush() would wait forever
+        finally:
+            nbytes = job.nbytes
+            job = None  # what a finished job held (a batch's tensors) is freed before the next one
+            with cond:
+                state.pending_bytes -= nbytes
+                state.unfinished -= 1
+                cond.notify_all()
+
+
+def _stop(state: _State) -> None:
+    with state.cond:
+        state.jobs.append(None)
+        state.cond.notify_all()
+
+
+class WriteBehind:
+    """Run submitted jobs in order on one owned background thread (see the module docstring);
+    ``max_pending_bytes``: what jobs not yet done may hold before ``submit`` waits (``None``: unbounded)."""
+
+    def __init__(self, max_pending_bytes: int | None = None) -> None:
+        self._state = _State(max_pending_bytes)
+        self._thread = threading.Thread(target=_run, args=(self._state,), name="te_thd-write-behind", daemon=True)
+        self._thread.start()
+        self._finalizer = weakref.finalize(self, _stop, self._state)
+
+    @property
+    def max_pending_bytes(self) -> int | None:
+        return self._state.max_pending_bytes
+
+    @max_pending_bytes.setter
+    def max_pending_bytes(self, value: int | None) -> None:
+        with self._state.cond:
+            self._state.max_pending_bytes = value
+            self._state.cond.notify_all()
+
+    @property
+    def running(self) -> bool:
+        """Whether the thread still runs (:meth:`close` not called, or interrupted)."""
+        return self._thread.is_alive()
+
+    def raise_error(self) -> None:
+        """Raise the first error a job raised, if any (then every later call raises it too)."""
+        if self._state.error is not None:
+            raise self._state.error
+
+    def submit(self, run: Callable[[], None], nbytes: int = 0, on_drop: Callable[[], None] | None = None) -> None:
+        """Queue ``run()``, which holds ``nbytes`` of memory (unchanged) until it is done; ``on_drop()``
+        runs instead once an earlier job failed. Blocks while the budget is full."""
+        state = self._state
+        self.raise_error()
+        if not self._thread.is_alive():
+            raise RuntimeError("this write-behind writer is closed; create a new one")
+        with state.cond:
+            while (
+                state.error is None
+                and state.max_pending_bytes is not None
+                and state.pending_bytes > 0
+                and state.pending_bytes + nbytes > state.max_pending_bytes
+            ):
+                state.cond.wait()
+            self.raise_error()
+            state.pending_bytes += nbytes
+            state.unfinished += 1
+            state.jobs.append(_Job(run, on_drop, nbytes))
+            state.cond.notify_all()
+
+    def _wait(self) -> None:
+        state = self._state
+        with state.cond:
+            while state.unfinished and self._thread.is_alive():
+                state.cond.wait()
+
+    def flush(self) -> None:
+        """Wait until every submitted job is done; raise the first error one raised."""
+        self._wait()
+        self.raise_error()
+
+    def close(self) -> None:
+        """Finish the queued jobs, stop the thread, raise a pending error."""
+        if self._thread.is_alive():
+            self._wait()
+            self._finalizer()
+            self._thread.join()
+        self.raise_error()
+
+    def __enter__(self) -> WriteBehind:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def validate_shard_tensors(
@@ -59,11 +188,10 @@ def validate_shard_tensors(
 ) -> dict[str, torch.Tensor]:
     """The ``keys`` of ``samples``, checked: ``{key: tensor [n, *trailing]}`` with one ``n``.
 
-    Raises :class:`SchemaError` naming the shard and key when a key is missing,
-    not a tensor, 0-d, has another sample count than the first key, or -- with
-    ``schema`` -- another dtype or trailing shape. Extra keys in ``samples`` are
-    ignored (``compute_batch`` may return more than the cache stores), as in the
-    reference. ``where`` replaces "<cache_name> cache shard <i>" in messages.
+    The one check of a written batch. Raises :class:`SchemaError` naming the shard and key when a
+    key is missing, not a tensor, 0-d, has another sample count, or -- with ``schema`` -- another
+    dtype or trailing shape. Extra keys are ignored (``compute_batch`` may return more than the
+    cache stores). ``where`` replaces "<cache_name> cache shard <i>" in messages.
     """
     where = where or f"{cache_name} cache shard {shard_index}"
     keys = tuple(keys)
@@ -116,59 +244,35 @@ def validate_shard_tensors(
     return out
 
 
-def schema_of(tensors: Mapping[str, torch.Tensor]) -> CacheSchema:
-    """``{key: TensorSpec(dtype, trailing shape)}`` of ``[n, ...]`` tensors."""
-    return {k: TensorSpec(t.dtype, tuple(t.shape[1:])) for k, t in tensors.items()}
-
-
-def _nbytes(tensors: Mapping[str, torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors.values())
-
-
 class _StreamedShard:
     """One shard being written: its names, rows, and the :class:`ShardStream` its first piece opens."""
 
-    def __init__(
-        self, final: str, specs: Mapping[str, TensorSpec], rows: int, rule: LengthRule | None,
-        tokens: TokenLayout | None = None, run: Mapping[str, Any] | None = None, first_sample: int | None = None,
-    ) -> None:  # fmt: skip
-        self.final, self.tmp_path, self.first_sample = final, temp_path_for(final), first_sample
-        self.specs, self.rows, self.rule, self.tokens, self.run = dict(specs), rows, rule, tokens, run
+    def __init__(self, final: str, rows: int, open_stream: Callable[[str], ShardStream]) -> None:
+        self.final, self.tmp_path, self.rows, self._open_stream = final, temp_path_for(final), rows, open_stream
         self.queued = 0  # rows handed over by the caller
-        self.lengths: list[int] = []
-        self._stream: ShardStream | TokenShardStream | None = None
+        self._stream: ShardStream | None = None
 
-    def _open(self) -> ShardStream | TokenShardStream:
+    def _opened(self) -> ShardStream:
         if self._stream is None:
             os.makedirs(os.path.dirname(self.final) or ".", exist_ok=True)
-            if self.tokens is None:
-                self._stream = ShardStream(self.tmp_path, self.specs, self.rows, self.run)
-            else:
-                assert self.rule is not None  # DurableShardWriter requires one with a token layout
-                self._stream = TokenShardStream(self.tmp_path, self.specs, self.rows, self.tokens, self.rule, self.run,
-                                                self.first_sample)  # fmt: skip
+            self._stream = self._open_stream(self.tmp_path)
         return self._stream
 
     def write(self, piece: Mapping[str, torch.Tensor]) -> None:
         """The next rows into the temp file (opened by the first piece)."""
         try:
-            self._open().write(piece)
-            if self.rule is not None:
-                self.lengths += self.rule.lengths(piece[self.rule.key]).tolist()
+            self._opened().write(piece)
         except BaseException:
             self.abort()
             raise
 
     def finish(self) -> ShardRecord:
-        """The header; the record (with lengths under the rule)."""
+        """The header; the record."""
         try:
-            record = self._open().finish()
+            return self._opened().finish()
         except BaseException:
             self.abort()
             raise
-        if self.rule is None:
-            return record
-        return ShardRecord(record.bytes, record.checksum, tuple(self.lengths), record.fidelity)
 
     def abort(self) -> None:
         # without a stream there is no file: the stream creates it, as its last step
@@ -179,35 +283,23 @@ class _StreamedShard:
 class DurableShardWriter:
     """``write_shard_fn`` for a stream of shards: one schema, a record per shard, durable commits.
 
-    ``writer(cache_dir, shard_index, samples) -> path`` validates ``samples``
-    against the schema (the first shard's, unless ``schema`` is given), writes the
-    shard and keeps its :class:`~te_thd.offline_cache.shardfile.ShardRecord` in
-    ``records``. A shard can also be written piece by piece: :meth:`write_piece`
-    takes the next rows of a shard whose row count is known up front and
-    :meth:`finish_shard` commits it once all its rows arrived (the producer
-    streams each batch this way, so a batch's memory is free once it is written).
+    ``writer(cache_dir, shard_index, samples) -> path`` validates ``samples`` against the schema
+    (the first shard's, unless ``schema`` is given), writes the shard and keeps its
+    :class:`~te_thd.offline_cache.shardfile.ShardRecord` in ``records``. :meth:`write_piece`
+    takes the next rows of a shard whose row count is known up front, :meth:`finish_shard`
+    commits it (the producer streams each batch this way: its memory is free once written).
 
-    Where the work runs:
+    - ``pipelined=False``: everything on the caller's thread; a shard is durable when the call returns.
+    - ``pipelined=True`` (default): the fsync + rename of each finished shard on a background thread.
+    - ``write_behind=True`` (needs ``pipelined``): the writes too; a call validates its tensors
+      and returns, the caller must not modify them. Calls wait while ``PENDING_SHARDS`` shards'
+      worth of data is not yet written.
 
-    - ``pipelined=False``: everything on the caller's thread; each shard is
-      durable when the call returns.
-    - ``pipelined=True`` (default): the rows are written on the caller's thread,
-      the fsync + rename of each finished shard on a background thread.
-    - ``write_behind=True`` (needs ``pipelined``): the writes too. A call
-      validates its tensors and returns; the caller computes the next batch
-      meanwhile and must not modify the tensors it passed. Calls wait while
-      three shards' worth of data is not yet written.
-
-    Call :meth:`flush` (or leave the ``with`` block) before relying on the files
-    or on ``records``, e.g. before writing the manifest; a background error is
-    raised by the next call, ``flush`` or ``close``. With a ``length_rule``
-    (:class:`~te_thd.offline_cache.lengths.LengthRule`) every record also holds
-    its rows' lengths, and :meth:`manifest_fields` gives the manifest's
-    ``schema``, ``shards`` and ``length_rule``. With a ``token_layout``
-    (:class:`~te_thd.offline_cache.tokens.TokenLayout`, needs a ``length_rule``) its
-    keys are stored ragged (:mod:`~te_thd.offline_cache.token_shard`): each sample's
-    first ``length`` tokens only, ``length`` by the rule. ``run_record``: the producer's
-    run record every shard's header keeps (:mod:`~te_thd.offline_cache.integrity`).
+    Call :meth:`flush` (or leave the ``with`` block) before relying on the files or ``records``;
+    a background error is raised by the next call. ``length_rule``: every record also holds its
+    rows' lengths (:meth:`manifest_fields` gives ``schema``, ``shards``, ``length_rule``).
+    ``token_layout`` (needs a ``length_rule``): its keys are stored ragged, each sample's first
+    ``length`` tokens. ``run_record``: the producer's run record every shard's header keeps.
     """
 
     def __init__(
@@ -248,7 +340,7 @@ class DurableShardWriter:
         """The stored keys of ``samples``, checked against the schema (the first call fixes it if unset)."""
         checked = validate_shard_tensors(samples, self.keys, self.cache_name, shard_index, self.schema, where)
         if self.schema is None:
-            self.schema = schema_of(checked)
+            self.schema = {k: TensorSpec(t.dtype, tuple(t.shape[1:])) for k, t in checked.items()}
         return checked
 
     def __call__(self, cache_dir: str, shard_index: int, samples: dict[str, Any]) -> str:
@@ -258,10 +350,7 @@ class DurableShardWriter:
 
     def write_piece(self, cache_dir: str, shard_index: int, rows: int, piece: Mapping[str, Any]) -> None:
         """Write the next rows (``{key: [n, ...]}``) of shard ``shard_index``, which holds ``rows`` rows.
-
-        With ``write_behind`` the piece is written on the thread; the caller must
-        not modify it until then (it may drop it).
-        """
+        With ``write_behind`` the caller must not modify the piece (it may drop it)."""
         check_int("rows", rows, 1, meaning=f": the number of rows shard {shard_index} will hold")
         self.queue(cache_dir, shard_index, rows, self.validate(piece, shard_index))
 
@@ -276,16 +365,20 @@ class DurableShardWriter:
         queued = 0 if st is None else st.queued
         if queued + n > rows:  # checked before a first piece opens the shard
             raise ValueError(f"shard {shard_index} holds {rows} rows; {n} more after {queued} overflow it")
-        nbytes = _nbytes(checked)
+        nbytes = sum(tensor_nbytes(t.dtype, t.shape) for t in checked.values())
         if st is None:
             self._resolve_once(checked)
             assert self.schema is not None
-            st = _StreamedShard(os.path.join(self._storage(cache_dir).work_dir, shard_name(shard_index)), {k: self.schema[k] for k in self.keys},
-                                rows, self.length_rule, self.token_layout, self.run_record,
-                                shard_index * self.run_record["shard_size"] if self.run_record else None)  # fmt: skip
+            specs, rule, tokens, run = {k: self.schema[k] for k in self.keys}, self.length_rule, self.token_layout, self.run_record
+            first = shard_index * run["shard_size"] if run else None
+            st = _StreamedShard(os.path.join(self._storage(cache_dir).work_dir, shard_name(shard_index)), rows,
+                                lambda tmp: ShardStream(tmp, specs, rows, run, tokens, rule, first))  # fmt: skip
             self._streams[shard_index] = st
-            if self._write_behind and n:
-                self._budget(rows * nbytes // n)
+            if self._write_behind and n:  # bound the queue to PENDING_SHARDS shards of the largest size seen
+                limit = PENDING_SHARDS * (rows * nbytes // n)
+                assert self._thread is not None
+                if self._thread.max_pending_bytes is None or limit > self._thread.max_pending_bytes:
+                    self._thread.max_pending_bytes = limit
         st.queued += n
         if self._write_behind:
             assert self._thread is not None
@@ -344,18 +437,9 @@ class DurableShardWriter:
             load_safetensors(self.cache_name)
             self._resolved = True
 
-    def _budget(self, shard_bytes: int) -> None:
-        """Bound the write-behind queue to PENDING_SHARDS shards of the largest size seen."""
-        assert self._thread is not None
-        limit = PENDING_SHARDS * shard_bytes
-        if self._thread.max_pending_bytes is None or limit > self._thread.max_pending_bytes:
-            self._thread.max_pending_bytes = limit
-
     def manifest_fields(self, cache_dir: str) -> dict[str, Any]:
-        """``schema``, ``shards`` (in index order) and, with lengths, ``length_rule`` for ``write_manifest``.
-
-        Call :meth:`flush` first: in the background modes the records land when written.
-        """
+        """``schema``, ``shards`` (in index order) and, with lengths, ``length_rule`` for ``write_manifest``
+        (call :meth:`flush` first: in the background modes the records land when written)."""
         fields: dict[str, Any] = {
             "schema": schema_to_json(self.schema or {}),
             "shards": [self.records[i].to_json(os.path.basename(shard_path(cache_dir, i))) for i in sorted(self.records)],
@@ -406,13 +490,11 @@ def write_tensor_shard(
     cache_name: str,
     schema: Mapping[str, TensorSpec] | None = None,
 ) -> str:
-    """Write one cache shard containing exactly the requested tensor keys.
+    """Write one cache shard of exactly ``keys`` (``samples[k]``: ``[n, *trailing]``; extra keys dropped).
 
-    ``samples[k]`` is ``[n, *trailing]`` for every ``k`` in ``keys`` (extra keys
-    are dropped). The file is byte-identical to ``safetensors.torch.save_file``
-    of those tensors (plus te_thd's checksum metadata) and lands atomically and
-    durably at ``shard_path``. ``schema`` (te_thd extension) pins each key's
-    dtype and trailing shape. Returns the shard's path.
+    The file is byte-identical to ``safetensors.torch.save_file`` of those tensors (plus te_thd's
+    checksum metadata) and lands atomically and durably at ``shard_path``. ``schema`` (te_thd
+    extension) pins each key's dtype and trailing shape. Returns the shard's path.
     """
     with DurableShardWriter(keys, cache_name, schema, pipelined=False) as writer:
         return writer(cache_dir, shard_index, samples)
