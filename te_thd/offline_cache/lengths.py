@@ -29,6 +29,8 @@ import torch
 
 from te_thd.args import is_int
 from te_thd.offline_cache.format import TensorSpec
+from te_thd.offline_cache.shardheader import read_shard_header
+from te_thd.offline_cache.tokens import decode_offsets
 
 #: The manifest field naming the rule the recorded per-shard lengths follow.
 LENGTH_RULE_KEY = "length_rule"
@@ -160,11 +162,6 @@ def read_shard_lengths(path: str, rule: LengthRule) -> np.ndarray:
     are read from its header when ``rule`` is that rule.
     """
     from safetensors import safe_open
-
-    from te_thd.offline_cache.shardheader import (
-        read_shard_header,  # lengths is imported by the shard writer's modules
-    )
-    from te_thd.offline_cache.tokens import decode_offsets
 
     header = read_shard_header(path)
     tokens = header.sums.tokens if header.sums is not None else None

@@ -34,7 +34,7 @@ from te_thd.offline_cache.format import (
 )
 from te_thd.offline_cache.lengths import LengthRule, for_tensor_spec, producer_rule
 from te_thd.offline_cache.producer_state import run_params, run_record
-from te_thd.offline_cache.shardfile import reserved_header_len, shard_header_len
+from te_thd.offline_cache.shardfile import shard_header_len
 from te_thd.offline_cache.tokens import (
     PAGE_BYTES,
     TokenLayout,
@@ -169,10 +169,7 @@ def layouts(spec: CacheSpec) -> list[tuple[str, TokenLayout | None]]:
 def header_bytes(spec: CacheSpec, layout: TokenLayout | None, rows: int, run: Mapping[str, Any],
                  rule: LengthRule | None) -> int:  # fmt: skip
     """Bytes of the header of a shard of ``rows`` samples, as its writer builds it."""
-    if layout is None:
-        return shard_header_len(spec.schema, rows, run)
-    assert rule is not None
-    return reserved_header_len(spec.schema, rows, layout, rule, run)
+    return shard_header_len(spec.schema, rows, run, layout, rule)
 
 
 def shard_bytes(spec: CacheSpec, layout: TokenLayout | None, lengths: np.ndarray, run: Mapping[str, Any],

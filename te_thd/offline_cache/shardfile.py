@@ -132,13 +132,6 @@ def shard_header_len(
                          tokens, rule)  # fmt: skip
 
 
-def reserved_header_len(
-    specs: Mapping[str, TensorSpec], rows: int, layout: TokenLayout, rule: LengthRule, run: Mapping[str, Any] | None = None
-) -> int:
-    """:func:`shard_header_len` of a token shard."""
-    return shard_header_len(specs, rows, run, layout, rule)
-
-
 class ShardStream:
     """Write one self-verifying shard of ``rows`` rows to a NEW file ``path``, piece by piece.
 
