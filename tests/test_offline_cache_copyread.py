@@ -1,4 +1,4 @@
-"""copyread: run planning (property test vs a loop), preadv reads (differential vs
+"""readplan/readexec: run planning (property test vs a loop), preadv reads (differential vs
 safetensors' own loader on real files) and destination buffers (recycled only once
 the consumer lets go)."""
 
@@ -19,16 +19,16 @@ from hypothesis import given
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
-import te_thd.offline_cache.copyread as copyread
-from te_thd.offline_cache.buffers import DestinationBuffers
-from te_thd.offline_cache.copyread import (
+import te_thd.offline_cache.readexec as readexec
+import te_thd.offline_cache.readplan as readplan
+from te_thd.offline_cache.readexec import (
+    DestinationBuffers,
     ParallelReads,
     ReadError,
-    plan_pieces,
-    plan_runs,
     read_piece,
     tensor_memoryview,
 )
+from te_thd.offline_cache.readplan import plan_pieces, plan_runs
 
 # -- planning ------------------------------------------------------------------------
 
@@ -156,7 +156,7 @@ def test_read_rows_calls_after_on_each_piece_once_it_is_read(shard, local, rnd, 
 
 
 def test_read_rows_splits_runs_at_iov_max(shard, monkeypatch):
-    monkeypatch.setattr(copyread, "IOV_MAX", 3)
+    monkeypatch.setattr(readplan, "IOV_MAX", 3)
     expect = load_file(shard)["ids"]
     local = list(range(4, 30))
     dst = list(reversed(range(len(local))))  # one file run, 26 scattered iovecs
@@ -247,8 +247,8 @@ def test_buffer_options_are_checked():
 # -- pieces and their split over threads ---------------------------------------------
 
 
-def _piece(nbytes: int, tag: int = 0) -> copyread.Piece:
-    return copyread.Piece(-1, tag, [], nbytes, "p")
+def _piece(nbytes: int, tag: int = 0) -> readexec.Piece:
+    return readexec.Piece(-1, tag, [], nbytes, "p")
 
 
 def _addr(v: memoryview) -> int:
@@ -278,12 +278,12 @@ def test_plan_pieces_tile_the_planned_rows(local, rnd, row_bytes, chunk_bytes, s
     raw = tensor_memoryview(buf)
     start = _addr(raw)
     after = (lambda p, rows: None) if with_after else None
-    old = copyread.IOV_MAX
-    copyread.IOV_MAX = iov_max
+    old = readplan.IOV_MAX
+    readplan.IOV_MAX = iov_max
     try:
         pieces = plan_pieces(7, base, row_bytes, plan, raw, "f", after, chunk_bytes)
     finally:
-        copyread.IOV_MAX = old
+        readplan.IOV_MAX = old
     targets = list(range(n)) if dst is None else dst
     want = sorted(zip(targets, local, strict=True))  # (batch row, file row)
     got = []
@@ -414,13 +414,13 @@ def test_parallel_reads_equal_one_thread_and_load_file(shard, fd, local, rnd, th
             assert data == expect[key][first : first + m].contiguous().view(torch.uint8).numpy().tobytes()
 
 
-def _row_pieces(path: str, fd: int, rows: int, afters) -> tuple[torch.Tensor, list[copyread.Piece]]:
+def _row_pieces(path: str, fd: int, rows: int, afters) -> tuple[torch.Tensor, list[readexec.Piece]]:
     """``rows`` one-row pieces of ``ids``, piece ``j`` with ``afters[j]`` (None: no callback)."""
     e = read_header(path)["ids"]
     out = torch.zeros(rows, 7, dtype=torch.int64)
     raw = tensor_memoryview(out)
     return out, [
-        copyread.Piece(fd, e.start + j * 56, [raw[j * 56 : (j + 1) * 56]], 56, path, afters[j], (j, range(j, j + 1)))
+        readexec.Piece(fd, e.start + j * 56, [raw[j * 56 : (j + 1) * 56]], 56, path, afters[j], (j, range(j, j + 1)))
         for j in range(rows)
     ]
 

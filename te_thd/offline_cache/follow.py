@@ -43,13 +43,13 @@ from te_thd.offline_cache.format import (
 from te_thd.offline_cache.integrity import shard_checksum
 from te_thd.offline_cache.lengths import LENGTH_RULE_KEY
 from te_thd.offline_cache.manifest import LAYOUT_VERSION, read_manifest
-from te_thd.offline_cache.open_shards import OpenShard
 from te_thd.offline_cache.producer_state import (
     FOLLOW_NAME,
     describe_diff,
     params_of_manifest,
     record_bytes,
 )
+from te_thd.offline_cache.readplan import OpenShard
 from te_thd.offline_cache.shardfile import ShardHeader
 from te_thd.offline_cache.storage import Storage
 from te_thd.offline_cache.tokens import TOKEN_LAYOUT_KEY

@@ -25,10 +25,10 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_in
 
 from ..args import check_int
 from .balanced_sampler import BalancedBatchSampler, PlannedDataset
-from .buffers import new_tensor
 from .length_scan import cache_lengths
 from .lengths import collator_rule
 from .reader import CachedBatch, CachedTensorDataset
+from .readexec import new_tensor
 from .sampler import CacheShardSampler, default_data_parallel_rank_size
 
 __all__ = [
@@ -133,7 +133,7 @@ class CachedDataLoader(DataLoader):
             self._batches += 1
             yield batch
             # while the next batch is read, the consumer's reference is the only one:
-            # a batch it has dropped can be recycled (see buffers.DestinationBuffers)
+            # a batch it has dropped can be recycled (see readexec.DestinationBuffers)
             del batch
 
     def _reads_inline(self) -> bool:

@@ -34,7 +34,6 @@ from typing import Any, NamedTuple
 import torch
 
 from te_thd.args import check_int
-from te_thd.offline_cache.copyread import advise
 from te_thd.offline_cache.durable import unlink_quietly
 from te_thd.offline_cache.errors import CacheIntegrityError
 from te_thd.offline_cache.format import (
@@ -55,6 +54,7 @@ from te_thd.offline_cache.integrity import (
     shard_checksum,
     shard_metadata,
 )
+from te_thd.offline_cache.readexec import advise
 from te_thd.offline_cache.tokens import logical_specs
 
 if sys.byteorder != "little":  # pragma: no cover - safetensors is little-endian on disk

@@ -1,52 +1,44 @@
-"""Copy a batch's rows out of a shard file: one copy per byte, page cache -> batch tensor.
+"""Execute a planned batch read: read its pieces (``preadv`` runs, gathers from a mapped shard), each
+verified by the thread that read it, into destination tensors that are recycled once the consumer lets go.
 
-A batch of a cache key is ``n`` rows of ``row_bytes`` bytes each, at file offset
-``base + row * row_bytes`` (safetensors stores every tensor contiguously, row-major).
-:func:`plan_runs` sorts the batch's rows by file position and cuts them into
-*runs* of consecutive file rows; :func:`plan_pieces` makes each run one
-``os.preadv`` (:func:`read_piece`) whose iovecs point straight at the destination rows (in batch order,
-wherever they sit), so the kernel copies each byte once from the page cache into
-the tensor: no mapping, so no page faults on the source, and no staging buffer.
-
-The batch tensors themselves come from ``buffers.DestinationBuffers``.
-
-Everything here is per process and owns no file descriptors: the reader opens
-and caches them (see ``reader.py``).
+Everything here is per process and owns no file descriptors: the reader opens and caches them
+(``readplan.OpenShards``); ``readplan`` makes the pieces.
 """
 
 from __future__ import annotations
 
 import os
 import queue
+import sys
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
 from te_thd.args import check_int
+from te_thd.offline_cache.errors import unreadable_shard
+from te_thd.offline_cache.format import tensor_nbytes
 
 __all__ = [
+    "DestinationBuffers",
     "GatherPiece",
     "ParallelReads",
     "PendingReads",
     "Piece",
+    "ReadContext",
     "ReadError",
-    "RunPlan",
     "advise",
-    "plan_pieces",
-    "plan_runs",
     "default_read_threads",
+    "new_tensor",
     "read_piece",
+    "run_pieces",
     "tensor_memoryview",
 ]
-
-#: Linux's limit on iovecs per ``preadv`` call; longer runs are split.
-IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") and "SC_IOV_MAX" in os.sysconf_names else 1024
 
 _fadvise = getattr(os, "posix_fadvise", None)  # not on macOS
 
@@ -61,64 +53,6 @@ def advise(fd: int, advice: str, offset: int = 0, length: int = 0) -> None:
     """
     if _fadvise is not None:
         _fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED if advice == "willneed" else os.POSIX_FADV_RANDOM)
-
-
-@dataclass(frozen=True)
-class RunPlan:
-    """How to read rows of one shard tensor into rows of a batch tensor.
-
-    ``dst`` (``n`` ints): destination batch rows, sorted by the file row they
-    receive and then by themselves (a repeated file row fills its rows in
-    ascending order). Run ``k`` fills
-    ``dst[starts[k]:starts[k+1]]`` (``starts``: ``runs + 1`` ints) from file rows
-    ``first_row[k] + 0, 1, ...``. ``dst_contiguous[k]``: those destination rows are
-    consecutive too, so the whole run is one iovec.
-    """
-
-    dst: list[int]
-    starts: list[int]
-    first_row: list[int]
-    dst_contiguous: list[bool]
-
-    @property
-    def num_runs(self) -> int:
-        return len(self.first_row)
-
-
-def plan_runs(local: Sequence[int] | np.ndarray, dst: Sequence[int] | np.ndarray | None = None) -> RunPlan:
-    """Cut the file rows ``local`` (``n`` ints, any order, repeats allowed) into runs.
-
-    ``dst`` (``n`` ints, default ``0..n-1``): the batch row each of ``local`` goes
-    to. A run is a maximal stretch of the rows sorted by file position where each
-    row is the previous plus one; a repeated row (wrap-around padding) starts a new
-    run, so the runs partition the batch rows. Pure, no I/O. Plain Python: for a
-    batch's few dozen rows it costs a few microseconds, a tenth of the equivalent
-    dozen numpy calls.
-    """
-    rows = local.tolist() if isinstance(local, np.ndarray) else list(local)
-    targets = range(len(rows)) if dst is None else (dst.tolist() if isinstance(dst, np.ndarray) else list(dst))
-    if len(targets) != len(rows):
-        raise ValueError(f"dst has {len(targets)} rows, local {len(rows)}; pass one batch row per file row")
-    n = len(rows)
-    if n and dst is None and rows == list(range(rows[0], rows[0] + n)):
-        return RunPlan(list(range(n)), [0, n], [rows[0]], [True])  # sequential reads: one run
-    pairs = sorted(zip(rows, targets, strict=True))
-    out_dst: list[int] = []
-    starts: list[int] = []
-    first_row: list[int] = []
-    contiguous: list[bool] = []
-    prev_row = prev_dst = None
-    for i, (row, d) in enumerate(pairs):
-        if prev_row is None or row != prev_row + 1:
-            starts.append(i)
-            first_row.append(row)
-            contiguous.append(True)
-        elif d != prev_dst + 1:  # type: ignore[operator]
-            contiguous[-1] = False
-        out_dst.append(d)
-        prev_row, prev_dst = row, d
-    starts.append(len(pairs))
-    return RunPlan(out_dst, starts, first_row, contiguous)
 
 
 def tensor_memoryview(t: torch.Tensor) -> memoryview:
@@ -173,49 +107,6 @@ class GatherPiece(NamedTuple):
     args: tuple[int, Sequence[int]] = (0, ())
 
 
-def plan_pieces(
-    fd: int, base: int, row_bytes: int, plan: RunPlan, dst: memoryview, path: str,
-    after: AfterRead | None = None, chunk_bytes: int = 0, owner: object = None,
-) -> list[Piece]:  # fmt: skip
-    """The reads that put the planned rows of one tensor into ``dst`` (the bytes of the batch tensor ``[B, row]``).
-
-    ``base``: file offset of row 0 of the tensor; ``row_bytes``: bytes per row.
-    A run whose batch rows are consecutive is one piece, or pieces of at most
-    ``chunk_bytes`` (whole rows; 0: no limit) -- so a checksum finds them in
-    cache, or so that threads can share them. A run scattered over the batch is
-    one iovec per row, at most ``IOV_MAX`` per piece; with ``after``, one row
-    per piece. ``after(batch row of the piece's first row, its file rows)`` is called
-    once per piece, whose batch rows are consecutive. ``owner``: kept
-    by every piece (whatever keeps ``fd`` open while the pieces wait to be read).
-    """
-    dst_rows, starts, first, contiguous = plan.dst, plan.starts, plan.first_row, plan.dst_contiguous
-    step = max(1, chunk_bytes // row_bytes) if chunk_bytes and row_bytes else 0
-    out: list[Piece] = []
-    for k in range(len(first)):
-        a, b = starts[k], starts[k + 1]
-        offset = base + first[k] * row_bytes
-        if contiguous[k]:
-            p, n = dst_rows[a], b - a
-            m = step or n
-            for c in range(0, n, m):
-                r = min(m, n - c)
-                view = dst[(p + c) * row_bytes : (p + c + r) * row_bytes]
-                rows = range(first[k] + c, first[k] + c + r)
-                out.append(Piece(fd, offset + c * row_bytes, [view], r * row_bytes, path, after, (p + c, rows), owner))
-            continue
-        if after is not None:
-            for j, p in enumerate(dst_rows[a:b]):
-                view = dst[p * row_bytes : (p + 1) * row_bytes]
-                row = first[k] + j
-                out.append(Piece(fd, offset + j * row_bytes, [view], row_bytes, path, after, (p, range(row, row + 1)), owner))
-            continue
-        per = min(IOV_MAX, max(1, step)) if step else IOV_MAX
-        for c in range(a, b, per):
-            rows = dst_rows[c : min(b, c + per)]
-            iov = [dst[p * row_bytes : (p + 1) * row_bytes] for p in rows]
-            out.append(Piece(fd, offset + (c - a) * row_bytes, iov, len(rows) * row_bytes, path, None, (0, ()), owner))
-    return out
-
 
 class ReadError(OSError):
     """A piece could not be read: ``path`` names the file, the message says why."""
@@ -240,6 +131,28 @@ def read_piece(piece: Piece | GatherPiece) -> None:
             raise ReadError(piece.path, str(exc)) from exc
     if piece.after is not None:
         piece.after(*piece.args)
+
+
+#: A batch is read by several threads only from this many bytes on: below it,
+#: waking a helper thread (when its core sleeps) costs more than the second core
+def _preadv_all(fd: int, iov: list[memoryview], offset: int) -> None:
+    """``os.preadv`` until every iovec is full (a large read may return short)."""
+    want = sum(v.nbytes for v in iov)
+    got = os.preadv(fd, iov, offset)
+    while got < want:
+        if got == 0:
+            raise OSError(f"file ended at byte {offset} while reading {want} bytes (truncated after open?)")
+        # drop the filled part and retry the rest
+        rest: list[memoryview] = []
+        skip = got
+        for v in iov:
+            if skip >= v.nbytes:
+                skip -= v.nbytes
+                continue
+            rest.append(v[skip:])
+            skip = 0
+        offset, want, iov = offset + got, want - got, rest
+        got = os.preadv(fd, iov, offset)
 
 
 #: A batch is read by several threads only from this many bytes on: below it,
@@ -420,21 +333,151 @@ class ParallelReads:
         self.__init__(**state)  # type: ignore[misc]
 
 
-def _preadv_all(fd: int, iov: list[memoryview], offset: int) -> None:
-    """``os.preadv`` until every iovec is full (a large read may return short)."""
-    want = sum(v.nbytes for v in iov)
-    got = os.preadv(fd, iov, offset)
-    while got < want:
-        if got == 0:
-            raise OSError(f"file ended at byte {offset} while reading {want} bytes (truncated after open?)")
-        # drop the filled part and retry the rest
-        rest: list[memoryview] = []
-        skip = got
-        for v in iov:
-            if skip >= v.nbytes:
-                skip -= v.nbytes
-                continue
-            rest.append(v[skip:])
-            skip = 0
-        offset, want, iov = offset + got, want - got, rest
-        got = os.preadv(fd, iov, offset)
+
+
+def new_tensor(shape: Sequence[int], dtype: torch.dtype, *, shared: bool = False, pinned: bool = False) -> torch.Tensor:
+    """An uninitialised CPU tensor ``shape``/``dtype``, in shared or page-locked memory on request.
+
+    ``shared``: storage in shared memory (a DataLoader worker's batch travels to the
+    main process without a copy). ``pinned``: page-locked (torch's caching host
+    allocator), for a non-blocking copy to CUDA.
+    """
+    shape = tuple(int(s) for s in shape)
+    if pinned:
+        return torch.empty(shape, dtype=dtype, pin_memory=True)
+    if not shared:
+        return torch.empty(shape, dtype=dtype)
+    # public API: moving a fresh tensor to shared memory costs the one copy torch's
+    # worker pickling would make of a tensor that is not there yet
+    return torch.empty(shape, dtype=dtype).share_memory_()
+
+
+class _Buffer:
+    """One pooled buffer: its bytes (a numpy array, the owner of the memory), a writable view of
+    them, and the owner's reference count while no tensor uses it."""
+
+    __slots__ = ("idle_refs", "owner", "whole")
+
+    def __init__(self, nbytes: int) -> None:
+        self.owner = np.empty(nbytes, dtype=np.uint8)
+        self.whole = memoryview(self.owner)
+        self.idle_refs = 0
+        self.idle_refs = self.refs()
+
+    def refs(self) -> int:
+        """The owner's reference count: every tensor made over it holds one through its storage
+        (``torch.frombuffer``), however many views of that tensor exist. Always measured
+        through this method, so the interpreter's own temporaries count the same each time."""
+        return sys.getrefcount(self.owner)
+
+    def idle(self) -> bool:
+        return self.refs() == self.idle_refs
+
+
+class DestinationBuffers:
+    """Destination tensors for batches: fresh to the consumer, recycled once it lets go.
+
+    ``get(key, n, sample_shape, dtype)`` -> ``(tensor, bytes)``: an uninitialised
+    ``[n, *sample_shape]`` tensor and a writable memoryview of its bytes (kept with
+    a pooled buffer, so a batch does not rebuild it). What the consumer sees is always
+    a tensor nobody else uses: a buffer handed out earlier is only handed out again
+    once every reference to its memory outside this pool is gone (the batch, its
+    views, numpy arrays over it). The pool owns each buffer's memory as a numpy array
+    and hands out tensors made over it (``torch.frombuffer``), each of which keeps a
+    reference to the array for as long as any view of it lives: the array's Python
+    reference count says whether the consumer still holds the batch. A training loop
+    that drops batch ``i`` while it reads ``i + 1`` therefore cycles between two buffer
+    sets, with no lifetime rule to follow; a consumer that keeps its batches just gets
+    new memory. Recycling saves the page faults and cache misses of never-touched
+    memory, most when the allocator returns freed batches to the kernel.
+
+    Args:
+        shared: allocate in shared memory, never recycle (inside a DataLoader
+            worker: the batch leaves the process, and the main process's
+            references are invisible here).
+        pinned: page-locked memory for a CUDA destination; allocated through
+            torch's caching host allocator, which itself recycles a block only
+            after the copies that used it have finished (this pool cannot see
+            those copies, so it does not recycle pinned memory).
+        max_pooled: buffers kept per key (and dtype / sample shape).
+    """
+
+    def __init__(self, *, shared: bool = False, pinned: bool = False, max_pooled: int = 4) -> None:
+        if shared and pinned:
+            raise ValueError("shared=True and pinned=True: a DataLoader worker's batch is pinned by the main process")
+        self.shared = shared
+        self.pinned = pinned
+        self.max_pooled = max_pooled
+        self._pool: dict[tuple[str, torch.dtype, tuple[int, ...]], list[_Buffer]] = {}
+
+    def get(
+        self, key: str, n: int, sample_shape: tuple[int, ...], dtype: torch.dtype
+    ) -> tuple[torch.Tensor, memoryview]:
+        shape = (n, *sample_shape)
+        if self.shared or self.pinned:
+            t = new_tensor(shape, dtype, shared=self.shared, pinned=self.pinned)
+            return t, tensor_memoryview(t)
+        nbytes = tensor_nbytes(dtype, shape)
+        entries = self._pool.setdefault((key, dtype, sample_shape), [])
+        for buf in entries:
+            if buf.owner.nbytes >= nbytes and buf.idle():
+                return self._tensor(buf.owner, nbytes, dtype, shape), buf.whole[:nbytes]
+        buf = _Buffer(nbytes)
+        entries.append(buf)
+        if len(entries) > self.max_pooled:
+            entries.pop(0)  # the oldest: still held by the consumer (now only theirs) or idle
+        return self._tensor(buf.owner, nbytes, dtype, shape), buf.whole
+
+    @staticmethod
+    def _tensor(owner: np.ndarray, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        if nbytes == 0:  # zero-size rows: nothing to share (an empty array has no strides to view)
+            return torch.empty(shape, dtype=dtype)
+        return torch.frombuffer(owner, dtype=dtype, count=nbytes // dtype.itemsize).view(shape)
+
+    def __getstate__(self) -> dict[str, object]:
+        # buffers belong to the process that allocated them
+        return {"shared": self.shared, "pinned": self.pinned, "max_pooled": self.max_pooled}
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        self.__init__(**state)  # type: ignore[misc, arg-type]
+
+
+@dataclass(frozen=True)
+class ReadContext:
+    """What a read needs besides the shard: ``verify``, the shard's first sample (for messages), the
+    repair sentence, the threads that read (``reads``: the dataset's; None: this thread) and what keeps
+    the descriptor open while pieces wait (``owner``)."""
+
+    verify: bool
+    #: the global index of the shard's row 0 (None: not known; messages name the row of the shard)
+    first_sample: int | None
+    #: the repair sentence; empty for a check that returns no batch (``verify --deep``)
+    repair: str
+    reads: ParallelReads | None = None
+    owner: object = None
+    #: makes byte ranges ``[(offset, n)]`` of the shard file present first (an s3:// cache's local copy)
+    ensure: Callable[[Sequence[tuple[int, int]]], None] | None = None
+    #: ``retry(read, arg)``: ``read(arg)``, read once more after a failed check when the shard can be
+    #: fetched again (the dataset's rule for an s3:// cache's local copy)
+    retry: Callable[[Callable[[Any], Any], Any], Any] | None = None
+
+
+def run_pieces(pieces: list[Piece], ctx: ReadContext) -> None:
+    """Read the planned pieces (on ``ctx.reads``, the dataset's read threads, when given), verifying each.
+
+    First every piece's range is handed to the kernel (``POSIX_FADV_WILLNEED``: it starts reading
+    exactly those pages, all at once), so scattered reads -- a CP rank's chunks of each document --
+    are one deep queue of storage requests instead of one synchronous request per read. A failed
+    read (the file shrank after it was opened) is the reader's one "cannot be read" error.
+    """
+    if len(pieces) > 1:
+        for piece in pieces:
+            advise(piece.fd, "willneed", piece.offset, piece.nbytes)
+    try:
+        if ctx.reads is None:
+            for piece in pieces:
+                read_piece(piece)
+        else:
+            ctx.reads.run(pieces)
+    except ReadError as exc:
+        raise unreadable_shard(exc.path, exc, ctx.repair) from exc
