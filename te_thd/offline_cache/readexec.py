@@ -71,11 +71,9 @@ AfterRead = Callable[[int, Sequence[int]], None]
 class Piece(NamedTuple):
     """One ``preadv`` of a batch read: ``iov`` (writable byte views of batch rows) from ``offset`` of ``fd``.
 
-    ``after(*args)`` (or None) runs right after the bytes are in place, on the
-    thread that read them: a checksum finds them still in cache. ``nbytes`` is
-    the size of ``iov``; ``path`` names the file in errors. A named tuple, not a
-    frozen dataclass: a batch builds a dozen of these, and a frozen dataclass's
-    checked ``__init__`` is several times slower to build.
+    ``after(*args)`` (or None) runs right after the bytes are in place, on the thread that read
+    them: a checksum finds them still in cache. ``nbytes``: the size of ``iov``; ``path`` names
+    the file in errors. A named tuple: a batch builds many, and it is the cheapest to build.
     """
 
     fd: int
@@ -107,7 +105,6 @@ class GatherPiece(NamedTuple):
     args: tuple[int, Sequence[int]] = (0, ())
 
 
-
 class ReadError(OSError):
     """A piece could not be read: ``path`` names the file, the message says why."""
 
@@ -133,8 +130,6 @@ def read_piece(piece: Piece | GatherPiece) -> None:
         piece.after(*piece.args)
 
 
-#: A batch is read by several threads only from this many bytes on: below it,
-#: waking a helper thread (when its core sleeps) costs more than the second core
 def _preadv_all(fd: int, iov: list[memoryview], offset: int) -> None:
     """``os.preadv`` until every iovec is full (a large read may return short)."""
     want = sum(v.nbytes for v in iov)
@@ -173,12 +168,8 @@ def default_read_threads() -> int:
 
 
 class _Batch:
-    """The pieces of one batch, taken one at a time by whichever thread is free.
-
-    ``deque.popleft`` is atomic, so the caller and any number of helpers can
-    :meth:`drain` it together: a helper that wakes late, or a core that is busy
-    elsewhere, leaves its share to the others instead of holding up the batch.
-    """
+    """The pieces of one batch, taken one at a time by whichever thread is free (``deque.popleft`` is
+    atomic): a helper that wakes late leaves its share to the others instead of holding up the batch."""
 
     def __init__(self, pieces: Sequence[Piece | GatherPiece]) -> None:
         self._left: deque[Piece | GatherPiece] = deque(pieces)
@@ -201,11 +192,8 @@ class _Batch:
 
 
 class _Worker:
-    """One helper thread with its own queue, draining the batches it is handed.
-
-    A daemon thread: a read still in flight at interpreter exit only wrote into
-    memory nobody reads.
-    """
+    """One helper thread with its own queue, draining the batches it is handed. A daemon thread: a
+    read still in flight at interpreter exit only writes into memory nobody reads."""
 
     def __init__(self, name: str) -> None:
         # the thread holds only the queue, so a dropped worker can be collected: its
@@ -246,11 +234,8 @@ class PendingReads:
         self._finish = finish
 
     def wait(self) -> None:
-        """Read whatever pieces are left on this thread too, then run ``finish``.
-
-        Returns once no thread writes into the batch any more, also when one of
-        them failed: then the first error recorded is raised (and ``finish`` does not run).
-        """
+        """Read whatever pieces are left on this thread too, then run ``finish``. Returns once no thread
+        writes into the batch any more; if one failed, raises the first error (``finish`` does not run)."""
         batch, self._batch = self._batch, None
         if batch is None:
             return
@@ -267,15 +252,11 @@ class PendingReads:
 class ParallelReads:
     """Reads a batch's pieces on up to ``threads`` threads.
 
-    ``preadv`` and ``xxh3_64`` both release the GIL, so each thread's kernel copy
-    and checksum run on their own core; a single-threaded copy tops out at one
-    core's memory bandwidth. The pieces sit in one queue per batch that every
-    participating thread takes from (``_Batch``). :meth:`run` reads with the
-    calling thread and ``threads - 1`` helpers; :meth:`start` hands a batch to
-    ``threads`` helpers and returns at once (read-ahead: the caller plans the
-    next batch, or the training step runs, meanwhile), and the caller joins in
-    when it waits. Helper threads start on first use and belong to the process
-    that started them (a forked DataLoader worker starts its own).
+    ``preadv`` and ``xxh3_64`` both release the GIL, so each thread's copy and checksum run
+    on their own core. :meth:`run` reads with the calling thread and ``threads - 1`` helpers;
+    :meth:`start` hands a batch to ``threads`` helpers and returns at once (read-ahead), and
+    the caller joins in when it waits. Helper threads start on first use and belong to the
+    process that started them (a forked DataLoader worker starts its own).
     """
 
     def __init__(self, threads: int, min_bytes: int | None = None) -> None:
@@ -293,24 +274,16 @@ class ParallelReads:
     def run(
         self, pieces: Sequence[Piece | GatherPiece], finish: Callable[[], None] | None = None
     ) -> None:
-        """Read every piece; ``finish`` (the batch's last step) then runs on the calling thread.
-
-        The pieces are shared out only when they hold at least ``min_bytes``
-        (``None``: :data:`PARALLEL_MIN_BYTES`). Returns once every thread is done
-        with the batch's memory, also when one of them failed: then the first
-        error is raised.
-        """
+        """Read every piece, then run ``finish`` (the batch's last step) on the calling thread; shared
+        out only from ``min_bytes`` (``None``: :data:`PARALLEL_MIN_BYTES`). As :meth:`PendingReads.wait`."""
         self.start(pieces, finish, helpers=self.threads - 1).wait()
 
     def start(
         self, pieces: Sequence[Piece | GatherPiece], finish: Callable[[], None] | None = None,
         helpers: int | None = None,
     ) -> PendingReads:  # fmt: skip
-        """Hand the pieces to ``helpers`` (default ``threads``) helper threads and return at once.
-
-        ``run``'s threshold applies: a smaller batch is read by :meth:`PendingReads.wait`
-        on the waiting thread, which also runs ``finish``.
-        """
+        """Hand the pieces to ``helpers`` (default ``threads``) helper threads and return at once; below
+        ``run``'s threshold, :meth:`PendingReads.wait` reads them on the waiting thread."""
         batch = _Batch(pieces)
         if not self._shared(pieces):
             return PendingReads(batch, [], finish)
@@ -333,15 +306,9 @@ class ParallelReads:
         self.__init__(**state)  # type: ignore[misc]
 
 
-
-
 def new_tensor(shape: Sequence[int], dtype: torch.dtype, *, shared: bool = False, pinned: bool = False) -> torch.Tensor:
-    """An uninitialised CPU tensor ``shape``/``dtype``, in shared or page-locked memory on request.
-
-    ``shared``: storage in shared memory (a DataLoader worker's batch travels to the
-    main process without a copy). ``pinned``: page-locked (torch's caching host
-    allocator), for a non-blocking copy to CUDA.
-    """
+    """An uninitialised CPU tensor ``shape``/``dtype``; ``shared``: in shared memory (a DataLoader
+    worker's batch travels without a copy); ``pinned``: page-locked, for a non-blocking copy to CUDA."""
     shape = tuple(int(s) for s in shape)
     if pinned:
         return torch.empty(shape, dtype=dtype, pin_memory=True)
@@ -378,18 +345,12 @@ class DestinationBuffers:
     """Destination tensors for batches: fresh to the consumer, recycled once it lets go.
 
     ``get(key, n, sample_shape, dtype)`` -> ``(tensor, bytes)``: an uninitialised
-    ``[n, *sample_shape]`` tensor and a writable memoryview of its bytes (kept with
-    a pooled buffer, so a batch does not rebuild it). What the consumer sees is always
-    a tensor nobody else uses: a buffer handed out earlier is only handed out again
-    once every reference to its memory outside this pool is gone (the batch, its
-    views, numpy arrays over it). The pool owns each buffer's memory as a numpy array
-    and hands out tensors made over it (``torch.frombuffer``), each of which keeps a
-    reference to the array for as long as any view of it lives: the array's Python
-    reference count says whether the consumer still holds the batch. A training loop
-    that drops batch ``i`` while it reads ``i + 1`` therefore cycles between two buffer
-    sets, with no lifetime rule to follow; a consumer that keeps its batches just gets
-    new memory. Recycling saves the page faults and cache misses of never-touched
-    memory, most when the allocator returns freed batches to the kernel.
+    ``[n, *sample_shape]`` tensor and a writable memoryview of its bytes. A buffer is handed
+    out again only once every reference to its memory outside this pool is gone: the pool
+    owns it as a numpy array and hands out tensors made over it (``torch.frombuffer``), so
+    the array's reference count says whether the consumer still holds the batch. A loop
+    that drops batch ``i`` while it reads ``i + 1`` cycles between two buffer sets; one
+    that keeps its batches gets new memory. Recycling saves the page faults of fresh memory.
 
     Args:
         shared: allocate in shared memory, never recycle (inside a DataLoader
@@ -465,9 +426,8 @@ class ReadContext:
 def run_pieces(pieces: list[Piece], ctx: ReadContext) -> None:
     """Read the planned pieces (on ``ctx.reads``, the dataset's read threads, when given), verifying each.
 
-    First every piece's range is handed to the kernel (``POSIX_FADV_WILLNEED``: it starts reading
-    exactly those pages, all at once), so scattered reads -- a CP rank's chunks of each document --
-    are one deep queue of storage requests instead of one synchronous request per read. A failed
+    Every piece's range is first advised ``"willneed"``, so scattered reads (a CP rank's chunks of each
+    document) are one deep queue of storage requests, not one synchronous request per read. A failed
     read (the file shrank after it was opened) is the reader's one "cannot be read" error.
     """
     if len(pieces) > 1:

@@ -1,25 +1,18 @@
-"""Plan a batch read: which shard rows go where, read by which copy primitive, as pieces for ``readexec``.
+"""Plan a batch read: which shard rows go where, read by which copy, as pieces for ``readexec``.
 
-A batch of sample indices becomes, per shard it touches, one *part*: the shard's
-rows (``local``) and the batch rows they fill (``pos``). :func:`plan_shard_rows`
-turns every key's part into pieces for the read executor
-(``readexec.ParallelReads``), each checked right after it is read by the thread
-that read it. A part is copied one of two ways, chosen per (key, shard) by
-:func:`choose_engines`:
+A batch becomes, per shard it touches, one *part*: the shard's rows (``local``) and
+the batch rows they fill (``pos``). :func:`plan_shard_rows` turns every key's part into
+pieces, each checked right after it is read by the thread that read it, and copied one
+of two ways, chosen per (key, shard) by :func:`choose_engines`:
 
 * ``preadv``: :func:`plan_runs` cuts the rows into runs of consecutive file rows and
-  :func:`plan_pieces` makes each run one ``os.preadv`` whose iovecs point straight at the
-  batch rows, the kernel copying page cache -> batch tensor once; no mapping, no page
-  faults on the source, and a shard that shrinks under the reader is a clean error. Used
-  when a key's runs average at least :data:`PREADV_MIN_RUN_BYTES`, and then also for the
-  part's other keys whose rows are one run.
-* gather: rows copied from the memory-mapped shard with one ``index_select``;
-  used for smaller scattered rows, where one system call per row costs more
-  than the row's bytes (figures: docs/performance-io.md).
+  :func:`plan_pieces` makes each run one ``os.preadv`` whose iovecs point straight at
+  the batch rows: one kernel copy per byte, no page faults on the source, and a shard
+  that shrinks under the reader is a clean error. For large runs.
+* gather: rows copied from the memory-mapped shard with one ``index_select``, for
+  smaller scattered rows, where a system call per row costs more than its bytes.
 
-Ragged keys (:mod:`~te_thd.offline_cache.tokens`) are planned by :func:`plan_stored`: exactly
-the checksum blocks that hold the tokens asked for, one ``preadv`` piece per run of adjacent
-blocks, each block hashed right after it is read. The shards a process holds open are
+The shards a process holds open (descriptor, mapping, ``safe_open`` handle) are
 :class:`OpenShards`.
 """
 
@@ -66,22 +59,22 @@ __all__ = [
     "plan_pieces",
     "plan_runs",
     "plan_shard_rows",
+    "row_nbytes",
     "row_ranges",
 ]
 
 #: Linux's limit on iovecs per ``preadv`` call; longer runs are split.
 IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") and "SC_IOV_MAX" in os.sysconf_names else 1024
 
+
 @dataclass(frozen=True)
 class RunPlan:
     """How to read rows of one shard tensor into rows of a batch tensor.
 
-    ``dst`` (``n`` ints): destination batch rows, sorted by the file row they
-    receive and then by themselves (a repeated file row fills its rows in
-    ascending order). Run ``k`` fills
-    ``dst[starts[k]:starts[k+1]]`` (``starts``: ``runs + 1`` ints) from file rows
-    ``first_row[k] + 0, 1, ...``. ``dst_contiguous[k]``: those destination rows are
-    consecutive too, so the whole run is one iovec.
+    ``dst`` (``n`` ints): destination batch rows, sorted by the file row they receive,
+    then by themselves. Run ``k`` fills ``dst[starts[k]:starts[k+1]]`` (``starts``:
+    ``runs + 1`` ints) from file rows ``first_row[k] + 0, 1, ...``; ``dst_contiguous[k]``:
+    those destination rows are consecutive too (the whole run is one iovec).
     """
 
     dst: list[int]
@@ -100,9 +93,8 @@ def plan_runs(local: Sequence[int] | np.ndarray, dst: Sequence[int] | np.ndarray
     ``dst`` (``n`` ints, default ``0..n-1``): the batch row each of ``local`` goes
     to. A run is a maximal stretch of the rows sorted by file position where each
     row is the previous plus one; a repeated row (wrap-around padding) starts a new
-    run, so the runs partition the batch rows. Pure, no I/O. Plain Python: for a
-    batch's few dozen rows it costs a few microseconds, a tenth of the equivalent
-    dozen numpy calls.
+    run, so the runs partition the batch rows. Pure; plain Python, which beats numpy
+    calls on a batch's few dozen rows.
     """
     rows = local.tolist() if isinstance(local, np.ndarray) else list(local)
     targets = range(len(rows)) if dst is None else (dst.tolist() if isinstance(dst, np.ndarray) else list(dst))
@@ -129,20 +121,19 @@ def plan_runs(local: Sequence[int] | np.ndarray, dst: Sequence[int] | np.ndarray
     starts.append(len(pairs))
     return RunPlan(out_dst, starts, first_row, contiguous)
 
+
 def plan_pieces(
     fd: int, base: int, row_bytes: int, plan: RunPlan, dst: memoryview, path: str,
     after: AfterRead | None = None, chunk_bytes: int = 0, owner: object = None,
 ) -> list[Piece]:  # fmt: skip
     """The reads that put the planned rows of one tensor into ``dst`` (the bytes of the batch tensor ``[B, row]``).
 
-    ``base``: file offset of row 0 of the tensor; ``row_bytes``: bytes per row.
-    A run whose batch rows are consecutive is one piece, or pieces of at most
-    ``chunk_bytes`` (whole rows; 0: no limit) -- so a checksum finds them in
-    cache, or so that threads can share them. A run scattered over the batch is
-    one iovec per row, at most ``IOV_MAX`` per piece; with ``after``, one row
-    per piece. ``after(batch row of the piece's first row, its file rows)`` is called
-    once per piece, whose batch rows are consecutive. ``owner``: kept
-    by every piece (whatever keeps ``fd`` open while the pieces wait to be read).
+    ``base``: file offset of row 0 of the tensor. A run whose batch rows are consecutive is
+    one piece, or pieces of at most ``chunk_bytes`` (whole rows; 0: no limit) so a checksum
+    finds them in cache and threads can share them. A run scattered over the batch is one
+    iovec per row, at most ``IOV_MAX`` per piece; with ``after`` (called once per piece:
+    ``after(batch row of its first row, its file rows)``), one row per piece. ``owner``:
+    kept by every piece (whatever keeps ``fd`` open until the pieces are read).
     """
     dst_rows, starts, first, contiguous = plan.dst, plan.starts, plan.first_row, plan.dst_contiguous
     step = max(1, chunk_bytes // row_bytes) if chunk_bytes and row_bytes else 0
@@ -172,10 +163,10 @@ def plan_pieces(
             out.append(Piece(fd, offset + (c - a) * row_bytes, iov, len(rows) * row_bytes, path, None, (0, ()), owner))
     return out
 
-#: A (key, shard) part of a batch is read with ``preadv`` when its runs of
-#: consecutive file rows average at least this many bytes, else gathered from the
-#: mapped shard. Measured crossover: see ``perf/measure_read_crossover.py`` and
-#: docs/performance-io.md.
+
+#: A (key, shard) part of a batch is read with ``preadv`` when its runs of consecutive file
+#: rows average at least this many bytes, else gathered from the mapped shard (the crossover
+#: ``perf/measure_read_crossover.py`` measures: docs/performance-io.md).
 PREADV_MIN_RUN_BYTES = 256 * 1024
 
 #: How every (key, shard) part of a batch is copied: ``"auto"`` (:func:`choose_engines`),
@@ -232,6 +223,11 @@ def batch_places(groups: Sequence[Part], n: int) -> list[tuple[int, int]]:
     return places
 
 
+def row_nbytes(e: HeaderEntry) -> int:
+    """Bytes of one row of the stored tensor ``e`` (``[rows, *sample_shape]``)."""
+    return tensor_nbytes(e.dtype, e.shape[1:])
+
+
 def row_ranges(entries: dict[str, HeaderEntry], keys: Sequence[str], rows: np.ndarray) -> list[tuple[int, int]]:
     """``(file offset, bytes)`` of rows ``rows`` of every key in ``keys``: one range per run of consecutive rows."""
     rows = np.unique(rows)
@@ -239,7 +235,7 @@ def row_ranges(entries: dict[str, HeaderEntry], keys: Sequence[str], rows: np.nd
     out = []
     for key in keys:
         e = entries[key]
-        rb = tensor_nbytes(e.dtype, e.shape[1:])
+        rb = row_nbytes(e)
         out += [(e.start + int(run[0]) * rb, int(run.size) * rb) for run in runs if run.size]
     return out
 
@@ -251,11 +247,9 @@ def choose_engines(
     and the run plan if counting the runs needed one (the preadv pieces reuse it).
 
     :data:`COPY_ENGINE` ``"preadv"`` / ``"mapped"`` decides alone. ``"auto"``: a key goes
-    through ``preadv`` when its runs of consecutive file rows average at least
-    :data:`PREADV_MIN_RUN_BYTES`; then every key whose rows are one run joins it (one
-    more system call costs less than the mapped gather's fixed cost for one small
-    key), while a part with no such key uses the mapped gather throughout (its fixed
-    cost shared by all keys).
+    through ``preadv`` when its runs average at least :data:`PREADV_MIN_RUN_BYTES`; then
+    every key whose rows are one run joins it (one more system call costs less than a
+    gather's fixed cost), while a part with no such key gathers throughout.
     """
     if COPY_ENGINE != "auto":
         return dict.fromkeys(keys, COPY_ENGINE == "preadv"), None
@@ -263,7 +257,7 @@ def choose_engines(
     plan: RunPlan | None = None  # the same row pattern for every key: planned at most once
     out: dict[str, bool] = {}
     for key in keys:
-        row_bytes = tensor_nbytes(entries[key].dtype, entries[key].shape[1:])
+        row_bytes = row_nbytes(entries[key])
         use = row_bytes >= min_run_bytes
         # the run count is only needed when the bounds 1 <= runs <= m leave it open
         if not use and row_bytes * local.size >= min_run_bytes:
@@ -320,7 +314,7 @@ def plan_shard_rows(
     all_rows: Sequence[int] = ()
     for key in keys:
         e = entries[key]
-        row_bytes = tensor_nbytes(e.dtype, e.shape[1:])
+        row_bytes = row_nbytes(e)
         if engines[key]:
             after = verifier(key, out[key])
             plan = plan or plan_runs(local, pos)
@@ -355,41 +349,19 @@ def plan_shard_rows(
             ))  # fmt: skip
 
 
-def map_shard(path: str, entries: dict[str, HeaderEntry], keys: Sequence[str], repair: str) -> dict[str, torch.Tensor]:
-    """Memory-map one safetensors file and return ``{key: [rows, ...] view}`` for ``keys``.
-
-    ``entries`` is the file's parsed header (``shardfile.check_shard_header``). The file is mapped copy-on-write
-    (``torch.from_file(shared=False)``: opened read-only, no descriptor kept) and
-    never written, so every page stays file-backed; safetensors itself has no
-    zero-copy view API, ``safe_open`` copies on every slice.
-    """
-    try:
-        size = os.path.getsize(path)
-    except FileNotFoundError:
-        raise CacheIntegrityError(
-            f"shard {path} is missing (removed after the cache was opened?). {repair}", path=path
-        ) from None
-    whole = torch.from_file(path, shared=False, size=size, dtype=torch.uint8)
-    views: dict[str, torch.Tensor] = {}
-    for key in keys:
-        e = entries[key]
-        raw = whole[e.start : e.end]
-        if e.start % raw.new_empty(0, dtype=e.dtype).element_size():
-            raw = raw.clone()  # misaligned (safetensors aligns; a foreign writer may not): copy once
-        views[key] = raw.view(e.dtype).view(e.shape)
-    return views
+def _missing(path: str, repair: str) -> CacheIntegrityError:
+    return CacheIntegrityError(f"shard {path} is missing (removed after the cache was opened?). {repair}", path=path)
 
 
 class OpenShard:
     """One open shard: ``path``, its checked ``header``, a read-only descriptor ``fd``, and, once a
     read needs them, its memory mapping ``views`` (``{key: [rows, ...]}``) and ``safe_open`` ``handle``.
 
-    The descriptor is closed when the last reference goes: the LRU drops its
-    reference on eviction, and every ``preadv`` piece planned from it holds one
-    (``Piece.owner``) until it is read. So a batch spanning more shards than
-    ``max_open_shards``, or a read still in flight while the next batch opens
-    other shards, never reads through a closed descriptor -- or through its
-    number reused by the next open, which would read another file.
+    The descriptor is closed when the last reference goes: the LRU drops its reference on
+    eviction, and every ``preadv`` piece planned from it holds one (``Piece.owner``) until it
+    is read. So a batch spanning more shards than ``max_open_shards``, or a read in flight
+    while the next batch opens other shards, never reads through a closed descriptor (or
+    its number reused by the next open).
     """
 
     __slots__ = ("path", "header", "fd", "views", "handle", "tokens", "fetch", "_pid")
@@ -403,20 +375,14 @@ class OpenShard:
         self._pid = os.getpid()
 
     def descriptor(self, prefetch: Sequence[str], repair: str) -> int:
-        """The read-only descriptor, opened on first use.
-
-        Opening asks the kernel to start reading the byte ranges of the keys ``prefetch``
-        (``POSIX_FADV_WILLNEED``; empty: no hint), and for a token shard, whose ragged
-        reads fetch a few blocks here and there (one CP rank's tokens), to do no
-        read-ahead of its own (``POSIX_FADV_RANDOM``).
-        """
+        """The read-only descriptor, opened on first use with advice: ``"willneed"`` for the byte ranges
+        of the keys ``prefetch``, and ``"random"`` for a token shard, whose ragged reads fetch a few
+        blocks here and there (one CP rank's tokens)."""
         if self.fd < 0:
             try:
                 self.fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
             except FileNotFoundError:
-                raise CacheIntegrityError(
-                    f"shard {self.path} is missing (removed after the cache was opened?). {repair}", path=self.path
-                ) from None
+                raise _missing(self.path, repair) from None
             if self.tokens is not None:
                 advise(self.fd, "random")
             for key in prefetch:
@@ -425,9 +391,25 @@ class OpenShard:
         return self.fd
 
     def mapped(self, keys: Sequence[str], repair: str) -> dict[str, torch.Tensor]:
-        """``{key: [rows, ...]}`` views of the mapped shard for ``keys`` (:func:`map_shard`), mapped on first use."""
+        """``{key: [rows, ...]}`` views of the shard for ``keys``, mapped on first use.
+
+        Mapped copy-on-write (``torch.from_file(shared=False)``: opened read-only, no descriptor
+        kept) and never written, so every page stays file-backed (``safe_open`` copies on every slice).
+        """
         if self.views is None:
-            self.views = map_shard(self.path, self.header.entries, keys, repair)
+            try:
+                size = os.path.getsize(self.path)
+            except FileNotFoundError:
+                raise _missing(self.path, repair) from None
+            whole = torch.from_file(self.path, shared=False, size=size, dtype=torch.uint8)
+            views: dict[str, torch.Tensor] = {}
+            for key in keys:
+                e = self.header.entries[key]
+                raw = whole[e.start : e.end]
+                if e.start % raw.new_empty(0, dtype=e.dtype).element_size():
+                    raw = raw.clone()  # misaligned (safetensors aligns; a foreign writer may not): copy once
+                views[key] = raw.view(e.dtype).view(e.shape)
+            self.views = views
         return self.views
 
     def close(self, _close: Callable[[int], None] = os.close) -> None:
