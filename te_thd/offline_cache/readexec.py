@@ -353,13 +353,10 @@ class DestinationBuffers:
     that keeps its batches gets new memory. Recycling saves the page faults of fresh memory.
 
     Args:
-        shared: allocate in shared memory, never recycle (inside a DataLoader
-            worker: the batch leaves the process, and the main process's
-            references are invisible here).
-        pinned: page-locked memory for a CUDA destination; allocated through
-            torch's caching host allocator, which itself recycles a block only
-            after the copies that used it have finished (this pool cannot see
-            those copies, so it does not recycle pinned memory).
+        shared: allocate in shared memory, never recycle (inside a DataLoader worker: the
+            batch leaves the process, and the main process's references are invisible here).
+        pinned: page-locked memory for a CUDA destination, never recycled here: torch's
+            caching host allocator recycles it once the copies that used it have finished.
         max_pooled: buffers kept per key (and dtype / sample shape).
     """
 
@@ -394,13 +391,6 @@ class DestinationBuffers:
         if nbytes == 0:  # zero-size rows: nothing to share (an empty array has no strides to view)
             return torch.empty(shape, dtype=dtype)
         return torch.frombuffer(owner, dtype=dtype, count=nbytes // dtype.itemsize).view(shape)
-
-    def __getstate__(self) -> dict[str, object]:
-        # buffers belong to the process that allocated them
-        return {"shared": self.shared, "pinned": self.pinned, "max_pooled": self.max_pooled}
-
-    def __setstate__(self, state: dict[str, object]) -> None:
-        self.__init__(**state)  # type: ignore[misc, arg-type]
 
 
 @dataclass(frozen=True)

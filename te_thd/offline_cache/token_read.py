@@ -278,15 +278,11 @@ class TokenRows:
         out.specs = {k: self.specs[k] for k in keys}
         return out
 
-    def gather(self, key: str, sample: np.ndarray, pos: np.ndarray) -> torch.Tensor:
-        """Tokens ``pos`` of batch samples ``sample`` (int64 ``[M]``, each ``pos < length``) of ``key``:
-        ``[M, *per_token]``, logical dtype, in the order asked."""
-        return self.gather_many((key,), sample, pos)[key]
-
     def gather_many(self, keys: Sequence[str], sample: np.ndarray, pos: np.ndarray) -> dict[str, torch.Tensor]:
-        """:meth:`gather` of several keys at once: every read of the batch planned, then read together
-        (on the dataset's read threads), each piece verified by the thread that read it. A shard of an
-        s3:// cache whose local copy fails a check is fetched again, once."""
+        """Tokens ``pos`` of batch samples ``sample`` (int64 ``[M]``, each ``pos < length``) of each of
+        ``keys``: ``{key: [M, *per_token]}``, logical dtype, in the order asked. Every read of the batch
+        is planned, then read together (on the dataset's read threads), each piece verified by the thread
+        that read it; a shard of an s3:// cache whose local copy fails a check is fetched again, once."""
         retry = self._opener(int(self.shards[0]))[2].retry if self.shards.size else None
         if retry is None:
             return self._gather_many(keys, sample, pos)
@@ -324,12 +320,9 @@ class TokenRows:
             out[key] = dst
         return out
 
-    def padded(self, key: str) -> torch.Tensor:
-        """``key`` of every sample, zero-padded: ``[B, L, *per_token]`` (what the padded cache returns)."""
-        return self.padded_many((key,))[key]
-
     def padded_many(self, keys: Sequence[str]) -> dict[str, torch.Tensor]:
-        """:meth:`padded` of several keys, read together."""
+        """Each of ``keys`` of every sample, zero-padded: ``{key: [B, L, *per_token]}`` (what the padded
+        cache returns), read together."""
         sample, pos = whole_rows(self.lengths)
         data = self.gather_many(keys, sample, pos)
         out = {}
@@ -364,13 +357,10 @@ def check_token_blocks(path: str, header: ShardHeader, first_sample: int | None)
 class CachedBatch(Sequence[dict[str, torch.Tensor]]):
     """The result of ``CachedTensorDataset.__getitems__``: a batch already stacked.
 
-    ``tensors[key]`` is ``[B, *sample_shape]`` in the requested order, memory no
-    one else uses (the reader recycles it only once every reference to it is
-    gone; in shared memory inside a DataLoader worker, so sending it to the main
-    process costs no copy). The object is also a sequence of ``B`` per-sample dicts
-    (row views), so a collate function written for a list of samples still works;
-    ``collate_cached`` and ``CachedThdCollator`` take ``tensors`` as is instead
-    of unstacking and restacking.
+    ``tensors[key]`` is ``[B, *sample_shape]`` in the requested order, memory no one else
+    uses (recycled only once every reference to it is gone; in shared memory inside a
+    DataLoader worker). Also a sequence of ``B`` per-sample dicts (row views), so a collate
+    function written for a list of samples still works.
     """
 
     __slots__ = ("fixed", "tokens", "_len")
