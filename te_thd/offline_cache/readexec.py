@@ -259,23 +259,21 @@ class ParallelReads:
     process that started them (a forked DataLoader worker starts its own).
     """
 
-    def __init__(self, threads: int, min_bytes: int | None = None) -> None:
+    def __init__(self, threads: int) -> None:
         check_int("read_threads", threads, 1, meaning=" (1: read on the calling thread only)")
         self.threads = threads
-        self.min_bytes = min_bytes
         self._workers: list[_Worker] = []
         self._pid = os.getpid()
 
     def _shared(self, pieces: Sequence[Piece]) -> bool:
         # the module constant is looked up per batch: a bench measuring the split patches it
-        limit = PARALLEL_MIN_BYTES if self.min_bytes is None else self.min_bytes
-        return self.threads > 1 and len(pieces) > 1 and sum(p.nbytes for p in pieces) >= limit
+        return self.threads > 1 and len(pieces) > 1 and sum(p.nbytes for p in pieces) >= PARALLEL_MIN_BYTES
 
     def run(
         self, pieces: Sequence[Piece | GatherPiece], finish: Callable[[], None] | None = None
     ) -> None:
         """Read every piece, then run ``finish`` (the batch's last step) on the calling thread; shared
-        out only from ``min_bytes`` (``None``: :data:`PARALLEL_MIN_BYTES`). As :meth:`PendingReads.wait`."""
+        out only from :data:`PARALLEL_MIN_BYTES`. As :meth:`PendingReads.wait`."""
         self.start(pieces, finish, helpers=self.threads - 1).wait()
 
     def start(
@@ -298,11 +296,11 @@ class ParallelReads:
             self._workers = [_Worker(f"te_thd-read-{i}") for i in range(self.threads)]
         return self._workers
 
-    def __getstate__(self) -> dict[str, int | None]:
+    def __getstate__(self) -> dict[str, int]:
         # threads belong to the process that started them
-        return {"threads": self.threads, "min_bytes": self.min_bytes}
+        return {"threads": self.threads}
 
-    def __setstate__(self, state: dict[str, int | None]) -> None:
+    def __setstate__(self, state: dict[str, int]) -> None:
         self.__init__(**state)  # type: ignore[misc]
 
 
