@@ -29,17 +29,8 @@ import torch
 
 from te_thd.offline_cache.errors import CacheIntegrityError
 from te_thd.offline_cache.format import tensor_nbytes
-from te_thd.offline_cache.integrity import (
-    ShardSums,
-    row_views,
-    verify_row_views,
-)
-from te_thd.offline_cache.readexec import (
-    AfterRead,
-    GatherPiece,
-    Piece,
-    advise,
-)
+from te_thd.offline_cache.integrity import ShardSums, row_views, verify_row_views
+from te_thd.offline_cache.readexec import AfterRead, GatherPiece, Piece, advise
 from te_thd.offline_cache.shardfile import HeaderEntry, ShardHeader
 from te_thd.offline_cache.storage import Fetch
 from te_thd.offline_cache.token_read import TokenIndex
