@@ -140,7 +140,7 @@ def _raw_preadv(cache_dir: str, keys: tuple[str, ...], batch: int, shuffle: bool
 
     The ranges are those of our loader's epoch 0 (``CacheShardSampler`` order,
     batches of ``batch``): per batch, per key, one range per run of consecutive
-    file rows (``copyread.plan_runs``), listed before timing. The ranges of a batch
+    file rows (``readplan.plan_runs``), listed before timing. The ranges of a batch
     fill one reused batch-sized buffer per key, each at its own place. ``hashed``:
     then ``xxh3_64`` of each of its rows, seeded with the row's index in the shard
     (the reader's row checksum). ``threads`` > 1: each batch's ranges, cut into
@@ -153,8 +153,8 @@ def _raw_preadv(cache_dir: str, keys: tuple[str, ...], batch: int, shuffle: bool
     import xxhash
 
     from te_thd.offline_cache import CachedTensorDataset, CacheShardSampler
-    from te_thd.offline_cache.copyread import plan_runs
     from te_thd.offline_cache.format import shard_path
+    from te_thd.offline_cache.readplan import plan_runs
     from te_thd.offline_cache.shardheader import read_shard_header
 
     ds = CachedTensorDataset(cache_dir, "bench", FORMAT_VERSION, keys)

@@ -21,9 +21,9 @@ import numpy as np
 import torch
 import xxhash
 
-from te_thd.offline_cache.copyread import Piece
 from te_thd.offline_cache.format import TensorSpec
 from te_thd.offline_cache.integrity import byte_view, row_views
+from te_thd.offline_cache.readexec import Piece
 
 
 def per_call_us(fn: Callable[[], object], number: int = 20000) -> float:

@@ -5,7 +5,7 @@
 For each row size (256 B .. 1 MiB) a one-key cache (``x`` uint8 ``[rows, row]``,
 one ~32 MiB shard, in the page cache) is read through
 ``CachedTensorDataset.__getitems__`` with each engine forced
-(``batch_plan.COPY_ENGINE`` ``"preadv"`` or ``"mapped"``; plain ``save_file`` shards, so no row
+(``readplan.COPY_ENGINE`` ``"preadv"`` or ``"mapped"``; plain ``save_file`` shards, so no row
 checksums: the copy engines alone), batches of 8 and 32 rows, two patterns:
 ``scattered`` (random rows of the shard: one run per row) and ``contiguous``
 (consecutive rows: one run per batch). The mapped engine is timed twice: with
@@ -18,12 +18,12 @@ wins on both warm and cold mappings.
 
 Second table (``threads``): batches of 1-16 MiB (rows of 256 KiB and 1 MiB,
 scattered and contiguous), read by ``preadv`` on one thread and on two
-(``read_threads`` 1 and 2, ``copyread.PARALLEL_MIN_BYTES`` 0 so that every batch is
+(``read_threads`` 1 and 2, ``readexec.PARALLEL_MIN_BYTES`` 0 so that every batch is
 split), interleaved; printed with ``1 thread / 2 threads`` and the smallest
 batch size from which two threads win every pattern.
 
-The crossovers ``PREADV_MIN_RUN_BYTES`` in ``te_thd/offline_cache/batch_plan.py`` and
-``PARALLEL_MIN_BYTES`` in ``te_thd/offline_cache/copyread.py`` and the tables in
+The crossovers ``PREADV_MIN_RUN_BYTES`` in ``te_thd/offline_cache/readplan.py`` and
+``PARALLEL_MIN_BYTES`` in ``te_thd/offline_cache/readexec.py`` and the tables in
 docs/performance-io.md come from this script.
 """
 
@@ -66,7 +66,7 @@ def _index_batches(rng: np.random.Generator, rows: int, batch: int, pattern: str
 
 
 def measure(quick: bool) -> list[dict[str, Any]]:
-    from te_thd.offline_cache import CachedTensorDataset, batch_plan
+    from te_thd.offline_cache import CachedTensorDataset, readplan
 
     trials = 5 if quick else 9
     batches_per_trial = 20 if quick else 60
@@ -85,7 +85,7 @@ def measure(quick: bool) -> list[dict[str, Any]]:
 
                     def run(name: str, dss: dict[str, Any] = dss, idx: list[list[int]] = idx) -> None:
                         ds = dss[name]
-                        batch_plan.COPY_ENGINE = name.split("_")[0]  # the engine forced for this candidate
+                        readplan.COPY_ENGINE = name.split("_")[0]  # the engine forced for this candidate
                         for b in idx:
                             if name == "mapped_cold":
                                 ds._files.close()  # every mapping (and descriptor) made again
@@ -121,7 +121,7 @@ THREAD_BATCH_BYTES = (1 << 20, 2 << 20, 4 << 20, 8 << 20, 16 << 20)
 
 def measure_threads(quick: bool) -> list[dict[str, Any]]:
     """One vs two reading threads per batch size (see the module docstring)."""
-    from te_thd.offline_cache import CachedTensorDataset, batch_plan, copyread
+    from te_thd.offline_cache import CachedTensorDataset, readexec, readplan
 
     trials = 5 if quick else 9
     batches_per_trial = 10 if quick else 30
@@ -136,8 +136,8 @@ def measure_threads(quick: bool) -> list[dict[str, Any]]:
                 for pattern in ("scattered", "contiguous"):
                     idx = _index_batches(rng, rows, batch, pattern, batches_per_trial)
                     dss = {}
-                    batch_plan.COPY_ENGINE = "preadv"
-                    copyread.PARALLEL_MIN_BYTES = 0  # split every batch: this measures the split
+                    readplan.COPY_ENGINE = "preadv"
+                    readexec.PARALLEL_MIN_BYTES = 0  # split every batch: this measures the split
                     for threads in (1, 2):
                         dss[threads] = CachedTensorDataset(d, "crossover", 1, ("x",), read_threads=threads)
                     samples: dict[int, list[float]] = {1: [], 2: []}

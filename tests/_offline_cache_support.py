@@ -62,13 +62,13 @@ _TUNED: dict[tuple[object, str], object] = {}
 
 def read_tuning(engine: str | None = None, parallel_min_bytes: int | None = None,
                 preadv_min_run_bytes: int | None = None) -> None:  # fmt: skip
-    """Set the read path's tuning constants as a bench does: ``batch_plan.COPY_ENGINE``
-    (``"auto"`` / ``"preadv"`` / ``"mapped"``), ``copyread.PARALLEL_MIN_BYTES``,
-    ``batch_plan.PREADV_MIN_RUN_BYTES``; ``None`` leaves one as it is."""
-    from te_thd.offline_cache import batch_plan, copyread
+    """Set the read path's tuning constants as a bench does: ``readplan.COPY_ENGINE``
+    (``"auto"`` / ``"preadv"`` / ``"mapped"``), ``readexec.PARALLEL_MIN_BYTES``,
+    ``readplan.PREADV_MIN_RUN_BYTES``; ``None`` leaves one as it is."""
+    from te_thd.offline_cache import readexec, readplan
 
-    for module, name, value in ((batch_plan, "COPY_ENGINE", engine), (copyread, "PARALLEL_MIN_BYTES", parallel_min_bytes),
-                                (batch_plan, "PREADV_MIN_RUN_BYTES", preadv_min_run_bytes)):  # fmt: skip
+    for module, name, value in ((readplan, "COPY_ENGINE", engine), (readexec, "PARALLEL_MIN_BYTES", parallel_min_bytes),
+                                (readplan, "PREADV_MIN_RUN_BYTES", preadv_min_run_bytes)):  # fmt: skip
         if value is not None:
             _TUNED.setdefault((module, name), getattr(module, name))
             setattr(module, name, value)

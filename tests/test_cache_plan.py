@@ -32,9 +32,9 @@ from torch.utils.data import DataLoader
 from te_thd.offline_cache import (
     CachedTensorDataset,
     CachedThdCollator,
-    batch_plan,
     build_cached_dataloader,
     produce_cache,
+    readplan,
 )
 from te_thd.offline_cache.codecs import CODECS
 from te_thd.offline_cache.format import TensorSpec
@@ -170,7 +170,7 @@ def _check_against_caches(tmp_path, monkeypatch, argv: list[str], seq_len: int) 
     if not os.path.exists("/proc/self/io"):
         pytest.skip("needs /proc/self/io to count the bytes a read fetches")
     # every key read with preadv (a read call rchar counts), not copied from a mapping
-    monkeypatch.setattr(batch_plan, "COPY_ENGINE", "preadv")
+    monkeypatch.setattr(readplan, "COPY_ENGINE", "preadv")
     torch.set_num_threads(1)
     plan = _plan(argv)
     caches = {"padded": ["--layout", "padded"], "ragged": [], "ragged+fp8_e4m3": ["--hidden-codec", "fp8_e4m3"]}

@@ -1,4 +1,4 @@
-"""copyread: run planning (property test vs a loop), preadv reads (differential vs
+"""readplan/readexec: run planning (property test vs a loop), preadv reads (differential vs
 safetensors' own loader on real files) and destination buffers (recycled only once
 the consumer lets go)."""
 
@@ -14,21 +14,21 @@ import time
 import numpy as np
 import pytest
 import torch
-from _offline_cache_support import read_header
+from _offline_cache_support import read_header, read_tuning
 from hypothesis import given
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
-import te_thd.offline_cache.copyread as copyread
-from te_thd.offline_cache.buffers import DestinationBuffers
-from te_thd.offline_cache.copyread import (
+import te_thd.offline_cache.readexec as readexec
+import te_thd.offline_cache.readplan as readplan
+from te_thd.offline_cache.readexec import (
+    DestinationBuffers,
     ParallelReads,
     ReadError,
-    plan_pieces,
-    plan_runs,
     read_piece,
     tensor_memoryview,
 )
+from te_thd.offline_cache.readplan import plan_pieces, plan_runs
 
 # -- planning ------------------------------------------------------------------------
 
@@ -156,7 +156,7 @@ def test_read_rows_calls_after_on_each_piece_once_it_is_read(shard, local, rnd, 
 
 
 def test_read_rows_splits_runs_at_iov_max(shard, monkeypatch):
-    monkeypatch.setattr(copyread, "IOV_MAX", 3)
+    monkeypatch.setattr(readplan, "IOV_MAX", 3)
     expect = load_file(shard)["ids"]
     local = list(range(4, 30))
     dst = list(reversed(range(len(local))))  # one file run, 26 scattered iovecs
@@ -247,8 +247,8 @@ def test_buffer_options_are_checked():
 # -- pieces and their split over threads ---------------------------------------------
 
 
-def _piece(nbytes: int, tag: int = 0) -> copyread.Piece:
-    return copyread.Piece(-1, tag, [], nbytes, "p")
+def _piece(nbytes: int, tag: int = 0) -> readexec.Piece:
+    return readexec.Piece(-1, tag, [], nbytes, "p")
 
 
 def _addr(v: memoryview) -> int:
@@ -278,12 +278,12 @@ def test_plan_pieces_tile_the_planned_rows(local, rnd, row_bytes, chunk_bytes, s
     raw = tensor_memoryview(buf)
     start = _addr(raw)
     after = (lambda p, rows: None) if with_after else None
-    old = copyread.IOV_MAX
-    copyread.IOV_MAX = iov_max
+    old = readplan.IOV_MAX
+    readplan.IOV_MAX = iov_max
     try:
         pieces = plan_pieces(7, base, row_bytes, plan, raw, "f", after, chunk_bytes)
     finally:
-        copyread.IOV_MAX = old
+        readplan.IOV_MAX = old
     targets = list(range(n)) if dst is None else dst
     want = sorted(zip(targets, local, strict=True))  # (batch row, file row)
     got = []
@@ -340,10 +340,11 @@ _READS: dict[int, ParallelReads] = {}
 
 
 def _reads(threads: int) -> ParallelReads:
-    """One ParallelReads per thread count (``min_bytes=0``: the test file's small batches
-    take the threaded path), reused across examples as a dataset reuses its own."""
+    """One ParallelReads per thread count (``PARALLEL_MIN_BYTES = 0``: the test file's small
+    batches take the threaded path), reused across examples as a dataset reuses its own."""
+    read_tuning(parallel_min_bytes=0)
     if threads not in _READS:
-        _READS[threads] = ParallelReads(threads, min_bytes=0)
+        _READS[threads] = ParallelReads(threads)
     return _READS[threads]
 
 
@@ -414,13 +415,13 @@ def test_parallel_reads_equal_one_thread_and_load_file(shard, fd, local, rnd, th
             assert data == expect[key][first : first + m].contiguous().view(torch.uint8).numpy().tobytes()
 
 
-def _row_pieces(path: str, fd: int, rows: int, afters) -> tuple[torch.Tensor, list[copyread.Piece]]:
+def _row_pieces(path: str, fd: int, rows: int, afters) -> tuple[torch.Tensor, list[readexec.Piece]]:
     """``rows`` one-row pieces of ``ids``, piece ``j`` with ``afters[j]`` (None: no callback)."""
     e = read_header(path)["ids"]
     out = torch.zeros(rows, 7, dtype=torch.int64)
     raw = tensor_memoryview(out)
     return out, [
-        copyread.Piece(fd, e.start + j * 56, [raw[j * 56 : (j + 1) * 56]], 56, path, afters[j], (j, range(j, j + 1)))
+        readexec.Piece(fd, e.start + j * 56, [raw[j * 56 : (j + 1) * 56]], 56, path, afters[j], (j, range(j, j + 1)))
         for j in range(rows)
     ]
 
@@ -453,13 +454,14 @@ def test_parallel_reads_share_a_batch_between_threads(shard, fd):
     batch is right; ``start`` hands them to the helpers before ``wait`` is called."""
     names: list[str] = []
     out, pieces = _row_pieces(shard, fd, 8, [_slow(names)] * 8)
-    ParallelReads(2, min_bytes=0).run(pieces)
+    read_tuning(parallel_min_bytes=0)
+    ParallelReads(2).run(pieces)
     assert torch.equal(out, load_file(shard)["ids"][:8])
     me = threading.current_thread().name
     assert me in names and any(n.startswith("te_thd-read") for n in names), names
     names.clear()
     out, pieces = _row_pieces(shard, fd, 4, [_slow(names)] * 4)
-    pending = ParallelReads(2, min_bytes=0).start(pieces)
+    pending = ParallelReads(2).start(pieces)
     deadline = time.monotonic() + 10
     while len(names) < 4 and time.monotonic() < deadline:  # read while nobody waits
         time.sleep(0.01)
@@ -485,7 +487,8 @@ def test_parallel_reads_wait_for_every_thread_before_raising(shard, fd, how):
     caller takes piece 0 (20 ms), the helper the long piece 1, the caller then the
     failing piece 2. ``start``: the helpers hold the long piece and the failing one
     before ``wait`` is called. The reader keeps working afterwards."""
-    reads = ParallelReads(2, min_bytes=0)
+    read_tuning(parallel_min_bytes=0)
+    reads = ParallelReads(2)
     for _ in range(3):
         began, done = threading.Event(), threading.Event()
         if how == "run":
@@ -531,7 +534,8 @@ def test_parallel_reads_a_file_that_shrank_raises_read_error(shard, tmp_path):
         _, pieces = _row_pieces(short, fd, 4, [None] * 4)
         os.truncate(short, pieces[1].offset)  # after open: only row 0 of ids is left
         for how in ("run", "start"):
-            reads = ParallelReads(2, min_bytes=0)
+            read_tuning(parallel_min_bytes=0)
+            reads = ParallelReads(2)
             with pytest.raises(ReadError, match=r"short\.safetensors: file ended at byte \d+ while reading 56 bytes") as err:
                 reads.run(pieces) if how == "run" else reads.start(pieces).wait()
             assert err.value.path == short
@@ -542,12 +546,14 @@ def test_parallel_reads_a_file_that_shrank_raises_read_error(shard, tmp_path):
 def test_parallel_reads_below_min_bytes_stay_on_the_calling_thread(shard, fd):
     names: list[str] = []
     _, pieces = _row_pieces(shard, fd, 4, [_slow(names)] * 4)
-    reads = ParallelReads(2, min_bytes=4 * 56 + 1)
+    read_tuning(parallel_min_bytes=4 * 56 + 1)
+    reads = ParallelReads(2)
     reads.run(pieces)
     reads.start(pieces).wait()  # start leaves a small batch to wait()
     assert set(names) == {threading.current_thread().name} and len(names) == 8
     names.clear()
-    ParallelReads(2, min_bytes=4 * 56).run(pieces)  # at the threshold: shared out
+    read_tuning(parallel_min_bytes=4 * 56)
+    ParallelReads(2).run(pieces)  # at the threshold: shared out
     assert len(set(names)) == 2
 
 
@@ -574,7 +580,8 @@ def test_parallel_reads_in_a_child_process_start_their_own_threads(shard, fd, ho
     """Helper threads started in the parent do not exist in a forked child (a batch
     handed to them would never finish): the child starts its own. Pickled, the object
     travels without threads and starts them on first use."""
-    reads = ParallelReads(2, min_bytes=0)
+    read_tuning(parallel_min_bytes=0)
+    reads = ParallelReads(2)
     names: list[str] = []
     _, pieces = _row_pieces(shard, fd, 4, [_slow(names)] * 4)
     reads.run(pieces)
@@ -582,7 +589,7 @@ def test_parallel_reads_in_a_child_process_start_their_own_threads(shard, fd, ho
     want = load_file(shard)["ids"][:4].tolist()
     if how == "pickle":
         clone = pickle.loads(pickle.dumps(reads))
-        assert (clone.threads, clone.min_bytes) == (2, 0)
+        assert clone.threads == 2
         assert not clone._workers  # no threads travel
         q: list = []
         _read_in_child(clone, shard, type("Q", (), {"put": staticmethod(q.append)}))
@@ -610,7 +617,8 @@ def test_helper_threads_end_with_their_reader(shard, fd):
     does): a process that builds datasets over and over does not pile up threads."""
     before = _helper_threads()
     for _ in range(3):
-        reads = ParallelReads(2, min_bytes=0)
+        read_tuning(parallel_min_bytes=0)
+        reads = ParallelReads(2)
         _, pieces = _row_pieces(shard, fd, 4, [None] * 4)
         reads.run(pieces)
         del reads, pieces

@@ -353,10 +353,10 @@ def _record_verifiers(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str, l
     ``(thread name, key, shard rows, passed)`` per call."""
     import threading
 
-    import te_thd.offline_cache.batch_plan as batch_plan
+    import te_thd.offline_cache.readplan as readplan
 
     log: list[tuple[str, str, list[int], bool]] = []
-    real = batch_plan.verify_row_views
+    real = readplan.verify_row_views
 
     def verify(views, rows, expected, **kw):
         try:
@@ -366,7 +366,7 @@ def _record_verifiers(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str, l
             raise
         log.append((threading.current_thread().name, kw["key"], list(rows), True))
 
-    monkeypatch.setattr(batch_plan, "verify_row_views", verify)
+    monkeypatch.setattr(readplan, "verify_row_views", verify)
     return log
 
 

@@ -1,7 +1,7 @@
 """Read-ahead: ``CachedTensorDataset.start_read`` and the loader that starts batch ``i + 1`` before handing out ``i``.
 
 Real shard files written by the producer; the threaded path is forced on these
-small files with ``copyread.PARALLEL_MIN_BYTES = 0`` and compared with the plain
+small files with ``readexec.PARALLEL_MIN_BYTES = 0`` and compared with the plain
 single-thread read (differential), with a flipped byte, and with the loader's
 resume state.
 """
@@ -78,21 +78,21 @@ def test_start_read_hands_a_large_batch_to_helper_threads(cache):
     """With the threshold at 0 the copy runs on the pool's threads, not the caller's."""
     ds = _threaded(cache, "preadv")
     readers: set[str] = set()
-    import te_thd.offline_cache.copyread as copyread
+    import te_thd.offline_cache.readexec as readexec
 
-    original = copyread.read_piece
+    original = readexec.read_piece
 
     def spy(piece):
         readers.add(threading.current_thread().name)
         original(piece)
 
-    copyread.read_piece = spy
+    readexec.read_piece = spy
     try:
         pending = ds.start_read(list(range(0, 16)))
         time.sleep(0.3)  # the helpers read it meanwhile (result() would join in)
         pending.result()
     finally:
-        copyread.read_piece = original
+        readexec.read_piece = original
     assert readers and all(name.startswith("te_thd-read") for name in readers), readers
 
 
@@ -241,7 +241,7 @@ def test_engine_choice(cache):
     """``auto``: a key whose runs average at least ``PREADV_MIN_RUN_BYTES`` uses preadv, and
     one-run keys join it; with no such key every key is gathered; forced engines decide alone.
     Here ``hidden`` rows are 48 bytes, ``ids`` rows 40."""
-    from te_thd.offline_cache.batch_plan import choose_engines
+    from te_thd.offline_cache.readplan import choose_engines
 
     ds = CachedTensorDataset(cache, "test", 1, KEYS)
     entries = ds._shard_file(0).header.entries

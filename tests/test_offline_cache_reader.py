@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 from safetensors.torch import save_file
 from torch.utils.data import DataLoader, get_worker_info
 
-import te_thd.offline_cache.copyread as copyread
+import te_thd.offline_cache.readexec as readexec
 from te_thd.offline_cache import (
     CachedBatch,
     CachedTensorDataset,
@@ -80,7 +80,7 @@ def cache(tmp_path_factory, request):
 
 @pytest.fixture(scope="module", params=["preadv", "mapped"])
 def engine(request) -> str:
-    """A ``batch_plan.COPY_ENGINE`` that forces one copy engine for every (key, shard) part of a
+    """A ``readplan.COPY_ENGINE`` that forces one copy engine for every (key, shard) part of a
     batch (the test rows are tiny: the default choice would mostly pick the mapped
     gather)."""
     return request.param
@@ -297,14 +297,14 @@ def readers(monkeypatch):
     """Thread names that read a piece (the real ``read_piece`` runs, then waits 1 ms as a
     slow disk would, so that a helper thread wakes up before the caller has read it all)."""
     names: list[str] = []
-    real = copyread.read_piece
+    real = readexec.read_piece
 
     def read_piece(piece):
         real(piece)
         names.append(threading.current_thread().name)
         time.sleep(0.001)
 
-    monkeypatch.setattr(copyread, "read_piece", read_piece)
+    monkeypatch.setattr(readexec, "read_piece", read_piece)
     return names
 
 
@@ -328,9 +328,9 @@ def test_read_threads_default(cache):
     ds = _ds(d)
     assert ds.read_threads is None
     cpus = len(os.sched_getaffinity(0))
-    assert ds._parallel(False).threads == (2 if cpus >= 2 else 1) == copyread.default_read_threads()
+    assert ds._parallel(False).threads == (2 if cpus >= 2 else 1) == readexec.default_read_threads()
     assert ds._parallel(True).threads == 1  # inside a DataLoader worker
-    assert copyread.PARALLEL_MIN_BYTES == 4 << 20
+    assert readexec.PARALLEL_MIN_BYTES == 4 << 20
     assert _ds(d, read_threads=3)._parallel(True).threads == 3  # explicit: also in workers
 
 
@@ -524,16 +524,16 @@ def test_readahead_hints_the_read_keys_of_each_opened_shard(tmp_path, monkeypatc
     d = str(tmp_path)
     tensors = make_cache(d, 20, 8, width=8, hidden=3)
     calls = []
-    import te_thd.offline_cache.copyread as copyread
+    import te_thd.offline_cache.readexec as readexec
 
-    real = copyread._fadvise
+    real = readexec._fadvise
 
     def fadvise(fd, offset, length, advice):
         if advice == os.POSIX_FADV_WILLNEED:  # (each header is read with read-ahead off)
             calls.append((os.readlink(f"/proc/self/fd/{fd}"), offset, length, advice))
         return real(fd, offset, length, advice)
 
-    monkeypatch.setattr(copyread, "_fadvise", fadvise)
+    monkeypatch.setattr(readexec, "_fadvise", fadvise)
     keys = ("hidden", "length")
     for readahead in (True, False):
         calls.clear()

@@ -1,27 +1,18 @@
 """Follow a cache while its producer still writes it (``CachedTensorDataset(follow=True)``).
 
-What a reader needs before the manifest exists comes from the producer's **follow record**,
-``.te_thd-follow.json`` (:data:`FOLLOW_NAME`), which ``produce_cache`` writes (through
-``Storage.put``) before its first shard and deletes together with its run record once
-``manifest.json`` is committed:
+Before the manifest exists, a reader learns the cache from the producer's **follow record**,
+``.te_thd-follow.json`` (:data:`FOLLOW_NAME`), which ``produce_cache`` writes before its first
+shard and deletes once ``manifest.json`` is committed: ``run``, the run's parameters (the record
+every shard of the run carries in its header, so a shard of another run is refused), and
+``producer_command``, the command that resumes the producer, named in every hint.
 
-- ``run``: the run's parameters (``format_version``, ``num_samples``, ``shard_size``,
-  ``keys``, ``options``, the token layout and length rule), the record every shard of the run
-  carries in its header, so a shard of another run is refused;
-- ``producer_command``: the command that resumes the producer, named in every hint.
-
-A read of a shard not committed yet waits for it (:meth:`Follower.wait`): one listing of
-the cache per poll (which also tells every other shard committed so far), the polls spaced :data:`POLL_FIRST_S` doubling to
-:data:`POLL_MAX_S`, the thread asleep in between. After :attr:`Follower.timeout` seconds
-without the shard it raises :class:`FollowTimeoutError`, one line naming the shard, the
-producer's command that resumes it and that training resumes from its last checkpoint.
-Each newly seen shard is checked as any shard is (header, digest, row checksums), and also
-against the run record. Once the manifest appears the reader switches to it
-(:meth:`Follower.finished`), refusing one whose parameters differ from the record.
-
-Each process (rank, DataLoader worker) follows on its own: no collective, no shared state;
-what it reads is fixed by the record, never by when a shard arrived (the order is the
-sampler's: ``sampler.follow_blocks``).
+A read of a shard not committed yet waits for it (:meth:`Follower.wait`): one listing per poll
+(which also tells every other shard committed so far), polls spaced :data:`POLL_FIRST_S` doubling
+to :data:`POLL_MAX_S`; after :attr:`Follower.timeout` seconds, :class:`FollowTimeoutError` names
+the shard and the command that resumes the producer. Each new shard is checked as any shard is,
+and against the run record. Once the manifest appears the reader switches to it
+(:meth:`Follower.finished`), refusing one whose parameters differ from the record. Each process
+follows on its own; what it reads is fixed by the record, never by when a shard arrived.
 """
 
 from __future__ import annotations
@@ -43,13 +34,13 @@ from te_thd.offline_cache.format import (
 from te_thd.offline_cache.integrity import shard_checksum
 from te_thd.offline_cache.lengths import LENGTH_RULE_KEY
 from te_thd.offline_cache.manifest import LAYOUT_VERSION, read_manifest
-from te_thd.offline_cache.open_shards import OpenShard
 from te_thd.offline_cache.producer_state import (
     FOLLOW_NAME,
     describe_diff,
     params_of_manifest,
     record_bytes,
 )
+from te_thd.offline_cache.readplan import OpenShard
 from te_thd.offline_cache.shardheader import ShardHeader
 from te_thd.offline_cache.storage import Storage
 from te_thd.offline_cache.tokens import TOKEN_LAYOUT_KEY
@@ -123,10 +114,8 @@ def open_followed(
     Neither there yet (the producer has not started): waits up to ``follow_timeout`` seconds for one.
     Raises :class:`FollowTimeoutError`, or ``ManifestError`` for a record of another ``format_version``."""
     timeout = _check_timeout(follow_timeout)
-    try:
-        storage.must_exist(
-            MANIFEST_NAME
-        )  # a local path that is a file holds no cache, now or later
+    try:  # a local path that is a file holds no cache, now or later
+        storage.must_exist(MANIFEST_NAME)
     except ManifestNotFoundError:
         pass  # not there yet: the producer makes it
     deadline = time.monotonic() + timeout

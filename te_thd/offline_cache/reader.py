@@ -1,36 +1,16 @@
-# Over ~500 lines on purpose: one dataset class owns the per-process state every read path shares (open shards, schema, s3 refetch); planning, copying and buffers live in batch_plan.py, copyread.py and buffers.py.
 """Read an offline cache: per-item (reference behaviour) and batched reads.
 
-``CachedTensorDataset`` keeps the reference API (``__getitem__`` through a lazily
-opened ``safetensors.safe_open`` handle, ``_handle``, ``__len__``) and adds the
-batched hook torch's ``DataLoader`` calls, ``__getitems__``: the requested indices
-are grouped by shard and every key's rows are copied once, straight into the
-batch tensor. One engine does it: the batch is planned as pieces of at most
-:data:`VERIFY_CHUNK_BYTES` (``batch_plan.py``: ``preadv`` runs or gathers from the
-mapped shard, chosen per key and shard), read by ``read_threads`` threads
-(:class:`~te_thd.offline_cache.copyread.ParallelReads`; a batch under
-``copyread.PARALLEL_MIN_BYTES`` on the calling thread alone), and each piece is
-verified right after it is copied, by the thread that copied it.
+``CachedTensorDataset`` keeps the reference API (``__getitem__`` through a lazily opened
+``safetensors.safe_open`` handle, ``_handle``, ``__len__``) and adds the batched hook
+torch's ``DataLoader`` calls, ``__getitems__``: the batch is planned as pieces per shard
+and key (``readplan``), copied straight into the batch tensors by ``read_threads``
+threads and verified by the thread that copied them (``readexec``). Only the bytes a
+batch needs are read, and the source stays file-backed page cache.
 
-Only the bytes a batch needs are read and the source stays file-backed page
-cache: the anonymous memory of a reader does not grow with the size of the
-cache. Batch tensors come from :class:`~te_thd.offline_cache.buffers.DestinationBuffers`:
-fresh to the consumer, recycled once it has dropped them, in shared memory inside
-DataLoader workers and page-locked when the loader pins for CUDA.
-
-A process keeps one cache of open shards (``open_shards.OpenShards``,
-``max_open_shards``, LRU). It belongs to the process that opened it (keyed by
-``os.getpid()``, dropped on pickling), so DataLoader workers started by fork,
-spawn or forkserver open their own on first use.
-
-Both read paths check a shard when this process first opens it (and again if it
-was evicted from the LRU): ``shardheader.check_shard_header`` parses the header
-(offsets must tile the file, its own digest must match, and so must the digest the
-manifest records for it), and the keys, row count, dtypes and sample shapes must
-agree with the manifest's schema (or, for a reference manifest without one, with
-the first shard opened). Then every read verifies the rows it copied against the
-per-row checksums the shard carries
-(:func:`~te_thd.offline_cache.integrity.verify_rows`), right after the copy.
+A process keeps one cache of open shards (``readplan.OpenShards``), its own (keyed by
+``os.getpid()``, dropped on pickling), so DataLoader workers open their own. A shard is
+checked when this process opens it (``shardheader.check_shard_header``: layout, digests,
+the manifest's schema); every row a read copies is verified against its checksums.
 Failures are :class:`CacheIntegrityError` naming the shard.
 """
 
@@ -46,23 +26,6 @@ import torch
 from torch.utils.data import Dataset, get_worker_info
 
 from ..args import check_int, check_names
-from .batch_plan import (
-    Scattered,
-    batch_places,
-    choose_engines,
-    plan_shard_rows,
-    row_ranges,
-    shard_groups,
-)
-from .buffers import DestinationBuffers
-from .cached_batch import CachedBatch, PendingBatch
-from .copyread import (
-    GatherPiece,
-    ParallelReads,
-    Piece,
-    ReadError,
-    default_read_threads,
-)
 from .errors import CacheIntegrityError, UnverifiedCacheWarning, repair_hint, unreadable_shard
 from .follow import DEFAULT_FOLLOW_TIMEOUT, Follower, open_followed
 from .format import (
@@ -76,10 +39,27 @@ from .format import (
 )
 from .integrity import ShardSums, verify_rows
 from .manifest import manifest_schema, producer_command, read_manifest, shard_records
-from .open_shards import OpenShard, OpenShards
+from .readexec import (
+    DestinationBuffers,
+    GatherPiece,
+    ParallelReads,
+    Piece,
+    ReadContext,
+    ReadError,
+    default_read_threads,
+)
+from .readplan import (
+    OpenShard,
+    OpenShards,
+    Scattered,
+    batch_groups,
+    batch_places,
+    plan_shard_rows,
+    row_ranges,
+)
 from .shardheader import ShardHeader, check_shard_header, logical_entries
 from .storage import open_storage
-from .token_read import ReadContext, TokenIndex, TokenRows, token_index
+from .token_read import CachedBatch, PendingBatch, TokenIndex, TokenRows, token_index
 from .tokens import TOKEN_LAYOUT_KEY, TokenLayout
 from .verify import check_cache_files, requires_shard_sums
 
@@ -96,6 +76,7 @@ except ImportError:  # pragma: no cover - safetensors is a hard dependency (load
 
 __all__ = ["CachedBatch", "CachedTensorDataset", "PendingBatch"]
 
+
 class CachedTensorDataset(Dataset):
     """Lazily read fixed-key safetensors shards by sample index, verifying what it returns.
 
@@ -106,50 +87,34 @@ class CachedTensorDataset(Dataset):
         disk_keys: the keys to read from every shard, e.g. ``("input_ids", "loss_mask")``.
         max_open_shards: how many shards a process keeps open (LRU); bounds
             descriptors and mappings for caches with thousands of shards.
-        verify: check every row a read returns against the checksum its shard
-            carries (default). ``False`` skips the check: a flipped byte on disk
-            then reaches training silently; use it only for a cache whose every
-            byte was verified since it was last written (``te-thd cache verify``)
-            on storage you trust, when the read path is the bottleneck.
+        verify: check every row a read returns against its shard's checksums (default).
+            ``False``: a flipped byte reaches training silently; only for a cache verified
+            since it was written (``te-thd cache verify``), on storage you trust.
         producer_name: the command that rebuilds the cache, named in error messages.
-        pin_memory: read batches into page-locked memory (the batch goes to
-            CUDA; ``build_cached_dataloader`` sets it when it pins with
-            ``num_workers=0``). Ignored inside DataLoader workers, whose batches
-            are in shared memory and pinned by the DataLoader in the main process.
+        pin_memory: read batches into page-locked memory, for CUDA (``build_cached_dataloader``
+            sets it when it pins with ``num_workers=0``). Ignored inside DataLoader workers,
+            whose batches are in shared memory and pinned by the DataLoader.
         readahead: when the batched path opens a shard, ask the kernel to start
-            reading the ``disk_keys`` byte ranges of it in the background
-            (``os.posix_fadvise(fd, start, size, POSIX_FADV_WILLNEED)``): a
-            cache that is not in the page cache then streams ahead of the reads
-            (a cold epoch gains, a warm one is unchanged: docs/performance-io.md).
-            Pass False when each node reads only a small part of every shard
-            from a shared network filesystem (many nodes, few ranks each): the
-            hint reads the whole shard on every node.
+            reading its ``disk_keys`` byte ranges in the background
+            (``POSIX_FADV_WILLNEED``; docs/performance-io.md). Pass False when each
+            node reads only a small part of every shard from a shared network
+            filesystem: the hint reads the whole shard on every node.
         read_threads: threads that copy (and verify) a batch of at least
-            ``copyread.PARALLEL_MIN_BYTES``: the caller's and
-            ``read_threads - 1`` helpers, each ``preadv`` + checksum on its own
-            core (both release the GIL). ``None`` (default): 2 in the main process
-            when this process may run on 2 CPUs or more (``copyread.default_read_threads``),
-            1 inside DataLoader workers, which are the parallelism there. 1: every
-            read on the calling thread.
-        follow: open a cache whose producer may still be running (docs/follow.md):
-            without a manifest, the length, options and shard plan come from the
-            record the producer wrote before its first shard, and a read of a shard
-            not committed yet waits for it; once the manifest appears it is used.
-            Epoch 0 then visits the shards in commit order (``CacheShardSampler``).
+            ``readexec.PARALLEL_MIN_BYTES``. ``None`` (default): 2 in the main process
+            on 2+ CPUs (``readexec.default_read_threads``), 1 inside DataLoader
+            workers, which are the parallelism there. 1: the calling thread only.
+        follow: open a cache whose producer may still be running (docs/follow.md): until
+            the manifest appears, the producer's follow record stands in for it and a read
+            of a shard not committed yet waits for it.
         follow_timeout: with ``follow``, the seconds a read waits for a shard (and
             the open for the producer's record) before :class:`FollowTimeoutError`.
 
-    Engine choice per (key, shard) part of a batch: ``batch_plan.choose_engines``
-    (its crossover ``batch_plan.PREADV_MIN_RUN_BYTES``; ``batch_plan.COPY_ENGINE``
-    forces one engine).
-
     ``dataset[i]`` -> ``{key: tensor[*sample_shape]}`` (reference behaviour);
-    ``dataset.__getitems__([i, j, ...])`` -> :class:`CachedBatch` with
-    ``tensors[key]`` of shape ``[len(indices), *sample_shape]``. A row whose
-    bytes fail their checksum raises :class:`CacheIntegrityError` (file, sample,
-    key, expected and actual checksum, the repair command) and nothing of the
-    batch is returned. Shards without checksums (the reference producer's, or
-    te_thd's before layout 3) are read unverified, with one
+    ``dataset.__getitems__([i, j, ...])`` -> :class:`CachedBatch` (``tensors[key]``:
+    ``[len(indices), *sample_shape]``). A row whose bytes fail their checksum raises
+    :class:`CacheIntegrityError` (file, sample, key, both checksums, the repair command)
+    and nothing of the batch is returned. Shards without checksums (the reference
+    producer's, or te_thd's before layout 3) are read unverified, with one
     :class:`UnverifiedCacheWarning` per dataset.
     """
 
@@ -253,11 +218,7 @@ class CachedTensorDataset(Dataset):
     def __getstate__(self) -> dict[str, Any]:
         # Handles, descriptors, mappings and buffers belong to this process: a
         # spawned/forkserver worker gets the dataset pickled and opens its own.
-        state = self.__dict__.copy()
-        state["_files"] = OpenShards()
-        state["_buffers"] = {}
-        state["_reads"] = {}
-        return state
+        return {**self.__dict__, "_files": OpenShards(), "_buffers": {}, "_reads": {}}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
@@ -278,20 +239,17 @@ class CachedTensorDataset(Dataset):
     def __len__(self) -> int:
         return self.num_samples
 
-    def _checked_header(self, shard_index: int) -> tuple[str, ShardHeader]:
-        """Parse shard ``shard_index``'s header and check it against the cache (``shardheader.check_shard_header``).
-
-        Run by both read paths when this process opens the shard (not per read):
-        keys, row count, dtypes and sample shapes against the manifest schema (or,
-        without one, the first shard this process opened), and the header's own
-        checksum. Raises :class:`CacheIntegrityError` naming the file.
-        """
+    def _checked_header(self, shard_index: int) -> tuple[str, ShardHeader, TokenIndex | None]:
+        """Parse shard ``shard_index``'s header and check it against the cache (``shardheader.check_shard_header``:
+        against the manifest schema, or without one the first shard this process opened); with the ragged
+        index of a token shard."""
         path = self._storage.header(shard_name(shard_index))
         rows = shard_rows(shard_index, self.num_samples, self.shard_size)
         try:
             header = check_shard_header(
                 path, self._schema, rows, self._disk_keys, self._require_sums, self._checksums.get(shard_index)
             )
+            tokens = token_index(path, header) if header.sums is not None and header.sums.tokens is not None else None
         except CacheIntegrityError as exc:
             raise CacheIntegrityError(f"{exc}. {self._repair}", path=path) from None
         if self._schema is None:
@@ -306,14 +264,11 @@ class CachedTensorDataset(Dataset):
                 UnverifiedCacheWarning,
                 stacklevel=3,
             )
-        return path, header
+        return path, header, tokens
 
     def _handle(self, shard_index: int):
-        """The ``safe_open`` handle of shard ``shard_index``, opened lazily in this process.
-
-        Opening checks the shard first (:meth:`_checked_header`); a file safetensors
-        still refuses is a :class:`CacheIntegrityError` naming it.
-        """
+        """The ``safe_open`` handle of shard ``shard_index``, opened lazily in this process once the shard
+        is checked; a file safetensors still refuses is a :class:`CacheIntegrityError` naming it."""
         return self._safe_handle(self._shard_file(shard_index))
 
     def _safe_handle(self, f: OpenShard) -> Any:
@@ -332,13 +287,10 @@ class CachedTensorDataset(Dataset):
     def verify_copied_rows(
         self, shard_index: int, sums: ShardSums | None, key: str, data: torch.Tensor, rows: np.ndarray | list[int]
     ) -> None:
-        """Check rows ``rows`` (shard-local) of ``key`` that a read just copied into ``data``.
-
-        The verification step of every read path, callable on its own by a faster
-        copy path: ``data`` is ``[len(rows), *sample_shape]`` (contiguous CPU),
-        ``sums`` the shard's checksums (``None``: an unverified shard, nothing to
-        check). Raises :class:`CacheIntegrityError` on a mismatch.
-        """
+        """Check rows ``rows`` (shard-local) of ``key`` that a read just copied into ``data``
+        (``[len(rows), *sample_shape]``, contiguous CPU) against ``sums``, the shard's checksums
+        (``None``: an unverified shard). Callable on its own by a faster copy path; raises
+        :class:`CacheIntegrityError` on a mismatch."""
         if sums is None or not self.verify:
             return
         path = self._paths.get(shard_index)
@@ -357,16 +309,10 @@ class CachedTensorDataset(Dataset):
         if f is None:
             if self._follower is not None:
                 self._follow(shard_index)
-            path, header = self._checked_header(shard_index)
+            path, header, tokens = self._checked_header(shard_index)
             if self._follower is not None:
                 self._follower.check_shard(path, header, self._repair)
-            tokens = None
-            if header.sums is not None and header.sums.tokens is not None:
-                try:
-                    tokens = token_index(path, header)
-                except CacheIntegrityError as exc:
-                    raise CacheIntegrityError(f"{exc}. {self._repair}", path=path) from None
-            elif self._token_layout is not None:
+            if tokens is None and self._token_layout is not None:
                 raise CacheIntegrityError(
                     f"shard {path} has no token fields although the manifest records a token layout "
                     f"(it was replaced by another writer's). {self._repair}", path=path,
@@ -390,7 +336,7 @@ class CachedTensorDataset(Dataset):
         self.manifest, self._follower = manifest, None
 
     def _token_opener(self, shard_index: int) -> tuple[int, TokenIndex, ReadContext]:
-        """How :class:`~te_thd.offline_cache.token_read.TokenRows` reaches shard ``shard_index``."""
+        """How :class:`TokenRows` reaches shard ``shard_index``."""
         f = self._shard_file(shard_index)
         assert f.tokens is not None
         reads = self._parallel(get_worker_info() is not None)
@@ -446,16 +392,11 @@ class CachedTensorDataset(Dataset):
         return out
 
     def __getitems__(self, indices: Sequence[int]) -> CachedBatch:
-        """Read samples ``indices`` (in that order) into stacked tensors, verifying every row.
-
-        Indices are grouped by shard; each (key, shard) part is copied straight into
-        the batch tensor by ``preadv`` runs or gathers from the mapped shard (module docstring) and
-        checked right after, in pieces of about :data:`VERIFY_CHUNK_BYTES` so the
-        bytes are hashed while still in cache. Negative indices count from the end;
-        an index out of range raises ``IndexError``. The ragged keys of a token-layout cache
-        are read (and verified) when the batch's ``tensors`` are first used, or only the
-        tokens a ``CachedThdCollator`` places (``CachedBatch.tokens``).
-        """
+        """Read samples ``indices`` (in that order) into stacked tensors, verifying every row, in pieces of
+        about :data:`VERIFY_CHUNK_BYTES` (hashed while still in cache). Negative indices count from the end;
+        out of range: ``IndexError``. The ragged keys of a token-layout cache are read (and verified) when
+        the batch's ``tensors`` are first used, or only the tokens a ``CachedThdCollator`` places
+        (``CachedBatch.tokens``)."""
         return self._refetching(self._read_batch, indices)
 
     def _read_batch(self, indices: Sequence[int]) -> CachedBatch:
@@ -500,10 +441,9 @@ class CachedTensorDataset(Dataset):
     def start_read(self, indices: Sequence[int]) -> PendingBatch:
         """Start reading ``indices`` and return at once: ``.result()`` is ``__getitems__(indices)``.
 
-        A batch of at least ``copyread.PARALLEL_MIN_BYTES`` is handed to the ``read_threads``
-        helper threads, so the caller can plan the next batch or run a training
-        step meanwhile (read-ahead); a smaller one is read by ``result()``. Bad indices raise here. ``result()`` (or dropping the
-        pending batch) waits until no thread writes into the batch any more.
+        A batch of at least ``readexec.PARALLEL_MIN_BYTES`` is read by the ``read_threads`` helpers
+        meanwhile (read-ahead); a smaller one by ``result()``. Bad indices raise here. ``result()`` (or
+        dropping the pending batch) waits until no thread writes into the batch any more.
         """
         batch, reads, pieces, finish = self._plan_batch(indices)
         return PendingBatch(batch, reads.start(pieces, finish), self._unreadable)
@@ -521,19 +461,7 @@ class CachedTensorDataset(Dataset):
         reads = self._parallel(in_worker)
         if n == 0:
             return CachedBatch({}, 0), reads, [], None
-        ss, total = self.shard_size, self.num_samples
-        lo, hi = min(indices), max(indices)
-        if lo >= 0 and hi < total and lo // ss == hi // ss:
-            # The common case (shard-block order, sequential reads): one shard.
-            shard = lo // ss
-            groups = [(shard, np.asarray(indices, dtype=np.int64) - shard * ss, None)]
-        else:
-            idx = np.asarray(indices, dtype=np.int64)
-            idx = np.where(idx < 0, idx + total, idx)
-            bad = idx[(idx < 0) | (idx >= total)]
-            if bad.size:
-                raise IndexError(f"index {int(bad[0])} out of range for a cache of {total} samples")
-            groups = shard_groups(idx, ss)
+        groups = batch_groups(indices, self.shard_size, self.num_samples)
         buffers = self._destination(in_worker)
         entries = self._shard_file(groups[0][0]).header.entries
         out: dict[str, torch.Tensor] = {}
@@ -544,7 +472,12 @@ class CachedTensorDataset(Dataset):
         pieces: list[Piece | GatherPiece] = []
         scattered: list[Scattered] = []
         for shard, local, pos in groups:
-            self._plan_rows(shard, local, pos, out, raw, chunk, pieces, scattered)
+            f = self._shard_file(shard)
+            if f.fetch is not None:
+                f.fetch(row_ranges(f.header.entries, self._row_keys, local))
+            fd = self._descriptor(f)  # opened by the first batched read of the shard, either engine: the readahead hint
+            plan_shard_rows(f, fd, self._row_keys, local, pos, out, raw, chunk, f.header.sums if self.verify else None,
+                            shard * self.shard_size, self._repair, pieces, scattered)  # fmt: skip
 
         def finish() -> None:
             for dst, pos, rows in scattered:  # gathered rows of shards whose batch rows interleave
@@ -564,23 +497,3 @@ class CachedTensorDataset(Dataset):
             threads = self.read_threads or (1 if in_worker else default_read_threads())
             reads = self._reads[in_worker] = ParallelReads(threads)
         return reads
-
-    def _plan_rows(
-        self, shard: int, local: np.ndarray, pos: np.ndarray | None, out: dict[str, torch.Tensor],
-        raw: dict[str, memoryview], chunk: int, pieces: list[Piece | GatherPiece], scattered: list[Scattered],
-    ) -> None:  # fmt: skip
-        """Plan copying rows ``local`` of shard ``shard`` into batch rows ``pos`` (``batch_plan.plan_shard_rows``)."""
-        f = self._shard_file(shard)
-        if f.fetch is not None:
-            f.fetch(row_ranges(f.header.entries, self._row_keys, local))
-        fd = self._descriptor(f)  # opened by the first batched read of the shard, either engine: the readahead hint
-        if f.tokens is None:
-            engines, plan = choose_engines(self._row_keys, local, pos, f.header.entries)
-        else:
-            # a token shard's per-sample keys are small: preadv them. A mapping's page faults would
-            # read around them and leave read-ahead marks that make the kernel prefetch the ragged
-            # tensors behind them too, which a CP rank reads only a share of
-            engines, plan = dict.fromkeys(self._row_keys, True), None
-        sums = f.header.sums if self.verify else None
-        plan_shard_rows(f, fd, self._row_keys, local, pos, out, raw, chunk, sums, shard * self.shard_size,
-                        self._repair, engines, plan, pieces, scattered)  # fmt: skip

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 
 import torch
 
-from te_thd.offline_cache.copyread import advise
 from te_thd.offline_cache.errors import CacheIntegrityError
 from te_thd.offline_cache.format import ST_TO_DTYPE, TensorSpec, dtype_name, tensor_nbytes
 from te_thd.offline_cache.integrity import (
@@ -26,6 +25,7 @@ from te_thd.offline_cache.integrity import (
     parse_shard_metadata,
     shard_checksum,
 )
+from te_thd.offline_cache.readexec import advise
 from te_thd.offline_cache.tokens import logical_specs
 
 _HEADER_LIMIT = 100 * 1024 * 1024  # safetensors' own cap on header size

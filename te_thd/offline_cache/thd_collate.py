@@ -32,9 +32,9 @@ from te_thd.layout import LAYOUT_KEY, ThdLayout
 from te_thd.packing import PackingCollator, pad_to_multiple_for
 from te_thd.thd_utils import process_input_for_thd
 
-from .buffers import new_tensor
 from .lengths import collator_rule
 from .reader import CachedBatch
+from .readexec import new_tensor
 from .sampler import PlannedSamples
 from .token_read import TokenRows
 

@@ -1,42 +1,39 @@
-"""Read ragged token keys: exactly the checksum blocks that hold the tokens asked for, verified.
+"""What a batched read returns (:class:`CachedBatch`, :class:`PendingBatch`), and its ragged keys.
 
-Layout and block math: :mod:`~te_thd.offline_cache.tokens`. A shard's
-:class:`TokenIndex` is parsed from its checked header when the reader opens it;
-its block sums (one small tensor) are read and checked against the digest in
-the header on first use. :func:`plan_stored` plans fetching tokens ``pos`` of
-rows ``rows`` of one stored tensor: one ``preadv`` piece per run of adjacent
-blocks, each block hashed right after it is read, by the thread that read it
-(the dataset's read threads, as for the rows of per-sample keys); then the
-wanted tokens are picked out and decoded to the logical dtype
-(:mod:`~te_thd.offline_cache.codecs`). :class:`TokenRows` is a
-batch's handle on its samples' ragged keys: whole samples, zero-padded to
-``[B, L, ...]`` as the padded cache returns them (:meth:`TokenRows.padded`), or
-any tokens of them (:meth:`TokenRows.gather`: one CP rank's share).
+Ragged token keys are read as exactly the checksum blocks that hold the tokens asked for
+(layout and block math: :mod:`~te_thd.offline_cache.tokens`). A shard's :class:`TokenIndex`
+is parsed from its checked header when the reader opens it; its block sums are read and
+checked against the header's digest on first use. :func:`plan_stored` plans one ``preadv``
+piece per run of adjacent blocks, each block hashed right after it is read by the thread
+that read it; the wanted tokens are then picked out and decoded to the logical dtype
+(:mod:`~te_thd.offline_cache.codecs`). :class:`TokenRows` is a batch's handle on its
+samples' ragged keys: whole samples zero-padded to ``[B, L, ...]`` as the padded cache
+returns them, or any tokens of them (one CP rank's share).
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 import torch
 import xxhash
 
 from te_thd.offline_cache.codecs import decode as decode_codec
-from te_thd.offline_cache.copyread import (
-    ParallelReads,
-    Piece,
-    ReadError,
-    advise,
-    read_piece,
-    tensor_memoryview,
-)
-from te_thd.offline_cache.errors import CacheIntegrityError, unreadable_shard
+from te_thd.offline_cache.errors import CacheIntegrityError
 from te_thd.offline_cache.format import TensorSpec
 from te_thd.offline_cache.integrity import HASH_NAME, name_row
+from te_thd.offline_cache.readexec import (
+    PendingReads,
+    Piece,
+    ReadContext,
+    ReadError,
+    run_pieces,
+    tensor_memoryview,
+)
 from te_thd.offline_cache.shardheader import ShardHeader
 from te_thd.offline_cache.tokens import (
     BLOCK_SUMS,
@@ -138,27 +135,7 @@ def load_block_sums(index: TokenIndex, fd: int, repair: str) -> dict[str, np.nda
     return index.sums
 
 
-@dataclass(frozen=True)
-class ReadContext:
-    """What a read needs besides the shard: ``verify``, the shard's first sample (for messages), the
-    repair sentence, the threads that read (``reads``: the dataset's; None: this thread) and what keeps
-    the descriptor open while pieces wait (``owner``)."""
-
-    verify: bool
-    #: the global index of the shard's row 0 (None: not known; messages name the row of the shard)
-    first_sample: int | None
-    #: the repair sentence; empty for a check that returns no batch (``verify --deep``)
-    repair: str
-    reads: ParallelReads | None = None
-    owner: object = None
-    #: makes byte ranges ``[(offset, n)]`` of the shard file present first (an s3:// cache's local copy)
-    ensure: Callable[[Sequence[tuple[int, int]]], None] | None = None
-    #: ``retry(read, arg)``: ``read(arg)``, read once more after a failed check when the shard can be
-    #: fetched again (the dataset's rule for an s3:// cache's local copy)
-    retry: Callable[[Callable[[Any], Any], Any], Any] | None = None
-
-
-class _Part:
+class TokenPart:
     """One stored tensor's tokens of one shard, planned: the read buffer and each wanted token's place in it."""
 
     __slots__ = ("buf", "where")
@@ -175,7 +152,7 @@ class _Part:
 def plan_stored(
     fd: int, index: TokenIndex, name: str, rows: np.ndarray, pos: np.ndarray, ctx: ReadContext, pieces: list[Piece],
     plans: dict[tuple[int, int], TokenReadPlan] | None = None,
-) -> _Part:
+) -> TokenPart:
     """Plan reading tokens ``pos`` of rows ``rows`` of stored tensor ``name``: appends one ``preadv`` piece per
     run of blocks to ``pieces`` (each verifies its blocks right after it is read); the part's ``result()``
     is then ``[M, *shape]`` of the stored dtype. ``plans``: the plans of this request made so far, by
@@ -204,7 +181,7 @@ def plan_stored(
         pieces.append(Piece(fd, index.start[name] + a * tb, [view], view.nbytes, index.path, after,
                             (g0, range(g0, g1)), ctx.owner))  # fmt: skip
         cur += b - a
-    return _Part(buf, plan.where)
+    return TokenPart(buf, plan.where)
 
 
 def _block_check(
@@ -233,27 +210,6 @@ def _block_check(
                 )  # fmt: skip
 
     return after
-
-
-def run_pieces(pieces: list[Piece], ctx: ReadContext) -> None:
-    """Read the planned pieces (on ``ctx.reads``, the dataset's read threads, when given), verifying each.
-
-    First every piece's range is handed to the kernel (``POSIX_FADV_WILLNEED``: it starts reading
-    exactly those pages, all at once), so scattered reads -- a CP rank's chunks of each document --
-    are one deep queue of storage requests instead of one synchronous request per read. A failed
-    read (the file shrank after it was opened) is the reader's one "cannot be read" error.
-    """
-    if len(pieces) > 1:
-        for piece in pieces:
-            advise(piece.fd, "willneed", piece.offset, piece.nbytes)
-    try:
-        if ctx.reads is None:
-            for piece in pieces:
-                read_piece(piece)
-        else:
-            ctx.reads.run(pieces)
-    except ReadError as exc:
-        raise unreadable_shard(exc.path, exc, ctx.repair) from exc
 
 
 def read_stored(fd: int, index: TokenIndex, name: str, rows: np.ndarray, pos: np.ndarray, ctx: ReadContext) -> torch.Tensor:
@@ -322,15 +278,11 @@ class TokenRows:
         out.specs = {k: self.specs[k] for k in keys}
         return out
 
-    def gather(self, key: str, sample: np.ndarray, pos: np.ndarray) -> torch.Tensor:
-        """Tokens ``pos`` of batch samples ``sample`` (int64 ``[M]``, each ``pos < length``) of ``key``:
-        ``[M, *per_token]``, logical dtype, in the order asked."""
-        return self.gather_many((key,), sample, pos)[key]
-
     def gather_many(self, keys: Sequence[str], sample: np.ndarray, pos: np.ndarray) -> dict[str, torch.Tensor]:
-        """:meth:`gather` of several keys at once: every read of the batch planned, then read together
-        (on the dataset's read threads), each piece verified by the thread that read it. A shard of an
-        s3:// cache whose local copy fails a check is fetched again, once."""
+        """Tokens ``pos`` of batch samples ``sample`` (int64 ``[M]``, each ``pos < length``) of each of
+        ``keys``: ``{key: [M, *per_token]}``, logical dtype, in the order asked. Every read of the batch
+        is planned, then read together (on the dataset's read threads), each piece verified by the thread
+        that read it; a shard of an s3:// cache whose local copy fails a check is fetched again, once."""
         retry = self._opener(int(self.shards[0]))[2].retry if self.shards.size else None
         if retry is None:
             return self._gather_many(keys, sample, pos)
@@ -344,7 +296,7 @@ class TokenRows:
         shard_of = self.shards[sample]
         shards = np.unique(shard_of).tolist()
         pieces: list[Piece] = []
-        planned: list[tuple[np.ndarray | None, TokenIndex, dict[str, _Part]]] = []
+        planned: list[tuple[np.ndarray | None, TokenIndex, dict[str, TokenPart]]] = []
         ctx = None
         for shard in shards:
             at = None if len(shards) == 1 else np.flatnonzero(shard_of == shard)
@@ -368,12 +320,9 @@ class TokenRows:
             out[key] = dst
         return out
 
-    def padded(self, key: str) -> torch.Tensor:
-        """``key`` of every sample, zero-padded: ``[B, L, *per_token]`` (what the padded cache returns)."""
-        return self.padded_many((key,))[key]
-
     def padded_many(self, keys: Sequence[str]) -> dict[str, torch.Tensor]:
-        """:meth:`padded` of several keys, read together."""
+        """Each of ``keys`` of every sample, zero-padded: ``{key: [B, L, *per_token]}`` (what the padded
+        cache returns), read together."""
         sample, pos = whole_rows(self.lengths)
         data = self.gather_many(keys, sample, pos)
         out = {}
@@ -403,3 +352,85 @@ def check_token_blocks(path: str, header: ShardHeader, first_sample: int | None)
                 read_stored(fd, index, name, sample[a : a + step], pos[a : a + step], ctx)
     finally:
         os.close(fd)
+
+
+class CachedBatch(Sequence[dict[str, torch.Tensor]]):
+    """The result of ``CachedTensorDataset.__getitems__``: a batch already stacked.
+
+    ``tensors[key]`` is ``[B, *sample_shape]`` in the requested order, memory no one else
+    uses (recycled only once every reference to it is gone; in shared memory inside a
+    DataLoader worker). Also a sequence of ``B`` per-sample dicts (row views), so a collate
+    function written for a list of samples still works.
+    """
+
+    __slots__ = ("fixed", "tokens", "_len")
+
+    def __init__(self, tensors: dict[str, torch.Tensor], length: int, tokens: TokenRows | None = None) -> None:
+        self.fixed = tensors
+        self.tokens = tokens
+        self._len = length
+
+    @property
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Every key, stacked: ragged keys of a token-layout cache are read here, on first access,
+        zero-padded to ``[B, L, ...]`` (``fixed`` holds the others; ``tokens`` reads any tokens
+        of the ragged ones without padding them first, e.g. one CP rank's share)."""
+        if self.tokens is not None:
+            tokens, self.tokens = self.tokens, None
+            self.fixed = {**self.fixed, **tokens.padded_many(tokens.keys)}
+        return self.fixed
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # another process cannot read through this one's open shards: send the tensors
+        return (CachedBatch, (self.tensors, self._len))
+
+    def __len__(self) -> int:
+        return self._len
+
+    @overload
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[dict[str, torch.Tensor]]: ...
+    def __getitem__(self, i: int | slice) -> Any:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(self._len))]
+        if i < 0:
+            i += self._len
+        if not 0 <= i < self._len:
+            raise IndexError(i)
+        return {k: v[i] for k, v in self.tensors.items()}
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        return (self[i] for i in range(self._len))
+
+
+class PendingBatch:
+    """A batch being read (``CachedTensorDataset.start_read``); ``result()`` waits for it."""
+
+    def __init__(
+        self, batch: CachedBatch, reads: PendingReads, unreadable: Callable[[str, BaseException], Exception]
+    ) -> None:
+        self._unreadable = unreadable  # the exception to raise for a file that could not be read
+        self._batch = batch
+        self._reads: PendingReads | None = reads
+
+    def result(self) -> CachedBatch:
+        """The batch, once every row is read and verified (``CacheIntegrityError`` otherwise)."""
+        if self._reads is not None:
+            reads, self._reads = self._reads, None
+            try:
+                reads.wait()
+            except ReadError as exc:
+                raise self._unreadable(exc.path, exc) from exc
+        return self._batch
+
+    def __del__(self) -> None:
+        # Dropped unread: its buffers look free to the pool (nothing references the
+        # tensors), so the helpers must be done writing into them before they can be
+        # handed out again.
+        reads, self._reads = getattr(self, "_reads", None), None
+        if reads is not None:
+            try:
+                reads.wait()
+            except Exception:  # noqa: BLE001 - nobody asked for this batch
+                pass
