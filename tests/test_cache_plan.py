@@ -36,7 +36,6 @@ from te_thd.offline_cache import (
     produce_cache,
     readplan,
 )
-from te_thd.offline_cache.codecs import CODECS
 from te_thd.offline_cache.format import TensorSpec
 from te_thd.offline_cache.plan import (
     CacheSpec,
@@ -47,6 +46,7 @@ from te_thd.offline_cache.plan import (
     plan_cache,
     read_lengths,
 )
+from te_thd.offline_cache.ragged import CODECS
 
 SAMPLE = EXAMPLES / "data" / "sample_chat.jsonl"
 PROPERTY = settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -30,7 +30,7 @@ from te_thd.offline_cache import (
     produce_cache,
     verify_cache,
 )
-from te_thd.offline_cache.codecs import (
+from te_thd.offline_cache.ragged import (
     decode_index,
     encode_index,
     index_bits,

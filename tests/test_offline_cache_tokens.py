@@ -33,8 +33,13 @@ from te_thd.offline_cache import (
     verify_cache,
 )
 from te_thd.offline_cache.cli import format_info
-from te_thd.offline_cache.codecs import decode_fp8, encode_fp8
-from te_thd.offline_cache.tokens import block_table, plan_token_reads, row_offsets
+from te_thd.offline_cache.ragged import (
+    block_table,
+    decode_fp8,
+    encode_fp8,
+    plan_token_reads,
+    row_offsets,
+)
 from te_thd.offline_cache.verify import cache_info
 
 L, H = 24, 16

@@ -2,16 +2,20 @@
 
 Every name of the reference module (NeMo AutoModel's
 ``components/datasets/llm/offline_cache``) is here with the same signature, so
-only the import changes. Modules: ``format`` (paths, dtypes, schema, shard
-layout), ``manifest`` (``manifest.json``), ``integrity`` (per-row checksums in
-each shard), ``durable`` (atomic writes, producer lock), ``shardfile`` (the one
-shard serialiser of both layouts), ``shardheader`` (a shard's header read back and
-checked), ``writer`` (shards, validated and durable, behind the one background
-writer thread), ``loops`` (the reference producer loops), ``producer`` /
-``producer_state`` (``produce_cache``: resume, lock, distributed, manifest), ``verify`` / ``repair`` (integrity checks and repair),
-``reader`` / ``sampler`` / ``loader`` (reading side), ``follow`` (reading while the producer runs), ``storage`` / ``s3`` / ``msc`` (where a
-cache lives: a local directory, ``s3://bucket/prefix`` or ``msc://profile/path``), ``cli``
-(``te-thd cache ...``).
+only the import changes. Modules, by layer:
+
+- format: ``format`` (paths, dtypes, schema), ``errors``, ``integrity`` (checksums),
+  ``ragged`` (the token layout and its codecs), ``shardfile`` (the one shard serialiser of
+  both layouts), ``shardheader`` (a shard's header read back and checked), ``manifest``,
+  ``lengths``;
+- storage: ``storage`` (the interface, the local directory, the scheme table), ``durable``
+  (atomic writes, the flock producer lock), ``s3``, ``msc``;
+- write: ``writer`` (shards, validated once, behind one write-behind thread), ``loops`` (the
+  reference producer loops), ``producer`` / ``producer_state`` (``produce_cache``);
+- read: ``reader``, ``readplan``, ``readexec``, ``token_read``, ``follow`` (reading while the
+  producer runs), ``loader``;
+- sampling: ``sampler`` (with the balanced plan), ``thd_collate``;
+- tools: ``verify``, ``repair``, ``plan`` (``te-thd cache plan``), ``cli`` (``te-thd cache ...``).
 
 ``__all__`` lists the public API. The reference's private helpers
 (``_ShardAccumulator``, ``_sequential_subset_loader``) and the file-layout plumbing the

@@ -40,10 +40,10 @@ from te_thd.offline_cache.producer_state import (
     params_of_manifest,
     record_bytes,
 )
+from te_thd.offline_cache.ragged import TOKEN_LAYOUT_KEY
 from te_thd.offline_cache.readplan import OpenShard
 from te_thd.offline_cache.shardheader import ShardHeader
 from te_thd.offline_cache.storage import Storage
-from te_thd.offline_cache.tokens import TOKEN_LAYOUT_KEY
 
 __all__ = [
     "FOLLOW_NAME",

@@ -79,15 +79,15 @@ from te_thd.offline_cache.format import (
 )
 from te_thd.offline_cache.integrity import SHARD_LAYOUT
 from te_thd.offline_cache.lengths import LENGTH_RULE_KEY, LengthRule, check_lengths_record
-from te_thd.offline_cache.shardheader import read_shard_header, schema_of_header
-from te_thd.offline_cache.storage import open_storage
-from te_thd.offline_cache.tokens import (
+from te_thd.offline_cache.ragged import (
     TOKEN_LAYOUT_KEY,
     TokenLayout,
     check_format_version_arg,
     parse_format_version,
     stored_format_version,
 )
+from te_thd.offline_cache.shardheader import read_shard_header, schema_of_header
+from te_thd.offline_cache.storage import open_storage
 
 #: Version of the te_thd integrity fields a producer writes (see the module docstring).
 LAYOUT_VERSION = SHARD_LAYOUT

@@ -4,11 +4,11 @@
 ``[L, ...]`` per sample, as ``compute_batch`` returns them) and lays the cache out with the
 writers' own rules -- not a formula of its own, so the plan cannot drift from what they
 write -- for every way it can be stored: ``padded``, ``ragged``, and ``ragged+<codec>`` for
-each codec of :data:`~te_thd.offline_cache.codecs.CODECS` on every token key it can store
-(what a codec stores per token comes from :meth:`~te_thd.offline_cache.tokens.TokenLayout.stored`,
+each codec of :data:`~te_thd.offline_cache.ragged.CODECS` on every token key it can store
+(what a codec stores per token comes from :meth:`~te_thd.offline_cache.ragged.TokenLayout.stored`,
 so a new codec is planned with no change here). A CP rank's bytes are what the reader fetches
 for ``CachedThdCollator(cp_size=C, cp_rank=r)`` over one sequential epoch, planned by the
-reader's own :func:`~te_thd.offline_cache.tokens.plan_token_reads`. What is counted and
+reader's own :func:`~te_thd.offline_cache.ragged.plan_token_reads`. What is counted and
 what is not: docs/cache-plan.md.
 """
 
@@ -23,7 +23,6 @@ import torch
 
 from te_thd.args import check_int
 from te_thd.cp import partition_indices
-from te_thd.offline_cache.codecs import CODECS, check_codec_dtype, full_name
 from te_thd.offline_cache.format import (
     TensorSpec,
     dtype_from_name,
@@ -34,15 +33,18 @@ from te_thd.offline_cache.format import (
 )
 from te_thd.offline_cache.lengths import LengthRule, for_tensor_spec, producer_rule
 from te_thd.offline_cache.producer_state import run_params, run_record
-from te_thd.offline_cache.shardfile import shard_header_len
-from te_thd.offline_cache.tokens import (
+from te_thd.offline_cache.ragged import (
+    CODECS,
     PAGE_BYTES,
     TokenLayout,
     block_table,
+    check_codec_dtype,
     check_token_keys,
+    full_name,
     plan_token_reads,
     row_offsets,
 )
+from te_thd.offline_cache.shardfile import shard_header_len
 from te_thd.packing import document_spans, pad_to_multiple_for
 
 #: positions planned per call of the CP share planner: bounds its memory on long documents

@@ -73,9 +73,9 @@ from te_thd.offline_cache.producer_state import (
     run_record,
     verify_existing,
 )
+from te_thd.offline_cache.ragged import TokenLayout, check_token_keys
 from te_thd.offline_cache.shardfile import ShardRecord
 from te_thd.offline_cache.storage import Lock, Storage, open_storage
-from te_thd.offline_cache.tokens import TokenLayout, check_token_keys
 from te_thd.offline_cache.writer import DurableShardWriter
 
 _log = logging.getLogger("te_thd.offline_cache")
@@ -250,12 +250,12 @@ def produce_cache(
             length. Default ``input_ids`` when stored, else no lengths are recorded.
         token_keys: stored keys shaped ``[n, L, ...]`` to store ragged: only each
             sample's first ``length`` tokens (``length`` by ``length_key``), back to
-            back (``te_thd.offline_cache.tokens``). Every reader returns them as the
+            back (``te_thd.offline_cache.ragged``). Every reader returns them as the
             padded cache would: ``[L, ...]`` per sample, zeros past the length.
             Needs the lengths (``length_key``, or a stored ``input_ids``).
         codecs: ``{token key: "fp8_e4m3"}``: store that float key as float8 e4m3
             with one float32 scale per token; read back as its logical dtype
-            (``te_thd.offline_cache.codecs``). What it lost is recorded per shard.
+            (``te_thd.offline_cache.ragged``). What it lost is recorded per shard.
             ``{token key: "topk_index:<V>"}``: store that int32/int64 key of indices
             in ``[0, V)`` losslessly in 16, 17 or 32 bits each, as ``V`` needs.
 

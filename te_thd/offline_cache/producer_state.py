@@ -40,10 +40,10 @@ from te_thd.offline_cache.lengths import (
     read_shard_lengths,
 )
 from te_thd.offline_cache.manifest import LAYOUT_VERSION, RESERVED_MANIFEST_KEYS, read_manifest
+from te_thd.offline_cache.ragged import TOKEN_LAYOUT_KEY, TokenLayout, shard_fidelity
 from te_thd.offline_cache.shardfile import ShardRecord
 from te_thd.offline_cache.shardheader import read_shard_header, schema_of_header
 from te_thd.offline_cache.storage import open_storage
-from te_thd.offline_cache.tokens import TOKEN_LAYOUT_KEY, TokenLayout, shard_fidelity
 from te_thd.offline_cache.verify import (
     check_cache_files,
     shard_size_errors,

@@ -39,6 +39,7 @@ from .format import (
 )
 from .integrity import ShardSums, verify_rows
 from .manifest import manifest_schema, producer_command, read_manifest, shard_records
+from .ragged import TOKEN_LAYOUT_KEY, TokenLayout
 from .readexec import (
     DestinationBuffers,
     GatherPiece,
@@ -60,7 +61,6 @@ from .readplan import (
 from .shardheader import ShardHeader, check_shard_header, logical_entries
 from .storage import open_storage
 from .token_read import CachedBatch, PendingBatch, TokenIndex, TokenRows, token_index
-from .tokens import TOKEN_LAYOUT_KEY, TokenLayout
 from .verify import check_cache_files, requires_shard_sums
 
 #: Rows are copied and hashed in chunks of about this many bytes per key, so the

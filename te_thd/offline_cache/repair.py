@@ -50,10 +50,10 @@ from te_thd.offline_cache.producer_state import (
     reopen_for_resume,
     run_params,
 )
+from te_thd.offline_cache.ragged import TokenLayout
 from te_thd.offline_cache.shardfile import ShardRecord
 from te_thd.offline_cache.shardheader import ShardHeader, read_shard_header, schema_of_header
 from te_thd.offline_cache.storage import Storage, open_storage
-from te_thd.offline_cache.tokens import TokenLayout
 from te_thd.offline_cache.verify import shard_problem, verify_shards
 
 #: What a caller passes back when the shards cannot tell it: repair_cache's keyword -> its CLI flag.

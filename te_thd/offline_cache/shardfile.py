@@ -10,7 +10,7 @@ keeps wider types aligned) and then by name. The tests assert byte equality with
 before its first row, so is its header's length (fixed-width checksums): each piece of rows
 goes straight from its own memory to its final offset (``pwrite``), is hashed while still in
 cache, and the header is written at offset 0 last. A token-layout shard
-(:mod:`~te_thd.offline_cache.tokens`) holds the per-sample keys as rows, then the ragged
+(:mod:`~te_thd.offline_cache.ragged`) holds the per-sample keys as rows, then the ragged
 tensors ``[T, ...]`` (the most bytes per token first), then the uint64 block sums. Its token
 count is known only after its last row, so its header reserves room for ``rows * L`` tokens,
 padded with spaces (valid JSON); the first ragged tensor goes to its final offset, the others
@@ -34,7 +34,6 @@ import torch
 import xxhash
 
 from te_thd.args import check_int
-from te_thd.offline_cache.codecs import encode, is_lossy, out_of_range, range_problem
 from te_thd.offline_cache.durable import copy_range, temp_path_for, unlink_quietly
 from te_thd.offline_cache.format import DTYPE_RANK, DTYPE_TO_ST, TensorSpec, tensor_nbytes
 from te_thd.offline_cache.integrity import (
@@ -45,13 +44,17 @@ from te_thd.offline_cache.integrity import (
     shard_metadata,
 )
 from te_thd.offline_cache.lengths import LengthRule
-from te_thd.offline_cache.tokens import (
+from te_thd.offline_cache.ragged import (
     BLOCK_SUMS,
     StoredTensor,
     TokenLayout,
     block_table,
     check_token_schema,
+    encode,
     encode_offsets,
+    is_lossy,
+    out_of_range,
+    range_problem,
     row_offsets,
 )
 

@@ -25,8 +25,8 @@ from te_thd.offline_cache.integrity import (
     parse_shard_metadata,
     shard_checksum,
 )
+from te_thd.offline_cache.ragged import logical_specs
 from te_thd.offline_cache.readexec import advise
-from te_thd.offline_cache.tokens import logical_specs
 
 _HEADER_LIMIT = 100 * 1024 * 1024  # safetensors' own cap on header size
 

@@ -1,12 +1,12 @@
 """What a batched read returns (:class:`CachedBatch`, :class:`PendingBatch`), and its ragged keys.
 
 Ragged token keys are read as exactly the checksum blocks that hold the tokens asked for
-(layout and block math: :mod:`~te_thd.offline_cache.tokens`). A shard's :class:`TokenIndex`
+(layout and block math: :mod:`~te_thd.offline_cache.ragged`). A shard's :class:`TokenIndex`
 is parsed from its checked header when the reader opens it; its block sums are read and
 checked against the header's digest on first use. :func:`plan_stored` plans one ``preadv``
 piece per run of adjacent blocks, each block hashed right after it is read by the thread
 that read it; the wanted tokens are then picked out and decoded to the logical dtype
-(:mod:`~te_thd.offline_cache.codecs`). :class:`TokenRows` is a batch's handle on its
+(:mod:`~te_thd.offline_cache.ragged`). :class:`TokenRows` is a batch's handle on its
 samples' ragged keys: whole samples zero-padded to ``[B, L, ...]`` as the padded cache
 returns them, or any tokens of them (one CP rank's share).
 """
@@ -22,20 +22,10 @@ import numpy as np
 import torch
 import xxhash
 
-from te_thd.offline_cache.codecs import decode as decode_codec
 from te_thd.offline_cache.errors import CacheIntegrityError
 from te_thd.offline_cache.format import TensorSpec
 from te_thd.offline_cache.integrity import HASH_NAME, name_row
-from te_thd.offline_cache.readexec import (
-    PendingReads,
-    Piece,
-    ReadContext,
-    ReadError,
-    run_pieces,
-    tensor_memoryview,
-)
-from te_thd.offline_cache.shardheader import ShardHeader
-from te_thd.offline_cache.tokens import (
+from te_thd.offline_cache.ragged import (
     BLOCK_SUMS,
     PAGE_BYTES,
     TOKENS_SUFFIX,
@@ -48,6 +38,16 @@ from te_thd.offline_cache.tokens import (
     logical_specs,
     plan_token_reads,
 )
+from te_thd.offline_cache.ragged import decode as decode_codec
+from te_thd.offline_cache.readexec import (
+    PendingReads,
+    Piece,
+    ReadContext,
+    ReadError,
+    run_pieces,
+    tensor_memoryview,
+)
+from te_thd.offline_cache.shardheader import ShardHeader
 
 _hash = xxhash.xxh3_64_intdigest
 

@@ -45,10 +45,10 @@ from te_thd.offline_cache.manifest import (
     shard_records,
     validate_manifest,
 )
+from te_thd.offline_cache.ragged import TOKEN_LAYOUT_KEY, TokenLayout, describe_stored
 from te_thd.offline_cache.shardheader import ShardHeader, check_shard_header
 from te_thd.offline_cache.storage import open_storage
 from te_thd.offline_cache.token_read import check_token_blocks
-from te_thd.offline_cache.tokens import TOKEN_LAYOUT_KEY, TokenLayout, describe_stored
 
 
 def check_cache_files(

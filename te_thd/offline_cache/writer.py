@@ -40,9 +40,9 @@ from te_thd.offline_cache.format import (
     tensor_nbytes,
 )
 from te_thd.offline_cache.lengths import LENGTH_RULE_KEY, LengthRule, for_tensor
+from te_thd.offline_cache.ragged import TOKEN_LAYOUT_KEY, TokenLayout, check_token_schema
 from te_thd.offline_cache.shardfile import ShardRecord, ShardStream
 from te_thd.offline_cache.storage import Storage, open_storage
-from te_thd.offline_cache.tokens import TOKEN_LAYOUT_KEY, TokenLayout, check_token_schema
 
 WriteShardFn = Callable[[str, int, dict[str, torch.Tensor]], str]
 

@@ -1,34 +1,40 @@
-"""Ragged token keys: which keys a cache stores without padding, and where their tokens sit in a shard.
+"""Ragged token keys: which keys a cache stores without padding, where their tokens sit in a
+shard, and the codecs that may store them.
 
-A cache produced with ``token_keys=("hidden", ...)`` stores each of those keys
-(logically ``[n, L, *per_token]``, right-padded) as only every sample's first
-``length`` tokens, back to back: shard tensor ``"hidden@tokens"`` is
-``[T, *per_token]``, ``T`` the shard's real tokens. A key stored with a codec
-(:mod:`~te_thd.offline_cache.codecs`) may have more, ``"<key>@<role>"`` (``@scale``:
-one float32 per token of ``fp8_e4m3``; ``@high``: the packed 17th bits of ``topk_index``). The names differ from the logical key on purpose: a reader that does not
-know the layout finds no tensor called ``hidden`` and fails, instead of reading
-token ``i`` as sample ``i``. For the same reason the manifest's ``format_version``
-is written as ``"<version>+tokens"``, which the reference implementation's
-``read_manifest`` refuses.
+A cache produced with ``token_keys=("hidden", ...)`` stores each of those keys (logically
+``[n, L, *per_token]``, right-padded) as only every sample's first ``length`` tokens, back to
+back: shard tensor ``"hidden@tokens"`` is ``[T, *per_token]``, ``T`` the shard's real tokens. A
+key stored with a codec has more tensors, ``"<key>@<role>"`` (:func:`stored_parts`). The names
+differ from the logical key on purpose: a reader that does not know the layout finds no tensor
+called ``hidden`` and fails, instead of reading token ``i`` as sample ``i``. For the same reason
+the manifest's ``format_version`` is written as ``"<version>+tokens"``, which the reference
+implementation's ``read_manifest`` refuses.
 
-Where each sample's tokens are: the shard header's ``te_thd`` fields hold
-``tokens.offsets``, int64 ``[rows + 1]`` (row ``i`` is tokens
-``[offsets[i], offsets[i+1])`` of every ragged tensor). The checksums: each
-ragged tensor is cut into blocks -- every row into runs of ``block_tokens``
-tokens (the last one short), ``block_tokens = max(1, BLOCK_BYTES // token bytes)``
--- and block ``g`` (counted over the tensor) hashes to ``sums[g]`` with seed
-``g``. All block sums are one ``uint64`` tensor, :data:`BLOCK_SUMS`, stored last;
-its own xxh3 digest is in the header, which the header digest covers, which the
-manifest records. So a read of a few tokens (one CP rank's share of a document)
-fetches and verifies only the blocks that hold them.
+Where each sample's tokens are: the shard header's ``te_thd`` fields hold ``tokens.offsets``,
+int64 ``[rows + 1]`` (row ``i`` is tokens ``[offsets[i], offsets[i+1])`` of every ragged tensor).
+The checksums: each ragged tensor is cut into blocks -- every row into runs of ``block_tokens``
+tokens (the last one short), ``block_tokens = max(1, BLOCK_BYTES // token bytes)`` -- and block
+``g`` (counted over the tensor) hashes to ``sums[g]`` with seed ``g``. All block sums are one
+``uint64`` tensor, :data:`BLOCK_SUMS`, stored last; its own xxh3 digest is in the header, which
+the header digest covers, which the manifest records. So a read of a few tokens (one CP rank's
+share of a document) fetches and verifies only the blocks that hold them.
 
-Everything here is pure layout math on numpy arrays, used by the shard writer
-(:mod:`~te_thd.offline_cache.shardfile`) and the reader (:mod:`~te_thd.offline_cache.token_read`).
+Codecs (:func:`stored_parts`; the checksums cover the stored bytes, a reader returns the logical
+dtype and shape): ``fp8_e4m3`` stores each token's float vector as ``float8_e4m3fn`` with one
+float32 scale per token (``max|x| / 448``, the recipe vLLM ``speculators`` ships for hidden
+states; zeros stay exactly zero) and records what it lost per shard (:func:`encode_fp8`).
+``topk_index:<V>`` stores integer indices into a vocabulary of ``V`` tokens losslessly, in the
+narrowest width that holds ``V`` (:func:`index_bits`, :func:`encode_index`); ``V`` is part of the
+codec's name, so the manifest and every shard header record it.
+
+Everything here is pure: layout math on numpy arrays and codecs on tensors, used by the shard
+serialiser and the read planner.
 """
 
 from __future__ import annotations
 
 import base64
+import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -38,15 +44,212 @@ import numpy as np
 import torch
 
 from te_thd.args import check_int, check_names
-from te_thd.offline_cache.codecs import (
-    CODEC_FORMS,
-    check_codec,
-    check_codec_dtype,
-    describe,
-    is_codec,
-    stored_parts,
-)
 from te_thd.offline_cache.format import TensorSpec, tensor_nbytes
+
+# -- codecs ---------------------------------------------------------------------------
+
+FP8 = "fp8_e4m3"
+INDEX = "topk_index"
+#: the codecs, by name (an index codec's full name carries its vocabulary: ``"topk_index:151936"``)
+CODECS = (FP8, INDEX)
+#: how a codec is spelled, for messages
+CODEC_FORMS = f"{FP8!r} or '{INDEX}:<vocabulary size>'"
+FP8_MAX = 448.0
+#: the largest vocabulary an index codec holds (its widest form is int32)
+MAX_VOCAB = 2**31
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+_INDEX_DTYPES = (torch.int32, torch.int64)
+_BITS = torch.arange(8, dtype=torch.uint8)
+
+
+def index_vocab(codec: str) -> int | None:
+    """``V`` of an index codec ``"topk_index:<V>"``; ``None`` for another name. ``ValueError`` when ``V``
+    is not a decimal int in ``[1, 2**31]``."""
+    name, sep, vocab = codec.partition(":")
+    if name != INDEX:
+        return None
+    if not sep or not vocab.isdecimal() or not 1 <= int(vocab) <= MAX_VOCAB:
+        raise ValueError(f"the vocabulary size must be an int in [1, {MAX_VOCAB}], e.g. '{INDEX}:151936'")
+    return int(vocab)
+
+
+def full_name(codec: str, vocab_size: int | None) -> str | None:
+    """The name a cache records for codec ``codec`` of :data:`CODECS`: an index codec carries the
+    vocabulary (``"topk_index:<vocab_size>"``; ``None`` when no ``vocab_size`` is known), another its
+    own name."""
+    if codec != INDEX:
+        return codec
+    return None if vocab_size is None else f"{INDEX}:{vocab_size}"
+
+
+def check_codec(key: str, codec: object) -> None:
+    """``ValueError`` naming ``key`` when ``codec`` is not a storage codec."""
+    try:
+        if codec == FP8 or (isinstance(codec, str) and index_vocab(codec) is not None):
+            return
+        why = ""
+    except ValueError as exc:
+        why = f" ({exc})"
+    raise ValueError(f"codecs[{key!r}]={codec!r} is not a storage codec{why}; use {CODEC_FORMS}")
+
+
+def is_codec(codec: object) -> bool:
+    try:
+        check_codec("", codec)
+    except ValueError:
+        return False
+    return True
+
+
+def check_codec_dtype(key: str, dtype: torch.dtype, codec: str | None) -> None:
+    """``ValueError`` naming ``key`` when ``codec`` cannot store ``dtype``."""
+    if codec is None:
+        return
+    index = index_vocab(codec) is not None
+    if dtype not in (_INDEX_DTYPES if index else _FLOATS):
+        what = "int32 or int64 index keys" if index else "float keys"
+        raise ValueError(
+            f"codecs[{key!r}]={codec!r} stores {what}; {key!r} is {str(dtype).removeprefix('torch.')}. "
+            f"Drop the codec for it, or store it as {'int64' if index else 'a float'}"
+        )
+
+
+def index_bits(vocab: int) -> int:
+    """Bits stored per index of a vocabulary of ``vocab`` tokens: 16, 17 or 32."""
+    return 16 if vocab <= 1 << 16 else 17 if vocab <= 1 << 17 else 32
+
+
+def stored_parts(
+    codec: str | None, dtype: torch.dtype, shape: tuple[int, ...]
+) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    """``[(role, stored dtype, per-token shape)]`` of a ragged key of logical ``dtype`` and per-token ``shape``."""
+    if codec is None:
+        return [("tokens", dtype, shape)]
+    vocab = index_vocab(codec)
+    if vocab is None:
+        return [("tokens", torch.float8_e4m3fn, shape), ("scale", torch.float32, ())]
+    bits = index_bits(vocab)
+    if bits == 32:
+        return [("tokens", torch.int32, shape)]
+    high_bytes = -(-math.prod(shape) // 8)
+    high = [("high", torch.uint8, (high_bytes,))] if bits == 17 and high_bytes else []
+    return [("tokens", torch.int16, shape), *high]
+
+
+def is_lossy(codec: str) -> bool:
+    """Whether ``codec`` loses precision (what it lost is then recorded per shard)."""
+    return codec == FP8
+
+
+def describe(codec: str, dtype: torch.dtype) -> str:
+    """How ``codec`` stores a key, for ``te-thd cache info``."""
+    logical = str(dtype).removeprefix("torch.")
+    vocab = index_vocab(codec)
+    if vocab is None:
+        return f"{codec} + float32 scale per token (logical {logical})"
+    bits = index_bits(vocab)
+    form = {16: "", 17: ": 16 + 1 packed high bit", 32: ": int32"}[bits]
+    return f"{codec}, {bits} bits per index{form} (logical {logical})"
+
+
+def out_of_range(x: torch.Tensor, codec: str) -> tuple[int, int] | None:
+    """``(token, value)`` of the first index of ``x`` (``[T, *per_token]``) outside what ``codec`` stores, or None."""
+    vocab = index_vocab(codec)
+    if vocab is None or x.numel() == 0:
+        return None
+    flat = x.reshape(x.shape[0], -1)
+    bad = flat < 0
+    if vocab <= torch.iinfo(flat.dtype).max:  # (a Python int past the dtype's range would wrap)
+        bad |= flat >= vocab
+    rows = torch.nonzero(bad.any(dim=1)).view(-1)
+    if rows.numel() == 0:
+        return None
+    t = int(rows[0])
+    return t, int(flat[t][bad[t]][0])
+
+
+def range_problem(key: str, codec: str, value: int) -> str:
+    """What is wrong with index ``value`` of ``key`` under index codec ``codec``, and the fix."""
+    vocab = index_vocab(codec)
+    if value < 0:
+        fix = "an index is a vocabulary id: store a real id in its place (e.g. 0, masked by the log-prob), or drop the codec"
+    else:
+        fix = f"give the codec the vocabulary size of the model that produced it, codecs={{{key!r}: '{INDEX}:<vocabulary size>'}}"
+    return f"key {key!r} holds index {value}, outside [0, {vocab}) of codecs[{key!r}]={codec!r}: {fix}"
+
+
+def encode(codec: str, x: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
+    """``({role: stored tensor [T, ...]}, rel_err)`` of tokens ``x`` (``[T, *per_token]``): ``rel_err`` float32
+    ``[T]`` for a lossy codec, None for a lossless one. An index codec's indices must be in range (:func:`out_of_range`)."""
+    vocab = index_vocab(codec)
+    if vocab is None:
+        q, scale, err = encode_fp8(x)
+        return {"tokens": q, "scale": scale}, err
+    return encode_index(x, vocab), None
+
+
+def decode(codec: str, parts: Mapping[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """The logical tokens ``[T, *per_token]`` of ``dtype`` from a codec's stored tensors ``{role: [T, ...]}``."""
+    if index_vocab(codec) is None:
+        return decode_fp8(parts["tokens"], parts["scale"], dtype)
+    return decode_index(parts, dtype)
+
+
+def encode_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(q, scale, rel_err)`` of tokens ``x`` (``[T, *per_token]`` float): ``q`` float8_e4m3fn
+    ``[T, *per_token]`` (``x / scale``), ``scale`` float32 ``[T]`` (``max|x| / 448``, 1 for an all-zero
+    token), ``rel_err`` float32 ``[T]`` (``|x - decoded| / |x|``, 0 for an all-zero token)."""
+    flat = x.reshape(x.shape[0], math.prod(x.shape[1:])).to(torch.float32)  # (-1 is ambiguous for 0 tokens)
+    amax = flat.abs().amax(dim=1) if flat.shape[1] else torch.zeros(flat.shape[0])
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    q = (flat / scale[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    back = q.to(torch.float32) * scale[:, None]
+    norm = flat.norm(dim=1)
+    err = torch.where(norm > 0, (flat - back).norm(dim=1) / norm.clamp_min(1e-30), torch.zeros_like(norm))
+    return q.reshape(x.shape), scale.contiguous(), err
+
+
+def decode_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The logical tokens ``[T, *per_token]`` of ``dtype`` from stored ``q`` and ``scale`` (float32 ``[T]``)."""
+    view = (-1,) + (1,) * (q.dim() - 1)
+    return (q.to(torch.float32) * scale.view(view)).to(dtype)
+
+
+def encode_index(x: torch.Tensor, vocab: int) -> dict[str, torch.Tensor]:
+    """``{role: stored tensor}`` of indices ``x`` (``[T, *per_token]`` int32/int64, each in ``[0, vocab)``):
+    ``tokens`` ``[T, *per_token]`` (int16, or int32 above 131,072) and, for 17 bits, ``high`` uint8
+    ``[T, ceil(n / 8)]`` (``n`` indices per token, bit ``j % 8`` of byte ``j // 8``). The low 16 bits are
+    kept as a signed type because torch indexes uint16 tensors on few paths."""
+    x32 = x.to(torch.int32)
+    bits = index_bits(vocab)
+    if bits == 32:
+        return {"tokens": x32.contiguous()}
+    low = x32 & 0xFFFF
+    out = {"tokens": (low - ((low & 0x8000) << 1)).to(torch.int16)}  # the same 16 bits, as a signed int
+    n = math.prod(x.shape[1:])
+    if bits == 17 and n:
+        t, nbytes = x.shape[0], -(-n // 8)
+        high = torch.zeros(t, nbytes * 8, dtype=torch.uint8)
+        high[:, :n] = (x32.reshape(t, n) >> 16).to(torch.uint8)
+        out["high"] = (high.view(t, nbytes, 8) << _BITS).sum(dim=2).to(torch.uint8)
+    return out
+
+
+def decode_index(parts: Mapping[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """Indices ``[T, *per_token]`` of ``dtype`` from :func:`encode_index`'s ``{role: stored tensor}``."""
+    low = parts["tokens"]
+    if low.dtype == torch.int32:
+        return low.to(dtype)
+    x = low.to(torch.int32) & 0xFFFF
+    high = parts.get("high")
+    if high is not None:
+        t, n = low.shape[0], math.prod(low.shape[1:])
+        bits = ((high.unsqueeze(2) >> _BITS) & 1).reshape(t, 8 * high.shape[1])[:, :n].to(torch.int32)
+        x = x | (bits << 16).reshape(low.shape)
+    return x.to(dtype)
+
+
+# -- the token layout -------------------------------------------------------------------
 
 #: suffix of a ragged key's tensor of tokens (a codec's other tensors are ``@<role>``)
 TOKENS_SUFFIX = "@tokens"
