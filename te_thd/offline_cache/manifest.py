@@ -48,13 +48,14 @@ they carry.
 from __future__ import annotations
 
 import json
+import re
 import shlex
 import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from te_thd._checkout import checkout_file
-from te_thd.args import is_int
+from te_thd.args import check_int, is_int
 from te_thd.offline_cache.durable import LOCK_NAME, TEMP_RE
 from te_thd.offline_cache.errors import (
     CacheIntegrityError,
@@ -82,9 +83,6 @@ from te_thd.offline_cache.lengths import LENGTH_RULE_KEY, LengthRule, check_leng
 from te_thd.offline_cache.ragged import (
     TOKEN_LAYOUT_KEY,
     TokenLayout,
-    check_format_version_arg,
-    parse_format_version,
-    stored_format_version,
 )
 from te_thd.offline_cache.shardheader import read_shard_header, schema_of_header
 from te_thd.offline_cache.storage import open_storage
@@ -98,6 +96,38 @@ RESERVED_MANIFEST_KEYS = frozenset(
     {"format_version", "num_samples", "shard_size", "layout_version", "schema", "shards", LENGTH_RULE_KEY,
      TOKEN_LAYOUT_KEY, MANIFEST_CHECKSUM_KEY}
 )
+
+
+#: the tag on a ragged cache's recorded ``format_version``: ``"1+tokens"``
+FORMAT_TAG = "+tokens"
+_TAGGED = re.compile(r"^(\d+)\+tokens$")
+
+
+def stored_format_version(version: int, tagged: bool) -> int | str:
+    """What the manifest file records: ``version``, or ``"<version>+tokens"`` for a ragged cache."""
+    return f"{version}{FORMAT_TAG}" if tagged else version
+
+
+def check_format_version_arg(value: Any) -> None:
+    """Refuse a reader's ``format_version`` argument that is not an int, saying what to pass: a
+    digit string or the manifest's tagged spelling (``"1+tokens"``) never equals the recorded int."""
+    version, tagged = parse_format_version(value)
+    if tagged:
+        raise ValueError(f"format_version={value!r} is how manifest.json records version {version} of a cache with "
+                         f"ragged token keys: pass format_version={version}")  # fmt: skip
+    if isinstance(value, str) and value.strip().isdigit():
+        raise ValueError(f"format_version={value!r} is a str, but the version is an int (the types differ, so it never "
+                         f"matches): pass format_version={int(value)}")  # fmt: skip
+    check_int("format_version", value, numpy_ints=True, meaning=": the version of what the cached tensors mean, e.g. 1")
+
+
+def parse_format_version(value: Any) -> tuple[Any, bool]:
+    """``(version, tagged)`` of a manifest's recorded ``format_version``."""
+    if isinstance(value, str):
+        m = _TAGGED.match(value)
+        if m:
+            return int(m.group(1)), True
+    return value, False
 
 
 def _damaged(path: str, what: str) -> ManifestError:

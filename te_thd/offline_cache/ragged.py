@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import base64
 import math
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -43,7 +42,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from te_thd.args import check_int, check_names
+from te_thd.args import check_names
 from te_thd.offline_cache.format import TensorSpec, tensor_nbytes
 
 # -- codecs ---------------------------------------------------------------------------
@@ -257,10 +256,8 @@ TOKENS_SUFFIX = "@tokens"
 BLOCK_SUMS = "__te_thd_block_sums__"
 #: target bytes of one checksum block: about a page, the unit storage reads anyway
 BLOCK_BYTES = 4096
-#: the manifest field recording the layout, and the tag on its ``format_version``
+#: the manifest field recording the layout (``manifest.FORMAT_TAG`` tags its ``format_version``)
 TOKEN_LAYOUT_KEY = "token_layout"
-FORMAT_TAG = "+tokens"
-_TAGGED = re.compile(r"^(\d+)\+tokens$")
 
 
 @dataclass(frozen=True)
@@ -361,36 +358,6 @@ def check_token_schema(layout: TokenLayout, schema: Mapping[str, TensorSpec]) ->
     if len(set(widths.values())) > 1:
         raise ValueError(f"token keys have different padded lengths {widths}; every token key is [n, L, ...] with one L")
     return next(iter(widths.values()))
-
-
-# -- format_version -------------------------------------------------------------------
-
-
-def stored_format_version(version: int, tagged: bool) -> int | str:
-    """What the manifest file records: ``version``, or ``"<version>+tokens"`` for a ragged cache."""
-    return f"{version}{FORMAT_TAG}" if tagged else version
-
-
-def check_format_version_arg(value: Any) -> None:
-    """Refuse a reader's ``format_version`` argument that is not an int, saying what to pass: a
-    digit string or the manifest's tagged spelling (``"1+tokens"``) never equals the recorded int."""
-    version, tagged = parse_format_version(value)
-    if tagged:
-        raise ValueError(f"format_version={value!r} is how manifest.json records version {version} of a cache with "
-                         f"ragged token keys: pass format_version={version}")  # fmt: skip
-    if isinstance(value, str) and value.strip().isdigit():
-        raise ValueError(f"format_version={value!r} is a str, but the version is an int (the types differ, so it never "
-                         f"matches): pass format_version={int(value)}")  # fmt: skip
-    check_int("format_version", value, numpy_ints=True, meaning=": the version of what the cached tensors mean, e.g. 1")
-
-
-def parse_format_version(value: Any) -> tuple[Any, bool]:
-    """``(version, tagged)`` of a manifest's recorded ``format_version``."""
-    if isinstance(value, str):
-        m = _TAGGED.match(value)
-        if m:
-            return int(m.group(1)), True
-    return value, False
 
 
 # -- offsets and blocks -----------------------------------------------------------------
