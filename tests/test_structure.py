@@ -5,6 +5,7 @@ cannot quietly undo them.
   method it defines is used by the package itself (or the examples), unless it is public API.
 - Comments and docstrings say why, never a measured figure: times, rates, percentages and
   speed-ups live in docs/performance-io.md, next to the command that measures them.
+- The package stays within its budget of files and lines, and no module of it runs past 500 lines.
 - Only the storage layer knows that object stores exist: at most ``MAX_CLIENT_MODULES``
   modules of the package (the interface and one module per kind of store) import an
   object-store client, or a te_thd module that does (an import counts wherever it is written,
@@ -218,3 +219,24 @@ def test_the_count_sees_every_kind_of_import(tmp_path: Path) -> None:
     assert {"obstore", "te_thd.offline_cache.s3"} <= imports_of(src, tmp_path)
     # today's three: the clients' modules, and the storage that names them in its scheme table
     assert set(client_modules()) == {"te_thd.offline_cache.s3", "te_thd.offline_cache.msc", "te_thd.offline_cache.storage"}
+
+
+# -- the package's size: the seams keep it small --
+
+#: the budget the package is held to. The goal is 22 files and 7,000 lines; until the read and
+#: write layers are rebuilt on one layout per key these ceilings hold what is reached, so a
+#: change can lower them but not raise them.
+MAX_FILES = 29
+MAX_LINES = 10375
+#: no module of the package over this many lines (every line, docstrings included)
+MAX_MODULE_LINES = 500
+
+
+def test_structure_offline_cache_within_its_budget() -> None:
+    files = _package_files()
+    lines = {p.name: len(p.read_text().splitlines()) for p in files}
+    long = {name: n for name, n in lines.items() if n > MAX_MODULE_LINES}
+    assert not long, f"modules of te_thd/offline_cache over {MAX_MODULE_LINES} lines: {long}; split by job or remove a repeated rule"
+    assert len(files) <= MAX_FILES, f"te_thd/offline_cache has {len(files)} modules, over its budget of {MAX_FILES}: fold a module into its layer's"
+    total = sum(lines.values())
+    assert total <= MAX_LINES, f"te_thd/offline_cache has {total} lines, over its budget of {MAX_LINES}: remove a repeated rule rather than add one"
