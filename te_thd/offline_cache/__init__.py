@@ -4,13 +4,13 @@ Every name of the reference module (NeMo AutoModel's
 ``components/datasets/llm/offline_cache``) is here with the same signature, so
 only the import changes. Modules: ``format`` (paths, dtypes, schema, shard
 layout), ``manifest`` (``manifest.json``), ``integrity`` (per-row checksums in
-each shard), ``durable`` (atomic writes, producer lock), ``shardfile`` (the one
-shard serialiser of both layouts), ``shardheader`` (a shard's header read back and
+each shard), ``shardfile`` (the one shard serialiser of both layouts), ``shardheader`` (a shard's header read back and
 checked), ``writer`` (shards, validated and durable, behind the one background
 writer thread), ``loops`` (the reference producer loops), ``producer`` /
 ``producer_state`` (``produce_cache``: resume, lock, distributed, manifest), ``verify`` / ``repair`` (integrity checks and repair),
 ``reader`` / ``sampler`` / ``loader`` (reading side), ``follow`` (reading while the producer runs), ``storage`` / ``s3`` / ``msc`` (where a
-cache lives: a local directory, ``s3://bucket/prefix`` or ``msc://profile/path``), ``cli``
+cache lives: a local directory, written crash-safe under a producer lock,
+``s3://bucket/prefix`` or ``msc://profile/path``), ``cli``
 (``te-thd cache ...``).
 
 ``__all__`` lists the public API. The reference's private helpers
@@ -27,9 +27,6 @@ from __future__ import annotations
 
 from torch.utils.data import DataLoader as DataLoader
 
-from .durable import ProducerLock as ProducerLock
-from .durable import atomic_write
-from .durable import remove_stale_temp_files as remove_stale_temp_files
 from .errors import (
     CacheError,
     CacheIntegrityError,
@@ -66,6 +63,9 @@ from .producer import produce_cache
 from .reader import CachedBatch, CachedTensorDataset, PendingBatch
 from .repair import repair_cache
 from .sampler import CacheShardSampler, shard_block_order
+from .storage import ProducerLock as ProducerLock
+from .storage import atomic_write
+from .storage import remove_stale_temp_files as remove_stale_temp_files
 from .thd_collate import CachedThdCollator, collate_cached
 from .verify import cache_info, verify_cache
 from .verify import check_cache_files as check_cache_files

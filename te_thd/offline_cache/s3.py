@@ -44,9 +44,9 @@ from typing import Any
 import numpy as np
 
 from te_thd.offline_cache import storage
-from te_thd.offline_cache.durable import LOCK_NAME, atomic_write_bytes, unlink_quietly
 from te_thd.offline_cache.errors import CacheLockError
 from te_thd.offline_cache.format import MANIFEST_NAME, SHARD_RE
+from te_thd.offline_cache.storage import LOCK_NAME, atomic_write_bytes, unlink_quietly
 
 
 class S3Prefix(storage.Storage):
