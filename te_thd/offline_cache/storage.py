@@ -2,25 +2,23 @@
 
 Every writer, reader and tool of the cache reaches its files through the :class:`Storage` that
 :func:`open_storage` makes, never by testing what kind of path it was given: a path without a URL
-scheme is a local directory (:class:`LocalDirectory`, here); :data:`SCHEMES` names the
-implementation of ``s3://bucket/prefix`` (any S3-compatible store) and of ``msc://profile/path`` (a
-profile of NVIDIA's multi-storage-client), imported only when such a cache is opened (its client is
-an optional extra). A string with a scheme is never taken for a local path (``"s3://b/x"`` would
-become the directory ``s3:/b/x``); any other scheme is refused with what to do.
+scheme is a :class:`LocalDirectory`; :data:`SCHEMES` names the implementation of ``s3://bucket/x``
+(any S3-compatible store) and ``msc://profile/x`` (NVIDIA's multi-storage-client), imported only
+when such a cache is opened (its client is an optional extra). A string with a scheme is never a
+local path (``"s3://b/x"`` is no directory ``s3:/b/x``); any other scheme is refused with what to do.
 
 Readers only ever open local files (:meth:`Storage.readable`: a shard's local path, and what makes
 its byte ranges present there), and messages name the cache's objects as :meth:`Storage.display`
 spells them: the file's path, or the object's URL.
 
-A local directory is written crash-safe: :func:`atomic_write` writes a sibling temp file whose
-name is unique to the writer (pid + random token, dot-prefixed so no reader pattern matches it),
-flushes it to stable storage, renames it over the target and fsyncs the directory, so the name
-only ever points at a complete file and the rename itself survives a power cut. A writer killed
-at any point leaves at worst a temp file, which :func:`remove_stale_temp_files` (run by the next
-producer, under the lock) deletes. :class:`ProducerLock`, one producer per directory, is an
-``fcntl.flock`` on ``<dir>/.te_thd-producer.lock``: the kernel drops a flock when its holder
-dies, SIGKILL included, so a crashed producer never leaves a stale lock (the file may remain).
-On network filesystems flock needs lock support (NFSv4; Lustre mounted with ``-o flock``).
+A local directory is written crash-safe: :func:`atomic_write` flushes a sibling temp file (named
+for its writer: pid and a random token, dot-prefixed so no reader pattern matches it) to stable
+storage, renames it over the target and fsyncs the directory, so the name only ever points at a
+complete file and the rename itself survives a power cut. A killed writer leaves at worst a temp
+file, which :func:`remove_stale_temp_files` (run by the next producer, under the lock) deletes.
+:class:`ProducerLock` is an ``fcntl.flock`` on ``<dir>/.te_thd-producer.lock``, which the kernel
+drops when its holder dies, SIGKILL included: a crashed producer never leaves a stale lock (the
+file may remain). On network filesystems flock needs lock support (NFSv4; Lustre ``-o flock``).
 """
 
 from __future__ import annotations
@@ -158,9 +156,14 @@ class ProducerLock:
             except OSError as exc:
                 os.close(fd)
                 if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                    try:  # the holder's record: informational only, the flock is the lock
+                        record = json.loads(pathlib.Path(self.path).read_bytes() or b"{}")
+                        holder = f"pid {record['pid']} on host {record['host']}"
+                    except (OSError, ValueError, KeyError, TypeError):
+                        holder = "holder unknown"
                     raise CacheLockError(
                         f"output_dir {self.cache_dir} is held by another producer "
-                        f"({self._describe_holder()}; lock file {self.path}). Two producers "
+                        f"({holder}; lock file {self.path}). Two producers "
                         "writing one cache would interleave shards: wait for it to finish, "
                         "stop it, or choose another output_dir."
                     ) from None
@@ -169,8 +172,7 @@ class ProducerLock:
                     "support flock (NFS needs v4, Lustre needs '-o flock'); use a local or "
                     "lock-capable directory, or pass lock=False if you guarantee a single producer."
                 ) from None
-            # The previous holder may have unlinked the file between our open and our
-            # flock; then we locked an orphan inode. Retry on the live file.
+            # the previous holder may have unlinked the file between our open and flock: retry on the live one
             try:
                 same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
             except FileNotFoundError:
@@ -183,13 +185,6 @@ class ProducerLock:
         os.pwrite(fd, info, 0)
         self._fd = fd
         return self
-
-    def _describe_holder(self) -> str:
-        try:
-            info = json.loads(pathlib.Path(self.path).read_bytes() or b"{}")
-            return f"pid {info['pid']} on host {info['host']}"
-        except (OSError, ValueError, KeyError, TypeError):
-            return "holder unknown"
 
     def release(self) -> None:
         if self._fd is None:
