@@ -198,7 +198,7 @@ def check_killed_state(cache_dir: str, clean: dict[str, bytes]) -> tuple[str, li
         existing_shard_indices,
         verify_cache,
     )
-    from te_thd.offline_cache.durable import TEMP_RE
+    from te_thd.offline_cache.storage import TEMP_RE
 
     problems: list[str] = []
     names = sorted(os.listdir(cache_dir)) if os.path.isdir(cache_dir) else []
@@ -415,7 +415,7 @@ class Run:
         self.violations += [f"poller: {v}" for v in res["violations"]]
 
     def _after_kill(self, d: Path, kind: str) -> None:
-        from te_thd.offline_cache.durable import TEMP_RE
+        from te_thd.offline_cache.storage import TEMP_RE
 
         point, problems = check_killed_state(str(d), self.clean)
         self.kill_points[point] = self.kill_points.get(point, 0) + 1

@@ -51,7 +51,6 @@ def _die() -> None:
 
 
 def _install(crash: str) -> None:
-    import te_thd.offline_cache.durable as durable
     import te_thd.offline_cache.producer as producer
     import te_thd.offline_cache.shardfile as shardfile
     import te_thd.offline_cache.storage as storage
@@ -79,7 +78,7 @@ def _install(crash: str) -> None:
         def commit(tmp_path, path, *a, **k):
             out = real_commit(tmp_path, path, *a, **k)
             if os.path.basename(path) == target:
-                durable.fsync_dir(os.path.dirname(path))
+                storage.fsync(os.path.dirname(path))
                 _die()  # shard K is durable under its name; K+1 not started committing
             return out
 
@@ -91,7 +90,7 @@ def _install(crash: str) -> None:
 
         def atomic(path, data):
             if path.endswith("manifest.json"):
-                with open(durable.temp_path_for(path), "wb") as f:
+                with open(storage.temp_path_for(path), "wb") as f:
                     f.write(data[: len(data) // 2])
                 _die()
             return real_atomic(path, data)

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import te_thd.offline_cache.durable as durable
+import te_thd.offline_cache.storage as storage
 from te_thd.offline_cache import (
     CacheLockError,
     DurableShardWriter,
@@ -78,16 +78,16 @@ def test_atomic_write_failure_keeps_old_file_and_removes_temp(tmp_path: Path) ->
 
 
 def test_temp_names_are_unique_dot_prefixed_and_match_temp_re(tmp_path: Path) -> None:
-    names = {durable.temp_path_for(str(tmp_path / "shard-000000.safetensors")) for _ in range(200)}
+    names = {storage.temp_path_for(str(tmp_path / "shard-000000.safetensors")) for _ in range(200)}
     assert len(names) == 200
     for n in names:
         base = os.path.basename(n)
         assert base.startswith(".shard-000000.safetensors.") and f".{os.getpid()}-" in base
-        assert durable.TEMP_RE.match(base)
+        assert storage.TEMP_RE.match(base)
 
 
 def test_remove_stale_temp_files_only_removes_temp_files(tmp_path: Path) -> None:
-    stale = Path(durable.temp_path_for(str(tmp_path / "shard-000003.safetensors")))
+    stale = Path(storage.temp_path_for(str(tmp_path / "shard-000003.safetensors")))
     stale.write_bytes(b"x")
     keep = ["shard-000000.safetensors", "notes.txt", ".hidden", "manifest.json"]
     for k in keep:
@@ -104,7 +104,7 @@ def test_lock_refuses_second_holder_and_names_the_first(tmp_path: Path) -> None:
         with pytest.raises(CacheLockError, match=rf"held by another producer \(pid {os.getpid()} on host .*wait for it to finish"):
             ProducerLock(str(tmp_path)).acquire()
     # released: lock file removed, a new holder gets it
-    assert not (tmp_path / durable.LOCK_NAME).exists()
+    assert not (tmp_path / storage.LOCK_NAME).exists()
     with ProducerLock(str(tmp_path)) as lock:
         assert lock.held
 
@@ -112,7 +112,7 @@ def test_lock_refuses_second_holder_and_names_the_first(tmp_path: Path) -> None:
 def test_second_producer_process_is_refused_and_sigkill_releases_the_lock(tmp_path: Path) -> None:
     """A real process holds the lock; produce_cache refuses; SIGKILL of the holder frees it."""
     code = (
-        "import sys, time; from te_thd.offline_cache.durable import ProducerLock; "
+        "import sys, time; from te_thd.offline_cache.storage import ProducerLock; "
         "ProducerLock(sys.argv[1]).acquire(); print('LOCKED', flush=True); time.sleep(120)"
     )
     holder = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)
@@ -125,10 +125,10 @@ def test_second_producer_process_is_refused_and_sigkill_releases_the_lock(tmp_pa
         holder.send_signal(signal.SIGKILL)
         holder.wait(timeout=30)
     # the stale lock FILE is still there, but the kernel dropped the flock with the process
-    assert (tmp_path / durable.LOCK_NAME).exists()
+    assert (tmp_path / storage.LOCK_NAME).exists()
     m = produce_cache(prod.loader(), str(tmp_path), 4, prod.compute_batch, ("hidden",), progress=False)
     assert m["num_samples"] == prod.NUM_SAMPLES
-    assert not (tmp_path / durable.LOCK_NAME).exists()
+    assert not (tmp_path / storage.LOCK_NAME).exists()
 
 
 def test_lock_survives_unlink_race(tmp_path: Path) -> None:
@@ -169,7 +169,7 @@ def test_killed_producer_resumes_to_a_byte_identical_cache(tmp_path: Path, refer
     # 1. killed in the middle of shard 1's file write
     r = _run_script(out, "mid_write:1")
     assert r.returncode == -signal.SIGKILL, r.stderr
-    temps = [p.name for p in out.iterdir() if durable.TEMP_RE.match(p.name)]
+    temps = [p.name for p in out.iterdir() if storage.TEMP_RE.match(p.name)]
     assert any(t.startswith(".shard-000001.safetensors.") for t in temps)
     # the torn file is invisible to readers; shard 0 is visible if its (pipelined) commit
     # finished before the kill, and then complete
@@ -221,7 +221,7 @@ def test_resume_after_exception_recomputes_only_missing_shards(tmp_path: Path, r
     with pytest.raises(RuntimeError, match="fell off"):
         produce_cache(prod.loader(), str(tmp_path), p["shard_size"], flaky, p["keys"], p["options"], progress=False)
     assert existing_shard_indices(str(tmp_path)) == {0, 1}
-    assert not (tmp_path / durable.LOCK_NAME).exists()  # released on the way out
+    assert not (tmp_path / storage.LOCK_NAME).exists()  # released on the way out
 
     counted = {"n": 0}
 
@@ -255,8 +255,8 @@ def test_resume_detects_a_damaged_existing_shard(tmp_path: Path) -> None:
 def test_killed_writer_temp_is_ignored_by_checks_of_a_finished_cache(tmp_path: Path, reference_cache: dict[str, bytes]) -> None:
     for name, data in reference_cache.items():
         (tmp_path / name).write_bytes(data)
-    Path(durable.temp_path_for(str(tmp_path / "shard-000001.safetensors"))).write_bytes(b"torn")
-    (tmp_path / durable.LOCK_NAME).write_bytes(b"{}")
+    Path(storage.temp_path_for(str(tmp_path / "shard-000001.safetensors"))).write_bytes(b"torn")
+    (tmp_path / storage.LOCK_NAME).write_bytes(b"{}")
     manifest = read_manifest(str(tmp_path), "test", 1)
     assert check_cache_files(str(tmp_path), manifest) == [0, 1, 2]
     assert verify_cache(str(tmp_path), deep=True)["checksums_verified"]

@@ -25,8 +25,8 @@ from te_thd.offline_cache import (
     verify_cache,
     write_tensor_shard,
 )
-from te_thd.offline_cache.durable import LOCK_NAME
 from te_thd.offline_cache.producer import PROGRESS_NAME
+from te_thd.offline_cache.storage import LOCK_NAME
 
 KEYS = ("h", "ids")
 

@@ -8,8 +8,8 @@ only the import changes. Modules, by layer:
   ``ragged`` (the token layout and its codecs), ``shardfile`` (the one shard serialiser of
   both layouts), ``shardheader`` (a shard's header read back and checked), ``manifest``,
   ``lengths``;
-- storage: ``storage`` (the interface, the local directory, the scheme table), ``durable``
-  (atomic writes, the flock producer lock), ``s3``, ``msc``;
+- storage: ``storage`` (the interface; the local directory, written crash-safe under a flock
+  producer lock; the scheme table), ``s3``, ``msc``;
 - write: ``writer`` (shards, validated once, behind one write-behind thread), ``loops`` (the
   reference producer loops), ``producer`` / ``producer_state`` (``produce_cache``);
 - read: ``reader``, ``readplan``, ``readexec``, ``token_read``, ``follow`` (reading while the
@@ -31,9 +31,6 @@ from __future__ import annotations
 
 from torch.utils.data import DataLoader as DataLoader
 
-from .durable import ProducerLock as ProducerLock
-from .durable import atomic_write
-from .durable import remove_stale_temp_files as remove_stale_temp_files
 from .errors import (
     CacheError,
     CacheIntegrityError,
@@ -70,6 +67,9 @@ from .producer import produce_cache
 from .reader import CachedBatch, CachedTensorDataset, PendingBatch
 from .repair import repair_cache
 from .sampler import CacheShardSampler, shard_block_order
+from .storage import ProducerLock as ProducerLock
+from .storage import atomic_write
+from .storage import remove_stale_temp_files as remove_stale_temp_files
 from .thd_collate import CachedThdCollator, collate_cached
 from .verify import cache_info, verify_cache
 from .verify import check_cache_files as check_cache_files

@@ -23,10 +23,16 @@ def producer_hint(producer: str | None) -> str:
     return producer or PRODUCE_CACHE_HINT
 
 
+def cache_command(verb: str, cache_dir: str, *flags: str) -> str:
+    """The ``te-thd cache`` command ``verb`` of ``cache_dir`` (quoted for a shell), in backticks as
+    messages print it: the one place every hint that names such a command builds it."""
+    return f"`{' '.join(('te-thd cache', verb, shlex.quote(cache_dir), *flags))}`"
+
+
 def repair_hint(cache_dir: str, producer: str | None = None) -> str:
     """The repair instruction of a cache with damaged shards; every command in it runs as printed."""
     return (
-        f"Repair: `te-thd cache repair {shlex.quote(cache_dir)}` (sets the damaged shards aside and "
+        f"Repair: {cache_command('repair', cache_dir)} (sets the damaged shards aside and "
         f"reopens the cache for a resume), then re-run {producer_hint(producer)}."
     )
 
@@ -37,8 +43,8 @@ def lost_manifest(path: str, cache_dir: str, cache_name: str, shards: int, produ
     if shards:
         return ManifestNotFoundError(
             f"{cache_name} cache manifest not found at {path}, but {cache_dir} holds {shards} shard(s): the manifest "
-            f"was lost, or the cache was never finished. Rebuild it from the shards: `te-thd cache repair "
-            f"{shlex.quote(cache_dir)}` (it verifies every shard; when one is missing it prints the producer command "
+            "was lost, or the cache was never finished. Rebuild it from the shards: "
+            f"{cache_command('repair', cache_dir)} (it verifies every shard; when one is missing it prints the producer command "
             "that computes it)."
         )
     build = producer or "its producer (e.g. `te_thd.offline_cache.produce_cache(...)`)"
@@ -53,7 +59,7 @@ def rebuild_manifest_hint(path: str) -> str:
     cache_dir = os.path.dirname(path) or "."
     return (
         f"Restore {os.path.basename(path)} from a copy, or rebuild it from the shards: "
-        f"`te-thd cache repair {shlex.quote(cache_dir)}` (it verifies every shard and keeps the damaged file)."
+        f"{cache_command('repair', cache_dir)} (it verifies every shard and keeps the damaged file)."
     )
 
 

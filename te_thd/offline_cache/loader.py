@@ -36,7 +36,6 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from ..args import check_int
 from ..balance import DEFAULT_ATTN_SCALE
-from .durable import atomic_write_bytes
 from .errors import CacheError
 from .format import json_crc32
 from .lengths import (
@@ -57,6 +56,7 @@ from .sampler import (
     read_samples,
     scan_rule,
 )
+from .storage import atomic_write_bytes
 
 __all__ = ["CachedDataLoader", "build_cached_dataloader", "cache_lengths", "to_device"]
 

@@ -56,7 +56,6 @@ from typing import Any
 
 from te_thd._checkout import checkout_file
 from te_thd.args import check_int, is_int
-from te_thd.offline_cache.durable import LOCK_NAME, TEMP_RE
 from te_thd.offline_cache.errors import (
     CacheIntegrityError,
     ManifestError,
@@ -85,7 +84,7 @@ from te_thd.offline_cache.ragged import (
     TokenLayout,
 )
 from te_thd.offline_cache.shardheader import read_shard_header, schema_of_header
-from te_thd.offline_cache.storage import open_storage
+from te_thd.offline_cache.storage import LOCK_NAME, TEMP_RE, open_storage
 
 #: Version of the te_thd integrity fields a producer writes (see the module docstring).
 LAYOUT_VERSION = SHARD_LAYOUT
@@ -214,7 +213,7 @@ def write_manifest(cache_dir: str, manifest: dict[str, Any], format_version: int
     Written as ``{"format_version": format_version, **manifest}`` plus its
     ``manifest_checksum`` (recomputed here; a value in ``manifest``, e.g. from
     a manifest read and edited, is replaced), with sorted keys and no volatile
-    fields, through :func:`~te_thd.offline_cache.durable.atomic_write` (temp file, fsync, rename, fsync of the
+    fields, through :func:`~te_thd.offline_cache.storage.atomic_write` (temp file, fsync, rename, fsync of the
     directory). A producer writes it after every shard is on disk: its presence
     is what marks a cache finished.
     """

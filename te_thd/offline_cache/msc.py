@@ -29,8 +29,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from te_thd.offline_cache import storage
-from te_thd.offline_cache.durable import unlink_quietly
 from te_thd.offline_cache.s3 import S3Prefix
+from te_thd.offline_cache.storage import unlink_quietly
 
 #: the MSC providers (classes, and those derived from them) that send ``If-None-Match: *`` on a write
 CONDITIONAL = ("S3StorageProvider", "OracleStorageProvider")

@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import json
 import logging
-import shlex
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from te_thd.offline_cache.errors import CacheError, CacheIntegrityError, SchemaError
+from te_thd.offline_cache.errors import CacheError, CacheIntegrityError, SchemaError, cache_command
 from te_thd.offline_cache.format import (
     MANIFEST_NAME,
     SHARD_RE,
@@ -226,7 +225,7 @@ def prepare_directory(
         except ValueError as exc:
             raise CacheError(
                 f"cannot read the producer record {storage.display(PROGRESS_NAME)} ({exc}); delete it, then rebuild the "
-                f"record from the shards: `te-thd cache repair {shlex.quote(output_dir)}`"
+                f"record from the shards: {cache_command('repair', output_dir)}"
             ) from None
         if shards and not resume:
             raise CacheError(
@@ -243,7 +242,7 @@ def prepare_directory(
         raise CacheError(
             f"output_dir {output_dir} holds shards ({format_indices(shards)}) but no manifest and no "
             f"producer record ({PROGRESS_NAME}), so their parameters cannot be checked. Rebuild the manifest "
-            f"from the shards: `te-thd cache repair {shlex.quote(output_dir)}` (when a shard is missing it prints "
+            f"from the shards: {cache_command('repair', output_dir)} (when a shard is missing it prints "
             "the producer command that computes it), or choose an empty output_dir."
         )
     removed = storage.clean()

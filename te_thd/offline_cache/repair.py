@@ -15,13 +15,17 @@ so a directory and an s3:// prefix are repaired by the same code (docs/integrity
 from __future__ import annotations
 
 import json
-import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from te_thd.args import is_int
-from te_thd.offline_cache.errors import CacheIntegrityError, ManifestError, producer_hint
+from te_thd.offline_cache.errors import (
+    CacheIntegrityError,
+    ManifestError,
+    cache_command,
+    producer_hint,
+)
 from te_thd.offline_cache.format import (
     MANIFEST_NAME,
     CacheSchema,
@@ -105,7 +109,7 @@ def _group_runs(headers: Mapping[int, ShardHeader], cache_dir: str) -> dict[str,
         raise CacheIntegrityError(
             f"{cache_dir}: shards {format_indices(ia)} and shards {format_indices(ib)} record different producer "
             f"runs ({describe_diff(json.loads(a), json.loads(b))}), so they are not one cache. Move the shards that "
-            f"do not belong away, then run `te-thd cache repair {shlex.quote(cache_dir)}` again.",
+            f"do not belong away, then run {cache_command('repair', cache_dir)} again.",
             path=open_storage(cache_dir).display(shard_name(ib[0])),
         )
     return json.loads(next(iter(groups))) if groups else None
@@ -170,13 +174,12 @@ def _from_arguments(
     }
     missing = [k for k, (lacking, _) in needs.items() if lacking]
     if missing:
-        flags = " ".join(f"{REBUILD_ARGS[k]} <{k}>" for k in missing)
         kwargs = ", ".join(f"{k}=..." for k in missing)
         where = (f" The damaged manifest is still in place ({damaged}): its fields may tell them." if damaged else "")
         raise ManifestError(
             f"cannot rebuild the manifest of {cache_dir}: its shards were written before shards recorded their "
             f"producer run, so they do not tell {'; '.join(f'{k} ({needs[k][1]})' for k in missing)}. Pass "
-            f"{'them' if len(missing) > 1 else 'it'} back: `te-thd cache repair {shlex.quote(cache_dir)} {flags}`, "
+            f"{'them' if len(missing) > 1 else 'it'} back: {cache_command('repair', cache_dir, *(f'{REBUILD_ARGS[k]} <{k}>' for k in missing))}, "
             f"or repair_cache(cache_dir, {kwargs}).{where}"
         )
     if layout is not None:
@@ -310,7 +313,7 @@ def repair_cache(
         if passed:
             raise ValueError(
                 f"{', '.join(passed)}: only a rebuild of a lost or damaged manifest takes them, and the manifest of "
-                f"{cache_dir} is sound; run `te-thd cache repair {shlex.quote(cache_dir)}` without them"
+                f"{cache_dir} is sound; run {cache_command('repair', cache_dir)} without them"
             )
         count = num_shards(int(manifest["num_samples"]), int(manifest["shard_size"]))
         present = existing_shard_indices(cache_dir)

@@ -44,9 +44,9 @@ from typing import Any
 import numpy as np
 
 from te_thd.offline_cache import storage
-from te_thd.offline_cache.durable import LOCK_NAME, atomic_write_bytes, unlink_quietly
-from te_thd.offline_cache.errors import CacheLockError
+from te_thd.offline_cache.errors import CacheLockError, cache_command
 from te_thd.offline_cache.format import MANIFEST_NAME, SHARD_RE
+from te_thd.offline_cache.storage import LOCK_NAME, atomic_write_bytes, unlink_quietly
 
 
 class S3Prefix(storage.Storage):
@@ -232,7 +232,7 @@ class ObjectLock:
             raise CacheLockError(
                 f"another producer holds {url} (host {holder.get('host')!r}, pid "
                 f"{holder.get('pid')}, since {since} UTC). Wait for it to finish; if no producer is running "
-                f"(one was killed on another host), run `te-thd cache unlock {self.store.name}` and start again."
+                f"(one was killed on another host), run {cache_command('unlock', self.store.name)} and start again."
             )
         raise CacheLockError(f"could not take {url}: it changed hands twice; run again")
 

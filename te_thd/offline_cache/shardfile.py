@@ -15,7 +15,7 @@ tensors ``[T, ...]`` (the most bytes per token first), then the uint64 block sum
 count is known only after its last row, so its header reserves room for ``rows * L`` tokens,
 padded with spaces (valid JSON); the first ragged tensor goes to its final offset, the others
 to sibling temp files appended on finish. Not atomic by itself: writers stream into a temp
-file and rename it (:mod:`~te_thd.offline_cache.durable`).
+file and rename it (:mod:`~te_thd.offline_cache.storage`).
 """
 
 from __future__ import annotations
@@ -34,7 +34,6 @@ import torch
 import xxhash
 
 from te_thd.args import check_int
-from te_thd.offline_cache.durable import copy_range, temp_path_for, unlink_quietly
 from te_thd.offline_cache.format import DTYPE_RANK, DTYPE_TO_ST, TensorSpec, tensor_nbytes
 from te_thd.offline_cache.integrity import (
     byte_row_sums,
@@ -57,6 +56,7 @@ from te_thd.offline_cache.ragged import (
     range_problem,
     row_offsets,
 )
+from te_thd.offline_cache.storage import temp_path_for, unlink_quietly
 
 if sys.byteorder != "little":  # pragma: no cover - safetensors is little-endian on disk
     raise ImportError("te_thd.offline_cache writes raw tensor memory and needs a little-endian host")
@@ -113,6 +113,24 @@ def pwrite_all(fd: int, buf: memoryview, offset: int) -> None:
         n = os.pwrite(fd, view, offset)
         view = view[n:]
         offset += n
+
+
+def copy_range(src: int, dst: int, count: int, dst_offset: int) -> None:
+    """Copy bytes ``[0, count)`` of ``src`` to ``dst`` at ``dst_offset`` (in the kernel where it can)."""
+    src_off = 0
+    while count > 0:
+        try:
+            n = os.copy_file_range(src, dst, count, src_off, dst_offset)
+        except (AttributeError, OSError):  # no copy_file_range here (or across these files): read and write
+            n = 0
+        if n <= 0:
+            chunk = os.pread(src, min(count, 8 << 20), src_off)
+            if not chunk:
+                raise OSError(f"temp file ended {count} bytes early while finishing a shard")
+            n = os.pwrite(dst, chunk, dst_offset)  # a short write: the rest is read again
+        src_off += n
+        dst_offset += n
+        count -= n
 
 
 @functools.lru_cache(maxsize=16)

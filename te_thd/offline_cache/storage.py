@@ -1,37 +1,39 @@
-"""Where a cache lives: one interface, chosen once from the path by its URL scheme.
+"""Where a cache lives: one interface (:class:`Storage`), chosen once from the path by its URL scheme.
 
-Every writer, reader and tool of the cache reaches its files through a :class:`Storage`
-made by :func:`open_storage`, never by testing what kind of path it was given. The
-implementation is chosen from the path's URL scheme by :data:`SCHEMES`: a path
-without one is a local directory (:class:`LocalDirectory`, here); ``s3://bucket/prefix``
-is any S3-compatible store (``te_thd.offline_cache.s3``, imported only when such a
-cache is opened: the ``s3`` extra), ``msc://profile/path`` a profile of NVIDIA's
-multi-storage-client (``te_thd.offline_cache.msc``: the ``msc`` extra). A string with a scheme is never taken for a local
-path (``"s3://b/x"`` would become the directory ``s3:/b/x``); any other scheme is
-refused with what to do.
+Every writer, reader and tool of the cache reaches its files through the :class:`Storage` that
+:func:`open_storage` makes, never by testing what kind of path it was given: a path without a URL
+scheme is a :class:`LocalDirectory`; :data:`SCHEMES` names the implementation of ``s3://bucket/x``
+(any S3-compatible store) and ``msc://profile/x`` (NVIDIA's multi-storage-client), imported only
+when such a cache is opened (its client is an optional extra). A string with a scheme is never a
+local path (``"s3://b/x"`` is no directory ``s3:/b/x``); any other scheme is refused with what to do.
 
-Readers only ever open local files: :meth:`Storage.readable` returns the local path of
-a shard and the function that makes its byte ranges present there (``None`` for a
-local directory, where every byte already is; the read-through copy of an s3:// cache).
-Messages name the cache's objects as :meth:`Storage.display` spells them: the file's
-path, or the object's URL.
+Readers only ever open local files (:meth:`Storage.readable`: a shard's local path, and what makes
+its byte ranges present there), and messages name the cache's objects as :meth:`Storage.display`
+spells them: the file's path, or the object's URL.
 
-A store's own local directories -- a reader's private read-through copy, a producer's
-staging -- are made by :func:`private_dir` under one root, ``$TE_THD_TMPDIR`` (default
-``<tempfile.gettempdir()>/te_thd``), each named after its owner (``<kind>-<host>-<pid>-<start
-time>-<random>``). The owner removes its own when it ends normally; what a killed owner
-left is removed by the next process on that host that makes one (its pid is gone, or was
-reused: the start time differs). A ``read_cache_dir`` the user passed is never removed.
+A local directory is written crash-safe: :func:`atomic_write` flushes a sibling temp file (named
+for its writer: pid and a random token, dot-prefixed so no reader pattern matches it) to stable
+storage, renames it over the target and fsyncs the directory, so the name only ever points at a
+complete file and the rename itself survives a power cut. A killed writer leaves at worst a temp
+file, which :func:`remove_stale_temp_files` (run by the next producer, under the lock) deletes.
+:class:`ProducerLock` is an ``fcntl.flock`` on ``<dir>/.te_thd-producer.lock``, which the kernel
+drops when its holder dies, SIGKILL included: a crashed producer never leaves a stale lock (the
+file may remain). On network filesystems flock needs lock support (NFSv4; Lustre ``-o flock``).
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import errno
+import fcntl
 import functools
 import importlib
+import json
 import os
+import pathlib
 import re
+import secrets
 import shutil
 import socket
 import sys
@@ -41,14 +43,6 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from te_thd.offline_cache.durable import (
-    ProducerLock,
-    atomic_write_bytes,
-    commit_temp,
-    fsync_dir,
-    remove_stale_temp_files,
-    unlink_quietly,
-)
 from te_thd.offline_cache.errors import (
     CacheError,
     CacheLockError,
@@ -56,9 +50,10 @@ from te_thd.offline_cache.errors import (
     ManifestNotFoundError,
 )
 
-#: the environment variable naming the root of the private local directories (:func:`private_dir`)
-TMPDIR_VAR = "TE_THD_TMPDIR"
 _PRIVATE = re.compile(r"^[a-z0-9]+-(?P<host>.+)-(?P<pid>[0-9]+)-(?P<start>[0-9]+)-[a-z0-9_]+$")
+LOCK_NAME = ".te_thd-producer.lock"
+# ".<target name>.<pid>-<8 hex>.tmp": dot-prefixed so SHARD_RE / MANIFEST_NAME never match.
+TEMP_RE = re.compile(r"^\..+\.\d+-[0-9a-f]{8}\.tmp$")
 
 
 class StorageError(CacheError):
@@ -68,9 +63,144 @@ class StorageError(CacheError):
     exit_status = 2
 
 
-def private_root() -> str:
-    """Where :func:`private_dir` makes its directories: ``$TE_THD_TMPDIR``, else ``<tempdir>/te_thd``."""
-    return os.environ.get(TMPDIR_VAR) or os.path.join(tempfile.gettempdir(), "te_thd")
+def temp_path_for(path: str) -> str:
+    """A sibling temp name for ``path`` unique to this process and call."""
+    head, tail = os.path.split(path)
+    return os.path.join(head, f".{tail}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
+
+
+def fsync(path: str) -> None:
+    """Flush file ``path``'s data, or directory ``path``'s entries (creations, renames, unlinks), to stable storage."""
+    fd = os.open(path or ".", os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def commit_temp(tmp_path: str, path: str, fsync_directory: bool = True) -> str:
+    """Fsync ``tmp_path``, rename it over ``path``, fsync the directory; returns ``path``. The data is
+    on stable storage before the name points at it: no crash exposes a torn file. ``fsync_directory=False``
+    leaves the rename to a later :func:`fsync` of the directory (the writer batches it)."""
+    try:
+        fsync(tmp_path)
+        os.replace(tmp_path, path)
+    except BaseException:
+        unlink_quietly(tmp_path)
+        raise
+    if fsync_directory:
+        fsync(os.path.dirname(path))
+    return path
+
+
+def unlink_quietly(path: str) -> None:
+    """Remove ``path`` if it exists."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def atomic_write(path: str, write_fn: Callable[[str], object]) -> str:
+    """``write_fn(tmp_path)`` writes the complete content to a sibling temp file that then replaces
+    ``path`` (a reader sees the old file or the new one, never a mix); if it raises, ``path`` is untouched."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    tmp_path = temp_path_for(path)
+    try:
+        write_fn(tmp_path)
+    except BaseException:
+        unlink_quietly(tmp_path)
+        raise
+    return commit_temp(tmp_path, path)
+
+
+def atomic_write_bytes(path: str, data: bytes) -> str:
+    """:func:`atomic_write` of the bytes ``data`` (a manifest, a run record, a lengths file)."""
+    return atomic_write(path, lambda tmp_path: pathlib.Path(tmp_path).write_bytes(data))
+
+
+def remove_stale_temp_files(cache_dir: str) -> list[str]:
+    """Delete temp files left by killed writers; returns the removed paths. Only safe while holding
+    the :class:`ProducerLock` of ``cache_dir`` (a live writer's temp file looks like a dead one's)."""
+    names = sorted(os.listdir(cache_dir)) if os.path.isdir(cache_dir) else []
+    removed = [os.path.join(cache_dir, name) for name in names if TEMP_RE.match(name)]
+    for path in removed:
+        unlink_quietly(path)
+    if removed:
+        fsync(cache_dir)
+    return removed
+
+
+class ProducerLock:
+    """Exclusive, crash-released lock on a cache directory (``with ProducerLock(d): ...``).
+    ``acquire`` never waits: another holder is a :class:`CacheLockError` naming its pid and host
+    (read from the lock file, informational only: the flock is the lock)."""
+
+    def __init__(self, cache_dir: str) -> None:
+        self.cache_dir = cache_dir
+        self.path = os.path.join(cache_dir, LOCK_NAME)
+        self._fd: int | None = None
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def acquire(self) -> ProducerLock:
+        if self._fd is not None:
+            return self
+        os.makedirs(self.cache_dir, exist_ok=True)
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as exc:
+                os.close(fd)
+                if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                    try:  # the holder's record: informational only, the flock is the lock
+                        record = json.loads(pathlib.Path(self.path).read_bytes() or b"{}")
+                        holder = f"pid {record['pid']} on host {record['host']}"
+                    except (OSError, ValueError, KeyError, TypeError):
+                        holder = "holder unknown"
+                    raise CacheLockError(
+                        f"output_dir {self.cache_dir} is held by another producer "
+                        f"({holder}; lock file {self.path}). Two producers "
+                        "writing one cache would interleave shards: wait for it to finish, "
+                        "stop it, or choose another output_dir."
+                    ) from None
+                raise CacheLockError(
+                    f"cannot lock {self.path}: {exc}. The filesystem of output_dir does not "
+                    "support flock (NFS needs v4, Lustre needs '-o flock'); use a local or "
+                    "lock-capable directory, or pass lock=False if you guarantee a single producer."
+                ) from None
+            # the previous holder may have unlinked the file between our open and flock: retry on the live one
+            try:
+                same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)
+        info = json.dumps({"pid": os.getpid(), "host": socket.gethostname()}).encode()
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, info, 0)
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        if self._fd is None:
+            return
+        fd, self._fd = self._fd, None
+        try:
+            unlink_quietly(self.path)  # while still holding the flock: nobody locks an inode we remove
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+
+    def __enter__(self) -> ProducerLock:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
 
 
 def start_time(pid: int) -> int:
@@ -97,11 +227,14 @@ def process_alive(pid: object, started: int = 0) -> bool:
 
 
 def private_dir(kind: str, owner: object) -> str:
-    """A new local directory of this process (``kind``: what it holds, e.g. ``"s3"``) under
-    :func:`private_root`, removed when ``owner`` is collected or this interpreter exits
-    (``weakref.finalize``: a pickled copy of ``owner`` in another process does not remove it). The
-    directories that dead owners on this host left there are removed first."""
-    root, host = private_root(), socket.gethostname()
+    """A new local directory of this process for a store's own files (a reader's private read-through
+    copy, a producer's staging; ``kind``: what it holds, e.g. ``"s3"``) under ``$TE_THD_TMPDIR``
+    (default ``<tempdir>/te_thd``), named ``<kind>-<host>-<pid>-<start time>-<random>``. Removed when
+    ``owner`` is collected or this interpreter exits (``weakref.finalize``: a pickled copy of ``owner``
+    in another process does not remove it); what a killed owner left, by the next process on its host
+    that makes one (its pid is gone, or was reused: the start time differs)."""
+    root = os.environ.get("TE_THD_TMPDIR") or os.path.join(tempfile.gettempdir(), "te_thd")
+    host = socket.gethostname()
     os.makedirs(root, exist_ok=True)
     for name in os.listdir(root):
         m = _PRIVATE.match(name)
@@ -241,7 +374,7 @@ class LocalDirectory(Storage):
     def delete(self, obj: str) -> None:
         if os.path.exists(self.display(obj)):
             unlink_quietly(self.display(obj))
-            fsync_dir(self.name)
+            fsync(self.name)
 
     @property
     def work_dir(self) -> str:
@@ -251,7 +384,7 @@ class LocalDirectory(Storage):
         return commit_temp(tmp_path, self.display(obj), fsync_directory=False)
 
     def flush(self) -> None:
-        fsync_dir(self.name)
+        fsync(self.name)
 
     def readable(self, obj: str) -> tuple[str, Fetch | None]:
         return self.display(obj), None
@@ -266,8 +399,8 @@ class LocalDirectory(Storage):
             while os.path.exists(os.path.join(aside, name)):  # what an earlier repair set aside is kept too
                 name, n = f"{obj}.{n}", n + 1
             os.replace(self.display(obj), os.path.join(aside, name))
-        fsync_dir(aside)
-        fsync_dir(self.name)
+        fsync(aside)
+        fsync(self.name)
         return aside
 
     def lock(self) -> ProducerLock:
@@ -325,9 +458,8 @@ def _libc_fallocate() -> Any:
     return fn
 
 
-
 #: the implementation of each URL scheme te_thd reads and writes (``module:class``, imported when a
-#: cache of that scheme is opened: its client is an optional extra); a path without a scheme is local
+#: cache of that scheme is opened)
 SCHEMES: dict[str, str] = {"s3": "te_thd.offline_cache.s3:S3Prefix", "msc": "te_thd.offline_cache.msc:MSCPrefix"}
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*):")
 #: per scheme: the URL's form, the rule its first part (after ``//``) must meet, and what that part is

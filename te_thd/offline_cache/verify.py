@@ -16,7 +16,6 @@
 from __future__ import annotations
 
 import os
-import shlex
 import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -25,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from te_thd.args import is_int
-from te_thd.offline_cache.errors import CacheIntegrityError, repair_hint
+from te_thd.offline_cache.errors import CacheIntegrityError, cache_command, repair_hint
 from te_thd.offline_cache.format import (
     CacheSchema,
     manifest_path,
@@ -214,7 +213,7 @@ def _what_was_checked(cache_dir: str, deep: bool, records: bool, sums: int, n: i
     not_checked = []
     checked.append("shard sizes against the manifest" if records else "shard presence only (the manifest records no sizes)")
     if not deep:
-        not_checked.append(f"shard headers and contents (a full verify reads them: `te-thd cache verify {shlex.quote(cache_dir)}`)")
+        not_checked.append(f"shard headers and contents (a full verify reads them: {cache_command('verify', cache_dir)})")
         return checked, not_checked
     checked.append("every shard header against the schema and row counts")
     if sums == n:
@@ -365,7 +364,7 @@ def _lengths_line(cache_dir: str, rule: LengthRule | None, deep: bool) -> str:
         return f"recorded ({rule.describe()}), checked against the data"
     return (
         f"recorded ({rule.describe()}), covered by the manifest checksum; a full verify checks them "
-        f"against the data: `te-thd cache verify {shlex.quote(cache_dir)}`"
+        f"against the data: {cache_command('verify', cache_dir)}"
     )
 
 

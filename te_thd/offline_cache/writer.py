@@ -27,7 +27,6 @@ from typing import Any, NamedTuple
 import torch
 
 from te_thd.args import check_int
-from te_thd.offline_cache.durable import temp_path_for
 from te_thd.offline_cache.errors import SchemaError
 from te_thd.offline_cache.format import (
     DTYPE_TO_ST,
@@ -42,7 +41,7 @@ from te_thd.offline_cache.format import (
 from te_thd.offline_cache.lengths import LENGTH_RULE_KEY, LengthRule, for_tensor
 from te_thd.offline_cache.ragged import TOKEN_LAYOUT_KEY, TokenLayout, check_token_schema
 from te_thd.offline_cache.shardfile import ShardRecord, ShardStream
-from te_thd.offline_cache.storage import Storage, open_storage
+from te_thd.offline_cache.storage import Storage, open_storage, temp_path_for
 
 WriteShardFn = Callable[[str, int, dict[str, torch.Tensor]], str]
 
