@@ -24,7 +24,7 @@ from te_thd.offline_cache import (
     verify_cache,
     write_manifest,
 )
-from te_thd.offline_cache.errors import CacheIntegrityError, ManifestError, UnverifiedCacheWarning
+from te_thd.offline_cache.format import CacheIntegrityError, ManifestError, UnverifiedCacheWarning
 from te_thd.offline_cache.lengths import LengthRule, recorded_lengths
 from te_thd.offline_cache.loader import (
     cache_lengths,
@@ -106,7 +106,7 @@ def test_tampered_length_is_detected(tmp_path: Path) -> None:
         write_manifest(str(tmp_path), m, m["format_version"])
 
 
-@pytest.mark.filterwarnings("always::te_thd.offline_cache.errors.UnverifiedCacheWarning")
+@pytest.mark.filterwarnings("always::te_thd.offline_cache.format.UnverifiedCacheWarning")
 def test_reference_cache_scanned_once_kept_reused_and_invalidated(tmp_path: Path, recwarn: pytest.WarningsRecorder) -> None:
     """A reference-format cache (no checksums: its reads warn, asserted at the end) is scanned once."""
     tensors = make_cache(str(tmp_path), 19, 6, producer=False)
@@ -142,7 +142,7 @@ def test_reference_cache_scanned_once_kept_reused_and_invalidated(tmp_path: Path
 
 _READ_ONLY = """
 import sys
-from te_thd.offline_cache.errors import CacheError
+from te_thd.offline_cache.format import CacheError
 from te_thd.offline_cache.loader import cache_lengths
 try:
     cache_lengths(sys.argv[1], "test")
@@ -177,7 +177,7 @@ def test_read_only_cache_without_lengths_says_how_to_add_them(tmp_path: Path) ->
 
 
 @pytest.mark.parametrize("producer", [True, False])
-@pytest.mark.filterwarnings("always::te_thd.offline_cache.errors.UnverifiedCacheWarning")
+@pytest.mark.filterwarnings("always::te_thd.offline_cache.format.UnverifiedCacheWarning")
 def test_balanced_loader_uses_recorded_or_kept_lengths(tmp_path: Path, producer: bool, recwarn) -> None:
     tensors = sample_tensors(24, seed=5)
     if producer:  # lengths recorded from the key the collator packs by

@@ -278,7 +278,7 @@ def test_compute_batch_returning_a_tensor(tmp_path: Path) -> None:
 
 def test_a_rerun_with_other_options_names_only_the_fields_that_differ(tmp_path: Path) -> None:
     """The refusal names each differing field with both values, not both option dicts."""
-    from te_thd.offline_cache.errors import CacheError
+    from te_thd.offline_cache.format import CacheError
 
     many = {f"opt_{i}": "x" * 40 for i in range(30)}
     loader = DataLoader(IndexDataset(4), batch_size=2)
@@ -294,7 +294,7 @@ def test_a_rerun_with_other_options_names_only_the_fields_that_differ(tmp_path: 
 def test_a_rerun_names_what_changed_first_and_cuts_long_values(tmp_path: Path) -> None:
     """A recorded command line differs whenever any argument does: it is cut to the item that differs and
     listed after the fields themselves, however they sort."""
-    from te_thd.offline_cache.errors import CacheError
+    from te_thd.offline_cache.format import CacheError
 
     loader = DataLoader(IndexDataset(4), batch_size=2)
     compute = lambda b: {"h": b["idx"].float()[:, None]}  # noqa: E731

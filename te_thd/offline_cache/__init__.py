@@ -4,7 +4,7 @@ Every name of the reference module (NeMo AutoModel's
 ``components/datasets/llm/offline_cache``) is here with the same signature, so
 only the import changes. Modules, by layer:
 
-- format: ``format`` (paths, dtypes, schema), ``errors``, ``integrity`` (checksums),
+- format: ``format`` (paths, dtypes, schema, the errors), ``integrity`` (checksums),
   ``ragged`` (the token layout and its codecs), ``shardfile`` (the one shard serialiser of
   both layouts), ``shardheader`` (a shard's header read back and checked), ``manifest``,
   ``lengths``;
@@ -31,7 +31,10 @@ from __future__ import annotations
 
 from torch.utils.data import DataLoader as DataLoader
 
-from .errors import (
+from .follow import FollowTimeoutError
+from .format import (
+    MANIFEST_NAME,
+    SHARD_RE,
     CacheError,
     CacheIntegrityError,
     CacheLockError,
@@ -39,16 +42,9 @@ from .errors import (
     ManifestNotFoundError,
     SchemaError,
     UnverifiedCacheWarning,
-)
-from .follow import FollowTimeoutError
-from .format import (
-    MANIFEST_NAME,
-    SHARD_RE,
-    existing_shard_indices,
     load_safetensors,
     manifest_path,
     shard_path,
-    validate_contiguous_shards,
 )
 from .format import TensorSpec as TensorSpec
 from .format import safe_import_from as safe_import_from
@@ -71,7 +67,7 @@ from .storage import ProducerLock as ProducerLock
 from .storage import atomic_write
 from .storage import remove_stale_temp_files as remove_stale_temp_files
 from .thd_collate import CachedThdCollator, collate_cached
-from .verify import cache_info, verify_cache
+from .verify import cache_info, existing_shard_indices, validate_contiguous_shards, verify_cache
 from .verify import check_cache_files as check_cache_files
 from .writer import DurableShardWriter, write_tensor_shard
 

@@ -19,7 +19,7 @@ import json
 import sys
 from typing import Any
 
-from te_thd.offline_cache.errors import PRODUCE_CACHE_HINT, CacheError
+from te_thd.offline_cache.format import PRODUCE_CACHE_HINT, CacheError
 from te_thd.offline_cache.plan import (
     CacheSpec,
     default_token_keys,

@@ -22,11 +22,13 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-from te_thd.offline_cache.errors import CacheError, CacheIntegrityError, ManifestNotFoundError
 from te_thd.offline_cache.format import (
     MANIFEST_NAME,
     SHARD_RE,
+    CacheError,
+    CacheIntegrityError,
     CacheSchema,
+    ManifestNotFoundError,
     TensorSpec,
     schema_to_json,
     shard_name,

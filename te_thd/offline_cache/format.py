@@ -1,4 +1,4 @@
-"""On-disk format of the offline cache: paths, dtypes, schema, shard layout.
+"""On-disk format of the offline cache: paths, dtypes, schema, shard layout; the errors that name them.
 
 A cache directory holds::
 
@@ -31,6 +31,7 @@ import json
 import math
 import os
 import re
+import shlex
 import zlib
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -39,8 +40,6 @@ from typing import Any
 import torch
 
 from te_thd.args import check_int, is_int
-from te_thd.offline_cache.errors import CacheIntegrityError, repair_hint
-from te_thd.offline_cache.storage import open_storage
 
 MANIFEST_NAME = "manifest.json"
 SHARD_RE = re.compile(r"^shard-(\d{6})\.safetensors$")
@@ -249,45 +248,112 @@ def format_indices(indices: Iterable[int], limit: int = 8) -> str:
     return ", ".join(text) if text else "none"
 
 
-def existing_shard_indices(cache_dir: str) -> set[int]:
-    """Return the shard indices already present in ``cache_dir``.
-
-    Only names matching :data:`SHARD_RE` count; temp files, the lock and any
-    foreign file are ignored.
-    """
-    return {int(m.group(1)) for name in open_storage(cache_dir).list() if (m := SHARD_RE.match(name))}
+# -- errors: every one a ValueError (the reference raised plain ValueError, so its callers keep
+# catching them); messages name the file or argument, what is wrong, and what to run to fix it --
 
 
-def validate_contiguous_shards(
-    cache_dir: str, cache_name: str, num_samples: int, shard_size: int, *, producer: str | None = None
-) -> list[int]:
-    """Return shard indices, requiring exactly ``0..N-1`` for the manifest size.
+#: What a Python user re-runs when the caller named no producer command.
+PRODUCE_CACHE_HINT = (
+    "the `te_thd.offline_cache.produce_cache(...)` call that built it (resume=True, the default, "
+    "computes only the missing shards)"
+)
 
-    Raises :class:`CacheIntegrityError` naming the missing files (gaps) and the
-    extra ones (indices ``>= N``, e.g. left over from a larger earlier run).
-    ``producer`` (te_thd extension): the command that re-runs the producer, named in the message.
-    """
-    expected = num_shards(num_samples, shard_size)
-    present = existing_shard_indices(cache_dir)
-    missing = sorted(set(range(expected)) - present)
-    extra = sorted(i for i in present if i >= expected)
-    if missing or extra:
-        parts = []
-        if missing:
-            parts.append(
-                f"missing shard indices {format_indices(missing)} "
-                f"(e.g. {os.path.basename(shard_path(cache_dir, missing[0]))})"
-            )
-        if extra:
-            parts.append(
-                f"extra shard indices {format_indices(extra)} beyond the declared {expected} "
-                f"(e.g. {os.path.basename(shard_path(cache_dir, extra[0]))})"
-            )
-        first = missing[0] if missing else extra[0]
-        raise CacheIntegrityError(
-            f"{cache_name} cache at {cache_dir} declares {num_samples} samples in {expected} "
-            f"shards of {shard_size}, but has {'; '.join(parts)}. Move shards that do not belong to "
-            f"this cache away. {repair_hint(cache_dir, producer)}",
-            path=shard_path(cache_dir, first),
+
+def producer_hint(producer: str | None) -> str:
+    """``producer`` (a command the caller gave, e.g. its script line) or :data:`PRODUCE_CACHE_HINT`."""
+    return producer or PRODUCE_CACHE_HINT
+
+
+def cache_command(verb: str, cache_dir: str, *flags: str) -> str:
+    """The ``te-thd cache`` command ``verb`` of ``cache_dir`` (quoted for a shell), in backticks as
+    messages print it: the one place every hint that names such a command builds it."""
+    return f"`{' '.join(('te-thd cache', verb, shlex.quote(cache_dir), *flags))}`"
+
+
+def repair_hint(cache_dir: str, producer: str | None = None) -> str:
+    """The repair instruction of a cache with damaged shards; every command in it runs as printed."""
+    return (
+        f"Repair: {cache_command('repair', cache_dir)} (sets the damaged shards aside and "
+        f"reopens the cache for a resume), then re-run {producer_hint(producer)}."
+    )
+
+
+def lost_manifest(path: str, cache_dir: str, cache_name: str, shards: int, producer: str | None) -> ManifestNotFoundError:
+    """The error of a cache with no manifest at ``path``: with ``shards`` shard files in ``cache_dir``,
+    the command that rebuilds it from them; else what builds the cache."""
+    if shards:
+        return ManifestNotFoundError(
+            f"{cache_name} cache manifest not found at {path}, but {cache_dir} holds {shards} shard(s): the manifest "
+            "was lost, or the cache was never finished. Rebuild it from the shards: "
+            f"{cache_command('repair', cache_dir)} (it verifies every shard; when one is missing it prints the producer command "
+            "that computes it)."
         )
-    return list(range(expected))
+    build = producer or "its producer (e.g. `te_thd.offline_cache.produce_cache(...)`)"
+    return ManifestNotFoundError(
+        f"{cache_name} cache manifest not found at {path}, and {cache_dir} holds no shards: the cache was never "
+        f"finished there. Build it with {build}, or point cache_dir at a finished cache."
+    )
+
+
+def rebuild_manifest_hint(path: str) -> str:
+    """What to do about the damaged manifest at ``path``: restore it, or rebuild it from the shards."""
+    cache_dir = os.path.dirname(path) or "."
+    return (
+        f"Restore {os.path.basename(path)} from a copy, or rebuild it from the shards: "
+        f"{cache_command('repair', cache_dir)} (it verifies every shard and keeps the damaged file)."
+    )
+
+
+class CacheError(ValueError):
+    """Base class of every offline-cache error."""
+
+
+class ManifestError(CacheError):
+    """``manifest.json`` is missing, unreadable, or does not match what the caller expects."""
+
+
+class ManifestNotFoundError(ManifestError, FileNotFoundError):
+    """No ``manifest.json``: the cache was never finished (or the path is wrong).
+
+    Also a ``FileNotFoundError``, which is what the reference module raised.
+    """
+
+
+class CacheIntegrityError(CacheError):
+    """A shard is missing, extra, truncated, or its bytes/schema differ from what was written.
+
+    ``path`` is the offending file (or the cache directory when the problem is the
+    set of shards as a whole). A failed row checksum also sets ``sample`` (the
+    global sample index), ``key``, ``expected`` and ``actual`` (the checksums).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        path: str | None = None,
+        *,
+        sample: int | None = None,
+        key: str | None = None,
+        expected: str | None = None,
+        actual: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.path = path
+        self.sample, self.key, self.expected, self.actual = sample, key, expected, actual
+
+
+def unreadable_shard(path: str, why: BaseException, repair: str, by: str = "") -> CacheIntegrityError:
+    """The error of a shard that could not be read (``by``: e.g. " by safetensors"), naming it, why, and the repair."""
+    return CacheIntegrityError(f"shard {path} cannot be read{by} ({why}). {repair}", path=path)
+
+
+class SchemaError(CacheError):
+    """Tensors handed to the writer do not match the cache's key/dtype/shape schema."""
+
+
+class CacheLockError(CacheError):
+    """Another producer holds the output directory."""
+
+
+class UnverifiedCacheWarning(UserWarning):
+    """A cache is read without checksums: its shards predate self-verifying shards (or verification is off)."""

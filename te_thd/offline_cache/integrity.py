@@ -47,8 +47,7 @@ import torch
 import xxhash
 
 from te_thd.args import is_int
-from te_thd.offline_cache.errors import CacheIntegrityError
-from te_thd.offline_cache.format import canonical_json
+from te_thd.offline_cache.format import CacheIntegrityError, canonical_json
 
 #: Version of the self-verifying shard fields (the manifest's ``layout_version`` from this on).
 SHARD_LAYOUT = 3

@@ -36,8 +36,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from ..args import check_int
 from ..balance import DEFAULT_ATTN_SCALE
-from .errors import CacheError
-from .format import json_crc32
+from .format import CacheError, json_crc32
 from .lengths import (
     DEFAULT_LENGTH_KEY,
     LengthRule,

@@ -26,8 +26,13 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Subset
 
 from te_thd.args import check_int
-from te_thd.offline_cache.errors import SchemaError
-from te_thd.offline_cache.format import check_shard_size, format_indices, shard_layout, shard_rows
+from te_thd.offline_cache.format import (
+    SchemaError,
+    check_shard_size,
+    format_indices,
+    shard_layout,
+    shard_rows,
+)
 from te_thd.offline_cache.integrity import on_cpu
 from te_thd.offline_cache.writer import DurableShardWriter, WriteShardFn, validate_shard_tensors
 

@@ -56,23 +56,21 @@ from typing import Any
 
 from te_thd._checkout import checkout_file
 from te_thd.args import check_int, is_int
-from te_thd.offline_cache.errors import (
-    CacheIntegrityError,
-    ManifestError,
-    ManifestNotFoundError,
-    lost_manifest,
-    producer_hint,
-    rebuild_manifest_hint,
-)
 from te_thd.offline_cache.format import (
     CHECKSUM_ALGORITHM,
     MANIFEST_NAME,
     MAX_SHARDS,
     SHARD_RE,
+    CacheIntegrityError,
     CacheSchema,
+    ManifestError,
+    ManifestNotFoundError,
     json_crc32,
+    lost_manifest,
     manifest_path,
     num_shards,
+    producer_hint,
+    rebuild_manifest_hint,
     schema_from_json,
     shard_name,
     shard_rows,

@@ -39,14 +39,14 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader
 
 from te_thd.args import check_names
-from te_thd.offline_cache.errors import CacheError, SchemaError
 from te_thd.offline_cache.follow import FOLLOW_NAME, follow_record
 from te_thd.offline_cache.format import (
     MANIFEST_NAME,
     MAX_SHARDS,
+    CacheError,
     CacheSchema,
+    SchemaError,
     check_shard_size,
-    existing_shard_indices,
     format_indices,
     num_shards,
     schema_to_json,
@@ -76,6 +76,7 @@ from te_thd.offline_cache.producer_state import (
 from te_thd.offline_cache.ragged import TokenLayout, check_token_keys
 from te_thd.offline_cache.shardfile import ShardRecord
 from te_thd.offline_cache.storage import Lock, Storage, open_storage
+from te_thd.offline_cache.verify import existing_shard_indices
 from te_thd.offline_cache.writer import DurableShardWriter
 
 _log = logging.getLogger("te_thd.offline_cache")

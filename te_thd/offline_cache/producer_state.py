@@ -19,12 +19,14 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from te_thd.offline_cache.errors import CacheError, CacheIntegrityError, SchemaError, cache_command
 from te_thd.offline_cache.format import (
     MANIFEST_NAME,
     SHARD_RE,
+    CacheError,
+    CacheIntegrityError,
     CacheSchema,
-    existing_shard_indices,
+    SchemaError,
+    cache_command,
     format_indices,
     num_shards,
     schema_from_json,
@@ -45,6 +47,7 @@ from te_thd.offline_cache.shardheader import read_shard_header, schema_of_header
 from te_thd.offline_cache.storage import open_storage
 from te_thd.offline_cache.verify import (
     check_cache_files,
+    existing_shard_indices,
     shard_size_errors,
     verify_shard_file,
 )

@@ -7,11 +7,9 @@ and key (``readplan``), copied straight into the batch tensors by ``read_threads
 threads and verified by the thread that copied them (``readexec``). Only the bytes a
 batch needs are read, and the source stays file-backed page cache.
 
-A process keeps one cache of open shards (``readplan.OpenShards``), its own (keyed by
-``os.getpid()``, dropped on pickling), so DataLoader workers open their own. A shard is
-checked when this process opens it (``shardheader.check_shard_header``: layout, digests,
-the manifest's schema); every row a read copies is verified against its checksums.
-Failures are :class:`CacheIntegrityError` naming the shard.
+Each process keeps its own open shards (``readplan.OpenShards``: DataLoader workers open
+theirs), each checked when opened (``shardheader.check_shard_header``); every row a read
+copies is verified against its checksums, a failure naming the shard.
 """
 
 from __future__ import annotations
@@ -26,16 +24,19 @@ import torch
 from torch.utils.data import Dataset, get_worker_info
 
 from ..args import check_int, check_names
-from .errors import CacheIntegrityError, UnverifiedCacheWarning, repair_hint, unreadable_shard
 from .follow import DEFAULT_FOLLOW_TIMEOUT, Follower, open_followed
 from .format import (
     SHARD_RE,
+    CacheIntegrityError,
     TensorSpec,
+    UnverifiedCacheWarning,
     load_safetensors,
     manifest_path,
     num_shards,
+    repair_hint,
     shard_name,
     shard_rows,
+    unreadable_shard,
 )
 from .integrity import ShardSums, verify_rows
 from .manifest import manifest_schema, producer_command, read_manifest, shard_records

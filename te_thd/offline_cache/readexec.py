@@ -21,8 +21,7 @@ import numpy as np
 import torch
 
 from te_thd.args import check_int
-from te_thd.offline_cache.errors import unreadable_shard
-from te_thd.offline_cache.format import tensor_nbytes
+from te_thd.offline_cache.format import tensor_nbytes, unreadable_shard
 
 __all__ = [
     "DestinationBuffers",

@@ -27,8 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from te_thd.offline_cache.errors import CacheIntegrityError
-from te_thd.offline_cache.format import tensor_nbytes
+from te_thd.offline_cache.format import CacheIntegrityError, tensor_nbytes
 from te_thd.offline_cache.integrity import ShardSums, row_views, verify_row_views
 from te_thd.offline_cache.readexec import AfterRead, GatherPiece, Piece, advise
 from te_thd.offline_cache.shardheader import HeaderEntry, ShardHeader

@@ -20,19 +20,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from te_thd.args import is_int
-from te_thd.offline_cache.errors import (
-    CacheIntegrityError,
-    ManifestError,
-    cache_command,
-    producer_hint,
-)
 from te_thd.offline_cache.format import (
     MANIFEST_NAME,
+    CacheIntegrityError,
     CacheSchema,
+    ManifestError,
+    cache_command,
     canonical_json,
-    existing_shard_indices,
     format_indices,
     num_shards,
+    producer_hint,
     schema_to_json,
     shard_name,
     shard_rows,
@@ -58,7 +55,7 @@ from te_thd.offline_cache.ragged import TokenLayout
 from te_thd.offline_cache.shardfile import ShardRecord
 from te_thd.offline_cache.shardheader import ShardHeader, read_shard_header, schema_of_header
 from te_thd.offline_cache.storage import Storage, open_storage
-from te_thd.offline_cache.verify import shard_problem, verify_shards
+from te_thd.offline_cache.verify import existing_shard_indices, shard_problem, verify_shards
 
 #: What a caller passes back when the shards cannot tell it: repair_cache's keyword -> its CLI flag.
 REBUILD_ARGS = {

@@ -44,8 +44,7 @@ from typing import Any
 import numpy as np
 
 from te_thd.offline_cache import storage
-from te_thd.offline_cache.errors import CacheLockError, cache_command
-from te_thd.offline_cache.format import MANIFEST_NAME, SHARD_RE
+from te_thd.offline_cache.format import MANIFEST_NAME, SHARD_RE, CacheLockError, cache_command
 from te_thd.offline_cache.storage import LOCK_NAME, atomic_write_bytes, unlink_quietly
 
 

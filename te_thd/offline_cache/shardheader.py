@@ -17,8 +17,13 @@ from dataclasses import dataclass
 
 import torch
 
-from te_thd.offline_cache.errors import CacheIntegrityError
-from te_thd.offline_cache.format import ST_TO_DTYPE, TensorSpec, dtype_name, tensor_nbytes
+from te_thd.offline_cache.format import (
+    ST_TO_DTYPE,
+    CacheIntegrityError,
+    TensorSpec,
+    dtype_name,
+    tensor_nbytes,
+)
 from te_thd.offline_cache.integrity import (
     HASH_NAME,
     ShardSums,

@@ -43,7 +43,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from te_thd.offline_cache.errors import (
+from te_thd.offline_cache.format import (
     CacheError,
     CacheLockError,
     ManifestError,

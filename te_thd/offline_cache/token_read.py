@@ -22,8 +22,7 @@ import numpy as np
 import torch
 import xxhash
 
-from te_thd.offline_cache.errors import CacheIntegrityError
-from te_thd.offline_cache.format import TensorSpec
+from te_thd.offline_cache.format import CacheIntegrityError, TensorSpec
 from te_thd.offline_cache.integrity import HASH_NAME, name_row
 from te_thd.offline_cache.ragged import (
     BLOCK_SUMS,

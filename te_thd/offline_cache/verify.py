@@ -24,14 +24,18 @@ from typing import Any
 import numpy as np
 
 from te_thd.args import is_int
-from te_thd.offline_cache.errors import CacheIntegrityError, cache_command, repair_hint
 from te_thd.offline_cache.format import (
+    SHARD_RE,
+    CacheIntegrityError,
     CacheSchema,
+    cache_command,
+    format_indices,
     manifest_path,
     num_shards,
+    repair_hint,
     shard_name,
+    shard_path,
     shard_rows,
-    validate_contiguous_shards,
 )
 from te_thd.offline_cache.integrity import HASH_NAME, byte_row_sums, name_row, shard_checksum
 from te_thd.offline_cache.lengths import LengthRule, read_shard_lengths, recorded_rule
@@ -48,6 +52,50 @@ from te_thd.offline_cache.ragged import TOKEN_LAYOUT_KEY, TokenLayout, describe_
 from te_thd.offline_cache.shardheader import ShardHeader, check_shard_header
 from te_thd.offline_cache.storage import open_storage
 from te_thd.offline_cache.token_read import check_token_blocks
+
+
+def existing_shard_indices(cache_dir: str) -> set[int]:
+    """Return the shard indices already present in ``cache_dir``.
+
+    Only names matching :data:`SHARD_RE` count; temp files, the lock and any
+    foreign file are ignored.
+    """
+    return {int(m.group(1)) for name in open_storage(cache_dir).list() if (m := SHARD_RE.match(name))}
+
+
+def validate_contiguous_shards(
+    cache_dir: str, cache_name: str, num_samples: int, shard_size: int, *, producer: str | None = None
+) -> list[int]:
+    """Return shard indices, requiring exactly ``0..N-1`` for the manifest size.
+
+    Raises :class:`CacheIntegrityError` naming the missing files (gaps) and the
+    extra ones (indices ``>= N``, e.g. left over from a larger earlier run).
+    ``producer`` (te_thd extension): the command that re-runs the producer, named in the message.
+    """
+    expected = num_shards(num_samples, shard_size)
+    present = existing_shard_indices(cache_dir)
+    missing = sorted(set(range(expected)) - present)
+    extra = sorted(i for i in present if i >= expected)
+    if missing or extra:
+        parts = []
+        if missing:
+            parts.append(
+                f"missing shard indices {format_indices(missing)} "
+                f"(e.g. {os.path.basename(shard_path(cache_dir, missing[0]))})"
+            )
+        if extra:
+            parts.append(
+                f"extra shard indices {format_indices(extra)} beyond the declared {expected} "
+                f"(e.g. {os.path.basename(shard_path(cache_dir, extra[0]))})"
+            )
+        first = missing[0] if missing else extra[0]
+        raise CacheIntegrityError(
+            f"{cache_name} cache at {cache_dir} declares {num_samples} samples in {expected} "
+            f"shards of {shard_size}, but has {'; '.join(parts)}. Move shards that do not belong to "
+            f"this cache away. {repair_hint(cache_dir, producer)}",
+            path=shard_path(cache_dir, first),
+        )
+    return list(range(expected))
 
 
 def check_cache_files(

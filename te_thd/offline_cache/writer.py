@@ -27,10 +27,10 @@ from typing import Any, NamedTuple
 import torch
 
 from te_thd.args import check_int
-from te_thd.offline_cache.errors import SchemaError
 from te_thd.offline_cache.format import (
     DTYPE_TO_ST,
     CacheSchema,
+    SchemaError,
     TensorSpec,
     load_safetensors,
     schema_to_json,
