@@ -101,7 +101,7 @@ class CachedTensorDataset(Dataset):
             filesystem: the hint reads the whole shard on every node.
         read_threads: threads that copy (and verify) a batch of at least
             ``readexec.PARALLEL_MIN_BYTES``. ``None`` (default): 2 in the main process
-            on 2+ CPUs (``readexec.default_read_threads``), 1 inside DataLoader
+            on 3+ CPUs (``readexec.default_read_threads``), 1 inside DataLoader
             workers, which are the parallelism there. 1: the calling thread only.
         follow: open a cache whose producer may still be running (docs/follow.md): until
             the manifest appears, the producer's follow record stands in for it and a read
