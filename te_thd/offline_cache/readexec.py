@@ -114,24 +114,24 @@ class ReadError(OSError):
 
 def read_piece(piece: Piece | GatherPiece) -> None:
     """Read ``piece`` and run its ``after``; a failed read raises :class:`ReadError`."""
-    if type(piece) is GatherPiece:
-        m = piece.dst.shape[0]
-        if piece.rows is None:
-            piece.dst.copy_(piece.src[piece.first : piece.first + m])
-        else:
-            torch.index_select(piece.src, 0, piece.rows, out=piece.dst)
-    else:
+    if type(piece) is Piece:
         try:
-            _preadv_all(piece.fd, piece.iov, piece.offset, piece.nbytes)
+            got = os.preadv(piece.fd, piece.iov, piece.offset)
+            if got != piece.nbytes:
+                _preadv_rest(piece.fd, piece.iov, piece.offset, piece.nbytes, got)
         except OSError as exc:
             raise ReadError(piece.path, str(exc)) from exc
+    elif piece.rows is None:
+        piece.dst.copy_(piece.src[piece.first : piece.first + piece.dst.shape[0]])
+    else:
+        torch.index_select(piece.src, 0, piece.rows, out=piece.dst)
     if piece.after is not None:
         piece.after(*piece.args)
 
 
-def _preadv_all(fd: int, iov: list[memoryview], offset: int, want: int) -> None:
-    """``os.preadv`` until every iovec (``want`` bytes in all) is full (a large read may return short)."""
-    got = os.preadv(fd, iov, offset)
+def _preadv_rest(fd: int, iov: list[memoryview], offset: int, want: int, got: int) -> None:
+    """``os.preadv`` until every iovec (``want`` bytes in all, ``got`` of them read) is full (a large
+    read may return short)."""
     while got < want:
         if got == 0:
             raise OSError(f"file ended at byte {offset} while reading {want} bytes (truncated after open?)")
