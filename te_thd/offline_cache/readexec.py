@@ -130,8 +130,7 @@ def read_piece(piece: Piece | GatherPiece) -> None:
 
 
 def _preadv_rest(fd: int, iov: list[memoryview], offset: int, want: int, got: int) -> None:
-    """``os.preadv`` until every iovec (``want`` bytes in all, ``got`` of them read) is full (a large
-    read may return short)."""
+    """``os.preadv`` until all ``want`` bytes of the iovecs (``got`` read so far) are in: a read may return short."""
     while got < want:
         if got == 0:
             raise OSError(f"file ended at byte {offset} while reading {want} bytes (truncated after open?)")
@@ -160,9 +159,8 @@ def default_read_threads() -> int:
     Two, not one per CPU: a training process needs its other cores for itself
     (CUDA launches, the step's own CPU work), and two copy threads already take
     a large share of a socket's memory bandwidth on a copy that lasts a millisecond.
-    One on 2 CPUs: there the second core is the rest of the process's (and the
-    machine's) only other one, and a helper that waits for it costs the batch more
-    than its copy saves (docs/performance-io.md).
+    One on 2 CPUs: the other core is the rest of the machine's, and a helper waiting
+    for it costs a batch more than its copy saves (docs/performance-io.md).
     """
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return 2 if cpus >= 3 else 1
@@ -171,11 +169,8 @@ def default_read_threads() -> int:
 class _Batch:
     """The pieces of one batch, taken one at a time by whichever thread is free (``deque.popleft`` is
     atomic): a helper that wakes late leaves its share to the others instead of holding up the batch.
-
-    ``busy`` counts the helpers inside :meth:`drain`; a helper counts itself in before it takes
-    a piece, so once the pieces are gone and ``busy`` is 0, no thread writes into the batch
-    any more, and the waiting thread need not wait for a helper that never woke up.
-    """
+    A helper counts itself busy before it takes a piece, so once none is left and none is busy, no
+    thread writes into the batch any more (the waiting thread never waits for one that never woke)."""
 
     def __init__(self, pieces: Sequence[Piece | GatherPiece], shared: bool) -> None:
         self._left: deque[Piece | GatherPiece] = deque(pieces)
@@ -185,8 +180,8 @@ class _Batch:
 
     def drain(self, helper: bool = False) -> None:
         """Read pieces until none is left; on a failure record it and drop the rest."""
-        if helper:
-            with self._idle:  # type: ignore[union-attr]  # a helper is handed only a shared batch
+        if helper:  # a helper is handed only a shared batch: one with a condition
+            with self._idle:  # type: ignore[union-attr]
                 self._busy += 1
         left = self._left
         try:
