@@ -294,15 +294,16 @@ def test_parallel_reads_equal_one_thread_reads(cache, copy_engine, indices, thre
 
 @pytest.fixture
 def readers(monkeypatch):
-    """Thread names that read a piece (the real ``read_piece`` runs, then waits 1 ms as a
-    slow disk would, so that a helper thread wakes up before the caller has read it all)."""
+    """Thread names that read a piece (the real ``read_piece`` runs, then waits 5 ms as a
+    slow disk would, so that a helper thread wakes up before the caller has read it all, also
+    on a loaded machine and for a batch of only three pieces)."""
     names: list[str] = []
     real = readexec.read_piece
 
     def read_piece(piece):
         real(piece)
         names.append(threading.current_thread().name)
-        time.sleep(0.001)
+        time.sleep(0.005)
 
     monkeypatch.setattr(readexec, "read_piece", read_piece)
     return names
