@@ -64,9 +64,9 @@ from .storage import open_storage
 from .token_read import CachedBatch, PendingBatch, TokenIndex, TokenRows, token_index
 from .verify import check_cache_files, requires_shard_sums
 
-#: Rows are copied and hashed in chunks of about this many bytes per key, so the
-#: hash reads them from cache right after the copy wrote them.
-VERIFY_CHUNK_BYTES = 1 << 20
+#: Rows are copied and hashed in pieces of about this many bytes per key (over the read threads), so the
+#: hash reads them from the last-level cache right after the copy; each piece costs Python, so no smaller.
+VERIFY_CHUNK_BYTES = 4 << 20
 
 try:
     from safetensors import SafetensorError as _SafetensorError
@@ -102,7 +102,7 @@ class CachedTensorDataset(Dataset):
             filesystem: the hint reads the whole shard on every node.
         read_threads: threads that copy (and verify) a batch of at least
             ``readexec.PARALLEL_MIN_BYTES``. ``None`` (default): 2 in the main process
-            on 2+ CPUs (``readexec.default_read_threads``), 1 inside DataLoader
+            on 3+ CPUs (``readexec.default_read_threads``), 1 inside DataLoader
             workers, which are the parallelism there. 1: the calling thread only.
         follow: open a cache whose producer may still be running (docs/follow.md): until
             the manifest appears, the producer's follow record stands in for it and a read
@@ -454,7 +454,7 @@ class CachedTensorDataset(Dataset):
     ) -> tuple[CachedBatch, ParallelReads, list[Piece | GatherPiece], Callable[[], None] | None]:
         """The batch's tensors (unfilled), this process's reader, the pieces that fill them, and
         the batch's last step (None: nothing left once the pieces are read)."""
-        if isinstance(indices, torch.Tensor | np.ndarray):
+        if type(indices) is not list and isinstance(indices, (torch.Tensor, np.ndarray)):
             indices = indices.tolist()
         n = len(indices)
         self._own()
@@ -469,7 +469,7 @@ class CachedTensorDataset(Dataset):
         raw: dict[str, memoryview] = {}
         for k in self._row_keys:
             out[k], raw[k] = buffers.get(k, n, entries[k].shape[1:], entries[k].dtype)
-        chunk = VERIFY_CHUNK_BYTES if self.verify or reads.threads > 1 else 0
+        chunk = VERIFY_CHUNK_BYTES // reads.threads if self.verify or reads.threads > 1 else 0
         pieces: list[Piece | GatherPiece] = []
         scattered: list[Scattered] = []
         for shard, local, pos in groups:

@@ -13,7 +13,6 @@ import sys
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -114,25 +113,23 @@ class ReadError(OSError):
 
 def read_piece(piece: Piece | GatherPiece) -> None:
     """Read ``piece`` and run its ``after``; a failed read raises :class:`ReadError`."""
-    if type(piece) is GatherPiece:
-        m = piece.dst.shape[0]
-        if piece.rows is None:
-            piece.dst.copy_(piece.src[piece.first : piece.first + m])
-        else:
-            torch.index_select(piece.src, 0, piece.rows, out=piece.dst)
-    else:
+    if type(piece) is Piece:
         try:
-            _preadv_all(piece.fd, piece.iov, piece.offset)
+            got = os.preadv(piece.fd, piece.iov, piece.offset)
+            if got != piece.nbytes:
+                _preadv_rest(piece.fd, piece.iov, piece.offset, piece.nbytes, got)
         except OSError as exc:
             raise ReadError(piece.path, str(exc)) from exc
+    elif piece.rows is None:
+        piece.dst.copy_(piece.src[piece.first : piece.first + piece.dst.shape[0]])
+    else:
+        torch.index_select(piece.src, 0, piece.rows, out=piece.dst)
     if piece.after is not None:
         piece.after(*piece.args)
 
 
-def _preadv_all(fd: int, iov: list[memoryview], offset: int) -> None:
-    """``os.preadv`` until every iovec is full (a large read may return short)."""
-    want = sum(v.nbytes for v in iov)
-    got = os.preadv(fd, iov, offset)
+def _preadv_rest(fd: int, iov: list[memoryview], offset: int, want: int, got: int) -> None:
+    """``os.preadv`` until all ``want`` bytes of the iovecs (``got`` read so far) are in: a read may return short."""
     while got < want:
         if got == 0:
             raise OSError(f"file ended at byte {offset} while reading {want} bytes (truncated after open?)")
@@ -156,38 +153,59 @@ PARALLEL_MIN_BYTES = 4 << 20
 
 
 def default_read_threads() -> int:
-    """Threads a main-process reader uses by default: 2 when this process may run on 2+ CPUs, else 1.
+    """Threads a main-process reader uses by default: 2 when this process may run on 3+ CPUs, else 1.
 
     Two, not one per CPU: a training process needs its other cores for itself
     (CUDA launches, the step's own CPU work), and two copy threads already take
     a large share of a socket's memory bandwidth on a copy that lasts a millisecond.
+    One on 2 CPUs: the other core is the rest of the machine's, and a helper waiting
+    for it costs a batch more than its copy saves (docs/performance-io.md).
     """
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return 2 if cpus >= 2 else 1
+    return 2 if cpus >= 3 else 1
 
 
 class _Batch:
     """The pieces of one batch, taken one at a time by whichever thread is free (``deque.popleft`` is
-    atomic): a helper that wakes late leaves its share to the others instead of holding up the batch."""
+    atomic): a helper that wakes late leaves its share to the others instead of holding up the batch.
+    A helper counts itself busy before it takes a piece, so once none is left and none is busy, no
+    thread writes into the batch any more (the waiting thread never waits for one that never woke)."""
 
-    def __init__(self, pieces: Sequence[Piece | GatherPiece]) -> None:
+    def __init__(self, pieces: Sequence[Piece | GatherPiece], shared: bool) -> None:
         self._left: deque[Piece | GatherPiece] = deque(pieces)
         self.errors: list[BaseException] = []
+        self._idle = threading.Condition() if shared else None  # None: read by the waiting thread alone
+        self._busy = 0
 
-    def drain(self) -> None:
+    def drain(self, helper: bool = False) -> None:
         """Read pieces until none is left; on a failure record it and drop the rest."""
+        if helper:  # a helper is handed only a shared batch: one with a condition
+            with self._idle:  # type: ignore[union-attr]
+                self._busy += 1
         left = self._left
-        while True:
-            try:
-                piece = left.popleft()
-            except IndexError:
-                return
-            try:
+        try:
+            while left:
+                try:
+                    piece = left.popleft()
+                except IndexError:
+                    return
                 read_piece(piece)
-            except BaseException as exc:  # noqa: BLE001 - raised by the waiting thread
-                self.errors.append(exc)
-                left.clear()
-                return
+        except BaseException as exc:  # noqa: BLE001 - raised by the waiting thread
+            self.errors.append(exc)
+            left.clear()
+        finally:
+            if helper:
+                with self._idle:  # type: ignore[union-attr]
+                    self._busy -= 1
+                    self._idle.notify_all()
+
+    def wait_idle(self) -> None:
+        """Return once no helper reads a piece of this batch."""
+        if self._idle is None:
+            return
+        with self._idle:
+            while self._busy:
+                self._idle.wait()
 
 
 class _Worker:
@@ -197,14 +215,12 @@ class _Worker:
     def __init__(self, name: str) -> None:
         # the thread holds only the queue, so a dropped worker can be collected: its
         # __del__ sends the thread the stop marker
-        self._queue: queue.SimpleQueue[tuple[_Batch, Future[None]] | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[_Batch | None] = queue.SimpleQueue()
         self._pid = os.getpid()
         threading.Thread(target=_work, args=(self._queue,), name=name, daemon=True).start()
 
-    def submit(self, batch: _Batch) -> Future[None]:
-        done: Future[None] = Future()
-        self._queue.put((batch, done))
-        return done
+    def submit(self, batch: _Batch) -> None:
+        self._queue.put(batch)
 
     # os.getpid bound at definition: at interpreter exit the module may be torn down first
     def __del__(self, _getpid: Callable[[], int] = os.getpid) -> None:
@@ -212,24 +228,21 @@ class _Worker:
             self._queue.put(None)
 
 
-def _work(jobs: queue.SimpleQueue[tuple[_Batch, Future[None]] | None]) -> None:
+def _work(jobs: queue.SimpleQueue[_Batch | None]) -> None:
     """A helper thread's loop: drain each batch it is handed, until the stop marker."""
     while True:
-        job = jobs.get()
-        if job is None:
+        batch = jobs.get()
+        if batch is None:
             return
-        batch, done = job
-        batch.drain()
-        done.set_result(None)
-        del job, batch, done  # while idle, hold no batch memory and no shard open
+        batch.drain(helper=True)
+        del batch  # while idle, hold no batch and no shard open
 
 
 class PendingReads:
     """A batch being read (:meth:`ParallelReads.start`); :meth:`wait` finishes it."""
 
-    def __init__(self, batch: _Batch, helpers: list[Future[None]], finish: Callable[[], None] | None) -> None:
+    def __init__(self, batch: _Batch, finish: Callable[[], None] | None) -> None:
         self._batch: _Batch | None = batch
-        self._helpers = helpers
         self._finish = finish
 
     def wait(self) -> None:
@@ -239,9 +252,8 @@ class PendingReads:
         if batch is None:
             return
         batch.drain()
-        for f in self._helpers:
-            f.result()  # waits for the piece a helper may still be reading
-        finish, self._helpers, self._finish = self._finish, [], None
+        batch.wait_idle()  # a helper may still be reading the piece it took
+        finish, self._finish = self._finish, None
         if batch.errors:
             raise batch.errors[0]
         if finish is not None:
@@ -281,12 +293,12 @@ class ParallelReads:
     ) -> PendingReads:  # fmt: skip
         """Hand the pieces to ``helpers`` (default ``threads``) helper threads and return at once; below
         ``run``'s threshold, :meth:`PendingReads.wait` reads them on the waiting thread."""
-        batch = _Batch(pieces)
-        if not self._shared(pieces):
-            return PendingReads(batch, [], finish)
-        workers = self._started()
-        n = self.threads if helpers is None else helpers
-        return PendingReads(batch, [w.submit(batch) for w in workers[:n]], finish)
+        shared = self._shared(pieces)
+        batch = _Batch(pieces, shared)
+        if shared:
+            for w in self._started()[: self.threads if helpers is None else helpers]:
+                w.submit(batch)
+        return PendingReads(batch, finish)
 
     def _started(self) -> list[_Worker]:
         """This process's ``threads`` helper threads, one queue each."""

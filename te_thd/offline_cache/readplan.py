@@ -199,8 +199,10 @@ def batch_groups(indices: Sequence[int], shard_size: int, total: int) -> list[Pa
 
 
 def is_run(a: np.ndarray) -> bool:
-    """True iff the int array ``a`` is ``[a0, a0+1, ..., a0+n-1]``."""
-    return a.size <= 1 or (int(a[-1]) - int(a[0]) == a.size - 1 and bool(np.all(np.diff(a) == 1)))
+    """True iff the int array ``a`` is ``[a0, a0+1, ..., a0+n-1]`` (Python ints: numpy's per-call cost
+    exceeds a batch's few rows)."""
+    rows = a.tolist()
+    return not rows or rows == list(range(rows[0], rows[0] + len(rows)))
 
 
 def batch_places(groups: Sequence[Part], n: int) -> list[tuple[int, int]]:
