@@ -155,8 +155,8 @@ def _raw_preadv(cache_dir: str, keys: tuple[str, ...], batch: int, shuffle: bool
 
     from te_thd.offline_cache import CachedTensorDataset, CacheShardSampler
     from te_thd.offline_cache.format import shard_path
+    from te_thd.offline_cache.integrity import read_shard_header
     from te_thd.offline_cache.readplan import plan_runs
-    from te_thd.offline_cache.shardheader import read_shard_header
 
     ds = CachedTensorDataset(cache_dir, "bench", FORMAT_VERSION, keys)
     sampler = CacheShardSampler(ds, num_replicas=1, rank=0, shuffle=shuffle, seed=0)

@@ -63,7 +63,7 @@ from te_thd.offline_cache import (
     build_cached_dataloader,
     produce_cache,
 )
-from te_thd.offline_cache.shardheader import read_shard_header
+from te_thd.offline_cache.integrity import read_shard_header
 
 BENCH = "tokens"
 KEYS = ("input_ids", "seq_len", "loss_mask", "topk_logprobs", "topk_indices", "hidden")

@@ -14,10 +14,10 @@ import torch
 from safetensors.torch import save_file
 
 from te_thd.offline_cache.format import TensorSpec, shard_path
+from te_thd.offline_cache.integrity import HeaderEntry, read_shard_header
 from te_thd.offline_cache.manifest import write_manifest
 from te_thd.offline_cache.producer import produce_cache
 from te_thd.offline_cache.shardfile import ShardRecord, ShardStream
-from te_thd.offline_cache.shardheader import HeaderEntry, read_shard_header
 
 FORMAT_VERSION = 3
 CACHE_NAME = "test"

@@ -28,7 +28,7 @@ from _offline_cache_support import damage_shard
 
 import te_thd.offline_cache as oc
 from te_thd.cli import build_parser as te_thd_parser
-from te_thd.offline_cache.shardheader import read_shard_header
+from te_thd.offline_cache.integrity import read_shard_header
 from te_thd.offline_cache.token_read import token_index
 
 

@@ -48,10 +48,10 @@ from te_thd.offline_cache import (
     write_tensor_shard,
 )
 from te_thd.offline_cache.format import DTYPE_TO_ST, format_indices
+from te_thd.offline_cache.integrity import read_shard_header
 from te_thd.offline_cache.loops import shard_runs
 from te_thd.offline_cache.manifest import load_manifest
 from te_thd.offline_cache.shardfile import ShardStream
-from te_thd.offline_cache.shardheader import read_shard_header
 from te_thd.offline_cache.writer import DurableShardWriter
 
 LOG = logging.getLogger("test")

@@ -30,6 +30,7 @@ from te_thd.offline_cache import (
     produce_cache,
     verify_cache,
 )
+from te_thd.offline_cache.integrity import read_shard_header
 from te_thd.offline_cache.ragged import (
     decode_index,
     encode_index,
@@ -37,7 +38,6 @@ from te_thd.offline_cache.ragged import (
     out_of_range,
     stored_parts,
 )
-from te_thd.offline_cache.shardheader import read_shard_header
 from te_thd.offline_cache.verify import cache_info
 
 L, K = 20, 5  # K not a multiple of 8: the last byte of packed high bits is partly padding

@@ -42,7 +42,7 @@ from te_thd.offline_cache import (
     write_tensor_shard,
 )
 from te_thd.offline_cache.format import num_shards, shard_layout, shard_path, shard_rows
-from te_thd.offline_cache.shardheader import read_shard_header
+from te_thd.offline_cache.integrity import read_shard_header
 
 KEYS = ("hidden", "ids")
 N, SHARD = 10, 4

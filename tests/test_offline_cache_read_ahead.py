@@ -31,7 +31,7 @@ from te_thd.offline_cache import (
     produce_cache,
 )
 from te_thd.offline_cache.format import shard_path
-from te_thd.offline_cache.shardheader import read_shard_header
+from te_thd.offline_cache.integrity import read_shard_header
 
 KEYS = ("hidden", "ids")
 N, SHARD = 40, 8

@@ -39,8 +39,8 @@ from te_thd.offline_cache import (
     collate_cached,
 )
 from te_thd.offline_cache.format import shard_path
+from te_thd.offline_cache.integrity import read_shard_header
 from te_thd.offline_cache.manifest import write_manifest
-from te_thd.offline_cache.shardheader import read_shard_header
 
 KEYS = ("sample_id", "input_ids", "loss_mask", "position_mask", "length", "hidden")
 N, SHARD = 83, 16  # 6 shards, the last one short (3 samples)

@@ -33,8 +33,8 @@ from te_thd.offline_cache import (
     repair_cache,
     verify_cache,
 )
+from te_thd.offline_cache.integrity import read_shard_header
 from te_thd.offline_cache.producer import PROGRESS_NAME
-from te_thd.offline_cache.shardheader import read_shard_header
 from te_thd.offline_cache.writer import write_tensor_shard
 
 REPO = Path(__file__).resolve().parents[1]

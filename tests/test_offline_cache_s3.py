@@ -44,8 +44,8 @@ from te_thd.offline_cache import (  # noqa: E402
     write_manifest,
     write_tensor_shard,
 )
+from te_thd.offline_cache.integrity import read_shard_header  # noqa: E402
 from te_thd.offline_cache.s3 import client  # noqa: E402
-from te_thd.offline_cache.shardheader import read_shard_header  # noqa: E402
 from te_thd.offline_cache.storage import StorageError, open_storage, private_dir, start_time  # noqa: E402
 
 if S.weed_binary() is None:

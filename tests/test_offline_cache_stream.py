@@ -37,10 +37,10 @@ from te_thd.offline_cache import (
     write_cache_shards,
 )
 from te_thd.offline_cache.format import TensorSpec, shard_path
+from te_thd.offline_cache.integrity import read_shard_header
 from te_thd.offline_cache.lengths import LengthRule
 from te_thd.offline_cache.loops import lockstep_write
 from te_thd.offline_cache.shardfile import ShardRecord, ShardStream
-from te_thd.offline_cache.shardheader import read_shard_header
 from te_thd.offline_cache.writer import WriteBehind, write_tensor_shard
 
 LOG = logging.getLogger("test_offline_cache_stream")

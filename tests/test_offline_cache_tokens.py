@@ -278,7 +278,7 @@ def _flip(path: Path, offset: int) -> None:
 
 
 def _entry(path: Path, name: str) -> tuple[int, int]:
-    from te_thd.offline_cache.shardheader import read_shard_header
+    from te_thd.offline_cache.integrity import read_shard_header
 
     e = read_shard_header(str(path)).entries[name]
     return e.start, e.end

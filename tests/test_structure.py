@@ -226,8 +226,8 @@ def test_the_count_sees_every_kind_of_import(tmp_path: Path) -> None:
 #: the budget the package is held to. The goal is 22 files and 7,000 lines; until the read and
 #: write layers are rebuilt on one layout per key these ceilings hold what is reached, so a
 #: change can lower them but not raise them.
-MAX_FILES = 27
-MAX_LINES = 10321
+MAX_FILES = 26
+MAX_LINES = 10298
 #: no module of the package over this many lines (every line, docstrings included)
 MAX_MODULE_LINES = 500
 

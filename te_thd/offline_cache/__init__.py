@@ -4,10 +4,9 @@ Every name of the reference module (NeMo AutoModel's
 ``components/datasets/llm/offline_cache``) is here with the same signature, so
 only the import changes. Modules, by layer:
 
-- format: ``format`` (paths, dtypes, schema, the errors), ``integrity`` (checksums),
-  ``ragged`` (the token layout and its codecs), ``shardfile`` (the one shard serialiser of
-  both layouts), ``shardheader`` (a shard's header read back and checked), ``manifest``,
-  ``lengths``;
+- format: ``format`` (paths, dtypes, schema, the errors), ``integrity`` (checksums; a shard's
+  header read back and checked), ``ragged`` (the token layout and its codecs), ``shardfile``
+  (the one shard serialiser of both layouts), ``manifest``, ``lengths``;
 - storage: ``storage`` (the interface; the local directory, written crash-safe under a flock
   producer lock; the scheme table), ``s3``, ``msc``;
 - write: ``writer`` (shards, validated once, behind one write-behind thread), ``loops`` (the

@@ -33,7 +33,7 @@ from te_thd.offline_cache.format import (
     schema_to_json,
     shard_name,
 )
-from te_thd.offline_cache.integrity import shard_checksum
+from te_thd.offline_cache.integrity import ShardHeader, shard_checksum
 from te_thd.offline_cache.lengths import LENGTH_RULE_KEY
 from te_thd.offline_cache.manifest import LAYOUT_VERSION, read_manifest
 from te_thd.offline_cache.producer_state import (
@@ -44,7 +44,6 @@ from te_thd.offline_cache.producer_state import (
 )
 from te_thd.offline_cache.ragged import TOKEN_LAYOUT_KEY
 from te_thd.offline_cache.readplan import OpenShard
-from te_thd.offline_cache.shardheader import ShardHeader
 from te_thd.offline_cache.storage import Storage
 
 __all__ = [

@@ -1,4 +1,4 @@
-"""Self-verifying shards: per-row checksums in the shard header, and the checks that use them.
+"""Self-verifying shards: per-row checksums in the shard header, the header read back, and the checks.
 
 Every shard te_thd writes carries, in its safetensors ``__metadata__``, one
 entry ``"te_thd"`` whose value is a compact JSON object::
@@ -24,11 +24,13 @@ One metadata key (not one per field) keeps the bytes deterministic: safetensors
 itself writes metadata keys in hash-map order, so with a single key
 ``save_file(tensors, metadata={"te_thd": ...})`` produces the identical file.
 
-Hash choice (figures: docs/performance-io.md): per-row sums must be cheap per
-call, as the Python call dominates small rows, and must release the GIL, so two
-read threads hash at once. xxh3_64 is the cheapest per call of the hashes tried
-(crc32c, zlib.crc32, google-crc32c, which needs a read-only ``bytes`` copy) at
-the same bulk rate as the fastest of them.
+:func:`read_shard_header` parses a shard's safetensors header and these fields and checks that
+the offsets tile the file; :func:`check_shard_header` is the one check of a header against its
+cache, which readers, ``verify_cache`` and the producer's resume all call.
+
+Hash choice (docs/performance-io.md): per-row sums must be cheap per call, as the Python call
+dominates small rows, and must release the GIL, so two read threads hash at once; xxh3_64 is
+the cheapest per call of the hashes tried at the same bulk rate as the fastest of them.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ import array
 import base64
 import ctypes
 import json
+import os
+import struct
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -47,7 +51,16 @@ import torch
 import xxhash
 
 from te_thd.args import is_int
-from te_thd.offline_cache.format import CacheIntegrityError, canonical_json
+from te_thd.offline_cache.format import (
+    ST_TO_DTYPE,
+    CacheIntegrityError,
+    TensorSpec,
+    canonical_json,
+    dtype_name,
+    tensor_nbytes,
+)
+from te_thd.offline_cache.ragged import logical_specs
+from te_thd.offline_cache.readexec import advise
 
 #: Version of the self-verifying shard fields (the manifest's ``layout_version`` from this on).
 SHARD_LAYOUT = 3
@@ -97,11 +110,8 @@ def encode_sums(sums: Sequence[int]) -> str:
 
 def decode_sums(text: str, rows: int) -> array.array:
     """Inverse of :func:`encode_sums`: ``array('Q')`` of ``rows`` sums (``ValueError`` otherwise).
-
-    An ``array`` rather than an ndarray: a reader picks a batch's sums by Python
-    index, where numpy's fancy indexing pays a fixed cost per call larger than
-    a small batch's lookups.
-    """
+    Not an ndarray: a reader picks a batch's sums by Python index, where numpy's fancy indexing
+    pays a fixed cost per call larger than a small batch's lookups."""
     raw = base64.b64decode(text.encode("ascii"), validate=True)
     if len(raw) != 8 * rows:
         raise ValueError(f"holds {len(raw) // 8} row checksums, the shard has {rows} rows")
@@ -150,14 +160,9 @@ def shard_metadata(
 
 
 def shard_checksum(digest: str) -> str:
-    """The manifest's record of a shard: ``"xxh3_64:<header digest>"``.
-
-    The header digest covers every tensor entry and every row checksum, and the row
-    checksums cover every data byte, so this one value identifies the shard's whole
-    content: a shard swapped for another valid shard (or replaced by another
-    writer's) no longer matches its manifest record, and checking that costs one
-    header read, not a pass over the file.
-    """
+    """The manifest's record of a shard: ``"xxh3_64:<header digest>"``. The digest covers every entry
+    and row checksum, which cover every data byte: a shard swapped for another valid one no longer
+    matches its record, and checking that costs one header read, not a pass over the file."""
     return f"{HASH_NAME}:{digest}"
 
 
@@ -241,14 +246,11 @@ def verify_rows(
 ) -> None:
     """Check rows a reader copied against their recorded sums; raise on the first mismatch.
 
-    ``data`` is ``[len(rows), ...]`` (contiguous CPU, the copy a batch holds),
-    ``rows`` the shard-local row indices it came from (a list, ``range`` or int
-    array), ``expected`` the shard's ``sums[key]`` (``[shard rows]`` ints).
-    ``first_sample`` is the global index of the shard's row 0 (named in the
-    message) and ``repair`` the sentence that says how to fix the cache. Raises
-    :class:`CacheIntegrityError` naming the file, the sample, the key, the
-    expected and the actual checksum. Safe to call from several threads at once.
-    """
+    ``data`` is ``[len(rows), ...]`` (contiguous CPU, the copy a batch holds), ``rows`` the
+    shard-local row indices it came from (a list, ``range`` or int array), ``expected`` the shard's
+    ``sums[key]`` (``[shard rows]`` ints), ``first_sample`` the global index of the shard's row 0 and
+    ``repair`` how to fix the cache; the error names file, sample, key and both checksums.
+    Thread-safe."""
     if isinstance(rows, np.ndarray):
         rows = rows.tolist()
     if len(rows):
@@ -315,3 +317,184 @@ def verify_row_views(
         expected=exp,
         actual=act,
     )
+
+
+# -- the header read back and checked --
+
+_HEADER_LIMIT = 100 * 1024 * 1024  # safetensors' own cap on header size
+
+
+@dataclass(frozen=True)
+class HeaderEntry:
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
+class ShardHeader:
+    """A parsed shard header: ``entries`` (``{key: HeaderEntry}``) and its te_thd ``sums`` (or ``None``)."""
+
+    entries: dict[str, HeaderEntry]
+    sums: ShardSums | None
+
+
+def read_shard_header(path: str) -> ShardHeader:
+    """Parse and sanity-check a safetensors header, with its te_thd checksum fields when present.
+
+    Raises :class:`CacheIntegrityError` naming ``path`` if the header is unreadable, the offsets
+    do not tile the data region exactly, the file size disagrees with the last offset, or the
+    te_thd fields do not match the header (:func:`parse_shard_metadata`).
+    """
+
+    def bad(what: str) -> CacheIntegrityError:
+        return CacheIntegrityError(f"shard {path} is not a valid safetensors file: {what}", path=path)
+
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    try:
+        size = os.fstat(fd).st_size
+        # read exactly the header: kernel read-ahead here would prefetch the tensors after it
+        # (and mark pages whose later reads prefetch more), which a reader may read only a share of
+        advise(fd, "random")
+        prefix = os.pread(fd, 8, 0)
+        if len(prefix) < 8:
+            raise bad(f"only {size} bytes, shorter than the 8-byte header length")
+        (n,) = struct.unpack("<Q", prefix)
+        if n > _HEADER_LIMIT or 8 + n > size:
+            raise bad(f"header length {n} does not fit in a {size}-byte file")
+        raw = os.pread(fd, n, 8)
+    finally:
+        os.close(fd)
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise bad(f"header is not JSON ({exc})") from None
+    if not isinstance(header, dict):
+        raise bad("header is not a JSON object")
+    metadata = header.pop("__metadata__", None)
+    base = 8 + n
+    entries: dict[str, HeaderEntry] = {}
+    spans = []
+    for key, info in header.items():
+        try:
+            dtype = ST_TO_DTYPE[info["dtype"]]
+            shape = tuple(int(s) for s in info["shape"])
+            start, end = (int(o) for o in info["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise bad(f"entry {key!r} is malformed: {info!r}") from None
+        nbytes = tensor_nbytes(dtype, shape)
+        if end - start != nbytes:
+            raise bad(f"entry {key!r} spans {end - start} bytes but {dtype}{list(shape)} needs {nbytes}")
+        entries[key] = HeaderEntry(dtype, shape, base + start, base + end)
+        spans.append((start, end))
+    spans.sort()
+    pos = 0
+    for start, end in spans:
+        if start != pos:
+            raise bad(f"data offsets leave a gap or overlap at byte {pos}")
+        pos = end
+    if base + pos != size:
+        raise bad(f"the header describes {base + pos} bytes but the file has {size}")
+    if metadata is not None and not isinstance(metadata, dict):
+        raise bad("__metadata__ is not a JSON object")
+    return ShardHeader(entries, parse_shard_metadata(path, metadata, header))
+
+
+def header_problems(
+    header: ShardHeader,
+    schema: Mapping[str, TensorSpec] | None,
+    rows: int,
+    keys: Sequence[str] | None = None,
+) -> list[str]:
+    """What is wrong with a shard's header for its cache (an empty list: sound).
+
+    ``schema``: ``{key: TensorSpec}`` every shard must follow (``None``: no dtype/shape check).
+    ``rows``: the samples the cache puts in this shard, which the shard's own record must agree
+    with. ``keys``: the keys a reader needs (others may exist); ``None``: exactly ``schema``'s.
+    """
+    entries = logical_entries(header)
+    problems = []
+    required = list(keys) if keys is not None else list(schema or entries)
+    missing = [k for k in required if k not in entries]
+    if missing:
+        problems.append(f"lacks keys {missing} (it holds {sorted(entries)})")
+    if keys is None and schema is not None:
+        extra = [k for k in entries if k not in schema]
+        if extra:
+            problems.append(f"has keys {extra} the schema does not list")
+    for key in required:
+        e = entries.get(key)
+        if e is None:
+            continue
+        spec = schema.get(key) if schema is not None else None
+        if not e.shape:
+            problems.append(f"key {key!r} is a scalar, not [samples, ...]")
+        elif spec is not None and TensorSpec(e.dtype, e.shape[1:]) != spec:
+            problems.append(f"key {key!r} is {dtype_name(e.dtype)}{list(e.shape)}, the schema says {spec.describe()}")
+        elif e.shape[0] != rows:
+            problems.append(f"key {key!r} holds {e.shape[0]} samples, the manifest puts {rows} in this shard")
+    if header.sums is not None and header.sums.rows != rows:
+        problems.append(f"records {header.sums.rows} rows, the manifest puts {rows} in this shard")
+    return problems
+
+
+def check_shard_header(
+    path: str,
+    schema: Mapping[str, TensorSpec] | None,
+    rows: int,
+    keys: Sequence[str] | None = None,
+    require_sums: bool = False,
+    checksum: str | None = None,
+) -> ShardHeader:
+    """Read shard ``path``'s header and check it (:func:`header_problems`): the one header check.
+
+    ``require_sums``: the shard must carry te_thd checksums (a manifest of layout >= 3
+    promises them). ``checksum``: the manifest's record; when it is a header digest
+    (:func:`~te_thd.offline_cache.integrity.shard_checksum`) the shard's own must match, which
+    catches a shard swapped for another valid one. Raises :class:`CacheIntegrityError` naming
+    ``path`` and every problem.
+    """
+    try:
+        header = read_shard_header(path)
+    except FileNotFoundError:
+        raise CacheIntegrityError(f"shard {path} is missing", path=path) from None
+    problems = header_problems(header, schema, rows, keys)
+    if require_sums and header.sums is None:
+        problems.append(
+            "carries no te_thd checksums although the manifest's layout records them for every "
+            "shard (the file was replaced by another writer's)"
+        )
+    if checksum is not None and checksum.startswith(f"{HASH_NAME}:"):
+        actual = shard_checksum(header.sums.digest) if header.sums is not None else "no te_thd checksums"
+        if actual != checksum:
+            problems.append(
+                f"its header digest is {actual}, the manifest records {checksum}: the shard was swapped for "
+                "another or replaced after the manifest was written"
+            )
+    if problems:
+        raise CacheIntegrityError(f"shard {path}: {'; '.join(problems)}", path=path)
+    return header
+
+
+def logical_entries(header: ShardHeader) -> dict[str, HeaderEntry]:
+    """The header's entries as the cache's keys: a token-layout shard's ragged tensors
+    (``key@tokens``, ``key@scale``, the block sums) become their logical key ``[rows, L, ...]``
+    (its ``start``/``end`` then span nothing: read it through ``token_read``)."""
+    tokens = header.sums.tokens if header.sums is not None else None
+    if tokens is None:
+        return header.entries
+    try:
+        logical = logical_specs(tokens)
+    except ValueError as exc:
+        raise CacheIntegrityError(f"shard header's token fields are malformed ({exc})") from None
+    ragged = set(tokens["stored"]) | {tokens.get("block_sums")}
+    out = {k: e for k, e in header.entries.items() if k not in ragged}
+    for k, spec in logical.items():
+        out[k] = HeaderEntry(spec.dtype, (header.sums.rows, *spec.shape), 0, 0)
+    return out
+
+
+def schema_of_header(header: ShardHeader) -> dict[str, TensorSpec]:
+    """``{key: TensorSpec(dtype, trailing shape)}`` of a header's non-scalar entries (logical keys)."""
+    return {k: TensorSpec(e.dtype, e.shape[1:]) for k, e in logical_entries(header).items() if e.shape}

@@ -29,8 +29,8 @@ import torch
 
 from te_thd.args import is_int
 from te_thd.offline_cache.format import TensorSpec
+from te_thd.offline_cache.integrity import read_shard_header
 from te_thd.offline_cache.ragged import decode_offsets
-from te_thd.offline_cache.shardheader import read_shard_header
 
 #: The manifest field naming the rule the recorded per-shard lengths follow.
 LENGTH_RULE_KEY = "length_rule"

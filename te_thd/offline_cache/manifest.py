@@ -75,13 +75,12 @@ from te_thd.offline_cache.format import (
     shard_name,
     shard_rows,
 )
-from te_thd.offline_cache.integrity import SHARD_LAYOUT
+from te_thd.offline_cache.integrity import SHARD_LAYOUT, read_shard_header, schema_of_header
 from te_thd.offline_cache.lengths import LENGTH_RULE_KEY, LengthRule, check_lengths_record
 from te_thd.offline_cache.ragged import (
     TOKEN_LAYOUT_KEY,
     TokenLayout,
 )
-from te_thd.offline_cache.shardheader import read_shard_header, schema_of_header
 from te_thd.offline_cache.storage import LOCK_NAME, TEMP_RE, open_storage
 
 #: Version of the te_thd integrity fields a producer writes (see the module docstring).

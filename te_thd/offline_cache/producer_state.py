@@ -34,6 +34,7 @@ from te_thd.offline_cache.format import (
     shard_path,
     shard_rows,
 )
+from te_thd.offline_cache.integrity import read_shard_header, schema_of_header
 from te_thd.offline_cache.lengths import (
     LENGTH_RULE_KEY,
     LengthRule,
@@ -43,7 +44,6 @@ from te_thd.offline_cache.lengths import (
 from te_thd.offline_cache.manifest import LAYOUT_VERSION, RESERVED_MANIFEST_KEYS, read_manifest
 from te_thd.offline_cache.ragged import TOKEN_LAYOUT_KEY, TokenLayout, shard_fidelity
 from te_thd.offline_cache.shardfile import ShardRecord
-from te_thd.offline_cache.shardheader import read_shard_header, schema_of_header
 from te_thd.offline_cache.storage import open_storage
 from te_thd.offline_cache.verify import (
     check_cache_files,

@@ -8,7 +8,7 @@ threads and verified by the thread that copied them (``readexec``). Only the byt
 batch needs are read, and the source stays file-backed page cache.
 
 Each process keeps its own open shards (``readplan.OpenShards``: DataLoader workers open
-theirs), each checked when opened (``shardheader.check_shard_header``); every row a read
+theirs), each checked when opened (``integrity.check_shard_header``); every row a read
 copies is verified against its checksums, a failure naming the shard.
 """
 
@@ -38,7 +38,7 @@ from .format import (
     shard_rows,
     unreadable_shard,
 )
-from .integrity import ShardSums, verify_rows
+from .integrity import ShardHeader, ShardSums, check_shard_header, logical_entries, verify_rows
 from .manifest import manifest_schema, producer_command, read_manifest, shard_records
 from .ragged import TOKEN_LAYOUT_KEY, TokenLayout
 from .readexec import (
@@ -59,7 +59,6 @@ from .readplan import (
     plan_shard_rows,
     row_ranges,
 )
-from .shardheader import ShardHeader, check_shard_header, logical_entries
 from .storage import open_storage
 from .token_read import CachedBatch, PendingBatch, TokenIndex, TokenRows, token_index
 from .verify import check_cache_files, requires_shard_sums
@@ -241,7 +240,7 @@ class CachedTensorDataset(Dataset):
         return self.num_samples
 
     def _checked_header(self, shard_index: int) -> tuple[str, ShardHeader, TokenIndex | None]:
-        """Parse shard ``shard_index``'s header and check it against the cache (``shardheader.check_shard_header``:
+        """Parse shard ``shard_index``'s header and check it against the cache (``integrity.check_shard_header``:
         against the manifest schema, or without one the first shard this process opened); with the ragged
         index of a token shard."""
         path = self._storage.header(shard_name(shard_index))

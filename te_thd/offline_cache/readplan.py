@@ -28,9 +28,14 @@ import numpy as np
 import torch
 
 from te_thd.offline_cache.format import CacheIntegrityError, tensor_nbytes
-from te_thd.offline_cache.integrity import ShardSums, row_views, verify_row_views
+from te_thd.offline_cache.integrity import (
+    HeaderEntry,
+    ShardHeader,
+    ShardSums,
+    row_views,
+    verify_row_views,
+)
 from te_thd.offline_cache.readexec import AfterRead, GatherPiece, Piece, advise
-from te_thd.offline_cache.shardheader import HeaderEntry, ShardHeader
 from te_thd.offline_cache.storage import Fetch
 from te_thd.offline_cache.token_read import TokenIndex
 

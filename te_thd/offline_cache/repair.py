@@ -34,6 +34,7 @@ from te_thd.offline_cache.format import (
     shard_name,
     shard_rows,
 )
+from te_thd.offline_cache.integrity import ShardHeader, read_shard_header, schema_of_header
 from te_thd.offline_cache.lengths import LENGTH_RULE_KEY, LengthRule, producer_rule
 from te_thd.offline_cache.manifest import (
     load_manifest,
@@ -53,7 +54,6 @@ from te_thd.offline_cache.producer_state import (
 )
 from te_thd.offline_cache.ragged import TokenLayout
 from te_thd.offline_cache.shardfile import ShardRecord
-from te_thd.offline_cache.shardheader import ShardHeader, read_shard_header, schema_of_header
 from te_thd.offline_cache.storage import Storage, open_storage
 from te_thd.offline_cache.verify import existing_shard_indices, shard_problem, verify_shards
 

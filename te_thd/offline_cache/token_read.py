@@ -23,7 +23,7 @@ import torch
 import xxhash
 
 from te_thd.offline_cache.format import CacheIntegrityError, TensorSpec
-from te_thd.offline_cache.integrity import HASH_NAME, name_row
+from te_thd.offline_cache.integrity import HASH_NAME, ShardHeader, name_row
 from te_thd.offline_cache.ragged import (
     BLOCK_SUMS,
     PAGE_BYTES,
@@ -46,7 +46,6 @@ from te_thd.offline_cache.readexec import (
     run_pieces,
     tensor_memoryview,
 )
-from te_thd.offline_cache.shardheader import ShardHeader
 
 _hash = xxhash.xxh3_64_intdigest
 

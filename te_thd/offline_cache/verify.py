@@ -37,7 +37,14 @@ from te_thd.offline_cache.format import (
     shard_path,
     shard_rows,
 )
-from te_thd.offline_cache.integrity import HASH_NAME, byte_row_sums, name_row, shard_checksum
+from te_thd.offline_cache.integrity import (
+    HASH_NAME,
+    ShardHeader,
+    byte_row_sums,
+    check_shard_header,
+    name_row,
+    shard_checksum,
+)
 from te_thd.offline_cache.lengths import LengthRule, read_shard_lengths, recorded_rule
 from te_thd.offline_cache.manifest import (
     LAYOUT_VERSION,
@@ -49,7 +56,6 @@ from te_thd.offline_cache.manifest import (
     validate_manifest,
 )
 from te_thd.offline_cache.ragged import TOKEN_LAYOUT_KEY, TokenLayout, describe_stored
-from te_thd.offline_cache.shardheader import ShardHeader, check_shard_header
 from te_thd.offline_cache.storage import open_storage
 from te_thd.offline_cache.token_read import check_token_blocks
 
