@@ -194,8 +194,8 @@ def test_library_hints_name_commands_that_exist(tmp_path: Path) -> None:
     from torch.utils.data import DataLoader
 
     messages = [
-        oc.errors.repair_hint(str(tmp_path / "c")),
-        oc.errors.producer_hint(None),
+        oc.format.repair_hint(str(tmp_path / "c")),
+        oc.format.producer_hint(None),
     ]
     for exc_fn in (
         lambda: oc.read_manifest(str(tmp_path / "none"), "x", 1),
