@@ -118,7 +118,7 @@ def _raw_slicer(cache_dir: str, keys: tuple[str, ...], batch: int) -> Any:
     from safetensors import safe_open
 
     from te_thd.offline_cache.format import shard_path
-    from te_thd.offline_cache.verify import existing_shard_indices
+    from te_thd.offline_cache.manifest import existing_shard_indices
 
     handles = [safe_open(shard_path(cache_dir, s), framework="pt") for s in sorted(existing_shard_indices(cache_dir))]
 

@@ -189,7 +189,7 @@ def run(quick: bool) -> list[Record]:
                     used["bytes"] = 0
                     shutil.rmtree(os.path.join(tmp, f"cold-{case}"), ignore_errors=True)
                     ds = epoch(CachedTensorDataset(url, "bench", 1, case_keys, read_cache_dir=os.path.join(tmp, f"cold-{case}")))
-                    m = ds._storage.copy
+                    m = ds.storage.copy
                     n = len(ds)
                     records.append(Record(
                         bench=BENCH, case=f"epoch_{case}", metric="throughput", unit="samples/s",

@@ -523,16 +523,16 @@ def test_readahead_hints_the_read_keys_of_each_opened_shard(tmp_path, monkeypatc
     d = str(tmp_path)
     tensors = make_cache(d, 20, 8, width=8, hidden=3)
     calls = []
-    import te_thd.offline_cache.readexec as readexec
+    import te_thd.offline_cache.format as cache_format
 
-    real = readexec._fadvise
+    real = cache_format._fadvise
 
     def fadvise(fd, offset, length, advice):
         if advice == os.POSIX_FADV_WILLNEED:  # (each header is read with read-ahead off)
             calls.append((os.readlink(f"/proc/self/fd/{fd}"), offset, length, advice))
         return real(fd, offset, length, advice)
 
-    monkeypatch.setattr(readexec, "_fadvise", fadvise)
+    monkeypatch.setattr(cache_format, "_fadvise", fadvise)
     keys = ("hidden", "length")
     for readahead in (True, False):
         calls.clear()

@@ -126,24 +126,24 @@ def test_the_read_through_cache_keeps_what_was_fetched_within_its_budget(bucket,
     P.produce(url)
     cold = CachedTensorDataset(url, "test", 1, P.KEYS, read_cache_dir=str(tmp_path / "rc"))
     first = cold.__getitems__(list(range(22))).tensors
-    assert cold._storage.copy.fetched_bytes > 0
+    assert cold.storage.copy.fetched_bytes > 0
     warm = CachedTensorDataset(url, "test", 1, P.KEYS, read_cache_dir=str(tmp_path / "rc"))
     again = warm.__getitems__(list(range(22))).tensors
-    assert warm._storage.copy.fetched_bytes == 0 and all(torch.equal(first[k], again[k]) for k in P.KEYS)
+    assert warm.storage.copy.fetched_bytes == 0 and all(torch.equal(first[k], again[k]) for k in P.KEYS)
     small = CachedTensorDataset(url, "test", 1, P.KEYS, read_cache_dir=str(tmp_path / "small"), read_cache_bytes=1)
     for i in range(22):
         small[i]
-    held = sum(sum(b) for b in small._storage.copy._present.values())
+    held = sum(sum(b) for b in small.storage.copy._present.values())
     assert held <= 1  # only the shard in use is kept
     # a damaged local copy is found by the read's checksums and fetched again
-    m = warm._storage.copy
+    m = warm.storage.copy
     shard = Path(m.root) / "shard-000002.safetensors"
     data = bytearray(shard.read_bytes())
     data[-100] ^= 0xFF
     shard.write_bytes(bytes(data))
     fresh = CachedTensorDataset(url, "test", 1, P.KEYS, read_cache_dir=str(tmp_path / "rc"))
     got = fresh.__getitems__(list(range(22))).tensors
-    assert all(torch.equal(first[k], got[k]) for k in P.KEYS) and fresh._storage.copy.fetched_bytes > 0
+    assert all(torch.equal(first[k], got[k]) for k in P.KEYS) and fresh.storage.copy.fetched_bytes > 0
 
 
 def test_a_corrupted_object_is_detected_naming_the_shard(bucket) -> None:

@@ -57,7 +57,12 @@ from .loops import (
     write_cache_shards,
     write_cache_shards_distributed,
 )
-from .manifest import ensure_supervision_options_match, read_manifest, write_manifest
+from .manifest import (
+    ensure_supervision_options_match,
+    existing_shard_indices,
+    read_manifest,
+    write_manifest,
+)
 from .producer import produce_cache
 from .reader import CachedBatch, CachedTensorDataset, PendingBatch
 from .repair import repair_cache
@@ -66,7 +71,7 @@ from .storage import ProducerLock as ProducerLock
 from .storage import atomic_write
 from .storage import remove_stale_temp_files as remove_stale_temp_files
 from .thd_collate import CachedThdCollator, collate_cached
-from .verify import cache_info, existing_shard_indices, validate_contiguous_shards, verify_cache
+from .verify import cache_info, validate_contiguous_shards, verify_cache
 from .verify import check_cache_files as check_cache_files
 from .writer import DurableShardWriter, write_tensor_shard
 

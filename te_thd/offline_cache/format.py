@@ -77,6 +77,21 @@ DTYPE_RANK: dict[torch.dtype, int] = {d: i for i, (d, _) in enumerate(_DTYPE_TAB
 _NAME_TO_DTYPE: dict[str, torch.dtype] = {str(d).removeprefix("torch."): d for d, _ in _DTYPE_TABLE}
 
 
+_fadvise = getattr(os, "posix_fadvise", None)  # not on macOS
+
+
+def advise(fd: int, advice: str, offset: int = 0, length: int = 0) -> None:
+    """Page-cache advice on ``fd``'s bytes ``[offset, offset + length)`` (``length`` 0: to the end), the
+    one place the cache gives it; nothing where the platform has no ``posix_fadvise``.
+
+    ``"willneed"``: start reading those pages now, so scattered reads queue up at the
+    storage at once. ``"random"``: no kernel read-ahead, for a file read a few pieces
+    here and there (a shard header; a ragged shard), where read-ahead reads what is not needed.
+    """
+    if _fadvise is not None:
+        _fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED if advice == "willneed" else os.POSIX_FADV_RANDOM)
+
+
 def canonical_json(obj: Any) -> bytes:
     """``obj`` as canonical JSON (sorted keys, no whitespace, ASCII escapes): a function of the
     parsed content only, so the digests of a manifest or a side file do not depend on formatting."""

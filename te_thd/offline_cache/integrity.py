@@ -55,12 +55,12 @@ from te_thd.offline_cache.format import (
     ST_TO_DTYPE,
     CacheIntegrityError,
     TensorSpec,
+    advise,
     canonical_json,
     dtype_name,
     tensor_nbytes,
 )
 from te_thd.offline_cache.ragged import logical_specs
-from te_thd.offline_cache.readexec import advise
 
 #: Version of the self-verifying shard fields (the manifest's ``layout_version`` from this on).
 SHARD_LAYOUT = 3

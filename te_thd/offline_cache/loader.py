@@ -436,7 +436,7 @@ def build_cached_dataloader(
         worker_kwargs["persistent_workers"] = persistent_workers
         if prefetch_factor is not None:
             worker_kwargs["prefetch_factor"] = prefetch_factor
-        if multiprocessing_context is None and not getattr(getattr(dataset, "_storage", None), "fork_safe", True):
+        if multiprocessing_context is None and not getattr(getattr(dataset, "storage", None), "fork_safe", True):
             # an object store's cache: its client's runtime does not survive fork, so workers start
             # from a fresh server process (forkserver) instead of a copy of this one
             multiprocessing_context = "forkserver"

@@ -99,6 +99,15 @@ FORMAT_TAG = "+tokens"
 _TAGGED = re.compile(r"^(\d+)\+tokens$")
 
 
+def existing_shard_indices(cache_dir: str) -> set[int]:
+    """Return the shard indices already present in ``cache_dir``.
+
+    Only names matching :data:`SHARD_RE` count; temp files, the lock and any
+    foreign file are ignored.
+    """
+    return {int(m.group(1)) for name in open_storage(cache_dir).list() if (m := SHARD_RE.match(name))}
+
+
 def stored_format_version(version: int, tagged: bool) -> int | str:
     """What the manifest file records: ``version``, or ``"<version>+tokens"`` for a ragged cache."""
     return f"{version}{FORMAT_TAG}" if tagged else version

@@ -61,6 +61,7 @@ from te_thd.offline_cache.loops import (
     shard_runs,
 )
 from te_thd.offline_cache.manifest import (
+    existing_shard_indices,
     read_manifest,
     write_manifest,
 )
@@ -76,7 +77,6 @@ from te_thd.offline_cache.producer_state import (
 from te_thd.offline_cache.ragged import TokenLayout, check_token_keys
 from te_thd.offline_cache.shardfile import ShardRecord
 from te_thd.offline_cache.storage import Lock, Storage, open_storage
-from te_thd.offline_cache.verify import existing_shard_indices
 from te_thd.offline_cache.writer import DurableShardWriter
 
 _log = logging.getLogger("te_thd.offline_cache")

@@ -41,13 +41,17 @@ from te_thd.offline_cache.lengths import (
     for_tensor_spec,
     read_shard_lengths,
 )
-from te_thd.offline_cache.manifest import LAYOUT_VERSION, RESERVED_MANIFEST_KEYS, read_manifest
+from te_thd.offline_cache.manifest import (
+    LAYOUT_VERSION,
+    RESERVED_MANIFEST_KEYS,
+    existing_shard_indices,
+    read_manifest,
+)
 from te_thd.offline_cache.ragged import TOKEN_LAYOUT_KEY, TokenLayout, shard_fidelity
 from te_thd.offline_cache.shardfile import ShardRecord
 from te_thd.offline_cache.storage import open_storage
 from te_thd.offline_cache.verify import (
     check_cache_files,
-    existing_shard_indices,
     shard_size_errors,
     verify_shard_file,
 )

@@ -140,7 +140,7 @@ class CachedTensorDataset(Dataset):
         check_int("max_open_shards", max_open_shards, 1)
         check_int("read_cache_bytes", read_cache_bytes, 1, optional=True)
         # where the cache lives; the reads below open local files (of an s3:// cache: its read-through copy)
-        self._storage = open_storage(cache_dir, read_cache_dir=read_cache_dir, read_cache_bytes=read_cache_bytes)
+        self.storage = open_storage(cache_dir, read_cache_dir=read_cache_dir, read_cache_bytes=read_cache_bytes)
         self.cache_dir = cache_dir
         self.cache_name = cache_name
         self.verify = bool(verify)
@@ -150,7 +150,7 @@ class CachedTensorDataset(Dataset):
         run = None
         if follow:  # a cache whose producer may still run: its manifest, else the producer's follow record
             self.manifest, run, producer_name = open_followed(
-                self._storage, cache_dir, cache_name, format_version, producer_name, follow_timeout
+                self.storage, cache_dir, cache_name, format_version, producer_name, follow_timeout
             )
         else:
             self.manifest = read_manifest(cache_dir, cache_name, format_version, producer_name)
@@ -169,9 +169,9 @@ class CachedTensorDataset(Dataset):
             self._shard_indices = check_cache_files(cache_dir, self.manifest, cache_name, producer_name)
         else:  # each shard is waited for, then checked, when first read
             self._shard_indices = list(range(num_shards(self.num_samples, self.shard_size)))
-            self._follower = Follower(self._storage, cache_dir, cache_name, run, follow_timeout, producer_name)
+            self._follower = Follower(self.storage, cache_dir, cache_name, run, follow_timeout, producer_name)
             self._follower.check_keys(self._disk_keys)
-        self._storage.prepare_reads()  # before any DataLoader worker starts: they share what it prepares
+        self.storage.prepare_reads()  # before any DataLoader worker starts: they share what it prepares
         self._max_open = max_open_shards
         self.pin_memory = bool(pin_memory)
         self.readahead = bool(readahead)
@@ -243,7 +243,7 @@ class CachedTensorDataset(Dataset):
         """Parse shard ``shard_index``'s header and check it against the cache (``integrity.check_shard_header``:
         against the manifest schema, or without one the first shard this process opened); with the ragged
         index of a token shard."""
-        path = self._storage.header(shard_name(shard_index))
+        path = self.storage.header(shard_name(shard_index))
         rows = shard_rows(shard_index, self.num_samples, self.shard_size)
         try:
             header = check_shard_header(
@@ -295,7 +295,7 @@ class CachedTensorDataset(Dataset):
             return
         path = self._paths.get(shard_index)
         if path is None:
-            path = self._paths[shard_index] = self._storage.display(shard_name(shard_index))
+            path = self._paths[shard_index] = self.storage.display(shard_name(shard_index))
         verify_rows(
             data, rows, sums.sums[key], path=path, key=key,
             first_sample=shard_index * self.shard_size, repair=self._repair,
@@ -317,7 +317,7 @@ class CachedTensorDataset(Dataset):
                     f"shard {path} has no token fields although the manifest records a token layout "
                     f"(it was replaced by another writer's). {self._repair}", path=path,
                 )  # fmt: skip
-            fetch = self._storage.readable(shard_name(shard_index))[1]
+            fetch = self.storage.readable(shard_name(shard_index))[1]
             f = self._files.put(shard_index, OpenShard(path, header, tokens, fetch), self._max_open)
         return f
 
@@ -423,7 +423,7 @@ class CachedTensorDataset(Dataset):
         """Drop this process's local copy of the shard at ``path`` of an s3:// cache (a check failed on
         it); False when there is nothing to fetch again (a local cache)."""
         name = os.path.basename(path or "")
-        if not self._storage.refetch(name):
+        if not self.storage.refetch(name):
             return False
         m = SHARD_RE.match(name)
         if m is not None:
@@ -434,7 +434,7 @@ class CachedTensorDataset(Dataset):
     def _object_damaged(self, exc: CacheIntegrityError) -> CacheIntegrityError:
         name = os.path.basename(exc.path or "")
         return CacheIntegrityError(
-            f"{exc} The object {self._storage.display(name)} itself is damaged: fetched again, it failed the same check.",
+            f"{exc} The object {self.storage.display(name)} itself is damaged: fetched again, it failed the same check.",
             path=exc.path, sample=exc.sample, key=exc.key, expected=exc.expected, actual=exc.actual,
         )  # fmt: skip
 

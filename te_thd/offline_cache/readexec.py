@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from te_thd.args import check_int
-from te_thd.offline_cache.format import tensor_nbytes, unreadable_shard
+from te_thd.offline_cache.format import advise, tensor_nbytes, unreadable_shard
 
 __all__ = [
     "DestinationBuffers",
@@ -30,28 +30,12 @@ __all__ = [
     "Piece",
     "ReadContext",
     "ReadError",
-    "advise",
     "default_read_threads",
     "new_tensor",
     "read_piece",
     "run_pieces",
     "tensor_memoryview",
 ]
-
-_fadvise = getattr(os, "posix_fadvise", None)  # not on macOS
-
-
-def advise(fd: int, advice: str, offset: int = 0, length: int = 0) -> None:
-    """Page-cache advice on ``fd``'s bytes ``[offset, offset + length)`` (``length`` 0: to the end), the
-    one place the cache gives it; nothing where the platform has no ``posix_fadvise``.
-
-    ``"willneed"``: start reading those pages now, so scattered reads queue up at the
-    storage at once. ``"random"``: no kernel read-ahead, for a file read a few pieces
-    here and there (a shard header; a ragged shard), where read-ahead reads what is not needed.
-    """
-    if _fadvise is not None:
-        _fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED if advice == "willneed" else os.POSIX_FADV_RANDOM)
-
 
 def tensor_memoryview(t: torch.Tensor) -> memoryview:
     """Writable byte view (``memoryview`` of ``[numel * itemsize]`` uint8) of a contiguous CPU tensor."""

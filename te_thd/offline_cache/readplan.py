@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from te_thd.offline_cache.format import CacheIntegrityError, tensor_nbytes
+from te_thd.offline_cache.format import CacheIntegrityError, advise, tensor_nbytes
 from te_thd.offline_cache.integrity import (
     HeaderEntry,
     ShardHeader,
@@ -35,7 +35,7 @@ from te_thd.offline_cache.integrity import (
     row_views,
     verify_row_views,
 )
-from te_thd.offline_cache.readexec import AfterRead, GatherPiece, Piece, advise
+from te_thd.offline_cache.readexec import AfterRead, GatherPiece, Piece
 from te_thd.offline_cache.storage import Fetch
 from te_thd.offline_cache.token_read import TokenIndex
 

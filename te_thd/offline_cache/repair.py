@@ -37,6 +37,7 @@ from te_thd.offline_cache.format import (
 from te_thd.offline_cache.integrity import ShardHeader, read_shard_header, schema_of_header
 from te_thd.offline_cache.lengths import LENGTH_RULE_KEY, LengthRule, producer_rule
 from te_thd.offline_cache.manifest import (
+    existing_shard_indices,
     load_manifest,
     producer_command,
     write_manifest,
@@ -55,7 +56,7 @@ from te_thd.offline_cache.producer_state import (
 from te_thd.offline_cache.ragged import TokenLayout
 from te_thd.offline_cache.shardfile import ShardRecord
 from te_thd.offline_cache.storage import Storage, open_storage
-from te_thd.offline_cache.verify import existing_shard_indices, shard_problem, verify_shards
+from te_thd.offline_cache.verify import shard_problem, verify_shards
 
 #: What a caller passes back when the shards cannot tell it: repair_cache's keyword -> its CLI flag.
 REBUILD_ARGS = {

@@ -25,7 +25,6 @@ import numpy as np
 
 from te_thd.args import is_int
 from te_thd.offline_cache.format import (
-    SHARD_RE,
     CacheIntegrityError,
     CacheSchema,
     cache_command,
@@ -50,6 +49,7 @@ from te_thd.offline_cache.manifest import (
     LAYOUT_VERSION,
     RESERVED_MANIFEST_KEYS,
     cache_schema,
+    existing_shard_indices,
     load_manifest,
     producer_command,
     shard_records,
@@ -58,15 +58,6 @@ from te_thd.offline_cache.manifest import (
 from te_thd.offline_cache.ragged import TOKEN_LAYOUT_KEY, TokenLayout, describe_stored
 from te_thd.offline_cache.storage import open_storage
 from te_thd.offline_cache.token_read import check_token_blocks
-
-
-def existing_shard_indices(cache_dir: str) -> set[int]:
-    """Return the shard indices already present in ``cache_dir``.
-
-    Only names matching :data:`SHARD_RE` count; temp files, the lock and any
-    foreign file are ignored.
-    """
-    return {int(m.group(1)) for name in open_storage(cache_dir).list() if (m := SHARD_RE.match(name))}
 
 
 def validate_contiguous_shards(
