@@ -36,7 +36,6 @@ from .lengths import collator_rule
 from .reader import CachedBatch
 from .readexec import new_tensor
 from .sampler import PlannedSamples
-from .token_read import TokenRows
 
 __all__ = ["CachedThdCollator", "collate_cached"]
 
@@ -205,38 +204,27 @@ class CachedThdCollator:
 
     # -- helpers ---------------------------------------------------------------------------
 
-    def _stacked(self, features: Sequence[Mapping[str, torch.Tensor]]) -> tuple[dict[str, torch.Tensor], TokenRows | None]:
-        """The batch's stacked keys, and the ragged keys of a token-layout cache not yet read (those
-        the packer needs -- ids, labels, lengths, mask -- are read whole, zero-padded, into the dict)."""
-        ragged: TokenRows | None = None
-        if isinstance(features, CachedBatch):
-            tensors, ragged = dict(features.fixed), features.tokens
-            if ragged is not None:
-                needed = [k for k in ragged.keys if k in (self.input_key, self.label_key, self.length_key, self.mask_key)]
-                tensors.update(ragged.padded_many(needed) if needed else {})
-        else:
+    def _batch(self, features: Sequence[Mapping[str, torch.Tensor]]) -> tuple[CachedBatch, tuple[str, ...]]:
+        """The batch as a :class:`CachedBatch` (a list of samples is stacked into one), and the keys it
+        carries (``keys``, else all). Its keys are reached the same way whatever their stored layout."""
+        if not isinstance(features, CachedBatch):
             if len(features) == 0:
                 raise ValueError("features is empty; a THD batch needs at least one sample")
-            tensors = collate_cached(features, tuple(features[0]))
-        if self.keys is not None:
-            have = set(tensors) | (set(ragged.keys) if ragged is not None else set())
-            missing = [k for k in self.keys if k not in have]
-            if missing:
-                raise ValueError(f"keys {missing} were not read (read: {sorted(have)}); add them to the dataset's disk_keys")
-            tensors = {k: tensors[k] for k in self.keys if k in tensors}
-            if ragged is not None:
-                ragged = ragged.subset([k for k in ragged.keys if k in self.keys and k not in tensors])
-        elif ragged is not None:
-            ragged = ragged.subset([k for k in ragged.keys if k not in tensors])
-        return tensors, ragged
+            features = CachedBatch(collate_cached(features, tuple(features[0])), len(features))
+        if self.keys is None:
+            return features, features.keys
+        missing = [k for k in self.keys if k not in features.keys]
+        if missing:
+            raise ValueError(f"keys {missing} were not read (read: {sorted(features.keys)}); add them to the dataset's disk_keys")
+        return features, tuple(self.keys)
 
-    def _lengths(self, tensors: Mapping[str, torch.Tensor], b: int, width: int) -> torch.Tensor:
+    def _lengths(self, tensors: Mapping[str, torch.Tensor], b: int, width: int, read: Sequence[str]) -> torch.Tensor:
         """Real length of every sample, int64 ``[B]`` on the CPU, by the rule the balanced
         loader plans with (:func:`~te_thd.offline_cache.lengths.collator_rule`)."""
         rule = collator_rule(self)
         if rule.kind != "row" and rule.key not in tensors:
             arg = "length_key" if rule.kind == "value" else "mask_key"
-            raise ValueError(f"{arg}={rule.key!r} was not read (read: {sorted(tensors)})")
+            raise ValueError(f"{arg}={rule.key!r} was not read (read: {sorted(read)})")
         t = tensors[rule.key]
         if rule.kind == "value" and (t.numel() != b or t.is_floating_point()):
             raise ValueError(
@@ -274,14 +262,17 @@ class CachedThdCollator:
         rows = features.rows if isinstance(features, PlannedSamples) else None
         if rows is not None:
             features = features.batch
-        tensors, ragged = self._stacked(features)
-        if self.input_key not in tensors:
-            raise ValueError(f"input_key={self.input_key!r} was not read (read: {sorted(tensors)})")
+        batch, carried = self._batch(features)
+        if self.input_key not in carried:
+            raise ValueError(f"input_key={self.input_key!r} was not read (read: {sorted(carried)})")
+        # the keys the packer reads whole: ids, labels and what gives the lengths
+        packed_keys = [k for k in (self.input_key, self.label_key, self.length_key, self.mask_key) if k in carried]
+        tensors = batch.padded(list(dict.fromkeys(packed_keys)))
         ids = tensors[self.input_key]
         if ids.dim() != 2:
             raise ValueError(f"{self.input_key!r} must be [L] token ids per sample, got {tuple(ids.shape[1:])}")
         b, width = ids.shape
-        lengths = self._lengths(tensors, b, width)
+        lengths = self._lengths(tensors, b, width, carried)
 
         # Real tokens of all samples, in sample order, and where each came from.
         valid = torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)  # [B, L]
@@ -293,16 +284,14 @@ class CachedThdCollator:
         }
         if self.label_key is not None:
             if self.label_key not in tensors:
-                raise ValueError(f"label_key={self.label_key!r} was not read (read: {sorted(tensors)})")
+                raise ValueError(f"label_key={self.label_key!r} was not read (read: {sorted(carried)})")
             parts["labels"] = torch.split(tensors[self.label_key].reshape(b, width)[valid], lens)
         samples = [dict(zip(parts, group, strict=True)) for group in zip(*parts.values(), strict=True)]
         packed = self.packer(samples, rows=rows)
 
         consumed = {self.input_key, self.label_key, self.length_key}
-        # per-sample shape of every carried key; a ragged key's without reading it
-        shapes = {k: tuple(v.shape[1:]) for k, v in tensors.items()}
-        if ragged is not None:
-            shapes.update({k: ragged.specs[k].shape for k in ragged.keys})
+        # per-sample shape of every carried key, nothing read
+        shapes = {k: batch.sample_spec(k).shape for k in carried}
         if self.token_keys is not None:
             token_keys = self.token_keys
             for k in token_keys:
@@ -345,33 +334,19 @@ class CachedThdCollator:
             thd["cu_seqlens"], thd["cu_seqlens_padded"] = layout.cu_seqlens, layout.cu_seqlens_padded
             thd["num_seqs"], thd["max_seqlen_int"] = layout.num_seqs, layout.max_seqlen
             thd["max_seqlen"] = torch.tensor(layout.max_seqlen, dtype=torch.int32)
-        unread = [k for k in token_keys if k not in tensors]
-        if unread:
-            # ragged: read exactly this rank's real tokens from the cache, every key at once
-            assert ragged is not None
-            real = torch.nonzero(~is_pad).view(-1)
-            at = gather.index_select(0, real).numpy()
-            values = ragged.gather_many(unread, at // width, at % width)
-            for k in unread:
-                spec = ragged.specs[k]
-                flat = torch.full((gather.numel(), *spec.shape[1:]), self.pad_values.get(k, 0), dtype=spec.dtype)
-                flat[real] = values[k]
-                thd[k] = flat
+        # every token key gathered at once, exactly this rank's real tokens (of a ragged key only the
+        # blocks that hold them are read), the padding filled in
+        real = torch.nonzero(~is_pad).view(-1)
+        at = gather.index_select(0, real).numpy()
+        values = batch.gather(token_keys, at // width, at % width)
         for k in token_keys:
-            if k in unread:
-                continue
-            v = tensors[k]
-            flat = v.reshape(b * width, *v.shape[2:]).index_select(0, gather)  # [T(/cp), ...]
-            mask = is_pad.view(-1, *([1] * (flat.dim() - 1)))
-            thd[k] = flat.masked_fill_(mask, self.pad_values.get(k, 0))
+            spec = batch.sample_spec(k)
+            flat = torch.full((gather.numel(), *spec.shape[1:]), self.pad_values.get(k, 0), dtype=spec.dtype)
+            flat[real] = values[k]
+            thd[k] = flat
         out = dict(thd)
-        if ragged is not None:
-            # a ragged key packed per sample ([B, L, ...]) only when the caller's token_keys left it out
-            left = [k for k in ragged.keys if k not in token_keys]
-            tensors.update(ragged.padded_many(left) if left else {})
-        for k, v in tensors.items():
-            if k not in consumed and k not in token_keys:
-                out[k] = v  # per-sample keys, [B_samples, ...]
+        # per-sample keys, [B_samples, ...] (a token key the caller's token_keys left out among them)
+        out.update(batch.padded([k for k in carried if k not in consumed and k not in token_keys]))
         out["num_samples"] = b
         out["packing_efficiency"] = packed["packing_efficiency"]
         return out

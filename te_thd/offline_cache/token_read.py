@@ -267,15 +267,6 @@ class TokenRows:
     def keys(self) -> tuple[str, ...]:
         return tuple(self.specs)
 
-    def subset(self, keys: Sequence[str]) -> TokenRows | None:
-        """The same samples, only ``keys`` (None when there are none)."""
-        if not keys:
-            return None
-        out = object.__new__(TokenRows)
-        out._opener, out.shards, out.rows, out.lengths = self._opener, self.shards, self.rows, self.lengths
-        out.specs = {k: self.specs[k] for k in keys}
-        return out
-
     def gather_many(self, keys: Sequence[str], sample: np.ndarray, pos: np.ndarray) -> dict[str, torch.Tensor]:
         """Tokens ``pos`` of batch samples ``sample`` (int64 ``[M]``, each ``pos < length``) of each of
         ``keys``: ``{key: [M, *per_token]}``, logical dtype, in the order asked. Every read of the batch
@@ -377,6 +368,34 @@ class CachedBatch(Sequence[dict[str, torch.Tensor]]):
             tokens, self.tokens = self.tokens, None
             self.fixed = {**self.fixed, **tokens.padded_many(tokens.keys)}
         return self.fixed
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        """Every key of the batch, whatever its stored layout (nothing read)."""
+        return (*self.fixed, *(self.tokens.keys if self.tokens is not None else ()))
+
+    def sample_spec(self, key: str) -> TensorSpec:
+        """``key``'s dtype and per-sample shape (``[L, ...]`` for a token key), nothing read."""
+        if key in self.fixed:
+            t = self.fixed[key]
+            return TensorSpec(t.dtype, tuple(t.shape[1:]))
+        assert self.tokens is not None, key
+        return self.tokens.specs[key]
+
+    def padded(self, keys: Sequence[str]) -> dict[str, torch.Tensor]:
+        """``{key: [B, *sample_shape]}`` of ``keys``, a ragged key read now, whole and zero-padded."""
+        ragged = [k for k in keys if k not in self.fixed]
+        read = self.tokens.padded_many(ragged) if ragged and self.tokens is not None else {}
+        return {k: self.fixed[k] if k in self.fixed else read[k] for k in keys}
+
+    def gather(self, keys: Sequence[str], sample: np.ndarray, pos: np.ndarray) -> dict[str, torch.Tensor]:
+        """Tokens ``pos`` of batch samples ``sample`` (int64 ``[M]`` each, ``pos`` below the sample's
+        ``L``) of each of the token keys ``keys``: ``{key: [M, *per_token]}``. Of a ragged key only
+        the checksum blocks holding those tokens are read (``TokenRows.gather_many``), now."""
+        ragged = [k for k in keys if k not in self.fixed]
+        read = self.tokens.gather_many(ragged, sample, pos) if ragged and self.tokens is not None else {}
+        at = (torch.from_numpy(sample), torch.from_numpy(pos))
+        return {k: self.fixed[k][at] if k in self.fixed else read[k] for k in keys}
 
     def __reduce__(self) -> tuple[Any, ...]:
         # another process cannot read through this one's open shards: send the tensors
