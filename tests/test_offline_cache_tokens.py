@@ -193,6 +193,26 @@ def test_getitem_and_getitems_match_the_padded_cache(caches, name) -> None:
         _assert_same(pad.start_read(indices).result().tensors, rag.start_read(indices).result().tensors, lossy)
 
 
+def test_a_batch_reaches_every_key_the_same_way_whatever_its_layout(caches, monkeypatch) -> None:
+    """``keys`` / ``sample_spec`` / ``padded`` / ``gather`` of a ragged batch match the padded cache's
+    (the reference), and a key once read padded is gathered from that copy, not read again."""
+    idx = [28, 3, 17, 9, 0, 8]
+    pad, rag = _ds(caches["padded"]).__getitems__(idx), _ds(caches["ragged"]).__getitems__(idx)
+    assert set(pad.keys) == set(rag.keys) == set(KEYS) and len(rag.keys) == len(KEYS)
+    assert all(pad.sample_spec(k) == rag.sample_spec(k) for k in KEYS)
+    lengths = pad.padded(["length"])["length"].numpy()
+    sample = np.repeat(np.arange(len(idx)), lengths)
+    pos = np.concatenate([np.arange(n) for n in lengths])
+    _assert_same(pad.gather(TOKEN_KEYS, sample, pos), rag.gather(TOKEN_KEYS, sample, pos))
+    _assert_same(pad.padded(["hidden"]), rag.padded(["hidden"]))
+    asked: list[str] = []
+    real = type(rag.tokens).gather_many
+    monkeypatch.setattr(type(rag.tokens), "gather_many", lambda self, keys, *a: (asked.extend(keys), real(self, keys, *a))[1])
+    _assert_same(pad.gather(TOKEN_KEYS, sample, pos), rag.gather(TOKEN_KEYS, sample, pos))
+    assert sorted(asked) == ["input_ids", "logprobs"]  # hidden was read padded above
+    _assert_same(pad.tensors, rag.tensors)
+
+
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_the_loader_with_collate_cached_matches_the_padded_cache(caches, num_workers) -> None:
     def loader(path):

@@ -361,18 +361,17 @@ class CachedBatch(Sequence[dict[str, torch.Tensor]]):
 
     @property
     def tensors(self) -> dict[str, torch.Tensor]:
-        """Every key, stacked: ragged keys of a token-layout cache are read here, on first access,
-        zero-padded to ``[B, L, ...]`` (``fixed`` holds the others; ``tokens`` reads any tokens
-        of the ragged ones without padding them first, e.g. one CP rank's share)."""
+        """Every key, stacked: ragged keys are read here, on first access, zero-padded to ``[B, L, ...]``
+        (:meth:`gather` reads a few of their tokens instead, e.g. one CP rank's share)."""
         if self.tokens is not None:
-            tokens, self.tokens = self.tokens, None
-            self.fixed = {**self.fixed, **tokens.padded_many(tokens.keys)}
+            self.padded(self.tokens.keys)
+            self.tokens = None
         return self.fixed
 
     @property
     def keys(self) -> tuple[str, ...]:
         """Every key of the batch, whatever its stored layout (nothing read)."""
-        return (*self.fixed, *(self.tokens.keys if self.tokens is not None else ()))
+        return (*self.fixed, *(k for k in (self.tokens.keys if self.tokens is not None else ()) if k not in self.fixed))
 
     def sample_spec(self, key: str) -> TensorSpec:
         """``key``'s dtype and per-sample shape (``[L, ...]`` for a token key), nothing read."""
@@ -383,10 +382,11 @@ class CachedBatch(Sequence[dict[str, torch.Tensor]]):
         return self.tokens.specs[key]
 
     def padded(self, keys: Sequence[str]) -> dict[str, torch.Tensor]:
-        """``{key: [B, *sample_shape]}`` of ``keys``, a ragged key read now, whole and zero-padded."""
+        """``{key: [B, *sample_shape]}`` of ``keys``; a ragged key is read now, zero-padded, and kept."""
         ragged = [k for k in keys if k not in self.fixed]
-        read = self.tokens.padded_many(ragged) if ragged and self.tokens is not None else {}
-        return {k: self.fixed[k] if k in self.fixed else read[k] for k in keys}
+        if ragged and self.tokens is not None:
+            self.fixed = {**self.fixed, **self.tokens.padded_many(ragged)}
+        return {k: self.fixed[k] for k in keys}
 
     def gather(self, keys: Sequence[str], sample: np.ndarray, pos: np.ndarray) -> dict[str, torch.Tensor]:
         """Tokens ``pos`` of batch samples ``sample`` (int64 ``[M]`` each, ``pos`` below the sample's
