@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -40,6 +41,7 @@ from te_thd.offline_cache.ragged import (
     plan_token_reads,
     row_offsets,
 )
+from te_thd.offline_cache.token_read import TokenRows
 from te_thd.offline_cache.verify import cache_info
 
 L, H = 24, 16
@@ -194,11 +196,15 @@ def test_getitem_and_getitems_match_the_padded_cache(caches, name) -> None:
 
 
 def test_a_batch_reaches_every_key_the_same_way_whatever_its_layout(caches, monkeypatch) -> None:
-    """``keys`` / ``sample_spec`` / ``padded`` / ``gather`` of a ragged batch match the padded cache's
-    (the reference), and a key once read padded is gathered from that copy, not read again."""
+    """``keys`` / ``sample_spec`` / ``padded`` / ``gather`` of a ragged batch whose token keys are
+    deferred match the padded cache's (the reference); a deferred key is read only by those calls,
+    and once read padded it is gathered from that copy, not read again."""
     idx = [28, 3, 17, 9, 0, 8]
-    pad, rag = _ds(caches["padded"]).__getitems__(idx), _ds(caches["ragged"]).__getitems__(idx)
+    ds = _ds(caches["ragged"])
+    assert ds.defer_keys(("length", *TOKEN_KEYS)) == TOKEN_KEYS  # only ragged keys are deferred
+    pad, rag = _ds(caches["padded"]).__getitems__(idx), ds.__getitems__(idx)
     assert set(pad.keys) == set(rag.keys) == set(KEYS) and len(rag.keys) == len(KEYS)
+    assert not set(rag.tensors) & set(TOKEN_KEYS)  # nothing of a deferred key was read
     assert all(pad.sample_spec(k) == rag.sample_spec(k) for k in KEYS)
     lengths = pad.padded(["length"])["length"].numpy()
     sample = np.repeat(np.arange(len(idx)), lengths)
@@ -206,11 +212,25 @@ def test_a_batch_reaches_every_key_the_same_way_whatever_its_layout(caches, monk
     _assert_same(pad.gather(TOKEN_KEYS, sample, pos), rag.gather(TOKEN_KEYS, sample, pos))
     _assert_same(pad.padded(["hidden"]), rag.padded(["hidden"]))
     asked: list[str] = []
-    real = type(rag.tokens).gather_many
-    monkeypatch.setattr(type(rag.tokens), "gather_many", lambda self, keys, *a: (asked.extend(keys), real(self, keys, *a))[1])
+    real = TokenRows.gather_many
+    monkeypatch.setattr(TokenRows, "gather_many", lambda self, keys, *a: (asked.extend(keys), real(self, keys, *a))[1])
     _assert_same(pad.gather(TOKEN_KEYS, sample, pos), rag.gather(TOKEN_KEYS, sample, pos))
     assert sorted(asked) == ["input_ids", "logprobs"]  # hidden was read padded above
-    _assert_same(pad.tensors, rag.tensors)
+    _assert_same(pad.tensors, rag.padded(rag.keys))
+    _assert_same(pad.tensors, pickle.loads(pickle.dumps(ds.__getitems__(idx))).tensors)  # pickling reads them first
+
+
+def test_a_batch_read_returns_every_key_read_and_verified(caches, monkeypatch) -> None:
+    """Without deferred keys the batch read reads the ragged keys with the rows: the batch's
+    ``tensors`` hold every key and nothing reads afterwards (no I/O behind an attribute)."""
+    monkeypatch.setattr(TokenRows, "gather_many", lambda *a: pytest.fail("a read after the batch read"))
+    monkeypatch.setattr(TokenRows, "padded_many", lambda *a: pytest.fail("a read after the batch read"))
+    idx = [28, 3, 17, 9, 0, 8]
+    pad, ds = _ds(caches["padded"]), _ds(caches["ragged"])
+    for rag in (ds.__getitems__(idx), ds.start_read(idx).result()):
+        assert rag.deferred is None and set(rag.tensors) == set(KEYS)
+        _assert_same(pad.__getitems__(idx).tensors, rag.tensors)
+        CachedThdCollator(64, length_key="length", cp_size=2, cp_rank=1)(rag)
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
@@ -231,14 +251,16 @@ def test_thd_collator_packs_straight_from_ragged_rows_on_every_rank(caches, cp_s
     lossy = ("hidden",) if name == "fp8" else ()
     pad, rag = _ds(caches["padded"]), _ds(caches[name])
     idx = [4, 11, 0, 27, 19, 8, 13]
+    kws = [{"length_key": "length"}, {"mask_key": "mask", "rows": 4}, {"length_key": "length", "label_key": "input_ids"},
+           # explicit token_keys, a subset of keys, and a ragged key left per sample
+           {"keys": ("input_ids", "hidden", "length", "logprobs"), "token_keys": ("hidden",), "length_key": "length"}]
     for rank in range(cp_size):
-        for kw in ({"length_key": "length"}, {"mask_key": "mask", "rows": 4}, {"length_key": "length", "label_key": "input_ids"}):
+        for kw in kws:
             col = CachedThdCollator(64, cp_size=cp_size, cp_rank=rank, **kw)
-            _assert_same(col(pad.__getitems__(idx)), col(rag.__getitems__(idx)), lossy)
-    # explicit token_keys, a subset of keys, and a ragged key left per sample
-    col = CachedThdCollator(64, keys=("input_ids", "hidden", "length", "logprobs"), token_keys=("hidden",),
-                            length_key="length", cp_size=cp_size, cp_rank=cp_size - 1)  # fmt: skip
-    _assert_same(col(pad.__getitems__(idx)), col(rag.__getitems__(idx)), lossy)
+            want = col(pad.__getitems__(idx))
+            for deferred in ((), col.gathered_keys(rag.disk_keys)):  # read with the batch, or by the collate
+                rag.defer_keys(deferred)
+                _assert_same(want, col(rag.__getitems__(idx)), lossy)
 
 
 def test_thd_collator_in_loader_workers(caches) -> None:
@@ -269,12 +291,16 @@ def test_a_cp_rank_reads_only_its_share_of_the_ragged_tokens(tmp_path: Path) -> 
         ds[0]  # opens the shard: header, and the block sums on first verified read
         idx = list(range(8))
 
-        def fetched(cp: int, rank: int) -> int:
+        def fetched(cp: int, rank: int, defer: bool = True) -> int:
             col = CachedThdCollator(8 * L, length_key="length", cp_size=cp, cp_rank=rank)
+            ds.defer_keys(col.gathered_keys(ds.disk_keys) if defer else ())
             batch = ds.__getitems__(idx)
             before = _rchar()
             col(batch)
             return _rchar() - before
+
+        assert fetched(2, 0, defer=False) < 4096  # the batch read read every key: the collate reads nothing
+        # (but /proc/self/io itself)
 
         whole = fetched(1, 0)
         token_bytes = sum(int(s["length"]) for s in samples) * (H * 2 + 4)
@@ -315,6 +341,8 @@ def test_a_flipped_byte_in_a_ragged_tensor_is_caught_on_every_path(tmp_path: Pat
         lambda: [ds[i] for i in range(8, 16)],
         lambda: ds.__getitems__(list(range(16))).tensors,
         lambda: CachedThdCollator(512, length_key="length")(ds.__getitems__(list(range(8, 16)))),
+        lambda: CachedThdCollator(512, length_key="length", cp_size=2)(
+            ds.__getitems__(list(range(8, 16))) if ds.defer_keys(TOKEN_KEYS) else None),
     ]
     for read in reads:
         with pytest.raises(CacheIntegrityError, match="shard-000001") as exc:
@@ -335,15 +363,19 @@ def test_a_token_shard_truncated_under_an_open_reader_names_it_and_the_repair(tm
     shard = tmp_path / "c" / "shard-000001.safetensors"
     ds = _ds(tmp_path / "c")
     assert ds.__getitems__([8]).tensors["hidden"].shape == (1, L, H)
-    batch = ds.__getitems__(list(range(8, 16)))  # its ragged keys are read when first used
+    ds.defer_keys(TOKEN_KEYS)
+    batch = ds.__getitems__(list(range(8, 16)))  # its ragged keys are read when asked for
     start, _ = _entry(shard, "hidden@tokens")
     os.truncate(shard, start + 8)
     want = r"shard \S*shard-000001\.safetensors cannot be read \(.*file ended at byte \d+ while reading .*\)\. Repair: `te-thd cache repair "
     with pytest.raises(CacheIntegrityError, match=want) as exc:
-        _ = batch.tensors
+        batch.padded(["hidden"])
     assert exc.value.path == str(shard)
     with pytest.raises(CacheIntegrityError, match=want):
         CachedThdCollator(512, length_key="length", cp_size=2, cp_rank=1)(ds.__getitems__(list(range(8, 16))))
+    ds.defer_keys(())
+    with pytest.raises(CacheIntegrityError, match=want):
+        ds.__getitems__(list(range(8, 16)))
 
 
 def test_a_flipped_byte_in_the_token_offsets_is_caught_on_open(tmp_path: Path) -> None:

@@ -27,7 +27,6 @@ from te_thd.offline_cache.format import (
     SHARD_RE,
     CacheError,
     CacheIntegrityError,
-    CacheSchema,
     ManifestNotFoundError,
     TensorSpec,
     schema_to_json,
@@ -35,7 +34,12 @@ from te_thd.offline_cache.format import (
 )
 from te_thd.offline_cache.integrity import ShardHeader, shard_checksum
 from te_thd.offline_cache.lengths import LENGTH_RULE_KEY
-from te_thd.offline_cache.manifest import LAYOUT_VERSION, read_manifest
+from te_thd.offline_cache.manifest import (
+    LAYOUT_VERSION,
+    manifest_schema,
+    read_manifest,
+    shard_records,
+)
 from te_thd.offline_cache.producer_state import (
     FOLLOW_NAME,
     describe_diff,
@@ -45,6 +49,7 @@ from te_thd.offline_cache.producer_state import (
 from te_thd.offline_cache.ragged import TOKEN_LAYOUT_KEY
 from te_thd.offline_cache.readplan import OpenShard
 from te_thd.offline_cache.storage import Storage
+from te_thd.offline_cache.verify import check_cache_files
 
 __all__ = [
     "FOLLOW_NAME",
@@ -214,17 +219,30 @@ class Follower:
                 f"(its producer stores {stored}, {self.storage.display(FOLLOW_NAME)}); pass keys the producer writes"
             )
 
-    def check_opened(
-        self, opened: Sequence[tuple[int, OpenShard]], checksums: Mapping[int, str], schema: CacheSchema | None,
+    def finished(
+        self, versions: tuple[int, str | None], opened: Sequence[tuple[int, OpenShard]],
         seen: Mapping[str, TensorSpec] | None, repair: str,
-    ) -> None:  # fmt: skip
-        """At the switch to the manifest: the shards this process opened while following (``opened``) must be the
-        ones it records (``checksums``), and the schema they showed (``seen``) its ``schema``."""
-        if (
-            schema is not None
-            and seen is not None
-            and any(schema.get(k) != spec for k, spec in seen.items())
-        ):
+    ) -> tuple[dict[str, Any], dict[int, str]] | None:  # fmt: skip
+        """The manifest and its shard checksums, once the producer has committed it, else None.
+
+        The manifest must record the followed run (``versions``: the reader's format version and
+        producer command), its shards must all be there, the shards this process opened while following
+        (``opened``) must be the ones it records, and the schema they showed (``seen``) its schema."""
+        if self.storage.get(MANIFEST_NAME) is None:
+            return None
+        manifest = read_manifest(self.cache_dir, self.cache_name, *versions)
+        recorded = params_of_manifest(manifest, self.run.get("keys", ()))
+        followed = {k: v for k, v in self.run.items() if k != LENGTH_RULE_KEY}
+        if recorded != followed:
+            raise CacheError(
+                f"the {self.cache_name} cache at {self.cache_dir} was finished by a producer run with other arguments "
+                f"than the one this reader followed ({describe_diff(followed, recorded)}); the cache was rebuilt while "
+                "training read it: restart training on the finished cache"
+            )
+        check_cache_files(self.cache_dir, manifest, self.cache_name, versions[1])
+        checksums = {i: str(r["checksum"]) for i, r in enumerate(shard_records(manifest) or [])}
+        schema = manifest_schema(manifest)
+        if schema is not None and seen is not None and any(schema.get(k) != spec for k, spec in seen.items()):
             raise CacheIntegrityError(
                 f"the manifest of {self.cache_dir} records the schema {schema_to_json(schema)}, the shards read while "
                 f"its producer ran showed {schema_to_json(dict(seen))}. {repair}"
@@ -236,18 +254,4 @@ class Follower:
                     f"shard {f.path} was replaced after this reader read it (its header digest is {actual}, the "
                     f"manifest records {checksums.get(i)}). {repair}", path=f.path,
                 )  # fmt: skip
-
-    def finished(self, format_version: int, producer: str | None) -> dict[str, Any] | None:
-        """The manifest, once the producer has committed it (checked against the followed run), else None."""
-        if self.storage.get(MANIFEST_NAME) is None:
-            return None
-        manifest = read_manifest(self.cache_dir, self.cache_name, format_version, producer)
-        recorded = params_of_manifest(manifest, self.run.get("keys", ()))
-        followed = {k: v for k, v in self.run.items() if k != LENGTH_RULE_KEY}
-        if recorded != followed:
-            raise CacheError(
-                f"the {self.cache_name} cache at {self.cache_dir} was finished by a producer run with other arguments "
-                f"than the one this reader followed ({describe_diff(followed, recorded)}); the cache was rebuilt while "
-                "training read it: restart training on the finished cache"
-            )
-        return manifest
+        return manifest, checksums

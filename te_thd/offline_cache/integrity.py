@@ -1,36 +1,17 @@
 """Self-verifying shards: per-row checksums in the shard header, the header read back, and the checks.
 
-Every shard te_thd writes carries, in its safetensors ``__metadata__``, one
-entry ``"te_thd"`` whose value is a compact JSON object::
+Every shard te_thd writes carries one ``"te_thd"`` entry in its safetensors ``__metadata__``
+(its fields: docs/integrity.md, "What a shard carries"): per-row xxh3_64 sums seeded with the
+row index, so a row read from the wrong place fails too (:func:`verify_rows` hashes exactly
+the bytes a read copied, right after the copy, while still in cache), and a digest of the
+header (:func:`header_digest`), so a flipped dtype, shape, offset or stored sum is caught on
+open. One metadata key, not one per field, keeps the file byte-identical to
+``save_file(tensors, metadata={"te_thd": ...})``: safetensors writes metadata keys in hash-map
+order.
 
-    {"layout": 3, "rows": 256, "hash": "xxh3_64",
-     "sums": {"hidden": "<base64 of uint64 LE [rows]>", "input_ids": "..."},
-     "header": "<16 hex digits>"}
-
-- ``sums[key][i]`` is the xxh3_64 hash of the bytes of row ``i`` of ``key``, seeded with ``i``: a reader that
-  copies rows of a batch hashes exactly those bytes, right after the copy, while
-  they are still in cache (:func:`verify_rows`). Seeding with the row index also
-  catches a row read from the wrong place.
-- ``header`` is ``xxh3_64`` of the canonical JSON of the tensor entries plus the
-  other te_thd fields (:func:`header_digest`): a flipped dtype, shape, offset or
-  stored checksum is caught when the shard is opened.
-- ``rows`` is the shard's sample count, so a shard can be checked with no manifest.
-- ``run`` (shards ``produce_cache`` writes): the producer's run record -- ``format_version``,
-  ``num_samples``, ``shard_size``, ``keys``, ``options`` (``token_layout``, ``length_rule``
-  when set) -- the same in every shard of a cache, so ``te-thd cache repair`` rebuilds a
-  lost manifest from the shards alone. Shards written without it read as before.
-
-One metadata key (not one per field) keeps the bytes deterministic: safetensors
-itself writes metadata keys in hash-map order, so with a single key
-``save_file(tensors, metadata={"te_thd": ...})`` produces the identical file.
-
-:func:`read_shard_header` parses a shard's safetensors header and these fields and checks that
-the offsets tile the file; :func:`check_shard_header` is the one check of a header against its
-cache, which readers, ``verify_cache`` and the producer's resume all call.
-
-Hash choice (docs/performance-io.md): per-row sums must be cheap per call, as the Python call
-dominates small rows, and must release the GIL, so two read threads hash at once; xxh3_64 is
-the cheapest per call of the hashes tried at the same bulk rate as the fastest of them.
+:func:`read_shard_header` parses a shard's header and these fields and checks that the offsets
+tile the file; :func:`check_shard_header` is the one check of a header against its cache,
+which readers, ``verify_cache`` and the producer's resume all call.
 """
 
 from __future__ import annotations

@@ -56,6 +56,7 @@ from .sampler import (
     scan_rule,
 )
 from .storage import atomic_write_bytes
+from .thd_collate import CachedThdCollator
 
 __all__ = ["CachedDataLoader", "build_cached_dataloader", "cache_lengths", "to_device"]
 
@@ -445,6 +446,9 @@ def build_cached_dataloader(
     pin = torch.cuda.is_available() if pin_memory is None else bool(pin_memory)
     if pin and num_workers == 0 and isinstance(dataset, CachedTensorDataset) and torch.cuda.is_available():
         dataset.pin_memory = True
+    if isinstance(dataset, CachedTensorDataset) and isinstance(collate_fn, CachedThdCollator):
+        # the keys the collator places token by token are read by it, only the tokens it places
+        dataset.defer_keys(collate_fn.gathered_keys(dataset.disk_keys))
     loader = CachedDataLoader(
         PlannedDataset(dataset) if balance else dataset,
         # a planned step is one sampler item (a PlannedBatch) read whole by PlannedDataset

@@ -1,48 +1,11 @@
 """The cache manifest: ``manifest.json`` written last, read and validated by every reader.
 
-Manifest (``json``, sorted keys, no timestamps or host names, so two runs that
-produced the same shards write byte-identical manifests)::
-
-    {
-      "format_version": 3,              # the caller's version of what the tensors mean
-      "num_samples": 1000,
-      "shard_size": 256,
-      "manifest_checksum": "crc32:0badf00d",  # of the manifest itself (below)
-      "layout_version": 3,              # te_thd integrity fields below; absent in
-      "schema": {                       #   manifests of the reference producer
-        "hidden": {"dtype": "bfloat16", "shape": [512, 4096]}   # trailing shape
-      },
-      "shards": [
-        {"file": "shard-000000.safetensors", "bytes": 1073741912,
-         "checksum": "xxh3_64:5d1c0e2f8a7b9c31"},
-        ...
-      ],
-      "mask_generation_prompt": true,   # producer options, top level (as in the
-      ...                               #   reference, so ensure_supervision_options_match
-    }                                   #   reads them unchanged)
-
-Manifest checksum: ``manifest_checksum`` is the CRC-32 of the manifest's
-*canonical* JSON without that field (:func:`manifest_checksum`: sorted keys, no
-whitespace, ASCII), so it is a function of the content, not of the formatting:
-two runs with the same shards still write identical bytes, and a reader
-re-serialises what it parsed to check it. Without it a flipped byte inside an
-option value (``"cp_size": 2`` -> ``3``) or inside a shard's recorded checksum
-leaves valid JSON that every reader trusts. :func:`write_manifest` always records
-it (also for manifests written through the reference-compatible API); every
-te_thd load (:func:`read_manifest`, :func:`load_manifest`, hence readers,
-``verify_cache`` and ``te-thd cache``) checks it and reports a mismatch against
-``manifest.json``. Manifests without the field still load unchecked -- the
-reference producer writes none, nor did te_thd before ``layout_version`` 2 --
-except that a manifest declaring ``layout_version >= 2`` (every ``produce_cache``
-manifest) must carry it, so a flip that damages the field's own name is caught
-too.
-
-Layout versions (``layout_version``): 1 ``schema`` and ``shards``; 2 also
-``manifest_checksum`` (required from 2 on); 3 every shard also carries its own
-row count and per-row checksums (:mod:`~te_thd.offline_cache.integrity`), which
-readers then require. Every older layout, and the reference producer's
-manifests (no ``layout_version``), still read; their shards are checked by what
-they carry.
+Its fields, its own checksum and the layout versions are specified in docs/integrity.md
+("The manifest"). It is written as sorted-key JSON with no timestamps or host names, so two
+runs that produced the same shards write byte-identical manifests; ``manifest_checksum`` is
+the CRC-32 of its canonical JSON without that field (:func:`manifest_checksum`), a function
+of the content, not of the formatting, so a reader re-serialises what it parsed to check it.
+Every te_thd load checks it; a manifest declaring ``layout_version >= 2`` must carry it.
 """
 
 from __future__ import annotations

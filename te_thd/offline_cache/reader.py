@@ -159,22 +159,23 @@ class CachedTensorDataset(Dataset):
         self._repair = repair_hint(cache_dir, producer_name)
         self.shard_size = int(self.manifest["shard_size"])
         self.num_samples = int(self.manifest["num_samples"])
-        self._disk_keys = tuple(disk_keys)
+        self.disk_keys = tuple(disk_keys)
         # a ragged cache (``token_keys``): its token keys are read through ``token_read``, the rest as rows
         layout = self.manifest.get(TOKEN_LAYOUT_KEY)
         self._token_layout = TokenLayout.from_json(layout) if layout is not None else None
-        self._token_keys = tuple(k for k in self._disk_keys if self._token_layout and k in self._token_layout.keys)
-        self._row_keys = tuple(k for k in self._disk_keys if k not in self._token_keys)
+        self._token_keys = tuple(k for k in self.disk_keys if self._token_layout and k in self._token_layout.keys)
+        self._row_keys = tuple(k for k in self.disk_keys if k not in self._token_keys)
+        self._deferred: tuple[str, ...] = ()  # ragged keys a batched read leaves to the collate (defer_keys)
         if run is None:  # presence of shards 0..N-1 and, when the manifest records them, their byte sizes
             self._shard_indices = check_cache_files(cache_dir, self.manifest, cache_name, producer_name)
         else:  # each shard is waited for, then checked, when first read
             self._shard_indices = list(range(num_shards(self.num_samples, self.shard_size)))
             self._follower = Follower(self.storage, cache_dir, cache_name, run, follow_timeout, producer_name)
-            self._follower.check_keys(self._disk_keys)
+            self._follower.check_keys(self.disk_keys)
         self.storage.prepare_reads()  # before any DataLoader worker starts: they share what it prepares
         self._max_open = max_open_shards
         self.pin_memory = bool(pin_memory)
-        self.readahead = bool(readahead)
+        self._prefetch = self._row_keys if readahead else ()  # what a shard's first open asks the kernel for
         if read_threads is not None:
             ParallelReads(read_threads)  # checks the value: an int >= 1
         self.read_threads = read_threads
@@ -186,14 +187,14 @@ class CachedTensorDataset(Dataset):
         schema = manifest_schema(self.manifest)
         self._manifest_schema: dict[str, TensorSpec] | None = None
         if schema is not None:
-            unknown = [k for k in self._disk_keys if k not in schema]
+            unknown = [k for k in self.disk_keys if k not in schema]
             if unknown:
                 raise ValueError(
                     f"disk_keys {unknown} are not in the {cache_name} cache at {cache_dir} "
                     f"(its manifest {manifest_path(cache_dir)} lists {list(schema)}); pass keys "
                     "the producer wrote"
                 )
-            self._manifest_schema = {k: schema[k] for k in self._disk_keys}
+            self._manifest_schema = {k: schema[k] for k in self.disk_keys}
         if not self.verify:
             warnings.warn(
                 f"{cache_name} cache at {cache_dir}: reads are not verified (verify=False); a damaged "
@@ -236,6 +237,12 @@ class CachedTensorDataset(Dataset):
         """Whether this process still reads by the producer's follow record (it has not seen the manifest)."""
         return self._follower is not None
 
+    def defer_keys(self, keys: Sequence[str]) -> tuple[str, ...]:
+        """Leave the ragged keys among ``keys`` (returned) to ``CachedBatch.gather`` / ``padded``, which read
+        only the blocks of the tokens asked for (a CP rank's share); ``()``: a batch read reads every key."""
+        self._deferred = tuple(k for k in check_names("keys", keys, optional=True) or () if k in self._token_keys)
+        return self._deferred
+
     def __len__(self) -> int:
         return self.num_samples
 
@@ -247,14 +254,14 @@ class CachedTensorDataset(Dataset):
         rows = shard_rows(shard_index, self.num_samples, self.shard_size)
         try:
             header = check_shard_header(
-                path, self._schema, rows, self._disk_keys, self._require_sums, self._checksums.get(shard_index)
+                path, self._schema, rows, self.disk_keys, self._require_sums, self._checksums.get(shard_index)
             )
             tokens = token_index(path, header) if header.sums is not None and header.sums.tokens is not None else None
         except CacheIntegrityError as exc:
             raise CacheIntegrityError(f"{exc}. {self._repair}", path=path) from None
         if self._schema is None:
             entries = logical_entries(header)
-            self._schema = {k: TensorSpec(entries[k].dtype, entries[k].shape[1:]) for k in self._disk_keys}
+            self._schema = {k: TensorSpec(entries[k].dtype, entries[k].shape[1:]) for k in self.disk_keys}
         if header.sums is None and not self._warned_unverified:
             self._warned_unverified = True
             warnings.warn(
@@ -269,10 +276,7 @@ class CachedTensorDataset(Dataset):
     def _handle(self, shard_index: int):
         """The ``safe_open`` handle of shard ``shard_index``, opened lazily in this process once the shard
         is checked; a file safetensors still refuses is a :class:`CacheIntegrityError` naming it."""
-        return self._safe_handle(self._shard_file(shard_index))
-
-    def _safe_handle(self, f: OpenShard) -> Any:
-        """``f``'s ``safe_open`` handle, opened on first use."""
+        f = self._shard_file(shard_index)
         if f.handle is None:
             _, safe_open = load_safetensors(self.cache_name)
             try:
@@ -323,17 +327,12 @@ class CachedTensorDataset(Dataset):
 
     def _follow(self, shard_index: int) -> None:
         """Wait until the followed producer has committed shard ``shard_index``; read by the manifest once it
-        is there (checked against the followed run and the shards this process has opened)."""
+        is there (``Follower.finished`` checks it against the run followed and the shards opened)."""
         assert self._follower is not None
         self._follower.wait(shard_index)
-        manifest = self._follower.finished(*self._versions)
-        if manifest is None:
-            return
-        check_cache_files(self.cache_dir, manifest, self.cache_name, self._versions[1])
-        self._checksums = {i: str(r["checksum"]) for i, r in enumerate(shard_records(manifest) or [])}
-        self._follower.check_opened(self._files.items(), self._checksums, manifest_schema(manifest), self._schema,
-                                    self._repair)  # fmt: skip
-        self.manifest, self._follower = manifest, None
+        done = self._follower.finished(self._versions, self._files.items(), self._schema, self._repair)
+        if done is not None:
+            (self.manifest, self._checksums), self._follower = done, None
 
     def _token_opener(self, shard_index: int) -> tuple[int, TokenIndex, ReadContext]:
         """How :class:`TokenRows` reaches shard ``shard_index``."""
@@ -342,11 +341,8 @@ class CachedTensorDataset(Dataset):
         reads = self._parallel(get_worker_info() is not None)
         ctx = ReadContext(self.verify, shard_index * self.shard_size, self._repair, reads, f, f.fetch,
                           self._refetching if f.fetch is not None else None)  # fmt: skip
-        return self._descriptor(f), f.tokens, ctx
+        return f.descriptor(self._prefetch, self._repair), f.tokens, ctx
 
-    def _descriptor(self, f: OpenShard) -> int:
-        """``f``'s read-only descriptor, opened (with the ``readahead`` hint) on first use."""
-        return f.descriptor(self._row_keys if self.readahead else (), self._repair)
 
     def _destination(self, shared: bool) -> DestinationBuffers:
         pinned = self.pin_memory and not shared
@@ -376,7 +372,7 @@ class CachedTensorDataset(Dataset):
         f = self._shard_file(shard_index)
         if f.fetch is not None:
             f.fetch(row_ranges(f.header.entries, self._row_keys, np.array([offset])))
-        handle = self._safe_handle(f)
+        handle = self._handle(shard_index)
         try:
             out = {key: handle.get_slice(key)[offset] for key in self._row_keys}
         except _SafetensorError as exc:  # the header was checked on open; the file changed since?
@@ -388,15 +384,13 @@ class CachedTensorDataset(Dataset):
         if self._token_keys:
             tokens = TokenRows(self._token_opener, [(shard_index, offset)], {k: self._schema[k] for k in self._token_keys})
             out.update({k: v[0] for k, v in tokens.padded_many(self._token_keys).items()})
-            out = {k: out[k] for k in self._disk_keys}
+            out = {k: out[k] for k in self.disk_keys}
         return out
 
     def __getitems__(self, indices: Sequence[int]) -> CachedBatch:
-        """Read samples ``indices`` (in that order) into stacked tensors, verifying every row, in pieces of
-        about :data:`VERIFY_CHUNK_BYTES` (hashed while still in cache). Negative indices count from the end;
-        out of range: ``IndexError``. The ragged keys of a token-layout cache are read (and verified) when
-        the batch's ``tensors`` are first used, or only the tokens a ``CachedThdCollator`` places
-        (``CachedBatch.tokens``)."""
+        """Read samples ``indices`` (in that order; negative ones count from the end) into stacked tensors,
+        verifying every row in pieces of about :data:`VERIFY_CHUNK_BYTES` (hashed while still in cache); the
+        ragged keys, zero-padded to ``[B, L, ...]``, with them, but for those :meth:`defer_keys` names."""
         return self._refetching(self._read_batch, indices)
 
     def _read_batch(self, indices: Sequence[int]) -> CachedBatch:
@@ -475,19 +469,25 @@ class CachedTensorDataset(Dataset):
             f = self._shard_file(shard)
             if f.fetch is not None:
                 f.fetch(row_ranges(f.header.entries, self._row_keys, local))
-            fd = self._descriptor(f)  # opened by the first batched read of the shard, either engine: the readahead hint
+            fd = f.descriptor(self._prefetch, self._repair)  # the first batched read of the shard opens it
             plan_shard_rows(f, fd, self._row_keys, local, pos, out, raw, chunk, f.header.sums if self.verify else None,
                             shard * self.shard_size, self._repair, pieces, scattered)  # fmt: skip
+
+        tokens = eager = None
+        if self._token_keys:
+            tokens = TokenRows(self._token_opener, batch_places(groups, n), {k: self._schema[k] for k in self._token_keys})
+            later = [k for k in self._token_keys if k not in self._deferred]
+            if later:  # one plan: the ragged keys' pieces are read with the rows, on the same threads
+                eager = tokens.plan_padded(later, pieces, shared=in_worker)
 
         def finish() -> None:
             for dst, pos, rows in scattered:  # gathered rows of shards whose batch rows interleave
                 dst.index_copy_(0, pos, rows)
+            if eager is not None:
+                out.update(eager())
 
-        tokens = None
-        if self._token_keys:
-            places = batch_places(groups, n)
-            tokens = TokenRows(self._token_opener, places, {k: self._schema[k] for k in self._token_keys})
-        return CachedBatch(out, n, tokens), reads, pieces, finish if scattered else None
+        deferred = tokens if self._deferred else None
+        return CachedBatch(out, n, deferred), reads, pieces, finish if scattered or eager is not None else None
 
     def _parallel(self, in_worker: bool) -> ParallelReads:
         """This process's :class:`ParallelReads`: ``read_threads``, or 1 thread inside a DataLoader worker

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from te_thd.args import check_int
-from te_thd.offline_cache.format import advise, tensor_nbytes, unreadable_shard
+from te_thd.offline_cache.format import tensor_nbytes, unreadable_shard
 
 __all__ = [
     "DestinationBuffers",
@@ -409,13 +409,8 @@ class ReadContext:
 def run_pieces(pieces: list[Piece], ctx: ReadContext) -> None:
     """Read the planned pieces (on ``ctx.reads``, the dataset's read threads, when given), verifying each.
 
-    Every piece's range is first advised ``"willneed"``, so scattered reads (a CP rank's chunks of each
-    document) are one deep queue of storage requests, not one synchronous request per read. A failed
-    read (the file shrank after it was opened) is the reader's one "cannot be read" error.
+    A failed read (the file shrank after it was opened) is the reader's one "cannot be read" error.
     """
-    if len(pieces) > 1:
-        for piece in pieces:
-            advise(piece.fd, "willneed", piece.offset, piece.nbytes)
     try:
         if ctx.reads is None:
             for piece in pieces:

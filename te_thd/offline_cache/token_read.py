@@ -6,9 +6,10 @@ is parsed from its checked header when the reader opens it; its block sums are r
 checked against the header's digest on first use. :func:`plan_stored` plans one ``preadv``
 piece per run of adjacent blocks, each block hashed right after it is read by the thread
 that read it; the wanted tokens are then picked out and decoded to the logical dtype
-(:mod:`~te_thd.offline_cache.ragged`). :class:`TokenRows` is a batch's handle on its
-samples' ragged keys: whole samples zero-padded to ``[B, L, ...]`` as the padded cache
-returns them, or any tokens of them (one CP rank's share).
+(:mod:`~te_thd.offline_cache.ragged`). :class:`TokenRows` plans a batch's ragged keys:
+whole samples zero-padded to ``[B, L, ...]`` as the padded cache returns them (planned with
+the batch's rows and read with them), or any tokens of them (one CP rank's share, of the
+keys the dataset defers).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import numpy as np
 import torch
 import xxhash
 
-from te_thd.offline_cache.format import CacheIntegrityError, TensorSpec
+from te_thd.offline_cache.format import CacheIntegrityError, TensorSpec, advise
 from te_thd.offline_cache.integrity import HASH_NAME, ShardHeader, name_row
 from te_thd.offline_cache.ragged import (
     BLOCK_SUMS,
@@ -43,6 +44,7 @@ from te_thd.offline_cache.readexec import (
     Piece,
     ReadContext,
     ReadError,
+    new_tensor,
     run_pieces,
     tensor_memoryview,
 )
@@ -210,14 +212,6 @@ def _block_check(
     return after
 
 
-def read_stored(fd: int, index: TokenIndex, name: str, rows: np.ndarray, pos: np.ndarray, ctx: ReadContext) -> torch.Tensor:
-    """Tokens ``pos`` of rows ``rows`` of stored tensor ``name``, read now: ``[M, *shape]`` of its stored dtype."""
-    pieces: list[Piece] = []
-    part = plan_stored(fd, index, name, rows, pos, ctx, pieces)
-    run_pieces(pieces, ctx)
-    return part.result()
-
-
 def decode(index: TokenIndex, key: str, parts: Mapping[str, torch.Tensor]) -> torch.Tensor:
     """Ragged key ``key`` from its stored tensors' tokens (``{stored name: [M, ...]}``): logical dtype."""
     codec = index.layout.codec(key)
@@ -267,26 +261,19 @@ class TokenRows:
     def keys(self) -> tuple[str, ...]:
         return tuple(self.specs)
 
-    def gather_many(self, keys: Sequence[str], sample: np.ndarray, pos: np.ndarray) -> dict[str, torch.Tensor]:
-        """Tokens ``pos`` of batch samples ``sample`` (int64 ``[M]``, each ``pos < length``) of each of
-        ``keys``: ``{key: [M, *per_token]}``, logical dtype, in the order asked. Every read of the batch
-        is planned, then read together (on the dataset's read threads), each piece verified by the thread
-        that read it; a shard of an s3:// cache whose local copy fails a check is fetched again, once."""
-        retry = self._opener(int(self.shards[0]))[2].retry if self.shards.size else None
-        if retry is None:
-            return self._gather_many(keys, sample, pos)
-        return retry(lambda _: self._gather_many(keys, sample, pos), None)
-
-    def _gather_many(self, keys: Sequence[str], sample: np.ndarray, pos: np.ndarray) -> dict[str, torch.Tensor]:
+    def plan(self, keys: Sequence[str], sample: np.ndarray, pos: np.ndarray, pieces: list[Piece]) -> Callable[[], dict[str, torch.Tensor]]:
+        """Plan reading tokens ``pos`` of batch samples ``sample`` (int64 ``[M]``, each ``pos < length``) of
+        each of ``keys``: appends the ``preadv`` pieces to ``pieces`` (each verifies its blocks right after it
+        is read, by the thread that read it) and returns what, once they are read, gives
+        ``{key: [M, *per_token]}``, logical dtype, in the order asked."""
         sample = np.asarray(sample, dtype=np.int64)
         pos = np.asarray(pos, dtype=np.int64)
         if np.any(pos < 0) or np.any(pos >= self.lengths[sample]):
             raise IndexError(f"token positions past their samples' lengths requested from keys {list(keys)}")
         shard_of = self.shards[sample]
         shards = np.unique(shard_of).tolist()
-        pieces: list[Piece] = []
+        first = len(pieces)
         planned: list[tuple[np.ndarray | None, TokenIndex, dict[str, TokenPart]]] = []
-        ctx = None
         for shard in shards:
             at = None if len(shards) == 1 else np.flatnonzero(shard_of == shard)
             fd, index, ctx = self._opener(shard)
@@ -294,34 +281,65 @@ class TokenRows:
             plans: dict[tuple[int, int], TokenReadPlan] = {}
             parts = {n: plan_stored(fd, index, n, rows, p, ctx, pieces, plans) for k in keys for n in stored_names(index, k)}
             planned.append((at, index, parts))
-        if ctx is not None:  # every shard's context reads on the same threads and repairs the same way
-            run_pieces(pieces, ctx)
-        out: dict[str, torch.Tensor] = {}
-        for key in keys:
-            spec = self.specs[key]
-            if len(planned) == 1:
-                _, index, parts = planned[0]
-                out[key] = decode(index, key, {n: parts[n].result() for n in stored_names(index, key)})
-                continue
-            dst = torch.empty((sample.size, *spec.shape[1:]), dtype=spec.dtype)
-            for at, index, parts in planned:
-                dst[torch.from_numpy(at)] = decode(index, key, {n: parts[n].result() for n in stored_names(index, key)})
-            out[key] = dst
-        return out
+        if len(pieces) - first > 1:  # scattered reads (a CP rank's chunks) queue as one deep run of requests
+            for piece in pieces[first:]:
+                advise(piece.fd, "willneed", piece.offset, piece.nbytes)
+
+        def result() -> dict[str, torch.Tensor]:
+            out: dict[str, torch.Tensor] = {}
+            for key in keys:
+                if len(planned) == 1:
+                    _, index, parts = planned[0]
+                    out[key] = decode(index, key, {n: parts[n].result() for n in stored_names(index, key)})
+                    continue
+                spec = self.specs[key]
+                out[key] = dst = torch.empty((sample.size, *spec.shape[1:]), dtype=spec.dtype)
+                for at, index, parts in planned:
+                    dst[torch.from_numpy(at)] = decode(index, key, {n: parts[n].result() for n in stored_names(index, key)})
+            return out
+
+        return result
+
+    def plan_padded(self, keys: Sequence[str], pieces: list[Piece], shared: bool = False) -> Callable[[], dict[str, torch.Tensor]]:
+        """Plan reading each of ``keys`` of every sample whole (as :meth:`plan`); once read, the result is
+        ``{key: [B, L, *per_token]}`` zero-padded (what the padded cache returns), in shared memory when
+        ``shared`` (inside a DataLoader worker)."""
+        sample, pos = whole_rows(self.lengths)
+        tokens = self.plan(keys, sample, pos, pieces)
+
+        def result() -> dict[str, torch.Tensor]:
+            out = {}
+            for key, data in tokens().items():
+                spec = self.specs[key]
+                width = spec.shape[0]
+                out[key] = t = new_tensor((self.lengths.size, *spec.shape), spec.dtype, shared=shared).zero_()
+                t.view(self.lengths.size * width, *spec.shape[1:])[torch.from_numpy(sample * width + pos)] = data
+            return out
+
+        return result
+
+    def gather_many(self, keys: Sequence[str], sample: np.ndarray, pos: np.ndarray) -> dict[str, torch.Tensor]:
+        """:meth:`plan`'s tokens, read now."""
+        return self._read(lambda pieces: self.plan(keys, sample, pos, pieces))
 
     def padded_many(self, keys: Sequence[str]) -> dict[str, torch.Tensor]:
-        """Each of ``keys`` of every sample, zero-padded: ``{key: [B, L, *per_token]}`` (what the padded
-        cache returns), read together."""
-        sample, pos = whole_rows(self.lengths)
-        data = self.gather_many(keys, sample, pos)
-        out = {}
-        for key in keys:
-            spec = self.specs[key]
-            width = spec.shape[0]
-            t = torch.zeros((self.lengths.size, *spec.shape), dtype=spec.dtype)
-            t.view(self.lengths.size * width, *spec.shape[1:])[torch.from_numpy(sample * width + pos)] = data[key]
-            out[key] = t
-        return out
+        """:meth:`plan_padded`'s whole samples, read now."""
+        return self._read(lambda pieces: self.plan_padded(keys, pieces))
+
+    def _read(self, plan: Callable[[list[Piece]], Callable[[], dict[str, torch.Tensor]]]) -> dict[str, torch.Tensor]:
+        """Plan with ``plan(pieces)`` and read on the dataset's read threads; a shard of an s3:// cache whose
+        local copy fails a check is fetched again, once."""
+        if not self.shards.size:
+            return {}
+        ctx = self._opener(int(self.shards[0]))[2]  # every shard's context reads on the same threads
+
+        def once(_: Any) -> dict[str, torch.Tensor]:
+            pieces: list[Piece] = []
+            result = plan(pieces)
+            run_pieces(pieces, ctx)
+            return result()
+
+        return once(None) if ctx.retry is None else ctx.retry(once, None)
 
 
 def check_token_blocks(path: str, header: ShardHeader, first_sample: int | None) -> None:
@@ -338,68 +356,67 @@ def check_token_blocks(path: str, header: ShardHeader, first_sample: int | None)
         for name, s in index.stored.items():
             step = max(1, (64 << 20) // max(1, s.token_bytes))  # 64 MiB at a time
             for a in range(0, sample.size, step):
-                read_stored(fd, index, name, sample[a : a + step], pos[a : a + step], ctx)
+                pieces: list[Piece] = []
+                plan_stored(fd, index, name, sample[a : a + step], pos[a : a + step], ctx, pieces)
+                run_pieces(pieces, ctx)
     finally:
         os.close(fd)
 
 
 class CachedBatch(Sequence[dict[str, torch.Tensor]]):
-    """The result of ``CachedTensorDataset.__getitems__``: a batch already stacked.
+    """The result of ``CachedTensorDataset.__getitems__``: a batch already read, stacked and verified.
 
-    ``tensors[key]`` is ``[B, *sample_shape]`` in the requested order, memory no one else
-    uses (recycled only once every reference to it is gone; in shared memory inside a
-    DataLoader worker). Also a sequence of ``B`` per-sample dicts (row views), so a collate
-    function written for a list of samples still works.
+    ``tensors[key]`` is ``[B, *sample_shape]`` (a ragged key zero-padded to ``[B, L, ...]``) in the
+    requested order, memory no one else uses (recycled only once every reference to it is gone; in
+    shared memory inside a DataLoader worker). Also a sequence of ``B`` per-sample dicts (row views of
+    ``tensors``), so a collate function written for a list of samples still works.
+
+    ``deferred``: the ragged keys the dataset was told to leave unread (``defer_keys``: a
+    :class:`~te_thd.offline_cache.thd_collate.CachedThdCollator` reads only the tokens it places);
+    they are in :attr:`keys` but not in ``tensors`` until :meth:`padded` or :meth:`gather` reads them.
     """
 
-    __slots__ = ("fixed", "tokens", "_len")
+    __slots__ = ("tensors", "deferred", "_len")
 
-    def __init__(self, tensors: dict[str, torch.Tensor], length: int, tokens: TokenRows | None = None) -> None:
-        self.fixed = tensors
-        self.tokens = tokens
+    def __init__(self, tensors: dict[str, torch.Tensor], length: int, deferred: TokenRows | None = None) -> None:
+        self.tensors = tensors
+        self.deferred = deferred
         self._len = length
 
     @property
-    def tensors(self) -> dict[str, torch.Tensor]:
-        """Every key, stacked: ragged keys are read here, on first access, zero-padded to ``[B, L, ...]``
-        (:meth:`gather` reads a few of their tokens instead, e.g. one CP rank's share)."""
-        if self.tokens is not None:
-            self.padded(self.tokens.keys)
-            self.tokens = None
-        return self.fixed
-
-    @property
     def keys(self) -> tuple[str, ...]:
-        """Every key of the batch, whatever its stored layout (nothing read)."""
-        return (*self.fixed, *(k for k in (self.tokens.keys if self.tokens is not None else ()) if k not in self.fixed))
+        """Every key of the batch, read or deferred."""
+        later = self.deferred.keys if self.deferred is not None else ()
+        return (*self.tensors, *(k for k in later if k not in self.tensors))
 
     def sample_spec(self, key: str) -> TensorSpec:
         """``key``'s dtype and per-sample shape (``[L, ...]`` for a token key), nothing read."""
-        if key in self.fixed:
-            t = self.fixed[key]
+        if key in self.tensors:
+            t = self.tensors[key]
             return TensorSpec(t.dtype, tuple(t.shape[1:]))
-        assert self.tokens is not None, key
-        return self.tokens.specs[key]
+        assert self.deferred is not None, key
+        return self.deferred.specs[key]
 
     def padded(self, keys: Sequence[str]) -> dict[str, torch.Tensor]:
-        """``{key: [B, *sample_shape]}`` of ``keys``; a ragged key is read now, zero-padded, and kept."""
-        ragged = [k for k in keys if k not in self.fixed]
-        if ragged and self.tokens is not None:
-            self.fixed = {**self.fixed, **self.tokens.padded_many(ragged)}
-        return {k: self.fixed[k] for k in keys}
+        """``{key: [B, *sample_shape]}`` of ``keys``; a deferred key is read now, zero-padded, verified,
+        and kept in ``tensors``."""
+        later = [k for k in keys if k not in self.tensors]
+        if later and self.deferred is not None:
+            self.tensors = {**self.tensors, **self.deferred.padded_many(later)}
+        return {k: self.tensors[k] for k in keys}
 
     def gather(self, keys: Sequence[str], sample: np.ndarray, pos: np.ndarray) -> dict[str, torch.Tensor]:
         """Tokens ``pos`` of batch samples ``sample`` (int64 ``[M]`` each, ``pos`` below the sample's
-        ``L``) of each of the token keys ``keys``: ``{key: [M, *per_token]}``. Of a ragged key only
-        the checksum blocks holding those tokens are read (``TokenRows.gather_many``), now."""
-        ragged = [k for k in keys if k not in self.fixed]
-        read = self.tokens.gather_many(ragged, sample, pos) if ragged and self.tokens is not None else {}
+        ``L``) of each of the token keys ``keys``: ``{key: [M, *per_token]}``. Of a deferred key only the
+        checksum blocks holding those tokens are read, now, and verified."""
+        later = [k for k in keys if k not in self.tensors]
+        read = self.deferred.gather_many(later, sample, pos) if later and self.deferred is not None else {}
         at = (torch.from_numpy(sample), torch.from_numpy(pos))
-        return {k: self.fixed[k][at] if k in self.fixed else read[k] for k in keys}
+        return {k: self.tensors[k][at] if k in self.tensors else read[k] for k in keys}
 
     def __reduce__(self) -> tuple[Any, ...]:
-        # another process cannot read through this one's open shards: send the tensors
-        return (CachedBatch, (self.tensors, self._len))
+        # another process cannot read through this one's open shards: the deferred keys are read first
+        return (CachedBatch, (self.padded(self.keys), self._len))
 
     def __len__(self) -> int:
         return self._len
