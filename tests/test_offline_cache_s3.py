@@ -144,6 +144,21 @@ def test_the_read_through_cache_keeps_what_was_fetched_within_its_budget(bucket,
     fresh = CachedTensorDataset(url, "test", 1, P.KEYS, read_cache_dir=str(tmp_path / "rc"))
     got = fresh.__getitems__(list(range(22))).tensors
     assert all(torch.equal(first[k], got[k]) for k in P.KEYS) and fresh.storage.copy.fetched_bytes > 0
+    # the same for a key the THD collate reads itself (deferred): its read fetches the shard again too
+    col = CachedThdCollator(128, length_key="length", cp_size=2, cp_rank=1)
+    want = col(CachedTensorDataset(str(local), "test", 1, P.KEYS).__getitems__(list(range(22))))
+    e = read_shard_header(str(shard)).entries["hidden@tokens"]
+    data = bytearray(shard.read_bytes())
+    for at in range(e.start, e.end, 64):  # every block of the key, whichever tokens rank 1 reads
+        data[at] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    fresh = CachedTensorDataset(url, "test", 1, P.KEYS, read_cache_dir=str(tmp_path / "rc"))
+    assert "hidden" in fresh.defer_keys(col.gathered_keys(fresh.disk_keys))
+    batch = fresh.__getitems__(list(range(22)))
+    assert fresh.storage.copy.fetched_bytes == 0  # the batch read did not touch the deferred key
+    got = col(batch)
+    assert fresh.storage.copy.fetched_bytes > 0
+    assert all(torch.equal(want[k], got[k]) for k in want if isinstance(want[k], torch.Tensor))
 
 
 def test_a_corrupted_object_is_detected_naming_the_shard(bucket) -> None:
