@@ -108,11 +108,15 @@ def test_checked_in_thresholds_parse():
     assert [g.id for g in goals if g.known_miss] == [
         "cache-write-vs-save-file", "cache-read-large-vs-raw-preadv", "cache-read-large-verified-vs-raw-preadv-hash",
         "follow-pipeline-vs-producer", "follow-pipeline-vs-sequential", "balance-plan-time", "tokens-cp-fetch-demo",
-        "s3-warm-vs-local-large"]
+        "tokens-cp2-throughput-warm-demo", "s3-cold-vs-client", "s3-warm-vs-local-large"]
     assert not by["follow-first-step"].known_miss
     assert {"cache-write-vs-save-file-fsync", "balance-plan-vs-ffd", "tokens-cp2-fetch", "s3-warm-vs-local"} <= set(by)
     assert not by["s3-warm-vs-local"].known_miss and by["s3-warm-vs-local"].min_ratio == 0.8
-    assert not any(by[g].known_miss for g in ("tokens-cp2-fetch", "tokens-cp4-fetch", "tokens-cp2-throughput"))
+    assert not any(by[g].known_miss for g in ("tokens-cp2-fetch", "tokens-cp4-fetch", "tokens-cp2-throughput",
+                                              "tokens-cp2-throughput-warm"))
+    # the ragged and object-store read goals keep the numbers
+    assert by["tokens-cp2-throughput-warm"].min_ratio == by["tokens-cp2-throughput-warm-demo"].min_ratio == 1.0
+    assert by["s3-cold-vs-client"].min_ratio == 0.8
     assert by["cache-write-vs-save-file-fsync"].min_ratio == 0.8
     assert not by["cache-write-vs-save-file-fsync"].known_miss
     # the producer's writes hidden behind compute gate at the number

@@ -104,11 +104,11 @@ class S3Prefix(storage.Storage):
         except FileNotFoundError:
             return None
 
-    def get_ranges(self, obj: str, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
-        """Bytes ``[start, end)`` of ``obj`` for each range: one call, obstore coalesces and parallelises."""
+    def get_ranges(self, obj: str, ranges: Sequence[tuple[int, int]]) -> list[memoryview]:
+        """Bytes ``[start, end)`` of ``obj`` for each range (views, not copies): one call, obstore coalesces."""
         with self.calls():
             out = _obstore().get_ranges(client(self.bucket, self.config), self.key(obj), starts=[a for a, _ in ranges], ends=[b for _, b in ranges]) if ranges else []  # fmt: skip
-        return [bytes(b) for b in out]
+        return [memoryview(b) for b in out]
 
     def put(self, obj: str, data: bytes, *, create: bool = False) -> str:
         """Also ``create``: only if it does not exist (conditional PUT); then ``""`` when it did."""
