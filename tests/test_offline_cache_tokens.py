@@ -216,6 +216,7 @@ def test_a_batch_reaches_every_key_the_same_way_whatever_its_layout(caches, monk
     monkeypatch.setattr(TokenRows, "gather_many", lambda self, keys, *a: (asked.extend(keys), real(self, keys, *a))[1])
     _assert_same(pad.gather(TOKEN_KEYS, sample, pos), rag.gather(TOKEN_KEYS, sample, pos))
     assert sorted(asked) == ["input_ids", "logprobs"]  # hidden was read padded above
+    _assert_same(pad.tensors, collate_cached(ds.__getitems__(idx), KEYS))  # reads the deferred keys whole
     _assert_same(pad.tensors, rag.padded(rag.keys))
     _assert_same(pad.tensors, pickle.loads(pickle.dumps(ds.__getitems__(idx))).tensors)  # pickling reads them first
 

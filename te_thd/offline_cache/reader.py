@@ -161,8 +161,7 @@ class CachedTensorDataset(Dataset):
         self.num_samples = int(self.manifest["num_samples"])
         self.disk_keys = tuple(disk_keys)
         # a ragged cache (``token_keys``): its token keys are read through ``token_read``, the rest as rows
-        layout = self.manifest.get(TOKEN_LAYOUT_KEY)
-        self._token_layout = TokenLayout.from_json(layout) if layout is not None else None
+        self._token_layout = TokenLayout.from_json(t) if (t := self.manifest.get(TOKEN_LAYOUT_KEY)) is not None else None
         self._token_keys = tuple(k for k in self.disk_keys if self._token_layout and k in self._token_layout.keys)
         self._row_keys = tuple(k for k in self.disk_keys if k not in self._token_keys)
         self._deferred: tuple[str, ...] = ()  # ragged keys a batched read leaves to the collate (defer_keys)
@@ -240,7 +239,10 @@ class CachedTensorDataset(Dataset):
     def defer_keys(self, keys: Sequence[str]) -> tuple[str, ...]:
         """Leave the ragged keys among ``keys`` (returned) to ``CachedBatch.gather`` / ``padded``, which read
         only the blocks of the tokens asked for (a CP rank's share); ``()``: a batch read reads every key."""
-        self._deferred = tuple(k for k in check_names("keys", keys, optional=True) or () if k in self._token_keys)
+        keys = check_names("keys", keys)
+        if unknown := [k for k in keys if k not in self.disk_keys]:
+            raise ValueError(f"defer_keys: keys {unknown} are not among the dataset's disk_keys {list(self.disk_keys)}; pass keys it reads")
+        self._deferred = tuple(k for k in keys if k in self._token_keys)
         return self._deferred
 
     def __len__(self) -> int:
@@ -342,7 +344,6 @@ class CachedTensorDataset(Dataset):
         ctx = ReadContext(self.verify, shard_index * self.shard_size, self._repair, reads, f, f.fetch,
                           self._refetching if f.fetch is not None else None)  # fmt: skip
         return f.descriptor(self._prefetch, self._repair), f.tokens, ctx
-
 
     def _destination(self, shared: bool) -> DestinationBuffers:
         pinned = self.pin_memory and not shared

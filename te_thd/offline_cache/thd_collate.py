@@ -52,11 +52,11 @@ def collate_cached(features: Sequence[dict[str, torch.Tensor]], keys: tuple[str,
     """
     if isinstance(features, CachedBatch):
         try:
-            return {key: features.tensors[key] for key in keys}
+            return features.padded(keys)  # (a key the dataset deferred is read here, whole)
         except KeyError as e:
             raise ValueError(
                 f"collate_cached: key {e.args[0]!r} was not read (the dataset's disk_keys are "
-                f"{tuple(features.tensors)}); add it to disk_keys or drop it from keys"
+                f"{features.keys}); add it to disk_keys or drop it from keys"
             ) from None
     if len(features) == 0:
         raise ValueError(

@@ -257,10 +257,6 @@ class TokenRows:
             lengths[at] = opener(shard)[1].lengths[self.rows[at]]
         self.lengths = lengths
 
-    @property
-    def keys(self) -> tuple[str, ...]:
-        return tuple(self.specs)
-
     def plan(self, keys: Sequence[str], sample: np.ndarray, pos: np.ndarray, pieces: list[Piece]) -> Callable[[], dict[str, torch.Tensor]]:
         """Plan reading tokens ``pos`` of batch samples ``sample`` (int64 ``[M]``, each ``pos < length``) of
         each of ``keys``: appends the ``preadv`` pieces to ``pieces`` (each verifies its blocks right after it
@@ -386,7 +382,7 @@ class CachedBatch(Sequence[dict[str, torch.Tensor]]):
     @property
     def keys(self) -> tuple[str, ...]:
         """Every key of the batch, read or deferred."""
-        later = self.deferred.keys if self.deferred is not None else ()
+        later = self.deferred.specs if self.deferred is not None else ()
         return (*self.tensors, *(k for k in later if k not in self.tensors))
 
     def sample_spec(self, key: str) -> TensorSpec:
