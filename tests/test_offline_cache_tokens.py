@@ -38,6 +38,7 @@ from te_thd.offline_cache.ragged import (
     block_table,
     decode_fp8,
     encode_fp8,
+    plan_row_reads,
     plan_token_reads,
     row_offsets,
 )
@@ -153,6 +154,30 @@ def test_plan_token_reads_fetches_exactly_the_blocks_holding_the_tokens(lengths,
     buffer = np.concatenate([np.arange(table.start[a], table.start[b]) for a, b in plan.runs])
     assert plan.tokens == buffer.size
     assert np.array_equal(buffer[plan.where], offsets[rows] + pos)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    lengths=st.lists(st.integers(0, 40), min_size=1, max_size=12),
+    block=st.integers(1, 9),
+    data=st.data(),
+)
+def test_plan_row_reads_is_plan_token_reads_of_whole_rows(lengths, block, data) -> None:
+    """Differential: planning whole rows per row gives the per-token planner's runs, buffer size and
+    token places, for any rows (repeated, unordered, empty ones among them) and any gap."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    offsets = row_offsets(lengths)
+    table = block_table(offsets, block)
+    rows = np.asarray(data.draw(st.lists(st.integers(0, lengths.size - 1), min_size=1, max_size=10)), dtype=np.int64)
+    if data.draw(st.booleans()):
+        rows = np.unique(rows)  # the sorted case the planner takes without a search
+    max_gap = data.draw(st.integers(0, 12))
+    got = plan_row_reads(table, offsets, rows, max_gap)
+    sample = np.repeat(rows, lengths[rows])
+    pos = np.concatenate([np.arange(n) for n in lengths[rows]]).astype(np.int64)
+    want = plan_token_reads(table, offsets, sample, pos, max_gap)
+    assert got.runs == want.runs and got.tokens == want.tokens
+    assert np.array_equal(got.where, want.where)
 
 
 @settings(max_examples=50, deadline=None)

@@ -1,31 +1,14 @@
 """Ragged token keys: which keys a cache stores without padding, where their tokens sit in a
-shard, and the codecs that may store them.
+shard, and the codecs that may store them (the format: docs/offline_cache.md, "Ragged token
+keys and fp8 storage"; its checksums: docs/integrity.md, "Ragged shards: block checksums").
 
-A cache produced with ``token_keys=("hidden", ...)`` stores each of those keys (logically
-``[n, L, *per_token]``, right-padded) as only every sample's first ``length`` tokens, back to
-back: shard tensor ``"hidden@tokens"`` is ``[T, *per_token]``, ``T`` the shard's real tokens. A
-key stored with a codec has more tensors, ``"<key>@<role>"`` (:func:`stored_parts`). The names
-differ from the logical key on purpose: a reader that does not know the layout finds no tensor
-called ``hidden`` and fails, instead of reading token ``i`` as sample ``i``. For the same reason
-the manifest's ``format_version`` is written as ``"<version>+tokens"``, which the reference
-implementation's ``read_manifest`` refuses.
-
-Where each sample's tokens are: the shard header's ``te_thd`` fields hold ``tokens.offsets``,
-int64 ``[rows + 1]`` (row ``i`` is tokens ``[offsets[i], offsets[i+1])`` of every ragged tensor).
-The checksums: each ragged tensor is cut into blocks -- every row into runs of ``block_tokens``
-tokens (the last one short), ``block_tokens = max(1, BLOCK_BYTES // token bytes)`` -- and block
-``g`` (counted over the tensor) hashes to ``sums[g]`` with seed ``g``. All block sums are one
-``uint64`` tensor, :data:`BLOCK_SUMS`, stored last; its own xxh3 digest is in the header, which
-the header digest covers, which the manifest records. So a read of a few tokens (one CP rank's
-share of a document) fetches and verifies only the blocks that hold them.
-
-Codecs (:func:`stored_parts`; the checksums cover the stored bytes, a reader returns the logical
-dtype and shape): ``fp8_e4m3`` stores each token's float vector as ``float8_e4m3fn`` with one
-float32 scale per token (``max|x| / 448``, the recipe vLLM ``speculators`` ships for hidden
-states; zeros stay exactly zero) and records what it lost per shard (:func:`encode_fp8`).
-``topk_index:<V>`` stores integer indices into a vocabulary of ``V`` tokens losslessly, in the
-narrowest width that holds ``V`` (:func:`index_bits`, :func:`encode_index`); ``V`` is part of the
-codec's name, so the manifest and every shard header record it.
+A ragged key ``hidden`` is stored as every sample's real tokens back to back, shard tensor
+``"hidden@tokens"`` ``[T, *per_token]``, plus a codec's ``"<key>@<role>"`` tensors
+(:func:`stored_parts`). The names differ from the logical key on purpose: a reader that does not
+know the layout finds no tensor called ``hidden`` and fails, instead of reading token ``i`` as
+sample ``i`` (so too ``format_version`` ``"<version>+tokens"``). Row ``i`` is tokens
+``[offsets[i], offsets[i+1])``; each row is cut into checksum blocks of ``block_tokens``, so a
+read of a few tokens (one CP rank's share) fetches and verifies only the blocks that hold them.
 
 Everything here is pure: layout math on numpy arrays and codecs on tensors, used by the shard
 serialiser and the read planner.
@@ -450,6 +433,25 @@ def plan_token_reads(
     np.cumsum(sizes[:-1], out=buf_start[1:])
     run_of = np.repeat(np.arange(len(runs)), lasts - firsts + 1)[inverse]
     where = buf_start[run_of] + (offsets[rows] + pos - table.start[run_first[run_of]])
+    return TokenReadPlan(runs, where, int(sizes.sum()))
+
+
+def plan_row_reads(table: BlockTable, offsets: np.ndarray, rows: np.ndarray, max_gap_tokens: int = 0) -> TokenReadPlan:
+    """:func:`plan_token_reads` of every token of rows ``rows`` (int64 ``[n]``; the wanted tokens are row
+    ``rows[0]``'s, then ``rows[1]``'s, ...), planned per row: row ``r``'s blocks are ``row_first[r:r + 2]``."""
+    rows = np.asarray(rows, dtype=np.int64)
+    lens = offsets[rows + 1] - offsets[rows]
+    u = np.unique(rows[lens > 0])
+    if u.size == 0:
+        return TokenReadPlan([], np.zeros(0, np.int64), 0)
+    first, end = offsets[u], offsets[u + 1]
+    breaks = np.flatnonzero(first[1:] - end[:-1] > max_gap_tokens) + 1
+    firsts, lasts = np.concatenate(([0], breaks)), np.concatenate((breaks, [u.size])) - 1
+    runs = list(zip(table.row_first[u[firsts]].tolist(), table.row_first[u[lasts] + 1].tolist(), strict=True))
+    sizes = end[lasts] - first[firsts]
+    run_of = np.repeat(np.arange(len(runs)), lasts - firsts + 1)
+    base = ((np.cumsum(sizes) - sizes)[run_of] + first - first[firsts][run_of])[np.minimum(np.searchsorted(u, rows), u.size - 1)]
+    where = np.repeat(base - (np.cumsum(lens) - lens), lens) + np.arange(int(lens.sum()), dtype=np.int64)
     return TokenReadPlan(runs, where, int(sizes.sum()))
 
 

@@ -36,6 +36,7 @@ from te_thd.offline_cache.ragged import (
     block_table,
     decode_offsets,
     logical_specs,
+    plan_row_reads,
     plan_token_reads,
 )
 from te_thd.offline_cache.ragged import decode as decode_codec
@@ -135,33 +136,21 @@ def load_block_sums(index: TokenIndex, fd: int, repair: str) -> dict[str, np.nda
     return index.sums
 
 
-class TokenPart:
-    """One stored tensor's tokens of one shard, planned: the read buffer and each wanted token's place in it."""
-
-    __slots__ = ("buf", "where")
-
-    def __init__(self, buf: torch.Tensor, where: np.ndarray) -> None:
-        self.buf, self.where = buf, where
-
-    def result(self) -> torch.Tensor:
-        if self.where.size == self.buf.shape[0] and np.array_equal(self.where, np.arange(self.where.size)):
-            return self.buf
-        return self.buf.index_select(0, torch.from_numpy(self.where))
-
-
 def plan_stored(
-    fd: int, index: TokenIndex, name: str, rows: np.ndarray, pos: np.ndarray, ctx: ReadContext, pieces: list[Piece],
-    plans: dict[tuple[int, int], TokenReadPlan] | None = None,
-) -> TokenPart:
-    """Plan reading tokens ``pos`` of rows ``rows`` of stored tensor ``name``: appends one ``preadv`` piece per
-    run of blocks to ``pieces`` (each verifies its blocks right after it is read); the part's ``result()``
-    is then ``[M, *shape]`` of the stored dtype. ``plans``: the plans of this request made so far, by
-    (block size, gap): tensors with the same token size share one (their blocks are the same)."""
+    fd: int, index: TokenIndex, name: str, rows: np.ndarray, pos: np.ndarray | None, ctx: ReadContext,
+    pieces: list[Piece], plans: dict[tuple[int, int], TokenReadPlan] | None = None,
+) -> Callable[[], torch.Tensor]:
+    """Plan reading tokens ``pos`` of rows ``rows`` of stored tensor ``name`` (``pos`` None: every token of
+    each row, in row order): appends one ``preadv`` piece per run of blocks to ``pieces`` (each verifies its
+    blocks right after it is read) and returns what then gives the tokens, ``[M, *shape]`` of the stored
+    dtype. ``plans``: the plans of this request made so far, by (block size, gap): tensors with the same
+    token size share one (their blocks are the same)."""
     s, table = index.stored[name], index.tables[name]
     shape = (table.block_tokens, PAGE_BYTES // max(1, s.token_bytes))
     plan = None if plans is None else plans.get(shape)
     if plan is None:
-        plan = plan_token_reads(table, index.offsets, rows, pos, shape[1])
+        plan = (plan_row_reads(table, index.offsets, rows, shape[1]) if pos is None
+                else plan_token_reads(table, index.offsets, rows, pos, shape[1]))  # fmt: skip
         if plans is not None:
             plans[shape] = plan
     buf = torch.empty((plan.tokens, *s.shape), dtype=s.dtype)
@@ -181,7 +170,9 @@ def plan_stored(
         pieces.append(Piece(fd, index.start[name] + a * tb, [view], view.nbytes, index.path, after,
                             (g0, range(g0, g1)), ctx.owner))  # fmt: skip
         cur += b - a
-    return TokenPart(buf, plan.where)
+    where = plan.where  # each wanted token's place in the read buffer: the part, once read, is
+    return lambda: buf if where.size == buf.shape[0] and np.array_equal(where, np.arange(where.size)) else (
+        buf.index_select(0, torch.from_numpy(where)))
 
 
 def _block_check(
@@ -226,15 +217,6 @@ def stored_names(index: TokenIndex, key: str) -> tuple[str, ...]:
     return (key + TOKENS_SUFFIX, *(n for n, s in index.stored.items() if s.key == key and s.role != "tokens"))
 
 
-def whole_rows(lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``(sample, pos)`` int64 of every real token of samples with ``lengths``, in sample order."""
-    total = int(lengths.sum())
-    sample = np.repeat(np.arange(lengths.size, dtype=np.int64), lengths)
-    first = np.zeros(lengths.size, dtype=np.int64)
-    np.cumsum(lengths[:-1], out=first[1:])
-    return sample, np.arange(total, dtype=np.int64) - first[sample]
-
-
 #: (shard) -> (fd, index, read context): how a batch reaches its shards (the dataset's open files)
 Opener = Callable[[int], tuple[int, TokenIndex, ReadContext]]
 
@@ -257,41 +239,50 @@ class TokenRows:
             lengths[at] = opener(shard)[1].lengths[self.rows[at]]
         self.lengths = lengths
 
-    def plan(self, keys: Sequence[str], sample: np.ndarray, pos: np.ndarray, pieces: list[Piece]) -> Callable[[], dict[str, torch.Tensor]]:
-        """Plan reading tokens ``pos`` of batch samples ``sample`` (int64 ``[M]``, each ``pos < length``) of
-        each of ``keys``: appends the ``preadv`` pieces to ``pieces`` (each verifies its blocks right after it
-        is read, by the thread that read it) and returns what, once they are read, gives
-        ``{key: [M, *per_token]}``, logical dtype, in the order asked."""
+    def plan(
+        self, keys: Sequence[str], sample: np.ndarray, pos: np.ndarray | None, pieces: list[Piece]
+    ) -> Callable[[], dict[str, torch.Tensor]]:
+        """Plan reading tokens ``pos`` of batch samples ``sample`` (int64 ``[M]``, each ``pos < length``;
+        ``pos`` None: every token of each sample, in order) of each of ``keys``: appends the ``preadv``
+        pieces to ``pieces`` (each verifies its blocks right after it is read, by the thread that read
+        it) and returns what, once they are read, gives ``{key: [M, *per_token]}``, logical dtype."""
         sample = np.asarray(sample, dtype=np.int64)
-        pos = np.asarray(pos, dtype=np.int64)
-        if np.any(pos < 0) or np.any(pos >= self.lengths[sample]):
-            raise IndexError(f"token positions past their samples' lengths requested from keys {list(keys)}")
+        if pos is not None:
+            pos = np.asarray(pos, dtype=np.int64)
+            if np.any(pos < 0) or np.any(pos >= self.lengths[sample]):
+                raise IndexError(f"token positions past their samples' lengths requested from keys {list(keys)}")
         shard_of = self.shards[sample]
         shards = np.unique(shard_of).tolist()
         first = len(pieces)
-        planned: list[tuple[np.ndarray | None, TokenIndex, dict[str, TokenPart]]] = []
+        planned: list[tuple[np.ndarray | None, TokenIndex, dict[str, Callable[[], torch.Tensor]]]] = []
         for shard in shards:
             at = None if len(shards) == 1 else np.flatnonzero(shard_of == shard)
             fd, index, ctx = self._opener(shard)
-            rows, p = (self.rows[sample], pos) if at is None else (self.rows[sample[at]], pos[at])
+            rows, p = (self.rows[sample], pos) if at is None else (self.rows[sample[at]], None if pos is None else pos[at])
             plans: dict[tuple[int, int], TokenReadPlan] = {}
             parts = {n: plan_stored(fd, index, n, rows, p, ctx, pieces, plans) for k in keys for n in stored_names(index, k)}
             planned.append((at, index, parts))
         if len(pieces) - first > 1:  # scattered reads (a CP rank's chunks) queue as one deep run of requests
             for piece in pieces[first:]:
                 advise(piece.fd, "willneed", piece.offset, piece.nbytes)
+        if pos is None and len(planned) > 1:  # whole samples of several shards: place each shard's tokens
+            lens = self.lengths[sample]
+            skip = np.cumsum(lens) - lens
+            planned = [(np.repeat(skip[at] - (np.cumsum(lens[at]) - lens[at]), lens[at]) + np.arange(int(lens[at].sum())),
+                        index, parts) for at, index, parts in planned]  # fmt: skip
+        size = sample.size if pos is not None else int(self.lengths[sample].sum())
 
         def result() -> dict[str, torch.Tensor]:
             out: dict[str, torch.Tensor] = {}
             for key in keys:
                 if len(planned) == 1:
                     _, index, parts = planned[0]
-                    out[key] = decode(index, key, {n: parts[n].result() for n in stored_names(index, key)})
+                    out[key] = decode(index, key, {n: parts[n]() for n in stored_names(index, key)})
                     continue
                 spec = self.specs[key]
-                out[key] = dst = torch.empty((sample.size, *spec.shape[1:]), dtype=spec.dtype)
+                out[key] = dst = torch.empty((size, *spec.shape[1:]), dtype=spec.dtype)
                 for at, index, parts in planned:
-                    dst[torch.from_numpy(at)] = decode(index, key, {n: parts[n].result() for n in stored_names(index, key)})
+                    dst[torch.from_numpy(at)] = decode(index, key, {n: parts[n]() for n in stored_names(index, key)})
             return out
 
         return result
@@ -300,16 +291,14 @@ class TokenRows:
         """Plan reading each of ``keys`` of every sample whole (as :meth:`plan`); once read, the result is
         ``{key: [B, L, *per_token]}`` zero-padded (what the padded cache returns), in shared memory when
         ``shared`` (inside a DataLoader worker)."""
-        sample, pos = whole_rows(self.lengths)
-        tokens = self.plan(keys, sample, pos, pieces)
+        tokens = self.plan(keys, np.arange(self.lengths.size), None, pieces)
 
         def result() -> dict[str, torch.Tensor]:
             out = {}
             for key, data in tokens().items():
                 spec = self.specs[key]
-                width = spec.shape[0]
                 out[key] = t = new_tensor((self.lengths.size, *spec.shape), spec.dtype, shared=shared).zero_()
-                t.view(self.lengths.size * width, *spec.shape[1:])[torch.from_numpy(sample * width + pos)] = data
+                t[torch.arange(spec.shape[0]) < torch.from_numpy(self.lengths)[:, None]] = data  # [B, L] mask of real tokens
             return out
 
         return result
@@ -348,12 +337,12 @@ def check_token_blocks(path: str, header: ShardHeader, first_sample: int | None)
     fd = os.open(path, os.O_RDONLY)
     try:
         ctx = ReadContext(True, first_sample, "")
-        sample, pos = whole_rows(index.lengths)
+        rows = index.lengths.size
         for name, s in index.stored.items():
-            step = max(1, (64 << 20) // max(1, s.token_bytes))  # 64 MiB at a time
-            for a in range(0, sample.size, step):
+            step = max(1, (64 << 20) // max(1, s.token_bytes * int(index.lengths.max(initial=1))))  # 64 MiB of rows at a time
+            for a in range(0, rows, step):
                 pieces: list[Piece] = []
-                plan_stored(fd, index, name, sample[a : a + step], pos[a : a + step], ctx, pieces)
+                plan_stored(fd, index, name, np.arange(a, min(a + step, rows)), None, ctx, pieces)
                 run_pieces(pieces, ctx)
     finally:
         os.close(fd)
