@@ -151,6 +151,23 @@ def _fetched(d: str, collate) -> int:
     return _read_bytes() - before
 
 
+def _tokens_per_s(dirs: dict[str, str], seq: int, cold: bool, trials: int) -> dict[str, list[float]]:
+    """Real tokens/s delivered to CP rank 0 at cp = 2 in an epoch of the ragged and the padded cache,
+    ``trials`` interleaved trials each: from cold storage, or with the page cache warm (after one round
+    that warms it)."""
+    rates: dict[str, list[float]] = {"ragged": [], "padded": []}
+    for trial in range(trials + (not cold)):
+        for name in rates:
+            col = CachedThdCollator(seq, length_key="seq_len", cp_size=2, cp_rank=0)
+            if cold:
+                _drop(dirs[name])
+            t0 = time.perf_counter()
+            tokens = _epoch(dirs[name], col)
+            if cold or trial:
+                rates[name].append(tokens / (time.perf_counter() - t0))
+    return rates
+
+
 def _whole(batch):  # a whole-sample read: every key of every sample, zero-padded
     return batch.tensors
 
@@ -207,32 +224,13 @@ def run(quick: bool) -> list[Record]:
                            "whole_sample_ragged": _fetched(dirs["ragged"], _whole),
                            "rank_over_replica": max(ranks) / replica},
                 ))  # fmt: skip
-            rates: dict[str, list[float]] = {"ragged": [], "padded": []}
-            for _ in range(5):  # interleaved trials, cold storage each
-                for name in rates:
-                    col = CachedThdCollator(seq, length_key="seq_len", cp_size=2, cp_rank=0)
-                    _drop(dirs[name])
-                    t0 = time.perf_counter()
-                    tokens = _epoch(dirs[name], col)
-                    rates[name].append(tokens / (time.perf_counter() - t0))
-            med = {k: statistics.median(v) for k, v in rates.items()}
-            records.append(Record(
-                bench=BENCH, case=f"cp2_tokens_per_s_{dist}", metric="throughput", unit="real tokens/s",
-                ours=med["ragged"], baselines={"padded": med["padded"]}, extra={"trials": rates},
-            ))  # fmt: skip
-            warm: dict[str, list[float]] = {"ragged": [], "padded": []}
-            for trial in range(8):  # the same with the page cache warm (the first round only warms it)
-                for name in warm:
-                    col = CachedThdCollator(seq, length_key="seq_len", cp_size=2, cp_rank=0)
-                    t0 = time.perf_counter()
-                    tokens = _epoch(dirs[name], col)
-                    if trial:
-                        warm[name].append(tokens / (time.perf_counter() - t0))
-            med = {k: statistics.median(v) for k, v in warm.items()}
-            records.append(Record(
-                bench=BENCH, case=f"cp2_tokens_per_s_warm_{dist}", metric="throughput", unit="real tokens/s",
-                ours=med["ragged"], baselines={"padded": med["padded"]}, extra={"trials": warm},
-            ))  # fmt: skip
+            for case, cold, trials in ((f"cp2_tokens_per_s_{dist}", True, 5), (f"cp2_tokens_per_s_warm_{dist}", False, 7)):
+                rates = _tokens_per_s(dirs, seq, cold, trials)
+                med = {k: statistics.median(v) for k, v in rates.items()}
+                records.append(Record(
+                    bench=BENCH, case=case, metric="throughput", unit="real tokens/s",
+                    ours=med["ragged"], baselines={"padded": med["padded"]}, extra={"trials": rates},
+                ))  # fmt: skip
     return records
 
 

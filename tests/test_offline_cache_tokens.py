@@ -111,13 +111,12 @@ def _assert_same(a: dict, b: dict, lossy: tuple[str, ...] = ()) -> None:
 
 # -- the layout math ---------------------------------------------------------------------
 
+#: rows of 0-40 tokens, checksum blocks of 1-9 tokens, and draws from them
+_TABLES = {"lengths": st.lists(st.integers(0, 40), min_size=1, max_size=12), "block": st.integers(1, 9), "data": st.data()}
+
 
 @settings(max_examples=200, deadline=None)
-@given(
-    lengths=st.lists(st.integers(0, 40), min_size=1, max_size=12),
-    block=st.integers(1, 9),
-    data=st.data(),
-)
+@given(**_TABLES)
 def test_plan_token_reads_fetches_exactly_the_blocks_holding_the_tokens(lengths, block, data) -> None:
     lengths = np.asarray(lengths, dtype=np.int64)
     offsets = row_offsets(lengths)
@@ -157,11 +156,7 @@ def test_plan_token_reads_fetches_exactly_the_blocks_holding_the_tokens(lengths,
 
 
 @settings(max_examples=300, deadline=None)
-@given(
-    lengths=st.lists(st.integers(0, 40), min_size=1, max_size=12),
-    block=st.integers(1, 9),
-    data=st.data(),
-)
+@given(**_TABLES)
 def test_plan_row_reads_is_plan_token_reads_of_whole_rows(lengths, block, data) -> None:
     """Differential: planning whole rows per row gives the per-token planner's runs, buffer size and
     token places, for any rows (repeated, unordered, empty ones among them) and any gap."""
