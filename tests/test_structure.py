@@ -227,7 +227,7 @@ def test_the_count_sees_every_kind_of_import(tmp_path: Path) -> None:
 #: write layers are rebuilt on one layout per key these ceilings hold what is reached, so a
 #: change can lower them but not raise them.
 MAX_FILES = 26
-MAX_LINES = 10262
+MAX_LINES = 10261
 #: no module of the package over this many lines (every line, docstrings included)
 MAX_MODULE_LINES = 500
 

@@ -171,9 +171,7 @@ class Follower:
     def __init__(self, storage: Storage, cache_dir: str, cache_name: str, run: Mapping[str, Any], timeout: float,
                  command: str) -> None:  # fmt: skip
         self.storage, self.cache_dir, self.cache_name = storage, cache_dir, cache_name
-        self.run = dict(run)
-        self.timeout = _check_timeout(timeout)
-        self.command = command
+        self.run, self.timeout, self.command = dict(run), _check_timeout(timeout), command
         self.committed: set[int] = set()
 
     def wait(self, shard: int) -> None:
@@ -181,14 +179,8 @@ class Follower:
         :class:`FollowTimeoutError` after :attr:`timeout` seconds."""
         deadline = time.monotonic() + self.timeout
         for pause in _pauses():
-            if shard in self.committed:
-                return
-            # one listing tells every shard committed so far: later shards then cost no request
-            for obj, size in self.storage.list().items():
-                m = SHARD_RE.match(obj)
-                if m is not None and int(m.group(1)) not in self.committed:
-                    self.storage.admit(obj, size)
-                    self.committed.add(int(m.group(1)))
+            if shard not in self.committed:
+                self._admit_committed()  # one listing tells every shard committed so far: later ones cost no request
             if shard in self.committed:
                 return
             if time.monotonic() >= deadline:
@@ -199,6 +191,14 @@ class Follower:
                     "its last checkpoint"
                 )
             time.sleep(pause)
+
+    def _admit_committed(self) -> None:
+        """List the cache and make every shard committed since the last listing readable through the storage."""
+        for obj, size in self.storage.list().items():
+            m = SHARD_RE.match(obj)
+            if m is not None and int(m.group(1)) not in self.committed:
+                self.storage.admit(obj, size)
+                self.committed.add(int(m.group(1)))
 
     def check_shard(self, path: str, header: ShardHeader, repair: str) -> None:
         """Refuse a shard that another producer run wrote (its header's run record is not the followed one)."""
@@ -223,13 +223,12 @@ class Follower:
         self, versions: tuple[int, str | None], opened: Sequence[tuple[int, OpenShard]],
         seen: Mapping[str, TensorSpec] | None, repair: str,
     ) -> tuple[dict[str, Any], dict[int, str]] | None:  # fmt: skip
-        """The manifest and its shard checksums, once the producer has committed it, else None.
-
-        The manifest must record the followed run (``versions``: the reader's format version and
-        producer command), its shards must all be there, the shards this process opened while following
-        (``opened``) must be the ones it records, and the schema they showed (``seen``) its schema."""
+        """The manifest and its shard checksums once the producer has committed it (else None), checked: it records
+        the run followed (``versions``: the reader's format version and producer command), all its shards are
+        there, and it records the shards this process opened while following (``opened``) and their schema (``seen``)."""
         if self.storage.get(MANIFEST_NAME) is None:
             return None
+        self._admit_committed()  # the reader stops listing: the shards committed since its last listing
         manifest = read_manifest(self.cache_dir, self.cache_name, *versions)
         recorded = params_of_manifest(manifest, self.run.get("keys", ()))
         followed = {k: v for k, v in self.run.items() if k != LENGTH_RULE_KEY}
