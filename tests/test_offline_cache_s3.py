@@ -172,6 +172,9 @@ def test_a_corrupted_object_is_detected_naming_the_shard(bucket) -> None:
     with pytest.raises(CacheIntegrityError, match=r"shard-000001.*itself is damaged") as exc:
         _ = ds.__getitems__(list(range(22))).tensors
     assert f"te-thd cache repair {url}" in str(exc.value)
+    # messages name the object by its URL, never the local copy the reader reads it through
+    assert str(exc.value).startswith(f"shard {url}/shard-000001.safetensors") and exc.value.path.startswith(url)
+    assert ds.storage.copy.root not in str(exc.value)
     with pytest.raises(CacheIntegrityError, match=f"{url}/shard-000001"):
         verify_cache(url, deep=True)
     out = subprocess.run([str(Path(sys.executable).with_name("te-thd")), "cache", "repair", url],

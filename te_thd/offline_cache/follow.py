@@ -250,7 +250,7 @@ class Follower:
             actual = shard_checksum(f.header.sums.digest) if f.header.sums is not None else None
             if actual != checksums.get(i):
                 raise CacheIntegrityError(
-                    f"shard {f.path} was replaced after this reader read it (its header digest is {actual}, the "
-                    f"manifest records {checksums.get(i)}). {repair}", path=f.path,
+                    f"shard {f.name} was replaced after this reader read it (its header digest is {actual}, the "
+                    f"manifest records {checksums.get(i)}). {repair}", path=f.name,
                 )  # fmt: skip
         return manifest, checksums

@@ -321,16 +321,17 @@ class ShardHeader:
     sums: ShardSums | None
 
 
-def read_shard_header(path: str) -> ShardHeader:
+def read_shard_header(path: str, name: str | None = None) -> ShardHeader:
     """Parse and sanity-check a safetensors header, with its te_thd checksum fields when present.
 
-    Raises :class:`CacheIntegrityError` naming ``path`` if the header is unreadable, the offsets
-    do not tile the data region exactly, the file size disagrees with the last offset, or the
-    te_thd fields do not match the header (:func:`parse_shard_metadata`).
+    Raises :class:`CacheIntegrityError` naming the shard ``name`` (default ``path``, the file read) if
+    the header is unreadable, the offsets do not tile the data region exactly, the file size
+    disagrees with the last offset, or the te_thd fields do not match the header (:func:`parse_shard_metadata`).
     """
+    name = name or path
 
     def bad(what: str) -> CacheIntegrityError:
-        return CacheIntegrityError(f"shard {path} is not a valid safetensors file: {what}", path=path)
+        return CacheIntegrityError(f"shard {name} is not a valid safetensors file: {what}", path=name)
 
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
     try:
@@ -379,7 +380,7 @@ def read_shard_header(path: str) -> ShardHeader:
         raise bad(f"the header describes {base + pos} bytes but the file has {size}")
     if metadata is not None and not isinstance(metadata, dict):
         raise bad("__metadata__ is not a JSON object")
-    return ShardHeader(entries, parse_shard_metadata(path, metadata, header))
+    return ShardHeader(entries, parse_shard_metadata(name, metadata, header))
 
 
 def header_problems(
@@ -427,19 +428,21 @@ def check_shard_header(
     keys: Sequence[str] | None = None,
     require_sums: bool = False,
     checksum: str | None = None,
+    name: str | None = None,
 ) -> ShardHeader:
     """Read shard ``path``'s header and check it (:func:`header_problems`): the one header check.
 
     ``require_sums``: the shard must carry te_thd checksums (a manifest of layout >= 3
     promises them). ``checksum``: the manifest's record; when it is a header digest
     (:func:`~te_thd.offline_cache.integrity.shard_checksum`) the shard's own must match, which
-    catches a shard swapped for another valid one. Raises :class:`CacheIntegrityError` naming
-    ``path`` and every problem.
+    catches a shard swapped for another valid one. Raises :class:`CacheIntegrityError` naming the
+    shard ``name`` (default ``path``) and every problem.
     """
+    name = name or path
     try:
-        header = read_shard_header(path)
+        header = read_shard_header(path, name)
     except FileNotFoundError:
-        raise CacheIntegrityError(f"shard {path} is missing", path=path) from None
+        raise CacheIntegrityError(f"shard {name} is missing", path=name) from None
     problems = header_problems(header, schema, rows, keys)
     if require_sums and header.sums is None:
         problems.append(
@@ -454,7 +457,7 @@ def check_shard_header(
                 "another or replaced after the manifest was written"
             )
     if problems:
-        raise CacheIntegrityError(f"shard {path}: {'; '.join(problems)}", path=path)
+        raise CacheIntegrityError(f"shard {name}: {'; '.join(problems)}", path=name)
     return header
 
 

@@ -208,7 +208,6 @@ class CachedTensorDataset(Dataset):
 
     def _reset_process_state(self) -> None:
         self._pid = os.getpid()
-        self._paths: dict[int, str] = {}
         # the one cache of open shards: checked header, and lazily a descriptor, a mapping, a safe_open handle
         self._files: OpenShards = OpenShards()
         self._buffers: dict[tuple[bool, bool], DestinationBuffers] = {}
@@ -248,16 +247,14 @@ class CachedTensorDataset(Dataset):
     def __len__(self) -> int:
         return self.num_samples
 
-    def _checked_header(self, shard_index: int) -> tuple[str, ShardHeader, TokenIndex | None]:
+    def _checked_header(self, shard_index: int, path: str) -> tuple[ShardHeader, TokenIndex | None]:
         """Parse shard ``shard_index``'s header and check it against the cache (``integrity.check_shard_header``:
         against the manifest schema, or without one the first shard this process opened); with the ragged
-        index of a token shard."""
-        path = self.storage.header(shard_name(shard_index))
+        index of a token shard. ``path``: the shard as messages name it."""
         rows = shard_rows(shard_index, self.num_samples, self.shard_size)
         try:
-            header = check_shard_header(
-                path, self._schema, rows, self.disk_keys, self._require_sums, self._checksums.get(shard_index)
-            )
+            header = check_shard_header(self.storage.header(shard_name(shard_index)), self._schema, rows, self.disk_keys,
+                                        self._require_sums, self._checksums.get(shard_index), path)  # fmt: skip
             tokens = token_index(path, header) if header.sums is not None and header.sums.tokens is not None else None
         except CacheIntegrityError as exc:
             raise CacheIntegrityError(f"{exc}. {self._repair}", path=path) from None
@@ -273,7 +270,7 @@ class CachedTensorDataset(Dataset):
                 UnverifiedCacheWarning,
                 stacklevel=3,
             )
-        return path, header, tokens
+        return header, tokens
 
     def _handle(self, shard_index: int):
         """The ``safe_open`` handle of shard ``shard_index``, opened lazily in this process once the shard
@@ -284,7 +281,7 @@ class CachedTensorDataset(Dataset):
             try:
                 f.handle = safe_open(f.path, framework="pt")
             except (_SafetensorError, OSError) as exc:
-                raise self._unreadable(f.path, exc) from exc
+                raise self._unreadable(f.name, exc) from exc
         return f.handle
 
     def _unreadable(self, path: str, exc: BaseException) -> CacheIntegrityError:
@@ -299,11 +296,8 @@ class CachedTensorDataset(Dataset):
         :class:`CacheIntegrityError` on a mismatch."""
         if sums is None or not self.verify:
             return
-        path = self._paths.get(shard_index)
-        if path is None:
-            path = self._paths[shard_index] = self.storage.display(shard_name(shard_index))
         verify_rows(
-            data, rows, sums.sums[key], path=path, key=key,
+            data, rows, sums.sums[key], path=self._shard_file(shard_index).name, key=key,
             first_sample=shard_index * self.shard_size, repair=self._repair,
         )  # fmt: skip
 
@@ -315,7 +309,8 @@ class CachedTensorDataset(Dataset):
         if f is None:
             if self._follower is not None:
                 self._follow(shard_index)
-            path, header, tokens = self._checked_header(shard_index)
+            path = self.storage.display(shard_name(shard_index))
+            header, tokens = self._checked_header(shard_index, path)
             if self._follower is not None:
                 self._follower.check_shard(path, header, self._repair)
             if tokens is None and self._token_layout is not None:
@@ -323,8 +318,8 @@ class CachedTensorDataset(Dataset):
                     f"shard {path} has no token fields although the manifest records a token layout "
                     f"(it was replaced by another writer's). {self._repair}", path=path,
                 )  # fmt: skip
-            fetch = self.storage.readable(shard_name(shard_index))[1]
-            f = self._files.put(shard_index, OpenShard(path, header, tokens, fetch), self._max_open)
+            local, fetch = self.storage.readable(shard_name(shard_index))
+            f = self._files.put(shard_index, OpenShard(local, header, tokens, fetch, path), self._max_open)
         return f
 
     def _follow(self, shard_index: int) -> None:
@@ -377,7 +372,7 @@ class CachedTensorDataset(Dataset):
         try:
             out = {key: handle.get_slice(key)[offset] for key in self._row_keys}
         except _SafetensorError as exc:  # the header was checked on open; the file changed since?
-            raise self._unreadable(f.path, exc) from exc
+            raise self._unreadable(f.name, exc) from exc
         sums = f.header.sums
         row = np.array([offset])
         for key, t in out.items():

@@ -290,7 +290,7 @@ def plan_shard_rows(
         # read around them and leave read-ahead marks that make the kernel prefetch the ragged
         # tensors behind them too, which a CP rank reads only a share of
         engines, plan = dict.fromkeys(keys, True), None
-    path, entries = f.path, f.header.entries
+    path, entries = f.name, f.header.entries  # messages name the shard as its storage does
 
     def verifier(key: str, dst: torch.Tensor) -> Callable[[int, Sequence[int]], None] | None:
         """The check of a piece's rows once they are in ``dst`` (``[m, ...]`` rows, contiguous;
@@ -351,7 +351,8 @@ def _missing(path: str, repair: str) -> CacheIntegrityError:
 
 
 class OpenShard:
-    """One open shard: ``path``, its checked ``header``, a read-only descriptor ``fd``, and, once a
+    """One open shard: the local ``path`` it is read from and the ``name`` messages give it (an s3://
+    cache's object URL; the path for a local cache), its checked ``header``, a read-only descriptor ``fd``, and, once a
     read needs them, its memory mapping ``views`` (``{key: [rows, ...]}``) and ``safe_open`` ``handle``.
 
     The descriptor is closed when the last reference goes: the LRU drops its reference on
@@ -361,10 +362,11 @@ class OpenShard:
     its number reused by the next open).
     """
 
-    __slots__ = ("path", "header", "fd", "views", "handle", "tokens", "fetch", "_pid")
+    __slots__ = ("path", "name", "header", "fd", "views", "handle", "tokens", "fetch", "_pid")
 
-    def __init__(self, path: str, header: ShardHeader, tokens: TokenIndex | None = None, fetch: Fetch | None = None) -> None:
-        self.path, self.header, self.fd = path, header, -1
+    def __init__(self, path: str, header: ShardHeader, tokens: TokenIndex | None = None, fetch: Fetch | None = None,
+                 name: str | None = None) -> None:  # fmt: skip
+        self.path, self.name, self.header, self.fd = path, name or path, header, -1
         self.tokens = tokens  # a token-layout shard's ragged index
         self.fetch = fetch  # makes byte ranges present in the local file (``Storage.readable``; None: all are)
         self.views: dict[str, torch.Tensor] | None = None
