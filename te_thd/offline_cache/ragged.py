@@ -451,8 +451,12 @@ def plan_row_reads(table: BlockTable, offsets: np.ndarray, rows: np.ndarray, max
     sizes = end[lasts] - first[firsts]
     run_of = np.repeat(np.arange(len(runs)), lasts - firsts + 1)
     base = ((np.cumsum(sizes) - sizes)[run_of] + first - first[firsts][run_of])[np.minimum(np.searchsorted(u, rows), u.size - 1)]
-    where = np.repeat(base - (np.cumsum(lens) - lens), lens) + np.arange(int(lens.sum()), dtype=np.int64)
-    return TokenReadPlan(runs, where, int(sizes.sum()))
+    return TokenReadPlan(runs, token_places(base, lens), int(sizes.sum()))
+
+
+def token_places(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
+    """int64 ``[sum(lens)]``: the place of every token of rows of ``lens`` tokens, row ``i``'s from ``starts[i]`` on."""
+    return np.repeat(starts - (np.cumsum(lens) - lens), lens) + np.arange(int(lens.sum()), dtype=np.int64)
 
 
 #: bytes of storage read in one request at least: gaps below it are read rather than skipped

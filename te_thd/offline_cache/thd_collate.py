@@ -203,10 +203,8 @@ class CachedThdCollator:
         )
 
     def gathered_keys(self, keys: Sequence[str]) -> tuple[str, ...]:
-        """Of a dataset's keys ``keys``, those this collator reads only token by token
-        (``CachedBatch.gather``), never whole: ``build_cached_dataloader`` has a
-        ``CachedTensorDataset`` defer them (``defer_keys``), so a CP rank fetches only the
-        checksum blocks of its own tokens of a ragged key."""
+        """Of a dataset's keys ``keys``, those this collator reads only token by token (``CachedBatch.gather``),
+        never whole: what ``build_cached_dataloader`` has a ``CachedTensorDataset`` defer (``defer_keys``)."""
         whole = {self.input_key, self.label_key, self.length_key, self.mask_key}
         carried = keys if self.keys is None else [k for k in keys if k in self.keys]
         return tuple(k for k in carried if k not in whole and (self.token_keys is None or k in self.token_keys))

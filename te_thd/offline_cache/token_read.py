@@ -38,6 +38,7 @@ from te_thd.offline_cache.ragged import (
     logical_specs,
     plan_row_reads,
     plan_token_reads,
+    token_places,
 )
 from te_thd.offline_cache.ragged import decode as decode_codec
 from te_thd.offline_cache.readexec import (
@@ -140,11 +141,10 @@ def plan_stored(
     fd: int, index: TokenIndex, name: str, rows: np.ndarray, pos: np.ndarray | None, ctx: ReadContext,
     pieces: list[Piece], plans: dict[tuple[int, int], TokenReadPlan] | None = None,
 ) -> Callable[[], torch.Tensor]:
-    """Plan reading tokens ``pos`` of rows ``rows`` of stored tensor ``name`` (``pos`` None: every token of
-    each row, in row order): appends one ``preadv`` piece per run of blocks to ``pieces`` (each verifies its
-    blocks right after it is read) and returns what then gives the tokens, ``[M, *shape]`` of the stored
-    dtype. ``plans``: the plans of this request made so far, by (block size, gap): tensors with the same
-    token size share one (their blocks are the same)."""
+    """Plan reading tokens ``pos`` of rows ``rows`` of stored tensor ``name`` (``pos`` None: every token of each
+    row, in row order): appends one ``preadv`` piece per run of blocks to ``pieces`` (each verifies its blocks
+    right after it is read) and returns what then gives the tokens, ``[M, *shape]`` of the stored dtype.
+    ``plans``: this request's plans so far, by (block size, gap): tensors of one token size share one."""
     s, table = index.stored[name], index.tables[name]
     shape = (table.block_tokens, PAGE_BYTES // max(1, s.token_bytes))
     plan = None if plans is None else plans.get(shape)
@@ -170,7 +170,7 @@ def plan_stored(
         pieces.append(Piece(fd, index.start[name] + a * tb, [view], view.nbytes, index.path, after,
                             (g0, range(g0, g1)), ctx.owner))  # fmt: skip
         cur += b - a
-    where = plan.where  # each wanted token's place in the read buffer: the part, once read, is
+    where = plan.where  # each wanted token's place in the read buffer
     return lambda: buf if where.size == buf.shape[0] and np.array_equal(where, np.arange(where.size)) else (
         buf.index_select(0, torch.from_numpy(where)))
 
@@ -268,8 +268,7 @@ class TokenRows:
         if pos is None and len(planned) > 1:  # whole samples of several shards: place each shard's tokens
             lens = self.lengths[sample]
             skip = np.cumsum(lens) - lens
-            planned = [(np.repeat(skip[at] - (np.cumsum(lens[at]) - lens[at]), lens[at]) + np.arange(int(lens[at].sum())),
-                        index, parts) for at, index, parts in planned]  # fmt: skip
+            planned = [(token_places(skip[at], lens[at]), index, parts) for at, index, parts in planned]
         size = sample.size if pos is not None else int(self.lengths[sample].sum())
 
         def result() -> dict[str, torch.Tensor]:
@@ -356,9 +355,8 @@ class CachedBatch(Sequence[dict[str, torch.Tensor]]):
     shared memory inside a DataLoader worker). Also a sequence of ``B`` per-sample dicts (row views of
     ``tensors``), so a collate function written for a list of samples still works.
 
-    ``deferred``: the ragged keys the dataset was told to leave unread (``defer_keys``: a
-    :class:`~te_thd.offline_cache.thd_collate.CachedThdCollator` reads only the tokens it places);
-    they are in :attr:`keys` but not in ``tensors`` until :meth:`padded` or :meth:`gather` reads them.
+    ``deferred``: the ragged keys the dataset leaves unread (``defer_keys``), in :attr:`keys` but not in
+    ``tensors`` until :meth:`padded` or :meth:`gather` reads them (a CP rank's tokens only).
     """
 
     __slots__ = ("tensors", "deferred", "_len")
