@@ -34,4 +34,7 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'te_thd' has no attribute {name!r}")
 
 
-__all__ = ["ThdLayout", *_SUBMODULES]  # __version__ is importable too; __all__ names public API only
+__all__ = [
+    "ThdLayout",
+    *_SUBMODULES,
+]  # __version__ is importable too; __all__ names public API only

@@ -226,15 +226,22 @@ def run_concurrently(
     from tqdm.auto import tqdm
 
     logs = (cache.parent / f"{cache.name}.log", train.parent / f"{train.name}.log")
-    print(f"\n== precompute and train at the same time (the trainer follows the producer)\n"
-          f"$ {shlex.join(produce)}\n$ {shlex.join(train_cmd)}\nlogs: {logs[0]}, {logs[1]}", flush=True)  # fmt: skip
+    print(
+        f"\n== precompute and train at the same time (the trainer follows the producer)\n"
+        f"$ {shlex.join(produce)}\n$ {shlex.join(train_cmd)}\nlogs: {logs[0]}, {logs[1]}",
+        flush=True,
+    )
     cache.parent.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     with open(logs[0], "w") as plog, open(logs[1], "w") as tlog:
-        jobs = [subprocess.Popen(produce, cwd=cwd, env=env, stdout=plog, stderr=subprocess.STDOUT),
-                subprocess.Popen(train_cmd, cwd=cwd, env=env, stdout=tlog, stderr=subprocess.STDOUT)]  # fmt: skip
-        bars = [tqdm(desc="produce", unit="shard", position=0, disable=None, file=sys.stderr),
-                tqdm(total=steps, desc="train", unit="step", position=1, disable=None, file=sys.stderr)]  # fmt: skip
+        jobs = [
+            subprocess.Popen(produce, cwd=cwd, env=env, stdout=plog, stderr=subprocess.STDOUT),
+            subprocess.Popen(train_cmd, cwd=cwd, env=env, stdout=tlog, stderr=subprocess.STDOUT),
+        ]
+        bars = [
+            tqdm(desc="produce", unit="shard", position=0, disable=None, file=sys.stderr),
+            tqdm(total=steps, desc="train", unit="step", position=1, disable=None, file=sys.stderr),
+        ]
         try:
             while True:
                 running = [j.poll() is None for j in jobs]
@@ -312,19 +319,49 @@ def run_demo(args: argparse.Namespace) -> int:
     ]
     t0 = time.perf_counter()
     if args.follow and args.balance:
-        print("te-thd demo: --follow with --balance: balancing plans from the lengths the finished cache "
-              "records; drop one of the two", file=sys.stderr)  # fmt: skip
+        print(
+            "te-thd demo: --follow with --balance: balancing plans from the lengths the finished cache "
+            "records; drop one of the two",
+            file=sys.stderr,
+        )
         return 2
-    produce = [*torchrun, str(scripts[0]), "--out", str(cache), "--cp", str(args.cp),
-               "--num-samples", str(args.num_samples), "--device", args.device]  # fmt: skip
-    train_cmd = [*torchrun, str(scripts[1]), "--cache-dir", str(cache), "--out", str(train), "--cp", str(args.cp),
-                 "--ep", str(args.ep), "--steps", str(args.steps), "--device", args.device,
-                 *(["--resume"] if args.resume else []), *(["--balance"] if args.balance else [])]  # fmt: skip
+    produce = [
+        *torchrun,
+        str(scripts[0]),
+        "--out",
+        str(cache),
+        "--cp",
+        str(args.cp),
+        "--num-samples",
+        str(args.num_samples),
+        "--device",
+        args.device,
+    ]
+    train_cmd = [
+        *torchrun,
+        str(scripts[1]),
+        "--cache-dir",
+        str(cache),
+        "--out",
+        str(train),
+        "--cp",
+        str(args.cp),
+        "--ep",
+        str(args.ep),
+        "--steps",
+        str(args.steps),
+        "--device",
+        args.device,
+        *(["--resume"] if args.resume else []),
+        *(["--balance"] if args.balance else []),
+    ]
     if args.follow:
         rc = run_concurrently(produce, [*train_cmd, "--follow"], cache, train, args.steps, root)
         if rc == 0:
-            print(f"\ndemo finished in {time.perf_counter() - t0:.0f} s; per-step metrics: {train / 'metrics.jsonl'}",
-                  flush=True)  # fmt: skip
+            print(
+                f"\ndemo finished in {time.perf_counter() - t0:.0f} s; per-step metrics: {train / 'metrics.jsonl'}",
+                flush=True,
+            )
         return rc
     rc = _run(
         f"1/2 precompute the offline cache ({args.nproc} ranks, resumable; reused when it exists)",

@@ -120,7 +120,9 @@ def validated_np(
     if num_seqs is None and np.count_nonzero(cu < 0):
         _strip_sentinels(cu)  # raises, naming the misplaced sentinel
     lengths = check_non_decreasing(
-        "cu_seqlens_padded", cu, "pass num_seqs to say how many sequences are valid, or trim the array"
+        "cu_seqlens_padded",
+        cu,
+        "pass num_seqs to say how many sequences are valid, or trim the array",
     )
     check_cp_multiple("cu_seqlens_padded", lengths, cp_size)
     check_covers("cu_seqlens_padded", int(cu[-1]), total_tokens, exact=True)

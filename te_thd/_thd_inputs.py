@@ -38,7 +38,9 @@ def read_token_tensors(
         raise
     labels = batch.get("labels")
     # ``shape`` is read once: each ``.shape`` builds a new torch.Size.
-    plain = type(input_ids) is torch.Tensor and (position_ids is None or type(position_ids) is torch.Tensor)
+    plain = type(input_ids) is torch.Tensor and (
+        position_ids is None or type(position_ids) is torch.Tensor
+    )
     if plain:
         shape = input_ids.shape
         plain = (
@@ -130,7 +132,13 @@ def check_token_tensors(input_ids: Any, position_ids: Any, labels: Any) -> None:
         )
     if input_ids.dim() == 3 and not input_ids.dtype.is_floating_point:
         ids_shape = list(input_ids.shape)
-        fix = "input_ids[0]" if ids_shape[0] == 1 else "input_ids.squeeze(-1)" if ids_shape[2] == 1 else "input_ids"
+        fix = (
+            "input_ids[0]"
+            if ids_shape[0] == 1
+            else "input_ids.squeeze(-1)"
+            if ids_shape[2] == 1
+            else "input_ids"
+        )
         raise ValueError(
             f"input_ids has shape {ids_shape} and dtype {input_ids.dtype}: a 3-D input_ids is read as "
             f"embeddings [B, S, H], which are floating point; token ids are [B, S] -- pass {fix} "

@@ -25,7 +25,9 @@ import numpy as np
 __all__ = ["check_int", "check_names", "is_int"]
 
 
-def is_int(value: Any, minimum: int | None = None, below: int | None = None, *, numpy_ints: bool = False) -> bool:
+def is_int(
+    value: Any, minimum: int | None = None, below: int | None = None, *, numpy_ints: bool = False
+) -> bool:
     """Whether ``value`` is an int (not a bool; a numpy integer too with ``numpy_ints``) in ``[minimum, below)``."""
     types: tuple[type, ...] = (int, np.integer) if numpy_ints else (int,)
     if isinstance(value, bool | np.bool_) or not isinstance(value, types):
@@ -61,13 +63,19 @@ def check_int(
     """
     if optional and value is None:
         return None
-    if is_int(value, minimum, below, numpy_ints=numpy_ints) and (maximum is None or value <= maximum):
+    if is_int(value, minimum, below, numpy_ints=numpy_ints) and (
+        maximum is None or value <= maximum
+    ):
         return int(value)
     bound = below if below is not None else maximum
     if bound is not None:
         upper = f"{bound_name}={bound}" if bound_name else f"{bound}"
         close = ")" if below is not None else "]"
-        need = f"an int in [{minimum}, {upper}{close}" if minimum is not None else f"an int <{'' if below is not None else '='} {upper}"
+        need = (
+            f"an int in [{minimum}, {upper}{close}"
+            if minimum is not None
+            else f"an int <{'' if below is not None else '='} {upper}"
+        )
     elif minimum is not None:
         need = f"an int >= {minimum}"
     else:
@@ -76,7 +84,12 @@ def check_int(
 
 
 def check_names(
-    name: str, value: Any, *, non_empty: bool = False, distinct: bool = False, optional: bool = False
+    name: str,
+    value: Any,
+    *,
+    non_empty: bool = False,
+    distinct: bool = False,
+    optional: bool = False,
 ) -> tuple[str, ...] | None:
     """``value`` as a tuple of key names (``None`` when ``optional`` and ``None``), else ``ValueError``.
 
@@ -85,16 +98,29 @@ def check_names(
     """
     if optional and value is None:
         return None
-    if type(value) is tuple and not non_empty and not distinct and all(type(k) is str and k for k in value):
+    if (
+        type(value) is tuple
+        and not non_empty
+        and not distinct
+        and all(type(k) is str and k for k in value)
+    ):
         return value  # the common case, on per-batch paths: no copy, no generic checks
     names = None if isinstance(value, str | bytes) else _as_tuple(value)
     ok = names is not None and all(isinstance(k, str) and k for k in names)
     ok = ok and (not non_empty or bool(names)) and (not distinct or len(set(names)) == len(names))  # type: ignore[arg-type]
     if ok:
         return names
-    need = "a" + (" non-empty" if non_empty else "") + " tuple of" + (" distinct" if distinct else "") + " key names"
+    need = (
+        "a"
+        + (" non-empty" if non_empty else "")
+        + " tuple of"
+        + (" distinct" if distinct else "")
+        + " key names"
+    )
     example = (value,) if isinstance(value, str) and value else ("input_ids",)
-    raise ValueError(f"{name}={value!r} must be {need}{' or None' if optional else ''}, e.g. {example!r}")
+    raise ValueError(
+        f"{name}={value!r} must be {need}{' or None' if optional else ''}, e.g. {example!r}"
+    )
 
 
 def _as_tuple(value: Any) -> tuple[Any, ...] | None:

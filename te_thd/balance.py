@@ -1,4 +1,3 @@
-# Over ~500 lines on purpose: the bound, the three placements and the local search share one private _Batch view; apart they would import each other's internals.
 """Work-balanced global batches: equal rows and near-equal compute on every DP replica.
 
 A data-parallel step lasts as long as its busiest replica. When each replica packs
@@ -395,7 +394,14 @@ def _place_balanced(b: _Batch, order: np.ndarray, K: int) -> tuple[np.ndarray, n
             pool = pool[m:]
         else:
             pool = np.concatenate((items[~keep], pool[m:]))
-            reps, items, slots, p, c, k = reps[keep], items[keep], slots[keep], p[keep], c[keep], k[keep]
+            reps, items, slots, p, c, k = (
+                reps[keep],
+                items[keep],
+                slots[keep],
+                p[keep],
+                c[keep],
+                k[keep],
+            )
         flat[slots] -= p
         load[reps] += c
         replica[items] = reps
@@ -477,7 +483,9 @@ def _improve(b: _Batch, replica: np.ndarray, row: np.ndarray, K: int, target: fl
         delta = cm - C[other][None, :]
         ok = (delta > 0) & (free[slot[mine]][:, None] + pm >= P[other][None, :])
         ok &= free[slot[other]][None, :] + P[other][None, :] >= pm
-        swap_peak = np.where(ok, np.maximum(peak - delta, load[replica[other]][None, :] + delta), np.inf)
+        swap_peak = np.where(
+            ok, np.maximum(peak - delta, load[replica[other]][None, :] + delta), np.inf
+        )
         i_move = int(np.argmin(move_peak))
         i_swap = int(np.argmin(swap_peak)) if other.size else 0
         best_move = float(move_peak.flat[i_move])

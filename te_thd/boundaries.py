@@ -54,8 +54,15 @@ def check_cp_args(cp_size: Any, *cp_rank: Any, error: type[ValueError] = ValueEr
     """
     check_int("cp_size", cp_size, 1, error=error)
     for rank in cp_rank:
-        check_int("cp_rank", rank, 0, below=cp_size, bound_name="cp_size", error=error,
-                  meaning="; pass this process's rank in its context-parallel group")  # fmt: skip
+        check_int(
+            "cp_rank",
+            rank,
+            0,
+            below=cp_size,
+            bound_name="cp_size",
+            error=error,
+            meaning="; pass this process's rank in its context-parallel group",
+        )
 
 
 def cp_padding_fix(cp_size: int) -> str:
@@ -72,7 +79,9 @@ def cp_padding_fix(cp_size: int) -> str:
     )
 
 
-def require_boundary_tensor(name: str, t: Any, ref_name: str | None = None, ref: torch.Tensor | None = None) -> None:
+def require_boundary_tensor(
+    name: str, t: Any, ref_name: str | None = None, ref: torch.Tensor | None = None
+) -> None:
     """``t`` must be an int32 ``[N+1]`` tensor (shaped like ``ref``, named ``ref_name``, when given)."""
     if not isinstance(t, torch.Tensor):
         raise ThdContractError(
@@ -116,7 +125,9 @@ def longest_segment(cu: torch.Tensor) -> int:
 def check_starts_at_zero(name: str, cu: np.ndarray) -> None:
     """``cu[0] == 0``: the first sequence starts at the stream's first token."""
     if cu.size and cu[0] != 0:
-        raise ThdContractError(f"{name}[0] must be 0, got {int(cu[0])}: boundaries start at the stream's first token")
+        raise ThdContractError(
+            f"{name}[0] must be 0, got {int(cu[0])}: boundaries start at the stream's first token"
+        )
 
 
 def check_non_decreasing(name: str, cu: np.ndarray, hint: str | None = None) -> np.ndarray:

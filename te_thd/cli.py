@@ -41,12 +41,19 @@ def _cmd_plan_example(rest: list[str]) -> int:
     try:
         root = find_checkout("examples/precompute_cache.py")
     except FileNotFoundError as exc:
-        print(f"te-thd cache plan: --target/--data read the samples as examples/precompute_cache.py does: {exc}",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"te-thd cache plan: --target/--data read the samples as examples/precompute_cache.py does: {exc}",
+            file=sys.stderr,
+        )
         return 2
-    done = subprocess.run([sys.executable, str(root / "examples" / "precompute_cache.py"), "--plan", *rest],
-                          capture_output=True, text=True)  # fmt: skip
-    sys.stdout.write(done.stdout)  # through this process's streams: what captures them sees the plan
+    done = subprocess.run(
+        [sys.executable, str(root / "examples" / "precompute_cache.py"), "--plan", *rest],
+        capture_output=True,
+        text=True,
+    )
+    sys.stdout.write(
+        done.stdout
+    )  # through this process's streams: what captures them sees the plan
     sys.stderr.write(done.stderr)
     return done.returncode
 
@@ -84,7 +91,9 @@ def build_parser(cache_commands: bool = True) -> argparse.ArgumentParser:
     bench.add_argument("rest", nargs=argparse.REMAINDER)
     bench.set_defaults(func=_cmd_bench)
 
-    cache = sub.add_parser("cache", help="inspect, verify or repair an offline cache directory; plan one")
+    cache = sub.add_parser(
+        "cache", help="inspect, verify or repair an offline cache directory; plan one"
+    )
     if cache_commands:
         from te_thd.offline_cache.cli import add_cache_commands
 
@@ -94,7 +103,11 @@ def build_parser(cache_commands: bool = True) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["bench"] and argv[1:2] in (["-h"], ["--help"]) and not _has_checkout("perf/run.py"):
+    if (
+        argv[:1] == ["bench"]
+        and argv[1:2] in (["-h"], ["--help"])
+        and not _has_checkout("perf/run.py")
+    ):
         # help always works; what is missing is said when the command runs
         build_parser().parse_args(["bench", "--help"])
     if argv[:1] == ["bench"]:
@@ -102,7 +115,9 @@ def main(argv: list[str] | None = None) -> int:
         # so everything after `bench` goes to perf/run.py untouched
         rest = argv[1:]
         return _cmd_bench(argparse.Namespace(rest=rest[1:] if rest[:1] == ["--"] else rest))
-    if argv[:2] == ["cache", "plan"] and any(a.split("=")[0] in ("--target", "--data") for a in argv[2:]):
+    if argv[:2] == ["cache", "plan"] and any(
+        a.split("=")[0] in ("--target", "--data") for a in argv[2:]
+    ):
         return _cmd_plan_example(argv[2:])
     args = build_parser(cache_commands=argv[:1] == ["cache"]).parse_args(argv)
     try:

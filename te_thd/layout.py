@@ -159,8 +159,12 @@ class ThdLayout:
         if n > max_num_seqs:
             # one sequence per padding multiple at most: that count always fits
             multiple = 2 * self.cp_size if self.cp_size > 1 else 1
-            enough = "" if total is None else (
-                f" (max_num_seqs={total // multiple} always suffices for these {total} tokens)"
+            enough = (
+                ""
+                if total is None
+                else (
+                    f" (max_num_seqs={total // multiple} always suffices for these {total} tokens)"
+                )
             )
             raise ValueError(
                 f"the batch has {n} sequences, more than max_num_seqs={max_num_seqs}: its "
@@ -189,8 +193,9 @@ class ThdLayout:
         cu = pad(self.cu_seqlens)
         cup = cu if self.cu_seqlens_padded is self.cu_seqlens else pad(self.cu_seqlens_padded)
         # proven, not re-checked: zero-length sequences break no rule, bound >= longest
-        return derive_unchecked(self, cu_seqlens=cu, cu_seqlens_padded=cup, num_seqs=max_num_seqs,
-                       max_seqlen=bound)  # fmt: skip
+        return derive_unchecked(
+            self, cu_seqlens=cu, cu_seqlens_padded=cup, num_seqs=max_num_seqs, max_seqlen=bound
+        )
 
     @property
     def local_tokens(self) -> int | None:
@@ -224,8 +229,13 @@ def _validate(layout: ThdLayout) -> None:
         value = getattr(layout, name)
         if value is None and name == "total_tokens":
             continue
-        check_int(name, value, 0, error=ThdContractError,
-                  meaning=" (a Python int: host ints keep consumers from syncing the device to read them)")  # fmt: skip
+        check_int(
+            name,
+            value,
+            0,
+            error=ThdContractError,
+            meaning=" (a Python int: host ints keep consumers from syncing the device to read them)",
+        )
     if layout.num_seqs != cu.shape[0] - 1:
         raise ThdContractError(
             f"num_seqs={layout.num_seqs} but cu_seqlens holds {cu.shape[0]} boundaries "
@@ -277,11 +287,18 @@ def as_layout(
         changes["max_seqlen"] = max_seqlen
     if not changes:
         return layout
-    return dataclasses.replace(layout, **changes) if validate else derive_unchecked(layout, **changes)
+    return (
+        dataclasses.replace(layout, **changes) if validate else derive_unchecked(layout, **changes)
+    )
 
 
 def _check_max_seqlen(max_seqlen: Any) -> None:
-    check_int("max_seqlen", max_seqlen, 0, meaning=" (a Python int: host ints keep consumers from syncing the device)")
+    check_int(
+        "max_seqlen",
+        max_seqlen,
+        0,
+        meaning=" (a Python int: host ints keep consumers from syncing the device)",
+    )
 
 
 def _boundaries_of(thd: Any) -> tuple[torch.Tensor, torch.Tensor]:

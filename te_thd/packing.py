@@ -277,7 +277,9 @@ def _row_layout(
     return _Rows(B, n_bins, order, row, slot, counts, real[order], span)
 
 
-def document_spans(lengths: Sequence[int] | np.ndarray, seq_len: int, multiple: int, *, decreasing: bool = True) -> np.ndarray:
+def document_spans(
+    lengths: Sequence[int] | np.ndarray, seq_len: int, multiple: int, *, decreasing: bool = True
+) -> np.ndarray:
     """Slots of each of a batch's documents in the rows :class:`PackingCollator` packs them into:
     int64 ``[n]`` in arrival order, each document's length padded to ``multiple`` plus, for the
     last document of a row, the row's unused tail -- its span in ``cu_seqlens_padded``, which

@@ -332,15 +332,28 @@ def split_batch_into_thd_chunks(
         ValueError: ``num_chunks`` not an int >= 0 dividing ``B``, or any error of
             :func:`process_input_for_thd`.
     """
-    check_int("num_chunks", num_chunks, 0, numpy_ints=True,
-              meaning="; pass the number of chunks (e.g. the pipeline's micro-batch count; 0 or 1: no split)")  # fmt: skip
+    check_int(
+        "num_chunks",
+        num_chunks,
+        0,
+        numpy_ints=True,
+        meaning="; pass the number of chunks (e.g. the pipeline's micro-batch count; 0 or 1: no split)",
+    )
     if num_chunks <= 1:
         return process_input_for_thd(
-            batch, seq_lens_padding_value, padding_token_id, absorb_trailing_pad=absorb_trailing_pad,
+            batch,
+            seq_lens_padding_value,
+            padding_token_id,
+            absorb_trailing_pad=absorb_trailing_pad,
             token_keys=token_keys,
-        )  # fmt: skip
+        )
     out, layout, device, mask = _convert(
-        batch, int(num_chunks), seq_lens_padding_value, padding_token_id, absorb_trailing_pad, token_keys
+        batch,
+        int(num_chunks),
+        seq_lens_padding_value,
+        padding_token_id,
+        absorb_trailing_pad,
+        token_keys,
     )
     out["cu_seqlens"] = _to_device(layout.cu_seqlens, device)
     out["cu_seqlens_padded"] = _to_device(layout.cu_seqlens_padded, device)
@@ -354,6 +367,7 @@ def split_batch_into_thd_chunks(
 
 
 # ------------------------------------------------------------------- internals
+
 
 def _convert(
     batch: Mapping[str, Any],
@@ -393,19 +407,27 @@ def _convert(
     out = _flat_tokens(input_ids, position_ids, labels, plain, num_chunks, tok)
     for key in _token_keys(token_keys, batch, bsz, seq_len):
         t = batch[key]
-        out[key] = _flatten(t, (num_chunks, tok, *t.shape[2:]) if num_chunks > 1 else (tok, *t.shape[2:]))
+        out[key] = _flatten(
+            t, (num_chunks, tok, *t.shape[2:]) if num_chunks > 1 else (tok, *t.shape[2:])
+        )
     mask = _to_device(layout.padding_mask, None if input_ids.is_cpu else input_ids.device)
     return out, layout, meta_device, mask.view(num_chunks, tok) if num_chunks > 1 else mask
 
 
-def _token_keys(token_keys: Sequence[str], batch: Mapping[str, Any], bsz: int, seq_len: int) -> tuple[str, ...]:
+def _token_keys(
+    token_keys: Sequence[str], batch: Mapping[str, Any], bsz: int, seq_len: int
+) -> tuple[str, ...]:
     """``token_keys``, checked: each names a tensor of ``batch`` shaped ``[B, S, ...]`` like the ids."""
     keys = check_names("token_keys", token_keys) if token_keys else ()
     for key in keys:
         if key in ("input_ids", "labels", "position_ids") or key in _CONSUMED_KEYS:
-            raise ValueError(f"token_keys names {key!r}, which the conversion handles itself; drop it from token_keys")
+            raise ValueError(
+                f"token_keys names {key!r}, which the conversion handles itself; drop it from token_keys"
+            )
         if key not in batch:
-            raise ValueError(f"token_keys names {key!r}, which the batch does not hold (it has {sorted(batch)})")
+            raise ValueError(
+                f"token_keys names {key!r}, which the batch does not hold (it has {sorted(batch)})"
+            )
         t = batch[key]
         if not isinstance(t, torch.Tensor) or t.dim() < 2 or tuple(t.shape[:2]) != (bsz, seq_len):
             got = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
@@ -466,6 +488,7 @@ def _pass_through(out: dict[str, Any], batch: Mapping[str, Any]) -> None:
     for key, value in batch.items():
         if key not in out and key not in _CONSUMED_KEYS:
             out[key] = value
+
 
 def _to_device(arr: np.ndarray, device: torch.device | None) -> torch.Tensor:
     """Host array -> tensor on ``device`` (None: the CPU, zero-copy).

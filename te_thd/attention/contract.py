@@ -90,10 +90,12 @@ def normalize_attn_mask_type(attn_mask_type: Any) -> str:
 
 def _require_int(name: str, v: Any) -> int:
     return check_int(
-        name, v, error=ThdContractError,
+        name,
+        v,
+        error=ThdContractError,
         meaning=" (a Python int: a tensor makes TE sync the device to read it); pass the host-side value, "
         "e.g. thd['max_seqlen_int']",
-    )  # fmt: skip
+    )
 
 
 def check_mask_for_thd(attn_mask_type: Any, cp_size: int) -> str:
@@ -120,6 +122,7 @@ def check_mask_for_thd(attn_mask_type: Any, cp_size: int) -> str:
             f"not supported for {mask} mask type and thd format')"
         )
     return mask
+
 
 def check_te_thd_boundaries(
     *,

@@ -97,7 +97,10 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         print(f"  NOT checked: {line}")
     print(f"  lengths: {result['lengths']}")
     if result["not_checked"] and not args.quick:
-        print("WARNING: parts of this cache cannot be verified (see NOT checked above)", file=sys.stderr)
+        print(
+            "WARNING: parts of this cache cannot be verified (see NOT checked above)",
+            file=sys.stderr,
+        )
     return 0
 
 
@@ -105,11 +108,19 @@ def _cmd_repair(args: argparse.Namespace) -> int:
     try:
         options = json.loads(args.options) if args.options is not None else None
     except json.JSONDecodeError as exc:
-        print(f"te-thd cache repair: --options {args.options!r} is not JSON ({exc}); pass an object, e.g. "
-              "--options '{\"cp_size\": 2}'", file=sys.stderr)  # fmt: skip
+        print(
+            f"te-thd cache repair: --options {args.options!r} is not JSON ({exc}); pass an object, e.g. "
+            "--options '{\"cp_size\": 2}'",
+            file=sys.stderr,
+        )
         return 2
-    given = {"format_version": args.format_version, "options": options, "shard_size": args.shard_size,
-             "num_samples": args.num_samples, "length_key": args.length_key}  # fmt: skip
+    given = {
+        "format_version": args.format_version,
+        "options": options,
+        "shard_size": args.shard_size,
+        "num_samples": args.num_samples,
+        "length_key": args.length_key,
+    }
     try:
         result = repair_cache(args.dir, **given)
     except (ValueError, ImportError) as exc:  # CacheError is a ValueError; a bad URL too
@@ -120,9 +131,17 @@ def _cmd_repair(args: argparse.Namespace) -> int:
     if result["rebuilt"]:
         for name in result["extra"]:
             print(f"set aside: {name}: not part of this cache")
-        passed = f" and the arguments ({', '.join(result['from_arguments'])})" if result["from_arguments"] else ""
-        aside = f"; the damaged one is in {result['set_aside_in']}" if result["set_aside_in"] else ""
-        print(f"rebuilt: {args.dir}: manifest.json written from its shards{passed}, every shard verified{aside}")
+        passed = (
+            f" and the arguments ({', '.join(result['from_arguments'])})"
+            if result["from_arguments"]
+            else ""
+        )
+        aside = (
+            f"; the damaged one is in {result['set_aside_in']}" if result["set_aside_in"] else ""
+        )
+        print(
+            f"rebuilt: {args.dir}: manifest.json written from its shards{passed}, every shard verified{aside}"
+        )
         return 0
     if not result["reopened"]:
         print(f"OK: {args.dir}: every shard verified; nothing to repair")
@@ -135,8 +154,10 @@ def _cmd_repair(args: argparse.Namespace) -> int:
         print(f"missing: {name}")
     where = f" (moved to {result['set_aside_in']})" if result["set_aside_in"] else ""
     # the produce_cache hint says itself that it computes only the missing shards
-    then = "it writes the manifest" if result["producer"] == PRODUCE_CACHE_HINT else (
-        "it recomputes only these shards and writes the manifest"
+    then = (
+        "it writes the manifest"
+        if result["producer"] == PRODUCE_CACHE_HINT
+        else ("it recomputes only these shards and writes the manifest")
     )
     print(f"{args.dir} is reopened for a resume{where}: re-run {result['producer']}; {then}.")
     return 0
@@ -150,54 +171,94 @@ def _cmd_unlock(args: argparse.Namespace) -> int:
         return 2
     try:
         holder = storage.unlock()
-    except CacheError as exc:  # a lock that needs no removing (a local directory's flock); a store unusable
+    except (
+        CacheError
+    ) as exc:  # a lock that needs no removing (a local directory's flock); a store unusable
         print(f"te-thd cache unlock: {exc}", file=sys.stderr)
         return getattr(exc, "exit_status", 1)
-    print(f"removed the producer lock of {storage.name} (held by {holder})" if holder is not None
-          else f"{storage.name} has no producer lock; nothing to remove")  # fmt: skip
+    print(
+        f"removed the producer lock of {storage.name} (held by {holder})"
+        if holder is not None
+        else f"{storage.name} has no producer lock; nothing to remove"
+    )
     return 0
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
     try:
-        for flag, value, meaning in (("--max-len", args.max_len, "the padded length L of the token keys"),
-                                     ("--shard-size", args.shard_size, "samples per shard, e.g. --shard-size 256"),
-                                     ("--cp", args.cp, "the context-parallel size of training, e.g. --cp 2"),
-                                     ("--pack-seq-len", args.pack_seq_len, "the packed row length S of training"),
-                                     ("--batch-size", args.batch_size, "samples per training batch")):  # fmt: skip
+        for flag, value, meaning in (
+            ("--max-len", args.max_len, "the padded length L of the token keys"),
+            ("--shard-size", args.shard_size, "samples per shard, e.g. --shard-size 256"),
+            ("--cp", args.cp, "the context-parallel size of training, e.g. --cp 2"),
+            ("--pack-seq-len", args.pack_seq_len, "the packed row length S of training"),
+            ("--batch-size", args.batch_size, "samples per training batch"),
+        ):
             if value is not None and value < 1:
                 raise ValueError(f"{flag}={value} must be >= 1: {meaning}")
         try:
             with open(args.lengths, encoding="utf-8") as f:
                 text = f.read()
         except (OSError, UnicodeDecodeError) as exc:
-            raise ValueError(f"--lengths {args.lengths}: cannot be read ({exc.__class__.__name__}: {exc}); pass a text "
-                             "file with one length per line") from None  # fmt: skip
+            raise ValueError(
+                f"--lengths {args.lengths}: cannot be read ({exc.__class__.__name__}: {exc}); pass a text "
+                "file with one length per line"
+            ) from None
         lengths = read_lengths(text, f"--lengths {args.lengths}")
         max_len = args.max_len if args.max_len is not None else int(lengths.max())
         schema = dict(parse_key(k, max_len) for k in args.key)
         if len(schema) != len(args.key):
-            raise ValueError(f"--key names a key twice ({[k.partition('=')[0] for k in args.key]}); give each key once")
-        token_keys = default_token_keys(schema, max_len) if args.token_keys is None else tuple(
-            k for k in args.token_keys.split(",") if k
-        )  # fmt: skip
+            raise ValueError(
+                f"--key names a key twice ({[k.partition('=')[0] for k in args.key]}); give each key once"
+            )
+        token_keys = (
+            default_token_keys(schema, max_len)
+            if args.token_keys is None
+            else tuple(k for k in args.token_keys.split(",") if k)
+        )
         named = [("--length-key", args.length_key), ("--input-key", args.input_key)]
-        named += [(f, k) for f, v in (("--token-keys", args.token_keys), ("--codec-keys", args.codec_keys)) if v for k in v.split(",") if k]
+        named += [
+            (f, k)
+            for f, v in (("--token-keys", args.token_keys), ("--codec-keys", args.codec_keys))
+            if v
+            for k in v.split(",")
+            if k
+        ]
         for flag, value in named:
             if value is not None and value not in schema:
-                raise ValueError(f"{flag}: {value!r} is not a --key ({sorted(schema)}); name one of them")
+                raise ValueError(
+                    f"{flag}: {value!r} is not a --key ({sorted(schema)}); name one of them"
+                )
         if token_keys and args.length_key is None and "input_ids" not in schema:
-            raise ValueError("--length-key: none given and no --key input_ids, but a ragged layout stores each sample's "
-                             "real tokens: pass --length-key KEY naming the key that holds each length")  # fmt: skip
-        spec = CacheSpec(schema, token_keys, args.shard_size, args.cp, length_key=args.length_key,
-                         input_key=args.input_key or "input_ids", pack_seq_len=args.pack_seq_len,
-                         codec_keys=None if args.codec_keys is None else tuple(k for k in args.codec_keys.split(",") if k),
-                         batch_size=args.batch_size, vocab_size=args.vocab_size)  # fmt: skip
+            raise ValueError(
+                "--length-key: none given and no --key input_ids, but a ragged layout stores each sample's "
+                "real tokens: pass --length-key KEY naming the key that holds each length"
+            )
+        spec = CacheSpec(
+            schema,
+            token_keys,
+            args.shard_size,
+            args.cp,
+            length_key=args.length_key,
+            input_key=args.input_key or "input_ids",
+            pack_seq_len=args.pack_seq_len,
+            codec_keys=None
+            if args.codec_keys is None
+            else tuple(k for k in args.codec_keys.split(",") if k),
+            batch_size=args.batch_size,
+            vocab_size=args.vocab_size,
+        )
         costs = plan_cache(lengths, spec)
     except ValueError as exc:  # the library names its argument; the flag is named here
-        print(f"te-thd cache plan: {str(exc).replace('pack_seq_len=', '--pack-seq-len=')}", file=sys.stderr)
+        print(
+            f"te-thd cache plan: {str(exc).replace('pack_seq_len=', '--pack-seq-len=')}",
+            file=sys.stderr,
+        )
         return 2
-    print(json.dumps(plan_json(costs, spec, lengths), indent=2) if args.json else format_plan(costs, spec, lengths))
+    print(
+        json.dumps(plan_json(costs, spec, lengths), indent=2)
+        if args.json
+        else format_plan(costs, spec, lengths)
+    )
     return 0
 
 
@@ -205,40 +266,83 @@ def add_cache_commands(cache: argparse.ArgumentParser) -> None:
     """Register ``info``, ``verify``, ``repair`` and ``unlock`` on the ``te-thd cache`` parser."""
     sub = cache.add_subparsers(dest="cache_command", required=True)
 
-    info = sub.add_parser("info", help="samples, shards, keys (dtype/shape), bytes, producer options")
-    info.add_argument("dir", help="cache directory (holds manifest.json), s3://bucket/prefix or msc://profile/path")
+    info = sub.add_parser(
+        "info", help="samples, shards, keys (dtype/shape), bytes, producer options"
+    )
+    info.add_argument(
+        "dir",
+        help="cache directory (holds manifest.json), s3://bucket/prefix or msc://profile/path",
+    )
     info.add_argument("--json", action="store_true", help="print the summary as JSON")
     info.set_defaults(func=_cmd_info)
 
     verify = sub.add_parser(
-        "verify", help="read every shard and check its checksums (exit 0 sound, 1 with the bad shards named)"
+        "verify",
+        help="read every shard and check its checksums (exit 0 sound, 1 with the bad shards named)",
     )
-    verify.add_argument("dir", help="cache directory (holds manifest.json), s3://bucket/prefix or msc://profile/path")
+    verify.add_argument(
+        "dir",
+        help="cache directory (holds manifest.json), s3://bucket/prefix or msc://profile/path",
+    )
     depth = verify.add_mutually_exclusive_group()
-    depth.add_argument("--quick", action="store_true", help="only check that every shard exists with its recorded size")
+    depth.add_argument(
+        "--quick",
+        action="store_true",
+        help="only check that every shard exists with its recorded size",
+    )
     depth.add_argument("--deep", action="store_true", help="the default (kept for older scripts)")
     verify.set_defaults(func=_cmd_verify)
 
     repair = sub.add_parser(
-        "repair", help="set damaged shards aside and reopen the cache so its producer recomputes them; rebuild a "
+        "repair",
+        help="set damaged shards aside and reopen the cache so its producer recomputes them; rebuild a "
         "lost or damaged manifest.json from the shards",
-    )  # fmt: skip
-    repair.add_argument("dir", help="cache directory (holds the shards), s3://bucket/prefix or msc://profile/path")
+    )
+    repair.add_argument(
+        "dir", help="cache directory (holds the shards), s3://bucket/prefix or msc://profile/path"
+    )
     lost = repair.add_argument_group(
         "rebuilding a manifest from shards that do not record their producer run (repair names the ones it needs)"
     )
-    lost.add_argument("--format-version", type=int, default=None, metavar="N", help="the format_version the cache's readers pass")
-    lost.add_argument("--options", default=None, metavar="JSON",
-                      help="the producer options (every manifest field te_thd does not write itself) as a JSON "
-                      "object; also adds fields to what the shards record")  # fmt: skip
-    lost.add_argument("--shard-size", type=int, default=None, metavar="N", help="samples per shard (a single shard does not tell)")
-    lost.add_argument("--num-samples", type=int, default=None, metavar="N",
-                      help="samples of the cache, when shards at its end are lost too")  # fmt: skip
-    lost.add_argument("--length-key", default=None, metavar="KEY", help="the producer's length_key (default: input_ids when stored)")
+    lost.add_argument(
+        "--format-version",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the format_version the cache's readers pass",
+    )
+    lost.add_argument(
+        "--options",
+        default=None,
+        metavar="JSON",
+        help="the producer options (every manifest field te_thd does not write itself) as a JSON "
+        "object; also adds fields to what the shards record",
+    )
+    lost.add_argument(
+        "--shard-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="samples per shard (a single shard does not tell)",
+    )
+    lost.add_argument(
+        "--num-samples",
+        type=int,
+        default=None,
+        metavar="N",
+        help="samples of the cache, when shards at its end are lost too",
+    )
+    lost.add_argument(
+        "--length-key",
+        default=None,
+        metavar="KEY",
+        help="the producer's length_key (default: input_ids when stored)",
+    )
     repair.set_defaults(func=_cmd_repair)
 
     plan = sub.add_parser(
-        "plan", help="before producing: bytes per sample and in all, shards, each CP rank's reads per epoch, "
+        "plan",
+        help="before producing: bytes per sample and in all, shards, each CP rank's reads per epoch, "
         "padded / ragged / ragged with each codec",
         description="What a cache will cost, from its samples' lengths and its keys' shapes, before anything "
         "is computed: bytes per sample and in all, shards, and the bytes each CP rank fetches per epoch, for "
@@ -246,36 +350,91 @@ def add_cache_commands(cache: argparse.ArgumentParser) -> None:
         "With --target/--data instead of --lengths/--key it runs `examples/precompute_cache.py --plan` of a "
         "source checkout with the same arguments: lengths from a JSONL file tokenized as that producer does, "
         "key shapes from a Hugging Face config.json.",
-    )  # fmt: skip
-    plan.add_argument("--lengths", required=True, metavar="FILE",
-                      help="every sample's real token count, one integer per line ('#' lines and blank lines skipped)")  # fmt: skip
-    plan.add_argument("--key", action="append", required=True, metavar="NAME=DTYPE[:SHAPE]",
-                      help="a stored key and its per-sample shape, L for the padded length; repeat per key, e.g. "
-                      "--key input_ids=int64:L --key seq_len=int64 --key hidden=bfloat16:L,4096")  # fmt: skip
-    plan.add_argument("--max-len", type=int, default=None, metavar="L", help="padded length L (default: the longest sample)")
-    plan.add_argument("--token-keys", default=None, metavar="K1,K2",
-                      help="keys the ragged layouts store ragged (default: every key shaped [L, ...])")  # fmt: skip
-    plan.add_argument("--codec-keys", default=None, metavar="K1,K2",
-                      help="token keys a codec may store (default: every token key it can store)")  # fmt: skip
-    plan.add_argument("--length-key", default=None, metavar="KEY",
-                      help="the producer's length_key (default: input_ids when stored)")  # fmt: skip
-    plan.add_argument("--input-key", default=None, metavar="KEY",
-                      help="the token ids CachedThdCollator packs, read whole by every CP rank (default: input_ids)")  # fmt: skip
-    plan.add_argument("--shard-size", type=int, default=256, metavar="N", help="samples per shard (default: 256)")
-    plan.add_argument("--cp", type=int, default=1, metavar="N", help="context-parallel size of training (default: 1)")
-    plan.add_argument("--pack-seq-len", type=int, default=None, metavar="S",
-                      help="packed row length of training: a row's unused tail joins its last sample's CP chunks "
-                      "(default: each sample alone, padded to 2*cp)")  # fmt: skip
-    plan.add_argument("--batch-size", type=int, default=16, metavar="B",
-                      help="with --pack-seq-len: samples per training batch, packed together (default: 16)")  # fmt: skip
-    plan.add_argument("--vocab-size", type=int, default=None, metavar="V",
-                      help="the target's vocabulary: plans the top-k index codec on integer token keys "
-                      "(16 bits an index up to 65,536, 17 up to 131,072, else 32; default: not planned)")  # fmt: skip
+    )
+    plan.add_argument(
+        "--lengths",
+        required=True,
+        metavar="FILE",
+        help="every sample's real token count, one integer per line ('#' lines and blank lines skipped)",
+    )
+    plan.add_argument(
+        "--key",
+        action="append",
+        required=True,
+        metavar="NAME=DTYPE[:SHAPE]",
+        help="a stored key and its per-sample shape, L for the padded length; repeat per key, e.g. "
+        "--key input_ids=int64:L --key seq_len=int64 --key hidden=bfloat16:L,4096",
+    )
+    plan.add_argument(
+        "--max-len",
+        type=int,
+        default=None,
+        metavar="L",
+        help="padded length L (default: the longest sample)",
+    )
+    plan.add_argument(
+        "--token-keys",
+        default=None,
+        metavar="K1,K2",
+        help="keys the ragged layouts store ragged (default: every key shaped [L, ...])",
+    )
+    plan.add_argument(
+        "--codec-keys",
+        default=None,
+        metavar="K1,K2",
+        help="token keys a codec may store (default: every token key it can store)",
+    )
+    plan.add_argument(
+        "--length-key",
+        default=None,
+        metavar="KEY",
+        help="the producer's length_key (default: input_ids when stored)",
+    )
+    plan.add_argument(
+        "--input-key",
+        default=None,
+        metavar="KEY",
+        help="the token ids CachedThdCollator packs, read whole by every CP rank (default: input_ids)",
+    )
+    plan.add_argument(
+        "--shard-size", type=int, default=256, metavar="N", help="samples per shard (default: 256)"
+    )
+    plan.add_argument(
+        "--cp",
+        type=int,
+        default=1,
+        metavar="N",
+        help="context-parallel size of training (default: 1)",
+    )
+    plan.add_argument(
+        "--pack-seq-len",
+        type=int,
+        default=None,
+        metavar="S",
+        help="packed row length of training: a row's unused tail joins its last sample's CP chunks "
+        "(default: each sample alone, padded to 2*cp)",
+    )
+    plan.add_argument(
+        "--batch-size",
+        type=int,
+        default=16,
+        metavar="B",
+        help="with --pack-seq-len: samples per training batch, packed together (default: 16)",
+    )
+    plan.add_argument(
+        "--vocab-size",
+        type=int,
+        default=None,
+        metavar="V",
+        help="the target's vocabulary: plans the top-k index codec on integer token keys "
+        "(16 bits an index up to 65,536, 17 up to 131,072, else 32; default: not planned)",
+    )
     plan.add_argument("--json", action="store_true", help="print the figures as JSON")
     plan.set_defaults(func=_cmd_plan)
 
     unlock = sub.add_parser(
-        "unlock", help="remove the producer lock of an s3:// or msc:// cache whose producer was killed on another host"
+        "unlock",
+        help="remove the producer lock of an s3:// or msc:// cache whose producer was killed on another host",
     )
     unlock.add_argument("dir", help="s3://bucket/prefix or msc://profile/path of the cache")
     unlock.set_defaults(func=_cmd_unlock)

@@ -111,9 +111,13 @@ def record_view(run: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def open_followed(
-    storage: Storage, cache_dir: str, cache_name: str, format_version: int, producer: str | None,
+    storage: Storage,
+    cache_dir: str,
+    cache_name: str,
+    format_version: int,
+    producer: str | None,
     follow_timeout: float = DEFAULT_FOLLOW_TIMEOUT,
-) -> tuple[dict[str, Any], dict[str, Any] | None, str | None]:  # fmt: skip
+) -> tuple[dict[str, Any], dict[str, Any] | None, str | None]:
     """``(manifest, None, producer)`` of a finished cache, else ``(record_view, run, command)`` of the running
     producer's record (``command``: ``producer``, else the one the producer recorded).
 
@@ -168,8 +172,15 @@ class Follower:
     """One reader's view of a cache whose producer still runs: which shards it has seen committed, how to
     wait for the others, and when to switch to the manifest. Picklable (DataLoader workers follow on their own)."""
 
-    def __init__(self, storage: Storage, cache_dir: str, cache_name: str, run: Mapping[str, Any], timeout: float,
-                 command: str) -> None:  # fmt: skip
+    def __init__(
+        self,
+        storage: Storage,
+        cache_dir: str,
+        cache_name: str,
+        run: Mapping[str, Any],
+        timeout: float,
+        command: str,
+    ) -> None:
         self.storage, self.cache_dir, self.cache_name = storage, cache_dir, cache_name
         self.run, self.timeout, self.command = dict(run), _check_timeout(timeout), command
         self.committed: set[int] = set()
@@ -206,8 +217,9 @@ class Follower:
         if theirs is not None and theirs != self.run:
             raise CacheIntegrityError(
                 f"shard {path} was written by a producer run with other arguments than the one this reader follows "
-                f"({describe_diff(self.run, theirs)}). {repair}", path=path,
-            )  # fmt: skip
+                f"({describe_diff(self.run, theirs)}). {repair}",
+                path=path,
+            )
 
     def check_keys(self, disk_keys: Sequence[str]) -> None:
         """Refuse ``disk_keys`` the followed producer does not store (``ValueError`` naming them)."""
@@ -220,9 +232,12 @@ class Follower:
             )
 
     def finished(
-        self, versions: tuple[int, str | None], opened: Sequence[tuple[int, OpenShard]],
-        seen: Mapping[str, TensorSpec] | None, repair: str,
-    ) -> tuple[dict[str, Any], dict[int, str]] | None:  # fmt: skip
+        self,
+        versions: tuple[int, str | None],
+        opened: Sequence[tuple[int, OpenShard]],
+        seen: Mapping[str, TensorSpec] | None,
+        repair: str,
+    ) -> tuple[dict[str, Any], dict[int, str]] | None:
         """The manifest and its shard checksums once the producer has committed it (else None), checked: it records
         the run followed (``versions``: the reader's format version and producer command), all its shards are
         there, and it records the shards this process opened while following (``opened``) and their schema (``seen``)."""
@@ -241,7 +256,11 @@ class Follower:
         check_cache_files(self.cache_dir, manifest, self.cache_name, versions[1])
         checksums = {i: str(r["checksum"]) for i, r in enumerate(shard_records(manifest) or [])}
         schema = manifest_schema(manifest)
-        if schema is not None and seen is not None and any(schema.get(k) != spec for k, spec in seen.items()):
+        if (
+            schema is not None
+            and seen is not None
+            and any(schema.get(k) != spec for k, spec in seen.items())
+        ):
             raise CacheIntegrityError(
                 f"the manifest of {self.cache_dir} records the schema {schema_to_json(schema)}, the shards read while "
                 f"its producer ran showed {schema_to_json(dict(seen))}. {repair}"
@@ -251,6 +270,7 @@ class Follower:
             if actual != checksums.get(i):
                 raise CacheIntegrityError(
                     f"shard {f.name} was replaced after this reader read it (its header digest is {actual}, the "
-                    f"manifest records {checksums.get(i)}). {repair}", path=f.name,
-                )  # fmt: skip
+                    f"manifest records {checksums.get(i)}). {repair}",
+                    path=f.name,
+                )
         return manifest, checksums

@@ -23,7 +23,6 @@ older te_thd versions record ``"crc32:<8 hex>"`` of the whole file instead. The
 prefix names the algorithm, so it can change without a format bump.
 """
 
-
 from __future__ import annotations
 
 import importlib
@@ -89,7 +88,12 @@ def advise(fd: int, advice: str, offset: int = 0, length: int = 0) -> None:
     here and there (a shard header; a ragged shard), where read-ahead reads what is not needed.
     """
     if _fadvise is not None:
-        _fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED if advice == "willneed" else os.POSIX_FADV_RANDOM)
+        _fadvise(
+            fd,
+            offset,
+            length,
+            os.POSIX_FADV_WILLNEED if advice == "willneed" else os.POSIX_FADV_RANDOM,
+        )
 
 
 def canonical_json(obj: Any) -> bytes:
@@ -147,7 +151,11 @@ class TensorSpec:
         return cls(dtype_from_name(obj["dtype"]), tuple(obj["shape"]))
 
     def describe(self) -> str:
-        return f"{dtype_name(self.dtype)}[n, {', '.join(map(str, self.shape))}]" if self.shape else f"{dtype_name(self.dtype)}[n]"
+        return (
+            f"{dtype_name(self.dtype)}[n, {', '.join(map(str, self.shape))}]"
+            if self.shape
+            else f"{dtype_name(self.dtype)}[n]"
+        )
 
 
 #: key -> TensorSpec, in the caller's key order.
@@ -160,12 +168,19 @@ def schema_to_json(schema: Mapping[str, TensorSpec]) -> dict[str, Any]:
 
 def schema_from_json(obj: Any) -> CacheSchema:
     if not isinstance(obj, dict) or not obj:
-        raise ValueError(f"schema must be a non-empty object of key -> {{dtype, shape}}, got {obj!r}")
+        raise ValueError(
+            f"schema must be a non-empty object of key -> {{dtype, shape}}, got {obj!r}"
+        )
     return {k: TensorSpec.from_json(v) for k, v in obj.items()}
 
 
 def safe_import_from(
-    module: str, symbol: str, *, msg: str | None = None, alt: Any = None, fallback_module: str | None = None
+    module: str,
+    symbol: str,
+    *,
+    msg: str | None = None,
+    alt: Any = None,
+    fallback_module: str | None = None,
 ) -> tuple[bool, Any]:
     """``(True, module.symbol)``, or ``(False, alt)`` when it cannot be imported.
 
@@ -293,7 +308,9 @@ def repair_hint(cache_dir: str, producer: str | None = None) -> str:
     )
 
 
-def lost_manifest(path: str, cache_dir: str, cache_name: str, shards: int, producer: str | None) -> ManifestNotFoundError:
+def lost_manifest(
+    path: str, cache_dir: str, cache_name: str, shards: int, producer: str | None
+) -> ManifestNotFoundError:
     """The error of a cache with no manifest at ``path``: with ``shards`` shard files in ``cache_dir``,
     the command that rebuilds it from them; else what builds the cache."""
     if shards:
@@ -357,7 +374,9 @@ class CacheIntegrityError(CacheError):
         self.sample, self.key, self.expected, self.actual = sample, key, expected, actual
 
 
-def unreadable_shard(path: str, why: BaseException, repair: str, by: str = "") -> CacheIntegrityError:
+def unreadable_shard(
+    path: str, why: BaseException, repair: str, by: str = ""
+) -> CacheIntegrityError:
     """The error of a shard that could not be read (``by``: e.g. " by safetensors"), naming it, why, and the repair."""
     return CacheIntegrityError(f"shard {path} cannot be read{by} ({why}). {repair}", path=path)
 

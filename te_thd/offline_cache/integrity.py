@@ -176,13 +176,19 @@ def parse_shard_metadata(
         return None
 
     def bad(what: str) -> CacheIntegrityError:
-        return CacheIntegrityError(f"shard {path}: its te_thd checksum fields {what}: the header is damaged", path=path)
+        return CacheIntegrityError(
+            f"shard {path}: its te_thd checksum fields {what}: the header is damaged", path=path
+        )
 
     try:
         fields = json.loads(metadata[META_KEY])
     except (TypeError, ValueError):
         raise bad("are not JSON") from None
-    if not isinstance(fields, dict) or fields.get("hash") != HASH_NAME or not isinstance(fields.get("sums"), dict):
+    if (
+        not isinstance(fields, dict)
+        or fields.get("hash") != HASH_NAME
+        or not isinstance(fields.get("sums"), dict)
+    ):
         raise bad(f"are malformed or name another hash than {HASH_NAME!r}")
     rows = fields.get("rows")
     if not is_int(rows, 0):
@@ -198,7 +204,9 @@ def parse_shard_metadata(
             actual=f"{HASH_NAME}:{actual}",
         )
     tokens = fields.get("tokens")
-    if tokens is not None and not (isinstance(tokens, dict) and isinstance(tokens.get("stored"), dict)):
+    if tokens is not None and not (
+        isinstance(tokens, dict) and isinstance(tokens.get("stored"), dict)
+    ):
         raise bad("hold a malformed 'tokens' entry")
     run = fields.get("run")
     if run is not None and not isinstance(run, dict):
@@ -235,8 +243,15 @@ def verify_rows(
     if isinstance(rows, np.ndarray):
         rows = rows.tolist()
     if len(rows):
-        verify_row_views(row_views(data, len(rows)), rows, expected, path=path, key=key, first_sample=first_sample,
-                         repair=repair)  # fmt: skip
+        verify_row_views(
+            row_views(data, len(rows)),
+            rows,
+            expected,
+            path=path,
+            key=key,
+            first_sample=first_sample,
+            repair=repair,
+        )
 
 
 #: ``(address, bytes, rows) -> one byte view per row``: batches land in a few recycled
@@ -267,13 +282,23 @@ def row_views(data: torch.Tensor, n: int) -> list[memoryview]:
 def name_row(row: int, first_sample: int | None) -> str:
     """How a message names row ``row`` of a shard whose row 0 is sample ``first_sample``: by its
     global sample index, the one a user's dataset and the trainer use (``None``: not known)."""
-    return f"row {row} of the shard" if first_sample is None else f"sample {first_sample + row} (row {row} of the shard)"
+    return (
+        f"row {row} of the shard"
+        if first_sample is None
+        else f"sample {first_sample + row} (row {row} of the shard)"
+    )
 
 
 def verify_row_views(
-    views: Sequence[memoryview], rows: Sequence[int], expected: Sequence[int], *, path: str, key: str,
-    first_sample: int, repair: str,
-) -> None:  # fmt: skip
+    views: Sequence[memoryview],
+    rows: Sequence[int],
+    expected: Sequence[int],
+    *,
+    path: str,
+    key: str,
+    first_sample: int,
+    repair: str,
+) -> None:
     """:func:`verify_rows` of rows already cut into byte views (:func:`row_views`): ``views[j]``
     (the bytes of one row) must hash, seeded with ``rows[j]``, to ``expected[rows[j]]``.
 
@@ -331,7 +356,9 @@ def read_shard_header(path: str, name: str | None = None) -> ShardHeader:
     name = name or path
 
     def bad(what: str) -> CacheIntegrityError:
-        return CacheIntegrityError(f"shard {name} is not a valid safetensors file: {what}", path=name)
+        return CacheIntegrityError(
+            f"shard {name} is not a valid safetensors file: {what}", path=name
+        )
 
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
     try:
@@ -367,7 +394,9 @@ def read_shard_header(path: str, name: str | None = None) -> ShardHeader:
             raise bad(f"entry {key!r} is malformed: {info!r}") from None
         nbytes = tensor_nbytes(dtype, shape)
         if end - start != nbytes:
-            raise bad(f"entry {key!r} spans {end - start} bytes but {dtype}{list(shape)} needs {nbytes}")
+            raise bad(
+                f"entry {key!r} spans {end - start} bytes but {dtype}{list(shape)} needs {nbytes}"
+            )
         entries[key] = HeaderEntry(dtype, shape, base + start, base + end)
         spans.append((start, end))
     spans.sort()
@@ -413,9 +442,13 @@ def header_problems(
         if not e.shape:
             problems.append(f"key {key!r} is a scalar, not [samples, ...]")
         elif spec is not None and TensorSpec(e.dtype, e.shape[1:]) != spec:
-            problems.append(f"key {key!r} is {dtype_name(e.dtype)}{list(e.shape)}, the schema says {spec.describe()}")
+            problems.append(
+                f"key {key!r} is {dtype_name(e.dtype)}{list(e.shape)}, the schema says {spec.describe()}"
+            )
         elif e.shape[0] != rows:
-            problems.append(f"key {key!r} holds {e.shape[0]} samples, the manifest puts {rows} in this shard")
+            problems.append(
+                f"key {key!r} holds {e.shape[0]} samples, the manifest puts {rows} in this shard"
+            )
     if header.sums is not None and header.sums.rows != rows:
         problems.append(f"records {header.sums.rows} rows, the manifest puts {rows} in this shard")
     return problems
@@ -450,7 +483,9 @@ def check_shard_header(
             "shard (the file was replaced by another writer's)"
         )
     if checksum is not None and checksum.startswith(f"{HASH_NAME}:"):
-        actual = shard_checksum(header.sums.digest) if header.sums is not None else "no te_thd checksums"
+        actual = (
+            shard_checksum(header.sums.digest) if header.sums is not None else "no te_thd checksums"
+        )
         if actual != checksum:
             problems.append(
                 f"its header digest is {actual}, the manifest records {checksum}: the shard was swapped for "
@@ -481,4 +516,6 @@ def logical_entries(header: ShardHeader) -> dict[str, HeaderEntry]:
 
 def schema_of_header(header: ShardHeader) -> dict[str, TensorSpec]:
     """``{key: TensorSpec(dtype, trailing shape)}`` of a header's non-scalar entries (logical keys)."""
-    return {k: TensorSpec(e.dtype, e.shape[1:]) for k, e in logical_entries(header).items() if e.shape}
+    return {
+        k: TensorSpec(e.dtype, e.shape[1:]) for k, e in logical_entries(header).items() if e.shape
+    }

@@ -58,8 +58,14 @@ class LengthRule:
 
     @classmethod
     def from_json(cls, obj: Any) -> LengthRule:
-        if not isinstance(obj, dict) or not isinstance(obj.get("key"), str) or obj.get("kind") not in _KINDS:
-            raise ValueError(f"length rule {obj!r} is not {{'key': str, 'kind': one of {_KINDS}, 'pad_token_id': int}}")
+        if (
+            not isinstance(obj, dict)
+            or not isinstance(obj.get("key"), str)
+            or obj.get("kind") not in _KINDS
+        ):
+            raise ValueError(
+                f"length rule {obj!r} is not {{'key': str, 'kind': one of {_KINDS}, 'pad_token_id': int}}"
+            )
         pad = obj.get("pad_token_id", 0)
         if not is_int(pad):
             raise ValueError(f"length rule {obj!r}: pad_token_id must be an int")
@@ -85,7 +91,9 @@ class LengthRule:
             out = (t != 0).sum(1)
         else:
             real = t != self.pad_token_id
-            last = t.shape[1] - torch.flip(real, [1]).to(torch.int8).argmax(1)  # after the last real entry
+            last = t.shape[1] - torch.flip(real, [1]).to(torch.int8).argmax(
+                1
+            )  # after the last real entry
             out = torch.where(real.any(1), last, torch.zeros_like(last))
         return out.to(torch.int64).numpy()
 
@@ -110,7 +118,9 @@ def for_tensor_spec(rule: LengthRule, spec: TensorSpec) -> LengthRule:
     the key's value when it holds one number per sample, else its non-padding length."""
     if rule.kind in ("nonzero", "row"):
         return rule
-    return LengthRule(rule.key, "value" if int(np.prod(spec.shape, dtype=np.int64)) == 1 else "last_nonpad")
+    return LengthRule(
+        rule.key, "value" if int(np.prod(spec.shape, dtype=np.int64)) == 1 else "last_nonpad"
+    )
 
 
 def collator_rule(collate_fn: Any) -> LengthRule:
@@ -132,7 +142,11 @@ def recorded_rule(manifest: Mapping[str, Any]) -> LengthRule | None:
     """The rule of the lengths ``manifest`` records, or ``None`` when every shard record lacks them."""
     obj = manifest.get(LENGTH_RULE_KEY)
     recs = manifest.get("shards")
-    if obj is None or not isinstance(recs, list) or not all(isinstance(r, dict) and LENGTHS_KEY in r for r in recs):
+    if (
+        obj is None
+        or not isinstance(recs, list)
+        or not all(isinstance(r, dict) and LENGTHS_KEY in r for r in recs)
+    ):
         return None
     return LengthRule.from_json(obj)
 

@@ -126,7 +126,9 @@ class CachedDataLoader(DataLoader):
         """Samples of the current epoch the loop has received, over all replicas."""
         s = self.sampler
         if self._epoch_of_pass is None or s.epoch != self._epoch_of_pass:
-            return s.resume_offset  # no pass of this epoch yet (or set_epoch since): only the resume offset
+            return (
+                s.resume_offset
+            )  # no pass of this epoch yet (or set_epoch since): only the resume offset
         # samples per replica per batch: the loader's batch_size, or a batch sampler's own
         per_batch = int(self.batch_size or getattr(s, "batch_size", 1))
         local = min(self._batches * per_batch, (s.total_size - self._base) // s.num_replicas)
@@ -139,7 +141,9 @@ class CachedDataLoader(DataLoader):
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Continue after the saved position (call before iterating; keep ``set_epoch(saved epoch)``)."""
         if "sampler" not in state:
-            raise ValueError(f"loader state must hold 'sampler' (got keys {sorted(state)}); pass loader.state_dict()")
+            raise ValueError(
+                f"loader state must hold 'sampler' (got keys {sorted(state)}); pass loader.state_dict()"
+            )
         self.sampler.load_state_dict(state["sampler"])
         self._epoch_of_pass = None
 
@@ -163,9 +167,11 @@ def _map_tensors(batch: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
 
 
 def _read_ahead(
-    start: Callable[[Sequence[int]], Any], read: Callable[[Sequence[int]], Any],
-    batches: Iterator[Sequence[int]] | Any, collate: Callable[[Any], Any],
-) -> Iterator[Any]:  # fmt: skip
+    start: Callable[[Sequence[int]], Any],
+    read: Callable[[Sequence[int]], Any],
+    batches: Iterator[Sequence[int]] | Any,
+    collate: Callable[[Any], Any],
+) -> Iterator[Any]:
     """``collate(batch)`` for every index list of ``batches``, read ahead when the consumer leaves time for it.
 
     Each batch is read by ``read``, or, when the consumer's last time between batches
@@ -216,7 +222,9 @@ def side_file_path(cache_dir: str, rule: LengthRule) -> str:
     return os.path.join(cache_dir, f"lengths.{rule.key}{suffix}{pad}.json")
 
 
-def read_side_file(path: str, rule: LengthRule, manifest_sum: str, num_samples: int) -> np.ndarray | None:
+def read_side_file(
+    path: str, rule: LengthRule, manifest_sum: str, num_samples: int
+) -> np.ndarray | None:
     """The lengths kept in ``path`` when it is intact and belongs to this manifest and rule, else ``None``."""
     try:
         with open(path, encoding="utf-8") as f:
@@ -235,8 +243,15 @@ def read_side_file(path: str, rule: LengthRule, manifest_sum: str, num_samples: 
 
 
 def write_side_file(path: str, rule: LengthRule, manifest_sum: str, lengths: np.ndarray) -> None:
-    body = {"manifest_checksum": manifest_sum, "rule": rule.to_json(), "lengths": [int(v) for v in lengths]}
-    atomic_write_bytes(path, (json.dumps({**body, "checksum": json_crc32(body)}, sort_keys=True) + "\n").encode("ascii"))
+    body = {
+        "manifest_checksum": manifest_sum,
+        "rule": rule.to_json(),
+        "lengths": [int(v) for v in lengths],
+    }
+    atomic_write_bytes(
+        path,
+        (json.dumps({**body, "checksum": json_crc32(body)}, sort_keys=True) + "\n").encode("ascii"),
+    )
 
 
 def cache_lengths(
@@ -375,11 +390,17 @@ def build_cached_dataloader(
     if not isinstance(read_ahead, bool):
         raise ValueError(f"read_ahead={read_ahead!r} must be True or False")
     if (dp_rank is None) != (dp_size is None):
-        raise ValueError(f"pass dp_rank and dp_size together (got dp_rank={dp_rank!r}, dp_size={dp_size!r})")
+        raise ValueError(
+            f"pass dp_rank and dp_size together (got dp_rank={dp_rank!r}, dp_size={dp_size!r})"
+        )
     if dp_size is None:
         if distributed:
             found = default_data_parallel_rank_size()
-            if found is None and torch.distributed.is_available() and torch.distributed.is_initialized():
+            if (
+                found is None
+                and torch.distributed.is_available()
+                and torch.distributed.is_initialized()
+            ):
                 found = (torch.distributed.get_rank(), torch.distributed.get_world_size())
             dp_rank, dp_size = found if found is not None else (0, 1)
         else:
@@ -409,12 +430,28 @@ def build_cached_dataloader(
             rule = None if length_key is not None else collator_rule(collate_fn)
             lengths = cache_lengths(cache_dir, dataset.cache_name, length_key, rule=rule)
         sampler: CacheShardSampler | BalancedBatchSampler = BalancedBatchSampler(
-            dataset, lengths, batch_size, packer.seq_len, dp_size, dp_rank, shuffle, seed, drop_last,
-            pad_to_multiple_of=packer.pad_to_multiple_of, attn_scale=attn_scale,
+            dataset,
+            lengths,
+            batch_size,
+            packer.seq_len,
+            dp_size,
+            dp_rank,
+            shuffle,
+            seed,
+            drop_last,
+            pad_to_multiple_of=packer.pad_to_multiple_of,
+            attn_scale=attn_scale,
             rows_per_replica=rows_per_replica,
         )
     else:
-        sampler = CacheShardSampler(dataset, num_replicas=dp_size, rank=dp_rank, shuffle=shuffle, seed=seed, drop_last=drop_last)
+        sampler = CacheShardSampler(
+            dataset,
+            num_replicas=dp_size,
+            rank=dp_rank,
+            shuffle=shuffle,
+            seed=seed,
+            drop_last=drop_last,
+        )
     per_replica = sampler.total_size // dp_size
     if drop_last and 0 < len(dataset) < dp_size:
         raise ValueError(
@@ -437,14 +474,21 @@ def build_cached_dataloader(
         worker_kwargs["persistent_workers"] = persistent_workers
         if prefetch_factor is not None:
             worker_kwargs["prefetch_factor"] = prefetch_factor
-        if multiprocessing_context is None and not getattr(getattr(dataset, "storage", None), "fork_safe", True):
+        if multiprocessing_context is None and not getattr(
+            getattr(dataset, "storage", None), "fork_safe", True
+        ):
             # an object store's cache: its client's runtime does not survive fork, so workers start
             # from a fresh server process (forkserver) instead of a copy of this one
             multiprocessing_context = "forkserver"
         if multiprocessing_context is not None:
             worker_kwargs["multiprocessing_context"] = multiprocessing_context
     pin = torch.cuda.is_available() if pin_memory is None else bool(pin_memory)
-    if pin and num_workers == 0 and isinstance(dataset, CachedTensorDataset) and torch.cuda.is_available():
+    if (
+        pin
+        and num_workers == 0
+        and isinstance(dataset, CachedTensorDataset)
+        and torch.cuda.is_available()
+    ):
         dataset.pin_memory = True
     if isinstance(dataset, CachedTensorDataset) and isinstance(collate_fn, CachedThdCollator):
         # the keys the collator places token by token are read by it, only the tokens it places

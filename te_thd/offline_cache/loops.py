@@ -53,7 +53,9 @@ def _checked(batch_cache: Any, writer: WriteShardFn) -> dict[str, torch.Tensor]:
         return writer.validate(batch_cache, where="compute_batch's output")
     if not batch_cache:
         raise SchemaError("compute_batch returned an empty dict; it must return the cache tensors")
-    return validate_shard_tensors(batch_cache, tuple(batch_cache), "", 0, where="compute_batch's output")
+    return validate_shard_tensors(
+        batch_cache, tuple(batch_cache), "", 0, where="compute_batch's output"
+    )
 
 
 class ShardAccumulator:
@@ -85,8 +87,12 @@ class ShardAccumulator:
         self._chunks: list[dict[str, torch.Tensor]] = []
         self._buffered = 0
         self.shards_written: list[int] = []
-        self._streaming = total_samples is not None and isinstance(write_shard_fn, DurableShardWriter)
-        self._total = self._remaining = total_samples or 0  # streaming: samples of the run from the current shard on
+        self._streaming = total_samples is not None and isinstance(
+            write_shard_fn, DurableShardWriter
+        )
+        self._total = self._remaining = (
+            total_samples or 0
+        )  # streaming: samples of the run from the current shard on
         self._keys: set[str] | None = None  # the first batch's keys; every batch returns the same
 
     def _flush(self, max_samples: int | None = None) -> None:
@@ -112,7 +118,10 @@ class ShardAccumulator:
                 writer.queue(self._output_dir, self._shard_index, n, piece)
             path = writer.finish_shard(self._output_dir, self._shard_index)
         else:
-            shard = {k: pieces[0][k] if len(pieces) == 1 else torch.cat([p[k] for p in pieces]) for k in pieces[0]}
+            shard = {
+                k: pieces[0][k] if len(pieces) == 1 else torch.cat([p[k] for p in pieces])
+                for k in pieces[0]
+            }
             path = writer(self._output_dir, self._shard_index, shard)
         self._logger.info("Wrote %s (%d samples)", path, n)
         self.shards_written.append(self._shard_index)
@@ -131,7 +140,9 @@ class ShardAccumulator:
             return
         rows = next(iter(checked.values())).shape[0]
         if samples is not None and rows != samples:
-            first = self._shard_index * self._shard_size + self._buffered  # the batch's first sample
+            first = (
+                self._shard_index * self._shard_size + self._buffered
+            )  # the batch's first sample
             raise ValueError(
                 f"compute_batch returned {rows} row{'s' * (rows != 1)} for a batch of {samples} samples ({first}..{first + samples - 1} "
                 "of the dataset): it must return one row per sample of its batch, in order, as must the loader's "
@@ -170,7 +181,9 @@ class ShardAccumulator:
                     "loader must yield each sample of its dataset once, in order."
                 )
             take = min(rows - offset, shard_rows - self._buffered)
-            piece = batch if take == rows else {k: v[offset : offset + take] for k, v in batch.items()}
+            piece = (
+                batch if take == rows else {k: v[offset : offset + take] for k, v in batch.items()}
+            )
             writer.queue(self._output_dir, self._shard_index, shard_rows, piece)
             offset += take
             self._buffered += take
@@ -216,13 +229,17 @@ def write_cache_shards(
     cut into shards of ``shard_size`` samples numbered from ``start_shard_index``
     and written with ``write_shard_fn(output_dir, index, tensors) -> path``.
     """
-    accumulator = ShardAccumulator(output_dir, shard_size, start_shard_index, write_shard_fn, logger)
+    accumulator = ShardAccumulator(
+        output_dir, shard_size, start_shard_index, write_shard_fn, logger
+    )
     for batch in dataloader:
         accumulator.add(compute_batch(batch))
     accumulator.finalize()
 
 
-def partition_cache_shards(num_samples: int, shard_size: int, world_size: int, rank: int) -> tuple[int, int, int]:
+def partition_cache_shards(
+    num_samples: int, shard_size: int, world_size: int, rank: int
+) -> tuple[int, int, int]:
     """Assign a contiguous, shard-aligned block of samples to ``rank``:
     ``(start_shard_index, start_sample, num_local_samples)``.
 
@@ -269,8 +286,10 @@ def loader_num_samples(dataloader: DataLoader) -> int:
     """``len(dataloader.dataset)`` of a producer's loader: a DataLoader over a non-empty map-style
     dataset (shards are assigned by sample index), else one line saying what to pass."""
     if not hasattr(dataloader, "dataset"):
-        raise TypeError(f"dataloader is a {type(dataloader).__name__}, not a torch DataLoader; pass "
-                        "DataLoader(samples, batch_size=...) (its batch size and collate_fn are used)")  # fmt: skip
+        raise TypeError(
+            f"dataloader is a {type(dataloader).__name__}, not a torch DataLoader; pass "
+            "DataLoader(samples, batch_size=...) (its batch size and collate_fn are used)"
+        )
     try:
         num_samples = len(dataloader.dataset)
     except TypeError:
@@ -279,8 +298,10 @@ def loader_num_samples(dataloader: DataLoader) -> int:
             "index (got an iterable dataset)"
         ) from None
     if num_samples == 0:
-        raise ValueError("the dataloader's dataset is empty (len() == 0): there is nothing to cache; check what "
-                         "builds it (a data path, a filter that drops every sample)")  # fmt: skip
+        raise ValueError(
+            "the dataloader's dataset is empty (len() == 0): there is nothing to cache; check what "
+            "builds it (a data path, a filter that drops every sample)"
+        )
     return num_samples
 
 
@@ -315,9 +336,13 @@ def lockstep_write(
         )
     steps = 0
     for start_shard, start, n in runs:
-        accumulator = ShardAccumulator(output_dir, shard_size, start_shard, write_shard_fn, logger, total_samples=n)
+        accumulator = ShardAccumulator(
+            output_dir, shard_size, start_shard, write_shard_fn, logger, total_samples=n
+        )
         for k, batch in enumerate(sequential_subset_loader(dataloader, start, start + n)):
-            accumulator.add_batch(compute_batch(batch), min(bs, n - k * bs))  # the subset loader's batches: bs samples, the last fewer
+            accumulator.add_batch(
+                compute_batch(batch), min(bs, n - k * bs)
+            )  # the subset loader's batches: bs samples, the last fewer
             steps += 1
             if progress is not None:
                 progress.update(1)
@@ -355,14 +380,30 @@ def write_cache_shards_distributed(
     reduces the step count to the max across ranks (an all-reduce MAX); default: identity.
     """
     num_samples = len(dataloader.dataset)
-    start_shard, start_sample, n_local = partition_cache_shards(num_samples, shard_size, world_size, rank)
+    start_shard, start_sample, n_local = partition_cache_shards(
+        num_samples, shard_size, world_size, rank
+    )
     runs = [(start_shard, start_sample, n_local)] if n_local > 0 else []
     local_steps, global_steps = lockstep_write(
-        dataloader, output_dir, shard_size, runs, compute_batch, write_shard_fn, logger, sync_max_steps
+        dataloader,
+        output_dir,
+        shard_size,
+        runs,
+        compute_batch,
+        write_shard_fn,
+        logger,
+        sync_max_steps,
     )
     logger.info(
         "Rank %d/%d: samples [%d, %d) -> shards from %d (%d local samples, %d/%d steps)",
-        rank, world_size, start_sample, start_sample + n_local, start_shard, n_local, local_steps, global_steps,
+        rank,
+        world_size,
+        start_sample,
+        start_sample + n_local,
+        start_shard,
+        n_local,
+        local_steps,
+        global_steps,
     )
 
 
@@ -420,7 +461,12 @@ def sequential_subset_loader(dataloader: DataLoader, start: int, end: int) -> Da
     ``prefetch_factor`` (when not torch's default) and ``timeout``.
     """
     dataset: Dataset = dataloader.dataset
-    return _loader_class()(Subset(dataset, range(start, end)), shuffle=False, drop_last=False, **_loader_kwargs(dataloader))
+    return _loader_class()(
+        Subset(dataset, range(start, end)),
+        shuffle=False,
+        drop_last=False,
+        **_loader_kwargs(dataloader),
+    )
 
 
 def dataloader_from_sample(dataloader: DataLoader, start_sample: int) -> DataLoader:

@@ -52,8 +52,17 @@ LAYOUT_VERSION = SHARD_LAYOUT
 MANIFEST_CHECKSUM_KEY = "manifest_checksum"
 #: Manifest keys te_thd writes itself; producer options may not use them.
 RESERVED_MANIFEST_KEYS = frozenset(
-    {"format_version", "num_samples", "shard_size", "layout_version", "schema", "shards", LENGTH_RULE_KEY,
-     TOKEN_LAYOUT_KEY, MANIFEST_CHECKSUM_KEY}
+    {
+        "format_version",
+        "num_samples",
+        "shard_size",
+        "layout_version",
+        "schema",
+        "shards",
+        LENGTH_RULE_KEY,
+        TOKEN_LAYOUT_KEY,
+        MANIFEST_CHECKSUM_KEY,
+    }
 )
 
 
@@ -68,7 +77,9 @@ def existing_shard_indices(cache_dir: str) -> set[int]:
     Only names matching :data:`SHARD_RE` count; temp files, the lock and any
     foreign file are ignored.
     """
-    return {int(m.group(1)) for name in open_storage(cache_dir).list() if (m := SHARD_RE.match(name))}
+    return {
+        int(m.group(1)) for name in open_storage(cache_dir).list() if (m := SHARD_RE.match(name))
+    }
 
 
 def stored_format_version(version: int, tagged: bool) -> int | str:
@@ -81,12 +92,21 @@ def check_format_version_arg(value: Any) -> None:
     digit string or the manifest's tagged spelling (``"1+tokens"``) never equals the recorded int."""
     version, tagged = parse_format_version(value)
     if tagged:
-        raise ValueError(f"format_version={value!r} is how manifest.json records version {version} of a cache with "
-                         f"ragged token keys: pass format_version={version}")  # fmt: skip
+        raise ValueError(
+            f"format_version={value!r} is how manifest.json records version {version} of a cache with "
+            f"ragged token keys: pass format_version={version}"
+        )
     if isinstance(value, str) and value.strip().isdigit():
-        raise ValueError(f"format_version={value!r} is a str, but the version is an int (the types differ, so it never "
-                         f"matches): pass format_version={int(value)}")  # fmt: skip
-    check_int("format_version", value, numpy_ints=True, meaning=": the version of what the cached tensors mean, e.g. 1")
+        raise ValueError(
+            f"format_version={value!r} is a str, but the version is an int (the types differ, so it never "
+            f"matches): pass format_version={int(value)}"
+        )
+    check_int(
+        "format_version",
+        value,
+        numpy_ints=True,
+        meaning=": the version of what the cached tensors mean, e.g. 1",
+    )
 
 
 def parse_format_version(value: Any) -> tuple[Any, bool]:
@@ -127,18 +147,25 @@ def validate_manifest(manifest: Mapping[str, Any], path: str, producer: str | No
                 + rebuild_manifest_hint(path)
             )
         if not is_int(manifest[key], minimum):
-            raise _damaged(path, f"manifest {path} has {key}={manifest[key]!r}; it must be an int >= {minimum}")
+            raise _damaged(
+                path, f"manifest {path} has {key}={manifest[key]!r}; it must be an int >= {minimum}"
+            )
     n = num_shards(manifest["num_samples"], manifest["shard_size"])
     if n > MAX_SHARDS:
-        raise ManifestError(f"manifest {path} declares {n} shards; at most {MAX_SHARDS} are addressable")
+        raise ManifestError(
+            f"manifest {path} declares {n} shards; at most {MAX_SHARDS} are addressable"
+        )
     if "schema" in manifest and not (manifest["schema"] == {} and manifest["num_samples"] == 0):
         _parsed(manifest, "schema", schema_from_json, path)
     if "shards" in manifest:
         shards = manifest["shards"]
         if not isinstance(shards, list) or len(shards) != n:
             got = len(shards) if isinstance(shards, list) else type(shards).__name__
-            raise _damaged(path, f"manifest {path} lists {got} shard records but num_samples="
-                           f"{manifest['num_samples']} / shard_size={manifest['shard_size']} means {n}")  # fmt: skip
+            raise _damaged(
+                path,
+                f"manifest {path} lists {got} shard records but num_samples="
+                f"{manifest['num_samples']} / shard_size={manifest['shard_size']} means {n}",
+            )
         for i, rec in enumerate(shards):
             name = shard_name(i)
             ok = (
@@ -149,9 +176,14 @@ def validate_manifest(manifest: Mapping[str, Any], path: str, producer: str | No
                 and ":" in rec["checksum"]
             )
             if not ok:
-                raise _damaged(path, f"manifest {path}: shard record {i} is {rec!r}, expected "
-                               f"{{'file': {name!r}, 'bytes': int, 'checksum': '<algorithm>:<hex>'}}")  # fmt: skip
-            bad = check_lengths_record(rec, shard_rows(i, manifest["num_samples"], manifest["shard_size"]))
+                raise _damaged(
+                    path,
+                    f"manifest {path}: shard record {i} is {rec!r}, expected "
+                    f"{{'file': {name!r}, 'bytes': int, 'checksum': '<algorithm>:<hex>'}}",
+                )
+            bad = check_lengths_record(
+                rec, shard_rows(i, manifest["num_samples"], manifest["shard_size"])
+            )
             if bad is not None:
                 raise _damaged(path, f"manifest {path}: shard record {i}: {bad}")
     if LENGTH_RULE_KEY in manifest:
@@ -160,8 +192,11 @@ def validate_manifest(manifest: Mapping[str, Any], path: str, producer: str | No
         layout = _parsed(manifest, TOKEN_LAYOUT_KEY, TokenLayout.from_json, path)
         schema = manifest.get("schema") or {}
         if LENGTH_RULE_KEY not in manifest or not set(layout.keys) <= set(schema):
-            raise _damaged(path, f"manifest {path}: {TOKEN_LAYOUT_KEY!r} needs a 'length_rule' and its keys "
-                           f"{list(layout.keys)} in the 'schema'")  # fmt: skip
+            raise _damaged(
+                path,
+                f"manifest {path}: {TOKEN_LAYOUT_KEY!r} needs a 'length_rule' and its keys "
+                f"{list(layout.keys)} in the 'schema'",
+            )
 
 
 def manifest_checksum(manifest: Mapping[str, Any]) -> str:
@@ -223,9 +258,17 @@ def _read_checked_manifest(cache_dir: str, cache_name: str, producer: str | None
     raw = storage.get(MANIFEST_NAME)
     if raw is None:
         names = storage.list()
-        if not any(SHARD_RE.match(n) or TEMP_RE.match(n) or (n.startswith(".te_thd-") and n != LOCK_NAME) for n in names):
-            raise ManifestNotFoundError(f"cache_dir={cache_dir!r} holds no manifest.json and no shards: it is not a te_thd cache; check the path")
-        raise lost_manifest(path, storage.name, cache_name, sum(1 for n in names if SHARD_RE.match(n)), producer)
+        if not any(
+            SHARD_RE.match(n) or TEMP_RE.match(n) or (n.startswith(".te_thd-") and n != LOCK_NAME)
+            for n in names
+        ):
+            raise ManifestNotFoundError(
+                f"{cache_name} cache manifest not found: cache_dir={cache_dir!r} holds no "
+                "manifest.json and no shards: it is not a te_thd cache; check the path"
+            )
+        raise lost_manifest(
+            path, storage.name, cache_name, sum(1 for n in names if SHARD_RE.match(n)), producer
+        )
     try:
         manifest = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -248,8 +291,11 @@ def _read_checked_manifest(cache_dir: str, cache_name: str, producer: str | None
         )
     version, tagged = parse_format_version(manifest["format_version"])
     if tagged != (TOKEN_LAYOUT_KEY in manifest):
-        raise _damaged(path, f"{cache_name} cache manifest {path} has format_version={manifest['format_version']!r} "
-                       f"{'without' if tagged else 'with'} a {TOKEN_LAYOUT_KEY!r} field; a ragged cache records both")  # fmt: skip
+        raise _damaged(
+            path,
+            f"{cache_name} cache manifest {path} has format_version={manifest['format_version']!r} "
+            f"{'without' if tagged else 'with'} a {TOKEN_LAYOUT_KEY!r} field; a ragged cache records both",
+        )
     manifest["format_version"] = version  # the caller's version; the layout is in token_layout
     return manifest
 
@@ -320,7 +366,10 @@ def read_manifest(
     ``manifest_checksum`` (it describes the file, not the cache; :func:`write_manifest` recomputes it).
     """
     check_format_version_arg(format_version)
-    path, manifest = manifest_path(cache_dir), _read_checked_manifest(cache_dir, cache_name, producer_name)
+    path, manifest = (
+        manifest_path(cache_dir),
+        _read_checked_manifest(cache_dir, cache_name, producer_name),
+    )
     version = manifest["format_version"]
     # Checked before the layout: a wrong version is the more useful message when both are wrong.
     if isinstance(version, bool) or version != format_version:
@@ -385,7 +434,9 @@ def ensure_supervision_options_match(
 PRODUCER_KEY, PRODUCER_ARGS_KEY, CACHE_DIR_ARG = "producer", "producer_args", "{cache_dir}"
 
 
-def producer_command(cache_dir: str, manifest: Mapping[str, Any], producer: str | None = None) -> str:
+def producer_command(
+    cache_dir: str, manifest: Mapping[str, Any], producer: str | None = None
+) -> str:
     """What re-runs the producer of ``manifest``'s cache into ``cache_dir``, as every hint names it:
     ``producer`` (the caller's); else the command the cache records in its ``producer`` and
     ``producer_args`` options (the example's does), in backticks, run by this interpreter
@@ -398,7 +449,11 @@ def producer_command(cache_dir: str, manifest: Mapping[str, Any], producer: str 
         return producer_hint(producer)
     if not (isinstance(args, list) and all(isinstance(a, str) for a in args)):
         return f"{recorded} (the producer this cache records) with the arguments that built it"
-    argv = [sys.executable, checkout_file(recorded), *(cache_dir if a == CACHE_DIR_ARG else a for a in args)]
+    argv = [
+        sys.executable,
+        checkout_file(recorded),
+        *(cache_dir if a == CACHE_DIR_ARG else a for a in args),
+    ]
     return f"`{shlex.join(argv)}`"
 
 
@@ -415,7 +470,9 @@ def manifest_schema(manifest: Mapping[str, Any]) -> CacheSchema | None:
     return {} if manifest["schema"] == {} else schema_from_json(manifest["schema"])
 
 
-def cache_schema(cache_dir: str, manifest: Mapping[str, Any], *, strict: bool = False) -> CacheSchema | None:
+def cache_schema(
+    cache_dir: str, manifest: Mapping[str, Any], *, strict: bool = False
+) -> CacheSchema | None:
     """The cache's key schema: the manifest's, else (a reference manifest records none) shard 0's.
 
     ``{}`` for an empty cache. Without a manifest schema and with shard 0 missing or its header

@@ -54,7 +54,14 @@ class MSCPrefix(S3Prefix):
     """The cache at ``msc://profile/prefix`` (``prefix`` without leading or trailing slashes, relative to the
     profile's ``base_path``). ``read_cache_dir`` / ``read_cache_bytes``: as :class:`S3Prefix`'s."""
 
-    def __init__(self, scheme: str, profile: str, prefix: str, read_cache_dir: str | None = None, read_cache_bytes: int | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        scheme: str,
+        profile: str,
+        prefix: str,
+        read_cache_dir: str | None = None,
+        read_cache_bytes: int | None = None,
+    ) -> None:
         super().__init__(scheme, profile, prefix, read_cache_dir, read_cache_bytes)
         self.profile = profile
         self.config = {}  # the client's settings are MSC's own, read from the file below
@@ -76,7 +83,9 @@ class MSCPrefix(S3Prefix):
             msc = _msc()
             paths = [self.config_file] if self.config_file else None
             try:
-                conf = msc.StorageClientConfig.from_file(config_file_paths=paths, profile=self.profile)
+                conf = msc.StorageClientConfig.from_file(
+                    config_file_paths=paths, profile=self.profile
+                )
                 _CLIENTS[key] = msc.StorageClient(conf), conf.storage_provider
             except Exception as exc:  # MSC reports every configuration problem as its own error
                 raise storage.StorageError(f"{self.name}: {self.profile_problem(exc)}") from exc
@@ -87,21 +96,29 @@ class MSCPrefix(S3Prefix):
         named = os.environ.get("MSC_CONFIG")
         if re.search(r"Profile .* not found in configuration", str(exc)):
             if named and not os.path.isfile(named):
-                return (f"MSC_CONFIG={named} names no file; point MSC_CONFIG at the MSC config file that defines "
-                        f"profile {self.profile!r}")  # fmt: skip
-            return (f"MSC profile {self.profile!r} is not defined {self.where()}; add it under `profiles:` there, or "
-                    "set MSC_CONFIG to the MSC config file that defines it")  # fmt: skip
+                return (
+                    f"MSC_CONFIG={named} names no file; point MSC_CONFIG at the MSC config file that defines "
+                    f"profile {self.profile!r}"
+                )
+            return (
+                f"MSC profile {self.profile!r} is not defined {self.where()}; add it under `profiles:` there, or "
+                "set MSC_CONFIG to the MSC config file that defines it"
+            )
         return f"MSC cannot make a client of profile {self.profile!r} {self.where()}: {str(exc).splitlines()[0]}; fix the profile"
 
     def where(self) -> str:
         """Where the profile is defined, and its provider's endpoint and base path, as messages say it."""
         try:
-            conf, path = _msc().StorageClientConfig.read_msc_config([self.config_file] if self.config_file else None)
+            conf, path = _msc().StorageClientConfig.read_msc_config(
+                [self.config_file] if self.config_file else None
+            )
         except Exception:  # noqa: BLE001 - a malformed file: the caller's message names MSC's own error
             return "in the MSC config file"
         if path is None:
             return "in any MSC config file (MSC_CONFIG is not set, and none of MSC's default files such as ~/.msc_config.yaml exists)"
-        provider = ((conf or {}).get("profiles", {}).get(self.profile) or {}).get("storage_provider") or {}
+        provider = ((conf or {}).get("profiles", {}).get(self.profile) or {}).get(
+            "storage_provider"
+        ) or {}
         opts = provider.get("options") or {}
         shown = ", ".join(f"{k} {opts[k]}" for k in ("endpoint_url", "base_path") if opts.get(k))
         return f"in {path}" + (f" (type {provider.get('type')}, {shown})" if provider else "")
@@ -109,24 +126,43 @@ class MSCPrefix(S3Prefix):
     def store_error(self, exc: BaseException) -> storage.StorageError | None:
         """The one line for an MSC error that every request would meet; None for one about one object."""
         # MSC raises its own errors from the client's (a missing bucket's GET: a FileNotFoundError from NoSuchBucket)
-        text = " ".join(f"{type(e).__name__}: {e}" for e in (exc, exc.__cause__, exc.__context__) if e is not None)
+        text = " ".join(
+            f"{type(e).__name__}: {e}"
+            for e in (exc, exc.__cause__, exc.__context__)
+            if e is not None
+        )
         if "NoSuchBucket" in text:
-            why = ("the profile's bucket does not exist {}; te_thd never creates buckets: create it first, or check "
-                   "the profile's base_path and endpoint_url")  # fmt: skip
-        elif isinstance(exc, PermissionError) or re.search(r"AccessDenied|InvalidAccessKeyId|SignatureDoesNotMatch", text):
-            why = ("access denied {}; check the profile's credentials_provider, and that its keys may read and "
-                   "write the profile's base_path")  # fmt: skip
-        elif re.search(r"Could not connect|EndpointConnectionError|ConnectTimeout|Connection refused|timed out|network timeout", text):
+            why = (
+                "the profile's bucket does not exist {}; te_thd never creates buckets: create it first, or check "
+                "the profile's base_path and endpoint_url"
+            )
+        elif isinstance(exc, PermissionError) or re.search(
+            r"AccessDenied|InvalidAccessKeyId|SignatureDoesNotMatch", text
+        ):
+            why = (
+                "access denied {}; check the profile's credentials_provider, and that its keys may read and "
+                "write the profile's base_path"
+            )
+        elif re.search(
+            r"Could not connect|EndpointConnectionError|ConnectTimeout|Connection refused|timed out|network timeout",
+            text,
+        ):
             why = "no answer from the object store {}; check that the server runs and the profile's endpoint_url"
         else:
             return None
-        return storage.StorageError(f"{self.name}: " + why.format(f"(MSC profile {self.profile!r} {self.where()})"))
+        return storage.StorageError(
+            f"{self.name}: " + why.format(f"(MSC profile {self.profile!r} {self.where()})")
+        )
 
     def list(self) -> dict[str, int]:
         prefix, cli = self.prefix + "/" if self.prefix else "", self.client()[0]
         with self.calls():  # one level: the objects set aside below it are not listed
             metas = list(cli.list(prefix, include_directories=True))
-        return {m.key[len(prefix) :]: int(m.content_length) for m in metas if m.type == "file" and "/" not in m.key[len(prefix) :]}
+        return {
+            m.key[len(prefix) :]: int(m.content_length)
+            for m in metas
+            if m.type == "file" and "/" not in m.key[len(prefix) :]
+        }
 
     def get(self, obj: str) -> bytes | None:
         cli = self.client()[0]
@@ -140,7 +176,12 @@ class MSCPrefix(S3Prefix):
         """Bytes ``[start, end)`` of ``obj`` for each range, read concurrently (MSC reads one range a request)."""
         cli, key, rng = self.client()[0], self.key(obj), _msc().types.Range
         with self.calls(), ThreadPoolExecutor(min(RANGE_THREADS, max(len(ranges), 1))) as pool:
-            return [bytes(b) for b in pool.map(lambda r: cli.read(key, byte_range=rng(r[0], r[1] - r[0])), ranges)]
+            return [
+                bytes(b)
+                for b in pool.map(
+                    lambda r: cli.read(key, byte_range=rng(r[0], r[1] - r[0])), ranges
+                )
+            ]
 
     def put(self, obj: str, data: bytes, *, create: bool = False) -> str:
         """Also ``create``: only if it does not exist (see the module docstring); then ``""`` when it did."""
@@ -177,4 +218,3 @@ class MSCPrefix(S3Prefix):
                 cli.copy(self.key(obj), self.key(f"{into}/{obj}"))
             self.delete(obj)
         return self.display(into) if objs else None
-

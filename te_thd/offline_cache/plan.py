@@ -92,8 +92,14 @@ class LayoutCost:
         return self.total_bytes / self.num_samples if self.num_samples else 0.0
 
     def to_json(self) -> dict[str, Any]:
-        return {"layout": self.name, "codecs": dict(self.codecs), "bytes_per_sample": self.bytes_per_sample,
-                "total_bytes": self.total_bytes, "num_shards": self.num_shards, "cp_rank_bytes": list(self.rank_bytes)}  # fmt: skip
+        return {
+            "layout": self.name,
+            "codecs": dict(self.codecs),
+            "bytes_per_sample": self.bytes_per_sample,
+            "total_bytes": self.total_bytes,
+            "num_shards": self.num_shards,
+            "cp_rank_bytes": list(self.rank_bytes),
+        }
 
 
 def parse_key(text: str, max_len: int) -> tuple[str, TensorSpec]:
@@ -105,7 +111,9 @@ def parse_key(text: str, max_len: int) -> tuple[str, TensorSpec]:
         if not (eq and name) or "@" in name:
             raise ValueError("no NAME=")
         dtype = dtype_from_name(dtype_text)
-        shape = tuple(max_len if d.strip() == "L" else int(d) for d in shape_text.split(",") if d.strip())
+        shape = tuple(
+            max_len if d.strip() == "L" else int(d) for d in shape_text.split(",") if d.strip()
+        )
         if any(d < 0 for d in shape):
             raise ValueError("negative size")
     except ValueError:
@@ -125,10 +133,14 @@ def read_lengths(text: str, where: str) -> np.ndarray:
         if not s or s.startswith("#"):
             continue
         if not s.isdigit():
-            raise ValueError(f"{where}:{n} holds {s[:40]!r}, not a length; write one integer >= 0 per line")
+            raise ValueError(
+                f"{where}:{n} holds {s[:40]!r}, not a length; write one integer >= 0 per line"
+            )
         out.append(int(s))
     if not out:
-        raise ValueError(f"{where} holds no lengths; write one integer >= 0 per line, one line per sample")
+        raise ValueError(
+            f"{where} holds no lengths; write one integer >= 0 per line, one line per sample"
+        )
     return np.asarray(out, dtype=np.int64)
 
 
@@ -138,9 +150,11 @@ def check_lengths(lengths: np.ndarray, spec: CacheSpec, flag: str = "lengths") -
     width = max(widths) if widths else 0
     if widths and lengths.size and int(lengths.max()) > width:
         i = int(np.argmax(lengths))
-        raise ValueError(f"{flag}: sample {i} has length {int(lengths[i])}, longer than L={width} of the token keys; "
-                         f"raise the padded length (te-thd cache plan --max-len) to at least {int(lengths.max())}, or "
-                         "truncate the samples")  # fmt: skip
+        raise ValueError(
+            f"{flag}: sample {i} has length {int(lengths[i])}, longer than L={width} of the token keys; "
+            f"raise the padded length (te-thd cache plan --max-len) to at least {int(lengths.max())}, or "
+            "truncate the samples"
+        )
     return width
 
 
@@ -151,7 +165,11 @@ def layouts(spec: CacheSpec) -> list[tuple[str, TokenLayout | None]]:
     if not spec.token_keys:
         return out
     out.append(("ragged", check_token_keys(spec.token_keys, None, keys)))
-    allowed = spec.token_keys if spec.codec_keys is None else [k for k in spec.token_keys if k in spec.codec_keys]
+    allowed = (
+        spec.token_keys
+        if spec.codec_keys is None
+        else [k for k in spec.token_keys if k in spec.codec_keys]
+    )
     for name in CODECS:
         codec = full_name(name, spec.vocab_size)
         if codec is None:
@@ -168,20 +186,34 @@ def layouts(spec: CacheSpec) -> list[tuple[str, TokenLayout | None]]:
     return out
 
 
-def header_bytes(spec: CacheSpec, layout: TokenLayout | None, rows: int, run: Mapping[str, Any],
-                 rule: LengthRule | None) -> int:  # fmt: skip
+def header_bytes(
+    spec: CacheSpec,
+    layout: TokenLayout | None,
+    rows: int,
+    run: Mapping[str, Any],
+    rule: LengthRule | None,
+) -> int:
     """Bytes of the header of a shard of ``rows`` samples, as its writer builds it."""
     return shard_header_len(spec.schema, rows, run, layout, rule)
 
 
-def shard_bytes(spec: CacheSpec, layout: TokenLayout | None, lengths: np.ndarray, run: Mapping[str, Any],
-                rule: LengthRule | None) -> int:  # fmt: skip
+def shard_bytes(
+    spec: CacheSpec,
+    layout: TokenLayout | None,
+    lengths: np.ndarray,
+    run: Mapping[str, Any],
+    rule: LengthRule | None,
+) -> int:
     """Bytes of the shard holding samples of ``lengths`` (int64 ``[rows]``), as its writer lays it out."""
     rows = int(lengths.size)
     total = header_bytes(spec, layout, rows, run, rule)
     if layout is None:
         return total + sum(tensor_nbytes(s.dtype, (rows, *s.shape)) for s in spec.schema.values())
-    total += sum(tensor_nbytes(s.dtype, (rows, *s.shape)) for k, s in spec.schema.items() if k not in layout.keys)
+    total += sum(
+        tensor_nbytes(s.dtype, (rows, *s.shape))
+        for k, s in spec.schema.items()
+        if k not in layout.keys
+    )
     offsets = row_offsets(lengths)
     for s in layout.stored(spec.schema):
         total += tensor_nbytes(s.dtype, (int(offsets[-1]), *s.shape))
@@ -199,18 +231,28 @@ def cp_spans(lengths: np.ndarray, cp: int, pack_seq_len: int | None, batch_size:
         return padded
     check_int("batch_size", batch_size, 1, meaning=" (samples per training batch)")
     if pack_seq_len % multiple or (padded.size and int(padded.max()) > pack_seq_len):
-        raise ValueError(f"pack_seq_len={pack_seq_len} must be a multiple of 2*cp={multiple} and hold the longest "
-                         f"sample padded to it ({int(padded.max())}); pass a multiple of {multiple} of at least "
-                         f"{int(padded.max())}")  # fmt: skip
+        raise ValueError(
+            f"pack_seq_len={pack_seq_len} must be a multiple of 2*cp={multiple} and hold the longest "
+            f"sample padded to it ({int(padded.max())}); pass a multiple of {multiple} of at least "
+            f"{int(padded.max())}"
+        )
     out = np.empty_like(lengths)
     for a in range(0, lengths.size, batch_size):
-        out[a : a + batch_size] = document_spans(lengths[a : a + batch_size], pack_seq_len, multiple)
+        out[a : a + batch_size] = document_spans(
+            lengths[a : a + batch_size], pack_seq_len, multiple
+        )
     return out
 
 
 def cp_tokens_read(
-    lengths: np.ndarray, spans: np.ndarray, groups: np.ndarray, cp: int, rank: int, block_tokens: int, gap_tokens: int
-) -> int:  # fmt: skip
+    lengths: np.ndarray,
+    spans: np.ndarray,
+    groups: np.ndarray,
+    cp: int,
+    rank: int,
+    block_tokens: int,
+    gap_tokens: int,
+) -> int:
     """Tokens the reader fetches for CP rank ``rank`` of one stored tensor (blocks of ``block_tokens``,
     gaps up to ``gap_tokens`` read through) of samples ``lengths`` (int64 ``[n]``; ``spans``: their
     :func:`cp_spans`). ``groups`` (int64 ``[n]``, non-decreasing): the samples read together, one
@@ -220,7 +262,9 @@ def cp_tokens_read(
     while start < lengths.size:
         stop = start + 1
         budget = int(lengths[start])
-        while stop < lengths.size and (groups[stop] == groups[stop - 1] or budget + int(lengths[stop]) <= _CHUNK_TOKENS):
+        while stop < lengths.size and (
+            groups[stop] == groups[stop - 1] or budget + int(lengths[stop]) <= _CHUNK_TOKENS
+        ):
             budget += int(lengths[stop])
             stop += 1
         lens = lengths[start:stop]
@@ -236,25 +280,40 @@ def cp_tokens_read(
         spaced = np.full(int(rows[-1]) + 1, gap_tokens + 1, dtype=np.int64)
         spaced[rows] = lens
         offsets = row_offsets(spaced)
-        total += plan_token_reads(block_table(offsets, block_tokens), offsets, rows[doc], pos, gap_tokens).tokens
+        total += plan_token_reads(
+            block_table(offsets, block_tokens), offsets, rows[doc], pos, gap_tokens
+        ).tokens
         start = stop
     return total
 
 
-def rank_bytes(spec: CacheSpec, layout: TokenLayout | None, lengths: np.ndarray, headers: int, total: int) -> tuple[int, ...]:
+def rank_bytes(
+    spec: CacheSpec, layout: TokenLayout | None, lengths: np.ndarray, headers: int, total: int
+) -> tuple[int, ...]:
     """Each CP rank's bytes fetched in one epoch over every sample (``headers``: every shard's header
     bytes, ``total``: the shards' bytes)."""
     if layout is None or spec.cp == 1:
         return (total,) * spec.cp  # every key's rows, or every token, on every rank
     whole = {spec.input_key, spec.length_key or ""}
-    fixed = sum(tensor_nbytes(s.dtype, (lengths.size, *s.shape)) for k, s in spec.schema.items() if k not in layout.keys)
+    fixed = sum(
+        tensor_nbytes(s.dtype, (lengths.size, *s.shape))
+        for k, s in spec.schema.items()
+        if k not in layout.keys
+    )
     common = headers + fixed
     shared: list[tuple[int, int, int]] = []  # (token bytes, block tokens, gap tokens) read per rank
     tokens = int(lengths.sum())
     sums = 0
     for s in layout.stored(spec.schema):
-        sums += tensor_nbytes(torch.uint64, (sum(block_table(row_offsets(lengths[a:b]), s.block_tokens).blocks
-                                                  for a, b in _shards(lengths.size, spec.shard_size)),))  # fmt: skip
+        sums += tensor_nbytes(
+            torch.uint64,
+            (
+                sum(
+                    block_table(row_offsets(lengths[a:b]), s.block_tokens).blocks
+                    for a, b in _shards(lengths.size, spec.shard_size)
+                ),
+            ),
+        )
         if s.key in whole:
             common += tokens * s.token_bytes
         else:
@@ -267,7 +326,10 @@ def rank_bytes(spec: CacheSpec, layout: TokenLayout | None, lengths: np.ndarray,
     for rank in range(spec.cp):
         got = common
         for token_bytes, block_tokens, gap in shared:
-            got += cp_tokens_read(lengths, spans, groups, spec.cp, rank, block_tokens, gap) * token_bytes
+            got += (
+                cp_tokens_read(lengths, spans, groups, spec.cp, rank, block_tokens, gap)
+                * token_bytes
+            )
         out.append(got)
     return tuple(out)
 
@@ -275,7 +337,10 @@ def rank_bytes(spec: CacheSpec, layout: TokenLayout | None, lengths: np.ndarray,
 def _shards(num_samples: int, shard_size: int) -> list[tuple[int, int]]:
     """``[(first sample, end)]`` of every shard."""
     count, _ = shard_layout(num_samples, shard_size)
-    return [(i * shard_size, i * shard_size + shard_rows(i, num_samples, shard_size)) for i in range(count)]
+    return [
+        (i * shard_size, i * shard_size + shard_rows(i, num_samples, shard_size))
+        for i in range(count)
+    ]
 
 
 def plan_cache(lengths: Sequence[int] | np.ndarray, spec: CacheSpec) -> list[LayoutCost]:
@@ -290,14 +355,26 @@ def plan_cache(lengths: Sequence[int] | np.ndarray, spec: CacheSpec) -> list[Lay
     out = []
     for name, layout in layouts(spec):
         if layout is not None and rule is None:
-            raise ValueError("a ragged cache needs each sample's length: pass length_key (a stored key) or store input_ids")
-        params = run_params(spec.format_version, int(lengths.size), spec.shard_size, keys, spec.options, layout)
+            raise ValueError(
+                "a ragged cache needs each sample's length: pass length_key (a stored key) or store input_ids"
+            )
+        params = run_params(
+            spec.format_version, int(lengths.size), spec.shard_size, keys, spec.options, layout
+        )
         run = run_record(params, rule)
         sizes = [shard_bytes(spec, layout, lengths[a:b], run, shard_rule) for a, b in shards]
         headers = sum(header_bytes(spec, layout, b - a, run, shard_rule) for a, b in shards)
         total = sum(sizes)
-        out.append(LayoutCost(name, dict(layout.codecs) if layout else {}, int(lengths.size), total, len(shards),
-                              rank_bytes(spec, layout, lengths, headers, total)))  # fmt: skip
+        out.append(
+            LayoutCost(
+                name,
+                dict(layout.codecs) if layout else {},
+                int(lengths.size),
+                total,
+                len(shards),
+                rank_bytes(spec, layout, lengths, headers, total),
+            )
+        )
     return out
 
 
@@ -314,10 +391,14 @@ def human_bytes(n: float) -> str:
 def plan_json(costs: Sequence[LayoutCost], spec: CacheSpec, lengths: np.ndarray) -> dict[str, Any]:
     """What ``te-thd cache plan --json`` prints: the inputs and every layout's figures."""
     return {
-        "num_samples": int(lengths.size), "real_tokens": int(lengths.sum()), "shard_size": spec.shard_size, "cp": spec.cp,
-        "schema": {k: s.to_json() for k, s in spec.schema.items()}, "token_keys": list(spec.token_keys),
+        "num_samples": int(lengths.size),
+        "real_tokens": int(lengths.sum()),
+        "shard_size": spec.shard_size,
+        "cp": spec.cp,
+        "schema": {k: s.to_json() for k, s in spec.schema.items()},
+        "token_keys": list(spec.token_keys),
         "layouts": [c.to_json() for c in costs],
-    }  # fmt: skip
+    }
 
 
 def format_plan(costs: Sequence[LayoutCost], spec: CacheSpec, lengths: np.ndarray) -> str:
@@ -325,15 +406,25 @@ def format_plan(costs: Sequence[LayoutCost], spec: CacheSpec, lengths: np.ndarra
     head = [
         f"samples: {lengths.size}, real tokens: {int(lengths.sum())} (mean length {lengths.mean() if lengths.size else 0:.1f}, "
         f"L = {check_lengths(lengths, spec)}), shard_size {spec.shard_size}, cp {spec.cp}",
-        "keys: " + ", ".join(f"{k} {dtype_name(s.dtype)}{list(s.shape)}" + (" (token key)" if k in spec.token_keys else "")
-                             for k, s in spec.schema.items()),  # fmt: skip
+        "keys: "
+        + ", ".join(
+            f"{k} {dtype_name(s.dtype)}{list(s.shape)}"
+            + (" (token key)" if k in spec.token_keys else "")
+            for k, s in spec.schema.items()
+        ),
     ]
     rows: list[tuple[str, list[str]]] = [
         ("bytes per sample", [human_bytes(c.bytes_per_sample) for c in costs]),
         ("total (shards)", [human_bytes(c.total_bytes) for c in costs]),
         ("", [f"{c.total_bytes} B" for c in costs]),
         ("shards", [str(c.num_shards) for c in costs]),
-        ("vs padded", [f"{c.total_bytes / costs[0].total_bytes:.3f}x" if costs[0].total_bytes else "-" for c in costs]),
+        (
+            "vs padded",
+            [
+                f"{c.total_bytes / costs[0].total_bytes:.3f}x" if costs[0].total_bytes else "-"
+                for c in costs
+            ],
+        ),
     ]
     for r in range(spec.cp):
         rows.append((f"CP rank {r} reads/epoch", [human_bytes(c.rank_bytes[r]) for c in costs]))
@@ -341,12 +432,19 @@ def format_plan(costs: Sequence[LayoutCost], spec: CacheSpec, lengths: np.ndarra
     label = max(len(n) for n, _ in rows)
     lines = [*head, "", " " * label + "".join(f"  {c.name:>{width}}" for c in costs)]
     lines += [f"{n:<{label}}" + "".join(f"  {v:>{width}}" for v in vals) for n, vals in rows]
-    codecs = [f"{c.name}: " + ", ".join(f"{k} as {v}" for k, v in c.codecs.items()) for c in costs if c.codecs]
+    codecs = [
+        f"{c.name}: " + ", ".join(f"{k} as {v}" for k, v in c.codecs.items())
+        for c in costs
+        if c.codecs
+    ]
     if codecs:
         lines += ["", *codecs]
-    lines += ["", "Shard bytes only (the manifest adds about a hundred bytes per shard and 4-8 per sample). "
-              "CP rank bytes: one epoch of every sample through CachedThdCollator(cp_size, cp_rank); divide by the "
-              "data-parallel replicas for one replica's share."]  # fmt: skip
+    lines += [
+        "",
+        "Shard bytes only (the manifest adds about a hundred bytes per shard and 4-8 per sample). "
+        "CP rank bytes: one epoch of every sample through CachedThdCollator(cp_size, cp_rank); divide by the "
+        "data-parallel replicas for one replica's share.",
+    ]
     return "\n".join(lines)
 
 
@@ -356,6 +454,19 @@ def default_token_keys(schema: Mapping[str, TensorSpec], max_len: int) -> tuple[
 
 
 __all__ = [
-    "CacheSpec", "LayoutCost", "check_lengths", "cp_spans", "cp_tokens_read", "default_token_keys", "format_plan",
-    "human_bytes", "layouts", "parse_key", "plan_cache", "plan_json", "rank_bytes", "read_lengths", "shard_bytes",
-]  # fmt: skip
+    "CacheSpec",
+    "LayoutCost",
+    "check_lengths",
+    "cp_spans",
+    "cp_tokens_read",
+    "default_token_keys",
+    "format_plan",
+    "human_bytes",
+    "layouts",
+    "parse_key",
+    "plan_cache",
+    "plan_json",
+    "rank_bytes",
+    "read_lengths",
+    "shard_bytes",
+]

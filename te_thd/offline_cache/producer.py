@@ -90,7 +90,11 @@ class ProducerComm:
         self.distributed = world_size > 1
         if self.distributed:
             backend = dist.get_backend(group)
-            self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+            self.device = (
+                torch.device("cuda", torch.cuda.current_device())
+                if backend == "nccl"
+                else torch.device("cpu")
+            )
             self.src = dist.get_global_rank(group, 0) if group is not None else 0
 
     def broadcast(self, obj: Any) -> Any:
@@ -137,7 +141,9 @@ def resolve_ranks(rank: int | None, world_size: int | None, group: Any) -> tuple
     initialized = dist.is_available() and dist.is_initialized()
     if initialized:
         g_rank, g_size = dist.get_rank(group), dist.get_world_size(group)
-        if (rank is not None and rank != g_rank) or (world_size is not None and world_size != g_size):
+        if (rank is not None and rank != g_rank) or (
+            world_size is not None and world_size != g_size
+        ):
             raise ValueError(
                 f"rank={rank!r}, world_size={world_size!r} contradict the process group "
                 f"(rank {g_rank} of {g_size}); omit them to use the group's"
@@ -161,21 +167,38 @@ class _RecordingWriter(DurableShardWriter):
     """
 
     def __init__(
-        self, keys: Sequence[str], cache_name: str, schema: CacheSchema | None, length_rule: LengthRule | None = None,
-        token_layout: TokenLayout | None = None, run_record: Mapping[str, Any] | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        keys: Sequence[str],
+        cache_name: str,
+        schema: CacheSchema | None,
+        length_rule: LengthRule | None = None,
+        token_layout: TokenLayout | None = None,
+        run_record: Mapping[str, Any] | None = None,
+    ) -> None:
         # write-behind: batches are written (streamed into their shard) while the next are computed
-        super().__init__(keys, cache_name, schema, pipelined=True, write_behind=True, length_rule=length_rule,
-                         token_layout=token_layout, run_record=run_record)  # fmt: skip
+        super().__init__(
+            keys,
+            cache_name,
+            schema,
+            pipelined=True,
+            write_behind=True,
+            length_rule=length_rule,
+            token_layout=token_layout,
+            run_record=run_record,
+        )
         self.error: str | None = None
 
-    def validate(self, samples: Any, shard_index: int = -1, where: str | None = None) -> dict[str, torch.Tensor]:
+    def validate(
+        self, samples: Any, shard_index: int = -1, where: str | None = None
+    ) -> dict[str, torch.Tensor]:
         """One ``compute_batch`` result, validated against the schema (the first batch fixes it if
         unset): the stored keys, or ``{}`` (nothing to store) once the first error is recorded."""
         if self.error is None:
             try:
                 if not isinstance(samples, Mapping):
-                    raise SchemaError(f"compute_batch returned a {type(samples).__name__}; it must return a dict of tensors")
+                    raise SchemaError(
+                        f"compute_batch returned a {type(samples).__name__}; it must return a dict of tensors"
+                    )
                 return super().validate(samples, shard_index, "compute_batch output")
             except SchemaError as exc:
                 self.error = str(exc)
@@ -285,7 +308,9 @@ def produce_cache(
         )
     num_samples = loader_num_samples(dataloader)
     if os.path.exists(output_dir) and not os.path.isdir(output_dir):
-        raise ValueError(f"output_dir={output_dir!r} is a file, not a directory; pass a directory (new, or one this producer wrote)")
+        raise ValueError(
+            f"output_dir={output_dir!r} is a file, not a directory; pass a directory (new, or one this producer wrote)"
+        )
     if num_shards(num_samples, shard_size) > MAX_SHARDS:
         raise ValueError(
             f"shard_size={shard_size} gives {num_shards(num_samples, shard_size)} shards for "
@@ -293,11 +318,21 @@ def produce_cache(
         )
     rank, world_size = resolve_ranks(rank, world_size, group)
     job = _Job(
-        output_dir=output_dir, shard_size=shard_size, keys=keys, options=opts, format_version=format_version,
-        cache_name=cache_name, producer_name=producer_name, num_samples=num_samples, logger=logger or _log,
-        comm=ProducerComm(rank, world_size, group), length_rule=length_rule, token_layout=token_layout,
-        params=run_params(format_version, num_samples, shard_size, keys, opts, token_layout), storage=storage,
-    )  # fmt: skip
+        output_dir=output_dir,
+        shard_size=shard_size,
+        keys=keys,
+        options=opts,
+        format_version=format_version,
+        cache_name=cache_name,
+        producer_name=producer_name,
+        num_samples=num_samples,
+        logger=logger or _log,
+        comm=ProducerComm(rank, world_size, group),
+        length_rule=length_rule,
+        token_layout=token_layout,
+        params=run_params(format_version, num_samples, shard_size, keys, opts, token_layout),
+        storage=storage,
+    )
     producer_lock = storage.lock() if (lock and job.comm.rank == 0) else None
     return job.run(producer_lock, resume, dataloader, compute_batch, progress)
 
@@ -322,15 +357,22 @@ class _Job:
     storage: Storage  # where ``output_dir`` lives
 
     def run(
-        self, producer_lock: Lock | None, resume: bool, dataloader: DataLoader,
-        compute_batch: Callable[[Any], Any], progress: bool | None,
-    ) -> dict[str, Any]:  # fmt: skip
+        self,
+        producer_lock: Lock | None,
+        resume: bool,
+        dataloader: DataLoader,
+        compute_batch: Callable[[Any], Any],
+        progress: bool | None,
+    ) -> dict[str, Any]:
         """Every phase in order, the lock (rank 0) held throughout; the finished manifest."""
         try:
             finished = self.prepare(producer_lock, resume)
             if finished is not None:
-                self.logger.info("%s is already a finished cache (%d samples); nothing to do", self.output_dir,
-                                 self.num_samples)  # fmt: skip
+                self.logger.info(
+                    "%s is already a finished cache (%d samples); nothing to do",
+                    self.output_dir,
+                    self.num_samples,
+                )
                 return finished
             records, schema, missing = self.verify_block()
             writer = self.compute(dataloader, compute_batch, missing, schema, progress)
@@ -348,9 +390,16 @@ class _Job:
         def decide() -> dict[str, Any] | None:
             if producer_lock is not None:
                 producer_lock.acquire()
-            finished = prepare_directory(self.output_dir, self.params, resume, self.cache_name, self.producer_name)
-            if finished is None:  # before any shard: what a reader following this run needs (follow.py)
-                self.storage.put(FOLLOW_NAME, follow_record(run_record(self.params, self.length_rule), self.producer_name))
+            finished = prepare_directory(
+                self.output_dir, self.params, resume, self.cache_name, self.producer_name
+            )
+            if (
+                finished is None
+            ):  # before any shard: what a reader following this run needs (follow.py)
+                self.storage.put(
+                    FOLLOW_NAME,
+                    follow_record(run_record(self.params, self.length_rule), self.producer_name),
+                )
             return finished
 
         return self.comm.on_rank0(decide, "rank 0 refused to produce the cache")
@@ -358,20 +407,33 @@ class _Job:
     def verify_block(self) -> tuple[dict[int, ShardRecord], CacheSchema | None, list[int]]:
         """This rank's shard block: verify the shards that exist; return their records, schema, the rest."""
         comm = self.comm
-        start_shard, _, n_local = partition_cache_shards(self.num_samples, self.shard_size, comm.world_size, comm.rank)
-        block = range(start_shard, start_shard + num_shards(n_local, self.shard_size)) if n_local else range(0)
+        start_shard, _, n_local = partition_cache_shards(
+            self.num_samples, self.shard_size, comm.world_size, comm.rank
+        )
+        block = (
+            range(start_shard, start_shard + num_shards(n_local, self.shard_size))
+            if n_local
+            else range(0)
+        )
         present = existing_shard_indices(self.output_dir) & set(block)
         local_exc: Exception | None = None
         records: dict[int, ShardRecord] = {}
         schema: CacheSchema | None = None
         try:
             records, schema = verify_existing(
-                self.output_dir, sorted(present), self.keys, self.num_samples, self.shard_size, self.length_rule,
+                self.output_dir,
+                sorted(present),
+                self.keys,
+                self.num_samples,
+                self.shard_size,
+                self.length_rule,
                 run_record(self.params, self.length_rule),
-            )  # fmt: skip
+            )
         except Exception as exc:
             local_exc = exc
-        errors = comm.all_gather((None if local_exc is None else f"rank {comm.rank}: {local_exc}", self.num_samples))
+        errors = comm.all_gather(
+            (None if local_exc is None else f"rank {comm.rank}: {local_exc}", self.num_samples)
+        )
         if local_exc is not None:
             raise local_exc
         first = next((e for e, _ in errors if e is not None), None)
@@ -385,17 +447,30 @@ class _Job:
             )
         if present:
             self.logger.info(
-                "Rank %d: resuming; %d existing shard(s) verified (%s)", comm.rank, len(present), format_indices(present)
+                "Rank %d: resuming; %d existing shard(s) verified (%s)",
+                comm.rank,
+                len(present),
+                format_indices(present),
             )
         return records, schema, sorted(set(block) - present)
 
     def compute(
-        self, dataloader: DataLoader, compute_batch: Callable[[Any], Any], missing: Sequence[int],
-        schema: CacheSchema | None, progress: bool | None,
-    ) -> _RecordingWriter:  # fmt: skip
+        self,
+        dataloader: DataLoader,
+        compute_batch: Callable[[Any], Any],
+        missing: Sequence[int],
+        schema: CacheSchema | None,
+        progress: bool | None,
+    ) -> _RecordingWriter:
         """Compute and write the shards ``missing`` in lockstep with the other ranks."""
-        writer = _RecordingWriter(self.keys, self.cache_name, schema, self.length_rule, self.token_layout,
-                                  run_record(self.params, self.length_rule))  # fmt: skip
+        writer = _RecordingWriter(
+            self.keys,
+            self.cache_name,
+            schema,
+            self.length_rule,
+            self.token_layout,
+            run_record(self.params, self.length_rule),
+        )
         runs = shard_runs(missing, self.num_samples, self.shard_size)
         bs = loader_batch_size(dataloader)
         global_steps = self.comm.max_int(sum(-(-n // bs) for _, _, n in runs))
@@ -403,10 +478,16 @@ class _Job:
 
         try:
             lockstep_write(
-                dataloader, self.output_dir, self.shard_size, runs,
-                compute_batch, writer, self.logger,
-                sync_max_steps=lambda _steps: global_steps, progress=bar,
-            )  # fmt: skip
+                dataloader,
+                self.output_dir,
+                self.shard_size,
+                runs,
+                compute_batch,
+                writer,
+                self.logger,
+                sync_max_steps=lambda _steps: global_steps,
+                progress=bar,
+            )
         finally:
             if bar is not None:
                 bar.close()
@@ -415,7 +496,9 @@ class _Job:
             writer.close()
         return writer
 
-    def finish(self, records: Mapping[int, ShardRecord], writer: _RecordingWriter) -> dict[str, Any]:
+    def finish(
+        self, records: Mapping[int, ShardRecord], writer: _RecordingWriter
+    ) -> dict[str, Any]:
         """Gather every rank's records; rank 0 writes the manifest last; all return it."""
         comm = self.comm
         mine = (
@@ -426,14 +509,27 @@ class _Job:
         gathered = comm.all_gather(mine)
 
         def write() -> dict[str, Any]:
-            manifest = assemble_manifest(gathered, self.params, self.options, self.output_dir, self.cache_name,
-                                         self.length_rule, self.token_layout)  # fmt: skip
+            manifest = assemble_manifest(
+                gathered,
+                self.params,
+                self.options,
+                self.output_dir,
+                self.cache_name,
+                self.length_rule,
+                self.token_layout,
+            )
             write_manifest(self.output_dir, manifest, self.format_version)
             self.storage.delete(PROGRESS_NAME)
             self.storage.delete(FOLLOW_NAME)
-            finished = read_manifest(self.output_dir, self.cache_name, self.format_version, self.producer_name)
-            self.logger.info("Wrote %s (%d samples, %d shards)", self.storage.display(MANIFEST_NAME),
-                             self.num_samples, len(manifest["shards"]))  # fmt: skip
+            finished = read_manifest(
+                self.output_dir, self.cache_name, self.format_version, self.producer_name
+            )
+            self.logger.info(
+                "Wrote %s (%d samples, %d shards)",
+                self.storage.display(MANIFEST_NAME),
+                self.num_samples,
+                len(manifest["shards"]),
+            )
             return finished
 
         return comm.on_rank0(write, "rank 0 could not finish the cache")

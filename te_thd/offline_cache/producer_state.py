@@ -63,7 +63,11 @@ _log = logging.getLogger("te_thd.offline_cache")
 
 
 def run_params(
-    format_version: int, num_samples: int, shard_size: int, keys: Sequence[str], options: Mapping[str, Any],
+    format_version: int,
+    num_samples: int,
+    shard_size: int,
+    keys: Sequence[str],
+    options: Mapping[str, Any],
     token_layout: TokenLayout | None = None,
 ) -> dict[str, Any]:
     # What must be equal for shards of two runs to belong to one cache.
@@ -92,7 +96,9 @@ def check_options(options: Mapping[str, Any] | None) -> dict[str, Any]:
     try:
         json.dumps(options, allow_nan=False)
     except (TypeError, ValueError) as exc:
-        raise ValueError(f"options must be JSON values (recorded in manifest.json): {exc}") from None
+        raise ValueError(
+            f"options must be JSON values (recorded in manifest.json): {exc}"
+        ) from None
     return options
 
 
@@ -118,10 +124,14 @@ def describe_diff(recorded: Mapping[str, Any], wanted: Mapping[str, Any], prefix
     dicts field by field, each with both values (a field one side lacks: ``absent``). A long value
     (a recorded command line) is cut to where it differs and listed last: what changed comes first."""
     diffs = _diffs(recorded, wanted, prefix)
-    return "; ".join(text for _, text in sorted(diffs, key=lambda d: d[0]))  # stable: field order within each group
+    return "; ".join(
+        text for _, text in sorted(diffs, key=lambda d: d[0])
+    )  # stable: field order within each group
 
 
-def _diffs(recorded: Mapping[str, Any], wanted: Mapping[str, Any], prefix: str) -> list[tuple[bool, str]]:
+def _diffs(
+    recorded: Mapping[str, Any], wanted: Mapping[str, Any], prefix: str
+) -> list[tuple[bool, str]]:
     """``[(cut, text)]`` of :func:`describe_diff`, in field order (``cut``: a long value was cut)."""
     diffs: list[tuple[bool, str]] = []
     for k in sorted(set(recorded) | set(wanted), key=str):
@@ -137,7 +147,12 @@ def _diffs(recorded: Mapping[str, Any], wanted: Mapping[str, Any], prefix: str) 
         elif isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
             at = [i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y]
             more = f" (and {len(at) - 1} more items)" if len(at) > 1 else ""
-            diffs.append((True, f"{prefix}{k}[{at[0]}]: recorded {_show(a[at[0]], 40)}, this run {_show(b[at[0]], 40)}{more}"))
+            diffs.append(
+                (
+                    True,
+                    f"{prefix}{k}[{at[0]}]: recorded {_show(a[at[0]], 40)}, this run {_show(b[at[0]], 40)}{more}",
+                )
+            )
         else:
             diffs.append((True, f"{prefix}{k}: recorded {_show(a, 40)}, this run {_show(b, 40)}"))
     return diffs
@@ -168,7 +183,9 @@ def params_of_manifest(manifest: Mapping[str, Any], keys: Sequence[str] = ()) ->
 DAMAGED_DIR = ".te_thd-damaged"
 
 
-def reopen_for_resume(cache_dir: str, manifest: Mapping[str, Any], set_aside: Sequence[int]) -> str | None:
+def reopen_for_resume(
+    cache_dir: str, manifest: Mapping[str, Any], set_aside: Sequence[int]
+) -> str | None:
     """Turn a finished cache into an unfinished run its producer resumes; the caller holds the lock.
 
     The producer's run record is written from ``manifest``, the shards ``set_aside`` are
@@ -217,11 +234,18 @@ def prepare_directory(
             # parameters, so it fills the gap itself (what `te-thd cache repair` then a resume do)
             wrong = _wrong_sized(output_dir, manifest)
             reopen_for_resume(output_dir, manifest, wrong)
-            _log.warning("%s: a finished cache with shards missing or of the wrong size (set aside: %s); "
-                         "recomputing them", output_dir, format_indices(wrong))
+            _log.warning(
+                "%s: a finished cache with shards missing or of the wrong size (set aside: %s); "
+                "recomputing them",
+                output_dir,
+                format_indices(wrong),
+            )
             storage.clean()
             return None
-        for leftover in (PROGRESS_NAME, FOLLOW_NAME):  # killed after the manifest, before this cleanup
+        for leftover in (
+            PROGRESS_NAME,
+            FOLLOW_NAME,
+        ):  # killed after the manifest, before this cleanup
             if leftover in listing:
                 storage.delete(leftover)
         return manifest
@@ -254,7 +278,9 @@ def prepare_directory(
         )
     removed = storage.clean()
     if removed:
-        _log.info("Removed %d temp file(s) of an interrupted writer in %s", len(removed), output_dir)
+        _log.info(
+            "Removed %d temp file(s) of an interrupted writer in %s", len(removed), output_dir
+        )
     storage.put(PROGRESS_NAME, record_bytes(params))
     return None
 
@@ -278,7 +304,9 @@ def verify_existing(
     storage = open_storage(output_dir, "output_dir")
     for i in sorted(indices):
         shown = storage.display(shard_name(i))
-        path = storage.whole(shard_name(i))  # every byte is read: an object is fetched into a local copy
+        path = storage.whole(
+            shard_name(i)
+        )  # every byte is read: an object is fetched into a local copy
         try:
             if schema is None:
                 schema = schema_of_header(read_shard_header(path))
@@ -287,18 +315,29 @@ def verify_existing(
                         f"existing shard {shown} holds keys {sorted(schema)}, this run stores {sorted(keys)}; "
                         "resume with the same keys, or choose another output_dir"
                     )
-            records[i] = existing_record(path, schema, shard_rows(i, num_samples, shard_size), length_rule, run,
-                                         first_sample=i * shard_size)
+            records[i] = existing_record(
+                path,
+                schema,
+                shard_rows(i, num_samples, shard_size),
+                length_rule,
+                run,
+                first_sample=i * shard_size,
+            )
         except CacheIntegrityError as exc:
             raise CacheIntegrityError(
                 f"existing shard {shown}{str(exc).removeprefix(f'shard {path}').rstrip('. ')}. Delete it and run again: "
-                "the producer recomputes missing shards.", path=shown,
-            ) from None  # fmt: skip
+                "the producer recomputes missing shards.",
+                path=shown,
+            ) from None
     return records, schema
 
 
 def existing_record(
-    path: str, schema: CacheSchema, rows: int, length_rule: LengthRule | None, run: Mapping[str, Any] | None = None,
+    path: str,
+    schema: CacheSchema,
+    rows: int,
+    length_rule: LengthRule | None,
+    run: Mapping[str, Any] | None = None,
     first_sample: int | None = None,
 ) -> ShardRecord:
     """The manifest record of the shard at ``path`` (``rows`` rows of ``schema``), verified completely
@@ -310,14 +349,20 @@ def existing_record(
     if run is not None and theirs is not None and theirs != run:
         raise CacheIntegrityError(
             f"shard {path} was written by a producer run with other arguments ({describe_diff(theirs, run)}), so "
-            "it is not part of this run's cache: resume with the arguments that wrote it.", path=path,
-        )  # fmt: skip
+            "it is not part of this run's cache: resume with the arguments that wrote it.",
+            path=path,
+        )
     lengths = None
     if length_rule is not None:
-        lengths = tuple(int(v) for v in read_shard_lengths(path, for_tensor_spec(length_rule, schema[length_rule.key])))
+        lengths = tuple(
+            int(v)
+            for v in read_shard_lengths(path, for_tensor_spec(length_rule, schema[length_rule.key]))
+        )
     tokens = check.header.sums.tokens if check.header.sums is not None else None
     fidelity = shard_fidelity(tokens) if tokens is not None else None
-    return ShardRecord(bytes=check.bytes, checksum=check.checksum, lengths=lengths, fidelity=fidelity)
+    return ShardRecord(
+        bytes=check.bytes, checksum=check.checksum, lengths=lengths, fidelity=fidelity
+    )
 
 
 def assemble_manifest(
@@ -346,10 +391,16 @@ def assemble_manifest(
             "the dataloader yielded fewer samples than len(dataset). Fix the dataset, then resume.",
             path=shard_path(output_dir, missing[0]),
         )
-    schemas = {json.dumps(s, sort_keys=True): (r, s) for r, (_, _, s) in enumerate(gathered) if s is not None}
+    schemas = {
+        json.dumps(s, sort_keys=True): (r, s)
+        for r, (_, _, s) in enumerate(gathered)
+        if s is not None
+    }
     if len(schemas) > 1:
         desc = "; ".join(f"rank {r}: {schema_from_json(s)}" for r, s in schemas.values())
-        raise SchemaError(f"ranks wrote shards with different schemas ({desc}); compute_batch must be deterministic in dtype/shape")
+        raise SchemaError(
+            f"ranks wrote shards with different schemas ({desc}); compute_batch must be deterministic in dtype/shape"
+        )
     schema = next(iter(schemas.values()))[1] if schemas else {}
     lengths = length_rule is not None and schema != {}
     manifest = {
@@ -359,15 +410,17 @@ def assemble_manifest(
         "layout_version": LAYOUT_VERSION,
         "schema": schema,
         "shards": [
-            ShardRecord(records[i][0], records[i][1], records[i][2] if lengths else None, records[i][3]).to_json(
-                shard_name(i)
-            )
+            ShardRecord(
+                records[i][0], records[i][1], records[i][2] if lengths else None, records[i][3]
+            ).to_json(shard_name(i))
             for i in range(expected)
         ],
     }
     if lengths:
         assert length_rule is not None
-        manifest[LENGTH_RULE_KEY] = for_tensor_spec(length_rule, schema_from_json(schema)[length_rule.key]).to_json()
+        manifest[LENGTH_RULE_KEY] = for_tensor_spec(
+            length_rule, schema_from_json(schema)[length_rule.key]
+        ).to_json()
     if token_layout is not None:
         manifest[TOKEN_LAYOUT_KEY] = token_layout.to_json()
     return manifest

@@ -51,7 +51,9 @@ def index_vocab(codec: str) -> int | None:
     if name != INDEX:
         return None
     if not sep or not vocab.isdecimal() or not 1 <= int(vocab) <= MAX_VOCAB:
-        raise ValueError(f"the vocabulary size must be an int in [1, {MAX_VOCAB}], e.g. '{INDEX}:151936'")
+        raise ValueError(
+            f"the vocabulary size must be an int in [1, {MAX_VOCAB}], e.g. '{INDEX}:151936'"
+        )
     return int(vocab)
 
 
@@ -157,7 +159,9 @@ def range_problem(key: str, codec: str, value: int) -> str:
         fix = "an index is a vocabulary id: store a real id in its place (e.g. 0, masked by the log-prob), or drop the codec"
     else:
         fix = f"give the codec the vocabulary size of the model that produced it, codecs={{{key!r}: '{INDEX}:<vocabulary size>'}}"
-    return f"key {key!r} holds index {value}, outside [0, {vocab}) of codecs[{key!r}]={codec!r}: {fix}"
+    return (
+        f"key {key!r} holds index {value}, outside [0, {vocab}) of codecs[{key!r}]={codec!r}: {fix}"
+    )
 
 
 def encode(codec: str, x: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
@@ -181,13 +185,17 @@ def encode_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     """``(q, scale, rel_err)`` of tokens ``x`` (``[T, *per_token]`` float): ``q`` float8_e4m3fn
     ``[T, *per_token]`` (``x / scale``), ``scale`` float32 ``[T]`` (``max|x| / 448``, 1 for an all-zero
     token), ``rel_err`` float32 ``[T]`` (``|x - decoded| / |x|``, 0 for an all-zero token)."""
-    flat = x.reshape(x.shape[0], math.prod(x.shape[1:])).to(torch.float32)  # (-1 is ambiguous for 0 tokens)
+    flat = x.reshape(x.shape[0], math.prod(x.shape[1:])).to(
+        torch.float32
+    )  # (-1 is ambiguous for 0 tokens)
     amax = flat.abs().amax(dim=1) if flat.shape[1] else torch.zeros(flat.shape[0])
     scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
     q = (flat / scale[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     back = q.to(torch.float32) * scale[:, None]
     norm = flat.norm(dim=1)
-    err = torch.where(norm > 0, (flat - back).norm(dim=1) / norm.clamp_min(1e-30), torch.zeros_like(norm))
+    err = torch.where(
+        norm > 0, (flat - back).norm(dim=1) / norm.clamp_min(1e-30), torch.zeros_like(norm)
+    )
     return q.reshape(x.shape), scale.contiguous(), err
 
 
@@ -207,7 +215,9 @@ def encode_index(x: torch.Tensor, vocab: int) -> dict[str, torch.Tensor]:
     if bits == 32:
         return {"tokens": x32.contiguous()}
     low = x32 & 0xFFFF
-    out = {"tokens": (low - ((low & 0x8000) << 1)).to(torch.int16)}  # the same 16 bits, as a signed int
+    out = {
+        "tokens": (low - ((low & 0x8000) << 1)).to(torch.int16)
+    }  # the same 16 bits, as a signed int
     n = math.prod(x.shape[1:])
     if bits == 17 and n:
         t, nbytes = x.shape[0], -(-n // 8)
@@ -226,7 +236,9 @@ def decode_index(parts: Mapping[str, torch.Tensor], dtype: torch.dtype) -> torch
     high = parts.get("high")
     if high is not None:
         t, n = low.shape[0], math.prod(low.shape[1:])
-        bits = ((high.unsqueeze(2) >> _BITS) & 1).reshape(t, 8 * high.shape[1])[:, :n].to(torch.int32)
+        bits = (
+            ((high.unsqueeze(2) >> _BITS) & 1).reshape(t, 8 * high.shape[1])[:, :n].to(torch.int32)
+        )
         x = x | (bits << 16).reshape(low.shape)
     return x.to(dtype)
 
@@ -286,7 +298,9 @@ class TokenLayout:
             or not all(is_codec(v) for v in obj.get("codecs", {}).values())
             or not set(obj.get("codecs", {})) <= set(obj["keys"])
         ):
-            raise ValueError(f"token layout {obj!r} is not {{'keys': [str, ...], 'codecs': {{key: {CODEC_FORMS}}}}}")
+            raise ValueError(
+                f"token layout {obj!r} is not {{'keys': [str, ...], 'codecs': {{key: {CODEC_FORMS}}}}}"
+            )
         return cls(tuple(obj["keys"]), tuple(sorted(obj.get("codecs", {}).items())))
 
     def stored(self, schema: Mapping[str, TensorSpec]) -> list[StoredTensor]:
@@ -313,10 +327,14 @@ def check_token_keys(
     codecs = dict(codecs or {})
     unknown = [k for k in token_keys if k not in keys]
     if unknown:
-        raise ValueError(f"token_keys {unknown} are not stored keys {list(keys)}; name keys shaped [n, L, ...] from keys")
+        raise ValueError(
+            f"token_keys {unknown} are not stored keys {list(keys)}; name keys shaped [n, L, ...] from keys"
+        )
     for k in keys:
         if "@" in k:
-            raise ValueError(f"key {k!r} holds '@', which ragged caches reserve for their tensor names; rename the key")
+            raise ValueError(
+                f"key {k!r} holds '@', which ragged caches reserve for their tensor names; rename the key"
+            )
     for k, c in codecs.items():
         check_codec(k, c)
         if k not in token_keys:
@@ -335,11 +353,15 @@ def check_token_schema(layout: TokenLayout, schema: Mapping[str, TensorSpec]) ->
     for key in layout.keys:
         spec = schema[key]
         if not spec.shape:
-            raise ValueError(f"token key {key!r} is {spec.describe()}; a token key is [n, L, ...] (one row per token)")
+            raise ValueError(
+                f"token key {key!r} is {spec.describe()}; a token key is [n, L, ...] (one row per token)"
+            )
         check_codec_dtype(key, spec.dtype, layout.codec(key))
         widths[key] = spec.shape[0]
     if len(set(widths.values())) > 1:
-        raise ValueError(f"token keys have different padded lengths {widths}; every token key is [n, L, ...] with one L")
+        raise ValueError(
+            f"token keys have different padded lengths {widths}; every token key is [n, L, ...] with one L"
+        )
     return next(iter(widths.values()))
 
 
@@ -407,7 +429,11 @@ class TokenReadPlan:
 
 
 def plan_token_reads(
-    table: BlockTable, offsets: np.ndarray, rows: np.ndarray, pos: np.ndarray, max_gap_tokens: int = 0
+    table: BlockTable,
+    offsets: np.ndarray,
+    rows: np.ndarray,
+    pos: np.ndarray,
+    max_gap_tokens: int = 0,
 ) -> TokenReadPlan:
     """The blocks to read for tokens ``pos`` (int64 ``[M]``, each < its row's length) of rows ``rows``.
 
@@ -421,7 +447,9 @@ def plan_token_reads(
         return TokenReadPlan([], np.zeros(0, np.int64), 0)
     g = table.row_first[rows] + pos // table.block_tokens
     blocks, inverse = np.unique(g, return_inverse=True)
-    gap = table.start[blocks[1:]] - table.start[blocks[:-1] + 1]  # tokens between consecutive wanted blocks
+    gap = (
+        table.start[blocks[1:]] - table.start[blocks[:-1] + 1]
+    )  # tokens between consecutive wanted blocks
     breaks = np.flatnonzero(gap > max_gap_tokens) + 1
     firsts = np.concatenate(([0], breaks))
     lasts = np.concatenate((breaks, [blocks.size])) - 1
@@ -436,7 +464,9 @@ def plan_token_reads(
     return TokenReadPlan(runs, where, int(sizes.sum()))
 
 
-def plan_row_reads(table: BlockTable, offsets: np.ndarray, rows: np.ndarray, max_gap_tokens: int = 0) -> TokenReadPlan:
+def plan_row_reads(
+    table: BlockTable, offsets: np.ndarray, rows: np.ndarray, max_gap_tokens: int = 0
+) -> TokenReadPlan:
     """:func:`plan_token_reads` of every token of rows ``rows`` (int64 ``[n]``; the wanted tokens are row
     ``rows[0]``'s, then ``rows[1]``'s, ...), planned per row: row ``r``'s blocks are ``row_first[r:r + 2]``."""
     rows = np.asarray(rows, dtype=np.int64)
@@ -447,16 +477,24 @@ def plan_row_reads(table: BlockTable, offsets: np.ndarray, rows: np.ndarray, max
     first, end = offsets[u], offsets[u + 1]
     breaks = np.flatnonzero(first[1:] - end[:-1] > max_gap_tokens) + 1
     firsts, lasts = np.concatenate(([0], breaks)), np.concatenate((breaks, [u.size])) - 1
-    runs = list(zip(table.row_first[u[firsts]].tolist(), table.row_first[u[lasts] + 1].tolist(), strict=True))
+    runs = list(
+        zip(
+            table.row_first[u[firsts]].tolist(), table.row_first[u[lasts] + 1].tolist(), strict=True
+        )
+    )
     sizes = end[lasts] - first[firsts]
     run_of = np.repeat(np.arange(len(runs)), lasts - firsts + 1)
-    base = ((np.cumsum(sizes) - sizes)[run_of] + first - first[firsts][run_of])[np.minimum(np.searchsorted(u, rows), u.size - 1)]
+    base = ((np.cumsum(sizes) - sizes)[run_of] + first - first[firsts][run_of])[
+        np.minimum(np.searchsorted(u, rows), u.size - 1)
+    ]
     return TokenReadPlan(runs, token_places(base, lens), int(sizes.sum()))
 
 
 def token_places(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
     """int64 ``[sum(lens)]``: the place of every token of rows of ``lens`` tokens, row ``i``'s from ``starts[i]`` on."""
-    return np.repeat(starts - (np.cumsum(lens) - lens), lens) + np.arange(int(lens.sum()), dtype=np.int64)
+    return np.repeat(starts - (np.cumsum(lens) - lens), lens) + np.arange(
+        int(lens.sum()), dtype=np.int64
+    )
 
 
 #: bytes of storage read in one request at least: gaps below it are read rather than skipped

@@ -69,10 +69,13 @@ VERIFY_CHUNK_BYTES = 4 << 20
 
 try:
     from safetensors import SafetensorError as _SafetensorError
-except ImportError:  # pragma: no cover - safetensors is a hard dependency (load_safetensors explains)
+except (
+    ImportError
+):  # pragma: no cover - safetensors is a hard dependency (load_safetensors explains)
 
     class _SafetensorError(Exception):  # type: ignore[no-redef]
         pass
+
 
 __all__ = ["CachedBatch", "CachedTensorDataset", "PendingBatch"]
 
@@ -94,15 +97,12 @@ class CachedTensorDataset(Dataset):
         pin_memory: read batches into page-locked memory, for CUDA (``build_cached_dataloader``
             sets it when it pins with ``num_workers=0``). Ignored inside DataLoader workers,
             whose batches are in shared memory and pinned by the DataLoader.
-        readahead: when the batched path opens a shard, ask the kernel to start
-            reading its ``disk_keys`` byte ranges in the background
-            (``POSIX_FADV_WILLNEED``; docs/performance-io.md). Pass False when each
-            node reads only a small part of every shard from a shared network
-            filesystem: the hint reads the whole shard on every node.
+        readahead: when the batched path opens a shard, ask the kernel to read its
+            ``disk_keys`` byte ranges in the background (``POSIX_FADV_WILLNEED``). Pass False
+            when each node reads a small part of every shard from a shared network filesystem.
         read_threads: threads that copy (and verify) a batch of at least
-            ``readexec.PARALLEL_MIN_BYTES``. ``None`` (default): 2 in the main process
-            on 3+ CPUs (``readexec.default_read_threads``), 1 inside DataLoader
-            workers, which are the parallelism there. 1: the calling thread only.
+            ``readexec.PARALLEL_MIN_BYTES``. ``None`` (default): 2 in the main process on 3+
+            CPUs (``readexec.default_read_threads``), 1 inside DataLoader workers.
         follow: open a cache whose producer may still be running (docs/follow.md): until
             the manifest appears, the producer's follow record stands in for it and a read
             of a shard not committed yet waits for it.
@@ -140,7 +140,9 @@ class CachedTensorDataset(Dataset):
         check_int("max_open_shards", max_open_shards, 1)
         check_int("read_cache_bytes", read_cache_bytes, 1, optional=True)
         # where the cache lives; the reads below open local files (of an s3:// cache: its read-through copy)
-        self.storage = open_storage(cache_dir, read_cache_dir=read_cache_dir, read_cache_bytes=read_cache_bytes)
+        self.storage = open_storage(
+            cache_dir, read_cache_dir=read_cache_dir, read_cache_bytes=read_cache_bytes
+        )
         self.cache_dir = cache_dir
         self.cache_name = cache_name
         self.verify = bool(verify)
@@ -148,7 +150,9 @@ class CachedTensorDataset(Dataset):
         self.follow = bool(follow)
         self._follower: Follower | None = None
         run = None
-        if follow:  # a cache whose producer may still run: its manifest, else the producer's follow record
+        if (
+            follow
+        ):  # a cache whose producer may still run: its manifest, else the producer's follow record
             self.manifest, run, producer_name = open_followed(
                 self.storage, cache_dir, cache_name, format_version, producer_name, follow_timeout
             )
@@ -160,27 +164,47 @@ class CachedTensorDataset(Dataset):
         self.shard_size = int(self.manifest["shard_size"])
         self.num_samples = int(self.manifest["num_samples"])
         self.disk_keys = tuple(disk_keys)
+        # the reference's name for it: its subclasses (EAGLE-3's dataset) read it in __getitem__
+        self._disk_keys = self.disk_keys
         # a ragged cache (``token_keys``): its token keys are read through ``token_read``, the rest as rows
-        self._token_layout = TokenLayout.from_json(t) if (t := self.manifest.get(TOKEN_LAYOUT_KEY)) is not None else None
-        self._token_keys = tuple(k for k in self.disk_keys if self._token_layout and k in self._token_layout.keys)
+        self._token_layout = (
+            TokenLayout.from_json(t)
+            if (t := self.manifest.get(TOKEN_LAYOUT_KEY)) is not None
+            else None
+        )
+        self._token_keys = tuple(
+            k for k in self.disk_keys if self._token_layout and k in self._token_layout.keys
+        )
         self._row_keys = tuple(k for k in self.disk_keys if k not in self._token_keys)
-        self._deferred: tuple[str, ...] = ()  # ragged keys a batched read leaves to the collate (defer_keys)
-        if run is None:  # presence of shards 0..N-1 and, when the manifest records them, their byte sizes
-            self._shard_indices = check_cache_files(cache_dir, self.manifest, cache_name, producer_name)
+        self._deferred: tuple[
+            str, ...
+        ] = ()  # ragged keys a batched read leaves to the collate (defer_keys)
+        if (
+            run is None
+        ):  # presence of shards 0..N-1 and, when the manifest records them, their byte sizes
+            self._shard_indices = check_cache_files(
+                cache_dir, self.manifest, cache_name, producer_name
+            )
         else:  # each shard is waited for, then checked, when first read
             self._shard_indices = list(range(num_shards(self.num_samples, self.shard_size)))
-            self._follower = Follower(self.storage, cache_dir, cache_name, run, follow_timeout, producer_name)
+            self._follower = Follower(
+                self.storage, cache_dir, cache_name, run, follow_timeout, producer_name
+            )
             self._follower.check_keys(self.disk_keys)
         self.storage.prepare_reads()  # before any DataLoader worker starts: they share what it prepares
         self._max_open = max_open_shards
         self.pin_memory = bool(pin_memory)
-        self._prefetch = self._row_keys if readahead else ()  # what a shard's first open asks the kernel for
+        self._prefetch = (
+            self._row_keys if readahead else ()
+        )  # what a shard's first open asks the kernel for
         if read_threads is not None:
             ParallelReads(read_threads)  # checks the value: an int >= 1
         self.read_threads = read_threads
         self._require_sums = requires_shard_sums(self.manifest)
         # the manifest's record of each shard, checked against its header digest on open
-        self._checksums = {i: str(r["checksum"]) for i, r in enumerate(shard_records(self.manifest) or [])}
+        self._checksums = {
+            i: str(r["checksum"]) for i, r in enumerate(shard_records(self.manifest) or [])
+        }
         # Expected {key: TensorSpec}: from the manifest's schema when it records one
         # (te_thd producers), else from the first shard this process opens.
         schema = manifest_schema(self.manifest)
@@ -240,7 +264,9 @@ class CachedTensorDataset(Dataset):
         only the blocks of the tokens asked for (a CP rank's share); ``()``: a batch read reads every key."""
         keys = check_names("keys", keys)
         if unknown := [k for k in keys if k not in self.disk_keys]:
-            raise ValueError(f"defer_keys: keys {unknown} are not among the dataset's disk_keys {list(self.disk_keys)}; pass keys it reads")
+            raise ValueError(
+                f"defer_keys: keys {unknown} are not among the dataset's disk_keys {list(self.disk_keys)}; pass keys it reads"
+            )
         self._deferred = tuple(k for k in keys if k in self._token_keys)
         return self._deferred
 
@@ -253,14 +279,27 @@ class CachedTensorDataset(Dataset):
         index of a token shard. ``path``: the shard as messages name it."""
         rows = shard_rows(shard_index, self.num_samples, self.shard_size)
         try:
-            header = check_shard_header(self.storage.header(shard_name(shard_index)), self._schema, rows, self.disk_keys,
-                                        self._require_sums, self._checksums.get(shard_index), path)  # fmt: skip
-            tokens = token_index(path, header) if header.sums is not None and header.sums.tokens is not None else None
+            header = check_shard_header(
+                self.storage.header(shard_name(shard_index)),
+                self._schema,
+                rows,
+                self.disk_keys,
+                self._require_sums,
+                self._checksums.get(shard_index),
+                path,
+            )
+            tokens = (
+                token_index(path, header)
+                if header.sums is not None and header.sums.tokens is not None
+                else None
+            )
         except CacheIntegrityError as exc:
             raise CacheIntegrityError(f"{exc}. {self._repair}", path=path) from None
         if self._schema is None:
             entries = logical_entries(header)
-            self._schema = {k: TensorSpec(entries[k].dtype, entries[k].shape[1:]) for k in self.disk_keys}
+            self._schema = {
+                k: TensorSpec(entries[k].dtype, entries[k].shape[1:]) for k in self.disk_keys
+            }
         if header.sums is None and not self._warned_unverified:
             self._warned_unverified = True
             warnings.warn(
@@ -285,10 +324,17 @@ class CachedTensorDataset(Dataset):
         return f.handle
 
     def _unreadable(self, path: str, exc: BaseException) -> CacheIntegrityError:
-        return unreadable_shard(path, exc, self._repair, "" if isinstance(exc, ReadError) else " by safetensors")
+        return unreadable_shard(
+            path, exc, self._repair, "" if isinstance(exc, ReadError) else " by safetensors"
+        )
 
     def verify_copied_rows(
-        self, shard_index: int, sums: ShardSums | None, key: str, data: torch.Tensor, rows: np.ndarray | list[int]
+        self,
+        shard_index: int,
+        sums: ShardSums | None,
+        key: str,
+        data: torch.Tensor,
+        rows: np.ndarray | list[int],
     ) -> None:
         """Check rows ``rows`` (shard-local) of ``key`` that a read just copied into ``data``
         (``[len(rows), *sample_shape]``, contiguous CPU) against ``sums``, the shard's checksums
@@ -297,9 +343,14 @@ class CachedTensorDataset(Dataset):
         if sums is None or not self.verify:
             return
         verify_rows(
-            data, rows, sums.sums[key], path=self._shard_file(shard_index).name, key=key,
-            first_sample=shard_index * self.shard_size, repair=self._repair,
-        )  # fmt: skip
+            data,
+            rows,
+            sums.sums[key],
+            path=self._shard_file(shard_index).name,
+            key=key,
+            first_sample=shard_index * self.shard_size,
+            repair=self._repair,
+        )
 
     def _shard_file(self, shard_index: int) -> OpenShard:
         """Shard ``shard_index`` open in this process (the one LRU of ``max_open_shards``): its path and
@@ -316,10 +367,13 @@ class CachedTensorDataset(Dataset):
             if tokens is None and self._token_layout is not None:
                 raise CacheIntegrityError(
                     f"shard {path} has no token fields although the manifest records a token layout "
-                    f"(it was replaced by another writer's). {self._repair}", path=path,
-                )  # fmt: skip
+                    f"(it was replaced by another writer's). {self._repair}",
+                    path=path,
+                )
             local, fetch = self.storage.readable(shard_name(shard_index))
-            f = self._files.put(shard_index, OpenShard(local, header, tokens, fetch, path), self._max_open)
+            f = self._files.put(
+                shard_index, OpenShard(local, header, tokens, fetch, path), self._max_open
+            )
         return f
 
     def _follow(self, shard_index: int) -> None:
@@ -327,7 +381,9 @@ class CachedTensorDataset(Dataset):
         is there (``Follower.finished`` checks it against the run followed and the shards opened)."""
         assert self._follower is not None
         self._follower.wait(shard_index)
-        done = self._follower.finished(self._versions, self._files.items(), self._schema, self._repair)
+        done = self._follower.finished(
+            self._versions, self._files.items(), self._schema, self._repair
+        )
         if done is not None:
             (self.manifest, self._checksums), self._follower = done, None
 
@@ -336,15 +392,24 @@ class CachedTensorDataset(Dataset):
         f = self._shard_file(shard_index)
         assert f.tokens is not None
         reads = self._parallel(get_worker_info() is not None)
-        ctx = ReadContext(self.verify, shard_index * self.shard_size, self._repair, reads, f, f.fetch,
-                          self._refetching if f.fetch is not None else None)  # fmt: skip
+        ctx = ReadContext(
+            self.verify,
+            shard_index * self.shard_size,
+            self._repair,
+            reads,
+            f,
+            f.fetch,
+            self._refetching if f.fetch is not None else None,
+        )
         return f.descriptor(self._prefetch, self._repair), f.tokens, ctx
 
     def _destination(self, shared: bool) -> DestinationBuffers:
         pinned = self.pin_memory and not shared
         pool = self._buffers.get((shared, pinned))
         if pool is None:
-            pool = self._buffers[(shared, pinned)] = DestinationBuffers(shared=shared, pinned=pinned)
+            pool = self._buffers[(shared, pinned)] = DestinationBuffers(
+                shared=shared, pinned=pinned
+            )
         return pool
 
     # -- reads -------------------------------------------------------------------------
@@ -355,7 +420,13 @@ class CachedTensorDataset(Dataset):
     def _getitem(self, index: int) -> dict[str, torch.Tensor]:
         n = self.num_samples
         if type(index) is not int:
-            index = check_int("index", index, numpy_ints=True, error=TypeError, meaning=f": a sample index in [-{n}, {n}); pass int(i)")
+            index = check_int(
+                "index",
+                index,
+                numpy_ints=True,
+                error=TypeError,
+                meaning=f": a sample index in [-{n}, {n}); pass int(i)",
+            )
         if index < 0:
             index += n
         if not 0 <= index < n:
@@ -378,7 +449,11 @@ class CachedTensorDataset(Dataset):
         for key, t in out.items():
             self.verify_copied_rows(shard_index, sums, key, t.unsqueeze(0), row)
         if self._token_keys:
-            tokens = TokenRows(self._token_opener, [(shard_index, offset)], {k: self._schema[k] for k in self._token_keys})
+            tokens = TokenRows(
+                self._token_opener,
+                [(shard_index, offset)],
+                {k: self._schema[k] for k in self._token_keys},
+            )
             out.update({k: v[0] for k, v in tokens.padded_many(self._token_keys).items()})
             out = {k: out[k] for k in self.disk_keys}
         return out
@@ -425,8 +500,12 @@ class CachedTensorDataset(Dataset):
         name = os.path.basename(exc.path or "")
         return CacheIntegrityError(
             f"{exc} The object {self.storage.display(name)} itself is damaged: fetched again, it failed the same check.",
-            path=exc.path, sample=exc.sample, key=exc.key, expected=exc.expected, actual=exc.actual,
-        )  # fmt: skip
+            path=exc.path,
+            sample=exc.sample,
+            key=exc.key,
+            expected=exc.expected,
+            actual=exc.actual,
+        )
 
     def start_read(self, indices: Sequence[int]) -> PendingBatch:
         """Start reading ``indices`` and return at once: ``.result()`` is ``__getitems__(indices)``.
@@ -465,15 +544,36 @@ class CachedTensorDataset(Dataset):
             f = self._shard_file(shard)
             if f.fetch is not None:
                 f.fetch(row_ranges(f.header.entries, self._row_keys, local))
-            fd = f.descriptor(self._prefetch, self._repair)  # the first batched read of the shard opens it
-            plan_shard_rows(f, fd, self._row_keys, local, pos, out, raw, chunk, f.header.sums if self.verify else None,
-                            shard * self.shard_size, self._repair, pieces, scattered)  # fmt: skip
+            fd = f.descriptor(
+                self._prefetch, self._repair
+            )  # the first batched read of the shard opens it
+            plan_shard_rows(
+                f,
+                fd,
+                self._row_keys,
+                local,
+                pos,
+                out,
+                raw,
+                chunk,
+                f.header.sums if self.verify else None,
+                shard * self.shard_size,
+                self._repair,
+                pieces,
+                scattered,
+            )
 
         tokens = eager = None
         if self._token_keys:
-            tokens = TokenRows(self._token_opener, batch_places(groups, n), {k: self._schema[k] for k in self._token_keys})
+            tokens = TokenRows(
+                self._token_opener,
+                batch_places(groups, n),
+                {k: self._schema[k] for k in self._token_keys},
+            )
             later = [k for k in self._token_keys if k not in self._deferred]
-            if later:  # one plan: the ragged keys' pieces are read with the rows, on the same threads
+            if (
+                later
+            ):  # one plan: the ragged keys' pieces are read with the rows, on the same threads
                 eager = tokens.plan_padded(later, pieces, shared=in_worker)
 
         def finish() -> None:
@@ -483,7 +583,12 @@ class CachedTensorDataset(Dataset):
                 out.update(eager())
 
         deferred = tokens if self._deferred else None
-        return CachedBatch(out, n, deferred), reads, pieces, finish if scattered or eager is not None else None
+        return (
+            CachedBatch(out, n, deferred),
+            reads,
+            pieces,
+            finish if scattered or eager is not None else None,
+        )
 
     def _parallel(self, in_worker: bool) -> ParallelReads:
         """This process's :class:`ParallelReads`: ``read_threads``, or 1 thread inside a DataLoader worker

@@ -37,10 +37,13 @@ __all__ = [
     "tensor_memoryview",
 ]
 
+
 def tensor_memoryview(t: torch.Tensor) -> memoryview:
     """Writable byte view (``memoryview`` of ``[numel * itemsize]`` uint8) of a contiguous CPU tensor."""
     if not t.is_contiguous():
-        raise ValueError(f"tensor of shape {list(t.shape)} is not contiguous; read into a contiguous tensor")
+        raise ValueError(
+            f"tensor of shape {list(t.shape)} is not contiguous; read into a contiguous tensor"
+        )
     flat = t.reshape(-1).view(torch.uint8)
     return memoryview(flat.numpy()).cast("B") if flat.numel() else memoryview(bytearray())
 
@@ -116,7 +119,9 @@ def _preadv_rest(fd: int, iov: list[memoryview], offset: int, want: int, got: in
     """``os.preadv`` until all ``want`` bytes of the iovecs (``got`` read so far) are in: a read may return short."""
     while got < want:
         if got == 0:
-            raise OSError(f"file ended at byte {offset} while reading {want} bytes (truncated after open?)")
+            raise OSError(
+                f"file ended at byte {offset} while reading {want} bytes (truncated after open?)"
+            )
         # drop the filled part and retry the rest
         rest: list[memoryview] = []
         skip = got
@@ -145,7 +150,9 @@ def default_read_threads() -> int:
     One on 2 CPUs: the other core is the rest of the machine's, and a helper waiting
     for it costs a batch more than its copy saves (docs/performance-io.md).
     """
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cpus = (
+        len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    )
     return 2 if cpus >= 3 else 1
 
 
@@ -158,7 +165,9 @@ class _Batch:
     def __init__(self, pieces: Sequence[Piece | GatherPiece], shared: bool) -> None:
         self._left: deque[Piece | GatherPiece] = deque(pieces)
         self.errors: list[BaseException] = []
-        self._idle = threading.Condition() if shared else None  # None: read by the waiting thread alone
+        self._idle = (
+            threading.Condition() if shared else None
+        )  # None: read by the waiting thread alone
         self._busy = 0
 
     def drain(self, helper: bool = False) -> None:
@@ -262,7 +271,11 @@ class ParallelReads:
 
     def _shared(self, pieces: Sequence[Piece]) -> bool:
         # the module constant is looked up per batch: a bench measuring the split patches it
-        return self.threads > 1 and len(pieces) > 1 and sum(p.nbytes for p in pieces) >= PARALLEL_MIN_BYTES
+        return (
+            self.threads > 1
+            and len(pieces) > 1
+            and sum(p.nbytes for p in pieces) >= PARALLEL_MIN_BYTES
+        )
 
     def run(
         self, pieces: Sequence[Piece | GatherPiece], finish: Callable[[], None] | None = None
@@ -272,9 +285,11 @@ class ParallelReads:
         self.start(pieces, finish, helpers=self.threads - 1).wait()
 
     def start(
-        self, pieces: Sequence[Piece | GatherPiece], finish: Callable[[], None] | None = None,
+        self,
+        pieces: Sequence[Piece | GatherPiece],
+        finish: Callable[[], None] | None = None,
         helpers: int | None = None,
-    ) -> PendingReads:  # fmt: skip
+    ) -> PendingReads:
         """Hand the pieces to ``helpers`` (default ``threads``) helper threads and return at once; below
         ``run``'s threshold, :meth:`PendingReads.wait` reads them on the waiting thread."""
         shared = self._shared(pieces)
@@ -299,7 +314,9 @@ class ParallelReads:
         self.__init__(**state)  # type: ignore[misc]
 
 
-def new_tensor(shape: Sequence[int], dtype: torch.dtype, *, shared: bool = False, pinned: bool = False) -> torch.Tensor:
+def new_tensor(
+    shape: Sequence[int], dtype: torch.dtype, *, shared: bool = False, pinned: bool = False
+) -> torch.Tensor:
     """An uninitialised CPU tensor ``shape``/``dtype``; ``shared``: in shared memory (a DataLoader
     worker's batch travels without a copy); ``pinned``: page-locked, for a non-blocking copy to CUDA."""
     shape = tuple(int(s) for s in shape)
@@ -355,7 +372,9 @@ class DestinationBuffers:
 
     def __init__(self, *, shared: bool = False, pinned: bool = False, max_pooled: int = 4) -> None:
         if shared and pinned:
-            raise ValueError("shared=True and pinned=True: a DataLoader worker's batch is pinned by the main process")
+            raise ValueError(
+                "shared=True and pinned=True: a DataLoader worker's batch is pinned by the main process"
+            )
         self.shared = shared
         self.pinned = pinned
         self.max_pooled = max_pooled
@@ -380,7 +399,9 @@ class DestinationBuffers:
         return self._tensor(buf.owner, nbytes, dtype, shape), buf.whole
 
     @staticmethod
-    def _tensor(owner: np.ndarray, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    def _tensor(
+        owner: np.ndarray, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...]
+    ) -> torch.Tensor:
         if nbytes == 0:  # zero-size rows: nothing to share (an empty array has no strides to view)
             return torch.empty(shape, dtype=dtype)
         return torch.frombuffer(owner, dtype=dtype, count=nbytes // dtype.itemsize).view(shape)

@@ -59,7 +59,11 @@ __all__ = [
 ]
 
 #: Linux's limit on iovecs per ``preadv`` call; longer runs are split.
-IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") and "SC_IOV_MAX" in os.sysconf_names else 1024
+IOV_MAX = (
+    os.sysconf("SC_IOV_MAX")
+    if hasattr(os, "sysconf") and "SC_IOV_MAX" in os.sysconf_names
+    else 1024
+)
 
 
 @dataclass(frozen=True)
@@ -82,7 +86,9 @@ class RunPlan:
         return len(self.first_row)
 
 
-def plan_runs(local: Sequence[int] | np.ndarray, dst: Sequence[int] | np.ndarray | None = None) -> RunPlan:
+def plan_runs(
+    local: Sequence[int] | np.ndarray, dst: Sequence[int] | np.ndarray | None = None
+) -> RunPlan:
     """Cut the file rows ``local`` (``n`` ints, any order, repeats allowed) into runs.
 
     ``dst`` (``n`` ints, default ``0..n-1``): the batch row each of ``local`` goes
@@ -92,9 +98,15 @@ def plan_runs(local: Sequence[int] | np.ndarray, dst: Sequence[int] | np.ndarray
     calls on a batch's few dozen rows.
     """
     rows = local.tolist() if isinstance(local, np.ndarray) else list(local)
-    targets = range(len(rows)) if dst is None else (dst.tolist() if isinstance(dst, np.ndarray) else list(dst))
+    targets = (
+        range(len(rows))
+        if dst is None
+        else (dst.tolist() if isinstance(dst, np.ndarray) else list(dst))
+    )
     if len(targets) != len(rows):
-        raise ValueError(f"dst has {len(targets)} rows, local {len(rows)}; pass one batch row per file row")
+        raise ValueError(
+            f"dst has {len(targets)} rows, local {len(rows)}; pass one batch row per file row"
+        )
     n = len(rows)
     if n and dst is None and rows == list(range(rows[0], rows[0] + n)):
         return RunPlan(list(range(n)), [0, n], [rows[0]], [True])  # sequential reads: one run
@@ -118,9 +130,16 @@ def plan_runs(local: Sequence[int] | np.ndarray, dst: Sequence[int] | np.ndarray
 
 
 def plan_pieces(
-    fd: int, base: int, row_bytes: int, plan: RunPlan, dst: memoryview, path: str,
-    after: AfterRead | None = None, chunk_bytes: int = 0, owner: object = None,
-) -> list[Piece]:  # fmt: skip
+    fd: int,
+    base: int,
+    row_bytes: int,
+    plan: RunPlan,
+    dst: memoryview,
+    path: str,
+    after: AfterRead | None = None,
+    chunk_bytes: int = 0,
+    owner: object = None,
+) -> list[Piece]:
     """The reads that put the planned rows of one tensor into ``dst`` (the bytes of the batch tensor ``[B, row]``).
 
     ``base``: file offset of row 0 of the tensor. A run whose batch rows are consecutive is
@@ -143,19 +162,52 @@ def plan_pieces(
                 r = min(m, n - c)
                 view = dst[(p + c) * row_bytes : (p + c + r) * row_bytes]
                 rows = range(first[k] + c, first[k] + c + r)
-                out.append(Piece(fd, offset + c * row_bytes, [view], r * row_bytes, path, after, (p + c, rows), owner))
+                out.append(
+                    Piece(
+                        fd,
+                        offset + c * row_bytes,
+                        [view],
+                        r * row_bytes,
+                        path,
+                        after,
+                        (p + c, rows),
+                        owner,
+                    )
+                )
             continue
         if after is not None:
             for j, p in enumerate(dst_rows[a:b]):
                 view = dst[p * row_bytes : (p + 1) * row_bytes]
                 row = first[k] + j
-                out.append(Piece(fd, offset + j * row_bytes, [view], row_bytes, path, after, (p, range(row, row + 1)), owner))
+                out.append(
+                    Piece(
+                        fd,
+                        offset + j * row_bytes,
+                        [view],
+                        row_bytes,
+                        path,
+                        after,
+                        (p, range(row, row + 1)),
+                        owner,
+                    )
+                )
             continue
         per = min(IOV_MAX, max(1, step)) if step else IOV_MAX
         for c in range(a, b, per):
             rows = dst_rows[c : min(b, c + per)]
             iov = [dst[p * row_bytes : (p + 1) * row_bytes] for p in rows]
-            out.append(Piece(fd, offset + (c - a) * row_bytes, iov, len(rows) * row_bytes, path, None, (0, ()), owner))
+            out.append(
+                Piece(
+                    fd,
+                    offset + (c - a) * row_bytes,
+                    iov,
+                    len(rows) * row_bytes,
+                    path,
+                    None,
+                    (0, ()),
+                    owner,
+                )
+            )
     return out
 
 
@@ -225,7 +277,9 @@ def row_nbytes(e: HeaderEntry) -> int:
     return tensor_nbytes(e.dtype, e.shape[1:])
 
 
-def row_ranges(entries: dict[str, HeaderEntry], keys: Sequence[str], rows: np.ndarray) -> list[tuple[int, int]]:
+def row_ranges(
+    entries: dict[str, HeaderEntry], keys: Sequence[str], rows: np.ndarray
+) -> list[tuple[int, int]]:
     """``(file offset, bytes)`` of rows ``rows`` of every key in ``keys``: one range per run of consecutive rows."""
     rows = np.unique(rows)
     runs = np.split(rows, np.flatnonzero(np.diff(rows) != 1) + 1)
@@ -238,8 +292,11 @@ def row_ranges(entries: dict[str, HeaderEntry], keys: Sequence[str], rows: np.nd
 
 
 def choose_engines(
-    keys: Sequence[str], local: np.ndarray, pos: np.ndarray | None, entries: dict[str, HeaderEntry],
-) -> tuple[dict[str, bool], RunPlan | None]:  # fmt: skip
+    keys: Sequence[str],
+    local: np.ndarray,
+    pos: np.ndarray | None,
+    entries: dict[str, HeaderEntry],
+) -> tuple[dict[str, bool], RunPlan | None]:
     """``{key: read with preadv}`` for rows ``local`` -> batch rows ``pos`` of one shard,
     and the run plan if counting the runs needed one (the preadv pieces reuse it).
 
@@ -267,10 +324,20 @@ def choose_engines(
 
 
 def plan_shard_rows(
-    f: OpenShard, fd: int, keys: Sequence[str], local: np.ndarray, pos: np.ndarray | None,
-    out: dict[str, torch.Tensor], raw: dict[str, memoryview], chunk: int, sums: ShardSums | None,
-    first_sample: int, repair: str, pieces: list[Piece | GatherPiece], scattered: list[Scattered],
-) -> None:  # fmt: skip
+    f: OpenShard,
+    fd: int,
+    keys: Sequence[str],
+    local: np.ndarray,
+    pos: np.ndarray | None,
+    out: dict[str, torch.Tensor],
+    raw: dict[str, memoryview],
+    chunk: int,
+    sums: ShardSums | None,
+    first_sample: int,
+    repair: str,
+    pieces: list[Piece | GatherPiece],
+    scattered: list[Scattered],
+) -> None:
     """Plan copying rows ``local`` (int64 ``[m]``) of the open shard ``f`` into batch rows ``pos``
     (int64 ``[m]``; None: ``0..m-1``) of every key's batch tensor ``out[key]`` (whose bytes
     are ``raw[key]``).
@@ -300,8 +367,15 @@ def plan_shard_rows(
         expected, views = sums.sums[key], row_views(dst, dst.shape[0])
 
         def after(p: int, rows: Sequence[int]) -> None:
-            verify_row_views(views[p : p + len(rows)], rows, expected, path=path, key=key,
-                             first_sample=first_sample, repair=repair)  # fmt: skip
+            verify_row_views(
+                views[p : p + len(rows)],
+                rows,
+                expected,
+                path=path,
+                key=key,
+                first_sample=first_sample,
+                repair=repair,
+            )
 
         return after
 
@@ -315,13 +389,17 @@ def plan_shard_rows(
         if engines[key]:
             after = verifier(key, out[key])
             plan = plan or plan_runs(local, pos)
-            pieces += plan_pieces(fd, e.start, row_bytes, plan, raw[key], path, after, chunk, owner=f)
+            pieces += plan_pieces(
+                fd, e.start, row_bytes, plan, raw[key], path, after, chunk, owner=f
+            )
             continue
         if views is None:  # the row pattern is the same for every key: work it out once per shard
             views = f.mapped(keys, repair)
             local_run, pos_run = is_run(local), pos is None or is_run(pos)
             rows_t = None if local_run else torch.from_numpy(local)
-            all_rows = range(int(local[0]), int(local[0]) + local.size) if local_run else local.tolist()
+            all_rows = (
+                range(int(local[0]), int(local[0]) + local.size) if local_run else local.tolist()
+            )
         dst = out[key]
         if pos is None and local.size == dst.shape[0]:
             target = dst
@@ -335,19 +413,39 @@ def plan_shard_rows(
         step = max(1, chunk // row_bytes) if chunk and row_bytes else local.size
         first = int(local[0]) if local_run else 0
         if step >= local.size:  # the common case: one piece for the key's rows of this shard
-            pieces.append(GatherPiece(views[key], rows_t, first, target, local.size * row_bytes, path, after,
-                                      (0, all_rows)))  # fmt: skip
+            pieces.append(
+                GatherPiece(
+                    views[key],
+                    rows_t,
+                    first,
+                    target,
+                    local.size * row_bytes,
+                    path,
+                    after,
+                    (0, all_rows),
+                )
+            )
             continue
         for a in range(0, local.size, step):
             m = min(step, local.size - a)
-            pieces.append(GatherPiece(
-                views[key], None if rows_t is None else rows_t[a : a + m], first + a if local_run else 0,
-                target[a : a + m], m * row_bytes, path, after, (a, all_rows[a : a + m]),
-            ))  # fmt: skip
+            pieces.append(
+                GatherPiece(
+                    views[key],
+                    None if rows_t is None else rows_t[a : a + m],
+                    first + a if local_run else 0,
+                    target[a : a + m],
+                    m * row_bytes,
+                    path,
+                    after,
+                    (a, all_rows[a : a + m]),
+                )
+            )
 
 
 def _missing(path: str, repair: str) -> CacheIntegrityError:
-    return CacheIntegrityError(f"shard {path} is missing (removed after the cache was opened?). {repair}", path=path)
+    return CacheIntegrityError(
+        f"shard {path} is missing (removed after the cache was opened?). {repair}", path=path
+    )
 
 
 class OpenShard:
@@ -364,8 +462,14 @@ class OpenShard:
 
     __slots__ = ("path", "name", "header", "fd", "views", "handle", "tokens", "fetch", "_pid")
 
-    def __init__(self, path: str, header: ShardHeader, tokens: TokenIndex | None = None, fetch: Fetch | None = None,
-                 name: str | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        path: str,
+        header: ShardHeader,
+        tokens: TokenIndex | None = None,
+        fetch: Fetch | None = None,
+        name: str | None = None,
+    ) -> None:
         self.path, self.name, self.header, self.fd = path, name or path, header, -1
         self.tokens = tokens  # a token-layout shard's ragged index
         self.fetch = fetch  # makes byte ranges present in the local file (``Storage.readable``; None: all are)
@@ -406,7 +510,9 @@ class OpenShard:
                 e = self.header.entries[key]
                 raw = whole[e.start : e.end]
                 if e.start % raw.new_empty(0, dtype=e.dtype).element_size():
-                    raw = raw.clone()  # misaligned (safetensors aligns; a foreign writer may not): copy once
+                    raw = (
+                        raw.clone()
+                    )  # misaligned (safetensors aligns; a foreign writer may not): copy once
                 views[key] = raw.view(e.dtype).view(e.shape)
             self.views = views
         return self.views

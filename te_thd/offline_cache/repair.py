@@ -73,7 +73,9 @@ class Rebuild:
     """What :func:`rebuild_manifest` found in a directory of shards."""
 
     params: dict[str, Any]  # the producer's run parameters (``run_params``): its record
-    manifest: dict[str, Any] | None  # the manifest to write (for write_manifest); None while a shard is missing
+    manifest: (
+        dict[str, Any] | None
+    )  # the manifest to write (for write_manifest); None while a shard is missing
     bad: dict[int, str] = field(default_factory=dict)  # {index: problem}: set aside, recomputed
     missing: list[int] = field(default_factory=list)
     extra: list[int] = field(default_factory=list)
@@ -86,10 +88,14 @@ def _check_given(given: Mapping[str, Any]) -> dict[str, Any]:
     out = {k: v for k, v in given.items() if v is not None}
     for key in ("format_version", "shard_size", "num_samples"):
         if key in out and not is_int(out[key], 0 if key == "num_samples" else 1):
-            raise ValueError(f"{key}={out[key]!r} must be an int >= {0 if key == 'num_samples' else 1}")
+            raise ValueError(
+                f"{key}={out[key]!r} must be an int >= {0 if key == 'num_samples' else 1}"
+            )
     if "options" in out:
         if not isinstance(out["options"], Mapping):
-            raise ValueError(f"options={out['options']!r} must be a dict: the manifest's producer options")
+            raise ValueError(
+                f"options={out['options']!r} must be a dict: the manifest's producer options"
+            )
         out["options"] = json.loads(json.dumps(check_options(out["options"])))
     if "length_key" in out and not isinstance(out["length_key"], str):
         raise ValueError(f"length_key={out['length_key']!r} must be the name of a stored key")
@@ -113,16 +119,26 @@ def _group_runs(headers: Mapping[int, ShardHeader], cache_dir: str) -> dict[str,
     return json.loads(next(iter(groups))) if groups else None
 
 
-def _from_record(record: dict[str, Any], given: dict[str, Any], cache_dir: str) -> tuple[dict[str, Any], LengthRule | None, dict[str, Any]]:
+def _from_record(
+    record: dict[str, Any], given: dict[str, Any], cache_dir: str
+) -> tuple[dict[str, Any], LengthRule | None, dict[str, Any]]:
     """``(params, length rule, manifest options)`` of shards that record their run; an argument that
     contradicts the record is refused, ``options`` the record lacks are added (caller metadata)."""
     rule = LengthRule.from_json(record[LENGTH_RULE_KEY]) if LENGTH_RULE_KEY in record else None
     params = {k: v for k, v in record.items() if k != LENGTH_RULE_KEY}
-    recorded = {"format_version": params["format_version"], "shard_size": params["shard_size"],
-                "num_samples": params["num_samples"], "length_key": rule.key if rule is not None else None}  # fmt: skip
+    recorded = {
+        "format_version": params["format_version"],
+        "shard_size": params["shard_size"],
+        "num_samples": params["num_samples"],
+        "length_key": rule.key if rule is not None else None,
+    }
     for key, value in given.items():
         if key == "options":
-            clash = {k: v for k, v in value.items() if k in params["options"] and params["options"][k] != v}
+            clash = {
+                k: v
+                for k, v in value.items()
+                if k in params["options"] and params["options"][k] != v
+            }
             if clash:
                 theirs = {k: params["options"][k] for k in clash}
                 raise ValueError(
@@ -163,8 +179,10 @@ def _from_arguments(
     notes = []
     if num_samples is None and shard_size is not None:
         num_samples = top * shard_size + headers[top].sums.rows  # type: ignore[union-attr]  # the last present ends it
-        notes.append(f"num_samples={num_samples}: shard {top} is taken for the last (pass {REBUILD_ARGS['num_samples']} "
-                     "if shards after it were lost too)")  # fmt: skip
+        notes.append(
+            f"num_samples={num_samples}: shard {top} is taken for the last (pass {REBUILD_ARGS['num_samples']} "
+            "if shards after it were lost too)"
+        )
     needs = {
         "format_version": ("format_version" not in given, "the int its readers pass"),
         "options": ("options" not in given, "the producer options, a JSON object: {} for none"),
@@ -173,7 +191,11 @@ def _from_arguments(
     missing = [k for k, (lacking, _) in needs.items() if lacking]
     if missing:
         kwargs = ", ".join(f"{k}=..." for k in missing)
-        where = (f" The damaged manifest is still in place ({damaged}): its fields may tell them." if damaged else "")
+        where = (
+            f" The damaged manifest is still in place ({damaged}): its fields may tell them."
+            if damaged
+            else ""
+        )
         raise ManifestError(
             f"cannot rebuild the manifest of {cache_dir}: its shards were written before shards recorded their "
             f"producer run, so they do not tell {'; '.join(f'{k} ({needs[k][1]})' for k in missing)}. Pass "
@@ -183,17 +205,25 @@ def _from_arguments(
     if layout is not None:
         rule: LengthRule | None = LengthRule.from_json(tokens["length_rule"])  # type: ignore[index]
         if "length_key" in given and given["length_key"] != rule.key:
-            raise ValueError(f"length_key={given['length_key']!r} contradicts the shards, which store tokens by {rule.key!r}")
+            raise ValueError(
+                f"length_key={given['length_key']!r} contradicts the shards, which store tokens by {rule.key!r}"
+            )
     else:
         rule = producer_rule(given.get("length_key"), list(schema))
         if "length_key" not in given:
-            notes.append(f"lengths by {rule.describe() if rule else 'no key (no input_ids stored)'}, the producer's "
-                         f"default (pass {REBUILD_ARGS['length_key']} if it was given another length_key)")  # fmt: skip
-    params = run_params(given["format_version"], num_samples, shard_size, list(schema), given["options"], layout)
+            notes.append(
+                f"lengths by {rule.describe() if rule else 'no key (no input_ids stored)'}, the producer's "
+                f"default (pass {REBUILD_ARGS['length_key']} if it was given another length_key)"
+            )
+    params = run_params(
+        given["format_version"], num_samples, shard_size, list(schema), given["options"], layout
+    )
     return params, rule, dict(given["options"]), notes
 
 
-def rebuild_manifest(cache_dir: str, cache_name: str = "offline", damaged: str | None = None, **given: Any) -> Rebuild:
+def rebuild_manifest(
+    cache_dir: str, cache_name: str = "offline", damaged: str | None = None, **given: Any
+) -> Rebuild:
     """Rebuild the manifest of the directory of shards ``cache_dir`` (changes nothing).
 
     Every shard's header is read; the producer run they record (or, for shards that record
@@ -228,7 +258,7 @@ def rebuild_manifest(cache_dir: str, cache_name: str = "offline", damaged: str |
             f"cannot rebuild the manifest of {cache_dir}: no shard header is readable "
             f"({'; '.join(f'shard {i}: {why}' for i, why in list(bad.items())[:3])})",
             path=storage.display(shard_name(present[0])),
-        )  # fmt: skip
+        )
     record = _group_runs(headers, cache_dir)
     notes: list[str] = []
     if record is not None:
@@ -244,27 +274,54 @@ def rebuild_manifest(cache_dir: str, cache_name: str = "offline", damaged: str |
     for i in (i for i in present if i < count and i in headers):
         sums = headers[i].sums
         if record is not None and (sums is None or sums.run != record):
-            bad[i] = "records no producer run or another one than the other shards: it does not belong to this cache"
+            bad[i] = (
+                "records no producer run or another one than the other shards: it does not belong to this cache"
+            )
             continue
         if schema is None and set(schema_of_header(headers[i])) == set(params["keys"]):
             schema = schema_of_header(headers[i])
         if schema is None:
-            bad[i] = f"holds keys {sorted(schema_of_header(headers[i]))}, the cache stores {params['keys']}"
+            bad[i] = (
+                f"holds keys {sorted(schema_of_header(headers[i]))}, the cache stores {params['keys']}"
+            )
             continue
-        path = storage.whole(shard_name(i))  # every byte is read: an object is fetched into a local copy
+        path = storage.whole(
+            shard_name(i)
+        )  # every byte is read: an object is fetched into a local copy
         try:
-            records[i] = existing_record(path, schema, shard_rows(i, params["num_samples"], params["shard_size"]), rule,
-                                         first_sample=i * params["shard_size"])
+            records[i] = existing_record(
+                path,
+                schema,
+                shard_rows(i, params["num_samples"], params["shard_size"]),
+                rule,
+                first_sample=i * params["shard_size"],
+            )
         except CacheIntegrityError as exc:
             bad[i] = shard_problem(exc, path)
     missing = sorted(set(range(count)) - set(records) - set(bad))
-    result = Rebuild(params, None, {i: bad[i] for i in sorted(bad) if i < count}, missing,
-                     sorted({*extra, *(i for i in bad if i >= count)}), used, notes)  # fmt: skip
+    result = Rebuild(
+        params,
+        None,
+        {i: bad[i] for i in sorted(bad) if i < count},
+        missing,
+        sorted({*extra, *(i for i in bad if i >= count)}),
+        used,
+        notes,
+    )
     if not (result.bad or missing) and schema is not None or count == 0:
-        gathered = [(None, {i: (r.bytes, r.checksum, r.lengths, r.fidelity) for i, r in records.items()},
-                     schema_to_json(schema) if schema is not None else None)]  # fmt: skip
-        token_layout = TokenLayout.from_json(params["token_layout"]) if "token_layout" in params else None
-        result.manifest = assemble_manifest(gathered, params, options, cache_dir, cache_name, rule, token_layout)
+        gathered = [
+            (
+                None,
+                {i: (r.bytes, r.checksum, r.lengths, r.fidelity) for i, r in records.items()},
+                schema_to_json(schema) if schema is not None else None,
+            )
+        ]
+        token_layout = (
+            TokenLayout.from_json(params["token_layout"]) if "token_layout" in params else None
+        )
+        result.manifest = assemble_manifest(
+            gathered, params, options, cache_dir, cache_name, rule, token_layout
+        )
     return result
 
 
@@ -292,8 +349,13 @@ def repair_cache(
     fields the shards do not record. Raises :class:`CacheLockError` while a producer holds
     the directory.
     """
-    given = {"format_version": format_version, "options": options, "shard_size": shard_size,
-             "num_samples": num_samples, "length_key": length_key}  # fmt: skip
+    given = {
+        "format_version": format_version,
+        "options": options,
+        "shard_size": shard_size,
+        "num_samples": num_samples,
+        "length_key": length_key,
+    }
     storage = open_storage(cache_dir)
     storage.must_exist(MANIFEST_NAME)  # before the lock, which would create a missing directory
     lock = storage.lock()
@@ -305,7 +367,9 @@ def repair_cache(
             damaged = MANIFEST_NAME in storage.list()
             if not damaged and not existing_shard_indices(cache_dir):
                 raise  # no manifest and no shards: nothing to rebuild from, and the error says what the path is
-            rebuilt = rebuild_manifest(cache_dir, cache_name, storage.display(MANIFEST_NAME) if damaged else None, **given)
+            rebuilt = rebuild_manifest(
+                cache_dir, cache_name, storage.display(MANIFEST_NAME) if damaged else None, **given
+            )
             return _apply_rebuild(storage, rebuilt, damaged)
         passed = [k for k, v in given.items() if v is not None]
         if passed:
@@ -316,7 +380,10 @@ def repair_cache(
         count = num_shards(int(manifest["num_samples"]), int(manifest["shard_size"]))
         present = existing_shard_indices(cache_dir)
         bad, _ = verify_shards(cache_dir, manifest, sorted(i for i in present if i < count))
-        missing, extra = sorted(set(range(count)) - present), sorted(i for i in present if i >= count)
+        missing, extra = (
+            sorted(set(range(count)) - present),
+            sorted(i for i in present if i >= count),
+        )
         result = _result(cache_dir, bad, missing, extra, producer_command(cache_dir, manifest))
         if not (bad or missing or extra):
             return result
@@ -327,7 +394,9 @@ def repair_cache(
         lock.release()
 
 
-def _result(cache_dir: str, bad: Mapping[int, str], missing: list[int], extra: list[int], producer: str) -> dict[str, Any]:
+def _result(
+    cache_dir: str, bad: Mapping[int, str], missing: list[int], extra: list[int], producer: str
+) -> dict[str, Any]:
     """What :func:`repair_cache` returns, before anything is changed (``producer``: :func:`producer_command`)."""
     return {
         "cache_dir": cache_dir,
@@ -348,17 +417,26 @@ def _apply_rebuild(storage: Storage, rebuilt: Rebuild, damaged: bool) -> dict[st
     shards set aside, then the manifest last -- or, with a shard missing, the producer's run
     record, so the producer command resumes and fills the gap."""
     cache_dir = storage.name
-    result = _result(cache_dir, rebuilt.bad, rebuilt.missing, rebuilt.extra,
-                     producer_command(cache_dir, rebuilt.params["options"]))  # fmt: skip
+    result = _result(
+        cache_dir,
+        rebuilt.bad,
+        rebuilt.missing,
+        rebuilt.extra,
+        producer_command(cache_dir, rebuilt.params["options"]),
+    )
     result["from_arguments"], result["notes"] = rebuilt.from_arguments, rebuilt.notes
     result["rebuilt"] = rebuilt.manifest is not None
     result["reopened"] = rebuilt.manifest is None
-    aside = [shard_name(i) for i in [*rebuilt.bad, *rebuilt.extra]] + ([MANIFEST_NAME] if damaged else [])
+    aside = [shard_name(i) for i in [*rebuilt.bad, *rebuilt.extra]] + (
+        [MANIFEST_NAME] if damaged else []
+    )
     if rebuilt.manifest is None:
         storage.put(PROGRESS_NAME, record_bytes(rebuilt.params))
     result["set_aside_in"] = storage.set_aside(aside, DAMAGED_DIR)
     if rebuilt.manifest is not None:
-        write_manifest(cache_dir, rebuilt.manifest, rebuilt.params["format_version"])  # last: the cache is finished
+        write_manifest(
+            cache_dir, rebuilt.manifest, rebuilt.params["format_version"]
+        )  # last: the cache is finished
         storage.delete(PROGRESS_NAME)  # as the producer does once its manifest is written
     storage.flush()
     return result

@@ -55,7 +55,14 @@ class S3Prefix(storage.Storage):
 
     fork_safe = False
 
-    def __init__(self, scheme: str, bucket: str, prefix: str, read_cache_dir: str | None = None, read_cache_bytes: int | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        scheme: str,
+        bucket: str,
+        prefix: str,
+        read_cache_dir: str | None = None,
+        read_cache_bytes: int | None = None,
+    ) -> None:
         self.bucket, self.prefix = bucket, prefix
         self.name = f"{scheme}://{bucket}/{prefix}" if prefix else f"{scheme}://{bucket}"
         self.config = settings()  # captured here: workers may have another environment
@@ -64,7 +71,10 @@ class S3Prefix(storage.Storage):
         self._work: str | None = None
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_work": None}  # the staging directory belongs to the process that made it
+        return {
+            **self.__dict__,
+            "_work": None,
+        }  # the staging directory belongs to the process that made it
 
     def display(self, obj: str) -> str:
         return f"{self.name}/{obj}"
@@ -100,21 +110,37 @@ class S3Prefix(storage.Storage):
     def get(self, obj: str) -> bytes | None:
         try:
             with self.calls():
-                return bytes(_obstore().get(client(self.bucket, self.config), self.key(obj)).bytes())
+                return bytes(
+                    _obstore().get(client(self.bucket, self.config), self.key(obj)).bytes()
+                )
         except FileNotFoundError:
             return None
 
     def get_ranges(self, obj: str, ranges: Sequence[tuple[int, int]]) -> list[memoryview]:
         """Bytes ``[start, end)`` of ``obj`` for each range (views, not copies): one call, obstore coalesces."""
         with self.calls():
-            out = _obstore().get_ranges(client(self.bucket, self.config), self.key(obj), starts=[a for a, _ in ranges], ends=[b for _, b in ranges]) if ranges else []  # fmt: skip
+            out = (
+                _obstore().get_ranges(
+                    client(self.bucket, self.config),
+                    self.key(obj),
+                    starts=[a for a, _ in ranges],
+                    ends=[b for _, b in ranges],
+                )
+                if ranges
+                else []
+            )
         return [memoryview(b) for b in out]
 
     def put(self, obj: str, data: bytes, *, create: bool = False) -> str:
         """Also ``create``: only if it does not exist (conditional PUT); then ``""`` when it did."""
         try:
             with self.calls():
-                _obstore().put(client(self.bucket, self.config), self.key(obj), data, mode="create" if create else "overwrite")
+                _obstore().put(
+                    client(self.bucket, self.config),
+                    self.key(obj),
+                    data,
+                    mode="create" if create else "overwrite",
+                )
         except FileExistsError:
             return ""
         except Exception as exc:  # obstore raises its own AlreadyExistsError (a FileExistsError in recent versions)
@@ -134,7 +160,10 @@ class S3Prefix(storage.Storage):
         return self._work
 
     def commit(self, obj: str, tmp_path: str) -> str:
-        with open(tmp_path, "rb") as f, self.calls():  # one PUT (multipart when large): whole or not at all
+        with (
+            open(tmp_path, "rb") as f,
+            self.calls(),
+        ):  # one PUT (multipart when large): whole or not at all
             _obstore().put(client(self.bucket, self.config), self.key(obj), f)
         unlink_quietly(tmp_path)
         return self.display(obj)
@@ -182,7 +211,9 @@ class S3Prefix(storage.Storage):
     def set_aside(self, objs: Sequence[str], into: str) -> str | None:
         for obj in objs:
             with self.calls():
-                _obstore().copy(client(self.bucket, self.config), self.key(obj), self.key(f"{into}/{obj}"))
+                _obstore().copy(
+                    client(self.bucket, self.config), self.key(obj), self.key(f"{into}/{obj}")
+                )
             self.delete(obj)
         return self.display(into) if objs else None
 
@@ -244,15 +275,36 @@ class ObjectLock:
 _CLIENTS: dict[tuple[int, str, tuple[tuple[str, str], ...]], Any] = {}
 #: a failed request (no connection within CLIENT_OPTIONS' connect_timeout, a 5xx answer, a dropped
 #: connection) is tried again a few times with short backoffs: a store that does not answer fails in seconds
-RETRY: Any = {"max_retries": 4, "retry_timeout": timedelta(seconds=30), "backoff": {"init_backoff": timedelta(seconds=0.2), "max_backoff": timedelta(seconds=2), "base": 2}}  # fmt: skip
-CLIENT_OPTIONS = {"connect_timeout": "3s", "timeout": "300s"}  # one request (a multipart part) may take 5 min
+RETRY: Any = {
+    "max_retries": 4,
+    "retry_timeout": timedelta(seconds=30),
+    "backoff": {
+        "init_backoff": timedelta(seconds=0.2),
+        "max_backoff": timedelta(seconds=2),
+        "base": 2,
+    },
+}
+CLIENT_OPTIONS = {
+    "connect_timeout": "3s",
+    "timeout": "300s",
+}  # one request (a multipart part) may take 5 min
 _CODE = re.compile(r"<Code>(\w+)</Code>")  # an S3 error answer's code
 #: the environment variables a client is configured from
-_VARS = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN",
-         "AWS_REGION", "AWS_DEFAULT_REGION")  # fmt: skip
+_VARS = (
+    "AWS_ENDPOINT_URL_S3",
+    "AWS_ENDPOINT_URL",
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "AWS_REGION",
+    "AWS_DEFAULT_REGION",
+)
 #: credential options of the shared files, by the environment variable each stands for
-_CREDENTIALS = (("aws_access_key_id", "AWS_ACCESS_KEY_ID"), ("aws_secret_access_key", "AWS_SECRET_ACCESS_KEY"),
-                ("aws_session_token", "AWS_SESSION_TOKEN"))  # fmt: skip
+_CREDENTIALS = (
+    ("aws_access_key_id", "AWS_ACCESS_KEY_ID"),
+    ("aws_secret_access_key", "AWS_SECRET_ACCESS_KEY"),
+    ("aws_session_token", "AWS_SESSION_TOKEN"),
+)
 
 
 def _profile() -> dict[str, str]:
@@ -261,17 +313,24 @@ def _profile() -> dict[str, str]:
     name = os.environ.get("AWS_PROFILE") or "default"
     out: dict[str, str] = {}
     for file_var, default, section, options in (
-        ("AWS_CONFIG_FILE", "~/.aws/config", name if name == "default" else f"profile {name}",
-         (("region", "AWS_REGION"), ("endpoint_url", "AWS_ENDPOINT_URL"), *_CREDENTIALS)),
+        (
+            "AWS_CONFIG_FILE",
+            "~/.aws/config",
+            name if name == "default" else f"profile {name}",
+            (("region", "AWS_REGION"), ("endpoint_url", "AWS_ENDPOINT_URL"), *_CREDENTIALS),
+        ),
         ("AWS_SHARED_CREDENTIALS_FILE", "~/.aws/credentials", name, _CREDENTIALS),
-    ):  # fmt: skip
+    ):
         parser = configparser.ConfigParser(interpolation=None)
         path = os.path.expanduser(os.environ.get(file_var, default))
         parser.read(path)
         if parser.has_section(section):
             for opt, var in options:
                 if parser.get(section, opt, fallback=None):
-                    out[var], out[f"from:{var}"] = parser.get(section, opt), f"{opt} of profile {name!r} in {path}"
+                    out[var], out[f"from:{var}"] = (
+                        parser.get(section, opt),
+                        f"{opt} of profile {name!r} in {path}",
+                    )
     return out
 
 
@@ -290,17 +349,30 @@ def _store_error(exc: BaseException, store: S3Prefix) -> storage.StorageError | 
     code, (url, origin) = _CODE.search(text), endpoint(store.config)
     at = f"(endpoint {url}, from {origin})"
     if code and code[1] == "NoSuchBucket":
-        why = (f"bucket {store.bucket!r} does not exist {at}; te_thd never creates buckets: create it first, or "
-               "check the bucket name and the endpoint")  # fmt: skip
-    elif kind in ("PermissionDeniedError", "UnauthenticatedError") or re.search(r" 40[13] (Forbidden|Unauth)", text):
+        why = (
+            f"bucket {store.bucket!r} does not exist {at}; te_thd never creates buckets: create it first, or "
+            "check the bucket name and the endpoint"
+        )
+    elif kind in ("PermissionDeniedError", "UnauthenticatedError") or re.search(
+        r" 40[13] (Forbidden|Unauth)", text
+    ):
         keys = store.config.get("from:AWS_ACCESS_KEY_ID", "obstore's provider chain: none set")
-        why = (f"access denied: the store answered {code[1] if code else kind} {at[:-1]}; keys from {keys}); check "
-               f"the keys and that they may read and write bucket {store.bucket!r} at this endpoint")  # fmt: skip
-    elif kind == "GenericError" and not code and re.search(r"error sending request|HTTP error|timed out", text):
+        why = (
+            f"access denied: the store answered {code[1] if code else kind} {at[:-1]}; keys from {keys}); check "
+            f"the keys and that they may read and write bucket {store.bucket!r} at this endpoint"
+        )
+    elif (
+        kind == "GenericError"
+        and not code
+        and re.search(r"error sending request|HTTP error|timed out", text)
+    ):
         tried = re.search(r" in ([0-9.]+)(\w*s), after ([0-9]+) retries", text)
-        why = (f"no answer from the object store {at}" + (f" after {tried[3]} retries in {float(tried[1]):.2g} {tried[2]}" if tried else "")
-               + "; check that the server runs and the endpoint is right (AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL, "
-               "or endpoint_url in the AWS profile's config file; none for AWS S3)")  # fmt: skip
+        why = (
+            f"no answer from the object store {at}"
+            + (f" after {tried[3]} retries in {float(tried[1]):.2g} {tried[2]}" if tried else "")
+            + "; check that the server runs and the endpoint is right (AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL, "
+            "or endpoint_url in the AWS profile's config file; none for AWS S3)"
+        )
     else:
         return None
     return storage.StorageError(f"{store.name}: {why}")
@@ -342,8 +414,11 @@ def client(bucket: str, config: dict[str, str] | None = None) -> Any:
         _obstore()
         from obstore.store import S3Store
 
-        kwargs: dict[str, Any] = {"region": env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or "us-east-1",
-                                  "retry_config": RETRY, "client_options": dict(CLIENT_OPTIONS)}  # fmt: skip
+        kwargs: dict[str, Any] = {
+            "region": env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or "us-east-1",
+            "retry_config": RETRY,
+            "client_options": dict(CLIENT_OPTIONS),
+        }
         url = env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL")
         if url:
             kwargs["endpoint"] = url
@@ -367,7 +442,9 @@ class ReadThrough:
     (None: no limit). ``root`` is the local directory readers open.
     """
 
-    def __init__(self, store: S3Prefix, cache_dir: str | None = None, max_bytes: int | None = None) -> None:
+    def __init__(
+        self, store: S3Prefix, cache_dir: str | None = None, max_bytes: int | None = None
+    ) -> None:
         self.store = store
         self.max_bytes = max_bytes
         if cache_dir is None:
@@ -377,7 +454,9 @@ class ReadThrough:
             os.makedirs(self.root, exist_ok=True)
         self.sizes: dict[str, int] = {}
         self._present: dict[str, bytearray] = {}
-        self._absent: dict[str, np.ndarray] = {}  # per shard: prefix counts of chunks not yet fetched
+        self._absent: dict[
+            str, np.ndarray
+        ] = {}  # per shard: prefix counts of chunks not yet fetched
         self._lru: OrderedDict[str, None] = OrderedDict()
         #: requests made and bytes fetched from the store by this process (benchmarks, docs)
         self.requests = self.fetched_bytes = 0
@@ -441,14 +520,20 @@ class ReadThrough:
             self._pid, self._present, self._absent, self._lru = os.getpid(), {}, {}, OrderedDict()
         size = self.sizes[name]
         bits = self._bitmap(name)
-        spans_in = np.asarray([(off, off + n) for off, n in ranges if n > 0], dtype=np.int64).reshape(-1, 2)
+        spans_in = np.asarray(
+            [(off, off + n) for off, n in ranges if n > 0], dtype=np.int64
+        ).reshape(-1, 2)
         first = spans_in[:, 0] // CHUNK_BYTES
         last = np.minimum(-(-spans_in[:, 1] // CHUNK_BYTES), len(bits))
         self._lru[name] = None
         self._lru.move_to_end(name)
         absent = self._absent.get(name)
-        if absent is None:  # prefix counts of absent chunks: "is every chunk of these ranges here" in O(ranges)
-            absent = self._absent[name] = np.concatenate(([0], np.cumsum(np.frombuffer(bytes(bits), np.uint8) == 0)))
+        if (
+            absent is None
+        ):  # prefix counts of absent chunks: "is every chunk of these ranges here" in O(ranges)
+            absent = self._absent[name] = np.concatenate(
+                ([0], np.cumsum(np.frombuffer(bytes(bits), np.uint8) == 0))
+            )
         if not np.any(absent[last] - absent[first]):
             return
         want: set[int] = set()
@@ -474,7 +559,9 @@ class ReadThrough:
         for a, b in runs:
             bits[a:b] = b"\1" * (b - a)
         self._absent.pop(name, None)
-        with open(self._bitmap_path(name), "wb") as f:  # after the data: a set byte means its chunk is there
+        with open(
+            self._bitmap_path(name), "wb"
+        ) as f:  # after the data: a set byte means its chunk is there
             f.write(bits)
         self._evict(keep=name)
 
@@ -489,7 +576,9 @@ class ReadThrough:
         """Drop least recently used shards (never ``keep``) until the fetched bytes fit ``max_bytes``."""
         if self.max_bytes is None:
             return
-        held = sum(b.count(1) for b in self._present.values()) * CHUNK_BYTES  # counted once, then kept up to date
+        held = (
+            sum(b.count(1) for b in self._present.values()) * CHUNK_BYTES
+        )  # counted once, then kept up to date
         for name in list(self._lru):
             if held <= self.max_bytes:
                 break

@@ -84,19 +84,36 @@ def _epoch_blocks(
     O(num_shards + shard_size) memory whatever the cache size.
     """
     count = shard_layout(num_samples, shard_size)[0]
-    shards = _shard_rng(seed, epoch).permutation(count) if shuffle and not (follow and epoch == 0) else range(count)
+    shards = (
+        _shard_rng(seed, epoch).permutation(count)
+        if shuffle and not (follow and epoch == 0)
+        else range(count)
+    )
     for shard in shards:
         shard = int(shard)
         first = shard * shard_size
         rows = shard_rows(shard, num_samples, shard_size)
         if shuffle:
-            yield rows, lambda first=first, rows=rows, shard=shard: first + _shard_rng(seed, epoch, shard).permutation(rows)
+            yield (
+                rows,
+                lambda first=first, rows=rows, shard=shard: (
+                    first + _shard_rng(seed, epoch, shard).permutation(rows)
+                ),
+            )
         else:
-            yield rows, lambda first=first, rows=rows: np.arange(first, first + rows, dtype=np.int64)
+            yield (
+                rows,
+                lambda first=first, rows=rows: np.arange(first, first + rows, dtype=np.int64),
+            )
 
 
 def shard_block_order(
-    num_samples: int, shard_size: int, seed: int, epoch: int, shuffle: bool = True, follow: bool = False
+    num_samples: int,
+    shard_size: int,
+    seed: int,
+    epoch: int,
+    shuffle: bool = True,
+    follow: bool = False,
 ) -> torch.Tensor:
     """The epoch's global sample order, int64 ``[num_samples]``.
 
@@ -114,7 +131,9 @@ def shard_block_order(
     the epoch and the shard plan alone, never of when a shard was committed.
     """
     _check_seed(seed, epoch)
-    blocks = [make() for _, make in _epoch_blocks(num_samples, shard_size, seed, epoch, shuffle, follow)]
+    blocks = [
+        make() for _, make in _epoch_blocks(num_samples, shard_size, seed, epoch, shuffle, follow)
+    ]
     return torch.from_numpy(np.concatenate(blocks)) if blocks else torch.zeros(0, dtype=torch.int64)
 
 
@@ -203,7 +222,14 @@ class CacheShardSampler(Sampler[int]):
 
     def global_order(self) -> torch.Tensor:
         """The epoch's order over all replicas, int64 ``[total_size]`` (padded / cut)."""
-        g = shard_block_order(self.num_samples_total, self.shard_size, self.seed, self.epoch, self.shuffle, self.follow)
+        g = shard_block_order(
+            self.num_samples_total,
+            self.shard_size,
+            self.seed,
+            self.epoch,
+            self.shuffle,
+            self.follow,
+        )
         if self.total_size <= g.numel():
             return g[: self.total_size]
         reps = -(-self.total_size // g.numel())
@@ -212,10 +238,17 @@ class CacheShardSampler(Sampler[int]):
     def __iter__(self) -> Iterator[int]:
         """This replica's indices, ``global_order()[start + rank :: num_replicas]``,
         streamed one shard block at a time (memory independent of the cache size)."""
-        n, r, total, start = self.num_samples_total, self.num_replicas, self.total_size, self.resume_offset
+        n, r, total, start = (
+            self.num_samples_total,
+            self.num_replicas,
+            self.total_size,
+            self.resume_offset,
+        )
         pos = 0  # global position of the current block's first sample
         while pos < total:  # more than one pass over the order only when padding wraps
-            for length, make in _epoch_blocks(n, self.shard_size, self.seed, self.epoch, self.shuffle, self.follow):
+            for length, make in _epoch_blocks(
+                n, self.shard_size, self.seed, self.epoch, self.shuffle, self.follow
+            ):
                 end = min(pos + length, total)
                 # first global position >= max(pos, start) that belongs to this rank
                 lo = max(pos, start + self.rank)
@@ -237,8 +270,14 @@ class CacheShardSampler(Sampler[int]):
     def state_dict(self, consumed_samples: int) -> dict[str, Any]:
         """Resume state after ``consumed_samples`` samples of the current epoch, counted
         over all replicas (``num_replicas`` x samples this replica consumed)."""
-        check_int("consumed_samples", consumed_samples, 0, maximum=self.total_size, bound_name="total_size",
-                  meaning=" (samples of this epoch consumed by all data-parallel replicas together)")  # fmt: skip
+        check_int(
+            "consumed_samples",
+            consumed_samples,
+            0,
+            maximum=self.total_size,
+            bound_name="total_size",
+            meaning=" (samples of this epoch consumed by all data-parallel replicas together)",
+        )
         return {
             "version": _STATE_VERSION,
             "epoch": self.epoch,
@@ -255,16 +294,25 @@ class CacheShardSampler(Sampler[int]):
         that divides the count)."""
         for key in ("epoch", "consumed_samples", "seed", "shuffle", "shard_size", "num_samples"):
             if key not in state:
-                raise ValueError(f"sampler state is missing {key!r} (got keys {sorted(state)}); pass a dict from state_dict()")
+                raise ValueError(
+                    f"sampler state is missing {key!r} (got keys {sorted(state)}); pass a dict from state_dict()"
+                )
         mismatch = {
             k: (state.get(k, False), mine)
-            for k, mine in (("seed", self.seed), ("shuffle", self.shuffle), ("shard_size", self.shard_size),
-                            ("num_samples", self.num_samples_total), ("follow", self.follow))  # fmt: skip
+            for k, mine in (
+                ("seed", self.seed),
+                ("shuffle", self.shuffle),
+                ("shard_size", self.shard_size),
+                ("num_samples", self.num_samples_total),
+                ("follow", self.follow),
+            )
             if state.get(k, False) != mine  # a state saved before "follow" existed did not follow
         }
         if mismatch:
             detail = ", ".join(f"{k}: saved {a!r}, now {b!r}" for k, (a, b) in mismatch.items())
-            raise ValueError(f"sampler state does not match this sampler ({detail}); build the sampler with the saved settings")
+            raise ValueError(
+                f"sampler state does not match this sampler ({detail}); build the sampler with the saved settings"
+            )
         consumed = int(state["consumed_samples"])
         if consumed % self.num_replicas:
             raise ValueError(
@@ -272,7 +320,9 @@ class CacheShardSampler(Sampler[int]):
                 "every replica must have consumed the same number of samples"
             )
         if consumed > self.total_size:
-            raise ValueError(f"consumed_samples={consumed} exceeds the epoch's total_size={self.total_size}")
+            raise ValueError(
+                f"consumed_samples={consumed} exceeds the epoch's total_size={self.total_size}"
+            )
         self.epoch = int(state["epoch"])
         self.resume_offset = consumed
 
@@ -435,7 +485,9 @@ class BalancedBatchSampler(Sampler[PlannedBatch]):
         R, r = self.num_replicas, self.rank
         for batch in self.global_batches():
             rows = plan_global_batch(self.lengths[batch], R, **self.plan_args)[r]
-            yield PlannedBatch([int(batch[i]) for row in rows for i in row], [len(row) for row in rows])
+            yield PlannedBatch(
+                [int(batch[i]) for row in rows for i in row], [len(row) for row in rows]
+            )
         # as CacheShardSampler: a resume offset applies to one pass
         self.order.resume_offset = 0
 

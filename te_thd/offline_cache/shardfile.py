@@ -59,7 +59,9 @@ from te_thd.offline_cache.ragged import (
 from te_thd.offline_cache.storage import temp_path_for, unlink_quietly
 
 if sys.byteorder != "little":  # pragma: no cover - safetensors is little-endian on disk
-    raise ImportError("te_thd.offline_cache writes raw tensor memory and needs a little-endian host")
+    raise ImportError(
+        "te_thd.offline_cache writes raw tensor memory and needs a little-endian host"
+    )
 
 _hash = xxhash.xxh3_64_intdigest
 #: widest fidelity figure the header holds (the reservation's placeholder)
@@ -93,7 +95,11 @@ def tensor_entries(tensors: Sequence[tuple[str, torch.dtype, Sequence[int]]]) ->
     offset = 0
     for name, dtype, shape in tensors:
         n = tensor_nbytes(dtype, shape)
-        entries[name] = {"dtype": DTYPE_TO_ST[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
+        entries[name] = {
+            "dtype": DTYPE_TO_ST[dtype],
+            "shape": list(shape),
+            "data_offsets": [offset, offset + n],
+        }
         offset += n
     return entries
 
@@ -121,7 +127,10 @@ def copy_range(src: int, dst: int, count: int, dst_offset: int) -> None:
     while count > 0:
         try:
             n = os.copy_file_range(src, dst, count, src_off, dst_offset)
-        except (AttributeError, OSError):  # no copy_file_range here (or across these files): read and write
+        except (
+            AttributeError,
+            OSError,
+        ):  # no copy_file_range here (or across these files): read and write
             n = 0
         if n <= 0:
             chunk = os.pread(src, min(count, 8 << 20), src_off)
@@ -134,23 +143,38 @@ def copy_range(src: int, dst: int, count: int, dst_offset: int) -> None:
 
 
 @functools.lru_cache(maxsize=16)
-def _reserved_len(specs: tuple[tuple[str, TensorSpec], ...], rows: int, run: str | None, tokens: TokenLayout | None,
-                  rule: LengthRule | None) -> int:  # fmt: skip
+def _reserved_len(
+    specs: tuple[tuple[str, TensorSpec], ...],
+    rows: int,
+    run: str | None,
+    tokens: TokenLayout | None,
+    rule: LengthRule | None,
+) -> int:
     """:func:`shard_header_len` (``run``: the run record's JSON); the same for every full shard of a
     cache, so it is computed once."""
-    stream = ShardStream(None, dict(specs), rows, json.loads(run) if run is not None else None, tokens, rule)
+    stream = ShardStream(
+        None, dict(specs), rows, json.loads(run) if run is not None else None, tokens, rule
+    )
     return len(stream.header(final=False))
 
 
 def shard_header_len(
-    specs: Mapping[str, TensorSpec], rows: int, run: Mapping[str, Any] | None = None,
-    tokens: TokenLayout | None = None, rule: LengthRule | None = None,
-) -> int:  # fmt: skip
+    specs: Mapping[str, TensorSpec],
+    rows: int,
+    run: Mapping[str, Any] | None = None,
+    tokens: TokenLayout | None = None,
+    rule: LengthRule | None = None,
+) -> int:
     """Bytes (length prefix included) of the header :class:`ShardStream` reserves for a ``rows``-row
     shard of ``specs`` with the run record ``run``: a padded shard's header, or the most a token
     shard's rows can need (padded with spaces once the real one is written)."""
-    return _reserved_len(tuple(specs.items()), rows, json.dumps(dict(run), sort_keys=True) if run is not None else None,
-                         tokens, rule)  # fmt: skip
+    return _reserved_len(
+        tuple(specs.items()),
+        rows,
+        json.dumps(dict(run), sort_keys=True) if run is not None else None,
+        tokens,
+        rule,
+    )
 
 
 class ShardStream:
@@ -167,11 +191,23 @@ class ShardStream:
     """
 
     def __init__(
-        self, path: str | None, specs: Mapping[str, TensorSpec], rows: int, run: Mapping[str, Any] | None = None,
-        tokens: TokenLayout | None = None, rule: LengthRule | None = None, first_sample: int | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        path: str | None,
+        specs: Mapping[str, TensorSpec],
+        rows: int,
+        run: Mapping[str, Any] | None = None,
+        tokens: TokenLayout | None = None,
+        rule: LengthRule | None = None,
+        first_sample: int | None = None,
+    ) -> None:
         check_int("rows", rows, 0, meaning=" (the samples the shard holds)")
-        self.path, self.rows, self.tokens, self.rule, self._first = path, rows, tokens, rule, first_sample
+        self.path, self.rows, self.tokens, self.rule, self._first = (
+            path,
+            rows,
+            tokens,
+            rule,
+            first_sample,
+        )
         self._run = dict(run) if run is not None else None
         self.specs = dict(specs)
         self.width = check_token_schema(tokens, self.specs) if tokens is not None else 0
@@ -183,7 +219,11 @@ class ShardStream:
         self._block_sums: dict[str, list[int]] = {s.name: [] for s in self.stored}
         self._lengths: list[int] = []
         self._tokens = self._cursor = 0
-        self._err = {k: [0.0, 0.0, 0] for k, c in tokens.codecs if is_lossy(c)} if tokens is not None else {}  # max, sum, count
+        self._err = (
+            {k: [0.0, 0.0, 0] for k, c in tokens.codecs if is_lossy(c)}
+            if tokens is not None
+            else {}
+        )  # max, sum, count
         self._side: dict[str, tuple[str, int]] = {}
         self._fd: int | None = None
         if path is None:  # the layout only (:func:`shard_header_len`): no file
@@ -199,7 +239,10 @@ class ShardStream:
         try:
             for s in self.stored[1:]:
                 side = temp_path_for(path + "." + s.name.replace("@", "."))
-                self._side[s.name] = (side, os.open(side, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644))
+                self._side[s.name] = (
+                    side,
+                    os.open(side, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644),
+                )
         except BaseException:
             self.abort()
             raise
@@ -220,15 +263,24 @@ class ShardStream:
         fields = None
         if self.tokens is not None:
             assert self.rule is not None  # the writer requires one with a token layout
-            offsets = row_offsets(np.asarray(self._lengths if final else [0] * self.rows, dtype=np.int64))
-            fidelity = {k: _fidelity(e) if final else dict.fromkeys(("max_rel_l2", "mean_rel_l2"), _WIDEST_FLOAT)
-                        for k, e in self._err.items()}  # fmt: skip
+            offsets = row_offsets(
+                np.asarray(self._lengths if final else [0] * self.rows, dtype=np.int64)
+            )
+            fidelity = {
+                k: _fidelity(e)
+                if final
+                else dict.fromkeys(("max_rel_l2", "mean_rel_l2"), _WIDEST_FLOAT)
+                for k, e in self._err.items()
+            }
             fields = {
                 "layout": self.tokens.to_json(),
                 "logical": {k: self.specs[k].to_json() for k in self.tokens.keys},
                 "length_rule": self.rule.to_json(),
                 "offsets": encode_offsets(offsets),
-                "stored": {s.name: {"key": s.key, "role": s.role, "block_tokens": s.block_tokens} for s in self.stored},
+                "stored": {
+                    s.name: {"key": s.key, "role": s.role, "block_tokens": s.block_tokens}
+                    for s in self.stored
+                },
                 "block_sums": BLOCK_SUMS,
                 "block_sums_digest": blocks_digest,
                 "fidelity": fidelity,
@@ -267,7 +319,11 @@ class ShardStream:
         """Each row's first ``lengths`` tokens of every token key (encoded where a codec says), and
         the block sums of each ragged tensor."""
         assert self.tokens is not None and self._fd is not None
-        flat = torch.nonzero((torch.arange(self.width).unsqueeze(0) < torch.from_numpy(lengths).unsqueeze(1)).view(-1))
+        flat = torch.nonzero(
+            (torch.arange(self.width).unsqueeze(0) < torch.from_numpy(lengths).unsqueeze(1)).view(
+                -1
+            )
+        )
         local = row_offsets(lengths)
         data: dict[str, torch.Tensor] = {}
         for key in self.tokens.keys:
@@ -280,7 +336,9 @@ class ShardStream:
             bad = out_of_range(real, codec)
             if bad is not None:
                 row = int(np.searchsorted(local, bad[0], side="right")) - 1
-                raise ValueError(f"{self._which(row)}: {range_problem(key, codec, bad[1])}; nothing of this shard was kept")
+                raise ValueError(
+                    f"{self._which(row)}: {range_problem(key, codec, bad[1])}; nothing of this shard was kept"
+                )
             parts, err = encode(codec, real)
             data.update({f"{key}@{role}": t.contiguous() for role, t in parts.items()})
             if err is not None and err.numel():
@@ -297,14 +355,19 @@ class ShardStream:
             first = len(self._block_sums[s.name])
             starts = block_table(local, s.block_tokens).start.tolist()
             self._block_sums[s.name] += [
-                _hash(view[a * tb : b * tb], first + g) for g, (a, b) in enumerate(zip(starts[:-1], starts[1:], strict=True))
+                _hash(view[a * tb : b * tb], first + g)
+                for g, (a, b) in enumerate(zip(starts[:-1], starts[1:], strict=True))
             ]
         self._tokens += int(local[-1])
 
     def _which(self, row: int) -> str:
         """Row ``row`` of this piece in messages: its global sample where the writer knows it."""
         row += self._cursor
-        return f"row {row} of the shard" if self._first is None else f"sample {self._first + row} (row {row} of the shard)"
+        return (
+            f"row {row} of the shard"
+            if self._first is None
+            else f"sample {self._first + row} (row {row} of the shard)"
+        )
 
     def finish(self) -> ShardRecord:
         """Append the other ragged tensors and the block sums, write the header (all ``rows`` must have
@@ -312,25 +375,37 @@ class ShardStream:
         if self._fd is None:
             raise ValueError(f"shard stream {self.path} is closed")
         if self._cursor != self.rows:
-            raise ValueError(f"shard stream {self.path} got {self._cursor} of its {self.rows} rows; write the rest first")
+            raise ValueError(
+                f"shard stream {self.path} got {self._cursor} of its {self.rows} rows; write the rest first"
+            )
         fd = self._fd
         try:
-            pos = self._ragged_start + (self._tokens * self.stored[0].token_bytes if self.stored else 0)
+            pos = self._ragged_start + (
+                self._tokens * self.stored[0].token_bytes if self.stored else 0
+            )
             for s in self.stored[1:]:
                 n = self._tokens * s.token_bytes
                 copy_range(self._side[s.name][1], fd, n, pos)
                 pos += n
             digest = "0" * 16
             if self.tokens is not None:
-                sums = np.asarray([v for s in self.stored for v in self._block_sums[s.name]], dtype="<u8")
+                sums = np.asarray(
+                    [v for s in self.stored for v in self._block_sums[s.name]], dtype="<u8"
+                )
                 pwrite_all(fd, memoryview(sums.tobytes()), pos)
                 pos += sums.nbytes
                 digest = f"{_hash(sums.tobytes()):016x}"
             header = self.header(final=True, blocks_digest=digest)
             # the reservation is the most any rows can need, and exactly a padded shard's: else a bug, never data
-            if len(header) > self._header_len or (self.tokens is None and len(header) != self._header_len):
-                raise AssertionError(f"shard header is {len(header)} bytes, {self._header_len} were reserved")
-            body = header[8:] + b" " * (self._header_len - len(header))  # spaces up to the reserved length
+            if len(header) > self._header_len or (
+                self.tokens is None and len(header) != self._header_len
+            ):
+                raise AssertionError(
+                    f"shard header is {len(header)} bytes, {self._header_len} were reserved"
+                )
+            body = header[8:] + b" " * (
+                self._header_len - len(header)
+            )  # spaces up to the reserved length
             pwrite_all(fd, memoryview(len(body).to_bytes(8, "little") + body), 0)
         except BaseException:
             self.abort()
@@ -338,9 +413,16 @@ class ShardStream:
         self._fd = None
         os.close(fd)
         self._close_side()
-        fidelity = {k: {name: float(v) for name, v in _fidelity(e).items()} for k, e in self._err.items()}
+        fidelity = {
+            k: {name: float(v) for name, v in _fidelity(e).items()} for k, e in self._err.items()
+        }
         lengths = tuple(self._lengths) if self.rule is not None else None
-        return ShardRecord(bytes=pos, checksum=shard_checksum(self._digest), lengths=lengths, fidelity=fidelity or None)
+        return ShardRecord(
+            bytes=pos,
+            checksum=shard_checksum(self._digest),
+            lengths=lengths,
+            fidelity=fidelity or None,
+        )
 
     def _close_side(self) -> None:
         side, self._side = self._side, {}
@@ -360,4 +442,7 @@ class ShardStream:
 
 def _fidelity(err: list[float]) -> dict[str, str]:
     """What a codec lost over a shard, as its header records it: from ``[max, sum, count]``."""
-    return {"max_rel_l2": f"{err[0]:.4e}", "mean_rel_l2": f"{err[1] / err[2] if err[2] else 0.0:.4e}"}
+    return {
+        "max_rel_l2": f"{err[0]:.4e}",
+        "mean_rel_l2": f"{err[1] / err[2] if err[2] else 0.0:.4e}",
+    }

@@ -191,7 +191,9 @@ class ProducerLock:
             return
         fd, self._fd = self._fd, None
         try:
-            unlink_quietly(self.path)  # while still holding the flock: nobody locks an inode we remove
+            unlink_quietly(
+                self.path
+            )  # while still holding the flock: nobody locks an inode we remove
         finally:
             fcntl.flock(fd, fcntl.LOCK_UN)
             os.close(fd)
@@ -240,7 +242,9 @@ def private_dir(kind: str, owner: object) -> str:
         m = _PRIVATE.match(name)
         if m and m["host"] == host and not process_alive(int(m["pid"]), int(m["start"])):
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
-    path = tempfile.mkdtemp(prefix=f"{kind}-{host}-{os.getpid()}-{start_time(os.getpid())}-", dir=root)
+    path = tempfile.mkdtemp(
+        prefix=f"{kind}-{host}-{os.getpid()}-{start_time(os.getpid())}-", dir=root
+    )
     weakref.finalize(owner, shutil.rmtree, path, True)
     return path
 
@@ -396,7 +400,9 @@ class LocalDirectory(Storage):
         os.makedirs(aside, exist_ok=True)
         for obj in objs:
             name, n = obj, 1
-            while os.path.exists(os.path.join(aside, name)):  # what an earlier repair set aside is kept too
+            while os.path.exists(
+                os.path.join(aside, name)
+            ):  # what an earlier repair set aside is kept too
                 name, n = f"{obj}.{n}", n + 1
             os.replace(self.display(obj), os.path.join(aside, name))
         fsync(aside)
@@ -418,7 +424,11 @@ class LocalDirectory(Storage):
     def must_exist(self, marker: str) -> None:
         path = self.name
         if os.path.isfile(path):
-            hint = f"pass its directory, cache_dir={os.path.dirname(path) or '.'!r}" if os.path.basename(path) == marker else "pass the directory that holds manifest.json and the shards"
+            hint = (
+                f"pass its directory, cache_dir={os.path.dirname(path) or '.'!r}"
+                if os.path.basename(path) == marker
+                else "pass the directory that holds manifest.json and the shards"
+            )
             raise ManifestError(f"cache_dir={path!r} is a file, not a cache directory; {hint}")
         if not os.path.exists(path):
             raise ManifestNotFoundError(
@@ -436,7 +446,10 @@ def punch_hole(path: str, size: int) -> None:
     checksums reject, instead of faulting past the end of a truncated file. Linux: fallocate(PUNCH_HOLE)."""
     fd, fallocate = os.open(path, os.O_RDWR), _libc_fallocate()
     try:
-        if fallocate is not None and fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, 0, size) == 0:
+        if (
+            fallocate is not None
+            and fallocate(fd, _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE, 0, size) == 0
+        ):
             return
         os.ftruncate(fd, 0)
         os.ftruncate(fd, size)
@@ -460,15 +473,24 @@ def _libc_fallocate() -> Any:
 
 #: the implementation of each URL scheme te_thd reads and writes (``module:class``, imported when a
 #: cache of that scheme is opened)
-SCHEMES: dict[str, str] = {"s3": "te_thd.offline_cache.s3:S3Prefix", "msc": "te_thd.offline_cache.msc:MSCPrefix"}
+SCHEMES: dict[str, str] = {
+    "s3": "te_thd.offline_cache.s3:S3Prefix",
+    "msc": "te_thd.offline_cache.msc:MSCPrefix",
+}
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*):")
 #: per scheme: the URL's form, the rule its first part (after ``//``) must meet, and what that part is
 _AUTHORITY = {
-    "s3": ("s3://<bucket>/<prefix>", re.compile(r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$"),
-           "an S3 bucket name (3-63 lowercase letters, digits, dots and hyphens)"),
-    "msc": ("msc://<profile>/<path>", re.compile(r"^[\w.\-]+$"),
-            "an MSC profile name (letters, digits, '_', '-' and '.')"),
-}  # fmt: skip
+    "s3": (
+        "s3://<bucket>/<prefix>",
+        re.compile(r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$"),
+        "an S3 bucket name (3-63 lowercase letters, digits, dots and hyphens)",
+    ),
+    "msc": (
+        "msc://<profile>/<path>",
+        re.compile(r"^[\w.\-]+$"),
+        "an MSC profile name (letters, digits, '_', '-' and '.')",
+    ),
+}
 
 
 def open_storage(path: str | os.PathLike[str], name: str = "cache_dir", **options: Any) -> Storage:
@@ -492,9 +514,13 @@ def open_storage(path: str | os.PathLike[str], name: str = "cache_dir", **option
     form, rule, what = _AUTHORITY[scheme]
     rest = path[len(m.group(0)) :]
     if not rest.startswith("//"):
-        raise ValueError(f"{name}={path!r} is not a URL of the form {form}; write {scheme}://{rest.lstrip('/')}")
+        raise ValueError(
+            f"{name}={path!r} is not a URL of the form {form}; write {scheme}://{rest.lstrip('/')}"
+        )
     bucket, _, prefix = rest[2:].partition("/")
     if not rule.match(bucket):
         raise ValueError(f"{name}={path!r}: {bucket!r} is not {what}; write {form}")
     module, _, cls = SCHEMES[scheme].partition(":")
-    return getattr(importlib.import_module(module), cls)(scheme, bucket, prefix.strip("/"), **options)
+    return getattr(importlib.import_module(module), cls)(
+        scheme, bucket, prefix.strip("/"), **options
+    )

@@ -42,7 +42,9 @@ __all__ = ["CachedThdCollator", "collate_cached"]
 _SRC = "__te_thd_src__"  # per-token source position, packed alongside the ids
 
 
-def collate_cached(features: Sequence[dict[str, torch.Tensor]], keys: tuple[str, ...]) -> dict[str, torch.Tensor]:
+def collate_cached(
+    features: Sequence[dict[str, torch.Tensor]], keys: tuple[str, ...]
+) -> dict[str, torch.Tensor]:
     """Stack per-sample cache dicts into a batch: ``{key: [B, *sample_shape]}``.
 
     A :class:`CachedBatch` (what ``CachedTensorDataset.__getitems__`` returns) is
@@ -77,8 +79,11 @@ def collate_cached(features: Sequence[dict[str, torch.Tensor]], keys: tuple[str,
         dst = None
         if shared:
             # torch.stack promotes mixed dtypes; the shared-memory output must too
-            dtype = functools.reduce(torch.promote_types, {r.dtype for r in rows}) if all(
-                isinstance(r, torch.Tensor) for r in rows) else None
+            dtype = (
+                functools.reduce(torch.promote_types, {r.dtype for r in rows})
+                if all(isinstance(r, torch.Tensor) for r in rows)
+                else None
+            )
             if dtype is not None:
                 dst = new_tensor((len(rows), *rows[0].shape), dtype, shared=True)
         try:
@@ -92,7 +97,9 @@ def _stack_error(key: str, rows: list[Any], exc: Exception) -> ValueError:
     """Why ``torch.stack(rows)`` failed, naming the key and the first offending sample."""
     for i, r in enumerate(rows):
         if not isinstance(r, torch.Tensor):
-            return ValueError(f"collate_cached: key {key!r} of sample {i} is of type {type(r).__name__}, not a tensor")
+            return ValueError(
+                f"collate_cached: key {key!r} of sample {i} is of type {type(r).__name__}, not a tensor"
+            )
     first = list(rows[0].shape)
     for i, r in enumerate(rows):
         if list(r.shape) != first:
@@ -207,11 +214,17 @@ class CachedThdCollator:
         never whole: what ``build_cached_dataloader`` has a ``CachedTensorDataset`` defer (``defer_keys``)."""
         whole = {self.input_key, self.label_key, self.length_key, self.mask_key}
         carried = keys if self.keys is None else [k for k in keys if k in self.keys]
-        return tuple(k for k in carried if k not in whole and (self.token_keys is None or k in self.token_keys))
+        return tuple(
+            k
+            for k in carried
+            if k not in whole and (self.token_keys is None or k in self.token_keys)
+        )
 
     # -- helpers ---------------------------------------------------------------------------
 
-    def _batch(self, features: Sequence[Mapping[str, torch.Tensor]]) -> tuple[CachedBatch, tuple[str, ...]]:
+    def _batch(
+        self, features: Sequence[Mapping[str, torch.Tensor]]
+    ) -> tuple[CachedBatch, tuple[str, ...]]:
         """The batch as a :class:`CachedBatch` (a list of samples is stacked into one), and the keys it
         carries (``keys``, else all). Its keys are reached the same way whatever their stored layout."""
         if not isinstance(features, CachedBatch):
@@ -222,10 +235,14 @@ class CachedThdCollator:
             return features, features.keys
         missing = [k for k in self.keys if k not in features.keys]
         if missing:
-            raise ValueError(f"keys {missing} were not read (read: {sorted(features.keys)}); add them to the dataset's disk_keys")
+            raise ValueError(
+                f"keys {missing} were not read (read: {sorted(features.keys)}); add them to the dataset's disk_keys"
+            )
         return features, tuple(self.keys)
 
-    def _lengths(self, tensors: Mapping[str, torch.Tensor], b: int, width: int, read: Sequence[str]) -> torch.Tensor:
+    def _lengths(
+        self, tensors: Mapping[str, torch.Tensor], b: int, width: int, read: Sequence[str]
+    ) -> torch.Tensor:
         """Real length of every sample, int64 ``[B]`` on the CPU, by the rule the balanced
         loader plans with (:func:`~te_thd.offline_cache.lengths.collator_rule`)."""
         rule = collator_rule(self)
@@ -273,11 +290,17 @@ class CachedThdCollator:
         if self.input_key not in carried:
             raise ValueError(f"input_key={self.input_key!r} was not read (read: {sorted(carried)})")
         # the keys the packer reads whole: ids, labels and what gives the lengths
-        packed_keys = [k for k in (self.input_key, self.label_key, self.length_key, self.mask_key) if k in carried]
+        packed_keys = [
+            k
+            for k in (self.input_key, self.label_key, self.length_key, self.mask_key)
+            if k in carried
+        ]
         tensors = batch.padded(list(dict.fromkeys(packed_keys)))
         ids = tensors[self.input_key]
         if ids.dim() != 2:
-            raise ValueError(f"{self.input_key!r} must be [L] token ids per sample, got {tuple(ids.shape[1:])}")
+            raise ValueError(
+                f"{self.input_key!r} must be [L] token ids per sample, got {tuple(ids.shape[1:])}"
+            )
         b, width = ids.shape
         lengths = self._lengths(tensors, b, width, carried)
 
@@ -291,9 +314,13 @@ class CachedThdCollator:
         }
         if self.label_key is not None:
             if self.label_key not in tensors:
-                raise ValueError(f"label_key={self.label_key!r} was not read (read: {sorted(carried)})")
+                raise ValueError(
+                    f"label_key={self.label_key!r} was not read (read: {sorted(carried)})"
+                )
             parts["labels"] = torch.split(tensors[self.label_key].reshape(b, width)[valid], lens)
-        samples = [dict(zip(parts, group, strict=True)) for group in zip(*parts.values(), strict=True)]
+        samples = [
+            dict(zip(parts, group, strict=True)) for group in zip(*parts.values(), strict=True)
+        ]
         packed = self.packer(samples, rows=rows)
 
         consumed = {self.input_key, self.label_key, self.length_key}
@@ -307,7 +334,9 @@ class CachedThdCollator:
                         f"token_keys entry {k!r} must be read and shaped [L={width}, ...] per sample, got {shapes.get(k, 'missing')}"
                     )
         else:
-            token_keys = tuple(k for k, sh in shapes.items() if k not in consumed and sh and sh[0] == width)
+            token_keys = tuple(
+                k for k, sh in shapes.items() if k not in consumed and sh and sh[0] == width
+            )
         src_flat = packed.pop(_SRC).reshape(-1)  # [rows*S], -1 on padding
         is_pad = src_flat < 0
         gather = src_flat.clamp(min=0)
@@ -330,7 +359,12 @@ class CachedThdCollator:
             # Token keys (e.g. hidden states) are gathered once, straight into this
             # rank's share, instead of placed whole and then sharded.
             mine = partition_indices(
-                layout.cu_seqlens_padded, src_flat.numel(), self.cp_size, self.cp_rank, layout.num_seqs, check=False
+                layout.cu_seqlens_padded,
+                src_flat.numel(),
+                self.cp_size,
+                self.cp_rank,
+                layout.num_seqs,
+                check=False,
             )
             gather, is_pad = gather[mine], is_pad[mine]
         if self.max_num_seqs is not None:
@@ -338,7 +372,10 @@ class CachedThdCollator:
             # length is not enough, trailing empty rows are absorbed into the last sequence
             layout = thd[LAYOUT_KEY].padded_to(self.max_num_seqs)
             thd[LAYOUT_KEY] = layout
-            thd["cu_seqlens"], thd["cu_seqlens_padded"] = layout.cu_seqlens, layout.cu_seqlens_padded
+            thd["cu_seqlens"], thd["cu_seqlens_padded"] = (
+                layout.cu_seqlens,
+                layout.cu_seqlens_padded,
+            )
             thd["num_seqs"], thd["max_seqlen_int"] = layout.num_seqs, layout.max_seqlen
             thd["max_seqlen"] = torch.tensor(layout.max_seqlen, dtype=torch.int32)
         # every token key gathered at once, exactly this rank's real tokens (of a ragged key only the
@@ -348,7 +385,9 @@ class CachedThdCollator:
         values = batch.gather(token_keys, at // width, at % width)
         for k in token_keys:
             spec = batch.sample_spec(k)
-            flat = torch.full((gather.numel(), *spec.shape[1:]), self.pad_values.get(k, 0), dtype=spec.dtype)
+            flat = torch.full(
+                (gather.numel(), *spec.shape[1:]), self.pad_values.get(k, 0), dtype=spec.dtype
+            )
             flat[real] = values[k]
             thd[k] = flat
         out = dict(thd)

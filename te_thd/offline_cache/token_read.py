@@ -88,7 +88,9 @@ def token_index(path: str, header: ShardHeader) -> TokenIndex:
     rows = header.sums.rows
 
     def bad(what: str) -> CacheIntegrityError:
-        return CacheIntegrityError(f"shard {path}: its token fields {what}: the header is damaged", path=path)
+        return CacheIntegrityError(
+            f"shard {path}: its token fields {what}: the header is damaged", path=path
+        )
 
     try:
         layout = TokenLayout.from_json(t["layout"])
@@ -97,7 +99,9 @@ def token_index(path: str, header: ShardHeader) -> TokenIndex:
     except (KeyError, TypeError, ValueError) as exc:
         raise bad(f"are malformed ({exc})") from None
     stored = {s.name: s for s in layout.stored(logical)}
-    if set(stored) != set(t["stored"]) or any(t["stored"][n].get("block_tokens") != s.block_tokens for n, s in stored.items()):
+    if set(stored) != set(t["stored"]) or any(
+        t["stored"][n].get("block_tokens") != s.block_tokens for n, s in stored.items()
+    ):
         raise bad("disagree with the layout they record")
     start: dict[str, int] = {}
     tables: dict[str, BlockTable] = {}
@@ -105,15 +109,27 @@ def token_index(path: str, header: ShardHeader) -> TokenIndex:
     for name, s in stored.items():
         e = header.entries.get(name)
         if e is None or e.dtype != s.dtype or e.shape != (int(offsets[-1]), *s.shape):
-            raise bad(f"say {name!r} holds {int(offsets[-1])} tokens of {s.shape}, the entry is {e}")
+            raise bad(
+                f"say {name!r} holds {int(offsets[-1])} tokens of {s.shape}, the entry is {e}"
+            )
         start[name] = e.start
         tables[name] = block_table(offsets, s.block_tokens)
         blocks += tables[name].blocks
     e = header.entries.get(BLOCK_SUMS)
     if e is None or e.dtype != torch.uint64 or e.shape != (blocks,):
         raise bad(f"need {blocks} block sums, the entry is {e}")
-    return TokenIndex(path, layout, logical, offsets, stored, start, tables, e.start, str(t.get("block_sums_digest")),
-                      dict(t.get("fidelity") or {}))  # fmt: skip
+    return TokenIndex(
+        path,
+        layout,
+        logical,
+        offsets,
+        stored,
+        start,
+        tables,
+        e.start,
+        str(t.get("block_sums_digest")),
+        dict(t.get("fidelity") or {}),
+    )
 
 
 def load_block_sums(index: TokenIndex, fd: int, repair: str) -> dict[str, np.ndarray]:
@@ -138,8 +154,14 @@ def load_block_sums(index: TokenIndex, fd: int, repair: str) -> dict[str, np.nda
 
 
 def plan_stored(
-    fd: int, index: TokenIndex, name: str, rows: np.ndarray, pos: np.ndarray | None, ctx: ReadContext,
-    pieces: list[Piece], plans: dict[tuple[int, int], TokenReadPlan] | None = None,
+    fd: int,
+    index: TokenIndex,
+    name: str,
+    rows: np.ndarray,
+    pos: np.ndarray | None,
+    ctx: ReadContext,
+    pieces: list[Piece],
+    plans: dict[tuple[int, int], TokenReadPlan] | None = None,
 ) -> Callable[[], torch.Tensor]:
     """Plan reading tokens ``pos`` of rows ``rows`` of stored tensor ``name`` (``pos`` None: every token of each
     row, in row order): appends one ``preadv`` piece per run of blocks to ``pieces`` (each verifies its blocks
@@ -149,36 +171,63 @@ def plan_stored(
     shape = (table.block_tokens, PAGE_BYTES // max(1, s.token_bytes))
     plan = None if plans is None else plans.get(shape)
     if plan is None:
-        plan = (plan_row_reads(table, index.offsets, rows, shape[1]) if pos is None
-                else plan_token_reads(table, index.offsets, rows, pos, shape[1]))  # fmt: skip
+        plan = (
+            plan_row_reads(table, index.offsets, rows, shape[1])
+            if pos is None
+            else plan_token_reads(table, index.offsets, rows, pos, shape[1])
+        )
         if plans is not None:
             plans[shape] = plan
     buf = torch.empty((plan.tokens, *s.shape), dtype=s.dtype)
     raw = tensor_memoryview(buf)
     tb = s.token_bytes
     if ctx.ensure is not None:
-        ctx.ensure([(index.sums_start, index.sums_bytes)] + [
-            (index.start[name] + int(table.start[g0]) * tb, int(table.start[g1] - table.start[g0]) * tb)
-            for g0, g1 in plan.runs
-        ])  # fmt: skip
+        ctx.ensure(
+            [(index.sums_start, index.sums_bytes)]
+            + [
+                (
+                    index.start[name] + int(table.start[g0]) * tb,
+                    int(table.start[g1] - table.start[g0]) * tb,
+                )
+                for g0, g1 in plan.runs
+            ]
+        )
     sums = load_block_sums(index, fd, ctx.repair)[name] if ctx.verify else None
     cur = 0
     for g0, g1 in plan.runs:
         a, b = int(table.start[g0]), int(table.start[g1])
         view = raw[cur * tb : (cur + b - a) * tb]
         after = None if sums is None else _block_check(view, a, table, sums, index, s, ctx)
-        pieces.append(Piece(fd, index.start[name] + a * tb, [view], view.nbytes, index.path, after,
-                            (g0, range(g0, g1)), ctx.owner))  # fmt: skip
+        pieces.append(
+            Piece(
+                fd,
+                index.start[name] + a * tb,
+                [view],
+                view.nbytes,
+                index.path,
+                after,
+                (g0, range(g0, g1)),
+                ctx.owner,
+            )
+        )
         cur += b - a
     where = plan.where  # each wanted token's place in the read buffer
-    return lambda: buf if where.size == buf.shape[0] and np.array_equal(where, np.arange(where.size)) else (
-        buf.index_select(0, torch.from_numpy(where)))
+    return lambda: (
+        buf
+        if where.size == buf.shape[0] and np.array_equal(where, np.arange(where.size))
+        else (buf.index_select(0, torch.from_numpy(where)))
+    )
 
 
 def _block_check(
-    view: memoryview, first_token: int, table: BlockTable, sums: np.ndarray, index: TokenIndex, s: StoredTensor,
+    view: memoryview,
+    first_token: int,
+    table: BlockTable,
+    sums: np.ndarray,
+    index: TokenIndex,
+    s: StoredTensor,
     ctx: ReadContext,
-) -> Callable[[int, Sequence[int]], None]:  # fmt: skip
+) -> Callable[[int, Sequence[int]], None]:
     """The check of a piece's blocks once read into ``view`` (tokens from ``first_token``)."""
     tb = s.token_bytes
 
@@ -186,19 +235,27 @@ def _block_check(
         starts = table.start[blocks[0] : blocks[-1] + 2].tolist()
         want = sums[blocks[0] : blocks[-1] + 1].tolist()
         for j, g in enumerate(blocks):
-            got = _hash(view[(starts[j] - first_token) * tb : (starts[j + 1] - first_token) * tb], g)
+            got = _hash(
+                view[(starts[j] - first_token) * tb : (starts[j + 1] - first_token) * tb], g
+            )
             if got != want[j]:
                 row = int(np.searchsorted(table.row_first, g, side="right") - 1)
-                lo, hi = starts[j] - int(index.offsets[row]), starts[j + 1] - int(index.offsets[row]) - 1
+                lo, hi = (
+                    starts[j] - int(index.offsets[row]),
+                    starts[j + 1] - int(index.offsets[row]) - 1,
+                )
                 exp, act = f"{HASH_NAME}:{want[j]:016x}", f"{HASH_NAME}:{got:016x}"
                 returned = f"; the batch was not returned. {ctx.repair}" if ctx.repair else ""
                 raise CacheIntegrityError(
                     f"shard {index.path}: {name_row(row, ctx.first_sample)}, key {s.key!r}: "
                     f"checksum mismatch in its tokens {lo}..{hi} ({s.name}; expected {exp}, the bytes read hash to "
                     f"{act}): the file is damaged{returned}",
-                    path=index.path, sample=None if ctx.first_sample is None else ctx.first_sample + row,
-                    key=s.key, expected=exp, actual=act,
-                )  # fmt: skip
+                    path=index.path,
+                    sample=None if ctx.first_sample is None else ctx.first_sample + row,
+                    key=s.key,
+                    expected=exp,
+                    actual=act,
+                )
 
     return after
 
@@ -214,7 +271,10 @@ def decode(index: TokenIndex, key: str, parts: Mapping[str, torch.Tensor]) -> to
 
 def stored_names(index: TokenIndex, key: str) -> tuple[str, ...]:
     """The stored tensors of ragged key ``key`` (its tokens, then a codec's other parts)."""
-    return (key + TOKENS_SUFFIX, *(n for n, s in index.stored.items() if s.key == key and s.role != "tokens"))
+    return (
+        key + TOKENS_SUFFIX,
+        *(n for n, s in index.stored.items() if s.key == key and s.role != "tokens"),
+    )
 
 
 #: (shard) -> (fd, index, read context): how a batch reaches its shards (the dataset's open files)
@@ -228,7 +288,9 @@ class TokenRows:
     ``[L, ...]`` spec. Reads go through ``opener`` (the dataset's open shards).
     """
 
-    def __init__(self, opener: Opener, places: Sequence[tuple[int, int]], specs: Mapping[str, TensorSpec]) -> None:
+    def __init__(
+        self, opener: Opener, places: Sequence[tuple[int, int]], specs: Mapping[str, TensorSpec]
+    ) -> None:
         self._opener = opener
         self.shards = np.asarray([p[0] for p in places], dtype=np.int64)
         self.rows = np.asarray([p[1] for p in places], dtype=np.int64)
@@ -250,25 +312,43 @@ class TokenRows:
         if pos is not None:
             pos = np.asarray(pos, dtype=np.int64)
             if np.any(pos < 0) or np.any(pos >= self.lengths[sample]):
-                raise IndexError(f"token positions past their samples' lengths requested from keys {list(keys)}")
+                raise IndexError(
+                    f"token positions past their samples' lengths requested from keys {list(keys)}"
+                )
         shard_of = self.shards[sample]
         shards = np.unique(shard_of).tolist()
         first = len(pieces)
-        planned: list[tuple[np.ndarray | None, TokenIndex, dict[str, Callable[[], torch.Tensor]]]] = []
+        planned: list[
+            tuple[np.ndarray | None, TokenIndex, dict[str, Callable[[], torch.Tensor]]]
+        ] = []
         for shard in shards:
             at = None if len(shards) == 1 else np.flatnonzero(shard_of == shard)
             fd, index, ctx = self._opener(shard)
-            rows, p = (self.rows[sample], pos) if at is None else (self.rows[sample[at]], None if pos is None else pos[at])
+            rows, p = (
+                (self.rows[sample], pos)
+                if at is None
+                else (self.rows[sample[at]], None if pos is None else pos[at])
+            )
             plans: dict[tuple[int, int], TokenReadPlan] = {}
-            parts = {n: plan_stored(fd, index, n, rows, p, ctx, pieces, plans) for k in keys for n in stored_names(index, k)}
+            parts = {
+                n: plan_stored(fd, index, n, rows, p, ctx, pieces, plans)
+                for k in keys
+                for n in stored_names(index, k)
+            }
             planned.append((at, index, parts))
-        if len(pieces) - first > 1:  # scattered reads (a CP rank's chunks) queue as one deep run of requests
+        if (
+            len(pieces) - first > 1
+        ):  # scattered reads (a CP rank's chunks) queue as one deep run of requests
             for piece in pieces[first:]:
                 advise(piece.fd, "willneed", piece.offset, piece.nbytes)
-        if pos is None and len(planned) > 1:  # whole samples of several shards: place each shard's tokens
+        if (
+            pos is None and len(planned) > 1
+        ):  # whole samples of several shards: place each shard's tokens
             lens = self.lengths[sample]
             skip = np.cumsum(lens) - lens
-            planned = [(token_places(skip[at], lens[at]), index, parts) for at, index, parts in planned]
+            planned = [
+                (token_places(skip[at], lens[at]), index, parts) for at, index, parts in planned
+            ]
         size = sample.size if pos is not None else int(self.lengths[sample].sum())
 
         def result() -> dict[str, torch.Tensor]:
@@ -281,12 +361,16 @@ class TokenRows:
                 spec = self.specs[key]
                 out[key] = dst = torch.empty((size, *spec.shape[1:]), dtype=spec.dtype)
                 for at, index, parts in planned:
-                    dst[torch.from_numpy(at)] = decode(index, key, {n: parts[n]() for n in stored_names(index, key)})
+                    dst[torch.from_numpy(at)] = decode(
+                        index, key, {n: parts[n]() for n in stored_names(index, key)}
+                    )
             return out
 
         return result
 
-    def plan_padded(self, keys: Sequence[str], pieces: list[Piece], shared: bool = False) -> Callable[[], dict[str, torch.Tensor]]:
+    def plan_padded(
+        self, keys: Sequence[str], pieces: list[Piece], shared: bool = False
+    ) -> Callable[[], dict[str, torch.Tensor]]:
         """Plan reading each of ``keys`` of every sample whole (as :meth:`plan`); once read, the result is
         ``{key: [B, L, *per_token]}`` zero-padded (what the padded cache returns), in shared memory when
         ``shared`` (inside a DataLoader worker)."""
@@ -296,13 +380,19 @@ class TokenRows:
             out = {}
             for key, data in tokens().items():
                 spec = self.specs[key]
-                out[key] = t = new_tensor((self.lengths.size, *spec.shape), spec.dtype, shared=shared).zero_()
-                t[torch.arange(spec.shape[0]) < torch.from_numpy(self.lengths)[:, None]] = data  # [B, L] mask of real tokens
+                out[key] = t = new_tensor(
+                    (self.lengths.size, *spec.shape), spec.dtype, shared=shared
+                ).zero_()
+                t[torch.arange(spec.shape[0]) < torch.from_numpy(self.lengths)[:, None]] = (
+                    data  # [B, L] mask of real tokens
+                )
             return out
 
         return result
 
-    def gather_many(self, keys: Sequence[str], sample: np.ndarray, pos: np.ndarray) -> dict[str, torch.Tensor]:
+    def gather_many(
+        self, keys: Sequence[str], sample: np.ndarray, pos: np.ndarray
+    ) -> dict[str, torch.Tensor]:
         """:meth:`plan`'s tokens, read now."""
         return self._read(lambda pieces: self.plan(keys, sample, pos, pieces))
 
@@ -310,12 +400,16 @@ class TokenRows:
         """:meth:`plan_padded`'s whole samples, read now."""
         return self._read(lambda pieces: self.plan_padded(keys, pieces))
 
-    def _read(self, plan: Callable[[list[Piece]], Callable[[], dict[str, torch.Tensor]]]) -> dict[str, torch.Tensor]:
+    def _read(
+        self, plan: Callable[[list[Piece]], Callable[[], dict[str, torch.Tensor]]]
+    ) -> dict[str, torch.Tensor]:
         """Plan with ``plan(pieces)`` and read on the dataset's read threads; a shard of an s3:// cache whose
         local copy fails a check is fetched again, once."""
         if not self.shards.size:
             return {}
-        ctx = self._opener(int(self.shards[0]))[2]  # every shard's context reads on the same threads
+        ctx = self._opener(int(self.shards[0]))[
+            2
+        ]  # every shard's context reads on the same threads
 
         def once(_: Any) -> dict[str, torch.Tensor]:
             pieces: list[Piece] = []
@@ -338,7 +432,9 @@ def check_token_blocks(path: str, header: ShardHeader, first_sample: int | None)
         ctx = ReadContext(True, first_sample, "")
         rows = index.lengths.size
         for name, s in index.stored.items():
-            step = max(1, (64 << 20) // max(1, s.token_bytes * int(index.lengths.max(initial=1))))  # 64 MiB of rows at a time
+            step = max(
+                1, (64 << 20) // max(1, s.token_bytes * int(index.lengths.max(initial=1)))
+            )  # 64 MiB of rows at a time
             for a in range(0, rows, step):
                 pieces: list[Piece] = []
                 plan_stored(fd, index, name, np.arange(a, min(a + step, rows)), None, ctx, pieces)
@@ -361,7 +457,9 @@ class CachedBatch(Sequence[dict[str, torch.Tensor]]):
 
     __slots__ = ("tensors", "deferred", "_len")
 
-    def __init__(self, tensors: dict[str, torch.Tensor], length: int, deferred: TokenRows | None = None) -> None:
+    def __init__(
+        self, tensors: dict[str, torch.Tensor], length: int, deferred: TokenRows | None = None
+    ) -> None:
         self.tensors = tensors
         self.deferred = deferred
         self._len = length
@@ -388,12 +486,18 @@ class CachedBatch(Sequence[dict[str, torch.Tensor]]):
             self.tensors = {**self.tensors, **self.deferred.padded_many(later)}
         return {k: self.tensors[k] for k in keys}
 
-    def gather(self, keys: Sequence[str], sample: np.ndarray, pos: np.ndarray) -> dict[str, torch.Tensor]:
+    def gather(
+        self, keys: Sequence[str], sample: np.ndarray, pos: np.ndarray
+    ) -> dict[str, torch.Tensor]:
         """Tokens ``pos`` of batch samples ``sample`` (int64 ``[M]`` each, ``pos`` below the sample's
         ``L``) of each of the token keys ``keys``: ``{key: [M, *per_token]}``. Of a deferred key only the
         checksum blocks holding those tokens are read, now, and verified."""
         later = [k for k in keys if k not in self.tensors]
-        read = self.deferred.gather_many(later, sample, pos) if later and self.deferred is not None else {}
+        read = (
+            self.deferred.gather_many(later, sample, pos)
+            if later and self.deferred is not None
+            else {}
+        )
         at = (torch.from_numpy(sample), torch.from_numpy(pos))
         return {k: self.tensors[k][at] if k in self.tensors else read[k] for k in keys}
 
@@ -425,7 +529,10 @@ class PendingBatch:
     """A batch being read (``CachedTensorDataset.start_read``); ``result()`` waits for it."""
 
     def __init__(
-        self, batch: CachedBatch, reads: PendingReads, unreadable: Callable[[str, BaseException], Exception]
+        self,
+        batch: CachedBatch,
+        reads: PendingReads,
+        unreadable: Callable[[str, BaseException], Exception],
     ) -> None:
         self._unreadable = unreadable  # the exception to raise for a file that could not be read
         self._batch = batch

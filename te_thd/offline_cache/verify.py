@@ -61,7 +61,12 @@ from te_thd.offline_cache.token_read import check_token_blocks
 
 
 def validate_contiguous_shards(
-    cache_dir: str, cache_name: str, num_samples: int, shard_size: int, *, producer: str | None = None
+    cache_dir: str,
+    cache_name: str,
+    num_samples: int,
+    shard_size: int,
+    *,
+    producer: str | None = None,
 ) -> list[int]:
     """Return shard indices, requiring exactly ``0..N-1`` for the manifest size.
 
@@ -96,7 +101,10 @@ def validate_contiguous_shards(
 
 
 def check_cache_files(
-    cache_dir: str, manifest: Mapping[str, Any], cache_name: str = "offline", producer: str | None = None
+    cache_dir: str,
+    manifest: Mapping[str, Any],
+    cache_name: str = "offline",
+    producer: str | None = None,
 ) -> list[int]:
     """Cheap open-time check; returns the shard indices ``[0, ..., N-1]``.
 
@@ -108,7 +116,11 @@ def check_cache_files(
     """
     validate_manifest(manifest, manifest_path(cache_dir), producer)
     indices = validate_contiguous_shards(
-        cache_dir, cache_name, int(manifest["num_samples"]), int(manifest["shard_size"]), producer=producer
+        cache_dir,
+        cache_name,
+        int(manifest["num_samples"]),
+        int(manifest["shard_size"]),
+        producer=producer,
     )
     errors = shard_size_errors(cache_dir, manifest, indices, producer)
     if errors:
@@ -128,11 +140,16 @@ def shard_size_errors(
     storage = open_storage(cache_dir)
     sizes = storage.list()
     for i in indices:
-        path, size, expected = storage.display(shard_name(i)), sizes.get(shard_name(i)), int(records[i]["bytes"])
+        path, size, expected = (
+            storage.display(shard_name(i)),
+            sizes.get(shard_name(i)),
+            int(records[i]["bytes"]),
+        )
         repair = repair_hint(os.path.dirname(path) or ".", producer)
         if size is None:
             errors[i] = CacheIntegrityError(
-                f"shard {path} is missing (the manifest lists it). Restore it from a copy. {repair}", path=path
+                f"shard {path} is missing (the manifest lists it). Restore it from a copy. {repair}",
+                path=path,
             )
         elif size != expected:
             errors[i] = CacheIntegrityError(
@@ -179,7 +196,11 @@ def _check_row_sums(path: str, header: ShardHeader, first_sample: int | None) ->
     assert header.sums is not None
     if header.sums.tokens is not None:
         check_token_blocks(path, header, first_sample)
-    data = np.memmap(path, dtype=np.uint8, mode="r") if os.path.getsize(path) else np.zeros(0, np.uint8)
+    data = (
+        np.memmap(path, dtype=np.uint8, mode="r")
+        if os.path.getsize(path)
+        else np.zeros(0, np.uint8)
+    )
     for key, e in sorted(header.entries.items(), key=lambda kv: kv[1].start):
         if key not in header.sums.sums:  # a ragged tensor or the block sums: checked above
             continue
@@ -238,7 +259,9 @@ def verify_shard_file(
     if algo == LEGACY_CHECKSUM or (algo is None and header.sums is None):
         checksum = _file_crc32(path)
     else:
-        assert header.sums is not None  # check_shard_header: a digest record needs the te_thd fields
+        assert (
+            header.sums is not None
+        )  # check_shard_header: a digest record needs the te_thd fields
         checksum = shard_checksum(header.sums.digest)
     if record is not None:
         assert expected is not None
@@ -253,16 +276,29 @@ def verify_shard_file(
     return ShardCheck(header, size, checksum)
 
 
-def _what_was_checked(cache_dir: str, deep: bool, records: bool, sums: int, n: int) -> tuple[list[str], list[str]]:
-    checked = ["manifest fields (and its own checksum when it records one)", "shard files 0..N-1 present"]
+def _what_was_checked(
+    cache_dir: str, deep: bool, records: bool, sums: int, n: int
+) -> tuple[list[str], list[str]]:
+    checked = [
+        "manifest fields (and its own checksum when it records one)",
+        "shard files 0..N-1 present",
+    ]
     not_checked = []
-    checked.append("shard sizes against the manifest" if records else "shard presence only (the manifest records no sizes)")
+    checked.append(
+        "shard sizes against the manifest"
+        if records
+        else "shard presence only (the manifest records no sizes)"
+    )
     if not deep:
-        not_checked.append(f"shard headers and contents (a full verify reads them: {cache_command('verify', cache_dir)})")
+        not_checked.append(
+            f"shard headers and contents (a full verify reads them: {cache_command('verify', cache_dir)})"
+        )
         return checked, not_checked
     checked.append("every shard header against the schema and row counts")
     if sums == n:
-        checked.append(f"every row of every key against the {HASH_NAME} checksums each shard carries")
+        checked.append(
+            f"every row of every key against the {HASH_NAME} checksums each shard carries"
+        )
     elif sums:
         checked.append(f"the rows of the {sums} of {n} shards that carry {HASH_NAME} checksums")
         not_checked.append(
@@ -276,7 +312,9 @@ def _what_was_checked(cache_dir: str, deep: bool, records: bool, sums: int, n: i
             "the cache with te_thd's writers to make it verifiable"
         )
     if records:
-        checked.append("every shard's checksum (header digest, or whole-file CRC-32 in older caches) against the manifest")
+        checked.append(
+            "every shard's checksum (header digest, or whole-file CRC-32 in older caches) against the manifest"
+        )
     else:
         not_checked.append(
             "whether a shard was swapped for another valid shard (the manifest records no per-shard checksums)"
@@ -285,7 +323,10 @@ def _what_was_checked(cache_dir: str, deep: bool, records: bool, sums: int, n: i
 
 
 def verify_cache(
-    cache_dir: str, deep: bool = False, cache_name: str = "offline", producer_name: str | None = None
+    cache_dir: str,
+    deep: bool = False,
+    cache_name: str = "offline",
+    producer_name: str | None = None,
 ) -> dict[str, Any]:
     """Check a finished cache; returns a summary dict, raises when anything is wrong.
 
@@ -307,17 +348,25 @@ def verify_cache(
     producer_name = producer_command(cache_dir, manifest, producer_name)
     num_samples, shard_size = int(manifest["num_samples"]), int(manifest["shard_size"])
     # presence of 0..N-1 (a gap or an extra shard is a problem of the set: raised at once)
-    indices = validate_contiguous_shards(cache_dir, cache_name, num_samples, shard_size, producer=producer_name)
+    indices = validate_contiguous_shards(
+        cache_dir, cache_name, num_samples, shard_size, producer=producer_name
+    )
     records, rule = shard_records(manifest), recorded_rule(manifest)
     size_errors = shard_size_errors(cache_dir, manifest, indices, producer_name)
-    shown = {i: storage.display(shard_name(i)) for i in indices}  # what messages name: the file or the object
+    shown = {
+        i: storage.display(shard_name(i)) for i in indices
+    }  # what messages name: the file or the object
     problems = [(shown[i], shard_problem(exc, shown[i])) for i, exc in size_errors.items()]
     with_sums = 0
     if deep:  # only the shards of the right size are read
-        bad, with_sums = verify_shards(cache_dir, manifest, [i for i in indices if i not in size_errors], rule)
+        bad, with_sums = verify_shards(
+            cache_dir, manifest, [i for i in indices if i not in size_errors], rule
+        )
         problems += [(shown[i], why) for i, why in bad.items()]
     _raise_problems(sorted(problems), cache_dir, cache_name, producer_name)
-    checked, not_checked = _what_was_checked(cache_dir, deep, records is not None, with_sums, len(indices))
+    checked, not_checked = _what_was_checked(
+        cache_dir, deep, records is not None, with_sums, len(indices)
+    )
     if deep and rule is not None:
         checked.append(f"every sample's recorded length against {rule.describe()}")
     return {
@@ -337,7 +386,10 @@ def verify_cache(
 
 
 def verify_shards(
-    cache_dir: str, manifest: Mapping[str, Any], indices: Sequence[int], rule: LengthRule | None = None
+    cache_dir: str,
+    manifest: Mapping[str, Any],
+    indices: Sequence[int],
+    rule: LengthRule | None = None,
 ) -> tuple[dict[int, str], int]:
     """Verify the shards ``indices`` of ``manifest``'s cache completely (:func:`verify_shard_file`
     against the manifest's records; with a length ``rule``, also the lengths it records):
@@ -349,12 +401,18 @@ def verify_shards(
     bad: dict[int, str] = {}
     with_sums = 0
     for i in indices:
-        path = storage.whole(shard_name(i))  # every byte is read: an object is fetched into a local copy
+        path = storage.whole(
+            shard_name(i)
+        )  # every byte is read: an object is fetched into a local copy
         try:
             check = verify_shard_file(
-                path, schema, shard_rows(i, num_samples, shard_size),
-                records[i] if records is not None else None, requires_shard_sums(manifest), i * shard_size,
-            )  # fmt: skip
+                path,
+                schema,
+                shard_rows(i, num_samples, shard_size),
+                records[i] if records is not None else None,
+                requires_shard_sums(manifest),
+                i * shard_size,
+            )
             if rule is not None and records is not None:
                 _check_lengths(path, rule, records[i]["lengths"], i * shard_size)
             with_sums += check.header.sums is not None
@@ -369,7 +427,9 @@ def shard_problem(exc: CacheIntegrityError, path: str) -> str:
     return text.split(" Restore it from a copy.")[0].split(" Repair: ")[0]
 
 
-def _raise_problems(problems: list[tuple[str, str]], cache_dir: str, cache_name: str, producer: str | None) -> None:
+def _raise_problems(
+    problems: list[tuple[str, str]], cache_dir: str, cache_name: str, producer: str | None
+) -> None:
     """One :class:`CacheIntegrityError` naming every bad shard (``[(path, what)]``), or nothing."""
     if not problems:
         return
@@ -433,18 +493,24 @@ def cache_info(cache_dir: str) -> dict[str, Any]:
         sizes = open_storage(cache_dir).list()
         total = sum(sizes.get(shard_name(i), 0) for i in range(n))
     schema = cache_schema(cache_dir, manifest)
-    layout = TokenLayout.from_json(manifest[TOKEN_LAYOUT_KEY]) if TOKEN_LAYOUT_KEY in manifest else None
+    layout = (
+        TokenLayout.from_json(manifest[TOKEN_LAYOUT_KEY]) if TOKEN_LAYOUT_KEY in manifest else None
+    )
     storage = {
         k: describe_stored(layout, schema, k) if layout is not None and k in layout.keys else "rows"
         for k in (schema or {})
     }
     fidelity: dict[str, dict[str, float]] = {}
-    rows_of = [shard_rows(i, int(manifest["num_samples"]), int(manifest["shard_size"])) for i in range(n)]
+    rows_of = [
+        shard_rows(i, int(manifest["num_samples"]), int(manifest["shard_size"])) for i in range(n)
+    ]
     for rec, rows in zip(records or [], rows_of, strict=False):
         for k, f in (rec.get("fidelity") or {}).items():
             agg = fidelity.setdefault(k, {"max_rel_l2": 0.0, "mean_rel_l2": 0.0, "_w": 0})
             agg["max_rel_l2"] = max(agg["max_rel_l2"], float(f["max_rel_l2"]))
-            agg["mean_rel_l2"] += float(f["mean_rel_l2"]) * rows  # weighted by samples, near enough per token
+            agg["mean_rel_l2"] += (
+                float(f["mean_rel_l2"]) * rows
+            )  # weighted by samples, near enough per token
             agg["_w"] += rows
     for agg in fidelity.values():
         w = agg.pop("_w")

@@ -15,6 +15,7 @@
 
 The producer loops that call them live in :mod:`~te_thd.offline_cache.loops`.
 """
+
 from __future__ import annotations
 
 import collections
@@ -106,7 +107,9 @@ class WriteBehind:
 
     def __init__(self, max_pending_bytes: int | None = None) -> None:
         self._state = _State(max_pending_bytes)
-        self._thread = threading.Thread(target=_run, args=(self._state,), name="te_thd-write-behind", daemon=True)
+        self._thread = threading.Thread(
+            target=_run, args=(self._state,), name="te_thd-write-behind", daemon=True
+        )
         self._thread.start()
         self._finalizer = weakref.finalize(self, _stop, self._state)
 
@@ -130,7 +133,9 @@ class WriteBehind:
         if self._state.error is not None:
             raise self._state.error
 
-    def submit(self, run: Callable[[], None], nbytes: int = 0, on_drop: Callable[[], None] | None = None) -> None:
+    def submit(
+        self, run: Callable[[], None], nbytes: int = 0, on_drop: Callable[[], None] | None = None
+    ) -> None:
         """Queue ``run()``, which holds ``nbytes`` of memory (unchanged) until it is done; ``on_drop()``
         runs instead once an earlier job failed. Blocks while the budget is full."""
         state = self._state
@@ -195,7 +200,9 @@ def validate_shard_tensors(
     where = where or f"{cache_name} cache shard {shard_index}"
     keys = tuple(keys)
     if not keys:
-        raise SchemaError(f"{where}: keys=() names no tensors to store; pass e.g. keys=('hidden_states',)")
+        raise SchemaError(
+            f"{where}: keys=() names no tensors to store; pass e.g. keys=('hidden_states',)"
+        )
     missing = [k for k in keys if k not in samples]
     if missing:
         raise SchemaError(
@@ -232,7 +239,9 @@ def validate_shard_tensors(
             )
         if schema is not None:
             want = schema[k]
-            if t.dtype != want.dtype or tuple(t.shape[1:]) != want.shape:  # no TensorSpec built per call
+            if (
+                t.dtype != want.dtype or tuple(t.shape[1:]) != want.shape
+            ):  # no TensorSpec built per call
                 got = TensorSpec(t.dtype, tuple(t.shape[1:]))
                 raise SchemaError(
                     f"{where}: key {k!r} is {got.describe()} but the cache schema says "
@@ -247,7 +256,12 @@ class _StreamedShard:
     """One shard being written: its names, rows, and the :class:`ShardStream` its first piece opens."""
 
     def __init__(self, final: str, rows: int, open_stream: Callable[[str], ShardStream]) -> None:
-        self.final, self.tmp_path, self.rows, self._open_stream = final, temp_path_for(final), rows, open_stream
+        self.final, self.tmp_path, self.rows, self._open_stream = (
+            final,
+            temp_path_for(final),
+            rows,
+            open_stream,
+        )
         self.queued = 0  # rows handed over by the caller
         self._stream: ShardStream | None = None
 
@@ -313,7 +327,9 @@ class DurableShardWriter:
         run_record: Mapping[str, Any] | None = None,
     ) -> None:
         if write_behind and not pipelined:
-            raise ValueError("write_behind=True needs pipelined=True (the writes run on the commit thread)")
+            raise ValueError(
+                "write_behind=True needs pipelined=True (the writes run on the commit thread)"
+            )
         self.keys = tuple(keys)
         if length_rule is not None and length_rule.key not in self.keys:
             raise ValueError(
@@ -321,7 +337,9 @@ class DurableShardWriter:
                 "name a stored key"
             )
         if token_layout is not None and length_rule is None:
-            raise ValueError("token_layout needs a length_rule: the rule says how many tokens of each sample are stored")
+            raise ValueError(
+                "token_layout needs a length_rule: the rule says how many tokens of each sample are stored"
+            )
         self.length_rule = length_rule
         self.token_layout = token_layout
         self.run_record = dict(run_record) if run_record is not None else None
@@ -335,9 +353,13 @@ class DurableShardWriter:
         self._dirty: set[Storage] = set()  # with commits not yet flushed
         self._storages: dict[str, Storage] = {}
 
-    def validate(self, samples: Mapping[str, Any], shard_index: int = -1, where: str | None = None) -> dict[str, torch.Tensor]:
+    def validate(
+        self, samples: Mapping[str, Any], shard_index: int = -1, where: str | None = None
+    ) -> dict[str, torch.Tensor]:
         """The stored keys of ``samples``, checked against the schema (the first call fixes it if unset)."""
-        checked = validate_shard_tensors(samples, self.keys, self.cache_name, shard_index, self.schema, where)
+        checked = validate_shard_tensors(
+            samples, self.keys, self.cache_name, shard_index, self.schema, where
+        )
         if self.schema is None:
             self.schema = {k: TensorSpec(t.dtype, tuple(t.shape[1:])) for k, t in checked.items()}
         return checked
@@ -347,13 +369,17 @@ class DurableShardWriter:
         self.queue(cache_dir, shard_index, checked[self.keys[0]].shape[0], checked)
         return self.finish_shard(cache_dir, shard_index)
 
-    def write_piece(self, cache_dir: str, shard_index: int, rows: int, piece: Mapping[str, Any]) -> None:
+    def write_piece(
+        self, cache_dir: str, shard_index: int, rows: int, piece: Mapping[str, Any]
+    ) -> None:
         """Write the next rows (``{key: [n, ...]}``) of shard ``shard_index``, which holds ``rows`` rows.
         With ``write_behind`` the caller must not modify the piece (it may drop it)."""
         check_int("rows", rows, 1, meaning=f": the number of rows shard {shard_index} will hold")
         self.queue(cache_dir, shard_index, rows, self.validate(piece, shard_index))
 
-    def queue(self, cache_dir: str, shard_index: int, rows: int, checked: dict[str, torch.Tensor]) -> None:
+    def queue(
+        self, cache_dir: str, shard_index: int, rows: int, checked: dict[str, torch.Tensor]
+    ) -> None:
         """:meth:`write_piece` of rows :meth:`validate` returned: a batch is checked once, at this boundary."""
         if self._thread is not None:
             self._thread.raise_error()  # a failed writer writes nothing more
@@ -363,17 +389,29 @@ class DurableShardWriter:
             raise ValueError(f"shard {shard_index} was started with rows={st.rows}, not {rows}")
         queued = 0 if st is None else st.queued
         if queued + n > rows:  # checked before a first piece opens the shard
-            raise ValueError(f"shard {shard_index} holds {rows} rows; {n} more after {queued} overflow it")
+            raise ValueError(
+                f"shard {shard_index} holds {rows} rows; {n} more after {queued} overflow it"
+            )
         nbytes = sum(tensor_nbytes(t.dtype, t.shape) for t in checked.values())
         if st is None:
             self._resolve_once(checked)
             assert self.schema is not None
-            specs, rule, tokens, run = {k: self.schema[k] for k in self.keys}, self.length_rule, self.token_layout, self.run_record
+            specs, rule, tokens, run = (
+                {k: self.schema[k] for k in self.keys},
+                self.length_rule,
+                self.token_layout,
+                self.run_record,
+            )
             first = shard_index * run["shard_size"] if run else None
-            st = _StreamedShard(os.path.join(self._storage(cache_dir).work_dir, shard_name(shard_index)), rows,
-                                lambda tmp: ShardStream(tmp, specs, rows, run, tokens, rule, first))  # fmt: skip
+            st = _StreamedShard(
+                os.path.join(self._storage(cache_dir).work_dir, shard_name(shard_index)),
+                rows,
+                lambda tmp: ShardStream(tmp, specs, rows, run, tokens, rule, first),
+            )
             self._streams[shard_index] = st
-            if self._write_behind and n:  # bound the queue to PENDING_SHARDS shards of the largest size seen
+            if (
+                self._write_behind and n
+            ):  # bound the queue to PENDING_SHARDS shards of the largest size seen
                 limit = PENDING_SHARDS * (rows * nbytes // n)
                 assert self._thread is not None
                 if self._thread.max_pending_bytes is None or limit > self._thread.max_pending_bytes:
@@ -391,7 +429,9 @@ class DurableShardWriter:
         if st is None:
             raise ValueError(f"shard {shard_index} has no pieces; call write_piece first")
         if st.queued != st.rows:
-            raise ValueError(f"shard {shard_index} got {st.queued} of its {st.rows} rows; queue the rest first")
+            raise ValueError(
+                f"shard {shard_index} got {st.queued} of its {st.rows} rows; queue the rest first"
+            )
         records, dirty, storage = self.records, self._dirty, self._storage(cache_dir)
 
         def finish() -> None:
@@ -441,7 +481,10 @@ class DurableShardWriter:
         (call :meth:`flush` first: in the background modes the records land when written)."""
         fields: dict[str, Any] = {
             "schema": schema_to_json(self.schema or {}),
-            "shards": [self.records[i].to_json(os.path.basename(shard_path(cache_dir, i))) for i in sorted(self.records)],
+            "shards": [
+                self.records[i].to_json(os.path.basename(shard_path(cache_dir, i)))
+                for i in sorted(self.records)
+            ],
         }
         if self.length_rule is not None:
             fields[LENGTH_RULE_KEY] = self.length_rule.to_json()
