@@ -85,3 +85,30 @@ def test_reference_style_keyword_calls(tmp_path) -> None:
     m = oc.read_manifest(str(tmp_path), cache_name="t", format_version=1, producer_name="x", defaults={"f": 1})
     assert m["f"] == 1
     assert oc.validate_contiguous_shards(str(tmp_path), "t", m["num_samples"], m["shard_size"]) == [0]
+
+
+def test_a_reference_style_subclass_reads_disk_keys_through_its_handle(tmp_path) -> None:
+    """The reference's EAGLE-3 dataset subclasses ``CachedTensorDataset`` and reads
+    ``self._disk_keys`` and ``self._handle(shard)`` in its own ``__getitem__``."""
+    rows = {"a": torch.arange(12.0).reshape(4, 3), "b": torch.arange(4).reshape(4, 1)}
+    for shard in range(2):
+        oc.write_tensor_shard(
+            cache_dir=str(tmp_path),
+            shard_index=shard,
+            samples={k: v[2 * shard : 2 * shard + 2] for k, v in rows.items()},
+            keys=("a", "b"),
+            cache_name="t",
+        )
+    oc.write_manifest(str(tmp_path), {"num_samples": 4, "shard_size": 2}, format_version=1)
+
+    class Subclass(oc.CachedTensorDataset):
+        def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+            handle = self._handle(index // self.shard_size)
+            offset = index % self.shard_size
+            return {key: handle.get_slice(key)[offset] for key in self._disk_keys}
+
+    ds = Subclass(cache_dir=str(tmp_path), cache_name="t", format_version=1, disk_keys=("a", "b"))
+    for i in range(4):
+        got = ds[i]
+        assert list(got) == ["a", "b"]
+        assert torch.equal(got["a"], rows["a"][i]) and torch.equal(got["b"], rows["b"][i])

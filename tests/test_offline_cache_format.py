@@ -221,6 +221,8 @@ def test_read_manifest_missing(tmp_path: Path) -> None:
     with pytest.raises(ManifestNotFoundError, match=r"holds no manifest\.json and no shards: it is not a te_thd cache; check the path$") as e:
         read_manifest(str(tmp_path), "test", 1)
     assert isinstance(e.value, FileNotFoundError) and isinstance(e.value, ValueError)
+    # the words the reference's callers match (pytest.raises(FileNotFoundError, match=...))
+    assert "manifest not found" in str(e.value)
     _touch_shards(tmp_path, [0, 2])  # shards, no manifest: rebuild it from them
     with pytest.raises(ManifestNotFoundError, match=rf"test cache manifest not found at .*manifest.json, but {tmp_path} holds 2 shard\(s\): the manifest was lost, or the cache was never finished\. Rebuild it from the shards: `te-thd cache repair {tmp_path}` \(it verifies every shard; when one is missing it prints the producer command that computes it\)\.$"):
         read_manifest(str(tmp_path), "test", 1, "`the producer`")
