@@ -28,11 +28,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from te_thd._cp_strategy import DUAL_CHUNK_SWAP, NO_LOAD_BALANCE
 from te_thd.args import check_int
 from te_thd.boundaries import (
     check_covers,
     check_cp_multiple,
     check_non_decreasing,
+    check_pieces,
     check_starts_at_zero,
     check_stream_divisible,
     host_int64,
@@ -127,6 +129,44 @@ def validated_np(
     check_cp_multiple("cu_seqlens_padded", lengths, cp_size)
     check_covers("cu_seqlens_padded", int(cu[-1]), total_tokens, exact=True)
     return cu
+
+
+def validated_contiguous_np(
+    cu: np.ndarray, total_tokens: int, cp_size: int, num_seqs: int | None
+) -> np.ndarray:
+    """:func:`validated_np` for ``no_load_balance``: TE's rules for that strategy.
+
+    TE's ``validate_no_load_balance_thd_metadata`` asserts ``total_tokens % cp_size ==
+    0``, boundaries that start at 0, never decrease and end at ``total_tokens``; the
+    padded lengths need no multiple. Sentinels are stripped first, as for the default.
+    """
+    check_pieces(total_tokens, cp_size)
+    if num_seqs is not None:
+        cu = cu[: num_seqs + 1]
+    elif cu[-1] < 0:
+        cu = _strip_sentinels(cu)
+    check_starts_at_zero("cu_seqlens_padded", cu)
+    if num_seqs is None and np.count_nonzero(cu < 0):
+        _strip_sentinels(cu)
+    check_non_decreasing(
+        "cu_seqlens_padded",
+        cu,
+        "pass num_seqs to say how many sequences are valid, or trim the array",
+    )
+    check_covers("cu_seqlens_padded", int(cu[-1]), total_tokens, exact=True)
+    return cu
+
+
+def contiguous_indices(
+    total_tokens: int, cp_size: int, ranks: tuple[int, ...], device: torch.device
+) -> torch.Tensor:
+    """int64 indices of ``ranks`` (rank-major) under ``no_load_balance``: rank ``r`` owns
+    ``[r*T/cp, (r+1)*T/cp)`` (TE: ``torch.arange(cp_rank * chunk_size, ...)``)."""
+    local = total_tokens // cp_size
+    if ranks == tuple(range(cp_size)):
+        return torch.arange(total_tokens, dtype=torch.int64, device=device)
+    starts = torch.tensor([r * local for r in ranks], dtype=torch.int64, device=device)
+    return (starts.view(-1, 1) + torch.arange(local, device=device)).reshape(-1)
 
 
 @functools.lru_cache(maxsize=8)
@@ -286,14 +326,24 @@ def indices(
     ranks: tuple[int, ...],
     num_seqs: int | None,
     check: bool | None,
+    strategy: str = DUAL_CHUNK_SWAP,
 ) -> torch.Tensor:
     """Concatenated partition indices of ``ranks`` (int64, on the boundaries' device).
 
     ``check`` (default: when the boundaries are on the CPU) validates the layout
     first; a check on a device tensor would sync, so it is skipped there by default.
+    ``strategy`` is a name from :data:`te_thd._cp_strategy.STRATEGIES`.
     """
     check_boundaries_tensor(cu_seqlens_padded, num_seqs)
     check_total_tokens(total_tokens)
+    if strategy == NO_LOAD_BALANCE:
+        device = cu_seqlens_padded.device
+        if check or (check is None and device.type == "cpu"):
+            cu = host_int64(cu_seqlens_padded)
+            validated_contiguous_np(cu, total_tokens, cp_size, num_seqs)
+        else:  # a host int: checked even without the layout checks
+            check_pieces(total_tokens, cp_size)
+        return contiguous_indices(total_tokens, cp_size, ranks, device)
     if cu_seqlens_padded.device.type == "cpu":
         check = True if check is None else check
         return torch.from_numpy(

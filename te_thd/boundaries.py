@@ -166,6 +166,16 @@ def check_stream_divisible(total_tokens: int, cp_size: int) -> None:
         )
 
 
+def check_pieces(total_tokens: int, cp_size: int) -> None:
+    """Under ``no_load_balance`` CP the stream splits into ``cp_size`` equal pieces."""
+    if cp_size > 1 and total_tokens % cp_size:
+        raise ThdContractError(
+            f"total_tokens={total_tokens} is not divisible by cp_size={cp_size}, which "
+            "strategy='no_load_balance' cuts into equal contiguous pieces; pad the stream "
+            f"to a multiple of {cp_size}"
+        )
+
+
 def check_covers(name: str, end: int, total_tokens: int, exact: bool) -> None:
     """The padded boundaries end inside the stream of ``total_tokens`` tokens; ``exact``: at its end.
 
@@ -195,6 +205,7 @@ def check_boundary_values(
     cp_size: int,
     pad_between_seqs: bool | None,
     names: tuple[str, str, str] = ("cu_seqlens", "cu_seqlens_padded", "max_seqlen"),
+    strategy: str = "dual_chunk_swap",
 ) -> None:
     """Host-side value rules of one boundary pair (their one implementation).
 
@@ -205,6 +216,8 @@ def check_boundary_values(
         cp_size: context-parallel size (``> 1`` adds TE's CP divisibility and coverage).
         pad_between_seqs: False requires equal arrays (NVIDIA/TransformerEngine#3331); None/True skip it.
         names: how the messages call ``cu``, ``cu_padded`` and ``max_seqlen``.
+        strategy: the CP partition; ``"no_load_balance"`` needs no padded length to be a
+            multiple of ``2 * cp_size``, only the stream a multiple of ``cp_size``.
 
     Raises:
         ThdContractError: the first violated rule, naming the value and the fix.
@@ -234,7 +247,10 @@ def check_boundary_values(
             )
     if total_tokens is not None:
         check_covers(cup_name, int(p[-1]), total_tokens, exact=False)
-    check_cp_multiple(cup_name, plens, cp_size)
+    if strategy != "no_load_balance":
+        check_cp_multiple(cup_name, plens, cp_size)
+    elif total_tokens is not None:
+        check_pieces(total_tokens, cp_size)
     if total_tokens is not None and cp_size > 1:
         check_covers(cup_name, int(p[-1]), total_tokens, exact=True)
     if pad_between_seqs is False and not np.array_equal(c, p):

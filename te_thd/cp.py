@@ -37,11 +37,13 @@ from typing import Any
 
 import torch
 
+from te_thd._cp_strategy import DUAL_CHUNK_SWAP, NO_LOAD_BALANCE, STRATEGIES, normalize_strategy
 from te_thd._partition import (
     check_boundaries_tensor,
     check_total_tokens,
     indices,
     partition_np,
+    validated_contiguous_np,
     validated_np,
 )
 from te_thd.args import check_names
@@ -49,6 +51,7 @@ from te_thd.boundaries import check_cp_args, host_int64
 from te_thd.layout import LAYOUT_KEY, ThdLayout, derive_unchecked
 
 __all__ = [
+    "STRATEGIES",
     "cp_rank_to_sequence_order",
     "partition_indices",
     "sequence_to_cp_rank_order",
@@ -71,6 +74,8 @@ def validate_cp_layout(
     total_tokens: int,
     cp_size: int,
     num_seqs: int | None = None,
+    *,
+    strategy: Any = DUAL_CHUNK_SWAP,
 ) -> None:
     """Check that a THD layout can be partitioned for ``cp_size`` CP ranks (host-side).
 
@@ -81,17 +86,22 @@ def validate_cp_layout(
         cp_size: context-parallel world size.
         num_seqs: host-side count of valid sequences when the array is sentinel-padded;
             ``None`` treats every entry from the first negative one on as a sentinel.
+        strategy: ``"dual_chunk_swap"`` (default) or ``"no_load_balance"``, or TE's
+            ``CPLoadBalancingStrategy`` member (see :data:`STRATEGIES`).
 
     Raises:
         ValueError: naming the first offending sequence, its padded length and the
             required multiple ``2 * cp_size``; or ``total_tokens`` not divisible by
             ``2 * cp_size``; or boundaries that do not start at 0, decrease, or do not
-            end at ``total_tokens``.
+            end at ``total_tokens``. Under ``"no_load_balance"`` the padded lengths
+            need no multiple and ``total_tokens`` a multiple of ``cp_size`` only.
     """
     check_cp_args(cp_size)
+    strategy = normalize_strategy(strategy)
     check_boundaries_tensor(cu_seqlens_padded, num_seqs)
     check_total_tokens(total_tokens)
-    validated_np(host_int64(cu_seqlens_padded), total_tokens, cp_size, num_seqs)
+    validate = validated_contiguous_np if strategy == NO_LOAD_BALANCE else validated_np
+    validate(host_int64(cu_seqlens_padded), total_tokens, cp_size, num_seqs)
 
 
 def partition_indices(
@@ -102,6 +112,7 @@ def partition_indices(
     num_seqs: int | None = None,
     *,
     check: bool | None = None,
+    strategy: Any = DUAL_CHUNK_SWAP,
 ) -> torch.Tensor:
     """Token indices CP rank ``cp_rank`` owns, exactly as TE's ``thd_get_partitioned_indices``.
 
@@ -116,14 +127,23 @@ def partition_indices(
             neutralised sync-free.
         check: run :func:`validate_cp_layout` first. Default: only when the boundaries
             are on the CPU (a check on a CUDA tensor would sync the device).
+        strategy: ``"dual_chunk_swap"`` (default), ``"no_load_balance"``, or TE's
+            ``CPLoadBalancingStrategy`` member: the partition TE's
+            ``get_thd_partitioned_indices`` computes for it.
 
     Returns:
-        int64 ``[total_tokens // cp_size]`` on the device of ``cu_seqlens_padded``: for each
-        sequence in order, its chunk ``cp_rank`` then its chunk ``2*cp_size-1-cp_rank``.
-        ``cp_size == 1`` gives ``arange(total_tokens)`` (TE's rule reduces to the identity).
+        int64 ``[total_tokens // cp_size]`` on the device of ``cu_seqlens_padded``. Dual
+        chunk swap: for each sequence in order, its chunk ``cp_rank`` then its chunk
+        ``2*cp_size-1-cp_rank``. No load balance: ``arange(cp_rank * T/cp, (cp_rank+1)
+        * T/cp)``, whatever the sequences. ``cp_size == 1`` gives ``arange(total_tokens)``.
+
+    Raises:
+        ValueError: a bad argument or layout (see :func:`validate_cp_layout`); an unknown
+            ``strategy``, in one line listing the accepted values.
     """
     check_cp_args(cp_size, cp_rank)
-    return indices(cu_seqlens_padded, total_tokens, cp_size, (cp_rank,), num_seqs, check)
+    strategy = normalize_strategy(strategy)
+    return indices(cu_seqlens_padded, total_tokens, cp_size, (cp_rank,), num_seqs, check, strategy)
 
 
 def _rank_order_permutation(
@@ -132,11 +152,13 @@ def _rank_order_permutation(
     cp_size: int,
     num_seqs: int | None,
     check: bool | None,
+    strategy: Any,
 ) -> torch.Tensor:
     """int64 ``[T]``: concatenation of ``partition_indices`` for ranks 0..cp_size-1."""
     check_cp_args(cp_size)
+    strategy = normalize_strategy(strategy)
     ranks = tuple(range(cp_size))
-    return indices(cu_seqlens_padded, total_tokens, cp_size, ranks, num_seqs, check)
+    return indices(cu_seqlens_padded, total_tokens, cp_size, ranks, num_seqs, check, strategy)
 
 
 def _dim_size(x: torch.Tensor, dim: int) -> int:
@@ -155,24 +177,30 @@ def sequence_to_cp_rank_order(
     num_seqs: int | None = None,
     *,
     check: bool | None = None,
+    strategy: Any = DUAL_CHUNK_SWAP,
 ) -> torch.Tensor:
     """Reorder ``x`` from sequence order to CP-rank order along ``dim``.
 
     The result is rank 0's partition, then rank 1's, ... -- i.e. what the per-rank
-    shards look like when all-gathered and concatenated in rank order.
+    shards look like when all-gathered and concatenated in rank order. The index is
+    built on the host from CPU boundaries, or sync-free on the boundaries' device.
+    Moving between Megatron's contiguous path and TE's load-balanced one is
+    ``sequence_to_cp_rank_order(cp_rank_to_sequence_order(x, cu, cp,
+    strategy="no_load_balance"), cu, cp)``; under ``"no_load_balance"`` the rank order
+    *is* the sequence order (TE's all-gather returns it as is).
 
     Args:
         x: ``[..., T, ...]`` with the token axis at ``dim`` (any dtype, autograd-safe).
         cu_seqlens_padded: int ``[N+1]`` (or sentinel-padded) physical boundaries.
         cp_size: context-parallel world size.
         dim: token axis of ``x``.
-        num_seqs, check: as in :func:`partition_indices`.
+        num_seqs, check, strategy: as in :func:`partition_indices`.
 
     Returns:
         A new tensor shaped like ``x`` (``index_select`` along ``dim``).
     """
     total = _dim_size(x, dim)
-    perm = _rank_order_permutation(cu_seqlens_padded, total, cp_size, num_seqs, check)
+    perm = _rank_order_permutation(cu_seqlens_padded, total, cp_size, num_seqs, check, strategy)
     return x.index_select(dim, perm.to(x.device, non_blocking=True))
 
 
@@ -184,8 +212,9 @@ def cp_rank_to_sequence_order(
     num_seqs: int | None = None,
     *,
     check: bool | None = None,
+    strategy: Any = DUAL_CHUNK_SWAP,
 ) -> torch.Tensor:
-    """Exact inverse of :func:`sequence_to_cp_rank_order` along ``dim``.
+    """Exact inverse of :func:`sequence_to_cp_rank_order` along ``dim`` (same ``strategy``).
 
     Use it on per-rank shards all-gathered and concatenated in rank order (e.g. K/V
     under CP) to restore the original sequence order. Autograd-safe (``index_select``).
@@ -193,7 +222,7 @@ def cp_rank_to_sequence_order(
     Args/Returns: as in :func:`sequence_to_cp_rank_order`; ``x`` is ``[..., T, ...]``.
     """
     total = _dim_size(x, dim)
-    perm = _rank_order_permutation(cu_seqlens_padded, total, cp_size, num_seqs, check)
+    perm = _rank_order_permutation(cu_seqlens_padded, total, cp_size, num_seqs, check, strategy)
     # The inverse permutation by one scatter (O(T)) instead of an argsort (O(T log T)).
     inverse = torch.empty_like(perm)
     inverse[perm] = torch.arange(total, device=perm.device, dtype=perm.dtype)
@@ -221,6 +250,7 @@ def shard_thd_batch_for_cp(
     *,
     num_seqs: int | None = None,
     layout: ThdLayout | None = None,
+    strategy: Any = DUAL_CHUNK_SWAP,
 ) -> dict[str, Any]:
     """Slice a converted THD batch (``process_input_for_thd`` output) for one CP rank.
 
@@ -244,6 +274,10 @@ def shard_thd_batch_for_cp(
     ``cp_size == 1`` returns ``thd`` itself, unchanged. A bare :class:`~te_thd.layout.ThdLayout`
     (no tokens) returns ``thd.sharded(cp_size, cp_rank)``: the rank's view of the layout.
 
+    ``strategy`` (see :func:`partition_indices`) picks the partition; a batch sharded
+    with ``"no_load_balance"`` also records ``cp_strategy`` (and its layout's
+    ``cp_strategy``), which the attention adapters read.
+
     Raises:
         ValueError: bad ``cp_size`` / ``cp_rank``; missing ``input_ids`` or boundaries;
             an ``extra_keys`` entry missing or not ``[T, ...]``; a layout that cannot be
@@ -254,10 +288,12 @@ def shard_thd_batch_for_cp(
     # and only anything else goes to the full checks (same errors, same messages).
     if type(cp_size) is not int or type(cp_rank) is not int or not 0 <= cp_rank < cp_size:
         check_cp_args(cp_size, cp_rank)
+    if strategy is not DUAL_CHUNK_SWAP:
+        strategy = normalize_strategy(strategy)
     if extra_keys:
         extra_keys = check_names("extra_keys", extra_keys)  # type: ignore[assignment]
     if isinstance(thd, ThdLayout):  # a layout alone, no tokens: the rank's view of it
-        return thd.sharded(cp_size, cp_rank)  # type: ignore[return-value]
+        return thd.sharded(cp_size, cp_rank, strategy=strategy)  # type: ignore[return-value]
     if cp_size == 1:
         return thd  # type: ignore[return-value]
     total = _token_count(thd)
@@ -268,14 +304,21 @@ def shard_thd_batch_for_cp(
     else:
         layout = None
         cu, num_seqs = _dict_boundaries(thd, num_seqs)
-    out = _gather_tokens(thd, _rank_indices(cu, total, cp_size, cp_rank, num_seqs), extra_keys)
+    if strategy == DUAL_CHUNK_SWAP:
+        idx = _rank_indices(cu, total, cp_size, cp_rank, num_seqs)
+    else:
+        idx = partition_indices(cu, total, cp_size, cp_rank, num_seqs, strategy=strategy)
+    out = _gather_tokens(thd, idx, extra_keys)
     out["cp_size"] = cp_size
     out["cp_rank"] = cp_rank
+    more = {}
+    if strategy != DUAL_CHUNK_SWAP:
+        out["cp_strategy"] = more["cp_strategy"] = strategy
     if layout is not None:
         # layout.sharded(cp_size, cp_rank) without its re-validation: the layout was
         # checked when built, and the partition above just proved the cp_size rules
         # (padded lengths multiples of 2*cp_size, boundaries covering the stream)
-        out[LAYOUT_KEY] = derive_unchecked(layout, cp_size=cp_size, cp_rank=cp_rank)
+        out[LAYOUT_KEY] = derive_unchecked(layout, cp_size=cp_size, cp_rank=cp_rank, **more)
     return out
 
 

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from te_thd._cp_strategy import DUAL_CHUNK_SWAP, normalize_strategy
 from te_thd.args import check_int, is_int
 from te_thd.boundaries import (
     ThdContractError,
@@ -63,6 +64,9 @@ class ThdLayout:
         absorbed_trailing_pad: the last sequence was grown over trailing padding
             (``process_input_for_thd(absorb_trailing_pad=True)``): right for causal
             masks only, so the adapters reject a bidirectional mask over it.
+        cp_strategy: the CP load-balancing strategy the batch is sharded by
+            (``"dual_chunk_swap"``, TE's default, or ``"no_load_balance"``, whose
+            padded lengths need no multiple of ``2*cp_size``; see :mod:`te_thd.cp`).
 
     Building one checks it (types, shapes, int32, and -- for CPU boundaries -- every
     value rule of TE's THD contract, with CP divisibility when ``cp_size > 1``);
@@ -78,6 +82,7 @@ class ThdLayout:
     cp_size: int = 1
     cp_rank: int = 0
     absorbed_trailing_pad: bool = False
+    cp_strategy: str = DUAL_CHUNK_SWAP
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -128,17 +133,18 @@ class ThdLayout:
             return self
         return derive_unchecked(self, cu_seqlens=cu, cu_seqlens_padded=cup)
 
-    def sharded(self, cp_size: int, cp_rank: int) -> ThdLayout:
+    def sharded(self, cp_size: int, cp_rank: int, *, strategy: Any = DUAL_CHUNK_SWAP) -> ThdLayout:
         """This (global) layout as seen by CP rank ``cp_rank`` of ``cp_size``.
 
         The boundaries stay global (TE with a ``cp_group`` expects that); the result
-        is validated for ``cp_size`` (every padded length a multiple of ``2*cp_size``,
-        boundaries covering the stream).
+        is validated for ``cp_size`` and ``strategy`` (dual chunk swap: every padded
+        length a multiple of ``2*cp_size``; both: boundaries covering the stream).
         """
         check_cp_args(cp_size, cp_rank)
-        if (cp_size, cp_rank) == (self.cp_size, self.cp_rank):
+        strategy = normalize_strategy(strategy)
+        if (cp_size, cp_rank, strategy) == (self.cp_size, self.cp_rank, self.cp_strategy):
             return self
-        return dataclasses.replace(self, cp_size=cp_size, cp_rank=cp_rank)
+        return dataclasses.replace(self, cp_size=cp_size, cp_rank=cp_rank, cp_strategy=strategy)
 
     def padded_to(self, max_num_seqs: int, max_seqlen: int | None = None) -> ThdLayout:
         """This layout with fixed shapes, for CUDA graphs: ``[max_num_seqs + 1]`` boundaries.
@@ -241,6 +247,7 @@ def _validate(layout: ThdLayout) -> None:
             f"num_seqs={layout.num_seqs} but cu_seqlens holds {cu.shape[0]} boundaries "
             f"({cu.shape[0] - 1} sequences); pass num_seqs=cu_seqlens.numel() - 1"
         )
+    normalize_strategy(layout.cp_strategy, "cp_strategy")
     for name in ("pad_between_seqs", "absorbed_trailing_pad"):
         value = getattr(layout, name)
         if not isinstance(value, bool):
@@ -256,6 +263,7 @@ def _validate(layout: ThdLayout) -> None:
             total_tokens=layout.total_tokens,
             cp_size=layout.cp_size,
             pad_between_seqs=layout.pad_between_seqs,
+            strategy=layout.cp_strategy,
         )
 
 
@@ -412,4 +420,6 @@ def _from_mapping(
         cp_rank=cp_rank,
         absorbed_trailing_pad=_absorbed_of(thd, cu, pad, cp_size),
     )
+    if cp_size > 1 and thd.get("cp_strategy", DUAL_CHUNK_SWAP) != DUAL_CHUNK_SWAP:
+        fields["cp_strategy"] = thd["cp_strategy"]
     return ThdLayout(**fields) if validate else _trusted(**fields)
