@@ -11,6 +11,8 @@ import os
 import subprocess
 import sys
 
+from te_thd._cache_parser import add_cache_commands
+
 
 def _cmd_demo(args: argparse.Namespace) -> int:
     """Run the README's main job (the checkout's examples/, see te_thd._checkout)."""
@@ -68,9 +70,9 @@ def _has_checkout(*required: str) -> bool:
     return True
 
 
-def build_parser(cache_commands: bool = True) -> argparse.ArgumentParser:
-    """The ``te-thd`` parser. ``cache_commands=False`` leaves ``cache`` without its commands: they
-    come from ``te_thd.offline_cache``, which imports torch, and help for the rest must not wait for it."""
+def build_parser() -> argparse.ArgumentParser:
+    """The ``te-thd`` parser. Nothing it imports imports torch: a command imports what it runs, so
+    ``--help`` and a bad argument do not wait for it."""
     p = argparse.ArgumentParser(prog="te-thd", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
 
@@ -94,10 +96,7 @@ def build_parser(cache_commands: bool = True) -> argparse.ArgumentParser:
     cache = sub.add_parser(
         "cache", help="inspect, verify or repair an offline cache directory; plan one"
     )
-    if cache_commands:
-        from te_thd.offline_cache.cli import add_cache_commands
-
-        add_cache_commands(cache)
+    add_cache_commands(cache)
     return p
 
 
@@ -119,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         a.split("=")[0] in ("--target", "--data") for a in argv[2:]
     ):
         return _cmd_plan_example(argv[2:])
-    args = build_parser(cache_commands=argv[:1] == ["cache"]).parse_args(argv)
+    args = build_parser().parse_args(argv)
     try:
         code = int(args.func(args) or 0)
         sys.stdout.flush()  # here, not at exit: a reader that went away (`| head -1`) shows up at the flush

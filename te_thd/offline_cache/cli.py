@@ -1,4 +1,5 @@
-"""``te-thd cache info DIR``, ``te-thd cache verify DIR [--quick]``, ``te-thd cache repair DIR``, ``te-thd cache plan``.
+"""``te-thd cache info DIR``, ``te-thd cache verify DIR [--quick]``, ``te-thd cache repair DIR``, ``te-thd cache plan``,
+``te-thd cache unlock URL``: what each command does (:func:`run`; their arguments: ``te_thd._cache_parser``).
 
 Thin shells over :func:`cache_info`, :func:`verify_cache`, :func:`repair_cache` and
 :func:`~te_thd.offline_cache.plan.plan_cache` (which reads and writes no cache).
@@ -30,7 +31,7 @@ from te_thd.offline_cache.plan import (
     plan_json,
     read_lengths,
 )
-from te_thd.offline_cache.repair import repair_cache
+from te_thd.offline_cache.repair import repair_cache, shard_span
 from te_thd.offline_cache.storage import open_storage
 from te_thd.offline_cache.verify import cache_info, verify_cache
 
@@ -128,9 +129,11 @@ def _cmd_repair(args: argparse.Namespace) -> int:
         return getattr(exc, "exit_status", 1)
     for note in result["notes"]:
         print(f"note: {note}")
+    if result["removed"]:
+        print(f"removed: {len(result['removed'])} temp file(s) a killed writer left")
     if result["rebuilt"]:
-        for name in result["extra"]:
-            print(f"set aside: {name}: not part of this cache")
+        if result["extra"]:
+            print(f"set aside: {shard_span(result['extra'])}: not part of this cache")
         passed = (
             f" and the arguments ({', '.join(result['from_arguments'])})"
             if result["from_arguments"]
@@ -145,13 +148,19 @@ def _cmd_repair(args: argparse.Namespace) -> int:
         return 0
     if not result["reopened"]:
         print(f"OK: {args.dir}: every shard verified; nothing to repair")
+        kept = result["kept_aside"]
+        if kept is not None:
+            print(
+                f"kept: {kept['dir']} holds {kept['files']} file(s) ({human_bytes(kept['bytes'])}) that "
+                f"earlier repairs set aside for inspection; the cache does not need them: {kept['remove']}"
+            )
         return 0
     for name, why in result["damaged"].items():
         print(f"set aside: {name}: {why}")
-    for name in result["extra"]:
-        print(f"set aside: {name}: not part of this cache")
-    for name in result["missing"]:
-        print(f"missing: {name}")
+    if result["extra"]:
+        print(f"set aside: {shard_span(result['extra'])}: not part of this cache")
+    if result["missing"]:
+        print(f"missing: {shard_span(result['missing'])}")
     where = f" (moved to {result['set_aside_in']})" if result["set_aside_in"] else ""
     # the produce_cache hint says itself that it computes only the missing shards
     then = (
@@ -262,179 +271,16 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_cache_commands(cache: argparse.ArgumentParser) -> None:
-    """Register ``info``, ``verify``, ``repair`` and ``unlock`` on the ``te-thd cache`` parser."""
-    sub = cache.add_subparsers(dest="cache_command", required=True)
+#: ``te-thd cache <command>``: the function that runs it (its arguments: ``te_thd._cache_parser``)
+COMMANDS = {
+    "info": _cmd_info,
+    "verify": _cmd_verify,
+    "repair": _cmd_repair,
+    "plan": _cmd_plan,
+    "unlock": _cmd_unlock,
+}
 
-    info = sub.add_parser(
-        "info", help="samples, shards, keys (dtype/shape), bytes, producer options"
-    )
-    info.add_argument(
-        "dir",
-        help="cache directory (holds manifest.json), s3://bucket/prefix or msc://profile/path",
-    )
-    info.add_argument("--json", action="store_true", help="print the summary as JSON")
-    info.set_defaults(func=_cmd_info)
 
-    verify = sub.add_parser(
-        "verify",
-        help="read every shard and check its checksums (exit 0 sound, 1 with the bad shards named)",
-    )
-    verify.add_argument(
-        "dir",
-        help="cache directory (holds manifest.json), s3://bucket/prefix or msc://profile/path",
-    )
-    depth = verify.add_mutually_exclusive_group()
-    depth.add_argument(
-        "--quick",
-        action="store_true",
-        help="only check that every shard exists with its recorded size",
-    )
-    depth.add_argument("--deep", action="store_true", help="the default (kept for older scripts)")
-    verify.set_defaults(func=_cmd_verify)
-
-    repair = sub.add_parser(
-        "repair",
-        help="set damaged shards aside and reopen the cache so its producer recomputes them; rebuild a "
-        "lost or damaged manifest.json from the shards",
-    )
-    repair.add_argument(
-        "dir", help="cache directory (holds the shards), s3://bucket/prefix or msc://profile/path"
-    )
-    lost = repair.add_argument_group(
-        "rebuilding a manifest from shards that do not record their producer run (repair names the ones it needs)"
-    )
-    lost.add_argument(
-        "--format-version",
-        type=int,
-        default=None,
-        metavar="N",
-        help="the format_version the cache's readers pass",
-    )
-    lost.add_argument(
-        "--options",
-        default=None,
-        metavar="JSON",
-        help="the producer options (every manifest field te_thd does not write itself) as a JSON "
-        "object; also adds fields to what the shards record",
-    )
-    lost.add_argument(
-        "--shard-size",
-        type=int,
-        default=None,
-        metavar="N",
-        help="samples per shard (a single shard does not tell)",
-    )
-    lost.add_argument(
-        "--num-samples",
-        type=int,
-        default=None,
-        metavar="N",
-        help="samples of the cache, when shards at its end are lost too",
-    )
-    lost.add_argument(
-        "--length-key",
-        default=None,
-        metavar="KEY",
-        help="the producer's length_key (default: input_ids when stored)",
-    )
-    repair.set_defaults(func=_cmd_repair)
-
-    plan = sub.add_parser(
-        "plan",
-        help="before producing: bytes per sample and in all, shards, each CP rank's reads per epoch, "
-        "padded / ragged / ragged with each codec",
-        description="What a cache will cost, from its samples' lengths and its keys' shapes, before anything "
-        "is computed: bytes per sample and in all, shards, and the bytes each CP rank fetches per epoch, for "
-        "the padded, the ragged and the ragged layout with each codec, side by side (docs/cache-plan.md). "
-        "With --target/--data instead of --lengths/--key it runs `examples/precompute_cache.py --plan` of a "
-        "source checkout with the same arguments: lengths from a JSONL file tokenized as that producer does, "
-        "key shapes from a Hugging Face config.json.",
-    )
-    plan.add_argument(
-        "--lengths",
-        required=True,
-        metavar="FILE",
-        help="every sample's real token count, one integer per line ('#' lines and blank lines skipped)",
-    )
-    plan.add_argument(
-        "--key",
-        action="append",
-        required=True,
-        metavar="NAME=DTYPE[:SHAPE]",
-        help="a stored key and its per-sample shape, L for the padded length; repeat per key, e.g. "
-        "--key input_ids=int64:L --key seq_len=int64 --key hidden=bfloat16:L,4096",
-    )
-    plan.add_argument(
-        "--max-len",
-        type=int,
-        default=None,
-        metavar="L",
-        help="padded length L (default: the longest sample)",
-    )
-    plan.add_argument(
-        "--token-keys",
-        default=None,
-        metavar="K1,K2",
-        help="keys the ragged layouts store ragged (default: every key shaped [L, ...])",
-    )
-    plan.add_argument(
-        "--codec-keys",
-        default=None,
-        metavar="K1,K2",
-        help="token keys a codec may store (default: every token key it can store)",
-    )
-    plan.add_argument(
-        "--length-key",
-        default=None,
-        metavar="KEY",
-        help="the producer's length_key (default: input_ids when stored)",
-    )
-    plan.add_argument(
-        "--input-key",
-        default=None,
-        metavar="KEY",
-        help="the token ids CachedThdCollator packs, read whole by every CP rank (default: input_ids)",
-    )
-    plan.add_argument(
-        "--shard-size", type=int, default=256, metavar="N", help="samples per shard (default: 256)"
-    )
-    plan.add_argument(
-        "--cp",
-        type=int,
-        default=1,
-        metavar="N",
-        help="context-parallel size of training (default: 1)",
-    )
-    plan.add_argument(
-        "--pack-seq-len",
-        type=int,
-        default=None,
-        metavar="S",
-        help="packed row length of training: a row's unused tail joins its last sample's CP chunks "
-        "(default: each sample alone, padded to 2*cp)",
-    )
-    plan.add_argument(
-        "--batch-size",
-        type=int,
-        default=16,
-        metavar="B",
-        help="with --pack-seq-len: samples per training batch, packed together (default: 16)",
-    )
-    plan.add_argument(
-        "--vocab-size",
-        type=int,
-        default=None,
-        metavar="V",
-        help="the target's vocabulary: plans the top-k index codec on integer token keys "
-        "(16 bits an index up to 65,536, 17 up to 131,072, else 32; default: not planned)",
-    )
-    plan.add_argument("--json", action="store_true", help="print the figures as JSON")
-    plan.set_defaults(func=_cmd_plan)
-
-    unlock = sub.add_parser(
-        "unlock",
-        help="remove the producer lock of an s3:// or msc:// cache whose producer was killed on another host",
-    )
-    unlock.add_argument("dir", help="s3://bucket/prefix or msc://profile/path of the cache")
-    unlock.set_defaults(func=_cmd_unlock)
+def run(args: argparse.Namespace) -> int:
+    """Run the ``te-thd cache`` command ``args.cache_command`` with its parsed arguments; the exit status."""
+    return COMMANDS[args.cache_command](args)
