@@ -237,13 +237,35 @@ def test_a_store_that_cannot_be_used_is_one_line_naming_the_url_and_what_to_chec
     assert "\n" not in str(info.value)
     with pytest.raises(StorageError, match=re.escape(want)):
         P.produce(url)
-    if profile in ("nosuch", "nobucket"):  # the CLI's commands share one path to the store: two of them here
-        cmd = "info" if profile == "nosuch" else "unlock"
-        assert want in _one_line(_run([CLI, "cache", cmd, url]), f"te-thd cache {cmd}: ")
+    # the CLI's commands share one path to the store: two of them here; the line is alone on stderr (MSC's
+    # own log line of the error, "Non-retryable error occurred for read: ...", is not shown beside it)
+    cmd = "info" if profile in ("nosuch", "badkeys") else "unlock"
+    assert want in _one_line(_run([CLI, "cache", cmd, url]), f"te-thd cache {cmd}: ")
     if profile == "nosuch":  # and the example's producer
         r = _run([sys.executable, "examples/precompute_cache.py", "--out", url, "--num-samples", "8", "--device", "cpu"],
                  cwd=HERE.parent)  # fmt: skip
         assert want in _one_line(r, "error: ")
+
+
+def test_msc_logs_only_what_our_one_line_does_not_say(url, caplog) -> None:
+    """MSC logs an error before it raises it: held while our call runs, dropped when the call's error becomes
+    our one line, let through after the call otherwise. No logging configuration is changed."""
+    import logging
+
+    st, msc_log = open_storage(url), logging.getLogger("multistorageclient.retry")
+    st.list()  # the client is made
+    before = (logging.getLogger().handlers[:], msc_log.filters[:], msc_log.level)
+    with caplog.at_level(logging.WARNING), pytest.raises(StorageError):
+        with st.calls():
+            msc_log.error("Non-retryable error occurred for read: denied")
+            raise PermissionError("denied")
+    assert "Non-retryable" not in caplog.text
+    with caplog.at_level(logging.WARNING), pytest.raises(KeyError):
+        with st.calls():
+            msc_log.warning("Attempt 1 failed for read: a reason of its own")
+            raise KeyError("not ours to report")
+    assert "Attempt 1 failed for read" in caplog.text
+    assert (logging.getLogger().handlers[:], msc_log.filters, msc_log.level) == before
 
 
 def test_a_profile_name_msc_refuses_is_refused_never_taken_for_a_path(tmp_path, monkeypatch) -> None:

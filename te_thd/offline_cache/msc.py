@@ -22,9 +22,11 @@ addresses object storage behind ``--enable-msc``.
 from __future__ import annotations
 
 import contextlib
+import functools
+import logging
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -48,6 +50,49 @@ def _msc() -> Any:
             "`pip install -e '.[msc]'`"
         ) from None
     return multistorageclient
+
+
+class _Held(logging.Filter):
+    """Holds the records of the loggers it is added to instead of letting them through."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        self.records.append(record)
+        return False
+
+
+@functools.lru_cache(
+    maxsize=1
+)  # found again only when a logger was added (``count``: how many there are)
+def _msc_loggers(count: int) -> tuple[logging.Logger, ...]:
+    """MSC's loggers (``multistorageclient`` and those below it)."""
+    return tuple(
+        logger
+        for name, logger in list(logging.Logger.manager.loggerDict.items())
+        if (name == "multistorageclient" or name.startswith("multistorageclient."))
+        and isinstance(logger, logging.Logger)
+    )
+
+
+@contextlib.contextmanager
+def _msc_logs_held() -> Iterator[list[logging.LogRecord]]:
+    """MSC's own log records, held while one of our calls runs and let through after it: the caller
+    empties the list it is given when its one line says what they would (MSC logs an error before
+    raising it). Only MSC's loggers are touched, and only for the call."""
+    held = _Held()
+    loggers = _msc_loggers(len(logging.Logger.manager.loggerDict))
+    for logger in loggers:
+        logger.addFilter(held)
+    try:
+        yield held.records
+    finally:
+        for logger in loggers:
+            logger.removeFilter(held)
+        for record in held.records:
+            logging.getLogger(record.name).handle(record)
 
 
 class MSCPrefix(S3Prefix):
@@ -82,14 +127,27 @@ class MSCPrefix(S3Prefix):
         if key not in _CLIENTS:
             msc = _msc()
             paths = [self.config_file] if self.config_file else None
-            try:
-                conf = msc.StorageClientConfig.from_file(
-                    config_file_paths=paths, profile=self.profile
-                )
-                _CLIENTS[key] = msc.StorageClient(conf), conf.storage_provider
-            except Exception as exc:  # MSC reports every configuration problem as its own error
-                raise storage.StorageError(f"{self.name}: {self.profile_problem(exc)}") from exc
+            with _msc_logs_held() as held:
+                try:
+                    conf = msc.StorageClientConfig.from_file(
+                        config_file_paths=paths, profile=self.profile
+                    )
+                    _CLIENTS[key] = msc.StorageClient(conf), conf.storage_provider
+                except Exception as exc:  # MSC reports every configuration problem as its own error
+                    held.clear()
+                    raise storage.StorageError(f"{self.name}: {self.profile_problem(exc)}") from exc
         return _CLIENTS[key]
+
+    @contextlib.contextmanager
+    def calls(self) -> Iterator[None]:
+        """As :meth:`S3Prefix.calls`; what MSC logs of an error that becomes our one line is not shown."""
+        with _msc_logs_held() as held:
+            try:
+                with super().calls():
+                    yield
+            except storage.StorageError:
+                held.clear()
+                raise
 
     def profile_problem(self, exc: BaseException) -> str:
         """What is wrong with the profile, for a client MSC could not make from it."""
