@@ -23,7 +23,7 @@ __version__ = "0.1.0"
 
 _SUBMODULES = ("thd_utils", "layout", "cp", "packing", "attention", "offline_cache", "cli")
 # Public names re-exported at the top level, each from the submodule that defines it.
-_NAMES = {"ThdLayout": "layout"}
+_NAMES = {"ThdLayout": "layout", "check_te_thd_kwargs": "attention"}
 
 
 def __getattr__(name: str) -> Any:
@@ -36,5 +36,6 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "ThdLayout",
+    "check_te_thd_kwargs",
     *_SUBMODULES,
 ]  # __version__ is importable too; __all__ names public API only

@@ -28,9 +28,22 @@ from typing import Any
 
 import torch
 
-from te_thd.attention.contract import TeThdKwargs, check_mask_for_thd, normalize_attn_mask_type
+from te_thd._cp_strategy import (
+    DUAL_CHUNK_SWAP,
+    NO_LOAD_BALANCE,
+    installed_te_version,
+    normalize_strategy,
+    te_strategy_member,
+)
+from te_thd.attention.contract import (
+    TeThdKwargs,
+    ThdContractError,
+    check_mask_for_thd,
+    normalize_attn_mask_type,
+)
+from te_thd.attention.pitfalls import check_te_thd_kwargs
 from te_thd.boundaries import longest_segment
-from te_thd.layout import ThdLayout, as_layout
+from te_thd.layout import ThdLayout, as_layout, derive_unchecked
 
 #: What megatron-core warns on import without Transformer Engine and Apex (:func:`packed_seq_params`).
 _MEGATRON_NO_TE_WARNING = "Transformer Engine and Apex are not installed"
@@ -127,6 +140,7 @@ def te_attention_kwargs(
     device: torch.device | str | None = None,
     check: bool = True,
     max_num_seqs: int | None = None,
+    strategy: Any = None,
 ) -> TeThdKwargs:
     """The exact THD kwargs of TE ``DotProductAttention.forward``.
 
@@ -152,6 +166,17 @@ def te_attention_kwargs(
             trailing sequences; TE >= 2.18) and ``max_seqlen_q/kv`` is the fixed bound
             ``max_seqlen`` (default: the stream length). Outputs and gradients are
             unchanged (:meth:`~te_thd.layout.ThdLayout.padded_to`).
+        strategy: the CP load-balancing strategy the batch is sharded by
+            (``"dual_chunk_swap"``, ``"no_load_balance"`` or TE's enum member); default
+            the batch's own (``shard_thd_batch_for_cp`` records it), else the default.
+            It picks the layout rules; ``"no_load_balance"`` under CP also needs a
+            causal mask and, where TE is installed, a TE that has the strategy.
+            TE takes the strategy in ``set_context_parallel_group``:
+            :func:`te_thd.attention.te_cp_group_kwargs` gives its kwargs.
+
+    With ``check``, :func:`~te_thd.attention.pitfalls.check_te_thd_kwargs` also runs on
+    the result for the installed TE (before any move to ``device``): a known TE pitfall
+    raises. The kwargs built here never hit one.
 
     Returns:
         :class:`~te_thd.attention.contract.TeThdKwargs`: ``qkv_format="thd"``,
@@ -161,19 +186,49 @@ def te_attention_kwargs(
     Raises:
         ThdContractError: the batch breaks TE's THD contract.
         ValueError: missing keys, a value that would need a device sync, a
-            bidirectional mask over an absorbed trailing pad, or more than
-            ``max_num_seqs`` sequences.
+            bidirectional mask over an absorbed trailing pad, more than
+            ``max_num_seqs`` sequences, an unknown ``strategy`` or one the installed TE
+            lacks.
     """
     mask = normalize_attn_mask_type(attn_mask_type)
+    if strategy is not None:
+        strategy = normalize_strategy(strategy)
+        if strategy != DUAL_CHUNK_SWAP and isinstance(thd, Mapping):
+            thd = {**thd, "cp_strategy": strategy}  # the rules to build its layout by
     layout = _attention_layout(
-        thd, mask, cp_size, max_seqlen, device, check, max_num_seqs=max_num_seqs
+        thd, mask, cp_size, max_seqlen, None, check, max_num_seqs=max_num_seqs
     )
-    return TeThdKwargs(
+    if strategy is not None and strategy != layout.cp_strategy:
+        rebuild = dataclasses.replace if check else derive_unchecked
+        layout = rebuild(layout, cp_strategy=strategy)
+    if layout.cp_strategy == NO_LOAD_BALANCE and layout.cp_size > 1:
+        _check_no_load_balance(mask, layout.cp_size)
+    kwargs = TeThdKwargs(
         qkv_format="thd",
         attn_mask_type=mask,
         **_te_boundary_fields(layout),
         pad_between_seqs=layout.pad_between_seqs,
     )
+    if check and layout.cu_seqlens.device.type == "cpu":
+        problems = check_te_thd_kwargs(kwargs)
+        if problems:
+            raise ThdContractError("; ".join(problems))
+    if device is not None:
+        moved = layout.to(device, non_blocking=True)
+        kwargs.update(_te_boundary_fields(moved))  # type: ignore[typeddict-item]
+    return kwargs
+
+
+def _check_no_load_balance(mask: str, cp_size: int) -> None:
+    """TE's asserts for ``NO_LOAD_BALANCE`` that the kwargs decide, and the TE feature."""
+    if "causal" not in mask:
+        raise ThdContractError(
+            f"attn_mask_type={mask!r} with strategy='no_load_balance' (cp_size={cp_size}): TE "
+            "asserts 'No-load-balance THD partitioning requires causal attention without a "
+            "sliding window'; use 'padding_causal', or strategy='dual_chunk_swap'"
+        )
+    if installed_te_version() is not None:
+        te_strategy_member(NO_LOAD_BALANCE)  # one line naming the TE version needed
 
 
 def packed_seq_params(
