@@ -37,6 +37,7 @@ import sys
 import time
 from pathlib import Path
 
+from te_thd import _demo_jobs as jobs_
 from te_thd._checkout import find_checkout
 
 #: the two scripts the demo runs, relative to the checkout root
@@ -177,13 +178,24 @@ def resume_run_dir(out: Path) -> Path | None:
     return saved[-1] if saved else None
 
 
-def _run(title: str, cmd: list[str], cwd: Path) -> int:
+def _run(title: str, cmd: list[str], cwd: Path, jobs: list[subprocess.Popen]) -> int:
+    """Run ``cmd`` (appended to ``jobs`` while it runs) with the demo's console; its exit status."""
     print(f"\n== {title}\n$ {shlex.join(cmd)}", flush=True)
     # torchrun sets one OpenMP thread per rank anyway and prints a banner saying so when
     # the variable is unset; setting it here keeps that value (unless the user chose one)
     # without the banner
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    return subprocess.call(cmd, cwd=cwd, env=env)
+    jobs.append(jobs_.start(cmd, cwd=cwd, env=env))
+    return jobs[-1].wait()
+
+
+def resume_hint(name: str, train: Path) -> str:
+    """How to go on after job ``name`` (``precompute`` or ``train``) was killed."""
+    if name == "precompute":
+        return "run the same command again to resume"
+    if (train / "ckpt" / "latest.json").is_file():
+        return "run the same command with --resume to continue from its last checkpoint"
+    return "it saved no checkpoint: run the same command again to train anew"
 
 
 #: how often ``--follow`` reads the two jobs' progress (seconds)
@@ -218,11 +230,18 @@ def steps_done(train: Path) -> int:
 
 
 def run_concurrently(
-    produce: list[str], train_cmd: list[str], cache: Path, train: Path, steps: int, cwd: Path
+    produce: list[str],
+    train_cmd: list[str],
+    cache: Path,
+    train: Path,
+    steps: int,
+    cwd: Path,
+    jobs: list[subprocess.Popen],
 ) -> int:
     """Run the producer and the trainer (which follows it) at the same time, each logging to a file beside
-    its directory, with a progress bar for each; the first non-zero exit status, else 0. A producer that
-    fails stops the trainer (it would wait for shards nobody writes)."""
+    its directory, with a progress bar for each; the first non-zero exit status (1 for a job a signal
+    killed), else 0. A producer that fails stops the trainer (it would wait for shards nobody writes).
+    Both are appended to ``jobs``; whatever ends this function early stops them."""
     from tqdm.auto import tqdm
 
     logs = (cache.parent / f"{cache.name}.log", train.parent / f"{train.name}.log")
@@ -234,19 +253,18 @@ def run_concurrently(
     cache.parent.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     with open(logs[0], "w") as plog, open(logs[1], "w") as tlog:
-        jobs = [
-            subprocess.Popen(produce, cwd=cwd, env=env, stdout=plog, stderr=subprocess.STDOUT),
-            subprocess.Popen(train_cmd, cwd=cwd, env=env, stdout=tlog, stderr=subprocess.STDOUT),
-        ]
+        for cmd, log in ((produce, plog), (train_cmd, tlog)):
+            jobs.append(jobs_.start(cmd, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT))
+        pair = (producer, trainer) = jobs[-2:]
         bars = [
             tqdm(desc="produce", unit="shard", position=0, disable=None, file=sys.stderr),
             tqdm(total=steps, desc="train", unit="step", position=1, disable=None, file=sys.stderr),
         ]
         try:
             while True:
-                running = [j.poll() is None for j in jobs]
-                if jobs[0].returncode not in (None, 0) and running[1]:
-                    jobs[1].terminate()
+                running = [j.poll() is None for j in pair]
+                if producer.returncode not in (None, 0) and running[1]:
+                    trainer.terminate()
                 done, total = shards_done(cache)
                 bars[0].total = total
                 bars[0].n = done
@@ -256,24 +274,63 @@ def run_concurrently(
                 if not any(running):
                     break
                 time.sleep(POLL_S)
+        except jobs_.Stopped:
+            jobs_.ignore_stop_signals()  # a second Ctrl-C does not cut the stopping short
+            raise
         finally:
-            for j in jobs:
-                if j.poll() is None:
-                    j.terminate()
-                    j.wait()
+            jobs_.stop(list(pair))
             for bar in bars:
                 bar.close()
-    for job, log, name in zip(jobs, logs, ("precompute", "train"), strict=True):
+    for job, log, name in zip(pair, logs, ("precompute", "train"), strict=True):
         lines = log.read_text(errors="replace").splitlines()
         shown = [ln for ln in lines if RESULT_LINE.match(ln)]  # its result, or its one error line
-        if job.returncode and not any(ln.startswith("error:") for ln in shown):
-            shown = (
-                lines[-20:]
-                if job is jobs[0]
-                else [f"{name}: stopped, the producer failed (log: {log})"]
-            )
+        if job.returncode and job is trainer and producer.returncode:
+            shown = [f"{name}: stopped, the producer failed (log: {log})"]
+        elif (
+            job.returncode < 0
+        ):  # a signal ended it: its log says nothing (torchrun had no time to)
+            shown = [jobs_.killed_line(name, job.returncode, log, resume_hint(name, train))]
+        elif job.returncode and not any(ln.startswith("error:") for ln in shown):
+            shown = lines[-20:]
         print("\n".join(shown), flush=True)
-    return next((j.returncode for j in jobs if j.returncode), 0)
+    return next((max(j.returncode, 1) for j in pair if j.returncode), 0)
+
+
+def _run_jobs(
+    args: argparse.Namespace,
+    produce: list[str],
+    train_cmd: list[str],
+    cache: Path,
+    train: Path,
+    root: Path,
+    jobs: list[subprocess.Popen],
+) -> int:
+    """The two torchrun jobs, one after the other or (``--follow``) at once; 0, or the first failure's
+    status (1 for a job a signal killed, after one line saying so)."""
+    if args.follow:
+        return run_concurrently(
+            produce, [*train_cmd, "--follow"], cache, train, args.steps, root, jobs
+        )
+    steps = (
+        (
+            "precompute",
+            f"1/2 precompute the offline cache ({args.nproc} ranks, resumable; reused when it exists)",
+            produce,
+        ),
+        (
+            "train",
+            f"2/2 train the MoE student: {args.nproc} ranks, CP={args.cp}, EP={args.ep}, {args.device}",
+            train_cmd,
+        ),
+    )
+    for name, title, cmd in steps:
+        rc = _run(title, cmd, root, jobs)
+        if rc < 0:
+            print(jobs_.killed_line(name, rc, None, resume_hint(name, train)), flush=True)
+            return 1
+        if rc != 0:
+            return rc
+    return 0
 
 
 def run_demo(args: argparse.Namespace) -> int:
@@ -355,26 +412,17 @@ def run_demo(args: argparse.Namespace) -> int:
         *(["--resume"] if args.resume else []),
         *(["--balance"] if args.balance else []),
     ]
-    if args.follow:
-        rc = run_concurrently(produce, [*train_cmd, "--follow"], cache, train, args.steps, root)
-        if rc == 0:
-            print(
-                f"\ndemo finished in {time.perf_counter() - t0:.0f} s; per-step metrics: {train / 'metrics.jsonl'}",
-                flush=True,
-            )
-        return rc
-    rc = _run(
-        f"1/2 precompute the offline cache ({args.nproc} ranks, resumable; reused when it exists)",
-        produce,
-        root,
-    )
-    if rc != 0:
-        return rc
-    rc = _run(
-        f"2/2 train the MoE student: {args.nproc} ranks, CP={args.cp}, EP={args.ep}, {args.device}",
-        train_cmd,
-        root,
-    )
+    jobs: list[subprocess.Popen] = []
+    saved = jobs_.handle_stop_signals()
+    try:
+        rc = _run_jobs(args, produce, train_cmd, cache, train, root, jobs)
+    except jobs_.Stopped as stop:
+        jobs_.ignore_stop_signals()  # a second Ctrl-C does not cut the stopping short
+        jobs_.stop(jobs)
+        print(jobs_.stopped_line(stop.signum), file=sys.stderr, flush=True)
+        return 128 + stop.signum
+    finally:
+        jobs_.restore_signals(saved)
     if rc == 0:
         print(
             f"\ndemo finished in {time.perf_counter() - t0:.0f} s; per-step metrics: {train / 'metrics.jsonl'}",

@@ -12,14 +12,31 @@ User errors are the ``ValueError`` family (te_thd's cache errors included) and a
 missing file; a :class:`UsageError` (flags that contradict what is on disk) exits with
 status 2, as argparse does for a bad flag. Anything else keeps its traceback;
 ``TE_THD_TRACEBACK=1`` shows it for user errors too.
+
+Every way out but SIGKILL runs the interpreter's exit handlers, so what they remove goes
+(an s3:// cache's read-through copy in ``$TE_THD_TMPDIR``): the error exits above, and
+SIGTERM, which the launcher sends to the other ranks when one exits. Under a launcher a
+rank also asks the kernel for SIGTERM when the launcher dies (``PR_SET_PDEATHSIG``):
+torchrun starts each rank in a session of its own, so a launcher killed with SIGKILL would
+otherwise leave its ranks running.
+
+After the one line, torchrun still prints its own report (``ChildFailedError``, about 30
+lines naming each rank's exit status): its agent reports every rank that exits with a
+status other than 0, and 0 would tell the shell and ``te-thd demo`` that the run
+succeeded. The ``error:`` line is therefore the first line of the failure, and
+``te-thd demo --follow`` shows only that line (the report stays in the job's log).
 """
 
 from __future__ import annotations
 
+import atexit
+import ctypes
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable
+from types import FrameType
 
 import torch.distributed as dist
 
@@ -80,11 +97,48 @@ def user_message(exc: BaseException) -> str:
 def _leave(status: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(status)  # no process-group teardown: the peers may be gone
+    # the exit handlers, not the rest of an interpreter exit: that would wait for threads
+    # blocked on the peers (and tear the process group down), which may be gone
+    atexit._run_exitfuncs()
+    os._exit(status)
+
+
+#: Linux prctl option: the signal this process gets when its parent exits
+_PR_SET_PDEATHSIG = 1
+
+
+def _stop_with_launcher() -> None:
+    """Ask for SIGTERM when the parent (the launcher) exits; nothing where prctl is missing."""
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):  # not Linux
+        return
+    prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+    if os.getppid() == 1:  # the launcher died before the request: it would never come
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _exit_on_sigterm() -> None:
+    """SIGTERM leaves through :func:`_leave` (status 143) in this process; a process forked from
+    it (a DataLoader worker) gets the default action, since the exit handlers it inherited
+    remove what belongs to this one."""
+    owner = os.getpid()
+
+    def on_sigterm(signum: int, frame: FrameType | None) -> None:
+        if os.getpid() != owner:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        _leave(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
 
 
 def run_main(main: Callable[[list[str] | None], int], argv: list[str] | None = None) -> int:
     """``main(argv)``, reporting a user error once across the job (see the module docstring)."""
+    _exit_on_sigterm()
+    if "LOCAL_RANK" in os.environ:
+        _stop_with_launcher()
     try:
         return main(argv)
     except USER_ERRORS as exc:
