@@ -514,6 +514,24 @@ def test_wrong_keys_are_access_denied_naming_where_the_endpoint_and_keys_came_fr
             f"{tmp_path / 'credentials'})") in line  # fmt: skip
 
 
+def test_without_keys_the_line_says_the_lookup_failed_not_the_store_and_what_to_set(bucket, server, tmp_path) -> None:
+    """No keys anywhere: obstore asks the machine's metadata service, which fails before the store is asked.
+    The line says so (not "access denied: the store answered GenericError") and names the variables to set."""
+    url = f"s3://{bucket}/c"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    env.update(AWS_ENDPOINT_URL=server.endpoint, AWS_REGION="us-east-1", OMP_NUM_THREADS="1")
+    env.update(AWS_CONFIG_FILE=str(tmp_path / "no"), AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "no"))
+    r = subprocess.run([CLI, "cache", "info", url], capture_output=True, text=True, timeout=240, env=env)
+    line = _one_line(r, "te-thd cache info: ")
+    assert f"{url}: no credentials: none are set, and looking up this machine's at http://169.254.1" in line
+    assert (
+        f"the store (endpoint {server.endpoint}, from AWS_ENDPOINT_URL) was never asked; set AWS_ACCESS_KEY_ID "
+        "and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE, a profile with keys in ~/.aws/credentials), and "
+        "AWS_ENDPOINT_URL for a store other than AWS S3"
+    ) in line
+    assert "access denied" not in line and "GenericError" not in line
+
+
 _READER = (
     "import os, signal, sys\n"
     "from te_thd.offline_cache import CachedTensorDataset\n"

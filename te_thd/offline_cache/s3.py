@@ -7,7 +7,7 @@ S3-compatible store, through obstore; ``msc.py`` reuses all but the object opera
   (:data:`_VARS` over the AWS profile's files), read once per storage (DataLoader workers use
   the same); each process makes its own client (its runtime does not survive fork). Requests
   are retried by :data:`RETRY`. What stops every request alike (no answer, no such bucket,
-  access denied) is one :class:`StorageError` line (:func:`_store_error`).
+  access denied, no keys) is one :class:`StorageError` line (:func:`_store_error`).
 - **staged upload.** A shard is written in a private local directory, then uploaded whole
   (one PUT, or a multipart upload visible only once complete). Objects set aside go under
   ``<prefix>/.te_thd-damaged/``, which readers never list.
@@ -348,7 +348,17 @@ def _store_error(exc: BaseException, store: S3Prefix) -> storage.StorageError | 
     text, kind = str(exc).split("\n\nDebug source:", 1)[0], type(exc).__name__
     code, (url, origin) = _CODE.search(text), endpoint(store.config)
     at = f"(endpoint {url}, from {origin})"
-    if code and code[1] == "NoSuchBucket":
+    # without keys, obstore asks the instance's (or container's) metadata service for them
+    metadata = re.search(r"https?://169\.254\.1(69\.254|70\.2)\S*", text)
+    if metadata and not store.config.get("AWS_ACCESS_KEY_ID"):
+        status = re.search(r"status code: ([0-9]{3}[A-Za-z ]*)", text)
+        why = (
+            f"no credentials: none are set, and looking up this machine's at {metadata[0]} failed "
+            f"({status[1] if status else 'no answer'}): the store {at} was never asked; set "
+            "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE, a profile with keys in "
+            "~/.aws/credentials), and AWS_ENDPOINT_URL for a store other than AWS S3"
+        )
+    elif code and code[1] == "NoSuchBucket":
         why = (
             f"bucket {store.bucket!r} does not exist {at}; te_thd never creates buckets: create it first, or "
             "check the bucket name and the endpoint"
