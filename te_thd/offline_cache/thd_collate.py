@@ -25,6 +25,7 @@ from typing import Any, Literal
 import torch
 from torch.utils.data import get_worker_info
 
+from te_thd._cp_strategy import DUAL_CHUNK_SWAP, NO_LOAD_BALANCE, normalize_strategy
 from te_thd.args import check_int, check_names
 from te_thd.boundaries import check_cp_args
 from te_thd.cp import partition_indices, shard_thd_batch_for_cp
@@ -130,6 +131,11 @@ class CachedThdCollator:
         cp_size, cp_rank: context parallelism; ``cp_size > 1`` pads every document to
             a multiple of ``2*cp_size`` (times ``tp_size`` under sequence
             parallelism) and returns rank ``cp_rank``'s tokens.
+        strategy: the CP partition (:func:`te_thd.cp.partition_indices`):
+            ``"dual_chunk_swap"`` (default) or ``"no_load_balance"``, which pads no
+            document (``seq_len`` a multiple of ``cp_size``) and gives rank ``r`` the
+            ``r``-th contiguous piece of the stream. Either way a rank reads only its
+            own tokens of each token key.
         rows: fixed number of packed rows (fixed shapes, e.g. CUDA graphs); None
             uses as many rows as the samples need.
         max_num_seqs: with ``rows``, identical shapes every step (CUDA graphs): the
@@ -177,6 +183,7 @@ class CachedThdCollator:
         seq_lens_padding_value: int = -1000,
         absorb_trailing_pad: bool = True,
         max_num_seqs: int | None = None,
+        strategy: Any = DUAL_CHUNK_SWAP,
     ) -> None:
         if length_key is not None and mask_key is not None:
             raise ValueError(
@@ -191,6 +198,14 @@ class CachedThdCollator:
         self.token_keys = check_names("token_keys", token_keys, optional=True)
         self.cp_size = cp_size
         self.cp_rank = cp_rank
+        self.strategy = normalize_strategy(strategy)
+        if self.strategy == NO_LOAD_BALANCE and seq_len % cp_size:
+            raise ValueError(
+                f"seq_len={seq_len} must be a multiple of cp_size={cp_size} with "
+                f"strategy='no_load_balance' (each rank holds 1/cp_size of the stream); use "
+                f"seq_len={-(-seq_len // cp_size) * cp_size}"
+            )
+        doc_cp = cp_size if self.strategy == DUAL_CHUNK_SWAP else 1
         self.pad_token_id = pad_token_id
         self.pad_values = dict(pad_values or {})
         self.seq_lens_padding_value = seq_lens_padding_value
@@ -199,7 +214,7 @@ class CachedThdCollator:
         self.max_num_seqs = max_num_seqs
         self.packer = PackingCollator(
             seq_len,
-            pad_to_multiple_of=pad_to_multiple_for(cp_size, tp_size, sequence_parallel),
+            pad_to_multiple_of=pad_to_multiple_for(doc_cp, tp_size, sequence_parallel),
             overlong=overlong,
             label_key="labels" if label_key is not None else None,
             input_key="input_ids",
@@ -355,7 +370,9 @@ class CachedThdCollator:
         layout = ThdLayout.from_thd(thd)
         thd[LAYOUT_KEY] = layout
         if self.cp_size > 1:
-            thd = shard_thd_batch_for_cp(thd, self.cp_size, self.cp_rank, layout=layout)
+            thd = shard_thd_batch_for_cp(
+                thd, self.cp_size, self.cp_rank, layout=layout, strategy=self.strategy
+            )
             # Token keys (e.g. hidden states) are gathered once, straight into this
             # rank's share, instead of placed whole and then sharded.
             mine = partition_indices(
@@ -365,6 +382,7 @@ class CachedThdCollator:
                 self.cp_rank,
                 layout.num_seqs,
                 check=False,
+                strategy=self.strategy,
             )
             gather, is_pad = gather[mine], is_pad[mine]
         if self.max_num_seqs is not None:
