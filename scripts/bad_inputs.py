@@ -627,6 +627,13 @@ def _compute(batch: Any) -> dict[str, Any]:
     return {"hidden": idx[:, None].float() * torch.ones(1, 4), "input_ids": idx[:, None] * 10 + torch.arange(3)}
 
 
+def _compute_n(batch: Any) -> dict[str, Any]:
+    """:func:`_compute` plus each sample's length ``n`` (2 of its 3 tokens)."""
+    import torch
+
+    return {**_compute(batch), "n": torch.full((len(batch["idx"]),), 2)}
+
+
 def _produce(out: Path, n: int = 6, shard_size: int = 2, **kw: Any) -> Any:
     from torch.utils.data import DataLoader
 
@@ -877,12 +884,40 @@ def _cache_rows() -> list[BadInput]:
                  lambda tmp: _open(_cache(tmp) / "manifest.json", follow=True),
                  _re("cache_dir='<dir>/cache/manifest.json' is a file, not a cache directory; pass its directory")),
         BadInput("cache-index-type", "cache", "dataset[i] with a float index",
-                 lambda tmp: _open(_cache(tmp))[1.0], _re("index=1.0 must be an int: a sample index in [-6, 6); pass int(i)"),
+                 lambda tmp: _open(_cache(tmp))[1.0], _re("index=1.0 is of type float, not int; pass an index in [-6, 6) as an int"),
                  exc=TypeError),
         BadInput("cache-index-range", "cache", "dataset[i] with an index past the end",
                  lambda tmp: _open(_cache(tmp))[5000],
-                 _re("index 5000 is out of range for the offline cache at <dir>/cache, which holds 6 samples; pass an index in [-6, 6)"),
+                 _re("index=5000 is out of range for the offline cache at <dir>/cache, which holds 6 samples; pass an index in [-6, 6)"),
                  exc=IndexError),
+        BadInput("cache-getitems-index-type", "cache", "dataset.__getitems__ with an index that is not an int",
+                 lambda tmp: _open(_cache(tmp)).__getitems__([0, "a"]),
+                 _re("indices[1]='a' is of type str, not int; pass an index in [-6, 6) as an int"), exc=TypeError),
+        BadInput("cache-getitems-index-range", "cache", "dataset.__getitems__ with a negative index past the start",
+                 lambda tmp: _open(_cache(tmp)).__getitems__([-600]),
+                 _re("indices[0]=-600 is out of range for the offline cache at <dir>/cache, which holds 6 samples; "
+                     "pass an index in [-6, 6)"), exc=IndexError),
+        BadInput("cache-disk-keys-repeated", "cache", "reader: a key named twice in disk_keys",
+                 opened(_cache, keys=("hidden", "input_ids", "hidden")),
+                 _re("disk_keys=('hidden', 'input_ids', 'hidden') must be a non-empty tuple of distinct key names, but names "
+                     "'hidden' twice; pass each key once, e.g. ('hidden', 'input_ids')")),
+        BadInput("cache-dir-type", "cache", "reader: cache_dir is not a path (None)",
+                 lambda tmp: oc.CachedTensorDataset(None, "offline", 1, ("hidden",)),
+                 _re("cache_dir=None is of type NoneType, not a path; pass a local directory (str or os.PathLike), "
+                     "an s3:// or an msc:// URL"), exc=TypeError),
+        BadInput("cache-info-dir-type", "cache", "cache_info: cache_dir is not a path (an int)",
+                 lambda tmp: oc.cache_info(123),
+                 _re("cache_dir=123 is of type int, not a path; pass a local directory (str or os.PathLike), "
+                     "an s3:// or an msc:// URL"), exc=TypeError),
+        BadInput("cache-thd-collate-ragged-lengths", "cache",
+                 "CachedThdCollator without length_key or mask_key on a ragged cache",
+                 lambda tmp: oc.build_cached_dataloader(
+                     _open(_produce(tmp / "r", token_keys=("input_ids",), length_key="n",
+                                    keys=("hidden", "input_ids", "n"), compute=_compute_n) and tmp / "r"),
+                     2, False, oc.CachedThdCollator(8)),
+                 _re("CachedThdCollator(length_key=None) packs every sample as its full row of L tokens, but the "
+                     "offline cache at <dir>/r stores ['input_ids'] ragged (each sample's real tokens "
+                     "only); pass CachedThdCollator(..., length_key='n') and add 'n' to the dataset's disk_keys")),
         BadInput("cache-no-num-samples", "cache", "the manifest has no num_samples",
                  opened(drop_key("num_samples")), _re("manifest <dir>/cache/manifest.json has no 'num_samples' field")),
         BadInput("cache-shard-size", "cache", "the manifest's shard_size is not an int >= 1",
@@ -904,7 +939,7 @@ def _cache_rows() -> list[BadInput]:
         BadInput("cache-shard-size-mismatch", "cache", "a shard's size differs from the manifest (truncated)",
                  opened(truncate), _re("shard <dir>/cache/shard-000001.safetensors has") + r" \d+ bytes, the manifest records \d+"),
         BadInput("cache-disk-keys", "cache", "reader: disk_keys is not a non-empty tuple of names",
-                 opened(_cache, keys="hidden"), _re("disk_keys='hidden' must be a non-empty tuple of key names, e.g. ('hidden',)")),
+                 opened(_cache, keys="hidden"), _re("disk_keys='hidden' must be a non-empty tuple of distinct key names, e.g. ('hidden',)")),
         BadInput("cache-disk-keys-unknown", "cache", "reader: a disk key the producer did not write",
                  opened(_cache, keys=("hidden", "logits")), _re("disk_keys ['logits'] are not in the offline cache")),
         BadInput("cache-defer-unknown", "cache", "reader: defer_keys names a key the dataset does not read",

@@ -18,11 +18,12 @@ names tensor keys (``keys``, ``disk_keys``, ``token_keys``)::
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import numpy as np
 
-__all__ = ["check_int", "check_names", "is_int"]
+__all__ = ["check_index", "check_int", "check_names", "check_path", "is_int"]
 
 
 def is_int(
@@ -107,7 +108,14 @@ def check_names(
         return value  # the common case, on per-batch paths: no copy, no generic checks
     names = None if isinstance(value, str | bytes) else _as_tuple(value)
     ok = names is not None and all(isinstance(k, str) and k for k in names)
-    ok = ok and (not non_empty or bool(names)) and (not distinct or len(set(names)) == len(names))  # type: ignore[arg-type]
+    if ok and distinct and len(set(names)) != len(names):  # type: ignore[arg-type]
+        twice = next(k for i, k in enumerate(names) if k in names[:i])  # type: ignore[index]
+        raise ValueError(
+            f"{name}={value!r} must be a{' non-empty' if non_empty else ''} tuple of distinct key "
+            f"names, but names {twice!r} twice; "
+            f"pass each key once, e.g. {tuple(dict.fromkeys(names))!r}"  # type: ignore[arg-type]
+        )
+    ok = ok and (not non_empty or bool(names))
     if ok:
         return names
     need = (
@@ -121,6 +129,42 @@ def check_names(
     raise ValueError(
         f"{name}={value!r} must be {need}{' or None' if optional else ''}, e.g. {example!r}"
     )
+
+
+def check_index(name: str, value: Any, size: int, where: str) -> int:
+    """``value`` as a position in ``[0, size)`` of ``where`` (e.g. ``"the cache at DIR, which holds 6
+    samples"``); a negative one counts from the end, a numpy integer is taken as an int.
+
+    ``TypeError`` (Python's convention for an index of the wrong type) naming ``name``, the value and
+    its type; ``IndexError`` naming the value as given and the valid range.
+    """
+    if type(value) is not int:
+        if not is_int(value, numpy_ints=True):
+            raise TypeError(
+                f"{name}={value!r} is of type {type(value).__name__}, not int; pass an index in "
+                f"[-{size}, {size}) as an int"
+            )
+        value = int(value)
+    pos = value + size if value < 0 else value
+    if not 0 <= pos < size:
+        raise IndexError(
+            f"{name}={value} is out of range for {where}; pass an index in [-{size}, {size})"
+        )
+    return pos
+
+
+def check_path(name: str, value: Any, expected: str) -> str:
+    """``value`` as a ``str`` path when it is a non-empty ``str`` or ``os.PathLike``; else one line naming
+    ``name``, the value, its type and ``expected`` (what to pass): ``TypeError``, or ``ValueError``
+    for an empty path."""
+    path = os.fspath(value) if isinstance(value, os.PathLike) else value
+    if not isinstance(path, str):
+        raise TypeError(
+            f"{name}={value!r} is of type {type(value).__name__}, not a path; pass {expected}"
+        )
+    if not path:
+        raise ValueError(f"{name}={value!r} is empty; pass {expected}")
+    return path
 
 
 def _as_tuple(value: Any) -> tuple[Any, ...] | None:

@@ -15,7 +15,9 @@ import re
 import threading
 import time
 import warnings
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from _offline_cache_support import (
@@ -36,7 +38,9 @@ from te_thd.offline_cache import (
     CachedTensorDataset,
     CacheIntegrityError,
     UnverifiedCacheWarning,
+    cache_info,
     collate_cached,
+    verify_cache,
 )
 from te_thd.offline_cache.format import shard_path
 from te_thd.offline_cache.integrity import read_shard_header
@@ -148,11 +152,50 @@ def test_getitems_property_random_indices(cache, engine, indices):
 def test_getitems_out_of_range_and_empty(cache):
     d, _ = cache
     ds = _ds(d)
-    with pytest.raises(IndexError, match=f"index {N} out of range for a cache of {N} samples"):
+    where = f"the {CACHE_NAME} cache at {d}, which holds {N} samples; pass an index in \\[-{N}, {N}\\)$"
+    with pytest.raises(IndexError, match=f"^indices\\[1\\]={N} is out of range for {where}"):
         ds.__getitems__([0, N])
-    with pytest.raises(IndexError, match="out of range"):
-        ds.__getitems__([-N - 1])
+    # a negative index is named as given, on the one-shard path and across shards
+    for batch, i in (([-7 * N], 0), ([0, 40, -N - 1], 2)):
+        with pytest.raises(IndexError, match=f"^indices\\[{i}\\]={batch[i]} is out of range for {where}"):
+            ds.__getitems__(batch)
+    with pytest.raises(IndexError, match=f"^index={-7 * N} is out of range for {where}"):
+        ds[-7 * N]
     assert len(ds.__getitems__([])) == 0
+
+
+@pytest.mark.parametrize("bad", [1.0, "a", True, None])
+def test_an_index_that_is_not_an_int_is_named_with_its_type(cache, bad):
+    d, tensors = cache
+    ds = _ds(d)
+    want = f"is of type {type(bad).__name__}, not int; pass an index in \\[-{N}, {N}\\) as an int$"
+    for batch in ([bad], [3, bad], [40, 3, bad]):  # one shard, or several
+        with pytest.raises(TypeError, match=f"^indices\\[{len(batch) - 1}\\]={re.escape(repr(bad))} {want}"):
+            ds.__getitems__(batch)
+    with pytest.raises(TypeError, match=f"^index={re.escape(repr(bad))} {want}"):
+        ds[bad]
+    # numpy integers are indices (a sampler's array, listed)
+    _assert_batch(ds.__getitems__([np.int64(40), np.int32(-1)]), tensors, [40, N - 1])
+
+
+def test_duplicate_disk_keys_and_a_cache_dir_that_is_no_path_are_refused(cache, tmp_path):
+    d, _ = cache
+    with pytest.raises(ValueError, match=r"^disk_keys=\('hidden', 'length', 'hidden'\) must be a non-empty tuple of "
+                       r"distinct key names, but names 'hidden' twice; pass each key once, e\.g\. \('hidden', 'length'\)$"):
+        CachedTensorDataset(d, CACHE_NAME, FORMAT_VERSION, ("hidden", "length", "hidden"))
+    for bad in (None, 123, b"/tmp"):
+        want = (f"^cache_dir={re.escape(repr(bad))} is of type {type(bad).__name__}, not a path; pass a local "
+                r"directory \(str or os\.PathLike\), an s3:// or an msc:// URL$")
+        with pytest.raises(TypeError, match=want):
+            CachedTensorDataset(bad, CACHE_NAME, FORMAT_VERSION, KEYS)
+        with pytest.raises(TypeError, match=want):
+            cache_info(bad)
+        with pytest.raises(TypeError, match=want):
+            verify_cache(bad)
+    with pytest.raises(ValueError, match="^cache_dir='' is empty; pass a local directory"):
+        CachedTensorDataset("", CACHE_NAME, FORMAT_VERSION, KEYS)
+    # a pathlib.Path is a path
+    assert len(CachedTensorDataset(Path(d), CACHE_NAME, FORMAT_VERSION, KEYS)) == N
 
 
 def test_batch_is_a_fresh_copy_not_a_view_of_the_file(cache, engine):

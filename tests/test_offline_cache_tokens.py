@@ -556,3 +556,31 @@ def test_a_length_outside_the_row_names_its_global_sample(tmp_path: Path) -> Non
                       progress=False, length_key="length", token_keys=P.TOKEN_KEYS)  # fmt: skip
     assert f"sample 5 (row 1 of the shard) has length {P.L + 3} by" in str(e.value)
     assert f"outside [0, L={P.L}]" in str(e.value) and ".tmp" not in str(e.value)
+
+
+def test_a_collator_without_lengths_is_refused_on_a_ragged_cache_before_any_read(caches) -> None:
+    """A ragged key holds only each sample's real tokens: a collator packing full rows of L would
+    read past them (an IndexError deep in the read) or pack the zeros behind them as tokens."""
+    rag, col = _ds(caches["ragged"]), CachedThdCollator(64)
+    want = (
+        r"^CachedThdCollator\(length_key=None\) packs every sample as its full row of L tokens, but the "
+        r"test cache at .*/ragged stores \['input_ids', 'hidden', 'logprobs'\] ragged \(each sample's "
+        r"real tokens only\); pass CachedThdCollator\(\.\.\., length_key='length'\)$"
+    )
+    with pytest.raises(ValueError, match=want):
+        build_cached_dataloader(rag, 4, False, col)
+    with pytest.raises(ValueError, match=r"length_key='length'\) and add 'length' to the dataset's disk_keys$"):
+        build_cached_dataloader(_ds(caches["ragged"], ("input_ids", "hidden")), 4, False, col)
+    # a DataLoader of its own: refused at the first batch, whether the ragged keys come read or deferred
+    for deferred in ((), ("hidden",)):
+        rag.defer_keys(deferred)
+        with pytest.raises(ValueError, match=r"the cache these samples come from stores .* pass length_key="):
+            next(iter(DataLoader(rag, batch_size=4, collate_fn=col)))
+    assert pickle.loads(pickle.dumps(rag.__getitems__([0, 1]))).ragged == TOKEN_KEYS
+    # the padded cache's rows are what they hold: full rows are its samples, as before
+    pad = _ds(caches["padded"])
+    build_cached_dataloader(pad, 4, False, col)
+    assert col(pad.__getitems__([0, 1]))["num_samples"] == 2
+    # with the lengths the ragged cache packs as the padded one
+    col = CachedThdCollator(64, length_key="length")
+    _assert_same(col(pad.__getitems__([3, 5])), col(rag.__getitems__([3, 5])))

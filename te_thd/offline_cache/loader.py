@@ -491,6 +491,7 @@ def build_cached_dataloader(
     ):
         dataset.pin_memory = True
     if isinstance(dataset, CachedTensorDataset) and isinstance(collate_fn, CachedThdCollator):
+        collate_fn.check_dataset(dataset)
         # the keys the collator places token by token are read by it, only the tokens it places
         dataset.defer_keys(collate_fn.gathered_keys(dataset.disk_keys))
     loader = CachedDataLoader(

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, get_worker_info
 
-from ..args import check_int, check_names
+from ..args import check_index, check_int, check_names
 from .follow import DEFAULT_FOLLOW_TIMEOUT, Follower, open_followed
 from .format import (
     SHARD_RE,
@@ -136,13 +136,14 @@ class CachedTensorDataset(Dataset):
         follow: bool = False,
         follow_timeout: float = DEFAULT_FOLLOW_TIMEOUT,
     ) -> None:
-        disk_keys = check_names("disk_keys", disk_keys, non_empty=True)
+        disk_keys = check_names("disk_keys", disk_keys, non_empty=True, distinct=True)
         check_int("max_open_shards", max_open_shards, 1)
         check_int("read_cache_bytes", read_cache_bytes, 1, optional=True)
         # where the cache lives; the reads below open local files (of an s3:// cache: its read-through copy)
         self.storage = open_storage(
             cache_dir, read_cache_dir=read_cache_dir, read_cache_bytes=read_cache_bytes
         )
+        cache_dir = os.fspath(cache_dir)  # open_storage took it: a str or an os.PathLike
         self.cache_dir = cache_dir
         self.cache_name = cache_name
         self.verify = bool(verify)
@@ -418,22 +419,7 @@ class CachedTensorDataset(Dataset):
         return self._refetching(self._getitem, index)
 
     def _getitem(self, index: int) -> dict[str, torch.Tensor]:
-        n = self.num_samples
-        if type(index) is not int:
-            index = check_int(
-                "index",
-                index,
-                numpy_ints=True,
-                error=TypeError,
-                meaning=f": a sample index in [-{n}, {n}); pass int(i)",
-            )
-        if index < 0:
-            index += n
-        if not 0 <= index < n:
-            raise IndexError(
-                f"index {index if index >= 0 else index - n} is out of range for the {self.cache_name} cache at "
-                f"{self.cache_dir}, which holds {n} samples; pass an index in [-{n}, {n})"
-            )
+        index = check_index("index", index, self.num_samples, self._where())
         shard_index = index // self.shard_size
         offset = index % self.shard_size
         f = self._shard_file(shard_index)
@@ -530,7 +516,7 @@ class CachedTensorDataset(Dataset):
         reads = self._parallel(in_worker)
         if n == 0:
             return CachedBatch({}, 0), reads, [], None
-        groups = batch_groups(indices, self.shard_size, self.num_samples)
+        groups = batch_groups(indices, self.shard_size, self.num_samples, self._where())
         buffers = self._destination(in_worker)
         entries = self._shard_file(groups[0][0]).header.entries
         out: dict[str, torch.Tensor] = {}
@@ -584,11 +570,15 @@ class CachedTensorDataset(Dataset):
 
         deferred = tokens if self._deferred else None
         return (
-            CachedBatch(out, n, deferred),
+            CachedBatch(out, n, deferred, self._token_keys),
             reads,
             pieces,
             finish if scattered or eager is not None else None,
         )
+
+    def _where(self) -> str:
+        """The cache as an index error names it."""
+        return f"the {self.cache_name} cache at {self.cache_dir}, which holds {self.num_samples} samples"
 
     def _parallel(self, in_worker: bool) -> ParallelReads:
         """This process's :class:`ParallelReads`: ``read_threads``, or 1 thread inside a DataLoader worker

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from te_thd.args import check_index
 from te_thd.offline_cache.format import CacheIntegrityError, advise, tensor_nbytes
 from te_thd.offline_cache.integrity import (
     HeaderEntry,
@@ -229,9 +230,14 @@ Part = tuple[int, np.ndarray, "np.ndarray | None"]
 Scattered = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
-def batch_groups(indices: Sequence[int], shard_size: int, total: int) -> list[Part]:
+def batch_groups(
+    indices: Sequence[int], shard_size: int, total: int, where: str = "the cache"
+) -> list[Part]:
     """The parts of a batch of ``total``-sample cache indices ``indices`` (negative ones count from
-    the end), one per shard; ``IndexError`` for an index out of range."""
+    the end), one per shard; ``TypeError`` / ``IndexError`` for an index that is not an int or is out
+    of range, naming it as given and ``where`` (the cache)."""
+    if set(map(type, indices)) != {int}:  # a float or str would pass the range test below
+        indices = [check_index(f"indices[{i}]", v, total, where) for i, v in enumerate(indices)]
     lo, hi = min(indices), max(indices)
     if lo >= 0 and hi < total and lo // shard_size == hi // shard_size:
         # the common case (shard-block order, sequential reads): one shard
@@ -239,9 +245,9 @@ def batch_groups(indices: Sequence[int], shard_size: int, total: int) -> list[Pa
         return [(shard, np.asarray(indices, dtype=np.int64) - shard * shard_size, None)]
     idx = np.asarray(indices, dtype=np.int64)
     idx = np.where(idx < 0, idx + total, idx)
-    bad = idx[(idx < 0) | (idx >= total)]
+    bad = np.flatnonzero((idx < 0) | (idx >= total))
     if bad.size:
-        raise IndexError(f"index {int(bad[0])} out of range for a cache of {total} samples")
+        check_index(f"indices[{bad[0]}]", indices[bad[0]], total, where)
     shards = idx // shard_size
     order = np.argsort(shards, kind="stable")  # batch positions, grouped by shard
     sorted_shards = shards[order]

@@ -43,6 +43,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+from te_thd.args import check_path
 from te_thd.offline_cache.format import (
     CacheError,
     CacheLockError,
@@ -498,9 +499,12 @@ def open_storage(path: str | os.PathLike[str], name: str = "cache_dir", **option
 
     ``options`` go to a URL's implementation (an object store reader's ``read_cache_dir`` and
     ``read_cache_bytes``). ``ValueError`` naming the argument ``name`` for a scheme te_thd
-    does not support, a malformed URL, or a bucket (profile) name the scheme refuses.
+    does not support, a malformed URL, or a bucket (profile) name the scheme refuses;
+    ``TypeError`` naming it for a ``path`` that is neither a ``str`` nor ``os.PathLike``.
     """
-    path = os.fspath(path) if isinstance(path, os.PathLike) else str(path)
+    path = check_path(
+        name, path, "a local directory (str or os.PathLike), an s3:// or an msc:// URL"
+    )
     m = _SCHEME.match(path)
     if m is None or len(m.group(1)) == 1:  # a Windows drive letter is no scheme
         return LocalDirectory(path)

@@ -33,7 +33,8 @@ from te_thd.layout import LAYOUT_KEY, ThdLayout
 from te_thd.packing import PackingCollator, pad_to_multiple_for
 from te_thd.thd_utils import process_input_for_thd
 
-from .lengths import collator_rule
+from .lengths import LENGTH_RULE_KEY, collator_rule
+from .ragged import TOKEN_LAYOUT_KEY
 from .reader import CachedBatch
 from .readexec import new_tensor
 from .sampler import PlannedSamples
@@ -224,6 +225,35 @@ class CachedThdCollator:
             pad_values={_SRC: -1},
         )
 
+    def check_dataset(self, dataset: Any) -> None:
+        """Refuse a ``CachedTensorDataset`` whose ragged keys (each sample's real tokens, zeros past them)
+        this collator would pack as full rows of ``L`` tokens, having no ``length_key`` nor ``mask_key``:
+        ``ValueError`` naming ``length_key`` and the key the producer recorded the lengths under."""
+        layout = dataset.manifest.get(TOKEN_LAYOUT_KEY)
+        ragged = tuple(k for k in dataset.disk_keys if layout and k in layout.get("keys", ()))
+        rule = dataset.manifest.get(LENGTH_RULE_KEY)
+        key = rule.get("key") if isinstance(rule, dict) and rule.get("kind") == "value" else None
+        fix = None
+        if key is not None:
+            add = "" if key in dataset.disk_keys else f" and add {key!r} to the dataset's disk_keys"
+            fix = f"pass CachedThdCollator(..., length_key={key!r}){add}"
+        where = f"the {dataset.cache_name} cache at {dataset.cache_dir}"
+        self._check_ragged(ragged, where, fix)
+
+    def _check_ragged(self, ragged: Sequence[str], where: str, fix: str | None) -> None:
+        if self.length_key is not None or self.mask_key is not None:
+            return
+        carried = [k for k in ragged if self.keys is None or k in self.keys]
+        if carried:
+            raise ValueError(
+                f"CachedThdCollator(length_key=None) packs every sample as its full row of L tokens, but "
+                f"{where} stores {carried} ragged (each sample's real tokens only); "
+                + (
+                    fix
+                    or "pass length_key=<the key holding each sample's length, one int per sample>"
+                )
+            )
+
     def gathered_keys(self, keys: Sequence[str]) -> tuple[str, ...]:
         """Of a dataset's keys ``keys``, those this collator reads only token by token (``CachedBatch.gather``),
         never whole: what ``build_cached_dataloader`` has a ``CachedTensorDataset`` defer (``defer_keys``)."""
@@ -246,6 +276,8 @@ class CachedThdCollator:
             if len(features) == 0:
                 raise ValueError("features is empty; a THD batch needs at least one sample")
             features = CachedBatch(collate_cached(features, tuple(features[0])), len(features))
+        if features.ragged:  # the first batch of a loader built without build_cached_dataloader
+            self._check_ragged(features.ragged, "the cache these samples come from", None)
         if self.keys is None:
             return features, features.keys
         missing = [k for k in self.keys if k not in features.keys]

@@ -453,15 +453,21 @@ class CachedBatch(Sequence[dict[str, torch.Tensor]]):
 
     ``deferred``: the ragged keys the dataset leaves unread (``defer_keys``), in :attr:`keys` but not in
     ``tensors`` until :meth:`padded` or :meth:`gather` reads them (a CP rank's tokens only).
+    ``ragged``: the keys the cache stores ragged (each sample's real tokens; zero past them).
     """
 
-    __slots__ = ("tensors", "deferred", "_len")
+    __slots__ = ("tensors", "deferred", "ragged", "_len")
 
     def __init__(
-        self, tensors: dict[str, torch.Tensor], length: int, deferred: TokenRows | None = None
+        self,
+        tensors: dict[str, torch.Tensor],
+        length: int,
+        deferred: TokenRows | None = None,
+        ragged: tuple[str, ...] = (),
     ) -> None:
         self.tensors = tensors
         self.deferred = deferred
+        self.ragged = ragged
         self._len = length
 
     @property
@@ -503,7 +509,7 @@ class CachedBatch(Sequence[dict[str, torch.Tensor]]):
 
     def __reduce__(self) -> tuple[Any, ...]:
         # another process cannot read through this one's open shards: the deferred keys are read first
-        return (CachedBatch, (self.padded(self.keys), self._len))
+        return (CachedBatch, (self.padded(self.keys), self._len, None, self.ragged))
 
     def __len__(self) -> int:
         return self._len
