@@ -24,6 +24,7 @@ import torch
 from torch.utils.data import Dataset, get_worker_info
 
 from ..args import check_index, check_int, check_names
+from .batch import CachedBatch, PendingBatch
 from .follow import DEFAULT_FOLLOW_TIMEOUT, Follower, open_followed
 from .format import (
     SHARD_RE,
@@ -60,7 +61,7 @@ from .readplan import (
     row_ranges,
 )
 from .storage import open_storage
-from .token_read import CachedBatch, PendingBatch, TokenIndex, TokenRows, token_index
+from .token_read import TokenIndex, TokenRows, token_index
 from .verify import check_cache_files, requires_shard_sums
 
 #: Rows are copied and hashed in pieces of about this many bytes per key (over the read threads), so the
@@ -560,7 +561,7 @@ class CachedTensorDataset(Dataset):
             if (
                 later
             ):  # one plan: the ragged keys' pieces are read with the rows, on the same threads
-                eager = tokens.plan_padded(later, pieces, shared=in_worker)
+                eager = tokens.plan_padded(later, pieces, buffers=buffers)
 
         def finish() -> None:
             for dst, pos, rows in scattered:  # gathered rows of shards whose batch rows interleave

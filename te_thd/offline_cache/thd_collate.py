@@ -19,6 +19,7 @@ e.g. hidden states ``[L, H]`` — is then placed with one ``index_select`` by th
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
@@ -36,7 +37,7 @@ from te_thd.thd_utils import process_input_for_thd
 from .lengths import LENGTH_RULE_KEY, collator_rule
 from .ragged import TOKEN_LAYOUT_KEY
 from .reader import CachedBatch
-from .readexec import new_tensor
+from .readexec import DestinationBuffers, new_tensor
 from .sampler import PlannedSamples
 
 __all__ = ["CachedThdCollator", "collate_cached"]
@@ -325,6 +326,25 @@ class CachedThdCollator:
             )
         return lengths
 
+    def _token_tensor(
+        self, key: str, n: int, per_token: tuple[int, ...], dtype: torch.dtype
+    ) -> torch.Tensor:
+        """An uninitialised ``[n, *per_token]`` tensor for token key ``key`` of a batch. From this
+        process's pool: a buffer is handed out again only once nothing outside the pool refers to
+        it (the consumer, or the DataLoader's pinning copy, dropped the batch; a batch kept is
+        never overwritten). In a DataLoader worker, fresh shared memory (the batch leaves the
+        process)."""
+        where = (os.getpid(), get_worker_info() is not None)
+        pools = self.__dict__.setdefault("_pools", {})
+        pool = pools.get(where)
+        if pool is None:
+            pool = pools[where] = DestinationBuffers(shared=where[1])
+        return pool.get(key, n, tuple(per_token), dtype)[0]
+
+    def __getstate__(self) -> dict[str, Any]:
+        # the pools belong to the process that made them: a worker makes its own
+        return {k: v for k, v in self.__dict__.items() if k != "_pools"}
+
     # -- collate -----------------------------------------------------------------------
 
     def __call__(self, features: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, Any]:
@@ -428,18 +448,16 @@ class CachedThdCollator:
             )
             thd["num_seqs"], thd["max_seqlen_int"] = layout.num_seqs, layout.max_seqlen
             thd["max_seqlen"] = torch.tensor(layout.max_seqlen, dtype=torch.int32)
-        # every token key gathered at once, exactly this rank's real tokens (of a ragged key only the
-        # blocks that hold them are read), the padding filled in
+        # every token key placed at once, exactly this rank's real tokens (of a ragged key only the
+        # blocks that hold them are read, straight into place); only the padding is filled
         real = torch.nonzero(~is_pad).view(-1)
         at = gather.index_select(0, real).numpy()
-        values = batch.gather(token_keys, at // width, at % width)
+        pad = torch.nonzero(is_pad).view(-1)
         for k in token_keys:
             spec = batch.sample_spec(k)
-            flat = torch.full(
-                (gather.numel(), *spec.shape[1:]), self.pad_values.get(k, 0), dtype=spec.dtype
-            )
-            flat[real] = values[k]
-            thd[k] = flat
+            thd[k] = self._token_tensor(k, gather.numel(), spec.shape[1:], spec.dtype)
+            thd[k].index_fill_(0, pad, self.pad_values.get(k, 0))
+        batch.gather_into(token_keys, at // width, at % width, real.numpy(), thd)
         out = dict(thd)
         # per-sample keys, [B_samples, ...] (a token key the caller's token_keys left out among them)
         out.update(batch.padded([k for k in carried if k not in consumed and k not in token_keys]))

@@ -1,23 +1,26 @@
-"""What a batched read returns (:class:`CachedBatch`, :class:`PendingBatch`), and its ragged keys.
+"""Reads of ragged token keys: a shard's ragged index, and a batch's ragged keys (:class:`TokenRows`).
 
 Ragged token keys are read as exactly the checksum blocks that hold the tokens asked for
 (layout and block math: :mod:`~te_thd.offline_cache.ragged`). A shard's :class:`TokenIndex`
 is parsed from its checked header when the reader opens it; its block sums are read and
-checked against the header's digest on first use. :func:`plan_stored` plans one ``preadv``
-piece per run of adjacent blocks, each block hashed right after it is read by the thread
-that read it; the wanted tokens are then picked out and decoded to the logical dtype
-(:mod:`~te_thd.offline_cache.ragged`). :class:`TokenRows` plans a batch's ragged keys:
-whole samples zero-padded to ``[B, L, ...]`` as the padded cache returns them (planned with
-the batch's rows and read with them), or any tokens of them (one CP rank's share, of the
-keys the dataset defers).
+checked against the header's digest on first use. Tokens stored as they are, in whole
+blocks (whole samples; one CP rank's chunks of a key of a block per token), are read
+straight into their place in the batch tensor (:mod:`~te_thd.offline_cache.token_place`).
+Otherwise :func:`plan_stored` plans one ``preadv`` piece per run of adjacent blocks into a
+staging buffer, each block hashed right after it is read by the thread that read it; the
+wanted tokens are then picked out and decoded to the logical dtype. :class:`TokenRows` plans
+a batch's ragged keys: whole samples padded to ``[B, L, ...]`` as the padded cache returns
+them (only the padding zeroed; planned with the batch's rows and read with them), or any
+tokens of them placed where the caller says (one CP rank's share, of the keys the dataset
+defers).
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, overload
+from typing import Any
 
 import numpy as np
 import torch
@@ -42,14 +45,14 @@ from te_thd.offline_cache.ragged import (
 )
 from te_thd.offline_cache.ragged import decode as decode_codec
 from te_thd.offline_cache.readexec import (
-    PendingReads,
+    DestinationBuffers,
     Piece,
     ReadContext,
-    ReadError,
     new_tensor,
     run_pieces,
     tensor_memoryview,
 )
+from te_thd.offline_cache.token_place import piece_bytes, plan_placed, whole_blocks
 
 _hash = xxhash.xxh3_64_intdigest
 
@@ -244,20 +247,70 @@ def _block_check(
                     starts[j] - int(index.offsets[row]),
                     starts[j + 1] - int(index.offsets[row]) - 1,
                 )
-                exp, act = f"{HASH_NAME}:{want[j]:016x}", f"{HASH_NAME}:{got:016x}"
-                returned = f"; the batch was not returned. {ctx.repair}" if ctx.repair else ""
-                raise CacheIntegrityError(
-                    f"shard {index.path}: {name_row(row, ctx.first_sample)}, key {s.key!r}: "
-                    f"checksum mismatch in its tokens {lo}..{hi} ({s.name}; expected {exp}, the bytes read hash to "
-                    f"{act}): the file is damaged{returned}",
-                    path=index.path,
-                    sample=None if ctx.first_sample is None else ctx.first_sample + row,
-                    key=s.key,
-                    expected=exp,
-                    actual=act,
-                )
+                raise _mismatch(index, s, ctx, row, lo, hi, want[j], got)
 
     return after
+
+
+def _mismatch(
+    index: TokenIndex,
+    s: StoredTensor,
+    ctx: ReadContext,
+    row: int,
+    lo: int,
+    hi: int,
+    want: int,
+    got: int,
+) -> CacheIntegrityError:
+    """The error of a block of ``s`` (tokens ``lo..hi`` of shard row ``row``) whose bytes hash to ``got``."""
+    exp, act = f"{HASH_NAME}:{want:016x}", f"{HASH_NAME}:{got:016x}"
+    returned = f"; the batch was not returned. {ctx.repair}" if ctx.repair else ""
+    return CacheIntegrityError(
+        f"shard {index.path}: {name_row(row, ctx.first_sample)}, key {s.key!r}: "
+        f"checksum mismatch in its tokens {lo}..{hi} ({s.name}; expected {exp}, "
+        f"the bytes read hash to {act}): the file is damaged{returned}",
+        path=index.path,
+        sample=None if ctx.first_sample is None else ctx.first_sample + row,
+        key=s.key,
+        expected=exp,
+        actual=act,
+    )
+
+
+def place_stored(
+    fd: int,
+    index: TokenIndex,
+    name: str,
+    segments: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray],
+    dst: memoryview,
+    ctx: ReadContext,
+    pieces: list[Piece],
+) -> int:
+    """Plan reading whole-block ``segments`` ``(rows, t0, t1, d0)`` of stored tensor ``name`` straight
+    into ``dst`` (the bytes of a contiguous ``[N, *per_token]`` tensor of its dtype;
+    :func:`~te_thd.offline_cache.token_place.plan_placed`), each block verified right after it is
+    read when ``ctx.verify``; returns the pieces appended to ``pieces``."""
+    s, table = index.stored[name], index.tables[name]
+    if ctx.ensure is not None:
+        ctx.ensure([(index.sums_start, index.sums_bytes)])
+    sums = load_block_sums(index, fd, ctx.repair)[name] if ctx.verify else None
+    threads = 1 if ctx.reads is None else ctx.reads.threads
+    return plan_placed(
+        fd,
+        index.path,
+        index.start[name],
+        table,
+        index.offsets,
+        s.token_bytes,
+        segments,
+        dst,
+        piece_bytes(ctx.verify, threads),
+        pieces,
+        sums,
+        lambda row, lo, hi, want, got: _mismatch(index, s, ctx, row, lo, hi, want, got),
+        ctx.owner,
+        ctx.ensure,
+    )
 
 
 def decode(index: TokenIndex, key: str, parts: Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -311,10 +364,7 @@ class TokenRows:
         sample = np.asarray(sample, dtype=np.int64)
         if pos is not None:
             pos = np.asarray(pos, dtype=np.int64)
-            if np.any(pos < 0) or np.any(pos >= self.lengths[sample]):
-                raise IndexError(
-                    f"token positions past their samples' lengths requested from keys {list(keys)}"
-                )
+            self._check(keys, sample, pos)
         shard_of = self.shards[sample]
         shards = np.unique(shard_of).tolist()
         first = len(pieces)
@@ -369,26 +419,123 @@ class TokenRows:
         return result
 
     def plan_padded(
-        self, keys: Sequence[str], pieces: list[Piece], shared: bool = False
+        self,
+        keys: Sequence[str],
+        pieces: list[Piece],
+        shared: bool = False,
+        buffers: DestinationBuffers | None = None,
     ) -> Callable[[], dict[str, torch.Tensor]]:
-        """Plan reading each of ``keys`` of every sample whole (as :meth:`plan`); once read, the result is
-        ``{key: [B, L, *per_token]}`` zero-padded (what the padded cache returns), in shared memory when
-        ``shared`` (inside a DataLoader worker)."""
-        tokens = self.plan(keys, np.arange(self.lengths.size), None, pieces)
+        """Plan reading each of ``keys`` of every sample whole; once read, the result is ``{key: [B, L,
+        *per_token]}`` zero-padded (what the padded cache returns). The tensors come from ``buffers``
+        (a pool that hands a buffer out again only once the consumer dropped it) when given, else
+        fresh, in shared memory when ``shared`` (inside a DataLoader worker). Only the padding is
+        zeroed, here; the tokens are read straight into place (:meth:`place`)."""
+        b = self.lengths.size
+        lens = self.lengths.tolist()
+        out: dict[str, torch.Tensor] = {}
+        flat: dict[str, torch.Tensor] = {}
+        width = 0
+        for key in keys:
+            spec = self.specs[key]
+            t = (
+                buffers.get(key, b, spec.shape, spec.dtype)[0]
+                if buffers is not None
+                else new_tensor((b, *spec.shape), spec.dtype, shared=shared)
+            )
+            width = spec.shape[0]
+            for i, n in enumerate(lens):
+                if n < width:
+                    t[i, n:].zero_()
+            out[key], flat[key] = t, t.view(b * width, *spec.shape[1:])
+        sample = np.arange(b, dtype=np.int64)
+        placed = self.place(keys, sample, None, sample * width, flat, pieces)
+        return lambda: (placed(), out)[1]
 
-        def result() -> dict[str, torch.Tensor]:
-            out = {}
-            for key, data in tokens().items():
-                spec = self.specs[key]
-                out[key] = t = new_tensor(
-                    (self.lengths.size, *spec.shape), spec.dtype, shared=shared
-                ).zero_()
-                t[torch.arange(spec.shape[0]) < torch.from_numpy(self.lengths)[:, None]] = (
-                    data  # [B, L] mask of real tokens
-                )
-            return out
+    def place(
+        self,
+        keys: Sequence[str],
+        sample: np.ndarray,
+        pos: np.ndarray | None,
+        dst: np.ndarray,
+        out: Mapping[str, torch.Tensor],
+        pieces: list[Piece],
+    ) -> Callable[[], dict[str, torch.Tensor]]:
+        """Plan reading tokens ``pos`` of batch samples ``sample`` (int64 ``[M]``, each ``pos < length``)
+        of each of ``keys`` into rows ``dst`` (int64 ``[M]``) of ``out[key]`` (``[N, *per_token]``,
+        contiguous, the key's logical dtype). ``pos`` None: every token of each sample, sample ``i``'s
+        first to row ``dst[i]`` and the rest after it.
 
-        return result
+        Tokens that are whole checksum blocks of a key stored as it is are read straight into place
+        (:func:`place_stored`); the rest (a codec's, a block cut by the request) are read by
+        :meth:`plan` and copied into place by the returned step, which gives ``{key: out[key]}``.
+        """
+        sample = np.asarray(sample, dtype=np.int64)
+        dst = np.asarray(dst, dtype=np.int64)
+        if pos is None:
+            seg, t0, t1, d0 = sample, np.zeros_like(sample), self.lengths[sample], dst
+            cut = np.arange(sample.size + 1)
+        else:
+            pos = np.asarray(pos, dtype=np.int64)
+            self._check(keys, sample, pos)
+            brk = np.flatnonzero((np.diff(sample) != 0) | (np.diff(pos) != 1) | (np.diff(dst) != 1))
+            cut = np.concatenate(([0], brk + 1, [sample.size])) if sample.size else np.zeros(1, int)
+            seg, t0, d0 = sample[cut[:-1]], pos[cut[:-1]], dst[cut[:-1]]
+            t1 = pos[cut[1:] - 1] + 1 if sample.size else t0
+        shard_of = self.shards[seg]
+        shards = np.unique(shard_of).tolist()
+        later: list[tuple[str, Callable[[], dict[str, torch.Tensor]], np.ndarray]] = []
+        first = len(pieces)
+        for key in keys:
+            staged = np.zeros(seg.size, dtype=bool)  # segments read through a staging buffer
+            raw = tensor_memoryview(out[key])
+            for shard in shards:
+                at = np.flatnonzero(shard_of == shard) if len(shards) > 1 else np.arange(seg.size)
+                fd, index, ctx = self._opener(shard)
+                if index.layout.codec(key) is not None:
+                    staged[:] = True
+                    break
+                name, rows = key + TOKENS_SUFFIX, self.rows[seg[at]]
+                ok = whole_blocks(index.tables[name], index.offsets, rows, t0[at], t1[at])
+                staged[at[~ok]] = True
+                parts = (rows[ok], t0[at][ok], t1[at][ok], d0[at][ok])
+                place_stored(fd, index, name, parts, raw, ctx, pieces)
+            if not staged.any():
+                continue
+            if pos is None:
+                s = sample[staged]
+                lens = self.lengths[s]
+                rows_at = token_places(dst[staged], lens)
+                later.append((key, self.plan([key], s, None, pieces), rows_at))
+            else:
+                tok = np.repeat(staged, np.diff(cut))
+                later.append((key, self.plan([key], sample[tok], pos[tok], pieces), dst[tok]))
+        if len(pieces) - first > 1:  # from cold storage: every piece's pages requested at once
+            for piece in pieces[first:]:
+                advise(piece.fd, "willneed", piece.offset, piece.nbytes)
+
+        def finish() -> dict[str, torch.Tensor]:
+            for key, tokens, rows_at in later:
+                out[key].index_copy_(0, torch.from_numpy(rows_at), tokens()[key])
+            return {k: out[k] for k in keys}
+
+        return finish
+
+    def _check(self, keys: Sequence[str], sample: np.ndarray, pos: np.ndarray) -> None:
+        if np.any(pos < 0) or np.any(pos >= self.lengths[sample]):
+            raise IndexError(
+                f"token positions past their samples' lengths requested from keys {list(keys)}"
+            )
+
+    def place_many(
+        self,
+        keys: Sequence[str],
+        sample: np.ndarray,
+        pos: np.ndarray | None,
+        dst: np.ndarray,
+        out: Mapping[str, torch.Tensor],
+    ) -> None:
+        """:meth:`place`, read now."""
+        self._read(lambda pieces: self.place(keys, sample, pos, dst, out, pieces))
 
     def gather_many(
         self, keys: Sequence[str], sample: np.ndarray, pos: np.ndarray
@@ -441,126 +588,3 @@ def check_token_blocks(path: str, header: ShardHeader, first_sample: int | None)
                 run_pieces(pieces, ctx)
     finally:
         os.close(fd)
-
-
-class CachedBatch(Sequence[dict[str, torch.Tensor]]):
-    """The result of ``CachedTensorDataset.__getitems__``: a batch already read, stacked and verified.
-
-    ``tensors[key]`` is ``[B, *sample_shape]`` (a ragged key zero-padded to ``[B, L, ...]``) in the
-    requested order, memory no one else uses (recycled only once every reference to it is gone; in
-    shared memory inside a DataLoader worker). Also a sequence of ``B`` per-sample dicts (row views of
-    ``tensors``), so a collate function written for a list of samples still works.
-
-    ``deferred``: the ragged keys the dataset leaves unread (``defer_keys``), in :attr:`keys` but not in
-    ``tensors`` until :meth:`padded` or :meth:`gather` reads them (a CP rank's tokens only).
-    ``ragged``: the keys the cache stores ragged (each sample's real tokens; zero past them).
-    """
-
-    __slots__ = ("tensors", "deferred", "ragged", "_len")
-
-    def __init__(
-        self,
-        tensors: dict[str, torch.Tensor],
-        length: int,
-        deferred: TokenRows | None = None,
-        ragged: tuple[str, ...] = (),
-    ) -> None:
-        self.tensors = tensors
-        self.deferred = deferred
-        self.ragged = ragged
-        self._len = length
-
-    @property
-    def keys(self) -> tuple[str, ...]:
-        """Every key of the batch, read or deferred."""
-        later = self.deferred.specs if self.deferred is not None else ()
-        return (*self.tensors, *(k for k in later if k not in self.tensors))
-
-    def sample_spec(self, key: str) -> TensorSpec:
-        """``key``'s dtype and per-sample shape (``[L, ...]`` for a token key), nothing read."""
-        if key in self.tensors:
-            t = self.tensors[key]
-            return TensorSpec(t.dtype, tuple(t.shape[1:]))
-        assert self.deferred is not None, key
-        return self.deferred.specs[key]
-
-    def padded(self, keys: Sequence[str]) -> dict[str, torch.Tensor]:
-        """``{key: [B, *sample_shape]}`` of ``keys``; a deferred key is read now, zero-padded, verified,
-        and kept in ``tensors``."""
-        later = [k for k in keys if k not in self.tensors]
-        if later and self.deferred is not None:
-            self.tensors = {**self.tensors, **self.deferred.padded_many(later)}
-        return {k: self.tensors[k] for k in keys}
-
-    def gather(
-        self, keys: Sequence[str], sample: np.ndarray, pos: np.ndarray
-    ) -> dict[str, torch.Tensor]:
-        """Tokens ``pos`` of batch samples ``sample`` (int64 ``[M]`` each, ``pos`` below the sample's
-        ``L``) of each of the token keys ``keys``: ``{key: [M, *per_token]}``. Of a deferred key only the
-        checksum blocks holding those tokens are read, now, and verified."""
-        later = [k for k in keys if k not in self.tensors]
-        read = (
-            self.deferred.gather_many(later, sample, pos)
-            if later and self.deferred is not None
-            else {}
-        )
-        at = (torch.from_numpy(sample), torch.from_numpy(pos))
-        return {k: self.tensors[k][at] if k in self.tensors else read[k] for k in keys}
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        # another process cannot read through this one's open shards: the deferred keys are read first
-        return (CachedBatch, (self.padded(self.keys), self._len, None, self.ragged))
-
-    def __len__(self) -> int:
-        return self._len
-
-    @overload
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]: ...
-    @overload
-    def __getitem__(self, i: slice) -> list[dict[str, torch.Tensor]]: ...
-    def __getitem__(self, i: int | slice) -> Any:
-        if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(self._len))]
-        if i < 0:
-            i += self._len
-        if not 0 <= i < self._len:
-            raise IndexError(i)
-        return {k: v[i] for k, v in self.tensors.items()}
-
-    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
-        return (self[i] for i in range(self._len))
-
-
-class PendingBatch:
-    """A batch being read (``CachedTensorDataset.start_read``); ``result()`` waits for it."""
-
-    def __init__(
-        self,
-        batch: CachedBatch,
-        reads: PendingReads,
-        unreadable: Callable[[str, BaseException], Exception],
-    ) -> None:
-        self._unreadable = unreadable  # the exception to raise for a file that could not be read
-        self._batch = batch
-        self._reads: PendingReads | None = reads
-
-    def result(self) -> CachedBatch:
-        """The batch, once every row is read and verified (``CacheIntegrityError`` otherwise)."""
-        if self._reads is not None:
-            reads, self._reads = self._reads, None
-            try:
-                reads.wait()
-            except ReadError as exc:
-                raise self._unreadable(exc.path, exc) from exc
-        return self._batch
-
-    def __del__(self) -> None:
-        # Dropped unread: its buffers look free to the pool (nothing references the
-        # tensors), so the helpers must be done writing into them before they can be
-        # handed out again.
-        reads, self._reads = getattr(self, "_reads", None), None
-        if reads is not None:
-            try:
-                reads.wait()
-            except Exception:  # noqa: BLE001 - nobody asked for this batch
-                pass
