@@ -211,8 +211,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--follow",
         action="store_true",
         help="train while the producer still writes the cache: start after its first shard "
-        "(or before: wait for it); epoch 0 reads the shards in the order the producer commits "
-        "them, the same batches as on the finished cache with --follow (docs/follow.md)",
+        "(or before: wait for it); epoch 0 reads the shards in index order 0, 1, 2, ..., "
+        "the same batches as on the finished cache with --follow (docs/follow.md)",
     )
     p.add_argument(
         "--follow-timeout",
@@ -257,34 +257,56 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--follow-timeout={args.follow_timeout} must be > 0 (seconds); pass e.g. 600")
 
 
+#: what a run writes into its ``--out``
+RUN_FILES = frozenset({"metrics.jsonl", "summary.json", "ckpt"})
+
+
 def check_out(args: argparse.Namespace) -> None:
     """Refuse ``--out`` when the run would lose or miss what is there (:class:`UsageError`).
 
     Without ``--resume`` a run writes ``metrics.jsonl``, ``summary.json`` and ``ckpt/``
-    from step 0, and its first checkpoint removes the older ones: in a non-empty
-    ``--out`` that deletes the earlier run. ``--resume`` needs a published checkpoint
-    (``<out>/ckpt/latest.json``); without one it would silently start at step 0.
-    Every rank runs this before the process group exists, so none has written yet.
+    from step 0, and its first checkpoint removes the older ones: in ``--out`` of a run
+    that published a checkpoint that deletes the earlier run. A run that stopped before
+    its first checkpoint cannot be resumed and holds only its own files: a new run starts
+    over there. ``--resume`` needs a published checkpoint (``<out>/ckpt/latest.json``);
+    without one it would silently start at step 0. Every rank runs this before the
+    process group exists, so none has written yet.
     """
     out, ckpt = args.out, os.path.join(args.out, "ckpt")
     if os.path.exists(out) and not os.path.isdir(out):
         raise UsageError(f"--out {out} is a file, not a directory; pass a new --out")
     held = sorted(os.listdir(out)) if os.path.isdir(out) else []
-    if args.resume and not os.path.isfile(os.path.join(ckpt, LATEST)):
-        fix = (
-            "pass a new --out to start a new run (this one saved no checkpoint)"
-            if held
-            else f"drop --resume to start a new run in {out}, or pass the --out of the run to continue"
-        )
+    saved = os.path.isfile(os.path.join(ckpt, LATEST))
+    others = [name for name in held if name not in RUN_FILES]
+    if args.resume and not saved:
+        if not held:
+            fix = f"drop --resume to start a new run in {out}, or pass the --out of the run to continue"
+        elif others:
+            fix = f"pass a new --out to start a new run ({out} holds {_listed(others)}, not a run)"
+        else:
+            fix = (
+                "the run there stopped before its first checkpoint: drop --resume to start it over"
+            )
         raise UsageError(
             f"--resume: nothing to resume, no checkpoint in {ckpt} (no {LATEST}); {fix}"
         )
-    if held and not args.resume:
-        shown = ", ".join(held[:3]) + (", ..." if len(held) > 3 else "")
+    if args.resume:
+        return
+    if saved:
         raise UsageError(
-            f"--out {out} already holds a run ({shown}); pass --resume to continue it, or a new "
-            "--out to start another (nothing was changed)"
+            f"--out {out} already holds a run ({_listed(held)}); pass --resume to continue it, or a "
+            "new --out to start another (nothing was changed)"
         )
+    if others:
+        raise UsageError(
+            f"--out {out} holds {_listed(others)}, which a run does not write; pass a new --out "
+            "(nothing was changed)"
+        )
+
+
+def _listed(names: list[str]) -> str:
+    """The first three of ``names``, then ``...``."""
+    return ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
 
 
 def check_resume_cache(
@@ -309,6 +331,22 @@ def check_resume_cache(
         f"{was[0]} samples in shards of {was[1]}, but --cache-dir {args.cache_dir} holds "
         f"{num_samples} samples in shards of {shard_size}; resume with {fix}, or train on this "
         "cache into a new --out"
+    )
+
+
+def check_resume_follow(args: argparse.Namespace, saved: dict[str, Any]) -> None:
+    """``--resume`` with the ``--follow`` of the checkpoint's run, or :class:`UsageError`.
+
+    ``saved`` is the checkpoint's sampler state: the order of epoch 0's samples, and so the
+    position it records, depends on ``--follow``.
+    """
+    was = bool(saved.get("follow", False))  # a state saved before follow existed did not follow
+    if was == args.follow:
+        return
+    raise UsageError(
+        f"--resume: the checkpoint in {os.path.join(args.out, 'ckpt')} was trained "
+        f"{'with' if was else 'without'} --follow, which orders epoch 0's samples; "
+        f"{'pass' if was else 'drop'} --follow to resume it, or train into a new --out"
     )
 
 
@@ -600,6 +638,7 @@ def main(argv: list[str] | None = None) -> int:
         check_resume_cache(
             args, state["loader"]["sampler"], len(dataset), int(manifest["shard_size"]), meta
         )
+        check_resume_follow(args, state["loader"]["sampler"])
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])

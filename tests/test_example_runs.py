@@ -88,21 +88,69 @@ def test_resume_with_nothing_to_resume_is_refused(caches, tmp_path):
         f"--resume to start a new run in {fresh}, or pass the --out of the run to continue"
     )
     assert not fresh.exists()
-    # a run that died before its first checkpoint: its files stay, a new --out starts over
+
+
+def _direct(cache: str, out: Path, *extra: str) -> subprocess.CompletedProcess:
+    """``train_ep_cp.py`` without a launcher: enough for what it refuses before the process group."""
+    return subprocess.run(
+        [sys.executable, str(EXAMPLES / "train_ep_cp.py"), "--cache-dir", cache, "--out", str(out), *extra],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=_env(),
+    )
+
+
+def test_a_run_that_died_before_its_first_checkpoint_is_started_over(caches, tmp_path):
+    """Nothing to protect and nothing to resume: ``--resume`` says to drop it, and without it the run
+    starts over in the same ``--out``."""
     died = tmp_path / "died"
     died.mkdir()
-    (died / "metrics.jsonl").write_text('{"step": 1}\n')
-    direct = subprocess.run(
-        [sys.executable, str(EXAMPLES / "train_ep_cp.py"), "--cache-dir", caches["main"],
-         "--out", str(died), "--resume"],
-        capture_output=True, text=True, timeout=120, env=_env(),
-    )  # fmt: skip
+    (died / "metrics.jsonl").write_text("")  # what a run that failed at its first batch leaves
+    direct = _direct(caches["main"], died, "--resume")
     assert direct.returncode == 2, direct.stderr
     assert direct.stderr.strip() == (
-        f"error: --resume: nothing to resume, no checkpoint in {died}/ckpt (no latest.json); pass a "
-        "new --out to start a new run (this one saved no checkpoint)"
+        f"error: --resume: nothing to resume, no checkpoint in {died}/ckpt (no latest.json); the run "
+        "there stopped before its first checkpoint: drop --resume to start it over"
     )
-    assert (died / "metrics.jsonl").read_text() == '{"step": 1}\n'
+    assert (died / "metrics.jsonl").read_text() == ""
+    res = _train(caches["main"], died)  # the same command without --resume
+    assert res.returncode == 0, res.stdout + res.stderr
+    steps = [json.loads(ln)["step"] for ln in (died / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3]
+
+
+def test_an_out_holding_other_files_and_no_checkpoint_is_refused_and_kept(caches, tmp_path):
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    (out / "metrics.jsonl").write_text('{"step": 1}\n')
+    for extra, fix in (
+        ((), "which a run does not write; pass a new --out (nothing was changed)"),
+        (("--resume",), "pass a new --out to start a new run"),
+    ):
+        direct = _direct(caches["main"], out, *extra)
+        assert direct.returncode == 2 and fix in direct.stderr, direct.stderr
+        assert "notes.txt" in direct.stderr
+        assert len(direct.stderr.strip().splitlines()) == 1
+    assert sorted(p.name for p in out.iterdir()) == ["metrics.jsonl", "notes.txt"]
+    assert (out / "metrics.jsonl").read_text() == '{"step": 1}\n'
+
+
+def test_resuming_a_follow_checkpoint_names_the_flag_and_resumes_nothing(caches, tmp_path):
+    out = tmp_path / "followed"
+    first = _train(caches["main"], out, "--follow", steps=2)
+    assert first.returncode == 0, first.stdout + first.stderr
+    msg = one_error(_train(caches["main"], out, "--resume", steps=3))
+    assert msg == (
+        f"--resume: the checkpoint in {out}/ckpt was trained with --follow, which orders epoch 0's "
+        "samples; pass --follow to resume it, or train into a new --out"
+    )
+    res = _train(caches["main"], out, "--resume", "--follow", steps=3)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "resumed from step 2" in res.stdout
+    steps = [json.loads(ln)["step"] for ln in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3]
 
 
 def test_resume_on_another_cache_names_the_original_and_that_fix_runs(first_run, caches, tmp_path):
