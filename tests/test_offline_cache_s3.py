@@ -644,6 +644,22 @@ def test_the_try_it_locally_section_runs_as_printed(tmp_path) -> None:
         p.name.endswith(f"-{port}.sock") for port in _MINI_PORTS)], "the server's sockets are left in /tmp"  # fmt: skip
 
 
+def test_the_try_it_locally_wait_gives_up_and_shows_the_last_error(tmp_path) -> None:
+    """The section's wait for the server, with no server: bounded (here 2 tries, not 60), then the last
+    error is shown, not hidden."""
+    text = (HERE.parent / "docs" / "object-storage.md").read_text()
+    wait = re.search(r"^for i in \$\(seq 60\); do .*?\ndone; cat .*?\n", text, re.S | re.M)
+    assert wait is not None, "docs/object-storage.md's try-it-locally section lost its bounded wait"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    env.update(S3_DIR=str(tmp_path), AWS_ENDPOINT_URL="http://127.0.0.1:1", AWS_ACCESS_KEY_ID="k",
+               AWS_SECRET_ACCESS_KEY="s", AWS_REGION="us-east-1", OMP_NUM_THREADS="1")  # fmt: skip
+    r = subprocess.run(["bash", "-euo", "pipefail", "-c", wait[0].replace("seq 60", "seq 2")], cwd=HERE.parent,
+                       env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("te-thd cache unlock: s3://te-thd-demo/run1: no answer from the object store "
+                               "(endpoint http://127.0.0.1:1, from AWS_ENDPOINT_URL)"), r.stdout  # fmt: skip
+
+
 def test_without_obstore_the_message_names_the_install_command_that_works_from_a_checkout() -> None:
     code = ("import sys; sys.modules['obstore'] = None\n"  # as if the s3 extra were not installed
             "from te_thd.offline_cache.storage import open_storage\n"
