@@ -97,7 +97,8 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
         "--follow",
         action="store_true",
         help="run the producer and the trainer at the same time (train_ep_cp.py --follow): "
-        "training starts after the first shard; both progress bars, their logs in <out>",
+        "training starts after the first shard; the demo shows a progress bar for each and "
+        "keeps their output in <out>/<cache>.log and <out>/<run>.log",
     )
 
 

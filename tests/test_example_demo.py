@@ -204,3 +204,20 @@ def test_the_demo_with_follow_stops_the_trainer_when_the_producer_fails(tmp_path
     run = _demo(*small, "--follow", cwd=tmp_path)
     assert run.returncode != 0
     assert "is a file, not a directory" in run.stdout, run.stdout + run.stderr
+
+
+def test_docs_cli_names_every_demo_flag_in_its_synopsis_and_its_table():
+    """docs/cli.md: the synopsis and the flags table list what ``te-thd demo --help`` lists."""
+    p = argparse.ArgumentParser()
+    demo.add_demo_arguments(p)
+    text = " ".join(p.format_help().split())
+    flags = set(re.findall(r"(?<![\w-])(--[a-z][a-z-]+)", text)) - {"--help"}
+    assert {"--follow", "--out", "--resume", "--balance"} <= flags
+    doc = (REPO / "docs" / "cli.md").read_text()
+    synopsis = next(ln for ln in doc.splitlines() if ln.startswith("| `te-thd demo ["))
+    named = " ".join(ln.split("|")[1] for ln in doc.splitlines() if ln.startswith("| `--"))
+    for flag in sorted(flags):
+        assert f"{flag} " in synopsis or f"{flag}]" in synopsis, flag
+        assert f"`{flag} " in named or f"`{flag}`" in named, flag
+    # the --follow help ends in a sentence that says where the logs are
+    assert "keeps their output in <out>/<cache>.log and <out>/<run>.log" in text
