@@ -74,11 +74,11 @@ def descendants(pid: int) -> list[int]:
         if fields[0] != "Z":
             children.setdefault(int(fields[1]), []).append(int(entry.parent.name))
     found: list[int] = []
-    todo = list(children.get(pid, []))
-    while todo:
-        p = todo.pop(0)
+    pending = list(children.get(pid, []))
+    while pending:
+        p = pending.pop(0)
         found.append(p)
-        todo.extend(children.get(p, []))
+        pending.extend(children.get(p, []))
     return found
 
 

@@ -32,15 +32,15 @@ def _env() -> dict[str, str]:
 
 def _tree(pid: int) -> list[int]:
     """Every process below ``pid`` now (the main thread's children in /proc, recursively)."""
-    found, todo = [], [pid]
-    while todo:
-        p = todo.pop()
+    found, pending = [], [pid]
+    while pending:
+        p = pending.pop()
         try:
             kids = [int(k) for k in Path(f"/proc/{p}/task/{p}/children").read_text().split()]
         except OSError:
             continue
         found += kids
-        todo += kids
+        pending += kids
     return found
 
 
