@@ -1145,6 +1145,13 @@ def _cli_rows() -> list[BadInput]:
         return tmp / "empty"
 
     def corrupt(tmp: Path) -> Path:
+        BadInput("cache-loader-collate-pickle", "cache",
+                 "build_cached_dataloader: a lambda collate_fn with workers that do not fork (s3://, msc://, spawn)",
+                 loader(num_workers=1, multiprocessing_context="spawn"),
+                 "^" + _re("collate_fn='") + r"\S+" + _re(".<lambda>' cannot be pickled (AttributeError: Can't pickle "
+                                                      "local object '") + r"\S+"
+                 + _re("), and the DataLoader workers start by spawn (multiprocessing_context='spawn'), which "
+                       "sends collate_fn to them pickled; pass a module-level function")),
         d = _cache(tmp)
         p = d / "shard-000002.safetensors"
         data = bytearray(p.read_bytes())

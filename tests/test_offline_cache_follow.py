@@ -11,6 +11,7 @@ bytes; a damaged shard, a record of another run and contradicting settings are r
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shlex
@@ -169,10 +170,11 @@ def test_a_trainer_started_before_the_producer_trains_bit_identically(reference,
 def test_a_killed_producer_stops_the_trainer_with_one_line_and_both_resume(
     reference, tmp_path
 ) -> None:
-    """SIGKILL after shard 2: the trainer waits --follow-timeout, then one line names the shard it waited
-    for, the producer's recorded command that resumes it, and the resume of training. That command, run
-    as printed, finishes the cache; ``--resume`` from the checkpoint taken while the producer ran then
-    trains on in the same order: the same losses and final weights as the uninterrupted run."""
+    """SIGKILL after shard 2: the trainer trains every step whose shards are there without waiting, waits
+    --follow-timeout once, then one line names the shard it waited for, the producer's recorded command
+    that resumes it, and the restart of training. That command, run as printed, finishes the cache;
+    ``--resume`` from the checkpoint taken while the producer ran then trains on in the same order: the
+    same losses and final weights as the uninterrupted run."""
     cache, train = tmp_path / "cache", tmp_path / "train"
     producer = _producer(cache, 0.5)
     trainer = _trainer(cache, train, "--follow", "--follow-timeout", "3")
@@ -181,11 +183,19 @@ def test_a_killed_producer_stops_the_trainer_with_one_line_and_both_resume(
     producer.wait()
     present = sorted(p.name for p in cache.glob("shard-*"))
     line = one_error(_finish(trainer))
+    metrics = train / "metrics.jsonl"
+    stopped = time.time() - metrics.stat().st_mtime  # from the last step's record to the job's exit
+    steps = [json.loads(s) for s in metrics.read_text().splitlines()]
+    # the last step's batch was on disk: handed out at once, not after a wait for the next shard
+    assert len(steps) == 2 * len(present) and steps[-1]["data_wait_s"] < 1.0, steps[-1]
+    assert 3.0 <= stopped < 6.0, stopped  # then one follow_timeout (and the job's exit), not two
     waited = f"shard-{len(present):06d}.safetensors"
     assert line.startswith(
         f"waited 3 s (follow_timeout) for {cache}/{waited}, which the producer"
     ), line
-    assert line.endswith("then resume training from its last checkpoint"), line
+    assert line.endswith(
+        "then restart training: from its last checkpoint if it saved one, else from the start"
+    ), line
     assert (cache / FOLLOW_RECORD).exists() and not (cache / "manifest.json").exists()
     step = json.loads((train / "ckpt" / "latest.json").read_text())["step"]
     assert step == 4 * (
@@ -314,8 +324,14 @@ def test_a_shard_of_another_producer_run_is_refused(killed, tmp_path) -> None:
                        capture_output=True, text=True, timeout=120)  # fmt: skip
     assert r.returncode == 0, r.stderr
     os.replace(other / "shard-000003.safetensors", killed / "shard-000003.safetensors")
-    with pytest.raises(CacheIntegrityError, match="written by a producer run with other arguments"):
+    with pytest.raises(CacheError, match="written by a producer run with other arguments") as e:
         ds[24]
+    # not damage: nothing to repair or fetch again; the reader stops, saying what happened
+    assert not isinstance(e.value, CacheIntegrityError) and "repair" not in str(e.value), e.value
+    assert str(e.value).endswith(
+        "the ep_cp cache changed under this reader (another producer run now writes it), so training "
+        "stops; train again on it from the start once that run has finished"
+    ), e.value
 
 
 def test_dataloader_workers_follow_on_their_own(reference, tmp_path) -> None:
@@ -338,6 +354,37 @@ def test_dataloader_workers_follow_on_their_own(reference, tmp_path) -> None:
     assert len(got) == len(want) == 12 and all(
         torch.equal(a, b) for a, b in zip(got, want, strict=True)
     )
+
+
+def _hand_out(ds: CachedTensorDataset, num_workers: int) -> tuple[int, list[float], float]:
+    """Iterate a loader over ``ds`` as a training loop does (a short step after each batch, which lets
+    the loader read ahead) until it raises ``FollowTimeoutError``: ``(batches, each batch's wait, the
+    wait for the one that raised)``."""
+    collate = functools.partial(collate_cached, keys=KEYS)
+    loader = build_cached_dataloader(ds, 4, True, collate, num_workers=num_workers, seed=5)
+    it, waits = iter(loader), []
+    t = time.monotonic()
+    with pytest.raises(FollowTimeoutError, match="waited 3 s .* which the producer"):
+        while True:
+            next(it)
+            waits.append(time.monotonic() - t)
+            time.sleep(0.05)  # the step
+            t = time.monotonic()
+    return len(waits), waits, time.monotonic() - t
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_every_batch_on_disk_comes_at_once_and_a_dead_producer_is_waited_for_once(
+    killed, num_workers
+) -> None:
+    """Producer SIGKILLed after shard 2: the 6 batches of shards 0-2 are handed out without waiting (the
+    read-ahead of the next batch does not wait for shard 3 before the last of them), and the read of
+    shard 3 raises after one follow_timeout, not two."""
+    timeout = 3.0
+    batches, waits, last = _hand_out(_dataset(killed, follow_timeout=timeout), num_workers)
+    assert batches == 6
+    assert max(waits) < timeout / 3, waits  # workers: the first includes their start
+    assert (timeout if num_workers == 0 else 0.5 * timeout) <= last < 1.5 * timeout, last
 
 
 def _s3_server():
@@ -373,6 +420,28 @@ def test_on_s3_the_shards_committed_since_the_last_listing_read_after_the_switch
                     store.put(name, (reference[0] / name).read_bytes())
             assert all(torch.equal(ds[i]["hidden"], ref[i]["hidden"]) for i in (8, 40, 47, 24))
             assert not ds.following
+    finally:
+        server.stop()
+
+
+def test_on_s3_every_batch_there_comes_at_once_and_a_dead_producer_is_waited_for_once(
+    killed,
+) -> None:
+    """The killed producer's objects on SeaweedFS: the same as on a local directory (the read-ahead
+    never waits for an object not listed yet; one follow_timeout, then the error)."""
+    S, server = _s3_server()
+    try:
+        S.make_bucket(server, "te-thd-once")
+        url = "s3://te-thd-once/cache"
+        with server.environment():
+            store = open_storage(url)
+            for f in sorted(killed.iterdir()):
+                store.put(f.name, f.read_bytes())
+            batches, waits, last = _hand_out(
+                CachedTensorDataset(url, "ep_cp", 1, KEYS, follow=True, follow_timeout=3.0), 0
+            )
+        assert batches == 6 and max(waits) < 1.0, waits
+        assert 3.0 <= last < 4.5, last
     finally:
         server.stop()
 

@@ -122,6 +122,24 @@ def test_produce_writes_the_local_bytes_and_every_reader_returns_the_local_tenso
 
 
 def test_the_read_through_cache_keeps_what_was_fetched_within_its_budget(bucket, local, tmp_path) -> None:
+def test_a_collate_fn_forkserver_workers_cannot_receive_is_refused_when_the_loader_is_built(bucket, local) -> None:
+    """An s3:// cache's workers start by forkserver, which pickles collate_fn: a lambda is refused in one
+    line naming it, why and what to pass, not deep in multiprocessing once iterated; on the local cache
+    (forked workers) the same lambda reads every batch."""
+    url = f"s3://{bucket}/lambda"
+    store = open_storage(url)
+    for name, data in _files(local).items():
+        store.put(name, data)
+    collate = lambda b: collate_cached(b, P.KEYS)  # noqa: E731 - what a user writes
+    with pytest.raises(ValueError, match=r"^collate_fn='\S+<lambda>' cannot be pickled \(.* start by forkserver "
+                       r"\(an s3:// or msc:// cache's client does not survive fork\), .*; pass a module-level function") as e:
+        build_cached_dataloader(CachedTensorDataset(url, "test", 1, P.KEYS), 4, False, collate, num_workers=1)
+    assert "\n" not in str(e.value)
+    local_ds = CachedTensorDataset(str(local), "test", 1, P.KEYS)
+    local_loader = build_cached_dataloader(local_ds, 4, False, collate, num_workers=1)
+    assert len(list(local_loader)) == 6
+
+
     url = f"s3://{bucket}/c"
     P.produce(url)
     cold = CachedTensorDataset(url, "test", 1, P.KEYS, read_cache_dir=str(tmp_path / "rc"))

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from te_thd.offline_cache.format import (
@@ -198,8 +198,8 @@ class Follower:
                 raise FollowTimeoutError(
                     f"waited {self.timeout:g} s (follow_timeout) for {self.storage.display(shard_name(shard))}, which "
                     f"the producer of the {self.cache_name} cache has not committed: it stopped or runs slower than "
-                    f"that. Resume it with {self.command} (it keeps the committed shards), then resume training from "
-                    "its last checkpoint"
+                    f"that. Resume it with {self.command} (it keeps the committed shards), then restart training: "
+                    "from its last checkpoint if it saved one, else from the start"
                 )
             time.sleep(pause)
 
@@ -210,15 +210,22 @@ class Follower:
             if m is not None and int(m.group(1)) not in self.committed:
                 self.storage.admit(obj, size)
                 self.committed.add(int(m.group(1)))
+    def has(self, shards: Iterable[int]) -> bool:
+        """Whether every shard of ``shards`` is committed (one listing when one was not yet); never waits."""
+        missing = set(shards) - self.committed
+        if missing:
+            self._admit_committed()
+        return missing <= self.committed
 
-    def check_shard(self, path: str, header: ShardHeader, repair: str) -> None:
-        """Refuse a shard that another producer run wrote (its header's run record is not the followed one)."""
+
+    def check_shard(self, path: str, header: ShardHeader) -> None:
+        """Refuse a shard that another producer run wrote (its header's run record is not the followed one):
+        a :class:`CacheError`, not damage, so nothing is fetched again or repaired."""
         theirs = header.sums.run if header.sums is not None else None
         if theirs is not None and theirs != self.run:
-            raise CacheIntegrityError(
-                f"shard {path} was written by a producer run with other arguments than the one this reader follows "
-                f"({describe_diff(self.run, theirs)}). {repair}",
-                path=path,
+            raise CacheError(
+                f"shard {path} was written by a producer run with other arguments than the one this reader "
+                f"follows ({describe_diff(self.run, theirs)}): {self._changed}"
             )
 
     def check_keys(self, disk_keys: Sequence[str]) -> None:
@@ -228,6 +235,14 @@ class Follower:
         if unknown:
             raise ValueError(
                 f"disk_keys {unknown} are not in the {self.cache_name} cache being produced at {self.cache_dir} "
+    @property
+    def _changed(self) -> str:
+        """What a reader whose cache was rebuilt under it says: the data it trained on is gone."""
+        return (
+            f"the {self.cache_name} cache changed under this reader (another producer run now writes it), so "
+            "training stops; train again on it from the start once that run has finished"
+        )
+
                 f"(its producer stores {stored}, {self.storage.display(FOLLOW_NAME)}); pass keys the producer writes"
             )
 
@@ -249,9 +264,8 @@ class Follower:
         followed = {k: v for k, v in self.run.items() if k != LENGTH_RULE_KEY}
         if recorded != followed:
             raise CacheError(
-                f"the {self.cache_name} cache at {self.cache_dir} was finished by a producer run with other arguments "
-                f"than the one this reader followed ({describe_diff(followed, recorded)}); the cache was rebuilt while "
-                "training read it: restart training on the finished cache"
+                f"{self.storage.display(MANIFEST_NAME)} was written by a producer run with other arguments than "
+                f"the one this reader followed ({describe_diff(followed, recorded)}): {self._changed}"
             )
         check_cache_files(self.cache_dir, manifest, self.cache_name, versions[1])
         checksums = {i: str(r["checksum"]) for i, r in enumerate(shard_records(manifest) or [])}

@@ -25,7 +25,9 @@ from __future__ import annotations
 import errno
 import functools
 import json
+import multiprocessing
 import os
+import pickle
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -36,6 +38,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from ..args import check_int
 from ..balance import DEFAULT_ATTN_SCALE
+from .follow import FollowTimeoutError
 from .format import CacheError, json_crc32
 from .lengths import (
     DEFAULT_LENGTH_KEY,
@@ -117,7 +120,8 @@ class CachedDataLoader(DataLoader):
             return
         start = getattr(dataset, "start_read", None) if self.read_ahead else None
         if start is not None:
-            yield from _read_ahead(start, dataset.__getitems__, self.batch_sampler, collate)
+            ready = getattr(dataset, "ready", None)
+            yield from _read_ahead(start, dataset.__getitems__, self.batch_sampler, collate, ready)
             return
         for indices in self.batch_sampler:
             yield collate(read_samples(dataset, indices))
@@ -171,6 +175,7 @@ def _read_ahead(
     read: Callable[[Sequence[int]], Any],
     batches: Iterator[Sequence[int]] | Any,
     collate: Callable[[Any], Any],
+    ready: Callable[[Sequence[int]], bool] | None = None,
 ) -> Iterator[Any]:
     """``collate(batch)`` for every index list of ``batches``, read ahead when the consumer leaves time for it.
 
@@ -181,6 +186,11 @@ def _read_ahead(
     there read-ahead would only contend with the planning of the next batch
     (docs/performance-io.md). A read still in flight when the consumer stops early is
     waited for (its buffers must not be written once they can be handed out again).
+
+    ``ready(indices)`` False (a followed producer has not committed their shards yet):
+    that batch is not started ahead, so the batch before it is handed out at once and
+    only the consumer's own read of it waits. A :class:`FollowTimeoutError` that ``start``
+    raises all the same is raised as it is, after the batch before it: never waited again.
     """
     it = iter(batches)
     pending = None
@@ -196,9 +206,12 @@ def _read_ahead(
                 current, pending = pending, None
                 batch = current.result()
             indices = next(it, None)
+            timed_out = None
             if indices is not None and 2 * step_s >= read_s:
                 try:
-                    pending = start(indices)
+                    pending = start(indices) if ready is None or ready(indices) else None
+                except FollowTimeoutError as exc:  # waited its follow_timeout already
+                    timed_out = exc
                 except Exception:  # noqa: BLE001 - e.g. a damaged shard: raised by the plain read of
                     pending = None  # this batch, once the batch before it has been handed out
 
@@ -207,6 +220,8 @@ def _read_ahead(
             t1 = time.perf_counter()
             yield out
             step_s = time.perf_counter() - t1
+            if timed_out is not None:
+                raise timed_out
     finally:
         if pending is not None:
             try:
@@ -474,14 +489,17 @@ def build_cached_dataloader(
         worker_kwargs["persistent_workers"] = persistent_workers
         if prefetch_factor is not None:
             worker_kwargs["prefetch_factor"] = prefetch_factor
+        why = f"multiprocessing_context={multiprocessing_context!r}"
         if multiprocessing_context is None and not getattr(
             getattr(dataset, "storage", None), "fork_safe", True
         ):
             # an object store's cache: its client's runtime does not survive fork, so workers start
             # from a fresh server process (forkserver) instead of a copy of this one
             multiprocessing_context = "forkserver"
+            why = "an s3:// or msc:// cache's client does not survive fork"
         if multiprocessing_context is not None:
             worker_kwargs["multiprocessing_context"] = multiprocessing_context
+        _check_picklable_collate(collate_fn, multiprocessing_context, why)
     pin = torch.cuda.is_available() if pin_memory is None else bool(pin_memory)
     if (
         pin
@@ -509,6 +527,33 @@ def build_cached_dataloader(
     if resume_state is not None:
         loader.load_state_dict(resume_state)
     return loader
+
+
+def _check_picklable_collate(collate_fn: Any, context: Any, why: str) -> None:
+    """Refuse, in one line, a ``collate_fn`` that DataLoader workers started without fork cannot receive.
+
+    Workers started by forkserver or spawn (``context``: a start method's name, a
+    multiprocessing context, or None for the default; ``why``: what chose it) get
+    ``collate_fn`` pickled; a lambda or a function defined inside another one fails
+    there, deep in multiprocessing.
+    """
+    if context is None:
+        method = multiprocessing.get_start_method(allow_none=True)
+        method = method or multiprocessing.get_all_start_methods()[0]
+        why = "the default start method"
+    else:
+        method = context if isinstance(context, str) else context.get_start_method()
+    if method == "fork":
+        return
+    try:
+        pickle.dumps(collate_fn)
+    except Exception as exc:  # noqa: BLE001 - whatever pickle raises, a worker would raise too
+        name = getattr(collate_fn, "__qualname__", type(collate_fn).__name__)
+        raise ValueError(
+            f"collate_fn={name!r} cannot be pickled ({type(exc).__name__}: {exc}), and the DataLoader "
+            f"workers start by {method} ({why}), which sends collate_fn to them pickled; pass a "
+            "module-level function, or a picklable object such as functools.partial of one"
+        ) from None
 
 
 def to_device(batch: Any, device: torch.device | str) -> Any:

@@ -52,18 +52,6 @@ def _msc() -> Any:
     return multistorageclient
 
 
-class _Held(logging.Filter):
-    """Holds the records of the loggers it is added to instead of letting them through."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.records: list[logging.LogRecord] = []
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        self.records.append(record)
-        return False
-
-
 @functools.lru_cache(
     maxsize=1
 )  # found again only when a logger was added (``count``: how many there are)
@@ -82,16 +70,21 @@ def _msc_logs_held() -> Iterator[list[logging.LogRecord]]:
     """MSC's own log records, held while one of our calls runs and let through after it: the caller
     empties the list it is given when its one line says what they would (MSC logs an error before
     raising it). Only MSC's loggers are touched, and only for the call."""
-    held = _Held()
+    records: list[logging.LogRecord] = []
+
+    def hold(record: logging.LogRecord) -> bool:  # a logging filter: kept here, not let through
+        records.append(record)
+        return False
+
     loggers = _msc_loggers(len(logging.Logger.manager.loggerDict))
     for logger in loggers:
-        logger.addFilter(held)
+        logger.addFilter(hold)
     try:
-        yield held.records
+        yield records
     finally:
         for logger in loggers:
-            logger.removeFilter(held)
-        for record in held.records:
+            logger.removeFilter(hold)
+        for record in records:
             logging.getLogger(record.name).handle(record)
 
 

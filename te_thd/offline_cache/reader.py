@@ -148,13 +148,12 @@ class CachedTensorDataset(Dataset):
         self.cache_dir = cache_dir
         self.cache_name = cache_name
         self.verify = bool(verify)
-        #: epoch 0 visits the shards in the order the producer commits them (``sampler.CacheShardSampler``)
+        #: epoch 0 visits the shards in index order 0, 1, ... (``sampler.CacheShardSampler``)
         self.follow = bool(follow)
         self._follower: Follower | None = None
         run = None
-        if (
-            follow
-        ):  # a cache whose producer may still run: its manifest, else the producer's follow record
+        # a cache whose producer may still run: its manifest, else the producer's follow record
+        if follow:
             self.manifest, run, producer_name = open_followed(
                 self.storage, cache_dir, cache_name, format_version, producer_name, follow_timeout
             )
@@ -178,12 +177,10 @@ class CachedTensorDataset(Dataset):
             k for k in self.disk_keys if self._token_layout and k in self._token_layout.keys
         )
         self._row_keys = tuple(k for k in self.disk_keys if k not in self._token_keys)
-        self._deferred: tuple[
-            str, ...
-        ] = ()  # ragged keys a batched read leaves to the collate (defer_keys)
-        if (
-            run is None
-        ):  # presence of shards 0..N-1 and, when the manifest records them, their byte sizes
+        # ragged keys a batched read leaves to the collate (defer_keys)
+        self._deferred: tuple[str, ...] = ()
+        # presence of shards 0..N-1 and, when the manifest records them, their byte sizes
+        if run is None:
             self._shard_indices = check_cache_files(
                 cache_dir, self.manifest, cache_name, producer_name
             )
@@ -196,9 +193,8 @@ class CachedTensorDataset(Dataset):
         self.storage.prepare_reads()  # before any DataLoader worker starts: they share what it prepares
         self._max_open = max_open_shards
         self.pin_memory = bool(pin_memory)
-        self._prefetch = (
-            self._row_keys if readahead else ()
-        )  # what a shard's first open asks the kernel for
+        # what a shard's first open asks the kernel for
+        self._prefetch = self._row_keys if readahead else ()
         if read_threads is not None:
             ParallelReads(read_threads)  # checks the value: an int >= 1
         self.read_threads = read_threads
@@ -365,7 +361,7 @@ class CachedTensorDataset(Dataset):
             path = self.storage.display(shard_name(shard_index))
             header, tokens = self._checked_header(shard_index, path)
             if self._follower is not None:
-                self._follower.check_shard(path, header, self._repair)
+                self._follower.check_shard(path, header)
             if tokens is None and self._token_layout is not None:
                 raise CacheIntegrityError(
                     f"shard {path} has no token fields although the manifest records a token layout "
@@ -494,6 +490,12 @@ class CachedTensorDataset(Dataset):
             actual=exc.actual,
         )
 
+    def ready(self, indices: Sequence[int]) -> bool:
+        """Whether a read of ``indices`` starts at once: False while the followed producer has not committed
+        one of their shards (one listing tells; never waits). The loader reads ahead only a ready batch."""
+        f, n = self._follower, self.num_samples
+        return f is None or f.has({int(i) % n // self.shard_size for i in indices})
+
     def start_read(self, indices: Sequence[int]) -> PendingBatch:
         """Start reading ``indices`` and return at once: ``.result()`` is ``__getitems__(indices)``.
 
@@ -531,9 +533,8 @@ class CachedTensorDataset(Dataset):
             f = self._shard_file(shard)
             if f.fetch is not None:
                 f.fetch(row_ranges(f.header.entries, self._row_keys, local))
-            fd = f.descriptor(
-                self._prefetch, self._repair
-            )  # the first batched read of the shard opens it
+            # the first batched read of the shard opens it
+            fd = f.descriptor(self._prefetch, self._repair)
             plan_shard_rows(
                 f,
                 fd,

@@ -126,7 +126,7 @@ def shard_block_order(
     worker, independent of the global RNG.
 
     ``follow=True`` (a reader following its producer, docs/follow.md): epoch 0 visits the
-    shards in index order ``0, 1, ...``, the order a producer commits them, each shard's
+    shards in index order ``0, 1, ...`` (a one-rank producer's commit order), each shard's
     samples still in the order above; later epochs are unchanged. A function of the seed,
     the epoch and the shard plan alone, never of when a shard was committed.
     """
@@ -160,7 +160,7 @@ class CacheShardSampler(Sampler[int]):
             else 1, which is a plain random permutation).
 
     A ``data_source`` with ``follow`` set (``CachedTensorDataset(follow=True)``) gets epoch 0
-    in the producer's commit order (``shard_block_order(..., follow=True)``); its blocks must
+    in index order (``shard_block_order(..., follow=True)``); its blocks must
     then be the cache's shards (``shard_size`` equal to ``data_source.shard_size``).
 
     Yields this replica's sample indices (Python ints) for the current epoch.
@@ -190,12 +190,12 @@ class CacheShardSampler(Sampler[int]):
             shard_size = int(getattr(data_source, "shard_size", 1) or 1)
         check_int("shard_size", shard_size, 1)
         _check_seed(seed, 0)
-        #: epoch 0 in the producer's commit order (a dataset following its producer)
+        #: epoch 0 in index order (a dataset following its producer)
         self.follow = bool(getattr(data_source, "follow", False))
         if self.follow and shard_size != getattr(data_source, "shard_size", None):
             raise ValueError(
                 f"shard_size={shard_size}: the dataset follows its producer, whose shards hold "
-                f"{getattr(data_source, 'shard_size', None)} samples; epoch 0 visits them in commit order, so omit "
+                f"{getattr(data_source, 'shard_size', None)} samples; epoch 0 visits them in index order, so omit "
                 "shard_size (the dataset's is used)"
             )
         self.num_samples_total = len(data_source)
