@@ -1103,6 +1103,13 @@ def _cache_rows() -> list[BadInput]:
                  _re("num_workers=-1 must be an int >= 0")),
         BadInput("cache-loader-read-ahead", "cache", "build_cached_dataloader: read_ahead is not a bool",
                  loader(read_ahead="no"), _re("read_ahead='no' must be True or False")),
+        BadInput("cache-loader-collate-pickle", "cache",
+                 "build_cached_dataloader: a lambda collate_fn with workers that do not fork (s3://, msc://, spawn)",
+                 loader(num_workers=1, multiprocessing_context="spawn"),
+                 "^" + _re("collate_fn='") + r"\S+" + _re(".<lambda>' cannot be pickled (AttributeError: Can't pickle "
+                                                      "local object '") + r"\S+"
+                 + _re("), and the DataLoader workers start by spawn (multiprocessing_context='spawn'), which "
+                       "sends collate_fn to them pickled; pass a module-level function")),
         BadInput("cache-loader-replicas", "cache", "build_cached_dataloader: more data-parallel replicas than samples, drop_last",
                  loader(batch_size=1, drop_last=True, dp_rank=0, dp_size=8),
                  _re("the dataset's 6 samples are too few for 8 data-parallel replicas with drop_last=True")),
@@ -1145,13 +1152,6 @@ def _cli_rows() -> list[BadInput]:
         return tmp / "empty"
 
     def corrupt(tmp: Path) -> Path:
-        BadInput("cache-loader-collate-pickle", "cache",
-                 "build_cached_dataloader: a lambda collate_fn with workers that do not fork (s3://, msc://, spawn)",
-                 loader(num_workers=1, multiprocessing_context="spawn"),
-                 "^" + _re("collate_fn='") + r"\S+" + _re(".<lambda>' cannot be pickled (AttributeError: Can't pickle "
-                                                      "local object '") + r"\S+"
-                 + _re("), and the DataLoader workers start by spawn (multiprocessing_context='spawn'), which "
-                       "sends collate_fn to them pickled; pass a module-level function")),
         d = _cache(tmp)
         p = d / "shard-000002.safetensors"
         data = bytearray(p.read_bytes())

@@ -121,7 +121,6 @@ def test_produce_writes_the_local_bytes_and_every_reader_returns_the_local_tenso
         assert all(torch.equal(a[k], b[k]) for k in a if isinstance(a[k], torch.Tensor))
 
 
-def test_the_read_through_cache_keeps_what_was_fetched_within_its_budget(bucket, local, tmp_path) -> None:
 def test_a_collate_fn_forkserver_workers_cannot_receive_is_refused_when_the_loader_is_built(bucket, local) -> None:
     """An s3:// cache's workers start by forkserver, which pickles collate_fn: a lambda is refused in one
     line naming it, why and what to pass, not deep in multiprocessing once iterated; on the local cache
@@ -140,6 +139,7 @@ def test_a_collate_fn_forkserver_workers_cannot_receive_is_refused_when_the_load
     assert len(list(local_loader)) == 6
 
 
+def test_the_read_through_cache_keeps_what_was_fetched_within_its_budget(bucket, local, tmp_path) -> None:
     url = f"s3://{bucket}/c"
     P.produce(url)
     cold = CachedTensorDataset(url, "test", 1, P.KEYS, read_cache_dir=str(tmp_path / "rc"))

@@ -203,13 +203,6 @@ class Follower:
                 )
             time.sleep(pause)
 
-    def _admit_committed(self) -> None:
-        """List the cache and make every shard committed since the last listing readable through the storage."""
-        for obj, size in self.storage.list().items():
-            m = SHARD_RE.match(obj)
-            if m is not None and int(m.group(1)) not in self.committed:
-                self.storage.admit(obj, size)
-                self.committed.add(int(m.group(1)))
     def has(self, shards: Iterable[int]) -> bool:
         """Whether every shard of ``shards`` is committed (one listing when one was not yet); never waits."""
         missing = set(shards) - self.committed
@@ -217,6 +210,13 @@ class Follower:
             self._admit_committed()
         return missing <= self.committed
 
+    def _admit_committed(self) -> None:
+        """List the cache and make every shard committed since the last listing readable through the storage."""
+        for obj, size in self.storage.list().items():
+            m = SHARD_RE.match(obj)
+            if m is not None and int(m.group(1)) not in self.committed:
+                self.storage.admit(obj, size)
+                self.committed.add(int(m.group(1)))
 
     def check_shard(self, path: str, header: ShardHeader) -> None:
         """Refuse a shard that another producer run wrote (its header's run record is not the followed one):
@@ -228,13 +228,6 @@ class Follower:
                 f"follows ({describe_diff(self.run, theirs)}): {self._changed}"
             )
 
-    def check_keys(self, disk_keys: Sequence[str]) -> None:
-        """Refuse ``disk_keys`` the followed producer does not store (``ValueError`` naming them)."""
-        stored = list(self.run.get("keys") or ())
-        unknown = [k for k in disk_keys if k not in stored]
-        if unknown:
-            raise ValueError(
-                f"disk_keys {unknown} are not in the {self.cache_name} cache being produced at {self.cache_dir} "
     @property
     def _changed(self) -> str:
         """What a reader whose cache was rebuilt under it says: the data it trained on is gone."""
@@ -243,6 +236,13 @@ class Follower:
             "training stops; train again on it from the start once that run has finished"
         )
 
+    def check_keys(self, disk_keys: Sequence[str]) -> None:
+        """Refuse ``disk_keys`` the followed producer does not store (``ValueError`` naming them)."""
+        stored = list(self.run.get("keys") or ())
+        unknown = [k for k in disk_keys if k not in stored]
+        if unknown:
+            raise ValueError(
+                f"disk_keys {unknown} are not in the {self.cache_name} cache being produced at {self.cache_dir} "
                 f"(its producer stores {stored}, {self.storage.display(FOLLOW_NAME)}); pass keys the producer writes"
             )
 
