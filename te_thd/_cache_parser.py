@@ -159,6 +159,14 @@ def add_cache_commands(cache: argparse.ArgumentParser) -> None:
         help="context-parallel size of training (default: 1)",
     )
     plan.add_argument(
+        "--cp-strategy",
+        default="dual_chunk_swap",
+        choices=("dual_chunk_swap", "no_load_balance"),
+        help="the collator's CP partition: dual_chunk_swap (TE's default: chunks r and 2cp-1-r "
+        "of every document) or no_load_balance (the r-th contiguous piece of each batch's "
+        "stream, no document padded; --pack-seq-len a multiple of --cp)",
+    )
+    plan.add_argument(
         "--pack-seq-len",
         type=int,
         default=None,

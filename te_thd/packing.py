@@ -291,6 +291,19 @@ def document_spans(
     return out
 
 
+def document_starts(
+    lengths: Sequence[int] | np.ndarray, seq_len: int, multiple: int, *, decreasing: bool = True
+) -> np.ndarray:
+    """Each of a batch's documents' first slot in the packed stream (all rows, ``B*S`` slots):
+    int64 ``[n]`` in arrival order. With :func:`document_spans` it gives the slots
+    ``[start, start + span)`` a document owns, where a contiguous CP partition cuts it."""
+    full = np.asarray(lengths, dtype=np.int64).reshape(-1)
+    rows = _row_layout(full, seq_len, multiple, None, decreasing)
+    out = np.empty(full.shape[0], dtype=np.int64)
+    out[rows.order] = np.cumsum(rows.span) - rows.span
+    return out
+
+
 def _gather_index(full: np.ndarray, rows: _Rows, seq_len: int) -> np.ndarray:
     """int64 ``[B*S]``: for every output slot, its position in a key's source.
 

@@ -5,11 +5,22 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 
-from te_thd.offline_cache import CachedTensorDataset, CachedThdCollator, produce_cache
+from te_thd.offline_cache import (
+    CachedTensorDataset,
+    CachedThdCollator,
+    build_cached_dataloader,
+    produce_cache,
+    readplan,
+)
+from te_thd.offline_cache.format import TensorSpec
+from te_thd.offline_cache.plan import CacheSpec, contiguous_ranges, cp_spans, plan_cache
 
 L, H = 24, 8
 KEYS = ("input_ids", "hidden", "length")
@@ -145,3 +156,67 @@ def test_a_no_load_balance_rank_reads_only_its_share(tmp_path: Path) -> None:
         for got, own in shares:
             assert own <= got <= own * 1.05 + 8 * 1024, (cp, shares)  # + a block at each end
         assert sum(got for got, _ in shares) <= whole * 1.05
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/io"), reason="needs Linux /proc/self/io")
+@pytest.mark.parametrize("strategy", ["no_load_balance", "dual_chunk_swap"])
+def test_cache_plan_cp_reads_follow_the_strategy(tmp_path: Path, monkeypatch, strategy) -> None:
+    """``plan_cache(CacheSpec(strategy=...))``'s CP rank bytes are what an epoch reads."""
+    monkeypatch.setattr(readplan, "COPY_ENGINE", "preadv")  # every read counted by rchar
+    big_l, big_h, batch, seq_len = 512, 256, 8, 2048
+    samples = _samples(24, seed=5, max_len=big_l, min_len=40)
+    _produce(tmp_path / "c", samples, big_h, token_keys=("input_ids", "hidden"))
+    lengths = np.array([int(s["length"]) for s in samples])
+    schema = {
+        "input_ids": TensorSpec(torch.int64, (big_l,)),
+        "hidden": TensorSpec(torch.bfloat16, (big_l, big_h)),
+        "length": TensorSpec(torch.int64, ()),
+    }
+    spec = CacheSpec(
+        schema,
+        ("input_ids", "hidden"),
+        8,
+        2,
+        length_key="length",
+        pack_seq_len=seq_len,
+        batch_size=batch,
+        strategy=strategy,
+    )
+    planned = next(c for c in plan_cache(lengths, spec) if c.name == "ragged").rank_bytes
+
+    def fetched(rank: int) -> int:
+        before = _rchar()
+        ds = _ds(tmp_path / "c")
+        col = CachedThdCollator(
+            seq_len, length_key="length", cp_size=2, cp_rank=rank, strategy=strategy
+        )
+        for _ in build_cached_dataloader(
+            dataset=ds, batch_size=batch, shuffle=False, collate_fn=col
+        ):
+            pass
+        return _rchar() - before
+
+    fetched(0)  # the reader's modules imported, not counted below
+    got = [fetched(rank) for rank in range(2)]
+    for want, have in zip(planned, got, strict=True):
+        assert abs(want - have) <= 0.05 * have, (strategy, planned, got)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    lengths=st.lists(st.integers(0, 40), min_size=1, max_size=20),
+    cp=st.integers(2, 4),
+    packed=st.booleans(),
+    batch=st.integers(1, 6),
+)
+def test_contiguous_ranges_tile_every_stream(lengths, cp, packed, batch) -> None:
+    lengths = np.asarray(lengths, dtype=np.int64)
+    seq = 48 * cp if packed else None
+    spans = cp_spans(lengths, cp, seq, batch, "no_load_balance")
+    held = [contiguous_ranges(spans, cp, r, seq, batch, lengths) for r in range(cp)]
+    assert np.array_equal(sum(b - a for a, b in held), spans)  # every slot held once
+    streams = np.arange(lengths.size) // batch if packed else np.arange(lengths.size)
+    for a, b in held:  # each rank holds 1/cp of every stream
+        assert np.array_equal(
+            np.bincount(streams, weights=b - a), np.bincount(streams, weights=spans) / cp
+        )

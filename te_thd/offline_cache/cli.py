@@ -255,6 +255,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             else tuple(k for k in args.codec_keys.split(",") if k),
             batch_size=args.batch_size,
             vocab_size=args.vocab_size,
+            strategy=args.cp_strategy,
         )
         costs = plan_cache(lengths, spec)
     except ValueError as exc:  # the library names its argument; the flag is named here

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from te_thd._cp_strategy import DUAL_CHUNK_SWAP, normalize_strategy
 from te_thd.args import check_int
 from te_thd.cp import partition_indices
 from te_thd.offline_cache.format import (
@@ -45,7 +46,7 @@ from te_thd.offline_cache.ragged import (
     row_offsets,
 )
 from te_thd.offline_cache.shardfile import shard_header_len
-from te_thd.packing import document_spans, pad_to_multiple_for
+from te_thd.packing import document_spans, document_starts, pad_to_multiple_for
 
 #: positions planned per call of the CP share planner: bounds its memory on long documents
 _CHUNK_TOKENS = 1 << 22
@@ -57,8 +58,9 @@ class CacheSpec:
     can be stored ragged (``token_keys``), ``shard_size``, ``cp``, the producer's ``length_key``
     (``None``: its default), the key the collator packs (``input_key``), the keys a codec may take
     (``codec_keys``; ``None``: every token key), the producer ``options`` every shard header records,
-    how training packs a sequential epoch (``pack_seq_len``, ``batch_size``), and the target's
-    ``vocab_size``, which sizes an index codec (``None``: index codecs are not planned)."""
+    how training packs a sequential epoch (``pack_seq_len``, ``batch_size``), the target's
+    ``vocab_size``, which sizes an index codec (``None``: index codecs are not planned), and the
+    collator's CP ``strategy`` (:func:`te_thd.cp.partition_indices`)."""
 
     schema: dict[str, TensorSpec]
     token_keys: tuple[str, ...]
@@ -74,6 +76,7 @@ class CacheSpec:
     pack_seq_len: int | None = None
     batch_size: int = 16
     vocab_size: int | None = None
+    strategy: str = DUAL_CHUNK_SWAP
 
 
 @dataclass(frozen=True)
@@ -221,20 +224,32 @@ def shard_bytes(
     return total
 
 
-def cp_spans(lengths: np.ndarray, cp: int, pack_seq_len: int | None, batch_size: int) -> np.ndarray:
+def cp_spans(
+    lengths: np.ndarray,
+    cp: int,
+    pack_seq_len: int | None,
+    batch_size: int,
+    strategy: str = DUAL_CHUNK_SWAP,
+) -> np.ndarray:
     """Each sample's span in ``cu_seqlens_padded`` (int64 ``[n]``): what CP splits. Packed as
     ``CachedThdCollator`` packs a sequential epoch's batches of ``batch_size`` into rows of
-    ``pack_seq_len`` (:func:`~te_thd.packing.document_spans`), or each alone (``None``)."""
-    multiple = pad_to_multiple_for(cp)
+    ``pack_seq_len`` (:func:`~te_thd.packing.document_spans`), or each alone (``None``).
+    ``"no_load_balance"`` pads no packed document, and a document alone to a multiple of ``cp``."""
+    if strategy == DUAL_CHUNK_SWAP:
+        multiple = row_multiple = pad_to_multiple_for(cp)
+        what = f"2*cp={row_multiple}"
+    else:
+        multiple, row_multiple = (cp if pack_seq_len is None else 1), cp
+        what = f"cp={cp} (strategy={strategy!r})"
     padded = -(-lengths // multiple) * multiple
     if pack_seq_len is None:
         return padded
     check_int("batch_size", batch_size, 1, meaning=" (samples per training batch)")
-    if pack_seq_len % multiple or (padded.size and int(padded.max()) > pack_seq_len):
+    if pack_seq_len % row_multiple or (padded.size and int(padded.max()) > pack_seq_len):
         raise ValueError(
-            f"pack_seq_len={pack_seq_len} must be a multiple of 2*cp={multiple} and hold the longest "
-            f"sample padded to it ({int(padded.max())}); pass a multiple of {multiple} of at least "
-            f"{int(padded.max())}"
+            f"pack_seq_len={pack_seq_len} must be a multiple of {what} and hold the longest "
+            f"sample padded to it ({int(padded.max())}); pass a multiple of {row_multiple} of at "
+            f"least {int(padded.max())}"
         )
     out = np.empty_like(lengths)
     for a in range(0, lengths.size, batch_size):
@@ -252,11 +267,14 @@ def cp_tokens_read(
     rank: int,
     block_tokens: int,
     gap_tokens: int,
+    ranges: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> int:
     """Tokens the reader fetches for CP rank ``rank`` of one stored tensor (blocks of ``block_tokens``,
     gaps up to ``gap_tokens`` read through) of samples ``lengths`` (int64 ``[n]``; ``spans``: their
     :func:`cp_spans`). ``groups`` (int64 ``[n]``, non-decreasing): the samples read together, one
-    batch's samples of one shard, whose blocks the reader plans in one go."""
+    batch's samples of one shard, whose blocks the reader plans in one go. ``ranges``: each
+    sample's slots the rank holds under ``"no_load_balance"`` (:func:`contiguous_ranges`); None:
+    dual chunk swap, each document split by itself."""
     total = 0
     start = 0
     while start < lengths.size:
@@ -269,7 +287,15 @@ def cp_tokens_read(
             stop += 1
         lens = lengths[start:stop]
         cu = row_offsets(spans[start:stop])
-        pos = partition_indices(torch.from_numpy(cu), int(cu[-1]), cp, rank, check=False).numpy()
+        if ranges is None:
+            pos = partition_indices(
+                torch.from_numpy(cu), int(cu[-1]), cp, rank, check=False
+            ).numpy()
+        else:  # each sample's held slots, in the chunk's coordinates
+            a, b = ranges[0][start:stop], ranges[1][start:stop]
+            runs = b - a
+            pos = np.repeat(cu[:-1] + a - (np.cumsum(runs) - runs), runs)
+            pos += np.arange(pos.size, dtype=np.int64)
         doc = np.searchsorted(cu, pos, side="right") - 1
         pos = pos - cu[doc]
         real = pos < lens[doc]
@@ -285,6 +311,30 @@ def cp_tokens_read(
         ).tokens
         start = stop
     return total
+
+
+def contiguous_ranges(
+    spans: np.ndarray,
+    cp: int,
+    rank: int,
+    pack_seq_len: int | None,
+    batch_size: int,
+    lengths: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray]:
+    """``(a, b)`` int64 ``[n]``: the slots ``[a_i, b_i)`` of sample ``i``'s span that CP rank
+    ``rank`` holds under ``"no_load_balance"``: the rank's contiguous piece of each stream (one
+    batch's rows, or a document alone) cut with the document where the packer placed it."""
+    if pack_seq_len is None:
+        starts, totals = np.zeros_like(spans), spans
+    else:
+        starts, totals = np.empty_like(spans), np.empty_like(spans)
+        for a in range(0, spans.size, batch_size):
+            stop = min(a + batch_size, spans.size)
+            starts[a:stop] = document_starts(lengths[a:stop], pack_seq_len, 1)
+            totals[a:stop] = spans[a:stop].sum()
+    piece = totals // cp
+    lo = rank * piece - starts
+    return np.clip(lo, 0, spans), np.clip(lo + piece, 0, spans)
 
 
 def rank_bytes(
@@ -319,15 +369,21 @@ def rank_bytes(
         else:
             shared.append((s.token_bytes, s.block_tokens, PAGE_BYTES // max(1, s.token_bytes)))
     common += sums
-    spans = cp_spans(lengths, spec.cp, spec.pack_seq_len, spec.batch_size)
+    strategy = normalize_strategy(spec.strategy)
+    spans = cp_spans(lengths, spec.cp, spec.pack_seq_len, spec.batch_size, strategy)
     index = np.arange(lengths.size)
     groups = index // spec.batch_size * (lengths.size + 1) + index // spec.shard_size
+    ranges = None
     out = []
     for rank in range(spec.cp):
+        if strategy != DUAL_CHUNK_SWAP:
+            ranges = contiguous_ranges(
+                spans, spec.cp, rank, spec.pack_seq_len, spec.batch_size, lengths
+            )
         got = common
         for token_bytes, block_tokens, gap in shared:
             got += (
-                cp_tokens_read(lengths, spans, groups, spec.cp, rank, block_tokens, gap)
+                cp_tokens_read(lengths, spans, groups, spec.cp, rank, block_tokens, gap, ranges)
                 * token_bytes
             )
         out.append(got)
@@ -347,6 +403,7 @@ def plan_cache(lengths: Sequence[int] | np.ndarray, spec: CacheSpec) -> list[Lay
     """Every layout of the cache of samples with real ``lengths`` (:func:`layouts`), costed."""
     lengths = np.asarray(lengths, dtype=np.int64)
     check_int("cp", spec.cp, 1, meaning=" (context-parallel size)")
+    normalize_strategy(spec.strategy)
     check_lengths(lengths, spec)
     keys = tuple(spec.schema)
     rule = producer_rule(spec.length_key, keys)
@@ -395,6 +452,7 @@ def plan_json(costs: Sequence[LayoutCost], spec: CacheSpec, lengths: np.ndarray)
         "real_tokens": int(lengths.sum()),
         "shard_size": spec.shard_size,
         "cp": spec.cp,
+        **({"cp_strategy": spec.strategy} if spec.strategy != DUAL_CHUNK_SWAP else {}),
         "schema": {k: s.to_json() for k, s in spec.schema.items()},
         "token_keys": list(spec.token_keys),
         "layouts": [c.to_json() for c in costs],
@@ -405,7 +463,8 @@ def format_plan(costs: Sequence[LayoutCost], spec: CacheSpec, lengths: np.ndarra
     """The table ``te-thd cache plan`` prints: one column per layout."""
     head = [
         f"samples: {lengths.size}, real tokens: {int(lengths.sum())} (mean length {lengths.mean() if lengths.size else 0:.1f}, "
-        f"L = {check_lengths(lengths, spec)}), shard_size {spec.shard_size}, cp {spec.cp}",
+        f"L = {check_lengths(lengths, spec)}), shard_size {spec.shard_size}, cp {spec.cp}"
+        + (f" ({spec.strategy})" if spec.strategy != DUAL_CHUNK_SWAP else ""),
         "keys: "
         + ", ".join(
             f"{k} {dtype_name(s.dtype)}{list(s.shape)}"
