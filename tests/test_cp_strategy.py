@@ -262,3 +262,19 @@ def test_layout_sharded_by_strategy():
         layout.sharded(2, 0)
     view = shard_thd_batch_for_cp(layout, 2, 1, strategy="no_load_balance")
     assert (view.cp_size, view.cp_rank, view.cp_strategy) == (2, 1, "no_load_balance")
+
+
+def test_docs_strategy_table_is_current():
+    import importlib.util
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location(
+        "cp_figure", repo / "scripts" / "cp_strategy_figure.py"
+    )
+    figure = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(figure)
+    text = (repo / "docs" / "cp.md").read_text()
+    block = text.split(figure.BEGIN, 1)[1].split(figure.END, 1)[0].strip("\n")
+    assert block == figure.render(), "run .venv/bin/python scripts/cp_strategy_figure.py --write"
+    assert (repo / "docs" / "cp-strategies.png").is_file()
