@@ -59,7 +59,7 @@ from ep_cp.cache_format import (  # noqa: E402
 )
 from ep_cp.cli_help import HelpFormatter  # noqa: E402
 from ep_cp.config import TargetConfig, config_to_dict  # noqa: E402
-from ep_cp.errors import run_main  # noqa: E402
+from ep_cp.errors import USER_ERRORS, UsageError, run_main  # noqa: E402
 from ep_cp.hf_target import DTYPES, parse_layers  # noqa: E402
 from ep_cp.parallel import check_device  # noqa: E402
 from ep_cp.synthetic import SyntheticTokens  # noqa: E402
@@ -456,15 +456,26 @@ def print_plan(args: argparse.Namespace) -> int:
                      pack_seq_len=args.pack_seq_len, batch_size=args.plan_batch_size,
                      vocab_size=vocab_size)  # fmt: skip
     costs = plan_cache(lengths, spec)
-    print(json.dumps(plan_json(costs, spec, lengths), indent=2) if args.json else format_plan(costs, spec, lengths))
+    # the column of what these flags produce: padded, or ragged with exactly the codecs they pick
+    _, codecs = storage_layout(args, tuple(schema), vocab_size)
+    ragged = [c.name for c in costs[1:] if c.codecs == codecs]
+    produced = "padded" if args.layout == "padded" else (ragged or [None])[0]
+    if args.json:
+        print(json.dumps(plan_json(costs, spec, lengths, produced), indent=2))
+    else:
+        print(format_plan(costs, spec, lengths, produced))
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    check_args(args)
     if args.plan:
-        return print_plan(args)
+        try:
+            check_args(args)
+            return print_plan(args)
+        except USER_ERRORS as exc:  # a question about flags: a bad one exits 2, as argparse's do
+            raise UsageError(str(exc)) from None
+    check_args(args)
     check_device(args.device)  # before any CUDA call: one line, not a traceback per rank
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     world = int(os.environ.get("WORLD_SIZE", "1"))

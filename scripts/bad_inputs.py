@@ -1230,6 +1230,14 @@ def _cli_rows() -> list[BadInput]:
                  cli("cache", "plan", "--lengths", "DIR", "--key", "hidden=bf16:L,64", prepare=lengths_file("16\n")),
                  _re("te-thd cache plan: --key 'hidden=bf16:L,64' is not NAME=DTYPE[:SHAPE]; write e.g. --key "
                      "hidden=bfloat16:L,4096 or --key seq_len=int64"), kind="cli"),
+        BadInput("cli-plan-no-way-in", "CLI", "te-thd cache plan with neither --lengths/--key nor a producer flag",
+                 cli("cache", "plan", "--cp", "2"),
+                 _re("te-thd cache plan: pass --lengths FILE with a --key NAME=DTYPE[:SHAPE] per stored key (any "
+                     "producer's cache), or the example producer's flags, e.g. --num-samples 1024 (see te-thd cache "
+                     "plan --help)"), kind="cli"),
+        BadInput("cli-plan-producer-flag", "CLI", "te-thd cache plan, the example producer's way in: a bad flag value",
+                 cli("cache", "plan", "--num-samples", "0", "--compact-dtypes"),
+                 _re("te-thd cache plan: --num-samples=0 must be >= 1"), kind="cli"),
         BadInput("cli-cache-subcommand", "CLI", "te-thd cache without a subcommand", cli("cache"),
                  _re("the following arguments are required: cache_command"), kind="cli"),
         BadInput("cli-unknown-command", "CLI", "an unknown te-thd command", cli("bogus"),

@@ -105,7 +105,7 @@ BLOCKS: dict[str, list[Step]] = {
         te_thd("cache unlock runs/cache"),
     ],
     "cli-transcript-plan": [
-        te_thd("cache plan --data synthetic --cp 2 --num-samples 1024"),
+        te_thd("cache plan --cp 2 --num-samples 1024 --compact-dtypes --hidden-codec fp8_e4m3"),
         sh("printf '# one length per line\\n3100\\n870\\n15000\\n4096\\n' > runs/lengths.txt"),
         te_thd("cache plan --lengths runs/lengths.txt --max-len 16384 --key input_ids=int64:L --key seq_len=int64 "
                "--key hidden=bfloat16:L,4096 --length-key seq_len --shard-size 2 --cp 2"),  # fmt: skip

@@ -8,6 +8,47 @@ from __future__ import annotations
 
 import argparse
 
+#: samples per shard when --shard-size is not given: the example producer's default too
+DEFAULT_SHARD_SIZE = 128
+#: ``te-thd cache plan`` flags of the example producer's route: any of them runs
+#: ``examples/precompute_cache.py --plan`` (with its help text, shown in ``cache plan --help``)
+PRODUCER_FLAGS = {
+    "--target": (
+        "synthetic|hf:DIR",
+        "frozen target (default: synthetic); hf:DIR's config.json gives the shapes",
+    ),
+    "--data": (
+        "synthetic|jsonl:PATH",
+        "samples (default: synthetic), tokenized as the producer does",
+    ),
+    "--num-samples": (
+        "N",
+        "synthetic samples, or the first lines of --data jsonl: (default: 1024 / all)",
+    ),
+    "--compact-dtypes": (None, "plan the producer's compact dtypes and its top-k index codec"),
+    "--hidden-codec": ("CODEC", "fp8_e4m3: plan the hidden states in fp8 (default: none)"),
+    "--layout": ("LAYOUT", "ragged (default) or padded: the layout the producer writes"),
+    "--messages-key": ("KEY", "JSONL key of chat messages (prompt tokens masked)"),
+    "--text-key": ("KEY", "JSONL key of plain text (default: text)"),
+    "--tokenizer": ("DIR", "tokenizer directory (default: the model's)"),
+    "--layers": ("I,J", "also plan these hidden states of --target hf:, e.g. 2,5,8"),
+    "--topk": ("K", "next-token candidates kept per position (default: 8)"),
+    "--min-len": ("N", "shortest synthetic sample (default: 16)"),
+    "--plan-batch-size": ("B", "samples per training batch the CP figure packs (default: 16)"),
+}
+_PLAN_EXAMPLES = """two ways in (docs/cache-plan.md):
+
+  the example producer's cache, from its own flags (examples/precompute_cache.py --plan of a
+  source checkout; any flag of its group above chooses this way):
+    te-thd cache plan --num-samples 1024 --compact-dtypes --hidden-codec fp8_e4m3 --cp 2
+    te-thd cache plan --target hf:models/my-llm --data jsonl:chats.jsonl --messages-key messages \\
+        --max-len 2048 --pack-seq-len 4096 --cp 2
+
+  any producer's cache, from its samples' lengths and its keys:
+    te-thd cache plan --lengths lengths.txt --max-len 8192 --key input_ids=int64:L \\
+        --key seq_len=int64 --key hidden=bfloat16:L,4096 --length-key seq_len --cp 2
+"""
+
 
 def _run(args: argparse.Namespace) -> int:
     """Run the parsed ``te-thd cache`` command (the cache, and torch, are imported here)."""
@@ -96,23 +137,20 @@ def add_cache_commands(cache: argparse.ArgumentParser) -> None:
         "plan",
         help="before producing: bytes per sample and in all, shards, each CP rank's reads per epoch, "
         "padded / ragged / ragged with each codec",
-        description="What a cache will cost, from its samples' lengths and its keys' shapes, before anything "
-        "is computed: bytes per sample and in all, shards, and the bytes each CP rank fetches per epoch, for "
-        "the padded, the ragged and the ragged layout with each codec, side by side (docs/cache-plan.md). "
-        "With --target/--data instead of --lengths/--key it runs `examples/precompute_cache.py --plan` of a "
-        "source checkout with the same arguments: lengths from a JSONL file tokenized as that producer does, "
-        "key shapes from a Hugging Face config.json.",
+        description="What a cache will cost before anything is computed: bytes per sample and in all,\n"
+        "the manifest, shards, and the bytes each CP rank fetches per epoch, for the padded, the\n"
+        "ragged and the ragged layout with each codec (and with them combined), side by side.",
+        epilog=_PLAN_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     plan.add_argument(
         "--lengths",
-        required=True,
         metavar="FILE",
         help="every sample's real token count, one integer per line ('#' lines and blank lines skipped)",
     )
     plan.add_argument(
         "--key",
         action="append",
-        required=True,
         metavar="NAME=DTYPE[:SHAPE]",
         help="a stored key and its per-sample shape, L for the padded length; repeat per key, e.g. "
         "--key input_ids=int64:L --key seq_len=int64 --key hidden=bfloat16:L,4096",
@@ -149,7 +187,11 @@ def add_cache_commands(cache: argparse.ArgumentParser) -> None:
         help="the token ids CachedThdCollator packs, read whole by every CP rank (default: input_ids)",
     )
     plan.add_argument(
-        "--shard-size", type=int, default=256, metavar="N", help="samples per shard (default: 256)"
+        "--shard-size",
+        type=int,
+        default=DEFAULT_SHARD_SIZE,
+        metavar="N",
+        help=f"samples per shard (default: {DEFAULT_SHARD_SIZE}, both ways in)",
     )
     plan.add_argument(
         "--cp",
@@ -190,6 +232,16 @@ def add_cache_commands(cache: argparse.ArgumentParser) -> None:
         "(16 bits an index up to 65,536, 17 up to 131,072, else 32; default: not planned)",
     )
     plan.add_argument("--json", action="store_true", help="print the figures as JSON")
+    producer = plan.add_argument_group(
+        "the example producer's cache (examples/precompute_cache.py --plan; also takes --max-len, "
+        "--shard-size, --cp, --pack-seq-len, --json, and its other flags)"
+    )
+    # shown here; ``te_thd.cli.main`` hands a command line holding any of them to the producer
+    for flag, (metavar, text) in PRODUCER_FLAGS.items():
+        if metavar is None:
+            producer.add_argument(flag, action="store_true", help=text)
+        else:
+            producer.add_argument(flag, metavar=metavar, help=text)
 
     unlock = sub.add_parser(
         "unlock",

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import subprocess
 import sys
 
-from te_thd._cache_parser import add_cache_commands
+from te_thd._cache_parser import PRODUCER_FLAGS, add_cache_commands
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -53,9 +54,14 @@ def _cmd_plan_example(rest: list[str]) -> int:
         capture_output=True,
         text=True,
     )
-    sys.stdout.write(
-        done.stdout
-    )  # through this process's streams: what captures them sees the plan
+    # through this process's streams: what captures them sees the plan
+    sys.stdout.write(done.stdout)
+    # a bad flag: the producer's one line ("error: ..." or argparse's, after its usage), as ours
+    last = (done.stderr.strip().splitlines() or [""])[-1]
+    said = re.match(r"^(?:error|\S+\.py: error): (.+)$", last)
+    if done.returncode in (1, 2) and said is not None:
+        print(f"te-thd cache plan: {said.group(1)}", file=sys.stderr)
+        return 2
     sys.stderr.write(done.stderr)
     return done.returncode
 
@@ -114,9 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         # so everything after `bench` goes to perf/run.py untouched
         rest = argv[1:]
         return _cmd_bench(argparse.Namespace(rest=rest[1:] if rest[:1] == ["--"] else rest))
-    if argv[:2] == ["cache", "plan"] and any(
-        a.split("=")[0] in ("--target", "--data") for a in argv[2:]
-    ):
+    if argv[:2] == ["cache", "plan"] and any(a.split("=")[0] in PRODUCER_FLAGS for a in argv[2:]):
         return _cmd_plan_example(argv[2:])
     args = build_parser().parse_args(argv)
     try:

@@ -80,7 +80,8 @@ def test_predicted_shard_bytes_are_the_writers(tmp_path_factory, lengths, shard_
     }  # fmt: skip
     spec = CacheSpec(schema, ("input_ids", "ids", "hidden"), shard_size, 2, length_key="seq_len", vocab_size=vocab)
     costs = {c.name: c for c in plan_cache(lengths, spec)}
-    assert set(costs) == {"padded", "ragged", *(f"ragged+{c}" for c in CODECS)}
+    combined = "ragged+" + "+".join(CODECS)  # every codec on the keys it takes, as a producer asks
+    assert set(costs) == {"padded", "ragged", *(f"ragged+{c}" for c in CODECS), combined}
     samples = [{"n": torch.tensor(v)} for v in lengths]
 
     def compute(batch):
@@ -100,6 +101,9 @@ def test_predicted_shard_bytes_are_the_writers(tmp_path_factory, lengths, shard_
                                  progress=False, length_key="seq_len", **kw)  # fmt: skip
         assert costs[name].total_bytes == _shard_bytes(out) == sum(s["bytes"] for s in manifest["shards"]), name
         assert costs[name].num_shards == len(manifest["shards"])
+        # the manifest as the producer writes it: only its codecs' loss figures differ in width
+        real = os.path.getsize(os.path.join(out, "manifest.json"))
+        assert abs(costs[name].manifest_bytes - real) <= 0.05 * real, (name, costs[name].manifest_bytes, real)
 
 
 @PROPERTY
@@ -155,13 +159,15 @@ def _fetched(cache: str, cp: int, rank: int, seq_len: int) -> int:
     return _rchar() - before
 
 
-def _plan(argv: list[str]) -> dict[str, dict]:
+def _plan(argv: list[str]) -> tuple[dict[str, dict], str]:
+    """The example's plan of ``argv``: every layout's figures, and the layout those flags produce."""
     import precompute_cache
 
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
         assert precompute_cache.main([*argv, "--plan", "--json", "--plan-batch-size", "8"]) == 0
-    return {lay["layout"]: lay for lay in json.loads(buf.getvalue())["layouts"]}
+    out = json.loads(buf.getvalue())
+    return {lay["layout"]: lay for lay in out["layouts"]}, out["produced_layout"]
 
 
 def _check_against_caches(tmp_path, monkeypatch, argv: list[str], seq_len: int) -> None:
@@ -172,13 +178,22 @@ def _check_against_caches(tmp_path, monkeypatch, argv: list[str], seq_len: int) 
     # every key read with preadv (a read call rchar counts), not copied from a mapping
     monkeypatch.setattr(readplan, "COPY_ENGINE", "preadv")
     torch.set_num_threads(1)
-    plan = _plan(argv)
-    caches = {"padded": ["--layout", "padded"], "ragged": [], "ragged+fp8_e4m3": ["--hidden-codec", "fp8_e4m3"]}
+    caches = {"padded": ["--layout", "padded"], "ragged": [], "ragged+fp8_e4m3": ["--hidden-codec", "fp8_e4m3"],
+              # both of the producer's codecs at once (and its compact dtypes): the column those flags ask for
+              "ragged+fp8_e4m3+topk_index": ["--compact-dtypes", "--hidden-codec", "fp8_e4m3"]}  # fmt: skip
+    plan = {}
     for name, extra in caches.items():
+        figures, produced = _plan([*argv, *extra])
+        assert produced == name, (extra, produced)
+        plan[name] = figures[name]
         out = str(tmp_path / name.replace("+", "-"))
         assert precompute_cache.main([*argv, "--out", out, *extra]) == 0
         disk = _disk_bytes(out)
-        assert abs(plan[name]["total_bytes"] - disk) <= 0.01 * disk, (name, plan[name]["total_bytes"], disk)
+        want = plan[name]["total_bytes"] + plan[name]["manifest_bytes"]
+        assert abs(want - disk) <= 0.01 * disk, (name, want, disk)
+        assert plan[name]["total_bytes"] == _shard_bytes(out), name
+        manifest = os.path.getsize(os.path.join(out, "manifest.json"))
+        assert abs(plan[name]["manifest_bytes"] - manifest) <= 0.02 * manifest, (name, plan[name]["manifest_bytes"], manifest)
     _fetched(str(tmp_path / "ragged"), 2, 0, seq_len)  # the reader's modules imported, not counted below
     for name in caches:
         for rank in range(2):
@@ -228,12 +243,12 @@ def test_cli_prints_every_layout_side_by_side_and_json(tmp_path):
                   "--cp", "2", "--vocab-size", "70000")  # fmt: skip
     assert res.returncode == 0, res.stderr
     header = next(line for line in res.stdout.splitlines() if "padded" in line and "ragged" in line)
-    assert header.split() == ["padded", "ragged", *(f"ragged+{c}" for c in CODECS)]
+    assert header.split() == ["padded", "ragged", *(f"ragged+{c}" for c in CODECS), "ragged+" + "+".join(CODECS)]
     assert "input_ids as topk_index:70000" in res.stdout
     res = _te_thd("cache", "plan", "--lengths", str(lengths), "--max-len", "96", *KEYS, "--length-key", "seq_len",
                   "--cp", "2", "--json")  # fmt: skip
     out = json.loads(res.stdout)
-    spec = CacheSpec({k: v for k, v in (parse_key(a, 96) for a in KEYS[1::2])}, ("input_ids", "hidden"), 256, 2,
+    spec = CacheSpec({k: v for k, v in (parse_key(a, 96) for a in KEYS[1::2])}, ("input_ids", "hidden"), 128, 2,
                      length_key="seq_len")  # fmt: skip
     assert [lay["total_bytes"] for lay in out["layouts"]] == [c.total_bytes for c in plan_cache([16, 40, 96], spec)]
     assert out["num_samples"] == 3 and out["real_tokens"] == 152 and len(out["layouts"][0]["cp_rank_bytes"]) == 2
@@ -257,7 +272,7 @@ def test_cli_target_and_data_run_the_examples_plan(tmp_path):
         ("16\n", ("--key", "x=int65:L"), r"--key 'x=int65:L' is not NAME=DTYPE[:SHAPE]; write e.g. --key "
          r"hidden=bfloat16:L,4096"),
         ("16\n", ("--cp", "0"), r"--cp=0 must be >= 1: the context-parallel size of training, e.g. --cp 2"),
-        ("16\n", ("--shard-size", "0"), r"--shard-size=0 must be >= 1: samples per shard, e.g. --shard-size 256"),
+        ("16\n", ("--shard-size", "0"), r"--shard-size=0 must be >= 1: samples per shard, e.g. --shard-size 128"),
         ("16\n", ("--length-key", "nope"), r"--length-key: 'nope' is not a --key (['hidden', 'input_ids', 'seq_len']); "
          r"name one of them"),
         ("16\n", ("--key", "x=bfloat16:L,8"), None),
@@ -329,10 +344,45 @@ def test_cli_target_without_a_checkout_says_what_to_do(monkeypatch, tmp_path, ca
     ]
 
 
-def test_cli_target_and_data_bad_input_is_the_examples_one_line(tmp_path):
-    res = _te_thd("cache", "plan", "--data", "jsonl:chats.jsonl", cwd=str(tmp_path))
-    assert res.returncode == 1 and res.stdout == ""
-    assert res.stderr.strip().splitlines() == [
-        "error: --data jsonl:chats.jsonl needs --target hf:DIR: text is tokenized with the model's tokenizer, and the "
-        "synthetic target has none"
-    ]
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--data", "jsonl:chats.jsonl"], "--data jsonl:chats.jsonl needs --target hf:DIR: text is tokenized with "
+         "the model's tokenizer, and the synthetic target has none"),
+        (["--num-samples", "0"], "--num-samples=0 must be >= 1"),
+        (["--compact-dtypes", "--hidden-codec", "fp4"], "argument --hidden-codec: invalid choice: 'fp4' (choose from "
+         "'none', 'fp8_e4m3')"),
+        (["--cp", "2"], "pass --lengths FILE with a --key NAME=DTYPE[:SHAPE] per stored key (any producer's cache), or "
+         "the example producer's flags, e.g. --num-samples 1024 (see te-thd cache plan --help)"),
+    ],
+)  # fmt: skip
+def test_cli_producer_route_bad_input_is_one_line_exit_2(tmp_path, argv, message):
+    res = _te_thd("cache", "plan", *argv, cwd=str(tmp_path))
+    assert res.returncode == 2 and res.stdout == "", res.stderr
+    assert res.stderr.strip().splitlines() == [f"te-thd cache plan: {message}"]
+
+
+def test_cli_help_shows_both_ways_in_with_an_example_of_each_and_one_shard_size():
+    from precompute_cache import build_parser
+
+    from te_thd.cli import build_parser as te_thd_parser
+
+    res = _te_thd("cache", "plan", "--help")
+    assert res.returncode == 0, res.stderr
+    usage = res.stdout.split("\n\n", 1)[0]
+    assert "[--lengths FILE] [--key NAME=DTYPE[:SHAPE]]" in usage  # neither required: two ways in
+    for flag in ("--target", "--data", "--num-samples", "--compact-dtypes", "--hidden-codec"):
+        assert f"[{flag}" in usage, flag
+    examples = [ln.strip() for ln in res.stdout.split("two ways in", 1)[1].splitlines() if "te-thd cache plan" in ln]
+    assert any("--compact-dtypes" in ln for ln in examples) and any("--lengths" in ln for ln in examples)
+    # one shard size by default, whichever way in
+    ours = te_thd_parser().parse_args(["cache", "plan"]).shard_size
+    assert ours == build_parser().parse_args(["--plan"]).shard_size == 128
+
+
+def test_cli_producer_route_marks_the_column_its_flags_write(tmp_path):
+    res = _te_thd("cache", "plan", "--num-samples", "64", "--compact-dtypes", "--hidden-codec", "fp8_e4m3",
+                  cwd=str(tmp_path))  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    assert "the producer's flags as given write: ragged+fp8_e4m3+topk_index" in res.stdout
+    assert "ragged+fp8_e4m3+topk_index: hidden as fp8_e4m3, topk_indices as topk_index:256" in res.stdout

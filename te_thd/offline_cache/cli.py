@@ -195,9 +195,15 @@ def _cmd_unlock(args: argparse.Namespace) -> int:
 
 def _cmd_plan(args: argparse.Namespace) -> int:
     try:
+        if args.lengths is None or not args.key:
+            raise ValueError(
+                "pass --lengths FILE with a --key NAME=DTYPE[:SHAPE] per stored key (any producer's "
+                "cache), or the example producer's flags, e.g. --num-samples 1024 (see te-thd cache "
+                "plan --help)"
+            )
         for flag, value, meaning in (
             ("--max-len", args.max_len, "the padded length L of the token keys"),
-            ("--shard-size", args.shard_size, "samples per shard, e.g. --shard-size 256"),
+            ("--shard-size", args.shard_size, "samples per shard, e.g. --shard-size 128"),
             ("--cp", args.cp, "the context-parallel size of training, e.g. --cp 2"),
             ("--pack-seq-len", args.pack_seq_len, "the packed row length S of training"),
             ("--batch-size", args.batch_size, "samples per training batch"),

@@ -221,6 +221,12 @@ def write_manifest(cache_dir: str, manifest: dict[str, Any], format_version: int
     directory). A producer writes it after every shard is on disk: its presence
     is what marks a cache finished.
     """
+    data = manifest_bytes(cache_dir, manifest, format_version)
+    return open_storage(cache_dir).put(MANIFEST_NAME, data)
+
+
+def manifest_bytes(cache_dir: str, manifest: dict[str, Any], format_version: int) -> bytes:
+    """The bytes :func:`write_manifest` writes for ``manifest`` (``cache_dir``: named in errors)."""
     path = manifest_path(cache_dir)
     if "format_version" in manifest and manifest["format_version"] != format_version:
         raise ManifestError(
@@ -242,8 +248,7 @@ def write_manifest(cache_dir: str, manifest: dict[str, Any], format_version: int
             "Producer options must be JSON values (bool, int, float, str, list, dict)."
         ) from None
     parsed[MANIFEST_CHECKSUM_KEY] = manifest_checksum(parsed)
-    data = (json.dumps(parsed, indent=2, sort_keys=True) + "\n").encode("utf-8")
-    return open_storage(cache_dir).put(MANIFEST_NAME, data)
+    return (json.dumps(parsed, indent=2, sort_keys=True) + "\n").encode("utf-8")
 
 
 def _read_checked_manifest(cache_dir: str, cache_name: str, producer: str | None) -> dict[str, Any]:

@@ -28,12 +28,15 @@ from te_thd.offline_cache.format import (
     TensorSpec,
     dtype_from_name,
     dtype_name,
+    schema_to_json,
     shard_layout,
     shard_rows,
     tensor_nbytes,
 )
+from te_thd.offline_cache.integrity import shard_checksum
 from te_thd.offline_cache.lengths import LengthRule, for_tensor_spec, producer_rule
-from te_thd.offline_cache.producer_state import run_params, run_record
+from te_thd.offline_cache.manifest import manifest_bytes
+from te_thd.offline_cache.producer_state import assemble_manifest, run_params, run_record
 from te_thd.offline_cache.ragged import (
     CODECS,
     PAGE_BYTES,
@@ -42,6 +45,7 @@ from te_thd.offline_cache.ragged import (
     check_codec_dtype,
     check_token_keys,
     full_name,
+    is_lossy,
     plan_token_reads,
     row_offsets,
 )
@@ -50,6 +54,9 @@ from te_thd.packing import document_spans, document_starts, pad_to_multiple_for
 
 #: positions planned per call of the CP share planner: bounds its memory on long documents
 _CHUNK_TOKENS = 1 << 22
+#: what a lossy codec's shard records in the manifest, and a figure of the width it usually has
+_LOSS_FIGURES = ("max_rel_l2", "mean_rel_l2")
+_LOSS_PLACEHOLDER = 0.012345
 
 
 @dataclass(frozen=True)
@@ -89,6 +96,8 @@ class LayoutCost:
     total_bytes: int
     num_shards: int
     rank_bytes: tuple[int, ...]
+    #: the manifest's bytes, as the producer writes it (not in ``total_bytes``)
+    manifest_bytes: int = 0
 
     @property
     def bytes_per_sample(self) -> float:
@@ -102,6 +111,7 @@ class LayoutCost:
             "total_bytes": self.total_bytes,
             "num_shards": self.num_shards,
             "cp_rank_bytes": list(self.rank_bytes),
+            "manifest_bytes": self.manifest_bytes,
         }
 
 
@@ -162,7 +172,8 @@ def check_lengths(lengths: np.ndarray, spec: CacheSpec, flag: str = "lengths") -
 
 
 def layouts(spec: CacheSpec) -> list[tuple[str, TokenLayout | None]]:
-    """``[(name, token layout)]``: padded, ragged, and ragged with each codec on every key it can store."""
+    """``[(name, token layout)]``: padded, ragged, ragged with each codec on every key it can store, and
+    (when two or more codecs apply) ragged with all of them together, each key in the first that takes it."""
     keys = tuple(spec.schema)
     out: list[tuple[str, TokenLayout | None]] = [("padded", None)]
     if not spec.token_keys:
@@ -186,6 +197,12 @@ def layouts(spec: CacheSpec) -> list[tuple[str, TokenLayout | None]]:
             codecs[k] = codec
         if codecs:
             out.append((f"ragged+{name}", check_token_keys(spec.token_keys, codecs, keys)))
+    if len(out) > 3:  # the codecs combined, as a producer asking for several stores them
+        every: dict[str, str] = {}
+        for _, layout in reversed(out[2:]):
+            every.update(layout.codecs)  # type: ignore[union-attr]
+        names = "+".join(n.removeprefix("ragged+") for n, _ in out[2:])
+        out.append((f"ragged+{names}", check_token_keys(spec.token_keys, every, keys)))
     return out
 
 
@@ -222,6 +239,34 @@ def shard_bytes(
         total += tensor_nbytes(s.dtype, (int(offsets[-1]), *s.shape))
         total += tensor_nbytes(torch.uint64, (block_table(offsets, s.block_tokens).blocks,))
     return total
+
+
+def manifest_size(
+    spec: CacheSpec,
+    layout: TokenLayout | None,
+    lengths: np.ndarray,
+    sizes: Sequence[int],
+    params: Mapping[str, Any],
+    rule: LengthRule | None,
+) -> int:
+    """Bytes of the manifest a producer writes for shards of ``sizes`` bytes holding samples of
+    ``lengths``: the manifest its own functions assemble and serialise, with each checksum and codec
+    loss figure a placeholder of the width the writer records."""
+    fidelity = {
+        k: dict.fromkeys(_LOSS_FIGURES, _LOSS_PLACEHOLDER)
+        for k, c in (layout.codecs if layout else ())
+        if is_lossy(c)
+    }
+    recs = {
+        i: (size, shard_checksum("0" * 16), tuple(lengths[a:b].tolist()), fidelity or None)
+        for i, (size, (a, b)) in enumerate(
+            zip(sizes, _shards(lengths.size, spec.shard_size), strict=True)
+        )
+    }
+    manifest = assemble_manifest(
+        [(None, recs, schema_to_json(spec.schema))], params, spec.options, "", "", rule, layout
+    )
+    return len(manifest_bytes("", manifest, spec.format_version))
 
 
 def cp_spans(
@@ -430,6 +475,7 @@ def plan_cache(lengths: Sequence[int] | np.ndarray, spec: CacheSpec) -> list[Lay
                 total,
                 len(shards),
                 rank_bytes(spec, layout, lengths, headers, total),
+                manifest_size(spec, layout, lengths, sizes, params, rule),
             )
         )
     return out
@@ -445,9 +491,16 @@ def human_bytes(n: float) -> str:
     return f"{n:.0f} B"  # pragma: no cover
 
 
-def plan_json(costs: Sequence[LayoutCost], spec: CacheSpec, lengths: np.ndarray) -> dict[str, Any]:
-    """What ``te-thd cache plan --json`` prints: the inputs and every layout's figures."""
+def plan_json(
+    costs: Sequence[LayoutCost],
+    spec: CacheSpec,
+    lengths: np.ndarray,
+    produced: str | None = None,
+) -> dict[str, Any]:
+    """What ``te-thd cache plan --json`` prints: the inputs and every layout's figures (``produced``:
+    the layout a producer's flags ask for, recorded as ``"produced_layout"``)."""
     return {
+        **({"produced_layout": produced} if produced is not None else {}),
         "num_samples": int(lengths.size),
         "real_tokens": int(lengths.sum()),
         "shard_size": spec.shard_size,
@@ -459,8 +512,14 @@ def plan_json(costs: Sequence[LayoutCost], spec: CacheSpec, lengths: np.ndarray)
     }
 
 
-def format_plan(costs: Sequence[LayoutCost], spec: CacheSpec, lengths: np.ndarray) -> str:
-    """The table ``te-thd cache plan`` prints: one column per layout."""
+def format_plan(
+    costs: Sequence[LayoutCost],
+    spec: CacheSpec,
+    lengths: np.ndarray,
+    produced: str | None = None,
+) -> str:
+    """The table ``te-thd cache plan`` prints: one column per layout (``produced``: the layout a
+    producer's flags ask for, named under the table)."""
     head = [
         f"samples: {lengths.size}, real tokens: {int(lengths.sum())} (mean length {lengths.mean() if lengths.size else 0:.1f}, "
         f"L = {check_lengths(lengths, spec)}), shard_size {spec.shard_size}, cp {spec.cp}"
@@ -476,6 +535,7 @@ def format_plan(costs: Sequence[LayoutCost], spec: CacheSpec, lengths: np.ndarra
         ("bytes per sample", [human_bytes(c.bytes_per_sample) for c in costs]),
         ("total (shards)", [human_bytes(c.total_bytes) for c in costs]),
         ("", [f"{c.total_bytes} B" for c in costs]),
+        ("manifest", [human_bytes(c.manifest_bytes) for c in costs]),
         ("shards", [str(c.num_shards) for c in costs]),
         (
             "vs padded",
@@ -498,9 +558,11 @@ def format_plan(costs: Sequence[LayoutCost], spec: CacheSpec, lengths: np.ndarra
     ]
     if codecs:
         lines += ["", *codecs]
+    if produced is not None:
+        lines += ["", f"the producer's flags as given write: {produced}"]
     lines += [
         "",
-        "Shard bytes only (the manifest adds about a hundred bytes per shard and 4-8 per sample). "
+        "Total: the shards; the manifest beside them is priced as the producer writes it. "
         "CP rank bytes: one epoch of every sample through CachedThdCollator(cp_size, cp_rank); divide by the "
         "data-parallel replicas for one replica's share.",
     ]
