@@ -338,6 +338,13 @@ def _cp_rows() -> list[BadInput]:
         BadInput("cp-reorder-dim", "CP", "sequence_to_cp_rank_order: dim out of range",
                  lambda _: cp.sequence_to_cp_rank_order(torch.zeros(8), cu, 2, dim=1),
                  _re("dim=1 is out of range for x of shape (8,)")),
+        BadInput("cp-strategy", "CP", "strategy is not a CP load-balancing strategy",
+                 lambda _: cp.partition_indices(cu, 8, 2, 0, strategy="zigzag"),
+                 _re("strategy='zigzag' is not a CP load-balancing strategy; use 'dual_chunk_swap' "
+                     "(the default), 'no_load_balance', or TE's CPLoadBalancingStrategy")),
+        BadInput("cp-pieces", "CP", "no_load_balance: total_tokens is not a multiple of cp_size",
+                 lambda _: cp.partition_indices(_t([0, 5, 13]), 13, 4, 0, strategy="no_load_balance"),
+                 _re("total_tokens=13 is not divisible by cp_size=4, which strategy='no_load_balance' cuts")),
     ]
 
 
@@ -609,6 +616,28 @@ def _attention_rows() -> list[BadInput]:
                  _re("max_seqlen=2 is below the batch's longest sequence (6 slots")),
         BadInput("attn-fixed-count", "attention", "fixed shapes: max_num_seqs < 1",
                  kwargs(example, max_num_seqs=0), _re("max_num_seqs=0 must be an int >= 1")),
+        BadInput("attn-strategy-mask", "attention", "no_load_balance under CP with a bidirectional mask",
+                 lambda _: at.te_attention_kwargs({**example(), "cp_size": 2, "input_ids": torch.zeros(6)},
+                                                  "padding", strategy="no_load_balance"),
+                 _re("attn_mask_type='padding' with strategy='no_load_balance' (cp_size=2): TE asserts"),
+                 exc=at.ThdContractError),
+        BadInput("attn-strategy-te", "attention", "a CP strategy the installed TE (or no TE) lacks",
+                 lambda _: at.te_cp_group_kwargs("no_load_balance"),
+                 _re("strategy='no_load_balance' needs Transformer Engine's "
+                     "transformer_engine.pytorch.constants.CPLoadBalancingStrategy with that member")),
+        BadInput("attn-pitfalls-version", "attention", "check_te_thd_kwargs: te_version is not a version",
+                 lambda _: at.check_te_thd_kwargs({}, te_version="two"),
+                 _re("te_version='two' is not a TE version; pass a string such as '2.18.0'")),
+        BadInput("attn-pitfalls-kwargs", "attention", "check_te_thd_kwargs: kwargs is not a mapping",
+                 lambda _: at.check_te_thd_kwargs([]), _re("kwargs must be the dict of TE THD kwargs")),
+        BadInput("attn-pitfalls-head-dim", "attention", "check_te_thd_kwargs: head_dim is not a positive int",
+                 lambda _: at.check_te_thd_kwargs({"pad_between_seqs": True}, head_dim=0),
+                 _re("head_dim=0 must be a positive int")),
+        BadInput("cache-thd-collate-strategy", "cache",
+                 "CachedThdCollator: no_load_balance with seq_len not a multiple of cp_size",
+                 lambda _: __import__("te_thd.offline_cache", fromlist=["x"]).CachedThdCollator(
+                     50, cp_size=4, strategy="no_load_balance"),
+                 _re("seq_len=50 must be a multiple of cp_size=4 with strategy='no_load_balance'")),
     ]
 
 
@@ -1230,14 +1259,6 @@ def _cli_rows() -> list[BadInput]:
                  cli("cache", "plan", "--lengths", "DIR", "--key", "hidden=bf16:L,64", prepare=lengths_file("16\n")),
                  _re("te-thd cache plan: --key 'hidden=bf16:L,64' is not NAME=DTYPE[:SHAPE]; write e.g. --key "
                      "hidden=bfloat16:L,4096 or --key seq_len=int64"), kind="cli"),
-        BadInput("cli-plan-no-way-in", "CLI", "te-thd cache plan with neither --lengths/--key nor a producer flag",
-                 cli("cache", "plan", "--cp", "2"),
-                 _re("te-thd cache plan: pass --lengths FILE with a --key NAME=DTYPE[:SHAPE] per stored key (any "
-                     "producer's cache), or the example producer's flags, e.g. --num-samples 1024 (see te-thd cache "
-                     "plan --help)"), kind="cli"),
-        BadInput("cli-plan-producer-flag", "CLI", "te-thd cache plan, the example producer's way in: a bad flag value",
-                 cli("cache", "plan", "--num-samples", "0", "--compact-dtypes"),
-                 _re("te-thd cache plan: --num-samples=0 must be >= 1"), kind="cli"),
         BadInput("cli-cache-subcommand", "CLI", "te-thd cache without a subcommand", cli("cache"),
                  _re("the following arguments are required: cache_command"), kind="cli"),
         BadInput("cli-unknown-command", "CLI", "an unknown te-thd command", cli("bogus"),
