@@ -31,6 +31,7 @@ __all__ = [
     "ReadContext",
     "ReadError",
     "default_read_threads",
+    "fill_rows",
     "new_tensor",
     "read_piece",
     "run_pieces",
@@ -327,6 +328,24 @@ def new_tensor(
     # public API: moving a fresh tensor to shared memory costs the one copy torch's
     # worker pickling would make of a tensor that is not there yet
     return torch.empty(shape, dtype=dtype).share_memory_()
+
+
+def fill_rows(
+    t: torch.Tensor, starts: Sequence[int], ends: Sequence[int], value: float = 0
+) -> None:
+    """Set rows ``[starts[i], ends[i])`` of the contiguous CPU tensor ``t`` (``[N, ...]``) to ``value``.
+
+    Zeros are a plain ``memset`` of the rows' bytes on this thread: a large ``zero_`` would wake
+    torch's intra-op threads, which on a busy machine wait for a core longer than the fill takes.
+    """
+    if value == 0 and t.numel():
+        raw = np.frombuffer(tensor_memoryview(t), dtype=np.uint8)
+        row = raw.size // t.shape[0]
+        for a, b in zip(starts, ends, strict=True):
+            raw[a * row : b * row] = 0
+        return
+    for a, b in zip(starts, ends, strict=True):
+        t[a:b].fill_(value)
 
 
 class _Buffer:

@@ -23,6 +23,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
+import numpy as np
 import torch
 from torch.utils.data import get_worker_info
 
@@ -37,7 +38,7 @@ from te_thd.thd_utils import process_input_for_thd
 from .lengths import LENGTH_RULE_KEY, collator_rule
 from .ragged import TOKEN_LAYOUT_KEY
 from .reader import CachedBatch
-from .readexec import DestinationBuffers, new_tensor
+from .readexec import DestinationBuffers, fill_rows, new_tensor
 from .sampler import PlannedSamples
 
 __all__ = ["CachedThdCollator", "collate_cached"]
@@ -452,11 +453,11 @@ class CachedThdCollator:
         # blocks that hold them are read, straight into place); only the padding is filled
         real = torch.nonzero(~is_pad).view(-1)
         at = gather.index_select(0, real).numpy()
-        pad = torch.nonzero(is_pad).view(-1)
-        for k in token_keys:
+        edges = np.flatnonzero(np.diff(is_pad.numpy(), prepend=False, append=False))
+        for k in token_keys:  # the padding's runs of slots filled
             spec = batch.sample_spec(k)
             thd[k] = self._token_tensor(k, gather.numel(), spec.shape[1:], spec.dtype)
-            thd[k].index_fill_(0, pad, self.pad_values.get(k, 0))
+            fill_rows(thd[k], edges[::2].tolist(), edges[1::2].tolist(), self.pad_values.get(k, 0))
         batch.gather_into(token_keys, at // width, at % width, real.numpy(), thd)
         out = dict(thd)
         # per-sample keys, [B_samples, ...] (a token key the caller's token_keys left out among them)

@@ -48,6 +48,7 @@ from te_thd.offline_cache.readexec import (
     DestinationBuffers,
     Piece,
     ReadContext,
+    fill_rows,
     new_tensor,
     run_pieces,
     tensor_memoryview,
@@ -431,7 +432,7 @@ class TokenRows:
         fresh, in shared memory when ``shared`` (inside a DataLoader worker). Only the padding is
         zeroed, here; the tokens are read straight into place (:meth:`place`)."""
         b = self.lengths.size
-        lens = self.lengths.tolist()
+        sample = np.arange(b, dtype=np.int64)
         out: dict[str, torch.Tensor] = {}
         flat: dict[str, torch.Tensor] = {}
         width = 0
@@ -443,11 +444,10 @@ class TokenRows:
                 else new_tensor((b, *spec.shape), spec.dtype, shared=shared)
             )
             width = spec.shape[0]
-            for i, n in enumerate(lens):
-                if n < width:
-                    t[i, n:].zero_()
             out[key], flat[key] = t, t.view(b * width, *spec.shape[1:])
-        sample = np.arange(b, dtype=np.int64)
+            fill_rows(
+                flat[key], (sample * width + self.lengths).tolist(), ((sample + 1) * width).tolist()
+            )
         placed = self.place(keys, sample, None, sample * width, flat, pieces)
         return lambda: (placed(), out)[1]
 
