@@ -398,7 +398,8 @@ def build_cached_dataloader(
         read_ahead: with ``num_workers=0``, start reading the next batch before
             handing out the current one whenever the consumer spends at least half a
             read's time per batch (``CachedDataLoader.read_ahead``; one more batch of
-            buffers). False: read each batch when it is asked for.
+            buffers); a dataset following its producer reads ahead only a batch whose
+            shards are committed (``ready``). False: read each batch when it is asked for.
     """
     check_int("batch_size", batch_size, 1, meaning=" (samples per data-parallel replica)")
     check_int("num_workers", num_workers, 0)
