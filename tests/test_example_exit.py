@@ -22,7 +22,8 @@ from _example_support import EXAMPLES, REPO, one_error
 
 SCRIPT = textwrap.dedent(
     """
-    import sys, time
+    import signal, sys, time
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)  # as in a terminal, even when the tests run under nohup
     sys.path.insert(0, {examples!r})
     from ep_cp.errors import run_main
     from te_thd.offline_cache.storage import private_dir
@@ -90,11 +91,12 @@ def test_a_user_error_exit_removes_the_private_directory(tmp_path):
     assert not made.exists()
 
 
-def test_sigterm_removes_the_private_directory(tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=lambda s: s.name)
+def test_sigterm_and_sighup_remove_the_private_directory(tmp_path, sig):
     proc, made = _start(tmp_path, "wait")
-    os.kill(proc.pid, signal.SIGTERM)
+    os.kill(proc.pid, sig)
     _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 128 + signal.SIGTERM and err == "", err
+    assert proc.returncode == 128 + sig and err == "", err
     assert not made.exists()
 
 

@@ -14,8 +14,9 @@ status 2, as argparse does for a bad flag. Anything else keeps its traceback;
 ``TE_THD_TRACEBACK=1`` shows it for user errors too.
 
 Every way out but SIGKILL runs the interpreter's exit handlers, so what they remove goes
-(an s3:// cache's read-through copy in ``$TE_THD_TMPDIR``): the error exits above, and
-SIGTERM, which the launcher sends to the other ranks when one exits. Under a launcher a
+(an s3:// cache's read-through copy in ``$TE_THD_TMPDIR``): the error exits above,
+SIGTERM, which the launcher sends to the other ranks when one exits, and SIGHUP (a closed
+terminal; not under ``nohup``, which ignores it). Under a launcher a
 rank also asks the kernel for SIGTERM when the launcher dies (``PR_SET_PDEATHSIG``):
 torchrun starts each rank in a session of its own, so a launcher killed with SIGKILL would
 otherwise leave its ranks running.
@@ -118,25 +119,27 @@ def _stop_with_launcher() -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
-def _exit_on_sigterm() -> None:
-    """SIGTERM leaves through :func:`_leave` (status 143) in this process; a process forked from
-    it (a DataLoader worker) gets the default action, since the exit handlers it inherited
-    remove what belongs to this one."""
+def _exit_on_signals() -> None:
+    """SIGTERM and SIGHUP leave through :func:`_leave` (status 128 + the signal's number) in this
+    process; a process forked from it (a DataLoader worker) gets the default action, since the
+    exit handlers it inherited remove what belongs to this one. An ignored SIGHUP stays ignored."""
     owner = os.getpid()
 
-    def on_sigterm(signum: int, frame: FrameType | None) -> None:
+    def on_signal(signum: int, frame: FrameType | None) -> None:
         if os.getpid() != owner:
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
             return
         _leave(128 + signum)
 
-    signal.signal(signal.SIGTERM, on_sigterm)
+    signal.signal(signal.SIGTERM, on_signal)
+    if signal.getsignal(signal.SIGHUP) is signal.SIG_DFL:
+        signal.signal(signal.SIGHUP, on_signal)
 
 
 def run_main(main: Callable[[list[str] | None], int], argv: list[str] | None = None) -> int:
     """``main(argv)``, reporting a user error once across the job (see the module docstring)."""
-    _exit_on_sigterm()
+    _exit_on_signals()
     if "LOCAL_RANK" in os.environ:
         _stop_with_launcher()
     try:
