@@ -139,6 +139,7 @@ def check_te_thd_boundaries(
     total_tokens_q: int | None = None,
     total_tokens_kv: int | None = None,
     check_values: bool | None = None,
+    strategy: str = "dual_chunk_swap",
 ) -> str:
     """The boundary half of :func:`check_te_thd_args` (no q/k/v needed).
 
@@ -147,6 +148,7 @@ def check_te_thd_boundaries(
             cp_size, check_values: as in :func:`check_te_thd_args`.
         total_tokens_q, total_tokens_kv: length of the *global* query / key stream
             (local tokens x ``cp_size``), or ``None`` to skip the coverage checks.
+        strategy: the CP partition's name (``te_thd.cp.STRATEGIES``): its divisibility rules.
 
     Returns:
         The normalised mask type.
@@ -205,6 +207,7 @@ def check_te_thd_boundaries(
             cp_size=cp_size,
             pad_between_seqs=pad_between_seqs,
             names=(f"cu_seqlens_{tag}", f"cu_seqlens_{tag}_padded", f"max_seqlen_{tag}"),
+            strategy=strategy,
         )
     return mask
 
@@ -225,6 +228,7 @@ def check_te_thd_args(
     pad_between_seqs: bool | None = None,
     cp_size: int = 1,
     check_values: bool | None = None,
+    strategy: str = "dual_chunk_swap",
 ) -> str:
     """Enforce TE's THD contract for ``DotProductAttention.forward(query, key, value, **kwargs)``.
 
@@ -248,6 +252,8 @@ def check_te_thd_args(
             sequence fits its slot, max_seqlen, coverage, CP divisibility, the pad
             flag). Default: only when the boundaries are on the CPU -- reading a CUDA
             tensor would sync the device.
+        strategy: the CP partition's name (``"dual_chunk_swap"``, whose local token
+            counts must be even, or ``"no_load_balance"``).
 
     Returns:
         The normalised mask type (``"padding,causal"`` -> ``"padding_causal"``).
@@ -285,7 +291,13 @@ def check_te_thd_args(
             "(TE: 'The number of attention heads must be divisible by the number of GQA "
             "groups!')"
         )
-    if isinstance(cp_size, int) and cp_size > 1 and (query.shape[0] % 2 or key.shape[0] % 2):
+    even = strategy == "dual_chunk_swap"  # TE skips the check for no_load_balance
+    if (
+        even
+        and isinstance(cp_size, int)
+        and cp_size > 1
+        and (query.shape[0] % 2 or key.shape[0] % 2)
+    ):
         raise ThdContractError(
             f"local token counts query {query.shape[0]} / key {key.shape[0]} must be even under "
             f"context parallelism (cp_size={cp_size}; TE: 'Sequence length per GPU needs to be "
@@ -305,4 +317,5 @@ def check_te_thd_args(
         total_tokens_q=query.shape[0] * cp_size if isinstance(cp_size, int) else None,
         total_tokens_kv=key.shape[0] * cp_size if isinstance(cp_size, int) else None,
         check_values=check_values,
+        strategy=strategy,
     )

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from te_thd.attention.contract import check_te_thd_args
+from te_thd.attention.contract import ThdContractError, check_te_thd_args
 from te_thd.attention.cp_comm import heads_to_sequence, resolve_cp_groups, sequence_to_heads
 from te_thd.attention.reference import attend_slots, thd_attention_reference
 
@@ -96,6 +96,7 @@ def thd_attention_cp_reference(
     pad_between_seqs: bool | None = None,
     softmax_scale: float | None = None,
     query_chunk_size: int = 256,
+    strategy: Any = "dual_chunk_swap",
 ) -> torch.Tensor:
     """THD attention with context parallelism, called like TE with a ``cp_group``.
 
@@ -116,12 +117,18 @@ def thd_attention_cp_reference(
             int32 ``[N+1]`` boundaries; every padded length a multiple of ``2 * cp``.
         max_seqlen_q, max_seqlen_kv, attn_mask_type, qkv_format, pad_between_seqs,
             softmax_scale, query_chunk_size: as in :func:`thd_attention_reference`.
+        strategy: the CP partition the shards were cut by (:func:`te_thd.cp.partition_indices`);
+            ``"no_load_balance"``, as in TE, with ``cp_comm_type="all_gather"`` and a causal
+            mask only (TE's ``set_context_parallel_group(load_balancing_strategy=...)``).
 
     Returns:
         ``[T / cp, H, D_v]``: this rank's output rows, in the same local order as
         ``query``; zeros at padding slots.
     """
+    from te_thd._cp_strategy import NO_LOAD_BALANCE, normalize_strategy
     from te_thd.cp import cp_rank_to_sequence_order, partition_indices
+
+    strategy = normalize_strategy(strategy)
 
     kwargs: dict[str, Any] = {
         "cu_seqlens_q": cu_seqlens_q,
@@ -145,7 +152,13 @@ def thd_attention_cp_reference(
             **kwargs,
         )
     cp_size = groups.size
-    mask = check_te_thd_args(query, key, value, cp_size=cp_size, **kwargs)
+    mask = check_te_thd_args(query, key, value, cp_size=cp_size, strategy=strategy, **kwargs)
+    if strategy == NO_LOAD_BALANCE and (cp_comm_type != "all_gather" or "causal" not in mask):
+        raise ThdContractError(
+            f"strategy='no_load_balance' with cp_comm_type={cp_comm_type!r} and "
+            f"attn_mask_type={mask!r}: TE runs it with cp_comm_type='all_gather' and a causal "
+            "mask only; use those, or strategy='dual_chunk_swap'"
+        )
     assert cu_seqlens_q_padded is not None and cu_seqlens_kv_padded is not None  # checked
     for name, t in (("query", query), ("key", key)):
         if t.shape[1] % groups.a2a_size:
@@ -163,11 +176,14 @@ def thd_attention_cp_reference(
     if groups.p2p_group is not None:
         key, value = (all_gather_cp(t, groups.p2p_group) for t in (key, value))
     # key/value now hold every CP index's tokens, in CP-index order
-    k_all = cp_rank_to_sequence_order(key, cu_seqlens_kv_padded, cp_size)
-    v_all = cp_rank_to_sequence_order(value, cu_seqlens_kv_padded, cp_size)
+    k_all = cp_rank_to_sequence_order(key, cu_seqlens_kv_padded, cp_size, strategy=strategy)
+    v_all = cp_rank_to_sequence_order(value, cu_seqlens_kv_padded, cp_size, strategy=strategy)
     total_q = query.shape[0] // groups.a2a_size * cp_size
     q_slots = torch.cat(
-        [partition_indices(cu_seqlens_q_padded, total_q, cp_size, r) for r in owners]
+        [
+            partition_indices(cu_seqlens_q_padded, total_q, cp_size, r, strategy=strategy)
+            for r in owners
+        ]
     )
     out = attend_slots(
         query,

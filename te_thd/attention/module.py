@@ -17,6 +17,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from te_thd._cp_strategy import normalize_strategy, te_cp_group_kwargs
 from te_thd.attention.adapters import te_attention_kwargs
 from te_thd.attention.contract import normalize_attn_mask_type
 from te_thd.attention.cp_comm import (
@@ -65,6 +66,10 @@ class ThdAttention(nn.Module):
             support for the type) raises here; the CPU reference runs every type.
         backend: ``"auto"`` (TE when :func:`te_available` and the input is on CUDA),
             ``"te"`` (require TE) or ``"reference"``.
+        strategy: the CP partition the shards were cut by (:func:`te_thd.cp.partition_indices`):
+            ``"dual_chunk_swap"`` (default) or ``"no_load_balance"`` (TE: ``all_gather`` and a
+            causal mask only), passed to TE's ``set_context_parallel_group``
+            (:func:`te_thd.attention.te_cp_group_kwargs`: a TE without it raises here).
 
     Attributes:
         preferred_backend: ``"te"`` or ``"reference"``, what CUDA input will use.
@@ -82,6 +87,7 @@ class ThdAttention(nn.Module):
         cp_group: Any = None,
         cp_comm_type: str = "p2p",
         backend: Literal["auto", "te", "reference"] = "auto",
+        strategy: Any = "dual_chunk_swap",
     ) -> None:
         super().__init__()
         if backend not in ("auto", "te", "reference"):
@@ -105,6 +111,7 @@ class ThdAttention(nn.Module):
         if cp_group is None and cp_comm_type not in CP_COMM_TYPES:
             raise ValueError(f"cp_comm_type={cp_comm_type!r} is not one of TE's {CP_COMM_TYPES}")
         self.cp_size = 1 if self._cp is None else self._cp.size
+        self.strategy = normalize_strategy(strategy)
         self.last_backend: Backend | None = None
 
         use_te = backend == "te" or (backend == "auto" and te_available())
@@ -136,7 +143,7 @@ class ThdAttention(nn.Module):
                 "cp_stream": torch.cuda.Stream(),
                 "cp_comm_type": self._cp.comm_type,
             }
-        return te.DotProductAttention(
+        dpa = te.DotProductAttention(
             self.num_attention_heads,
             self.kv_channels,
             num_gqa_groups=self.num_gqa_groups,
@@ -146,6 +153,16 @@ class ThdAttention(nn.Module):
             softmax_scale=self.softmax_scale,
             **cp_kwargs,
         )
+        strategy_kwargs = te_cp_group_kwargs(self.strategy)  # {} for TE's default
+        if cp_kwargs and strategy_kwargs:
+            dpa.set_context_parallel_group(
+                cp_kwargs["cp_group"],
+                cp_kwargs["cp_global_ranks"],
+                cp_kwargs["cp_stream"],
+                cp_kwargs["cp_comm_type"],
+                **strategy_kwargs,
+            )
+        return dpa
 
     def _kwargs(self, thd: ThdLayout | Mapping[str, Any], device: torch.device) -> dict:
         if isinstance(thd, Mapping) and "cu_seqlens_q" in thd:  # te_attention_kwargs output
@@ -153,8 +170,9 @@ class ThdAttention(nn.Module):
             kw.setdefault("attn_mask_type", self.attn_mask_type)
             return kw
         if isinstance(thd, ThdLayout) or (isinstance(thd, Mapping) and "cu_seqlens" in thd):
+            strategy = self.strategy if self.cp_size > 1 else None
             kwargs = te_attention_kwargs(
-                thd, self.attn_mask_type, cp_size=self.cp_size, device=device
+                thd, self.attn_mask_type, cp_size=self.cp_size, device=device, strategy=strategy
             )
             return dict(kwargs)
         if not isinstance(thd, Mapping):
@@ -198,6 +216,7 @@ class ThdAttention(nn.Module):
                 cp_group=self._cp,  # resolved once, here (no collective per call)
                 cp_comm_type=self.cp_comm_type,
                 softmax_scale=self.softmax_scale,
+                strategy=self.strategy,
                 **kw,
             )
         else:
