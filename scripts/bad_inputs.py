@@ -780,6 +780,12 @@ def _cache_rows() -> list[BadInput]:
         p.write_bytes(p.read_bytes().replace(b'"I64"', b'"F64"', 1))
         return d
 
+    def rename_metadata(tmp: Path) -> Path:
+        d = _cache(tmp)  # one flipped bit in "__metadata__": the metadata reads as a tensor entry
+        p = d / "shard-000001.safetensors"
+        p.write_bytes(p.read_bytes().replace(b'"__metadata__"', b'"__metadatb__"', 1))
+        return d
+
     def swap_in_other_shard(tmp: Path) -> Path:
         d = _cache(tmp)  # shard 2 is sound and as large as shard 1: only the manifest tells them apart
         (d / "shard-000001.safetensors").write_bytes((d / "shard-000002.safetensors").read_bytes())
@@ -837,6 +843,19 @@ def _cache_rows() -> list[BadInput]:
         (d / "manifest.json").unlink()
         return d
 
+    def foreign(tmp: Path) -> Path:
+        (tmp / "out").mkdir()
+        (tmp / "out" / "notes.txt").write_text("mine")
+        return tmp / "out"
+
+    def repair_held(tmp: Path) -> Any:
+        d = _cache(tmp)
+        lock = oc.ProducerLock(str(d)).acquire()  # this process: a live producer
+        try:
+            oc.repair_cache(str(d))
+        finally:
+            lock.release()
+
     def held(tmp: Path) -> Any:
         d = _cache(tmp)
         lock = oc.ProducerLock(str(d)).acquire()
@@ -879,6 +898,16 @@ def _cache_rows() -> list[BadInput]:
         BadInput("cache-manifest-json", "cache", "manifest.json is not JSON (e.g. truncated)",
                  opened(write_text("manifest.json", '{"num_samples": 6, "sha')),
                  _re("offline cache manifest <dir>/cache/manifest.json is not valid JSON")),
+        BadInput("cache-manifest-empty", "cache", "manifest.json is empty (cut off, e.g. by a full disk)",
+                 opened(write_text("manifest.json", "")),
+                 _re("offline cache manifest <dir>/cache/manifest.json is empty (0 bytes): it was cut off after it was "
+                     "written (a full disk, a copy that stopped). Restore manifest.json from a copy, or rebuild it "
+                     "from the shards: `te-thd cache repair <dir>/cache`")),
+        BadInput("cache-no-manifest-stopped", "cache", "no manifest.json: its producer stopped before it finished",
+                 opened(unfinished),
+                 _re("offline cache manifest not found at <dir>/cache/manifest.json (3 shard(s) so far): its producer "
+                     "stopped before it finished; resume with: the `te_thd.offline_cache.produce_cache(...)` call"),
+                 exc=oc.ManifestNotFoundError),
         BadInput("cache-manifest-object", "cache", "manifest.json is JSON but not an object",
                  opened(write_text("manifest.json", "[1, 2]")), _re("holds a JSON list, not an object")),
         BadInput("cache-manifest-checksum", "cache", "manifest.json edited or damaged after it was written (own checksum)",
@@ -1007,6 +1036,10 @@ def _cache_rows() -> list[BadInput]:
         BadInput("cache-read-header-checksum", "cache", "reader: a flipped byte that leaves the shard header valid JSON",
                  lambda tmp: _open(swap_dtype(tmp)).__getitems__([2]),
                  _re("shard <dir>/cache/shard-000001.safetensors: header checksum mismatch (expected xxh3_64:")),
+        BadInput("cache-read-header-entry", "cache", "reader: a flipped byte in the name of a shard header's metadata",
+                 lambda tmp: _open(rename_metadata(tmp)).__getitems__([2]),
+                 _re("shard <dir>/cache/shard-000001.safetensors is not a valid safetensors file: entry '__metadatb__' "
+                     "is not a tensor entry (data_offsets, dtype, shape); it holds keys ['te_thd']. Repair:")),
         BadInput("cache-verify-checksum", "cache", "verify --deep: a flipped byte in a shard's tensor data",
                  deep(flip_data), _re("<dir>/cache/shard-000001.safetensors: sample 3 (row 1 of the shard), key 'hidden': "
                                       "checksum mismatch (expected xxh3_64:")),
@@ -1113,6 +1146,15 @@ def _cache_rows() -> list[BadInput]:
                  _re("holds shards of an unfinished run with other parameters (options.cp_size: recorded 2, this run 4)")),
         BadInput("cache-produce-orphans", "cache", "produce_cache into shards of an unknown producer",
                  produce_into(orphan_shards), _re("holds shards (0-2) but no manifest and no producer record")),
+        BadInput("cache-produce-foreign-noresume", "cache", "produce_cache(resume=False) into a directory holding other files",
+                 produce_into(foreign, resume=False),
+                 _re("output_dir <dir>/out is not empty: it holds notes.txt, which no te_thd producer wrote, and "
+                     "resume=False builds a cache only in an empty directory. Choose an empty output_dir, or pass "
+                     "resume=True to write the cache beside these files.")),
+        BadInput("cache-repair-live", "cache", "repair_cache while a producer is writing the cache", repair_held,
+                 _re("a producer is writing <dir>/cache (host ") + ".*" + _re("repair would change the files it writes, "
+                     "so it changed nothing. Let the producer finish"),
+                 exc=oc.CacheLockError, redact=((r"host \S+, pid \d+", "host <host>, pid <pid>"),)),
         BadInput("cache-lock", "cache", "a second producer on a directory another producer holds", held,
                  _re("output_dir <dir>/cache is held by another producer (pid") + ".*" + _re("choose another output_dir"),
                  exc=oc.CacheLockError, redact=((r"pid \d+ on host \S+", "pid <pid> on host <host>"),)),

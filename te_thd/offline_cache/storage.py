@@ -206,6 +206,25 @@ class ProducerLock:
         self.release()
 
 
+def flock_held(path: str) -> bool | None:
+    """Whether a process holds the flock of the lock file ``path`` (None: it cannot be told). Tested
+    with a shared lock taken and dropped at once: a producer that takes the lock in that instant is
+    refused as by any holder, and its message says to run again."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError as exc:
+        return True if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES) else None
+    else:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
+    finally:
+        os.close(fd)
+
+
 def start_time(pid: int) -> int:
     """When process ``pid`` started (clock ticks since boot, Linux); 0 where that cannot be read."""
     try:
@@ -339,6 +358,21 @@ class Storage(ABC):
     def lock(self) -> Lock:
         """The producer lock (one producer per cache)."""
 
+    def lock_holder(self) -> dict[str, Any] | None:
+        """Who holds the producer lock, or held it when killed: its record (``host``, ``pid``) and
+        ``alive``: True while that process runs, False once it is gone, None where this host cannot
+        tell (a process of another host). None when no lock is held or left behind."""
+        raw = self.get(LOCK_NAME)
+        if raw is None:
+            return None
+        try:
+            holder = json.loads(raw.decode() or "{}")
+        except (UnicodeDecodeError, ValueError):
+            holder = {}
+        holder = holder if isinstance(holder, dict) else {}
+        mine = holder.get("host") == socket.gethostname() and "pid" in holder
+        return {**holder, "alive": process_alive(holder["pid"]) if mine else None}
+
     @abstractmethod
     def unlock(self) -> dict[str, Any] | None:
         """Remove a lock its holder could not (killed elsewhere); the holder it recorded (None: no lock).
@@ -421,6 +455,12 @@ class LocalDirectory(Storage):
 
     def clean(self) -> list[str]:
         return remove_stale_temp_files(self.name)
+
+    def lock_holder(self) -> dict[str, Any] | None:
+        holder = super().lock_holder()
+        if holder is not None and holder["alive"] is None:  # another host's: its flock tells
+            holder["alive"] = flock_held(self.display(LOCK_NAME))
+        return holder
 
     def must_exist(self, marker: str) -> None:
         path = self.name

@@ -36,7 +36,7 @@ from te_thd.packing import PackingCollator, pad_to_multiple_for
 from te_thd.thd_utils import process_input_for_thd
 
 from .lengths import LENGTH_RULE_KEY, collator_rule
-from .ragged import TOKEN_LAYOUT_KEY
+from .ragged import TOKEN_LAYOUT_KEY, token_places
 from .reader import CachedBatch
 from .readexec import DestinationBuffers, fill_rows, new_tensor
 from .sampler import PlannedSamples
@@ -372,12 +372,12 @@ class CachedThdCollator:
         b, width = ids.shape
         lengths = self._lengths(tensors, b, width, carried)
 
-        # Real tokens of all samples, in sample order, and where each came from.
-        valid = torch.arange(width).unsqueeze(0) < lengths.unsqueeze(1)  # [B, L]
-        src = torch.arange(b * width).view(b, width)[valid]  # [sum(lengths)]
+        # Real tokens of all samples, in sample order, and where each came from: [sum(lengths)]
+        # (index math in numpy, on this thread; no [B, L] mask)
+        src = torch.from_numpy(token_places(np.arange(b, dtype=np.int64) * width, lengths.numpy()))
         lens = lengths.tolist()
         parts: dict[str, tuple[torch.Tensor, ...]] = {
-            "input_ids": torch.split(ids[valid], lens),
+            "input_ids": torch.split(ids.reshape(-1).index_select(0, src), lens),
             _SRC: torch.split(src, lens),
         }
         if self.label_key is not None:
@@ -385,7 +385,9 @@ class CachedThdCollator:
                 raise ValueError(
                     f"label_key={self.label_key!r} was not read (read: {sorted(carried)})"
                 )
-            parts["labels"] = torch.split(tensors[self.label_key].reshape(b, width)[valid], lens)
+            parts["labels"] = torch.split(
+                tensors[self.label_key].reshape(-1).index_select(0, src), lens
+            )
         samples = [
             dict(zip(parts, group, strict=True)) for group in zip(*parts.values(), strict=True)
         ]
