@@ -16,7 +16,9 @@ The commands are printed before they run, so they can be copied and changed. Wit
 their output goes to logs beside the runs, and the demo shows one progress bar for each,
 read from what they write (the cache's shards, the run's ``metrics.jsonl``). Both
 use ``sys.executable -m torch.distributed.run`` (``torchrun`` of this interpreter),
-so the demo works from a virtual environment without activating it.
+so the demo works from a virtual environment without activating it. SIGTERM or Ctrl-C
+stops both jobs and every process they started (:mod:`te_thd._demo_jobs`), and so does
+the demo's death by any signal.
 
 Every run is kept: the first trains into ``<out>/train``, a later one into the next
 free ``<out>/train-N``, and ``--resume`` continues the newest run that saved a
@@ -287,9 +289,8 @@ def run_concurrently(
         shown = [ln for ln in lines if RESULT_LINE.match(ln)]  # its result, or its one error line
         if job.returncode and job is trainer and producer.returncode:
             shown = [f"{name}: stopped, the producer failed (log: {log})"]
-        elif (
-            job.returncode < 0
-        ):  # a signal ended it: its log says nothing (torchrun had no time to)
+        elif job.returncode < 0:
+            # a signal ended it: its log says nothing (torchrun had no time to)
             shown = [jobs_.killed_line(name, job.returncode, log, resume_hint(name, train))]
         elif job.returncode and not any(ln.startswith("error:") for ln in shown):
             shown = lines[-20:]
