@@ -12,6 +12,11 @@ Builds the cache of :func:`dataset` with :func:`te_thd.offline_cache.produce_cac
 - ``between:K``       right after shard K is fsynced and renamed into place
 - ``mid_manifest``    inside the manifest write: its temp file exists, manifest.json not
 - ``before_manifest`` after every shard exists, before the manifest write starts
+- ``pause:K``         right after shard K is committed, print ``PAUSED`` and sleep: a live
+                      producer holding its lock, for a test to observe (then kill it)
+
+``--named`` (a third argument): pass ``producer_name``, the command that resumes this run
+(``python <this script> OUT none``), as the example producer does, so hints name it.
 
 The hooks wrap real library functions; only the moment of death is chosen here.
 The test imports :func:`dataset`, :func:`compute_batch` and :data:`PARAMS` to build
@@ -21,8 +26,10 @@ the uninterrupted reference in-process.
 from __future__ import annotations
 
 import os
+import shlex
 import signal
 import sys
+import time
 
 import torch
 from torch.utils.data import DataLoader
@@ -83,6 +90,19 @@ def _install(crash: str) -> None:
             return out
 
         storage.commit_temp = commit
+    elif kind == "pause":
+        target = os.path.basename(f"shard-{int(arg):06d}.safetensors")
+        real_commit_pause = storage.commit_temp
+
+        def commit_then_pause(tmp_path, path, *a, **k):
+            out = real_commit_pause(tmp_path, path, *a, **k)
+            if os.path.basename(path) == target:
+                storage.fsync(os.path.dirname(path))
+                print("PAUSED", flush=True)
+                time.sleep(600)  # alive, holding the lock, until the test kills it
+            return out
+
+        storage.commit_temp = commit_then_pause
     elif kind == "before_manifest":
         producer.write_manifest = lambda *a, **k: _die()
     elif kind == "mid_manifest":
@@ -102,11 +122,14 @@ def _install(crash: str) -> None:
 
 def main() -> None:
     out, crash = sys.argv[1], sys.argv[2]
+    named = sys.argv[3:] == ["--named"]
     _install(crash)
     from te_thd.offline_cache import produce_cache
 
+    resume = f"`{shlex.join([sys.executable, os.path.abspath(__file__), out, 'none'])}`"
     produce_cache(
-        loader(), out, PARAMS["shard_size"], compute_batch, PARAMS["keys"], PARAMS["options"], progress=False
+        loader(), out, PARAMS["shard_size"], compute_batch, PARAMS["keys"], PARAMS["options"], progress=False,
+        producer_name=resume if named else None,
     )
     print("FINISHED")
 

@@ -9,6 +9,7 @@ interruption.
 from __future__ import annotations
 
 import errno
+import json
 import os
 import signal
 import subprocess
@@ -41,6 +42,11 @@ import _offline_cache_producer_script as prod  # noqa: E402
 
 def _dir_bytes(d: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(d.iterdir())}
+
+
+def _lock_pid(out: Path) -> int:
+    """The pid a killed producer recorded in the lock file it left."""
+    return int(json.loads((out / storage.LOCK_NAME).read_text())["pid"])
 
 
 def _run_script(out: Path, crash: str) -> subprocess.CompletedProcess:
@@ -178,7 +184,8 @@ def test_killed_producer_resumes_to_a_byte_identical_cache(tmp_path: Path, refer
     for i in visible:
         name = f"shard-{i:06d}.safetensors"
         assert (out / name).read_bytes() == reference_cache[name]
-    with pytest.raises(ManifestNotFoundError, match="was never finished"):
+    # the reader says what the lock the killed producer left tells: it stopped, and what resumes it
+    with pytest.raises(ManifestNotFoundError, match=rf"its producer stopped before it finished \(host \S+, pid {_lock_pid(out)} is gone\); resume with: the `te_thd\.offline_cache\.produce_cache"):
         read_manifest(str(out), "test", 1)
 
     # 2. resumed, killed between shards (right after shard 1 landed)

@@ -188,16 +188,17 @@ def test_validate_contiguous_shards_names_gaps(tmp_path: Path) -> None:
     _touch_shards(tmp_path, [0, 1, 3])
     with pytest.raises(
         CacheIntegrityError,
-        match=r"declares 16 samples in 4 shards of 4, but has missing shard indices 2 \(e\.g\. shard-000002\.safetensors\)\. Move shards that do not belong to this cache away\. Repair: `te-thd cache repair \S+` \(sets the damaged shards aside and reopens the cache for a resume\), then re-run the `te_thd\.offline_cache\.produce_cache\(\.\.\.\)` call that built it \(resume=True, the default, computes only the missing shards\)\.$",
+        match=r"declares 16 samples in 4 shards of 4, but has missing shard indices 2 \(e\.g\. shard-000002\.safetensors\)\. Restore the missing shards from a copy, or recompute them: run `te-thd cache repair \S+` \(it reopens the cache for a resume\), then re-run the `te_thd\.offline_cache\.produce_cache\(\.\.\.\)` call that built it \(resume=True, the default, computes only the missing shards\)\.$",
     ) as e:
         validate_contiguous_shards(str(tmp_path), "test", 16, 4)
     assert e.value.path == shard_path(str(tmp_path), 2)
     assert str(e.value).count("computes only the missing shards") == 1
+    assert "Move" not in str(e.value)  # nothing is extra: moving shards away does not apply
 
 
 def test_validate_contiguous_shards_names_extra_indices(tmp_path: Path) -> None:
     _touch_shards(tmp_path, [0, 1, 2, 7])
-    with pytest.raises(CacheIntegrityError, match=r"extra shard indices 2, 7 beyond the declared 2 .*Move shards that do not belong to this cache away"):
+    with pytest.raises(CacheIntegrityError, match=r"extra shard indices 2, 7 beyond the declared 2 .*Move the extra shards away, or run `te-thd cache repair \S+` \(it sets them aside"):
         validate_contiguous_shards(str(tmp_path), "test", 8, 4)
 
 
@@ -242,6 +243,13 @@ def test_read_manifest_not_json(tmp_path: Path) -> None:
     _manifest(tmp_path, '{"num_samples": 3,')
     with pytest.raises(ManifestError, match=r"manifest .*manifest.json is not valid JSON \(.*line 1.*Restore manifest.json from a copy, or rebuild it from the shards: `te-thd cache repair \S+` \(it verifies every shard and keeps the damaged file\)\.$"):
         read_manifest(str(tmp_path), "test", 1)
+
+
+def test_read_manifest_empty_says_so_and_names_the_repair(tmp_path: Path) -> None:
+    _manifest(tmp_path, "")
+    with pytest.raises(ManifestError, match=r"manifest .*manifest\.json is empty \(0 bytes\): it was cut off after it was written .*`te-thd cache repair \S+`") as e:
+        read_manifest(str(tmp_path), "test", 1)
+    assert "Expecting value" not in str(e.value)
 
 
 def test_read_manifest_not_an_object(tmp_path: Path) -> None:

@@ -113,6 +113,18 @@ def test_resume_false_refuses_existing_cache_and_partial_run(tmp_path: Path) -> 
         _produce(tmp_path / "partial", resume=False)
 
 
+def test_resume_false_refuses_a_directory_of_other_files_and_keeps_them(tmp_path: Path) -> None:
+    """docs/offline_cache.md: resume=False builds only in an empty directory; nothing there is touched."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(CacheError, match=rf"output_dir {out} is not empty: it holds notes\.txt, which no te_thd producer wrote.*pass resume=True to write the cache beside these files"):
+        _produce(out, resume=False)
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]  # the lock is released and removed
+    _produce(out)  # resume=True (the default) writes beside it
+    assert (out / "notes.txt").read_text() == "mine" and (out / "manifest.json").exists()
+
+
 def test_resume_with_other_parameters_is_refused(tmp_path: Path) -> None:
     calls = {"n": 0}
 

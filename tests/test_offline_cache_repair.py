@@ -195,9 +195,11 @@ def test_a_lost_or_damaged_manifest_is_rebuilt_byte_identical(tmp_path: Path, la
     assert verify_cache(str(d), deep=True)["checksums_verified"]
     assert produce(d, **LAYOUTS[layout])["num_samples"] == 10  # the producer's same call finds its finished cache
     assert (d / "manifest.json").read_bytes() == clean
+    aside = str(d / ".te_thd-damaged")
+    kept = None if damaged is None else {"dir": aside, "files": 1, "bytes": len(damaged), "remove": f"`rm -r {shlex.quote(aside)}`"}
     assert repair_cache(str(d)) | {"producer": None} == {
         "cache_dir": str(d), "damaged": {}, "missing": [], "extra": [], "set_aside_in": None, "reopened": False,
-        "rebuilt": False, "from_arguments": [], "notes": [], "producer": None,
+        "rebuilt": False, "from_arguments": [], "notes": [], "producer": None, "removed": [], "kept_aside": kept,
     }  # fmt: skip
 
 
@@ -211,6 +213,55 @@ def test_every_damaged_manifest_is_kept(tmp_path: Path) -> None:
         assert repair_cache(str(d))["rebuilt"] and (d / "manifest.json").read_bytes() == clean
         kept = d / ".te_thd-damaged" / ("manifest.json" if how == "edited" else "manifest.json.1")
         assert kept.read_bytes() == damaged
+
+
+def test_a_sound_cache_names_what_earlier_repairs_kept_and_how_to_remove_it(tmp_path: Path, capsys) -> None:
+    d = tmp_path / "c"
+    produce(d)
+    data = bytearray((d / "shard-000001.safetensors").read_bytes())
+    data[-3] ^= 0x40
+    (d / "shard-000001.safetensors").write_bytes(bytes(data))
+    assert repair_cache(str(d))["reopened"]
+    produce(d)  # the cache is whole again; the damaged shard stays aside
+    capsys.readouterr()
+    assert cli_main(["cache", "repair", str(d)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    aside = d / ".te_thd-damaged"
+    assert out == [
+        f"OK: {d}: every shard verified; nothing to repair",
+        f"kept: {aside} holds 1 file(s) ({len(data) / 1024:.1f} KiB) that earlier repairs set aside for inspection; "
+        f"the cache does not need them: `rm -r {aside}`",
+    ]
+    cmd = out[1][out[1].index("`") + 1 : -1]
+    subprocess.run(shlex.split(cmd), check=True)  # as printed
+    assert not aside.exists()
+    assert cli_main(["cache", "repair", str(d)]) == 0
+    assert capsys.readouterr().out == f"OK: {d}: every shard verified; nothing to repair\n"
+
+
+def test_a_flipped_byte_in_a_header_is_named_in_one_short_line(tmp_path: Path, capsys) -> None:
+    """One bit of "__metadata__" makes the te_thd fields (the run record, every row checksum) read as a
+    tensor entry: the messages name the entry and its keys, never its content."""
+    d = tmp_path / "c"
+    produce(d, token_keys=("input_ids", "hidden"), length_key="length")
+    shard = d / "shard-000001.safetensors"
+    shard.write_bytes(shard.read_bytes().replace(b'"__metadata__"', b'"__metadatb__"', 1))
+    what = (
+        "is not a valid safetensors file: entry '__metadatb__' is not a tensor entry (data_offsets, dtype, "
+        "shape); it holds keys ['te_thd']"
+    )
+    with pytest.raises(CacheIntegrityError) as e:
+        verify_cache(str(d), deep=True)
+    assert f"\n  {shard}: {what}\n" in str(e.value)
+    assert len(what) < 300 and len(str(e.value)) < 1000  # the header ran to kilobytes when printed whole
+    ds = CachedTensorDataset(str(d), "offline", 3, ("hidden",))
+    with pytest.raises(CacheIntegrityError) as e:
+        ds.__getitems__([4])
+    assert str(e.value).startswith(f"shard {shard} {what}. Repair: `te-thd cache repair {d}`")
+    assert len(str(e.value).split(". Repair: ")[0]) < 300
+    assert cli_main(["cache", "repair", str(d)]) == 0
+    assert f"set aside: {shard.name}: {what}\n" in capsys.readouterr().out
+    assert "sums" not in str(e.value) and "xxh3" not in str(e.value)
 
 
 def test_the_cli_rebuilds_a_lost_manifest(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -263,7 +314,7 @@ def test_a_gap_is_reported_and_the_printed_producer_fills_it(tmp_path: Path, cap
         "manifest.",
     ]
     assert not (d / "manifest.json").exists() and (d / PROGRESS_NAME).exists()
-    with pytest.raises(ManifestNotFoundError, match=rf"`te-thd cache repair {d}`"):
+    with pytest.raises(ManifestNotFoundError, match=r"its producer run is unfinished \(stopped by an error, or reopened by te-thd cache repair\); resume with: the `te_thd\.offline_cache\.produce_cache\(\.\.\.\)` call"):
         read_manifest(str(d), "offline", 3)
     calls = []
     produce_cache(DataLoader(_Samples(10), batch_size=2), str(d), 4, lambda b: calls.append(1) or b, KEYS,

@@ -29,6 +29,8 @@ from te_thd.offline_cache.format import (
     CacheIntegrityError,
     ManifestNotFoundError,
     TensorSpec,
+    command_record,
+    recorded_command,
     schema_to_json,
     shard_name,
 )
@@ -72,9 +74,14 @@ class FollowTimeoutError(CacheError):
 
 
 def follow_record(run: Mapping[str, Any], producer_command: str | None) -> bytes:
-    """The bytes of the follow record: ``run`` (``producer_state.run_record``) and the resume command."""
+    """The bytes of the follow record: ``run`` (``producer_state.run_record``) and the resume command
+    (stored plain, as a shell takes it: :func:`~te_thd.offline_cache.format.command_record`)."""
     return record_bytes(
-        {"follow_version": _VERSION, "run": dict(run), "producer_command": producer_command}
+        {
+            "follow_version": _VERSION,
+            "run": dict(run),
+            "producer_command": command_record(producer_command),
+        }
     )
 
 
@@ -165,7 +172,7 @@ def _parse(
             f"({where}), expected {format_version}: its tensors mean something else; follow a cache built for "
             f"format_version {format_version}"
         )
-    return view, dict(run), producer or (command if isinstance(command, str) else None)
+    return view, dict(run), producer or recorded_command(command)
 
 
 class Follower:

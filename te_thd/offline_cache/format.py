@@ -42,6 +42,10 @@ from te_thd.args import check_int, is_int
 
 MANIFEST_NAME = "manifest.json"
 SHARD_RE = re.compile(r"^shard-(\d{6})\.safetensors$")
+#: a producer's run record: the parameters of an unfinished run (``producer_state``)
+PROGRESS_NAME = ".te_thd-producer.json"
+#: what a reader following a running producer reads (``follow.py``): written before its first shard
+FOLLOW_NAME = ".te_thd-follow.json"
 
 #: Algorithm of a manifest's checksum of itself and of the lengths side files' (canonical JSON).
 CHECKSUM_ALGORITHM = "crc32"
@@ -294,6 +298,23 @@ def producer_hint(producer: str | None) -> str:
     return producer or PRODUCE_CACHE_HINT
 
 
+def command_record(producer: str | None) -> str | None:
+    """How a record (the follow record) stores the command ``producer``, which hints spell in
+    backticks: plain, as a shell takes it (anything else, e.g. prose quoting code, as given)."""
+    if producer and len(producer) > 2 and producer[0] == producer[-1] == "`":
+        if "`" not in producer[1:-1]:
+            return producer[1:-1]
+    return producer
+
+
+def recorded_command(value: object) -> str | None:
+    """The command a record stores, as hints print it: in backticks (``None``: none recorded). A
+    value that holds a backtick already is a hint's own spelling (older records stored that)."""
+    if not isinstance(value, str) or not value.strip():
+        return None
+    return value if "`" in value else f"`{value}`"
+
+
 def cache_command(verb: str, cache_dir: str, *flags: str) -> str:
     """The ``te-thd cache`` command ``verb`` of ``cache_dir`` (quoted for a shell), in backticks as
     messages print it: the one place every hint that names such a command builds it."""
@@ -309,10 +330,20 @@ def repair_hint(cache_dir: str, producer: str | None = None) -> str:
 
 
 def lost_manifest(
-    path: str, cache_dir: str, cache_name: str, shards: int, producer: str | None
+    path: str,
+    cache_dir: str,
+    cache_name: str,
+    shards: int,
+    producer: str | None,
+    status: str | None = None,
 ) -> ManifestNotFoundError:
-    """The error of a cache with no manifest at ``path``: with ``shards`` shard files in ``cache_dir``,
-    the command that rebuilds it from them; else what builds the cache."""
+    """The error of a cache with no manifest at ``path``: with ``status`` (what its producer's files
+    say: one is writing it, or it stopped and the command that resumes it), that; with ``shards``
+    shard files in ``cache_dir``, the command that rebuilds it from them; else what builds the cache."""
+    if status:
+        return ManifestNotFoundError(
+            f"{cache_name} cache manifest not found at {path} ({shards} shard(s) so far): {status}"
+        )
     if shards:
         return ManifestNotFoundError(
             f"{cache_name} cache manifest not found at {path}, but {cache_dir} holds {shards} shard(s): the manifest "

@@ -346,6 +346,15 @@ class ShardHeader:
     sums: ShardSums | None
 
 
+#: the fields of a safetensors tensor entry, sorted
+_ENTRY_KEYS = ["data_offsets", "dtype", "shape"]
+
+
+def clip(text: str, limit: int) -> str:
+    """``text`` cut to ``limit`` characters, ``...`` marking the cut (a value quoted in a message)."""
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def read_shard_header(path: str, name: str | None = None) -> ShardHeader:
     """Parse and sanity-check a safetensors header, with its te_thd checksum fields when present.
 
@@ -391,7 +400,13 @@ def read_shard_header(path: str, name: str | None = None) -> ShardHeader:
             shape = tuple(int(s) for s in info["shape"])
             start, end = (int(o) for o in info["data_offsets"])
         except (KeyError, TypeError, ValueError):
-            raise bad(f"entry {key!r} is malformed: {info!r}") from None
+            # a damaged "__metadata__" name turns the metadata into an entry: never print it whole
+            fields = sorted(info) if isinstance(info, dict) else None
+            held = f"keys {fields}" if fields not in (None, _ENTRY_KEYS) else repr(info)
+            raise bad(
+                f"entry {clip(repr(key), 40)} is not a tensor entry ({', '.join(_ENTRY_KEYS)}); it "
+                f"holds {clip(held, 60)}"
+            ) from None
         nbytes = tensor_nbytes(dtype, shape)
         if end - start != nbytes:
             raise bad(

@@ -21,19 +21,23 @@ from te_thd._checkout import checkout_file
 from te_thd.args import check_int, is_int
 from te_thd.offline_cache.format import (
     CHECKSUM_ALGORITHM,
+    FOLLOW_NAME,
     MANIFEST_NAME,
     MAX_SHARDS,
+    PROGRESS_NAME,
     SHARD_RE,
     CacheIntegrityError,
     CacheSchema,
     ManifestError,
     ManifestNotFoundError,
+    cache_command,
     json_crc32,
     lost_manifest,
     manifest_path,
     num_shards,
     producer_hint,
     rebuild_manifest_hint,
+    recorded_command,
     schema_from_json,
     shard_name,
     shard_rows,
@@ -44,7 +48,7 @@ from te_thd.offline_cache.ragged import (
     TOKEN_LAYOUT_KEY,
     TokenLayout,
 )
-from te_thd.offline_cache.storage import LOCK_NAME, TEMP_RE, open_storage
+from te_thd.offline_cache.storage import LOCK_NAME, TEMP_RE, Storage, open_storage
 
 #: Version of the te_thd integrity fields a producer writes (see the module docstring).
 LAYOUT_VERSION = SHARD_LAYOUT
@@ -272,7 +276,17 @@ def _read_checked_manifest(cache_dir: str, cache_name: str, producer: str | None
                 "manifest.json and no shards: it is not a te_thd cache; check the path"
             )
         raise lost_manifest(
-            path, storage.name, cache_name, sum(1 for n in names if SHARD_RE.match(n)), producer
+            path,
+            storage.name,
+            cache_name,
+            sum(1 for n in names if SHARD_RE.match(n)),
+            producer,
+            producer_status(storage, producer),
+        )
+    if not raw.strip():  # json's "Expecting value: line 1 column 1" says nothing of the cause
+        raise ManifestError(
+            f"{cache_name} cache manifest {path} is empty ({len(raw)} bytes): it was cut off after it "
+            f"was written (a full disk, a copy that stopped). {rebuild_manifest_hint(path)}"
         )
     try:
         manifest = json.loads(raw.decode("utf-8"))
@@ -460,6 +474,59 @@ def producer_command(
         *(cache_dir if a == CACHE_DIR_ARG else a for a in args),
     ]
     return f"`{shlex.join(argv)}`"
+
+
+def _record(storage: Storage, name: str) -> dict[str, Any]:
+    """The producer record ``name`` (a JSON object) of the cache, ``{}`` when absent or unreadable."""
+    raw = storage.get(name)
+    try:
+        record = json.loads(raw.decode()) if raw is not None else {}
+    except (UnicodeDecodeError, ValueError):
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+def resume_command(storage: Storage, producer: str | None = None) -> str:
+    """What resumes the unfinished producer run of the cache in ``storage``, as hints print it:
+    ``producer`` (the caller's), else the command the follow record stores, else the one the run's
+    options record (:func:`producer_command`), else the ``produce_cache`` call."""
+    if producer:
+        return producer
+    command = recorded_command(_record(storage, FOLLOW_NAME).get("producer_command"))
+    if command is not None:
+        return command
+    options = _record(storage, PROGRESS_NAME).get("options")
+    return producer_command(storage.name, options if isinstance(options, dict) else {})
+
+
+def producer_status(storage: Storage, producer: str | None = None) -> str | None:
+    """What the producer files of a cache without a manifest say, or ``None`` (no producer left any):
+    a producer writing it (host, pid), or one that stopped and the command that resumes it."""
+    holder = storage.lock_holder()
+    if holder is None and not storage.get(FOLLOW_NAME) and not storage.get(PROGRESS_NAME):
+        return None
+    who = (
+        f"host {holder.get('host', '?')}, pid {holder.get('pid', '?')}"
+        if holder is not None
+        else ""
+    )
+    if holder is not None and holder["alive"]:
+        return (
+            f"a producer is writing it ({who}) and writes the manifest last. Wait for it to finish, "
+            "or read the cache as it is written (follow=True)."
+        )
+    resume = resume_command(storage, producer)
+    if holder is not None and holder["alive"] is None:  # another host's object-store lock
+        return (
+            f"a producer on {who} holds its lock: it is writing the cache, or was killed there (then "
+            f"run {cache_command('unlock', storage.name)}). Resume a stopped producer with: {resume}"
+        )
+    if holder is None:  # released: the producer raised, or repair reopened the cache
+        return (
+            "its producer run is unfinished (stopped by an error, or reopened by te-thd cache repair); "
+            f"resume with: {resume}"
+        )
+    return f"its producer stopped before it finished ({who} is gone); resume with: {resume}"
 
 
 def shard_records(manifest: Mapping[str, Any]) -> list[dict[str, Any]] | None:

@@ -20,7 +20,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from te_thd.offline_cache.format import (
+    FOLLOW_NAME,
     MANIFEST_NAME,
+    PROGRESS_NAME,
     SHARD_RE,
     CacheError,
     CacheIntegrityError,
@@ -49,16 +51,13 @@ from te_thd.offline_cache.manifest import (
 )
 from te_thd.offline_cache.ragged import TOKEN_LAYOUT_KEY, TokenLayout, shard_fidelity
 from te_thd.offline_cache.shardfile import ShardRecord
-from te_thd.offline_cache.storage import open_storage
+from te_thd.offline_cache.storage import LOCK_NAME, TEMP_RE, open_storage
 from te_thd.offline_cache.verify import (
     check_cache_files,
     shard_size_errors,
     verify_shard_file,
 )
 
-PROGRESS_NAME = ".te_thd-producer.json"
-#: what a reader following a running producer reads (``follow.py``): written before its first shard
-FOLLOW_NAME = ".te_thd-follow.json"
 _log = logging.getLogger("te_thd.offline_cache")
 
 
@@ -207,6 +206,10 @@ def _wrong_sized(cache_dir: str, manifest: Mapping[str, Any]) -> list[int]:
     return [*wrong_size, *(i for i in present if i >= count)]
 
 
+#: what a producer (or its lock) leaves in its output directory besides shards and the manifest
+_OWN = frozenset({PROGRESS_NAME, FOLLOW_NAME, LOCK_NAME})
+
+
 def prepare_directory(
     output_dir: str, params: dict[str, Any], resume: bool, cache_name: str, producer_name: str
 ) -> dict[str, Any] | None:
@@ -249,6 +252,17 @@ def prepare_directory(
             if leftover in listing:
                 storage.delete(leftover)
         return manifest
+    foreign = [
+        n for n in sorted(listing) if not (n in _OWN or TEMP_RE.match(n) or SHARD_RE.match(n))
+    ]
+    if foreign and not resume:
+        # resume=False asks for a directory of its own: files no producer wrote mean a wrong path
+        more = f" and {len(foreign) - 3} more" if len(foreign) > 3 else ""
+        raise CacheError(
+            f"output_dir {output_dir} is not empty: it holds {', '.join(foreign[:3])}{more}, which no "
+            "te_thd producer wrote, and resume=False builds a cache only in an empty directory. Choose "
+            "an empty output_dir, or pass resume=True to write the cache beside these files."
+        )
     raw = storage.get(PROGRESS_NAME)
     if raw is not None:
         try:

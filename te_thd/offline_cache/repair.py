@@ -15,14 +15,19 @@ so a directory and an s3:// prefix are repaired by the same code (docs/integrity
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+import shlex
+import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from te_thd.args import is_int
 from te_thd.offline_cache.format import (
+    FOLLOW_NAME,
     MANIFEST_NAME,
+    SHARD_RE,
     CacheIntegrityError,
+    CacheLockError,
     CacheSchema,
     ManifestError,
     cache_command,
@@ -40,6 +45,7 @@ from te_thd.offline_cache.manifest import (
     existing_shard_indices,
     load_manifest,
     producer_command,
+    resume_command,
     write_manifest,
 )
 from te_thd.offline_cache.producer_state import (
@@ -55,7 +61,7 @@ from te_thd.offline_cache.producer_state import (
 )
 from te_thd.offline_cache.ragged import TokenLayout
 from te_thd.offline_cache.shardfile import ShardRecord
-from te_thd.offline_cache.storage import Storage, open_storage
+from te_thd.offline_cache.storage import LocalDirectory, Storage, open_storage
 from te_thd.offline_cache.verify import shard_problem, verify_shards
 
 #: What a caller passes back when the shards cannot tell it: repair_cache's keyword -> its CLI flag.
@@ -340,7 +346,9 @@ def repair_cache(
 
     Returns ``{"cache_dir", "damaged": {file: problem}, "missing": [file],
     "extra": [file], "set_aside_in": dir or None, "reopened": bool, "producer": str,
-    "rebuilt": bool, "from_arguments": [field], "notes": [what a rebuild assumed]}``. ``reopened``: the cache waits for its
+    "rebuilt": bool, "from_arguments": [field], "notes": [what a rebuild assumed], "removed":
+    [temp file a killed writer left, removed], "kept_aside": what earlier repairs set aside (a sound
+    cache: ``{"dir", "files", "bytes", "remove"}``, else None)}``. ``reopened``: the cache waits for its
     producer (re-run ``producer``: it computes the missing and damaged shards); False when
     every shard is sound (nothing is changed then, unless ``rebuilt``: the manifest was
     written again from the shards). ``format_version``, ``options``, ``shard_size``,
@@ -359,8 +367,13 @@ def repair_cache(
     storage = open_storage(cache_dir)
     storage.must_exist(MANIFEST_NAME)  # before the lock, which would create a missing directory
     lock = storage.lock()
-    lock.acquire()
     try:
+        lock.acquire()
+    except CacheLockError:
+        raise _held(storage) from None
+    try:
+        # under the lock no writer is live: a temp file is one a killed writer left
+        removed = storage.clean()
         try:
             manifest = load_manifest(cache_dir, cache_name)
         except ManifestError:
@@ -370,7 +383,7 @@ def repair_cache(
             rebuilt = rebuild_manifest(
                 cache_dir, cache_name, storage.display(MANIFEST_NAME) if damaged else None, **given
             )
-            return _apply_rebuild(storage, rebuilt, damaged)
+            return {**_apply_rebuild(storage, rebuilt, damaged), "removed": removed}
         passed = [k for k, v in given.items() if v is not None]
         if passed:
             raise ValueError(
@@ -385,13 +398,65 @@ def repair_cache(
             sorted(i for i in present if i >= count),
         )
         result = _result(cache_dir, bad, missing, extra, producer_command(cache_dir, manifest))
+        result["removed"] = removed
         if not (bad or missing or extra):
+            result["kept_aside"] = _kept_aside(cache_dir)
             return result
         result["set_aside_in"] = reopen_for_resume(cache_dir, manifest, [*bad, *extra])
         result["reopened"] = True
         return result
     finally:
         lock.release()
+
+
+def _held(storage: Storage) -> CacheLockError:
+    """Repair's refusal while a producer holds the cache: who, and when to run repair."""
+    holder = storage.lock_holder() or {}
+    who = f"host {holder.get('host', '?')}, pid {holder.get('pid', '?')}"
+    # another host's lock may be a killed producer's: that host's unlock removes it
+    if holder.get("alive") is None and "host" in holder:
+        since = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(holder.get("since", 0)))
+        return CacheLockError(
+            f"a producer holds the lock of {storage.name} ({who}, since {since}), so repair changes "
+            "nothing: run it again once that producer has finished or stopped; if it was killed on "
+            f"that host, first run {cache_command('unlock', storage.name)}"
+        )
+    return CacheLockError(
+        f"a producer is writing {storage.name} ({who}); repair would change the files it writes, so "
+        "it changed nothing. Let the producer finish (it writes the manifest last), or stop it and "
+        f"run {cache_command('repair', storage.name)} again"
+    )
+
+
+def _kept_aside(cache_dir: str) -> dict[str, Any] | None:
+    """What earlier repairs set aside in ``cache_dir``'s :data:`DAMAGED_DIR`: ``{"dir", "files",
+    "bytes", "remove"}`` (``remove``: how to delete it), or ``None`` when nothing is there."""
+    storage = open_storage(cache_dir)
+    aside = open_storage(storage.display(DAMAGED_DIR)).list()
+    if not aside:
+        return None
+    where = storage.display(DAMAGED_DIR)
+    local = isinstance(storage, LocalDirectory)
+    return {
+        "dir": where,
+        "files": len(aside),
+        "bytes": sum(aside.values()),
+        "remove": f"`rm -r {shlex.quote(where)}`"
+        if local
+        else f"delete the objects under {where}/",
+    }
+
+
+def shard_span(names: Sequence[str]) -> str:
+    """``names`` of shards in one short phrase: the name of one, else the count with the first and
+    the last (and the indices when they have gaps)."""
+    if len(names) == 1:
+        return names[0]
+    indices = [int(m.group(1)) for n in names if (m := SHARD_RE.match(n))]
+    gaps = len(indices) == len(names) and indices[-1] - indices[0] + 1 != len(indices)
+    return f"{len(names)} shards, {names[0]} to {names[-1]}" + (
+        f" (indices {format_indices(indices)})" if gaps else ""
+    )
 
 
 def _result(
@@ -409,6 +474,8 @@ def _result(
         "from_arguments": [],
         "notes": [],
         "producer": producer,
+        "removed": [],
+        "kept_aside": None,
     }
 
 
@@ -422,7 +489,10 @@ def _apply_rebuild(storage: Storage, rebuilt: Rebuild, damaged: bool) -> dict[st
         rebuilt.bad,
         rebuilt.missing,
         rebuilt.extra,
-        producer_command(cache_dir, rebuilt.params["options"]),
+        # a killed producer's follow record names the command that resumes it
+        resume_command(storage)
+        if storage.get(FOLLOW_NAME)
+        else producer_command(cache_dir, rebuilt.params["options"]),
     )
     result["from_arguments"], result["notes"] = rebuilt.from_arguments, rebuilt.notes
     result["rebuilt"] = rebuilt.manifest is not None

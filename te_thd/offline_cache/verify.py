@@ -31,6 +31,7 @@ from te_thd.offline_cache.format import (
     format_indices,
     manifest_path,
     num_shards,
+    producer_hint,
     repair_hint,
     shard_name,
     shard_path,
@@ -91,10 +92,21 @@ def validate_contiguous_shards(
                 f"(e.g. {os.path.basename(shard_path(cache_dir, extra[0]))})"
             )
         first = missing[0] if missing else extra[0]
+        # a missing shard is restored or recomputed; an extra one is moved away (repair sets it aside)
+        repair = cache_command("repair", cache_dir)
+        if not extra:
+            fix = f"Restore the missing shards from a copy, or recompute them: run {repair} (it reopens"
+        elif not missing:
+            fix = f"Move the extra shards away, or run {repair} (it sets them aside and reopens"
+        else:
+            fix = (
+                "Restore the missing shards from a copy and move the extra ones away, or run "
+                f"{repair} (it sets the extra ones aside and reopens"
+            )
         raise CacheIntegrityError(
             f"{cache_name} cache at {cache_dir} declares {num_samples} samples in {expected} "
-            f"shards of {shard_size}, but has {'; '.join(parts)}. Move shards that do not belong to "
-            f"this cache away. {repair_hint(cache_dir, producer)}",
+            f"shards of {shard_size}, but has {'; '.join(parts)}. {fix} the cache for a resume), then re-run "
+            f"{producer_hint(producer)}.",
             path=shard_path(cache_dir, first),
         )
     return list(range(expected))
