@@ -16,12 +16,9 @@ from pathlib import Path
 
 import torch
 
+from te_thd.cp import STRATEGIES, partition_indices
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "scripts"))
-
-from _docblock import write_block  # noqa: E402
-
-from te_thd.cp import STRATEGIES, partition_indices  # noqa: E402
 
 PICTURE = REPO / "docs" / "cp-strategies.png"
 PAGE = REPO / "docs" / "cp.md"
@@ -124,6 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     print(render())
     if args.write:
+        from _docblock import write_block  # beside this script: on sys.path when it runs
+
         draw(PICTURE)
         if not write_block(PAGE, BEGIN, END, render()):
             print(f"{PAGE} has no {BEGIN} ... {END} block", file=sys.stderr)

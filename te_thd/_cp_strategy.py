@@ -27,8 +27,8 @@ DUAL_CHUNK_SWAP = "dual_chunk_swap"
 NO_LOAD_BALANCE = "no_load_balance"
 #: The strategies te_thd partitions by, default first.
 STRATEGIES: tuple[str, ...] = (DUAL_CHUNK_SWAP, NO_LOAD_BALANCE)
-#: The TE release the enum is expected in: its pull request (#3221) was not merged in the
-#: TE source read (main at d0067d0, 2026-08-22, version 2.20.0.dev0).
+#: The TE release the enum is expected in: the TE source read (main at d0067d0, 2026-08-22,
+#: version 2.20.0.dev0) did not have it yet; the change adding it was still under review.
 TE_ENUM_VERSION = "2.20"
 _TE_ENUM = "CPLoadBalancingStrategy"
 _TE_MODULE = "transformer_engine.pytorch.constants"
@@ -112,8 +112,8 @@ def te_strategy_member(strategy: Any) -> enum.Enum:
 def te_cp_group_kwargs(strategy: Any = DUAL_CHUNK_SWAP) -> dict[str, Any]:
     """Keyword arguments for TE's ``set_context_parallel_group`` that carry the strategy.
 
-    ``dpa.set_context_parallel_group(cp_group, ranks, stream, cp_comm_type,
-    **te_cp_group_kwargs(strategy))``. The default strategy gives ``{}`` -- the call
+    Pass them after TE's four positional arguments (group, global ranks, stream, comm
+    type). The default strategy gives ``{}`` -- the call
     every TE accepts, as TE's own ``MultiheadAttention`` makes it for the default --
     and any other gives ``{"load_balancing_strategy": <TE enum member>}``.
 

@@ -119,7 +119,7 @@ def thd_attention_cp_reference(
             softmax_scale, query_chunk_size: as in :func:`thd_attention_reference`.
         strategy: the CP partition the shards were cut by (:func:`te_thd.cp.partition_indices`);
             ``"no_load_balance"``, as in TE, with ``cp_comm_type="all_gather"`` and a causal
-            mask only (TE's ``set_context_parallel_group(load_balancing_strategy=...)``).
+            mask only (TE takes it in ``set_context_parallel_group``).
 
     Returns:
         ``[T / cp, H, D_v]``: this rank's output rows, in the same local order as
