@@ -1301,6 +1301,12 @@ def _cli_rows() -> list[BadInput]:
                  cli("cache", "plan", "--lengths", "DIR", "--key", "hidden=bf16:L,64", prepare=lengths_file("16\n")),
                  _re("te-thd cache plan: --key 'hidden=bf16:L,64' is not NAME=DTYPE[:SHAPE]; write e.g. --key "
                      "hidden=bfloat16:L,4096 or --key seq_len=int64"), kind="cli"),
+        BadInput("cli-unlock-misspelt", "CLI", "te-thd cache unlock DIR: no such directory", cli("cache", "unlock", "DIR"),
+                 _re("te-thd cache unlock: cache_dir='<dir>/missing': no such directory; check the path"), kind="cli"),
+        BadInput("cli-unlock-file", "CLI", "te-thd cache unlock FILE: a file, not a cache directory",
+                 cli("cache", "unlock", "DIR", prepare=lengths_file("not a cache\n")),
+                 _re("te-thd cache unlock: cache_dir='<dir>/lengths.txt' is a file, not a cache directory; pass the "
+                     "directory that holds manifest.json and the shards"), kind="cli"),
         BadInput("cli-cache-subcommand", "CLI", "te-thd cache without a subcommand", cli("cache"),
                  _re("the following arguments are required: cache_command"), kind="cli"),
         BadInput("cli-unknown-command", "CLI", "an unknown te-thd command", cli("bogus"),

@@ -8,6 +8,7 @@ the environment; ``msc://...``: the profile of ``MSC_CONFIG``) with
 - ``mid_upload:K``  shard K's upload is started as a streamed (multipart) upload, half its bytes written,
                     then the process SIGKILLs itself (an upload that never completes)
 - ``after_upload:K`` SIGKILL right after shard K's object is complete
+- ``hold:K``        after shard K's object is complete, wait (holding the producer lock) until killed
 
 Run under torchrun (``WORLD_SIZE`` set) every rank joins a gloo group first, produces
 its block and then reads the whole cache back, writing ``<OUT>.<rank>.json`` (``OUT``:
@@ -77,6 +78,8 @@ def _install_crash(spec: str, url: str) -> None:
         shown = real_commit(store, name, path)
         if name == target and kind == "after_upload":
             os.kill(os.getpid(), signal.SIGKILL)
+        while name == target and kind == "hold":
+            signal.pause()
         return shown
 
     cls.commit = commit

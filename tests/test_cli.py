@@ -46,7 +46,7 @@ def test_cache_help_and_bad_arguments_import_no_heavy_module():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines()[-1] == "[]", out.stdout.splitlines()[-1]
-    assert "usage: te-thd cache info [-h] [--json] dir" in out.stdout  # the commands' help is all there
+    assert "usage: te-thd cache info [-h] [--json] dir" in out.stdout  # their help is all there
 
 
 def test_a_cache_command_runs_what_it_parsed(tmp_path):

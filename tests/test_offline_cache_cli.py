@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -72,10 +73,48 @@ def test_a_directory_that_is_not_a_cache_is_named_so(tmp_path: Path, capsys: pyt
 
 def test_a_missing_directory_is_named_alike_by_every_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     missing = tmp_path / "nope"
-    for cmd in ("info", "verify", "repair"):
+    for cmd in ("info", "verify", "repair", "unlock"):
         assert main(["cache", cmd, str(missing)]) == 1
         assert f"cache_dir='{missing}': no such directory; check the path" in capsys.readouterr().err
     assert not missing.exists()  # repair's lock did not create it
+
+
+def test_unlock_of_a_file_says_it_is_a_file_not_a_cache_directory(cache: Path, capsys) -> None:
+    for path, hint in ((cache / "manifest.json", f"pass its directory, cache_dir={str(cache)!r}"),
+                       (cache / "shard-000000.safetensors", "pass the directory that holds manifest.json")):  # fmt: skip
+        assert main(["cache", "unlock", str(path)]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith(f"te-thd cache unlock: cache_dir='{path}' is a file, not a cache directory; {hint}")
+        assert "is a local directory" not in err
+
+
+def test_unlock_of_a_local_cache_whose_producer_runs_removes_nothing(tmp_path: Path) -> None:
+    """A real producer holds the cache's flock; `unlock` says there is nothing to remove, and the lock still
+    refuses a second producer."""
+    from _s3_producer_script import produce
+
+    from te_thd.offline_cache import CacheLockError
+
+    out = tmp_path / "cache"
+    producer = subprocess.Popen([sys.executable, str(Path(__file__).with_name("_s3_producer_script.py")), str(out),
+                                 "hold:1"], stderr=subprocess.PIPE, env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / "shard-000001.safetensors").exists():
+            assert producer.poll() is None and time.monotonic() < deadline, producer.communicate()[1][-2000:]
+            time.sleep(0.2)
+        res = subprocess.run([sys.executable, "-m", "te_thd.cli", "cache", "unlock", str(out)], capture_output=True,
+                             text=True, timeout=120)  # fmt: skip
+        assert res.returncode == 1 and res.stderr.startswith(
+            f"te-thd cache unlock: {out} is a local directory: its producer lock is a flock the kernel drops when "
+            "the producer dies, so there is nothing to remove"
+        ), res.stderr
+        with pytest.raises(CacheLockError, match=f"pid {producer.pid} on host"):
+            produce(str(out))
+        assert producer.poll() is None
+    finally:
+        producer.kill()
+        producer.communicate()
 
 
 def test_verify_takes_one_depth(cache: Path, capsys: pytest.CaptureFixture[str]) -> None:

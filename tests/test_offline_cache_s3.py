@@ -15,6 +15,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -286,11 +287,13 @@ def test_the_cli_on_a_url(bucket, server) -> None:
 def test_the_lock_refuses_a_second_producer_and_unlock_removes_it(bucket, server) -> None:
     url = f"s3://{bucket}/c"
     loc = open_storage(url)
-    loc.put(".te_thd-producer.lock", json.dumps({"host": "elsewhere", "pid": 1, "since": 0}).encode())
-    with pytest.raises(CacheLockError, match=f"host 'elsewhere'.*te-thd cache unlock {url}"):
+    loc.put(".te_thd-producer.lock", json.dumps({"host": "elsewhere", "pid": 1, "since": 1700000000}).encode())
+    with pytest.raises(CacheLockError, match=f"host 'elsewhere', pid 1, since 2023-11-14 22:13:20 UTC.*te-thd cache unlock {url}"):
         P.produce(url)
     out = _run([str(Path(sys.executable).with_name("te-thd")), "cache", "unlock", url], server)
-    assert out.returncode == 0 and "removed the producer lock" in out.stdout, out.stderr
+    # what was removed, named as the producer's refusal names it (no Python dict, no epoch seconds)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == f"removed the producer lock of {url} (held by host 'elsewhere', pid 1, since 2023-11-14 22:13:20 UTC)\n"
     P.produce(url)
     assert ".te_thd-producer.lock" not in loc.list()
     # a lock left by a dead process on this host is taken over
@@ -301,6 +304,46 @@ def test_the_lock_refuses_a_second_producer_and_unlock_removes_it(bucket, server
     loc.put(".te_thd-producer.json", loc.get(".te_thd-producer.json") or b"")
     with pytest.raises(Exception):  # noqa: B017,PT011 - an empty producer record: refused, not ignored
         P.produce(url)
+
+
+def _holding_producer(url: str, env: dict[str, str]) -> subprocess.Popen:
+    """A producer of ``url`` that holds its lock (it waits, until killed, after shard 1 is written)."""
+    producer = subprocess.Popen([sys.executable, str(HERE / "_s3_producer_script.py"), url, "hold:1"],
+                                env={**os.environ, **env, "OMP_NUM_THREADS": "1"}, stderr=subprocess.PIPE)  # fmt: skip
+    store, deadline = open_storage(url), time.monotonic() + 120
+    while "shard-000001.safetensors" not in store.list():
+        if producer.poll() is not None or time.monotonic() > deadline:
+            producer.kill()
+            pytest.fail(f"the producer did not reach shard 1: {producer.communicate()[1][-2000:]!r}")
+        time.sleep(0.2)
+    return producer
+
+
+def test_unlock_refuses_while_the_holder_runs_on_this_host(bucket, server) -> None:
+    """A producer writes the cache; a second one is refused; `unlock` refuses too while the holder's pid runs
+    here (the rule a producer takes a lock over by), and removes the lock once the producer was killed."""
+    import socket
+
+    url = f"s3://{bucket}/u2"
+    producer = _holding_producer(url, server.env())
+    try:
+        record = json.loads(open_storage(url).get(".te_thd-producer.lock"))
+        since = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(record["since"]))
+        holder = f"host {socket.gethostname()!r}, pid {producer.pid}, since {since} UTC"
+        with pytest.raises(CacheLockError, match=re.escape(f"another producer holds {url}/.te_thd-producer.lock ({holder})")):
+            P.produce(url)
+        out = _run([CLI, "cache", "unlock", url], server)
+        assert (out.returncode, out.stdout) == (1, ""), out.stdout
+        assert out.stderr == (f"te-thd cache unlock: {url}/.te_thd-producer.lock is held by a producer that runs on this "
+                              f"host ({holder}); nothing was removed: wait for it to finish, or stop it (kill "
+                              f"{producer.pid}): a producer started here then takes the lock over itself\n")  # fmt: skip
+        assert json.loads(open_storage(url).get(".te_thd-producer.lock")) == record and producer.poll() is None
+    finally:
+        producer.kill()
+        producer.communicate()
+    out = _run([CLI, "cache", "unlock", url], server)
+    assert out.returncode == 0 and out.stdout == f"removed the producer lock of {url} (held by {holder})\n", out.stderr
+    P.produce(url)  # and the cache is finished by the same call
 
 
 @pytest.mark.parametrize("url", ["gs://b/x", "hdfs://nn/x", "s3:/b/x", "s3://B_/x"])

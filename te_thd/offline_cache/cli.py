@@ -178,11 +178,11 @@ def _cmd_unlock(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"te-thd cache unlock: {exc}", file=sys.stderr)
         return 2
+    # CacheError: no lock to remove here (a local directory's flock; a holder that runs on this host),
+    # no cache at the path, or a store that cannot be used
     try:
         holder = storage.unlock()
-    except (
-        CacheError
-    ) as exc:  # a lock that needs no removing (a local directory's flock); a store unusable
+    except CacheError as exc:
         print(f"te-thd cache unlock: {exc}", file=sys.stderr)
         return getattr(exc, "exit_status", 1)
     print(

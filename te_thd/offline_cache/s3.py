@@ -160,10 +160,8 @@ class S3Prefix(storage.Storage):
         return self._work
 
     def commit(self, obj: str, tmp_path: str) -> str:
-        with (
-            open(tmp_path, "rb") as f,
-            self.calls(),
-        ):  # one PUT (multipart when large): whole or not at all
+        # one PUT (multipart when large): whole or not at all
+        with open(tmp_path, "rb") as f, self.calls():
             _obstore().put(client(self.bucket, self.config), self.key(obj), f)
         unlink_quietly(tmp_path)
         return self.display(obj)
@@ -220,21 +218,29 @@ class S3Prefix(storage.Storage):
     def lock(self) -> ObjectLock:
         return ObjectLock(self)
 
-    def unlock(self) -> dict[str, Any] | None:
-        holder = read_holder(self)
-        if holder is not None:
-            self.delete(LOCK_NAME)
-        return holder
+    def unlock(self) -> str | None:
+        holder = self.lock_holder()
+        if holder is None:
+            return None
+        if holder["alive"]:  # the rule a producer takes the lock over by: its holder runs here
+            raise CacheLockError(
+                f"{self.display(LOCK_NAME)} is held by a producer that runs on this host "
+                f"({holder_text(holder)}); nothing was removed: wait for it to finish, or stop it "
+                f"(kill {holder['pid']}): a producer started here then takes the lock over itself"
+            )
+        self.delete(LOCK_NAME)
+        return holder_text(holder)
 
 
-def read_holder(store: S3Prefix) -> dict[str, Any] | None:
-    """The lock object's holder record, or None when nobody holds the lock."""
-    raw = store.get(LOCK_NAME)
-    try:
-        holder = None if raw is None else json.loads(raw.decode())
-    except (UnicodeDecodeError, ValueError):
-        return {}
-    return holder if holder is None or isinstance(holder, dict) else {}
+def holder_text(holder: dict[str, Any]) -> str:
+    """A :meth:`Storage.lock_holder` record as messages name it: ``host 'h', pid 7, since ... UTC``."""
+    since = holder.get("since")
+    when = time.strftime(", since %Y-%m-%d %H:%M:%S UTC", time.gmtime(since)) if since else ""
+    return (
+        f"host {holder['host']!r}, pid {holder.get('pid')}{when}"
+        if "host" in holder
+        else "no holder"
+    )
 
 
 class ObjectLock:
@@ -252,16 +258,14 @@ class ObjectLock:
             if self.store.put(LOCK_NAME, data, create=True):
                 self.held = True
                 return self
-            holder = read_holder(self.store)
+            holder = self.store.lock_holder()
             if holder is None:
                 continue  # released in between: try again
-            if holder.get("host") == me["host"] and not storage.process_alive(holder.get("pid")):
+            if holder["alive"] is False:
                 self.store.delete(LOCK_NAME)  # its holder died on this host
                 continue
-            since = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(holder.get("since", 0)))
             raise CacheLockError(
-                f"another producer holds {url} (host {holder.get('host')!r}, pid "
-                f"{holder.get('pid')}, since {since} UTC). Wait for it to finish; if no producer is running "
+                f"another producer holds {url} ({holder_text(holder)}). Wait for it to finish; if no producer is running "
                 f"(one was killed on another host), run {cache_command('unlock', self.store.name)} and start again."
             )
         raise CacheLockError(f"could not take {url}: it changed hands twice; run again")
@@ -464,9 +468,8 @@ class ReadThrough:
             os.makedirs(self.root, exist_ok=True)
         self.sizes: dict[str, int] = {}
         self._present: dict[str, bytearray] = {}
-        self._absent: dict[
-            str, np.ndarray
-        ] = {}  # per shard: prefix counts of chunks not yet fetched
+        # per shard: prefix counts of chunks not yet fetched
+        self._absent: dict[str, np.ndarray] = {}
         self._lru: OrderedDict[str, None] = OrderedDict()
         #: requests made and bytes fetched from the store by this process (benchmarks, docs)
         self.requests = self.fetched_bytes = 0
@@ -538,9 +541,8 @@ class ReadThrough:
         self._lru[name] = None
         self._lru.move_to_end(name)
         absent = self._absent.get(name)
-        if (
-            absent is None
-        ):  # prefix counts of absent chunks: "is every chunk of these ranges here" in O(ranges)
+        # prefix counts of absent chunks: "is every chunk of these ranges here" in O(ranges)
+        if absent is None:
             absent = self._absent[name] = np.concatenate(
                 ([0], np.cumsum(np.frombuffer(bytes(bits), np.uint8) == 0))
             )
@@ -569,9 +571,8 @@ class ReadThrough:
         for a, b in runs:
             bits[a:b] = b"\1" * (b - a)
         self._absent.pop(name, None)
-        with open(
-            self._bitmap_path(name), "wb"
-        ) as f:  # after the data: a set byte means its chunk is there
+        # after the data: a set byte means its chunk is there
+        with open(self._bitmap_path(name), "wb") as f:
             f.write(bits)
         self._evict(keep=name)
 

@@ -45,6 +45,7 @@ from typing import Any, Protocol
 
 from te_thd.args import check_path
 from te_thd.offline_cache.format import (
+    MANIFEST_NAME,
     CacheError,
     CacheLockError,
     ManifestError,
@@ -374,9 +375,10 @@ class Storage(ABC):
         return {**holder, "alive": process_alive(holder["pid"]) if mine else None}
 
     @abstractmethod
-    def unlock(self) -> dict[str, Any] | None:
-        """Remove a lock its holder could not (killed elsewhere); the holder it recorded (None: no lock).
-        :class:`CacheLockError` where no lock ever needs removing (a flock dies with its holder)."""
+    def unlock(self) -> str | None:
+        """Remove a lock its holder could not (killed elsewhere); its holder as messages name it (None: no
+        lock). :class:`CacheLockError` while the holder runs on this host (:meth:`lock_holder`), and where
+        no lock ever needs removing (a flock dies with its holder)."""
 
     def clean(self) -> list[str]:
         """Remove what killed writers left (only under the lock); what was removed."""
@@ -447,7 +449,8 @@ class LocalDirectory(Storage):
     def lock(self) -> ProducerLock:
         return ProducerLock(self.name)
 
-    def unlock(self) -> dict[str, Any] | None:
+    def unlock(self) -> str | None:
+        self.must_exist(MANIFEST_NAME)
         raise CacheLockError(
             f"{self.name} is a local directory: its producer lock is a flock the kernel drops when the "
             "producer dies, so there is nothing to remove"
