@@ -17,10 +17,10 @@ reference's EAGLE-3 key), plus ``seq_len`` for te_thd's length key. Lengths logn
 states: unit-scale tokens whose norms spread lognormally, and a few tokens with
 massive activations past fp8's 448 (each sample's first token and about one in a
 thousand others carry 4 channels per layer at 500-3000), as real models have.
-Full run: ``H`` = 1024, 80 samples (about 1.0 GB ragged); the padded cache (te_thd
+Full run: ``H`` = 1024, 128 samples (about 1.25 GB ragged); the padded cache (te_thd
 ``padded`` and ``reference``) holds the first 16 samples only (padded to 8192 the
 whole set would be four times the ragged cache; real tokens/s is what compares).
-``--quick``: ``H`` = 64, 24 samples, padded 8, and of te_thd's readers only those the
+``--quick``: ``H`` = 256, 24 samples, padded 8, and of te_thd's readers only those the
 goals name (``ragged``, ``ragged_unverified``).
 
 Two deliveries of each batch on the host:
@@ -118,14 +118,14 @@ class Config:
 
 
 FULL = Config(
-    hidden=1024, samples=80, padded_samples=16, reps=3, deepspec_shard_bytes=256 << 20, tethd=TETHD
+    hidden=1024, samples=128, padded_samples=16, reps=3, deepspec_shard_bytes=256 << 20, tethd=TETHD
 )
 #: --quick reads only the layouts the goals name
 QUICK = Config(
-    hidden=64,
+    hidden=256,
     samples=24,
     padded_samples=8,
-    reps=3,
+    reps=5,
     deepspec_shard_bytes=4 << 20,
     tethd=("ragged", "ragged_unverified"),
 )
@@ -535,12 +535,31 @@ def run(quick: bool) -> list[Record]:
     return records
 
 
-if __name__ == "__main__":
+def records_from_run(path: str) -> tuple[list[Record], bool]:
+    """This bench's records and whether they came from ``--quick``, out of a ``perf/run.py`` JSON."""
+    import json
+
+    with open(path) as f:
+        doc = json.load(f)
+    (entry,) = [b for b in doc["benches"] if b["name"] == BENCH]
+    return [Record.from_json(r) for r in entry["records"]], doc["mode"] == "quick"
+
+
+def main(argv: list[str]) -> None:
+    """``[--quick] [--docs] [--from-json RUN.json]``: run (or load a perf/run.py result), print,
+    and with ``--docs`` rewrite docs/peers.md's table and docs/peers.png."""
     torch.set_num_threads(1)
-    quick = "--quick" in sys.argv
-    recs = run(quick)
+    if "--from-json" in argv:
+        recs, quick = records_from_run(argv[argv.index("--from-json") + 1])
+    else:
+        quick = "--quick" in argv
+        recs = run(quick)
     print_records(recs)
-    if "--docs" in sys.argv:
+    if "--docs" in argv:
         from peers_docs import write_docs
 
         write_docs(recs, quick)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -28,6 +28,13 @@ READERS = {
     "specforge": ("SpecForge-style", ("ragged_disk", "specforge")),
     "reference": ("reference (NeMo Automodel)", ("padded_disk", None)),
 }
+#: the bars of the speed panel: (delivery_temperature) -> (legend, colour)
+BARS = {
+    "thd_warm": ("packed THD, warm", "#1565c0"),
+    "thd_cold": ("packed THD, cold", "#90caf9"),
+    "padded_warm": ("padded, warm", "#2e7d32"),
+    "padded_cold": ("padded, cold", "#a5d6a7"),
+}
 PEER_LABELS = {
     "deepspec": "DeepSpec-style",
     "specforge": "SpecForge-style",
@@ -117,32 +124,35 @@ def plot(records: list[Record], path: Path = PLOT) -> None:
     import numpy as np
 
     recs = _by_case(records)
-    warm, cold = recs["thd_warm_ragged"].extra["readers"], recs["thd_cold_ragged"].extra["readers"]
-    names = [n for n in READERS if n in warm]
+    figs = {key: recs[f"{key}_ragged"].extra["readers"] for key in BARS}
+    names = [n for n in READERS if n in figs["thd_warm"]]
     labels = [READERS[n][0] for n in names]
     ys = np.arange(len(names))[::-1]
-    fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 0.45 * len(names) + 1.6), sharey=True)
-    ax.barh(
-        ys + 0.2,
-        [warm[n]["tokens_s"] / 1e6 for n in names],
-        0.4,
-        color="#1565c0",
-        label="warm (page cache)",
+    fig, (ax, bx) = plt.subplots(
+        1,
+        2,
+        figsize=(11, 0.6 * len(names) + 1.6),
+        sharey=True,
+        gridspec_kw={"width_ratios": [2, 1]},
     )
-    ax.barh(
-        ys - 0.2,
-        [cold[n]["tokens_s"] / 1e6 for n in names],
-        0.4,
-        color="#90caf9",
-        label="cold (dropped first)",
-    )
+    for j, (key, (label, color)) in enumerate(BARS.items()):
+        ax.barh(
+            ys + 0.3 - 0.2 * j,
+            [figs[key][n]["tokens_s"] / 1e6 for n in names],
+            0.2,
+            color=color,
+            label=label,
+        )
     ax.set_yticks(ys)
     ax.set_yticklabels(labels, fontsize=8)
-    ax.set_xlabel("real tokens/s delivered, packed THD batch (millions)")
+    ax.set_xlabel("real tokens/s delivered on the host (millions)")
     ax.legend(fontsize=7, loc="lower right")
-    bx.barh(ys, [bytes_per_token(recs, n) for n in names], 0.5, color="#6d4c41")
-    bx.set_xscale("log")
-    bx.set_xlabel("bytes on disk per real token (log)")
+    sizes = [bytes_per_token(recs, n) for n in names]
+    bx.barh(ys, sizes, 0.5, color="#6d4c41")
+    for y, size in zip(ys, sizes, strict=True):
+        bx.text(size, y, f" {size:,.0f}", va="center", fontsize=7)
+    bx.set_xlim(0, max(sizes) * 1.25)
+    bx.set_xlabel("bytes on disk per real token")
     fig.suptitle(
         "te_thd's cache beside DeepSpec-style, SpecForge-style and the reference "
         "(perf/bench_peers.py --docs)",
