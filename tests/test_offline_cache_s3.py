@@ -346,6 +346,28 @@ def test_unlock_refuses_while_the_holder_runs_on_this_host(bucket, server) -> No
     P.produce(url)  # and the cache is finished by the same call
 
 
+def test_info_and_repair_name_the_producer_that_writes_an_object_store_cache(bucket, server) -> None:
+    """While the producer runs: info says who writes the cache, repair refuses in its own words; once it
+    was killed, info says it stopped (the lock object it left names a pid that is gone)."""
+    import socket
+
+    url = f"s3://{bucket}/live"
+    producer = _holding_producer(url, server.env())
+    who = f"host {socket.gethostname()}, pid {producer.pid}"
+    try:
+        info = _run([CLI, "cache", "info", url], server)
+        assert info.returncode == 1 and f"a producer is writing it ({who})" in info.stderr, info.stderr
+        repair = _run([CLI, "cache", "repair", url], server)
+        assert repair.returncode == 1
+        assert f"cannot repair {url}: a producer is writing {url} ({who}); repair would change" in repair.stderr
+        assert "output_dir" not in repair.stderr
+    finally:
+        producer.kill()
+        producer.communicate()
+    info = _run([CLI, "cache", "info", url], server)
+    assert f"its producer stopped before it finished ({who} is gone); resume with: " in info.stderr, info.stderr
+
+
 @pytest.mark.parametrize("url", ["gs://b/x", "hdfs://nn/x", "s3:/b/x", "s3://B_/x"])
 def test_an_unsupported_url_is_refused_never_taken_for_a_path(url, tmp_path, monkeypatch) -> None:
     monkeypatch.chdir(tmp_path)
