@@ -903,10 +903,11 @@ def _cache_rows() -> list[BadInput]:
                  _re("offline cache manifest <dir>/cache/manifest.json is empty (0 bytes): it was cut off after it was "
                      "written (a full disk, a copy that stopped). Restore manifest.json from a copy, or rebuild it "
                      "from the shards: `te-thd cache repair <dir>/cache`")),
-        BadInput("cache-no-manifest-stopped", "cache", "no manifest.json: its producer stopped before it finished",
+        BadInput("cache-no-manifest-stopped", "cache", "no manifest.json: its producer run is unfinished (stopped, or reopened by repair)",
                  opened(unfinished),
                  _re("offline cache manifest not found at <dir>/cache/manifest.json (3 shard(s) so far): its producer "
-                     "stopped before it finished; resume with: the `te_thd.offline_cache.produce_cache(...)` call"),
+                     "run is unfinished (stopped by an error, or reopened by te-thd cache repair); resume with: the "
+                     "`te_thd.offline_cache.produce_cache(...)` call"),
                  exc=oc.ManifestNotFoundError),
         BadInput("cache-manifest-object", "cache", "manifest.json is JSON but not an object",
                  opened(write_text("manifest.json", "[1, 2]")), _re("holds a JSON list, not an object")),
