@@ -291,9 +291,11 @@ def run_concurrently(
             shown = [f"{name}: stopped, the producer failed (log: {log})"]
         elif job.returncode < 0:
             # a signal ended it: its log says nothing (torchrun had no time to)
-            shown = [jobs_.killed_line(name, job.returncode, log, resume_hint(name, train))]
+            shown = [jobs_.killed_line(name, -job.returncode, log, resume_hint(name, train))]
         elif job.returncode and not any(ln.startswith("error:") for ln in shown):
-            shown = lines[-20:]
+            sig = jobs_.rank_signal(lines)
+            hint = resume_hint(name, train)
+            shown = [jobs_.killed_line(name, sig, log, hint, rank=True)] if sig else lines[-20:]
         print("\n".join(shown), flush=True)
     return next((max(j.returncode, 1) for j in pair if j.returncode), 0)
 
@@ -328,7 +330,7 @@ def _run_jobs(
     for name, title, cmd in steps:
         rc = _run(title, cmd, root, jobs)
         if rc < 0:
-            print(jobs_.killed_line(name, rc, None, resume_hint(name, train)), flush=True)
+            print(jobs_.killed_line(name, -rc, None, resume_hint(name, train)), flush=True)
             return 1
         if rc != 0:
             return rc

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import signal
 import subprocess
 import time
@@ -147,7 +148,23 @@ def stopped_line(signum: int) -> str:
     )
 
 
-def killed_line(name: str, returncode: int, log: Path | None, resume: str) -> str:
-    """``name: killed by signal N (log: ...); <resume>`` for a job that a signal ended."""
+def killed_line(name: str, signum: int, log: Path | None, resume: str, rank: bool = False) -> str:
+    """``name: killed by signal N (log: ...); <resume>`` for a job (or, ``rank``, one of its ranks)
+    that signal ``signum`` ended."""
     where = f" (log: {log})" if log is not None else ""
-    return f"{name}: killed by signal {-returncode}{where}; {resume}"
+    return f"{name}: {'a rank was ' if rank else ''}killed by signal {signum}{where}; {resume}"
+
+
+#: torchrun's report on a rank that a signal ended (``traceback : Signal 9 (SIGKILL) received by PID 7``)
+RANK_SIGNAL = re.compile(r"traceback\s*: Signal (\d+) \(\w+\) received by PID \d+")
+
+
+def rank_signal(log_lines: list[str]) -> int | None:
+    """The signal that ended the first failed rank, read from torchrun's report in its log; None when
+    that rank exited on its own (or there is no report)."""
+    text = "\n".join(log_lines)
+    root = (
+        text.rpartition("Root Cause (first observed failure):")[2] if "Root Cause" in text else ""
+    )
+    m = RANK_SIGNAL.search(root)
+    return int(m.group(1)) if m else None

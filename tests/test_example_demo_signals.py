@@ -165,7 +165,12 @@ def test_a_demo_killed_with_sigkill_leaves_nothing_running(demo):
     _all_stopped(pids)
 
 
-def test_a_killed_producer_is_named_with_its_log_and_the_command_that_resumes_it(demo, tmp_path):
+@pytest.mark.parametrize("victim", ["launcher", "rank"])
+def test_a_killed_producer_is_named_with_its_log_and_the_command_that_resumes_it(
+    demo, tmp_path, victim
+):
+    """SIGKILL of the producer's torchrun (its ranks, in sessions of their own, get SIGTERM from the
+    kernel), or of one of its ranks (torchrun reports it in the log)."""
     argv = [*SMALL[:-4], "--num-samples", "256", "--steps", "4", "--out", "d", "--follow"]
     d = demo(*argv)
 
@@ -178,16 +183,15 @@ def test_a_killed_producer_is_named_with_its_log_and_the_command_that_resumes_it
         return None
 
     launcher, ranks = _wait_for("the producer's ranks", producer_ranks)
-    os.kill(
-        launcher, signal.SIGKILL
-    )  # its ranks, in sessions of their own, get SIGTERM from the kernel
+    os.kill(launcher if victim == "launcher" else ranks[0], signal.SIGKILL)
     assert d.proc.wait(timeout=120) == 1
     _all_stopped([*d.seen])
     stdout, stderr = d.output()
     out = tmp_path / "d"
+    killed = "killed" if victim == "launcher" else "a rank was killed"
     assert (
-        f"precompute: killed by signal 9 (log: {out}/cache-cp2-n256.log); run the same command again to resume"
-        in stdout.splitlines()
+        f"precompute: {killed} by signal 9 (log: {out}/cache-cp2-n256.log); run the same command "
+        "again to resume" in stdout.splitlines()
     ), stdout + stderr
     assert f"train: stopped, the producer failed (log: {out}/train.log)" in stdout.splitlines()
     assert "Traceback" not in stdout + stderr
