@@ -354,8 +354,11 @@ class _Buffer:
 
     __slots__ = ("idle_refs", "owner", "whole")
 
-    def __init__(self, nbytes: int) -> None:
-        self.owner = np.empty(nbytes, dtype=np.uint8)
+    def __init__(self, nbytes: int, zeroed: bool = False) -> None:
+        # zeroed: calloc'd, so fresh pages are the kernel's zero pages, paid for only when written
+        self.owner = (
+            np.zeros(nbytes, dtype=np.uint8) if zeroed else np.empty(nbytes, dtype=np.uint8)
+        )
         self.whole = memoryview(self.owner)
         self.idle_refs = 0
         self.idle_refs = self.refs()
@@ -402,20 +405,34 @@ class DestinationBuffers:
     def get(
         self, key: str, n: int, sample_shape: tuple[int, ...], dtype: torch.dtype
     ) -> tuple[torch.Tensor, memoryview]:
+        t, raw, _ = self.get_zeroed(key, n, sample_shape, dtype, zeroed=False)
+        return t, raw
+
+    def get_zeroed(
+        self,
+        key: str,
+        n: int,
+        sample_shape: tuple[int, ...],
+        dtype: torch.dtype,
+        zeroed: bool = True,
+    ) -> tuple[torch.Tensor, memoryview, bool]:
+        """As :meth:`get`, and whether every byte of the tensor is zero: a buffer newly made here
+        (``zeroed``: allocated zeroed, whose pages cost nothing until written), so a caller that
+        zeroes what it does not write skips that. A recycled buffer holds what it held."""
         shape = (n, *sample_shape)
         if self.shared or self.pinned:
             t = new_tensor(shape, dtype, shared=self.shared, pinned=self.pinned)
-            return t, tensor_memoryview(t)
+            return t, tensor_memoryview(t), False
         nbytes = tensor_nbytes(dtype, shape)
         entries = self._pool.setdefault((key, dtype, sample_shape), [])
         for buf in entries:
             if buf.owner.nbytes >= nbytes and buf.idle():
-                return self._tensor(buf.owner, nbytes, dtype, shape), buf.whole[:nbytes]
-        buf = _Buffer(nbytes)
+                return self._tensor(buf.owner, nbytes, dtype, shape), buf.whole[:nbytes], False
+        buf = _Buffer(nbytes, zeroed)
         entries.append(buf)
         if len(entries) > self.max_pooled:
             entries.pop(0)  # the oldest: still held by the consumer (now only theirs) or idle
-        return self._tensor(buf.owner, nbytes, dtype, shape), buf.whole
+        return self._tensor(buf.owner, nbytes, dtype, shape), buf.whole, zeroed
 
     @staticmethod
     def _tensor(

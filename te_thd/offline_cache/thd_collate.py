@@ -329,8 +329,9 @@ class CachedThdCollator:
 
     def _token_tensor(
         self, key: str, n: int, per_token: tuple[int, ...], dtype: torch.dtype
-    ) -> torch.Tensor:
-        """An uninitialised ``[n, *per_token]`` tensor for token key ``key`` of a batch. From this
+    ) -> tuple[torch.Tensor, bool]:
+        """An uninitialised ``[n, *per_token]`` tensor for token key ``key`` of a batch, and whether
+        it is all zeros (a buffer new to the pool). From this
         process's pool: a buffer is handed out again only once nothing outside the pool refers to
         it (the consumer, or the DataLoader's pinning copy, dropped the batch; a batch kept is
         never overwritten). In a DataLoader worker, fresh shared memory (the batch leaves the
@@ -340,7 +341,8 @@ class CachedThdCollator:
         pool = pools.get(where)
         if pool is None:
             pool = pools[where] = DestinationBuffers(shared=where[1])
-        return pool.get(key, n, tuple(per_token), dtype)[0]
+        t, _, zero = pool.get_zeroed(key, n, tuple(per_token), dtype)
+        return t, zero
 
     def __getstate__(self) -> dict[str, Any]:
         # the pools belong to the process that made them: a worker makes its own
@@ -458,8 +460,10 @@ class CachedThdCollator:
         edges = np.flatnonzero(np.diff(is_pad.numpy(), prepend=False, append=False))
         for k in token_keys:  # the padding's runs of slots filled
             spec = batch.sample_spec(k)
-            thd[k] = self._token_tensor(k, gather.numel(), spec.shape[1:], spec.dtype)
-            fill_rows(thd[k], edges[::2].tolist(), edges[1::2].tolist(), self.pad_values.get(k, 0))
+            thd[k], zero = self._token_tensor(k, gather.numel(), spec.shape[1:], spec.dtype)
+            value = self.pad_values.get(k, 0)
+            if value != 0 or not zero:
+                fill_rows(thd[k], edges[::2].tolist(), edges[1::2].tolist(), value)
         batch.gather_into(token_keys, at // width, at % width, real.numpy(), thd)
         out = dict(thd)
         # per-sample keys, [B_samples, ...] (a token key the caller's token_keys left out among them)

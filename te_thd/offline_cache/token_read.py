@@ -438,16 +438,19 @@ class TokenRows:
         width = 0
         for key in keys:
             spec = self.specs[key]
-            t = (
-                buffers.get(key, b, spec.shape, spec.dtype)[0]
+            t, zero = (
+                buffers.get_zeroed(key, b, spec.shape, spec.dtype)[::2]
                 if buffers is not None
-                else new_tensor((b, *spec.shape), spec.dtype, shared=shared)
+                else (new_tensor((b, *spec.shape), spec.dtype, shared=shared), False)
             )
             width = spec.shape[0]
             out[key], flat[key] = t, t.view(b * width, *spec.shape[1:])
-            fill_rows(
-                flat[key], (sample * width + self.lengths).tolist(), ((sample + 1) * width).tolist()
-            )
+            if not zero:  # (a new buffer is zero already)
+                fill_rows(
+                    flat[key],
+                    (sample * width + self.lengths).tolist(),
+                    ((sample + 1) * width).tolist(),
+                )
         placed = self.place(keys, sample, None, sample * width, flat, pieces)
         return lambda: (placed(), out)[1]
 
