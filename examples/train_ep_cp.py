@@ -32,9 +32,11 @@ What one step does, and which te_thd piece does it:
    checkpoint's LR schedule (``--resume --steps N`` past the schedule's end trains at
    its floor LR, and says so).
 
-A run starts in a new or empty ``--out``: one that already holds files (an earlier run)
-is refused unless ``--resume`` continues it, and ``--resume`` with no checkpoint there is
-refused too (both exit with status 2, changing nothing).
+A run starts in a new or empty ``--out``, or over a run that stopped before its first
+checkpoint (it left nothing to resume: the same command starts it again). An ``--out``
+with an earlier run's checkpoint is refused unless ``--resume`` continues it, one with
+other files is refused, and ``--resume`` with no checkpoint there is refused too (each
+exits with status 2, changing nothing).
 
 Rank 0 logs loss, tokens/s and the data-wait share of the step time, shows a tqdm
 bar on a terminal, appends every step to ``<out>/metrics.jsonl`` and ends with a
