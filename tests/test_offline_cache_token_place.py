@@ -319,3 +319,19 @@ def test_plan_placed_puts_every_token_in_its_place_and_checks_every_block(
         assert [int(x) for x in str(e.value).split()] == [int(rows[k]), first, last]
     finally:
         os.close(fd)
+
+
+def test_a_new_pool_buffer_is_zero_and_says_so_a_recycled_one_does_not() -> None:
+    from te_thd.offline_cache.readexec import DestinationBuffers
+
+    pool = DestinationBuffers()
+    t, _, zero = pool.get_zeroed("x", 4, (1000,), torch.bfloat16)
+    assert zero and not t.any()
+    t.fill_(1)
+    ptr = t.data_ptr()
+    del t
+    gc.collect()
+    again, _, zero = pool.get_zeroed("x", 4, (1000,), torch.bfloat16)
+    assert again.data_ptr() == ptr and not zero and again.all()  # recycled: holds what it held
+    assert pool.get("y", 2, (3,), torch.float32)[0].shape == (2, 3)
+    assert DestinationBuffers(shared=True).get_zeroed("x", 2, (3,), torch.float32)[2] is False
