@@ -96,9 +96,16 @@ def stop(jobs: list[subprocess.Popen], grace_s: float = STOP_GRACE_S) -> None:
 
     The launcher is killed first (SIGKILL: torchrun's own shutdown prints a traceback), then
     its ranks get SIGTERM, which lets them remove their temporary files; what still runs
-    after ``grace_s`` seconds is killed.
+    after ``grace_s`` seconds is killed. Without ``/proc`` (not Linux) the launcher gets
+    SIGTERM and stops its ranks itself.
     """
     running = [j for j in jobs if j.poll() is None]
+    if not Path("/proc/self/stat").exists():  # no process table to walk: torchrun stops its ranks
+        for j in running:
+            j.terminate()
+        for j in running:
+            j.wait()
+        return
     below = [p for j in running for p in descendants(j.pid)]
     for j in running:
         j.kill()
