@@ -185,7 +185,7 @@ def test_killed_producer_resumes_to_a_byte_identical_cache(tmp_path: Path, refer
         name = f"shard-{i:06d}.safetensors"
         assert (out / name).read_bytes() == reference_cache[name]
     # the reader says what the lock the killed producer left tells: it stopped, and what resumes it
-    with pytest.raises(ManifestNotFoundError, match=rf"its producer stopped before it finished \(host \S+, pid {_lock_pid(out)} is gone\); resume with: the `te_thd\.offline_cache\.produce_cache"):
+    with pytest.raises(ManifestNotFoundError, match=rf"its producer stopped before it finished \(host \S+, pid {_lock_pid(out)} no longer holds its lock\); resume with: the `te_thd\.offline_cache\.produce_cache"):
         read_manifest(str(out), "test", 1)
 
     # 2. resumed, killed between shards (right after shard 1 landed)

@@ -65,7 +65,7 @@ def test_a_running_producer_is_named_and_repair_refuses_in_its_own_words(tmp_pat
     out = _tool("info", str(d))
     assert out.returncode == 1
     assert out.stderr.rstrip("\n").endswith(
-        f"its producer stopped before it finished (host {HOST}, pid {live.pid} is gone); resume with: "
+        f"its producer stopped before it finished (host {HOST}, pid {live.pid} no longer holds its lock); resume with: "
         f"`{_resume_command(d)}`"
     )
 
@@ -84,7 +84,7 @@ def test_a_killed_producer_is_resumed_by_the_command_info_and_repair_print(tmp_p
     assert info.returncode == 1
     assert info.stderr == (
         f"te-thd cache info: offline cache manifest not found at {d}/manifest.json (1 shard(s) so far): its "
-        f"producer stopped before it finished (host {HOST}, pid {_pid_of(d)} is gone); resume "
+        f"producer stopped before it finished (host {HOST}, pid {_pid_of(d)} no longer holds its lock); resume "
         f"with: `{_resume_command(d)}`\n"
     )
     verify = _tool("verify", str(d))
@@ -120,6 +120,11 @@ def test_an_old_follow_record_in_backticks_is_printed_once_in_backticks(tmp_path
     (d / FOLLOW_NAME).write_text(json.dumps(record))
     out = _tool("info", str(d))
     assert out.stderr.rstrip("\n").endswith(f"resume with: `{_resume_command(d)}`")
+    # the killed producer's pid, reused by a live process that holds no flock: still a stopped producer
+    (d / ".te_thd-producer.lock").write_text(json.dumps({"pid": os.getpid(), "host": HOST}))
+    out = _tool("info", str(d))
+    assert f"its producer stopped before it finished (host {HOST}, pid {os.getpid()} no longer " in out.stderr
+    assert _tool("repair", str(d)).returncode == 0  # not refused as a running producer
 
 
 def test_many_missing_shards_are_one_line(tmp_path: Path) -> None:

@@ -348,7 +348,7 @@ def test_unlock_refuses_while_the_holder_runs_on_this_host(bucket, server) -> No
 
 def test_info_and_repair_name_the_producer_that_writes_an_object_store_cache(bucket, server) -> None:
     """While the producer runs: info says who writes the cache, repair refuses in its own words; once it
-    was killed, info says it stopped (the lock object it left names a pid that is gone)."""
+    was killed, info says it stopped (the lock object it left names a pid that no longer holds it)."""
     import socket
 
     url = f"s3://{bucket}/live"
@@ -365,7 +365,7 @@ def test_info_and_repair_name_the_producer_that_writes_an_object_store_cache(buc
         producer.kill()
         producer.communicate()
     info = _run([CLI, "cache", "info", url], server)
-    assert f"its producer stopped before it finished ({who} is gone); resume with: " in info.stderr, info.stderr
+    assert f"its producer stopped before it finished ({who} no longer holds its lock); resume with: " in info.stderr, info.stderr
 
 
 @pytest.mark.parametrize("url", ["gs://b/x", "hdfs://nn/x", "s3:/b/x", "s3://B_/x"])

@@ -526,7 +526,7 @@ def producer_status(storage: Storage, producer: str | None = None) -> str | None
             "its producer run is unfinished (stopped by an error, or reopened by te-thd cache repair); "
             f"resume with: {resume}"
         )
-    return f"its producer stopped before it finished ({who} is gone); resume with: {resume}"
+    return f"its producer stopped before it finished ({who} no longer holds its lock); resume with: {resume}"
 
 
 def shard_records(manifest: Mapping[str, Any]) -> list[dict[str, Any]] | None:

@@ -461,8 +461,10 @@ class LocalDirectory(Storage):
 
     def lock_holder(self) -> dict[str, Any] | None:
         holder = super().lock_holder()
-        if holder is not None and holder["alive"] is None:  # another host's: its flock tells
-            holder["alive"] = flock_held(self.display(LOCK_NAME))
+        # the flock tells, whatever host holds it and whoever has its old pid now
+        if holder is not None:
+            held = flock_held(self.display(LOCK_NAME))
+            holder["alive"] = holder["alive"] if held is None else held
         return holder
 
     def must_exist(self, marker: str) -> None:
