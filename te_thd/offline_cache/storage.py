@@ -209,8 +209,8 @@ class ProducerLock:
 
 def flock_held(path: str) -> bool | None:
     """Whether a process holds the flock of the lock file ``path`` (None: it cannot be told). Tested
-    with a shared lock taken and dropped at once: a producer that takes the lock in that instant is
-    refused as by any holder, and its message says to run again."""
+    with a shared lock taken and dropped at once: a producer taking the lock within that one system
+    call is refused as if another producer held it (the tools that ask are run by hand, rarely)."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
