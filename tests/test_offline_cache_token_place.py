@@ -321,10 +321,18 @@ def test_plan_placed_puts_every_token_in_its_place_and_checks_every_block(
         os.close(fd)
 
 
-def test_a_new_pool_buffer_is_zero_and_says_so_a_recycled_one_does_not() -> None:
+def test_a_new_pool_buffer_is_zero_and_says_so_a_recycled_one_does_not(monkeypatch) -> None:
+    from te_thd.offline_cache import readexec
     from te_thd.offline_cache.readexec import DestinationBuffers
 
     pool = DestinationBuffers()
+    assert (
+        pool.get_zeroed("s", 4, (1000,), torch.bfloat16)[2] is False
+    )  # small: not allocated zeroed
+    t, _, zero = pool.get_zeroed("big", 4, (readexec.ZEROED_MIN_BYTES // 8,), torch.bfloat16)
+    assert zero and not t.any()
+    del t
+    monkeypatch.setattr(readexec, "ZEROED_MIN_BYTES", 0)
     t, _, zero = pool.get_zeroed("x", 4, (1000,), torch.bfloat16)
     assert zero and not t.any()
     t.fill_(1)

@@ -348,6 +348,12 @@ def fill_rows(
         t[a:b].fill_(value)
 
 
+#: A buffer asked for zeroed (:meth:`DestinationBuffers.get_zeroed`) is allocated zeroed from this
+#: size on: glibc serves it from freshly mapped pages, whose untouched pages cost nothing. A smaller
+#: one may be recycled heap memory that ``calloc`` would zero whole, more than the caller's padding.
+ZEROED_MIN_BYTES = 32 << 20
+
+
 class _Buffer:
     """One pooled buffer: its bytes (a numpy array, the owner of the memory), a writable view of
     them, and the owner's reference count while no tensor uses it."""
@@ -416,9 +422,10 @@ class DestinationBuffers:
         dtype: torch.dtype,
         zeroed: bool = True,
     ) -> tuple[torch.Tensor, memoryview, bool]:
-        """As :meth:`get`, and whether every byte of the tensor is zero: a buffer newly made here
-        (``zeroed``: allocated zeroed, whose pages cost nothing until written), so a caller that
-        zeroes what it does not write skips that. A recycled buffer holds what it held."""
+        """As :meth:`get`, and whether every byte of the tensor is zero: a buffer newly made here of
+        at least :data:`ZEROED_MIN_BYTES` (``zeroed``: allocated zeroed, whose pages cost nothing
+        until written), so a caller that zeroes what it does not write skips that. A recycled
+        buffer holds what it held."""
         shape = (n, *sample_shape)
         if self.shared or self.pinned:
             t = new_tensor(shape, dtype, shared=self.shared, pinned=self.pinned)
@@ -428,6 +435,7 @@ class DestinationBuffers:
         for buf in entries:
             if buf.owner.nbytes >= nbytes and buf.idle():
                 return self._tensor(buf.owner, nbytes, dtype, shape), buf.whole[:nbytes], False
+        zeroed = zeroed and nbytes >= ZEROED_MIN_BYTES
         buf = _Buffer(nbytes, zeroed)
         entries.append(buf)
         if len(entries) > self.max_pooled:
