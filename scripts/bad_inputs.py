@@ -1262,7 +1262,7 @@ def _cli_rows() -> list[BadInput]:
     return [
         BadInput("cli-verify-not-a-cache", "CLI", "te-thd cache verify DIR: a directory with no manifest and no shards",
                  cli("cache", "verify", "DIR", prepare=empty_dir),
-                 _re("te-thd cache verify: FAILED: cache_dir='<dir>/empty' holds no manifest.json and no shards: it is not "
+                 _re("te-thd cache verify: FAILED: offline cache manifest not found: cache_dir='<dir>/empty' holds no manifest.json and no shards: it is not "
                      "a te_thd cache; check the path"), kind="cli"),
         BadInput("cli-verify-quick-deep", "CLI", "te-thd cache verify --quick --deep: two depths at once",
                  cli("cache", "verify", "--quick", "--deep", "DIR", prepare=empty_dir),
@@ -1302,6 +1302,14 @@ def _cli_rows() -> list[BadInput]:
                  cli("cache", "plan", "--lengths", "DIR", "--key", "hidden=bf16:L,64", prepare=lengths_file("16\n")),
                  _re("te-thd cache plan: --key 'hidden=bf16:L,64' is not NAME=DTYPE[:SHAPE]; write e.g. --key "
                      "hidden=bfloat16:L,4096 or --key seq_len=int64"), kind="cli"),
+        BadInput("cli-plan-no-way-in", "CLI", "te-thd cache plan with neither --lengths/--key nor a producer flag",
+                 cli("cache", "plan", "--cp", "2"),
+                 _re("te-thd cache plan: pass --lengths FILE with a --key NAME=DTYPE[:SHAPE] per stored key (any "
+                     "producer's cache), or the example producer's flags, e.g. --num-samples 1024 (see te-thd cache "
+                     "plan --help)"), kind="cli"),
+        BadInput("cli-plan-producer-flag", "CLI", "te-thd cache plan, the example producer's way in: a bad flag value",
+                 cli("cache", "plan", "--num-samples", "0", "--compact-dtypes"),
+                 _re("te-thd cache plan: --num-samples=0 must be >= 1"), kind="cli"),
         BadInput("cli-unlock-misspelt", "CLI", "te-thd cache unlock DIR: no such directory", cli("cache", "unlock", "DIR"),
                  _re("te-thd cache unlock: cache_dir='<dir>/missing': no such directory; check the path"), kind="cli"),
         BadInput("cli-unlock-file", "CLI", "te-thd cache unlock FILE: a file, not a cache directory",

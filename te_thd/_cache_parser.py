@@ -1,7 +1,8 @@
-"""The arguments of ``te-thd cache info / verify / repair / plan / unlock``, and the call that runs them.
+"""The arguments of ``te-thd cache info / verify / repair / plan / unlock``, and the call that runs
+them.
 
-Apart from :mod:`te_thd.offline_cache.cli`, which runs the commands: that imports the cache, and with
-it torch, which ``te-thd cache --help`` and a bad argument must not wait for.
+Apart from :mod:`te_thd.offline_cache.cli`, which runs the commands: that imports the cache, and
+with it torch, which ``te-thd cache --help`` and a bad argument must not wait for.
 """
 
 from __future__ import annotations
@@ -89,14 +90,16 @@ def add_cache_commands(cache: argparse.ArgumentParser) -> None:
 
     repair = sub.add_parser(
         "repair",
-        help="set damaged shards aside and reopen the cache so its producer recomputes them; rebuild a "
+        help="set damaged shards aside and reopen the cache so its producer recomputes them; "
+        "rebuild a "
         "lost or damaged manifest.json from the shards",
     )
     repair.add_argument(
         "dir", help="cache directory (holds the shards), s3://bucket/prefix or msc://profile/path"
     )
     lost = repair.add_argument_group(
-        "rebuilding a manifest from shards that do not record their producer run (repair names the ones it needs)"
+        "rebuilding a manifest from shards that do not record their producer run (repair "
+        "names the ones it needs)"
     )
     lost.add_argument(
         "--format-version",
@@ -135,9 +138,11 @@ def add_cache_commands(cache: argparse.ArgumentParser) -> None:
 
     plan = sub.add_parser(
         "plan",
-        help="before producing: bytes per sample and in all, shards, each CP rank's reads per epoch, "
+        help="before producing: bytes per sample and in all, shards, each CP rank's reads per "
+        "epoch, "
         "padded / ragged / ragged with each codec",
-        description="What a cache will cost before anything is computed: bytes per sample and in all,\n"
+        description="What a cache will cost before anything is computed: bytes per sample and in "
+        "all,\n"
         "the manifest, shards, and the bytes each CP rank fetches per epoch, for the padded, the\n"
         "ragged and the ragged layout with each codec (and with them combined), side by side.",
         epilog=_PLAN_EXAMPLES,
@@ -146,7 +151,10 @@ def add_cache_commands(cache: argparse.ArgumentParser) -> None:
     plan.add_argument(
         "--lengths",
         metavar="FILE",
-        help="every sample's real token count, one integer per line ('#' lines and blank lines skipped)",
+        help=(
+            "every sample's real token count, one integer per line ('#' lines and blank "
+            "lines skipped)"
+        ),
     )
     plan.add_argument(
         "--key",
@@ -184,7 +192,10 @@ def add_cache_commands(cache: argparse.ArgumentParser) -> None:
         "--input-key",
         default=None,
         metavar="KEY",
-        help="the token ids CachedThdCollator packs, read whole by every CP rank (default: input_ids)",
+        help=(
+            "the token ids CachedThdCollator packs, read whole by every CP rank (default: "
+            "input_ids)"
+        ),
     )
     plan.add_argument(
         "--shard-size",
@@ -245,6 +256,9 @@ def add_cache_commands(cache: argparse.ArgumentParser) -> None:
 
     unlock = sub.add_parser(
         "unlock",
-        help="remove the producer lock of an s3:// or msc:// cache whose producer was killed on another host",
+        help=(
+            "remove the producer lock of an s3:// or msc:// cache whose producer was killed "
+            "on another host"
+        ),
     )
     unlock.add_argument("dir", help="s3://bucket/prefix or msc://profile/path of the cache")

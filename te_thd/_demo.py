@@ -208,8 +208,8 @@ RESULT_LINE = re.compile(r"^(cache ready|summary:|error:|nothing to do|resumed f
 
 
 def shards_done(cache: Path) -> tuple[int, int | None]:
-    """``(shards committed, shards in all)`` of the cache being produced at ``cache``; the total is None
-    until the producer has recorded its plan (its follow record, or the manifest)."""
+    """``(shards committed, shards in all)`` of the cache being produced at ``cache``; the total is
+    None until the producer has recorded its plan (its follow record, or the manifest)."""
     done = len(list(cache.glob("shard-*.safetensors")))
     for name in ("manifest.json", ".te_thd-follow.json"):
         try:
@@ -224,7 +224,8 @@ def shards_done(cache: Path) -> tuple[int, int | None]:
 
 
 def steps_done(train: Path) -> int:
-    """Training steps the run in ``train`` has logged (``metrics.jsonl``: one line per step, kept on resume)."""
+    """Training steps the run in ``train`` has logged (``metrics.jsonl``: one line per step, kept on
+    resume)."""
     try:
         with open(train / "metrics.jsonl") as f:
             return sum(1 for line in f if line.strip())
@@ -241,10 +242,10 @@ def run_concurrently(
     cwd: Path,
     jobs: list[subprocess.Popen],
 ) -> int:
-    """Run the producer and the trainer (which follows it) at the same time, each logging to a file beside
-    its directory, with a progress bar for each; the first non-zero exit status (1 for a job a signal
-    killed), else 0. A producer that fails stops the trainer (it would wait for shards nobody writes).
-    Both are appended to ``jobs``; whatever ends this function early stops them."""
+    """Run the producer and the trainer (which follows it) at the same time, each logging to a file
+    beside its directory, with a progress bar for each; the first non-zero exit status (1 for a job
+    a signal killed), else 0. A producer that fails stops the trainer (it would wait for shards
+    nobody writes). Both are appended to ``jobs``; whatever ends this function early stops them."""
     from tqdm.auto import tqdm
 
     logs = (cache.parent / f"{cache.name}.log", train.parent / f"{train.name}.log")
@@ -309,8 +310,8 @@ def _run_jobs(
     root: Path,
     jobs: list[subprocess.Popen],
 ) -> int:
-    """The two torchrun jobs, one after the other or (``--follow``) at once; 0, or the first failure's
-    status (1 for a job a signal killed, after one line saying so)."""
+    """The two torchrun jobs, one after the other or (``--follow``) at once; 0, or the first
+    failure's status (1 for a job a signal killed, after one line saying so)."""
     if args.follow:
         return run_concurrently(
             produce, [*train_cmd, "--follow"], cache, train, args.steps, root, jobs
@@ -318,12 +319,18 @@ def _run_jobs(
     steps = (
         (
             "precompute",
-            f"1/2 precompute the offline cache ({args.nproc} ranks, resumable; reused when it exists)",
+            (
+                f"1/2 precompute the offline cache ({args.nproc} ranks, resumable; reused "
+                "when it exists)"
+            ),
             produce,
         ),
         (
             "train",
-            f"2/2 train the MoE student: {args.nproc} ranks, CP={args.cp}, EP={args.ep}, {args.device}",
+            (
+                f"2/2 train the MoE student: {args.nproc} ranks, CP={args.cp}, EP={args.ep}, "
+                f"{args.device}"
+            ),
             train_cmd,
         ),
     )
@@ -381,7 +388,8 @@ def run_demo(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     if args.follow and args.balance:
         print(
-            "te-thd demo: --follow with --balance: balancing plans from the lengths the finished cache "
+            "te-thd demo: --follow with --balance: balancing plans from the lengths the "
+            "finished cache "
             "records; drop one of the two",
             file=sys.stderr,
         )
@@ -429,7 +437,10 @@ def run_demo(args: argparse.Namespace) -> int:
         jobs_.restore_signals(saved)
     if rc == 0:
         print(
-            f"\ndemo finished in {time.perf_counter() - t0:.0f} s; per-step metrics: {train / 'metrics.jsonl'}",
+            (
+                f"\ndemo finished in {time.perf_counter() - t0:.0f} s; per-step metrics: "
+                f"{train / 'metrics.jsonl'}"
+            ),
             flush=True,
         )
     return rc

@@ -59,7 +59,8 @@ def _own_group_dying_with(parent: int, prctl: Callable[..., int] | None) -> Call
 
 
 def start(cmd: list[str], **popen: Any) -> subprocess.Popen:
-    """``subprocess.Popen(cmd, **popen)`` in its own process group, sent SIGTERM if the demo dies."""
+    """``subprocess.Popen(cmd, **popen)`` in its own process group, sent SIGTERM if the demo
+    dies."""
     return subprocess.Popen(cmd, preexec_fn=_own_group_dying_with(os.getpid(), _prctl()), **popen)
 
 
@@ -68,7 +69,8 @@ def descendants(pid: int) -> list[int]:
     children: dict[int, list[int]] = {}
     for entry in Path("/proc").glob("[0-9]*/stat"):
         try:
-            # the command name (field 2) may hold spaces and parentheses: the ppid follows its last ")"
+            # the command name (field 2) may hold spaces and parentheses: the ppid follows its last
+            # ")"
             fields = entry.read_text().rsplit(")", 1)[1].split()
         except (OSError, IndexError):
             continue  # the process ended while we read
@@ -162,13 +164,14 @@ def killed_line(name: str, signum: int, log: Path | None, resume: str, rank: boo
     return f"{name}: {'a rank was ' if rank else ''}killed by signal {signum}{where}; {resume}"
 
 
-#: torchrun's report on a rank that a signal ended (``traceback : Signal 9 (SIGKILL) received by PID 7``)
+#: torchrun's report on a rank that a signal ended (``traceback : Signal 9 (SIGKILL) received by
+#: PID 7``)
 RANK_SIGNAL = re.compile(r"traceback\s*: Signal (\d+) \(\w+\) received by PID \d+")
 
 
 def rank_signal(log_lines: list[str]) -> int | None:
-    """The signal that ended the first failed rank, read from torchrun's report in its log; None when
-    that rank exited on its own (or there is no report)."""
+    """The signal that ended the first failed rank, read from torchrun's report in its log; None
+    when that rank exited on its own (or there is no report)."""
     text = "\n".join(log_lines)
     root = (
         text.rpartition("Root Cause (first observed failure):")[2] if "Root Cause" in text else ""

@@ -33,7 +33,8 @@ def seq_lens_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor:
     if not isinstance(position_ids, torch.Tensor) or position_ids.dim() not in (1, 2):
         shape = tuple(position_ids.shape) if isinstance(position_ids, torch.Tensor) else None
         raise ValueError(
-            f"position_ids must be a [T] or [B, T] tensor, got {shape or type(position_ids).__name__}"
+            "position_ids must be a [T] or [B, T] tensor, got "
+            f"{shape or type(position_ids).__name__}"
         )
     if position_ids.dtype.is_floating_point or position_ids.dtype == torch.bool:
         raise ValueError(f"position_ids must have an integer dtype, got {position_ids.dtype}")

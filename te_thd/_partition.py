@@ -62,7 +62,8 @@ def check_boundaries_tensor(cu_seqlens_padded: Any, num_seqs: int | None) -> tor
         torch.complex128,
     ):
         raise ValueError(
-            f"cu_seqlens_padded must have an integer dtype (int32/int64), got {cu_seqlens_padded.dtype}"
+            "cu_seqlens_padded must have an integer dtype (int32/int64), got "
+            f"{cu_seqlens_padded.dtype}"
         )
     if cu_seqlens_padded.numel() < 1:
         raise ValueError("cu_seqlens_padded must hold at least one boundary (the leading 0), got 0")

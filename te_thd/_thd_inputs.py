@@ -118,7 +118,8 @@ def check_keys(batch: Any) -> None:
         raise ValueError(
             f"batch is missing required key(s) {missing} (has {sorted(batch)}); "
             "process_input_for_thd needs input_ids [B, S(, H)], position_ids [B, S] or "
-            "[n_rope, B, S] (or None), and seq_lens [B, P] (seq_lens=None to infer padding from token ids)."
+            "[n_rope, B, S] (or None), and seq_lens [B, P] (seq_lens=None to infer "
+            "padding from token ids)."
         )
 
 
@@ -140,7 +141,8 @@ def check_token_tensors(input_ids: Any, position_ids: Any, labels: Any) -> None:
             else "input_ids"
         )
         raise ValueError(
-            f"input_ids has shape {ids_shape} and dtype {input_ids.dtype}: a 3-D input_ids is read as "
+            f"input_ids has shape {ids_shape} and dtype {input_ids.dtype}: a 3-D "
+            "input_ids is read as "
             f"embeddings [B, S, H], which are floating point; token ids are [B, S] -- pass {fix} "
             "with shape [B, S] (or float embeddings [B, S, H])."
         )
@@ -157,7 +159,8 @@ def check_token_tensors(input_ids: Any, position_ids: Any, labels: Any) -> None:
 
 
 def check_position_ids(position_ids: Any, bsz: int, seq_len: int) -> None:
-    """``position_ids`` is ``[B, S]`` or ``[n_rope, B, S]`` (mRoPE) for a batch of ``[B, S]`` tokens."""
+    """``position_ids`` is ``[B, S]`` or ``[n_rope, B, S]`` (mRoPE) for a batch of ``[B, S]``
+    tokens."""
     check_tensor(position_ids, "position_ids")
     if not (
         (position_ids.dim() == 2 and tuple(position_ids.shape) == (bsz, seq_len))

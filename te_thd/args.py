@@ -29,7 +29,8 @@ __all__ = ["check_index", "check_int", "check_names", "check_path", "is_int"]
 def is_int(
     value: Any, minimum: int | None = None, below: int | None = None, *, numpy_ints: bool = False
 ) -> bool:
-    """Whether ``value`` is an int (not a bool; a numpy integer too with ``numpy_ints``) in ``[minimum, below)``."""
+    """Whether ``value`` is an int (not a bool; a numpy integer too with ``numpy_ints``) in
+    ``[minimum, below)``."""
     types: tuple[type, ...] = (int, np.integer) if numpy_ints else (int,)
     if isinstance(value, bool | np.bool_) or not isinstance(value, types):
         return False
@@ -49,7 +50,8 @@ def check_int(
     meaning: str = "",
     error: type[ValueError] | type[TypeError] = ValueError,
 ) -> Any:
-    """``value`` (as a Python int; ``None`` when ``optional`` and ``None``) if :func:`is_int`, else ``error``.
+    """``value`` (as a Python int; ``None`` when ``optional`` and ``None``) if :func:`is_int`, else
+    ``error``.
 
     Args:
         name: the argument's name, as the caller spells it.
@@ -92,7 +94,8 @@ def check_names(
     distinct: bool = False,
     optional: bool = False,
 ) -> tuple[str, ...] | None:
-    """``value`` as a tuple of key names (``None`` when ``optional`` and ``None``), else ``ValueError``.
+    """``value`` as a tuple of key names (``None`` when ``optional`` and ``None``), else
+    ``ValueError``.
 
     A key name is a non-empty ``str``; a bare string is refused rather than read as its
     characters. ``non_empty``: at least one name; ``distinct``: no name twice.
@@ -132,11 +135,11 @@ def check_names(
 
 
 def check_index(name: str, value: Any, size: int, where: str) -> int:
-    """``value`` as a position in ``[0, size)`` of ``where`` (e.g. ``"the cache at DIR, which holds 6
-    samples"``); a negative one counts from the end, a numpy integer is taken as an int.
+    """``value`` as a position in ``[0, size)`` of ``where`` (e.g. ``"the cache at DIR, which holds
+    6 samples"``); a negative one counts from the end, a numpy integer is taken as an int.
 
-    ``TypeError`` (Python's convention for an index of the wrong type) naming ``name``, the value and
-    its type; ``IndexError`` naming the value as given and the valid range.
+    ``TypeError`` (Python's convention for an index of the wrong type) naming ``name``, the value
+    and its type; ``IndexError`` naming the value as given and the valid range.
     """
     if type(value) is not int:
         if not is_int(value, numpy_ints=True):
@@ -154,9 +157,9 @@ def check_index(name: str, value: Any, size: int, where: str) -> int:
 
 
 def check_path(name: str, value: Any, expected: str) -> str:
-    """``value`` as a ``str`` path when it is a non-empty ``str`` or ``os.PathLike``; else one line naming
-    ``name``, the value, its type and ``expected`` (what to pass): ``TypeError``, or ``ValueError``
-    for an empty path."""
+    """``value`` as a ``str`` path when it is a non-empty ``str`` or ``os.PathLike``; else one line
+    naming ``name``, the value, its type and ``expected`` (what to pass): ``TypeError``, or
+    ``ValueError`` for an empty path."""
     path = os.fspath(value) if isinstance(value, os.PathLike) else value
     if not isinstance(path, str):
         raise TypeError(

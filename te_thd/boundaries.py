@@ -1,4 +1,5 @@
-"""The boundary rules of a packed (THD) batch, once: TE's ``cu_seqlens`` contract and CP's partition rule.
+"""The boundary rules of a packed (THD) batch, once: TE's ``cu_seqlens`` contract and CP's partition
+rule.
 
 Every place that accepts boundary arrays checks them here, so each rule has one
 implementation and one message: :class:`~te_thd.layout.ThdLayout` where a layout is
@@ -82,7 +83,8 @@ def cp_padding_fix(cp_size: int) -> str:
 def require_boundary_tensor(
     name: str, t: Any, ref_name: str | None = None, ref: torch.Tensor | None = None
 ) -> None:
-    """``t`` must be an int32 ``[N+1]`` tensor (shaped like ``ref``, named ``ref_name``, when given)."""
+    """``t`` must be an int32 ``[N+1]`` tensor (shaped like ``ref``, named ``ref_name``, when
+    given)."""
     if not isinstance(t, torch.Tensor):
         raise ThdContractError(
             f"{name} must be an int32 [N+1] tensor when qkv_format='thd', got "
@@ -108,7 +110,8 @@ def require_boundary_tensor(
 
 
 def host_int64(t: torch.Tensor) -> np.ndarray:
-    """int64 host copy (or view) of a boundary tensor, int64 ``[N+1]`` (reading a device tensor is a sync)."""
+    """int64 host copy (or view) of a boundary tensor, int64 ``[N+1]`` (reading a device tensor is a
+    sync)."""
     if t.device.type != "cpu":
         t = t.detach().cpu()
     return t.numpy().astype(np.int64, copy=False)
@@ -151,7 +154,8 @@ def check_cp_multiple(name: str, padded_lengths: np.ndarray, cp_size: int) -> No
         raise ThdContractError(
             f"sequence {i} has padded length {int(padded_lengths[i])} ({name}), not a multiple of "
             f"2*cp_size={multiple}; TE's THD context parallelism splits every sequence into "
-            f"{multiple} equal chunks (thd_get_partitioned_indices asserts seqlen % (world_size * 2) "
+            f"{multiple} equal chunks (thd_get_partitioned_indices asserts seqlen % "
+            "(world_size * 2) "
             f"== 0) -- {cp_padding_fix(cp_size)}"
         )
 
@@ -177,7 +181,8 @@ def check_pieces(total_tokens: int, cp_size: int) -> None:
 
 
 def check_covers(name: str, end: int, total_tokens: int, exact: bool) -> None:
-    """The padded boundaries end inside the stream of ``total_tokens`` tokens; ``exact``: at its end.
+    """The padded boundaries end inside the stream of ``total_tokens`` tokens; ``exact``: at its
+    end.
 
     Under CP (``exact``) TE assigns tokens past the last boundary to the last
     sequence and produces overlapping partitions, so the boundaries must cover the
@@ -214,7 +219,8 @@ def check_boundary_values(
         max_seqlen: host int that must be ``>=`` every real segment, or None.
         total_tokens: length of the global stream, or None to skip the coverage rules.
         cp_size: context-parallel size (``> 1`` adds TE's CP divisibility and coverage).
-        pad_between_seqs: False requires equal arrays (NVIDIA/TransformerEngine#3331); None/True skip it.
+        pad_between_seqs: False requires equal arrays (NVIDIA/TransformerEngine#3331); None/True
+        skip it.
         names: how the messages call ``cu``, ``cu_padded`` and ``max_seqlen``.
         strategy: the CP partition; ``"no_load_balance"`` needs no padded length to be a
             multiple of ``2 * cp_size``, only the stream a multiple of ``cp_size``.
@@ -257,6 +263,7 @@ def check_boundary_values(
         raise ThdContractError(
             f"pad_between_seqs=False but {cu_name} {c.tolist()} differs from {cup_name} "
             f"{p.tolist()}: TE would take the no-padding path and attend across the wrong "
-            "slots (NVIDIA/TransformerEngine#3331) -- compute pad_between_seqs on the complete arrays "
+            "slots (NVIDIA/TransformerEngine#3331) -- compute pad_between_seqs on the "
+            "complete arrays "
             "(process_input_for_thd does) or pass True"
         )

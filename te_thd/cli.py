@@ -37,15 +37,19 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _cmd_plan_example(rest: list[str]) -> int:
-    """``te-thd cache plan --target ... --data ...``: ``examples/precompute_cache.py --plan`` of a source
-    checkout (see te_thd._checkout), which reads the samples and the model's config as it produces."""
+    """``te-thd cache plan --target ... --data ...``: ``examples/precompute_cache.py --plan`` of a
+    source checkout (see te_thd._checkout), which reads the samples and the model's config as it
+    produces."""
     from te_thd._checkout import find_checkout
 
     try:
         root = find_checkout("examples/precompute_cache.py")
     except FileNotFoundError as exc:
         print(
-            f"te-thd cache plan: --target/--data read the samples as examples/precompute_cache.py does: {exc}",
+            (
+                "te-thd cache plan: --target/--data read the samples as "
+                f"examples/precompute_cache.py does: {exc}"
+            ),
             file=sys.stderr,
         )
         return 2
@@ -125,10 +129,12 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         code = int(args.func(args) or 0)
-        sys.stdout.flush()  # here, not at exit: a reader that went away (`| head -1`) shows up at the flush
+        # here, not at exit: a reader that went away (`| head -1`) shows up at the flush
+        sys.stdout.flush()
         return code
     except BrokenPipeError:
-        # as any Unix tool whose reader closed the pipe: no traceback; what is left unwritten goes nowhere
+        # as any Unix tool whose reader closed the pipe: no traceback; what is left unwritten goes
+        # nowhere
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
 

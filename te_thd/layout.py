@@ -240,7 +240,9 @@ def _validate(layout: ThdLayout) -> None:
             value,
             0,
             error=ThdContractError,
-            meaning=" (a Python int: host ints keep consumers from syncing the device to read them)",
+            meaning=(
+                " (a Python int: host ints keep consumers from syncing the device to read them)"
+            ),
         )
     if layout.num_seqs != cu.shape[0] - 1:
         raise ThdContractError(

@@ -1,4 +1,5 @@
-# Just over ~500 lines: the collator's public signature, its argument checks and the planned-rows path read best in one place.
+# Just over ~500 lines: the collator's public signature, its argument checks and the planned-rows
+# path read best in one place.
 """Packing collator: variable-length samples -> packed BSHD rows for ``process_input_for_thd``.
 
 The first arrow of the batch path::

@@ -70,7 +70,8 @@ class ThdBatch(TypedDict):
             ``T``; TE's ``cu_seqlens_q/kv_padded``. Always present when lengths
             are known (equal to ``cu_seqlens`` when nothing is padded).
         pad_between_seqs: Python bool; the two complete boundary arrays differ.
-            Pass it to TE explicitly (its auto-detection has had bugs, NVIDIA/TransformerEngine#3331).
+            Pass it to TE explicitly (its auto-detection has had bugs,
+            NVIDIA/TransformerEngine#3331).
         max_seqlen: int32 0-d tensor, ``max(diff(cu_seqlens))``.
         max_seqlen_int: the same as a Python int, for TE's ``max_seqlen_q/kv``.
         num_seqs: ``N`` as a Python int.
@@ -257,8 +258,8 @@ def process_input_for_thd(
             behaviour).
 
     Returns:
-        :class:`ThdBatch`: ``input_ids``/``labels``/``position_ids`` (and ``token_keys``) flattened to
-        ``T = B*S`` tokens (views), ``cu_seqlens`` and ``cu_seqlens_padded`` int32
+        :class:`ThdBatch`: ``input_ids``/``labels``/``position_ids`` (and ``token_keys``) flattened
+        to ``T = B*S`` tokens (views), ``cu_seqlens`` and ``cu_seqlens_padded`` int32
         ``[N+1]`` on the device of ``seq_lens``, ``pad_between_seqs`` (bool),
         ``max_seqlen`` (int32 0-d) and ``max_seqlen_int`` (int), ``num_seqs``
         (int), ``padding_mask`` bool ``[T]`` on the device of ``input_ids``, and
@@ -337,7 +338,9 @@ def split_batch_into_thd_chunks(
         num_chunks,
         0,
         numpy_ints=True,
-        meaning="; pass the number of chunks (e.g. the pipeline's micro-batch count; 0 or 1: no split)",
+        meaning=(
+            "; pass the number of chunks (e.g. the pipeline's micro-batch count; 0 or 1: no split)"
+        ),
     )
     if num_chunks <= 1:
         return process_input_for_thd(
@@ -417,12 +420,14 @@ def _convert(
 def _token_keys(
     token_keys: Sequence[str], batch: Mapping[str, Any], bsz: int, seq_len: int
 ) -> tuple[str, ...]:
-    """``token_keys``, checked: each names a tensor of ``batch`` shaped ``[B, S, ...]`` like the ids."""
+    """``token_keys``, checked: each names a tensor of ``batch`` shaped ``[B, S, ...]`` like the
+    ids."""
     keys = check_names("token_keys", token_keys) if token_keys else ()
     for key in keys:
         if key in ("input_ids", "labels", "position_ids") or key in _CONSUMED_KEYS:
             raise ValueError(
-                f"token_keys names {key!r}, which the conversion handles itself; drop it from token_keys"
+                f"token_keys names {key!r}, which the conversion handles itself; drop it "
+                "from token_keys"
             )
         if key not in batch:
             raise ValueError(
@@ -432,7 +437,8 @@ def _token_keys(
         if not isinstance(t, torch.Tensor) or t.dim() < 2 or tuple(t.shape[:2]) != (bsz, seq_len):
             got = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
             raise ValueError(
-                f"token key {key!r} is {got}, not [B, S, ...]=[{bsz}, {seq_len}, ...] like input_ids; "
+                f"token key {key!r} is {got}, not [B, S, ...]=[{bsz}, {seq_len}, ...] "
+                "like input_ids; "
                 "pass only per-token tensors in token_keys"
             )
     return keys

@@ -36,11 +36,10 @@ from te_thd.offline_cache import (
     produce_cache,
     readplan,
 )
+from te_thd.offline_cache.cp_reads import cp_spans, cp_tokens_read
 from te_thd.offline_cache.format import TensorSpec
 from te_thd.offline_cache.plan import (
     CacheSpec,
-    cp_spans,
-    cp_tokens_read,
     layouts,
     parse_key,
     plan_cache,
@@ -72,13 +71,22 @@ def _disk_bytes(d: str) -> int:
     dtype=st.sampled_from([torch.bfloat16, torch.float32, torch.float16]),
     vocab=st.sampled_from([100, 65_536, 65_537, 131_073]),
 )
-def test_predicted_shard_bytes_are_the_writers(tmp_path_factory, lengths, shard_size, hidden, topk, dtype, vocab):
+def test_predicted_shard_bytes_are_the_writers(
+    tmp_path_factory, lengths, shard_size, hidden, topk, dtype, vocab
+):
     width = 24
     schema = {
         "input_ids": TensorSpec(torch.int64, (width,)), "seq_len": TensorSpec(torch.int64, ()),
         "ids": TensorSpec(torch.int32, (width, topk)), "hidden": TensorSpec(dtype, (width, hidden)),
     }  # fmt: skip
-    spec = CacheSpec(schema, ("input_ids", "ids", "hidden"), shard_size, 2, length_key="seq_len", vocab_size=vocab)
+    spec = CacheSpec(
+        schema,
+        ("input_ids", "ids", "hidden"),
+        shard_size,
+        2,
+        length_key="seq_len",
+        vocab_size=vocab,
+    )
     costs = {c.name: c for c in plan_cache(lengths, spec)}
     combined = "ragged+" + "+".join(CODECS)  # every codec on the keys it takes, as a producer asks
     assert set(costs) == {"padded", "ragged", *(f"ragged+{c}" for c in CODECS), combined}
@@ -99,11 +107,19 @@ def test_predicted_shard_bytes_are_the_writers(tmp_path_factory, lengths, shard_
         kw = {} if layout is None else {"token_keys": layout.keys, "codecs": dict(layout.codecs)}
         manifest = produce_cache(DataLoader(samples, batch_size=4), out, shard_size, compute, tuple(schema),
                                  progress=False, length_key="seq_len", **kw)  # fmt: skip
-        assert costs[name].total_bytes == _shard_bytes(out) == sum(s["bytes"] for s in manifest["shards"]), name
+        assert (
+            costs[name].total_bytes
+            == _shard_bytes(out)
+            == sum(s["bytes"] for s in manifest["shards"])
+        ), name
         assert costs[name].num_shards == len(manifest["shards"])
         # the manifest as the producer writes it: only its codecs' loss figures differ in width
         real = os.path.getsize(os.path.join(out, "manifest.json"))
-        assert abs(costs[name].manifest_bytes - real) <= 0.05 * real, (name, costs[name].manifest_bytes, real)
+        assert abs(costs[name].manifest_bytes - real) <= 0.05 * real, (
+            name,
+            costs[name].manifest_bytes,
+            real,
+        )
 
 
 @PROPERTY
@@ -115,7 +131,9 @@ def test_predicted_shard_bytes_are_the_writers(tmp_path_factory, lengths, shard_
     packed=st.sampled_from([None, 1, 2]),
     batch=st.integers(1, 8),
 )
-def test_cp_reads_cover_every_token_and_stay_within_the_samples(lengths, cp, block_tokens, gap, packed, batch):
+def test_cp_reads_cover_every_token_and_stay_within_the_samples(
+    lengths, cp, block_tokens, gap, packed, batch
+):
     lengths = np.asarray(lengths, dtype=np.int64)
     multiple = 2 * cp if cp > 1 else 1
     seq = None if packed is None else packed * -(-300 // multiple) * multiple
@@ -130,11 +148,17 @@ def test_cp_reads_cover_every_token_and_stay_within_the_samples(lengths, cp, blo
     if cp == 1:
         assert reads[0] == lengths.sum()
     alone = np.arange(lengths.size)
-    assert sum(cp_tokens_read(lengths, spans, alone, cp, r, block_tokens, 0) for r in range(cp)) >= lengths.sum()
+    assert (
+        sum(cp_tokens_read(lengths, spans, alone, cp, r, block_tokens, 0) for r in range(cp))
+        >= lengths.sum()
+    )
 
 
 def test_parse_key_and_read_lengths():
-    assert parse_key("hidden=bfloat16:L,4096", 96) == ("hidden", TensorSpec(torch.bfloat16, (96, 4096)))
+    assert parse_key("hidden=bfloat16:L,4096", 96) == (
+        "hidden",
+        TensorSpec(torch.bfloat16, (96, 4096)),
+    )
     assert parse_key("seq_len=int64", 96) == ("seq_len", TensorSpec(torch.int64, ()))
     assert read_lengths("# a comment\n3\n\n 5 \n", "f").tolist() == [3, 5]
 
@@ -193,8 +217,14 @@ def _check_against_caches(tmp_path, monkeypatch, argv: list[str], seq_len: int) 
         assert abs(want - disk) <= 0.01 * disk, (name, want, disk)
         assert plan[name]["total_bytes"] == _shard_bytes(out), name
         manifest = os.path.getsize(os.path.join(out, "manifest.json"))
-        assert abs(plan[name]["manifest_bytes"] - manifest) <= 0.02 * manifest, (name, plan[name]["manifest_bytes"], manifest)
-    _fetched(str(tmp_path / "ragged"), 2, 0, seq_len)  # the reader's modules imported, not counted below
+        assert abs(plan[name]["manifest_bytes"] - manifest) <= 0.02 * manifest, (
+            name,
+            plan[name]["manifest_bytes"],
+            manifest,
+        )
+    _fetched(
+        str(tmp_path / "ragged"), 2, 0, seq_len
+    )  # the reader's modules imported, not counted below
     for name in caches:
         for rank in range(2):
             got = _fetched(str(tmp_path / name.replace("+", "-")), 2, rank, seq_len)
@@ -203,7 +233,14 @@ def _check_against_caches(tmp_path, monkeypatch, argv: list[str], seq_len: int) 
 
 
 def test_demo_cache_bytes_and_cp_reads_match_the_plan(tmp_path, monkeypatch):
-    argv = ["--cp", "2", "--num-samples", "256", "--shard-size", "64"]  # the demo's producer, 256 samples
+    argv = [
+        "--cp",
+        "2",
+        "--num-samples",
+        "256",
+        "--shard-size",
+        "64",
+    ]  # the demo's producer, 256 samples
     _check_against_caches(tmp_path, monkeypatch, argv, 256)
 
 
@@ -224,7 +261,13 @@ def test_hf_example_cache_bytes_and_cp_reads_match_the_plan(tmp_path, monkeypatc
 
 def _te_thd(*args: str, cwd: str | None = None) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "te_thd.cli", *args], capture_output=True, text=True, env=env, cwd=cwd)
+    return subprocess.run(
+        [sys.executable, "-m", "te_thd.cli", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=cwd,
+    )
 
 
 KEYS = ("--key", "input_ids=int64:L", "--key", "seq_len=int64", "--key", "hidden=bfloat16:L,64")
@@ -237,28 +280,57 @@ def test_cli_prints_every_layout_side_by_side_and_json(tmp_path):
                   "--cp", "2")  # fmt: skip
     assert res.returncode == 0, res.stderr
     header = next(line for line in res.stdout.splitlines() if "padded" in line and "ragged" in line)
-    assert header.split() == ["padded", "ragged", "ragged+fp8_e4m3"]  # no vocabulary: no index codec
+    assert header.split() == [
+        "padded",
+        "ragged",
+        "ragged+fp8_e4m3",
+    ]  # no vocabulary: no index codec
     assert "CP rank 1 reads/epoch" in res.stdout
     res = _te_thd("cache", "plan", "--lengths", str(lengths), "--max-len", "96", *KEYS, "--length-key", "seq_len",
                   "--cp", "2", "--vocab-size", "70000")  # fmt: skip
     assert res.returncode == 0, res.stderr
     header = next(line for line in res.stdout.splitlines() if "padded" in line and "ragged" in line)
-    assert header.split() == ["padded", "ragged", *(f"ragged+{c}" for c in CODECS), "ragged+" + "+".join(CODECS)]
+    assert header.split() == [
+        "padded",
+        "ragged",
+        *(f"ragged+{c}" for c in CODECS),
+        "ragged+" + "+".join(CODECS),
+    ]
     assert "input_ids as topk_index:70000" in res.stdout
     res = _te_thd("cache", "plan", "--lengths", str(lengths), "--max-len", "96", *KEYS, "--length-key", "seq_len",
                   "--cp", "2", "--json")  # fmt: skip
     out = json.loads(res.stdout)
     spec = CacheSpec({k: v for k, v in (parse_key(a, 96) for a in KEYS[1::2])}, ("input_ids", "hidden"), 128, 2,
                      length_key="seq_len")  # fmt: skip
-    assert [lay["total_bytes"] for lay in out["layouts"]] == [c.total_bytes for c in plan_cache([16, 40, 96], spec)]
-    assert out["num_samples"] == 3 and out["real_tokens"] == 152 and len(out["layouts"][0]["cp_rank_bytes"]) == 2
+    assert [lay["total_bytes"] for lay in out["layouts"]] == [
+        c.total_bytes for c in plan_cache([16, 40, 96], spec)
+    ]
+    assert (
+        out["num_samples"] == 3
+        and out["real_tokens"] == 152
+        and len(out["layouts"][0]["cp_rank_bytes"]) == 2
+    )
 
 
 def test_cli_target_and_data_run_the_examples_plan(tmp_path):
-    res = _te_thd("cache", "plan", "--data", "synthetic", "--num-samples", "64", "--cp", "2", "--json", cwd=str(tmp_path))
+    res = _te_thd(
+        "cache",
+        "plan",
+        "--data",
+        "synthetic",
+        "--num-samples",
+        "64",
+        "--cp",
+        "2",
+        "--json",
+        cwd=str(tmp_path),
+    )
     assert res.returncode == 0, res.stderr
     out = json.loads(res.stdout)
-    assert out["num_samples"] == 64 and [lay["layout"] for lay in out["layouts"]][:2] == ["padded", "ragged"]
+    assert out["num_samples"] == 64 and [lay["layout"] for lay in out["layouts"]][:2] == [
+        "padded",
+        "ragged",
+    ]
     assert "hidden" in out["schema"] and out["schema"]["hidden"]["shape"] == [96, 64]
 
 
@@ -300,14 +372,19 @@ def test_cli_bad_input_is_one_line_exit_2(tmp_path, lines, extra, message):
 def test_cli_missing_lengths_file_names_it(tmp_path):
     res = _te_thd("cache", "plan", "--lengths", str(tmp_path / "none.txt"), *KEYS)
     assert res.returncode == 2
-    assert res.stderr.strip().startswith(f"te-thd cache plan: --lengths {tmp_path / 'none.txt'}: cannot be read")
+    assert res.stderr.strip().startswith(
+        f"te-thd cache plan: --lengths {tmp_path / 'none.txt'}: cannot be read"
+    )
     assert "pass a text file with one length per line" in res.stderr
 
 
 @pytest.mark.parametrize(
     "argv, message",
     [
-        ([], "--out is required: pass the cache directory, e.g. --out runs/cache (or --plan to cost it)"),
+        (
+            [],
+            "--out is required: pass the cache directory, e.g. --out runs/cache (or --plan to cost it)",
+        ),
         (["--out", "x", "--json"], "--json applies to --plan only: add --plan, or drop --json"),
         (["--plan", "--plan-batch-size", "0"], "--plan-batch-size=0 must be >= 1"),
     ],
@@ -335,7 +412,9 @@ def test_cli_target_without_a_checkout_says_what_to_do(monkeypatch, tmp_path, ca
     from te_thd.cli import main
 
     monkeypatch.setenv("TE_THD_SOURCE", str(tmp_path))
-    assert main(["cache", "plan", "--target", "hf:models/my-llm", "--data", "jsonl:chats.jsonl"]) == 2
+    assert (
+        main(["cache", "plan", "--target", "hf:models/my-llm", "--data", "jsonl:chats.jsonl"]) == 2
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [
         "te-thd cache plan: --target/--data read the samples as examples/precompute_cache.py does: "
@@ -373,8 +452,14 @@ def test_cli_help_shows_both_ways_in_with_an_example_of_each_and_one_shard_size(
     assert "[--lengths FILE] [--key NAME=DTYPE[:SHAPE]]" in usage  # neither required: two ways in
     for flag in ("--target", "--data", "--num-samples", "--compact-dtypes", "--hidden-codec"):
         assert f"[{flag}" in usage, flag
-    examples = [ln.strip() for ln in res.stdout.split("two ways in", 1)[1].splitlines() if "te-thd cache plan" in ln]
-    assert any("--compact-dtypes" in ln for ln in examples) and any("--lengths" in ln for ln in examples)
+    examples = [
+        ln.strip()
+        for ln in res.stdout.split("two ways in", 1)[1].splitlines()
+        if "te-thd cache plan" in ln
+    ]
+    assert any("--compact-dtypes" in ln for ln in examples) and any(
+        "--lengths" in ln for ln in examples
+    )
     # one shard size by default, whichever way in
     ours = te_thd_parser().parse_args(["cache", "plan"]).shard_size
     assert ours == build_parser().parse_args(["--plan"]).shard_size == 128
@@ -385,4 +470,7 @@ def test_cli_producer_route_marks_the_column_its_flags_write(tmp_path):
                   cwd=str(tmp_path))  # fmt: skip
     assert res.returncode == 0, res.stderr
     assert "the producer's flags as given write: ragged+fp8_e4m3+topk_index" in res.stdout
-    assert "ragged+fp8_e4m3+topk_index: hidden as fp8_e4m3, topk_indices as topk_index:256" in res.stdout
+    assert (
+        "ragged+fp8_e4m3+topk_index: hidden as fp8_e4m3, topk_indices as topk_index:256"
+        in res.stdout
+    )

@@ -19,8 +19,9 @@ from te_thd.offline_cache import (
     produce_cache,
     readplan,
 )
+from te_thd.offline_cache.cp_reads import contiguous_ranges, cp_spans
 from te_thd.offline_cache.format import TensorSpec
-from te_thd.offline_cache.plan import CacheSpec, contiguous_ranges, cp_spans, plan_cache
+from te_thd.offline_cache.plan import CacheSpec, plan_cache
 
 L, H = 24, 8
 KEYS = ("input_ids", "hidden", "length")

@@ -45,7 +45,8 @@ from te_thd.attention.pitfalls import check_te_thd_kwargs
 from te_thd.boundaries import longest_segment
 from te_thd.layout import ThdLayout, as_layout, derive_unchecked
 
-#: What megatron-core warns on import without Transformer Engine and Apex (:func:`packed_seq_params`).
+#: What megatron-core warns on import without Transformer Engine and Apex
+#: (:func:`packed_seq_params`).
 _MEGATRON_NO_TE_WARNING = "Transformer Engine and Apex are not installed"
 
 __all__ = [
@@ -255,8 +256,8 @@ def packed_seq_params(
     the padded arrays are the unpadded tensor *objects* -- here they are exactly when
     there is no padding between sequences, so it infers right; older TE compares
     ``cu_seqlens[:-1]`` by value (a device sync) and misses padding that sits only at
-    the last sequence's tail (NVIDIA/TransformerEngine#3331) -- call TE with :func:`te_attention_kwargs`
-    there.
+    the last sequence's tail (NVIDIA/TransformerEngine#3331) -- call TE with
+    :func:`te_attention_kwargs` there.
 
     The dataclass is built from the host boundaries and its tensor fields are then
     moved to ``device``: Megatron's ``__post_init__`` (``seq_idx`` from
@@ -273,7 +274,8 @@ def packed_seq_params(
         ``megatron.core.packed_seq_params.PackedSeqParams``.
     """
     with warnings.catch_warnings():  # restored on exit: the process's filters are left as they were
-        # megatron-core warns once per module, on import, that it falls back from TE/Apex fused kernels
+        # megatron-core warns once per module, on import, that it falls back from TE/Apex fused
+        # kernels
         # (optimizer, grad clipping, FSDP) that a PackedSeqParams never uses: noise for this call
         warnings.filterwarnings("ignore", message=_MEGATRON_NO_TE_WARNING, category=UserWarning)
         from megatron.core import packed_seq_params as mcore
@@ -321,7 +323,8 @@ def _reject_for_varlen(layout: ThdLayout, kernel: str, causal: bool) -> None:
             "(thd['pad_between_seqs'] is True: cu_seqlens and cu_seqlens_padded differ, so "
             "sequences do not start where the previous one's real tokens end). Use causal=True, "
             "TE DotProductAttention with te_attention_kwargs(thd), or pack without per-sequence "
-            "padding (pad_to_multiple_of=1, no context parallelism) so only the pack's tail is padded"
+            "padding (pad_to_multiple_of=1, no context parallelism) so only the pack's "
+            "tail is padded"
         )
     if layout.cp_size != 1:
         raise VarlenLayoutError(

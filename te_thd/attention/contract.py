@@ -5,7 +5,8 @@ for packed (THD) input; :func:`check_te_thd_args` enforces what TE's source asse
 about it (``dot_product_attention.py`` forward, the THD context-parallel path and
 ``thd_get_partitioned_indices``), plus the value-level rules TE documents but does
 not check (``max_seqlen >= every segment``, every sequence fits its slot, an explicit
-``pad_between_seqs`` that agrees with the complete boundary arrays -- NVIDIA/TransformerEngine#3331).
+``pad_between_seqs`` that agrees with the complete boundary arrays --
+NVIDIA/TransformerEngine#3331).
 
 Every violation raises :class:`ThdContractError` (a ``ValueError``) whose message
 names the argument, the offending value, TE's own wording where it has one, and the
@@ -93,7 +94,8 @@ def _require_int(name: str, v: Any) -> int:
         name,
         v,
         error=ThdContractError,
-        meaning=" (a Python int: a tensor makes TE sync the device to read it); pass the host-side value, "
+        meaning=" (a Python int: a tensor makes TE sync the device to read it); pass the "
+        "host-side value, "
         "e.g. thd['max_seqlen_int']",
     )
 

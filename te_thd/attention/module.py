@@ -1,8 +1,8 @@
 """``ThdAttention``: one call site for TE's fused THD attention and the CPU reference.
 
 ``ThdAttention(...)(q, k, v, thd)`` (``thd`` a ``ThdLayout`` or the batch dict) runs TE
-``DotProductAttention(qkv_format="thd")`` (with the CP group, if any) when ``transformer_engine`` imports, CUDA is available
-and the tensors are on CUDA; otherwise the plain-torch reference
+``DotProductAttention(qkv_format="thd")`` (with the CP group, if any) when ``transformer_engine``
+imports, CUDA is available and the tensors are on CUDA; otherwise the plain-torch reference
 (:func:`thd_attention_reference`, or :func:`thd_attention_cp_reference` with a CP
 group of size > 1). Both return TE's THD output shape ``[T, H * D_v]``.
 """

@@ -94,8 +94,8 @@ def _differs(cu: torch.Tensor, cup: torch.Tensor, tail: bool = True) -> bool:
 
 
 def _pad_false_with_padding(kw: Mapping[str, Any], v: Version | None, head_dim: Any) -> list[str]:
-    """NVIDIA/TransformerEngine#3331: ``pad_between_seqs=False`` (given, or auto-detected on <= 2.17.1 from
-    ``cu_seqlens[:-1]`` only) over boundaries that differ: THD+CP p2p takes the
+    """NVIDIA/TransformerEngine#3331: ``pad_between_seqs=False`` (given, or auto-detected on <=
+    2.17.1 from ``cu_seqlens[:-1]`` only) over boundaries that differ: THD+CP p2p takes the
     no-padding path and mislabels chunk-boundary rows."""
     pad = kw.get("pad_between_seqs")
     if pad is not False and (pad is not None or not _in(v, hi=(2, 17, 1))):
@@ -124,8 +124,8 @@ def _pad_false_with_padding(kw: Mapping[str, Any], v: Version | None, head_dim: 
 
 
 def _equal_but_distinct(kw: Mapping[str, Any], v: Version | None, head_dim: Any) -> list[str]:
-    """NVIDIA/TransformerEngine#3487: TE >= 2.18 auto-detects ``pad_between_seqs`` by identity, so distinct
-    tensors of equal values count as padding (the slower exact CP path, padding-only
+    """NVIDIA/TransformerEngine#3487: TE >= 2.18 auto-detects ``pad_between_seqs`` by identity, so
+    distinct tensors of equal values count as padding (the slower exact CP path, padding-only
     backends)."""
     if kw.get("pad_between_seqs") is not None or not _in(v, lo=_IDENTITY_AUTODETECT):
         return []

@@ -1,4 +1,5 @@
-"""te_thd.offline_cache: sharded safetensors cache of per-sample tensors (format -> writer -> reader).
+"""te_thd.offline_cache: sharded safetensors cache of per-sample tensors (format -> writer ->
+reader).
 
 Every name of the reference module (NeMo AutoModel's
 ``components/datasets/llm/offline_cache``) is here with the same signature, so

@@ -1,5 +1,6 @@
-"""``te-thd cache info DIR``, ``te-thd cache verify DIR [--quick]``, ``te-thd cache repair DIR``, ``te-thd cache plan``,
-``te-thd cache unlock URL``: what each command does (:func:`run`; their arguments: ``te_thd._cache_parser``).
+"""``te-thd cache info DIR``, ``te-thd cache verify DIR [--quick]``, ``te-thd cache repair DIR``,
+``te-thd cache plan``, ``te-thd cache unlock URL``: what each command does (:func:`run`; their
+arguments: ``te_thd._cache_parser``).
 
 Thin shells over :func:`cache_info`, :func:`verify_cache`, :func:`repair_cache` and
 :func:`~te_thd.offline_cache.plan.plan_cache` (which reads and writes no cache).
@@ -52,7 +53,12 @@ def format_info(info: dict[str, Any]) -> str:
     lines = [
         f"cache:          {info['cache_dir']}",
         f"format_version: {info['format_version']}",
-        f"layout_version: {info['layout_version'] if info['layout_version'] is not None else '- (reference manifest: no checksums)'}",
+        "layout_version: "
+        + (
+            str(info["layout_version"])
+            if info["layout_version"] is not None
+            else "- (reference manifest: no checksums)"
+        ),
         f"samples:        {info['num_samples']}",
         f"shards:         {_shards_line(info)}",
         f"bytes:          {info['bytes']} ({human_bytes(info['bytes'])})",
@@ -67,7 +73,10 @@ def format_info(info: dict[str, Any]) -> str:
             line += f"  {stored}"
         fid = info.get("fidelity", {}).get(key)
         if fid is not None:
-            line += f"; relative L2 error per token: max {fid['max_rel_l2']:.2e}, mean {fid['mean_rel_l2']:.2e}"
+            line += (
+                f"; relative L2 error per token: max {fid['max_rel_l2']:.2e}, mean "
+                f"{fid['mean_rel_l2']:.2e}"
+            )
         lines.append(line)
     lines.append("producer options:" if info["options"] else "producer options: -")
     for k, v in sorted(info["options"].items()):
@@ -110,7 +119,8 @@ def _cmd_repair(args: argparse.Namespace) -> int:
         options = json.loads(args.options) if args.options is not None else None
     except json.JSONDecodeError as exc:
         print(
-            f"te-thd cache repair: --options {args.options!r} is not JSON ({exc}); pass an object, e.g. "
+            f"te-thd cache repair: --options {args.options!r} is not JSON ({exc}); pass "
+            "an object, e.g. "
             "--options '{\"cp_size\": 2}'",
             file=sys.stderr,
         )
@@ -143,7 +153,8 @@ def _cmd_repair(args: argparse.Namespace) -> int:
             f"; the damaged one is in {result['set_aside_in']}" if result["set_aside_in"] else ""
         )
         print(
-            f"rebuilt: {args.dir}: manifest.json written from its shards{passed}, every shard verified{aside}"
+            f"rebuilt: {args.dir}: manifest.json written from its shards{passed}, every "
+            f"shard verified{aside}"
         )
         return 0
     if not result["reopened"]:
@@ -151,8 +162,10 @@ def _cmd_repair(args: argparse.Namespace) -> int:
         kept = result["kept_aside"]
         if kept is not None:
             print(
-                f"kept: {kept['dir']} holds {kept['files']} file(s) ({human_bytes(kept['bytes'])}) that "
-                f"earlier repairs set aside for inspection; the cache does not need them: {kept['remove']}"
+                f"kept: {kept['dir']} holds {kept['files']} file(s) "
+                f"({human_bytes(kept['bytes'])}) that "
+                "earlier repairs set aside for inspection; the cache does not need them: "
+                f"{kept['remove']}"
             )
         return 0
     for name, why in result["damaged"].items():
@@ -178,7 +191,8 @@ def _cmd_unlock(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"te-thd cache unlock: {exc}", file=sys.stderr)
         return 2
-    # CacheError: no lock to remove here (a local directory's flock; a holder that runs on this host),
+    # CacheError: no lock to remove here (a local directory's flock; a holder that runs on this
+    # host),
     # no cache at the path, or a store that cannot be used
     try:
         holder = storage.unlock()
@@ -197,8 +211,10 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     try:
         if args.lengths is None or not args.key:
             raise ValueError(
-                "pass --lengths FILE with a --key NAME=DTYPE[:SHAPE] per stored key (any producer's "
-                "cache), or the example producer's flags, e.g. --num-samples 1024 (see te-thd cache "
+                "pass --lengths FILE with a --key NAME=DTYPE[:SHAPE] per stored key (any "
+                "producer's "
+                "cache), or the example producer's flags, e.g. --num-samples 1024 (see "
+                "te-thd cache "
                 "plan --help)"
             )
         for flag, value, meaning in (
@@ -215,7 +231,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                 text = f.read()
         except (OSError, UnicodeDecodeError) as exc:
             raise ValueError(
-                f"--lengths {args.lengths}: cannot be read ({exc.__class__.__name__}: {exc}); pass a text "
+                f"--lengths {args.lengths}: cannot be read ({exc.__class__.__name__}: "
+                f"{exc}); pass a text "
                 "file with one length per line"
             ) from None
         lengths = read_lengths(text, f"--lengths {args.lengths}")
@@ -223,7 +240,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         schema = dict(parse_key(k, max_len) for k in args.key)
         if len(schema) != len(args.key):
             raise ValueError(
-                f"--key names a key twice ({[k.partition('=')[0] for k in args.key]}); give each key once"
+                f"--key names a key twice ({[k.partition('=')[0] for k in args.key]}); "
+                "give each key once"
             )
         token_keys = (
             default_token_keys(schema, max_len)
@@ -245,7 +263,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                 )
         if token_keys and args.length_key is None and "input_ids" not in schema:
             raise ValueError(
-                "--length-key: none given and no --key input_ids, but a ragged layout stores each sample's "
+                "--length-key: none given and no --key input_ids, but a ragged layout "
+                "stores each sample's "
                 "real tokens: pass --length-key KEY naming the key that holds each length"
             )
         spec = CacheSpec(
@@ -289,5 +308,6 @@ COMMANDS = {
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the ``te-thd cache`` command ``args.cache_command`` with its parsed arguments; the exit status."""
+    """Run the ``te-thd cache`` command ``args.cache_command`` with its parsed arguments; the exit
+    status."""
     return COMMANDS[args.cache_command](args)

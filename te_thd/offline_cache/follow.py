@@ -74,8 +74,9 @@ class FollowTimeoutError(CacheError):
 
 
 def follow_record(run: Mapping[str, Any], producer_command: str | None) -> bytes:
-    """The bytes of the follow record: ``run`` (``producer_state.run_record``) and the resume command
-    (stored plain, as a shell takes it: :func:`~te_thd.offline_cache.format.command_record`)."""
+    """The bytes of the follow record: ``run`` (``producer_state.run_record``) and the resume
+    command (stored plain, as a shell takes it:
+    :func:`~te_thd.offline_cache.format.command_record`)."""
     return record_bytes(
         {
             "follow_version": _VERSION,
@@ -99,8 +100,10 @@ def _check_timeout(follow_timeout: Any) -> float:
         or not follow_timeout > 0
     ):
         raise ValueError(
-            f"follow_timeout={follow_timeout!r}: it must be a number of seconds > 0 (how long a read waits "
-            f"for a shard the producer has not committed yet); pass e.g. follow_timeout={DEFAULT_FOLLOW_TIMEOUT}"
+            f"follow_timeout={follow_timeout!r}: it must be a number of seconds > 0 (how "
+            "long a read waits "
+            "for a shard the producer has not committed yet); pass e.g. "
+            f"follow_timeout={DEFAULT_FOLLOW_TIMEOUT}"
         )
     return float(follow_timeout)
 
@@ -125,11 +128,12 @@ def open_followed(
     producer: str | None,
     follow_timeout: float = DEFAULT_FOLLOW_TIMEOUT,
 ) -> tuple[dict[str, Any], dict[str, Any] | None, str | None]:
-    """``(manifest, None, producer)`` of a finished cache, else ``(record_view, run, command)`` of the running
-    producer's record (``command``: ``producer``, else the one the producer recorded).
+    """``(manifest, None, producer)`` of a finished cache, else ``(record_view, run, command)`` of
+    the running producer's record (``command``: ``producer``, else the one the producer recorded).
 
-    Neither there yet (the producer has not started): waits up to ``follow_timeout`` seconds for one.
-    Raises :class:`FollowTimeoutError`, or ``ManifestError`` for a record of another ``format_version``."""
+    Neither there yet (the producer has not started): waits up to ``follow_timeout`` seconds for
+    one. Raises :class:`FollowTimeoutError`, or ``ManifestError`` for a record of another
+    ``format_version``."""
     timeout = _check_timeout(follow_timeout)
     try:  # a local path that is a file holds no cache, now or later
         storage.must_exist(MANIFEST_NAME)
@@ -144,8 +148,10 @@ def open_followed(
             return _parse(raw, storage, cache_name, format_version, producer)
         if time.monotonic() >= deadline:
             raise FollowTimeoutError(
-                f"waited {timeout:g} s (follow_timeout) for the {cache_name} cache at {cache_dir}: it has no "
-                f"manifest.json and no producer records following it ({FOLLOW_NAME}); start its producer, or pass "
+                f"waited {timeout:g} s (follow_timeout) for the {cache_name} cache at "
+                f"{cache_dir}: it has no "
+                f"manifest.json and no producer records following it ({FOLLOW_NAME}); "
+                "start its producer, or pass "
                 "the cache_dir it writes"
             )
         time.sleep(pause)
@@ -163,21 +169,25 @@ def _parse(
         command = record.get("producer_command")
     except (ValueError, KeyError, TypeError) as exc:
         raise CacheError(
-            f"cannot read the follow record {where} ({type(exc).__name__}: {exc}); open the cache with "
+            f"cannot read the follow record {where} ({type(exc).__name__}: {exc}); open "
+            "the cache with "
             "follow=False once its producer has finished"
         ) from None
     if view["format_version"] != format_version:
         raise CacheError(
-            f"{cache_name} cache being produced at {storage.name} has format_version={view['format_version']!r} "
-            f"({where}), expected {format_version}: its tensors mean something else; follow a cache built for "
+            f"{cache_name} cache being produced at {storage.name} has "
+            f"format_version={view['format_version']!r} "
+            f"({where}), expected {format_version}: its tensors mean something else; "
+            "follow a cache built for "
             f"format_version {format_version}"
         )
     return view, dict(run), producer or recorded_command(command)
 
 
 class Follower:
-    """One reader's view of a cache whose producer still runs: which shards it has seen committed, how to
-    wait for the others, and when to switch to the manifest. Picklable (DataLoader workers follow on their own)."""
+    """One reader's view of a cache whose producer still runs: which shards it has seen committed,
+    how to wait for the others, and when to switch to the manifest. Picklable (DataLoader workers
+    follow on their own)."""
 
     def __init__(
         self,
@@ -198,27 +208,33 @@ class Follower:
         deadline = time.monotonic() + self.timeout
         for pause in _pauses():
             if shard not in self.committed:
-                self._admit_committed()  # one listing tells every shard committed so far: later ones cost no request
+                # one listing tells every shard committed so far: later ones cost no request
+                self._admit_committed()
             if shard in self.committed:
                 return
             if time.monotonic() >= deadline:
                 raise FollowTimeoutError(
-                    f"waited {self.timeout:g} s (follow_timeout) for {self.storage.display(shard_name(shard))}, which "
-                    f"the producer of the {self.cache_name} cache has not committed: it stopped or runs slower than "
-                    f"that. Resume it with {self.command} (it keeps the committed shards), then restart training: "
+                    f"waited {self.timeout:g} s (follow_timeout) for "
+                    f"{self.storage.display(shard_name(shard))}, which "
+                    f"the producer of the {self.cache_name} cache has not committed: it "
+                    "stopped or runs slower than "
+                    f"that. Resume it with {self.command} (it keeps the committed "
+                    "shards), then restart training: "
                     "from its last checkpoint if it saved one, else from the start"
                 )
             time.sleep(pause)
 
     def has(self, shards: Iterable[int]) -> bool:
-        """Whether every shard of ``shards`` is committed (one listing when one was not yet); never waits."""
+        """Whether every shard of ``shards`` is committed (one listing when one was not yet); never
+        waits."""
         missing = set(shards) - self.committed
         if missing:
             self._admit_committed()
         return missing <= self.committed
 
     def _admit_committed(self) -> None:
-        """List the cache and make every shard committed since the last listing readable through the storage."""
+        """List the cache and make every shard committed since the last listing readable through the
+        storage."""
         for obj, size in self.storage.list().items():
             m = SHARD_RE.match(obj)
             if m is not None and int(m.group(1)) not in self.committed:
@@ -226,12 +242,14 @@ class Follower:
                 self.committed.add(int(m.group(1)))
 
     def check_shard(self, path: str, header: ShardHeader) -> None:
-        """Refuse a shard that another producer run wrote (its header's run record is not the followed one):
-        a :class:`CacheError`, not damage, so nothing is fetched again or repaired."""
+        """Refuse a shard that another producer run wrote (its header's run record is not the
+        followed one): a :class:`CacheError`, not damage, so nothing is fetched again or
+        repaired."""
         theirs = header.sums.run if header.sums is not None else None
         if theirs is not None and theirs != self.run:
             raise CacheError(
-                f"shard {path} was written by a producer run with other arguments than the one this reader "
+                f"shard {path} was written by a producer run with other arguments than "
+                "the one this reader "
                 f"follows ({describe_diff(self.run, theirs)}): {self._changed}"
             )
 
@@ -239,18 +257,22 @@ class Follower:
     def _changed(self) -> str:
         """What a reader whose cache was rebuilt under it says: the data it trained on is gone."""
         return (
-            f"the {self.cache_name} cache changed under this reader (another producer run now writes it), so "
+            f"the {self.cache_name} cache changed under this reader (another producer run "
+            "now writes it), so "
             "training stops; train again on it from the start once that run has finished"
         )
 
     def check_keys(self, disk_keys: Sequence[str]) -> None:
-        """Refuse ``disk_keys`` the followed producer does not store (``ValueError`` naming them)."""
+        """Refuse ``disk_keys`` the followed producer does not store (``ValueError`` naming
+        them)."""
         stored = list(self.run.get("keys") or ())
         unknown = [k for k in disk_keys if k not in stored]
         if unknown:
             raise ValueError(
-                f"disk_keys {unknown} are not in the {self.cache_name} cache being produced at {self.cache_dir} "
-                f"(its producer stores {stored}, {self.storage.display(FOLLOW_NAME)}); pass keys the producer writes"
+                f"disk_keys {unknown} are not in the {self.cache_name} cache being "
+                f"produced at {self.cache_dir} "
+                f"(its producer stores {stored}, {self.storage.display(FOLLOW_NAME)}); "
+                "pass keys the producer writes"
             )
 
     def finished(
@@ -260,19 +282,23 @@ class Follower:
         seen: Mapping[str, TensorSpec] | None,
         repair: str,
     ) -> tuple[dict[str, Any], dict[int, str]] | None:
-        """The manifest and its shard checksums once the producer has committed it (else None), checked: it records
-        the run followed (``versions``: the reader's format version and producer command), all its shards are
-        there, and it records the shards this process opened while following (``opened``) and their schema (``seen``)."""
+        """The manifest and its shard checksums once the producer has committed it (else None),
+        checked: it records the run followed (``versions``: the reader's format version and producer
+        command), all its shards are there, and it records the shards this process opened while
+        following (``opened``) and their schema (``seen``)."""
         if self.storage.get(MANIFEST_NAME) is None:
             return None
-        self._admit_committed()  # the reader stops listing: the shards committed since its last listing
+        # the reader stops listing: the shards committed since its last listing
+        self._admit_committed()
         manifest = read_manifest(self.cache_dir, self.cache_name, *versions)
         recorded = params_of_manifest(manifest, self.run.get("keys", ()))
         followed = {k: v for k, v in self.run.items() if k != LENGTH_RULE_KEY}
         if recorded != followed:
             raise CacheError(
-                f"{self.storage.display(MANIFEST_NAME)} was written by a producer run with other arguments than "
-                f"the one this reader followed ({describe_diff(followed, recorded)}): {self._changed}"
+                f"{self.storage.display(MANIFEST_NAME)} was written by a producer run "
+                "with other arguments than "
+                f"the one this reader followed ({describe_diff(followed, recorded)}): "
+                f"{self._changed}"
             )
         check_cache_files(self.cache_dir, manifest, self.cache_name, versions[1])
         checksums = {i: str(r["checksum"]) for i, r in enumerate(shard_records(manifest) or [])}
@@ -283,14 +309,16 @@ class Follower:
             and any(schema.get(k) != spec for k, spec in seen.items())
         ):
             raise CacheIntegrityError(
-                f"the manifest of {self.cache_dir} records the schema {schema_to_json(schema)}, the shards read while "
+                f"the manifest of {self.cache_dir} records the schema "
+                f"{schema_to_json(schema)}, the shards read while "
                 f"its producer ran showed {schema_to_json(dict(seen))}. {repair}"
             )
         for i, f in opened:
             actual = shard_checksum(f.header.sums.digest) if f.header.sums is not None else None
             if actual != checksums.get(i):
                 raise CacheIntegrityError(
-                    f"shard {f.name} was replaced after this reader read it (its header digest is {actual}, the "
+                    f"shard {f.name} was replaced after this reader read it (its header "
+                    f"digest is {actual}, the "
                     f"manifest records {checksums.get(i)}). {repair}",
                     path=f.name,
                 )

@@ -1,4 +1,5 @@
-"""On-disk format of the offline cache: paths, dtypes, schema, shard layout; the errors that name them.
+"""On-disk format of the offline cache: paths, dtypes, schema, shard layout; the errors that name
+them.
 
 A cache directory holds::
 
@@ -84,8 +85,8 @@ _fadvise = getattr(os, "posix_fadvise", None)  # not on macOS
 
 
 def advise(fd: int, advice: str, offset: int = 0, length: int = 0) -> None:
-    """Page-cache advice on ``fd``'s bytes ``[offset, offset + length)`` (``length`` 0: to the end), the
-    one place the cache gives it; nothing where the platform has no ``posix_fadvise``.
+    """Page-cache advice on ``fd``'s bytes ``[offset, offset + length)`` (``length`` 0: to the end),
+    the one place the cache gives it; nothing where the platform has no ``posix_fadvise``.
 
     ``"willneed"``: start reading those pages now, so scattered reads queue up at the
     storage at once. ``"random"``: no kernel read-ahead, for a file read a few pieces
@@ -107,7 +108,8 @@ def canonical_json(obj: Any) -> bytes:
 
 
 def json_crc32(obj: Any) -> str:
-    """``"crc32:<8 hex>"`` of :func:`canonical_json` of ``obj`` (a manifest's or side file's own checksum)."""
+    """``"crc32:<8 hex>"`` of :func:`canonical_json` of ``obj`` (a manifest's or side file's own
+    checksum)."""
     return f"{CHECKSUM_ALGORITHM}:{zlib.crc32(canonical_json(obj)) & 0xFFFFFFFF:08x}"
 
 
@@ -127,7 +129,8 @@ def dtype_from_name(name: str) -> torch.dtype:
 
 
 def tensor_nbytes(dtype: torch.dtype, shape: Sequence[int]) -> int:
-    """Bytes of a ``dtype`` tensor of ``shape``; given a sample's trailing shape, the bytes of one row.
+    """Bytes of a ``dtype`` tensor of ``shape``; given a sample's trailing shape, the bytes of one
+    row.
 
     The one formula by which shards are laid out, written and read back (exact: Python ints)."""
     return math.prod(shape) * dtype.itemsize
@@ -294,7 +297,8 @@ PRODUCE_CACHE_HINT = (
 
 
 def producer_hint(producer: str | None) -> str:
-    """``producer`` (a command the caller gave, e.g. its script line) or :data:`PRODUCE_CACHE_HINT`."""
+    """``producer`` (a command the caller gave, e.g. its script line) or
+    :data:`PRODUCE_CACHE_HINT`."""
     return producer or PRODUCE_CACHE_HINT
 
 
@@ -322,7 +326,8 @@ def cache_command(verb: str, cache_dir: str, *flags: str) -> str:
 
 
 def repair_hint(cache_dir: str, producer: str | None = None) -> str:
-    """The repair instruction of a cache with damaged shards; every command in it runs as printed."""
+    """The repair instruction of a cache with damaged shards; every command in it runs as
+    printed."""
     return (
         f"Repair: {cache_command('repair', cache_dir)} (sets the damaged shards aside and "
         f"reopens the cache for a resume), then re-run {producer_hint(producer)}."
@@ -339,31 +344,37 @@ def lost_manifest(
 ) -> ManifestNotFoundError:
     """The error of a cache with no manifest at ``path``: with ``status`` (what its producer's files
     say: one is writing it, or it stopped and the command that resumes it), that; with ``shards``
-    shard files in ``cache_dir``, the command that rebuilds it from them; else what builds the cache."""
+    shard files in ``cache_dir``, the command that rebuilds it from them; else what builds the
+    cache."""
     if status:
         return ManifestNotFoundError(
             f"{cache_name} cache manifest not found at {path} ({shards} shard(s) so far): {status}"
         )
     if shards:
         return ManifestNotFoundError(
-            f"{cache_name} cache manifest not found at {path}, but {cache_dir} holds {shards} shard(s): the manifest "
+            f"{cache_name} cache manifest not found at {path}, but {cache_dir} holds "
+            f"{shards} shard(s): the manifest "
             "was lost, or the cache was never finished. Rebuild it from the shards: "
-            f"{cache_command('repair', cache_dir)} (it verifies every shard; when one is missing it prints the producer command "
+            f"{cache_command('repair', cache_dir)} (it verifies every shard; when one is "
+            "missing it prints the producer command "
             "that computes it)."
         )
     build = producer or "its producer (e.g. `te_thd.offline_cache.produce_cache(...)`)"
     return ManifestNotFoundError(
-        f"{cache_name} cache manifest not found at {path}, and {cache_dir} holds no shards: the cache was never "
+        f"{cache_name} cache manifest not found at {path}, and {cache_dir} holds no "
+        "shards: the cache was never "
         f"finished there. Build it with {build}, or point cache_dir at a finished cache."
     )
 
 
 def rebuild_manifest_hint(path: str) -> str:
-    """What to do about the damaged manifest at ``path``: restore it, or rebuild it from the shards."""
+    """What to do about the damaged manifest at ``path``: restore it, or rebuild it from the
+    shards."""
     cache_dir = os.path.dirname(path) or "."
     return (
         f"Restore {os.path.basename(path)} from a copy, or rebuild it from the shards: "
-        f"{cache_command('repair', cache_dir)} (it verifies every shard and keeps the damaged file)."
+        f"{cache_command('repair', cache_dir)} (it verifies every shard and keeps the "
+        "damaged file)."
     )
 
 
@@ -408,7 +419,8 @@ class CacheIntegrityError(CacheError):
 def unreadable_shard(
     path: str, why: BaseException, repair: str, by: str = ""
 ) -> CacheIntegrityError:
-    """The error of a shard that could not be read (``by``: e.g. " by safetensors"), naming it, why, and the repair."""
+    """The error of a shard that could not be read (``by``: e.g. " by safetensors"), naming it, why,
+    and the repair."""
     return CacheIntegrityError(f"shard {path} cannot be read{by} ({why}). {repair}", path=path)
 
 
@@ -421,4 +433,5 @@ class CacheLockError(CacheError):
 
 
 class UnverifiedCacheWarning(UserWarning):
-    """A cache is read without checksums: its shards predate self-verifying shards (or verification is off)."""
+    """A cache is read without checksums: its shards predate self-verifying shards (or verification
+    is off)."""

@@ -64,7 +64,8 @@ class LengthRule:
             or obj.get("kind") not in _KINDS
         ):
             raise ValueError(
-                f"length rule {obj!r} is not {{'key': str, 'kind': one of {_KINDS}, 'pad_token_id': int}}"
+                f"length rule {obj!r} is not {{'key': str, 'kind': one of {_KINDS}, "
+                f"'pad_token_id': int}}"
             )
         pad = obj.get("pad_token_id", 0)
         if not is_int(pad):
@@ -99,14 +100,16 @@ class LengthRule:
 
 
 def producer_rule(length_key: str | None, keys: Sequence[str]) -> LengthRule | None:
-    """The rule ``produce_cache`` records with: ``length_key``'s, else ``input_ids``' when stored, else none.
+    """The rule ``produce_cache`` records with: ``length_key``'s, else ``input_ids``' when stored,
+    else none.
 
     The kind is fixed by the stored tensor's trailing shape (:func:`for_tensor`).
     """
     if length_key is not None:
         if length_key not in keys:
             raise ValueError(
-                f"length_key={length_key!r} is not one of the stored keys {list(keys)}; name the key that "
+                f"length_key={length_key!r} is not one of the stored keys {list(keys)}; "
+                "name the key that "
                 "holds each sample's length (one int per sample) or its tokens, or add it to keys"
             )
         return LengthRule(length_key)
@@ -114,8 +117,8 @@ def producer_rule(length_key: str | None, keys: Sequence[str]) -> LengthRule | N
 
 
 def for_tensor_spec(rule: LengthRule, spec: TensorSpec) -> LengthRule:
-    """``rule`` with its kind fixed by its key's per-sample shape, unless it counts a mask or a width:
-    the key's value when it holds one number per sample, else its non-padding length."""
+    """``rule`` with its kind fixed by its key's per-sample shape, unless it counts a mask or a
+    width: the key's value when it holds one number per sample, else its non-padding length."""
     if rule.kind in ("nonzero", "row"):
         return rule
     return LengthRule(
@@ -139,7 +142,8 @@ def for_tensor(rule: LengthRule, t: torch.Tensor) -> LengthRule:
 
 
 def recorded_rule(manifest: Mapping[str, Any]) -> LengthRule | None:
-    """The rule of the lengths ``manifest`` records, or ``None`` when every shard record lacks them."""
+    """The rule of the lengths ``manifest`` records, or ``None`` when every shard record lacks
+    them."""
     obj = manifest.get(LENGTH_RULE_KEY)
     recs = manifest.get("shards")
     if (
@@ -172,8 +176,8 @@ def check_lengths_record(rec: Mapping[str, Any], rows: int) -> str | None:
 def read_shard_lengths(path: str, rule: LengthRule) -> np.ndarray:
     """Lengths of every row of one shard file under ``rule`` (reads only the rule's key).
 
-    A token-layout shard stored exactly those lengths (its row offsets, by its producer's rule): they
-    are read from its header when ``rule`` is that rule.
+    A token-layout shard stored exactly those lengths (its row offsets, by its producer's rule):
+    they are read from its header when ``rule`` is that rule.
     """
     from safetensors import safe_open
 

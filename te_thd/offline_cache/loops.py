@@ -38,7 +38,8 @@ from te_thd.offline_cache.writer import DurableShardWriter, WriteShardFn, valida
 
 
 def _loader_class() -> type:
-    """``te_thd.offline_cache.DataLoader`` (torch's unless a test patched it), looked up per call."""
+    """``te_thd.offline_cache.DataLoader`` (torch's unless a test patched it), looked up per
+    call."""
     import te_thd.offline_cache as package
 
     return package.DataLoader
@@ -144,8 +145,10 @@ class ShardAccumulator:
                 self._shard_index * self._shard_size + self._buffered
             )  # the batch's first sample
             raise ValueError(
-                f"compute_batch returned {rows} row{'s' * (rows != 1)} for a batch of {samples} samples ({first}..{first + samples - 1} "
-                "of the dataset): it must return one row per sample of its batch, in order, as must the loader's "
+                f"compute_batch returned {rows} row{'s' * (rows != 1)} for a batch of "
+                f"{samples} samples ({first}..{first + samples - 1} "
+                "of the dataset): it must return one row per sample of its batch, in "
+                "order, as must the loader's "
                 "collate_fn (shards are cut by sample index)"
             )
         if self._keys is None:
@@ -175,9 +178,11 @@ class ShardAccumulator:
             shard_rows = min(self._shard_size, self._remaining)
             if shard_rows == 0:
                 raise RuntimeError(
-                    f"compute_batch returned {rows - offset} rows beyond the {self._total} samples of this run: "
+                    f"compute_batch returned {rows - offset} rows beyond the "
+                    f"{self._total} samples of this run: "
                     "the dataloader yields more samples than its dataset holds, e.g. "
-                    "a collate_fn or sampler that adds samples. Shards are cut by sample index, so a producer's "
+                    "a collate_fn or sampler that adds samples. Shards are cut by sample "
+                    "index, so a producer's "
                     "loader must yield each sample of its dataset once, in order."
                 )
             take = min(rows - offset, shard_rows - self._buffered)
@@ -205,9 +210,12 @@ class ShardAccumulator:
                 except ValueError as exc:
                     want = min(self._shard_size, self._remaining)
                     raise RuntimeError(
-                        f"the run ended with {self._buffered} of shard {self._shard_index}'s {want} rows: the "
-                        "dataloader yielded fewer samples than its dataset holds (e.g. drop_last, or a collate_fn "
-                        "that drops samples). Shards are cut by sample index, so a producer's loader must yield "
+                        f"the run ended with {self._buffered} of shard "
+                        f"{self._shard_index}'s {want} rows: the "
+                        "dataloader yielded fewer samples than its dataset holds (e.g. "
+                        "drop_last, or a collate_fn "
+                        "that drops samples). Shards are cut by sample index, so a "
+                        "producer's loader must yield "
                         "each sample of its dataset once, in order."
                     ) from exc
             return
@@ -323,7 +331,8 @@ def lockstep_write(
     with its own sequential loader and accumulator, so batches never straddle a run. Dummy
     forwards (``dataset[0]``, output discarded) then pad this rank to
     ``sync_max_steps(local_steps)``: a sharded model's collectives need every rank to call
-    ``compute_batch`` equally often. ``progress`` (tqdm-like or ``None``) gets ``update(1)`` per step.
+    ``compute_batch`` equally often. ``progress`` (tqdm-like or ``None``) gets ``update(1)`` per
+    step.
     """
     dataset = dataloader.dataset
     bs = loader_batch_size(dataloader)
@@ -418,9 +427,12 @@ def resume_start_sample(existing_shards: set[int], shard_size: int) -> int:
     if set(existing_shards) != expected:
         gaps = sorted(set(range(max(existing_shards) + 1)) - set(existing_shards))
         raise ValueError(
-            f"resume expects the existing shards to be a contiguous prefix 0..{len(existing_shards) - 1}, "
-            f"but found {format_indices(existing_shards)} (missing {format_indices(gaps)}). Delete the "
-            "shards after the first gap, or restart from a clean directory (produce_cache fills gaps itself)."
+            "resume expects the existing shards to be a contiguous prefix "
+            f"0..{len(existing_shards) - 1}, "
+            f"but found {format_indices(existing_shards)} (missing "
+            f"{format_indices(gaps)}). Delete the "
+            "shards after the first gap, or restart from a clean directory "
+            "(produce_cache fills gaps itself)."
         )
     return len(existing_shards) * shard_size
 

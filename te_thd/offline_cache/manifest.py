@@ -93,16 +93,19 @@ def stored_format_version(version: int, tagged: bool) -> int | str:
 
 def check_format_version_arg(value: Any) -> None:
     """Refuse a reader's ``format_version`` argument that is not an int, saying what to pass: a
-    digit string or the manifest's tagged spelling (``"1+tokens"``) never equals the recorded int."""
+    digit string or the manifest's tagged spelling (``"1+tokens"``) never equals the recorded
+    int."""
     version, tagged = parse_format_version(value)
     if tagged:
         raise ValueError(
-            f"format_version={value!r} is how manifest.json records version {version} of a cache with "
+            f"format_version={value!r} is how manifest.json records version {version} of "
+            "a cache with "
             f"ragged token keys: pass format_version={version}"
         )
     if isinstance(value, str) and value.strip().isdigit():
         raise ValueError(
-            f"format_version={value!r} is a str, but the version is an int (the types differ, so it never "
+            f"format_version={value!r} is a str, but the version is an int (the types "
+            "differ, so it never "
             f"matches): pass format_version={int(value)}"
         )
     check_int(
@@ -123,7 +126,8 @@ def parse_format_version(value: Any) -> tuple[Any, bool]:
 
 
 def _damaged(path: str, what: str) -> ManifestError:
-    """The error of the manifest at ``path`` whose content is damaged: ``what``, and how to fix it."""
+    """The error of the manifest at ``path`` whose content is damaged: ``what``, and how to fix
+    it."""
     return ManifestError(f"{what}. The manifest is damaged. {rebuild_manifest_hint(path)}")
 
 
@@ -221,8 +225,8 @@ def write_manifest(cache_dir: str, manifest: dict[str, Any], format_version: int
     Written as ``{"format_version": format_version, **manifest}`` plus its
     ``manifest_checksum`` (recomputed here; a value in ``manifest``, e.g. from
     a manifest read and edited, is replaced), with sorted keys and no volatile
-    fields, through :func:`~te_thd.offline_cache.storage.atomic_write` (temp file, fsync, rename, fsync of the
-    directory). A producer writes it after every shard is on disk: its presence
+    fields, through :func:`~te_thd.offline_cache.storage.atomic_write` (temp file, fsync, rename,
+    fsync of the directory). A producer writes it after every shard is on disk: its presence
     is what marks a cache finished.
     """
     data = manifest_bytes(cache_dir, manifest, format_version)
@@ -259,7 +263,8 @@ def _read_checked_manifest(cache_dir: str, cache_name: str, producer: str | None
     """Parse ``manifest.json`` and check its own checksum; returns it without that field.
 
     Nothing else is validated: the caller checks ``format_version`` first (the more useful message
-    when a cache is merely old), then the layout. A directory with nothing a producer writes is not a cache.
+    when a cache is merely old), then the layout. A directory with nothing a producer writes is not
+    a cache.
     """
     storage = open_storage(cache_dir)
     storage.must_exist(MANIFEST_NAME)
@@ -285,7 +290,8 @@ def _read_checked_manifest(cache_dir: str, cache_name: str, producer: str | None
         )
     if not raw.strip():  # json's "Expecting value: line 1 column 1" says nothing of the cause
         raise ManifestError(
-            f"{cache_name} cache manifest {path} is empty ({len(raw)} bytes): it was cut off after it "
+            f"{cache_name} cache manifest {path} is empty ({len(raw)} bytes): it was cut "
+            "off after it "
             f"was written (a full disk, a copy that stopped). {rebuild_manifest_hint(path)}"
         )
     try:
@@ -304,7 +310,8 @@ def _read_checked_manifest(cache_dir: str, cache_name: str, producer: str | None
     manifest.pop(MANIFEST_CHECKSUM_KEY, None)
     if "format_version" not in manifest:
         raise ManifestError(
-            f"{cache_name} cache manifest {path} has no 'format_version' field: it is damaged, or it "
+            f"{cache_name} cache manifest {path} has no 'format_version' field: it is "
+            "damaged, or it "
             "is not an offline-cache manifest (te_thd and the reference producer both write one). "
             + rebuild_manifest_hint(path)
         )
@@ -313,7 +320,8 @@ def _read_checked_manifest(cache_dir: str, cache_name: str, producer: str | None
         raise _damaged(
             path,
             f"{cache_name} cache manifest {path} has format_version={manifest['format_version']!r} "
-            f"{'without' if tagged else 'with'} a {TOKEN_LAYOUT_KEY!r} field; a ragged cache records both",
+            f"{'without' if tagged else 'with'} a {TOKEN_LAYOUT_KEY!r} field; a ragged "
+            "cache records both",
         )
     manifest["format_version"] = version  # the caller's version; the layout is in token_layout
     return manifest
@@ -338,7 +346,8 @@ def _check_manifest_checksum(manifest: Mapping[str, Any], path: str, cache_name:
     if not isinstance(recorded, str) or recorded.split(":", 1)[0] != CHECKSUM_ALGORITHM:
         raise ManifestError(
             f"{cache_name} cache manifest {path} has {MANIFEST_CHECKSUM_KEY}={recorded!r}, not "
-            f"'{CHECKSUM_ALGORITHM}:<8 hex digits>': the file was damaged after it was written, {damaged}"
+            f"'{CHECKSUM_ALGORITHM}:<8 hex digits>': the file was damaged after it was "
+            f"written, {damaged}"
         )
     actual = manifest_checksum(manifest)
     if actual != recorded:
@@ -378,11 +387,12 @@ def read_manifest(
     lacks such a field is read as if it recorded that default, so older caches
     keep comparing and training under the configuration they were built with.
 
-    Raises ``ValueError`` when ``format_version`` is not an int, :class:`ManifestNotFoundError` (also a
-    ``FileNotFoundError``) when the manifest is absent, and :class:`ManifestError` naming ``manifest.json``
-    when it is not JSON, not an object, fails its own ``manifest_checksum`` (damaged), has no or another
-    ``format_version``, or lacks ``num_samples``/``shard_size``. The returned dict does not contain
-    ``manifest_checksum`` (it describes the file, not the cache; :func:`write_manifest` recomputes it).
+    Raises ``ValueError`` when ``format_version`` is not an int, :class:`ManifestNotFoundError`
+    (also a ``FileNotFoundError``) when the manifest is absent, and :class:`ManifestError` naming
+    ``manifest.json`` when it is not JSON, not an object, fails its own ``manifest_checksum``
+    (damaged), has no or another ``format_version``, or lacks ``num_samples``/``shard_size``. The
+    returned dict does not contain ``manifest_checksum`` (it describes the file, not the cache;
+    :func:`write_manifest` recomputes it).
     """
     check_format_version_arg(format_version)
     path, manifest = (
@@ -460,9 +470,9 @@ def producer_command(
     ``producer`` (the caller's); else the command the cache records in its ``producer`` and
     ``producer_args`` options (the example's does), in backticks, run by this interpreter
     (``sys.executable``: the one with torch and te_thd), or ``"<producer> with the arguments that
-    built it"`` when only the script is recorded; else the ``produce_cache`` call (``producer_hint``).
-    The script is named by its absolute path when found (:func:`checkout_file`), so the command runs
-    from any directory."""
+    built it"`` when only the script is recorded; else the ``produce_cache`` call
+    (``producer_hint``). The script is named by its absolute path when found
+    (:func:`checkout_file`), so the command runs from any directory."""
     recorded, args = manifest.get(PRODUCER_KEY), manifest.get(PRODUCER_ARGS_KEY)
     if producer or not isinstance(recorded, str):
         return producer_hint(producer)
@@ -477,7 +487,8 @@ def producer_command(
 
 
 def _record(storage: Storage, name: str) -> dict[str, Any]:
-    """The producer record ``name`` (a JSON object) of the cache, ``{}`` when absent or unreadable."""
+    """The producer record ``name`` (a JSON object) of the cache, ``{}`` when absent or
+    unreadable."""
     raw = storage.get(name)
     try:
         record = json.loads(raw.decode()) if raw is not None else {}
@@ -500,8 +511,8 @@ def resume_command(storage: Storage, producer: str | None = None) -> str:
 
 
 def producer_status(storage: Storage, producer: str | None = None) -> str | None:
-    """What the producer files of a cache without a manifest say, or ``None`` (no producer left any):
-    a producer writing it (host, pid), or one that stopped and the command that resumes it."""
+    """What the producer files of a cache without a manifest say, or ``None`` (no producer left
+    any): a producer writing it (host, pid), or one that stopped and the command that resumes it."""
     holder = storage.lock_holder()
     if holder is None and not storage.get(FOLLOW_NAME) and not storage.get(PROGRESS_NAME):
         return None
@@ -512,31 +523,40 @@ def producer_status(storage: Storage, producer: str | None = None) -> str | None
     )
     if holder is not None and holder["alive"]:
         return (
-            f"a producer is writing it ({who}) and writes the manifest last. Wait for it to finish, "
+            f"a producer is writing it ({who}) and writes the manifest last. Wait for it "
+            "to finish, "
             "or read the cache as it is written (follow=True)."
         )
     resume = resume_command(storage, producer)
     if holder is not None and holder["alive"] is None:  # another host's object-store lock
         return (
-            f"a producer on {who} holds its lock: it is writing the cache, or was killed there (then "
-            f"run {cache_command('unlock', storage.name)}). Resume a stopped producer with: {resume}"
+            f"a producer on {who} holds its lock: it is writing the cache, or was killed "
+            "there (then "
+            f"run {cache_command('unlock', storage.name)}). Resume a stopped producer "
+            f"with: {resume}"
         )
     if holder is None:  # released: the producer raised, or repair reopened the cache
         return (
-            "its producer run is unfinished (stopped by an error, or reopened by te-thd cache repair); "
+            "its producer run is unfinished (stopped by an error, or reopened by te-thd "
+            "cache repair); "
             f"resume with: {resume}"
         )
-    return f"its producer stopped before it finished ({who} no longer holds its lock); resume with: {resume}"
+    return (
+        f"its producer stopped before it finished ({who} no longer holds its lock); resume "
+        f"with: {resume}"
+    )
 
 
 def shard_records(manifest: Mapping[str, Any]) -> list[dict[str, Any]] | None:
-    """The per-shard ``{file, bytes, checksum}`` records, or ``None`` for a manifest without them."""
+    """The per-shard ``{file, bytes, checksum}`` records, or ``None`` for a manifest without
+    them."""
     recs = manifest.get("shards")
     return list(recs) if isinstance(recs, list) else None
 
 
 def manifest_schema(manifest: Mapping[str, Any]) -> CacheSchema | None:
-    """The manifest's key schema (``{}`` for an empty cache), or ``None`` for a manifest without one."""
+    """The manifest's key schema (``{}`` for an empty cache), or ``None`` for a manifest without
+    one."""
     if "schema" not in manifest:
         return None
     return {} if manifest["schema"] == {} else schema_from_json(manifest["schema"])

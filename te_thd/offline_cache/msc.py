@@ -3,7 +3,8 @@
 addresses object storage behind ``--enable-msc``.
 
 - **the profile** is MSC's own: defined in the file ``MSC_CONFIG`` names, else in MSC's
-  default config file (``~/.msc_config.yaml``, ``~/.config/msc/config.yaml``, ``/etc/msc_config.yaml``,
+  default config file (``~/.msc_config.yaml``, ``~/.config/msc/config.yaml``,
+  ``/etc/msc_config.yaml``,
   ...). Its provider (s3, gcs, azure, oci, ais, ...), credentials, endpoint and retries are MSC's;
   ``path`` is relative to the profile's ``base_path``. The process that opens the cache finds the
   file as MSC does; each process (every rank, every DataLoader worker) makes its own client from
@@ -34,7 +35,8 @@ from te_thd.offline_cache import storage
 from te_thd.offline_cache.s3 import S3Prefix
 from te_thd.offline_cache.storage import unlink_quietly
 
-#: the MSC providers (classes, and those derived from them) that send ``If-None-Match: *`` on a write
+#: the MSC providers (classes, and those derived from them) that send ``If-None-Match: *`` on a
+#: write
 CONDITIONAL = ("S3StorageProvider", "OracleStorageProvider")
 #: ranged reads of one batch in flight at once (MSC issues one request per range)
 RANGE_THREADS = 8
@@ -46,7 +48,8 @@ def _msc() -> Any:
         import multistorageclient
     except ImportError:
         raise ImportError(
-            "msc:// caches need NVIDIA's multi-storage-client: install te_thd's msc extra from its checkout, "
+            "msc:// caches need NVIDIA's multi-storage-client: install te_thd's msc "
+            "extra from its checkout, "
             "`pip install -e '.[msc]'`"
         ) from None
     return multistorageclient
@@ -89,8 +92,9 @@ def _msc_logs_held() -> Iterator[list[logging.LogRecord]]:
 
 
 class MSCPrefix(S3Prefix):
-    """The cache at ``msc://profile/prefix`` (``prefix`` without leading or trailing slashes, relative to the
-    profile's ``base_path``). ``read_cache_dir`` / ``read_cache_bytes``: as :class:`S3Prefix`'s."""
+    """The cache at ``msc://profile/prefix`` (``prefix`` without leading or trailing slashes,
+    relative to the profile's ``base_path``). ``read_cache_dir`` / ``read_cache_bytes``: as
+    :class:`S3Prefix`'s."""
 
     def __init__(
         self,
@@ -103,7 +107,8 @@ class MSCPrefix(S3Prefix):
         super().__init__(scheme, profile, prefix, read_cache_dir, read_cache_bytes)
         self.profile = profile
         self.config = {}  # the client's settings are MSC's own, read from the file below
-        # The file MSC finds here (MSC_CONFIG, else its default files), found once: a DataLoader worker
+        # The file MSC finds here (MSC_CONFIG, else its default files), found once: a DataLoader
+        # worker
         # started from a forkserver has the forkserver's environment, not this process's.
         self.config_file = self._found_config()
 
@@ -115,7 +120,8 @@ class MSCPrefix(S3Prefix):
             return None
 
     def client(self) -> tuple[Any, Any]:
-        """This process's MSC ``StorageClient`` of the profile and its storage provider, made on first use."""
+        """This process's MSC ``StorageClient`` of the profile and its storage provider, made on
+        first use."""
         key = (os.getpid(), self.profile, self.config_file)
         if key not in _CLIENTS:
             msc = _msc()
@@ -133,7 +139,8 @@ class MSCPrefix(S3Prefix):
 
     @contextlib.contextmanager
     def calls(self) -> Iterator[None]:
-        """As :meth:`S3Prefix.calls`; what MSC logs of an error that becomes our one line is not shown."""
+        """As :meth:`S3Prefix.calls`; what MSC logs of an error that becomes our one line is not
+        shown."""
         with _msc_logs_held() as held:
             try:
                 with super().calls():
@@ -148,17 +155,23 @@ class MSCPrefix(S3Prefix):
         if re.search(r"Profile .* not found in configuration", str(exc)):
             if named and not os.path.isfile(named):
                 return (
-                    f"MSC_CONFIG={named} names no file; point MSC_CONFIG at the MSC config file that defines "
+                    f"MSC_CONFIG={named} names no file; point MSC_CONFIG at the MSC "
+                    "config file that defines "
                     f"profile {self.profile!r}"
                 )
             return (
-                f"MSC profile {self.profile!r} is not defined {self.where()}; add it under `profiles:` there, or "
+                f"MSC profile {self.profile!r} is not defined {self.where()}; add it "
+                "under `profiles:` there, or "
                 "set MSC_CONFIG to the MSC config file that defines it"
             )
-        return f"MSC cannot make a client of profile {self.profile!r} {self.where()}: {str(exc).splitlines()[0]}; fix the profile"
+        return (
+            f"MSC cannot make a client of profile {self.profile!r} {self.where()}: "
+            f"{str(exc).splitlines()[0]}; fix the profile"
+        )
 
     def where(self) -> str:
-        """Where the profile is defined, and its provider's endpoint and base path, as messages say it."""
+        """Where the profile is defined, and its provider's endpoint and base path, as messages say
+        it."""
         try:
             conf, path = _msc().StorageClientConfig.read_msc_config(
                 [self.config_file] if self.config_file else None
@@ -166,7 +179,10 @@ class MSCPrefix(S3Prefix):
         except Exception:  # noqa: BLE001 - a malformed file: the caller's message names MSC's own error
             return "in the MSC config file"
         if path is None:
-            return "in any MSC config file (MSC_CONFIG is not set, and none of MSC's default files such as ~/.msc_config.yaml exists)"
+            return (
+                "in any MSC config file (MSC_CONFIG is not set, and none of MSC's default "
+                "files such as ~/.msc_config.yaml exists)"
+            )
         provider = ((conf or {}).get("profiles", {}).get(self.profile) or {}).get(
             "storage_provider"
         ) or {}
@@ -175,8 +191,10 @@ class MSCPrefix(S3Prefix):
         return f"in {path}" + (f" (type {provider.get('type')}, {shown})" if provider else "")
 
     def store_error(self, exc: BaseException) -> storage.StorageError | None:
-        """The one line for an MSC error that every request would meet; None for one about one object."""
-        # MSC raises its own errors from the client's (a missing bucket's GET: a FileNotFoundError from NoSuchBucket)
+        """The one line for an MSC error that every request would meet; None for one about one
+        object."""
+        # MSC raises its own errors from the client's (a missing bucket's GET: a FileNotFoundError
+        # from NoSuchBucket)
         text = " ".join(
             f"{type(e).__name__}: {e}"
             for e in (exc, exc.__cause__, exc.__context__)
@@ -184,21 +202,29 @@ class MSCPrefix(S3Prefix):
         )
         if "NoSuchBucket" in text:
             why = (
-                "the profile's bucket does not exist {}; te_thd never creates buckets: create it first, or check "
+                "the profile's bucket does not exist {}; te_thd never creates buckets: "
+                "create it first, or check "
                 "the profile's base_path and endpoint_url"
             )
         elif isinstance(exc, PermissionError) or re.search(
             r"AccessDenied|InvalidAccessKeyId|SignatureDoesNotMatch", text
         ):
             why = (
-                "access denied {}; check the profile's credentials_provider, and that its keys may read and "
+                "access denied {}; check the profile's credentials_provider, and that "
+                "its keys may read and "
                 "write the profile's base_path"
             )
         elif re.search(
-            r"Could not connect|EndpointConnectionError|ConnectTimeout|Connection refused|timed out|network timeout",
+            (
+                r"Could not connect|EndpointConnectionError|ConnectTimeout|Connection "
+                r"refused|timed out|network timeout"
+            ),
             text,
         ):
-            why = "no answer from the object store {}; check that the server runs and the profile's endpoint_url"
+            why = (
+                "no answer from the object store {}; check that the server runs and the "
+                "profile's endpoint_url"
+            )
         else:
             return None
         return storage.StorageError(
@@ -224,7 +250,8 @@ class MSCPrefix(S3Prefix):
             return None
 
     def get_ranges(self, obj: str, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
-        """Bytes ``[start, end)`` of ``obj`` for each range, read concurrently (MSC reads one range a request)."""
+        """Bytes ``[start, end)`` of ``obj`` for each range, read concurrently (MSC reads one range
+        a request)."""
         cli, key, rng = self.client()[0], self.key(obj), _msc().types.Range
         with self.calls(), ThreadPoolExecutor(min(RANGE_THREADS, max(len(ranges), 1))) as pool:
             return [
@@ -235,7 +262,8 @@ class MSCPrefix(S3Prefix):
             ]
 
     def put(self, obj: str, data: bytes, *, create: bool = False) -> str:
-        """Also ``create``: only if it does not exist (see the module docstring); then ``""`` when it did."""
+        """Also ``create``: only if it does not exist (see the module docstring); then ``""`` when
+        it did."""
         cli, provider = self.client()
         with self.calls():
             if not create:

@@ -1,4 +1,5 @@
-"""What a cache will cost before it is produced: its bytes, its shards, and each CP rank's reads per epoch.
+"""What a cache will cost before it is produced: its bytes, its shards, and each CP rank's reads per
+epoch.
 
 :func:`plan_cache` takes every sample's real length and the logical schema (token keys
 ``[L, ...]`` per sample, as ``compute_batch`` returns them) and lays the cache out with the
@@ -23,7 +24,7 @@ import torch
 
 from te_thd._cp_strategy import DUAL_CHUNK_SWAP, normalize_strategy
 from te_thd.args import check_int
-from te_thd.cp import partition_indices
+from te_thd.offline_cache.cp_reads import contiguous_ranges, cp_spans, cp_tokens_read
 from te_thd.offline_cache.format import (
     TensorSpec,
     dtype_from_name,
@@ -46,14 +47,10 @@ from te_thd.offline_cache.ragged import (
     check_token_keys,
     full_name,
     is_lossy,
-    plan_token_reads,
     row_offsets,
 )
 from te_thd.offline_cache.shardfile import shard_header_len
-from te_thd.packing import document_spans, document_starts, pad_to_multiple_for
 
-#: positions planned per call of the CP share planner: bounds its memory on long documents
-_CHUNK_TOKENS = 1 << 22
 #: what a lossy codec's shard records in the manifest, and a figure of the width it usually has
 _LOSS_FIGURES = ("max_rel_l2", "mean_rel_l2")
 _LOSS_PLACEHOLDER = 0.012345
@@ -61,13 +58,13 @@ _LOSS_PLACEHOLDER = 0.012345
 
 @dataclass(frozen=True)
 class CacheSpec:
-    """The cache to plan: ``schema`` (logical: a token key is ``[L, ...]`` per sample), the keys that
-    can be stored ragged (``token_keys``), ``shard_size``, ``cp``, the producer's ``length_key``
-    (``None``: its default), the key the collator packs (``input_key``), the keys a codec may take
-    (``codec_keys``; ``None``: every token key), the producer ``options`` every shard header records,
-    how training packs a sequential epoch (``pack_seq_len``, ``batch_size``), the target's
-    ``vocab_size``, which sizes an index codec (``None``: index codecs are not planned), and the
-    collator's CP ``strategy`` (:func:`te_thd.cp.partition_indices`)."""
+    """The cache to plan: ``schema`` (logical: a token key is ``[L, ...]`` per sample), the keys
+    that can be stored ragged (``token_keys``), ``shard_size``, ``cp``, the producer's
+    ``length_key`` (``None``: its default), the key the collator packs (``input_key``), the keys a
+    codec may take (``codec_keys``; ``None``: every token key), the producer ``options`` every shard
+    header records, how training packs a sequential epoch (``pack_seq_len``, ``batch_size``), the
+    target's ``vocab_size``, which sizes an index codec (``None``: index codecs are not planned),
+    and the collator's CP ``strategy`` (:func:`te_thd.cp.partition_indices`)."""
 
     schema: dict[str, TensorSpec]
     token_keys: tuple[str, ...]
@@ -88,7 +85,8 @@ class CacheSpec:
 
 @dataclass(frozen=True)
 class LayoutCost:
-    """One way to store the cache: ``name``, its codecs, shard bytes, shards, each CP rank's bytes per epoch."""
+    """One way to store the cache: ``name``, its codecs, shard bytes, shards, each CP rank's bytes
+    per epoch."""
 
     name: str
     codecs: dict[str, str]
@@ -116,8 +114,9 @@ class LayoutCost:
 
 
 def parse_key(text: str, max_len: int) -> tuple[str, TensorSpec]:
-    """``"hidden=bfloat16:L,4096"`` -> ``("hidden", TensorSpec(bfloat16, (max_len, 4096)))``: a key's
-    dtype and per-sample shape, ``L`` standing for the padded length; ``"seq_len=int64"``: one value."""
+    """``"hidden=bfloat16:L,4096"`` -> ``("hidden", TensorSpec(bfloat16, (max_len, 4096)))``: a
+    key's dtype and per-sample shape, ``L`` standing for the padded length; ``"seq_len=int64"``: one
+    value."""
     name, eq, rest = text.partition("=")
     dtype_text, _, shape_text = rest.partition(":")
     try:
@@ -131,7 +130,8 @@ def parse_key(text: str, max_len: int) -> tuple[str, TensorSpec]:
             raise ValueError("negative size")
     except ValueError:
         raise ValueError(
-            f"--key {text!r} is not NAME=DTYPE[:SHAPE]; write e.g. --key hidden=bfloat16:L,4096 or --key seq_len=int64 "
+            f"--key {text!r} is not NAME=DTYPE[:SHAPE]; write e.g. --key "
+            "hidden=bfloat16:L,4096 or --key seq_len=int64 "
             "(DTYPE a torch dtype name, SHAPE sizes per sample with L for the padded length)"
         ) from None
     return name, TensorSpec(dtype, shape)
@@ -139,7 +139,8 @@ def parse_key(text: str, max_len: int) -> tuple[str, TensorSpec]:
 
 def read_lengths(text: str, where: str) -> np.ndarray:
     """Lengths from the text of a lengths file: one integer ``>= 0`` per line (blank lines and lines
-    starting with ``#`` are skipped); int64 ``[n]``. ``ValueError`` naming ``where`` and the line."""
+    starting with ``#`` are skipped); int64 ``[n]``. ``ValueError`` naming ``where`` and the
+    line."""
     out = []
     for n, line in enumerate(text.splitlines(), 1):
         s = line.strip()
@@ -164,16 +165,19 @@ def check_lengths(lengths: np.ndarray, spec: CacheSpec, flag: str = "lengths") -
     if widths and lengths.size and int(lengths.max()) > width:
         i = int(np.argmax(lengths))
         raise ValueError(
-            f"{flag}: sample {i} has length {int(lengths[i])}, longer than L={width} of the token keys; "
-            f"raise the padded length (te-thd cache plan --max-len) to at least {int(lengths.max())}, or "
+            f"{flag}: sample {i} has length {int(lengths[i])}, longer than L={width} of "
+            "the token keys; "
+            "raise the padded length (te-thd cache plan --max-len) to at least "
+            f"{int(lengths.max())}, or "
             "truncate the samples"
         )
     return width
 
 
 def layouts(spec: CacheSpec) -> list[tuple[str, TokenLayout | None]]:
-    """``[(name, token layout)]``: padded, ragged, ragged with each codec on every key it can store, and
-    (when two or more codecs apply) ragged with all of them together, each key in the first that takes it."""
+    """``[(name, token layout)]``: padded, ragged, ragged with each codec on every key it can store,
+    and (when two or more codecs apply) ragged with all of them together, each key in the first that
+    takes it."""
     keys = tuple(spec.schema)
     out: list[tuple[str, TokenLayout | None]] = [("padded", None)]
     if not spec.token_keys:
@@ -224,7 +228,8 @@ def shard_bytes(
     run: Mapping[str, Any],
     rule: LengthRule | None,
 ) -> int:
-    """Bytes of the shard holding samples of ``lengths`` (int64 ``[rows]``), as its writer lays it out."""
+    """Bytes of the shard holding samples of ``lengths`` (int64 ``[rows]``), as its writer lays it
+    out."""
     rows = int(lengths.size)
     total = header_bytes(spec, layout, rows, run, rule)
     if layout is None:
@@ -269,124 +274,11 @@ def manifest_size(
     return len(manifest_bytes("", manifest, spec.format_version))
 
 
-def cp_spans(
-    lengths: np.ndarray,
-    cp: int,
-    pack_seq_len: int | None,
-    batch_size: int,
-    strategy: str = DUAL_CHUNK_SWAP,
-) -> np.ndarray:
-    """Each sample's span in ``cu_seqlens_padded`` (int64 ``[n]``): what CP splits. Packed as
-    ``CachedThdCollator`` packs a sequential epoch's batches of ``batch_size`` into rows of
-    ``pack_seq_len`` (:func:`~te_thd.packing.document_spans`), or each alone (``None``).
-    ``"no_load_balance"`` pads no packed document, and a document alone to a multiple of ``cp``."""
-    if strategy == DUAL_CHUNK_SWAP:
-        multiple = row_multiple = pad_to_multiple_for(cp)
-        what = f"2*cp={row_multiple}"
-    else:
-        multiple, row_multiple = (cp if pack_seq_len is None else 1), cp
-        what = f"cp={cp} (strategy={strategy!r})"
-    padded = -(-lengths // multiple) * multiple
-    if pack_seq_len is None:
-        return padded
-    check_int("batch_size", batch_size, 1, meaning=" (samples per training batch)")
-    if pack_seq_len % row_multiple or (padded.size and int(padded.max()) > pack_seq_len):
-        raise ValueError(
-            f"pack_seq_len={pack_seq_len} must be a multiple of {what} and hold the longest "
-            f"sample padded to it ({int(padded.max())}); pass a multiple of {row_multiple} of at "
-            f"least {int(padded.max())}"
-        )
-    out = np.empty_like(lengths)
-    for a in range(0, lengths.size, batch_size):
-        out[a : a + batch_size] = document_spans(
-            lengths[a : a + batch_size], pack_seq_len, multiple
-        )
-    return out
-
-
-def cp_tokens_read(
-    lengths: np.ndarray,
-    spans: np.ndarray,
-    groups: np.ndarray,
-    cp: int,
-    rank: int,
-    block_tokens: int,
-    gap_tokens: int,
-    ranges: tuple[np.ndarray, np.ndarray] | None = None,
-) -> int:
-    """Tokens the reader fetches for CP rank ``rank`` of one stored tensor (blocks of ``block_tokens``,
-    gaps up to ``gap_tokens`` read through) of samples ``lengths`` (int64 ``[n]``; ``spans``: their
-    :func:`cp_spans`). ``groups`` (int64 ``[n]``, non-decreasing): the samples read together, one
-    batch's samples of one shard, whose blocks the reader plans in one go. ``ranges``: each
-    sample's slots the rank holds under ``"no_load_balance"`` (:func:`contiguous_ranges`); None:
-    dual chunk swap, each document split by itself."""
-    total = 0
-    start = 0
-    while start < lengths.size:
-        stop = start + 1
-        budget = int(lengths[start])
-        while stop < lengths.size and (
-            groups[stop] == groups[stop - 1] or budget + int(lengths[stop]) <= _CHUNK_TOKENS
-        ):
-            budget += int(lengths[stop])
-            stop += 1
-        lens = lengths[start:stop]
-        cu = row_offsets(spans[start:stop])
-        if ranges is None:
-            pos = partition_indices(
-                torch.from_numpy(cu), int(cu[-1]), cp, rank, check=False
-            ).numpy()
-        else:  # each sample's held slots, in the chunk's coordinates
-            a, b = ranges[0][start:stop], ranges[1][start:stop]
-            runs = b - a
-            pos = np.repeat(cu[:-1] + a - (np.cumsum(runs) - runs), runs)
-            pos += np.arange(pos.size, dtype=np.int64)
-        doc = np.searchsorted(cu, pos, side="right") - 1
-        pos = pos - cu[doc]
-        real = pos < lens[doc]
-        doc, pos = doc[real], pos[real]
-        # between two groups a spacer longer than the gap: no read joins them, as separate reads do not
-        spacer = np.diff(groups[start:stop], prepend=groups[start]) != 0
-        rows = np.arange(lens.size) + np.cumsum(spacer)
-        spaced = np.full(int(rows[-1]) + 1, gap_tokens + 1, dtype=np.int64)
-        spaced[rows] = lens
-        offsets = row_offsets(spaced)
-        total += plan_token_reads(
-            block_table(offsets, block_tokens), offsets, rows[doc], pos, gap_tokens
-        ).tokens
-        start = stop
-    return total
-
-
-def contiguous_ranges(
-    spans: np.ndarray,
-    cp: int,
-    rank: int,
-    pack_seq_len: int | None,
-    batch_size: int,
-    lengths: np.ndarray,
-) -> tuple[np.ndarray, np.ndarray]:
-    """``(a, b)`` int64 ``[n]``: the slots ``[a_i, b_i)`` of sample ``i``'s span that CP rank
-    ``rank`` holds under ``"no_load_balance"``: the rank's contiguous piece of each stream (one
-    batch's rows, or a document alone) cut with the document where the packer placed it."""
-    if pack_seq_len is None:
-        starts, totals = np.zeros_like(spans), spans
-    else:
-        starts, totals = np.empty_like(spans), np.empty_like(spans)
-        for a in range(0, spans.size, batch_size):
-            stop = min(a + batch_size, spans.size)
-            starts[a:stop] = document_starts(lengths[a:stop], pack_seq_len, 1)
-            totals[a:stop] = spans[a:stop].sum()
-    piece = totals // cp
-    lo = rank * piece - starts
-    return np.clip(lo, 0, spans), np.clip(lo + piece, 0, spans)
-
-
 def rank_bytes(
     spec: CacheSpec, layout: TokenLayout | None, lengths: np.ndarray, headers: int, total: int
 ) -> tuple[int, ...]:
-    """Each CP rank's bytes fetched in one epoch over every sample (``headers``: every shard's header
-    bytes, ``total``: the shards' bytes)."""
+    """Each CP rank's bytes fetched in one epoch over every sample (``headers``: every shard's
+    header bytes, ``total``: the shards' bytes)."""
     if layout is None or spec.cp == 1:
         return (total,) * spec.cp  # every key's rows, or every token, on every rank
     whole = {spec.input_key, spec.length_key or ""}
@@ -458,7 +350,8 @@ def plan_cache(lengths: Sequence[int] | np.ndarray, spec: CacheSpec) -> list[Lay
     for name, layout in layouts(spec):
         if layout is not None and rule is None:
             raise ValueError(
-                "a ragged cache needs each sample's length: pass length_key (a stored key) or store input_ids"
+                "a ragged cache needs each sample's length: pass length_key (a stored "
+                "key) or store input_ids"
             )
         params = run_params(
             spec.format_version, int(lengths.size), spec.shard_size, keys, spec.options, layout
@@ -497,8 +390,8 @@ def plan_json(
     lengths: np.ndarray,
     produced: str | None = None,
 ) -> dict[str, Any]:
-    """What ``te-thd cache plan --json`` prints: the inputs and every layout's figures (``produced``:
-    the layout a producer's flags ask for, recorded as ``"produced_layout"``)."""
+    """What ``te-thd cache plan --json`` prints: the inputs and every layout's figures
+    (``produced``: the layout a producer's flags ask for, recorded as ``"produced_layout"``)."""
     return {
         **({"produced_layout": produced} if produced is not None else {}),
         "num_samples": int(lengths.size),
@@ -521,7 +414,8 @@ def format_plan(
     """The table ``te-thd cache plan`` prints: one column per layout (``produced``: the layout a
     producer's flags ask for, named under the table)."""
     head = [
-        f"samples: {lengths.size}, real tokens: {int(lengths.sum())} (mean length {lengths.mean() if lengths.size else 0:.1f}, "
+        f"samples: {lengths.size}, real tokens: {int(lengths.sum())} (mean length "
+        f"{lengths.mean() if lengths.size else 0:.1f}, "
         f"L = {check_lengths(lengths, spec)}), shard_size {spec.shard_size}, cp {spec.cp}"
         + (f" ({spec.strategy})" if spec.strategy != DUAL_CHUNK_SWAP else ""),
         "keys: "
@@ -563,7 +457,8 @@ def format_plan(
     lines += [
         "",
         "Total: the shards; the manifest beside them is priced as the producer writes it. "
-        "CP rank bytes: one epoch of every sample through CachedThdCollator(cp_size, cp_rank); divide by the "
+        "CP rank bytes: one epoch of every sample through CachedThdCollator(cp_size, "
+        "cp_rank); divide by the "
         "data-parallel replicas for one replica's share.",
     ]
     return "\n".join(lines)
@@ -578,8 +473,6 @@ __all__ = [
     "CacheSpec",
     "LayoutCost",
     "check_lengths",
-    "cp_spans",
-    "cp_tokens_read",
     "default_token_keys",
     "format_plan",
     "human_bytes",

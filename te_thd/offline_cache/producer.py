@@ -112,8 +112,8 @@ class ProducerComm:
         return out
 
     def on_rank0(self, fn: Callable[[], Any], failed: str) -> Any:
-        """``fn()`` on rank 0, its result broadcast to every rank. An error there is raised on rank 0
-        and, as a :class:`CacheError` ``"<failed>: <error>"``, on the others: told before rank 0
+        """``fn()`` on rank 0, its result broadcast to every rank. An error there is raised on rank
+        0 and, as a :class:`CacheError` ``"<failed>: <error>"``, on the others: told before rank 0
         raises, or they would wait in the broadcast forever."""
         outcome: tuple[str, Any] | None = None
         if self.rank == 0:
@@ -153,7 +153,8 @@ def resolve_ranks(rank: int | None, world_size: int | None, group: Any) -> tuple
     world_size = 1 if world_size is None else world_size
     if world_size != 1 or rank != 0:
         raise ValueError(
-            f"world_size={world_size!r}, rank={rank!r} need an initialised torch.distributed process "
+            f"world_size={world_size!r}, rank={rank!r} need an initialised "
+            "torch.distributed process "
             "group (call torch.distributed.init_process_group first, or use world_size=1)"
         )
     return 0, 1
@@ -197,7 +198,8 @@ class _RecordingWriter(DurableShardWriter):
             try:
                 if not isinstance(samples, Mapping):
                     raise SchemaError(
-                        f"compute_batch returned a {type(samples).__name__}; it must return a dict of tensors"
+                        f"compute_batch returned a {type(samples).__name__}; it must "
+                        "return a dict of tensors"
                     )
                 return super().validate(samples, shard_index, "compute_batch output")
             except SchemaError as exc:
@@ -241,7 +243,8 @@ def produce_cache(
     token_keys: Sequence[str] = (),
     codecs: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
-    """Produce (or finish, or reuse) the cache of ``dataloader`` in ``output_dir``; return its manifest.
+    """Produce (or finish, or reuse) the cache of ``dataloader`` in ``output_dir``; return its
+    manifest.
 
     Args:
         dataloader: sequential loader over a map-style dataset (``len(dataset)``
@@ -303,18 +306,21 @@ def produce_cache(
     token_layout = check_token_keys(token_keys, codecs, keys)
     if token_layout is not None and length_rule is None:
         raise ValueError(
-            f"token_keys={tuple(token_keys)} needs each sample's length to know which tokens to store; pass "
+            f"token_keys={tuple(token_keys)} needs each sample's length to know which "
+            "tokens to store; pass "
             "length_key=<the stored key with each sample's length or its token ids>"
         )
     num_samples = loader_num_samples(dataloader)
     if os.path.exists(output_dir) and not os.path.isdir(output_dir):
         raise ValueError(
-            f"output_dir={output_dir!r} is a file, not a directory; pass a directory (new, or one this producer wrote)"
+            f"output_dir={output_dir!r} is a file, not a directory; pass a directory "
+            "(new, or one this producer wrote)"
         )
     if num_shards(num_samples, shard_size) > MAX_SHARDS:
         raise ValueError(
             f"shard_size={shard_size} gives {num_shards(num_samples, shard_size)} shards for "
-            f"{num_samples} samples; at most {MAX_SHARDS} fit the six-digit names. Use a larger shard_size."
+            f"{num_samples} samples; at most {MAX_SHARDS} fit the six-digit names. Use a "
+            "larger shard_size."
         )
     rank, world_size = resolve_ranks(rank, world_size, group)
     job = _Job(
@@ -339,7 +345,8 @@ def produce_cache(
 
 @dataclass(frozen=True)
 class _Job:
-    """One ``produce_cache`` call on one rank: its parameters (validated) and its phases, in order."""
+    """One ``produce_cache`` call on one rank: its parameters (validated) and its phases, in
+    order."""
 
     output_dir: str
     shard_size: int
@@ -405,7 +412,8 @@ class _Job:
         return self.comm.on_rank0(decide, "rank 0 refused to produce the cache")
 
     def verify_block(self) -> tuple[dict[int, ShardRecord], CacheSchema | None, list[int]]:
-        """This rank's shard block: verify the shards that exist; return their records, schema, the rest."""
+        """This rank's shard block: verify the shards that exist; return their records, schema, the
+        rest."""
         comm = self.comm
         start_shard, _, n_local = partition_cache_shards(
             self.num_samples, self.shard_size, comm.world_size, comm.rank

@@ -83,8 +83,8 @@ def run_params(
 
 
 def check_options(options: Mapping[str, Any] | None) -> dict[str, Any]:
-    """The producer options as a dict, refused (``ValueError``) when a key is one te_thd writes itself or a
-    value is not JSON (they are recorded top-level in the manifest)."""
+    """The producer options as a dict, refused (``ValueError``) when a key is one te_thd writes
+    itself or a value is not JSON (they are recorded top-level in the manifest)."""
     options = dict(options or {})
     clash = sorted(set(options) & RESERVED_MANIFEST_KEYS)
     if clash:
@@ -102,8 +102,9 @@ def check_options(options: Mapping[str, Any] | None) -> dict[str, Any]:
 
 
 def run_record(params: Mapping[str, Any], length_rule: LengthRule | None) -> dict[str, Any]:
-    """What every shard of a run keeps in its header (``run``): :func:`run_params` and the producer's
-    length rule, so ``te-thd cache repair`` rebuilds the manifest from the shards alone."""
+    """What every shard of a run keeps in its header (``run``): :func:`run_params` and the
+    producer's length rule, so ``te-thd cache repair`` rebuilds the manifest from the shards
+    alone."""
     record = dict(params)
     if length_rule is not None:
         record[LENGTH_RULE_KEY] = length_rule.to_json()
@@ -121,7 +122,8 @@ _ABSENT = object()
 def describe_diff(recorded: Mapping[str, Any], wanted: Mapping[str, Any], prefix: str = "") -> str:
     """``"options.cp_size: recorded 2, this run 4; ..."``: only the fields that differ, nested
     dicts field by field, each with both values (a field one side lacks: ``absent``). A long value
-    (a recorded command line) is cut to where it differs and listed last: what changed comes first."""
+    (a recorded command line) is cut to where it differs and listed last: what changed comes
+    first."""
     diffs = _diffs(recorded, wanted, prefix)
     return "; ".join(
         text for _, text in sorted(diffs, key=lambda d: d[0])
@@ -131,7 +133,8 @@ def describe_diff(recorded: Mapping[str, Any], wanted: Mapping[str, Any], prefix
 def _diffs(
     recorded: Mapping[str, Any], wanted: Mapping[str, Any], prefix: str
 ) -> list[tuple[bool, str]]:
-    """``[(cut, text)]`` of :func:`describe_diff`, in field order (``cut``: a long value was cut)."""
+    """``[(cut, text)]`` of :func:`describe_diff`, in field order (``cut``: a long value was
+    cut)."""
     diffs: list[tuple[bool, str]] = []
     for k in sorted(set(recorded) | set(wanted), key=str):
         a, b = recorded.get(k, _ABSENT), wanted.get(k, _ABSENT)
@@ -149,7 +152,10 @@ def _diffs(
             diffs.append(
                 (
                     True,
-                    f"{prefix}{k}[{at[0]}]: recorded {_show(a[at[0]], 40)}, this run {_show(b[at[0]], 40)}{more}",
+                    (
+                        f"{prefix}{k}[{at[0]}]: recorded {_show(a[at[0]], 40)}, this run "
+                        f"{_show(b[at[0]], 40)}{more}"
+                    ),
                 )
             )
         else:
@@ -167,7 +173,8 @@ def _show(value: Any, limit: int | None = None) -> str:
 
 
 def params_of_manifest(manifest: Mapping[str, Any], keys: Sequence[str] = ()) -> dict[str, Any]:
-    """:func:`run_params` of the run that wrote ``manifest`` (``keys``: for an empty cache, which has no schema)."""
+    """:func:`run_params` of the run that wrote ``manifest`` (``keys``: for an empty cache, which
+    has no schema)."""
     return run_params(
         manifest.get("format_version"),  # type: ignore[arg-type]
         manifest.get("num_samples"),  # type: ignore[arg-type]
@@ -199,7 +206,8 @@ def reopen_for_resume(
 
 
 def _wrong_sized(cache_dir: str, manifest: Mapping[str, Any]) -> list[int]:
-    """Shards of ``manifest``'s cache that are present with another size than recorded, or beyond its count."""
+    """Shards of ``manifest``'s cache that are present with another size than recorded, or beyond
+    its count."""
     count = num_shards(int(manifest["num_samples"]), int(manifest["shard_size"]))
     present = sorted(existing_shard_indices(cache_dir))
     wrong_size = shard_size_errors(cache_dir, manifest, [i for i in present if i < count])
@@ -228,7 +236,8 @@ def prepare_directory(
         if recorded != params:
             raise CacheError(
                 f"output_dir {output_dir} holds a finished cache built with other parameters "
-                f"({describe_diff(recorded, params)}). Choose another output_dir, or delete this cache."
+                f"({describe_diff(recorded, params)}). Choose another output_dir, or "
+                "delete this cache."
             )
         try:
             check_cache_files(output_dir, manifest, cache_name, producer_name)
@@ -259,8 +268,10 @@ def prepare_directory(
         # resume=False asks for a directory of its own: files no producer wrote mean a wrong path
         more = f" and {len(foreign) - 3} more" if len(foreign) > 3 else ""
         raise CacheError(
-            f"output_dir {output_dir} is not empty: it holds {', '.join(foreign[:3])}{more}, which no "
-            "te_thd producer wrote, and resume=False builds a cache only in an empty directory. Choose "
+            f"output_dir {output_dir} is not empty: it holds "
+            f"{', '.join(foreign[:3])}{more}, which no "
+            "te_thd producer wrote, and resume=False builds a cache only in an empty "
+            "directory. Choose "
             "an empty output_dir, or pass resume=True to write the cache beside these files."
         )
     raw = storage.get(PROGRESS_NAME)
@@ -269,12 +280,14 @@ def prepare_directory(
             recorded = json.loads(raw.decode())
         except ValueError as exc:
             raise CacheError(
-                f"cannot read the producer record {storage.display(PROGRESS_NAME)} ({exc}); delete it, then rebuild the "
+                f"cannot read the producer record {storage.display(PROGRESS_NAME)} "
+                f"({exc}); delete it, then rebuild the "
                 f"record from the shards: {cache_command('repair', output_dir)}"
             ) from None
         if shards and not resume:
             raise CacheError(
-                f"output_dir {output_dir} holds {len(shards)} shards of an unfinished run. Pass resume=True "
+                f"output_dir {output_dir} holds {len(shards)} shards of an unfinished "
+                "run. Pass resume=True "
                 "to continue it, or choose an empty output_dir."
             )
         if shards and recorded != params:
@@ -285,9 +298,12 @@ def prepare_directory(
             )
     elif shards:
         raise CacheError(
-            f"output_dir {output_dir} holds shards ({format_indices(shards)}) but no manifest and no "
-            f"producer record ({PROGRESS_NAME}), so their parameters cannot be checked. Rebuild the manifest "
-            f"from the shards: {cache_command('repair', output_dir)} (when a shard is missing it prints "
+            f"output_dir {output_dir} holds shards ({format_indices(shards)}) but no "
+            "manifest and no "
+            f"producer record ({PROGRESS_NAME}), so their parameters cannot be checked. "
+            "Rebuild the manifest "
+            f"from the shards: {cache_command('repair', output_dir)} (when a shard is "
+            "missing it prints "
             "the producer command that computes it), or choose an empty output_dir."
         )
     removed = storage.clean()
@@ -326,7 +342,8 @@ def verify_existing(
                 schema = schema_of_header(read_shard_header(path))
                 if set(schema) != set(keys):
                     raise SchemaError(
-                        f"existing shard {shown} holds keys {sorted(schema)}, this run stores {sorted(keys)}; "
+                        f"existing shard {shown} holds keys {sorted(schema)}, this run "
+                        f"stores {sorted(keys)}; "
                         "resume with the same keys, or choose another output_dir"
                     )
             records[i] = existing_record(
@@ -339,7 +356,9 @@ def verify_existing(
             )
         except CacheIntegrityError as exc:
             raise CacheIntegrityError(
-                f"existing shard {shown}{str(exc).removeprefix(f'shard {path}').rstrip('. ')}. Delete it and run again: "
+                "existing shard "
+                f"{shown}{str(exc).removeprefix(f'shard {path}').rstrip('. ')}. Delete it "
+                "and run again: "
                 "the producer recomputes missing shards.",
                 path=shown,
             ) from None
@@ -354,15 +373,17 @@ def existing_record(
     run: Mapping[str, Any] | None = None,
     first_sample: int | None = None,
 ) -> ShardRecord:
-    """The manifest record of the shard at ``path`` (``rows`` rows of ``schema``), verified completely
-    (:func:`verify_shard_file`, te_thd checksums required); with a ``length_rule`` its rows' lengths.
-    ``run``: the run record the shard must carry when it carries one. ``first_sample``: the global
-    index of its row 0, to name a damaged row by its sample. Raises :class:`CacheIntegrityError`."""
+    """The manifest record of the shard at ``path`` (``rows`` rows of ``schema``), verified
+    completely (:func:`verify_shard_file`, te_thd checksums required); with a ``length_rule`` its
+    rows' lengths. ``run``: the run record the shard must carry when it carries one.
+    ``first_sample``: the global index of its row 0, to name a damaged row by its sample. Raises
+    :class:`CacheIntegrityError`."""
     check = verify_shard_file(path, schema, rows, require_sums=True, first_sample=first_sample)
     theirs = check.header.sums.run if check.header.sums is not None else None
     if run is not None and theirs is not None and theirs != run:
         raise CacheIntegrityError(
-            f"shard {path} was written by a producer run with other arguments ({describe_diff(theirs, run)}), so "
+            f"shard {path} was written by a producer run with other arguments "
+            f"({describe_diff(theirs, run)}), so "
             "it is not part of this run's cache: resume with the arguments that wrote it.",
             path=path,
         )
@@ -389,7 +410,8 @@ def assemble_manifest(
     token_layout: TokenLayout | None = None,
 ) -> dict[str, Any]:
     """The manifest of a finished run from ``gathered``: per rank ``(error or None, {shard: record
-    fields}, schema JSON or None)``. A rank's error, a shard no rank reported, or two schemas raise."""
+    fields}, schema JSON or None)``. A rank's error, a shard no rank reported, or two schemas
+    raise."""
     errors = [(r, e) for r, (e, _, _) in enumerate(gathered) if e is not None]
     if errors:
         raise SchemaError("; ".join(f"rank {r}: {e}" for r, e in errors))
@@ -401,7 +423,8 @@ def assemble_manifest(
     missing = sorted(set(range(expected)) - set(records))
     if missing:
         raise CacheIntegrityError(
-            f"{cache_name} cache at {output_dir}: no rank reported shards {format_indices(missing)}; "
+            f"{cache_name} cache at {output_dir}: no rank reported shards "
+            f"{format_indices(missing)}; "
             "the dataloader yielded fewer samples than len(dataset). Fix the dataset, then resume.",
             path=shard_path(output_dir, missing[0]),
         )
@@ -413,7 +436,8 @@ def assemble_manifest(
     if len(schemas) > 1:
         desc = "; ".join(f"rank {r}: {schema_from_json(s)}" for r, s in schemas.values())
         raise SchemaError(
-            f"ranks wrote shards with different schemas ({desc}); compute_batch must be deterministic in dtype/shape"
+            f"ranks wrote shards with different schemas ({desc}); compute_batch must be "
+            "deterministic in dtype/shape"
         )
     schema = next(iter(schemas.values()))[1] if schemas else {}
     lengths = length_rule is not None and schema != {}

@@ -1,4 +1,5 @@
-"""``te-thd cache repair DIR``: set damaged shards aside, rebuild a lost manifest, reopen the cache for its producer.
+"""``te-thd cache repair DIR``: set damaged shards aside, rebuild a lost manifest, reopen the cache
+for its producer.
 
 A damaged shard cannot be fixed in place (its bytes are the producer's output): it is
 computed again. :func:`repair_cache` turns that into a plain resume of the producer that
@@ -117,8 +118,10 @@ def _group_runs(headers: Mapping[int, ShardHeader], cache_dir: str) -> dict[str,
     if len(groups) > 1:
         (a, ia), (b, ib) = sorted(groups.items(), key=lambda kv: -len(kv[1]))[:2]
         raise CacheIntegrityError(
-            f"{cache_dir}: shards {format_indices(ia)} and shards {format_indices(ib)} record different producer "
-            f"runs ({describe_diff(json.loads(a), json.loads(b))}), so they are not one cache. Move the shards that "
+            f"{cache_dir}: shards {format_indices(ia)} and shards {format_indices(ib)} "
+            "record different producer "
+            f"runs ({describe_diff(json.loads(a), json.loads(b))}), so they are not one "
+            "cache. Move the shards that "
             f"do not belong away, then run {cache_command('repair', cache_dir)} again.",
             path=open_storage(cache_dir).display(shard_name(ib[0])),
         )
@@ -148,12 +151,14 @@ def _from_record(
             if clash:
                 theirs = {k: params["options"][k] for k in clash}
                 raise ValueError(
-                    f"options={clash!r} contradicts the producer options the shards of {cache_dir} record "
+                    f"options={clash!r} contradicts the producer options the shards of "
+                    f"{cache_dir} record "
                     f"({theirs!r}); pass only fields the shards do not record"
                 )
         elif recorded[key] != value:
             raise ValueError(
-                f"{key}={value!r} contradicts the shards of {cache_dir}, which record {key}={recorded[key]!r}; "
+                f"{key}={value!r} contradicts the shards of {cache_dir}, which record "
+                f"{key}={recorded[key]!r}; "
                 f"leave {REBUILD_ARGS[key]} out (the shards say it)"
             )
     return params, rule, {**params["options"], **given.get("options", {})}
@@ -162,15 +167,19 @@ def _from_record(
 def _from_arguments(
     headers: Mapping[int, ShardHeader], given: dict[str, Any], cache_dir: str, damaged: str | None
 ) -> tuple[dict[str, Any], LengthRule | None, dict[str, Any], list[str]]:
-    """``(params, length rule, options, notes on what was assumed)`` of shards that predate the run record: what they tell
-    (keys, token layout and its length rule, shard size and sample count when they fix them), the rest
-    from ``given``; a :class:`ManifestError` names every field still missing and the argument for it."""
+    """``(params, length rule, options, notes on what was assumed)`` of shards that predate the run
+    record: what they tell (keys, token layout and its length rule, shard size and sample count when
+    they fix them), the rest from ``given``; a :class:`ManifestError` names every field still
+    missing and the argument for it."""
     headers = {i: h for i, h in headers.items() if h.sums is not None}
     if not headers:
         raise ManifestError(
-            f"cannot rebuild the manifest of {cache_dir}: its shards carry no te_thd checksums (plain safetensors "
-            "files, e.g. the reference implementation's), so they cannot be verified. Restore the manifest from a "
-            "copy, or write one: te_thd.offline_cache.write_manifest(cache_dir, {'num_samples': ..., "
+            f"cannot rebuild the manifest of {cache_dir}: its shards carry no te_thd "
+            "checksums (plain safetensors "
+            "files, e.g. the reference implementation's), so they cannot be verified. "
+            "Restore the manifest from a "
+            "copy, or write one: te_thd.offline_cache.write_manifest(cache_dir, "
+            "{'num_samples': ..., "
             "'shard_size': ...}, format_version)."
         )
     first = headers[min(headers)]
@@ -186,7 +195,8 @@ def _from_arguments(
     if num_samples is None and shard_size is not None:
         num_samples = top * shard_size + headers[top].sums.rows  # type: ignore[union-attr]  # the last present ends it
         notes.append(
-            f"num_samples={num_samples}: shard {top} is taken for the last (pass {REBUILD_ARGS['num_samples']} "
+            f"num_samples={num_samples}: shard {top} is taken for the last (pass "
+            f"{REBUILD_ARGS['num_samples']} "
             "if shards after it were lost too)"
         )
     needs = {
@@ -203,22 +213,29 @@ def _from_arguments(
             else ""
         )
         raise ManifestError(
-            f"cannot rebuild the manifest of {cache_dir}: its shards were written before shards recorded their "
-            f"producer run, so they do not tell {'; '.join(f'{k} ({needs[k][1]})' for k in missing)}. Pass "
-            f"{'them' if len(missing) > 1 else 'it'} back: {cache_command('repair', cache_dir, *(f'{REBUILD_ARGS[k]} <{k}>' for k in missing))}, "
+            f"cannot rebuild the manifest of {cache_dir}: its shards were written before "
+            "shards recorded their "
+            "producer run, so they do not tell "
+            f"{'; '.join(f'{k} ({needs[k][1]})' for k in missing)}. Pass "
+            f"{'them' if len(missing) > 1 else 'it'} back: "
+            f"{cache_command('repair', cache_dir, *(f'{REBUILD_ARGS[k]} <{k}>' for k in missing))}"
+            ", "
             f"or repair_cache(cache_dir, {kwargs}).{where}"
         )
     if layout is not None:
         rule: LengthRule | None = LengthRule.from_json(tokens["length_rule"])  # type: ignore[index]
         if "length_key" in given and given["length_key"] != rule.key:
             raise ValueError(
-                f"length_key={given['length_key']!r} contradicts the shards, which store tokens by {rule.key!r}"
+                f"length_key={given['length_key']!r} contradicts the shards, which store "
+                f"tokens by {rule.key!r}"
             )
     else:
         rule = producer_rule(given.get("length_key"), list(schema))
         if "length_key" not in given:
             notes.append(
-                f"lengths by {rule.describe() if rule else 'no key (no input_ids stored)'}, the producer's "
+                "lengths by "
+                f"{rule.describe() if rule else 'no key (no input_ids stored)'}, the "
+                "producer's "
                 f"default (pass {REBUILD_ARGS['length_key']} if it was given another length_key)"
             )
     params = run_params(
@@ -247,7 +264,8 @@ def rebuild_manifest(
     present = sorted(existing_shard_indices(cache_dir))
     if not present:
         raise ManifestError(
-            f"cannot rebuild the manifest of {cache_dir}: it holds no shards (shard-NNNNNN.safetensors). Point "
+            f"cannot rebuild the manifest of {cache_dir}: it holds no shards "
+            "(shard-NNNNNN.safetensors). Point "
             f"at the directory the cache was built in, or build it: run {producer_hint(None)}."
         )
     storage = open_storage(cache_dir)
@@ -281,14 +299,16 @@ def rebuild_manifest(
         sums = headers[i].sums
         if record is not None and (sums is None or sums.run != record):
             bad[i] = (
-                "records no producer run or another one than the other shards: it does not belong to this cache"
+                "records no producer run or another one than the other shards: it does "
+                "not belong to this cache"
             )
             continue
         if schema is None and set(schema_of_header(headers[i])) == set(params["keys"]):
             schema = schema_of_header(headers[i])
         if schema is None:
             bad[i] = (
-                f"holds keys {sorted(schema_of_header(headers[i]))}, the cache stores {params['keys']}"
+                f"holds keys {sorted(schema_of_header(headers[i]))}, the cache stores "
+                f"{params['keys']}"
             )
             continue
         path = storage.whole(
@@ -341,15 +361,15 @@ def repair_cache(
     num_samples: int | None = None,
     length_key: str | None = None,
 ) -> dict[str, Any]:
-    """Verify every shard; set the damaged ones aside and reopen the cache for a resume, or rebuild a
-    lost or damaged manifest from the shards.
+    """Verify every shard; set the damaged ones aside and reopen the cache for a resume, or rebuild
+    a lost or damaged manifest from the shards.
 
     Returns ``{"cache_dir", "damaged": {file: problem}, "missing": [file],
     "extra": [file], "set_aside_in": dir or None, "reopened": bool, "producer": str,
     "rebuilt": bool, "from_arguments": [field], "notes": [what a rebuild assumed], "removed":
     [temp file a killed writer left, removed], "kept_aside": what earlier repairs set aside (a sound
-    cache: ``{"dir", "files", "bytes", "remove"}``, else None)}``. ``reopened``: the cache waits for its
-    producer (re-run ``producer``: it computes the missing and damaged shards); False when
+    cache: ``{"dir", "files", "bytes", "remove"}``, else None)}``. ``reopened``: the cache waits for
+    its producer (re-run ``producer``: it computes the missing and damaged shards); False when
     every shard is sound (nothing is changed then, unless ``rebuilt``: the manifest was
     written again from the shards). ``format_version``, ``options``, ``shard_size``,
     ``num_samples``, ``length_key``: only for a rebuild from shards that do not record
@@ -379,7 +399,9 @@ def repair_cache(
         except ManifestError:
             damaged = MANIFEST_NAME in storage.list()
             if not damaged and not existing_shard_indices(cache_dir):
-                raise  # no manifest and no shards: nothing to rebuild from, and the error says what the path is
+                # no manifest and no shards: nothing to rebuild from, and the error says what the
+                # path is
+                raise
             rebuilt = rebuild_manifest(
                 cache_dir, cache_name, storage.display(MANIFEST_NAME) if damaged else None, **given
             )
@@ -387,7 +409,8 @@ def repair_cache(
         passed = [k for k, v in given.items() if v is not None]
         if passed:
             raise ValueError(
-                f"{', '.join(passed)}: only a rebuild of a lost or damaged manifest takes them, and the manifest of "
+                f"{', '.join(passed)}: only a rebuild of a lost or damaged manifest takes "
+                "them, and the manifest of "
                 f"{cache_dir} is sound; run {cache_command('repair', cache_dir)} without them"
             )
         count = num_shards(int(manifest["num_samples"]), int(manifest["shard_size"]))
@@ -417,12 +440,14 @@ def _held(storage: Storage) -> CacheLockError:
     if holder.get("alive") is None and "host" in holder:
         since = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(holder.get("since", 0)))
         return CacheLockError(
-            f"a producer holds the lock of {storage.name} ({who}, since {since}), so repair changes "
+            f"a producer holds the lock of {storage.name} ({who}, since {since}), so "
+            "repair changes "
             "nothing: run it again once that producer has finished or stopped; if it was killed on "
             f"that host, first run {cache_command('unlock', storage.name)}"
         )
     return CacheLockError(
-        f"a producer is writing {storage.name} ({who}); repair would change the files it writes, so "
+        f"a producer is writing {storage.name} ({who}); repair would change the files it "
+        "writes, so "
         "it changed nothing. Let the producer finish (it writes the manifest last), or stop it and "
         f"run {cache_command('repair', storage.name)} again"
     )
@@ -462,7 +487,8 @@ def shard_span(names: Sequence[str]) -> str:
 def _result(
     cache_dir: str, bad: Mapping[int, str], missing: list[int], extra: list[int], producer: str
 ) -> dict[str, Any]:
-    """What :func:`repair_cache` returns, before anything is changed (``producer``: :func:`producer_command`)."""
+    """What :func:`repair_cache` returns, before anything is changed (``producer``:
+    :func:`producer_command`)."""
     return {
         "cache_dir": cache_dir,
         "damaged": {shard_name(i): why for i, why in bad.items()},

@@ -11,11 +11,8 @@ S3-compatible store, through obstore; ``msc.py`` reuses all but the object opera
 - **staged upload.** A shard is written in a private local directory, then uploaded whole
   (one PUT, or a multipart upload visible only once complete). Objects set aside go under
   ``<prefix>/.te_thd-damaged/``, which readers never list.
-- **the producer lock** (:class:`ObjectLock`): ``.te_thd-producer.lock`` created with
-  ``If-None-Match: *`` (atomic in the store), recording the holder (host, pid, start time).
-  A holder killed with SIGKILL cannot delete it: a producer on the same host that finds its
-  pid gone takes it over; across hosts a dead holder looks like a slow one, so the second
-  producer is refused, naming ``te-thd cache unlock URL``.
+- **the producer lock**: :class:`~te_thd.offline_cache.objectlock.ObjectLock`, an object
+  created only if absent, which a producer on the same host takes over from a dead holder.
 - **the read-through copy** (:class:`ReadThrough`): a local directory with the manifest
   and one *sparse* file per shard. Before a reader touches a byte range, the 64 KiB
   chunks of it not fetched yet are fetched (one ``get_ranges`` call per shard and batch)
@@ -31,11 +28,8 @@ from __future__ import annotations
 import configparser
 import contextlib
 import hashlib
-import json
 import os
 import re
-import socket
-import time
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
 from datetime import timedelta
@@ -44,7 +38,8 @@ from typing import Any
 import numpy as np
 
 from te_thd.offline_cache import storage
-from te_thd.offline_cache.format import MANIFEST_NAME, SHARD_RE, CacheLockError, cache_command
+from te_thd.offline_cache.format import MANIFEST_NAME, SHARD_RE, CacheLockError
+from te_thd.offline_cache.objectlock import ObjectLock, holder_text
 from te_thd.offline_cache.storage import LOCK_NAME, atomic_write_bytes, unlink_quietly
 
 
@@ -81,7 +76,8 @@ class S3Prefix(storage.Storage):
 
     @contextlib.contextmanager
     def calls(self) -> Iterator[None]:
-        """Around every obstore call: what every request would meet is one :class:`StorageError` line."""
+        """Around every obstore call: what every request would meet is one :class:`StorageError`
+        line."""
         try:
             yield
         except Exception as exc:  # obstore's own types: _store_error picks the ones it knows
@@ -117,7 +113,8 @@ class S3Prefix(storage.Storage):
             return None
 
     def get_ranges(self, obj: str, ranges: Sequence[tuple[int, int]]) -> list[memoryview]:
-        """Bytes ``[start, end)`` of ``obj`` for each range (views, not copies): one call, obstore coalesces."""
+        """Bytes ``[start, end)`` of ``obj`` for each range (views, not copies): one call, obstore
+        coalesces."""
         with self.calls():
             out = (
                 _obstore().get_ranges(
@@ -143,7 +140,8 @@ class S3Prefix(storage.Storage):
                 )
         except FileExistsError:
             return ""
-        except Exception as exc:  # obstore raises its own AlreadyExistsError (a FileExistsError in recent versions)
+        # obstore raises its own AlreadyExistsError (a FileExistsError in recent versions)
+        except Exception as exc:
             if type(exc).__name__ == "AlreadyExistsError":
                 return ""
             raise
@@ -168,8 +166,8 @@ class S3Prefix(storage.Storage):
 
     @property
     def copy(self) -> ReadThrough:
-        """The read-through copy, made and synced with the store on first use (a reader makes it when it
-        opens the cache, so its DataLoader workers share it)."""
+        """The read-through copy, made and synced with the store on first use (a reader makes it
+        when it opens the cache, so its DataLoader workers share it)."""
         if self._copy is None:
             self._copy = ReadThrough(self, *self._copy_options)
             self._copy.sync()
@@ -232,53 +230,10 @@ class S3Prefix(storage.Storage):
         return holder_text(holder)
 
 
-def holder_text(holder: dict[str, Any]) -> str:
-    """A :meth:`Storage.lock_holder` record as messages name it: ``host 'h', pid 7, since ... UTC``."""
-    since = holder.get("since")
-    when = time.strftime(", since %Y-%m-%d %H:%M:%S UTC", time.gmtime(since)) if since else ""
-    return (
-        f"host {holder['host']!r}, pid {holder.get('pid')}{when}"
-        if "host" in holder
-        else "no holder"
-    )
-
-
-class ObjectLock:
-    """Take (:meth:`acquire`) and release the producer lock of the cache ``store``."""
-
-    def __init__(self, store: S3Prefix) -> None:
-        self.store, self.held = store, False
-
-    def acquire(self) -> ObjectLock:
-        me = {"host": socket.gethostname(), "pid": os.getpid(), "since": int(time.time())}
-        data = json.dumps(me, sort_keys=True).encode()
-        url = self.store.display(LOCK_NAME)
-        self.store.list()  # a missing bucket is named as such before the PUT (stores create it, or deny it)
-        for _ in range(2):
-            if self.store.put(LOCK_NAME, data, create=True):
-                self.held = True
-                return self
-            holder = self.store.lock_holder()
-            if holder is None:
-                continue  # released in between: try again
-            if holder["alive"] is False:
-                self.store.delete(LOCK_NAME)  # its holder died on this host
-                continue
-            raise CacheLockError(
-                f"another producer holds {url} ({holder_text(holder)}). Wait for it to finish; if no producer is running "
-                f"(one was killed on another host), run {cache_command('unlock', self.store.name)} and start again."
-            )
-        raise CacheLockError(f"could not take {url}: it changed hands twice; run again")
-
-    def release(self) -> None:
-        if self.held:
-            self.held = False
-            self.store.delete(LOCK_NAME)
-
-
 _CLIENTS: dict[tuple[int, str, tuple[tuple[str, str], ...]], Any] = {}
 #: a failed request (no connection within CLIENT_OPTIONS' connect_timeout, a 5xx answer, a dropped
-#: connection) is tried again a few times with short backoffs: a store that does not answer fails in seconds
+#: connection) is tried again a few times with short backoffs: a store that does not answer fails
+#: in seconds
 RETRY: Any = {
     "max_retries": 4,
     "retry_timeout": timedelta(seconds=30),
@@ -346,9 +301,9 @@ def settings() -> dict[str, str]:
 
 
 def _store_error(exc: BaseException, store: S3Prefix) -> storage.StorageError | None:
-    """The one line for an obstore error that every request would meet (no answer from the endpoint, no
-    such bucket, access denied), naming the URL, the endpoint and its origin, and what to check; None
-    for an error about one object or request."""
+    """The one line for an obstore error that every request would meet (no answer from the endpoint,
+    no such bucket, access denied), naming the URL, the endpoint and its origin, and what to check;
+    None for an error about one object or request."""
     text, kind = str(exc).split("\n\nDebug source:", 1)[0], type(exc).__name__
     code, (url, origin) = _CODE.search(text), endpoint(store.config)
     at = f"(endpoint {url}, from {origin})"
@@ -364,7 +319,8 @@ def _store_error(exc: BaseException, store: S3Prefix) -> storage.StorageError | 
         )
     elif code and code[1] == "NoSuchBucket":
         why = (
-            f"bucket {store.bucket!r} does not exist {at}; te_thd never creates buckets: create it first, or "
+            f"bucket {store.bucket!r} does not exist {at}; te_thd never creates buckets: "
+            "create it first, or "
             "check the bucket name and the endpoint"
         )
     elif kind in ("PermissionDeniedError", "UnauthenticatedError") or re.search(
@@ -372,7 +328,8 @@ def _store_error(exc: BaseException, store: S3Prefix) -> storage.StorageError | 
     ):
         keys = store.config.get("from:AWS_ACCESS_KEY_ID", "obstore's provider chain: none set")
         why = (
-            f"access denied: the store answered {code[1] if code else kind} {at[:-1]}; keys from {keys}); check "
+            f"access denied: the store answered {code[1] if code else kind} {at[:-1]}; "
+            f"keys from {keys}); check "
             f"the keys and that they may read and write bucket {store.bucket!r} at this endpoint"
         )
     elif (
@@ -384,7 +341,8 @@ def _store_error(exc: BaseException, store: S3Prefix) -> storage.StorageError | 
         why = (
             f"no answer from the object store {at}"
             + (f" after {tried[3]} retries in {float(tried[1]):.2g} {tried[2]}" if tried else "")
-            + "; check that the server runs and the endpoint is right (AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL, "
+            + "; check that the server runs and the endpoint is right (AWS_ENDPOINT_URL_S3 "
+            "/ AWS_ENDPOINT_URL, "
             "or endpoint_url in the AWS profile's config file; none for AWS S3)"
         )
     else:
@@ -406,7 +364,8 @@ def _obstore() -> Any:
         import obstore
     except ImportError:
         raise ImportError(
-            "s3:// caches need the object-store client obstore: install te_thd's s3 extra from its checkout, "
+            "s3:// caches need the object-store client obstore: install te_thd's s3 "
+            "extra from its checkout, "
             "`pip install -e '.[s3]'`"
         ) from None
     return obstore
@@ -421,8 +380,10 @@ def client(bucket: str, config: dict[str, str] | None = None) -> Any:
     if store is None:
         if any(pid != key[0] for pid, *_ in _CLIENTS):
             raise RuntimeError(
-                "this process was forked from one that had used the object-store client, whose runtime does not "
-                "survive fork: start DataLoader workers with multiprocessing_context='forkserver' or 'spawn' "
+                "this process was forked from one that had used the object-store client, "
+                "whose runtime does not "
+                "survive fork: start DataLoader workers with "
+                "multiprocessing_context='forkserver' or 'spawn' "
                 "(build_cached_dataloader does this for s3:// caches)"
             )
         _obstore()
@@ -481,7 +442,8 @@ class ReadThrough:
         return state
 
     def sync(self) -> None:
-        """Fetch the manifest and list the shard objects; drop local copies the store no longer matches."""
+        """Fetch the manifest and list the shard objects; drop local copies the store no longer
+        matches."""
         raw = self.store.get(MANIFEST_NAME) or b""  # none while a producer runs: its private copy
         self.requests += 1
         local = os.path.join(self.root, MANIFEST_NAME)
@@ -498,7 +460,8 @@ class ReadThrough:
             atomic_write_bytes(local, raw)
 
     def add(self, name: str, size: int) -> None:
-        """Make shard ``name`` (``size`` bytes) readable: a sparse local file, no data until fetched."""
+        """Make shard ``name`` (``size`` bytes) readable: a sparse local file, no data until
+        fetched."""
         self.sizes[name], path = size, os.path.join(self.root, name)
         if not os.path.exists(path) or os.path.getsize(path) != size:
             self._drop(name)
@@ -528,7 +491,8 @@ class ReadThrough:
         return bits
 
     def ensure(self, name: str, ranges: Iterable[tuple[int, int]]) -> None:
-        """Make bytes ``[offset, offset + n)`` of shard file ``name`` present locally, for each range."""
+        """Make bytes ``[offset, offset + n)`` of shard file ``name`` present locally, for each
+        range."""
         if self._pid != os.getpid():  # a forked worker: its own client and bookkeeping
             self._pid, self._present, self._absent, self._lru = os.getpid(), {}, {}, OrderedDict()
         size = self.sizes[name]
@@ -577,14 +541,16 @@ class ReadThrough:
         self._evict(keep=name)
 
     def invalidate(self, name: str) -> None:
-        """Forget shard ``name``'s local bytes (a read found them damaged): they are fetched again."""
+        """Forget shard ``name``'s local bytes (a read found them damaged): they are fetched
+        again."""
         storage.punch_hole(os.path.join(self.root, name), self.sizes[name])
         self._present[name] = bytearray(-(-self.sizes[name] // CHUNK_BYTES))
         self._absent.pop(name, None)
         unlink_quietly(self._bitmap_path(name))
 
     def _evict(self, keep: str) -> None:
-        """Drop least recently used shards (never ``keep``) until the fetched bytes fit ``max_bytes``."""
+        """Drop least recently used shards (never ``keep``) until the fetched bytes fit
+        ``max_bytes``."""
         if self.max_bytes is None:
             return
         held = (

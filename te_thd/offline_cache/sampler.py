@@ -195,7 +195,8 @@ class CacheShardSampler(Sampler[int]):
         if self.follow and shard_size != getattr(data_source, "shard_size", None):
             raise ValueError(
                 f"shard_size={shard_size}: the dataset follows its producer, whose shards hold "
-                f"{getattr(data_source, 'shard_size', None)} samples; epoch 0 visits them in index order, so omit "
+                f"{getattr(data_source, 'shard_size', None)} samples; epoch 0 visits them "
+                "in index order, so omit "
                 "shard_size (the dataset's is used)"
             )
         self.num_samples_total = len(data_source)
@@ -295,7 +296,8 @@ class CacheShardSampler(Sampler[int]):
         for key in ("epoch", "consumed_samples", "seed", "shuffle", "shard_size", "num_samples"):
             if key not in state:
                 raise ValueError(
-                    f"sampler state is missing {key!r} (got keys {sorted(state)}); pass a dict from state_dict()"
+                    f"sampler state is missing {key!r} (got keys {sorted(state)}); pass a "
+                    "dict from state_dict()"
                 )
         mismatch = {
             k: (state.get(k, False), mine)
@@ -311,12 +313,14 @@ class CacheShardSampler(Sampler[int]):
         if mismatch:
             detail = ", ".join(f"{k}: saved {a!r}, now {b!r}" for k, (a, b) in mismatch.items())
             raise ValueError(
-                f"sampler state does not match this sampler ({detail}); build the sampler with the saved settings"
+                f"sampler state does not match this sampler ({detail}); build the sampler "
+                "with the saved settings"
             )
         consumed = int(state["consumed_samples"])
         if consumed % self.num_replicas:
             raise ValueError(
-                f"consumed_samples={consumed} is not a multiple of num_replicas={self.num_replicas}; "
+                f"consumed_samples={consumed} is not a multiple of "
+                f"num_replicas={self.num_replicas}; "
                 "every replica must have consumed the same number of samples"
             )
         if consumed > self.total_size:
@@ -464,7 +468,8 @@ class BalancedBatchSampler(Sampler[PlannedBatch]):
 
     @property
     def resume_offset(self) -> int:
-        """Global samples of this epoch consumed before this pass (as ``CacheShardSampler.resume_offset``)."""
+        """Global samples of this epoch consumed before this pass (as
+        ``CacheShardSampler.resume_offset``)."""
         return self.order.resume_offset
 
     def set_epoch(self, epoch: int) -> None:
@@ -497,7 +502,8 @@ class BalancedBatchSampler(Sampler[PlannedBatch]):
         return remaining // step if self.order.drop_last else -(-remaining // step)
 
     def state_dict(self, consumed_samples: int) -> dict[str, Any]:
-        """Resume state after ``consumed_samples`` global samples of the epoch (``R*b`` per step)."""
+        """Resume state after ``consumed_samples`` global samples of the epoch (``R*b`` per
+        step)."""
         return self.order.state_dict(consumed_samples)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -538,7 +544,8 @@ def read_samples(dataset: Any, indices: list[int]) -> Any:
 
 
 def scan_rule(dataset: Any, rule: LengthRule, block: int = 4096) -> np.ndarray:
-    """Every sample's length under ``rule``, int64 ``[len(dataset)]``, reading ``block`` samples at a time."""
+    """Every sample's length under ``rule``, int64 ``[len(dataset)]``, reading ``block`` samples at
+    a time."""
     n = len(dataset)
     out = np.empty(n, dtype=np.int64)
     for begin in range(0, n, block):

@@ -70,13 +70,15 @@ _WIDEST_FLOAT = "9.9999e-100"
 
 @dataclass(frozen=True)
 class ShardRecord:
-    """What the manifest records per shard: file size and checksum (``"xxh3_64:<header digest>"``)."""
+    """What the manifest records per shard: file size and checksum (``"xxh3_64:<header
+    digest>"``)."""
 
     bytes: int
     checksum: str
     #: every row's real length (``te_thd.offline_cache.lengths``), when recorded
     lengths: tuple[int, ...] | None = None
-    #: per codec key of a token-layout shard, what its codec lost: ``{key: {"max_rel_l2", "mean_rel_l2"}}``
+    #: per codec key of a token-layout shard, what its codec lost: ``{key: {"max_rel_l2",
+    #: "mean_rel_l2"}}``
     fidelity: dict[str, dict[str, float]] | None = None
 
     def to_json(self, file_name: str) -> dict[str, Any]:
@@ -122,7 +124,8 @@ def pwrite_all(fd: int, buf: memoryview, offset: int) -> None:
 
 
 def copy_range(src: int, dst: int, count: int, dst_offset: int) -> None:
-    """Copy bytes ``[0, count)`` of ``src`` to ``dst`` at ``dst_offset`` (in the kernel where it can)."""
+    """Copy bytes ``[0, count)`` of ``src`` to ``dst`` at ``dst_offset`` (in the kernel where it
+    can)."""
     src_off = 0
     while count > 0:
         try:
@@ -300,8 +303,10 @@ class ShardStream:
             bad = np.flatnonzero((lengths < 0) | (lengths > self.width))
             if bad.size:
                 raise ValueError(
-                    f"{self._which(int(bad[0]))} has length {int(lengths[bad[0]])} by {self.rule.describe()}, outside [0, L={self.width}]: "
-                    "compute_batch's length key must give each sample's real token count; nothing of this shard was kept"
+                    f"{self._which(int(bad[0]))} has length {int(lengths[bad[0]])} by "
+                    f"{self.rule.describe()}, outside [0, L={self.width}]: "
+                    "compute_batch's length key must give each sample's real token "
+                    "count; nothing of this shard was kept"
                 )
         # little Python between the GIL-free calls (pwrite, hashes): a producer's compute thread
         # waits for the GIL whenever it wakes while this thread holds it
@@ -337,7 +342,8 @@ class ShardStream:
             if bad is not None:
                 row = int(np.searchsorted(local, bad[0], side="right")) - 1
                 raise ValueError(
-                    f"{self._which(row)}: {range_problem(key, codec, bad[1])}; nothing of this shard was kept"
+                    f"{self._which(row)}: {range_problem(key, codec, bad[1])}; nothing of "
+                    "this shard was kept"
                 )
             parts, err = encode(codec, real)
             data.update({f"{key}@{role}": t.contiguous() for role, t in parts.items()})
@@ -370,13 +376,14 @@ class ShardStream:
         )
 
     def finish(self) -> ShardRecord:
-        """Append the other ragged tensors and the block sums, write the header (all ``rows`` must have
-        arrived), close the files; the shard's record."""
+        """Append the other ragged tensors and the block sums, write the header (all ``rows`` must
+        have arrived), close the files; the shard's record."""
         if self._fd is None:
             raise ValueError(f"shard stream {self.path} is closed")
         if self._cursor != self.rows:
             raise ValueError(
-                f"shard stream {self.path} got {self._cursor} of its {self.rows} rows; write the rest first"
+                f"shard stream {self.path} got {self._cursor} of its {self.rows} rows; "
+                "write the rest first"
             )
         fd = self._fd
         try:
@@ -396,7 +403,8 @@ class ShardStream:
                 pos += sums.nbytes
                 digest = f"{_hash(sums.tobytes()):016x}"
             header = self.header(final=True, blocks_digest=digest)
-            # the reservation is the most any rows can need, and exactly a padded shard's: else a bug, never data
+            # the reservation is the most any rows can need, and exactly a padded shard's: else a
+            # bug, never data
             if len(header) > self._header_len or (
                 self.tokens is None and len(header) != self._header_len
             ):

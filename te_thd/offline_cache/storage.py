@@ -1,11 +1,13 @@
-"""Where a cache lives: one interface (:class:`Storage`), chosen once from the path by its URL scheme.
+"""Where a cache lives: one interface (:class:`Storage`), chosen once from the path by its URL
+scheme.
 
 Every writer, reader and tool of the cache reaches its files through the :class:`Storage` that
 :func:`open_storage` makes, never by testing what kind of path it was given: a path without a URL
 scheme is a :class:`LocalDirectory`; :data:`SCHEMES` names the implementation of ``s3://bucket/x``
 (any S3-compatible store) and ``msc://profile/x`` (NVIDIA's multi-storage-client), imported only
 when such a cache is opened (its client is an optional extra). A string with a scheme is never a
-local path (``"s3://b/x"`` is no directory ``s3:/b/x``); any other scheme is refused with what to do.
+local path (``"s3://b/x"`` is no directory ``s3:/b/x``); any other scheme is refused with what to
+do.
 
 Readers only ever open local files (:meth:`Storage.readable`: a shard's local path, and what makes
 its byte ranges present there), and messages name the cache's objects as :meth:`Storage.display`
@@ -72,7 +74,8 @@ def temp_path_for(path: str) -> str:
 
 
 def fsync(path: str) -> None:
-    """Flush file ``path``'s data, or directory ``path``'s entries (creations, renames, unlinks), to stable storage."""
+    """Flush file ``path``'s data, or directory ``path``'s entries (creations, renames, unlinks), to
+    stable storage."""
     fd = os.open(path or ".", os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -81,9 +84,10 @@ def fsync(path: str) -> None:
 
 
 def commit_temp(tmp_path: str, path: str, fsync_directory: bool = True) -> str:
-    """Fsync ``tmp_path``, rename it over ``path``, fsync the directory; returns ``path``. The data is
-    on stable storage before the name points at it: no crash exposes a torn file. ``fsync_directory=False``
-    leaves the rename to a later :func:`fsync` of the directory (the writer batches it)."""
+    """Fsync ``tmp_path``, rename it over ``path``, fsync the directory; returns ``path``. The data
+    is on stable storage before the name points at it: no crash exposes a torn file.
+    ``fsync_directory=False`` leaves the rename to a later :func:`fsync` of the directory (the
+    writer batches it)."""
     try:
         fsync(tmp_path)
         os.replace(tmp_path, path)
@@ -105,7 +109,8 @@ def unlink_quietly(path: str) -> None:
 
 def atomic_write(path: str, write_fn: Callable[[str], object]) -> str:
     """``write_fn(tmp_path)`` writes the complete content to a sibling temp file that then replaces
-    ``path`` (a reader sees the old file or the new one, never a mix); if it raises, ``path`` is untouched."""
+    ``path`` (a reader sees the old file or the new one, never a mix); if it raises, ``path`` is
+    untouched."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     tmp_path = temp_path_for(path)
     try:
@@ -123,7 +128,8 @@ def atomic_write_bytes(path: str, data: bytes) -> str:
 
 def remove_stale_temp_files(cache_dir: str) -> list[str]:
     """Delete temp files left by killed writers; returns the removed paths. Only safe while holding
-    the :class:`ProducerLock` of ``cache_dir`` (a live writer's temp file looks like a dead one's)."""
+    the :class:`ProducerLock` of ``cache_dir`` (a live writer's temp file looks like a dead
+    one's)."""
     names = sorted(os.listdir(cache_dir)) if os.path.isdir(cache_dir) else []
     removed = [os.path.join(cache_dir, name) for name in names if TEMP_RE.match(name)]
     for path in removed:
@@ -174,7 +180,8 @@ class ProducerLock:
                     "support flock (NFS needs v4, Lustre needs '-o flock'); use a local or "
                     "lock-capable directory, or pass lock=False if you guarantee a single producer."
                 ) from None
-            # the previous holder may have unlinked the file between our open and flock: retry on the live one
+            # the previous holder may have unlinked the file between our open and flock: retry on
+            # the live one
             try:
                 same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
             except FileNotFoundError:
@@ -236,8 +243,8 @@ def start_time(pid: int) -> int:
 
 
 def process_alive(pid: object, started: int = 0) -> bool:
-    """Whether process ``pid`` of this host runs; with ``started`` (its :func:`start_time`), whether it
-    is still that process and not a later one that got the same pid."""
+    """Whether process ``pid`` of this host runs; with ``started`` (its :func:`start_time`), whether
+    it is still that process and not a later one that got the same pid."""
     if not isinstance(pid, int) or pid <= 0:
         return False
     try:
@@ -250,12 +257,13 @@ def process_alive(pid: object, started: int = 0) -> bool:
 
 
 def private_dir(kind: str, owner: object) -> str:
-    """A new local directory of this process for a store's own files (a reader's private read-through
-    copy, a producer's staging; ``kind``: what it holds, e.g. ``"s3"``) under ``$TE_THD_TMPDIR``
-    (default ``<tempdir>/te_thd``), named ``<kind>-<host>-<pid>-<start time>-<random>``. Removed when
-    ``owner`` is collected or this interpreter exits (``weakref.finalize``: a pickled copy of ``owner``
-    in another process does not remove it); what a killed owner left, by the next process on its host
-    that makes one (its pid is gone, or was reused: the start time differs)."""
+    """A new local directory of this process for a store's own files (a reader's private
+    read-through copy, a producer's staging; ``kind``: what it holds, e.g. ``"s3"``) under
+    ``$TE_THD_TMPDIR`` (default ``<tempdir>/te_thd``), named ``<kind>-<host>-<pid>-<start
+    time>-<random>``. Removed when ``owner`` is collected or this interpreter exits
+    (``weakref.finalize``: a pickled copy of ``owner`` in another process does not remove it); what
+    a killed owner left, by the next process on its host that makes one (its pid is gone, or was
+    reused: the start time differs)."""
     root = os.environ.get("TE_THD_TMPDIR") or os.path.join(tempfile.gettempdir(), "te_thd")
     host = socket.gethostname()
     os.makedirs(root, exist_ok=True)
@@ -275,7 +283,8 @@ Fetch = Callable[[Sequence[tuple[int, int]]], None]
 
 
 class Lock(Protocol):
-    """The producer lock of a cache: ``acquire`` raises :class:`CacheLockError` while another holds it."""
+    """The producer lock of a cache: ``acquire`` raises :class:`CacheLockError` while another holds
+    it."""
 
     def acquire(self) -> Any: ...
 
@@ -299,15 +308,18 @@ class Storage(ABC):
         """``{name: size}`` of the objects directly in the cache (``{}``: no such cache)."""
 
     def admit(self, obj: str, size: int) -> None:  # noqa: B027 - a local directory reads every file as it is
-        """Make shard ``obj`` (``size`` bytes), committed after :meth:`prepare_reads`, readable here."""
+        """Make shard ``obj`` (``size`` bytes), committed after :meth:`prepare_reads`, readable
+        here."""
 
     @abstractmethod
     def get(self, obj: str) -> bytes | None:
-        """The whole (small) object ``obj``: a manifest, a producer record; None when there is none."""
+        """The whole (small) object ``obj``: a manifest, a producer record; None when there is
+        none."""
 
     @abstractmethod
     def put(self, obj: str, data: bytes) -> str:
-        """Write object ``obj`` whole: a reader finds the old bytes or the new ones. Its display name."""
+        """Write object ``obj`` whole: a reader finds the old bytes or the new ones. Its display
+        name."""
 
     @abstractmethod
     def delete(self, obj: str) -> None:
@@ -320,8 +332,8 @@ class Storage(ABC):
 
     @abstractmethod
     def commit(self, obj: str, tmp_path: str) -> str:
-        """Make the finished local file ``tmp_path`` (in :attr:`work_dir`) object ``obj``, whole or not at
-        all; its display name. A local rename is made durable by :meth:`flush`."""
+        """Make the finished local file ``tmp_path`` (in :attr:`work_dir`) object ``obj``, whole or
+        not at all; its display name. A local rename is made durable by :meth:`flush`."""
 
     def flush(self) -> None:  # noqa: B027 - most stores have nothing to flush
         """Make the commits so far survive a power cut."""
@@ -332,7 +344,8 @@ class Storage(ABC):
         (None: every byte already is). Called once per shard open."""
 
     def header(self, obj: str) -> str:
-        """The local path of shard ``obj`` with its header present (the length prefix, then the JSON)."""
+        """The local path of shard ``obj`` with its header present (the length prefix, then the
+        JSON)."""
         return self.readable(obj)[0]
 
     def whole(self, obj: str) -> str:
@@ -353,7 +366,8 @@ class Storage(ABC):
 
     @abstractmethod
     def set_aside(self, objs: Sequence[str], into: str) -> str | None:
-        """Move objects ``objs`` under ``into/`` (which readers never list); where they went (None: none)."""
+        """Move objects ``objs`` under ``into/`` (which readers never list); where they went (None:
+        none)."""
 
     @abstractmethod
     def lock(self) -> Lock:
@@ -376,17 +390,19 @@ class Storage(ABC):
 
     @abstractmethod
     def unlock(self) -> str | None:
-        """Remove a lock its holder could not (killed elsewhere); its holder as messages name it (None: no
-        lock). :class:`CacheLockError` while the holder runs on this host (:meth:`lock_holder`), and where
-        no lock ever needs removing (a flock dies with its holder)."""
+        """Remove a lock its holder could not (killed elsewhere); its holder as messages name it
+        (None: no lock). :class:`CacheLockError` while the holder runs on this host
+        (:meth:`lock_holder`), and where no lock ever needs removing (a flock dies with its
+        holder)."""
 
     def clean(self) -> list[str]:
         """Remove what killed writers left (only under the lock); what was removed."""
         return []
 
     def must_exist(self, marker: str) -> None:  # noqa: B027 - an object store has no such place
-        """Raise :class:`ManifestError` when no cache can be here at all (a local path that is a file,
-        e.g. its ``marker`` file, or that does not exist); a missing object is its reader's to report."""
+        """Raise :class:`ManifestError` when no cache can be here at all (a local path that is a
+        file, e.g. its ``marker`` file, or that does not exist); a missing object is its reader's to
+        report."""
 
 
 class LocalDirectory(Storage):
@@ -452,7 +468,8 @@ class LocalDirectory(Storage):
     def unlock(self) -> str | None:
         self.must_exist(MANIFEST_NAME)
         raise CacheLockError(
-            f"{self.name} is a local directory: its producer lock is a flock the kernel drops when the "
+            f"{self.name} is a local directory: its producer lock is a flock the kernel "
+            "drops when the "
             "producer dies, so there is nothing to remove"
         )
 
@@ -487,9 +504,11 @@ _FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 1, 2
 
 
 def punch_hole(path: str, size: int) -> None:
-    """Free the local bytes of file ``path`` (``size`` bytes; a read-through copy's shard), keeping its
-    size: another process reading it through a mapping (a DataLoader worker) then reads zeros, which its
-    checksums reject, instead of faulting past the end of a truncated file. Linux: fallocate(PUNCH_HOLE)."""
+    """Free the local bytes of file ``path`` (``size`` bytes; a read-through copy's shard), keeping
+    its
+    size: another process reading it through a mapping (a DataLoader worker) then reads zeros, which
+    its checksums reject, instead of faulting past the end of a truncated file. Linux:
+    fallocate(PUNCH_HOLE)."""
     fd, fallocate = os.open(path, os.O_RDWR), _libc_fallocate()
     try:
         if (
@@ -503,7 +522,8 @@ def punch_hole(path: str, size: int) -> None:
         os.close(fd)
 
 
-@functools.cache  # looked up on first use: finding libc may run a program, which no import should wait for
+# looked up on first use: finding libc may run a program, which no import should wait for
+@functools.cache
 def _libc_fallocate() -> Any:
     if not sys.platform.startswith("linux"):
         return None
@@ -524,7 +544,8 @@ SCHEMES: dict[str, str] = {
     "msc": "te_thd.offline_cache.msc:MSCPrefix",
 }
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*):")
-#: per scheme: the URL's form, the rule its first part (after ``//``) must meet, and what that part is
+#: per scheme: the URL's form, the rule its first part (after ``//``) must meet, and what that part
+#: is
 _AUTHORITY = {
     "s3": (
         "s3://<bucket>/<prefix>",
@@ -540,7 +561,8 @@ _AUTHORITY = {
 
 
 def open_storage(path: str | os.PathLike[str], name: str = "cache_dir", **options: Any) -> Storage:
-    """The :class:`Storage` of the cache at ``path``: a local directory, or by :data:`SCHEMES` its URL's.
+    """The :class:`Storage` of the cache at ``path``: a local directory, or by :data:`SCHEMES` its
+    URL's.
 
     ``options`` go to a URL's implementation (an object store reader's ``read_cache_dir`` and
     ``read_cache_bytes``). ``ValueError`` naming the argument ``name`` for a scheme te_thd
@@ -556,7 +578,8 @@ def open_storage(path: str | os.PathLike[str], name: str = "cache_dir", **option
     scheme = m.group(1).lower()
     if scheme not in SCHEMES:
         raise ValueError(
-            f"{name}={path!r}: URL scheme {scheme!r} is not supported; te_thd caches live in a local "
+            f"{name}={path!r}: URL scheme {scheme!r} is not supported; te_thd caches live "
+            "in a local "
             f"directory, at s3://bucket/prefix (any S3-compatible store) or at msc://profile/path "
             f"(multi-storage-client). Pass a local path, an s3:// or an msc:// URL"
         )

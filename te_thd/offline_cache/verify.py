@@ -92,10 +92,14 @@ def validate_contiguous_shards(
                 f"(e.g. {os.path.basename(shard_path(cache_dir, extra[0]))})"
             )
         first = missing[0] if missing else extra[0]
-        # a missing shard is restored or recomputed; an extra one is moved away (repair sets it aside)
+        # a missing shard is restored or recomputed; an extra one is moved away (repair sets it
+        # aside)
         repair = cache_command("repair", cache_dir)
         if not extra:
-            fix = f"Restore the missing shards from a copy, or recompute them: run {repair} (it reopens"
+            fix = (
+                f"Restore the missing shards from a copy, or recompute them: run {repair} (it "
+                "reopens"
+            )
         elif not missing:
             fix = f"Move the extra shards away, or run {repair} (it sets them aside and reopens"
         else:
@@ -105,7 +109,8 @@ def validate_contiguous_shards(
             )
         raise CacheIntegrityError(
             f"{cache_name} cache at {cache_dir} declares {num_samples} samples in {expected} "
-            f"shards of {shard_size}, but has {'; '.join(parts)}. {fix} the cache for a resume), then re-run "
+            f"shards of {shard_size}, but has {'; '.join(parts)}. {fix} the cache for a "
+            "resume), then re-run "
             f"{producer_hint(producer)}.",
             path=shard_path(cache_dir, first),
         )
@@ -160,7 +165,10 @@ def shard_size_errors(
         repair = repair_hint(os.path.dirname(path) or ".", producer)
         if size is None:
             errors[i] = CacheIntegrityError(
-                f"shard {path} is missing (the manifest lists it). Restore it from a copy. {repair}",
+                (
+                    f"shard {path} is missing (the manifest lists it). Restore it from a "
+                    f"copy. {repair}"
+                ),
                 path=path,
             )
         elif size != expected:
@@ -177,7 +185,8 @@ LEGACY_CHECKSUM = "crc32"
 
 
 def _file_crc32(path: str) -> str:
-    """``"crc32:<8 hex>"`` of the whole file at ``path`` (streamed; never holds the file in memory)."""
+    """``"crc32:<8 hex>"`` of the whole file at ``path`` (streamed; never holds the file in
+    memory)."""
     crc = 0
     buf = bytearray(8 << 20)
     view = memoryview(buf)
@@ -195,7 +204,8 @@ def requires_shard_sums(manifest: Mapping[str, Any]) -> bool:
 
 @dataclass(frozen=True)
 class ShardCheck:
-    """What :func:`verify_shard_file` found: the header, the file's size and its checksum (the manifest's spelling)."""
+    """What :func:`verify_shard_file` found: the header, the file's size and its checksum (the
+    manifest's spelling)."""
 
     header: ShardHeader
     bytes: int
@@ -204,7 +214,8 @@ class ShardCheck:
 
 def _check_row_sums(path: str, header: ShardHeader, first_sample: int | None) -> None:
     """Hash every row of every key in the file (every block of a ragged tensor) and compare with the
-    sums its header carries. ``first_sample``: the global index of the shard's row 0 (for messages)."""
+    sums its header carries. ``first_sample``: the global index of the shard's row 0 (for
+    messages)."""
     assert header.sums is not None
     if header.sums.tokens is not None:
         check_token_blocks(path, header, first_sample)
@@ -224,9 +235,11 @@ def _check_row_sums(path: str, header: ShardHeader, first_sample: int | None) ->
         if bad.size:
             r = int(bad[0])
             raise CacheIntegrityError(
-                f"shard {path}: {name_row(r, first_sample)}, key {key!r}: checksum mismatch (expected "
+                f"shard {path}: {name_row(r, first_sample)}, key {key!r}: checksum "
+                "mismatch (expected "
                 f"{HASH_NAME}:{int(header.sums.sums[key][r]):016x}, the bytes hash to "
-                f"{HASH_NAME}:{int(got[r]):016x}){f' and {bad.size - 1} more rows' if bad.size > 1 else ''}: "
+                f"{HASH_NAME}:{int(got[r]):016x})"
+                f"{f' and {bad.size - 1} more rows' if bad.size > 1 else ''}: "
                 "the file is damaged",
                 path=path,
                 sample=None if first_sample is None else first_sample + r,
@@ -244,7 +257,8 @@ def verify_shard_file(
     require_sums: bool = False,
     first_sample: int | None = None,
 ) -> ShardCheck:
-    """Check one shard completely; raise :class:`CacheIntegrityError` naming it on the first problem.
+    """Check one shard completely; raise :class:`CacheIntegrityError` naming it on the first
+    problem.
 
     ``first_sample``: the global index of the shard's row 0, so that a damaged row is named by
     its sample (``None``: by its row of the shard only).
@@ -303,7 +317,8 @@ def _what_was_checked(
     )
     if not deep:
         not_checked.append(
-            f"shard headers and contents (a full verify reads them: {cache_command('verify', cache_dir)})"
+            "shard headers and contents (a full verify reads them: "
+            f"{cache_command('verify', cache_dir)})"
         )
         return checked, not_checked
     checked.append("every shard header against the schema and row counts")
@@ -325,11 +340,13 @@ def _what_was_checked(
         )
     if records:
         checked.append(
-            "every shard's checksum (header digest, or whole-file CRC-32 in older caches) against the manifest"
+            "every shard's checksum (header digest, or whole-file CRC-32 in older "
+            "caches) against the manifest"
         )
     else:
         not_checked.append(
-            "whether a shard was swapped for another valid shard (the manifest records no per-shard checksums)"
+            "whether a shard was swapped for another valid shard (the manifest records "
+            "no per-shard checksums)"
         )
     return checked, not_checked
 
@@ -462,8 +479,10 @@ def _check_lengths(path: str, rule: LengthRule, recorded: list[int], first_sampl
     if bad.size:
         r = int(bad[0])
         raise CacheIntegrityError(
-            f"shard {path}: {name_row(r, first_sample)}: the manifest records length {recorded[r]}, the data gives {int(got[r])} "
-            f"({rule.describe()}){f' and {bad.size - 1} more rows' if bad.size > 1 else ''}: the manifest's "
+            f"shard {path}: {name_row(r, first_sample)}: the manifest records length "
+            f"{recorded[r]}, the data gives {int(got[r])} "
+            f"({rule.describe()}){f' and {bad.size - 1} more rows' if bad.size > 1 else ''}: "
+            "the manifest's "
             "lengths do not describe this shard",
             path=path,
             sample=first_sample + r,
@@ -476,11 +495,15 @@ def _check_lengths(path: str, rule: LengthRule, recorded: list[int], first_sampl
 def _lengths_line(cache_dir: str, rule: LengthRule | None, deep: bool) -> str:
     """Whether the cache records per-sample lengths and whether they were checked."""
     if rule is None:
-        return "not recorded (a balanced loader scans them once and keeps them beside the cache in lengths.<key>.json)"
+        return (
+            "not recorded (a balanced loader scans them once and keeps them beside the cache "
+            "in lengths.<key>.json)"
+        )
     if deep:
         return f"recorded ({rule.describe()}), checked against the data"
     return (
-        f"recorded ({rule.describe()}), covered by the manifest checksum; a full verify checks them "
+        f"recorded ({rule.describe()}), covered by the manifest checksum; a full verify "
+        "checks them "
         f"against the data: {cache_command('verify', cache_dir)}"
     )
 

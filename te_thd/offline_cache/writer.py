@@ -85,7 +85,8 @@ def _run(state: _State) -> None:
         except BaseException as exc:  # surfaced by the owner's next call
             if state.error is None:
                 state.error = exc
-            # a failing clean-up of a dropped job must not end the thread: flush() would wait forever
+            # a failing clean-up of a dropped job must not end the thread: flush() would wait
+            # forever
         finally:
             nbytes = job.nbytes
             job = None  # what a finished job held (a batch's tensors) is freed before the next one
@@ -103,7 +104,8 @@ def _stop(state: _State) -> None:
 
 class WriteBehind:
     """Run submitted jobs in order on one owned background thread (see the module docstring);
-    ``max_pending_bytes``: what jobs not yet done may hold before ``submit`` waits (``None``: unbounded)."""
+    ``max_pending_bytes``: what jobs not yet done may hold before ``submit`` waits (``None``:
+    unbounded)."""
 
     def __init__(self, max_pending_bytes: int | None = None) -> None:
         self._state = _State(max_pending_bytes)
@@ -136,8 +138,8 @@ class WriteBehind:
     def submit(
         self, run: Callable[[], None], nbytes: int = 0, on_drop: Callable[[], None] | None = None
     ) -> None:
-        """Queue ``run()``, which holds ``nbytes`` of memory (unchanged) until it is done; ``on_drop()``
-        runs instead once an earlier job failed. Blocks while the budget is full."""
+        """Queue ``run()``, which holds ``nbytes`` of memory (unchanged) until it is done;
+        ``on_drop()`` runs instead once an earlier job failed. Blocks while the budget is full."""
         state = self._state
         self.raise_error()
         if not self._thread.is_alive():
@@ -211,7 +213,8 @@ def validate_shard_tensors(
         )
     if schema is not None and set(schema) != set(keys):
         raise SchemaError(
-            f"{where}: keys {sorted(keys)} differ from the cache schema's {sorted(schema)}; a cache "
+            f"{where}: keys {sorted(keys)} differ from the cache schema's "
+            f"{sorted(schema)}; a cache "
             "holds one fixed set of keys. Write to a new output directory to change them."
         )
     out: dict[str, torch.Tensor] = {}
@@ -234,7 +237,8 @@ def validate_shard_tensors(
             )
         if t.dtype not in DTYPE_TO_ST:
             raise SchemaError(
-                f"{where}: key {k!r} has dtype {t.dtype}, which safetensors cannot store; cast it to "
+                f"{where}: key {k!r} has dtype {t.dtype}, which safetensors cannot store; "
+                "cast it to "
                 f"one of {sorted(str(d).removeprefix('torch.') for d in DTYPE_TO_ST)}"
             )
         if schema is not None:
@@ -245,7 +249,8 @@ def validate_shard_tensors(
                 got = TensorSpec(t.dtype, tuple(t.shape[1:]))
                 raise SchemaError(
                     f"{where}: key {k!r} is {got.describe()} but the cache schema says "
-                    f"{want.describe()} (dtype and per-sample shape are fixed per cache). Cast/reshape "
+                    f"{want.describe()} (dtype and per-sample shape are fixed per cache). "
+                    "Cast/reshape "
                     "the tensor in compute_batch, or write to a new output directory."
                 )
         out[k] = t
@@ -253,7 +258,8 @@ def validate_shard_tensors(
 
 
 class _StreamedShard:
-    """One shard being written: its names, rows, and the :class:`ShardStream` its first piece opens."""
+    """One shard being written: its names, rows, and the :class:`ShardStream` its first piece
+    opens."""
 
     def __init__(self, final: str, rows: int, open_stream: Callable[[str], ShardStream]) -> None:
         self.final, self.tmp_path, self.rows, self._open_stream = (
@@ -302,8 +308,10 @@ class DurableShardWriter:
     takes the next rows of a shard whose row count is known up front, :meth:`finish_shard`
     commits it (the producer streams each batch this way: its memory is free once written).
 
-    - ``pipelined=False``: everything on the caller's thread; a shard is durable when the call returns.
-    - ``pipelined=True`` (default): the fsync + rename of each finished shard on a background thread.
+    - ``pipelined=False``: everything on the caller's thread; a shard is durable when the call
+      returns.
+    - ``pipelined=True`` (default): the fsync + rename of each finished shard on a background
+      thread.
     - ``write_behind=True`` (needs ``pipelined``): the writes too; a call validates its tensors
       and returns, the caller must not modify them. Calls wait while ``PENDING_SHARDS`` shards'
       worth of data is not yet written.
@@ -333,12 +341,14 @@ class DurableShardWriter:
         self.keys = tuple(keys)
         if length_rule is not None and length_rule.key not in self.keys:
             raise ValueError(
-                f"length_rule reads key {length_rule.key!r}, which is not one of the stored keys {list(self.keys)}; "
+                f"length_rule reads key {length_rule.key!r}, which is not one of the "
+                f"stored keys {list(self.keys)}; "
                 "name a stored key"
             )
         if token_layout is not None and length_rule is None:
             raise ValueError(
-                "token_layout needs a length_rule: the rule says how many tokens of each sample are stored"
+                "token_layout needs a length_rule: the rule says how many tokens of each "
+                "sample are stored"
             )
         self.length_rule = length_rule
         self.token_layout = token_layout
@@ -356,7 +366,8 @@ class DurableShardWriter:
     def validate(
         self, samples: Mapping[str, Any], shard_index: int = -1, where: str | None = None
     ) -> dict[str, torch.Tensor]:
-        """The stored keys of ``samples``, checked against the schema (the first call fixes it if unset)."""
+        """The stored keys of ``samples``, checked against the schema (the first call fixes it if
+        unset)."""
         checked = validate_shard_tensors(
             samples, self.keys, self.cache_name, shard_index, self.schema, where
         )
@@ -372,15 +383,16 @@ class DurableShardWriter:
     def write_piece(
         self, cache_dir: str, shard_index: int, rows: int, piece: Mapping[str, Any]
     ) -> None:
-        """Write the next rows (``{key: [n, ...]}``) of shard ``shard_index``, which holds ``rows`` rows.
-        With ``write_behind`` the caller must not modify the piece (it may drop it)."""
+        """Write the next rows (``{key: [n, ...]}``) of shard ``shard_index``, which holds ``rows``
+        rows. With ``write_behind`` the caller must not modify the piece (it may drop it)."""
         check_int("rows", rows, 1, meaning=f": the number of rows shard {shard_index} will hold")
         self.queue(cache_dir, shard_index, rows, self.validate(piece, shard_index))
 
     def queue(
         self, cache_dir: str, shard_index: int, rows: int, checked: dict[str, torch.Tensor]
     ) -> None:
-        """:meth:`write_piece` of rows :meth:`validate` returned: a batch is checked once, at this boundary."""
+        """:meth:`write_piece` of rows :meth:`validate` returned: a batch is checked once, at this
+        boundary."""
         if self._thread is not None:
             self._thread.raise_error()  # a failed writer writes nothing more
         n = checked[self.keys[0]].shape[0]
@@ -455,15 +467,16 @@ class DurableShardWriter:
         return storage.display(shard_name(shard_index))
 
     def _storage(self, cache_dir: str) -> Storage:
-        """Where ``cache_dir`` lives (its shards are written in its ``work_dir``, then committed)."""
+        """Where ``cache_dir`` lives (its shards are written in its ``work_dir``, then
+        committed)."""
         storage = self._storages.get(cache_dir)
         if storage is None:
             storage = self._storages[cache_dir] = open_storage(cache_dir, "cache_dir")
         return storage
 
     def _resolve_once(self, piece: Mapping[str, torch.Tensor]) -> None:
-        """First shard: fix the length rule's kind by the key's shape (the same in every shard); check
-        that safetensors imports (fail on the caller's thread, not on the writer's)."""
+        """First shard: fix the length rule's kind by the key's shape (the same in every shard);
+        check that safetensors imports (fail on the caller's thread, not on the writer's)."""
         if not self._resolved:
             if self.length_rule is not None:
                 self.length_rule = for_tensor(self.length_rule, piece[self.length_rule.key])
@@ -477,8 +490,9 @@ class DurableShardWriter:
             self._resolved = True
 
     def manifest_fields(self, cache_dir: str) -> dict[str, Any]:
-        """``schema``, ``shards`` (in index order) and, with lengths, ``length_rule`` for ``write_manifest``
-        (call :meth:`flush` first: in the background modes the records land when written)."""
+        """``schema``, ``shards`` (in index order) and, with lengths, ``length_rule`` for
+        ``write_manifest`` (call :meth:`flush` first: in the background modes the records land when
+        written)."""
         fields: dict[str, Any] = {
             "schema": schema_to_json(self.schema or {}),
             "shards": [
@@ -503,7 +517,8 @@ class DurableShardWriter:
         self._sync_dirs()
 
     def close(self) -> None:
-        """Commit what is queued, stop the thread, raise a pending error; unfinished shards are removed."""
+        """Commit what is queued, stop the thread, raise a pending error; unfinished shards are
+        removed."""
         try:
             if self._thread is not None:
                 self._thread.close()
@@ -532,7 +547,8 @@ def write_tensor_shard(
     cache_name: str,
     schema: Mapping[str, TensorSpec] | None = None,
 ) -> str:
-    """Write one cache shard of exactly ``keys`` (``samples[k]``: ``[n, *trailing]``; extra keys dropped).
+    """Write one cache shard of exactly ``keys`` (``samples[k]``: ``[n, *trailing]``; extra keys
+    dropped).
 
     The file is byte-identical to ``safetensors.torch.save_file`` of those tensors (plus te_thd's
     checksum metadata) and lands atomically and durably at ``shard_path``. ``schema`` (te_thd
