@@ -243,6 +243,21 @@ def batch_groups(
         # the common case (shard-block order, sequential reads): one shard
         shard = lo // shard_size
         return [(shard, np.asarray(indices, dtype=np.int64) - shard * shard_size, None)]
+    if len(indices) <= 64:  # a batch's few rows: Python ints beat numpy's per-call cost
+        by: dict[int, tuple[list[int], list[int]]] = {}
+        for p, i in enumerate(indices):
+            j = i + total if i < 0 else i
+            if not 0 <= j < total:
+                check_index(f"indices[{p}]", i, total, where)
+            s = j // shard_size
+            if s not in by:
+                by[s] = ([], [])
+            by[s][0].append(j - s * shard_size)
+            by[s][1].append(p)
+        return [
+            (s, np.array(rows, dtype=np.int64), np.array(pos, dtype=np.int64))
+            for s, (rows, pos) in sorted(by.items())
+        ]
     idx = np.asarray(indices, dtype=np.int64)
     idx = np.where(idx < 0, idx + total, idx)
     bad = np.flatnonzero((idx < 0) | (idx >= total))
