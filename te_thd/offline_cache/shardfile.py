@@ -38,6 +38,7 @@ from te_thd.offline_cache.format import DTYPE_RANK, DTYPE_TO_ST, TensorSpec, ten
 from te_thd.offline_cache.integrity import (
     byte_row_sums,
     byte_view,
+    name_row,
     on_cpu,
     shard_checksum,
     shard_metadata,
@@ -302,8 +303,9 @@ class ShardStream:
         if self.tokens is not None:
             bad = np.flatnonzero((lengths < 0) | (lengths > self.width))
             if bad.size:
+                which = name_row(self._cursor + int(bad[0]), self._first)
                 raise ValueError(
-                    f"{self._which(int(bad[0]))} has length {int(lengths[bad[0]])} by "
+                    f"{which} has length {int(lengths[bad[0]])} by "
                     f"{self.rule.describe()}, outside [0, L={self.width}]: "
                     "compute_batch's length key must give each sample's real token "
                     "count; nothing of this shard was kept"
@@ -341,9 +343,9 @@ class ShardStream:
             bad = out_of_range(real, codec)
             if bad is not None:
                 row = int(np.searchsorted(local, bad[0], side="right")) - 1
+                which = name_row(self._cursor + row, self._first)
                 raise ValueError(
-                    f"{self._which(row)}: {range_problem(key, codec, bad[1])}; nothing of "
-                    "this shard was kept"
+                    f"{which}: {range_problem(key, codec, bad[1])}; nothing of this shard was kept"
                 )
             parts, err = encode(codec, real)
             data.update({f"{key}@{role}": t.contiguous() for role, t in parts.items()})
@@ -365,15 +367,6 @@ class ShardStream:
                 for g, (a, b) in enumerate(zip(starts[:-1], starts[1:], strict=True))
             ]
         self._tokens += int(local[-1])
-
-    def _which(self, row: int) -> str:
-        """Row ``row`` of this piece in messages: its global sample where the writer knows it."""
-        row += self._cursor
-        return (
-            f"row {row} of the shard"
-            if self._first is None
-            else f"sample {self._first + row} (row {row} of the shard)"
-        )
 
     def finish(self) -> ShardRecord:
         """Append the other ragged tensors and the block sums, write the header (all ``rows`` must
