@@ -289,6 +289,43 @@ def name_row(row: int, first_sample: int | None) -> str:
     )
 
 
+def checksum_mismatch(
+    path: str,
+    row: int,
+    first_sample: int | None,
+    key: str,
+    want: int,
+    got: int,
+    *,
+    tokens: tuple[int, int, str] | None = None,
+    read: bool = True,
+    more: int = 0,
+    repair: str = "",
+) -> CacheIntegrityError:
+    """The error of bytes of shard ``path`` that hash to ``got`` where the header records ``want``.
+
+    They are row ``row`` of ``key`` (:func:`name_row`), or, with ``tokens=(lo, hi, stored
+    name)``, tokens ``lo..hi`` of that row in one block of a ragged tensor. ``read``: the bytes
+    a read just copied (else a check of the file's own bytes); ``more``: further bad rows found;
+    ``repair`` (non-empty: a read's batch was refused) says how to fix the cache.
+    """
+    exp, act = f"{HASH_NAME}:{want:016x}", f"{HASH_NAME}:{got:016x}"
+    span = "" if tokens is None else f" in its tokens {tokens[0]}..{tokens[1]}"
+    stored = "" if tokens is None else f"{tokens[2]}; "
+    rest = f" and {more} more rows" if more else ""
+    returned = f"; the batch was not returned. {repair}" if repair else ""
+    return CacheIntegrityError(
+        f"shard {path}: {name_row(row, first_sample)}, key {key!r}: checksum mismatch{span} "
+        f"({stored}expected {exp}, the bytes {'read ' if read else ''}hash to {act}){rest}: "
+        f"the file is damaged{returned}",
+        path=path,
+        sample=None if first_sample is None else first_sample + row,
+        key=key,
+        expected=exp,
+        actual=act,
+    )
+
+
 def verify_row_views(
     views: Sequence[memoryview],
     rows: Sequence[int],
@@ -312,17 +349,7 @@ def verify_row_views(
     if got == want:
         return
     j = next(j for j, (g, w) in enumerate(zip(got, want, strict=True)) if g != w)
-    exp, act = f"{HASH_NAME}:{want[j]:016x}", f"{HASH_NAME}:{got[j]:016x}"
-    raise CacheIntegrityError(
-        f"shard {path}: {name_row(rows[j], first_sample)}, key {key!r}: "
-        f"checksum mismatch (expected {exp}, the bytes read hash to {act}): the file is damaged; the "
-        f"batch was not returned. {repair}",
-        path=path,
-        sample=first_sample + rows[j],
-        key=key,
-        expected=exp,
-        actual=act,
-    )
+    raise checksum_mismatch(path, rows[j], first_sample, key, want[j], got[j], repair=repair)
 
 
 # -- the header read back and checked --

@@ -27,7 +27,7 @@ import torch
 import xxhash
 
 from te_thd.offline_cache.format import CacheIntegrityError, TensorSpec, advise
-from te_thd.offline_cache.integrity import HASH_NAME, ShardHeader, name_row
+from te_thd.offline_cache.integrity import HASH_NAME, ShardHeader, checksum_mismatch
 from te_thd.offline_cache.ragged import (
     BLOCK_SUMS,
     PAGE_BYTES,
@@ -264,17 +264,15 @@ def _mismatch(
     got: int,
 ) -> CacheIntegrityError:
     """The error of a block of ``s`` (tokens ``lo..hi`` of shard row ``row``) whose bytes hash to ``got``."""
-    exp, act = f"{HASH_NAME}:{want:016x}", f"{HASH_NAME}:{got:016x}"
-    returned = f"; the batch was not returned. {ctx.repair}" if ctx.repair else ""
-    return CacheIntegrityError(
-        f"shard {index.path}: {name_row(row, ctx.first_sample)}, key {s.key!r}: "
-        f"checksum mismatch in its tokens {lo}..{hi} ({s.name}; expected {exp}, "
-        f"the bytes read hash to {act}): the file is damaged{returned}",
-        path=index.path,
-        sample=None if ctx.first_sample is None else ctx.first_sample + row,
-        key=s.key,
-        expected=exp,
-        actual=act,
+    return checksum_mismatch(
+        index.path,
+        row,
+        ctx.first_sample,
+        s.key,
+        want,
+        got,
+        tokens=(lo, hi, s.name),
+        repair=ctx.repair,
     )
 
 

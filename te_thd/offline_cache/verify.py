@@ -42,6 +42,7 @@ from te_thd.offline_cache.integrity import (
     ShardHeader,
     byte_row_sums,
     check_shard_header,
+    checksum_mismatch,
     name_row,
     shard_checksum,
 )
@@ -234,18 +235,9 @@ def _check_row_sums(path: str, header: ShardHeader, first_sample: int | None) ->
         bad = np.flatnonzero(got != np.frombuffer(header.sums.sums[key], dtype=np.uint64))
         if bad.size:
             r = int(bad[0])
-            raise CacheIntegrityError(
-                f"shard {path}: {name_row(r, first_sample)}, key {key!r}: checksum "
-                "mismatch (expected "
-                f"{HASH_NAME}:{int(header.sums.sums[key][r]):016x}, the bytes hash to "
-                f"{HASH_NAME}:{int(got[r]):016x})"
-                f"{f' and {bad.size - 1} more rows' if bad.size > 1 else ''}: "
-                "the file is damaged",
-                path=path,
-                sample=None if first_sample is None else first_sample + r,
-                key=key,
-                expected=f"{HASH_NAME}:{int(header.sums.sums[key][r]):016x}",
-                actual=f"{HASH_NAME}:{int(got[r]):016x}",
+            want = int(header.sums.sums[key][r])
+            raise checksum_mismatch(
+                path, r, first_sample, key, want, int(got[r]), read=False, more=bad.size - 1
             )
 
 
