@@ -21,12 +21,12 @@ from safetensors.torch import load_file, save_file
 
 import te_thd.offline_cache.readexec as readexec
 import te_thd.offline_cache.readplan as readplan
+from te_thd.offline_cache.integrity import byte_view
 from te_thd.offline_cache.readexec import (
     DestinationBuffers,
     ParallelReads,
     ReadError,
     read_piece,
-    tensor_memoryview,
 )
 from te_thd.offline_cache.readplan import plan_pieces, plan_runs
 
@@ -110,7 +110,7 @@ def _read(path: str, key: str, local: list[int], dst: list[int] | None, batch: i
     plan = plan_runs(np.array(local, dtype=np.int64), None if dst is None else np.array(dst, dtype=np.int64))
     fd = os.open(path, os.O_RDONLY)
     try:
-        read_rows(fd, e.start, (e.end - e.start) // e.shape[0], plan, tensor_memoryview(out), path)
+        read_rows(fd, e.start, (e.end - e.start) // e.shape[0], plan, byte_view(out), path)
     finally:
         os.close(fd)
     return out
@@ -148,7 +148,7 @@ def test_read_rows_calls_after_on_each_piece_once_it_is_read(shard, local, rnd, 
 
     fd = os.open(shard, os.O_RDONLY)
     try:
-        read_rows(fd, e.start, row, plan_runs(local, dst), tensor_memoryview(out), shard, after, chunk_rows * row)
+        read_rows(fd, e.start, row, plan_runs(local, dst), byte_view(out), shard, after, chunk_rows * row)
     finally:
         os.close(fd)
     assert sorted(seen) == list(range(len(local)))
@@ -175,14 +175,14 @@ def test_read_rows_names_a_file_that_shrank(shard, tmp_path):
     fd = os.open(short, os.O_RDONLY)
     try:
         with pytest.raises(OSError, match=r"short\.safetensors: file ended at byte 909 while reading 107 bytes \(truncated after open\?\)"):
-            read_rows(fd, e.start, 56, plan_runs(np.array([9, 10, 11])), tensor_memoryview(out), short)
+            read_rows(fd, e.start, 56, plan_runs(np.array([9, 10, 11])), byte_view(out), short)
     finally:
         os.close(fd)
 
 
-def test_tensor_memoryview_refuses_a_strided_tensor():
+def test_byte_view_refuses_a_strided_tensor():
     with pytest.raises(ValueError, match=r"tensor of shape \[4, 2\] is not contiguous"):
-        tensor_memoryview(torch.zeros(2, 4).t())
+        byte_view(torch.zeros(2, 4).t())
 
 
 # -- destination buffers ---------------------------------------------------------------
@@ -275,7 +275,7 @@ def test_plan_pieces_tile_the_planned_rows(local, rnd, row_bytes, chunk_bytes, s
     plan = plan_runs(local, dst)
     base = 1000
     buf = torch.zeros(batch * row_bytes, dtype=torch.uint8)
-    raw = tensor_memoryview(buf)
+    raw = byte_view(buf)
     start = _addr(raw)
     after = (lambda p, rows: None) if with_after else None
     old = readplan.IOV_MAX
@@ -325,7 +325,7 @@ def test_after_runs_once_per_piece_on_final_bytes(shard, fd):
         calls.append((p, rows.start, len(rows)))
         assert torch.equal(out[p : p + len(rows)], expect[rows.start : rows.stop])
 
-    pieces = plan_pieces(fd, e.start, 56, plan_runs(local), tensor_memoryview(out), shard, after, 2 * 56)
+    pieces = plan_pieces(fd, e.start, 56, plan_runs(local), byte_view(out), shard, after, 2 * 56)
     for piece in pieces:
         read_piece(piece)
     assert sorted(calls) == sorted((p, rows.start, len(rows)) for p, rows in (pc.args for pc in pieces))
@@ -360,7 +360,7 @@ def _batch_pieces(path: str, fd: int, local: list[int], dst: list[int], batch: i
         e = headers[key]
         row = (e.end - e.start) // e.shape[0]
         out[key] = torch.zeros((batch, *e.shape[1:]), dtype=e.dtype)
-        raw = tensor_memoryview(out[key])
+        raw = byte_view(out[key])
         after = None
         if after_log is not None:
             def after(p, rows, key=key, raw=raw, row=row):
@@ -419,7 +419,7 @@ def _row_pieces(path: str, fd: int, rows: int, afters) -> tuple[torch.Tensor, li
     """``rows`` one-row pieces of ``ids``, piece ``j`` with ``afters[j]`` (None: no callback)."""
     e = read_header(path)["ids"]
     out = torch.zeros(rows, 7, dtype=torch.int64)
-    raw = tensor_memoryview(out)
+    raw = byte_view(out)
     return out, [
         readexec.Piece(fd, e.start + j * 56, [raw[j * 56 : (j + 1) * 56]], 56, path, afters[j], (j, range(j, j + 1)))
         for j in range(rows)

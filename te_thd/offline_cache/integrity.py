@@ -48,21 +48,31 @@ SHARD_LAYOUT = 3
 HASH_NAME = "xxh3_64"
 META_KEY = "te_thd"
 
-_hash = xxhash.xxh3_64_intdigest
+#: ``hash64(data, seed=0) -> int``: the one hash (:data:`HASH_NAME`) of every te_thd checksum
+hash64 = xxhash.xxh3_64_intdigest
 
 
-def byte_view(t: torch.Tensor) -> memoryview:
-    """Flat byte view of a CPU tensor's memory (zero-copy when contiguous; ``t`` must outlive it).
+def byte_view(t: torch.Tensor, *, hold: bool = True) -> memoryview:
+    """Writable flat byte view (``[numel * itemsize]`` uint8) of the contiguous CPU tensor ``t``'s
+    memory, zero-copy: what a shard is written from, read into and hashed over.
+
+    ``hold``: the view keeps ``t`` alive. False: only pointer and length, which ``t`` must
+    outlive; a cache of views by address needs that, or it would keep pooled batches in use.
 
     Built from the data pointer: ``t.view(torch.uint8).numpy()`` goes through torch's
     dispatcher twice, which costs more than hashing a small batch.
     """
     if not t.is_contiguous():
-        t = t.contiguous()
+        raise ValueError(
+            f"tensor of shape {list(t.shape)} is not contiguous; read into a contiguous tensor"
+        )
     n = t.numel() * t.element_size()
     if n == 0:
-        return memoryview(b"")
-    return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
+        return memoryview(bytearray())
+    raw = (ctypes.c_char * n).from_address(t.data_ptr())
+    if hold:
+        raw._tensor = t  # type: ignore[attr-defined]  # the view keeps ``raw``, which keeps ``t``
+    return memoryview(raw).cast("B")
 
 
 def on_cpu(t: torch.Tensor) -> torch.Tensor:
@@ -76,7 +86,7 @@ def on_cpu(t: torch.Tensor) -> torch.Tensor:
 def byte_row_sums(view: memoryview, rows: int, first_row: int = 0) -> list[int]:
     """``xxh3_64`` of each of ``rows`` equal rows laid out back to back in the bytes of ``view``,
     row ``i`` seeded with ``first_row + i`` (the shard row index of the view's first row)."""
-    return [_hash(row, first_row + i) for i, row in enumerate(_cut_rows(view, rows))]
+    return [hash64(row, first_row + i) for i, row in enumerate(_cut_rows(view, rows))]
 
 
 def _cut_rows(view: memoryview, n: int) -> list[memoryview]:
@@ -106,7 +116,7 @@ def decode_sums(text: str, rows: int) -> array.array:
 def header_digest(tensor_entries: Mapping[str, Any], fields: Mapping[str, Any]) -> str:
     """Digest of a shard header: the safetensors tensor entries and the te_thd fields but ``header``."""
     body = {"tensors": tensor_entries, META_KEY: {k: v for k, v in fields.items() if k != "header"}}
-    return f"{_hash(canonical_json(body)):016x}"
+    return f"{hash64(canonical_json(body)):016x}"
 
 
 def shard_metadata(
@@ -263,19 +273,18 @@ _ROW_VIEWS_MAX = 256
 def row_views(data: torch.Tensor, n: int) -> list[memoryview]:
     """``n`` byte views, one per row, of the contiguous CPU tensor ``data`` (``[n, ...]``).
 
-    Cached by address and size: a view is only pointer and length (``byte_view``), so
+    Cached by address and size: a view is only pointer and length (``hold=False``), so
     the cached views of an address are the right views of whatever tensor of that size
     sits there when they are used, and they are used only while it does.
     """
     if not data.is_contiguous():
-        data = data.contiguous()  # a fresh copy: not worth caching
-        return _cut_rows(byte_view(data), n)
+        return _cut_rows(byte_view(data.contiguous()), n)  # a fresh copy: not worth caching
     cache_key = (data.data_ptr(), data.numel() * data.element_size(), n)
     views = _ROW_VIEWS.get(cache_key)
     if views is None:
         if len(_ROW_VIEWS) >= _ROW_VIEWS_MAX:
             _ROW_VIEWS.clear()
-        views = _ROW_VIEWS[cache_key] = _cut_rows(byte_view(data), n)
+        views = _ROW_VIEWS[cache_key] = _cut_rows(byte_view(data, hold=False), n)
     return views
 
 
@@ -344,7 +353,7 @@ def verify_row_views(
     (a tensor slice goes through torch's dispatcher).
     """
     # map() over prebuilt row views: no Python bytecode per row, unlike an indexed loop
-    got = list(map(_hash, views, rows))
+    got = list(map(hash64, views, rows))
     want = list(map(expected.__getitem__, rows))
     if got == want:
         return

@@ -21,6 +21,7 @@ import torch
 
 from te_thd.args import check_int
 from te_thd.offline_cache.format import tensor_nbytes, unreadable_shard
+from te_thd.offline_cache.integrity import byte_view
 
 __all__ = [
     "DestinationBuffers",
@@ -35,18 +36,7 @@ __all__ = [
     "new_tensor",
     "read_piece",
     "run_pieces",
-    "tensor_memoryview",
 ]
-
-
-def tensor_memoryview(t: torch.Tensor) -> memoryview:
-    """Writable byte view (``memoryview`` of ``[numel * itemsize]`` uint8) of a contiguous CPU tensor."""
-    if not t.is_contiguous():
-        raise ValueError(
-            f"tensor of shape {list(t.shape)} is not contiguous; read into a contiguous tensor"
-        )
-    flat = t.reshape(-1).view(torch.uint8)
-    return memoryview(flat.numpy()).cast("B") if flat.numel() else memoryview(bytearray())
 
 
 #: Called after each piece of a read: ``(batch row of the piece's first row, the file rows
@@ -339,7 +329,7 @@ def fill_rows(
     torch's intra-op threads, which on a busy machine wait for a core longer than the fill takes.
     """
     if value == 0 and t.numel():
-        raw = np.frombuffer(tensor_memoryview(t), dtype=np.uint8)
+        raw = np.frombuffer(byte_view(t), dtype=np.uint8)
         row = raw.size // t.shape[0]
         for a, b in zip(starts, ends, strict=True):
             raw[a * row : b * row] = 0
@@ -429,7 +419,7 @@ class DestinationBuffers:
         shape = (n, *sample_shape)
         if self.shared or self.pinned:
             t = new_tensor(shape, dtype, shared=self.shared, pinned=self.pinned)
-            return t, tensor_memoryview(t), False
+            return t, byte_view(t), False
         nbytes = tensor_nbytes(dtype, shape)
         entries = self._pool.setdefault((key, dtype, sample_shape), [])
         for buf in entries:

@@ -31,13 +31,13 @@ from typing import Any
 
 import numpy as np
 import torch
-import xxhash
 
 from te_thd.args import check_int
 from te_thd.offline_cache.format import DTYPE_RANK, DTYPE_TO_ST, TensorSpec, tensor_nbytes
 from te_thd.offline_cache.integrity import (
     byte_row_sums,
     byte_view,
+    hash64,
     name_row,
     on_cpu,
     shard_checksum,
@@ -64,7 +64,6 @@ if sys.byteorder != "little":  # pragma: no cover - safetensors is little-endian
         "te_thd.offline_cache writes raw tensor memory and needs a little-endian host"
     )
 
-_hash = xxhash.xxh3_64_intdigest
 #: widest fidelity figure the header holds (the reservation's placeholder)
 _WIDEST_FLOAT = "9.9999e-100"
 
@@ -363,7 +362,7 @@ class ShardStream:
             first = len(self._block_sums[s.name])
             starts = block_table(local, s.block_tokens).start.tolist()
             self._block_sums[s.name] += [
-                _hash(view[a * tb : b * tb], first + g)
+                hash64(view[a * tb : b * tb], first + g)
                 for g, (a, b) in enumerate(zip(starts[:-1], starts[1:], strict=True))
             ]
         self._tokens += int(local[-1])
@@ -394,7 +393,7 @@ class ShardStream:
                 )
                 pwrite_all(fd, memoryview(sums.tobytes()), pos)
                 pos += sums.nbytes
-                digest = f"{_hash(sums.tobytes()):016x}"
+                digest = f"{hash64(sums.tobytes()):016x}"
             header = self.header(final=True, blocks_digest=digest)
             # the reservation is the most any rows can need, and exactly a padded shard's: else a
             # bug, never data

@@ -15,12 +15,10 @@ import os
 from collections.abc import Callable, Sequence
 
 import numpy as np
-import xxhash
 
+from te_thd.offline_cache.integrity import hash64
 from te_thd.offline_cache.ragged import BlockTable
 from te_thd.offline_cache.readexec import Piece
-
-_hash = xxhash.xxh3_64_intdigest
 
 #: Linux's limit on iovecs per ``preadv`` call; a piece holds at most this many segments.
 IOV_MAX = (
@@ -196,7 +194,7 @@ def _checker(
     def after(b0: int, blocks: Sequence[int]) -> None:
         b1 = b0 + len(blocks)
         got = list(
-            map(_hash, map(dst.__getitem__, map(slice, los[b0:b1], his[b0:b1])), seeds[b0:b1])
+            map(hash64, map(dst.__getitem__, map(slice, los[b0:b1], his[b0:b1])), seeds[b0:b1])
         )
         if got == want[b0:b1]:
             return

@@ -24,10 +24,15 @@ from typing import Any
 
 import numpy as np
 import torch
-import xxhash
 
 from te_thd.offline_cache.format import CacheIntegrityError, TensorSpec, advise
-from te_thd.offline_cache.integrity import HASH_NAME, ShardHeader, checksum_mismatch
+from te_thd.offline_cache.integrity import (
+    HASH_NAME,
+    ShardHeader,
+    byte_view,
+    checksum_mismatch,
+    hash64,
+)
 from te_thd.offline_cache.ragged import (
     BLOCK_SUMS,
     PAGE_BYTES,
@@ -51,11 +56,8 @@ from te_thd.offline_cache.readexec import (
     fill_rows,
     new_tensor,
     run_pieces,
-    tensor_memoryview,
 )
 from te_thd.offline_cache.token_place import piece_bytes, plan_placed, whole_blocks
-
-_hash = xxhash.xxh3_64_intdigest
 
 
 @dataclass
@@ -140,7 +142,7 @@ def load_block_sums(index: TokenIndex, fd: int, repair: str) -> dict[str, np.nda
     """``{stored name: uint64 [blocks]}`` of the shard, read once and checked against the header's digest."""
     if index.sums is None:
         raw = os.pread(fd, index.sums_bytes, index.sums_start)
-        actual = f"{_hash(raw):016x}"
+        actual = f"{hash64(raw):016x}"
         if len(raw) != index.sums_bytes or actual != index.sums_digest:
             raise CacheIntegrityError(
                 f"shard {index.path}: its block checksums hash to {HASH_NAME}:{actual}, the header records "
@@ -183,7 +185,7 @@ def plan_stored(
         if plans is not None:
             plans[shape] = plan
     buf = torch.empty((plan.tokens, *s.shape), dtype=s.dtype)
-    raw = tensor_memoryview(buf)
+    raw = byte_view(buf)
     tb = s.token_bytes
     if ctx.ensure is not None:
         ctx.ensure(
@@ -239,7 +241,7 @@ def _block_check(
         starts = table.start[blocks[0] : blocks[-1] + 2].tolist()
         want = sums[blocks[0] : blocks[-1] + 1].tolist()
         for j, g in enumerate(blocks):
-            got = _hash(
+            got = hash64(
                 view[(starts[j] - first_token) * tb : (starts[j + 1] - first_token) * tb], g
             )
             if got != want[j]:
@@ -488,7 +490,7 @@ class TokenRows:
         first = len(pieces)
         for key in keys:
             staged = np.zeros(seg.size, dtype=bool)  # segments read through a staging buffer
-            raw = tensor_memoryview(out[key])
+            raw = byte_view(out[key])
             for shard in shards:
                 at = np.flatnonzero(shard_of == shard) if len(shards) > 1 else np.arange(seg.size)
                 fd, index, ctx = self._opener(shard)
