@@ -41,7 +41,7 @@ from te_thd.offline_cache.format import (
     dtype_name,
     tensor_nbytes,
 )
-from te_thd.offline_cache.ragged import logical_specs
+from te_thd.offline_cache.ragged import TokenFields
 
 #: Version of the self-verifying shard fields (the manifest's ``layout_version`` from this on).
 SHARD_LAYOUT = 3
@@ -165,8 +165,8 @@ class ShardSums:
     rows: int
     sums: dict[str, array.array]
     digest: str
-    #: the ragged tensors' fields of a token-layout shard (parsed by ``token_read``), else None
-    tokens: dict[str, Any] | None = None
+    #: the ragged tensors' fields of a token-layout shard, else None
+    tokens: TokenFields | None = None
     #: the producer's run record (``produce_cache`` shards), else None
     run: dict[str, Any] | None = None
 
@@ -218,11 +218,12 @@ def parse_shard_metadata(
         isinstance(tokens, dict) and isinstance(tokens.get("stored"), dict)
     ):
         raise bad("hold a malformed 'tokens' entry")
+    tokens = TokenFields(tokens, rows) if tokens is not None else None
     run = fields.get("run")
     if run is not None and not isinstance(run, dict):
         raise bad("hold a malformed 'run' entry")
     # ragged tensors are covered by block sums (``tokens``), not row sums
-    ragged = set(tokens["stored"]) | {tokens.get("block_sums")} if tokens is not None else set()
+    ragged = tokens.ragged if tokens is not None else set()
     missing = sorted(set(tensor_entries) - set(fields["sums"]) - ragged)
     if missing:
         raise bad(f"have no row checksums for keys {missing}")
@@ -380,6 +381,11 @@ class ShardHeader:
 
     entries: dict[str, HeaderEntry]
     sums: ShardSums | None
+
+    @property
+    def tokens(self) -> TokenFields | None:
+        """The ragged fields of a token-layout shard (None: a padded or unchecked shard)."""
+        return self.sums.tokens if self.sums is not None else None
 
 
 #: the fields of a safetensors tensor entry, sorted
@@ -551,17 +557,16 @@ def logical_entries(header: ShardHeader) -> dict[str, HeaderEntry]:
     """The header's entries as the cache's keys: a token-layout shard's ragged tensors
     (``key@tokens``, ``key@scale``, the block sums) become their logical key ``[rows, L, ...]``
     (its ``start``/``end`` then span nothing: read it through ``token_read``)."""
-    tokens = header.sums.tokens if header.sums is not None else None
+    tokens = header.tokens
     if tokens is None:
         return header.entries
     try:
-        logical = logical_specs(tokens)
+        logical = tokens.logical
     except ValueError as exc:
         raise CacheIntegrityError(f"shard header's token fields are malformed ({exc})") from None
-    ragged = set(tokens["stored"]) | {tokens.get("block_sums")}
-    out = {k: e for k, e in header.entries.items() if k not in ragged}
+    out = {k: e for k, e in header.entries.items() if k not in tokens.ragged}
     for k, spec in logical.items():
-        out[k] = HeaderEntry(spec.dtype, (header.sums.rows, *spec.shape), 0, 0)
+        out[k] = HeaderEntry(spec.dtype, (tokens.rows, *spec.shape), 0, 0)
     return out
 
 

@@ -30,7 +30,6 @@ import torch
 from te_thd.args import is_int
 from te_thd.offline_cache.format import TensorSpec
 from te_thd.offline_cache.integrity import read_shard_header
-from te_thd.offline_cache.ragged import decode_offsets
 
 #: The manifest field naming the rule the recorded per-shard lengths follow.
 LENGTH_RULE_KEY = "length_rule"
@@ -182,9 +181,9 @@ def read_shard_lengths(path: str, rule: LengthRule) -> np.ndarray:
     from safetensors import safe_open
 
     header = read_shard_header(path)
-    tokens = header.sums.tokens if header.sums is not None else None
-    if tokens is not None and LengthRule.from_json(tokens.get("length_rule")) == rule:
-        return np.diff(decode_offsets(tokens["offsets"], header.sums.rows))
+    tokens = header.tokens
+    if tokens is not None and LengthRule.from_json(tokens.length_rule) == rule:
+        return np.diff(tokens.offsets)
 
     with safe_open(path, "pt") as f:
         return rule.lengths(f.get_tensor(rule.key))

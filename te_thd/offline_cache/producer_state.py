@@ -49,7 +49,7 @@ from te_thd.offline_cache.manifest import (
     existing_shard_indices,
     read_manifest,
 )
-from te_thd.offline_cache.ragged import TOKEN_LAYOUT_KEY, TokenLayout, shard_fidelity
+from te_thd.offline_cache.ragged import TOKEN_LAYOUT_KEY, TokenLayout
 from te_thd.offline_cache.shardfile import ShardRecord
 from te_thd.offline_cache.storage import LOCK_NAME, TEMP_RE, open_storage
 from te_thd.offline_cache.verify import (
@@ -393,8 +393,7 @@ def existing_record(
             int(v)
             for v in read_shard_lengths(path, for_tensor_spec(length_rule, schema[length_rule.key]))
         )
-    tokens = check.header.sums.tokens if check.header.sums is not None else None
-    fidelity = shard_fidelity(tokens) if tokens is not None else None
+    fidelity = check.header.tokens.fidelity if check.header.tokens is not None else None
     return ShardRecord(
         bytes=check.bytes, checksum=check.checksum, lengths=lengths, fidelity=fidelity
     )

@@ -20,6 +20,7 @@ import base64
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -507,16 +508,56 @@ def describe_stored(layout: TokenLayout, schema: Mapping[str, TensorSpec], key: 
     return "ragged" if codec is None else f"ragged, {describe(codec, schema[key].dtype)}"
 
 
-def logical_specs(tokens: Mapping[str, Any]) -> dict[str, TensorSpec]:
-    """``{key: TensorSpec}`` (logical, ``[L, ...]`` per sample) of a token shard's ragged keys, from its
-    header's ``tokens`` fields; ``ValueError`` when they are malformed."""
-    logical = tokens.get("logical")
-    if not isinstance(logical, dict) or not logical:
-        raise ValueError("the token fields name no logical keys")
-    return {k: TensorSpec.from_json(v) for k, v in logical.items()}
+class TokenFields:
+    """The ragged fields of a token shard's header (the ``tokens`` JSON object of its te_thd
+    fields), read here and nowhere else; ``rows``: the shard's rows.
 
+    Each field is parsed when first asked for (a reader of the lengths needs only the offsets)
+    and raises ``KeyError``, ``TypeError`` or ``ValueError`` when it is malformed.
+    """
 
-def shard_fidelity(tokens: Mapping[str, Any]) -> dict[str, dict[str, float]] | None:
-    """A token shard's recorded codec losses (its header's ``tokens.fidelity``), as the manifest records them."""
-    fid = tokens.get("fidelity") or {}
-    return {k: {m: float(v) for m, v in d.items()} for k, d in fid.items()} or None
+    def __init__(self, raw: Mapping[str, Any], rows: int) -> None:
+        self.raw, self.rows = raw, rows
+
+    @property
+    def stored(self) -> dict[str, dict[str, Any]]:
+        """``{stored tensor name: {"key", "role", "block_tokens"}}``."""
+        return self.raw["stored"]
+
+    @property
+    def ragged(self) -> set[str]:
+        """The header entries these fields cover: every stored tensor and the block sums."""
+        return set(self.stored) | {self.raw.get("block_sums")}
+
+    @cached_property
+    def logical(self) -> dict[str, TensorSpec]:
+        """``{key: TensorSpec}`` (logical, ``[L, ...]`` per sample) of the ragged keys."""
+        logical = self.raw.get("logical")
+        if not isinstance(logical, dict) or not logical:
+            raise ValueError("the token fields name no logical keys")
+        return {k: TensorSpec.from_json(v) for k, v in logical.items()}
+
+    @cached_property
+    def layout(self) -> TokenLayout:
+        return TokenLayout.from_json(self.raw["layout"])
+
+    @cached_property
+    def offsets(self) -> np.ndarray:
+        """int64 ``[rows + 1]``: row ``i``'s tokens are ``[offsets[i], offsets[i + 1])``."""
+        return decode_offsets(self.raw["offsets"], self.rows)
+
+    @property
+    def length_rule(self) -> Any:
+        """The JSON of the length rule that cut the rows (``LengthRule.from_json`` reads it)."""
+        return self.raw.get("length_rule")
+
+    @property
+    def sums_digest(self) -> str:
+        """The recorded digest of the block sums tensor."""
+        return str(self.raw.get("block_sums_digest"))
+
+    @property
+    def fidelity(self) -> dict[str, dict[str, float]] | None:
+        """The recorded codec losses, as the manifest records them (None: none)."""
+        fid = self.raw.get("fidelity") or {}
+        return {k: {m: float(v) for m, v in d.items()} for k, d in fid.items()} or None

@@ -286,11 +286,7 @@ class CachedTensorDataset(Dataset):
                 self._checksums.get(shard_index),
                 path,
             )
-            tokens = (
-                token_index(path, header)
-                if header.sums is not None and header.sums.tokens is not None
-                else None
-            )
+            tokens = token_index(path, header) if header.tokens is not None else None
         except CacheIntegrityError as exc:
             raise CacheIntegrityError(f"{exc}. {self._repair}", path=path) from None
         if self._schema is None:

@@ -184,8 +184,8 @@ def _from_arguments(
         )
     first = headers[min(headers)]
     schema = schema_of_header(first)
-    tokens = first.sums.tokens if first.sums is not None else None
-    layout = TokenLayout.from_json(tokens["layout"]) if tokens is not None else None
+    tokens = first.tokens
+    layout = tokens.layout if tokens is not None else None
     top = max(headers)
     shard_size = given.get("shard_size")
     if shard_size is None and top > min(headers):
@@ -223,7 +223,7 @@ def _from_arguments(
             f"or repair_cache(cache_dir, {kwargs}).{where}"
         )
     if layout is not None:
-        rule: LengthRule | None = LengthRule.from_json(tokens["length_rule"])  # type: ignore[index]
+        rule: LengthRule | None = LengthRule.from_json(tokens.length_rule)  # type: ignore[union-attr]
         if "length_key" in given and given["length_key"] != rule.key:
             raise ValueError(
                 f"length_key={given['length_key']!r} contradicts the shards, which store "

@@ -42,8 +42,6 @@ from te_thd.offline_cache.ragged import (
     TokenLayout,
     TokenReadPlan,
     block_table,
-    decode_offsets,
-    logical_specs,
     plan_row_reads,
     plan_token_reads,
     token_places,
@@ -74,7 +72,6 @@ class TokenIndex:
     tables: dict[str, BlockTable]
     sums_start: int
     sums_digest: str
-    fidelity: dict[str, Any]
     sums: dict[str, np.ndarray] | None = field(default=None)
 
     @property
@@ -89,9 +86,8 @@ class TokenIndex:
 
 def token_index(path: str, header: ShardHeader) -> TokenIndex:
     """Parse and check a token shard's ragged fields against its tensor entries."""
-    assert header.sums is not None and header.sums.tokens is not None
-    t = header.sums.tokens
-    rows = header.sums.rows
+    t = header.tokens
+    assert t is not None
 
     def bad(what: str) -> CacheIntegrityError:
         return CacheIntegrityError(
@@ -99,14 +95,12 @@ def token_index(path: str, header: ShardHeader) -> TokenIndex:
         )
 
     try:
-        layout = TokenLayout.from_json(t["layout"])
-        logical = logical_specs(t)
-        offsets = decode_offsets(t["offsets"], rows)
+        layout, logical, offsets = t.layout, t.logical, t.offsets
     except (KeyError, TypeError, ValueError) as exc:
         raise bad(f"are malformed ({exc})") from None
     stored = {s.name: s for s in layout.stored(logical)}
-    if set(stored) != set(t["stored"]) or any(
-        t["stored"][n].get("block_tokens") != s.block_tokens for n, s in stored.items()
+    if set(stored) != set(t.stored) or any(
+        t.stored[n].get("block_tokens") != s.block_tokens for n, s in stored.items()
     ):
         raise bad("disagree with the layout they record")
     start: dict[str, int] = {}
@@ -133,8 +127,7 @@ def token_index(path: str, header: ShardHeader) -> TokenIndex:
         start,
         tables,
         e.start,
-        str(t.get("block_sums_digest")),
-        dict(t.get("fidelity") or {}),
+        t.sums_digest,
     )
 
 
