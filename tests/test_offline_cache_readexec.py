@@ -10,6 +10,7 @@ import os
 import pickle
 import threading
 import time
+import weakref
 
 import numpy as np
 import pytest
@@ -183,6 +184,17 @@ def test_read_rows_names_a_file_that_shrank(shard, tmp_path):
 def test_byte_view_refuses_a_strided_tensor():
     with pytest.raises(ValueError, match=r"tensor of shape \[4, 2\] is not contiguous"):
         byte_view(torch.zeros(2, 4).t())
+
+
+def test_byte_view_holds_its_tensor_unless_told_not_to():
+    """A view a read or a write holds keeps its memory alive; the row-view cache's views
+    (``hold=False``) must not, or a pooled batch would never be handed out again."""
+    for hold in (True, False):
+        t = torch.arange(6, dtype=torch.int32)
+        alive, view = weakref.ref(t), byte_view(t, hold=hold)
+        del t
+        gc.collect()
+        assert (alive() is not None) == hold and view.nbytes == 24 and not view.readonly
 
 
 # -- destination buffers ---------------------------------------------------------------
