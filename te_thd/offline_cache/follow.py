@@ -35,21 +35,14 @@ from te_thd.offline_cache.format import (
     shard_name,
 )
 from te_thd.offline_cache.integrity import ShardHeader, shard_checksum
-from te_thd.offline_cache.lengths import LENGTH_RULE_KEY
 from te_thd.offline_cache.manifest import (
-    LAYOUT_VERSION,
     manifest_schema,
     read_manifest,
     shard_records,
 )
-from te_thd.offline_cache.producer_state import (
-    FOLLOW_NAME,
-    describe_diff,
-    params_of_manifest,
-    record_bytes,
-)
-from te_thd.offline_cache.ragged import TOKEN_LAYOUT_KEY
+from te_thd.offline_cache.producer_state import FOLLOW_NAME, describe_diff, record_bytes
 from te_thd.offline_cache.readplan import OpenShard
+from te_thd.offline_cache.record import build_manifest, params_of_manifest, split_record
 from te_thd.offline_cache.storage import Storage
 from te_thd.offline_cache.verify import check_cache_files
 
@@ -111,13 +104,11 @@ def _check_timeout(follow_timeout: Any) -> float:
 def record_view(run: Mapping[str, Any]) -> dict[str, Any]:
     """The manifest a finished run will write, as far as the record knows it (no schema, no shards):
     what readers and the options checks (``ensure_supervision_options_match``) read."""
-    view: dict[str, Any] = {k: run[k] for k in ("format_version", "num_samples", "shard_size")}
-    view.update(run.get("options") or {})
-    for key in (TOKEN_LAYOUT_KEY, LENGTH_RULE_KEY):
-        if key in run:
-            view[key] = run[key]
-    view["layout_version"] = LAYOUT_VERSION  # te_thd's producer: every shard carries its checksums
-    return view
+    params, rule = split_record(run)
+    return {
+        "format_version": params["format_version"],
+        **build_manifest(params, params.get("options") or {}, rule),
+    }
 
 
 def open_followed(
@@ -167,7 +158,7 @@ def _parse(
         run = record["run"]
         view = record_view(run)
         command = record.get("producer_command")
-    except (ValueError, KeyError, TypeError) as exc:
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise CacheError(
             f"cannot read the follow record {where} ({type(exc).__name__}: {exc}); open "
             "the cache with "
@@ -292,7 +283,7 @@ class Follower:
         self._admit_committed()
         manifest = read_manifest(self.cache_dir, self.cache_name, *versions)
         recorded = params_of_manifest(manifest, self.run.get("keys", ()))
-        followed = {k: v for k, v in self.run.items() if k != LENGTH_RULE_KEY}
+        followed, _ = split_record(self.run)
         if recorded != followed:
             raise CacheError(
                 f"{self.storage.display(MANIFEST_NAME)} was written by a producer run "

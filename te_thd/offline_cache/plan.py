@@ -29,7 +29,6 @@ from te_thd.offline_cache.format import (
     TensorSpec,
     dtype_from_name,
     dtype_name,
-    schema_to_json,
     shard_layout,
     shard_rows,
     tensor_nbytes,
@@ -37,7 +36,6 @@ from te_thd.offline_cache.format import (
 from te_thd.offline_cache.integrity import shard_checksum
 from te_thd.offline_cache.lengths import LengthRule, for_tensor_spec, producer_rule
 from te_thd.offline_cache.manifest import manifest_bytes
-from te_thd.offline_cache.producer_state import assemble_manifest, run_params, run_record
 from te_thd.offline_cache.ragged import (
     CODECS,
     PAGE_BYTES,
@@ -49,7 +47,8 @@ from te_thd.offline_cache.ragged import (
     is_lossy,
     row_offsets,
 )
-from te_thd.offline_cache.shardfile import shard_header_len
+from te_thd.offline_cache.record import build_manifest, run_params, run_record
+from te_thd.offline_cache.shardfile import ShardRecord, shard_header_len
 
 #: what a lossy codec's shard records in the manifest, and a figure of the width it usually has
 _LOSS_FIGURES = ("max_rel_l2", "mean_rel_l2")
@@ -263,14 +262,17 @@ def manifest_size(
         if is_lossy(c)
     }
     recs = {
-        i: (size, shard_checksum("0" * 16), tuple(lengths[a:b].tolist()), fidelity or None)
+        i: ShardRecord(
+            size,
+            shard_checksum("0" * 16),
+            tuple(lengths[a:b].tolist()) if rule is not None else None,
+            fidelity or None,
+        )
         for i, (size, (a, b)) in enumerate(
             zip(sizes, _shards(lengths.size, spec.shard_size), strict=True)
         )
     }
-    manifest = assemble_manifest(
-        [(None, recs, schema_to_json(spec.schema))], params, spec.options, "", "", rule, layout
-    )
+    manifest = build_manifest(params, spec.options, rule, spec.schema, recs)
     return len(manifest_bytes("", manifest, spec.format_version))
 
 

@@ -70,11 +70,10 @@ from te_thd.offline_cache.producer_state import (
     assemble_manifest,
     check_options,
     prepare_directory,
-    run_params,
-    run_record,
     verify_existing,
 )
 from te_thd.offline_cache.ragged import TokenLayout, check_token_keys
+from te_thd.offline_cache.record import run_params, run_record
 from te_thd.offline_cache.shardfile import ShardRecord
 from te_thd.offline_cache.storage import Lock, Storage, open_storage
 from te_thd.offline_cache.writer import DurableShardWriter
@@ -511,7 +510,7 @@ class _Job:
         comm = self.comm
         mine = (
             writer.error,
-            {i: (r.bytes, r.checksum, r.lengths, r.fidelity) for i, r in records.items()},
+            dict(records),
             schema_to_json(writer.schema) if writer.schema is not None else None,
         )
         gathered = comm.all_gather(mine)
@@ -524,7 +523,6 @@ class _Job:
                 self.output_dir,
                 self.cache_name,
                 self.length_rule,
-                self.token_layout,
             )
             write_manifest(self.output_dir, manifest, self.format_version)
             self.storage.delete(PROGRESS_NAME)

@@ -1,9 +1,10 @@
 """What a producer finds in its output directory, and what it makes of it.
 
 - the run record ``.te_thd-producer.json`` (:data:`PROGRESS_NAME`): the
-  parameters of an unfinished run (:func:`run_params`), so a resume with other
-  parameters is refused instead of mixing shards; ``te-thd cache repair`` writes
-  one from a manifest (:func:`params_of_manifest`) to reopen a finished cache;
+  parameters of an unfinished run (:func:`~te_thd.offline_cache.record.run_params`), so a
+  resume with other parameters is refused instead of mixing shards; ``te-thd cache repair``
+  writes one from a manifest (:func:`~te_thd.offline_cache.record.params_of_manifest`) to
+  reopen a finished cache;
 - :func:`prepare_directory`: rank 0's decision under the lock -- reuse a
   finished identical cache, resume, or refuse, naming the difference;
 - :func:`verify_existing`: shards a previous run left are verified completely
@@ -38,18 +39,16 @@ from te_thd.offline_cache.format import (
 )
 from te_thd.offline_cache.integrity import read_shard_header, schema_of_header
 from te_thd.offline_cache.lengths import (
-    LENGTH_RULE_KEY,
     LengthRule,
     for_tensor_spec,
     read_shard_lengths,
 )
 from te_thd.offline_cache.manifest import (
-    LAYOUT_VERSION,
     RESERVED_MANIFEST_KEYS,
     existing_shard_indices,
     read_manifest,
 )
-from te_thd.offline_cache.ragged import TOKEN_LAYOUT_KEY, TokenLayout
+from te_thd.offline_cache.record import build_manifest, params_of_manifest
 from te_thd.offline_cache.shardfile import ShardRecord
 from te_thd.offline_cache.storage import LOCK_NAME, TEMP_RE, open_storage
 from te_thd.offline_cache.verify import (
@@ -59,27 +58,6 @@ from te_thd.offline_cache.verify import (
 )
 
 _log = logging.getLogger("te_thd.offline_cache")
-
-
-def run_params(
-    format_version: int,
-    num_samples: int,
-    shard_size: int,
-    keys: Sequence[str],
-    options: Mapping[str, Any],
-    token_layout: TokenLayout | None = None,
-) -> dict[str, Any]:
-    # What must be equal for shards of two runs to belong to one cache.
-    params = {
-        "format_version": format_version,
-        "num_samples": num_samples,
-        "shard_size": shard_size,
-        "keys": sorted(keys),
-        "options": dict(options),
-    }
-    if token_layout is not None:
-        params[TOKEN_LAYOUT_KEY] = token_layout.to_json()
-    return params
 
 
 def check_options(options: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -99,16 +77,6 @@ def check_options(options: Mapping[str, Any] | None) -> dict[str, Any]:
             f"options must be JSON values (recorded in manifest.json): {exc}"
         ) from None
     return options
-
-
-def run_record(params: Mapping[str, Any], length_rule: LengthRule | None) -> dict[str, Any]:
-    """What every shard of a run keeps in its header (``run``): :func:`run_params` and the
-    producer's length rule, so ``te-thd cache repair`` rebuilds the manifest from the shards
-    alone."""
-    record = dict(params)
-    if length_rule is not None:
-        record[LENGTH_RULE_KEY] = length_rule.to_json()
-    return record
 
 
 def record_bytes(obj: Any) -> bytes:
@@ -170,19 +138,6 @@ _LONG = 120
 def _show(value: Any, limit: int | None = None) -> str:
     text = "absent" if value is _ABSENT else repr(value)
     return text if limit is None or len(text) <= limit else text[: limit - 3] + "..."
-
-
-def params_of_manifest(manifest: Mapping[str, Any], keys: Sequence[str] = ()) -> dict[str, Any]:
-    """:func:`run_params` of the run that wrote ``manifest`` (``keys``: for an empty cache, which
-    has no schema)."""
-    return run_params(
-        manifest.get("format_version"),  # type: ignore[arg-type]
-        manifest.get("num_samples"),  # type: ignore[arg-type]
-        manifest.get("shard_size"),  # type: ignore[arg-type]
-        list(manifest.get("schema") or {}) if manifest.get("num_samples") else keys,
-        {k: v for k, v in manifest.items() if k not in RESERVED_MANIFEST_KEYS},
-        TokenLayout.from_json(manifest[TOKEN_LAYOUT_KEY]) if TOKEN_LAYOUT_KEY in manifest else None,
-    )
 
 
 #: Where damaged or foreign shards are moved when a cache is reopened (readers never look there).
@@ -327,7 +282,7 @@ def verify_existing(
     """Records of shards a previous run wrote, each verified completely (:func:`existing_record`).
 
     The first shard fixes the schema (its keys must be this run's). ``run``: this run's record
-    (:func:`run_record`). Raises :class:`CacheIntegrityError` naming a damaged shard and what to do.
+    (:func:`~te_thd.offline_cache.record.run_record`). Raises :class:`CacheIntegrityError` naming a damaged shard and what to do.
     """
     records: dict[int, ShardRecord] = {}
     schema: CacheSchema | None = None
@@ -400,23 +355,22 @@ def existing_record(
 
 
 def assemble_manifest(
-    gathered: Sequence[tuple[str | None, dict[int, tuple[Any, ...]], dict[str, Any] | None]],
+    gathered: Sequence[tuple[str | None, dict[int, ShardRecord], dict[str, Any] | None]],
     params: Mapping[str, Any],
     options: Mapping[str, Any],
     output_dir: str,
     cache_name: str,
     length_rule: LengthRule | None = None,
-    token_layout: TokenLayout | None = None,
 ) -> dict[str, Any]:
-    """The manifest of a finished run from ``gathered``: per rank ``(error or None, {shard: record
-    fields}, schema JSON or None)``. A rank's error, a shard no rank reported, or two schemas
-    raise."""
+    """The manifest (:func:`~te_thd.offline_cache.record.build_manifest`) of a finished run from
+    ``gathered``: per rank ``(error or None, {shard: record}, schema JSON or None)``. A rank's
+    error, a shard no rank reported, or two schemas raise."""
     errors = [(r, e) for r, (e, _, _) in enumerate(gathered) if e is not None]
     if errors:
         raise SchemaError("; ".join(f"rank {r}: {e}" for r, e in errors))
     num_samples, shard_size = params["num_samples"], params["shard_size"]
     expected = num_shards(num_samples, shard_size)
-    records: dict[int, tuple[Any, ...]] = {}
+    records: dict[int, ShardRecord] = {}
     for _, recs, _ in gathered:
         records.update(recs)
     missing = sorted(set(range(expected)) - set(records))
@@ -438,26 +392,6 @@ def assemble_manifest(
             f"ranks wrote shards with different schemas ({desc}); compute_batch must be "
             "deterministic in dtype/shape"
         )
-    schema = next(iter(schemas.values()))[1] if schemas else {}
-    lengths = length_rule is not None and schema != {}
-    manifest = {
-        **options,
-        "num_samples": num_samples,
-        "shard_size": shard_size,
-        "layout_version": LAYOUT_VERSION,
-        "schema": schema,
-        "shards": [
-            ShardRecord(
-                records[i][0], records[i][1], records[i][2] if lengths else None, records[i][3]
-            ).to_json(shard_name(i))
-            for i in range(expected)
-        ],
-    }
-    if lengths:
-        assert length_rule is not None
-        manifest[LENGTH_RULE_KEY] = for_tensor_spec(
-            length_rule, schema_from_json(schema)[length_rule.key]
-        ).to_json()
-    if token_layout is not None:
-        manifest[TOKEN_LAYOUT_KEY] = token_layout.to_json()
-    return manifest
+    schema = schema_from_json(next(iter(schemas.values()))[1]) if schemas else {}
+    shards = {i: records[i] for i in range(expected)}
+    return build_manifest(params, options, length_rule, schema, shards)

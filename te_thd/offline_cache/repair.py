@@ -36,12 +36,11 @@ from te_thd.offline_cache.format import (
     format_indices,
     num_shards,
     producer_hint,
-    schema_to_json,
     shard_name,
     shard_rows,
 )
 from te_thd.offline_cache.integrity import ShardHeader, read_shard_header, schema_of_header
-from te_thd.offline_cache.lengths import LENGTH_RULE_KEY, LengthRule, producer_rule
+from te_thd.offline_cache.lengths import LengthRule, producer_rule
 from te_thd.offline_cache.manifest import (
     existing_shard_indices,
     load_manifest,
@@ -52,15 +51,13 @@ from te_thd.offline_cache.manifest import (
 from te_thd.offline_cache.producer_state import (
     DAMAGED_DIR,
     PROGRESS_NAME,
-    assemble_manifest,
     check_options,
     describe_diff,
     existing_record,
     record_bytes,
     reopen_for_resume,
-    run_params,
 )
-from te_thd.offline_cache.ragged import TokenLayout
+from te_thd.offline_cache.record import build_manifest, run_params, split_record
 from te_thd.offline_cache.shardfile import ShardRecord
 from te_thd.offline_cache.storage import LocalDirectory, Storage, open_storage
 from te_thd.offline_cache.verify import shard_problem, verify_shards
@@ -133,8 +130,7 @@ def _from_record(
 ) -> tuple[dict[str, Any], LengthRule | None, dict[str, Any]]:
     """``(params, length rule, manifest options)`` of shards that record their run; an argument that
     contradicts the record is refused, ``options`` the record lacks are added (caller metadata)."""
-    rule = LengthRule.from_json(record[LENGTH_RULE_KEY]) if LENGTH_RULE_KEY in record else None
-    params = {k: v for k, v in record.items() if k != LENGTH_RULE_KEY}
+    params, rule = split_record(record)
     recorded = {
         "format_version": params["format_version"],
         "shard_size": params["shard_size"],
@@ -335,19 +331,7 @@ def rebuild_manifest(
         notes,
     )
     if not (result.bad or missing) and schema is not None or count == 0:
-        gathered = [
-            (
-                None,
-                {i: (r.bytes, r.checksum, r.lengths, r.fidelity) for i, r in records.items()},
-                schema_to_json(schema) if schema is not None else None,
-            )
-        ]
-        token_layout = (
-            TokenLayout.from_json(params["token_layout"]) if "token_layout" in params else None
-        )
-        result.manifest = assemble_manifest(
-            gathered, params, options, cache_dir, cache_name, rule, token_layout
-        )
+        result.manifest = build_manifest(params, options, rule, schema, records)
     return result
 
 

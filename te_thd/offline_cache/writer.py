@@ -34,13 +34,12 @@ from te_thd.offline_cache.format import (
     SchemaError,
     TensorSpec,
     load_safetensors,
-    schema_to_json,
     shard_name,
-    shard_path,
     tensor_nbytes,
 )
-from te_thd.offline_cache.lengths import LENGTH_RULE_KEY, LengthRule, for_tensor
-from te_thd.offline_cache.ragged import TOKEN_LAYOUT_KEY, TokenLayout, check_token_schema
+from te_thd.offline_cache.lengths import LengthRule, for_tensor
+from te_thd.offline_cache.ragged import TokenLayout, check_token_schema
+from te_thd.offline_cache.record import manifest_fields
 from te_thd.offline_cache.shardfile import ShardRecord, ShardStream
 from te_thd.offline_cache.storage import Storage, open_storage, temp_path_for
 
@@ -492,19 +491,10 @@ class DurableShardWriter:
     def manifest_fields(self, cache_dir: str) -> dict[str, Any]:
         """``schema``, ``shards`` (in index order) and, with lengths, ``length_rule`` for
         ``write_manifest`` (call :meth:`flush` first: in the background modes the records land when
-        written)."""
-        fields: dict[str, Any] = {
-            "schema": schema_to_json(self.schema or {}),
-            "shards": [
-                self.records[i].to_json(os.path.basename(shard_path(cache_dir, i)))
-                for i in sorted(self.records)
-            ],
-        }
-        if self.length_rule is not None:
-            fields[LENGTH_RULE_KEY] = self.length_rule.to_json()
-        if self.token_layout is not None:
-            fields[TOKEN_LAYOUT_KEY] = self.token_layout.to_json()
-        return fields
+        written), as :func:`~te_thd.offline_cache.record.manifest_fields` writes them for every
+        manifest. ``cache_dir``: where the shards were written (their names are the same in
+        every directory)."""
+        return manifest_fields(self.schema, self.records, self.length_rule, self.token_layout)
 
     def _sync_dirs(self) -> None:
         while self._dirty:
