@@ -275,8 +275,8 @@ def packed_seq_params(
     """
     with warnings.catch_warnings():  # restored on exit: the process's filters are left as they were
         # megatron-core warns once per module, on import, that it falls back from TE/Apex fused
-        # kernels
-        # (optimizer, grad clipping, FSDP) that a PackedSeqParams never uses: noise for this call
+        # kernels (optimizer, grad clipping, FSDP) that a PackedSeqParams never uses: noise for this
+        # call
         warnings.filterwarnings("ignore", message=_MEGATRON_NO_TE_WARNING, category=UserWarning)
         from megatron.core import packed_seq_params as mcore
 

@@ -17,15 +17,16 @@ __all__ = ["CachedBatch", "PendingBatch"]
 
 
 class CachedBatch(Sequence[dict[str, torch.Tensor]]):
-    """The result of ``CachedTensorDataset.__getitems__``: a batch already read, stacked and verified.
+    """The result of ``CachedTensorDataset.__getitems__``: a batch already read, stacked and
+    verified.
 
     ``tensors[key]`` is ``[B, *sample_shape]`` (a ragged key zero-padded to ``[B, L, ...]``) in the
     requested order, memory no one else uses (recycled only once every reference to it is gone; in
-    shared memory inside a DataLoader worker). Also a sequence of ``B`` per-sample dicts (row views of
-    ``tensors``), so a collate function written for a list of samples still works.
+    shared memory inside a DataLoader worker). Also a sequence of ``B`` per-sample dicts (row views
+    of ``tensors``), so a collate function written for a list of samples still works.
 
-    ``deferred``: the ragged keys the dataset leaves unread (``defer_keys``), in :attr:`keys` but not in
-    ``tensors`` until :meth:`padded` or :meth:`gather` reads them (a CP rank's tokens only).
+    ``deferred``: the ragged keys the dataset leaves unread (``defer_keys``), in :attr:`keys` but
+    not in ``tensors`` until :meth:`padded` or :meth:`gather` reads them (a CP rank's tokens only).
     ``ragged``: the keys the cache stores ragged (each sample's real tokens; zero past them).
     """
 
@@ -58,8 +59,8 @@ class CachedBatch(Sequence[dict[str, torch.Tensor]]):
         return self.deferred.specs[key]
 
     def padded(self, keys: Sequence[str]) -> dict[str, torch.Tensor]:
-        """``{key: [B, *sample_shape]}`` of ``keys``; a deferred key is read now, zero-padded, verified,
-        and kept in ``tensors``."""
+        """``{key: [B, *sample_shape]}`` of ``keys``; a deferred key is read now, zero-padded,
+        verified, and kept in ``tensors``."""
         later = [k for k in keys if k not in self.tensors]
         if later and self.deferred is not None:
             self.tensors = {**self.tensors, **self.deferred.padded_many(later)}
@@ -68,9 +69,9 @@ class CachedBatch(Sequence[dict[str, torch.Tensor]]):
     def gather(
         self, keys: Sequence[str], sample: np.ndarray, pos: np.ndarray
     ) -> dict[str, torch.Tensor]:
-        """Tokens ``pos`` of batch samples ``sample`` (int64 ``[M]`` each, ``pos`` below the sample's
-        ``L``) of each of the token keys ``keys``: ``{key: [M, *per_token]}``. Of a deferred key only the
-        checksum blocks holding those tokens are read, now, and verified."""
+        """Tokens ``pos`` of batch samples ``sample`` (int64 ``[M]`` each, ``pos`` below the
+        sample's ``L``) of each of the token keys ``keys``: ``{key: [M, *per_token]}``. Of a
+        deferred key only the checksum blocks holding those tokens are read, now, and verified."""
         later = [k for k in keys if k not in self.tensors]
         read = (
             self.deferred.gather_many(later, sample, pos)
@@ -88,10 +89,10 @@ class CachedBatch(Sequence[dict[str, torch.Tensor]]):
         dst: np.ndarray,
         out: Mapping[str, torch.Tensor],
     ) -> None:
-        """:meth:`gather`, written into rows ``dst`` (int64 ``[M]``) of ``out[key]`` (``[N, *per_token]``,
-        contiguous, the key's dtype) instead of returned: of a deferred key, the checksum blocks
-        holding those tokens are read now, verified, and whole blocks go straight into place (one
-        copy); the other rows of ``out`` are left as they are."""
+        """:meth:`gather`, written into rows ``dst`` (int64 ``[M]``) of ``out[key]`` (``[N,
+        *per_token]``, contiguous, the key's dtype) instead of returned: of a deferred key, the
+        checksum blocks holding those tokens are read now, verified, and whole blocks go straight
+        into place (one copy); the other rows of ``out`` are left as they are."""
         later = [k for k in keys if k not in self.tensors]
         at = (torch.from_numpy(sample), torch.from_numpy(pos))
         rows = torch.from_numpy(dst)
@@ -102,7 +103,8 @@ class CachedBatch(Sequence[dict[str, torch.Tensor]]):
             self.deferred.place_many(later, sample, pos, dst, out)
 
     def __reduce__(self) -> tuple[Any, ...]:
-        # another process cannot read through this one's open shards: the deferred keys are read first
+        # another process cannot read through this one's open shards: the deferred keys are read
+        # first
         return (CachedBatch, (self.padded(self.keys), self._len, None, self.ragged))
 
     def __len__(self) -> int:

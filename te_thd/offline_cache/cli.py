@@ -192,8 +192,7 @@ def _cmd_unlock(args: argparse.Namespace) -> int:
         print(f"te-thd cache unlock: {exc}", file=sys.stderr)
         return 2
     # CacheError: no lock to remove here (a local directory's flock; a holder that runs on this
-    # host),
-    # no cache at the path, or a store that cannot be used
+    # host), no cache at the path, or a store that cannot be used
     try:
         holder = storage.unlock()
     except CacheError as exc:

@@ -1,4 +1,5 @@
-"""Self-verifying shards: per-row checksums in the shard header, the header read back, and the checks.
+"""Self-verifying shards: per-row checksums in the shard header, the header read back, and the
+checks.
 
 Every shard te_thd writes carries one ``"te_thd"`` entry in its safetensors ``__metadata__``
 (its fields: docs/integrity.md, "What a shard carries"): per-row xxh3_64 sums seeded with the
@@ -114,7 +115,8 @@ def decode_sums(text: str, rows: int) -> array.array:
 
 
 def header_digest(tensor_entries: Mapping[str, Any], fields: Mapping[str, Any]) -> str:
-    """Digest of a shard header: the safetensors tensor entries and the te_thd fields but ``header``."""
+    """Digest of a shard header: the safetensors tensor entries and the te_thd fields but
+    ``header``."""
     body = {"tensors": tensor_entries, META_KEY: {k: v for k, v in fields.items() if k != "header"}}
     return f"{hash64(canonical_json(body)):016x}"
 
@@ -126,7 +128,8 @@ def shard_metadata(
     tokens: Mapping[str, Any] | None = None,
     run: Mapping[str, Any] | None = None,
 ) -> tuple[dict[str, str], str]:
-    """The ``__metadata__`` of a new shard (``{"te_thd": <JSON of the fields>}``) and its header digest.
+    """The ``__metadata__`` of a new shard (``{"te_thd": <JSON of the fields>}``) and its header
+    digest.
 
     ``tensor_entries`` is the safetensors header without metadata
     (``{key: {"dtype", "shape", "data_offsets"}}``), ``sums`` the per-row sums of
@@ -151,9 +154,9 @@ def shard_metadata(
 
 
 def shard_checksum(digest: str) -> str:
-    """The manifest's record of a shard: ``"xxh3_64:<header digest>"``. The digest covers every entry
-    and row checksum, which cover every data byte: a shard swapped for another valid one no longer
-    matches its record, and checking that costs one header read, not a pass over the file."""
+    """The manifest's record of a shard: ``"xxh3_64:<header digest>"``. The digest covers every
+    entry and row checksum, which cover every data byte: a shard swapped for another valid one no
+    longer matches its record, and checking that costs one header read, not a pass over the file."""
     return f"{HASH_NAME}:{digest}"
 
 
@@ -248,8 +251,8 @@ def verify_rows(
 
     ``data`` is ``[len(rows), ...]`` (contiguous CPU, the copy a batch holds), ``rows`` the
     shard-local row indices it came from (a list, ``range`` or int array), ``expected`` the shard's
-    ``sums[key]`` (``[shard rows]`` ints), ``first_sample`` the global index of the shard's row 0 and
-    ``repair`` how to fix the cache; the error names file, sample, key and both checksums.
+    ``sums[key]`` (``[shard rows]`` ints), ``first_sample`` the global index of the shard's row 0
+    and ``repair`` how to fix the cache; the error names file, sample, key and both checksums.
     Thread-safe."""
     if isinstance(rows, np.ndarray):
         rows = rows.tolist()
@@ -377,7 +380,8 @@ class HeaderEntry:
 
 @dataclass(frozen=True)
 class ShardHeader:
-    """A parsed shard header: ``entries`` (``{key: HeaderEntry}``) and its te_thd ``sums`` (or ``None``)."""
+    """A parsed shard header: ``entries`` (``{key: HeaderEntry}``) and its te_thd ``sums`` (or
+    ``None``)."""
 
     entries: dict[str, HeaderEntry]
     sums: ShardSums | None
@@ -393,16 +397,18 @@ _ENTRY_KEYS = ["data_offsets", "dtype", "shape"]
 
 
 def clip(text: str, limit: int) -> str:
-    """``text`` cut to ``limit`` characters, ``...`` marking the cut (a value quoted in a message)."""
+    """``text`` cut to ``limit`` characters, ``...`` marking the cut (a value quoted in a
+    message)."""
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def read_shard_header(path: str, name: str | None = None) -> ShardHeader:
     """Parse and sanity-check a safetensors header, with its te_thd checksum fields when present.
 
-    Raises :class:`CacheIntegrityError` naming the shard ``name`` (default ``path``, the file read) if
-    the header is unreadable, the offsets do not tile the data region exactly, the file size
-    disagrees with the last offset, or the te_thd fields do not match the header (:func:`parse_shard_metadata`).
+    Raises :class:`CacheIntegrityError` naming the shard ``name`` (default ``path``, the file read)
+    if the header is unreadable, the offsets do not tile the data region exactly, the file size
+    disagrees with the last offset, or the te_thd fields do not match the header
+    (:func:`parse_shard_metadata`).
     """
     name = name or path
 
@@ -500,7 +506,8 @@ def header_problems(
             problems.append(f"key {key!r} is a scalar, not [samples, ...]")
         elif spec is not None and TensorSpec(e.dtype, e.shape[1:]) != spec:
             problems.append(
-                f"key {key!r} is {dtype_name(e.dtype)}{list(e.shape)}, the schema says {spec.describe()}"
+                f"key {key!r} is {dtype_name(e.dtype)}{list(e.shape)}, the schema says "
+                f"{spec.describe()}"
             )
         elif e.shape[0] != rows:
             problems.append(
@@ -545,7 +552,8 @@ def check_shard_header(
         )
         if actual != checksum:
             problems.append(
-                f"its header digest is {actual}, the manifest records {checksum}: the shard was swapped for "
+                f"its header digest is {actual}, the manifest records {checksum}: the "
+                "shard was swapped for "
                 "another or replaced after the manifest was written"
             )
     if problems:
@@ -571,7 +579,8 @@ def logical_entries(header: ShardHeader) -> dict[str, HeaderEntry]:
 
 
 def schema_of_header(header: ShardHeader) -> dict[str, TensorSpec]:
-    """``{key: TensorSpec(dtype, trailing shape)}`` of a header's non-scalar entries (logical keys)."""
+    """``{key: TensorSpec(dtype, trailing shape)}`` of a header's non-scalar entries (logical
+    keys)."""
     return {
         k: TensorSpec(e.dtype, e.shape[1:]) for k, e in logical_entries(header).items() if e.shape
     }

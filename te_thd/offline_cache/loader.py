@@ -76,7 +76,8 @@ class CachedDataLoader(DataLoader):
     sampler: CacheShardSampler | BalancedBatchSampler
 
     #: ``build_cached_dataloader(read_ahead=...)``: with ``num_workers=0``, start reading batch
-    #: ``i + 1`` before handing out batch ``i`` when the step leaves time for it (:func:`_read_ahead`)
+    #: ``i + 1`` before handing out batch ``i`` when the step leaves time for it
+    #: (:func:`_read_ahead`)
     read_ahead: bool = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -96,7 +97,8 @@ class CachedDataLoader(DataLoader):
             del batch
 
     def _reads_inline(self) -> bool:
-        """``num_workers=0`` (map-style dataset): batches are read on this thread by :meth:`_inline_batches`."""
+        """``num_workers=0`` (map-style dataset): batches are read on this thread by
+        :meth:`_inline_batches`."""
         return self.num_workers == 0 and not isinstance(self.dataset, IterableDataset)
 
     def _inline_batches(self) -> Iterator[Any]:
@@ -143,10 +145,12 @@ class CachedDataLoader(DataLoader):
         return {"sampler": self.sampler.state_dict(self.consumed_samples())}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Continue after the saved position (call before iterating; keep ``set_epoch(saved epoch)``)."""
+        """Continue after the saved position (call before iterating; keep ``set_epoch(saved
+        epoch)``)."""
         if "sampler" not in state:
             raise ValueError(
-                f"loader state must hold 'sampler' (got keys {sorted(state)}); pass loader.state_dict()"
+                f"loader state must hold 'sampler' (got keys {sorted(state)}); pass "
+                "loader.state_dict()"
             )
         self.sampler.load_state_dict(state["sampler"])
         self._epoch_of_pass = None
@@ -158,7 +162,8 @@ def _pinned_collate(collate: Callable[[Any], Any], data: Any) -> Any:
 
 
 def _map_tensors(batch: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    """``batch`` with ``fn`` applied to every tensor in it (dicts, lists, tuples and namedtuples nested)."""
+    """``batch`` with ``fn`` applied to every tensor in it (dicts, lists, tuples and namedtuples
+    nested)."""
     if isinstance(batch, torch.Tensor):
         return fn(batch)
     if isinstance(batch, Mapping):
@@ -177,7 +182,8 @@ def _read_ahead(
     collate: Callable[[Any], Any],
     ready: Callable[[Sequence[int]], bool] | None = None,
 ) -> Iterator[Any]:
-    """``collate(batch)`` for every index list of ``batches``, read ahead when the consumer leaves time for it.
+    """``collate(batch)`` for every index list of ``batches``, read ahead when the consumer leaves
+    time for it.
 
     Each batch is read by ``read``, or, when the consumer's last time between batches
     was at least half the last synchronous read, started by ``start`` before the
@@ -240,7 +246,8 @@ def side_file_path(cache_dir: str, rule: LengthRule) -> str:
 def read_side_file(
     path: str, rule: LengthRule, manifest_sum: str, num_samples: int
 ) -> np.ndarray | None:
-    """The lengths kept in ``path`` when it is intact and belongs to this manifest and rule, else ``None``."""
+    """The lengths kept in ``path`` when it is intact and belongs to this manifest and rule, else
+    ``None``."""
     try:
         with open(path, encoding="utf-8") as f:
             obj = json.load(f)
@@ -295,7 +302,8 @@ def cache_lengths(
     if key not in schema:
         raise ValueError(
             f"length_key={key!r}: the {cache_name} cache at {cache_dir} has no such key (it holds "
-            f"{sorted(schema)}); pass length_key= naming the key with each sample's length or tokens"
+            f"{sorted(schema)}); pass length_key= naming the key with each sample's "
+            "length or tokens"
         )
     rule = for_tensor_spec(rule or LengthRule(key), schema[key])
     num_samples = int(manifest["num_samples"])
@@ -323,11 +331,14 @@ def cache_lengths(
 
 def _read_only_message(cache_dir: str, key: str) -> str:
     return (
-        f"the cache at {cache_dir} records no per-sample lengths and its directory is read-only, so the "
+        f"the cache at {cache_dir} records no per-sample lengths and its directory is "
+        "read-only, so the "
         f"lengths scanned from {key!r} cannot be kept beside it. Either rebuild it with "
         f"produce_cache(..., length_key={key!r}) (which records them in the manifest), or run "
-        f"`te_thd.offline_cache.loader.cache_lengths({cache_dir!r}, length_key={key!r})` once where the "
-        "directory is writable, or pass lengths=scan_lengths(...) to build_cached_dataloader on every run."
+        f"`te_thd.offline_cache.loader.cache_lengths({cache_dir!r}, length_key={key!r})` "
+        "once where the "
+        "directory is writable, or pass lengths=scan_lengths(...) to "
+        "build_cached_dataloader on every run."
     )
 
 
@@ -425,21 +436,26 @@ def build_cached_dataloader(
         packer = getattr(collate_fn, "packer", None)
         if packer is None:
             raise ValueError(
-                f"balance=True plans each step's rows: pass collate_fn=CachedThdCollator(...) (its seq_len "
+                "balance=True plans each step's rows: pass "
+                "collate_fn=CachedThdCollator(...) (its seq_len "
                 f"and padding are planned for), not {type(collate_fn).__name__}"
             )
         if lengths is None:
             cache_dir = getattr(dataset, "cache_dir", None)
             if cache_dir is None:
                 raise ValueError(
-                    f"balance=True without lengths= reads the lengths a cache records, but the dataset "
-                    f"({type(dataset).__name__}) is not a CachedTensorDataset; pass lengths= (every sample's "
+                    "balance=True without lengths= reads the lengths a cache records, "
+                    "but the dataset "
+                    f"({type(dataset).__name__}) is not a CachedTensorDataset; pass "
+                    "lengths= (every sample's "
                     "length, e.g. te_thd.offline_cache.sampler.scan_lengths(dataset, mask_key=...))"
                 )
             if getattr(dataset, "following", False):
                 raise ValueError(
-                    "balance=True plans every step from the samples' lengths, which a cache whose producer still "
-                    "runs has not recorded yet; pass lengths= (every sample's length, e.g. from the tokenized "
+                    "balance=True plans every step from the samples' lengths, which a "
+                    "cache whose producer still "
+                    "runs has not recorded yet; pass lengths= (every sample's length, "
+                    "e.g. from the tokenized "
                     "data the producer reads), or build the loader once the producer has finished"
                 )
             # plan with what the collator packs: its length key, its mask, or full rows
@@ -471,14 +487,18 @@ def build_cached_dataloader(
     per_replica = sampler.total_size // dp_size
     if drop_last and 0 < len(dataset) < dp_size:
         raise ValueError(
-            f"the dataset's {len(dataset)} samples are too few for {dp_size} data-parallel replicas with "
-            "drop_last=True: every replica needs at least one, so the loader would yield nothing; use a dataset of "
+            f"the dataset's {len(dataset)} samples are too few for {dp_size} "
+            "data-parallel replicas with "
+            "drop_last=True: every replica needs at least one, so the loader would yield "
+            "nothing; use a dataset of "
             f"at least {dp_size} samples, fewer replicas, or drop_last=False"
         )
     if drop_last and len(dataset) > 0 and per_replica < batch_size:
         raise ValueError(
-            f"batch_size={batch_size} with drop_last=True: each of the {dp_size} data-parallel replica(s) gets "
-            f"{per_replica} of the {len(dataset)} samples per epoch, fewer than one batch, so the loader would "
+            f"batch_size={batch_size} with drop_last=True: each of the {dp_size} "
+            "data-parallel replica(s) gets "
+            f"{per_replica} of the {len(dataset)} samples per epoch, fewer than one "
+            "batch, so the loader would "
             f"yield nothing; pass batch_size <= {per_replica}, or drop_last=False"
         )
     if resume_state is not None and start_sample:
@@ -531,7 +551,8 @@ def build_cached_dataloader(
 
 
 def _check_picklable_collate(collate_fn: Any, context: Any, why: str) -> None:
-    """Refuse, in one line, a ``collate_fn`` that DataLoader workers started without fork cannot receive.
+    """Refuse, in one line, a ``collate_fn`` that DataLoader workers started without fork cannot
+    receive.
 
     Workers started by forkserver or spawn (``context``: a start method's name, a
     multiprocessing context, or None for the default; ``why``: what chose it) get
@@ -551,7 +572,8 @@ def _check_picklable_collate(collate_fn: Any, context: Any, why: str) -> None:
     except Exception as exc:  # noqa: BLE001 - whatever pickle raises, a worker would raise too
         name = getattr(collate_fn, "__qualname__", type(collate_fn).__name__)
         raise ValueError(
-            f"collate_fn={name!r} cannot be pickled ({type(exc).__name__}: {exc}), and the DataLoader "
+            f"collate_fn={name!r} cannot be pickled ({type(exc).__name__}: {exc}), and "
+            "the DataLoader "
             f"workers start by {method} ({why}), which sends collate_fn to them pickled; pass a "
             "module-level function, or a picklable object such as functools.partial of one"
         ) from None

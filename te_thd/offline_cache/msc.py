@@ -108,8 +108,7 @@ class MSCPrefix(S3Prefix):
         self.profile = profile
         self.config = {}  # the client's settings are MSC's own, read from the file below
         # The file MSC finds here (MSC_CONFIG, else its default files), found once: a DataLoader
-        # worker
-        # started from a forkserver has the forkserver's environment, not this process's.
+        # worker started from a forkserver has the forkserver's environment, not this process's.
         self.config_file = self._found_config()
 
     @staticmethod

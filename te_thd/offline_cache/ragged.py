@@ -46,8 +46,8 @@ _BITS = torch.arange(8, dtype=torch.uint8)
 
 
 def index_vocab(codec: str) -> int | None:
-    """``V`` of an index codec ``"topk_index:<V>"``; ``None`` for another name. ``ValueError`` when ``V``
-    is not a decimal int in ``[1, 2**31]``."""
+    """``V`` of an index codec ``"topk_index:<V>"``; ``None`` for another name. ``ValueError`` when
+    ``V`` is not a decimal int in ``[1, 2**31]``."""
     name, sep, vocab = codec.partition(":")
     if name != INDEX:
         return None
@@ -60,8 +60,8 @@ def index_vocab(codec: str) -> int | None:
 
 def full_name(codec: str, vocab_size: int | None) -> str | None:
     """The name a cache records for codec ``codec`` of :data:`CODECS`: an index codec carries the
-    vocabulary (``"topk_index:<vocab_size>"``; ``None`` when no ``vocab_size`` is known), another its
-    own name."""
+    vocabulary (``"topk_index:<vocab_size>"``; ``None`` when no ``vocab_size`` is known), another
+    its own name."""
     if codec != INDEX:
         return codec
     return None if vocab_size is None else f"{INDEX}:{vocab_size}"
@@ -94,7 +94,8 @@ def check_codec_dtype(key: str, dtype: torch.dtype, codec: str | None) -> None:
     if dtype not in (_INDEX_DTYPES if index else _FLOATS):
         what = "int32 or int64 index keys" if index else "float keys"
         raise ValueError(
-            f"codecs[{key!r}]={codec!r} stores {what}; {key!r} is {str(dtype).removeprefix('torch.')}. "
+            f"codecs[{key!r}]={codec!r} stores {what}; {key!r} is "
+            f"{str(dtype).removeprefix('torch.')}. "
             f"Drop the codec for it, or store it as {'int64' if index else 'a float'}"
         )
 
@@ -107,7 +108,8 @@ def index_bits(vocab: int) -> int:
 def stored_parts(
     codec: str | None, dtype: torch.dtype, shape: tuple[int, ...]
 ) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
-    """``[(role, stored dtype, per-token shape)]`` of a ragged key of logical ``dtype`` and per-token ``shape``."""
+    """``[(role, stored dtype, per-token shape)]`` of a ragged key of logical ``dtype`` and
+    per-token ``shape``."""
     if codec is None:
         return [("tokens", dtype, shape)]
     vocab = index_vocab(codec)
@@ -138,7 +140,8 @@ def describe(codec: str, dtype: torch.dtype) -> str:
 
 
 def out_of_range(x: torch.Tensor, codec: str) -> tuple[int, int] | None:
-    """``(token, value)`` of the first index of ``x`` (``[T, *per_token]``) outside what ``codec`` stores, or None."""
+    """``(token, value)`` of the first index of ``x`` (``[T, *per_token]``) outside what ``codec``
+    stores, or None."""
     vocab = index_vocab(codec)
     if vocab is None or x.numel() == 0:
         return None
@@ -157,17 +160,24 @@ def range_problem(key: str, codec: str, value: int) -> str:
     """What is wrong with index ``value`` of ``key`` under index codec ``codec``, and the fix."""
     vocab = index_vocab(codec)
     if value < 0:
-        fix = "an index is a vocabulary id: store a real id in its place (e.g. 0, masked by the log-prob), or drop the codec"
+        fix = (
+            "an index is a vocabulary id: store a real id in its place (e.g. 0, masked by "
+            "the log-prob), or drop the codec"
+        )
     else:
-        fix = f"give the codec the vocabulary size of the model that produced it, codecs={{{key!r}: '{INDEX}:<vocabulary size>'}}"
+        fix = (
+            "give the codec the vocabulary size of the model that produced it, "
+            f"codecs={{{key!r}: '{INDEX}:<vocabulary size>'}}"
+        )
     return (
         f"key {key!r} holds index {value}, outside [0, {vocab}) of codecs[{key!r}]={codec!r}: {fix}"
     )
 
 
 def encode(codec: str, x: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
-    """``({role: stored tensor [T, ...]}, rel_err)`` of tokens ``x`` (``[T, *per_token]``): ``rel_err`` float32
-    ``[T]`` for a lossy codec, None for a lossless one. An index codec's indices must be in range (:func:`out_of_range`)."""
+    """``({role: stored tensor [T, ...]}, rel_err)`` of tokens ``x`` (``[T, *per_token]``):
+    ``rel_err`` float32 ``[T]`` for a lossy codec, None for a lossless one. An index codec's indices
+    must be in range (:func:`out_of_range`)."""
     vocab = index_vocab(codec)
     if vocab is None:
         q, scale, err = encode_fp8(x)
@@ -176,7 +186,8 @@ def encode(codec: str, x: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.
 
 
 def decode(codec: str, parts: Mapping[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-    """The logical tokens ``[T, *per_token]`` of ``dtype`` from a codec's stored tensors ``{role: [T, ...]}``."""
+    """The logical tokens ``[T, *per_token]`` of ``dtype`` from a codec's stored tensors ``{role:
+    [T, ...]}``."""
     if index_vocab(codec) is None:
         return decode_fp8(parts["tokens"], parts["scale"], dtype)
     return decode_index(parts, dtype)
@@ -184,8 +195,9 @@ def decode(codec: str, parts: Mapping[str, torch.Tensor], dtype: torch.dtype) ->
 
 def encode_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(q, scale, rel_err)`` of tokens ``x`` (``[T, *per_token]`` float): ``q`` float8_e4m3fn
-    ``[T, *per_token]`` (``x / scale``), ``scale`` float32 ``[T]`` (``max|x| / 448``, 1 for an all-zero
-    token), ``rel_err`` float32 ``[T]`` (``|x - decoded| / |x|``, 0 for an all-zero token)."""
+    ``[T, *per_token]`` (``x / scale``), ``scale`` float32 ``[T]`` (``max|x| / 448``, 1 for an
+    all-zero token), ``rel_err`` float32 ``[T]`` (``|x - decoded| / |x|``, 0 for an all-zero
+    token)."""
     flat = x.reshape(x.shape[0], math.prod(x.shape[1:])).to(
         torch.float32
     )  # (-1 is ambiguous for 0 tokens)
@@ -201,16 +213,17 @@ def encode_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
 
 
 def decode_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The logical tokens ``[T, *per_token]`` of ``dtype`` from stored ``q`` and ``scale`` (float32 ``[T]``)."""
+    """The logical tokens ``[T, *per_token]`` of ``dtype`` from stored ``q`` and ``scale`` (float32
+    ``[T]``)."""
     view = (-1,) + (1,) * (q.dim() - 1)
     return (q.to(torch.float32) * scale.view(view)).to(dtype)
 
 
 def encode_index(x: torch.Tensor, vocab: int) -> dict[str, torch.Tensor]:
-    """``{role: stored tensor}`` of indices ``x`` (``[T, *per_token]`` int32/int64, each in ``[0, vocab)``):
-    ``tokens`` ``[T, *per_token]`` (int16, or int32 above 131,072) and, for 17 bits, ``high`` uint8
-    ``[T, ceil(n / 8)]`` (``n`` indices per token, bit ``j % 8`` of byte ``j // 8``). The low 16 bits are
-    kept as a signed type because torch indexes uint16 tensors on few paths."""
+    """``{role: stored tensor}`` of indices ``x`` (``[T, *per_token]`` int32/int64, each in ``[0,
+    vocab)``): ``tokens`` ``[T, *per_token]`` (int16, or int32 above 131,072) and, for 17 bits,
+    ``high`` uint8 ``[T, ceil(n / 8)]`` (``n`` indices per token, bit ``j % 8`` of byte ``j // 8``).
+    The low 16 bits are kept as a signed type because torch indexes uint16 tensors on few paths."""
     x32 = x.to(torch.int32)
     bits = index_bits(vocab)
     if bits == 32:
@@ -229,7 +242,8 @@ def encode_index(x: torch.Tensor, vocab: int) -> dict[str, torch.Tensor]:
 
 
 def decode_index(parts: Mapping[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-    """Indices ``[T, *per_token]`` of ``dtype`` from :func:`encode_index`'s ``{role: stored tensor}``."""
+    """Indices ``[T, *per_token]`` of ``dtype`` from :func:`encode_index`'s ``{role: stored
+    tensor}``."""
     low = parts["tokens"]
     if low.dtype == torch.int32:
         return low.to(dtype)
@@ -258,7 +272,8 @@ TOKEN_LAYOUT_KEY = "token_layout"
 
 @dataclass(frozen=True)
 class StoredTensor:
-    """One ragged tensor of a shard: ``name`` holds ``[T, *shape]`` of ``dtype`` for logical ``key``."""
+    """One ragged tensor of a shard: ``name`` holds ``[T, *shape]`` of ``dtype`` for logical
+    ``key``."""
 
     name: str
     key: str
@@ -300,7 +315,8 @@ class TokenLayout:
             or not set(obj.get("codecs", {})) <= set(obj["keys"])
         ):
             raise ValueError(
-                f"token layout {obj!r} is not {{'keys': [str, ...], 'codecs': {{key: {CODEC_FORMS}}}}}"
+                f"token layout {obj!r} is not {{'keys': [str, ...], 'codecs': {{key: "
+                f"{CODEC_FORMS}}}}}"
             )
         return cls(tuple(obj["keys"]), tuple(sorted(obj.get("codecs", {}).items())))
 
@@ -329,18 +345,21 @@ def check_token_keys(
     unknown = [k for k in token_keys if k not in keys]
     if unknown:
         raise ValueError(
-            f"token_keys {unknown} are not stored keys {list(keys)}; name keys shaped [n, L, ...] from keys"
+            f"token_keys {unknown} are not stored keys {list(keys)}; name keys shaped [n, "
+            "L, ...] from keys"
         )
     for k in keys:
         if "@" in k:
             raise ValueError(
-                f"key {k!r} holds '@', which ragged caches reserve for their tensor names; rename the key"
+                f"key {k!r} holds '@', which ragged caches reserve for their tensor "
+                "names; rename the key"
             )
     for k, c in codecs.items():
         check_codec(k, c)
         if k not in token_keys:
             raise ValueError(
-                f"codecs names {k!r}, which is not in token_keys={token_keys}; a codec applies to a ragged "
+                f"codecs names {k!r}, which is not in token_keys={token_keys}; a codec "
+                "applies to a ragged "
                 f"token key: add {k!r} to token_keys"
             )
     if not token_keys:
@@ -349,19 +368,22 @@ def check_token_keys(
 
 
 def check_token_schema(layout: TokenLayout, schema: Mapping[str, TensorSpec]) -> int:
-    """``L``, the shared padded length of every token key (``[n, L, ...]``); ``ValueError`` otherwise."""
+    """``L``, the shared padded length of every token key (``[n, L, ...]``); ``ValueError``
+    otherwise."""
     widths = {}
     for key in layout.keys:
         spec = schema[key]
         if not spec.shape:
             raise ValueError(
-                f"token key {key!r} is {spec.describe()}; a token key is [n, L, ...] (one row per token)"
+                f"token key {key!r} is {spec.describe()}; a token key is [n, L, ...] (one "
+                "row per token)"
             )
         check_codec_dtype(key, spec.dtype, layout.codec(key))
         widths[key] = spec.shape[0]
     if len(set(widths.values())) > 1:
         raise ValueError(
-            f"token keys have different padded lengths {widths}; every token key is [n, L, ...] with one L"
+            f"token keys have different padded lengths {widths}; every token key is [n, "
+            "L, ...] with one L"
         )
     return next(iter(widths.values()))
 
@@ -406,7 +428,8 @@ class BlockTable:
 
 
 def block_table(offsets: np.ndarray, block_tokens: int) -> BlockTable:
-    """The blocks of a tensor whose rows are ``offsets`` (:func:`row_offsets`), ``block_tokens`` each."""
+    """The blocks of a tensor whose rows are ``offsets`` (:func:`row_offsets`), ``block_tokens``
+    each."""
     lengths = np.diff(offsets)
     counts = -(-lengths // block_tokens)
     row_first = row_offsets(counts)
@@ -436,7 +459,8 @@ def plan_token_reads(
     pos: np.ndarray,
     max_gap_tokens: int = 0,
 ) -> TokenReadPlan:
-    """The blocks to read for tokens ``pos`` (int64 ``[M]``, each < its row's length) of rows ``rows``.
+    """The blocks to read for tokens ``pos`` (int64 ``[M]``, each < its row's length) of rows
+    ``rows``.
 
     Blocks are whole (that is what is verified), each read once. Adjacent blocks are one run, and
     so are blocks whose gap holds at most ``max_gap_tokens`` tokens (the gap is read too: below
@@ -456,7 +480,8 @@ def plan_token_reads(
     lasts = np.concatenate((breaks, [blocks.size])) - 1
     run_first, run_last = blocks[firsts], blocks[lasts]
     runs = list(zip(run_first.tolist(), (run_last + 1).tolist(), strict=True))
-    # a run reads tokens [start[first], start[last + 1]); runs are laid out back to back in the buffer
+    # a run reads tokens [start[first], start[last + 1]); runs are laid out back to back in the
+    # buffer
     sizes = table.start[run_last + 1] - table.start[run_first]
     buf_start = np.zeros(len(runs), dtype=np.int64)
     np.cumsum(sizes[:-1], out=buf_start[1:])
@@ -468,8 +493,9 @@ def plan_token_reads(
 def plan_row_reads(
     table: BlockTable, offsets: np.ndarray, rows: np.ndarray, max_gap_tokens: int = 0
 ) -> TokenReadPlan:
-    """:func:`plan_token_reads` of every token of rows ``rows`` (int64 ``[n]``; the wanted tokens are row
-    ``rows[0]``'s, then ``rows[1]``'s, ...), planned per row: row ``r``'s blocks are ``row_first[r:r + 2]``."""
+    """:func:`plan_token_reads` of every token of rows ``rows`` (int64 ``[n]``; the wanted tokens
+    are row ``rows[0]``'s, then ``rows[1]``'s, ...), planned per row: row ``r``'s blocks are
+    ``row_first[r:r + 2]``."""
     rows = np.asarray(rows, dtype=np.int64)
     lens = offsets[rows + 1] - offsets[rows]
     u = np.unique(rows[lens > 0])
@@ -492,7 +518,8 @@ def plan_row_reads(
 
 
 def token_places(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
-    """int64 ``[sum(lens)]``: the place of every token of rows of ``lens`` tokens, row ``i``'s from ``starts[i]`` on."""
+    """int64 ``[sum(lens)]``: the place of every token of rows of ``lens`` tokens, row ``i``'s from
+    ``starts[i]`` on."""
     return np.repeat(starts - (np.cumsum(lens) - lens), lens) + np.arange(
         int(lens.sum()), dtype=np.int64
     )
@@ -503,7 +530,8 @@ PAGE_BYTES = 4096
 
 
 def describe_stored(layout: TokenLayout, schema: Mapping[str, TensorSpec], key: str) -> str:
-    """How ``key`` is stored, for ``te-thd cache info``: ``"ragged"`` or ``"ragged, fp8_e4m3 + float32 scale"``."""
+    """How ``key`` is stored, for ``te-thd cache info``: ``"ragged"`` or ``"ragged, fp8_e4m3 +
+    float32 scale"``."""
     codec = layout.codec(key)
     return "ragged" if codec is None else f"ragged, {describe(codec, schema[key].dtype)}"
 

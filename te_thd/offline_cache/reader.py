@@ -64,15 +64,14 @@ from .storage import open_storage
 from .token_read import TokenIndex, TokenRows, token_index
 from .verify import check_cache_files, requires_shard_sums
 
-#: Rows are copied and hashed in pieces of about this many bytes per key (over the read threads), so the
-#: hash reads them from the last-level cache right after the copy; each piece costs Python, so no smaller.
+#: Rows are copied and hashed in pieces of about this many bytes per key (over the read threads),
+#: so the hash reads them from the last-level cache right after the copy; each piece costs Python.
 VERIFY_CHUNK_BYTES = 4 << 20
 
+# safetensors is a hard dependency; load_safetensors explains when it is missing
 try:
     from safetensors import SafetensorError as _SafetensorError
-except (
-    ImportError
-):  # pragma: no cover - safetensors is a hard dependency (load_safetensors explains)
+except ImportError:  # pragma: no cover
 
     class _SafetensorError(Exception):  # type: ignore[no-redef]
         pass
@@ -89,34 +88,29 @@ class CachedTensorDataset(Dataset):
         cache_name: human name used in error messages.
         format_version: the manifest's expected ``format_version``.
         disk_keys: the keys to read from every shard, e.g. ``("input_ids", "loss_mask")``.
-        max_open_shards: how many shards a process keeps open (LRU); bounds
-            descriptors and mappings for caches with thousands of shards.
-        verify: check every row a read returns against its shard's checksums (default).
-            ``False``: a flipped byte reaches training silently; only for a cache verified
-            since it was written (``te-thd cache verify``), on storage you trust.
+        max_open_shards: how many shards a process keeps open (LRU; descriptors and mappings).
+        verify: check every row a read returns against its shard's checksums (default). ``False``
+            only for a cache verified since it was written (``te-thd cache verify``).
         producer_name: the command that rebuilds the cache, named in error messages.
         pin_memory: read batches into page-locked memory, for CUDA (``build_cached_dataloader``
-            sets it when it pins with ``num_workers=0``). Ignored inside DataLoader workers,
-            whose batches are in shared memory and pinned by the DataLoader.
+            sets it when it pins with ``num_workers=0``); ignored inside DataLoader workers.
         readahead: when the batched path opens a shard, ask the kernel to read its
             ``disk_keys`` byte ranges in the background (``POSIX_FADV_WILLNEED``). Pass False
             when each node reads a small part of every shard from a shared network filesystem.
         read_threads: threads that copy (and verify) a batch of at least
             ``readexec.PARALLEL_MIN_BYTES``. ``None`` (default): 2 in the main process on 3+
             CPUs (``readexec.default_read_threads``), 1 inside DataLoader workers.
-        follow: open a cache whose producer may still be running (docs/follow.md): until
-            the manifest appears, the producer's follow record stands in for it and a read
-            of a shard not committed yet waits for it.
-        follow_timeout: with ``follow``, the seconds a read waits for a shard (and
-            the open for the producer's record) before :class:`FollowTimeoutError`.
+        follow: open a cache whose producer may still be running (docs/follow.md): a read of a
+            shard not committed yet waits for it.
+        follow_timeout: with ``follow``, the seconds a read waits for a shard (or the open for
+            the producer's record) before :class:`FollowTimeoutError`.
 
     ``dataset[i]`` -> ``{key: tensor[*sample_shape]}`` (reference behaviour);
     ``dataset.__getitems__([i, j, ...])`` -> :class:`CachedBatch` (``tensors[key]``:
     ``[len(indices), *sample_shape]``). A row whose bytes fail their checksum raises
-    :class:`CacheIntegrityError` (file, sample, key, both checksums, the repair command)
-    and nothing of the batch is returned. Shards without checksums (the reference
-    producer's, or te_thd's before layout 3) are read unverified, with one
-    :class:`UnverifiedCacheWarning` per dataset.
+    :class:`CacheIntegrityError` (file, sample, key, both checksums, the repair command) and
+    nothing of the batch is returned. Shards without checksums (the reference producer's) are
+    read unverified, with one :class:`UnverifiedCacheWarning` per dataset.
     """
 
     def __init__(
@@ -140,7 +134,8 @@ class CachedTensorDataset(Dataset):
         disk_keys = check_names("disk_keys", disk_keys, non_empty=True, distinct=True)
         check_int("max_open_shards", max_open_shards, 1)
         check_int("read_cache_bytes", read_cache_bytes, 1, optional=True)
-        # where the cache lives; the reads below open local files (of an s3:// cache: its read-through copy)
+        # where the cache lives; the reads below open local files (of an s3:// cache: its
+        # read-through copy)
         self.storage = open_storage(
             cache_dir, read_cache_dir=read_cache_dir, read_cache_bytes=read_cache_bytes
         )
@@ -167,7 +162,8 @@ class CachedTensorDataset(Dataset):
         self.disk_keys = tuple(disk_keys)
         # the reference's name for it: its subclasses (EAGLE-3's dataset) read it in __getitem__
         self._disk_keys = self.disk_keys
-        # a ragged cache (``token_keys``): its token keys are read through ``token_read``, the rest as rows
+        # a ragged cache (``token_keys``): its token keys are read through ``token_read``, the rest
+        # as rows
         self._token_layout = (
             TokenLayout.from_json(t)
             if (t := self.manifest.get(TOKEN_LAYOUT_KEY)) is not None
@@ -190,7 +186,8 @@ class CachedTensorDataset(Dataset):
                 self.storage, cache_dir, cache_name, run, follow_timeout, producer_name
             )
             self._follower.check_keys(self.disk_keys)
-        self.storage.prepare_reads()  # before any DataLoader worker starts: they share what it prepares
+        # before any DataLoader worker starts: they share what it prepares
+        self.storage.prepare_reads()
         self._max_open = max_open_shards
         self.pin_memory = bool(pin_memory)
         # what a shard's first open asks the kernel for
@@ -218,7 +215,8 @@ class CachedTensorDataset(Dataset):
             self._manifest_schema = {k: schema[k] for k in self.disk_keys}
         if not self.verify:
             warnings.warn(
-                f"{cache_name} cache at {cache_dir}: reads are not verified (verify=False); a damaged "
+                f"{cache_name} cache at {cache_dir}: reads are not verified "
+                "(verify=False); a damaged "
                 "byte reaches training unnoticed",
                 UnverifiedCacheWarning,
                 stacklevel=2,
@@ -230,7 +228,8 @@ class CachedTensorDataset(Dataset):
 
     def _reset_process_state(self) -> None:
         self._pid = os.getpid()
-        # the one cache of open shards: checked header, and lazily a descriptor, a mapping, a safe_open handle
+        # the one cache of open shards: checked header, and lazily a descriptor, a mapping, a
+        # safe_open handle
         self._files: OpenShards = OpenShards()
         self._buffers: dict[tuple[bool, bool], DestinationBuffers] = {}
         self._reads: dict[bool, ParallelReads] = {}  # by "inside a DataLoader worker"
@@ -254,16 +253,19 @@ class CachedTensorDataset(Dataset):
 
     @property
     def following(self) -> bool:
-        """Whether this process still reads by the producer's follow record (it has not seen the manifest)."""
+        """Whether this process still reads by the producer's follow record (it has not seen the
+        manifest)."""
         return self._follower is not None
 
     def defer_keys(self, keys: Sequence[str]) -> tuple[str, ...]:
-        """Leave the ragged keys among ``keys`` (returned) to ``CachedBatch.gather`` / ``padded``, which read
-        only the blocks of the tokens asked for (a CP rank's share); ``()``: a batch read reads every key."""
+        """Leave the ragged keys among ``keys`` (returned) to ``CachedBatch.gather`` / ``padded``,
+        which read only the blocks of the tokens asked for (a CP rank's share); ``()``: a batch read
+        reads every key."""
         keys = check_names("keys", keys)
         if unknown := [k for k in keys if k not in self.disk_keys]:
             raise ValueError(
-                f"defer_keys: keys {unknown} are not among the dataset's disk_keys {list(self.disk_keys)}; pass keys it reads"
+                f"defer_keys: keys {unknown} are not among the dataset's disk_keys "
+                f"{list(self.disk_keys)}; pass keys it reads"
             )
         self._deferred = tuple(k for k in keys if k in self._token_keys)
         return self._deferred
@@ -272,9 +274,10 @@ class CachedTensorDataset(Dataset):
         return self.num_samples
 
     def _checked_header(self, shard_index: int, path: str) -> tuple[ShardHeader, TokenIndex | None]:
-        """Parse shard ``shard_index``'s header and check it against the cache (``integrity.check_shard_header``:
-        against the manifest schema, or without one the first shard this process opened); with the ragged
-        index of a token shard. ``path``: the shard as messages name it."""
+        """Parse shard ``shard_index``'s header and check it against the cache
+        (``integrity.check_shard_header``: against the manifest schema, or without one the first
+        shard this process opened); with the ragged index of a token shard. ``path``: the shard as
+        messages name it."""
         rows = shard_rows(shard_index, self.num_samples, self.shard_size)
         try:
             header = check_shard_header(
@@ -306,8 +309,9 @@ class CachedTensorDataset(Dataset):
         return header, tokens
 
     def _handle(self, shard_index: int):
-        """The ``safe_open`` handle of shard ``shard_index``, opened lazily in this process once the shard
-        is checked; a file safetensors still refuses is a :class:`CacheIntegrityError` naming it."""
+        """The ``safe_open`` handle of shard ``shard_index``, opened lazily in this process once the
+        shard is checked; a file safetensors still refuses is a :class:`CacheIntegrityError` naming
+        it."""
         f = self._shard_file(shard_index)
         if f.handle is None:
             _, safe_open = load_safetensors(self.cache_name)
@@ -347,8 +351,9 @@ class CachedTensorDataset(Dataset):
         )
 
     def _shard_file(self, shard_index: int) -> OpenShard:
-        """Shard ``shard_index`` open in this process (the one LRU of ``max_open_shards``): its path and
-        checked header; its descriptor, mapping and ``safe_open`` handle are made when first used."""
+        """Shard ``shard_index`` open in this process (the one LRU of ``max_open_shards``): its path
+        and checked header; its descriptor, mapping and ``safe_open`` handle are made when first
+        used."""
         self._own()
         f = self._files.get(shard_index)
         if f is None:
@@ -360,7 +365,8 @@ class CachedTensorDataset(Dataset):
                 self._follower.check_shard(path, header)
             if tokens is None and self._token_layout is not None:
                 raise CacheIntegrityError(
-                    f"shard {path} has no token fields although the manifest records a token layout "
+                    f"shard {path} has no token fields although the manifest records a "
+                    "token layout "
                     f"(it was replaced by another writer's). {self._repair}",
                     path=path,
                 )
@@ -371,8 +377,9 @@ class CachedTensorDataset(Dataset):
         return f
 
     def _follow(self, shard_index: int) -> None:
-        """Wait until the followed producer has committed shard ``shard_index``; read by the manifest once it
-        is there (``Follower.finished`` checks it against the run followed and the shards opened)."""
+        """Wait until the followed producer has committed shard ``shard_index``; read by the
+        manifest once it is there (``Follower.finished`` checks it against the run followed and the
+        shards opened)."""
         assert self._follower is not None
         self._follower.wait(shard_index)
         done = self._follower.finished(
@@ -413,8 +420,7 @@ class CachedTensorDataset(Dataset):
 
     def _getitem(self, index: int) -> dict[str, torch.Tensor]:
         index = check_index("index", index, self.num_samples, self._where())
-        shard_index = index // self.shard_size
-        offset = index % self.shard_size
+        shard_index, offset = divmod(index, self.shard_size)
         f = self._shard_file(shard_index)
         if f.fetch is not None:
             f.fetch(row_ranges(f.header.entries, self._row_keys, np.array([offset])))
@@ -423,10 +429,8 @@ class CachedTensorDataset(Dataset):
             out = {key: handle.get_slice(key)[offset] for key in self._row_keys}
         except _SafetensorError as exc:  # the header was checked on open; the file changed since?
             raise self._unreadable(f.name, exc) from exc
-        sums = f.header.sums
-        row = np.array([offset])
         for key, t in out.items():
-            self.verify_copied_rows(shard_index, sums, key, t.unsqueeze(0), row)
+            self.verify_copied_rows(shard_index, f.header.sums, key, t.unsqueeze(0), [offset])
         if self._token_keys:
             tokens = TokenRows(
                 self._token_opener,
@@ -438,9 +442,9 @@ class CachedTensorDataset(Dataset):
         return out
 
     def __getitems__(self, indices: Sequence[int]) -> CachedBatch:
-        """Read samples ``indices`` (in that order; negative ones count from the end) into stacked tensors,
-        verifying every row in pieces of about :data:`VERIFY_CHUNK_BYTES` (hashed while still in cache); the
-        ragged keys, zero-padded to ``[B, L, ...]``, with them, but for those :meth:`defer_keys` names."""
+        """Read samples ``indices`` (in that order; negative ones count from the end) into stacked
+        tensors, every row verified; the ragged keys zero-padded to ``[B, L, ...]``, but for those
+        :meth:`defer_keys` names."""
         return self._refetching(self._read_batch, indices)
 
     def _read_batch(self, indices: Sequence[int]) -> CachedBatch:
@@ -452,7 +456,7 @@ class CachedTensorDataset(Dataset):
         return batch
 
     def _refetching(self, read: Callable[[Any], Any], arg: Any) -> Any:
-        """``read(arg)``; for an s3:// cache, a shard that fails a check is fetched again and read once more."""
+        """``read(arg)``; an s3:// cache's shard that fails a check is fetched again, read once more."""
         try:
             return read(arg)
         except CacheIntegrityError as exc:
@@ -464,8 +468,8 @@ class CachedTensorDataset(Dataset):
             raise self._object_damaged(exc) from None
 
     def refetch(self, path: str | None) -> bool:
-        """Drop this process's local copy of the shard at ``path`` of an s3:// cache (a check failed on
-        it); False when there is nothing to fetch again (a local cache)."""
+        """Drop this process's local copy of the shard at ``path`` of an s3:// cache (a check failed
+        on it); False when there is nothing to fetch again (a local cache)."""
         name = os.path.basename(path or "")
         if not self.storage.refetch(name):
             return False
@@ -478,7 +482,10 @@ class CachedTensorDataset(Dataset):
     def _object_damaged(self, exc: CacheIntegrityError) -> CacheIntegrityError:
         name = os.path.basename(exc.path or "")
         return CacheIntegrityError(
-            f"{exc} The object {self.storage.display(name)} itself is damaged: fetched again, it failed the same check.",
+            (
+                f"{exc} The object {self.storage.display(name)} itself is damaged: fetched "
+                "again, it failed the same check."
+            ),
             path=exc.path,
             sample=exc.sample,
             key=exc.key,
@@ -487,8 +494,9 @@ class CachedTensorDataset(Dataset):
         )
 
     def ready(self, indices: Sequence[int]) -> bool:
-        """Whether a read of ``indices`` starts at once: False while the followed producer has not committed
-        one of their shards (one listing tells; never waits). The loader reads ahead only a ready batch."""
+        """Whether a read of ``indices`` starts at once: False while the followed producer has not
+        committed one of their shards (one listing tells; never waits). The loader reads ahead only
+        a ready batch."""
         f, n = self._follower, self.num_samples
         return f is None or f.has({int(i) % n // self.shard_size for i in indices})
 
@@ -496,8 +504,8 @@ class CachedTensorDataset(Dataset):
         """Start reading ``indices`` and return at once: ``.result()`` is ``__getitems__(indices)``.
 
         A batch of at least ``readexec.PARALLEL_MIN_BYTES`` is read by the ``read_threads`` helpers
-        meanwhile (read-ahead); a smaller one by ``result()``. Bad indices raise here. ``result()`` (or
-        dropping the pending batch) waits until no thread writes into the batch any more.
+        meanwhile (read-ahead); a smaller one by ``result()``. Bad indices raise here. ``result()``
+        (or dropping the pending batch) waits until no thread writes into the batch any more.
         """
         batch, reads, pieces, finish = self._plan_batch(indices)
         return PendingBatch(batch, reads.start(pieces, finish), self._unreadable)
@@ -576,11 +584,14 @@ class CachedTensorDataset(Dataset):
 
     def _where(self) -> str:
         """The cache as an index error names it."""
-        return f"the {self.cache_name} cache at {self.cache_dir}, which holds {self.num_samples} samples"
+        return (
+            f"the {self.cache_name} cache at {self.cache_dir}, which holds {self.num_samples} "
+            "samples"
+        )
 
     def _parallel(self, in_worker: bool) -> ParallelReads:
-        """This process's :class:`ParallelReads`: ``read_threads``, or 1 thread inside a DataLoader worker
-        when it is None (the workers are the parallelism there)."""
+        """This process's :class:`ParallelReads`: ``read_threads``, or 1 thread inside a DataLoader
+        worker when it is None (the workers are the parallelism there)."""
         reads = self._reads.get(in_worker)
         if reads is None:
             threads = self.read_threads or (1 if in_worker else default_read_threads())

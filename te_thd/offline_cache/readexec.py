@@ -1,5 +1,6 @@
-"""Execute a planned batch read: read its pieces (``preadv`` runs, gathers from a mapped shard), each
-verified by the thread that read it, into destination tensors that are recycled once the consumer lets go.
+"""Execute a planned batch read: read its pieces (``preadv`` runs, gathers from a mapped shard),
+each verified by the thread that read it, into destination tensors that are recycled once the
+consumer lets go.
 
 Everything here is per process and owns no file descriptors: the reader opens and caches them
 (``readplan.OpenShards``); ``readplan`` makes the pieces.
@@ -45,7 +46,8 @@ AfterRead = Callable[[int, Sequence[int]], None]
 
 
 class Piece(NamedTuple):
-    """One ``preadv`` of a batch read: ``iov`` (writable byte views of batch rows) from ``offset`` of ``fd``.
+    """One ``preadv`` of a batch read: ``iov`` (writable byte views of batch rows) from ``offset``
+    of ``fd``.
 
     ``after(*args)`` (or None) runs right after the bytes are in place, on the thread that read
     them: a checksum finds them still in cache. ``nbytes``: the size of ``iov``; ``path`` names
@@ -107,7 +109,8 @@ def read_piece(piece: Piece | GatherPiece) -> None:
 
 
 def _preadv_rest(fd: int, iov: list[memoryview], offset: int, want: int, got: int) -> None:
-    """``os.preadv`` until all ``want`` bytes of the iovecs (``got`` read so far) are in: a read may return short."""
+    """``os.preadv`` until all ``want`` bytes of the iovecs (``got`` read so far) are in: a read may
+    return short."""
     while got < want:
         if got == 0:
             raise OSError(
@@ -133,7 +136,8 @@ PARALLEL_MIN_BYTES = 4 << 20
 
 
 def default_read_threads() -> int:
-    """Threads a main-process reader uses by default: 2 when this process may run on 3+ CPUs, else 1.
+    """Threads a main-process reader uses by default: 2 when this process may run on 3+ CPUs, else
+    1.
 
     Two, not one per CPU: a training process needs its other cores for itself
     (CUDA launches, the step's own CPU work), and two copy threads already take
@@ -148,10 +152,11 @@ def default_read_threads() -> int:
 
 
 class _Batch:
-    """The pieces of one batch, taken one at a time by whichever thread is free (``deque.popleft`` is
-    atomic): a helper that wakes late leaves its share to the others instead of holding up the batch.
-    A helper counts itself busy before it takes a piece, so once none is left and none is busy, no
-    thread writes into the batch any more (the waiting thread never waits for one that never woke)."""
+    """The pieces of one batch, taken one at a time by whichever thread is free (``deque.popleft``
+    is atomic): a helper that wakes late leaves its share to the others instead of holding up the
+    batch. A helper counts itself busy before it takes a piece, so once none is left and none is
+    busy, no thread writes into the batch any more (the waiting thread never waits for one that
+    never woke)."""
 
     def __init__(self, pieces: Sequence[Piece | GatherPiece], shared: bool) -> None:
         self._left: deque[Piece | GatherPiece] = deque(pieces)
@@ -230,8 +235,9 @@ class PendingReads:
         self._finish = finish
 
     def wait(self) -> None:
-        """Read whatever pieces are left on this thread too, then run ``finish``. Returns once no thread
-        writes into the batch any more; if one failed, raises the first error (``finish`` does not run)."""
+        """Read whatever pieces are left on this thread too, then run ``finish``. Returns once no
+        thread writes into the batch any more; if one failed, raises the first error (``finish``
+        does not run)."""
         batch, self._batch = self._batch, None
         if batch is None:
             return
@@ -271,8 +277,8 @@ class ParallelReads:
     def run(
         self, pieces: Sequence[Piece | GatherPiece], finish: Callable[[], None] | None = None
     ) -> None:
-        """Read every piece, then run ``finish`` (the batch's last step) on the calling thread; shared
-        out only from :data:`PARALLEL_MIN_BYTES`. As :meth:`PendingReads.wait`."""
+        """Read every piece, then run ``finish`` (the batch's last step) on the calling thread;
+        shared out only from :data:`PARALLEL_MIN_BYTES`. As :meth:`PendingReads.wait`."""
         self.start(pieces, finish, helpers=self.threads - 1).wait()
 
     def start(
@@ -281,8 +287,8 @@ class ParallelReads:
         finish: Callable[[], None] | None = None,
         helpers: int | None = None,
     ) -> PendingReads:
-        """Hand the pieces to ``helpers`` (default ``threads``) helper threads and return at once; below
-        ``run``'s threshold, :meth:`PendingReads.wait` reads them on the waiting thread."""
+        """Hand the pieces to ``helpers`` (default ``threads``) helper threads and return at once;
+        below ``run``'s threshold, :meth:`PendingReads.wait` reads them on the waiting thread."""
         shared = self._shared(pieces)
         batch = _Batch(pieces, shared)
         if shared:
@@ -309,7 +315,8 @@ def new_tensor(
     shape: Sequence[int], dtype: torch.dtype, *, shared: bool = False, pinned: bool = False
 ) -> torch.Tensor:
     """An uninitialised CPU tensor ``shape``/``dtype``; ``shared``: in shared memory (a DataLoader
-    worker's batch travels without a copy); ``pinned``: page-locked, for a non-blocking copy to CUDA."""
+    worker's batch travels without a copy); ``pinned``: page-locked, for a non-blocking copy to
+    CUDA."""
     shape = tuple(int(s) for s in shape)
     if pinned:
         return torch.empty(shape, dtype=dtype, pin_memory=True)
@@ -323,7 +330,8 @@ def new_tensor(
 def fill_rows(
     t: torch.Tensor, starts: Sequence[int], ends: Sequence[int], value: float = 0
 ) -> None:
-    """Set rows ``[starts[i], ends[i])`` of the contiguous CPU tensor ``t`` (``[N, ...]``) to ``value``.
+    """Set rows ``[starts[i], ends[i])`` of the contiguous CPU tensor ``t`` (``[N, ...]``) to
+    ``value``.
 
     Zeros are a plain ``memset`` of the rows' bytes on this thread: a large ``zero_`` would wake
     torch's intra-op threads, which on a busy machine wait for a core longer than the fill takes.
@@ -391,7 +399,8 @@ class DestinationBuffers:
     def __init__(self, *, shared: bool = False, pinned: bool = False, max_pooled: int = 4) -> None:
         if shared and pinned:
             raise ValueError(
-                "shared=True and pinned=True: a DataLoader worker's batch is pinned by the main process"
+                "shared=True and pinned=True: a DataLoader worker's batch is pinned by "
+                "the main process"
             )
         self.shared = shared
         self.pinned = pinned
@@ -444,8 +453,8 @@ class DestinationBuffers:
 @dataclass(frozen=True)
 class ReadContext:
     """What a read needs besides the shard: ``verify``, the shard's first sample (for messages), the
-    repair sentence, the threads that read (``reads``: the dataset's; None: this thread) and what keeps
-    the descriptor open while pieces wait (``owner``)."""
+    repair sentence, the threads that read (``reads``: the dataset's; None: this thread) and what
+    keeps the descriptor open while pieces wait (``owner``)."""
 
     verify: bool
     #: the global index of the shard's row 0 (None: not known; messages name the row of the shard)
@@ -454,15 +463,17 @@ class ReadContext:
     repair: str
     reads: ParallelReads | None = None
     owner: object = None
-    #: makes byte ranges ``[(offset, n)]`` of the shard file present first (an s3:// cache's local copy)
+    #: makes byte ranges ``[(offset, n)]`` of the shard file present first (an s3:// cache's local
+    #: copy)
     ensure: Callable[[Sequence[tuple[int, int]]], None] | None = None
-    #: ``retry(read, arg)``: ``read(arg)``, read once more after a failed check when the shard can be
-    #: fetched again (the dataset's rule for an s3:// cache's local copy)
+    #: ``retry(read, arg)``: ``read(arg)``, read once more after a failed check when the shard can
+    #: be fetched again (the dataset's rule for an s3:// cache's local copy)
     retry: Callable[[Callable[[Any], Any], Any], Any] | None = None
 
 
 def run_pieces(pieces: list[Piece], ctx: ReadContext) -> None:
-    """Read the planned pieces (on ``ctx.reads``, the dataset's read threads, when given), verifying each.
+    """Read the planned pieces (on ``ctx.reads``, the dataset's read threads, when given), verifying
+    each.
 
     A failed read (the file shrank after it was opened) is the reader's one "cannot be read" error.
     """

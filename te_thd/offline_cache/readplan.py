@@ -141,7 +141,8 @@ def plan_pieces(
     chunk_bytes: int = 0,
     owner: object = None,
 ) -> list[Piece]:
-    """The reads that put the planned rows of one tensor into ``dst`` (the bytes of the batch tensor ``[B, row]``).
+    """The reads that put the planned rows of one tensor into ``dst`` (the bytes of the batch tensor
+    ``[B, row]``).
 
     ``base``: file offset of row 0 of the tensor. A run whose batch rows are consecutive is
     one piece, or pieces of at most ``chunk_bytes`` (whole rows; 0: no limit) so a checksum
@@ -222,11 +223,12 @@ PREADV_MIN_RUN_BYTES = 256 * 1024
 #: measures one engine patches this constant.
 COPY_ENGINE = "auto"
 
-#: One shard's part of a batch: ``(shard, local rows int64 [m], batch rows int64 [m] or None for 0..m-1)``.
+#: One shard's part of a batch: ``(shard, local rows int64 [m], batch rows int64 [m] or None for
+#: 0..m-1)``.
 Part = tuple[int, np.ndarray, "np.ndarray | None"]
 
-#: Gathered rows whose batch rows interleave with another shard's: ``(batch tensor, batch rows, rows)``,
-#: moved into place by the batch's last step.
+#: Gathered rows whose batch rows interleave with another shard's: ``(batch tensor, batch rows,
+#: rows)``, moved into place by the batch's last step.
 Scattered = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
@@ -234,8 +236,8 @@ def batch_groups(
     indices: Sequence[int], shard_size: int, total: int, where: str = "the cache"
 ) -> list[Part]:
     """The parts of a batch of ``total``-sample cache indices ``indices`` (negative ones count from
-    the end), one per shard; ``TypeError`` / ``IndexError`` for an index that is not an int or is out
-    of range, naming it as given and ``where`` (the cache)."""
+    the end), one per shard; ``TypeError`` / ``IndexError`` for an index that is not an int or is
+    out of range, naming it as given and ``where`` (the cache)."""
     if set(map(type, indices)) != {int}:  # a float or str would pass the range test below
         indices = [check_index(f"indices[{i}]", v, total, where) for i, v in enumerate(indices)]
     lo, hi = min(indices), max(indices)
@@ -277,8 +279,8 @@ def batch_groups(
 
 
 def is_run(a: np.ndarray) -> bool:
-    """True iff the int array ``a`` is ``[a0, a0+1, ..., a0+n-1]`` (Python ints: numpy's per-call cost
-    exceeds a batch's few rows)."""
+    """True iff the int array ``a`` is ``[a0, a0+1, ..., a0+n-1]`` (Python ints: numpy's per-call
+    cost exceeds a batch's few rows)."""
     rows = a.tolist()
     return not rows or rows == list(range(rows[0], rows[0] + len(rows)))
 
@@ -301,7 +303,8 @@ def row_nbytes(e: HeaderEntry) -> int:
 def row_ranges(
     entries: dict[str, HeaderEntry], keys: Sequence[str], rows: np.ndarray
 ) -> list[tuple[int, int]]:
-    """``(file offset, bytes)`` of rows ``rows`` of every key in ``keys``: one range per run of consecutive rows."""
+    """``(file offset, bytes)`` of rows ``rows`` of every key in ``keys``: one range per run of
+    consecutive rows."""
     rows = np.unique(rows)
     runs = np.split(rows, np.flatnonzero(np.diff(rows) != 1) + 1)
     out = []
@@ -470,9 +473,10 @@ def _missing(path: str, repair: str) -> CacheIntegrityError:
 
 
 class OpenShard:
-    """One open shard: the local ``path`` it is read from and the ``name`` messages give it (an s3://
-    cache's object URL; the path for a local cache), its checked ``header``, a read-only descriptor ``fd``, and, once a
-    read needs them, its memory mapping ``views`` (``{key: [rows, ...]}``) and ``safe_open`` ``handle``.
+    """One open shard: the local ``path`` it is read from and the ``name`` messages give it (an
+    s3:// cache's object URL; the path for a local cache), its checked ``header``, a read-only
+    descriptor ``fd``, and, once a read needs them, its memory mapping ``views`` (``{key: [rows,
+    ...]}``) and ``safe_open`` ``handle``.
 
     The descriptor is closed when the last reference goes: the LRU drops its reference on
     eviction, and every ``preadv`` piece planned from it holds one (``Piece.owner``) until it
@@ -493,15 +497,16 @@ class OpenShard:
     ) -> None:
         self.path, self.name, self.header, self.fd = path, name or path, header, -1
         self.tokens = tokens  # a token-layout shard's ragged index
-        self.fetch = fetch  # makes byte ranges present in the local file (``Storage.readable``; None: all are)
+        # makes byte ranges present in the local file (``Storage.readable``; None: all are)
+        self.fetch = fetch
         self.views: dict[str, torch.Tensor] | None = None
         self.handle: Any = None
         self._pid = os.getpid()
 
     def descriptor(self, prefetch: Sequence[str], repair: str) -> int:
-        """The read-only descriptor, opened on first use with advice: ``"willneed"`` for the byte ranges
-        of the keys ``prefetch``, and ``"random"`` for a token shard, whose ragged reads fetch a few
-        blocks here and there (one CP rank's tokens)."""
+        """The read-only descriptor, opened on first use with advice: ``"willneed"`` for the byte
+        ranges of the keys ``prefetch``, and ``"random"`` for a token shard, whose ragged reads
+        fetch a few blocks here and there (one CP rank's tokens)."""
         if self.fd < 0:
             try:
                 self.fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
@@ -518,7 +523,8 @@ class OpenShard:
         """``{key: [rows, ...]}`` views of the shard for ``keys``, mapped on first use.
 
         Mapped copy-on-write (``torch.from_file(shared=False)``: opened read-only, no descriptor
-        kept) and never written, so every page stays file-backed (``safe_open`` copies on every slice).
+        kept) and never written, so every page stays file-backed (``safe_open`` copies on every
+        slice).
         """
         if self.views is None:
             try:
@@ -554,7 +560,8 @@ class OpenShard:
 
 
 class OpenShards:
-    """LRU of ``shard -> OpenShard``; an evicted shard's descriptor closes once nothing reads from it."""
+    """LRU of ``shard -> OpenShard``; an evicted shard's descriptor closes once nothing reads from
+    it."""
 
     def __init__(self) -> None:
         self._lru: OrderedDict[int, OpenShard] = OrderedDict()
@@ -579,10 +586,12 @@ class OpenShards:
         return list(self._lru.items())
 
     def drop(self, shard: int) -> None:
-        """Forget shard ``shard`` (it is opened, and its header read and checked, again on next use)."""
+        """Forget shard ``shard`` (it is opened, and its header read and checked, again on next
+        use)."""
         self._lru.pop(shard, None)
 
     def close(self) -> None:
-        """Close every descriptor now (a forked child closing its inherited copies: no reads in flight)."""
+        """Close every descriptor now (a forked child closing its inherited copies: no reads in
+        flight)."""
         while self._lru:
             self._lru.popitem()[1].close()

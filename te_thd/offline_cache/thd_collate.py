@@ -1,4 +1,5 @@
-"""The collates of cached samples: stacked (:func:`collate_cached`) or packed THD (:class:`CachedThdCollator`).
+"""The collates of cached samples: stacked (:func:`collate_cached`) or packed THD
+(:class:`CachedThdCollator`).
 
 Both run where a ``collate_fn`` runs, on the CPU inside DataLoader workers, so every
 piece of THD metadata (``cu_seqlens*``, ``max_seqlen``, CP partition indices) is built on
@@ -102,13 +103,15 @@ def _stack_error(key: str, rows: list[Any], exc: Exception) -> ValueError:
     for i, r in enumerate(rows):
         if not isinstance(r, torch.Tensor):
             return ValueError(
-                f"collate_cached: key {key!r} of sample {i} is of type {type(r).__name__}, not a tensor"
+                f"collate_cached: key {key!r} of sample {i} is of type "
+                f"{type(r).__name__}, not a tensor"
             )
     first = list(rows[0].shape)
     for i, r in enumerate(rows):
         if list(r.shape) != first:
             return ValueError(
-                f"collate_cached: key {key!r} of sample {i} is {list(r.shape)}, sample 0's is {first}: "
+                f"collate_cached: key {key!r} of sample {i} is {list(r.shape)}, sample "
+                f"0's is {first}: "
                 "the samples of one batch must share each key's shape (pad them when producing the "
                 "cache, or collate variable lengths with CachedThdCollator)"
             )
@@ -190,7 +193,8 @@ class CachedThdCollator:
     ) -> None:
         if length_key is not None and mask_key is not None:
             raise ValueError(
-                f"pass length_key={length_key!r} or mask_key={mask_key!r}, not both: one source of sample lengths"
+                f"pass length_key={length_key!r} or mask_key={mask_key!r}, not both: one "
+                "source of sample lengths"
             )
         check_cp_args(cp_size, cp_rank)
         self.keys = check_names("keys", keys, optional=True)
@@ -228,9 +232,10 @@ class CachedThdCollator:
         )
 
     def check_dataset(self, dataset: Any) -> None:
-        """Refuse a ``CachedTensorDataset`` whose ragged keys (each sample's real tokens, zeros past them)
-        this collator would pack as full rows of ``L`` tokens, having no ``length_key`` nor ``mask_key``:
-        ``ValueError`` naming ``length_key`` and the key the producer recorded the lengths under."""
+        """Refuse a ``CachedTensorDataset`` whose ragged keys (each sample's real tokens, zeros past
+        them) this collator would pack as full rows of ``L`` tokens, having no ``length_key`` nor
+        ``mask_key``: ``ValueError`` naming ``length_key`` and the key the producer recorded the
+        lengths under."""
         layout = dataset.manifest.get(TOKEN_LAYOUT_KEY)
         ragged = tuple(k for k in dataset.disk_keys if layout and k in layout.get("keys", ()))
         rule = dataset.manifest.get(LENGTH_RULE_KEY)
@@ -248,7 +253,8 @@ class CachedThdCollator:
         carried = [k for k in ragged if self.keys is None or k in self.keys]
         if carried:
             raise ValueError(
-                f"CachedThdCollator(length_key=None) packs every sample as its full row of L tokens, but "
+                "CachedThdCollator(length_key=None) packs every sample as its full row "
+                "of L tokens, but "
                 f"{where} stores {carried} ragged (each sample's real tokens only); "
                 + (
                     fix
@@ -257,8 +263,9 @@ class CachedThdCollator:
             )
 
     def gathered_keys(self, keys: Sequence[str]) -> tuple[str, ...]:
-        """Of a dataset's keys ``keys``, those this collator reads only token by token (``CachedBatch.gather``),
-        never whole: what ``build_cached_dataloader`` has a ``CachedTensorDataset`` defer (``defer_keys``)."""
+        """Of a dataset's keys ``keys``, those this collator reads only token by token
+        (``CachedBatch.gather``), never whole: what ``build_cached_dataloader`` has a
+        ``CachedTensorDataset`` defer (``defer_keys``)."""
         whole = {self.input_key, self.label_key, self.length_key, self.mask_key}
         carried = keys if self.keys is None else [k for k in keys if k in self.keys]
         return tuple(
@@ -272,8 +279,9 @@ class CachedThdCollator:
     def _batch(
         self, features: Sequence[Mapping[str, torch.Tensor]]
     ) -> tuple[CachedBatch, tuple[str, ...]]:
-        """The batch as a :class:`CachedBatch` (a list of samples is stacked into one), and the keys it
-        carries (``keys``, else all). Its keys are reached the same way whatever their stored layout."""
+        """The batch as a :class:`CachedBatch` (a list of samples is stacked into one), and the keys
+        it carries (``keys``, else all). Its keys are reached the same way whatever their stored
+        layout."""
         if not isinstance(features, CachedBatch):
             if len(features) == 0:
                 raise ValueError("features is empty; a THD batch needs at least one sample")
@@ -285,7 +293,8 @@ class CachedThdCollator:
         missing = [k for k in self.keys if k not in features.keys]
         if missing:
             raise ValueError(
-                f"keys {missing} were not read (read: {sorted(features.keys)}); add them to the dataset's disk_keys"
+                f"keys {missing} were not read (read: {sorted(features.keys)}); add them "
+                "to the dataset's disk_keys"
             )
         return features, tuple(self.keys)
 
@@ -315,8 +324,10 @@ class CachedThdCollator:
             bad = torch.nonzero(m.to(torch.int8).cumprod(1).sum(1) != m.sum(1)).view(-1)
             if bad.numel():
                 raise ValueError(
-                    f"mask_key={self.mask_key!r} of sample {int(bad[0])} (of this batch) is not right-padded "
-                    "(a zero before a nonzero); pass length_key instead, or store a right-padded mask"
+                    f"mask_key={self.mask_key!r} of sample {int(bad[0])} (of this batch) "
+                    "is not right-padded "
+                    "(a zero before a nonzero); pass length_key instead, or store a "
+                    "right-padded mask"
                 )
         lengths = torch.from_numpy(rule.lengths(t.reshape(b, -1)))
         if lengths.numel() and (int(lengths.min()) < 1 or int(lengths.max()) > width):
@@ -403,7 +414,8 @@ class CachedThdCollator:
             for k in token_keys:
                 if k not in shapes or not shapes[k] or shapes[k][0] != width:
                     raise ValueError(
-                        f"token_keys entry {k!r} must be read and shaped [L={width}, ...] per sample, got {shapes.get(k, 'missing')}"
+                        f"token_keys entry {k!r} must be read and shaped [L={width}, ...] "
+                        f"per sample, got {shapes.get(k, 'missing')}"
                     )
         else:
             token_keys = tuple(
@@ -466,7 +478,8 @@ class CachedThdCollator:
                 fill_rows(thd[k], edges[::2].tolist(), edges[1::2].tolist(), value)
         batch.gather_into(token_keys, at // width, at % width, real.numpy(), thd)
         out = dict(thd)
-        # per-sample keys, [B_samples, ...] (a token key the caller's token_keys left out among them)
+        # per-sample keys, [B_samples, ...] (a token key the caller's token_keys left out among
+        # them)
         out.update(batch.padded([k for k in carried if k not in consumed and k not in token_keys]))
         out["num_samples"] = b
         out["packing_efficiency"] = packed["packing_efficiency"]

@@ -46,16 +46,17 @@ Mismatch = Callable[[int, int, int, int, int], Exception]
 def whole_blocks(
     table: BlockTable, offsets: np.ndarray, rows: np.ndarray, t0: np.ndarray, t1: np.ndarray
 ) -> np.ndarray:
-    """bool ``[n]``: segment ``i`` (tokens ``[t0[i], t1[i])`` of row ``rows[i]``, int64 ``[n]`` each)
-    is whole checksum blocks of its row (its blocks start every ``block_tokens`` from the row's start)."""
+    """bool ``[n]``: segment ``i`` (tokens ``[t0[i], t1[i])`` of row ``rows[i]``, int64 ``[n]``
+    each) is whole checksum blocks of its row (its blocks start every ``block_tokens`` from the
+    row's start)."""
     bt = table.block_tokens
     lens = offsets[rows + 1] - offsets[rows]
     return (t0 % bt == 0) & ((t1 % bt == 0) | (t1 == lens))
 
 
 def _runs(n: int, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``(owner, k)`` int64 ``[sum(counts)]``: item ``owner`` (of ``n``) repeated ``counts`` times, ``k``
-    counting from 0 within each."""
+    """``(owner, k)`` int64 ``[sum(counts)]``: item ``owner`` (of ``n``) repeated ``counts`` times,
+    ``k`` counting from 0 within each."""
     owner = np.repeat(np.arange(n, dtype=np.int64), counts)
     k = np.arange(owner.size, dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
     return owner, k
@@ -77,7 +78,8 @@ def plan_placed(
     owner: object = None,
     ensure: Callable[[Sequence[tuple[int, int]]], None] | None = None,
 ) -> int:
-    """Plan reading whole-block segments of one ragged tensor into ``dst``; returns the pieces added.
+    """Plan reading whole-block segments of one ragged tensor into ``dst``; returns the pieces
+    added.
 
     Args:
         fd, path: the shard's descriptor and its name in messages.

@@ -1,4 +1,5 @@
-"""Reads of ragged token keys: a shard's ragged index, and a batch's ragged keys (:class:`TokenRows`).
+"""Reads of ragged token keys: a shard's ragged index, and a batch's ragged keys
+(:class:`TokenRows`).
 
 Ragged token keys are read as exactly the checksum blocks that hold the tokens asked for
 (layout and block math: :mod:`~te_thd.offline_cache.ragged`). A shard's :class:`TokenIndex`
@@ -132,13 +133,15 @@ def token_index(path: str, header: ShardHeader) -> TokenIndex:
 
 
 def load_block_sums(index: TokenIndex, fd: int, repair: str) -> dict[str, np.ndarray]:
-    """``{stored name: uint64 [blocks]}`` of the shard, read once and checked against the header's digest."""
+    """``{stored name: uint64 [blocks]}`` of the shard, read once and checked against the header's
+    digest."""
     if index.sums is None:
         raw = os.pread(fd, index.sums_bytes, index.sums_start)
         actual = f"{hash64(raw):016x}"
         if len(raw) != index.sums_bytes or actual != index.sums_digest:
             raise CacheIntegrityError(
-                f"shard {index.path}: its block checksums hash to {HASH_NAME}:{actual}, the header records "
+                f"shard {index.path}: its block checksums hash to {HASH_NAME}:{actual}, "
+                "the header records "
                 f"{HASH_NAME}:{index.sums_digest}: the file is damaged. {repair}",
                 path=index.path,
             )
@@ -162,10 +165,11 @@ def plan_stored(
     pieces: list[Piece],
     plans: dict[tuple[int, int], TokenReadPlan] | None = None,
 ) -> Callable[[], torch.Tensor]:
-    """Plan reading tokens ``pos`` of rows ``rows`` of stored tensor ``name`` (``pos`` None: every token of each
-    row, in row order): appends one ``preadv`` piece per run of blocks to ``pieces`` (each verifies its blocks
-    right after it is read) and returns what then gives the tokens, ``[M, *shape]`` of the stored dtype.
-    ``plans``: this request's plans so far, by (block size, gap): tensors of one token size share one."""
+    """Plan reading tokens ``pos`` of rows ``rows`` of stored tensor ``name`` (``pos`` None: every
+    token of each row, in row order): appends one ``preadv`` piece per run of blocks to ``pieces``
+    (each verifies its blocks right after it is read) and returns what then gives the tokens, ``[M,
+    *shape]`` of the stored dtype. ``plans``: this request's plans so far, by (block size, gap):
+    tensors of one token size share one."""
     s, table = index.stored[name], index.tables[name]
     shape = (table.block_tokens, PAGE_BYTES // max(1, s.token_bytes))
     plan = None if plans is None else plans.get(shape)
@@ -258,7 +262,8 @@ def _mismatch(
     want: int,
     got: int,
 ) -> CacheIntegrityError:
-    """The error of a block of ``s`` (tokens ``lo..hi`` of shard row ``row``) whose bytes hash to ``got``."""
+    """The error of a block of ``s`` (tokens ``lo..hi`` of shard row ``row``) whose bytes hash to
+    ``got``."""
     return checksum_mismatch(
         index.path,
         row,
@@ -280,8 +285,8 @@ def place_stored(
     ctx: ReadContext,
     pieces: list[Piece],
 ) -> int:
-    """Plan reading whole-block ``segments`` ``(rows, t0, t1, d0)`` of stored tensor ``name`` straight
-    into ``dst`` (the bytes of a contiguous ``[N, *per_token]`` tensor of its dtype;
+    """Plan reading whole-block ``segments`` ``(rows, t0, t1, d0)`` of stored tensor ``name``
+    straight into ``dst`` (the bytes of a contiguous ``[N, *per_token]`` tensor of its dtype;
     :func:`~te_thd.offline_cache.token_place.plan_placed`), each block verified right after it is
     read when ``ctx.verify``; returns the pieces appended to ``pieces``."""
     s, table = index.stored[name], index.tables[name]
@@ -308,7 +313,8 @@ def place_stored(
 
 
 def decode(index: TokenIndex, key: str, parts: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    """Ragged key ``key`` from its stored tensors' tokens (``{stored name: [M, ...]}``): logical dtype."""
+    """Ragged key ``key`` from its stored tensors' tokens (``{stored name: [M, ...]}``): logical
+    dtype."""
     codec = index.layout.codec(key)
     if codec is None:
         return parts[key + TOKENS_SUFFIX]
@@ -351,10 +357,11 @@ class TokenRows:
     def plan(
         self, keys: Sequence[str], sample: np.ndarray, pos: np.ndarray | None, pieces: list[Piece]
     ) -> Callable[[], dict[str, torch.Tensor]]:
-        """Plan reading tokens ``pos`` of batch samples ``sample`` (int64 ``[M]``, each ``pos < length``;
-        ``pos`` None: every token of each sample, in order) of each of ``keys``: appends the ``preadv``
-        pieces to ``pieces`` (each verifies its blocks right after it is read, by the thread that read
-        it) and returns what, once they are read, gives ``{key: [M, *per_token]}``, logical dtype."""
+        """Plan reading tokens ``pos`` of batch samples ``sample`` (int64 ``[M]``, each ``pos <
+        length``; ``pos`` None: every token of each sample, in order) of each of ``keys``: appends
+        the ``preadv`` pieces to ``pieces`` (each verifies its blocks right after it is read, by the
+        thread that read it) and returns what, once they are read, gives ``{key: [M, *per_token]}``,
+        logical dtype."""
         sample = np.asarray(sample, dtype=np.int64)
         if pos is not None:
             pos = np.asarray(pos, dtype=np.int64)
@@ -419,11 +426,11 @@ class TokenRows:
         shared: bool = False,
         buffers: DestinationBuffers | None = None,
     ) -> Callable[[], dict[str, torch.Tensor]]:
-        """Plan reading each of ``keys`` of every sample whole; once read, the result is ``{key: [B, L,
-        *per_token]}`` zero-padded (what the padded cache returns). The tensors come from ``buffers``
-        (a pool that hands a buffer out again only once the consumer dropped it) when given, else
-        fresh, in shared memory when ``shared`` (inside a DataLoader worker). Only the padding is
-        zeroed, here; the tokens are read straight into place (:meth:`place`)."""
+        """Plan reading each of ``keys`` of every sample whole; once read, the result is ``{key: [B,
+        L, *per_token]}`` zero-padded (what the padded cache returns). The tensors come from
+        ``buffers`` (a pool that hands a buffer out again only once the consumer dropped it) when
+        given, else fresh, in shared memory when ``shared`` (inside a DataLoader worker). Only the
+        padding is zeroed, here; the tokens are read straight into place (:meth:`place`)."""
         b = self.lengths.size
         sample = np.arange(b, dtype=np.int64)
         out: dict[str, torch.Tensor] = {}
@@ -456,10 +463,10 @@ class TokenRows:
         out: Mapping[str, torch.Tensor],
         pieces: list[Piece],
     ) -> Callable[[], dict[str, torch.Tensor]]:
-        """Plan reading tokens ``pos`` of batch samples ``sample`` (int64 ``[M]``, each ``pos < length``)
-        of each of ``keys`` into rows ``dst`` (int64 ``[M]``) of ``out[key]`` (``[N, *per_token]``,
-        contiguous, the key's logical dtype). ``pos`` None: every token of each sample, sample ``i``'s
-        first to row ``dst[i]`` and the rest after it.
+        """Plan reading tokens ``pos`` of batch samples ``sample`` (int64 ``[M]``, each ``pos <
+        length``) of each of ``keys`` into rows ``dst`` (int64 ``[M]``) of ``out[key]`` (``[N,
+        *per_token]``, contiguous, the key's logical dtype). ``pos`` None: every token of each
+        sample, sample ``i``'s first to row ``dst[i]`` and the rest after it.
 
         Tokens that are whole checksum blocks of a key stored as it is are read straight into place
         (:func:`place_stored`); the rest (a codec's, a block cut by the request) are read by
@@ -546,8 +553,8 @@ class TokenRows:
     def _read(
         self, plan: Callable[[list[Piece]], Callable[[], dict[str, torch.Tensor]]]
     ) -> dict[str, torch.Tensor]:
-        """Plan with ``plan(pieces)`` and read on the dataset's read threads; a shard of an s3:// cache whose
-        local copy fails a check is fetched again, once."""
+        """Plan with ``plan(pieces)`` and read on the dataset's read threads; a shard of an s3://
+        cache whose local copy fails a check is fetched again, once."""
         if not self.shards.size:
             return {}
         ctx = self._opener(int(self.shards[0]))[
