@@ -45,20 +45,6 @@ def _loader_class() -> type:
     return package.DataLoader
 
 
-def _checked(batch_cache: Any, writer: WriteShardFn) -> dict[str, torch.Tensor]:
-    """One ``compute_batch`` output, checked once, at the writer's boundary: a
-    :class:`DurableShardWriter` checks its stored keys against the schema (``{}``: a
-    producer's writer that recorded an error stores nothing more); for any other
-    ``write_shard_fn`` the accumulator is that boundary and checks every key."""
-    if isinstance(writer, DurableShardWriter):
-        return writer.validate(batch_cache, where="compute_batch's output")
-    if not batch_cache:
-        raise SchemaError("compute_batch returned an empty dict; it must return the cache tensors")
-    return validate_shard_tensors(
-        batch_cache, tuple(batch_cache), "", 0, where="compute_batch's output"
-    )
-
-
 class ShardAccumulator:
     """Buffer per-batch cache tensors and flush them as fixed-size sequential shards.
 
@@ -136,7 +122,14 @@ class ShardAccumulator:
     def add_batch(self, batch_cache: dict[str, torch.Tensor], samples: int | None = None) -> None:
         """:meth:`add`, where ``samples`` is how many samples the batch held, when known: the
         output must have as many rows, so that a short ``compute_batch`` is named at its batch."""
-        checked = _checked(batch_cache, self._write_shard_fn)
+        # checked once, as it enters: a DurableShardWriter checks its stored keys against the
+        # schema (``{}``: a producer's writer that recorded an error stores nothing more); for any
+        # other write_shard_fn every key is checked here
+        writer, where = self._write_shard_fn, "compute_batch's output"
+        if isinstance(writer, DurableShardWriter):
+            checked = writer.validate(batch_cache, where=where)
+        else:
+            checked = validate_shard_tensors(batch_cache, None, "", 0, where=where)
         if not checked:
             return
         rows = next(iter(checked.values())).shape[0]

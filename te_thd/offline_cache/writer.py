@@ -184,22 +184,35 @@ class WriteBehind:
 
 
 def validate_shard_tensors(
-    samples: Mapping[str, Any],
-    keys: Sequence[str],
+    samples: Any,
+    keys: Sequence[str] | None,
     cache_name: str,
     shard_index: int,
     schema: Mapping[str, TensorSpec] | None = None,
     where: str | None = None,
 ) -> dict[str, torch.Tensor]:
-    """The ``keys`` of ``samples``, checked: ``{key: tensor [n, *trailing]}`` with one ``n``.
+    """The ``keys`` of ``samples`` (``None``: every key it holds), checked: ``{key: tensor [n,
+    *trailing]}`` with one ``n``.
 
-    The one check of a written batch. Raises :class:`SchemaError` naming the shard and key when a
-    key is missing, not a tensor, 0-d, has another sample count, or -- with ``schema`` -- another
-    dtype or trailing shape. Extra keys are ignored (``compute_batch`` may return more than the
-    cache stores). ``where`` replaces "<cache_name> cache shard <i>" in messages.
+    The one check of a written batch, made where the batch enters: the writer's calls, and the
+    producer loops' for a ``compute_batch`` output (``where`` names it; it replaces "<cache_name>
+    cache shard <i>" in messages). Raises :class:`SchemaError` naming the shard and key when
+    ``samples`` is not a dict or holds no key, a key is missing, not a tensor, 0-d, has another
+    sample count, or -- with ``schema`` -- another dtype or trailing shape. Extra keys are
+    ignored (``compute_batch`` may return more than the cache stores).
     """
+    if not isinstance(samples, Mapping):
+        got = type(samples).__name__
+        raise SchemaError(
+            f"compute_batch returned a {got}; it must return a dict of tensors"
+            if where is not None
+            else f"{cache_name} cache shard {shard_index}: samples is a {got}; pass a dict of "
+            "tensors, {key: [n, ...]}"
+        )
+    if keys is None and not samples:
+        raise SchemaError("compute_batch returned an empty dict; it must return the cache tensors")
     where = where or f"{cache_name} cache shard {shard_index}"
-    keys = tuple(keys)
+    keys = tuple(samples if keys is None else keys)
     if not keys:
         raise SchemaError(
             f"{where}: keys=() names no tensors to store; pass e.g. keys=('hidden_states',)"
