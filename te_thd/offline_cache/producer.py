@@ -317,6 +317,7 @@ def produce_cache(
             "larger shard_size."
         )
     rank, world_size = resolve_ranks(rank, world_size, group)
+    params = run_params(format_version, num_samples, shard_size, keys, opts, token_layout)
     job = _Job(
         output_dir=output_dir,
         shard_size=shard_size,
@@ -330,7 +331,8 @@ def produce_cache(
         comm=ProducerComm(rank, world_size, group),
         length_rule=length_rule,
         token_layout=token_layout,
-        params=run_params(format_version, num_samples, shard_size, keys, opts, token_layout),
+        params=params,
+        record=run_record(params, length_rule),
         storage=storage,
     )
     producer_lock = storage.lock() if (lock and job.comm.rank == 0) else None
@@ -355,6 +357,7 @@ class _Job:
     length_rule: LengthRule | None
     token_layout: TokenLayout | None
     params: dict[str, Any]  # what two runs must share to write one cache (``run_params``)
+    record: dict[str, Any]  # what every shard's header keeps (``run_record``): the run's identity
     storage: Storage  # where ``output_dir`` lives
 
     def run(
@@ -399,7 +402,7 @@ class _Job:
             ):  # before any shard: what a reader following this run needs (follow.py)
                 self.storage.put(
                     FOLLOW_NAME,
-                    follow_record(run_record(self.params, self.length_rule), self.producer_name),
+                    follow_record(self.record, self.producer_name),
                 )
             return finished
 
@@ -429,7 +432,7 @@ class _Job:
                 self.num_samples,
                 self.shard_size,
                 self.length_rule,
-                run_record(self.params, self.length_rule),
+                self.record,
             )
         except Exception as exc:
             local_exc = exc
@@ -471,7 +474,7 @@ class _Job:
             schema,
             self.length_rule,
             self.token_layout,
-            run_record(self.params, self.length_rule),
+            self.record,
         )
         runs = shard_runs(missing, self.num_samples, self.shard_size)
         bs = loader_batch_size(dataloader)
