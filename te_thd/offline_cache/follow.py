@@ -67,7 +67,7 @@ class FollowTimeoutError(CacheError):
 
 
 def follow_record(run: Mapping[str, Any], producer_command: str | None) -> bytes:
-    """The bytes of the follow record: ``run`` (``producer_state.run_record``) and the resume
+    """The bytes of the follow record: ``run`` (``record.run_record``) and the resume
     command (stored plain, as a shell takes it:
     :func:`~te_thd.offline_cache.format.command_record`)."""
     return record_bytes(

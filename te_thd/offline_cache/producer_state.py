@@ -282,7 +282,8 @@ def verify_existing(
     """Records of shards a previous run wrote, each verified completely (:func:`existing_record`).
 
     The first shard fixes the schema (its keys must be this run's). ``run``: this run's record
-    (:func:`~te_thd.offline_cache.record.run_record`). Raises :class:`CacheIntegrityError` naming a damaged shard and what to do.
+    (:func:`~te_thd.offline_cache.record.run_record`). Raises :class:`CacheIntegrityError` naming
+    a damaged shard and what to do.
     """
     records: dict[int, ShardRecord] = {}
     schema: CacheSchema | None = None
