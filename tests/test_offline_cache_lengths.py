@@ -26,10 +26,11 @@ from te_thd.offline_cache import (
 )
 from te_thd.offline_cache.format import CacheIntegrityError, ManifestError, UnverifiedCacheWarning
 from te_thd.offline_cache.lengths import LengthRule, recorded_lengths
+from te_thd.offline_cache.storage import open_storage
 from te_thd.offline_cache.loader import (
     cache_lengths,
     read_side_file,
-    side_file_path,
+    side_file_name,
     write_side_file,
 )
 from te_thd.offline_cache.manifest import load_manifest, manifest_checksum
@@ -115,22 +116,22 @@ def test_reference_cache_scanned_once_kept_reused_and_invalidated(tmp_path: Path
     got = cache_lengths(str(tmp_path), CACHE_NAME)
     np.testing.assert_array_equal(got, want)
     rule = LengthRule("input_ids")
-    side = Path(side_file_path(str(tmp_path), rule))
+    side, store = tmp_path / side_file_name(rule), open_storage(str(tmp_path))
     assert side.name == "lengths.input_ids.json" and side.exists()
     msum = manifest_checksum(load_manifest(str(tmp_path)))
-    np.testing.assert_array_equal(read_side_file(str(side), rule, msum, 19), want)
+    np.testing.assert_array_equal(read_side_file(store, rule, msum, 19), want)
     # the next run reads the side file (proved by planting other valid content in it)
-    write_side_file(str(side), rule, msum, want + 1)
+    write_side_file(store, rule, msum, want + 1)
     np.testing.assert_array_equal(cache_lengths(str(tmp_path), CACHE_NAME), want + 1)
     # a damaged side file is ignored and rewritten by a new scan
     side.write_bytes(side.read_bytes().replace(b'"lengths": [', b'"lengths": [7, ', 1))
     np.testing.assert_array_equal(cache_lengths(str(tmp_path), CACHE_NAME), want)
     # a changed manifest makes the kept lengths stale
-    write_side_file(str(side), rule, msum, want + 1)
+    write_side_file(store, rule, msum, want + 1)
     write_manifest(str(tmp_path), {"num_samples": 19, "shard_size": 6, "note": "edited"}, FORMAT_VERSION)
     np.testing.assert_array_equal(cache_lengths(str(tmp_path), CACHE_NAME), want)
     new_sum = manifest_checksum(load_manifest(str(tmp_path)))
-    assert new_sum != msum and read_side_file(str(side), rule, new_sum, 19) is not None
+    assert new_sum != msum and read_side_file(store, rule, new_sum, 19) is not None
     # another key: its own side file, its own rule (one value per sample)
     np.testing.assert_array_equal(cache_lengths(str(tmp_path), CACHE_NAME, "length"), want)
     assert (tmp_path / "lengths.length.json").exists()

@@ -283,3 +283,32 @@ def test_without_the_client_the_message_names_the_install_command() -> None:
             "try:\n    open_storage('msc://p/x').list()\nexcept ImportError as exc:\n    print(exc)\n")  # fmt: skip
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert "`pip install -e '.[msc]'`" in r.stdout, r.stdout + r.stderr
+
+
+def test_opening_a_cache_is_one_storage_one_manifest_request_and_one_listing(url, local, monkeypatch) -> None:
+    """Against the real server through MSC: the dataset opens its cache once (one storage object),
+    with one manifest read and one listing before the first sample, whose reads are only ranges."""
+    from te_thd.offline_cache.msc import MSCPrefix
+    from te_thd.offline_cache.s3 import S3Prefix
+
+    store = open_storage(url)
+    for name, data in _files(local).items():
+        store.put(name, data)
+    calls: list[tuple[str, str | None]] = []
+    stores: list[object] = []
+    for name in ("get", "list", "get_ranges"):
+        real = getattr(MSCPrefix, name)
+
+        def counted(self, *args, _real=real, _name=name, **kw):
+            calls.append((_name, args[0] if args else None))
+            return _real(self, *args, **kw)
+
+        monkeypatch.setattr(MSCPrefix, name, counted)
+    init = S3Prefix.__init__  # MSCPrefix's own calls it
+    monkeypatch.setattr(S3Prefix, "__init__", lambda self, *a, **kw: (stores.append(self), init(self, *a, **kw))[1])
+    ds = CachedTensorDataset(url, "test", 1, P.KEYS)
+    assert calls == [("get", "manifest.json"), ("list", None)] and len(stores) == 1
+    calls.clear()
+    ref = CachedTensorDataset(str(local), "test", 1, P.KEYS)
+    assert all(torch.equal(ref[0][k], ds[0][k]) for k in P.KEYS)
+    assert calls and {m for m, _ in calls} == {"get_ranges"} and len(stores) == 1

@@ -749,3 +749,67 @@ def test_without_obstore_the_message_names_the_install_command_that_works_from_a
             "try:\n    open_storage('s3://b-1/x').list()\nexcept ImportError as exc:\n    print(exc)\n")  # fmt: skip
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert "`pip install -e '.[s3]'`" in r.stdout and "te_thd[s3]" not in r.stdout, r.stdout + r.stderr
+
+
+def count_requests(monkeypatch, cls) -> tuple[list[tuple[str, str | None]], list[object]]:
+    """``(requests, stores)``: every request the storage class ``cls`` makes through its interface
+    (``(method, object)``; the real client does the work) and every storage object made, from now."""
+    from te_thd.offline_cache.s3 import S3Prefix
+
+    calls: list[tuple[str, str | None]] = []
+    stores: list[object] = []
+    for name in ("get", "list", "get_ranges", "put", "delete"):
+        real = getattr(cls, name)
+
+        def counted(self, *args, _real=real, _name=name, **kw):
+            calls.append((_name, args[0] if args else None))
+            return _real(self, *args, **kw)
+
+        monkeypatch.setattr(cls, name, counted)
+    init = S3Prefix.__init__
+    monkeypatch.setattr(S3Prefix, "__init__", lambda self, *a, **kw: (stores.append(self), init(self, *a, **kw))[1])
+    return calls, stores
+
+
+def test_opening_a_cache_is_one_storage_one_manifest_request_and_one_listing(bucket, local, monkeypatch) -> None:
+    """Against the real server: the dataset opens its cache once (one storage object, which reads
+    the AWS profile files once), with one manifest GET and one listing before the first sample,
+    whose reads are only ranges of its shard; an epoch adds no manifest request or listing."""
+    from te_thd.offline_cache.s3 import S3Prefix
+
+    url = f"s3://{bucket}/counted"
+    store = open_storage(url)
+    for name, data in _files(local).items():
+        store.put(name, data)
+    calls, stores = count_requests(monkeypatch, S3Prefix)
+    ds = CachedTensorDataset(url, "test", 1, P.KEYS)
+    assert calls == [("get", "manifest.json"), ("list", None)] and len(stores) == 1
+    calls.clear()
+    ref = CachedTensorDataset(str(local), "test", 1, P.KEYS)
+    assert all(torch.equal(ref[0][k], ds[0][k]) for k in P.KEYS)
+    assert calls and {m for m, _ in calls} == {"get_ranges"}
+    assert all(torch.equal(ref.__getitems__([3, 1]).tensors[k], ds.__getitems__([3, 1]).tensors[k]) for k in P.KEYS)
+    assert {m for m, _ in calls} == {"get_ranges"} and len(stores) == 1
+
+
+def test_lengths_kept_only_in_the_side_file_of_an_s3_cache(bucket, local) -> None:
+    """An s3:// cache that records no lengths under the asked rule: the scan's result is kept as an
+    object of the cache (through its storage, not a local path) and read back from there."""
+    from te_thd.offline_cache.lengths import LengthRule
+    from te_thd.offline_cache.loader import cache_lengths, side_file_name, write_side_file
+    from te_thd.offline_cache.manifest import load_manifest, manifest_checksum
+
+    url = f"s3://{bucket}/side"
+    store = open_storage(url)
+    for name, data in _files(local).items():
+        store.put(name, data)
+    ref = CachedTensorDataset(str(local), "test", 1, P.KEYS)
+    want = torch.stack([(ref[i]["input_ids"] != 0).sum() for i in range(len(ref))]).numpy()
+    rule = LengthRule("input_ids")
+    name = side_file_name(rule)
+    assert name not in store.list()
+    assert (cache_lengths(url, "test", "input_ids") == want).all()
+    assert name in store.list()  # kept beside the shards, in the store
+    msum = manifest_checksum(load_manifest(url))
+    write_side_file(store, rule, msum, want + 1)  # the next run reads the kept object
+    assert (cache_lengths(url, "test", "input_ids") == want + 1).all()

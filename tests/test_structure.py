@@ -266,3 +266,83 @@ def test_the_count_sees_every_kind_of_import(tmp_path: Path) -> None:
 
 
 # -- the package's size: the seams keep it small --
+
+
+# -- one storage per open: a cache is opened by its entry point, which passes the storage down --
+
+#: ``{(module, function): why}``: the only places that call ``open_storage``. Everything below an
+#: entry point takes the ``Storage`` it opened.
+OPENERS = {
+    ("storage.py", "as_storage"): "the storage layer itself",
+    ("opencache.py", "open_cache"): "the dataset's open (CachedTensorDataset)",
+    ("producer.py", "produce_cache"): "the producer",
+    ("cli.py", "_cmd_unlock"): "a CLI command that needs nothing but the storage",
+    ("repair.py", "_kept_aside"): "the folder repairs set aside is a place of its own",
+}
+#: The public functions that take a path, a URL or an opened storage (``as_storage``): a caller
+#: that opened the cache passes its storage, a user passes the path.
+PATH_OR_STORAGE = {
+    ("manifest.py", "existing_shard_indices"),
+    ("manifest.py", "write_manifest"),
+    ("manifest.py", "load_manifest"),
+    ("manifest.py", "read_manifest"),
+    ("verify.py", "validate_contiguous_shards"),
+    ("verify.py", "check_cache_files"),
+    ("verify.py", "verify_cache"),
+    ("verify.py", "cache_info"),
+    ("repair.py", "repair_cache"),
+    ("loader.py", "cache_lengths"),
+    ("writer.py", "DurableShardWriter._storage"),
+}
+
+
+def calls_of(name: str, root: Path = PACKAGE) -> set[tuple[str, str]]:
+    """``{(module file, enclosing function or Class.method)}`` of every call of ``name`` (by name or
+    as an attribute) in the package; ``"<module>"`` for a call outside any function."""
+    found: set[tuple[str, str]] = set()
+
+    def walk(node: ast.AST, where: str, path: Path) -> None:
+        for child in ast.iter_child_nodes(node):
+            inner = where
+            if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                inner = child.name if where == "<module>" else f"{where}.{child.name}"
+            if isinstance(child, ast.Call):
+                f = child.func
+                if (isinstance(f, ast.Name) and f.id == name) or (
+                    isinstance(f, ast.Attribute) and f.attr == name
+                ):
+                    found.add((path.name, where))
+            walk(child, inner, path)
+
+    for path in sorted(root.glob("*.py")):
+        walk(ast.parse(path.read_text()), "<module>", path)
+    return found
+
+
+def test_only_the_entry_points_open_a_cache() -> None:
+    found = calls_of("open_storage")
+    assert found == set(OPENERS), (
+        f"open_storage is called in {sorted(found - set(OPENERS))} (allowed: {sorted(OPENERS)}). "
+        "Take the Storage the entry point opened as an argument instead of opening the cache again"
+        if found - set(OPENERS)
+        else f"update OPENERS: these no longer call open_storage: {sorted(set(OPENERS) - found)}"
+    )
+    found = calls_of("as_storage")
+    assert found <= PATH_OR_STORAGE, (
+        f"as_storage is called in {sorted(found - PATH_OR_STORAGE)}: only public functions that "
+        "take a path or an opened storage may; below them, take the Storage"
+    )
+
+
+def test_the_open_count_sees_every_kind_of_call(tmp_path: Path) -> None:
+    (tmp_path / "x.py").write_text(
+        "from . import storage\n"
+        "def f():\n    storage.open_storage('d')\n"
+        "class C:\n    def m(self):\n        return open_storage('d')\n"
+        "X = open_storage('d')\n"
+    )
+    assert calls_of("open_storage", tmp_path) == {
+        ("x.py", "f"),
+        ("x.py", "C.m"),
+        ("x.py", "<module>"),
+    }

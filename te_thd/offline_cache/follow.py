@@ -36,8 +36,8 @@ from te_thd.offline_cache.format import (
 )
 from te_thd.offline_cache.integrity import ShardHeader, shard_checksum
 from te_thd.offline_cache.manifest import (
+    check_manifest,
     manifest_schema,
-    read_manifest,
     shard_records,
 )
 from te_thd.offline_cache.producer_state import FOLLOW_NAME, describe_diff, record_bytes
@@ -132,8 +132,12 @@ def open_followed(
         pass  # not there yet: the producer makes it
     deadline = time.monotonic() + timeout
     for pause in _pauses():
-        if storage.get(MANIFEST_NAME) is not None:
-            return read_manifest(cache_dir, cache_name, format_version, producer), None, producer
+        if (raw := storage.get(MANIFEST_NAME)) is not None:
+            return (
+                check_manifest(storage, raw, cache_name, format_version, producer),
+                None,
+                producer,
+            )
         raw = storage.get(FOLLOW_NAME)
         if raw is not None:
             return _parse(raw, storage, cache_name, format_version, producer)
@@ -277,11 +281,11 @@ class Follower:
         checked: it records the run followed (``versions``: the reader's format version and producer
         command), all its shards are there, and it records the shards this process opened while
         following (``opened``) and their schema (``seen``)."""
-        if self.storage.get(MANIFEST_NAME) is None:
+        if (raw := self.storage.get(MANIFEST_NAME)) is None:
             return None
         # the reader stops listing: the shards committed since its last listing
         self._admit_committed()
-        manifest = read_manifest(self.cache_dir, self.cache_name, *versions)
+        manifest = check_manifest(self.storage, raw, self.cache_name, *versions)
         recorded = params_of_manifest(manifest, self.run.get("keys", ()))
         followed, _ = split_record(self.run)
         if recorded != followed:
@@ -291,7 +295,7 @@ class Follower:
                 f"the one this reader followed ({describe_diff(followed, recorded)}): "
                 f"{self._changed}"
             )
-        check_cache_files(self.cache_dir, manifest, self.cache_name, versions[1])
+        check_cache_files(self.storage, manifest, self.cache_name, versions[1])
         checksums = {i: str(r["checksum"]) for i, r in enumerate(shard_records(manifest) or [])}
         schema = manifest_schema(manifest)
         if (

@@ -1,23 +1,21 @@
 """DataLoader over an offline cache: reference signature, DP-only sharding, batched collate.
 
-``build_cached_dataloader`` keeps the reference positional/keyword signature and adds
-keyword options (seed, drop_last, data-parallel rank/size, resume state, worker
-settings). It always uses :class:`~te_thd.offline_cache.sampler.CacheShardSampler`,
-so an order is a pure function of ``(seed, epoch)``, and returns a
-:class:`CachedDataLoader` (a ``torch.utils.data.DataLoader``) that counts the
-batches the training loop took, for ``state_dict()`` / ``load_state_dict()``.
+``build_cached_dataloader`` keeps the reference positional/keyword signature and adds keyword
+options (seed, drop_last, data-parallel rank/size, resume state, worker settings). It always uses
+:class:`~te_thd.offline_cache.sampler.CacheShardSampler`, so an order is a pure function of
+``(seed, epoch)``, and returns a :class:`CachedDataLoader` (a ``torch.utils.data.DataLoader``) that
+counts the batches the training loop took, for ``state_dict()`` / ``load_state_dict()``.
 
-``distributed=True`` shards over the data-parallel group *without* context
-parallelism (megatron's ``parallel_state`` when initialised), so the CP ranks of a
-replica read the same samples. The reference shards over the whole world, which
-hands different samples to the CP ranks of one replica.
+``distributed=True`` shards over the data-parallel group *without* context parallelism (megatron's
+``parallel_state`` when initialised), so the CP ranks of a replica read the same samples. The
+reference shards over the whole world, which hands different samples to the CP ranks of one replica.
 
-A balanced loader plans from every sample's real length. :func:`cache_lengths` returns
-the producer's record (:mod:`~te_thd.offline_cache.lengths`) when its rule is the one
-asked for, else the side file ``lengths.<key>.json`` when it belongs to the current
-manifest, else a scan of the cache (reading only the key), kept in that side file for
-the next run. The side file is checksummed and tied to the manifest's checksum, so a
-changed manifest makes it stale; readers ignore it.
+A balanced loader plans from every sample's real length. :func:`cache_lengths` returns the
+producer's record (:mod:`~te_thd.offline_cache.lengths`) when its rule is the one asked for, else
+the side file ``lengths.<key>.json`` (an object of the cache, read and written through its storage)
+when it belongs to the current manifest, else a scan of the cache (reading only the key), kept in
+that side file for the next run. The side file is checksummed and tied to the manifest's checksum,
+so a changed manifest makes it stale; readers ignore it.
 """
 
 from __future__ import annotations
@@ -58,7 +56,7 @@ from .sampler import (
     read_samples,
     scan_rule,
 )
-from .storage import atomic_write_bytes
+from .storage import LocalDirectory, Storage, as_storage
 from .thd_collate import CachedThdCollator
 
 __all__ = ["CachedDataLoader", "build_cached_dataloader", "cache_lengths", "to_device"]
@@ -236,21 +234,19 @@ def _read_ahead(
                 pass
 
 
-def side_file_path(cache_dir: str, rule: LengthRule) -> str:
-    """``lengths.<key>[.nonzero][.pad<id>].json`` in ``cache_dir``: one file per rule."""
+def side_file_name(rule: LengthRule) -> str:
+    """``lengths.<key>[.nonzero][.pad<id>].json``, an object of the cache: one per rule."""
     suffix = "" if rule.kind != "nonzero" else ".nonzero"
     pad = f".pad{rule.pad_token_id}" if rule.kind == "last_nonpad" and rule.pad_token_id else ""
-    return os.path.join(cache_dir, f"lengths.{rule.key}{suffix}{pad}.json")
+    return f"lengths.{rule.key}{suffix}{pad}.json"
 
 
 def read_side_file(
-    path: str, rule: LengthRule, manifest_sum: str, num_samples: int
+    storage: Storage, rule: LengthRule, manifest_sum: str, num_samples: int
 ) -> np.ndarray | None:
-    """The lengths kept in ``path`` when it is intact and belongs to this manifest and rule, else
-    ``None``."""
+    """The lengths the cache keeps for ``rule`` if intact and of this manifest, else ``None``."""
     try:
-        with open(path, encoding="utf-8") as f:
-            obj = json.load(f)
+        obj = json.loads((storage.get(side_file_name(rule)) or b"").decode("utf-8"))
         body = {k: v for k, v in obj.items() if k != "checksum"}
         ok = (
             obj.get("checksum") == json_crc32(body)
@@ -259,25 +255,25 @@ def read_side_file(
             and isinstance(body.get("lengths"), list)
             and len(body["lengths"]) == num_samples
         )
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError, AttributeError):  # ValueError: also no file (b"")
         return None
     return np.asarray(body["lengths"], dtype=np.int64) if ok else None
 
 
-def write_side_file(path: str, rule: LengthRule, manifest_sum: str, lengths: np.ndarray) -> None:
+def write_side_file(
+    storage: Storage, rule: LengthRule, manifest_sum: str, lengths: np.ndarray
+) -> None:
     body = {
         "manifest_checksum": manifest_sum,
         "rule": rule.to_json(),
         "lengths": [int(v) for v in lengths],
     }
-    atomic_write_bytes(
-        path,
-        (json.dumps({**body, "checksum": json_crc32(body)}, sort_keys=True) + "\n").encode("ascii"),
-    )
+    data = json.dumps({**body, "checksum": json_crc32(body)}, sort_keys=True) + "\n"
+    storage.put(side_file_name(rule), data.encode("ascii"))
 
 
 def cache_lengths(
-    cache_dir: str,
+    cache_dir: str | Storage,
     cache_name: str = "offline",
     length_key: str | None = None,
     *,
@@ -291,13 +287,27 @@ def cache_lengths(
     cache records, else ``input_ids``' non-padding length; recorded, kept or
     scanned as the module docstring says. Raises :class:`CacheError` when a scan's
     result cannot be kept because the directory is read-only (saying how to add the lengths).
+    ``cache_dir``: a path, a URL or the cache's opened storage.
     """
-    manifest = load_manifest(cache_dir, cache_name)
+    store = as_storage(cache_dir)
+    return lengths_of(store, load_manifest(store, cache_name), cache_name, length_key, rule, block)
+
+
+def lengths_of(
+    storage: Storage,
+    manifest: Mapping[str, Any],
+    cache_name: str,
+    length_key: str | None = None,
+    rule: LengthRule | None = None,
+    block: int = 4096,
+) -> np.ndarray:
+    """:func:`cache_lengths` of the cache an entry point opened (``storage``, its ``manifest``)."""
+    cache_dir = storage.name
     recorded = recorded_rule(manifest)
     if recorded is not None and rule is None and length_key in (None, recorded.key):
         return recorded_lengths(manifest)
     key = rule.key if rule is not None else (length_key or DEFAULT_LENGTH_KEY)
-    schema = cache_schema(cache_dir, manifest, strict=True)
+    schema = cache_schema(storage, manifest, strict=True)
     assert schema is not None
     if key not in schema:
         raise ValueError(
@@ -311,17 +321,17 @@ def cache_lengths(
         return recorded_lengths(manifest)
     if rule.kind == "row":  # known from the schema: nothing to scan or keep
         return np.full(num_samples, int(np.prod(schema[key].shape, dtype=np.int64)), dtype=np.int64)
-    path = side_file_path(cache_dir, rule)
     msum = manifest_checksum(manifest)
-    kept = read_side_file(path, rule, msum, num_samples)
+    kept = read_side_file(storage, rule, msum, num_samples)
     if kept is not None:
         return kept
-    if not os.access(cache_dir, os.W_OK):
+    # a local directory tells before the scan that what it finds cannot be kept
+    if isinstance(storage, LocalDirectory) and not os.access(cache_dir, os.W_OK):
         raise CacheError(_read_only_message(cache_dir, key))
     dataset = CachedTensorDataset(cache_dir, cache_name, manifest["format_version"], (key,))
     lengths = scan_rule(dataset, rule, block)
     try:
-        write_side_file(path, rule, msum, lengths)
+        write_side_file(storage, rule, msum, lengths)
     except OSError as exc:
         if exc.errno in (errno.EACCES, errno.EROFS, errno.EPERM):
             raise CacheError(_read_only_message(cache_dir, key)) from None
@@ -332,13 +342,11 @@ def cache_lengths(
 def _read_only_message(cache_dir: str, key: str) -> str:
     return (
         f"the cache at {cache_dir} records no per-sample lengths and its directory is "
-        "read-only, so the "
-        f"lengths scanned from {key!r} cannot be kept beside it. Either rebuild it with "
-        f"produce_cache(..., length_key={key!r}) (which records them in the manifest), or run "
-        f"`te_thd.offline_cache.loader.cache_lengths({cache_dir!r}, length_key={key!r})` "
-        "once where the "
-        "directory is writable, or pass lengths=scan_lengths(...) to "
-        "build_cached_dataloader on every run."
+        f"read-only, so the lengths scanned from {key!r} cannot be kept beside it. Either "
+        f"rebuild it with produce_cache(..., length_key={key!r}) (which records them in the "
+        f"manifest), or run `te_thd.offline_cache.loader.cache_lengths({cache_dir!r}, "
+        f"length_key={key!r})` once where the directory is writable, or pass "
+        "lengths=scan_lengths(...) to build_cached_dataloader on every run."
     )
 
 
@@ -444,23 +452,25 @@ def build_cached_dataloader(
             cache_dir = getattr(dataset, "cache_dir", None)
             if cache_dir is None:
                 raise ValueError(
-                    "balance=True without lengths= reads the lengths a cache records, "
-                    "but the dataset "
-                    f"({type(dataset).__name__}) is not a CachedTensorDataset; pass "
-                    "lengths= (every sample's "
-                    "length, e.g. te_thd.offline_cache.sampler.scan_lengths(dataset, mask_key=...))"
+                    "balance=True without lengths= reads the lengths a cache records, but the "
+                    f"dataset ({type(dataset).__name__}) is not a CachedTensorDataset; pass "
+                    "lengths= (every sample's length, e.g. "
+                    "te_thd.offline_cache.sampler.scan_lengths(dataset, mask_key=...))"
                 )
             if getattr(dataset, "following", False):
                 raise ValueError(
-                    "balance=True plans every step from the samples' lengths, which a "
-                    "cache whose producer still "
-                    "runs has not recorded yet; pass lengths= (every sample's length, "
-                    "e.g. from the tokenized "
-                    "data the producer reads), or build the loader once the producer has finished"
+                    "balance=True plans every step from the samples' lengths, which a cache whose "
+                    "producer still runs has not recorded yet; pass lengths= (every sample's "
+                    "length, e.g. from the tokenized data the producer reads), or build the "
+                    "loader once the producer has finished"
                 )
             # plan with what the collator packs: its length key, its mask, or full rows
             rule = None if length_key is not None else collator_rule(collate_fn)
-            lengths = cache_lengths(cache_dir, dataset.cache_name, length_key, rule=rule)
+            lengths = (  # the dataset's open cache, when it is one: opened once
+                lengths_of(dataset.storage, dataset.manifest, dataset.cache_name, length_key, rule)
+                if isinstance(dataset, CachedTensorDataset)
+                else cache_lengths(cache_dir, dataset.cache_name, length_key, rule=rule)
+            )
         sampler: CacheShardSampler | BalancedBatchSampler = BalancedBatchSampler(
             dataset,
             lengths,

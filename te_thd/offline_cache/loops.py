@@ -34,6 +34,7 @@ from te_thd.offline_cache.format import (
     shard_rows,
 )
 from te_thd.offline_cache.integrity import on_cpu
+from te_thd.offline_cache.storage import Storage
 from te_thd.offline_cache.writer import DurableShardWriter, WriteShardFn, validate_shard_tensors
 
 
@@ -59,7 +60,7 @@ class ShardAccumulator:
 
     def __init__(
         self,
-        output_dir: str,
+        output_dir: str | Storage,
         shard_size: int,
         start_shard_index: int,
         write_shard_fn: WriteShardFn,
@@ -308,7 +309,7 @@ def loader_num_samples(dataloader: DataLoader) -> int:
 
 def lockstep_write(
     dataloader: DataLoader,
-    output_dir: str,
+    output_dir: str | Storage,
     shard_size: int,
     runs: Sequence[tuple[int, int, int]],
     compute_batch: Callable[[Any], dict[str, torch.Tensor]],

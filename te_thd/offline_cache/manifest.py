@@ -48,7 +48,7 @@ from te_thd.offline_cache.ragged import (
     TOKEN_LAYOUT_KEY,
     TokenLayout,
 )
-from te_thd.offline_cache.storage import LOCK_NAME, TEMP_RE, Storage, open_storage
+from te_thd.offline_cache.storage import LOCK_NAME, TEMP_RE, Storage, as_storage
 
 #: Version of the te_thd integrity fields a producer writes (see the module docstring).
 LAYOUT_VERSION = SHARD_LAYOUT
@@ -75,15 +75,18 @@ FORMAT_TAG = "+tokens"
 _TAGGED = re.compile(r"^(\d+)\+tokens$")
 
 
-def existing_shard_indices(cache_dir: str) -> set[int]:
-    """Return the shard indices already present in ``cache_dir``.
+def existing_shard_indices(cache_dir: str | Storage) -> set[int]:
+    """Return the shard indices present in ``cache_dir`` (a path, a URL or its opened storage).
 
     Only names matching :data:`SHARD_RE` count; temp files, the lock and any
     foreign file are ignored.
     """
-    return {
-        int(m.group(1)) for name in open_storage(cache_dir).list() if (m := SHARD_RE.match(name))
-    }
+    return listed_shards(as_storage(cache_dir).list())
+
+
+def listed_shards(listing: Mapping[str, int]) -> set[int]:
+    """The shard indices in one listing of a cache (``Storage.list``)."""
+    return {int(m.group(1)) for name in listing if (m := SHARD_RE.match(name))}
 
 
 def stored_format_version(version: int, tagged: bool) -> int | str:
@@ -98,15 +101,13 @@ def check_format_version_arg(value: Any) -> None:
     version, tagged = parse_format_version(value)
     if tagged:
         raise ValueError(
-            f"format_version={value!r} is how manifest.json records version {version} of "
-            "a cache with "
-            f"ragged token keys: pass format_version={version}"
+            f"format_version={value!r} is how manifest.json records version {version} of a cache "
+            f"with ragged token keys: pass format_version={version}"
         )
     if isinstance(value, str) and value.strip().isdigit():
         raise ValueError(
-            f"format_version={value!r} is a str, but the version is an int (the types "
-            "differ, so it never "
-            f"matches): pass format_version={int(value)}"
+            f"format_version={value!r} is a str, but the version is an int (the types differ, so "
+            f"it never matches): pass format_version={int(value)}"
         )
     check_int(
         "format_version",
@@ -126,8 +127,7 @@ def parse_format_version(value: Any) -> tuple[Any, bool]:
 
 
 def _damaged(path: str, what: str) -> ManifestError:
-    """The error of the manifest at ``path`` whose content is damaged: ``what``, and how to fix
-    it."""
+    """The error of the manifest at ``path`` whose content is damaged: ``what``, and the fix."""
     return ManifestError(f"{what}. The manifest is damaged. {rebuild_manifest_hint(path)}")
 
 
@@ -219,7 +219,7 @@ def manifest_checksum(manifest: Mapping[str, Any]) -> str:
     return json_crc32({k: v for k, v in manifest.items() if k != MANIFEST_CHECKSUM_KEY})
 
 
-def write_manifest(cache_dir: str, manifest: dict[str, Any], format_version: int) -> str:
+def write_manifest(cache_dir: str | Storage, manifest: dict[str, Any], format_version: int) -> str:
     """Persist an offline-cache manifest atomically.
 
     Written as ``{"format_version": format_version, **manifest}`` plus its
@@ -229,8 +229,8 @@ def write_manifest(cache_dir: str, manifest: dict[str, Any], format_version: int
     fsync of the directory). A producer writes it after every shard is on disk: its presence
     is what marks a cache finished.
     """
-    data = manifest_bytes(cache_dir, manifest, format_version)
-    return open_storage(cache_dir).put(MANIFEST_NAME, data)
+    storage = as_storage(cache_dir)
+    return storage.put(MANIFEST_NAME, manifest_bytes(storage.name, manifest, format_version))
 
 
 def manifest_bytes(cache_dir: str, manifest: dict[str, Any], format_version: int) -> bytes:
@@ -259,17 +259,22 @@ def manifest_bytes(cache_dir: str, manifest: dict[str, Any], format_version: int
     return (json.dumps(parsed, indent=2, sort_keys=True) + "\n").encode("utf-8")
 
 
-def _read_checked_manifest(cache_dir: str, cache_name: str, producer: str | None) -> dict[str, Any]:
-    """Parse ``manifest.json`` and check its own checksum; returns it without that field.
+def fetch_manifest(storage: Storage) -> bytes | None:
+    """The bytes of the cache's ``manifest.json`` (one request of an object store); None: none."""
+    storage.must_exist(MANIFEST_NAME)
+    return storage.get(MANIFEST_NAME)
+
+
+def _read_checked_manifest(
+    storage: Storage, raw: bytes | None, cache_name: str, producer: str | None
+) -> dict[str, Any]:
+    """Parse ``raw`` (:func:`fetch_manifest`) and check its own checksum; returns it without it.
 
     Nothing else is validated: the caller checks ``format_version`` first (the more useful message
     when a cache is merely old), then the layout. A directory with nothing a producer writes is not
     a cache.
     """
-    storage = open_storage(cache_dir)
-    storage.must_exist(MANIFEST_NAME)
-    path = storage.display(MANIFEST_NAME)
-    raw = storage.get(MANIFEST_NAME)
+    cache_dir, path = storage.name, storage.display(MANIFEST_NAME)
     if raw is None:
         names = storage.list()
         if not any(
@@ -290,9 +295,9 @@ def _read_checked_manifest(cache_dir: str, cache_name: str, producer: str | None
         )
     if not raw.strip():  # json's "Expecting value: line 1 column 1" says nothing of the cause
         raise ManifestError(
-            f"{cache_name} cache manifest {path} is empty ({len(raw)} bytes): it was cut "
-            "off after it "
-            f"was written (a full disk, a copy that stopped). {rebuild_manifest_hint(path)}"
+            f"{cache_name} cache manifest {path} is empty ({len(raw)} bytes): it was cut off "
+            "after it was written (a full disk, a copy that stopped). "
+            + rebuild_manifest_hint(path)
         )
     try:
         manifest = json.loads(raw.decode("utf-8"))
@@ -310,10 +315,9 @@ def _read_checked_manifest(cache_dir: str, cache_name: str, producer: str | None
     manifest.pop(MANIFEST_CHECKSUM_KEY, None)
     if "format_version" not in manifest:
         raise ManifestError(
-            f"{cache_name} cache manifest {path} has no 'format_version' field: it is "
-            "damaged, or it "
-            "is not an offline-cache manifest (te_thd and the reference producer both write one). "
-            + rebuild_manifest_hint(path)
+            f"{cache_name} cache manifest {path} has no 'format_version' field: it is damaged, "
+            "or it is not an offline-cache manifest (te_thd and the reference producer both "
+            "write one). " + rebuild_manifest_hint(path)
         )
     version, tagged = parse_format_version(manifest["format_version"])
     if tagged != (TOKEN_LAYOUT_KEY in manifest):
@@ -359,7 +363,7 @@ def _check_manifest_checksum(manifest: Mapping[str, Any], path: str, cache_name:
 
 
 def load_manifest(
-    cache_dir: str, cache_name: str = "offline", producer_name: str | None = None
+    cache_dir: str | Storage, cache_name: str = "offline", producer_name: str | None = None
 ) -> dict[str, Any]:
     """Read and validate ``manifest.json`` without checking ``format_version``'s value.
 
@@ -368,8 +372,9 @@ def load_manifest(
     manifest's own checksum when it records one (see the module docstring) and
     returns the manifest without that field.
     """
-    manifest = _read_checked_manifest(cache_dir, cache_name, producer_name)
-    validate_manifest(manifest, manifest_path(cache_dir), producer_name)
+    storage = as_storage(cache_dir)
+    manifest = _read_checked_manifest(storage, fetch_manifest(storage), cache_name, producer_name)
+    validate_manifest(manifest, manifest_path(storage.name), producer_name)
     return manifest
 
 
@@ -380,7 +385,7 @@ def read_manifest(
     producer_name: str | None = None,
     defaults: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Load and validate an offline-cache manifest.
+    """Load and validate an offline-cache manifest (``cache_dir``: also its opened ``Storage``).
 
     ``defaults`` holds fields added after the format was first released, with
     the value a producer that predates them effectively used; a manifest that
@@ -394,11 +399,20 @@ def read_manifest(
     returned dict does not contain ``manifest_checksum`` (it describes the file, not the cache;
     :func:`write_manifest` recomputes it).
     """
-    check_format_version_arg(format_version)
-    path, manifest = (
-        manifest_path(cache_dir),
-        _read_checked_manifest(cache_dir, cache_name, producer_name),
+    check_format_version_arg(format_version)  # before any request: the caller's mistake first
+    storage = as_storage(cache_dir)
+    manifest = check_manifest(
+        storage, fetch_manifest(storage), cache_name, format_version, producer_name
     )
+    return {**(defaults or {}), **manifest}
+
+
+def check_manifest(
+    storage: Storage, raw: bytes | None, cache_name: str, version: int, producer: str | None = None
+) -> dict[str, Any]:
+    """:func:`read_manifest` of ``raw``, what :func:`fetch_manifest` read from ``storage``."""
+    path, format_version, producer_name = manifest_path(storage.name), version, producer
+    manifest = _read_checked_manifest(storage, raw, cache_name, producer_name)
     version = manifest["format_version"]
     # Checked before the layout: a wrong version is the more useful message when both are wrong.
     if isinstance(version, bool) or version != format_version:
@@ -409,7 +423,7 @@ def read_manifest(
             f"{producer_name or f'produce_cache(..., format_version={format_version})'}."
         )
     validate_manifest(manifest, path, producer_name)
-    return {**(defaults or {}), **manifest}
+    return manifest
 
 
 def _same_option(recorded: Any, expected: Any) -> bool:
@@ -563,7 +577,7 @@ def manifest_schema(manifest: Mapping[str, Any]) -> CacheSchema | None:
 
 
 def cache_schema(
-    cache_dir: str, manifest: Mapping[str, Any], *, strict: bool = False
+    storage: Storage, manifest: Mapping[str, Any], *, strict: bool = False
 ) -> CacheSchema | None:
     """The cache's key schema: the manifest's, else (a reference manifest records none) shard 0's.
 
@@ -577,7 +591,7 @@ def cache_schema(
     if not int(manifest.get("num_samples", 0)):
         return {}
     try:
-        return schema_of_header(read_shard_header(open_storage(cache_dir).header(shard_name(0))))
+        return schema_of_header(read_shard_header(storage.header(shard_name(0))))
     except (CacheIntegrityError, FileNotFoundError, KeyError):  # KeyError: no such object
         if strict:
             raise

@@ -395,7 +395,7 @@ class _Job:
             if producer_lock is not None:
                 producer_lock.acquire()
             finished = prepare_directory(
-                self.output_dir, self.params, resume, self.cache_name, self.producer_name
+                self.storage, self.params, resume, self.cache_name, self.producer_name
             )
             if (
                 finished is None
@@ -420,13 +420,13 @@ class _Job:
             if n_local
             else range(0)
         )
-        present = existing_shard_indices(self.output_dir) & set(block)
+        present = existing_shard_indices(self.storage) & set(block)
         local_exc: Exception | None = None
         records: dict[int, ShardRecord] = {}
         schema: CacheSchema | None = None
         try:
             records, schema = verify_existing(
-                self.output_dir,
+                self.storage,
                 sorted(present),
                 self.keys,
                 self.num_samples,
@@ -484,7 +484,7 @@ class _Job:
         try:
             lockstep_write(
                 dataloader,
-                self.output_dir,
+                self.storage,  # the writer commits through the storage this run opened
                 self.shard_size,
                 runs,
                 compute_batch,
@@ -522,11 +522,11 @@ class _Job:
                 self.cache_name,
                 self.length_rule,
             )
-            write_manifest(self.output_dir, manifest, self.format_version)
+            write_manifest(self.storage, manifest, self.format_version)
             self.storage.delete(PROGRESS_NAME)
             self.storage.delete(FOLLOW_NAME)
             finished = read_manifest(
-                self.output_dir, self.cache_name, self.format_version, self.producer_name
+                self.storage, self.cache_name, self.format_version, self.producer_name
             )
             self.logger.info(
                 "Wrote %s (%d samples, %d shards)",

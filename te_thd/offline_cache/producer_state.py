@@ -43,19 +43,11 @@ from te_thd.offline_cache.lengths import (
     for_tensor_spec,
     read_shard_lengths,
 )
-from te_thd.offline_cache.manifest import (
-    RESERVED_MANIFEST_KEYS,
-    existing_shard_indices,
-    read_manifest,
-)
+from te_thd.offline_cache.manifest import RESERVED_MANIFEST_KEYS, listed_shards, read_manifest
 from te_thd.offline_cache.record import build_manifest, params_of_manifest
 from te_thd.offline_cache.shardfile import ShardRecord
-from te_thd.offline_cache.storage import LOCK_NAME, TEMP_RE, open_storage
-from te_thd.offline_cache.verify import (
-    check_cache_files,
-    shard_size_errors,
-    verify_shard_file,
-)
+from te_thd.offline_cache.storage import LOCK_NAME, TEMP_RE, Storage
+from te_thd.offline_cache.verify import check_listed_files, shard_size_errors, verify_shard_file
 
 _log = logging.getLogger("te_thd.offline_cache")
 
@@ -145,7 +137,7 @@ DAMAGED_DIR = ".te_thd-damaged"
 
 
 def reopen_for_resume(
-    cache_dir: str, manifest: Mapping[str, Any], set_aside: Sequence[int]
+    storage: Storage, manifest: Mapping[str, Any], set_aside: Sequence[int]
 ) -> str | None:
     """Turn a finished cache into an unfinished run its producer resumes; the caller holds the lock.
 
@@ -153,19 +145,20 @@ def reopen_for_resume(
     moved to :data:`DAMAGED_DIR` (kept for inspection), and ``manifest.json`` is removed
     last. Returns the set-aside directory (``None`` when nothing was moved).
     """
-    storage = open_storage(cache_dir)
     storage.put(PROGRESS_NAME, record_bytes(params_of_manifest(manifest)))
     aside = storage.set_aside([shard_name(i) for i in set_aside], DAMAGED_DIR)
     storage.delete(MANIFEST_NAME)
     return aside
 
 
-def _wrong_sized(cache_dir: str, manifest: Mapping[str, Any]) -> list[int]:
+def _wrong_sized(
+    storage: Storage, listing: Mapping[str, int], manifest: Mapping[str, Any]
+) -> list[int]:
     """Shards of ``manifest``'s cache that are present with another size than recorded, or beyond
-    its count."""
+    its count (by ``listing``: one listing of the cache)."""
     count = num_shards(int(manifest["num_samples"]), int(manifest["shard_size"]))
-    present = sorted(existing_shard_indices(cache_dir))
-    wrong_size = shard_size_errors(cache_dir, manifest, [i for i in present if i < count])
+    present = sorted(listed_shards(listing))
+    wrong_size = shard_size_errors(storage, listing, manifest, [i for i in present if i < count])
     return [*wrong_size, *(i for i in present if i >= count)]
 
 
@@ -174,11 +167,11 @@ _OWN = frozenset({PROGRESS_NAME, FOLLOW_NAME, LOCK_NAME})
 
 
 def prepare_directory(
-    output_dir: str, params: dict[str, Any], resume: bool, cache_name: str, producer_name: str
+    storage: Storage, params: dict[str, Any], resume: bool, cache_name: str, producer_name: str
 ) -> dict[str, Any] | None:
-    """Rank 0, under the lock: decide. Returns the finished manifest, or ``None`` (= produce)."""
-    storage = open_storage(output_dir, "output_dir")
-    listing = storage.list()
+    """Rank 0, under the lock: decide. Returns the finished manifest, or ``None`` (= produce).
+    ``storage``: the output directory the producer opened."""
+    output_dir, listing = storage.name, storage.list()
     shards = {int(m.group(1)) for name in listing if (m := SHARD_RE.match(name))}
     if MANIFEST_NAME in listing:
         if not resume:
@@ -186,7 +179,7 @@ def prepare_directory(
                 f"output_dir {output_dir} already holds a finished cache (manifest.json). Pass "
                 "resume=True to reuse it, or choose an empty output_dir."
             )
-        manifest = read_manifest(output_dir, cache_name, params["format_version"], producer_name)
+        manifest = read_manifest(storage, cache_name, params["format_version"], producer_name)
         recorded = params_of_manifest(manifest, params["keys"])
         if recorded != params:
             raise CacheError(
@@ -195,12 +188,12 @@ def prepare_directory(
                 "delete this cache."
             )
         try:
-            check_cache_files(output_dir, manifest, cache_name, producer_name)
+            check_listed_files(storage, listing, manifest, cache_name, producer_name)
         except CacheIntegrityError:
             # a shard of a finished cache is missing, truncated or extra: this run has the same
             # parameters, so it fills the gap itself (what `te-thd cache repair` then a resume do)
-            wrong = _wrong_sized(output_dir, manifest)
-            reopen_for_resume(output_dir, manifest, wrong)
+            wrong = _wrong_sized(storage, listing, manifest)
+            reopen_for_resume(storage, manifest, wrong)
             _log.warning(
                 "%s: a finished cache with shards missing or of the wrong size (set aside: %s); "
                 "recomputing them",
@@ -271,7 +264,7 @@ def prepare_directory(
 
 
 def verify_existing(
-    output_dir: str,
+    storage: Storage,
     indices: Sequence[int],
     keys: Sequence[str],
     num_samples: int,
@@ -287,7 +280,6 @@ def verify_existing(
     """
     records: dict[int, ShardRecord] = {}
     schema: CacheSchema | None = None
-    storage = open_storage(output_dir, "output_dir")
     for i in sorted(indices):
         shown = storage.display(shard_name(i))
         path = storage.whole(

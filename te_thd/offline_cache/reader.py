@@ -25,7 +25,7 @@ from torch.utils.data import Dataset, get_worker_info
 
 from ..args import check_index, check_int, check_names
 from .batch import CachedBatch, PendingBatch
-from .follow import DEFAULT_FOLLOW_TIMEOUT, Follower, open_followed
+from .follow import DEFAULT_FOLLOW_TIMEOUT
 from .format import (
     SHARD_RE,
     CacheIntegrityError,
@@ -33,14 +33,14 @@ from .format import (
     UnverifiedCacheWarning,
     load_safetensors,
     manifest_path,
-    num_shards,
     repair_hint,
     shard_name,
     shard_rows,
     unreadable_shard,
 )
 from .integrity import ShardHeader, ShardSums, check_shard_header, logical_entries, verify_rows
-from .manifest import manifest_schema, producer_command, read_manifest, shard_records
+from .manifest import manifest_schema, shard_records
+from .opencache import open_cache
 from .ragged import TOKEN_LAYOUT_KEY, TokenLayout
 from .readexec import (
     DestinationBuffers,
@@ -60,9 +60,8 @@ from .readplan import (
     plan_shard_rows,
     row_ranges,
 )
-from .storage import open_storage
 from .token_read import TokenIndex, TokenRows, token_index
-from .verify import check_cache_files, requires_shard_sums
+from .verify import requires_shard_sums
 
 #: Rows are copied and hashed in pieces of about this many bytes per key (over the read threads),
 #: so the hash reads them from the last-level cache right after the copy; each piece costs Python.
@@ -134,27 +133,26 @@ class CachedTensorDataset(Dataset):
         disk_keys = check_names("disk_keys", disk_keys, non_empty=True, distinct=True)
         check_int("max_open_shards", max_open_shards, 1)
         check_int("read_cache_bytes", read_cache_bytes, 1, optional=True)
-        # where the cache lives; the reads below open local files (of an s3:// cache: its
-        # read-through copy)
-        self.storage = open_storage(
-            cache_dir, read_cache_dir=read_cache_dir, read_cache_bytes=read_cache_bytes
+        # the one open of the cache: storage, manifest (or producer record), shard files checked
+        opened = open_cache(
+            cache_dir,
+            cache_name,
+            format_version,
+            producer_name,
+            follow=follow,
+            follow_timeout=follow_timeout,
+            read_cache_dir=read_cache_dir,
+            read_cache_bytes=read_cache_bytes,
         )
+        self.storage, self.manifest = opened.storage, opened.manifest
+        producer_name = opened.producer_name
+        self._shard_indices, self._follower = opened.shard_indices, opened.follower
         cache_dir = os.fspath(cache_dir)  # open_storage took it: a str or an os.PathLike
         self.cache_dir = cache_dir
         self.cache_name = cache_name
         self.verify = bool(verify)
         #: epoch 0 visits the shards in index order 0, 1, ... (``sampler.CacheShardSampler``)
         self.follow = bool(follow)
-        self._follower: Follower | None = None
-        run = None
-        # a cache whose producer may still run: its manifest, else the producer's follow record
-        if follow:
-            self.manifest, run, producer_name = open_followed(
-                self.storage, cache_dir, cache_name, format_version, producer_name, follow_timeout
-            )
-        else:
-            self.manifest = read_manifest(cache_dir, cache_name, format_version, producer_name)
-        producer_name = producer_command(cache_dir, self.manifest, producer_name)
         self._versions = (format_version, producer_name)
         self._repair = repair_hint(cache_dir, producer_name)
         self.shard_size = int(self.manifest["shard_size"])
@@ -175,19 +173,8 @@ class CachedTensorDataset(Dataset):
         self._row_keys = tuple(k for k in self.disk_keys if k not in self._token_keys)
         # ragged keys a batched read leaves to the collate (defer_keys)
         self._deferred: tuple[str, ...] = ()
-        # presence of shards 0..N-1 and, when the manifest records them, their byte sizes
-        if run is None:
-            self._shard_indices = check_cache_files(
-                cache_dir, self.manifest, cache_name, producer_name
-            )
-        else:  # each shard is waited for, then checked, when first read
-            self._shard_indices = list(range(num_shards(self.num_samples, self.shard_size)))
-            self._follower = Follower(
-                self.storage, cache_dir, cache_name, run, follow_timeout, producer_name
-            )
+        if self._follower is not None:  # its record's keys: the producer's
             self._follower.check_keys(self.disk_keys)
-        # before any DataLoader worker starts: they share what it prepares
-        self.storage.prepare_reads()
         self._max_open = max_open_shards
         self.pin_memory = bool(pin_memory)
         # what a shard's first open asks the kernel for

@@ -42,7 +42,7 @@ from te_thd.offline_cache.format import (
 from te_thd.offline_cache.integrity import ShardHeader, read_shard_header, schema_of_header
 from te_thd.offline_cache.lengths import LengthRule, producer_rule
 from te_thd.offline_cache.manifest import (
-    existing_shard_indices,
+    listed_shards,
     load_manifest,
     producer_command,
     resume_command,
@@ -59,7 +59,7 @@ from te_thd.offline_cache.producer_state import (
 )
 from te_thd.offline_cache.record import build_manifest, run_params, split_record
 from te_thd.offline_cache.shardfile import ShardRecord
-from te_thd.offline_cache.storage import LocalDirectory, Storage, open_storage
+from te_thd.offline_cache.storage import LocalDirectory, Storage, as_storage, open_storage
 from te_thd.offline_cache.verify import shard_problem, verify_shards
 
 #: What a caller passes back when the shards cannot tell it: repair_cache's keyword -> its CLI flag.
@@ -106,8 +106,9 @@ def _check_given(given: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _group_runs(headers: Mapping[int, ShardHeader], cache_dir: str) -> dict[str, Any] | None:
+def _group_runs(headers: Mapping[int, ShardHeader], storage: Storage) -> dict[str, Any] | None:
     """The one run record the shards carry (``None``: none carries one); refuses two."""
+    cache_dir = storage.name
     groups: dict[bytes, list[int]] = {}
     for i, h in headers.items():
         if h.sums is not None and h.sums.run is not None:
@@ -120,7 +121,7 @@ def _group_runs(headers: Mapping[int, ShardHeader], cache_dir: str) -> dict[str,
             f"runs ({describe_diff(json.loads(a), json.loads(b))}), so they are not one "
             "cache. Move the shards that "
             f"do not belong away, then run {cache_command('repair', cache_dir)} again.",
-            path=open_storage(cache_dir).display(shard_name(ib[0])),
+            path=storage.display(shard_name(ib[0])),
         )
     return json.loads(next(iter(groups))) if groups else None
 
@@ -241,9 +242,9 @@ def _from_arguments(
 
 
 def rebuild_manifest(
-    cache_dir: str, cache_name: str = "offline", damaged: str | None = None, **given: Any
+    storage: Storage, cache_name: str = "offline", damaged: str | None = None, **given: Any
 ) -> Rebuild:
-    """Rebuild the manifest of the directory of shards ``cache_dir`` (changes nothing).
+    """Rebuild the manifest of the directory of shards ``storage`` (changes nothing).
 
     Every shard's header is read; the producer run they record (or, for shards that record
     none, the ``given`` fields: ``format_version``, ``options``, ``shard_size``,
@@ -256,15 +257,14 @@ def rebuild_manifest(
     (naming the argument that passes it) and :class:`CacheIntegrityError` when they record
     two runs.
     """
-    given = _check_given(given)
-    present = sorted(existing_shard_indices(cache_dir))
+    given, cache_dir = _check_given(given), storage.name
+    present = sorted(listed_shards(storage.list()))
     if not present:
         raise ManifestError(
             f"cannot rebuild the manifest of {cache_dir}: it holds no shards "
             "(shard-NNNNNN.safetensors). Point "
             f"at the directory the cache was built in, or build it: run {producer_hint(None)}."
         )
-    storage = open_storage(cache_dir)
     headers: dict[int, ShardHeader] = {}
     bad: dict[int, str] = {}
     for i in present:
@@ -279,7 +279,7 @@ def rebuild_manifest(
             f"({'; '.join(f'shard {i}: {why}' for i, why in list(bad.items())[:3])})",
             path=storage.display(shard_name(present[0])),
         )
-    record = _group_runs(headers, cache_dir)
+    record = _group_runs(headers, storage)
     notes: list[str] = []
     if record is not None:
         params, rule, options = _from_record(record, given, cache_dir)
@@ -336,7 +336,7 @@ def rebuild_manifest(
 
 
 def repair_cache(
-    cache_dir: str,
+    cache_dir: str | Storage,
     cache_name: str = "offline",
     *,
     format_version: int | None = None,
@@ -368,7 +368,8 @@ def repair_cache(
         "num_samples": num_samples,
         "length_key": length_key,
     }
-    storage = open_storage(cache_dir)
+    storage = as_storage(cache_dir)  # a path, a URL or the cache's opened storage
+    cache_dir = storage.name
     storage.must_exist(MANIFEST_NAME)  # before the lock, which would create a missing directory
     lock = storage.lock()
     try:
@@ -379,15 +380,16 @@ def repair_cache(
         # under the lock no writer is live: a temp file is one a killed writer left
         removed = storage.clean()
         try:
-            manifest = load_manifest(cache_dir, cache_name)
+            manifest = load_manifest(storage, cache_name)
         except ManifestError:
-            damaged = MANIFEST_NAME in storage.list()
-            if not damaged and not existing_shard_indices(cache_dir):
+            listing = storage.list()
+            damaged = MANIFEST_NAME in listing
+            if not damaged and not listed_shards(listing):
                 # no manifest and no shards: nothing to rebuild from, and the error says what the
                 # path is
                 raise
             rebuilt = rebuild_manifest(
-                cache_dir, cache_name, storage.display(MANIFEST_NAME) if damaged else None, **given
+                storage, cache_name, storage.display(MANIFEST_NAME) if damaged else None, **given
             )
             return {**_apply_rebuild(storage, rebuilt, damaged), "removed": removed}
         passed = [k for k, v in given.items() if v is not None]
@@ -398,8 +400,8 @@ def repair_cache(
                 f"{cache_dir} is sound; run {cache_command('repair', cache_dir)} without them"
             )
         count = num_shards(int(manifest["num_samples"]), int(manifest["shard_size"]))
-        present = existing_shard_indices(cache_dir)
-        bad, _ = verify_shards(cache_dir, manifest, sorted(i for i in present if i < count))
+        present = listed_shards(storage.list())
+        bad, _ = verify_shards(storage, manifest, sorted(i for i in present if i < count))
         missing, extra = (
             sorted(set(range(count)) - present),
             sorted(i for i in present if i >= count),
@@ -407,9 +409,9 @@ def repair_cache(
         result = _result(cache_dir, bad, missing, extra, producer_command(cache_dir, manifest))
         result["removed"] = removed
         if not (bad or missing or extra):
-            result["kept_aside"] = _kept_aside(cache_dir)
+            result["kept_aside"] = _kept_aside(storage)
             return result
-        result["set_aside_in"] = reopen_for_resume(cache_dir, manifest, [*bad, *extra])
+        result["set_aside_in"] = reopen_for_resume(storage, manifest, [*bad, *extra])
         result["reopened"] = True
         return result
     finally:
@@ -437,10 +439,10 @@ def _held(storage: Storage) -> CacheLockError:
     )
 
 
-def _kept_aside(cache_dir: str) -> dict[str, Any] | None:
-    """What earlier repairs set aside in ``cache_dir``'s :data:`DAMAGED_DIR`: ``{"dir", "files",
+def _kept_aside(storage: Storage) -> dict[str, Any] | None:
+    """What earlier repairs set aside in the cache's :data:`DAMAGED_DIR`: ``{"dir", "files",
     "bytes", "remove"}`` (``remove``: how to delete it), or ``None`` when nothing is there."""
-    storage = open_storage(cache_dir)
+    # the folder is a place of its own (readers never list it): its own storage lists it
     aside = open_storage(storage.display(DAMAGED_DIR)).list()
     if not aside:
         return None
@@ -515,7 +517,7 @@ def _apply_rebuild(storage: Storage, rebuilt: Rebuild, damaged: bool) -> dict[st
     result["set_aside_in"] = storage.set_aside(aside, DAMAGED_DIR)
     if rebuilt.manifest is not None:
         write_manifest(
-            cache_dir, rebuilt.manifest, rebuilt.params["format_version"]
+            storage, rebuilt.manifest, rebuilt.params["format_version"]
         )  # last: the cache is finished
         storage.delete(PROGRESS_NAME)  # as the producer does once its manifest is written
     storage.flush()

@@ -195,8 +195,10 @@ class S3Prefix(storage.Storage):
     def admit(self, obj: str, size: int) -> None:
         self.copy.add(obj, size)
 
-    def prepare_reads(self) -> None:
-        self.copy  # noqa: B018 - made and synced here, before any worker starts
+    def prepare_reads(self, known: storage.Known | None = None) -> None:
+        if self._copy is None:  # made and synced here, before any worker starts
+            self._copy = ReadThrough(self, *self._copy_options)
+            self._copy.sync(known)
 
     def refetch(self, obj: str) -> bool:
         if obj not in self.copy.sizes:
@@ -441,15 +443,15 @@ class ReadThrough:
         state["_present"], state["_absent"], state["_lru"] = {}, {}, OrderedDict()
         return state
 
-    def sync(self) -> None:
-        """Fetch the manifest and list the shard objects; drop local copies the store no longer
-        matches."""
-        raw = self.store.get(MANIFEST_NAME) or b""  # none while a producer runs: its private copy
-        self.requests += 1
+    def sync(self, known: storage.Known | None = None) -> None:
+        """Fetch the manifest and list the shard objects (``known``: what the opener just read of
+        both); drop local copies the store no longer matches."""
+        if known is None:
+            known = self.store.get(MANIFEST_NAME), self.store.list()
+            self.requests += 2
+        raw, listing = known[0] or b"", known[1]  # no manifest while a producer runs
         local = os.path.join(self.root, MANIFEST_NAME)
         old = open(local, "rb").read() if os.path.exists(local) else None
-        listing = self.store.list()
-        self.requests += 1
         self.sizes = {n: s for n, s in listing.items() if SHARD_RE.match(n)}
         for name in os.listdir(self.root):
             if SHARD_RE.match(name) and (name not in self.sizes or raw != old):

@@ -25,6 +25,7 @@ file may remain). On network filesystems flock needs lock support (NFSv4; Lustre
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import errno
@@ -101,10 +102,8 @@ def commit_temp(tmp_path: str, path: str, fsync_directory: bool = True) -> str:
 
 def unlink_quietly(path: str) -> None:
     """Remove ``path`` if it exists."""
-    try:
+    with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
-    except FileNotFoundError:
-        pass
 
 
 def atomic_write(path: str, write_fn: Callable[[str], object]) -> str:
@@ -180,8 +179,7 @@ class ProducerLock:
                     "support flock (NFS needs v4, Lustre needs '-o flock'); use a local or "
                     "lock-capable directory, or pass lock=False if you guarantee a single producer."
                 ) from None
-            # the previous holder may have unlinked the file between our open and flock: retry on
-            # the live one
+            # the previous holder may have unlinked the file between our open and flock: retry
             try:
                 same = os.stat(self.path).st_ino == os.fstat(fd).st_ino
             except FileNotFoundError:
@@ -199,10 +197,8 @@ class ProducerLock:
         if self._fd is None:
             return
         fd, self._fd = self._fd, None
-        try:
-            unlink_quietly(
-                self.path
-            )  # while still holding the flock: nobody locks an inode we remove
+        try:  # unlinked while still holding the flock: nobody locks an inode we remove
+            unlink_quietly(self.path)
         finally:
             fcntl.flock(fd, fcntl.LOCK_UN)
             os.close(fd)
@@ -280,6 +276,7 @@ def private_dir(kind: str, owner: object) -> str:
 
 #: fetch byte ranges ``[(offset, length)]`` of one shard into its local file (``Storage.readable``)
 Fetch = Callable[[Sequence[tuple[int, int]]], None]
+Known = tuple[bytes | None, dict[str, int]]  # what an open read: manifest (None: none), listing
 
 
 class Lock(Protocol):
@@ -355,9 +352,10 @@ class Storage(ABC):
             fetch([(0, self.list()[obj])])
         return path
 
-    def prepare_reads(self) -> None:  # noqa: B027 - a local directory needs nothing
+    def prepare_reads(self, known: Known | None = None) -> None:  # noqa: B027 - nothing locally
         """Prepare this process and the DataLoader workers it starts to read (an object store: the
-        read-through copy's directory and the listing of the shards)."""
+        read-through copy's directory and the listing of the shards). ``known``: the manifest's
+        bytes and the listing the opener just read, so they are not requested again."""
 
     def refetch(self, obj: str) -> bool:
         """Forget the local bytes of shard ``obj`` (a check failed on them); False when they are the
@@ -453,9 +451,8 @@ class LocalDirectory(Storage):
         os.makedirs(aside, exist_ok=True)
         for obj in objs:
             name, n = obj, 1
-            while os.path.exists(
-                os.path.join(aside, name)
-            ):  # what an earlier repair set aside is kept too
+            # what an earlier repair set aside is kept too
+            while os.path.exists(os.path.join(aside, name)):
                 name, n = f"{obj}.{n}", n + 1
             os.replace(self.display(obj), os.path.join(aside, name))
         fsync(aside)
@@ -544,8 +541,7 @@ SCHEMES: dict[str, str] = {
     "msc": "te_thd.offline_cache.msc:MSCPrefix",
 }
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*):")
-#: per scheme: the URL's form, the rule its first part (after ``//``) must meet, and what that part
-#: is
+#: per scheme: the URL's form, the rule its part after ``//`` must meet, and what that part is
 _AUTHORITY = {
     "s3": (
         "s3://<bucket>/<prefix>",
@@ -558,6 +554,11 @@ _AUTHORITY = {
         "an MSC profile name (letters, digits, '_', '-' and '.')",
     ),
 }
+
+
+def as_storage(cache: str | os.PathLike[str] | Storage, name: str = "cache_dir") -> Storage:
+    """``cache`` itself when it is an opened :class:`Storage`, else :func:`open_storage` of it."""
+    return cache if isinstance(cache, Storage) else open_storage(cache, name)
 
 
 def open_storage(path: str | os.PathLike[str], name: str = "cache_dir", **options: Any) -> Storage:
@@ -578,10 +579,10 @@ def open_storage(path: str | os.PathLike[str], name: str = "cache_dir", **option
     scheme = m.group(1).lower()
     if scheme not in SCHEMES:
         raise ValueError(
-            f"{name}={path!r}: URL scheme {scheme!r} is not supported; te_thd caches live "
-            "in a local "
-            f"directory, at s3://bucket/prefix (any S3-compatible store) or at msc://profile/path "
-            f"(multi-storage-client). Pass a local path, an s3:// or an msc:// URL"
+            f"{name}={path!r}: URL scheme {scheme!r} is not supported; te_thd caches live in "
+            "a local directory, at s3://bucket/prefix (any S3-compatible store) or at "
+            "msc://profile/path (multi-storage-client). Pass a local path, an s3:// or an "
+            "msc:// URL"
         )
     form, rule, what = _AUTHORITY[scheme]
     rest = path[len(m.group(0)) :]

@@ -51,19 +51,19 @@ from te_thd.offline_cache.manifest import (
     LAYOUT_VERSION,
     RESERVED_MANIFEST_KEYS,
     cache_schema,
-    existing_shard_indices,
+    listed_shards,
     load_manifest,
     producer_command,
     shard_records,
     validate_manifest,
 )
 from te_thd.offline_cache.ragged import TOKEN_LAYOUT_KEY, TokenLayout, describe_stored
-from te_thd.offline_cache.storage import open_storage
+from te_thd.offline_cache.storage import Storage, as_storage
 from te_thd.offline_cache.token_read import check_token_blocks
 
 
 def validate_contiguous_shards(
-    cache_dir: str,
+    cache_dir: str | Storage,
     cache_name: str,
     num_samples: int,
     shard_size: int,
@@ -75,9 +75,26 @@ def validate_contiguous_shards(
     Raises :class:`CacheIntegrityError` naming the missing files (gaps) and the
     extra ones (indices ``>= N``, e.g. left over from a larger earlier run).
     ``producer`` (te_thd extension): the command that re-runs the producer, named in the message.
+    ``cache_dir``: a path, a URL or the cache's opened storage.
     """
+    storage = as_storage(cache_dir)
+    return contiguous_shards(
+        storage.name, storage.list(), cache_name, num_samples, shard_size, producer
+    )
+
+
+def contiguous_shards(
+    cache_dir: str,
+    listing: Mapping[str, int],
+    cache_name: str,
+    num_samples: int,
+    shard_size: int,
+    producer: str | None = None,
+) -> list[int]:
+    """:func:`validate_contiguous_shards` over ``listing``, one listing of the cache
+    (``Storage.list``)."""
     expected = num_shards(num_samples, shard_size)
-    present = existing_shard_indices(cache_dir)
+    present = listed_shards(listing)
     missing = sorted(set(range(expected)) - present)
     extra = sorted(i for i in present if i >= expected)
     if missing or extra:
@@ -119,7 +136,7 @@ def validate_contiguous_shards(
 
 
 def check_cache_files(
-    cache_dir: str,
+    cache_dir: str | Storage,
     manifest: Mapping[str, Any],
     cache_name: str = "offline",
     producer: str | None = None,
@@ -130,33 +147,46 @@ def check_cache_files(
     :class:`CacheIntegrityError` (a ``ValueError``; ``.path`` is the file) when a
     shard is missing, an extra shard index exists, or a shard's size differs from
     the manifest's record. Manifests of the reference producer carry no records;
-    for them only presence is checked. Temp files and foreign files are ignored.
+    for them only presence is checked. Temp files and foreign files are ignored. ``cache_dir``: a
+    path, a URL or the cache's opened storage.
     """
-    validate_manifest(manifest, manifest_path(cache_dir), producer)
-    indices = validate_contiguous_shards(
-        cache_dir,
-        cache_name,
-        int(manifest["num_samples"]),
-        int(manifest["shard_size"]),
-        producer=producer,
+    storage = as_storage(cache_dir)
+    return check_listed_files(storage, storage.list(), manifest, cache_name, producer)
+
+
+def check_listed_files(
+    storage: Storage,
+    listing: Mapping[str, int],
+    manifest: Mapping[str, Any],
+    cache_name: str = "offline",
+    producer: str | None = None,
+) -> list[int]:
+    """:func:`check_cache_files` over ``listing``, one listing of the cache (``Storage.list``)."""
+    validate_manifest(manifest, manifest_path(storage.name), producer)
+    num_samples, shard_size = int(manifest["num_samples"]), int(manifest["shard_size"])
+    indices = contiguous_shards(
+        storage.name, listing, cache_name, num_samples, shard_size, producer
     )
-    errors = shard_size_errors(cache_dir, manifest, indices, producer)
+    errors = shard_size_errors(storage, listing, manifest, indices, producer)
     if errors:
         raise errors[min(errors)]
     return indices
 
 
 def shard_size_errors(
-    cache_dir: str, manifest: Mapping[str, Any], indices: Sequence[int], producer: str | None = None
+    storage: Storage,
+    sizes: Mapping[str, int],
+    manifest: Mapping[str, Any],
+    indices: Sequence[int],
+    producer: str | None = None,
 ) -> dict[int, CacheIntegrityError]:
     """``{index: error}`` of the shards ``indices`` that are missing or whose size differs from the
-    manifest's record (none for a manifest without records). One listing of the cache."""
+    manifest's record (none for a manifest without records), by ``sizes``: one listing of the
+    cache."""
     records = shard_records(manifest)
     errors: dict[int, CacheIntegrityError] = {}
     if records is None:
         return errors
-    storage = open_storage(cache_dir)
-    sizes = storage.list()
     for i in indices:
         path, size, expected = (
             storage.display(shard_name(i)),
@@ -344,7 +374,7 @@ def _what_was_checked(
 
 
 def verify_cache(
-    cache_dir: str,
+    cache_dir: str | Storage,
     deep: bool = False,
     cache_name: str = "offline",
     producer_name: str | None = None,
@@ -364,16 +394,18 @@ def verify_cache(
     message lists every bad shard by path, ends with the repair command, and
     ``.path`` is the first bad shard.
     """
-    storage = open_storage(cache_dir)
-    manifest = load_manifest(cache_dir, cache_name, producer_name)
+    storage = as_storage(cache_dir)  # a path, a URL or the cache's opened storage
+    cache_dir = storage.name
+    manifest = load_manifest(storage, cache_name, producer_name)
     producer_name = producer_command(cache_dir, manifest, producer_name)
     num_samples, shard_size = int(manifest["num_samples"]), int(manifest["shard_size"])
     # presence of 0..N-1 (a gap or an extra shard is a problem of the set: raised at once)
-    indices = validate_contiguous_shards(
-        cache_dir, cache_name, num_samples, shard_size, producer=producer_name
+    listing = storage.list()
+    indices = contiguous_shards(
+        cache_dir, listing, cache_name, num_samples, shard_size, producer_name
     )
     records, rule = shard_records(manifest), recorded_rule(manifest)
-    size_errors = shard_size_errors(cache_dir, manifest, indices, producer_name)
+    size_errors = shard_size_errors(storage, listing, manifest, indices, producer_name)
     shown = {
         i: storage.display(shard_name(i)) for i in indices
     }  # what messages name: the file or the object
@@ -381,7 +413,7 @@ def verify_cache(
     with_sums = 0
     if deep:  # only the shards of the right size are read
         bad, with_sums = verify_shards(
-            cache_dir, manifest, [i for i in indices if i not in size_errors], rule
+            storage, manifest, [i for i in indices if i not in size_errors], rule
         )
         problems += [(shown[i], why) for i, why in bad.items()]
     _raise_problems(sorted(problems), cache_dir, cache_name, producer_name)
@@ -407,7 +439,7 @@ def verify_cache(
 
 
 def verify_shards(
-    cache_dir: str,
+    storage: Storage,
     manifest: Mapping[str, Any],
     indices: Sequence[int],
     rule: LengthRule | None = None,
@@ -415,10 +447,9 @@ def verify_shards(
     """Verify the shards ``indices`` of ``manifest``'s cache completely (:func:`verify_shard_file`
     against the manifest's records; with a length ``rule``, also the lengths it records):
     ``({index: what is wrong}, how many of the sound ones carry checksums)``."""
-    storage = open_storage(cache_dir)
     num_samples, shard_size = int(manifest["num_samples"]), int(manifest["shard_size"])
     records = shard_records(manifest)
-    schema = cache_schema(cache_dir, manifest)  # None: shard 0 itself is reported
+    schema = cache_schema(storage, manifest)  # None: shard 0 itself is reported
     bad: dict[int, str] = {}
     with_sums = 0
     for i in indices:
@@ -500,7 +531,7 @@ def _lengths_line(cache_dir: str, rule: LengthRule | None, deep: bool) -> str:
     )
 
 
-def cache_info(cache_dir: str) -> dict[str, Any]:
+def cache_info(cache_dir: str | Storage) -> dict[str, Any]:
     """Summary of a cache from its manifest (no shard reads unless the manifest lacks a schema).
 
     Keys: ``cache_dir``, ``format_version``, ``layout_version`` (``None`` for a
@@ -511,15 +542,16 @@ def cache_info(cache_dir: str) -> dict[str, Any]:
     (``{codec key: {"max_rel_l2", "mean_rel_l2"}}`` over all shards: what the codec lost),
     ``options`` (every other manifest field: the producer options).
     """
-    manifest = load_manifest(cache_dir)
+    store = as_storage(cache_dir)  # a path, a URL or the cache's opened storage
+    cache_dir, manifest = store.name, load_manifest(store)
     n = num_shards(int(manifest["num_samples"]), int(manifest["shard_size"]))
     records = shard_records(manifest)
     if records is not None:
         total = sum(int(r["bytes"]) for r in records)
     else:
-        sizes = open_storage(cache_dir).list()
+        sizes = store.list()
         total = sum(sizes.get(shard_name(i), 0) for i in range(n))
-    schema = cache_schema(cache_dir, manifest)
+    schema = cache_schema(store, manifest)
     layout = (
         TokenLayout.from_json(manifest[TOKEN_LAYOUT_KEY]) if TOKEN_LAYOUT_KEY in manifest else None
     )

@@ -41,7 +41,7 @@ from te_thd.offline_cache.lengths import LengthRule, for_tensor
 from te_thd.offline_cache.ragged import TokenLayout, check_token_schema
 from te_thd.offline_cache.record import manifest_fields
 from te_thd.offline_cache.shardfile import ShardRecord, ShardStream
-from te_thd.offline_cache.storage import Storage, open_storage, temp_path_for
+from te_thd.offline_cache.storage import Storage, as_storage, temp_path_for
 
 WriteShardFn = Callable[[str, int, dict[str, torch.Tensor]], str]
 
@@ -373,7 +373,7 @@ class DurableShardWriter:
         self._resolved = False  # length rule kind fixed, safetensors import checked
         self._streams: dict[int, _StreamedShard] = {}
         self._dirty: set[Storage] = set()  # with commits not yet flushed
-        self._storages: dict[str, Storage] = {}
+        self._storages: dict[str | Storage, Storage] = {}
 
     def validate(
         self, samples: Mapping[str, Any], shard_index: int = -1, where: str | None = None
@@ -387,13 +387,13 @@ class DurableShardWriter:
             self.schema = {k: TensorSpec(t.dtype, tuple(t.shape[1:])) for k, t in checked.items()}
         return checked
 
-    def __call__(self, cache_dir: str, shard_index: int, samples: dict[str, Any]) -> str:
+    def __call__(self, cache_dir: str | Storage, shard_index: int, samples: dict[str, Any]) -> str:
         checked = self.validate(samples, shard_index)
         self.queue(cache_dir, shard_index, checked[self.keys[0]].shape[0], checked)
         return self.finish_shard(cache_dir, shard_index)
 
     def write_piece(
-        self, cache_dir: str, shard_index: int, rows: int, piece: Mapping[str, Any]
+        self, cache_dir: str | Storage, shard_index: int, rows: int, piece: Mapping[str, Any]
     ) -> None:
         """Write the next rows (``{key: [n, ...]}``) of shard ``shard_index``, which holds ``rows``
         rows. With ``write_behind`` the caller must not modify the piece (it may drop it)."""
@@ -401,7 +401,11 @@ class DurableShardWriter:
         self.queue(cache_dir, shard_index, rows, self.validate(piece, shard_index))
 
     def queue(
-        self, cache_dir: str, shard_index: int, rows: int, checked: dict[str, torch.Tensor]
+        self,
+        cache_dir: str | Storage,
+        shard_index: int,
+        rows: int,
+        checked: dict[str, torch.Tensor],
     ) -> None:
         """:meth:`write_piece` of rows :meth:`validate` returned: a batch is checked once, at this
         boundary."""
@@ -447,7 +451,7 @@ class DurableShardWriter:
         else:
             st.write(checked)
 
-    def finish_shard(self, cache_dir: str, shard_index: int) -> str:
+    def finish_shard(self, cache_dir: str | Storage, shard_index: int) -> str:
         """Commit shard ``shard_index`` once all its rows were handed over; its path."""
         st = self._streams.get(shard_index)
         if st is None:
@@ -478,12 +482,12 @@ class DurableShardWriter:
         del self._streams[shard_index]
         return storage.display(shard_name(shard_index))
 
-    def _storage(self, cache_dir: str) -> Storage:
+    def _storage(self, cache_dir: str | Storage) -> Storage:
         """Where ``cache_dir`` lives (its shards are written in its ``work_dir``, then
-        committed)."""
+        committed); a producer passes the storage it opened."""
         storage = self._storages.get(cache_dir)
         if storage is None:
-            storage = self._storages[cache_dir] = open_storage(cache_dir, "cache_dir")
+            storage = self._storages[cache_dir] = as_storage(cache_dir)
         return storage
 
     def _resolve_once(self, piece: Mapping[str, torch.Tensor]) -> None:
