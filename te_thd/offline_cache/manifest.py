@@ -411,18 +411,18 @@ def check_manifest(
     storage: Storage, raw: bytes | None, cache_name: str, version: int, producer: str | None = None
 ) -> dict[str, Any]:
     """:func:`read_manifest` of ``raw``, what :func:`fetch_manifest` read from ``storage``."""
-    path, format_version, producer_name = manifest_path(storage.name), version, producer
-    manifest = _read_checked_manifest(storage, raw, cache_name, producer_name)
-    version = manifest["format_version"]
+    path = manifest_path(storage.name)
+    manifest = _read_checked_manifest(storage, raw, cache_name, producer)
+    recorded = manifest["format_version"]
     # Checked before the layout: a wrong version is the more useful message when both are wrong.
-    if isinstance(version, bool) or version != format_version:
+    if isinstance(recorded, bool) or recorded != version:
         raise ManifestError(
-            f"{cache_name} cache manifest {path} has format_version={version!r}, expected "
-            f"{format_version}: its tensors mean something else. Point cache_dir at a cache built "
-            f"for format_version {format_version}, or build one into a new directory with "
-            f"{producer_name or f'produce_cache(..., format_version={format_version})'}."
+            f"{cache_name} cache manifest {path} has format_version={recorded!r}, expected "
+            f"{version}: its tensors mean something else. Point cache_dir at a cache built "
+            f"for format_version {version}, or build one into a new directory with "
+            f"{producer or f'produce_cache(..., format_version={version})'}."
         )
-    validate_manifest(manifest, path, producer_name)
+    validate_manifest(manifest, path, producer)
     return manifest
 
 
