@@ -28,6 +28,7 @@ import torch
 
 from te_thd.args import check_names
 from te_thd.offline_cache.format import TensorSpec, tensor_nbytes
+from te_thd.offline_cache.fp8 import decode_fp8_into
 
 # -- codecs ---------------------------------------------------------------------------
 
@@ -215,8 +216,7 @@ def encode_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
 def decode_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The logical tokens ``[T, *per_token]`` of ``dtype`` from stored ``q`` and ``scale`` (float32
     ``[T]``)."""
-    view = (-1,) + (1,) * (q.dim() - 1)
-    return (q.to(torch.float32) * scale.view(view)).to(dtype)
+    return decode_fp8_into(q, scale, torch.empty(q.shape, dtype=dtype))
 
 
 def encode_index(x: torch.Tensor, vocab: int) -> dict[str, torch.Tensor]:
