@@ -26,7 +26,6 @@ from te_thd.offline_cache import (
 )
 from te_thd.offline_cache.format import CacheIntegrityError, ManifestError, UnverifiedCacheWarning
 from te_thd.offline_cache.lengths import LengthRule, recorded_lengths
-from te_thd.offline_cache.storage import open_storage
 from te_thd.offline_cache.loader import (
     cache_lengths,
     read_side_file,
@@ -35,6 +34,7 @@ from te_thd.offline_cache.loader import (
 )
 from te_thd.offline_cache.manifest import load_manifest, manifest_checksum
 from te_thd.offline_cache.sampler import scan_lengths
+from te_thd.offline_cache.storage import open_storage
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -443,7 +443,8 @@ class CachedTensorDataset(Dataset):
         return batch
 
     def _refetching(self, read: Callable[[Any], Any], arg: Any) -> Any:
-        """``read(arg)``; an s3:// cache's shard that fails a check is fetched again, read once more."""
+        """``read(arg)``; an s3:// cache's shard that fails a check is fetched again and read
+        once more."""
         try:
             return read(arg)
         except CacheIntegrityError as exc:
