@@ -30,7 +30,7 @@ IOV_MAX = (
 #: A piece of a read holds about this many bytes at most when its blocks are verified or read
 #: threads share it, so the hash finds them in cache right after the copy (whole blocks, at least
 #: one). Looked up per plan: a test cutting pieces smaller patches it.
-PIECE_BYTES = 4 << 20
+PIECE_BYTES = 512 << 10
 
 
 def piece_bytes(verify: bool, threads: int) -> int:
@@ -146,7 +146,13 @@ def plan_placed(
     )
     after = None
     bounds = [0] * (first.size + 1)
-    if sums is not None:
+    if sums is not None and bt == 1:
+        # a block per token: a segment's blocks are consecutive rows of dst and consecutive
+        # global blocks, hashed by segment with no per-block index arrays
+        bounds = first.tolist() + [n]
+        g0 = table.row_first[rows] + t0
+        after = _token_checker(dst, tb, d0, g0, seg_tokens, sums, rows, offsets, table, mismatch)
+    elif sums is not None:
         # every block of every segment, in segment order: its global index, its bytes in dst
         row_block = table.row_first[rows]
         g0 = row_block + t0 // bt
@@ -176,6 +182,42 @@ def plan_placed(
             )
         )
     return out
+
+
+def _token_checker(
+    dst: memoryview,
+    token_bytes: int,
+    d0: np.ndarray,
+    g0: np.ndarray,
+    count: np.ndarray,
+    sums: np.ndarray,
+    rows: np.ndarray,
+    offsets: np.ndarray,
+    table: BlockTable,
+    mismatch: Mismatch | None,
+) -> Callable[[int, Sequence[int]], None]:
+    """The check of a piece's segments ``segs`` (indices into ``d0``/``g0``/``count``, int64 ``[n]``
+    each: segment ``s`` is ``count[s]`` tokens from token ``d0[s]`` of ``dst``, global blocks
+    ``g0[s]``.. on) once read, for a tensor whose every block is one token of ``token_bytes``.
+    Each token is a row of a ``[N, token_bytes]`` uint8 view of ``dst``: one hash call per
+    block and no other object made per block."""
+    grid = np.frombuffer(dst, dtype=np.uint8).reshape(-1, token_bytes)
+    starts, firsts, counts = d0.tolist(), g0.tolist(), count.tolist()
+
+    def after(s0: int, segs: Sequence[int]) -> None:
+        for s in segs:
+            d, g, k = starts[s], firsts[s], counts[s]
+            got = list(map(hash64, grid[d : d + k], range(g, g + k)))
+            want = sums[g : g + k].tolist()
+            if got == want:
+                continue
+            j = next(i for i, (x, y) in enumerate(zip(got, want, strict=True)) if x != y)
+            row = int(rows[s])
+            first = int(table.start[g + j] - offsets[row])
+            assert mismatch is not None
+            raise mismatch(row, first, first, want[j], got[j])
+
+    return after
 
 
 def _checker(
