@@ -1040,7 +1040,7 @@ def _cache_rows() -> list[BadInput]:
         BadInput("cache-read-header-entry", "cache", "reader: a flipped byte in the name of a shard header's metadata",
                  lambda tmp: _open(rename_metadata(tmp)).__getitems__([2]),
                  _re("shard <dir>/cache/shard-000001.safetensors is not a valid safetensors file: entry '__metadatb__' "
-                     "is not a tensor entry (data_offsets, dtype, shape); it holds keys ['te_thd']. Repair:")),
+                     "is no tensor (it holds keys ['te_thd']). Repair:")),
         BadInput("cache-verify-checksum", "cache", "verify --deep: a flipped byte in a shard's tensor data",
                  deep(flip_data), _re("<dir>/cache/shard-000001.safetensors: sample 3 (row 1 of the shard), key 'hidden': "
                                       "checksum mismatch (expected xxh3_64:")),

@@ -329,8 +329,7 @@ def repair_hint(cache_dir: str, producer: str | None = None) -> str:
     """The repair instruction of a cache with damaged shards; every command in it runs as
     printed."""
     return (
-        f"Repair: {cache_command('repair', cache_dir)} (sets the damaged shards aside and "
-        f"reopens the cache for a resume), then re-run {producer_hint(producer)}."
+        f"Repair: {cache_command('repair', cache_dir)}, then re-run {producer_hint(producer)}."
     )
 
 

@@ -452,8 +452,7 @@ def read_shard_header(path: str, name: str | None = None) -> ShardHeader:
             fields = sorted(info) if isinstance(info, dict) else None
             held = f"keys {fields}" if fields not in (None, _ENTRY_KEYS) else repr(info)
             raise bad(
-                f"entry {clip(repr(key), 40)} is not a tensor entry ({', '.join(_ENTRY_KEYS)}); it "
-                f"holds {clip(held, 60)}"
+                f"entry {clip(repr(key), 40)} is no tensor (it holds {clip(held, 60)})"
             ) from None
         nbytes = tensor_nbytes(dtype, shape)
         if end - start != nbytes:
