@@ -343,3 +343,37 @@ def test_a_new_pool_buffer_is_zero_and_says_so_a_recycled_one_does_not(monkeypat
     assert again.data_ptr() == ptr and not zero and again.all()  # recycled: holds what it held
     assert pool.get("y", 2, (3,), torch.float32)[0].shape == (2, 3)
     assert DestinationBuffers(shared=True).get_zeroed("x", 2, (3,), torch.float32)[2] is False
+
+
+def test_a_batch_mostly_padding_gets_new_zeroed_memory_not_an_idle_buffer(
+    caches, monkeypatch
+) -> None:
+    """A [B, L] batch whose real tokens fill less than half of it is read into a new zeroed buffer
+    (its padding pages never written) instead of the key's idle buffer, dirty with the last batch,
+    which is let go; the batch still equals the padded cache's (differential)."""
+    from te_thd.offline_cache import readexec
+
+    monkeypatch.setattr(readexec, "ZEROED_MIN_BYTES", 0)  # every buffer large enough here
+    pool = readexec.DestinationBuffers()
+    t, _, zero = pool.get_zeroed("k", 4, (1000,), torch.bfloat16)
+    t.fill_(1)
+    del t
+    gc.collect()
+    t, _, zero = pool.get_zeroed("k", 4, (1000,), torch.bfloat16, recycle=False)
+    assert zero and not t.any() and len(pool._pool[("k", torch.bfloat16, (1000,))]) == 1
+
+    lengths = _ds(caches["padded"]).__getitems__(list(range(21))).tensors["length"]
+    order = torch.argsort(lengths).tolist()
+    short = order[:4]
+    assert 2 * int(lengths[short].sum()) < 4 * L  # mostly padding
+    pad, rag = _ds(caches["padded"]), _ds(caches["ragged"])
+    first = rag.__getitems__(order[-4:])
+    first.tensors["hidden"].fill_(7.0)  # the consumer dirties the batch, then drops it
+    (buffers,) = rag._buffers.values()
+    (dirty,) = [e for (k, *_), es in buffers._pool.items() if k == "hidden" for e in es]
+    del first
+    gc.collect()
+    got = rag.__getitems__(short)
+    _equal(pad.__getitems__(short).tensors, got.tensors)
+    (entry,) = [e for (k, *_), es in buffers._pool.items() if k == "hidden" for e in es]
+    assert entry is not dirty  # a new buffer, the dirty one let go

@@ -420,20 +420,29 @@ class DestinationBuffers:
         sample_shape: tuple[int, ...],
         dtype: torch.dtype,
         zeroed: bool = True,
+        recycle: bool = True,
     ) -> tuple[torch.Tensor, memoryview, bool]:
         """As :meth:`get`, and whether every byte of the tensor is zero: a buffer newly made here of
         at least :data:`ZEROED_MIN_BYTES` (``zeroed``: allocated zeroed, whose pages cost nothing
         until written), so a caller that zeroes what it does not write skips that. A recycled
-        buffer holds what it held."""
+        buffer holds what it held.
+
+        ``recycle=False``: a caller that writes a small part of a large tensor (a batch mostly
+        padding) gets a new zeroed buffer of that size instead of an idle one, whose unwritten
+        pages then cost nothing, where an idle one's would all be filled; the idle buffers of the
+        key are let go."""
         shape = (n, *sample_shape)
         if self.shared or self.pinned:
             t = new_tensor(shape, dtype, shared=self.shared, pinned=self.pinned)
             return t, byte_view(t), False
         nbytes = tensor_nbytes(dtype, shape)
         entries = self._pool.setdefault((key, dtype, sample_shape), [])
-        for buf in entries:
-            if buf.owner.nbytes >= nbytes and buf.idle():
-                return self._tensor(buf.owner, nbytes, dtype, shape), buf.whole[:nbytes], False
+        if not recycle and zeroed and nbytes >= ZEROED_MIN_BYTES:
+            entries[:] = [buf for buf in entries if not buf.idle()]
+        else:
+            for buf in entries:
+                if buf.owner.nbytes >= nbytes and buf.idle():
+                    return self._tensor(buf.owner, nbytes, dtype, shape), buf.whole[:nbytes], False
         zeroed = zeroed and nbytes >= ZEROED_MIN_BYTES
         buf = _Buffer(nbytes, zeroed)
         entries.append(buf)

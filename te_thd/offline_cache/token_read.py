@@ -436,10 +436,13 @@ class TokenRows:
         out: dict[str, torch.Tensor] = {}
         flat: dict[str, torch.Tensor] = {}
         width = 0
+        real = int(self.lengths.sum())
         for key in keys:
             spec = self.specs[key]
+            # mostly padding: a new zeroed buffer, whose padding pages are never touched
+            mostly_pad = 2 * real < b * spec.shape[0]
             t, zero = (
-                buffers.get_zeroed(key, b, spec.shape, spec.dtype)[::2]
+                buffers.get_zeroed(key, b, spec.shape, spec.dtype, recycle=not mostly_pad)[::2]
                 if buffers is not None
                 else (new_tensor((b, *spec.shape), spec.dtype, shared=shared), False)
             )
