@@ -377,3 +377,29 @@ def test_a_batch_mostly_padding_gets_new_zeroed_memory_not_an_idle_buffer(
     _equal(pad.__getitems__(short).tensors, got.tensors)
     (entry,) = [e for (k, *_), es in buffers._pool.items() if k == "hidden" for e in es]
     assert entry is not dirty  # a new buffer, the dirty one let go
+
+
+def test_a_thd_batch_mostly_padding_gets_new_zeroed_memory(caches, monkeypatch) -> None:
+    """Packed THD: token keys whose padding (pad value 0) fills most of the batch's slots are read
+    into new zeroed memory, not the dirty idle buffer of the last batch; the batch still equals
+    the padded cache's, zeros in its padding."""
+    from te_thd.offline_cache import readexec
+
+    monkeypatch.setattr(readexec, "ZEROED_MIN_BYTES", 0)
+    ds = _ds(caches["ragged"])
+    col = CachedThdCollator(64, length_key="length", rows=8)  # 8 rows of 64: mostly padding
+    ds.defer_keys(col.gathered_keys(ds.disk_keys))
+    out = col(ds.__getitems__([3, 4]))
+    out["hidden"].fill_(7.0)  # the consumer dirties the batch, then drops it
+    ((dirty,),) = [
+        es for (k, *_), es in next(iter(col._pools.values()))._pool.items() if k == "hidden"
+    ]
+    del out
+    gc.collect()
+    again = col(ds.__getitems__([3, 4]))
+    ((entry,),) = [
+        es for (k, *_), es in next(iter(col._pools.values()))._pool.items() if k == "hidden"
+    ]
+    assert entry is not dirty
+    pad = _ds(caches["padded"])
+    _equal(CachedThdCollator(64, length_key="length", rows=8)(pad.__getitems__([3, 4])), again)

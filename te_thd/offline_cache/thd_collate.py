@@ -339,20 +339,21 @@ class CachedThdCollator:
         return lengths
 
     def _token_tensor(
-        self, key: str, n: int, per_token: tuple[int, ...], dtype: torch.dtype
+        self, key: str, n: int, per_token: tuple[int, ...], dtype: torch.dtype, recycle: bool
     ) -> tuple[torch.Tensor, bool]:
         """An uninitialised ``[n, *per_token]`` tensor for token key ``key`` of a batch, and whether
         it is all zeros (a buffer new to the pool). From this
         process's pool: a buffer is handed out again only once nothing outside the pool refers to
         it (the consumer, or the DataLoader's pinning copy, dropped the batch; a batch kept is
         never overwritten). In a DataLoader worker, fresh shared memory (the batch leaves the
-        process)."""
+        process). ``recycle=False`` (a batch mostly padding): a new zeroed buffer instead of an
+        idle one, whose padding is then never written."""
         where = (os.getpid(), get_worker_info() is not None)
         pools = self.__dict__.setdefault("_pools", {})
         pool = pools.get(where)
         if pool is None:
             pool = pools[where] = DestinationBuffers(shared=where[1])
-        t, _, zero = pool.get_zeroed(key, n, tuple(per_token), dtype)
+        t, _, zero = pool.get_zeroed(key, n, tuple(per_token), dtype, recycle=recycle)
         return t, zero
 
     def __getstate__(self) -> dict[str, Any]:
@@ -472,8 +473,12 @@ class CachedThdCollator:
         edges = np.flatnonzero(np.diff(is_pad.numpy(), prepend=False, append=False))
         for k in token_keys:  # the padding's runs of slots filled
             spec = batch.sample_spec(k)
-            thd[k], zero = self._token_tensor(k, gather.numel(), spec.shape[1:], spec.dtype)
             value = self.pad_values.get(k, 0)
+            # mostly zero padding: new zeroed memory, whose padding pages are never written
+            recycle = value != 0 or 2 * at.size >= gather.numel()
+            thd[k], zero = self._token_tensor(
+                k, gather.numel(), spec.shape[1:], spec.dtype, recycle
+            )
             if value != 0 or not zero:
                 fill_rows(thd[k], edges[::2].tolist(), edges[1::2].tolist(), value)
         batch.gather_into(token_keys, at // width, at % width, real.numpy(), thd)
