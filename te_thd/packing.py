@@ -41,6 +41,7 @@ from typing import Any, Literal, NamedTuple
 import numpy as np
 import torch
 
+from te_thd._cp_strategy import DUAL_CHUNK_SWAP, normalize_strategy
 from te_thd._flattened import seq_lens_from_position_ids, unflatten_from_position_ids
 from te_thd.args import check_int, is_int
 from te_thd.balance import plan_global_batch as plan_global_batch  # the planner, re-exported
@@ -57,20 +58,29 @@ __all__ = [
 IGNORE_INDEX = -100
 
 
-def pad_to_multiple_for(cp_size: int, tp_size: int = 1, sequence_parallel: bool = False) -> int:
+def pad_to_multiple_for(
+    cp_size: int,
+    tp_size: int = 1,
+    sequence_parallel: bool = False,
+    strategy: Any = DUAL_CHUNK_SWAP,
+) -> int:
     """Per-document padding multiple that context / sequence parallelism require.
 
     ``2 * cp_size`` when ``cp_size > 1`` (TE's THD CP splits every sequence into
     ``2*cp`` equal chunks), else 1; multiplied by ``tp_size`` when sequence parallelism
     is on with ``tp_size > 1`` (each CP rank's share is split again across TP ranks).
-    The same rule as Megatron-Bridge's packed-sequence padding.
+    The same rule as Megatron-Bridge's packed-sequence padding. Under
+    ``strategy="no_load_balance"`` a rank holds a contiguous share of the whole stream, so no
+    document is padded for CP (1, times ``tp_size`` with sequence parallelism); the stream,
+    ``seq_len``, must then be a multiple of ``cp_size``.
 
     Returns:
         int >= 1 to pass as ``PackingCollator(pad_to_multiple_of=...)``.
     """
     check_cp_args(cp_size)
     check_int("tp_size", tp_size, 1)
-    multiple = 2 * cp_size if cp_size > 1 else 1
+    balanced = normalize_strategy(strategy) == DUAL_CHUNK_SWAP
+    multiple = 2 * cp_size if cp_size > 1 and balanced else 1
     if sequence_parallel and tp_size > 1:
         multiple *= tp_size
     return multiple

@@ -278,3 +278,16 @@ def test_docs_strategy_table_is_current():
     block = text.split(figure.BEGIN, 1)[1].split(figure.END, 1)[0].strip("\n")
     assert block == figure.render(), "run .venv/bin/python scripts/cp_strategy_figure.py --write"
     assert (repo / "docs" / "cp-strategies.png").is_file()
+
+
+def test_pad_to_multiple_for_follows_the_strategy() -> None:
+    """Dual chunk swap pads every document to ``2*cp``; no load balance pads none (the stream is
+    cut into contiguous shares), sequence parallelism's TP multiple aside."""
+    from te_thd.packing import pad_to_multiple_for
+
+    assert pad_to_multiple_for(4) == pad_to_multiple_for(4, strategy="dual_chunk_swap") == 8
+    assert pad_to_multiple_for(4, strategy="no_load_balance") == 1
+    assert pad_to_multiple_for(4, 2, True, strategy="no_load_balance") == 2
+    assert pad_to_multiple_for(4, 2, True) == 16
+    with pytest.raises(ValueError, match="strategy"):
+        pad_to_multiple_for(2, strategy="striped")

@@ -328,9 +328,7 @@ def cache_command(verb: str, cache_dir: str, *flags: str) -> str:
 def repair_hint(cache_dir: str, producer: str | None = None) -> str:
     """The repair instruction of a cache with damaged shards; every command in it runs as
     printed."""
-    return (
-        f"Repair: {cache_command('repair', cache_dir)}, then re-run {producer_hint(producer)}."
-    )
+    return f"Repair: {cache_command('repair', cache_dir)}, then re-run {producer_hint(producer)}."
 
 
 def lost_manifest(

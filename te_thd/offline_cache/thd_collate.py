@@ -212,7 +212,6 @@ class CachedThdCollator:
                 f"strategy='no_load_balance' (each rank holds 1/cp_size of the stream); use "
                 f"seq_len={-(-seq_len // cp_size) * cp_size}"
             )
-        doc_cp = cp_size if self.strategy == DUAL_CHUNK_SWAP else 1
         self.pad_token_id = pad_token_id
         self.pad_values = dict(pad_values or {})
         self.seq_lens_padding_value = seq_lens_padding_value
@@ -221,7 +220,9 @@ class CachedThdCollator:
         self.max_num_seqs = max_num_seqs
         self.packer = PackingCollator(
             seq_len,
-            pad_to_multiple_of=pad_to_multiple_for(doc_cp, tp_size, sequence_parallel),
+            pad_to_multiple_of=pad_to_multiple_for(
+                cp_size, tp_size, sequence_parallel, self.strategy
+            ),
             overlong=overlong,
             label_key="labels" if label_key is not None else None,
             input_key="input_ids",
