@@ -20,8 +20,9 @@ thousand others carry 4 channels per layer at 500-3000), as real models have.
 Full run: ``H`` = 1024, 128 samples (about 1.25 GB ragged); the padded cache (te_thd
 ``padded`` and ``reference``) holds the first 16 samples only (padded to 8192 the
 whole set would be four times the ragged cache; real tokens/s is what compares).
-``--quick``: ``H`` = 512, 24 samples, padded 8, and of te_thd's readers only those the
-goals name (``ragged``, ``ragged_unverified``).
+``--quick``: ``H`` = 512, 64 samples (8 batches a delivery: with fewer, a reader's open and
+first batch weigh more than its reads), padded 8, and of te_thd's readers only those the goals
+name (``ragged``, ``ragged_unverified``).
 
 Two deliveries of each batch on the host:
 
@@ -123,7 +124,7 @@ FULL = Config(
 #: --quick reads only the layouts the goals name
 QUICK = Config(
     hidden=512,
-    samples=24,
+    samples=64,
     padded_samples=8,
     reps=5,
     deepspec_shard_bytes=4 << 20,

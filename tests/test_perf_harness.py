@@ -108,7 +108,8 @@ def test_checked_in_thresholds_parse():
     assert [g.id for g in goals if g.known_miss] == [
         "cache-write-vs-save-file", "cache-read-large-vs-raw-preadv", "cache-read-large-verified-vs-raw-preadv-hash",
         "follow-pipeline-vs-producer", "follow-pipeline-vs-sequential", "balance-plan-time", "tokens-cp-fetch-demo",
-        "tokens-cp2-throughput-warm-demo", "s3-cold-vs-client", "s3-warm-vs-local-large"]
+        "tokens-cp2-throughput-warm-demo", "s3-cold-vs-client", "s3-warm-vs-local-large",
+            "peers-specforge-thd-warm"]
     assert not by["follow-first-step"].known_miss
     assert {"cache-write-vs-save-file-fsync", "balance-plan-vs-ffd", "tokens-cp2-fetch", "s3-warm-vs-local"} <= set(by)
     assert not by["s3-warm-vs-local"].known_miss and by["s3-warm-vs-local"].min_ratio == 0.8
