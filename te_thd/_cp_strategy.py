@@ -27,8 +27,7 @@ DUAL_CHUNK_SWAP = "dual_chunk_swap"
 NO_LOAD_BALANCE = "no_load_balance"
 #: The strategies te_thd partitions by, default first.
 STRATEGIES: tuple[str, ...] = (DUAL_CHUNK_SWAP, NO_LOAD_BALANCE)
-#: The TE release the enum is expected in: the TE source read (main at d0067d0, 2026-08-22,
-#: version 2.20.0.dev0) did not have it yet; the change adding it was still under review.
+#: The TE release expected to bring the enum (named in the line that asks for a newer TE).
 TE_ENUM_VERSION = "2.20"
 _TE_ENUM = "CPLoadBalancingStrategy"
 _TE_MODULE = "transformer_engine.pytorch.constants"
@@ -64,8 +63,10 @@ def normalize_strategy(strategy: Any, name: str = "strategy") -> str:
     )
 
 
+@functools.lru_cache(maxsize=1)
 def installed_te_version() -> str | None:
-    """The installed Transformer Engine's version string, or None when it is not installed."""
+    """The installed Transformer Engine's version string, or None when it is not installed
+    (looked up once per process: a batch's kwargs ask for it)."""
     if importlib.util.find_spec("transformer_engine") is None:
         return None
     for dist in ("transformer_engine", "transformer-engine", "transformer_engine_torch"):

@@ -10,7 +10,6 @@ names the TE source it was read from; ``docs/megatron-te.md`` tabulates them.
 
 from __future__ import annotations
 
-import functools
 import re
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -46,11 +45,6 @@ def _parse_version(te_version: str) -> Version:
         )
     major, minor, patch = match.groups()
     return int(major), int(minor), int(patch or 0)
-
-
-@functools.lru_cache(maxsize=1)
-def _installed() -> str | None:
-    return installed_te_version()
 
 
 def _name(version: Version | None, lo: Version | None = None, hi: Version | None = None) -> str:
@@ -158,7 +152,7 @@ def _no_backend_for_padding(kw: Mapping[str, Any], v: Version | None, head_dim: 
     """TE ``get_attention_backend`` (utils.py): THD with ``pad_between_seqs`` disables
     FlashAttention 2/4 and unfused attention; FlashAttention 3 takes head_dim <= 256
     (sm90), and cuDNN's FusedAttention trains head_dim > 128 only on sm90 (cuDNN >= 9.5)
-    or, for 256 on sm100, cuDNN >= 9.25 (``fused_attn.cpp``). Megatron-LM #7417 hit
+    or, for 256 on sm100, cuDNN >= 9.25 (``fused_attn.cpp``). NVIDIA/Megatron-LM#7417 hit
     head_dim 256 with no backend."""
     if head_dim is None or not _te_pads(kw, v):
         return []
@@ -199,11 +193,11 @@ def _strategy_unknown(kw: Mapping[str, Any], v: Version | None, head_dim: Any) -
         ]
     if value == DUAL_CHUNK_SWAP and given == value:
         return []  # a plain name for the default: every TE partitions so
-    if v is None and _installed() is not None:
+    if v is None and installed_te_version() is not None:
         cls = te_strategy_enum()
         if cls is not None and value in {m.value for m in cls}:
             return []
-        version = f"TE {_installed()}"
+        version = f"TE {installed_te_version()}"
     elif v is not None and v >= _ENUM:
         return []
     else:
@@ -252,6 +246,6 @@ def check_te_thd_kwargs(
     if te_version is not None:
         version: Version | None = _parse_version(te_version)
     else:
-        installed = _installed()
+        installed = installed_te_version()
         version = None if installed is None else _parse_version(installed)
     return [line for rule in _RULES for line in rule(kwargs, version, head_dim)]
