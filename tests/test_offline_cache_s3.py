@@ -771,18 +771,20 @@ def count_requests(monkeypatch, cls) -> tuple[list[tuple[str, str | None]], list
     return calls, stores
 
 
-def test_opening_a_cache_is_one_storage_one_manifest_request_and_one_listing(bucket, local, monkeypatch) -> None:
+@pytest.mark.parametrize("follow", [False, True])
+def test_opening_a_cache_is_one_storage_one_manifest_request_and_one_listing(bucket, local, monkeypatch, follow) -> None:
     """Against the real server: the dataset opens its cache once (one storage object, which reads
     the AWS profile files once), with one manifest GET and one listing before the first sample,
-    whose reads are only ranges of its shard; an epoch adds no manifest request or listing."""
+    whose reads are only ranges of its shard; an epoch adds no manifest request or listing. A
+    finished cache opened with ``follow=True`` costs the same."""
     from te_thd.offline_cache.s3 import S3Prefix
 
-    url = f"s3://{bucket}/counted"
+    url = f"s3://{bucket}/counted-{follow}"
     store = open_storage(url)
     for name, data in _files(local).items():
         store.put(name, data)
     calls, stores = count_requests(monkeypatch, S3Prefix)
-    ds = CachedTensorDataset(url, "test", 1, P.KEYS)
+    ds = CachedTensorDataset(url, "test", 1, P.KEYS, follow=follow)
     assert calls == [("get", "manifest.json"), ("list", None)] and len(stores) == 1
     calls.clear()
     ref = CachedTensorDataset(str(local), "test", 1, P.KEYS)

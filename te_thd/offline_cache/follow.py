@@ -118,9 +118,10 @@ def open_followed(
     format_version: int,
     producer: str | None,
     follow_timeout: float = DEFAULT_FOLLOW_TIMEOUT,
-) -> tuple[dict[str, Any], dict[str, Any] | None, str | None]:
-    """``(manifest, None, producer)`` of a finished cache, else ``(record_view, run, command)`` of
-    the running producer's record (``command``: ``producer``, else the one the producer recorded).
+) -> tuple[dict[str, Any], dict[str, Any] | None, str | None, bytes | None]:
+    """``(manifest, None, producer, manifest bytes)`` of a finished cache, else ``(record_view,
+    run, command, None)`` of the running producer's record (``command``: ``producer``, else the
+    one the producer recorded). The bytes let the caller prepare reads without a second GET.
 
     Neither there yet (the producer has not started): waits up to ``follow_timeout`` seconds for
     one. Raises :class:`FollowTimeoutError`, or ``ManifestError`` for a record of another
@@ -137,10 +138,11 @@ def open_followed(
                 check_manifest(storage, raw, cache_name, format_version, producer),
                 None,
                 producer,
+                raw,
             )
         raw = storage.get(FOLLOW_NAME)
         if raw is not None:
-            return _parse(raw, storage, cache_name, format_version, producer)
+            return (*_parse(raw, storage, cache_name, format_version, producer), None)
         if time.monotonic() >= deadline:
             raise FollowTimeoutError(
                 f"waited {timeout:g} s (follow_timeout) for the {cache_name} cache at "

@@ -64,7 +64,7 @@ def open_cache(
     run, raw = None, None
     # a cache whose producer may still run: its manifest, else the producer's follow record
     if follow:
-        manifest, run, producer_name = open_followed(
+        manifest, run, producer_name, raw = open_followed(
             storage, cache_dir, cache_name, format_version, producer_name, follow_timeout
         )
     else:

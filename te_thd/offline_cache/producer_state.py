@@ -172,7 +172,7 @@ def prepare_directory(
     """Rank 0, under the lock: decide. Returns the finished manifest, or ``None`` (= produce).
     ``storage``: the output directory the producer opened."""
     output_dir, listing = storage.name, storage.list()
-    shards = {int(m.group(1)) for name in listing if (m := SHARD_RE.match(name))}
+    shards = listed_shards(listing)
     if MANIFEST_NAME in listing:
         if not resume:
             raise CacheError(

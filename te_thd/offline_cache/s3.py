@@ -168,9 +168,8 @@ class S3Prefix(storage.Storage):
     def copy(self) -> ReadThrough:
         """The read-through copy, made and synced with the store on first use (a reader makes it
         when it opens the cache, so its DataLoader workers share it)."""
-        if self._copy is None:
-            self._copy = ReadThrough(self, *self._copy_options)
-            self._copy.sync()
+        self.prepare_reads()
+        assert self._copy is not None
         return self._copy
 
     def readable(self, obj: str) -> tuple[str, storage.Fetch | None]:
