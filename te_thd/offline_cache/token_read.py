@@ -423,14 +423,13 @@ class TokenRows:
         self,
         keys: Sequence[str],
         pieces: list[Piece],
-        shared: bool = False,
         buffers: DestinationBuffers | None = None,
     ) -> Callable[[], dict[str, torch.Tensor]]:
         """Plan reading each of ``keys`` of every sample whole; once read, the result is ``{key: [B,
         L, *per_token]}`` zero-padded (what the padded cache returns). The tensors come from
         ``buffers`` (a pool that hands a buffer out again only once the consumer dropped it) when
-        given, else fresh, in shared memory when ``shared`` (inside a DataLoader worker). Only the
-        padding is zeroed, here; the tokens are read straight into place (:meth:`place`)."""
+        given, else fresh. Only the padding is zeroed, here; the tokens are read straight into
+        place (:meth:`place`)."""
         b = self.lengths.size
         sample = np.arange(b, dtype=np.int64)
         out: dict[str, torch.Tensor] = {}
@@ -444,7 +443,7 @@ class TokenRows:
             t, zero = (
                 buffers.get_zeroed(key, b, spec.shape, spec.dtype, recycle=not mostly_pad)[::2]
                 if buffers is not None
-                else (new_tensor((b, *spec.shape), spec.dtype, shared=shared), False)
+                else (new_tensor((b, *spec.shape), spec.dtype), False)
             )
             width = spec.shape[0]
             out[key], flat[key] = t, t.view(b * width, *spec.shape[1:])
