@@ -151,6 +151,7 @@ def check_cache_files(
     path, a URL or the cache's opened storage.
     """
     storage = as_storage(cache_dir)
+    validate_manifest(manifest, manifest_path(storage.name), producer)
     return check_listed_files(storage, storage.list(), manifest, cache_name, producer)
 
 
@@ -161,8 +162,9 @@ def check_listed_files(
     cache_name: str = "offline",
     producer: str | None = None,
 ) -> list[int]:
-    """:func:`check_cache_files` over ``listing``, one listing of the cache (``Storage.list``)."""
-    validate_manifest(manifest, manifest_path(storage.name), producer)
+    """:func:`check_cache_files` over ``listing``, one listing of the cache (``Storage.list``),
+    for a ``manifest`` already validated (:func:`~te_thd.offline_cache.manifest.check_manifest`
+    does it when it reads one)."""
     num_samples, shard_size = int(manifest["num_samples"]), int(manifest["shard_size"])
     indices = contiguous_shards(
         storage.name, listing, cache_name, num_samples, shard_size, producer
