@@ -161,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--plan",
         action="store_true",
         help="compute nothing: print the cache's bytes, shards and each CP rank's reads per epoch, "
-        "padded, ragged and ragged with each codec (te_thd.offline_cache.plan); the samples are "
+        "padded, ragged and ragged with each codec (te_thd.offline_cache.tools.plan); the samples are "
         "read and tokenized, the model's config.json alone is read",
     )
     p.add_argument("--json", action="store_true", help="with --plan: print the figures as JSON")
@@ -202,10 +202,21 @@ def check_args(args: argparse.Namespace) -> None:
     (``None`` for the synthetic source).
     """
     if args.out is None and not args.plan:
-        raise ValueError("--out is required: pass the cache directory, e.g. --out runs/cache (or --plan to cost it)")
+        raise ValueError(
+            "--out is required: pass the cache directory, e.g. --out runs/cache (or --plan to cost it)"
+        )
     if args.json and not args.plan:
         raise ValueError("--json applies to --plan only: add --plan, or drop --json")
-    for name in ("min_len", "max_len", "shard_size", "batch_size", "topk", "cp", "pack_seq_len", "plan_batch_size"):
+    for name in (
+        "min_len",
+        "max_len",
+        "shard_size",
+        "batch_size",
+        "topk",
+        "cp",
+        "pack_seq_len",
+        "plan_batch_size",
+    ):
         v = getattr(args, name)
         if v < 1:
             raise ValueError(f"--{name.replace('_', '-')}={v} must be >= 1")
@@ -345,7 +356,9 @@ def check_vocab(args: argparse.Namespace, data: Any, vocab_size: int) -> None:
         )
 
 
-def hf_options(args: argparse.Namespace, data: Any, source: Any, target: dict[str, Any], layers: list[int]) -> dict:
+def hf_options(
+    args: argparse.Namespace, data: Any, source: Any, target: dict[str, Any], layers: list[int]
+) -> dict:
     """The manifest options of ``--target hf:``: the target's record (``target``) and the data's."""
     options = {
         "producer": PRODUCER,
@@ -391,7 +404,11 @@ def hf_source(args: argparse.Namespace, device: torch.device) -> Source:
 
 def storage_options(args: argparse.Namespace) -> dict[str, Any]:
     """How the cache stores its tensors (recorded, so the recorded command rebuilds the same bytes)."""
-    return {"layout": args.layout, "hidden_codec": args.hidden_codec, "compact_dtypes": bool(args.compact_dtypes)}
+    return {
+        "layout": args.layout,
+        "hidden_codec": args.hidden_codec,
+        "compact_dtypes": bool(args.compact_dtypes),
+    }
 
 
 def ragged_keys(keys: tuple) -> tuple[str, ...]:
@@ -407,7 +424,11 @@ def storage_layout(
     if args.layout == "padded":
         return (), {}
     token_keys = ragged_keys(keys)
-    codec = {} if args.hidden_codec == "none" else {k: args.hidden_codec for k in ("hidden", LAYER_KEY) if k in keys}
+    codec = (
+        {}
+        if args.hidden_codec == "none"
+        else {k: args.hidden_codec for k in ("hidden", LAYER_KEY) if k in keys}
+    )
     if args.compact_dtypes:
         codec["topk_indices"] = f"topk_index:{vocab_size}"
     return token_keys, codec
@@ -424,17 +445,24 @@ def compact(compute_batch: Callable[[dict[str, torch.Tensor]], dict[str, torch.T
 
 
 def print_plan(args: argparse.Namespace) -> int:
-    """``--plan``: the cache's cost in every layout (te_thd.offline_cache.plan), nothing computed.
+    """``--plan``: the cache's cost in every layout (te_thd.offline_cache.tools.plan), nothing computed.
 
     The samples are read as the producer reads them; the stored keys and their shapes are
     :func:`ep_cp.cache_format.stored_schema` of the target's sizes (``config.json`` of ``hf:DIR``).
     """
-    from te_thd.offline_cache.plan import CacheSpec, format_plan, plan_cache, plan_json
+    from te_thd.offline_cache.tools.plan import CacheSpec, format_plan, plan_cache, plan_json
 
     if args.model_dir is None:
         cfg = TargetConfig(seed=args.target_seed)
-        data = SyntheticTokens(args.num_samples, args.min_len, args.max_len, cfg.vocab_size, seed=args.data_seed)
-        lengths, hidden_size, layers, vocab_size = data.seq_len.numpy(), cfg.hidden_size, [], cfg.vocab_size
+        data = SyntheticTokens(
+            args.num_samples, args.min_len, args.max_len, cfg.vocab_size, seed=args.data_seed
+        )
+        lengths, hidden_size, layers, vocab_size = (
+            data.seq_len.numpy(),
+            cfg.hidden_size,
+            [],
+            cfg.vocab_size,
+        )
         options = producer_options(args, cfg)
     else:
         from ep_cp.hf_target import check_layers, describe_config, load_config, text_dims
@@ -450,7 +478,10 @@ def print_plan(args: argparse.Namespace) -> int:
         lengths = data.offsets[1:] - data.offsets[:-1]
     schema = stored_schema(args.max_len, args.topk, hidden_size, len(layers), args.compact_dtypes)
     options = {**options, "storage": storage_options(args)}
-    options = {**options, "producer_args": producer_args({**options, "shard_size": args.shard_size})}
+    options = {
+        **options,
+        "producer_args": producer_args({**options, "shard_size": args.shard_size}),
+    }
     spec = CacheSpec(schema, ragged_keys(tuple(schema)), args.shard_size, args.cp, length_key="seq_len",
                      codec_keys=CODEC_KEYS, options=options, format_version=FORMAT_VERSION,
                      pack_seq_len=args.pack_seq_len, batch_size=args.plan_batch_size,
@@ -502,7 +533,10 @@ def main(argv: list[str] | None = None) -> int:
 
     token_keys, codecs = storage_layout(args, keys, int(options["target"]["vocab_size"]))
     options = {**options, "storage": storage_options(args)}
-    options = {**options, "producer_args": producer_args({**options, "shard_size": args.shard_size})}
+    options = {
+        **options,
+        "producer_args": producer_args({**options, "shard_size": args.shard_size}),
+    }
     compute_batch = compact(compute_batch) if args.compact_dtypes else compute_batch
     t0 = time.perf_counter()
     manifest = produce_cache(

@@ -256,7 +256,9 @@ def check_args(args: argparse.Namespace) -> None:
     if args.attn_scale is not None and not args.attn_scale > 0:
         raise ValueError(f"--attn-scale={args.attn_scale} must be > 0")
     if not args.follow_timeout > 0:
-        raise ValueError(f"--follow-timeout={args.follow_timeout} must be > 0 (seconds); pass e.g. 600")
+        raise ValueError(
+            f"--follow-timeout={args.follow_timeout} must be > 0 (seconds); pass e.g. 600"
+        )
 
 
 #: what a run writes into its ``--out``
@@ -430,7 +432,10 @@ def open_cache(
     built for other options; return it and the row length."""
     if manifest is None:
         manifest = read_manifest(
-            args.cache_dir, CACHE_NAME, FORMAT_VERSION, f"`{producer_command(args.cache_dir, cp=cp)}`"
+            args.cache_dir,
+            CACHE_NAME,
+            FORMAT_VERSION,
+            f"`{producer_command(args.cache_dir, cp=cp)}`",
         )
     seq_len = args.seq_len or int(manifest.get("pack_seq_len", 0)) or 256
     expected: dict[str, Any] = {
@@ -594,7 +599,9 @@ def main(argv: list[str] | None = None) -> int:
         args.num_workers = 2 if args.device == "cuda" else 0
     ctx = init_parallel(args.cp, args.ep, args.device, args.experts)
     rank0 = ctx.rank == 0
-    if args.follow:  # the producer may still run: its record stands in for the manifest until it is written
+    if (
+        args.follow
+    ):  # the producer may still run: its record stands in for the manifest until it is written
         dataset = CachedTensorDataset(
             args.cache_dir, CACHE_NAME, FORMAT_VERSION, KEYS,
             follow=True, follow_timeout=args.follow_timeout,

@@ -91,8 +91,10 @@ class Config:
 
     @property
     def name(self) -> str:
-        return (f"{self.kind} R={self.replicas} b={self.per_replica} S={self.seq_len} "
-                f"a={self.attn_scale:g}")
+        return (
+            f"{self.kind} R={self.replicas} b={self.per_replica} S={self.seq_len} "
+            f"a={self.attn_scale:g}"
+        )
 
 
 @dataclass
@@ -192,35 +194,71 @@ def run(quick: bool) -> list[Record]:
         o = evaluate(cfg, batches)
         results[cfg.name] = o
         med, tail = allowance_scores(o)
-        records.append(Record(
-            bench=BENCH, case=f"balance {cfg.name}", metric="time", unit="max/mean cost",
-            ours=statistics.median(o.planned), baselines={"ffd_per_replica": statistics.median(o.ffd)},
-            extra={"batches": batches, "p95": p95(o.planned), "ffd_p95": p95(o.ffd),
-                   "bound_median": statistics.median(o.bound), "bound_p95": p95(o.bound),
-                   "gain_median": statistics.median(o.gain), "gain_p95": p95(o.gain)},
-        ))
+        records.append(
+            Record(
+                bench=BENCH,
+                case=f"balance {cfg.name}",
+                metric="time",
+                unit="max/mean cost",
+                ours=statistics.median(o.planned),
+                baselines={"ffd_per_replica": statistics.median(o.ffd)},
+                extra={
+                    "batches": batches,
+                    "p95": p95(o.planned),
+                    "ffd_p95": p95(o.ffd),
+                    "bound_median": statistics.median(o.bound),
+                    "bound_p95": p95(o.bound),
+                    "gain_median": statistics.median(o.gain),
+                    "gain_p95": p95(o.gain),
+                },
+            )
+        )
         for which, score in (("median", med), ("p95", tail)):
-            records.append(Record(
-                bench=BENCH, case=f"balance-goal {which} {cfg.name}", metric="time",
-                unit="max/mean / allowance", ours=score, baselines={"allowance": 1.0},
-                extra={"allowance": "max(1.05, 1.02*bound)" if which == "median"
-                       else "max(1.10, 1.02*bound)"},
-            ))
-        records.append(Record(
-            bench=BENCH, case=f"efficiency {cfg.name}", metric="throughput",
-            unit="real tokens / slot", ours=o.tokens / o.planned_slots,
-            baselines={"allowance": o.tokens / o.allowed_slots - 0.01,
-                       "ffd_per_replica": o.tokens / o.ffd_slots,
-                       "ffd_equal_rows": o.tokens / o.ffd_equal_slots},
-            extra={"batches_above_min_rows": o.extra_rows,
-                   "ffd_or_bound": o.tokens / o.allowed_slots},
-        ))
+            records.append(
+                Record(
+                    bench=BENCH,
+                    case=f"balance-goal {which} {cfg.name}",
+                    metric="time",
+                    unit="max/mean / allowance",
+                    ours=score,
+                    baselines={"allowance": 1.0},
+                    extra={
+                        "allowance": "max(1.05, 1.02*bound)"
+                        if which == "median"
+                        else "max(1.10, 1.02*bound)"
+                    },
+                )
+            )
+        records.append(
+            Record(
+                bench=BENCH,
+                case=f"efficiency {cfg.name}",
+                metric="throughput",
+                unit="real tokens / slot",
+                ours=o.tokens / o.planned_slots,
+                baselines={
+                    "allowance": o.tokens / o.allowed_slots - 0.01,
+                    "ffd_per_replica": o.tokens / o.ffd_slots,
+                    "ffd_equal_rows": o.tokens / o.ffd_equal_slots,
+                },
+                extra={
+                    "batches_above_min_rows": o.extra_rows,
+                    "ffd_or_bound": o.tokens / o.allowed_slots,
+                },
+            )
+        )
     records.append(read_throughput(quick))
     for kind, (seconds, ffd) in plan_time(quick).items():
-        records.append(Record(
-            bench=BENCH, case=f"plan time n=1024 R=64 S=8192 {kind}", metric="time",
-            unit="s (thread CPU)", ours=seconds, baselines={"goal_1ms": 1e-3, "ffd_pack": ffd},
-        ))
+        records.append(
+            Record(
+                bench=BENCH,
+                case=f"plan time n=1024 R=64 S=8192 {kind}",
+                metric="time",
+                unit="s (thread CPU)",
+                ours=seconds,
+                baselines={"goal_1ms": 1e-3, "ffd_pack": ffd},
+            )
+        )
     if "--docs" in sys.argv:
         write_docs(results, batches)
     return records
@@ -240,8 +278,8 @@ def read_throughput(quick: bool) -> Record:
     from harness import time_interleaved
     from torch.utils.data import DataLoader
 
-    from te_thd.offline_cache.reader import CachedTensorDataset
-    from te_thd.offline_cache.sampler import BalancedBatchSampler, CacheShardSampler
+    from te_thd.offline_cache.read.dataset import CachedTensorDataset
+    from te_thd.offline_cache.train.sampler import BalancedBatchSampler, CacheShardSampler
 
     R, b, S, n = 4, 8, 2048, 256 if quick else 512
     lengths = draw_lengths("lognormal", n, S, np.random.default_rng(2))
@@ -257,29 +295,45 @@ def read_throughput(quick: bool) -> Record:
             return sum(
                 len(x)
                 for r in range(R)
-                for x in DataLoader(data, batch_sampler=BalancedBatchSampler(data, lengths, b, S, R, r, seed=1),
-                                    collate_fn=keep)
+                for x in DataLoader(
+                    data,
+                    batch_sampler=BalancedBatchSampler(data, lengths, b, S, R, r, seed=1),
+                    collate_fn=keep,
+                )
             )
 
         def unbalanced() -> int:
             return sum(
                 len(x)
                 for r in range(R)
-                for x in DataLoader(data, batch_size=b, sampler=CacheShardSampler(data, R, r, seed=1),
-                                    collate_fn=keep)
+                for x in DataLoader(
+                    data,
+                    batch_size=b,
+                    sampler=CacheShardSampler(data, R, r, seed=1),
+                    collate_fn=keep,
+                )
             )
 
         torch.set_num_threads(1)
         counts = {"ours": balanced(), "unbalanced": unbalanced()}
         # thread CPU time: reading from the page cache and planning are this thread's
         # work; wall time on a shared machine mostly measures the other processes
-        times = time_interleaved({"unbalanced": unbalanced, "ours": balanced},
-                                 trials=5 if quick else 9, clock=time.thread_time)
+        times = time_interleaved(
+            {"unbalanced": unbalanced, "ours": balanced},
+            trials=5 if quick else 9,
+            clock=time.thread_time,
+        )
     return Record(
-        bench=BENCH, case=f"read R={R} b={b} S={S} n={n} hidden=512x768", metric="throughput",
-        unit="samples/s", ours=counts["ours"] / times["ours"],
+        bench=BENCH,
+        case=f"read R={R} b={b} S={S} n={n} hidden=512x768",
+        metric="throughput",
+        unit="samples/s",
+        ours=counts["ours"] / times["ours"],
         baselines={"unbalanced": counts["unbalanced"] / times["unbalanced"]},
-        extra={"samples_read": counts, "note": "every replica's epoch, one after another; planning included"},
+        extra={
+            "samples_read": counts,
+            "note": "every replica's epoch, one after another; planning included",
+        },
     )
 
 
@@ -330,8 +384,13 @@ def plot(results: dict[str, Outcome]) -> None:
     ax.barh(ys - 0.2, ours95, height=0.4, color="#a5d6a7", label="planned, p95")
     ax.barh(ys - 0.2, ours, height=0.4, color="#2e7d32", label="planned, median")
     for y, n in zip(ys, names, strict=True):
-        ax.text(p95(results[n].ffd) + 0.03, y, f"gain {statistics.median(results[n].gain):.2f}x",
-                va="center", fontsize=7)
+        ax.text(
+            p95(results[n].ffd) + 0.03,
+            y,
+            f"gain {statistics.median(results[n].gain):.2f}x",
+            va="center",
+            fontsize=7,
+        )
     ax.axvline(1.0, color="#616161", lw=0.8)
     ax.set_yticks(ys)
     ax.set_yticklabels(names, fontsize=7)

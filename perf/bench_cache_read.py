@@ -93,11 +93,15 @@ def write_cache(cache_dir: str, num_samples: int, shard_size: int, kind: str) ->
             }
         else:
             t = {
-                "hidden": torch.randint(-(2**14), 2**14, (n, 512, 768), generator=g, dtype=torch.int16).view(torch.bfloat16),
+                "hidden": torch.randint(
+                    -(2**14), 2**14, (n, 512, 768), generator=g, dtype=torch.int16
+                ).view(torch.bfloat16),
                 "input_ids": torch.randint(0, 150_000, (n, 512), generator=g),
             }
         write_tensor_shard(cache_dir, s, t, tuple(t), "bench")
-    write_manifest(cache_dir, {"num_samples": num_samples, "shard_size": shard_size}, FORMAT_VERSION)
+    write_manifest(
+        cache_dir, {"num_samples": num_samples, "shard_size": shard_size}, FORMAT_VERSION
+    )
 
 
 def _epoch(loader: Any) -> int:
@@ -117,10 +121,13 @@ def _raw_slicer(cache_dir: str, keys: tuple[str, ...], batch: int) -> Any:
     """
     from safetensors import safe_open
 
-    from te_thd.offline_cache.format import shard_path
-    from te_thd.offline_cache.manifest import existing_shard_indices
+    from te_thd.offline_cache.format.schema import shard_path
+    from te_thd.offline_cache.record.manifest import existing_shard_indices
 
-    handles = [safe_open(shard_path(cache_dir, s), framework="pt") for s in sorted(existing_shard_indices(cache_dir))]
+    handles = [
+        safe_open(shard_path(cache_dir, s), framework="pt")
+        for s in sorted(existing_shard_indices(cache_dir))
+    ]
 
     def read() -> int:
         n = 0
@@ -136,12 +143,14 @@ def _raw_slicer(cache_dir: str, keys: tuple[str, ...], batch: int) -> Any:
     return read
 
 
-def _raw_preadv(cache_dir: str, keys: tuple[str, ...], batch: int, shuffle: bool, hashed: bool, threads: int = 1) -> Any:
+def _raw_preadv(
+    cache_dir: str, keys: tuple[str, ...], batch: int, shuffle: bool, hashed: bool, threads: int = 1
+) -> Any:
     """A callable reading one epoch's byte ranges with ``os.preadv`` into reused buffers.
 
     The ranges are those of our loader's epoch 0 (``CacheShardSampler`` order,
     batches of ``batch``): per batch, per key, one range per run of consecutive
-    file rows (``readplan.plan_runs``), listed before timing. The ranges of a batch
+    file rows (``planner.plan_runs``), listed before timing. The ranges of a batch
     fill one reused batch-sized buffer per key, each at its own place. ``hashed``:
     then ``xxh3_64`` of each of its rows, seeded with the row's index in the shard
     (the reader's row checksum). ``threads`` > 1: each batch's ranges, cut into
@@ -154,9 +163,9 @@ def _raw_preadv(cache_dir: str, keys: tuple[str, ...], batch: int, shuffle: bool
     import xxhash
 
     from te_thd.offline_cache import CachedTensorDataset, CacheShardSampler
-    from te_thd.offline_cache.format import shard_path
-    from te_thd.offline_cache.integrity import read_shard_header
-    from te_thd.offline_cache.readplan import plan_runs
+    from te_thd.offline_cache.format.integrity import read_shard_header
+    from te_thd.offline_cache.format.schema import shard_path
+    from te_thd.offline_cache.read.planner import plan_runs
 
     ds = CachedTensorDataset(cache_dir, "bench", FORMAT_VERSION, keys)
     sampler = CacheShardSampler(ds, num_replicas=1, rank=0, shuffle=shuffle, seed=0)
@@ -195,7 +204,9 @@ def _raw_preadv(cache_dir: str, keys: tuple[str, ...], batch: int, shuffle: bool
                     for c in range(0, b - a, step):
                         m = min(step, b - a - c)
                         view = buffers[key][at + c * row : at + (c + m) * row]
-                        jobs.append((fds[shard], [view], e.start + (first + c) * row, first + c, row))
+                        jobs.append(
+                            (fds[shard], [view], e.start + (first + c) * row, first + c, row)
+                        )
                 fill[key] += plan.starts[-1]
         per_batch.append(jobs)
     digest = xxhash.xxh3_64_intdigest
@@ -236,7 +247,9 @@ def _raw_preadv(cache_dir: str, keys: tuple[str, ...], batch: int, shuffle: bool
     return read_threaded
 
 
-def _loaders(cache_dir: str, keys: tuple[str, ...], batch: int, shuffle: bool, ref: Any) -> dict[str, Any]:
+def _loaders(
+    cache_dir: str, keys: tuple[str, ...], batch: int, shuffle: bool, ref: Any
+) -> dict[str, Any]:
     from te_thd.offline_cache import (
         CachedTensorDataset,
         UnverifiedCacheWarning,
@@ -253,11 +266,18 @@ def _loaders(cache_dir: str, keys: tuple[str, ...], batch: int, shuffle: bool, r
         )
 
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UnverifiedCacheWarning)  # verify=False says so; measured on purpose
+        warnings.simplefilter(
+            "ignore", UnverifiedCacheWarning
+        )  # verify=False says so; measured on purpose
         out = {"ours": loader(True), "unverified": loader(False)}
     if ref is not None:
         out["reference"] = ref.build_cached_dataloader(
-            dataset=ref.CachedTensorDataset(cache_dir=cache_dir, cache_name="bench", format_version=FORMAT_VERSION, disk_keys=keys),
+            dataset=ref.CachedTensorDataset(
+                cache_dir=cache_dir,
+                cache_name="bench",
+                format_version=FORMAT_VERSION,
+                disk_keys=keys,
+            ),
             batch_size=batch,
             shuffle=shuffle,
             collate_fn=functools.partial(ref.collate_cached, keys=keys),
@@ -281,9 +301,15 @@ def _throughput_cases(
     candidates = {name: functools.partial(run_epoch, ld) for name, ld in loaders.items()}
     candidates["raw_preadv"] = _raw_preadv(cache_dir, keys, batch, shuffle, hashed=False)
     candidates["raw_preadv_hash"] = _raw_preadv(cache_dir, keys, batch, shuffle, hashed=True)
-    if split_unverified:  # large samples: also the same loops on two threads, the parallel copy limit
-        candidates["raw_preadv_2t"] = _raw_preadv(cache_dir, keys, batch, shuffle, hashed=False, threads=2)
-        candidates["raw_preadv_hash_2t"] = _raw_preadv(cache_dir, keys, batch, shuffle, hashed=True, threads=2)
+    if (
+        split_unverified
+    ):  # large samples: also the same loops on two threads, the parallel copy limit
+        candidates["raw_preadv_2t"] = _raw_preadv(
+            cache_dir, keys, batch, shuffle, hashed=False, threads=2
+        )
+        candidates["raw_preadv_hash_2t"] = _raw_preadv(
+            cache_dir, keys, batch, shuffle, hashed=True, threads=2
+        )
     candidates["raw_slice"] = _raw_slicer(cache_dir, keys, batch)
     times = time_interleaved(candidates, trials=trials, warmup=1)
     rate = {k: n / t for k, t in times.items()}
@@ -373,10 +399,17 @@ def _peak_anon_mib(keys: tuple[str, ...], *cache_dirs: str) -> list[dict[str, fl
     first), sampling RssAnon after every batch."""
     out = subprocess.run(
         [sys.executable, "-c", _MEMORY_SNIPPET, ",".join(keys), *cache_dirs],
-        capture_output=True, text=True, check=True, timeout=300,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=300,
     )
     return [
-        {"peak_mib": d["peak_kib"] / 1024, "growth_mib": (d["peak_kib"] - d["base_kib"]) / 1024, "samples": d["samples"]}
+        {
+            "peak_mib": d["peak_kib"] / 1024,
+            "growth_mib": (d["peak_kib"] - d["base_kib"]) / 1024,
+            "samples": d["samples"],
+        }
         for d in json.loads(out.stdout.strip().splitlines()[-1])
     ]
 
@@ -400,7 +433,9 @@ def run(quick: bool) -> list[Record]:
         write_cache(large, n_large, 64, "large")
         for shuffle in (False, True):
             case = f"large_{'shuffled' if shuffle else 'sequential'}"
-            records += _throughput_cases(case, large, LARGE_KEYS, 8, shuffle, n_large, large_trials, ref, True)
+            records += _throughput_cases(
+                case, large, LARGE_KEYS, 8, shuffle, n_large, large_trials, ref, True
+            )
         records.append(_step_overlap(large, LARGE_KEYS, 8, n_large, trials))
         shutil_rm(large)
         smaller = os.path.join(tmp, "small_quarter")

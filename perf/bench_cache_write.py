@@ -6,7 +6,7 @@ after the call, outside the clock: unlinking also drops ``save_file``'s dirty
 pages so they cannot slow the next candidate). Candidates, interleaved in the
 same run on the same tensors:
 
-- ``ours``: :class:`te_thd.offline_cache.writer.DurableShardWriter` as
+- ``ours``: :class:`te_thd.offline_cache.write.writer.DurableShardWriter` as
   ``produce_cache`` uses it -- key/row/schema validation, safetensors bytes
   written zero-copy to a unique temp file with per-row xxh3_64 checksums, then
   fsync(file) + rename + fsync(dir) on the commit thread, overlapping the next
@@ -71,8 +71,8 @@ def _candidates(tensors: dict[str, torch.Tensor], k: int) -> dict[str, Callable[
     from safetensors.torch import save_file
 
     from te_thd.offline_cache import write_tensor_shard
-    from te_thd.offline_cache.format import shard_path
-    from te_thd.offline_cache.writer import DurableShardWriter
+    from te_thd.offline_cache.format.schema import shard_path
+    from te_thd.offline_cache.write.writer import DurableShardWriter
 
     keys = tuple(tensors)
 
@@ -106,7 +106,9 @@ def _candidates(tensors: dict[str, torch.Tensor], k: int) -> dict[str, Callable[
     }
     ref = reference_offline_cache()
     if ref is not None:
-        cands["reference"] = lambda d: [ref.write_tensor_shard(d, i, tensors, keys, "bench") for i in range(k)]
+        cands["reference"] = lambda d: [
+            ref.write_tensor_shard(d, i, tensors, keys, "bench") for i in range(k)
+        ]
     return cands
 
 

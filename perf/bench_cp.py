@@ -79,7 +79,9 @@ def run(quick: bool) -> list[Record]:
             inner = max(5, min(200, int(0.002 / max(time.perf_counter() - t0, 1e-6))))
             times = time_interleaved(
                 {"ours": ours, "index_select": floor},
-                trials=31 if quick else 41,  # medians of many short trials: the small case sits near its goal
+                trials=31
+                if quick
+                else 41,  # medians of many short trials: the small case sits near its goal
                 inner=inner,
                 warmup=2,
             )

@@ -66,7 +66,9 @@ def write_cache(cache_dir: str, num_samples: int, shard_size: int = 4096) -> Non
             KEYS,
             "bench",
         )
-    write_manifest(cache_dir, {"num_samples": num_samples, "shard_size": shard_size}, FORMAT_VERSION)
+    write_manifest(
+        cache_dir, {"num_samples": num_samples, "shard_size": shard_size}, FORMAT_VERSION
+    )
 
 
 class ReferenceThdCollate:
@@ -128,17 +130,26 @@ def run(quick: bool) -> list[Record]:
         collate = CachedThdCollator(SEQ_LEN, cp_size=CP, cp_rank=0, mask_key="position_mask")
         for workers in (0, 2):
             with warnings.catch_warnings():
-                warnings.simplefilter("ignore", UnverifiedCacheWarning)  # verify=False: measured on purpose
+                warnings.simplefilter(
+                    "ignore", UnverifiedCacheWarning
+                )  # verify=False: measured on purpose
                 loaders: dict[str, Any] = {
                     name: build_cached_dataloader(
-                        CachedTensorDataset(tmp, "bench", FORMAT_VERSION, KEYS, verify=verify), BATCH, True, collate, workers
+                        CachedTensorDataset(tmp, "bench", FORMAT_VERSION, KEYS, verify=verify),
+                        BATCH,
+                        True,
+                        collate,
+                        workers,
                     )
                     for name, verify in (("ours", True), ("unverified", False))
                 }
             if ref_cache is not None and ref_thd is not None:
                 loaders["reference"] = ref_cache.build_cached_dataloader(
                     dataset=ref_cache.CachedTensorDataset(
-                        cache_dir=tmp, cache_name="bench", format_version=FORMAT_VERSION, disk_keys=KEYS
+                        cache_dir=tmp,
+                        cache_name="bench",
+                        format_version=FORMAT_VERSION,
+                        disk_keys=KEYS,
                     ),
                     batch_size=BATCH,
                     shuffle=True,
@@ -146,7 +157,9 @@ def run(quick: bool) -> list[Record]:
                     num_workers=workers,
                 )
             counter = iter(range(10**9))
-            candidates = {name: functools.partial(_epoch, ld, counter) for name, ld in loaders.items()}
+            candidates = {
+                name: functools.partial(_epoch, ld, counter) for name, ld in loaders.items()
+            }
             times = time_interleaved(candidates, trials=trials, warmup=1)
             rate = {k: n / t for k, t in times.items()}
             records.append(
@@ -157,7 +170,13 @@ def run(quick: bool) -> list[Record]:
                     unit="samples/s",
                     ours=rate.pop("ours"),
                     baselines=rate,
-                    extra={"num_samples": n, "batch_size": BATCH, "seq_len": SEQ_LEN, "cp_size": CP, "num_workers": workers},
+                    extra={
+                        "num_samples": n,
+                        "batch_size": BATCH,
+                        "seq_len": SEQ_LEN,
+                        "cp_size": CP,
+                        "num_workers": workers,
+                    },
                 )
             )
     return records

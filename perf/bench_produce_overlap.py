@@ -105,7 +105,7 @@ def _write_times(tmp: str, table: dict[str, torch.Tensor], count: int) -> tuple[
     """Seconds of each of ``count`` consecutive durable shard writes (serialise, checksum,
     write, fsync, rename, directory fsync) into a fresh directory, removed afterwards, and
     the CPU seconds (all threads) per write after the first."""
-    from te_thd.offline_cache.writer import DurableShardWriter
+    from te_thd.offline_cache.write.writer import DurableShardWriter
 
     d = os.path.join(tmp, "calibrate")
     shard = {k: v[:SHARD].clone() for k, v in table.items()}
@@ -246,10 +246,14 @@ def run(quick: bool) -> list[Record]:
                         "write_cpu_s_per_shard": statistics.median(cpus),
                         "compute_s_per_shard": r * w,
                         "shards": shards,
-                        "shard_mb": sum(v[0].numel() * v.element_size() for v in table.values()) * SHARD / 1e6,
+                        "shard_mb": sum(v[0].numel() * v.element_size() for v in table.values())
+                        * SHARD
+                        / 1e6,
                         "loss_s_per_shard": loss,
                         "hidden_fraction": 1.0 - loss / w,
-                        "whole_run": {k: 1.0 / (statistics.median(v) * w) for k, v in whole.items()},
+                        "whole_run": {
+                            k: 1.0 / (statistics.median(v) * w) for k, v in whole.items()
+                        },
                         "load_average": os.getloadavg()[0],
                     },
                 )

@@ -65,7 +65,7 @@ def _server():
 
 
 def _upload(local: str, url: str) -> None:
-    from te_thd.offline_cache.storage import open_storage
+    from te_thd.offline_cache.storage.schemes import open_storage
 
     store = open_storage(url)
     for name in sorted(os.listdir(local)):
@@ -95,7 +95,7 @@ def _clients(support, server, url: str, quick: bool) -> Record:
 
     import boto3
 
-    from te_thd.offline_cache.storage import open_storage
+    from te_thd.offline_cache.storage.schemes import open_storage
 
     loc = open_storage(url)
     name = "shard-000000.safetensors"
@@ -109,7 +109,9 @@ def _clients(support, server, url: str, quick: bool) -> Record:
     key = loc.key(name)
 
     def one(r):
-        return c.get_object(Bucket=loc.bucket, Key=key, Range=f"bytes={r[0]}-{r[1] - 1}")["Body"].read()
+        return c.get_object(Bucket=loc.bucket, Key=key, Range=f"bytes={r[0]}-{r[1] - 1}")[
+            "Body"
+        ].read()
 
     pool = ThreadPoolExecutor(8)
     try:
@@ -122,8 +124,15 @@ def _clients(support, server, url: str, quick: bool) -> Record:
         pool.shutdown()
     mb = len(ranges) * row / 1e6
     rate = {k: mb / v for k, v in times.items()}
-    return Record(bench=BENCH, case="client_batch_ranges", metric="throughput", unit="MB/s",
-                  ours=rate.pop("obstore_get_ranges"), baselines=rate, extra={"ranges": len(ranges), "range_bytes": row})
+    return Record(
+        bench=BENCH,
+        case="client_batch_ranges",
+        metric="throughput",
+        unit="MB/s",
+        ours=rate.pop("obstore_get_ranges"),
+        baselines=rate,
+        extra={"ranges": len(ranges), "range_bytes": row},
+    )
 
 
 def _recorded(store) -> list[tuple[str, list[tuple[int, int]]]]:
@@ -143,11 +152,13 @@ def _replay(store, calls: list[tuple[str, list[tuple[int, int]]]]) -> None:
     """The same ``get_ranges`` calls, one after the other as the epoch made them, by the client alone."""
     import obstore
 
-    from te_thd.offline_cache.s3 import client
+    from te_thd.offline_cache.storage.s3 import client
 
     c = client(store.bucket, store.config)
     for key, ranges in calls:
-        for b in obstore.get_ranges(c, key, starts=[a for a, _ in ranges], ends=[b for _, b in ranges]):
+        for b in obstore.get_ranges(
+            c, key, starts=[a for a, _ in ranges], ends=[b for _, b in ranges]
+        ):
             bytes(b)
 
 
@@ -173,7 +184,9 @@ def run(quick: bool) -> list[Record]:
                 keys, _ = _large(large, 128 if quick else 256)
                 ragged = os.path.join(tmp, "ragged")
                 lengths = bench_tokens._lengths("long_tail", 48 if quick else 96, 4096)
-                bench_tokens._produce(ragged, lengths, 4096, 1024, token_keys=bench_tokens.TOKEN_KEYS)
+                bench_tokens._produce(
+                    ragged, lengths, 4096, 1024, token_keys=bench_tokens.TOKEN_KEYS
+                )
                 cases = {
                     "large": (large, keys, 8, functools.partial(collate_cached, keys=keys)),
                     "ragged": (ragged, bench_tokens.KEYS, 8,
@@ -191,13 +204,19 @@ def run(quick: bool) -> list[Record]:
                         n = 0
                         for out in loader:
                             n += 1
-                            used["bytes"] += sum(t.numel() * t.element_size() for t in out.values() if isinstance(t, torch.Tensor))
+                            used["bytes"] += sum(
+                                t.numel() * t.element_size()
+                                for t in out.values()
+                                if isinstance(t, torch.Tensor)
+                            )
                         used["batches"] = n
                         return ds
 
                     # a job opens its dataset once and reads many epochs: the datasets are made outside the timing
                     ds_local = CachedTensorDataset(local, "bench", 1, case_keys)
-                    ds_warm = epoch(CachedTensorDataset(url, "bench", 1, case_keys, read_cache_dir=warm_dir))
+                    ds_warm = epoch(
+                        CachedTensorDataset(url, "bench", 1, case_keys, read_cache_dir=warm_dir)
+                    )
 
                     def cold(url=url, case=case, case_keys=case_keys, epoch=epoch):
                         d = os.path.join(tmp, f"cold-{case}")
@@ -219,7 +238,9 @@ def run(quick: bool) -> list[Record]:
                     # makes the same calls with the client alone
                     used["bytes"] = 0
                     shutil.rmtree(os.path.join(tmp, f"cold-{case}"), ignore_errors=True)
-                    ds = CachedTensorDataset(url, "bench", 1, case_keys, read_cache_dir=os.path.join(tmp, f"cold-{case}"))
+                    ds = CachedTensorDataset(
+                        url, "bench", 1, case_keys, read_cache_dir=os.path.join(tmp, f"cold-{case}")
+                    )
                     calls = _recorded(ds.storage.copy.store)
                     ds = epoch(ds)
                     m = ds.storage.copy

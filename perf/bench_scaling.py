@@ -39,7 +39,9 @@ BENCH = "scaling"
 SENTINEL = -1000
 
 
-def make_packed_batch(b: int, s: int, p: int, multiple: int, seed: int = 0) -> dict[str, torch.Tensor]:
+def make_packed_batch(
+    b: int, s: int, p: int, multiple: int, seed: int = 0
+) -> dict[str, torch.Tensor]:
     """A packed BSHD batch whose rows are exactly filled by ``p`` sequences each.
 
     Every padded length is a multiple of ``multiple`` (2*cp), every real length is
@@ -51,14 +53,22 @@ def make_packed_batch(b: int, s: int, p: int, multiple: int, seed: int = 0) -> d
         raise ValueError(f"s={s} cannot hold p={p} sequences padded to multiples of {multiple}")
     rng = np.random.default_rng(seed)
     # p positive parts of `units` per row: sorted distinct cut points
-    cuts = np.sort(np.stack([rng.choice(np.arange(1, units), p - 1, replace=False) for _ in range(b)]), axis=1) \
-        if p > 1 else np.zeros((b, 0), dtype=np.int64)
+    cuts = (
+        np.sort(
+            np.stack([rng.choice(np.arange(1, units), p - 1, replace=False) for _ in range(b)]),
+            axis=1,
+        )
+        if p > 1
+        else np.zeros((b, 0), dtype=np.int64)
+    )
     bounds = np.concatenate([np.zeros((b, 1), np.int64), cuts, np.full((b, 1), units)], axis=1)
     padded = np.diff(bounds, axis=1) * multiple
     real = padded - rng.integers(0, multiple, size=padded.shape)
     real = np.maximum(real, 1)
-    starts = np.repeat(np.concatenate([np.zeros((b, 1), np.int64), np.cumsum(padded, 1)[:, :-1]], 1)
-                       .reshape(-1), padded.reshape(-1))
+    starts = np.repeat(
+        np.concatenate([np.zeros((b, 1), np.int64), np.cumsum(padded, 1)[:, :-1]], 1).reshape(-1),
+        padded.reshape(-1),
+    )
     pos = (np.arange(b * s) % s) - starts
     return {
         "input_ids": torch.from_numpy(rng.integers(1, 32000, size=(b, s))),
@@ -84,8 +94,16 @@ def _timed(cands: dict[str, Callable[[], Any]], quick: bool) -> dict[str, float]
     return time_interleaved(cands, trials=5 if quick else 11, inner=inner, warmup=0)
 
 
-def _record(series: str, axis: str, size: float, work: float, unit: str, expect: str,
-            times: dict[str, float], **extra: Any) -> Record:
+def _record(
+    series: str,
+    axis: str,
+    size: float,
+    work: float,
+    unit: str,
+    expect: str,
+    times: dict[str, float],
+    **extra: Any,
+) -> Record:
     ours = times.pop("te_thd")
     return Record(
         bench=BENCH,
@@ -94,8 +112,15 @@ def _record(series: str, axis: str, size: float, work: float, unit: str, expect:
         unit="s",
         ours=ours,
         baselines=times,
-        extra={"series": series, "axis": axis, "size": size, "work": work, "work_unit": unit,
-               "expect": expect, **extra},
+        extra={
+            "series": series,
+            "axis": axis,
+            "size": size,
+            "work": work,
+            "work_unit": unit,
+            "expect": expect,
+            **extra,
+        },
     )
 
 
@@ -108,22 +133,43 @@ def bench_convert(quick: bool) -> list[Record]:
     ref = reference_thd_utils()
     out: list[Record] = []
     b, p = 8, 8
-    for s in ([256, 1024, 4096, 16384] if quick else [1024, 4096, 16384, 65536]):
+    for s in [256, 1024, 4096, 16384] if quick else [1024, 4096, 16384, 65536]:
         batch = make_packed_batch(b, s, p, multiple=8, seed=s)
         cands: dict[str, Callable[[], Any]] = {"te_thd": lambda bt=batch: process_input_for_thd(bt)}
         if ref is not None:
             cands["reference"] = lambda bt=batch: ref.process_input_for_thd(bt)
-        out.append(_record("convert", "tokens per batch", b * s, b * s, "token", "at most linear (k <= 1)",
-                           _timed(cands, quick), batch=b, seqs_per_row=p))
+        out.append(
+            _record(
+                "convert",
+                "tokens per batch",
+                b * s,
+                b * s,
+                "token",
+                "at most linear (k <= 1)",
+                _timed(cands, quick),
+                batch=b,
+                seqs_per_row=p,
+            )
+        )
     s = 4096 if quick else 8192
     for p in [1, 8, 64, 512]:
         batch = make_packed_batch(b, s, p, multiple=8, seed=p)
         cands = {"te_thd": lambda bt=batch: process_input_for_thd(bt)}
         if ref is not None:
             cands["reference"] = lambda bt=batch: ref.process_input_for_thd(bt)
-        out.append(_record("convert", "sequences per row", p, b * s, "token",
-                           "flat (k ~ 0) at fixed tokens", _timed(cands, quick),
-                           batch=b, seq_len=s))
+        out.append(
+            _record(
+                "convert",
+                "sequences per row",
+                p,
+                b * s,
+                "token",
+                "flat (k ~ 0) at fixed tokens",
+                _timed(cands, quick),
+                batch=b,
+                seq_len=s,
+            )
+        )
     return out
 
 
@@ -148,16 +194,35 @@ def bench_shard(quick: bool) -> list[Record]:
 
     out: list[Record] = []
     b, p, cp = 8, 8, 4
-    for s in ([256, 1024, 4096, 16384] if quick else [1024, 4096, 16384, 65536]):
+    for s in [256, 1024, 4096, 16384] if quick else [1024, 4096, 16384, 65536]:
         thd = process_input_for_thd(make_packed_batch(b, s, p, multiple=2 * cp, seed=s))
-        out.append(_record("cp shard", "tokens per batch", b * s, b * s // cp, "output token",
-                           "at most linear (k <= 1)", _timed(_shard_cands(thd, cp, 1), quick), cp=cp))
+        out.append(
+            _record(
+                "cp shard",
+                "tokens per batch",
+                b * s,
+                b * s // cp,
+                "output token",
+                "at most linear (k <= 1)",
+                _timed(_shard_cands(thd, cp, 1), quick),
+                cp=cp,
+            )
+        )
     s = 4096 if quick else 8192
     for cp in [2, 4, 8, 16]:
         thd = process_input_for_thd(make_packed_batch(b, s, p, multiple=2 * cp, seed=cp))
-        out.append(_record("cp shard", "cp size", cp, b * s // cp, "output token",
-                           "k <= 0 (T/cp tokens per rank)",
-                           _timed(_shard_cands(thd, cp, cp - 1), quick), tokens=b * s))
+        out.append(
+            _record(
+                "cp shard",
+                "cp size",
+                cp,
+                b * s // cp,
+                "output token",
+                "k <= 0 (T/cp tokens per rank)",
+                _timed(_shard_cands(thd, cp, cp - 1), quick),
+                tokens=b * s,
+            )
+        )
     return out
 
 
@@ -179,11 +244,14 @@ def write_small_cache(cache_dir: str, num_samples: int, shard_size: int) -> None
     g = torch.Generator().manual_seed(num_samples)
     for i, start in enumerate(range(0, num_samples, shard_size)):
         n = min(shard_size, num_samples - start)
-        save_file({
-            "input_ids": torch.randint(0, 32000, (n, 256), generator=g),
-            "loss_mask": torch.randint(0, 2, (n, 256), generator=g),
-            "position_mask": torch.randint(0, 2, (n, 256, 1), generator=g).bool(),
-        }, os.path.join(cache_dir, f"shard-{i:06d}.safetensors"))
+        save_file(
+            {
+                "input_ids": torch.randint(0, 32000, (n, 256), generator=g),
+                "loss_mask": torch.randint(0, 2, (n, 256), generator=g),
+                "position_mask": torch.randint(0, 2, (n, 256, 1), generator=g).bool(),
+            },
+            os.path.join(cache_dir, f"shard-{i:06d}.safetensors"),
+        )
     with open(os.path.join(cache_dir, "manifest.json"), "w") as f:
         json.dump({"format_version": 1, "num_samples": num_samples, "shard_size": shard_size}, f)
 
@@ -202,8 +270,13 @@ def bench_read(quick: bool) -> list[Record]:
             d = os.path.join(root, f"c{n}")
             write_small_cache(d, n, shard_size)
             ds = CachedTensorDataset(d, "scaling", 1, SMALL_KEYS)
-            loader = build_cached_dataloader(ds, batch, True, functools.partial(collate_cached, keys=SMALL_KEYS))
-            paths = [os.path.join(d, f"shard-{i:06d}.safetensors") for i in range((n + shard_size - 1) // shard_size)]
+            loader = build_cached_dataloader(
+                ds, batch, True, functools.partial(collate_cached, keys=SMALL_KEYS)
+            )
+            paths = [
+                os.path.join(d, f"shard-{i:06d}.safetensors")
+                for i in range((n + shard_size - 1) // shard_size)
+            ]
 
             def ours(loader=loader) -> int:
                 k = 0
@@ -218,15 +291,28 @@ def bench_read(quick: bool) -> list[Record]:
                         rows = min(shard_size, n - i * shard_size)
                         sl = {key: f.get_slice(key) for key in SMALL_KEYS}
                         for a in range(0, rows, batch):
-                            got = {key: s[a:a + batch] for key, s in sl.items()}
+                            got = {key: s[a : a + batch] for key, s in sl.items()}
                             k += got["input_ids"].shape[0]
                 return k
 
             assert ours() == raw() == n
-            times = time_interleaved({"te_thd": ours, "raw_slice": raw}, trials=3 if quick else 7, warmup=0)
-            out.append(_record("cache read", "cache size (samples)", n, n, "sample",
-                               "at most linear (k <= 1)", times,
-                               shard_size=shard_size, batch=batch, order="shuffled"))
+            times = time_interleaved(
+                {"te_thd": ours, "raw_slice": raw}, trials=3 if quick else 7, warmup=0
+            )
+            out.append(
+                _record(
+                    "cache read",
+                    "cache size (samples)",
+                    n,
+                    n,
+                    "sample",
+                    "at most linear (k <= 1)",
+                    times,
+                    shard_size=shard_size,
+                    batch=batch,
+                    order="shuffled",
+                )
+            )
             shutil.rmtree(d)
     finally:
         shutil.rmtree(root, ignore_errors=True)

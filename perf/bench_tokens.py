@@ -65,7 +65,7 @@ from te_thd.offline_cache import (
     build_cached_dataloader,
     produce_cache,
 )
-from te_thd.offline_cache.integrity import read_shard_header
+from te_thd.offline_cache.format.integrity import read_shard_header
 
 BENCH = "tokens"
 KEYS = ("input_ids", "seq_len", "loss_mask", "topk_logprobs", "topk_indices", "hidden")
@@ -79,11 +79,15 @@ def _lengths(dist: str, n: int, width: int) -> np.ndarray:
     rng = np.random.default_rng(7)
     if dist == "demo":
         return rng.integers(16, 97, n)
-    return np.clip(np.round(np.exp(rng.normal(np.log(0.3 * width), 0.8, n))), 16, width).astype(np.int64)
+    return np.clip(np.round(np.exp(rng.normal(np.log(0.3 * width), 0.8, n))), 16, width).astype(
+        np.int64
+    )
 
 
 def _produce(out: str, lengths: np.ndarray, width: int, hidden: int, **kw) -> None:
-    samples = [{"seq_len": torch.tensor(int(v)), "i": torch.tensor(i)} for i, v in enumerate(lengths)]
+    samples = [
+        {"seq_len": torch.tensor(int(v)), "i": torch.tensor(i)} for i, v in enumerate(lengths)
+    ]
 
     def compute(batch):
         n = batch["seq_len"]
@@ -95,12 +99,25 @@ def _produce(out: str, lengths: np.ndarray, width: int, hidden: int, **kw) -> No
             "seq_len": n,
             "loss_mask": real,
             "topk_logprobs": -torch.rand(b, width, TOPK, generator=g) * real.unsqueeze(-1),
-            "topk_indices": torch.randint(0, TOPK_VOCAB, (b, width, TOPK), generator=g, dtype=torch.int32)
+            "topk_indices": torch.randint(
+                0, TOPK_VOCAB, (b, width, TOPK), generator=g, dtype=torch.int32
+            )
             * real.unsqueeze(-1),
-            "hidden": (torch.randn(b, width, hidden, generator=g) * real.unsqueeze(-1)).to(torch.bfloat16),
+            "hidden": (torch.randn(b, width, hidden, generator=g) * real.unsqueeze(-1)).to(
+                torch.bfloat16
+            ),
         }
 
-    produce_cache(DataLoader(samples, batch_size=8), out, 32, compute, KEYS, progress=False, length_key="seq_len", **kw)
+    produce_cache(
+        DataLoader(samples, batch_size=8),
+        out,
+        32,
+        compute,
+        KEYS,
+        progress=False,
+        length_key="seq_len",
+        **kw,
+    )
 
 
 def _shards(d: str) -> list[str]:
@@ -137,10 +154,16 @@ def _read_bytes() -> int:
 def _epoch(d: str, collate, batch: int = 16) -> int:
     """Real tokens the collator delivered over one epoch of cache ``d``."""
     ds = CachedTensorDataset(d, "bench", 1, KEYS)
-    loader = build_cached_dataloader(dataset=ds, batch_size=batch, shuffle=False, collate_fn=collate)
+    loader = build_cached_dataloader(
+        dataset=ds, batch_size=batch, shuffle=False, collate_fn=collate
+    )
     tokens = 0
     for out in loader:
-        tokens += int((~out["padding_mask"]).sum()) if isinstance(out, dict) and "padding_mask" in out else 0
+        tokens += (
+            int((~out["padding_mask"]).sum())
+            if isinstance(out, dict) and "padding_mask" in out
+            else 0
+        )
     return tokens
 
 
@@ -151,7 +174,9 @@ def _fetched(d: str, collate) -> int:
     return _read_bytes() - before
 
 
-def _tokens_per_s(dirs: dict[str, str], seq: int, cold: bool, trials: int) -> dict[str, list[float]]:
+def _tokens_per_s(
+    dirs: dict[str, str], seq: int, cold: bool, trials: int
+) -> dict[str, list[float]]:
     """Real tokens/s delivered to CP rank 0 at cp = 2 in an epoch of the ragged and the padded cache,
     ``trials`` interleaved trials each: from cold storage, or with the page cache warm (after one round
     that warms it)."""
@@ -180,10 +205,19 @@ def run(quick: bool) -> list[Record]:
     with tempfile.TemporaryDirectory(prefix="te_thd_bench_tokens_") as tmp:
         for dist, (width, hidden, n) in configs.items():
             lengths = _lengths(dist, n, width)
-            dirs = {k: os.path.join(tmp, f"{dist}-{k}") for k in ("padded", "ragged", "fp8", "topk")}
+            dirs = {
+                k: os.path.join(tmp, f"{dist}-{k}") for k in ("padded", "ragged", "fp8", "topk")
+            }
             _produce(dirs["padded"], lengths, width, hidden)
             _produce(dirs["ragged"], lengths, width, hidden, token_keys=TOKEN_KEYS)
-            _produce(dirs["fp8"], lengths, width, hidden, token_keys=TOKEN_KEYS, codecs={"hidden": "fp8_e4m3"})
+            _produce(
+                dirs["fp8"],
+                lengths,
+                width,
+                hidden,
+                token_keys=TOKEN_KEYS,
+                codecs={"hidden": "fp8_e4m3"},
+            )
             _produce(dirs["topk"], lengths, width, hidden, token_keys=TOKEN_KEYS,
                      codecs={"topk_indices": f"topk_index:{TOPK_VOCAB}"})  # fmt: skip
             real = int(lengths.sum())
@@ -216,7 +250,10 @@ def run(quick: bool) -> list[Record]:
             for cp in (2, 4):
                 ranks = [_fetched(dirs["ragged"], CachedThdCollator(seq, length_key="seq_len", cp_size=cp, cp_rank=r))
                          for r in range(cp)]  # fmt: skip
-                padded = _fetched(dirs["padded"], CachedThdCollator(seq, length_key="seq_len", cp_size=cp, cp_rank=0))
+                padded = _fetched(
+                    dirs["padded"],
+                    CachedThdCollator(seq, length_key="seq_len", cp_size=cp, cp_rank=0),
+                )
                 records.append(Record(
                     bench=BENCH, case=f"cp{cp}_fetch_{dist}", metric="time", unit="bytes",
                     ours=max(ranks), baselines={"replica_share": replica / cp},
@@ -224,7 +261,10 @@ def run(quick: bool) -> list[Record]:
                            "whole_sample_ragged": _fetched(dirs["ragged"], _whole),
                            "rank_over_replica": max(ranks) / replica},
                 ))  # fmt: skip
-            for case, cold, trials in ((f"cp2_tokens_per_s_{dist}", True, 5), (f"cp2_tokens_per_s_warm_{dist}", False, 7)):
+            for case, cold, trials in (
+                (f"cp2_tokens_per_s_{dist}", True, 5),
+                (f"cp2_tokens_per_s_warm_{dist}", False, 7),
+            ):
                 rates = _tokens_per_s(dirs, seq, cold, trials)
                 med = {k: statistics.median(v) for k, v in rates.items()}
                 records.append(Record(

@@ -93,7 +93,9 @@ def load_goals(path: str | Path) -> list[Goal]:
                 "id, bench, baseline, min_ratio and statement"
             )
         if g["id"] in seen:
-            raise ValueError(f"thresholds file {path}: goal id {g['id']!r} appears twice; ids must be unique")
+            raise ValueError(
+                f"thresholds file {path}: goal id {g['id']!r} appears twice; ids must be unique"
+            )
         seen.add(g["id"])
         margin = float(g.get("noise_margin", default_margin))
         if not 0.0 <= margin < 1.0 or float(g["min_ratio"]) <= 0:
@@ -148,16 +150,40 @@ def evaluate(
     for g in goals:
         base = dict(goal=g.id, bench=g.bench, min_ratio=g.min_ratio, floor=g.floor)
         if g.bench not in selected:
-            out.append(GoalResult(**base, case=g.case, baseline=g.baseline, ratio=None,
-                                  status="not-run", detail="bench not selected"))
+            out.append(
+                GoalResult(
+                    **base,
+                    case=g.case,
+                    baseline=g.baseline,
+                    ratio=None,
+                    status="not-run",
+                    detail="bench not selected",
+                )
+            )
             continue
         if g.bench in errors:
-            out.append(GoalResult(**base, case=g.case, baseline=g.baseline, ratio=None,
-                                  status="error", detail=f"bench {g.bench} failed"))
+            out.append(
+                GoalResult(
+                    **base,
+                    case=g.case,
+                    baseline=g.baseline,
+                    ratio=None,
+                    status="error",
+                    detail=f"bench {g.bench} failed",
+                )
+            )
             continue
         if g.bench not in records:
-            out.append(GoalResult(**base, case=g.case, baseline=g.baseline, ratio=None,
-                                  status="no-data", detail=f"no bench module bench_{g.bench}.py"))
+            out.append(
+                GoalResult(
+                    **base,
+                    case=g.case,
+                    baseline=g.baseline,
+                    ratio=None,
+                    status="no-data",
+                    detail=f"no bench module bench_{g.bench}.py",
+                )
+            )
             continue
         hits = 0
         for r in records[g.bench]:
@@ -167,18 +193,35 @@ def evaluate(
                 if not fnmatch.fnmatchcase(name, g.baseline):
                     continue
                 hits += 1
-                out.append(GoalResult(**base, case=r.case, baseline=name, ratio=ratio,
-                                      status=judge(ratio, g)))
+                out.append(
+                    GoalResult(
+                        **base, case=r.case, baseline=name, ratio=ratio, status=judge(ratio, g)
+                    )
+                )
         if hits == 0:
             if g.needs_reference and not reference_available:
-                out.append(GoalResult(**base, case=g.case, baseline=g.baseline, ratio=None,
-                                      status="skipped",
-                                      detail="reference implementation not installed"))
+                out.append(
+                    GoalResult(
+                        **base,
+                        case=g.case,
+                        baseline=g.baseline,
+                        ratio=None,
+                        status="skipped",
+                        detail="reference implementation not installed",
+                    )
+                )
             else:
-                out.append(GoalResult(**base, case=g.case, baseline=g.baseline, ratio=None,
-                                      status="no-data",
-                                      detail=f"no record of bench {g.bench!r} matches case "
-                                      f"{g.case!r} with a baseline matching {g.baseline!r}"))
+                out.append(
+                    GoalResult(
+                        **base,
+                        case=g.case,
+                        baseline=g.baseline,
+                        ratio=None,
+                        status="no-data",
+                        detail=f"no record of bench {g.bench!r} matches case "
+                        f"{g.case!r} with a baseline matching {g.baseline!r}",
+                    )
+                )
     return out
 
 

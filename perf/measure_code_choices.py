@@ -21,9 +21,9 @@ import numpy as np
 import torch
 import xxhash
 
-from te_thd.offline_cache.format import TensorSpec
-from te_thd.offline_cache.integrity import byte_view, row_views
-from te_thd.offline_cache.readexec import Piece
+from te_thd.offline_cache.format.integrity import byte_view, row_views
+from te_thd.offline_cache.format.schema import TensorSpec
+from te_thd.offline_cache.read.executor import Piece
 
 
 def per_call_us(fn: Callable[[], object], number: int = 20000) -> float:
@@ -37,7 +37,11 @@ def line(what: str, ours: float, other: float, unit: str = "us") -> None:
 def main() -> None:
     frozen = dataclasses.make_dataclass("FrozenPiece", Piece._fields, frozen=True)
     args = (3, 0, [], 4096, "p", None, (0, ()), None)
-    line("Piece: NamedTuple vs frozen dataclass, build one", per_call_us(lambda: Piece(*args)), per_call_us(lambda: frozen(*args)))
+    line(
+        "Piece: NamedTuple vs frozen dataclass, build one",
+        per_call_us(lambda: Piece(*args)),
+        per_call_us(lambda: frozen(*args)),
+    )
 
     t = torch.zeros(8, 2048, dtype=torch.uint8)
     line("byte_view(t) vs t.view(torch.uint8).numpy()", per_call_us(lambda: byte_view(t)),
@@ -50,7 +54,11 @@ def main() -> None:
          per_call_us(lambda: nsums[rows]))  # fmt: skip
 
     views = row_views(t, 8)
-    line("8 rows' bytes: a slice of row views vs a tensor slice", per_call_us(lambda: views[2:6]), per_call_us(lambda: t[2:6]))
+    line(
+        "8 rows' bytes: a slice of row views vs a tensor slice",
+        per_call_us(lambda: views[2:6]),
+        per_call_us(lambda: t[2:6]),
+    )
     seeds = list(range(8))
     hashed = per_call_us(lambda: list(map(xxhash.xxh3_64_intdigest, views, seeds)))
     loop = per_call_us(lambda: [xxhash.xxh3_64_intdigest(views[i], seeds[i]) for i in range(8)])
@@ -67,7 +75,9 @@ def main() -> None:
     big = os.urandom(64 << 20)
     gbs = [(64 << 20) / min(timeit.repeat(lambda f=f: f(big), number=3, repeat=3)) * 3 / 1e9
            for f in (xxhash.xxh3_64_intdigest, zlib.crc32)]  # fmt: skip
-    print(f"{'hash 64 MiB: xxh3_64 vs zlib.crc32 (GB/s, higher is better)':58s} {gbs[0]:9.2f} GB/s vs {gbs[1]:9.2f} GB/s")
+    print(
+        f"{'hash 64 MiB: xxh3_64 vs zlib.crc32 (GB/s, higher is better)':58s} {gbs[0]:9.2f} GB/s vs {gbs[1]:9.2f} GB/s"
+    )
 
 
 if __name__ == "__main__":

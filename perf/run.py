@@ -66,7 +66,15 @@ def _installed_reference_version() -> str | None:
 def install_reference_command() -> str:
     """The command that installs the reference baseline into this interpreter's environment."""
     return shlex.join(
-        [sys.executable, "-m", "pip", "install", "--no-deps", "-r", str(REFERENCE_REQUIREMENTS_FILE)]
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--no-deps",
+            "-r",
+            str(REFERENCE_REQUIREMENTS_FILE),
+        ]
     )
 
 
@@ -78,15 +86,21 @@ def reference_status() -> dict[str, Any]:
     pinned one, so its ratios would not compare); ``detail`` then says what to run.
     """
     if os.environ.get(NO_REFERENCE_ENV) == "1":
-        return {"available": False, "version": None,
-                "detail": f"disabled ({NO_REFERENCE_ENV}=1 / --no-reference)"}
+        return {
+            "available": False,
+            "version": None,
+            "detail": f"disabled ({NO_REFERENCE_ENV}=1 / --no-reference)",
+        }
     have = _installed_reference_version()
     if have == REFERENCE_VERSION:
         return {"available": True, "version": have, "detail": "installed"}
     found = "not installed" if have is None else f"nemo-automodel {have} is installed"
-    return {"available": False, "version": have,
-            "detail": f"{found}; the baselines need {REFERENCE_REQUIREMENT}, installed without "
-            f"its dependencies by scripts/setup.sh or `{install_reference_command()}`"}
+    return {
+        "available": False,
+        "version": have,
+        "detail": f"{found}; the baselines need {REFERENCE_REQUIREMENT}, installed without "
+        f"its dependencies by scripts/setup.sh or `{install_reference_command()}`",
+    }
 
 
 # --------------------------------------------------------------------------- benches
@@ -94,7 +108,7 @@ def reference_status() -> dict[str, Any]:
 
 def discover(bench_dir: Path) -> dict[str, Path]:
     """``{name: path}`` for every ``bench_<name>.py`` in ``bench_dir``, sorted by name."""
-    return {p.stem[len("bench_"):]: p for p in sorted(bench_dir.glob("bench_*.py"))}
+    return {p.stem[len("bench_") :]: p for p in sorted(bench_dir.glob("bench_*.py"))}
 
 
 def _strict(x: Any) -> Any:
@@ -140,8 +154,9 @@ def _child(bench_path: Path, out: Path, quick: bool, threads: int | None) -> int
             raise TypeError(f"{bench_path.name} has no run(quick: bool) -> list[Record]")
         records = mod.run(quick=quick)
         if not isinstance(records, list):
-            raise TypeError(f"{bench_path.name}: run() returned {type(records).__name__}, "
-                            "expected list[Record]")
+            raise TypeError(
+                f"{bench_path.name}: run() returned {type(records).__name__}, expected list[Record]"
+            )
         recs: list[Record] = []
         for r in records:
             # duck-typed: a bench may import harness under another module name
@@ -162,15 +177,27 @@ def _child(bench_path: Path, out: Path, quick: bool, threads: int | None) -> int
     return 0 if result["error"] is None else 1
 
 
-def run_bench(name: str, path: Path, *, quick: bool, timeout_s: float,
-              threads: int | None = None) -> dict[str, Any]:
+def run_bench(
+    name: str, path: Path, *, quick: bool, timeout_s: float, threads: int | None = None
+) -> dict[str, Any]:
     """Run ``path`` in a child interpreter; return the bench entry of the run document."""
-    entry: dict[str, Any] = {"name": name, "module": str(path.relative_to(path.parent.parent))
-                             if path.parent.parent in path.parents else str(path)}
+    entry: dict[str, Any] = {
+        "name": name,
+        "module": str(path.relative_to(path.parent.parent))
+        if path.parent.parent in path.parents
+        else str(path),
+    }
     with tempfile.TemporaryDirectory(prefix=f"te_thd_perf_{name}_") as tmp:
         out = Path(tmp) / "result.json"
         log = Path(tmp) / "log.txt"
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--child", str(path), "--out", str(out)]
+        cmd = [
+            sys.executable,
+            str(Path(__file__).resolve()),
+            "--child",
+            str(path),
+            "--out",
+            str(out),
+        ]
         if quick:
             cmd.append("--quick")
         env = dict(os.environ)
@@ -178,14 +205,21 @@ def run_bench(name: str, path: Path, *, quick: bool, timeout_s: float,
         if threads:
             env["OMP_NUM_THREADS"] = str(threads)
         env["PYTHONPATH"] = os.pathsep.join(
-            [str(path.parent), str(PERF_DIR), str(REPO_ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
+            [str(path.parent), str(PERF_DIR), str(REPO_ROOT)]
+            + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
         )
         t0 = time.perf_counter()
         ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
         with open(log, "wb") as logf:
             try:
-                proc = subprocess.run(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env,
-                                      timeout=timeout_s, cwd=str(REPO_ROOT))
+                proc = subprocess.run(
+                    cmd,
+                    stdout=logf,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                    timeout=timeout_s,
+                    cwd=str(REPO_ROOT),
+                )
                 rc: int | None = proc.returncode
             except subprocess.TimeoutExpired:
                 rc = None
@@ -207,11 +241,12 @@ def run_bench(name: str, path: Path, *, quick: bool, timeout_s: float,
         else:
             entry["records"] = []
             tail = "\n".join(text.strip().splitlines()[-15:])
-            entry["error"] = (f"timed out after {timeout_s:.0f} s" if rc is None
-                              else f"child exited with code {rc} before reporting") + (
-                                  f"\n{tail}" if tail else "")
-        entry["status"] = "ok" if entry["error"] is None else (
-            "timeout" if rc is None else "error")
+            entry["error"] = (
+                f"timed out after {timeout_s:.0f} s"
+                if rc is None
+                else f"child exited with code {rc} before reporting"
+            ) + (f"\n{tail}" if tail else "")
+        entry["status"] = "ok" if entry["error"] is None else ("timeout" if rc is None else "error")
     return entry
 
 
@@ -233,9 +268,13 @@ def merge_attempts(attempts: list[list[dict[str, Any]]]) -> list[dict[str, Any]]
         same = [r for run in attempts for r in run if r["case"] == first["case"]]
         merged = dict(first)
         merged["ours"] = med([r["ours"] for r in same])
-        merged["baselines"] = {k: med([r["baselines"].get(k) for r in same]) for k in first["baselines"]}
-        merged["extra"] = {**first.get("extra", {}),
-                           "attempts": [{"ours": r["ours"], "baselines": r["baselines"]} for r in same]}
+        merged["baselines"] = {
+            k: med([r["baselines"].get(k) for r in same]) for k in first["baselines"]
+        }
+        merged["extra"] = {
+            **first.get("extra", {}),
+            "attempts": [{"ours": r["ours"], "baselines": r["baselines"]} for r in same],
+        }
         out.append(record_to_json(Record.from_json(merged)))
     return out
 
@@ -251,33 +290,75 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--"]:  # `te-thd bench -- --quick` passes the separator through
         argv = argv[1:]
-    ap = argparse.ArgumentParser(prog=_prog(), description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true",
-                    help=f"small sizes, fewer trials: the whole suite in < {QUICK_BUDGET_S:.0f} s on 2 cores")
-    ap.add_argument("--check", action="store_true",
-                    help="exit 1 naming every goal of thresholds.json that was missed (or has no data)")
-    ap.add_argument("--only", action="append", default=[], metavar="NAME",
-                    help="run only bench_NAME.py (repeatable; comma lists ok)")
-    ap.add_argument("--confirm", type=int, default=2, metavar="N",
-                    help="with --check: re-run a bench that missed a goal N more times and judge "
-                    "the medians of all its runs (default 2; 0: judge the first run)")
+    ap = argparse.ArgumentParser(
+        prog=_prog(),
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"small sizes, fewer trials: the whole suite in < {QUICK_BUDGET_S:.0f} s on 2 cores",
+    )
+    ap.add_argument(
+        "--check",
+        action="store_true",
+        help="exit 1 naming every goal of thresholds.json that was missed (or has no data)",
+    )
+    ap.add_argument(
+        "--only",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="run only bench_NAME.py (repeatable; comma lists ok)",
+    )
+    ap.add_argument(
+        "--confirm",
+        type=int,
+        default=2,
+        metavar="N",
+        help="with --check: re-run a bench that missed a goal N more times and judge "
+        "the medians of all its runs (default 2; 0: judge the first run)",
+    )
     ap.add_argument("--list", action="store_true", help="list the benches and goals, run nothing")
-    ap.add_argument("--no-reference", action="store_true",
-                    help="run as if the reference were not installed (benches skip its baselines)")
+    ap.add_argument(
+        "--no-reference",
+        action="store_true",
+        help="run as if the reference were not installed (benches skip its baselines)",
+    )
     ap.add_argument("--bench-dir", type=Path, default=PERF_DIR, help=argparse.SUPPRESS)
-    ap.add_argument("--thresholds", type=Path, default=PERF_DIR / "thresholds.json",
-                    help="goals file (default: perf/thresholds.json)")
-    ap.add_argument("--results-dir", type=Path, default=PERF_DIR / "results",
-                    help="where the JSON/markdown/PNG go (default: perf/results)")
-    ap.add_argument("--no-latest", action="store_true",
-                    help="do not update results/latest*.* (latest.* = last full run of every bench, "
-                    "latest-quick.* / latest-partial.* = last --quick / --only run)")
-    ap.add_argument("--timeout", type=float, default=None,
-                    help="seconds per bench before it is killed (default 180 quick, 1800 full)")
-    ap.add_argument("--threads", type=int, default=1, metavar="N",
-                    help="torch intra-op threads in every bench (default 1, as in DataLoader workers "
-                    "and as every bench's standalone entry point sets; 0: torch's own default)")
+    ap.add_argument(
+        "--thresholds",
+        type=Path,
+        default=PERF_DIR / "thresholds.json",
+        help="goals file (default: perf/thresholds.json)",
+    )
+    ap.add_argument(
+        "--results-dir",
+        type=Path,
+        default=PERF_DIR / "results",
+        help="where the JSON/markdown/PNG go (default: perf/results)",
+    )
+    ap.add_argument(
+        "--no-latest",
+        action="store_true",
+        help="do not update results/latest*.* (latest.* = last full run of every bench, "
+        "latest-quick.* / latest-partial.* = last --quick / --only run)",
+    )
+    ap.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        help="seconds per bench before it is killed (default 180 quick, 1800 full)",
+    )
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        metavar="N",
+        help="torch intra-op threads in every bench (default 1, as in DataLoader workers "
+        "and as every bench's standalone entry point sets; 0: torch's own default)",
+    )
     ap.add_argument("--child", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     return ap.parse_args(argv)
@@ -296,12 +377,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{_prog()}: {e}", file=sys.stderr)
         return 2
     benches = discover(args.bench_dir.resolve())
-    wanted = {n.strip().removeprefix("bench_").removesuffix(".py")
-              for item in args.only for n in item.split(",") if n.strip()}
+    wanted = {
+        n.strip().removeprefix("bench_").removesuffix(".py")
+        for item in args.only
+        for n in item.split(",")
+        if n.strip()
+    }
     unknown = sorted(wanted - set(benches))
     if unknown:
-        print(f"{_prog()}: --only {', '.join(unknown)}: no such bench in {args.bench_dir}; "
-              f"available: {', '.join(benches) or '(none)'}", file=sys.stderr)
+        print(
+            f"{_prog()}: --only {', '.join(unknown)}: no such bench in {args.bench_dir}; "
+            f"available: {', '.join(benches) or '(none)'}",
+            file=sys.stderr,
+        )
         return 2
     selected = wanted or set(benches)
     # goals name bench modules that may not exist yet: they count as selected (-> no-data)
@@ -312,16 +400,21 @@ def main(argv: list[str] | None = None) -> int:
         for name, path in benches.items():
             print(f"{name:14s} {path}")
         for g in goals:
-            print(f"goal {g.id}: {g.statement} [{g.bench}/{g.case} vs {g.baseline} >= {g.min_ratio:g}x, "
-                  f"noise margin {g.noise_margin:.0%}]")
+            print(
+                f"goal {g.id}: {g.statement} [{g.bench}/{g.case} vs {g.baseline} >= {g.min_ratio:g}x, "
+                f"noise margin {g.noise_margin:.0%}]"
+            )
         return 0
 
     if args.no_reference:
         os.environ[NO_REFERENCE_ENV] = "1"  # inherited by every bench process
     reference = reference_status()
     if not reference["available"]:
-        print(f"[perf] reference implementation unavailable: {reference['detail']}; "
-              "running the other baselines only (its goals are reported as skipped)", flush=True)
+        print(
+            f"[perf] reference implementation unavailable: {reference['detail']}; "
+            "running the other baselines only (its goals are reported as skipped)",
+            flush=True,
+        )
 
     timeout_s = args.timeout or DEFAULT_TIMEOUT_S[mode]
     entries: list[dict[str, Any]] = []
@@ -332,16 +425,27 @@ def main(argv: list[str] | None = None) -> int:
         entry = run_bench(name, path, quick=args.quick, timeout_s=timeout_s, threads=args.threads)
         for line in entry["log"].rstrip().splitlines():
             print(f"    {line}")
-        print(f"[perf] {name}: {entry['status']}, {len(entry['records'])} records, "
-              f"{entry['wall_s']:.1f} s wall, {entry['cpu_s']:.1f} CPU-s", flush=True)
+        print(
+            f"[perf] {name}: {entry['status']}, {len(entry['records'])} records, "
+            f"{entry['wall_s']:.1f} s wall, {entry['cpu_s']:.1f} CPU-s",
+            flush=True,
+        )
         entries.append(entry)
 
     def judge_all() -> list[GoalResult]:
-        records = {e["name"]: [Record.from_json(r) for r in e["records"]]
-                   for e in entries if e["status"] == "ok"}
+        records = {
+            e["name"]: [Record.from_json(r) for r in e["records"]]
+            for e in entries
+            if e["status"] == "ok"
+        }
         errs = {e["name"]: e["error"] for e in entries if e["status"] != "ok"}
-        return evaluate(goals, records, errs, selected=selected_for_goals,
-                        reference_available=reference["available"])
+        return evaluate(
+            goals,
+            records,
+            errs,
+            selected=selected_for_goals,
+            reference_available=reference["available"],
+        )
 
     results = judge_all()
     if args.check and args.confirm > 0:
@@ -352,10 +456,13 @@ def main(argv: list[str] | None = None) -> int:
             entry = by_name[name]
             attempts = [entry["records"]]
             for i in range(args.confirm):
-                print(f"[perf] {name}: a goal was missed; confirmation run {i + 1}/{args.confirm} ...",
-                      flush=True)
-                again = run_bench(name, benches[name], quick=args.quick, timeout_s=timeout_s,
-                                  threads=args.threads)
+                print(
+                    f"[perf] {name}: a goal was missed; confirmation run {i + 1}/{args.confirm} ...",
+                    flush=True,
+                )
+                again = run_bench(
+                    name, benches[name], quick=args.quick, timeout_s=timeout_s, threads=args.threads
+                )
                 entry["wall_s"] = round(entry["wall_s"] + again["wall_s"], 2)
                 entry["cpu_s"] = round(entry["cpu_s"] + again["cpu_s"], 2)
                 if again["status"] != "ok":
@@ -373,16 +480,30 @@ def main(argv: list[str] | None = None) -> int:
     fails = failures(results)
     # a bench that errored fails --check even when no goal names it
     goal_benches = {g.bench for g in goals}
-    bench_fail = [{"goal": f"bench:{n}", "detail": errors[n].strip().splitlines()[-1:]}
-                  for n in sorted(errors) if n not in goal_benches]
+    bench_fail = [
+        {"goal": f"bench:{n}", "detail": errors[n].strip().splitlines()[-1:]}
+        for n in sorted(errors)
+        if n not in goal_benches
+    ]
 
     from report import build_run, render_markdown, write_docs_block, write_report
 
     run = build_run(
-        mode=mode, argv=sys.argv if argv is None else argv, started=started, benches=entries,
+        mode=mode,
+        argv=sys.argv if argv is None else argv,
+        started=started,
+        benches=entries,
         goals=[r.to_json() for r in results],
-        goal_specs=[{"id": g.id, "statement": g.statement, "purpose": g.purpose,
-                     "min_ratio": g.min_ratio, "noise_margin": g.noise_margin} for g in goals],
+        goal_specs=[
+            {
+                "id": g.id,
+                "statement": g.statement,
+                "purpose": g.purpose,
+                "min_ratio": g.min_ratio,
+                "noise_margin": g.noise_margin,
+            }
+            for g in goals
+        ],
         reference=reference,
         check_failures=[r.to_json() for r in fails] + bench_fail,
     )
@@ -393,7 +514,9 @@ def main(argv: list[str] | None = None) -> int:
         write_docs_block(paths["latest_md"])  # docs/performance.md shows the committed latest.md
     print()
     print(render_markdown(run))
-    print("[perf] wrote " + ", ".join(str(p) for k, p in paths.items() if not k.startswith("latest")))
+    print(
+        "[perf] wrote " + ", ".join(str(p) for k, p in paths.items() if not k.startswith("latest"))
+    )
     wall = time.time() - started
     if args.quick and wall > QUICK_BUDGET_S:
         print(f"[perf] warning: --quick took {wall:.0f} s, over its {QUICK_BUDGET_S:.0f} s budget")
@@ -401,18 +524,29 @@ def main(argv: list[str] | None = None) -> int:
     if args.check:
         for r in results:
             if r.status == "known-miss":
-                print(f"[perf] KNOWN MISS (reported, not gating): goal {r.goal} "
-                      f"({r.bench}/{r.case} vs {r.baseline}): ratio {r.ratio:.3g}x < "
-                      f"{r.min_ratio:g}x -- see perf/thresholds.json", file=sys.stderr)
+                print(
+                    f"[perf] KNOWN MISS (reported, not gating): goal {r.goal} "
+                    f"({r.bench}/{r.case} vs {r.baseline}): ratio {r.ratio:.3g}x < "
+                    f"{r.min_ratio:g}x -- see perf/thresholds.json",
+                    file=sys.stderr,
+                )
         if fails or bench_fail:
             for r in fails:
-                what = (f"ratio {r.ratio:.3g}x < check floor {r.floor:.3g}x (goal {r.min_ratio:g}x)"
-                        if r.ratio is not None else r.detail)
-                print(f"[perf] CHECK FAILED: goal {r.goal} ({r.bench}/{r.case} vs {r.baseline}): "
-                      f"{r.status}: {what}", file=sys.stderr)
+                what = (
+                    f"ratio {r.ratio:.3g}x < check floor {r.floor:.3g}x (goal {r.min_ratio:g}x)"
+                    if r.ratio is not None
+                    else r.detail
+                )
+                print(
+                    f"[perf] CHECK FAILED: goal {r.goal} ({r.bench}/{r.case} vs {r.baseline}): "
+                    f"{r.status}: {what}",
+                    file=sys.stderr,
+                )
             for b in bench_fail:
-                print(f"[perf] CHECK FAILED: {b['goal']} raised: {' '.join(b['detail'])}",
-                      file=sys.stderr)
+                print(
+                    f"[perf] CHECK FAILED: {b['goal']} raised: {' '.join(b['detail'])}",
+                    file=sys.stderr,
+                )
             return 1
         print("[perf] check passed: every gating goal met (or within its documented noise margin)")
     return 0

@@ -51,7 +51,11 @@ def _no_catalogs(weed: str) -> list[str]:
     """The flags that turn off the catalog servers of newer weed versions, where it has them: they
     are not used, and their fixed default ports clash between two servers on one host."""
     usage = subprocess.run([weed, "server", "-h"], capture_output=True, text=True, timeout=30)
-    return [f"-{f}=0" for f in ("s3.port.iceberg", "s3.port.lance") if f"-{f} " in usage.stdout + usage.stderr]
+    return [
+        f"-{f}=0"
+        for f in ("s3.port.iceberg", "s3.port.lance")
+        if f"-{f} " in usage.stdout + usage.stderr
+    ]
 
 
 @dataclass
@@ -97,7 +101,9 @@ class SeaweedServer:
 
     def sockets_in_tmp(self) -> list[Path]:
         """The local sockets of this server's ports in /tmp (``seaweedfs-<role>-<port>.sock``)."""
-        return [p for port in self.ports.values() for p in Path("/tmp").glob(f"seaweedfs-*-{port}.sock")]
+        return [
+            p for port in self.ports.values() for p in Path("/tmp").glob(f"seaweedfs-*-{port}.sock")
+        ]
 
 
 def start(timeout: float = 60.0) -> SeaweedServer:
@@ -119,7 +125,9 @@ def start(timeout: float = 60.0) -> SeaweedServer:
            f"-s3.config={config}", "-master.volumeSizeLimitMB=64", "-volume.max=50", *_no_catalogs(weed),
            # its local sockets go beside its data (their default is /tmp/seaweedfs-*-<port>.sock, never removed)
            f"-filer.localSocket={data}/filer.sock", f"-s3.localSocket={data}/s3.sock"]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, stdout=open(log, "wb"), stderr=subprocess.STDOUT, start_new_session=True
+    )
     server = SeaweedServer(proc, f"http://127.0.0.1:{ports['s3']}", data, log, ports)
     deadline = time.monotonic() + timeout
     while True:

@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-import te_thd.offline_cache.producer as producer
+import te_thd.offline_cache.write.producer as producer
 
 DELAY = float(sys.argv[1])
 _real = producer.lockstep_write

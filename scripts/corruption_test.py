@@ -90,7 +90,10 @@ def _compute(batch: Any) -> dict[str, Any]:
 def _shard_tensors(shard: int) -> dict[str, Any]:
     import torch
 
-    rows = [expected_sample(i) for i in range(shard * SHARD_SIZE, min(NUM_SAMPLES, (shard + 1) * SHARD_SIZE))]
+    rows = [
+        expected_sample(i)
+        for i in range(shard * SHARD_SIZE, min(NUM_SAMPLES, (shard + 1) * SHARD_SIZE))
+    ]
     return {k: torch.stack([r[k] for r in rows]) for k in KEYS}
 
 
@@ -110,7 +113,15 @@ def make_clean_cache(path: Path) -> None:
     """``produce_cache``: lock, resume, manifest with schema and whole-file checksums."""
     from te_thd.offline_cache import produce_cache
 
-    produce_cache(_loader(), str(path), SHARD_SIZE, _compute, KEYS, {"scenario": "corruption_test"}, progress=False)
+    produce_cache(
+        _loader(),
+        str(path),
+        SHARD_SIZE,
+        _compute,
+        KEYS,
+        {"scenario": "corruption_test"},
+        progress=False,
+    )
 
 
 def _write_tensor_shard(path: Path) -> None:
@@ -146,7 +157,9 @@ def _loop_writer(distributed: bool) -> Any:
 
         log = logging.getLogger("corruption_test")
         if distributed:
-            write_cache_shards_distributed(_loader(), str(path), SHARD_SIZE, 1, 0, _compute, fn, log)
+            write_cache_shards_distributed(
+                _loader(), str(path), SHARD_SIZE, 1, 0, _compute, fn, log
+            )
         else:
             write_cache_shards(_loader(), str(path), SHARD_SIZE, 0, _compute, fn, log)
         _reference_manifest(path)
@@ -206,14 +219,18 @@ def _train_epoch(cache_dir: str) -> list[dict[str, Any]]:
     )
 
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UnverifiedCacheWarning)  # the reference writer's cache: counted
+        warnings.simplefilter(
+            "ignore", UnverifiedCacheWarning
+        )  # the reference writer's cache: counted
         ds = CachedTensorDataset(cache_dir, "offline", 1, KEYS)
         collate = CachedThdCollator(64, keys=("input_ids", "loss_mask"), token_keys=("loss_mask",))
         loader = build_cached_dataloader(ds, 4, True, collate, seed=3)
         return [{k: b[k] for k in ("input_ids", "loss_mask", "cu_seqlens")} for b in loader]
 
 
-def _read_everything(cache_dir: str, path: str, clean_epoch: list[dict[str, Any]]) -> tuple[str, BaseException | None, bool]:
+def _read_everything(
+    cache_dir: str, path: str, clean_epoch: list[dict[str, Any]]
+) -> tuple[str, BaseException | None, bool]:
     """Open the cache and read every sample through one read path.
 
     ``path`` is ``"batched"`` (``__getitems__``, what DataLoader calls), ``"item"``
@@ -256,7 +273,9 @@ def _read_everything(cache_dir: str, path: str, clean_epoch: list[dict[str, Any]
                 check(i, ds[i])
 
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UnverifiedCacheWarning)  # the reference writer's cache: counted
+        warnings.simplefilter(
+            "ignore", UnverifiedCacheWarning
+        )  # the reference writer's cache: counted
         outcome, exc = _attempt(run)
     return outcome, exc, state["same"]
 
@@ -292,8 +311,14 @@ def _damage(work: Path, kind: str, rng: random.Random) -> tuple[str, str, dict[s
     return target, region, detail
 
 
-def trial(clean: Path, work: Path, kind: str, rng: random.Random, writer: str = "produce_cache",
-          clean_epoch: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+def trial(
+    clean: Path,
+    work: Path,
+    kind: str,
+    rng: random.Random,
+    writer: str = "produce_cache",
+    clean_epoch: list[dict[str, Any]] | None = None,
+) -> dict[str, Any]:
     """Damage one copy of the clean cache; return what verify and every read path made of it."""
     from te_thd.offline_cache import verify_cache
 
@@ -311,7 +336,9 @@ def trial(clean: Path, work: Path, kind: str, rng: random.Random, writer: str = 
                            "msgs": {n: str(e)[:300] for n, e in [("verify", v_exc)] + [(p, r[1]) for p, r in reads.items()]
                                     if e is not None}}  # fmt: skip
     problems = []
-    for what, out, exc in [("verify", v_out, v_exc)] + [(f"{p} read", r[0], r[1]) for p, r in reads.items()]:
+    for what, out, exc in [("verify", v_out, v_exc)] + [
+        (f"{p} read", r[0], r[1]) for p, r in reads.items()
+    ]:
         if out == "other":
             problems.append(f"{what} raised {type(exc).__name__}: {exc}")
         elif out == "ValueError" and not _names(exc, target):
@@ -325,7 +352,9 @@ def trial(clean: Path, work: Path, kind: str, rng: random.Random, writer: str = 
     wrong = [p for p, (out, _, same) in reads.items() if out == "ok" and not same]
     res["wrong_tensors"] = bool(wrong)
     if wrong and writer not in UNVERIFIABLE:
-        problems.append(f"WRONG TENSORS: the {', '.join(wrong)} read path(s) returned tensors that differ from clean")
+        problems.append(
+            f"WRONG TENSORS: the {', '.join(wrong)} read path(s) returned tensors that differ from clean"
+        )
     if writer == "produce_cache" and target != "manifest.json" and v_out == "ok":
         problems.append("deep verify passed a damaged shard")
     if kind == "shard-truncate" and reads["batched"][0] == "ok" and reads["item"][0] == "ok":
@@ -336,10 +365,20 @@ def trial(clean: Path, work: Path, kind: str, rng: random.Random, writer: str = 
 
 
 PLAN_QUICK = {"shard-flip": 120, "shard-truncate": 30, "manifest-flip": 60, "manifest-truncate": 20}
-PLAN_FULL = {"shard-flip": 1000, "shard-truncate": 200, "manifest-flip": 400, "manifest-truncate": 100}
+PLAN_FULL = {
+    "shard-flip": 1000,
+    "shard-truncate": 200,
+    "manifest-flip": 400,
+    "manifest-truncate": 100,
+}
 #: the other writer paths share the format; fewer trials each
 PLAN_OTHER_QUICK = {"shard-flip": 12, "shard-truncate": 2, "manifest-flip": 2}
-PLAN_OTHER_FULL = {"shard-flip": 200, "shard-truncate": 40, "manifest-flip": 60, "manifest-truncate": 20}
+PLAN_OTHER_FULL = {
+    "shard-flip": 200,
+    "shard-truncate": 40,
+    "manifest-flip": 60,
+    "manifest-truncate": 20,
+}
 
 
 def _summary(trials: list[dict[str, Any]], kinds: list[str]) -> dict[str, Any]:
@@ -353,14 +392,18 @@ def _summary(trials: list[dict[str, Any]], kinds: list[str]) -> dict[str, Any]:
             "detected_at_open_or_read": sum(t["read"] != "ok" for t in ts),
             **{f"detected_by_{p}_read": sum(t[p] != "ok" for t in ts) for p in READ_PATHS},
             "wrong_tensors_returned": sum(t["wrong_tensors"] for t in ts),
-            "benign_undetected_reads_correct": sum(not t["detected"] and t["read_correct"] for t in ts),
+            "benign_undetected_reads_correct": sum(
+                not t["detected"] and t["read_correct"] for t in ts
+            ),
             "violations": sum(bool(t["problems"]) for t in ts),
         }
         if kind == "shard-flip":
             for region in ("header", "data"):
                 rs = [t for t in ts if t["region"] == region]
                 s[f"{region}_flips"] = len(rs)
-                s[f"{region}_flips_caught_by_reader_alone"] = sum(t["batched"] != "ok" and t["item"] != "ok" for t in rs)
+                s[f"{region}_flips_caught_by_reader_alone"] = sum(
+                    t["batched"] != "ok" and t["item"] != "ok" for t in rs
+                )
                 s[f"{region}_flips_caught_by_training_path"] = sum(t["train"] != "ok" for t in rs)
                 s[f"{region}_flips_caught_by_some_read_path"] = sum(t["read"] != "ok" for t in rs)
         if kind.startswith("manifest"):
@@ -369,10 +412,17 @@ def _summary(trials: list[dict[str, Any]], kinds: list[str]) -> dict[str, Any]:
     return summary
 
 
-def run(quick: bool, seed: int | None = None, workdir: str | None = None,
-        plan: dict[str, int] | None = None, other_plan: dict[str, int] | None = None) -> dict[str, Any]:
+def run(
+    quick: bool,
+    seed: int | None = None,
+    workdir: str | None = None,
+    plan: dict[str, int] | None = None,
+    other_plan: dict[str, int] | None = None,
+) -> dict[str, Any]:
     plan = plan or (PLAN_QUICK if quick else PLAN_FULL)
-    other_plan = other_plan if other_plan is not None else (PLAN_OTHER_QUICK if quick else PLAN_OTHER_FULL)
+    other_plan = (
+        other_plan if other_plan is not None else (PLAN_OTHER_QUICK if quick else PLAN_OTHER_FULL)
+    )
     seed = seed if seed is not None else time.time_ns() % 2**31
     rng = random.Random(seed)
     t0 = time.perf_counter()
@@ -391,7 +441,11 @@ def run(quick: bool, seed: int | None = None, workdir: str | None = None,
         if own:
             shutil.rmtree(wd, ignore_errors=True)
     main_trials = [t for t in trials if t["writer"] == "produce_cache"]
-    violations = [f"{t['writer']} {t['kind']} {t['file']} {t.get('pos', t.get('cut'))}: {p}" for t in trials for p in t["problems"]]
+    violations = [
+        f"{t['writer']} {t['kind']} {t['file']} {t.get('pos', t.get('cut'))}: {p}"
+        for t in trials
+        for p in t["problems"]
+    ]
     kinds: dict[str, int] = {}
     for t in trials:
         for p in t["problems"]:
@@ -409,7 +463,9 @@ def run(quick: bool, seed: int | None = None, workdir: str | None = None,
             "shard_flips_detected_by_reading": f"{sum(t['read'] != 'ok' for t in flips)}/{len(flips)}",
             "shard_flips_detected_by_training_path": f"{sum(t['train'] != 'ok' for t in flips)}/{len(flips)}",
             "shard_flips_detected_by_verify": f"{sum(t['verify'] != 'ok' for t in flips)}/{len(flips)}",
-            "wrong_tensors_returned_undetected": sum(t["wrong_tensors"] and not t["detected"] for t in ts),
+            "wrong_tensors_returned_undetected": sum(
+                t["wrong_tensors"] and not t["detected"] for t in ts
+            ),
             "wrong_tensors_returned": sum(t["wrong_tensors"] for t in ts),
             "errors_naming_another_file": sum(bool(t.get("misattributed")) for t in ts),
             "by_kind": _summary(ts, list(dict.fromkeys(t["kind"] for t in ts))),
@@ -422,7 +478,9 @@ def run(quick: bool, seed: int | None = None, workdir: str | None = None,
         "tried": len(main_trials),
         "detected": sum(t["detected"] for t in main_trials),
         "shard_corruptions_detected_by_deep_verify": f"{sum(t['verify'] != 'ok' for t in damaged_shards)}/{len(damaged_shards)}",
-        "wrong_tensors_returned_undetected": sum(not t["detected"] and not t["read_correct"] for t in main_trials),
+        "wrong_tensors_returned_undetected": sum(
+            not t["detected"] and not t["read_correct"] for t in main_trials
+        ),
         "by_kind": _summary(main_trials, list(plan)),
         "by_writer": by_writer,
         "tried_all_writers": len(trials),
@@ -434,7 +492,9 @@ def run(quick: bool, seed: int | None = None, workdir: str | None = None,
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--quick", action="store_true", help=f"CI mode: {PLAN_QUICK}")
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--json", default=None, help="also write the result here")

@@ -124,8 +124,11 @@ def _child_produce(args: argparse.Namespace) -> int:
         import torch.distributed as dist
 
         dist.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=args.rank,
-            world_size=args.world, timeout=timedelta(seconds=60),
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{args.port}",
+            rank=args.rank,
+            world_size=args.world,
+            timeout=timedelta(seconds=60),
         )
     if args.sleep is not None:
         global COMPUTE_SLEEP_S
@@ -198,7 +201,7 @@ def check_killed_state(cache_dir: str, clean: dict[str, bytes]) -> tuple[str, li
         existing_shard_indices,
         verify_cache,
     )
-    from te_thd.offline_cache.storage import TEMP_RE
+    from te_thd.offline_cache.storage.base import TEMP_RE
 
     problems: list[str] = []
     names = sorted(os.listdir(cache_dir)) if os.path.isdir(cache_dir) else []
@@ -206,10 +209,16 @@ def check_killed_state(cache_dir: str, clean: dict[str, bytes]) -> tuple[str, li
     shards = [n for n in names if SHARD_RE.match(n)]
     for n in names:
         if _visible(n) and Path(cache_dir, n).read_bytes() != clean[n]:
-            problems.append(f"after kill: visible {n} differs from the clean run's (partial or wrong)")
+            problems.append(
+                f"after kill: visible {n} differs from the clean run's (partial or wrong)"
+            )
         if not _visible(n) and not n.startswith("."):
             problems.append(f"after kill: unexpected non-hidden file {n}")
-    listed = {f"shard-{i:06d}.safetensors" for i in existing_shard_indices(cache_dir)} if names else set()
+    listed = (
+        {f"shard-{i:06d}.safetensors" for i in existing_shard_indices(cache_dir)}
+        if names
+        else set()
+    )
     if listed != set(shards):
         problems.append(f"existing_shard_indices lists {sorted(listed)}, directory has {shards}")
     if MANIFEST in names:
@@ -239,7 +248,9 @@ def check_final(cache_dir: str, clean: dict[str, bytes]) -> list[str]:
     problems = []
     got = read_dir(cache_dir)
     if sorted(got) != sorted(clean):
-        problems.append(f"final directory has {sorted(set(got) ^ set(clean))} beyond/short of the clean run")
+        problems.append(
+            f"final directory has {sorted(set(got) ^ set(clean))} beyond/short of the clean run"
+        )
     for n, data in got.items():
         if n in clean and data != clean[n]:
             problems.append(f"final {n} is not byte-identical to the clean run's")
@@ -298,9 +309,17 @@ def _child_poll(args: argparse.Namespace) -> int:
         if final_round:
             break
         time.sleep(0.002)
-    Path(args.out).write_text(json.dumps({"observations": obs, "full_reads": full_reads,
-                                          "unfinished_opens": unfinished,
-                                          "violations": violations[:50], "n_violations": len(violations)}))
+    Path(args.out).write_text(
+        json.dumps(
+            {
+                "observations": obs,
+                "full_reads": full_reads,
+                "unfinished_opens": unfinished,
+                "violations": violations[:50],
+                "n_violations": len(violations),
+            }
+        )
+    )
     return 0
 
 
@@ -319,7 +338,10 @@ class _Proc:
         with open(log, "ab") as err:
             self.p = subprocess.Popen(
                 [sys.executable, str(Path(__file__).resolve()), *args],
-                stdout=subprocess.PIPE, stderr=err, env=env, cwd=str(REPO_ROOT),
+                stdout=subprocess.PIPE,
+                stderr=err,
+                env=env,
+                cwd=str(REPO_ROOT),
             )
         self._buf = b""
 
@@ -402,8 +424,20 @@ class Run:
 
     def _start_poller(self, d: Path, tag: str) -> tuple[_Proc, Path, Path]:
         stop, out = self.workdir / f"{tag}.stop", self.workdir / f"{tag}.poll.json"
-        p = _Proc(["_poll", "--dir", str(d), "--clean", self.clean_dir, "--stop", str(stop),
-                    "--out", str(out)], self.logs / f"{tag}.poll.log")
+        p = _Proc(
+            [
+                "_poll",
+                "--dir",
+                str(d),
+                "--clean",
+                self.clean_dir,
+                "--stop",
+                str(stop),
+                "--out",
+                str(out),
+            ],
+            self.logs / f"{tag}.poll.log",
+        )
         return p, stop, out
 
     def _finish_poller(self, p: _Proc, stop: Path, out: Path) -> None:
@@ -415,11 +449,13 @@ class Run:
         self.violations += [f"poller: {v}" for v in res["violations"]]
 
     def _after_kill(self, d: Path, kind: str) -> None:
-        from te_thd.offline_cache.storage import TEMP_RE
+        from te_thd.offline_cache.storage.base import TEMP_RE
 
         point, problems = check_killed_state(str(d), self.clean)
         self.kill_points[point] = self.kill_points.get(point, 0) + 1
-        self.temp_files_left += sum(1 for n in os.listdir(d) if TEMP_RE.match(n)) if d.exists() else 0
+        self.temp_files_left += (
+            sum(1 for n in os.listdir(d) if TEMP_RE.match(n)) if d.exists() else 0
+        )
         self.violations += [f"{kind} kill #{self.kills[kind]}: {p}" for p in problems]
         self.say(f"  {kind} kill #{self.kills[kind]} at {point}; problems: {len(problems)}")
 
@@ -457,7 +493,9 @@ class Run:
                     break
                 rcs = [p.wait(timeout=600) for p in procs]
                 if any(rcs):
-                    self.violations.append(f"{tag}: final producer run exited {rcs}; see {self.logs}")
+                    self.violations.append(
+                        f"{tag}: final producer run exited {rcs}; see {self.logs}"
+                    )
                 break
             problems = check_final(str(d), self.clean)
             self.violations += [f"{tag} final: {p}" for p in problems]
@@ -473,15 +511,29 @@ class Run:
         else:
             port = _free_port()
             procs = [
-                _Proc(["_produce", "--out", str(d), "--rank", str(r), "--world", "2", "--port", str(port)],
-                       Path(f"{log}.rank{r}.log"))
+                _Proc(
+                    [
+                        "_produce",
+                        "--out",
+                        str(d),
+                        "--rank",
+                        str(r),
+                        "--world",
+                        "2",
+                        "--port",
+                        str(port),
+                    ],
+                    Path(f"{log}.rank{r}.log"),
+                )
                 for r in range(2)
             ]
         ready = [p.wait_line("READY", 300) for p in procs]
         if any(r is None for r in ready):
             for p in procs:
                 p.kill()
-            self.violations.append(f"{tag}: producer failed to start (attempt {attempt}); see {log}*.log")
+            self.violations.append(
+                f"{tag}: producer failed to start (attempt {attempt}); see {log}*.log"
+            )
             return None
         return procs
 
@@ -510,13 +562,24 @@ class Run:
             "violations": self.violations,
             "ok": not self.violations,
             "seconds": round(seconds, 1),
-            "scenario": {"num_samples": NUM_SAMPLES, "shard_size": SHARD_SIZE, "batch_size": BATCH_SIZE,
-                         "shard_bytes": len(self.clean.get("shard-000000.safetensors", b""))},
+            "scenario": {
+                "num_samples": NUM_SAMPLES,
+                "shard_size": SHARD_SIZE,
+                "batch_size": BATCH_SIZE,
+                "shard_bytes": len(self.clean.get("shard-000000.safetensors", b"")),
+            },
         }
 
 
-def run(quick: bool, single_kills: int | None = None, dist_kills: int | None = None, seed: int | None = None,
-        workdir: str | None = None, verbose: bool = False, keep: bool = False) -> dict[str, Any]:
+def run(
+    quick: bool,
+    single_kills: int | None = None,
+    dist_kills: int | None = None,
+    seed: int | None = None,
+    workdir: str | None = None,
+    verbose: bool = False,
+    keep: bool = False,
+) -> dict[str, Any]:
     """Run the whole crash test; return the result dict (``ok`` False on any violation)."""
     single = single_kills if single_kills is not None else (3 if quick else 40)
     dist = dist_kills if dist_kills is not None else (2 if quick else 16)
@@ -533,7 +596,9 @@ def run(quick: bool, single_kills: int | None = None, dist_kills: int | None = N
                 before = r.kills[kind]
                 r.chain(kind, min(per_chain, target - r.kills[kind]))
                 if r.kills[kind] == before and r.chains > 4 * (single + dist):
-                    r.violations.append(f"could not land {kind} kills (producer always finished first)")
+                    r.violations.append(
+                        f"could not land {kind} kills (producer always finished first)"
+                    )
                     break
         res = r.result(time.perf_counter() - t0)
         res["seed"] = seed
@@ -548,7 +613,9 @@ def run(quick: bool, single_kills: int | None = None, dist_kills: int | None = N
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = ap.add_subparsers(dest="cmd")
     pp = sub.add_parser("_produce", help=argparse.SUPPRESS)
     pp.add_argument("--out", required=True)
@@ -560,7 +627,9 @@ def main(argv: list[str] | None = None) -> int:
     for a in ("--dir", "--clean", "--stop", "--out"):
         pl.add_argument(a, required=True)
     pl.add_argument("--open-every", type=float, default=0.2, help="seconds between full opens")
-    ap.add_argument("--quick", action="store_true", help="CI mode: 3 single-process + 2 distributed kills")
+    ap.add_argument(
+        "--quick", action="store_true", help="CI mode: 3 single-process + 2 distributed kills"
+    )
     ap.add_argument("--single-kills", type=int, default=None)
     ap.add_argument("--dist-kills", type=int, default=None)
     ap.add_argument("--seed", type=int, default=None)

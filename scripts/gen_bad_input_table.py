@@ -62,7 +62,9 @@ def page_block(text: str) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     g = ap.add_mutually_exclusive_group()
     g.add_argument("--write", action="store_true", help="rewrite the block in docs/bad-inputs.md")
     g.add_argument("--check", action="store_true", help="exit 1 when docs/bad-inputs.md is stale")
@@ -77,8 +79,10 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if args.check:
         if current != table:
-            print(f"{PAGE} bad-input table is stale: run python scripts/gen_bad_input_table.py --write",
-                  file=sys.stderr)
+            print(
+                f"{PAGE} bad-input table is stale: run python scripts/gen_bad_input_table.py --write",
+                file=sys.stderr,
+            )
             return 1
         return 0
     write_block(PAGE, BEGIN, END, table)

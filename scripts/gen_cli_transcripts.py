@@ -92,7 +92,9 @@ BLOCKS: dict[str, list[Step]] = {
         te_thd("cache verify runs/damaged"),
         te_thd("cache repair runs/damaged"),
         sh(BUILD.format(out="runs/damaged")),
-        sh("cmp runs/damaged/shard-000002.safetensors runs/cache/shard-000002.safetensors && echo identical"),
+        sh(
+            "cmp runs/damaged/shard-000002.safetensors runs/cache/shard-000002.safetensors && echo identical"
+        ),
         te_thd("cache repair runs/damaged"),
     ],
     "cli-transcript-manifest": [
@@ -107,8 +109,10 @@ BLOCKS: dict[str, list[Step]] = {
     "cli-transcript-plan": [
         te_thd("cache plan --cp 2 --num-samples 1024 --compact-dtypes --hidden-codec fp8_e4m3"),
         sh("printf '# one length per line\\n3100\\n870\\n15000\\n4096\\n' > runs/lengths.txt"),
-        te_thd("cache plan --lengths runs/lengths.txt --max-len 16384 --key input_ids=int64:L --key seq_len=int64 "
-               "--key hidden=bfloat16:L,4096 --length-key seq_len --shard-size 2 --cp 2"),  # fmt: skip
+        te_thd(
+            "cache plan --lengths runs/lengths.txt --max-len 16384 --key input_ids=int64:L --key seq_len=int64 "
+            "--key hidden=bfloat16:L,4096 --length-key seq_len --shard-size 2 --cp 2"
+        ),  # fmt: skip
         te_thd("cache plan --lengths runs/lengths.txt --key hidden=bfloat16:L,4096 --cp 3"),
     ],
 }
@@ -137,12 +141,20 @@ def _run_cli(args: list[str]) -> tuple[int, str]:
 
 def _run_shell(command: str, root: Path) -> str:
     """``command`` run with bash in ``root``; its output. A failing step stops the generator."""
-    run = f"{shlex.quote(sys.executable)} {command[len('python '):]}" if command.startswith("python ") else command
+    run = (
+        f"{shlex.quote(sys.executable)} {command[len('python ') :]}"
+        if command.startswith("python ")
+        else command
+    )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1"}  # fmt: skip
-    done = subprocess.run(["bash", "-c", run], cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        ["bash", "-c", run], cwd=root, env=env, capture_output=True, text=True, timeout=300
+    )
     if done.returncode != 0:
-        raise RuntimeError(f"step `{command}` exited {done.returncode}:\n{done.stdout}{done.stderr}")
+        raise RuntimeError(
+            f"step `{command}` exited {done.returncode}:\n{done.stdout}{done.stderr}"
+        )
     return done.stdout + done.stderr
 
 
@@ -206,7 +218,9 @@ def stale_report(text: str, blocks: dict[str, str]) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     g = ap.add_mutually_exclusive_group()
     g.add_argument("--write", action="store_true", help="rewrite the blocks in docs/cli.md")
     g.add_argument("--check", action="store_true", help="exit 1 when docs/cli.md is stale")
@@ -223,7 +237,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     missing = [name for name, body in blocks.items() if not write_block(PAGE, *markers(name), body)]
     if missing:
-        print(f"{PAGE} lacks the markers of {missing}; copy a pair and change the name", file=sys.stderr)
+        print(
+            f"{PAGE} lacks the markers of {missing}; copy a pair and change the name",
+            file=sys.stderr,
+        )
         return 1
     print(f"wrote {len(blocks)} transcripts to {PAGE}")
     return 0

@@ -1,8 +1,8 @@
 """The arguments of ``te-thd cache info / verify / repair / plan / unlock``, and the call that runs
 them.
 
-Apart from :mod:`te_thd.offline_cache.cli`, which runs the commands: that imports the cache, and
-with it torch, which ``te-thd cache --help`` and a bad argument must not wait for.
+Apart from :mod:`te_thd.offline_cache.tools.cli`, which runs the commands: that imports the cache,
+and with it torch, which ``te-thd cache --help`` and a bad argument must not wait for.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ _PLAN_EXAMPLES = """two ways in (docs/cache-plan.md):
 
 def _run(args: argparse.Namespace) -> int:
     """Run the parsed ``te-thd cache`` command (the cache, and torch, are imported here)."""
-    from te_thd.offline_cache.cli import run
+    from te_thd.offline_cache.tools.cli import run
 
     return run(args)
 

@@ -29,13 +29,21 @@ SCENARIOS: dict[int, dict[str, tuple[int, int, int]]] = {
     # 13 samples / shard 2 -> 7 shards: ranks own 4+3 shards (8 and 5 samples: 4 vs 3 steps)
     2: {"uneven": (13, 2, 2), "two_shards": (7, 4, 2), "ragged": (13, 2, 2)},
     # 7 shards over 3 ranks: 3+2+2 shards (6, 4, 3 samples); 2 shards over 3 ranks: rank 2 owns none
-    3: {"uneven": (13, 2, 2), "zero_rank": (7, 4, 2), "resume": (13, 2, 2), "subgroup": (7, 2, 2), "schema_error": (9, 2, 2)},
+    3: {
+        "uneven": (13, 2, 2),
+        "zero_rank": (7, 4, 2),
+        "resume": (13, 2, 2),
+        "subgroup": (7, 2, 2),
+        "schema_error": (9, 2, 2),
+    },
 }
 
 
 def dataset(n: int) -> list[dict[str, torch.Tensor]]:
     g = torch.Generator().manual_seed(99)
-    return [{"x": torch.randn(4, generator=g), "i": torch.tensor([i, 2 * i, 3 * i])} for i in range(n)]
+    return [
+        {"x": torch.randn(4, generator=g), "i": torch.tensor([i, 2 * i, 3 * i])} for i in range(n)
+    ]
 
 
 #: scenarios whose name starts with "ragged" store "tok" ragged, fp8-encoded (the token layout)
@@ -50,7 +58,9 @@ def produce_kwargs(name: str) -> dict:
 def compute(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     n = batch["i"][:, 0] % 5 + 1
     real = (torch.arange(5).unsqueeze(0) < n.unsqueeze(1)).unsqueeze(-1)  # [b, 5, 1]: tokens < n
-    tok = (batch["x"][:, None, :] * torch.arange(1, 6).view(1, 5, 1) * real).to(torch.bfloat16)  # [b, 5, 4]
+    tok = (batch["x"][:, None, :] * torch.arange(1, 6).view(1, 5, 1) * real).to(
+        torch.bfloat16
+    )  # [b, 5, 4]
     return {"h": (batch["x"] * 0.5).to(torch.bfloat16), "ids": batch["i"] + 1, "n": n, "tok": tok}
 
 
@@ -59,9 +69,19 @@ def loader(n: int, batch_size: int) -> DataLoader:
 
 
 def main() -> None:
-    rank, world, port, base, out = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
+    rank, world, port, base, out = (
+        int(sys.argv[1]),
+        int(sys.argv[2]),
+        int(sys.argv[3]),
+        sys.argv[4],
+        sys.argv[5],
+    )
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=60)
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=60),
     )
     from te_thd.offline_cache import produce_cache
 
@@ -88,12 +108,24 @@ def main() -> None:
         try:
             kw = produce_kwargs(name)
             m = produce_cache(
-                loader(n, bs), f"{base}/{name}", shard_size, compute_collective, kw.pop("keys"), OPTIONS,
-                group=group, progress=False, length_key=LENGTH_KEY, **kw,
+                loader(n, bs),
+                f"{base}/{name}",
+                shard_size,
+                compute_collective,
+                kw.pop("keys"),
+                OPTIONS,
+                group=group,
+                progress=False,
+                length_key=LENGTH_KEY,
+                **kw,
             )
             results[name] = {"calls": calls["n"], "manifest": m}
         except Exception as exc:  # recorded, the test asserts on it
-            results[name] = {"calls": calls["n"], "error": f"{type(exc).__name__}: {exc}", "tb": traceback.format_exc()}
+            results[name] = {
+                "calls": calls["n"],
+                "error": f"{type(exc).__name__}: {exc}",
+                "tb": traceback.format_exc(),
+            }
         dist.barrier()
     with open(out, "w") as f:
         json.dump(results, f)

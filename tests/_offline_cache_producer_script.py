@@ -35,17 +35,29 @@ import torch
 from torch.utils.data import DataLoader
 
 NUM_SAMPLES = 11
-PARAMS = {"shard_size": 4, "batch_size": 2, "keys": ("hidden", "ids"), "options": {"cp_size": 2, "mask_prompt": True}}
+PARAMS = {
+    "shard_size": 4,
+    "batch_size": 2,
+    "keys": ("hidden", "ids"),
+    "options": {"cp_size": 2, "mask_prompt": True},
+}
 
 
 def dataset() -> list[dict[str, torch.Tensor]]:
     g = torch.Generator().manual_seed(1234)
-    return [{"x": torch.randn(6, 8, generator=g), "i": torch.tensor([i] * 5)} for i in range(NUM_SAMPLES)]
+    return [
+        {"x": torch.randn(6, 8, generator=g), "i": torch.tensor([i] * 5)}
+        for i in range(NUM_SAMPLES)
+    ]
 
 
 def compute_batch(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     # Per-sample deterministic "frozen model": bf16 hidden states and int ids.
-    return {"hidden": (batch["x"] * 3 + 1).to(torch.bfloat16), "ids": batch["i"] * 7, "unused": batch["x"].sum((1, 2))}
+    return {
+        "hidden": (batch["x"] * 3 + 1).to(torch.bfloat16),
+        "ids": batch["i"] * 7,
+        "unused": batch["x"].sum((1, 2)),
+    }
 
 
 def loader() -> DataLoader:
@@ -58,9 +70,9 @@ def _die() -> None:
 
 
 def _install(crash: str) -> None:
-    import te_thd.offline_cache.producer as producer
-    import te_thd.offline_cache.shardfile as shardfile
-    import te_thd.offline_cache.storage as storage
+    import te_thd.offline_cache.storage.base as storage
+    import te_thd.offline_cache.write.producer as producer
+    import te_thd.offline_cache.write.shardfile as shardfile
 
     kind, _, arg = crash.partition(":")
     if kind == "mid_write":
@@ -128,7 +140,13 @@ def main() -> None:
 
     resume = f"`{shlex.join([sys.executable, os.path.abspath(__file__), out, 'none'])}`"
     produce_cache(
-        loader(), out, PARAMS["shard_size"], compute_batch, PARAMS["keys"], PARAMS["options"], progress=False,
+        loader(),
+        out,
+        PARAMS["shard_size"],
+        compute_batch,
+        PARAMS["keys"],
+        PARAMS["options"],
+        progress=False,
         producer_name=resume if named else None,
     )
     print("FINISHED")

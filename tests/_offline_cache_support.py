@@ -13,17 +13,20 @@ import socket
 import torch
 from safetensors.torch import save_file
 
-from te_thd.offline_cache.format import TensorSpec, shard_path
-from te_thd.offline_cache.integrity import HeaderEntry, read_shard_header
-from te_thd.offline_cache.manifest import write_manifest
-from te_thd.offline_cache.producer import produce_cache
-from te_thd.offline_cache.shardfile import ShardRecord, ShardStream
+from te_thd.offline_cache.format.integrity import HeaderEntry, read_shard_header
+from te_thd.offline_cache.format.schema import TensorSpec, shard_path
+from te_thd.offline_cache.record.manifest import write_manifest
+from te_thd.offline_cache.write.producer import produce_cache
+from te_thd.offline_cache.write.shardfile import ShardStream
+from te_thd.offline_cache.record.run import ShardRecord
 
 FORMAT_VERSION = 3
 CACHE_NAME = "test"
 
 
-def sample_tensors(num_samples: int, width: int = 8, seed: int = 0, hidden: int = 0) -> dict[str, torch.Tensor]:
+def sample_tensors(
+    num_samples: int, width: int = 8, seed: int = 0, hidden: int = 0
+) -> dict[str, torch.Tensor]:
     """Every key stacked over all samples: ``sample_id`` int64 ``[N]``, ``input_ids``
     int64 ``[N, W]`` (right-padded with 0 after ``length``), ``loss_mask`` int64
     ``[N, W]``, ``position_mask`` bool ``[N, W, 1]``, ``length`` int32 ``[N]``, and
@@ -36,7 +39,8 @@ def sample_tensors(num_samples: int, width: int = 8, seed: int = 0, hidden: int 
         "sample_id": torch.arange(num_samples, dtype=torch.int64),
         "input_ids": ids,
         "loss_mask": torch.randint(0, 2, (num_samples, width), generator=g) * valid,
-        "position_mask": (torch.rand(num_samples, width, 1, generator=g) > 0.5) & valid.unsqueeze(-1),
+        "position_mask": (torch.rand(num_samples, width, 1, generator=g) > 0.5)
+        & valid.unsqueeze(-1),
         "length": length.to(torch.int32),
     }
     if hidden:
@@ -65,7 +69,8 @@ def read_tuning(engine: str | None = None, parallel_min_bytes: int | None = None
     """Set the read path's tuning constants as a bench does: ``readplan.COPY_ENGINE``
     (``"auto"`` / ``"preadv"`` / ``"mapped"``), ``readexec.PARALLEL_MIN_BYTES``,
     ``readplan.PREADV_MIN_RUN_BYTES``; ``None`` leaves one as it is."""
-    from te_thd.offline_cache import readexec, readplan
+    from te_thd.offline_cache.read import executor as readexec
+    from te_thd.offline_cache.read import planner as readplan
 
     for module, name, value in ((readplan, "COPY_ENGINE", engine), (readexec, "PARALLEL_MIN_BYTES", parallel_min_bytes),
                                 (readplan, "PREADV_MIN_RUN_BYTES", preadv_min_run_bytes)):  # fmt: skip
@@ -123,14 +128,25 @@ def make_cache(
     if producer:
         loader = torch.utils.data.DataLoader(_Rows(tensors), batch_size=shard_size)
         produce_cache(
-            loader, cache_dir, shard_size, lambda batch: batch, tuple(tensors),
-            format_version=FORMAT_VERSION, cache_name=CACHE_NAME, progress=False,
+            loader,
+            cache_dir,
+            shard_size,
+            lambda batch: batch,
+            tuple(tensors),
+            format_version=FORMAT_VERSION,
+            cache_name=CACHE_NAME,
+            progress=False,
         )
         return tensors
     os.makedirs(cache_dir, exist_ok=True)
     for s, start in enumerate(range(0, num_samples, shard_size)):
-        save_file({k: v[start : start + shard_size].contiguous() for k, v in tensors.items()}, shard_path(cache_dir, s))
-    write_manifest(cache_dir, {"num_samples": num_samples, "shard_size": shard_size}, FORMAT_VERSION)
+        save_file(
+            {k: v[start : start + shard_size].contiguous() for k, v in tensors.items()},
+            shard_path(cache_dir, s),
+        )
+    write_manifest(
+        cache_dir, {"num_samples": num_samples, "shard_size": shard_size}, FORMAT_VERSION
+    )
     return tensors
 
 
@@ -144,7 +160,9 @@ def _gloo_entry(rank: int, world: int, port: int, fn, args: tuple, out_dir: str)
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world)
+    )
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         torch.save(fn(rank, world, *args), os.path.join(out_dir, f"rank{rank}.pt"))
@@ -161,7 +179,10 @@ def run_gloo(world: int, fn, *args, out_dir: str, timeout: float = 180) -> list:
 
     ctx = mp.get_context("spawn")
     port = free_port()
-    procs = [ctx.Process(target=_gloo_entry, args=(r, world, port, fn, args, out_dir)) for r in range(world)]
+    procs = [
+        ctx.Process(target=_gloo_entry, args=(r, world, port, fn, args, out_dir))
+        for r in range(world)
+    ]
     for p in procs:
         p.start()
     try:
@@ -175,7 +196,9 @@ def run_gloo(world: int, fn, *args, out_dir: str, timeout: float = 180) -> list:
     codes = [p.exitcode for p in procs]
     if codes != [0] * world:
         raise RuntimeError(f"gloo workers exited with {codes}")
-    return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world)]
+    return [
+        torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world)
+    ]
 
 
 def damage_shard(shard: str | os.PathLike, how: str, shorter_by: int = 7) -> None:

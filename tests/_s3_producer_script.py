@@ -46,7 +46,9 @@ def dataset(n: int = 22) -> list[dict[str, torch.Tensor]]:
 def compute_batch(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     ids, length = batch["input_ids"], batch["length"]
     real = (torch.arange(L).unsqueeze(0) < length.unsqueeze(1)).unsqueeze(-1)
-    hidden = torch.stack([torch.randn(L, H, generator=torch.Generator().manual_seed(int(r.sum()))) for r in ids])
+    hidden = torch.stack(
+        [torch.randn(L, H, generator=torch.Generator().manual_seed(int(r.sum()))) for r in ids]
+    )
     return {"input_ids": ids, "hidden": (hidden * real).to(torch.bfloat16), "length": length}
 
 
@@ -58,12 +60,14 @@ def produce(url: str, **kw) -> dict:
 
 
 def _install_crash(spec: str, url: str) -> None:
-    from te_thd.offline_cache.s3 import client
-    from te_thd.offline_cache.storage import open_storage
+    from te_thd.offline_cache.storage.schemes import open_storage
+    from te_thd.offline_cache.storage.s3 import client
 
     kind, _, k = spec.partition(":")
     target = f"shard-{int(k):06d}.safetensors"
-    cls = type(open_storage(url))  # S3Prefix, or MSCPrefix for msc:// (after_upload only: mid_upload writes with obstore)
+    cls = type(
+        open_storage(url)
+    )  # S3Prefix, or MSCPrefix for msc:// (after_upload only: mid_upload writes with obstore)
     real_commit = cls.commit
 
     def commit(store, name, path):
@@ -86,7 +90,9 @@ def _install_crash(spec: str, url: str) -> None:
 
 
 def _digest(t: torch.Tensor) -> str:
-    return hashlib.sha256(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
+    return hashlib.sha256(
+        t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    ).hexdigest()[:16]
 
 
 def main() -> None:
@@ -105,7 +111,9 @@ def main() -> None:
         rank = int(os.environ["RANK"])
         ds = CachedTensorDataset(url, "test", 1, KEYS)
         out = {"items": [_digest(ds[i]["hidden"]) for i in range(len(ds))]}
-        thd = CachedThdCollator(128, length_key="length", cp_size=2, cp_rank=rank % 2)(ds.__getitems__(list(range(len(ds)))))
+        thd = CachedThdCollator(128, length_key="length", cp_size=2, cp_rank=rank % 2)(
+            ds.__getitems__(list(range(len(ds))))
+        )
         out["thd"] = {k: _digest(v) for k, v in thd.items() if isinstance(v, torch.Tensor)}
         with open(f"{sys.argv[3]}.{rank}.json", "w") as f:
             json.dump(out, f)

@@ -27,7 +27,9 @@ def test_is_int_is_an_int_never_a_bool_within_the_range(value, minimum, below, n
 
 
 @given(value=VALUES, minimum=BOUNDS, maximum=BOUNDS)
-def test_check_int_returns_a_python_int_or_raises_one_line_naming_the_value(value, minimum, maximum) -> None:
+def test_check_int_returns_a_python_int_or_raises_one_line_naming_the_value(
+    value, minimum, maximum
+) -> None:
     ok = is_int(value, minimum, numpy_ints=True) and (maximum is None or value <= maximum)
     if ok:
         got = check_int("n", value, minimum, maximum=maximum, numpy_ints=True)
@@ -44,7 +46,10 @@ def test_check_int_returns_a_python_int_or_raises_one_line_naming_the_value(valu
     ("kwargs", "message"),
     [
         ({"value": 0, "minimum": 1}, "x=0 must be an int >= 1"),
-        ({"value": 3, "minimum": 0, "below": 3, "bound_name": "cp_size"}, r"x=3 must be an int in [0, cp_size=3)"),
+        (
+            {"value": 3, "minimum": 0, "below": 3, "bound_name": "cp_size"},
+            r"x=3 must be an int in [0, cp_size=3)",
+        ),
         ({"value": 11, "minimum": 0, "maximum": 10}, "x=11 must be an int in [0, 10]"),
         ({"value": 2.0}, "x=2.0 must be an int"),
         ({"value": "2", "optional": True}, "x='2' must be an int or None"),
@@ -75,7 +80,9 @@ NAMES = st.one_of(
 
 
 @given(value=NAMES, non_empty=st.booleans(), distinct=st.booleans(), optional=st.booleans())
-def test_check_names_returns_a_tuple_of_names_or_raises_one_line_naming_the_value(value, non_empty, distinct, optional) -> None:
+def test_check_names_returns_a_tuple_of_names_or_raises_one_line_naming_the_value(
+    value, non_empty, distinct, optional
+) -> None:
     """A tuple (or list) of non-empty strings is returned as a tuple; a bare string, a non-name, an
     empty tuple with ``non_empty`` or a repeat with ``distinct`` raise naming the argument and value."""
     seq = isinstance(value, tuple | list)
@@ -94,5 +101,8 @@ def test_check_names_returns_a_tuple_of_names_or_raises_one_line_naming_the_valu
 
 
 def test_check_names_suggests_the_tuple_of_a_bare_string() -> None:
-    with pytest.raises(ValueError, match=r"^disk_keys='hidden' must be a non-empty tuple of key names, e\.g\. \('hidden',\)$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^disk_keys='hidden' must be a non-empty tuple of key names, e\.g\. \('hidden',\)$",
+    ):
         check_names("disk_keys", "hidden", non_empty=True)

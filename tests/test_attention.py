@@ -44,7 +44,9 @@ def _one_thread():
 
 
 def _cu(lengths: list[int]) -> torch.Tensor:
-    return torch.tensor([0, *torch.tensor(lengths, dtype=torch.int64).cumsum(0).tolist()], dtype=I32)
+    return torch.tensor(
+        [0, *torch.tensor(lengths, dtype=torch.int64).cumsum(0).tolist()], dtype=I32
+    )
 
 
 def _stream(lens: list[int], pads: list[int], tail: int) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -230,7 +232,9 @@ def test_te_kwargs_pass_contract_and_drive_reference(batch, mask):
     q, k, v, _ = _qkv(t, 4, 2, 8, 8, seed=0)
     assert check_te_thd_args(q, k, v, **kw) == mask
     out = thd_attention_reference(q, k, v, **kw)
-    ref = sdpa_oracle(q, k, v, kw["cu_seqlens_q"], kw["cu_seqlens_q_padded"], "causal" in mask, None)
+    ref = sdpa_oracle(
+        q, k, v, kw["cu_seqlens_q"], kw["cu_seqlens_q_padded"], "causal" in mask, None
+    )
     real = ~thd["padding_mask"]
     torch.testing.assert_close(out[real], ref[real])
 
@@ -289,7 +293,12 @@ def test_packed_seq_params_keeps_megatrons_import_warnings_out() -> None:
     import sys
 
     def run(code: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-W", "always", "-c", code], capture_output=True, text=True, timeout=300)
+        return subprocess.run(
+            [sys.executable, "-W", "always", "-c", code],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
 
     res = run(_QUIET_SCRIPT)
     assert res.returncode == 0 and res.stdout == "thd\n", res.stderr
@@ -340,11 +349,18 @@ def test_varlen_kwargs_over_padding_between_sequences_are_exact_at_real_tokens(l
     # and padded arrays) is the oracle at every real token, forward and backward.
     lens, pads, tail, hkv, groups, d, dv, _, scale, chunk, seed = layout
     cu, cup, t = _stream(lens, pads, tail)
-    thd = {"cu_seqlens": cu, "cu_seqlens_padded": cup, "input_ids": torch.zeros(t, dtype=torch.long)}
+    thd = {
+        "cu_seqlens": cu,
+        "cu_seqlens_padded": cup,
+        "input_ids": torch.zeros(t, dtype=torch.long),
+    }
     q, k, v, g = _qkv(t, hkv * groups, hkv, d, dv, seed)
     for fn, names in (
         (torch_varlen_kwargs, ("cu_seq_q", "cu_seq_k", "max_q", "max_k")),
-        (flash_attn_varlen_kwargs, ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k")),
+        (
+            flash_attn_varlen_kwargs,
+            ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k"),
+        ),
     ):
         kw = fn(thd)
         cq, ck, mq, mk = (kw[n] for n in names)
@@ -371,7 +387,10 @@ def test_varlen_kwargs_over_padding_need_host_boundaries(fn):
     thd = {"cu_seqlens": torch.tensor([0, 3, 5], dtype=I32).to("meta"), "pad_between_seqs": True,
            "cu_seqlens_padded": torch.tensor([0, 4, 8], dtype=I32).to("meta"), "max_seqlen_int": 4,
            "input_ids": torch.zeros(8, dtype=torch.long, device="meta")}  # fmt: skip
-    with pytest.raises(VarlenLayoutError, match=r"cu_seqlens_padded is on meta; build the kwargs from the CPU batch"):
+    with pytest.raises(
+        VarlenLayoutError,
+        match=r"cu_seqlens_padded is on meta; build the kwargs from the CPU batch",
+    ):
         fn(thd)
 
 
@@ -471,6 +490,7 @@ def _cp_good():
 def _set(**updates):
     def apply(t, kw):
         kw.update(updates)
+
     return apply
 
 
@@ -553,7 +573,9 @@ def test_thd_attention_module_falls_back_to_reference_on_cpu():
     # Same call site with prebuilt TE kwargs, and a bidirectional module.
     torch.testing.assert_close(attn(q, k, v, te_attention_kwargs(thd)), out)
     bi = ThdAttention(4, 8, 2, attn_mask_type="padding", softmax_scale=0.3, backend="reference")
-    want_bi = thd_attention_reference(q, k, v, softmax_scale=0.3, **te_attention_kwargs(thd, "padding"))
+    want_bi = thd_attention_reference(
+        q, k, v, softmax_scale=0.3, **te_attention_kwargs(thd, "padding")
+    )
     torch.testing.assert_close(bi(q, k, v, thd), want_bi.reshape(t, -1))
     out.sum().backward()
     assert q.grad is not None and k.grad is not None

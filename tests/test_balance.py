@@ -96,7 +96,9 @@ def test_differential_against_brute_force():
         assert K == k_best, (lengths, R, S)
         peak = float(replica_costs(plan, lengths, attn_scale=a).max())
         assert opt * (1 - 1e-12) <= peak <= opt * 4 / 3, (lengths, R, S, a)
-        assert plan_bound(lengths, R, S, attn_scale=a, rows_per_replica=K).max_cost <= opt * (1 + 1e-12)
+        assert plan_bound(lengths, R, S, attn_scale=a, rows_per_replica=K).max_cost <= opt * (
+            1 + 1e-12
+        )
         optimal += peak <= opt * (1 + 1e-12)
     assert optimal >= 135, optimal
 
@@ -132,7 +134,9 @@ def test_plan_properties(lengths, R, S, m, a, extra_rows):
 
 
 @settings(max_examples=30)
-@given(st.integers(25, 48), st.integers(100, 400), st.sampled_from([64, 256]), st.integers(0, 2**31))
+@given(
+    st.integers(25, 48), st.integers(100, 400), st.sampled_from([64, 256]), st.integers(0, 2**31)
+)
 def test_plan_properties_many_replicas(R, n, S, seed):
     """With many replicas the balanced placement runs in vectorised rounds: same contract."""
     lengths = np.random.default_rng(seed).integers(1, S + 1, n)
@@ -141,7 +145,9 @@ def test_plan_properties_many_replicas(R, n, S, seed):
     assert K >= min_rows_per_replica(lengths, R, S)
     assert plan_global_batch(lengths.tolist(), R, S, attn_scale=512.0) == plan
     costs = replica_costs(plan, lengths, attn_scale=512.0)
-    assert plan_bound(lengths, R, S, attn_scale=512.0, rows_per_replica=K).max_cost <= costs.max() * (1 + 1e-12)
+    assert plan_bound(
+        lengths, R, S, attn_scale=512.0, rows_per_replica=K
+    ).max_cost <= costs.max() * (1 + 1e-12)
 
 
 def lognormal(rng, n, S, median):
@@ -239,7 +245,10 @@ def test_reexported_from_packing():
         (dict(lengths=[0, 3], num_replicas=1, seq_len=16), r"lengths\[0\]=0.*drop empty"),
         (dict(lengths=[[1, 2]], num_replicas=1, seq_len=16), r"lengths must be 1-D"),
         (dict(lengths=[1.5], num_replicas=1, seq_len=16), r"lengths must be integers"),
-        (dict(lengths=[3], num_replicas=1, seq_len=16, attn_scale=0.0), r"attn_scale=0.0 must be > 0"),
+        (
+            dict(lengths=[3], num_replicas=1, seq_len=16, attn_scale=0.0),
+            r"attn_scale=0.0 must be > 0",
+        ),
         (
             dict(lengths=[9, 9, 9], num_replicas=1, seq_len=16, rows_per_replica=2),
             r"rows_per_replica=2 is too small.*at least 3 rows.*rows_per_replica>=3",
@@ -255,4 +264,3 @@ def test_rows_per_replica_above_the_bound_but_unpackable_names_the_rows_needed()
     # 5 x 4 = 20 tokens = 2 rows of 10 (the bound), but a row holds only two of them
     with pytest.raises(ValueError, match=r"rows_per_replica=2 cannot hold.*needs 3 rows"):
         plan_global_batch([4, 4, 4, 4, 4], 1, 10, rows_per_replica=2)
-

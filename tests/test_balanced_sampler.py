@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from te_thd.balance import replica_costs
-from te_thd.offline_cache.sampler import BalancedBatchSampler, CacheShardSampler, PlannedBatch
+from te_thd.offline_cache.train.sampler import BalancedBatchSampler, CacheShardSampler, PlannedBatch
 
 
 class Samples:
@@ -50,10 +50,16 @@ def unbalanced_steps(n, R, b, shard_size=16, **kw):
 
 @settings(max_examples=25)
 @given(
-    st.integers(1, 300), st.integers(1, 5), st.integers(1, 12), st.booleans(), st.booleans(),
+    st.integers(1, 300),
+    st.integers(1, 5),
+    st.integers(1, 12),
+    st.booleans(),
+    st.booleans(),
     st.integers(0, 3),
 )
-def test_same_samples_per_step_equal_rows_same_plan_on_every_rank(n, R, b, shuffle, drop_last, seed):
+def test_same_samples_per_step_equal_rows_same_plan_on_every_rank(
+    n, R, b, shuffle, drop_last, seed
+):
     ranks, lengths = samplers(n, R, b, shuffle=shuffle, drop_last=drop_last, seed=seed)
     per_rank = [list(s) for s in ranks]
     steps = unbalanced_steps(n, R, b, shuffle=shuffle, drop_last=drop_last, seed=seed)
@@ -98,7 +104,18 @@ def test_balances_what_the_strided_split_does_not():
         glob = [i for x in batches for i in x]
         plan = [[[glob.index(i) for i in x]] for x in batches]
         assert np.allclose(replica_costs(plan, lengths[glob]), per)
-        base = np.array([float(costs[list(CacheShardSampler(Samples(2560, 16), 8, r))[step * 32 : (step + 1) * 32]].sum()) for r in range(8)])
+        base = np.array(
+            [
+                float(
+                    costs[
+                        list(CacheShardSampler(Samples(2560, 16), 8, r))[
+                            step * 32 : (step + 1) * 32
+                        ]
+                    ].sum()
+                )
+                for r in range(8)
+            ]
+        )
         strided.append(base.max() / base.mean())
     assert np.median(planned) <= 1.05 < np.median(strided)
 
@@ -139,14 +156,28 @@ def _loaders(cache_dir, R, **kw):
     from _offline_cache_support import CACHE_NAME, FORMAT_VERSION
 
     from te_thd.offline_cache import CachedTensorDataset, CachedThdCollator, build_cached_dataloader
-    from te_thd.offline_cache.sampler import scan_lengths
+    from te_thd.offline_cache.train.sampler import scan_lengths
 
-    data = CachedTensorDataset(cache_dir, CACHE_NAME, FORMAT_VERSION, ("sample_id", "input_ids", "length"))
+    data = CachedTensorDataset(
+        cache_dir, CACHE_NAME, FORMAT_VERSION, ("sample_id", "input_ids", "length")
+    )
     lengths = scan_lengths(data, length_key="length")
     collate = CachedThdCollator(16, length_key="length", keys=("sample_id", "input_ids", "length"))
     return [
-        build_cached_dataloader(data, 6, True, collate, distributed=True, dp_rank=r, dp_size=R, seed=2,
-                                balance=True, lengths=lengths, attn_scale=64.0, **kw)
+        build_cached_dataloader(
+            data,
+            6,
+            True,
+            collate,
+            distributed=True,
+            dp_rank=r,
+            dp_size=R,
+            seed=2,
+            balance=True,
+            lengths=lengths,
+            attn_scale=64.0,
+            **kw,
+        )
         for r in range(R)
     ], lengths
 
@@ -179,16 +210,20 @@ def test_loader_packs_the_planned_rows_and_resumes(tmp_path):
     assert rest == [b["sample_id"].tolist() for b in per_rank[1][2:]]
     # a worker process receives the planned batch (pickled) and collates it the same way
     workers, _ = _loaders(str(tmp_path), 3, num_workers=1)
-    assert [b["sample_id"].tolist() for b in workers[2]] == [b["sample_id"].tolist() for b in per_rank[2]]
+    assert [b["sample_id"].tolist() for b in workers[2]] == [
+        b["sample_id"].tolist() for b in per_rank[2]
+    ]
 
 
 def scan_lengths_matches(tmp_path, tensors) -> bool:
     from _offline_cache_support import CACHE_NAME, FORMAT_VERSION
 
     from te_thd.offline_cache import CachedTensorDataset
-    from te_thd.offline_cache.sampler import scan_lengths
+    from te_thd.offline_cache.train.sampler import scan_lengths
 
-    data = CachedTensorDataset(str(tmp_path), CACHE_NAME, FORMAT_VERSION, ("input_ids", "length", "position_mask"))
+    data = CachedTensorDataset(
+        str(tmp_path), CACHE_NAME, FORMAT_VERSION, ("input_ids", "length", "position_mask")
+    )
     by_key = scan_lengths(data, length_key="length")
     by_ids = scan_lengths(data)  # ids are right-padded with 0 after the length
     return by_key.tolist() == tensors["length"].tolist() == by_ids.tolist()

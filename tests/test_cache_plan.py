@@ -34,18 +34,18 @@ from te_thd.offline_cache import (
     CachedThdCollator,
     build_cached_dataloader,
     produce_cache,
-    readplan,
 )
-from te_thd.offline_cache.cp_reads import cp_spans, cp_tokens_read
-from te_thd.offline_cache.format import TensorSpec
-from te_thd.offline_cache.plan import (
+from te_thd.offline_cache.format.ragged import CODECS
+from te_thd.offline_cache.format.schema import TensorSpec
+from te_thd.offline_cache.read import planner as readplan
+from te_thd.offline_cache.read.cp_reads import cp_spans, cp_tokens_read
+from te_thd.offline_cache.tools.plan import (
     CacheSpec,
     layouts,
     parse_key,
     plan_cache,
     read_lengths,
 )
-from te_thd.offline_cache.ragged import CODECS
 
 SAMPLE = EXAMPLES / "data" / "sample_chat.jsonl"
 PROPERTY = settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -21,7 +21,10 @@ WRITE = ".venv/bin/python scripts/gen_cli_transcripts.py --write"
 
 
 def test_cli_transcripts_are_what_the_commands_print() -> None:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    }
     done = subprocess.run([sys.executable, str(REPO / "scripts" / "gen_cli_transcripts.py"), "--check"],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
     assert done.returncode == 0, f"docs/cli.md transcripts drifted: run  {WRITE}\n{done.stderr}"

@@ -283,16 +283,16 @@ def test_error_total_tokens_not_divisible():
 
 
 def test_error_boundaries_do_not_cover_stream():
-    with pytest.raises(ValueError, match=r"cu_seqlens_padded ends at 8 but the global stream has 16 tokens"):
+    with pytest.raises(
+        ValueError, match=r"cu_seqlens_padded ends at 8 but the global stream has 16 tokens"
+    ):
         partition_indices(torch.tensor([0, 8]), 16, 2, 0)
 
 
 def test_error_bad_boundaries():
     with pytest.raises(ValueError, match=r"cu_seqlens_padded\[0\] must be 0, got 4"):
         validate_cp_layout(torch.tensor([4, 8]), 8, 2)
-    with pytest.raises(
-        ValueError, match=r"non-decreasing: sequence 1 has length -4"
-    ):
+    with pytest.raises(ValueError, match=r"non-decreasing: sequence 1 has length -4"):
         validate_cp_layout(torch.tensor([0, 8, 4, 8]), 8, 2)
     with pytest.raises(
         ValueError, match=r"non-negative entry 8 at index 3 after the sentinel at index 2"
@@ -320,12 +320,11 @@ def test_error_cp_args():
 
 def test_error_shard_bad_batch():
     batch = _thd_batch([0, 8, 16])
-    with pytest.raises(
-        ValueError, match=r"thd\['nope'\] must be a \[T, \.\.\.\] tensor with T=16"
-    ):
+    with pytest.raises(ValueError, match=r"thd\['nope'\] must be a \[T, \.\.\.\] tensor with T=16"):
         shard_thd_batch_for_cp(batch, 2, 0, extra_keys=("nope",))
     with pytest.raises(
-        ValueError, match=r"extra_keys='hidden_target' must be a tuple of key names, e.g. \('hidden_target',\)"
+        ValueError,
+        match=r"extra_keys='hidden_target' must be a tuple of key names, e.g. \('hidden_target',\)",
     ):
         shard_thd_batch_for_cp(batch, 2, 0, extra_keys="hidden_target")
     with pytest.raises(ValueError, match=r"must hold the flattened token tensor 'input_ids'"):
@@ -354,6 +353,9 @@ def test_shard_a_bare_layout_gives_the_ranks_layout():
         got = shard_thd_batch_for_cp(layout, 2, rank)
         assert isinstance(got, ThdLayout) and (got.cp_size, got.cp_rank) == (2, rank)
         via_dict = shard_thd_batch_for_cp({**batch, LAYOUT_KEY: layout}, 2, rank)[LAYOUT_KEY]
-        assert torch.equal(got.cu_seqlens_padded, via_dict.cu_seqlens_padded) and got.cp_rank == via_dict.cp_rank
+        assert (
+            torch.equal(got.cu_seqlens_padded, via_dict.cu_seqlens_padded)
+            and got.cp_rank == via_dict.cp_rank
+        )
     with pytest.raises(ValueError, match=r"cp_rank=2 must be an int in \[0, cp_size=2\)"):
         shard_thd_batch_for_cp(layout, 2, 2)

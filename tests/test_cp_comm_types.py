@@ -30,7 +30,9 @@ def _batch(cp: int) -> dict:
     gen = torch.Generator().manual_seed(7)
     lengths = [int(n) for n in torch.randint(3, 30, (6,), generator=gen)]
     samples = [{"input_ids": torch.arange(1, n + 1)} for n in lengths]
-    return process_input_for_thd(PackingCollator(64, pad_to_multiple_of=pad_to_multiple_for(cp))(samples))
+    return process_input_for_thd(
+        PackingCollator(64, pad_to_multiple_of=pad_to_multiple_for(cp))(samples)
+    )
 
 
 def _groups(rank: int) -> dict:
@@ -133,7 +135,10 @@ def test_combinations_te_rejects_fail_before_te_sees_them():
     assert "cp_comm_type='a2a' scatters attention heads over the CP size (4), but " in a2a4
     assert "num_gqa_groups=2 is not divisible by it" in a2a4 and "use cp_comm_type='p2p'" in a2a4
     assert a2a2 == "" and p2p == ""
-    assert "cp_comm_type='p2p' needs one torch.distributed ProcessGroup as cp_group, got list" in list_for_p2p
+    assert (
+        "cp_comm_type='p2p' needs one torch.distributed ProcessGroup as cp_group, got list"
+        in list_for_p2p
+    )
     assert "cp_comm_type='a2a+p2p' needs cp_group=[a2a_group, p2p_group]" in group_for_hier
 
 
@@ -154,8 +159,11 @@ def test_te_version_rule_per_comm_type(comm_type, version, ok):
     if ok:
         call()
     else:
-        with pytest.raises(ValueError, match=rf"cp_comm_type='{re.escape(comm_type)}' with qkv_format='thd' needs "
-                           rf"Transformer Engine >= \d+\.\d+, installed: {version[0]}\.{version[1]}"):
+        with pytest.raises(
+            ValueError,
+            match=rf"cp_comm_type='{re.escape(comm_type)}' with qkv_format='thd' needs "
+            rf"Transformer Engine >= \d+\.\d+, installed: {version[0]}\.{version[1]}",
+        ):
             call()
 
 

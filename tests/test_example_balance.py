@@ -46,7 +46,7 @@ def _grad_worker(rank: int, world: int, cache_dir: str) -> dict:
 
     from te_thd.attention import te_attention_kwargs
     from te_thd.offline_cache import CachedTensorDataset, build_cached_dataloader, read_manifest
-    from te_thd.offline_cache.sampler import scan_lengths
+    from te_thd.offline_cache.train.sampler import scan_lengths
 
     manifest = read_manifest(cache_dir, CACHE_NAME, FORMAT_VERSION)
     dataset = CachedTensorDataset(cache_dir, CACHE_NAME, FORMAT_VERSION, KEYS)
@@ -55,11 +55,16 @@ def _grad_worker(rank: int, world: int, cache_dir: str) -> dict:
     args = build_parser().parse_args(["--cache-dir", cache_dir])
     out = {}
     try:
-        for name, balance in (("unbalanced", {}), ("balanced", dict(balance=True, lengths=lengths, attn_scale=64.0))):
+        for name, balance in (
+            ("unbalanced", {}),
+            ("balanced", dict(balance=True, lengths=lengths, attn_scale=64.0)),
+        ):
             torch.manual_seed(0)  # the same initial weights for both
             model = build_student(args, manifest, ctx)
             collate = build_collate(128, 1, 0)
-            loader = build_cached_dataloader(dataset, PER_REPLICA, True, collate, distributed=True, seed=3, **balance)
+            loader = build_cached_dataloader(
+                dataset, PER_REPLICA, True, collate, distributed=True, seed=3, **balance
+            )
             batch = next(iter(loader))
             kw = te_attention_kwargs(batch, cp_size=1)
             forward_backward(model, batch, kw, ctx, hidden_weight=1.0, aux_weight=0.0)
@@ -82,7 +87,10 @@ def test_balanced_step_has_the_unbalanced_gradient(cache_dir):
     assert seqs["unbalanced"] == seqs["balanced"] == 2 * PER_REPLICA  # one global batch
     assert res[0]["balanced"]["rows"] == res[1]["balanced"]["rows"]  # equal rows per replica
     # the same documents overall, but not the same split: the test compares two real splits
-    both = {name: sorted(x for r in res for x in r[name]["tokens"]) for name in ("unbalanced", "balanced")}
+    both = {
+        name: sorted(x for r in res for x in r[name]["tokens"])
+        for name in ("unbalanced", "balanced")
+    }
     assert both["unbalanced"] == both["balanced"]
     assert res[0]["unbalanced"]["tokens"] != res[0]["balanced"]["tokens"]
     for rank in res:

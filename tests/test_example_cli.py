@@ -106,13 +106,18 @@ def test_demo_rejects_a_layout_that_does_not_fit_the_processes(capsys):
     assert "--cp=3 must divide --nproc=4" in capsys.readouterr().err
 
 
-def test_demo_pointed_at_a_directory_without_the_examples_says_what_to_do(monkeypatch, tmp_path, capsys):
+def test_demo_pointed_at_a_directory_without_the_examples_says_what_to_do(
+    monkeypatch, tmp_path, capsys
+):
     import te_thd._demo as demo
 
     monkeypatch.setenv("TE_THD_SOURCE", str(tmp_path))
     assert demo.run_demo(_demo_args()) == 2
     err = capsys.readouterr().err
-    assert f"TE_THD_SOURCE={tmp_path} has no examples/precompute_cache.py, examples/train_ep_cp.py" in err
+    assert (
+        f"TE_THD_SOURCE={tmp_path} has no examples/precompute_cache.py, examples/train_ep_cp.py"
+        in err
+    )
     assert "set it to the root of a te_thd checkout" in err
 
 
@@ -130,11 +135,17 @@ def test_train_batch_larger_than_the_replicas_share_of_the_cache():
 
     args = _train_args()
     assert args.batch_size == 16
-    with pytest.raises(ValueError, match=r"^--batch-size 16: the cache at unused holds 24 samples, too few for 2 data-parallel replicas at 16 samples each \(a step takes 32\); pass --batch-size 12 or less, or build a cache of at least 32 samples$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^--batch-size 16: the cache at unused holds 24 samples, too few for 2 data-parallel replicas at 16 samples each \(a step takes 32\); pass --batch-size 12 or less, or build a cache of at least 32 samples$",
+    ):
         check_batch_fits(args, 24, 2)
     check_batch_fits(_train_args("--batch-size", "12"), 24, 2)
     # more replicas than samples: no batch size helps
-    with pytest.raises(ValueError, match=r"^the cache at unused holds 1 samples, too few for 2 data-parallel replicas \(each step gives every replica at least one\); build a cache of at least 2 samples, or run fewer replicas$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^the cache at unused holds 1 samples, too few for 2 data-parallel replicas \(each step gives every replica at least one\); build a cache of at least 2 samples, or run fewer replicas$",
+    ):
         check_batch_fits(args, 1, 2)
 
 
@@ -170,7 +181,9 @@ def test_precompute_device_cuda_without_cuda_is_one_line_per_job(tmp_path):
     )  # fmt: skip
     assert run.returncode != 0
     errors = [line for line in run.stderr.splitlines() if line.startswith("error:")]
-    assert errors == ["error: --device cuda was given but CUDA is not available; use --device cpu"], run.stderr
+    assert errors == [
+        "error: --device cuda was given but CUDA is not available; use --device cpu"
+    ], run.stderr
     # (torchrun itself still reports that its children failed: that report is the launcher's)
     assert "_cuda_setDevice" not in run.stderr and "Torch not compiled with CUDA" not in run.stderr
     assert 'File "' + str(REPO / "examples") not in run.stderr  # no traceback from the script
@@ -190,7 +203,9 @@ def test_precompute_help_shows_each_default_once_and_none_for_required_flags(cap
     out = " ".join(raw.split())
     assert "(default: None)" not in out
     assert "JSONL key of plain text (default: text) --messages-key" in out  # once, not twice
-    assert "--out OUT cache directory (required unless --plan) --target" in out  # required: no default to show
+    assert (
+        "--out OUT cache directory (required unless --plan) --target" in out
+    )  # required: no default to show
     assert "(default: cpu)" in out and "where the target runs: cpu" in out
     # the docstring's shell line continuation is shown as written, not joined into one line
     assert "--target hf:models/my-llm \\\n        --data jsonl:chats.jsonl" in raw
@@ -216,12 +231,16 @@ def test_a_recorded_producer_script_is_named_by_its_absolute_path(monkeypatch, t
     from te_thd._checkout import SOURCE_ENV, checkout_file
 
     monkeypatch.delenv(SOURCE_ENV, raising=False)
-    assert checkout_file("examples/precompute_cache.py") == str(REPO / "examples" / "precompute_cache.py")
+    assert checkout_file("examples/precompute_cache.py") == str(
+        REPO / "examples" / "precompute_cache.py"
+    )
     other = tmp_path / "checkout"
     (other / "examples").mkdir(parents=True)
     (other / "examples" / "precompute_cache.py").write_text("")
     monkeypatch.setenv(SOURCE_ENV, str(other))
-    assert checkout_file("examples/precompute_cache.py") == str(other / "examples" / "precompute_cache.py")
+    assert checkout_file("examples/precompute_cache.py") == str(
+        other / "examples" / "precompute_cache.py"
+    )
     monkeypatch.chdir(tmp_path)
     (tmp_path / "mine.py").write_text("")
     assert checkout_file("mine.py") == str(tmp_path / "mine.py")  # a user's own producer, run here

@@ -73,7 +73,9 @@ def test_the_suggested_layout_satisfies_every_constraint(nproc, cp, ep, num_samp
     assert all(v >= 1 for v in fit) and fit[1] == cp
     assert _fits(*fit), fit
     assert demo.layout_problems(*fit) == []
-    demo._check(_args(*f"--nproc {fit[0]} --cp {fit[1]} --ep {fit[2]} --num-samples {fit[3]}".split()))
+    demo._check(
+        _args(*f"--nproc {fit[0]} --cp {fit[1]} --ep {fit[2]} --num-samples {fit[3]}".split())
+    )
     if _fits(nproc, cp, ep, num_samples):  # what already works is suggested unchanged
         assert fit == (nproc, cp, ep, num_samples)
         assert demo.layout_problems(nproc, cp, ep, num_samples) == []
@@ -99,7 +101,9 @@ def test_the_suggested_layout_satisfies_every_constraint(nproc, cp, ep, num_samp
         ),
     ],
 )
-def test_a_layout_that_does_not_fit_gets_one_suggestion_that_does(tmp_path, argv, problems, suggestion):
+def test_a_layout_that_does_not_fit_gets_one_suggestion_that_does(
+    tmp_path, argv, problems, suggestion
+):
     run = _demo(*argv, "--out", str(tmp_path / "d"), cwd=tmp_path)
     assert run.returncode == 2 and run.stdout == ""
     assert run.stderr == f"te-thd demo: {problems}; this combination satisfies all: {suggestion}\n"
@@ -171,7 +175,9 @@ def test_the_demo_run_twice_keeps_both_runs_and_resume_continues_the_newest(tmp_
     assert {p: p.read_bytes() for p in sorted((out / "train").rglob("*")) if p.is_file()} == kept
     assert [r["step"] for r in _metrics(out / "train-2")] == [1, 2]
 
-    resumed = _demo(*fit, *small[:2], "--steps", "3", "--num-samples", "64", "--resume", cwd=tmp_path)
+    resumed = _demo(
+        *fit, *small[:2], "--steps", "3", "--num-samples", "64", "--resume", cwd=tmp_path
+    )
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert f"resuming the run in {out}/train-2" in resumed.stdout
     assert f"resumed from step 2 ({out}/train-2/ckpt)" in resumed.stdout
@@ -182,25 +188,60 @@ def test_the_demo_run_twice_keeps_both_runs_and_resume_continues_the_newest(tmp_
 def test_the_demo_with_follow_runs_the_producer_and_the_trainer_at_once(tmp_path):
     """``--follow``: one step starts both (the trainer follows the producer), their logs beside the runs,
     each job's result line at the end; a second run trains on the finished cache the same way."""
-    small = ["--nproc", "2", "--cp", "2", "--ep", "1", "--steps", "4", "--num-samples", "64", "--out", "d"]
+    small = [
+        "--nproc",
+        "2",
+        "--cp",
+        "2",
+        "--ep",
+        "1",
+        "--steps",
+        "4",
+        "--num-samples",
+        "64",
+        "--out",
+        "d",
+    ]
     run = _demo(*small, "--follow", cwd=tmp_path)
     assert run.returncode == 0, run.stdout + run.stderr
     out = tmp_path / "d"
-    assert "== precompute and train at the same time (the trainer follows the producer)" in run.stdout
-    assert f"--cache-dir {out}/cache-cp2-n64 --out {out}/train " in run.stdout and " --follow\n" in run.stdout
+    assert (
+        "== precompute and train at the same time (the trainer follows the producer)" in run.stdout
+    )
+    assert (
+        f"--cache-dir {out}/cache-cp2-n64 --out {out}/train " in run.stdout
+        and " --follow\n" in run.stdout
+    )
     assert f"logs: {out}/cache-cp2-n64.log, {out}/train.log" in run.stdout
-    assert f"cache ready: {out}/cache-cp2-n64 " in run.stdout and "summary: steps 0->4 " in run.stdout
+    assert (
+        f"cache ready: {out}/cache-cp2-n64 " in run.stdout and "summary: steps 0->4 " in run.stdout
+    )
     assert [r["step"] for r in _metrics(out / "train")] == [1, 2, 3, 4]
     assert not (out / "cache-cp2-n64" / ".te_thd-follow.json").exists()
     again = _demo(*small, "--follow", cwd=tmp_path)
     assert again.returncode == 0, again.stdout + again.stderr
-    assert [r["loss"] for r in _metrics(out / "train-2")] == [r["loss"] for r in _metrics(out / "train")]
+    assert [r["loss"] for r in _metrics(out / "train-2")] == [
+        r["loss"] for r in _metrics(out / "train")
+    ]
 
 
 def test_the_demo_with_follow_stops_the_trainer_when_the_producer_fails(tmp_path):
     (tmp_path / "d").mkdir()
     (tmp_path / "d" / "cache-cp2-n64").write_text("not a cache")
-    small = ["--nproc", "2", "--cp", "2", "--ep", "1", "--steps", "4", "--num-samples", "64", "--out", "d"]
+    small = [
+        "--nproc",
+        "2",
+        "--cp",
+        "2",
+        "--ep",
+        "1",
+        "--steps",
+        "4",
+        "--num-samples",
+        "64",
+        "--out",
+        "d",
+    ]
     run = _demo(*small, "--follow", cwd=tmp_path)
     assert run.returncode != 0
     assert "is a file, not a directory" in run.stdout, run.stdout + run.stderr

@@ -26,7 +26,7 @@ SCRIPT = textwrap.dedent(
     signal.signal(signal.SIGHUP, signal.SIG_DFL)  # as in a terminal, even when the tests run under nohup
     sys.path.insert(0, {examples!r})
     from ep_cp.errors import run_main
-    from te_thd.offline_cache.storage import private_dir
+    from te_thd.offline_cache.storage.base import private_dir
 
     class Owner:  # what owns the directory: a reader's read-through copy, in the library
         pass

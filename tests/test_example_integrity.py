@@ -28,8 +28,8 @@ from _offline_cache_support import damage_shard
 
 import te_thd.offline_cache as oc
 from te_thd.cli import build_parser as te_thd_parser
-from te_thd.offline_cache.integrity import read_shard_header
-from te_thd.offline_cache.token_read import token_index
+from te_thd.offline_cache.format.integrity import read_shard_header
+from te_thd.offline_cache.format.token_index import token_index
 
 
 def _env() -> dict[str, str]:
@@ -51,7 +51,6 @@ def _train(cache: Path, out: Path, cp: int, *extra: str) -> subprocess.Completed
         "--cp", str(cp), "--ep", "1", "--steps", "10", "--batch-size", "4", "--log-every", "100", *extra,
     ]  # fmt: skip
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=_env(), cwd=REPO)
-
 
 
 def _commands(message: str) -> list[str]:
@@ -95,15 +94,22 @@ def _flip(path: Path, key: str, row: int) -> None:
     path.write_bytes(bytes(data))
 
 
-def test_flipped_byte_stops_training_once_with_a_repair_that_works(cache_dir: Path, tmp_path: Path) -> None:
+def test_flipped_byte_stops_training_once_with_a_repair_that_works(
+    cache_dir: Path, tmp_path: Path
+) -> None:
     cache = tmp_path / "cache"
     shutil.copytree(cache_dir, cache)
     _flip(cache / "shard-000001.safetensors", "hidden", 3)
     msg = one_error(_train(cache, tmp_path / "run", 2))
-    assert f"shard {cache}/shard-000001.safetensors: sample 11 (row 3 of the shard), key 'hidden': checksum mismatch" in msg
+    assert (
+        f"shard {cache}/shard-000001.safetensors: sample 11 (row 3 of the shard), key 'hidden': checksum mismatch"
+        in msg
+    )
     cmds = _commands(msg)
     assert cmds[0] == f"te-thd cache repair {cache}"
-    assert cmds[1].startswith(f"{shlex.quote(sys.executable)} {EXAMPLES}/precompute_cache.py --out ")
+    assert cmds[1].startswith(
+        f"{shlex.quote(sys.executable)} {EXAMPLES}/precompute_cache.py --out "
+    )
     for cmd in cmds:
         _check_command(cmd)
     # ... and run as printed: repair, then the producer command (from another directory than
@@ -113,10 +119,23 @@ def test_flipped_byte_stops_training_once_with_a_repair_that_works(cache_dir: Pa
     assert main(shlex.split(cmds[0])[1:]) == 0
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    subprocess.run(shlex.split(cmds[1]), check=True, capture_output=True, timeout=180, env=_env(), cwd=elsewhere)
+    subprocess.run(
+        shlex.split(cmds[1]),
+        check=True,
+        capture_output=True,
+        timeout=180,
+        env=_env(),
+        cwd=elsewhere,
+    )
     assert oc.verify_cache(str(cache), deep=True)["checksums_verified"]
-    for name in ("shard-000000.safetensors", "shard-000002.safetensors", "shard-000003.safetensors"):
-        assert (cache / name).read_bytes() == (cache_dir / name).read_bytes(), name  # kept, not recomputed
+    for name in (
+        "shard-000000.safetensors",
+        "shard-000002.safetensors",
+        "shard-000003.safetensors",
+    ):
+        assert (cache / name).read_bytes() == (cache_dir / name).read_bytes(), (
+            name
+        )  # kept, not recomputed
 
 
 @pytest.mark.parametrize("how", ["lost", "truncated"])
@@ -151,7 +170,14 @@ def test_cp_mismatch_and_world_size_are_one_message(cache_dir: Path, tmp_path: P
     # the rebuild runs as printed from any directory: absolute script and output paths
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    subprocess.run(shlex.split(cmds[0]), check=True, capture_output=True, timeout=180, env=_env(), cwd=elsewhere)
+    subprocess.run(
+        shlex.split(cmds[0]),
+        check=True,
+        capture_output=True,
+        timeout=180,
+        env=_env(),
+        cwd=elsewhere,
+    )
     from ep_cp.cache_format import CACHE_NAME, FORMAT_VERSION
 
     rebuilt = oc.read_manifest(f"{cache_dir}-cp1-seq128", CACHE_NAME, FORMAT_VERSION)
@@ -194,8 +220,8 @@ def test_library_hints_name_commands_that_exist(tmp_path: Path) -> None:
     from torch.utils.data import DataLoader
 
     messages = [
-        oc.format.repair_hint(str(tmp_path / "c")),
-        oc.format.producer_hint(None),
+        oc.format.schema.repair_hint(str(tmp_path / "c")),
+        oc.format.schema.producer_hint(None),
     ]
     for exc_fn in (
         lambda: oc.read_manifest(str(tmp_path / "none"), "x", 1),
@@ -230,7 +256,9 @@ def _run_as_printed(cmd: str, cwd: Path) -> None:
 
 
 @pytest.mark.parametrize("damage", ["missing", "truncated", "flipped"])
-def test_every_hint_about_a_damaged_shard_runs_as_printed(cache_dir: Path, tmp_path: Path, damage: str) -> None:
+def test_every_hint_about_a_damaged_shard_runs_as_printed(
+    cache_dir: Path, tmp_path: Path, damage: str
+) -> None:
     """A cache the example built, one shard damaged: ``te-thd cache verify`` and the reader name the
     exact producer command the manifest records (with the interpreter that has torch), and running
     every command they print, in order, as printed, gives back a cache that verifies: the clean bytes."""
@@ -248,11 +276,17 @@ def test_every_hint_about_a_damaged_shard_runs_as_printed(cache_dir: Path, tmp_p
         from ep_cp.cache_format import CACHE_NAME, FORMAT_VERSION, KEYS
 
         # .tensors: a ragged cache reads its token keys when the batch's tensors are first used
-        _ = oc.CachedTensorDataset(str(cache), CACHE_NAME, FORMAT_VERSION, KEYS).__getitems__(list(range(16))).tensors
+        _ = (
+            oc.CachedTensorDataset(str(cache), CACHE_NAME, FORMAT_VERSION, KEYS)
+            .__getitems__(list(range(16)))
+            .tensors
+        )
     for message in (verify.stderr, str(read.value)):
         cmds = _commands(message)
         producer = [c for c in cmds if "precompute_cache.py" in c]
-        assert producer and producer[0].startswith(f"{shlex.quote(sys.executable)} {EXAMPLES}/precompute_cache.py --out {cache} "), message
+        assert producer and producer[0].startswith(
+            f"{shlex.quote(sys.executable)} {EXAMPLES}/precompute_cache.py --out {cache} "
+        ), message
         assert "(the producer this cache records)" not in message and "`python " not in message
     elsewhere = tmp_path / "elsewhere"  # not the checkout: the printed commands run from anywhere
     elsewhere.mkdir()
@@ -272,23 +306,41 @@ def test_compact_dtypes_store_the_topk_ids_in_the_index_codec_and_verify_and_rep
     from ep_cp.cache_format import CACHE_NAME, FORMAT_VERSION, KEYS
 
     cache = tmp_path / "compact"
-    cmd = [sys.executable, str(EXAMPLES / "precompute_cache.py"), *small_cache_argv(str(cache), 32), "--compact-dtypes"]
+    cmd = [
+        sys.executable,
+        str(EXAMPLES / "precompute_cache.py"),
+        *small_cache_argv(str(cache), 32),
+        "--compact-dtypes",
+    ]
     subprocess.run(cmd, check=True, capture_output=True, timeout=180, env=_env())
     manifest = json.loads((cache / "manifest.json").read_text())
     assert manifest["token_layout"]["codecs"] == {"topk_indices": "topk_index:256"}
     entries = read_shard_header(str(cache / "shard-000000.safetensors")).entries
     plain = read_shard_header(str(cache_dir / "shard-000000.safetensors")).entries
-    assert entries["topk_indices@tokens"].end - entries["topk_indices@tokens"].start == (
-        plain["topk_indices@tokens"].end - plain["topk_indices@tokens"].start
-    ) // 2  # int16 for int32
-    a = oc.CachedTensorDataset(str(cache_dir), CACHE_NAME, FORMAT_VERSION, KEYS).__getitems__(list(range(32))).tensors
-    b = oc.CachedTensorDataset(str(cache), CACHE_NAME, FORMAT_VERSION, KEYS).__getitems__(list(range(32))).tensors
-    assert b["topk_indices"].dtype == a["topk_indices"].dtype and b["topk_indices"].equal(a["topk_indices"])
+    assert (
+        entries["topk_indices@tokens"].end - entries["topk_indices@tokens"].start
+        == (plain["topk_indices@tokens"].end - plain["topk_indices@tokens"].start) // 2
+    )  # int16 for int32
+    a = (
+        oc.CachedTensorDataset(str(cache_dir), CACHE_NAME, FORMAT_VERSION, KEYS)
+        .__getitems__(list(range(32)))
+        .tensors
+    )
+    b = (
+        oc.CachedTensorDataset(str(cache), CACHE_NAME, FORMAT_VERSION, KEYS)
+        .__getitems__(list(range(32)))
+        .tensors
+    )
+    assert b["topk_indices"].dtype == a["topk_indices"].dtype and b["topk_indices"].equal(
+        a["topk_indices"]
+    )
     clean = {p.name: p.read_bytes() for p in cache.glob("shard-*.safetensors")}
     _flip(cache / "shard-000001.safetensors", "topk_indices", 3)
     verify = subprocess.run([sys.executable, "-m", "te_thd.cli", "cache", "verify", str(cache)],
                             capture_output=True, text=True, timeout=120, env=_env(), cwd=REPO)  # fmt: skip
-    assert verify.returncode == 1 and "key 'topk_indices'" in verify.stderr, verify.stdout + verify.stderr
+    assert verify.returncode == 1 and "key 'topk_indices'" in verify.stderr, (
+        verify.stdout + verify.stderr
+    )
     cmds = _commands(verify.stderr)
     assert any("precompute_cache.py" in c and c.endswith("--compact-dtypes") for c in cmds), cmds
     for c in cmds:

@@ -27,7 +27,11 @@ def _env() -> dict[str, str]:
 
 
 def _precompute(out: Path, num_samples: int) -> str:
-    cmd = [sys.executable, str(EXAMPLES / "precompute_cache.py"), *small_cache_argv(str(out), num_samples)]
+    cmd = [
+        sys.executable,
+        str(EXAMPLES / "precompute_cache.py"),
+        *small_cache_argv(str(out), num_samples),
+    ]
     subprocess.run(cmd, check=True, capture_output=True, timeout=180, env=_env())
     return str(out)
 
@@ -38,7 +42,9 @@ def caches(tmp_path_factory) -> dict[str, str]:
     return {"main": _precompute(root / "cache", 48), "other": _precompute(root / "other", 40)}
 
 
-def _train(cache: str, out: Path, *extra: str, steps: int = 3, cwd: Path = REPO) -> subprocess.CompletedProcess:
+def _train(
+    cache: str, out: Path, *extra: str, steps: int = 3, cwd: Path = REPO
+) -> subprocess.CompletedProcess:
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
         str(EXAMPLES / "train_ep_cp.py"), "--cache-dir", cache, "--out", str(out), "--cp", "2",
@@ -47,13 +53,14 @@ def _train(cache: str, out: Path, *extra: str, steps: int = 3, cwd: Path = REPO)
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=_env(), cwd=cwd)
 
 
-
 def _snapshot(d: Path) -> dict[str, bytes]:
     return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
 
 
 @pytest.fixture(scope="module")
-def first_run(caches, tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess, dict[str, bytes]]:
+def first_run(
+    caches, tmp_path_factory
+) -> tuple[Path, subprocess.CompletedProcess, dict[str, bytes]]:
     """A 3-step run: its ``--out``, its output, and its files as it left them."""
     out = tmp_path_factory.mktemp("runs") / "run"
     res = _train(caches["main"], out)
@@ -93,7 +100,15 @@ def test_resume_with_nothing_to_resume_is_refused(caches, tmp_path):
 def _direct(cache: str, out: Path, *extra: str) -> subprocess.CompletedProcess:
     """``train_ep_cp.py`` without a launcher: enough for what it refuses before the process group."""
     return subprocess.run(
-        [sys.executable, str(EXAMPLES / "train_ep_cp.py"), "--cache-dir", cache, "--out", str(out), *extra],
+        [
+            sys.executable,
+            str(EXAMPLES / "train_ep_cp.py"),
+            "--cache-dir",
+            cache,
+            "--out",
+            str(out),
+            *extra,
+        ],
         capture_output=True,
         text=True,
         timeout=120,
@@ -177,7 +192,9 @@ def test_a_short_run_summary_compares_its_first_and_last_step(first_run):
     metrics = [json.loads(ln) for ln in files["metrics.jsonl"].decode().splitlines()]
     first, last = metrics[0]["loss"], metrics[-1]["loss"]
     assert first != last
-    assert f"summary: steps 0->3 | loss {first:.4f} -> {last:.4f} (first vs last step) |" in res.stdout
+    assert (
+        f"summary: steps 0->3 | loss {first:.4f} -> {last:.4f} (first vs last step) |" in res.stdout
+    )
     summary = json.loads(files["summary.json"])
     assert (summary["loss_first"], summary["loss_last"], summary["loss_window"]) == (first, last, 1)
 

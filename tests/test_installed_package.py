@@ -30,9 +30,24 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str,
     shutil.copytree(REPO / "te_thd", src / "te_thd", ignore=shutil.ignore_patterns("__pycache__"))
     target = tmp / "site"
     subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-index",
-         "--no-build-isolation", "--disable-pip-version-check", "--target", str(target), str(src)],
-        check=True, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--no-deps",
+            "--no-index",
+            "--no-build-isolation",
+            "--disable-pip-version-check",
+            "--target",
+            str(target),
+            str(src),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     shutil.rmtree(src)  # the installed copy must not need its sources
     env = {k: v for k, v in os.environ.items() if k != "TE_THD_SOURCE"}
@@ -40,19 +55,33 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str,
     return target, env
 
 
-def _te_thd(installed: tuple[Path, dict[str, str]], *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+def _te_thd(
+    installed: tuple[Path, dict[str, str]], *args: str, **env: str
+) -> subprocess.CompletedProcess[str]:
     target, base = installed
     script = target / "bin" / "te-thd"
     assert script.is_file(), "pip installed no te-thd console script"
     cwd = target.parent  # outside any checkout
-    return subprocess.run([sys.executable, str(script), *args], cwd=cwd, env={**base, **env},
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, str(script), *args],
+        cwd=cwd,
+        env={**base, **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_installed_copy_is_the_one_imported(installed) -> None:
     target, env = installed
-    out = subprocess.run([sys.executable, "-c", "import te_thd; print(te_thd.__file__)"],
-                         cwd=target.parent, env=env, capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", "import te_thd; print(te_thd.__file__)"],
+        cwd=target.parent,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert Path(out.stdout.strip()).is_relative_to(target)
 
 

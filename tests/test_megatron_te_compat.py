@@ -73,10 +73,16 @@ class PackedSeqParamsCurrent(PackedSeqParams0_16):
         )
         if isinstance(cu_seqlens, Tensor) and self.total_tokens is not None:
             self.post_init_devices = (cu_seqlens.device.type,)
-            total = torch.tensor([self.total_tokens], dtype=cu_seqlens.dtype, device=cu_seqlens.device)
-            lengths = (torch.cat([cu_seqlens, total])[1:] - torch.cat([cu_seqlens, total])[:-1]).clamp(min=0)
+            total = torch.tensor(
+                [self.total_tokens], dtype=cu_seqlens.dtype, device=cu_seqlens.device
+            )
+            lengths = (
+                torch.cat([cu_seqlens, total])[1:] - torch.cat([cu_seqlens, total])[:-1]
+            ).clamp(min=0)
             self.seq_idx = (
-                torch.repeat_interleave(torch.arange(lengths.numel(), device=cu_seqlens.device), lengths)
+                torch.repeat_interleave(
+                    torch.arange(lengths.numel(), device=cu_seqlens.device), lengths
+                )
                 .to(torch.int32)
                 .unsqueeze(0)
             )
@@ -107,7 +113,9 @@ def test_real_megatron_class_gets_its_fields_only():
      (PackedSeqParamsCurrent, True, True)],
 )  # fmt: skip
 @pytest.mark.parametrize("pad_between", [True, False])
-def test_every_known_field_the_installed_class_has_is_set(monkeypatch, cls, has_total, has_pad, pad_between):
+def test_every_known_field_the_installed_class_has_is_set(
+    monkeypatch, cls, has_total, has_pad, pad_between
+):
     monkeypatch.setattr(mcore_psp, "PackedSeqParams", cls)
     # pad_between: documents padded to 2 slots inside rows of 8; else one tail-padded row
     thd = _thd([5, 3, 7], 8, multiple=2) if pad_between else _thd([3, 2], 8)

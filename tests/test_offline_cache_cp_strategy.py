@@ -17,11 +17,11 @@ from te_thd.offline_cache import (
     CachedThdCollator,
     build_cached_dataloader,
     produce_cache,
-    readplan,
 )
-from te_thd.offline_cache.cp_reads import contiguous_ranges, cp_spans
-from te_thd.offline_cache.format import TensorSpec
-from te_thd.offline_cache.plan import CacheSpec, plan_cache
+from te_thd.offline_cache.format.schema import TensorSpec
+from te_thd.offline_cache.read import planner as readplan
+from te_thd.offline_cache.read.cp_reads import contiguous_ranges, cp_spans
+from te_thd.offline_cache.tools.plan import CacheSpec, plan_cache
 
 L, H = 24, 8
 KEYS = ("input_ids", "hidden", "length")

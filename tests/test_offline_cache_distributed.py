@@ -23,7 +23,7 @@ from te_thd.offline_cache import (
     produce_cache,
     verify_cache,
 )
-from te_thd.offline_cache.producer import PROGRESS_NAME
+from te_thd.offline_cache.write.producer import PROGRESS_NAME
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "_offline_cache_dist_worker.py"
@@ -56,8 +56,19 @@ def _spawn(world: int, base: Path) -> list[dict]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     procs = [
         subprocess.Popen(
-            [sys.executable, str(WORKER), str(r), str(world), str(port), str(base / "caches"), str(outs[r])],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+            [
+                sys.executable,
+                str(WORKER),
+                str(r),
+                str(world),
+                str(port),
+                str(base / "caches"),
+                str(outs[r]),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
         )
         for r in range(world)
     ]
@@ -75,12 +86,16 @@ def _spawn(world: int, base: Path) -> list[dict]:
     return [json.loads(o.read_text()) for o in outs]
 
 
-def _expected_steps(n: int, shard_size: int, bs: int, world: int, present: set[int] = frozenset()) -> list[int]:
+def _expected_steps(
+    n: int, shard_size: int, bs: int, world: int, present: set[int] = frozenset()
+) -> list[int]:
     local = []
     for r in range(world):
         s0, _, k = partition_cache_shards(n, shard_size, world, r)
         shards = range(s0, s0 + -(-k // shard_size)) if k else range(0)
-        local.append(sum(-(-min(shard_size, n - i * shard_size) // bs) for i in shards if i not in present))
+        local.append(
+            sum(-(-min(shard_size, n - i * shard_size) // bs) for i in shards if i not in present)
+        )
     return local
 
 
@@ -96,14 +111,18 @@ def _check_same_cache(results: list[dict], name: str, cache: Path, ref: dict[str
     # every sample's length recorded, from the data, whichever rank wrote (or a resume read back) its shard
     m = manifests[0]
     assert m["length_rule"] == {"key": "n", "kind": "value", "pad_token_id": 0}
-    assert [v for r in m["shards"] for v in r["lengths"]] == [i % 5 + 1 for i in range(m["num_samples"])]
+    assert [v for r in m["shards"] for v in r["lengths"]] == [
+        i % 5 + 1 for i in range(m["num_samples"])
+    ]
     assert verify_cache(str(cache), deep=True)["lengths_verified"]
 
 
 def test_two_ranks_uneven_counts_match_single_process(tmp_path: Path, ref_dir: Path) -> None:
     results = _spawn(2, tmp_path)
     for name, (n, shard_size, bs) in w.SCENARIOS[2].items():
-        _check_same_cache(results, name, tmp_path / "caches" / name, _reference(ref_dir, name, n, shard_size, bs))
+        _check_same_cache(
+            results, name, tmp_path / "caches" / name, _reference(ref_dir, name, n, shard_size, bs)
+        )
         local = _expected_steps(n, shard_size, bs, 2)
         calls = [r[name]["calls"] for r in results]
         assert calls == [max(local)] * 2, (name, calls, local)  # lockstep: equal counts, padded
@@ -113,7 +132,9 @@ def test_two_ranks_uneven_counts_match_single_process(tmp_path: Path, ref_dir: P
     assert all(r["fidelity"]["tok"]["max_rel_l2"] < 0.1 for r in ragged["shards"])
 
 
-def test_three_ranks_uneven_zero_shard_rank_resume_subgroup_and_errors(tmp_path: Path, ref_dir: Path) -> None:
+def test_three_ranks_uneven_zero_shard_rank_resume_subgroup_and_errors(
+    tmp_path: Path, ref_dir: Path
+) -> None:
     # 'resume': a single-process run died after 3 of 7 shards; the 3 ranks finish it
     n, shard_size, bs = w.SCENARIOS[3]["resume"]
     resume_dir = tmp_path / "caches" / "resume"
@@ -135,7 +156,9 @@ def test_three_ranks_uneven_zero_shard_rank_resume_subgroup_and_errors(tmp_path:
 
     for name in ("uneven", "zero_rank", "resume"):
         n, shard_size, bs = w.SCENARIOS[3][name]
-        _check_same_cache(results, name, caches / name, _reference(ref_dir, name, n, shard_size, bs))
+        _check_same_cache(
+            results, name, caches / name, _reference(ref_dir, name, n, shard_size, bs)
+        )
         present = {0, 1, 2} if name == "resume" else set()
         local = _expected_steps(n, shard_size, bs, 3, present)
         assert [r[name]["calls"] for r in results] == [max(local)] * 3, (name, local)
@@ -145,8 +168,12 @@ def test_three_ranks_uneven_zero_shard_rank_resume_subgroup_and_errors(tmp_path:
     # a process group that is not the world: ranks 1 and 2 only (group rank 0 = global rank 1)
     n, shard_size, bs = w.SCENARIOS[3]["subgroup"]
     assert "subgroup" not in results[0]
-    _check_same_cache(results, "subgroup", caches / "subgroup", _reference(ref_dir, "subgroup", n, shard_size, bs))
-    assert [results[r]["subgroup"]["calls"] for r in (1, 2)] == [max(_expected_steps(n, shard_size, bs, 2))] * 2
+    _check_same_cache(
+        results, "subgroup", caches / "subgroup", _reference(ref_dir, "subgroup", n, shard_size, bs)
+    )
+    assert [results[r]["subgroup"]["calls"] for r in (1, 2)] == [
+        max(_expected_steps(n, shard_size, bs, 2))
+    ] * 2
 
     # rank 1 writes a wrong dtype: every rank raises (nobody hangs), no manifest is written
     errs = [r["schema_error"].get("error", "") for r in results]
@@ -155,7 +182,16 @@ def test_three_ranks_uneven_zero_shard_rank_resume_subgroup_and_errors(tmp_path:
     bad = caches / "schema_error"
     assert not (bad / "manifest.json").exists()
     assert (bad / PROGRESS_NAME).exists()  # resumable once compute_batch is fixed
-    produce_cache(w.loader(9, 2), str(bad), 2, w.compute, w.KEYS, w.OPTIONS, progress=False, length_key=w.LENGTH_KEY)
+    produce_cache(
+        w.loader(9, 2),
+        str(bad),
+        2,
+        w.compute,
+        w.KEYS,
+        w.OPTIONS,
+        progress=False,
+        length_key=w.LENGTH_KEY,
+    )
     assert _bytes(bad) == _reference(ref_dir, "schema_error", 9, 2, 2)
 
 
@@ -164,7 +200,12 @@ def test_reference_output_is_what_the_dataset_says(ref_dir: Path) -> None:
     from te_thd.offline_cache import CachedTensorDataset
 
     _reference(ref_dir, "uneven", 13, 2, 2)
-    ds = CachedTensorDataset(cache_dir=str(ref_dir / "ref-uneven-13-2-2"), cache_name="t", format_version=1, disk_keys=w.KEYS)
+    ds = CachedTensorDataset(
+        cache_dir=str(ref_dir / "ref-uneven-13-2-2"),
+        cache_name="t",
+        format_version=1,
+        disk_keys=w.KEYS,
+    )
     data = w.dataset(13)
     for i in range(13):
         assert torch.equal(ds[i]["ids"], data[i]["i"] + 1)

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import te_thd.offline_cache.storage as storage
+import te_thd.offline_cache.storage.base as storage
 from te_thd.offline_cache import (
     CacheLockError,
     DurableShardWriter,
@@ -107,7 +107,10 @@ def test_remove_stale_temp_files_only_removes_temp_files(tmp_path: Path) -> None
 
 def test_lock_refuses_second_holder_and_names_the_first(tmp_path: Path) -> None:
     with ProducerLock(str(tmp_path)):
-        with pytest.raises(CacheLockError, match=rf"held by another producer \(pid {os.getpid()} on host .*wait for it to finish"):
+        with pytest.raises(
+            CacheLockError,
+            match=rf"held by another producer \(pid {os.getpid()} on host .*wait for it to finish",
+        ):
             ProducerLock(str(tmp_path)).acquire()
     # released: lock file removed, a new holder gets it
     assert not (tmp_path / storage.LOCK_NAME).exists()
@@ -118,21 +121,30 @@ def test_lock_refuses_second_holder_and_names_the_first(tmp_path: Path) -> None:
 def test_second_producer_process_is_refused_and_sigkill_releases_the_lock(tmp_path: Path) -> None:
     """A real process holds the lock; produce_cache refuses; SIGKILL of the holder frees it."""
     code = (
-        "import sys, time; from te_thd.offline_cache.storage import ProducerLock; "
+        "import sys, time; from te_thd.offline_cache.storage.base import ProducerLock; "
         "ProducerLock(sys.argv[1]).acquire(); print('LOCKED', flush=True); time.sleep(120)"
     )
-    holder = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True
+    )
     try:
         assert holder.stdout is not None and holder.stdout.readline().strip() == "LOCKED"
-        with pytest.raises(CacheLockError, match=rf"output_dir {tmp_path} is held by another producer \(pid {holder.pid} "):
-            produce_cache(prod.loader(), str(tmp_path), 4, prod.compute_batch, ("hidden",), progress=False)
+        with pytest.raises(
+            CacheLockError,
+            match=rf"output_dir {tmp_path} is held by another producer \(pid {holder.pid} ",
+        ):
+            produce_cache(
+                prod.loader(), str(tmp_path), 4, prod.compute_batch, ("hidden",), progress=False
+            )
         assert existing_shard_indices(str(tmp_path)) == set()  # refused before writing anything
     finally:
         holder.send_signal(signal.SIGKILL)
         holder.wait(timeout=30)
     # the stale lock FILE is still there, but the kernel dropped the flock with the process
     assert (tmp_path / storage.LOCK_NAME).exists()
-    m = produce_cache(prod.loader(), str(tmp_path), 4, prod.compute_batch, ("hidden",), progress=False)
+    m = produce_cache(
+        prod.loader(), str(tmp_path), 4, prod.compute_batch, ("hidden",), progress=False
+    )
     assert m["num_samples"] == prod.NUM_SAMPLES
     assert not (tmp_path / storage.LOCK_NAME).exists()
 
@@ -161,15 +173,28 @@ def test_lock_survives_unlink_race(tmp_path: Path) -> None:
 def reference_cache(tmp_path_factory: pytest.TempPathFactory) -> dict[str, bytes]:
     out = tmp_path_factory.mktemp("reference")
     p = prod.PARAMS
-    produce_cache(prod.loader(), str(out), p["shard_size"], prod.compute_batch, p["keys"], p["options"], progress=False)
+    produce_cache(
+        prod.loader(),
+        str(out),
+        p["shard_size"],
+        prod.compute_batch,
+        p["keys"],
+        p["options"],
+        progress=False,
+    )
     return _dir_bytes(out)
 
 
-def test_killed_producer_resumes_to_a_byte_identical_cache(tmp_path: Path, reference_cache: dict[str, bytes]) -> None:
+def test_killed_producer_resumes_to_a_byte_identical_cache(
+    tmp_path: Path, reference_cache: dict[str, bytes]
+) -> None:
     out = tmp_path / "cache"
     # 11 samples, shard_size 4 -> shards 0, 1, 2 (4, 4, 3 samples)
     assert sorted(reference_cache) == [
-        "manifest.json", "shard-000000.safetensors", "shard-000001.safetensors", "shard-000002.safetensors",
+        "manifest.json",
+        "shard-000000.safetensors",
+        "shard-000001.safetensors",
+        "shard-000002.safetensors",
     ]
 
     # 1. killed in the middle of shard 1's file write
@@ -185,7 +210,10 @@ def test_killed_producer_resumes_to_a_byte_identical_cache(tmp_path: Path, refer
         name = f"shard-{i:06d}.safetensors"
         assert (out / name).read_bytes() == reference_cache[name]
     # the reader says what the lock the killed producer left tells: it stopped, and what resumes it
-    with pytest.raises(ManifestNotFoundError, match=rf"its producer stopped before it finished \(host \S+, pid {_lock_pid(out)} no longer holds its lock\); resume with: the `te_thd\.offline_cache\.produce_cache"):
+    with pytest.raises(
+        ManifestNotFoundError,
+        match=rf"its producer stopped before it finished \(host \S+, pid {_lock_pid(out)} no longer holds its lock\); resume with: the `te_thd\.offline_cache\.produce_cache",
+    ):
         read_manifest(str(out), "test", 1)
 
     # 2. resumed, killed between shards (right after shard 1 landed)
@@ -215,7 +243,9 @@ def test_killed_producer_resumes_to_a_byte_identical_cache(tmp_path: Path, refer
     verify_cache(str(out), deep=True)
 
 
-def test_resume_after_exception_recomputes_only_missing_shards(tmp_path: Path, reference_cache: dict[str, bytes]) -> None:
+def test_resume_after_exception_recomputes_only_missing_shards(
+    tmp_path: Path, reference_cache: dict[str, bytes]
+) -> None:
     p = prod.PARAMS
     calls = {"n": 0}
 
@@ -226,7 +256,15 @@ def test_resume_after_exception_recomputes_only_missing_shards(tmp_path: Path, r
         return prod.compute_batch(batch)
 
     with pytest.raises(RuntimeError, match="fell off"):
-        produce_cache(prod.loader(), str(tmp_path), p["shard_size"], flaky, p["keys"], p["options"], progress=False)
+        produce_cache(
+            prod.loader(),
+            str(tmp_path),
+            p["shard_size"],
+            flaky,
+            p["keys"],
+            p["options"],
+            progress=False,
+        )
     assert existing_shard_indices(str(tmp_path)) == {0, 1}
     assert not (tmp_path / storage.LOCK_NAME).exists()  # released on the way out
 
@@ -236,7 +274,15 @@ def test_resume_after_exception_recomputes_only_missing_shards(tmp_path: Path, r
         counted["n"] += 1
         return prod.compute_batch(batch)
 
-    produce_cache(prod.loader(), str(tmp_path), p["shard_size"], counting, p["keys"], p["options"], progress=False)
+    produce_cache(
+        prod.loader(),
+        str(tmp_path),
+        p["shard_size"],
+        counting,
+        p["keys"],
+        p["options"],
+        progress=False,
+    )
     assert counted["n"] == 2  # shard 2: 3 samples, batch size 2
     assert _dir_bytes(tmp_path) == reference_cache
 
@@ -252,14 +298,35 @@ def test_resume_detects_a_damaged_existing_shard(tmp_path: Path) -> None:
         return prod.compute_batch(batch)
 
     with pytest.raises(RuntimeError):
-        produce_cache(prod.loader(), str(tmp_path), p["shard_size"], flaky, p["keys"], p["options"], progress=False)
+        produce_cache(
+            prod.loader(),
+            str(tmp_path),
+            p["shard_size"],
+            flaky,
+            p["keys"],
+            p["options"],
+            progress=False,
+        )
     shard = tmp_path / "shard-000000.safetensors"
     shard.write_bytes(shard.read_bytes()[:-5])  # truncated behind the producer's back
-    with pytest.raises(ValueError, match=r"shard-000000.safetensors is not a valid safetensors file: the header describes \d+ bytes but the file has"):
-        produce_cache(prod.loader(), str(tmp_path), p["shard_size"], prod.compute_batch, p["keys"], p["options"], progress=False)
+    with pytest.raises(
+        ValueError,
+        match=r"shard-000000.safetensors is not a valid safetensors file: the header describes \d+ bytes but the file has",
+    ):
+        produce_cache(
+            prod.loader(),
+            str(tmp_path),
+            p["shard_size"],
+            prod.compute_batch,
+            p["keys"],
+            p["options"],
+            progress=False,
+        )
 
 
-def test_killed_writer_temp_is_ignored_by_checks_of_a_finished_cache(tmp_path: Path, reference_cache: dict[str, bytes]) -> None:
+def test_killed_writer_temp_is_ignored_by_checks_of_a_finished_cache(
+    tmp_path: Path, reference_cache: dict[str, bytes]
+) -> None:
     for name, data in reference_cache.items():
         (tmp_path / name).write_bytes(data)
     Path(storage.temp_path_for(str(tmp_path / "shard-000001.safetensors"))).write_bytes(b"torn")
@@ -269,7 +336,9 @@ def test_killed_writer_temp_is_ignored_by_checks_of_a_finished_cache(tmp_path: P
     assert verify_cache(str(tmp_path), deep=True)["checksums_verified"]
 
 
-def test_fsync_is_called_for_file_and_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_fsync_is_called_for_file_and_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The durability protocol's order: data fsync, then rename, then directory fsync."""
     events: list[str] = []
     real_fsync, real_replace = os.fsync, os.replace
@@ -291,7 +360,9 @@ def test_fsync_is_called_for_file_and_directory(tmp_path: Path, monkeypatch: pyt
 # -- pipelined commits ----------------------------------------------------------------------
 
 
-def test_pipelined_writer_fsyncs_before_rename_in_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_pipelined_writer_fsyncs_before_rename_in_order(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Shards committed on the writer's thread: each file's data is flushed before its name
     appears, in shard order, and the renames are persisted by a directory fsync before flush returns."""
     events: list[str] = []
@@ -325,7 +396,9 @@ def test_pipelined_writer_fsyncs_before_rename_in_order(tmp_path: Path, monkeypa
         assert events[-1] == "fsync:dir"
 
 
-def test_pipelined_writer_surfaces_commit_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_pipelined_writer_surfaces_commit_errors(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A commit that fails on the thread is raised by flush, by every later call and by close; the
     shard is not visible and its temp file is gone."""
     real_replace = os.replace

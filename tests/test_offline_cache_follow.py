@@ -40,8 +40,8 @@ from te_thd.offline_cache import (  # noqa: E402
     read_manifest,
     verify_cache,
 )
-from te_thd.offline_cache.follow import FollowTimeoutError  # noqa: E402
-from te_thd.offline_cache.storage import open_storage  # noqa: E402
+from te_thd.offline_cache.read.follow import FollowTimeoutError  # noqa: E402
+from te_thd.offline_cache.storage.schemes import open_storage
 
 PY = sys.executable
 SLOW = str(REPO / "perf" / "slow_producer.py")
@@ -96,7 +96,9 @@ def _finish(p: subprocess.Popen, timeout: float = 120) -> subprocess.CompletedPr
     except subprocess.TimeoutExpired:
         p.kill()
         p.wait()
-        raise AssertionError(f"{p.args} still ran after {timeout} s: {_read(p.logs[1])[-3000:]}") from None
+        raise AssertionError(
+            f"{p.args} still ran after {timeout} s: {_read(p.logs[1])[-3000:]}"
+        ) from None
     return subprocess.CompletedProcess(p.args, p.returncode, _read(p.logs[0]), _read(p.logs[1]))
 
 
@@ -390,7 +392,9 @@ def test_every_batch_on_disk_comes_at_once_and_a_dead_producer_is_waited_for_onc
 def _s3_server():
     """A SeaweedFS server on 127.0.0.1 (``perf/s3_server.py``), or the test is skipped."""
     pytest.importorskip("obstore", reason="the s3 extra (obstore) is not installed")
-    pytest.importorskip("boto3", reason="boto3 (a test dependency, creates the test bucket) is not installed")
+    pytest.importorskip(
+        "boto3", reason="boto3 (a test dependency, creates the test bucket) is not installed"
+    )
     sys.path.insert(0, str(REPO / "perf"))
     import s3_server as S
 
@@ -399,7 +403,9 @@ def _s3_server():
     return S, S.start()
 
 
-def test_on_s3_the_shards_committed_since_the_last_listing_read_after_the_switch(killed, reference) -> None:
+def test_on_s3_the_shards_committed_since_the_last_listing_read_after_the_switch(
+    killed, reference
+) -> None:
     """A reader following an s3:// cache lists shards 0-2; then the producer commits the rest and the
     manifest, and the reader opens shard 1, which it saw listed, so it lists nothing and switches to the
     manifest: the shards committed since its listing must read all the same (an s3:// cache's local
@@ -415,8 +421,12 @@ def test_on_s3_the_shards_committed_since_the_last_listing_read_after_the_switch
             ds = CachedTensorDataset(url, "ep_cp", 1, KEYS, follow=True, follow_timeout=60)
             ref = CachedTensorDataset(str(reference[0]), "ep_cp", 1, KEYS)
             assert torch.equal(ds[0]["hidden"], ref[0]["hidden"]) and ds.following
-            for name in sorted(p.name for p in reference[0].iterdir() if p.name.startswith("shard-")) + ["manifest.json"]:
-                if name not in store.list():  # as the producer commits them: shards, then the manifest
+            for name in sorted(
+                p.name for p in reference[0].iterdir() if p.name.startswith("shard-")
+            ) + ["manifest.json"]:
+                if (
+                    name not in store.list()
+                ):  # as the producer commits them: shards, then the manifest
                     store.put(name, (reference[0] / name).read_bytes())
             assert all(torch.equal(ds[i]["hidden"], ref[i]["hidden"]) for i in (8, 40, 47, 24))
             assert not ds.following
@@ -472,7 +482,7 @@ def test_balanced_steps_while_following_need_the_lengths_and_plan_as_after(
     """balance=True plans from every sample's length, which a running producer has not recorded: refused
     without lengths=; with them, the planned steps are those of the finished cache (same order, same plan)."""
     from te_thd.offline_cache import CachedThdCollator
-    from te_thd.offline_cache.loader import cache_lengths
+    from te_thd.offline_cache.train.loader import cache_lengths
 
     collate = CachedThdCollator(128, length_key="seq_len")
     following = CachedTensorDataset(str(killed), "ep_cp", 1, ("input_ids", "seq_len"), follow=True)

@@ -47,12 +47,12 @@ from te_thd.offline_cache import (
     write_manifest,
     write_tensor_shard,
 )
-from te_thd.offline_cache.format import DTYPE_TO_ST, format_indices
-from te_thd.offline_cache.integrity import read_shard_header
-from te_thd.offline_cache.loops import shard_runs
-from te_thd.offline_cache.manifest import load_manifest
-from te_thd.offline_cache.shardfile import ShardStream
-from te_thd.offline_cache.writer import DurableShardWriter
+from te_thd.offline_cache.format.integrity import read_shard_header
+from te_thd.offline_cache.format.schema import DTYPE_TO_ST, format_indices
+from te_thd.offline_cache.record.manifest import load_manifest
+from te_thd.offline_cache.write.loops import shard_runs
+from te_thd.offline_cache.write.shardfile import ShardStream
+from te_thd.offline_cache.write.writer import DurableShardWriter
 
 LOG = logging.getLogger("test")
 DTYPES = sorted(DTYPE_TO_ST, key=str)
@@ -87,7 +87,10 @@ def test_shard_file_is_byte_identical_to_save_file(tmp_path_factory, entries, ro
     """Our bytes are save_file's with the one te_thd metadata entry (safetensors writes a single
     metadata key deterministically), and every row checksum is the row's xxh3_64 seeded by its index."""
     d = tmp_path_factory.mktemp("bytes")
-    tensors = {k: _tensor(dt, (rows, *shape), seed + i) for i, (k, (dt, shape)) in enumerate(entries.items())}
+    tensors = {
+        k: _tensor(dt, (rows, *shape), seed + i)
+        for i, (k, (dt, shape)) in enumerate(entries.items())
+    }
     record = write_shard_file(str(d / "ours.safetensors"), tensors)
     with safe_open(str(d / "ours.safetensors"), framework="pt") as f:
         metadata = f.metadata()
@@ -102,12 +105,20 @@ def test_shard_file_is_byte_identical_to_save_file(tmp_path_factory, entries, ro
         want = [xxhash.xxh3_64_intdigest(raw[i].numpy().tobytes(), i) for i in range(rows)]
         assert sums.sums[k].tolist() == want
     assert record.bytes == len(ours)
-    assert record.checksum == f"xxh3_64:{json.loads(metadata['te_thd'])['header']}" == f"xxh3_64:{sums.digest}"
+    assert (
+        record.checksum
+        == f"xxh3_64:{json.loads(metadata['te_thd'])['header']}"
+        == f"xxh3_64:{sums.digest}"
+    )
     with safe_open(str(d / "ours.safetensors"), framework="pt") as f:
         for k, t in tensors.items():
-            assert torch.equal(f.get_tensor(k).reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8))
+            assert torch.equal(
+                f.get_tensor(k).reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)
+            )
     header = read_header(str(d / "ours.safetensors"))
-    assert {k: (e.dtype, e.shape) for k, e in header.items()} == {k: (t.dtype, tuple(t.shape)) for k, t in tensors.items()}
+    assert {k: (e.dtype, e.shape) for k, e in header.items()} == {
+        k: (t.dtype, tuple(t.shape)) for k, t in tensors.items()
+    }
 
 
 @given(
@@ -115,11 +126,16 @@ def test_shard_file_is_byte_identical_to_save_file(tmp_path_factory, entries, ro
     splits=st.lists(st.integers(0, 3), min_size=1, max_size=4),
     seed=st.integers(0, 2**16),
 )
-def test_shard_pieces_write_the_bytes_of_the_concatenation(tmp_path_factory, entries, splits, seed) -> None:
+def test_shard_pieces_write_the_bytes_of_the_concatenation(
+    tmp_path_factory, entries, splits, seed
+) -> None:
     """A shard streamed as dim-0 pieces (some empty) is byte-identical to the shard of their
     concatenation written whole: same header, row sums seeded by the shard row index, same record."""
     d = tmp_path_factory.mktemp("pieces")
-    full = {k: _tensor(dt, (sum(splits), *shape), seed + i) for i, (k, (dt, shape)) in enumerate(entries.items())}
+    full = {
+        k: _tensor(dt, (sum(splits), *shape), seed + i)
+        for i, (k, (dt, shape)) in enumerate(entries.items())
+    }
     specs = {k: TensorSpec(t.dtype, tuple(t.shape[1:])) for k, t in full.items()}
     stream = ShardStream(str(d / "pieces.safetensors"), specs, sum(splits))
     lo = 0
@@ -151,7 +167,9 @@ def test_paths_and_names() -> None:
     assert SHARD_RE.match("shard-000123.safetensors").group(1) == "000123"
     assert SHARD_RE.match("shard-1.safetensors") is None
     assert shard_path("/c", 999_999).endswith("shard-999999.safetensors")
-    with pytest.raises(ValueError, match=r"shard_index=1000000 is outside \[0, 1000000\).*Use a larger shard_size"):
+    with pytest.raises(
+        ValueError, match=r"shard_index=1000000 is outside \[0, 1000000\).*Use a larger shard_size"
+    ):
         shard_path("/c", 1_000_000)
     save_file_fn, open_fn = load_safetensors("test")
     assert save_file_fn is save_file and open_fn is safe_open
@@ -159,8 +177,13 @@ def test_paths_and_names() -> None:
 
 def test_existing_shard_indices_ignores_foreign_and_temp_files(tmp_path: Path) -> None:
     for name in [
-        "shard-000000.safetensors", "shard-000002.safetensors", "shard-2.safetensors", "notes.txt",
-        ".shard-000001.safetensors.123-deadbeef.tmp", "shard-000003.safetensors.bak", "manifest.json",
+        "shard-000000.safetensors",
+        "shard-000002.safetensors",
+        "shard-2.safetensors",
+        "notes.txt",
+        ".shard-000001.safetensors.123-deadbeef.tmp",
+        "shard-000003.safetensors.bak",
+        "manifest.json",
     ]:
         (tmp_path / name).write_bytes(b"")
     assert existing_shard_indices(str(tmp_path)) == {0, 2}
@@ -198,7 +221,10 @@ def test_validate_contiguous_shards_names_gaps(tmp_path: Path) -> None:
 
 def test_validate_contiguous_shards_names_extra_indices(tmp_path: Path) -> None:
     _touch_shards(tmp_path, [0, 1, 2, 7])
-    with pytest.raises(CacheIntegrityError, match=r"extra shard indices 2, 7 beyond the declared 2 .*Move the extra shards away, or run `te-thd cache repair \S+` \(it sets them aside"):
+    with pytest.raises(
+        CacheIntegrityError,
+        match=r"extra shard indices 2, 7 beyond the declared 2 .*Move the extra shards away, or run `te-thd cache repair \S+` \(it sets them aside",
+    ):
         validate_contiguous_shards(str(tmp_path), "test", 8, 4)
 
 
@@ -213,41 +239,63 @@ def test_manifest_round_trip_is_deterministic(tmp_path: Path) -> None:
     m = {"shard_size": 4, "num_samples": 10, "zeta": [1, 2], "alpha": {"b": 1, "a": 2}}
     write_manifest(str(tmp_path / "a"), m, 3)
     write_manifest(str(tmp_path / "b"), dict(reversed(list(m.items()))), 3)
-    assert (tmp_path / "a" / MANIFEST_NAME).read_bytes() == (tmp_path / "b" / MANIFEST_NAME).read_bytes()
+    assert (tmp_path / "a" / MANIFEST_NAME).read_bytes() == (
+        tmp_path / "b" / MANIFEST_NAME
+    ).read_bytes()
     assert read_manifest(str(tmp_path / "a"), "test", 3) == {"format_version": 3, **m}
     assert sorted(os.listdir(tmp_path / "a")) == [MANIFEST_NAME]
 
 
 def test_read_manifest_missing(tmp_path: Path) -> None:
-    with pytest.raises(ManifestNotFoundError, match=r"holds no manifest\.json and no shards: it is not a te_thd cache; check the path$") as e:
+    with pytest.raises(
+        ManifestNotFoundError,
+        match=r"holds no manifest\.json and no shards: it is not a te_thd cache; check the path$",
+    ) as e:
         read_manifest(str(tmp_path), "test", 1)
     assert isinstance(e.value, FileNotFoundError) and isinstance(e.value, ValueError)
     # the words the reference's callers match (pytest.raises(FileNotFoundError, match=...))
     assert "manifest not found" in str(e.value)
     _touch_shards(tmp_path, [0, 2])  # shards, no manifest: rebuild it from them
-    with pytest.raises(ManifestNotFoundError, match=rf"test cache manifest not found at .*manifest.json, but {tmp_path} holds 2 shard\(s\): the manifest was lost, or the cache was never finished\. Rebuild it from the shards: `te-thd cache repair {tmp_path}` \(it verifies every shard; when one is missing it prints the producer command that computes it\)\.$"):
+    with pytest.raises(
+        ManifestNotFoundError,
+        match=rf"test cache manifest not found at .*manifest.json, but {tmp_path} holds 2 shard\(s\): the manifest was lost, or the cache was never finished\. Rebuild it from the shards: `te-thd cache repair {tmp_path}` \(it verifies every shard; when one is missing it prints the producer command that computes it\)\.$",
+    ):
         read_manifest(str(tmp_path), "test", 1, "`the producer`")
     for i in (0, 2):
         os.unlink(shard_path(str(tmp_path), i))
-    with pytest.raises(FileNotFoundError, match=r"cache_dir='.*nope': no such directory; check the path"):
+    with pytest.raises(
+        FileNotFoundError, match=r"cache_dir='.*nope': no such directory; check the path"
+    ):
         read_manifest(str(tmp_path / "nope"), "test", 1)
-    with pytest.raises(ManifestError, match=r"cache_dir='.*manifest\.json' is a file, not a cache directory; pass its directory"):
+    with pytest.raises(
+        ManifestError,
+        match=r"cache_dir='.*manifest\.json' is a file, not a cache directory; pass its directory",
+    ):
         _manifest(tmp_path, {"format_version": 1, "num_samples": 0, "shard_size": 1})
         read_manifest(str(tmp_path / MANIFEST_NAME), "test", 1)
     (tmp_path / "notes.txt").write_text("x")
-    with pytest.raises(ManifestError, match=r"cache_dir='.*notes\.txt' is a file, not a cache directory; pass the directory that holds manifest\.json and the shards$"):
+    with pytest.raises(
+        ManifestError,
+        match=r"cache_dir='.*notes\.txt' is a file, not a cache directory; pass the directory that holds manifest\.json and the shards$",
+    ):
         read_manifest(str(tmp_path / "notes.txt"), "test", 1)
 
 
 def test_read_manifest_not_json(tmp_path: Path) -> None:
     _manifest(tmp_path, '{"num_samples": 3,')
-    with pytest.raises(ManifestError, match=r"manifest .*manifest.json is not valid JSON \(.*line 1.*Restore manifest.json from a copy, or rebuild it from the shards: `te-thd cache repair \S+` \(it verifies every shard and keeps the damaged file\)\.$"):
+    with pytest.raises(
+        ManifestError,
+        match=r"manifest .*manifest.json is not valid JSON \(.*line 1.*Restore manifest.json from a copy, or rebuild it from the shards: `te-thd cache repair \S+` \(it verifies every shard and keeps the damaged file\)\.$",
+    ):
         read_manifest(str(tmp_path), "test", 1)
 
 
 def test_read_manifest_empty_says_so_and_names_the_repair(tmp_path: Path) -> None:
     _manifest(tmp_path, "")
-    with pytest.raises(ManifestError, match=r"manifest .*manifest\.json is empty \(0 bytes\): it was cut off after it was written .*`te-thd cache repair \S+`") as e:
+    with pytest.raises(
+        ManifestError,
+        match=r"manifest .*manifest\.json is empty \(0 bytes\): it was cut off after it was written .*`te-thd cache repair \S+`",
+    ) as e:
         read_manifest(str(tmp_path), "test", 1)
     assert "Expecting value" not in str(e.value)
 
@@ -260,7 +308,10 @@ def test_read_manifest_not_an_object(tmp_path: Path) -> None:
 
 def test_read_manifest_wrong_version(tmp_path: Path) -> None:
     _manifest(tmp_path, {"format_version": 2, "num_samples": 3, "shard_size": 2})
-    with pytest.raises(ManifestError, match=r"has format_version=2, expected 3: its tensors mean something else\. Point cache_dir at a cache built for format_version 3, or build one into a new directory with make_it\.$"):
+    with pytest.raises(
+        ManifestError,
+        match=r"has format_version=2, expected 3: its tensors mean something else\. Point cache_dir at a cache built for format_version 3, or build one into a new directory with make_it\.$",
+    ):
         read_manifest(str(tmp_path), "test", 3, producer_name="make_it")
 
 
@@ -275,7 +326,10 @@ def test_read_manifest_missing_field(tmp_path: Path, field: str) -> None:
     m = {"format_version": 1, "num_samples": 3, "shard_size": 2}
     del m[field]
     _manifest(tmp_path, m)
-    with pytest.raises(ManifestError, match=rf"manifest .* has no '{field}' field, so the cache layout is unknown.*Restore manifest.json from a copy"):
+    with pytest.raises(
+        ManifestError,
+        match=rf"manifest .* has no '{field}' field, so the cache layout is unknown.*Restore manifest.json from a copy",
+    ):
         read_manifest(str(tmp_path), "test", 1)
 
 
@@ -288,7 +342,9 @@ def test_read_manifest_bad_shard_size(tmp_path: Path, bad) -> None:
 
 def test_read_manifest_bad_shard_records(tmp_path: Path) -> None:
     _manifest(tmp_path, {"format_version": 1, "num_samples": 3, "shard_size": 2, "shards": [{}]})
-    with pytest.raises(ManifestError, match=r"lists 1 shard records but num_samples=3 / shard_size=2 means 2"):
+    with pytest.raises(
+        ManifestError, match=r"lists 1 shard records but num_samples=3 / shard_size=2 means 2"
+    ):
         read_manifest(str(tmp_path), "test", 1)
 
 
@@ -299,9 +355,13 @@ def test_read_manifest_defaults_fill_missing_fields_only(tmp_path: Path) -> None
 
 
 def test_write_manifest_rejects_conflicting_version_and_non_json(tmp_path: Path) -> None:
-    with pytest.raises(ManifestError, match=r"manifest\['format_version'\]=2 contradicts format_version=1"):
+    with pytest.raises(
+        ManifestError, match=r"manifest\['format_version'\]=2 contradicts format_version=1"
+    ):
         write_manifest(str(tmp_path), {"format_version": 2, "num_samples": 1, "shard_size": 1}, 1)
-    with pytest.raises(ManifestError, match=r"not JSON-serialisable .*Producer options must be JSON values"):
+    with pytest.raises(
+        ManifestError, match=r"not JSON-serialisable .*Producer options must be JSON values"
+    ):
         write_manifest(str(tmp_path), {"num_samples": 1, "shard_size": 1, "opt": {1, 2}}, 1)
     with pytest.raises(ManifestError, match=r"has no 'shard_size' field"):
         write_manifest(str(tmp_path), {"num_samples": 1}, 1)
@@ -313,14 +373,22 @@ def test_write_manifest_rejects_conflicting_version_and_non_json(tmp_path: Path)
 
 def test_supervision_options_match_passes_and_compares_bools_by_truth() -> None:
     ensure_supervision_options_match(
-        {"mask_prompt": 1, "cp_size": 2}, {"mask_prompt": True, "cp_size": 2},
-        cache_name="test", cache_dir="/c", producer_name="make_it",
+        {"mask_prompt": 1, "cp_size": 2},
+        {"mask_prompt": True, "cp_size": 2},
+        cache_name="test",
+        cache_dir="/c",
+        producer_name="make_it",
     )
 
 
 def test_supervision_options_mismatch() -> None:
-    with pytest.raises(ManifestError, match=r"was built with mask_prompt=False, but the run sets mask_prompt=True\. .*rebuild the cache with make_it"):
-        ensure_supervision_options_match({"mask_prompt": False}, {"mask_prompt": True}, "test", "/c", "make_it")
+    with pytest.raises(
+        ManifestError,
+        match=r"was built with mask_prompt=False, but the run sets mask_prompt=True\. .*rebuild the cache with make_it",
+    ):
+        ensure_supervision_options_match(
+            {"mask_prompt": False}, {"mask_prompt": True}, "test", "/c", "make_it"
+        )
 
 
 def test_supervision_non_bool_options_compare_by_value() -> None:
@@ -332,10 +400,17 @@ def test_supervision_non_bool_options_compare_by_value() -> None:
 def test_supervision_option_missing_from_old_manifest_unless_defaults(tmp_path: Path) -> None:
     _manifest(tmp_path, {"format_version": 1, "num_samples": 3, "shard_size": 2})
     old = read_manifest(str(tmp_path), "test", 1)
-    with pytest.raises(ManifestError, match=r"does not record mask_prompt, so the options .* cannot be verified\. Rebuild the cache with the current make_it, or pass defaults=\{'mask_prompt'"):
-        ensure_supervision_options_match(old, {"mask_prompt": True}, "test", str(tmp_path), "make_it")
+    with pytest.raises(
+        ManifestError,
+        match=r"does not record mask_prompt, so the options .* cannot be verified\. Rebuild the cache with the current make_it, or pass defaults=\{'mask_prompt'",
+    ):
+        ensure_supervision_options_match(
+            old, {"mask_prompt": True}, "test", str(tmp_path), "make_it"
+        )
     filled = read_manifest(str(tmp_path), "test", 1, defaults={"mask_prompt": True})
-    ensure_supervision_options_match(filled, {"mask_prompt": True}, "test", str(tmp_path), "make_it")
+    ensure_supervision_options_match(
+        filled, {"mask_prompt": True}, "test", str(tmp_path), "make_it"
+    )
 
 
 # -- partition / resume arithmetic --------------------------------------------------------
@@ -349,7 +424,9 @@ def test_partition_matches_loop_oracle(num_samples: int, shard_size: int, world_
         owners.extend([r] * (total // world_size + (1 if r < total % world_size else 0)))
     covered = []
     for rank in range(world_size):
-        start_shard, start_sample, n = partition_cache_shards(num_samples, shard_size, world_size, rank)
+        start_shard, start_sample, n = partition_cache_shards(
+            num_samples, shard_size, world_size, rank
+        )
         mine = [i for i, o in enumerate(owners) if o == rank]
         if mine:
             assert start_shard == mine[0] and start_sample == mine[0] * shard_size
@@ -361,7 +438,10 @@ def test_partition_matches_loop_oracle(num_samples: int, shard_size: int, world_
 
 def test_partition_rank_without_shards_and_errors() -> None:
     assert partition_cache_shards(7, 4, 3, 2) == (2, 8, 0)
-    with pytest.raises(ValueError, match=r"shard_size=0 must be an int >= 1 \(samples per shard\); pass e\.g\. shard_size=256"):
+    with pytest.raises(
+        ValueError,
+        match=r"shard_size=0 must be an int >= 1 \(samples per shard\); pass e\.g\. shard_size=256",
+    ):
         partition_cache_shards(7, 0, 3, 0)
     with pytest.raises(ValueError, match=r"rank=3 must be an int in \[0, world_size=3\)"):
         partition_cache_shards(7, 4, 3, 3)
@@ -378,7 +458,10 @@ def test_shard_runs_groups_contiguous_indices() -> None:
 def test_resume_start_sample() -> None:
     assert resume_start_sample(set(), 4) == 0
     assert resume_start_sample({0, 1, 2}, 4) == 12
-    with pytest.raises(ValueError, match=r"contiguous prefix 0\.\.2, but found 0-1, 3 \(missing 2\)\. Delete the shards after the first gap"):
+    with pytest.raises(
+        ValueError,
+        match=r"contiguous prefix 0\.\.2, but found 0-1, 3 \(missing 2\)\. Delete the shards after the first gap",
+    ):
         resume_start_sample({0, 1, 3}, 4)
     with pytest.raises(ValueError, match="shard_size=-1 must be an int >= 1"):
         resume_start_sample({0}, -1)
@@ -388,41 +471,83 @@ def test_resume_start_sample() -> None:
 
 
 def test_write_tensor_shard_writes_only_requested_keys(tmp_path: Path) -> None:
-    samples = {"a": torch.ones(3, 2), "b": torch.zeros(3, dtype=torch.int64), "extra": torch.ones(1)}
+    samples = {
+        "a": torch.ones(3, 2),
+        "b": torch.zeros(3, dtype=torch.int64),
+        "extra": torch.ones(1),
+    }
     path = write_tensor_shard(str(tmp_path), 0, samples, ("a", "b"), "test")
     assert path == shard_path(str(tmp_path), 0)
     with safe_open(path, framework="pt") as f:  # the reference reader loads it unchanged
         assert sorted(f.keys()) == ["a", "b"] and list(f.metadata()) == ["te_thd"]
-        save_file({"a": samples["a"], "b": samples["b"]}, str(tmp_path / "ref"), metadata=f.metadata())
+        save_file(
+            {"a": samples["a"], "b": samples["b"]}, str(tmp_path / "ref"), metadata=f.metadata()
+        )
     assert Path(path).read_bytes() == (tmp_path / "ref").read_bytes()
     assert read_shard_header(path).sums.rows == 3  # self-verifying without any manifest
 
 
 def test_write_tensor_shard_missing_key(tmp_path: Path) -> None:
-    with pytest.raises(SchemaError, match=r"test cache shard 4 is missing required cache keys \['b'\] \(got \['a'\]\)\. Make compute_batch return every key"):
+    with pytest.raises(
+        SchemaError,
+        match=r"test cache shard 4 is missing required cache keys \['b'\] \(got \['a'\]\)\. Make compute_batch return every key",
+    ):
         write_tensor_shard(str(tmp_path), 4, {"a": torch.ones(2)}, ("a", "b"), "test")
     assert os.listdir(tmp_path) == []
 
 
 def test_write_tensor_shard_rejects_row_mismatch_and_scalars(tmp_path: Path) -> None:
     with pytest.raises(SchemaError, match=r"key 'b' has 2 samples on dim 0 but 'a' has 3"):
-        write_tensor_shard(str(tmp_path), 0, {"a": torch.ones(3), "b": torch.ones(2)}, ("a", "b"), "test")
+        write_tensor_shard(
+            str(tmp_path), 0, {"a": torch.ones(3), "b": torch.ones(2)}, ("a", "b"), "test"
+        )
     with pytest.raises(SchemaError, match=r"key 'a' is a 0-d tensor"):
         write_tensor_shard(str(tmp_path), 0, {"a": torch.tensor(1.0)}, ("a",), "test")
-    with pytest.raises(SchemaError, match=r"key 'a' has dtype torch.complex128, which safetensors cannot store"):
-        write_tensor_shard(str(tmp_path), 0, {"a": torch.ones(2, dtype=torch.complex128)}, ("a",), "test")
+    with pytest.raises(
+        SchemaError, match=r"key 'a' has dtype torch.complex128, which safetensors cannot store"
+    ):
+        write_tensor_shard(
+            str(tmp_path), 0, {"a": torch.ones(2, dtype=torch.complex128)}, ("a",), "test"
+        )
     assert not any(tmp_path.iterdir())  # a refused shard leaves no file
 
 
 def test_write_tensor_shard_rejects_schema_differences(tmp_path: Path) -> None:
     schema = {"h": TensorSpec(torch.bfloat16, (4,))}
-    write_tensor_shard(str(tmp_path), 0, {"h": torch.ones(2, 4, dtype=torch.bfloat16)}, ("h",), "test", schema=schema)
-    with pytest.raises(SchemaError, match=r"key 'h' is float32\[n, 4\] but the cache schema says bfloat16\[n, 4\]"):
+    write_tensor_shard(
+        str(tmp_path),
+        0,
+        {"h": torch.ones(2, 4, dtype=torch.bfloat16)},
+        ("h",),
+        "test",
+        schema=schema,
+    )
+    with pytest.raises(
+        SchemaError, match=r"key 'h' is float32\[n, 4\] but the cache schema says bfloat16\[n, 4\]"
+    ):
         write_tensor_shard(str(tmp_path), 1, {"h": torch.ones(2, 4)}, ("h",), "test", schema=schema)
-    with pytest.raises(SchemaError, match=r"key 'h' is bfloat16\[n, 5\] but the cache schema says bfloat16\[n, 4\]"):
-        write_tensor_shard(str(tmp_path), 1, {"h": torch.ones(2, 5, dtype=torch.bfloat16)}, ("h",), "test", schema=schema)
-    with pytest.raises(SchemaError, match=r"keys \['g', 'h'\] differ from the cache schema's \['h'\]"):
-        write_tensor_shard(str(tmp_path), 1, {"h": torch.ones(2, 4), "g": torch.ones(2)}, ("h", "g"), "test", schema=schema)
+    with pytest.raises(
+        SchemaError, match=r"key 'h' is bfloat16\[n, 5\] but the cache schema says bfloat16\[n, 4\]"
+    ):
+        write_tensor_shard(
+            str(tmp_path),
+            1,
+            {"h": torch.ones(2, 5, dtype=torch.bfloat16)},
+            ("h",),
+            "test",
+            schema=schema,
+        )
+    with pytest.raises(
+        SchemaError, match=r"keys \['g', 'h'\] differ from the cache schema's \['h'\]"
+    ):
+        write_tensor_shard(
+            str(tmp_path),
+            1,
+            {"h": torch.ones(2, 4), "g": torch.ones(2)},
+            ("h", "g"),
+            "test",
+            schema=schema,
+        )
     assert existing_shard_indices(str(tmp_path)) == {0}
 
 
@@ -465,10 +590,16 @@ def test_accumulator_matches_concatenate_then_split_oracle(batch_sizes, shard_si
 
 def test_accumulator_rejects_inconsistent_batches() -> None:
     acc = _ShardAccumulator("d", 4, 0, _collecting_writer({}), LOG)
-    with pytest.raises(SchemaError, match=r"compute_batch's output: key 'b' has 2 samples on dim 0 but 'a' has 3; every key must hold one row per sample"):
+    with pytest.raises(
+        SchemaError,
+        match=r"compute_batch's output: key 'b' has 2 samples on dim 0 but 'a' has 3; every key must hold one row per sample",
+    ):
         acc.add({"a": torch.ones(3), "b": torch.ones(2)})
     acc.add({"a": torch.ones(1)})
-    with pytest.raises(SchemaError, match=r"returned keys \['b'\] after \['a'\]; every batch must return the same keys"):
+    with pytest.raises(
+        SchemaError,
+        match=r"returned keys \['b'\] after \['a'\]; every batch must return the same keys",
+    ):
         acc.add({"b": torch.ones(1)})
     with pytest.raises(ValueError, match="shard_size=0 must be an int >= 1"):
         _ShardAccumulator("d", 0, 0, _collecting_writer({}), LOG)
@@ -478,9 +609,13 @@ def test_write_cache_shards_seed_loop(tmp_path: Path) -> None:
     data = [{"x": torch.full((2,), float(i))} for i in range(7)]
     dl = DataLoader(data, batch_size=3)
     store: dict[int, dict[str, torch.Tensor]] = {}
-    write_cache_shards(dl, str(tmp_path), 2, 5, lambda b: {"y": b["x"] + 1}, _collecting_writer(store), LOG)
+    write_cache_shards(
+        dl, str(tmp_path), 2, 5, lambda b: {"y": b["x"] + 1}, _collecting_writer(store), LOG
+    )
     assert sorted(store) == [5, 6, 7, 8]
-    assert torch.equal(torch.cat([store[i]["y"][:, 0] for i in range(5, 9)]), torch.arange(7).float() + 1)
+    assert torch.equal(
+        torch.cat([store[i]["y"][:, 0] for i in range(5, 9)]), torch.arange(7).float() + 1
+    )
 
 
 def test_write_cache_shards_distributed_single_process_equals_seed_loop(tmp_path: Path) -> None:
@@ -492,7 +627,9 @@ def test_write_cache_shards_distributed_single_process_equals_seed_loop(tmp_path
         return write_tensor_shard(d, i, t, keys, "test")
 
     write_cache_shards(dl, str(tmp_path / "a"), 4, 0, lambda b: {"y": b["x"] * 2}, write, LOG)
-    write_cache_shards_distributed(dl, str(tmp_path / "b"), 4, 1, 0, lambda b: {"y": b["x"] * 2}, write, LOG)
+    write_cache_shards_distributed(
+        dl, str(tmp_path / "b"), 4, 1, 0, lambda b: {"y": b["x"] * 2}, write, LOG
+    )
     for name in os.listdir(tmp_path / "a"):
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
 
@@ -510,14 +647,33 @@ def test_write_cache_shards_distributed_pads_with_dummy_forwards(tmp_path: Path)
             return {"y": b["x"]}
 
         write_cache_shards_distributed(
-            dl, str(tmp_path), 2, 3, rank, compute,
-            lambda d, i, t: write_tensor_shard(d, i, t, ("y",), "test"), LOG, sync_max_steps=lambda s: 2,
+            dl,
+            str(tmp_path),
+            2,
+            3,
+            rank,
+            compute,
+            lambda d, i, t: write_tensor_shard(d, i, t, ("y",), "test"),
+            LOG,
+            sync_max_steps=lambda s: 2,
         )
         calls.append(n["calls"])
     assert calls == [2, 2, 2]  # ranks own 4, 2, 1 samples -> 2, 1, 1 real steps, padded to 2
     assert existing_shard_indices(str(tmp_path)) == {0, 1, 2, 3}
-    with pytest.raises(ValueError, match=r"sync_max_steps\(2\) returned 1; it must return the maximum over ranks"):
-        write_cache_shards_distributed(dl, str(tmp_path), 2, 3, 0, lambda b: {"y": b["x"]}, lambda *a: "", LOG, sync_max_steps=lambda s: 1)
+    with pytest.raises(
+        ValueError, match=r"sync_max_steps\(2\) returned 1; it must return the maximum over ranks"
+    ):
+        write_cache_shards_distributed(
+            dl,
+            str(tmp_path),
+            2,
+            3,
+            0,
+            lambda b: {"y": b["x"]},
+            lambda *a: "",
+            LOG,
+            sync_max_steps=lambda s: 1,
+        )
 
 
 def test_dataloader_from_sample_and_subset_loader() -> None:
@@ -531,11 +687,22 @@ def test_dataloader_from_sample_and_subset_loader() -> None:
     assert [x for b in dataloader_from_sample(dl, 4) for x in b] == list(range(4, 10))
     assert list(dataloader_from_sample(dl, 10)) == []
     assert list(dataloader_from_sample(dl, 25)) == []
-    dlw = DataLoader(data, batch_size=4, num_workers=1, multiprocessing_context="spawn", worker_init_fn=init, prefetch_factor=3, persistent_workers=True)
+    dlw = DataLoader(
+        data,
+        batch_size=4,
+        num_workers=1,
+        multiprocessing_context="spawn",
+        worker_init_fn=init,
+        prefetch_factor=3,
+        persistent_workers=True,
+    )
     sub = _sequential_subset_loader(dlw, 2, 9)
     assert sub.batch_size == 4 and sub.num_workers == 1 and sub.prefetch_factor == 3
     assert sub.persistent_workers and sub.worker_init_fn is init
-    assert sub.multiprocessing_context is not None and sub.multiprocessing_context.get_start_method() == "spawn"
+    assert (
+        sub.multiprocessing_context is not None
+        and sub.multiprocessing_context.get_start_method() == "spawn"
+    )
     assert list(sub.sampler) == list(range(7))
 
 
@@ -548,8 +715,13 @@ def small_cache(tmp_path: Path) -> Path:
 
     data = [{"x": torch.full((3,), float(i))} for i in range(10)]
     produce_cache(
-        DataLoader(data, batch_size=2), str(tmp_path), 4,
-        lambda b: {"h": b["x"] * 2, "m": b["x"] > 3}, ("h", "m"), {"cp_size": 2}, progress=False,
+        DataLoader(data, batch_size=2),
+        str(tmp_path),
+        4,
+        lambda b: {"h": b["x"] * 2, "m": b["x"] > 3},
+        ("h", "m"),
+        {"cp_size": 2},
+        progress=False,
     )
     return tmp_path
 
@@ -559,7 +731,10 @@ def test_check_cache_files_passes_and_names_a_short_file(small_cache: Path) -> N
     assert check_cache_files(str(small_cache), m) == [0, 1, 2]
     shard = small_cache / "shard-000001.safetensors"
     shard.write_bytes(shard.read_bytes()[:-1])
-    with pytest.raises(CacheIntegrityError, match=r"shard .*shard-000001\.safetensors has \d+ bytes, the manifest records \d+: the file was truncated or replaced") as e:
+    with pytest.raises(
+        CacheIntegrityError,
+        match=r"shard .*shard-000001\.safetensors has \d+ bytes, the manifest records \d+: the file was truncated or replaced",
+    ) as e:
         check_cache_files(str(small_cache), m)
     assert e.value.path.endswith("shard-000001.safetensors")
 
@@ -567,7 +742,9 @@ def test_check_cache_files_passes_and_names_a_short_file(small_cache: Path) -> N
 def test_check_cache_files_missing_shard(small_cache: Path) -> None:
     m = read_manifest(str(small_cache), "test", 1)
     os.unlink(small_cache / "shard-000002.safetensors")
-    with pytest.raises(CacheIntegrityError, match=r"missing shard indices 2 \(e\.g\. shard-000002\.safetensors\)"):
+    with pytest.raises(
+        CacheIntegrityError, match=r"missing shard indices 2 \(e\.g\. shard-000002\.safetensors\)"
+    ):
         check_cache_files(str(small_cache), m)
 
 
@@ -579,11 +756,16 @@ def test_verify_deep_detects_bit_flip_with_same_size(small_cache: Path) -> None:
     data[-3] ^= 0x01
     shard.write_bytes(bytes(data))
     verify_cache(str(small_cache))  # sizes still match: the cheap check cannot see it
-    with pytest.raises(CacheIntegrityError, match=r"1 bad shard\(s\):\n  .*shard-000000\.safetensors: sample (\d+) \(row \1 of the shard\), key '\w+': checksum mismatch \(expected xxh3_64:[0-9a-f]{16}, the bytes hash to xxh3_64:[0-9a-f]{16}\)"):
+    with pytest.raises(
+        CacheIntegrityError,
+        match=r"1 bad shard\(s\):\n  .*shard-000000\.safetensors: sample (\d+) \(row \1 of the shard\), key '\w+': checksum mismatch \(expected xxh3_64:[0-9a-f]{16}, the bytes hash to xxh3_64:[0-9a-f]{16}\)",
+    ):
         verify_cache(str(small_cache), deep=True)
 
 
-def test_verify_deep_detects_header_schema_mismatch_and_lists_every_bad_shard(small_cache: Path) -> None:
+def test_verify_deep_detects_header_schema_mismatch_and_lists_every_bad_shard(
+    small_cache: Path,
+) -> None:
     # same byte sizes (the same run record in the header), other dtypes for 'h' (int32 / uint32 instead of float32)
     m = torch.ones(4, 3, dtype=torch.bool)
     run = read_shard_header(str(small_cache / "shard-000000.safetensors")).sums.run
@@ -608,7 +790,9 @@ def test_verify_reference_manifest_without_checksums(tmp_path: Path) -> None:
     info = cache_info(str(tmp_path))
     assert info["schema"] == {"x": {"dtype": "float32", "shape": [2]}} and info["checksum"] is None
     save_file({"x": torch.ones(3, 2)}, shard_path(str(tmp_path), 1))  # wrong sample count
-    with pytest.raises(CacheIntegrityError, match=r"key 'x' holds 3 samples, the manifest puts 2 in this shard"):
+    with pytest.raises(
+        CacheIntegrityError, match=r"key 'x' holds 3 samples, the manifest puts 2 in this shard"
+    ):
         verify_cache(str(tmp_path), deep=True)
 
 
@@ -616,17 +800,27 @@ def test_verify_deep_reports_garbage_file(small_cache: Path) -> None:
     shard = small_cache / "shard-000002.safetensors"
     size = shard.stat().st_size
     shard.write_bytes(b"\xff" * size)
-    with pytest.raises(CacheIntegrityError, match=r"shard-000002\.safetensors: is not a valid safetensors file: header length \d+ does not fit"):
+    with pytest.raises(
+        CacheIntegrityError,
+        match=r"shard-000002\.safetensors: is not a valid safetensors file: header length \d+ does not fit",
+    ):
         verify_cache(str(small_cache), deep=True)
 
 
 def test_cache_info(small_cache: Path) -> None:
     info = cache_info(str(small_cache))
     assert info["num_samples"] == 10 and info["shard_size"] == 4 and info["num_shards"] == 3
-    assert info["schema"] == {"h": {"dtype": "float32", "shape": [3]}, "m": {"dtype": "bool", "shape": [3]}}
+    assert info["schema"] == {
+        "h": {"dtype": "float32", "shape": [3]},
+        "m": {"dtype": "bool", "shape": [3]},
+    }
     assert info["options"] == {"cp_size": 2}
     assert info["bytes"] == sum(p.stat().st_size for p in small_cache.glob("shard-*.safetensors"))
-    assert info["checksum"] == "xxh3_64" and info["layout_version"] == 3 and info["format_version"] == 1
+    assert (
+        info["checksum"] == "xxh3_64"
+        and info["layout_version"] == 3
+        and info["format_version"] == 1
+    )
 
 
 # -- the manifest's own checksum (layout_version 2) -----------------------------------------
@@ -655,13 +849,21 @@ def test_manifest_records_a_checksum_of_its_canonical_content(small_cache: Path)
 @pytest.mark.parametrize(
     ("old", "new"),
     [
-        (b'"cp_size": 2', b'"cp_size": 3'),  # a producer option (a flipped cp_size would pass a wrong-CP cache)
-        (b'"checksum": "xxh3_64:', b'"checksum": "xxh3_65:'),  # a shard record: must not blame the shard
+        (
+            b'"cp_size": 2',
+            b'"cp_size": 3',
+        ),  # a producer option (a flipped cp_size would pass a wrong-CP cache)
+        (
+            b'"checksum": "xxh3_64:',
+            b'"checksum": "xxh3_65:',
+        ),  # a shard record: must not blame the shard
         (b'"num_samples": 10', b'"num_samples": 11'),
         (b'"format_version": 1', b'"format_version": 3'),  # damage, not an old cache
     ],
 )
-def test_manifest_checksum_catches_a_flip_and_names_manifest_json(small_cache: Path, old: bytes, new: bytes) -> None:
+def test_manifest_checksum_catches_a_flip_and_names_manifest_json(
+    small_cache: Path, old: bytes, new: bytes
+) -> None:
     from te_thd.offline_cache import CachedTensorDataset
 
     _flip_in_manifest(small_cache, old, new)
@@ -678,13 +880,19 @@ def test_manifest_checksum_catches_a_flip_and_names_manifest_json(small_cache: P
 def test_manifest_checksum_field_itself_damaged(small_cache: Path) -> None:
     # the field's name: a layout-2 manifest always records it
     _flip_in_manifest(small_cache, b'"manifest_checksum"', b'"manifest_chedksum"')
-    with pytest.raises(ManifestError, match=r"manifest .*manifest\.json declares layout_version=3 but has no 'manifest_checksum' field, which that layout always records: the file was damaged"):
+    with pytest.raises(
+        ManifestError,
+        match=r"manifest .*manifest\.json declares layout_version=3 but has no 'manifest_checksum' field, which that layout always records: the file was damaged",
+    ):
         read_manifest(str(small_cache), "test", 1)
 
 
 def test_manifest_checksum_value_malformed(small_cache: Path) -> None:
     _flip_in_manifest(small_cache, b'"manifest_checksum": "crc32:', b'"manifest_checksum": "crc3r:')
-    with pytest.raises(ManifestError, match=r"manifest .*manifest\.json has manifest_checksum='crc3r:[0-9a-f]{8}', not 'crc32:<8 hex digits>': the file was damaged"):
+    with pytest.raises(
+        ManifestError,
+        match=r"manifest .*manifest\.json has manifest_checksum='crc3r:[0-9a-f]{8}', not 'crc32:<8 hex digits>': the file was damaged",
+    ):
         load_manifest(str(small_cache))
 
 
@@ -697,16 +905,32 @@ def test_manifests_without_checksum_still_load(tmp_path: Path) -> None:
     (tmp_path / MANIFEST_NAME).write_text(json.dumps(ref, indent=2, sort_keys=True))
     assert read_manifest(str(tmp_path), "test", 1) == ref
     assert verify_cache(str(tmp_path), deep=True)["headers_verified"]
-    layout1 = {**ref, "layout_version": 1, "schema": {"x": {"dtype": "float32", "shape": [2]}}, "shards": [
-        {"file": f"shard-{i:06d}.safetensors", "bytes": os.path.getsize(shard_path(str(tmp_path), i)),
-         "checksum": f"crc32:{zlib.crc32(Path(shard_path(str(tmp_path), i)).read_bytes()):08x}"} for i in range(2)]}
+    layout1 = {
+        **ref,
+        "layout_version": 1,
+        "schema": {"x": {"dtype": "float32", "shape": [2]}},
+        "shards": [
+            {
+                "file": f"shard-{i:06d}.safetensors",
+                "bytes": os.path.getsize(shard_path(str(tmp_path), i)),
+                "checksum": f"crc32:{zlib.crc32(Path(shard_path(str(tmp_path), i)).read_bytes()):08x}",
+            }
+            for i in range(2)
+        ],
+    }
     (tmp_path / MANIFEST_NAME).write_text(json.dumps(layout1))
     assert read_manifest(str(tmp_path), "test", 1) == layout1
     result = verify_cache(str(tmp_path), deep=True)
     # whole files match the manifest, but these shards carry no per-row checksums: said so
-    assert "every shard's checksum (header digest, or whole-file CRC-32 in older caches) against the manifest" in result["checked"]
+    assert (
+        "every shard's checksum (header digest, or whole-file CRC-32 in older caches) against the manifest"
+        in result["checked"]
+    )
     assert not result["checksums_verified"] and result["shards_with_checksums"] == 0
-    assert any(line.startswith("tensor bytes: no shard carries checksums") for line in result["not_checked"])
+    assert any(
+        line.startswith("tensor bytes: no shard carries checksums")
+        for line in result["not_checked"]
+    )
 
 
 def test_write_manifest_reseals_an_edited_manifest(small_cache: Path) -> None:
@@ -718,7 +942,9 @@ def test_write_manifest_reseals_an_edited_manifest(small_cache: Path) -> None:
     write_manifest(str(small_cache), m, 1)  # a deliberate edit, re-sealed
     assert read_manifest(str(small_cache), "test", 1)["cp_size"] == 4
     # a round trip through the read view is byte-identical too
-    write_manifest(str(small_cache), {**read_manifest(str(small_cache), "test", 1), "cp_size": 2}, 1)
+    write_manifest(
+        str(small_cache), {**read_manifest(str(small_cache), "test", 1), "cp_size": 2}, 1
+    )
     assert (small_cache / MANIFEST_NAME).read_bytes() == before
 
 
@@ -733,35 +959,53 @@ def test_manifest_without_format_version_is_not_a_version_mismatch(tmp_path: Pat
 
 def test_wrong_format_version_names_manifest_json(tmp_path: Path) -> None:
     _manifest(tmp_path, {"format_version": 2, "num_samples": 3, "shard_size": 2})
-    with pytest.raises(ManifestError, match=r"test cache manifest .*/manifest\.json has format_version=2, expected 1: its tensors mean something else"):
+    with pytest.raises(
+        ManifestError,
+        match=r"test cache manifest .*/manifest\.json has format_version=2, expected 1: its tensors mean something else",
+    ):
         read_manifest(str(tmp_path), "test", 1)
 
 
 def test_a_format_version_of_another_type_says_what_to_pass(tmp_path: Path) -> None:
-    """"1" is not 1 (the types differ); "1+tokens" is the manifest file's spelling of 1 for a ragged cache."""
+    """ "1" is not 1 (the types differ); "1+tokens" is the manifest file's spelling of 1 for a ragged cache."""
     from te_thd.offline_cache import CachedTensorDataset, produce_cache
 
     data = [{"input_ids": torch.arange(1, 5)} for _ in range(4)]
     produce_cache(torch.utils.data.DataLoader(data, batch_size=2), str(tmp_path), 2, lambda b: b, ("input_ids",),
                   progress=False, token_keys=("input_ids",))  # fmt: skip
     assert json.loads((tmp_path / MANIFEST_NAME).read_text())["format_version"] == "1+tokens"
-    with pytest.raises(ValueError, match=r"^format_version='1' is a str, but the version is an int \(the types differ, so it never matches\): pass format_version=1$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^format_version='1' is a str, but the version is an int \(the types differ, so it never matches\): pass format_version=1$",
+    ):
         CachedTensorDataset(str(tmp_path), "offline", "1", ("input_ids",))
-    with pytest.raises(ValueError, match=r"^format_version='1\+tokens' is how manifest\.json records version 1 of a cache with ragged token keys: pass format_version=1$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^format_version='1\+tokens' is how manifest\.json records version 1 of a cache with ragged token keys: pass format_version=1$",
+    ):
         CachedTensorDataset(str(tmp_path), "offline", "1+tokens", ("input_ids",))
-    with pytest.raises(ValueError, match=r"^format_version=1\.0 must be an int: the version of what the cached tensors mean, e\.g\. 1$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^format_version=1\.0 must be an int: the version of what the cached tensors mean, e\.g\. 1$",
+    ):
         read_manifest(str(tmp_path), "offline", 1.0)
     assert len(CachedTensorDataset(str(tmp_path), "offline", 1, ("input_ids",))) == 4
 
 
 @given(num_samples=st.integers(0, 60), shard_size=st.integers(1, 9), data=st.data())
-def test_shard_runs_cover_exactly_the_chosen_shards(num_samples: int, shard_size: int, data) -> None:
+def test_shard_runs_cover_exactly_the_chosen_shards(
+    num_samples: int, shard_size: int, data
+) -> None:
     total = -(-num_samples // shard_size)
-    chosen = data.draw(st.sets(st.integers(0, max(0, total - 1)), max_size=total)) if total else set()
+    chosen = (
+        data.draw(st.sets(st.integers(0, max(0, total - 1)), max_size=total)) if total else set()
+    )
     runs = shard_runs(sorted(chosen), num_samples, shard_size)
     covered = [s for _, start, n in runs for s in range(start, start + n)]
     oracle = [s for s in range(num_samples) if s // shard_size in chosen]
     assert covered == oracle
     for s0, start, _ in runs:  # runs start on shard boundaries, at their own shard
         assert start == s0 * shard_size
-    assert all(a[1] + a[2] < b[1] for a, b in zip(runs, runs[1:], strict=False))  # maximal runs: gaps between
+    assert all(
+        a[1] + a[2] < b[1] for a, b in zip(runs, runs[1:], strict=False)
+    )  # maximal runs: gaps between

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from te_thd.offline_cache import fp8
-from te_thd.offline_cache.ragged import decode_fp8, encode_fp8
+from te_thd.offline_cache.format import fp8
+from te_thd.offline_cache.format.ragged import decode_fp8, encode_fp8
 
 
 def _torch_decode(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

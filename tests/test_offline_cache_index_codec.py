@@ -30,15 +30,15 @@ from te_thd.offline_cache import (
     produce_cache,
     verify_cache,
 )
-from te_thd.offline_cache.integrity import read_shard_header
-from te_thd.offline_cache.ragged import (
+from te_thd.offline_cache.format.integrity import read_shard_header
+from te_thd.offline_cache.format.ragged import (
     decode_index,
     encode_index,
     index_bits,
     out_of_range,
     stored_parts,
 )
-from te_thd.offline_cache.verify import cache_info
+from te_thd.offline_cache.tools.verify import cache_info
 
 L, K = 20, 5  # K not a multiple of 8: the last byte of packed high bits is partly padding
 KEYS = ("ids", "next_id", "logprobs", "length")
@@ -49,7 +49,9 @@ BOUNDARIES = (1, 2, 255, 65535, 65536, 65537, 131071, 131072, 131073, 2**31)
 # -- the pure functions --------------------------------------------------------------------
 
 
-def _indices(t: int, shape: tuple[int, ...], vocab: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+def _indices(
+    t: int, shape: tuple[int, ...], vocab: int, dtype: torch.dtype, seed: int
+) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     x = torch.randint(0, vocab, (t, *shape), generator=g, dtype=torch.int64)
     flat = x.view(-1)
@@ -66,13 +68,17 @@ def _indices(t: int, shape: tuple[int, ...], vocab: int, dtype: torch.dtype, see
     dtype=st.sampled_from([torch.int32, torch.int64]),
     seed=st.integers(0, 2**16),
 )
-def test_index_codec_round_trip_is_exact(vocab: int, t: int, shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> None:
+def test_index_codec_round_trip_is_exact(
+    vocab: int, t: int, shape: tuple[int, ...], dtype: torch.dtype, seed: int
+) -> None:
     x = _indices(t, shape, vocab, dtype, seed)
     codec = f"topk_index:{vocab}"
     assert out_of_range(x, codec) is None
     parts = encode_index(x, vocab)
     layout = stored_parts(codec, dtype, shape)
-    assert [(r, parts[r].dtype, tuple(parts[r].shape)) for r, _, _ in layout] == [(r, d, (t, *s)) for r, d, s in layout]
+    assert [(r, parts[r].dtype, tuple(parts[r].shape)) for r, _, _ in layout] == [
+        (r, d, (t, *s)) for r, d, s in layout
+    ]
     back = decode_index(parts, dtype)
     assert back.dtype == dtype and back.shape == x.shape and torch.equal(back, x)
     n = math.prod(shape)
@@ -96,7 +102,9 @@ def test_index_codec_round_trip_is_exact(vocab: int, t: int, shape: tuple[int, .
     offset=st.integers(0, 2**20),
     dtype=st.sampled_from([torch.int32, torch.int64]),
 )
-def test_indices_outside_the_vocabulary_are_found(vocab, t, n, where, negative, offset, dtype) -> None:
+def test_indices_outside_the_vocabulary_are_found(
+    vocab, t, n, where, negative, offset, dtype
+) -> None:
     x = _indices(t, (n,), vocab, dtype, where)
     bad = -1 - offset if negative else vocab + offset
     if not negative and bad > torch.iinfo(dtype).max:
@@ -108,9 +116,15 @@ def test_indices_outside_the_vocabulary_are_found(vocab, t, n, where, negative, 
 
 def test_stored_parts_per_width() -> None:
     assert stored_parts("topk_index:65536", torch.int64, (8,)) == [("tokens", torch.int16, (8,))]
-    assert stored_parts("topk_index:65537", torch.int64, (8,)) == [("tokens", torch.int16, (8,)), ("high", torch.uint8, (1,))]
+    assert stored_parts("topk_index:65537", torch.int64, (8,)) == [
+        ("tokens", torch.int16, (8,)),
+        ("high", torch.uint8, (1,)),
+    ]
     assert stored_parts("topk_index:131072", torch.int32, (9,))[1] == ("high", torch.uint8, (2,))
-    assert stored_parts("topk_index:131072", torch.int64, ()) == [("tokens", torch.int16, ()), ("high", torch.uint8, (1,))]
+    assert stored_parts("topk_index:131072", torch.int64, ()) == [
+        ("tokens", torch.int16, ()),
+        ("high", torch.uint8, (1,)),
+    ]
     assert stored_parts("topk_index:131073", torch.int64, (8,)) == [("tokens", torch.int32, (8,))]
 
 
@@ -127,16 +141,25 @@ def _compute(vocab: int, bad: tuple[int, int] | None = None):
     def compute(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         length, idx = batch["length"], batch["i"]
         real = torch.arange(L).unsqueeze(0) < length.unsqueeze(1)
-        ids = torch.stack([_indices(L, (K,), vocab, torch.int64, int(i)) for i in idx]) * real.unsqueeze(-1)
+        ids = torch.stack(
+            [_indices(L, (K,), vocab, torch.int64, int(i)) for i in idx]
+        ) * real.unsqueeze(-1)
         next_id = ids[..., 0].to(torch.int32)
         if bad is not None and bad[0] in idx.tolist():
             ids[idx.tolist().index(bad[0]), 0, 1] = bad[1]
-        return {"ids": ids, "next_id": next_id, "logprobs": -ids.float() * real.unsqueeze(-1), "length": length}
+        return {
+            "ids": ids,
+            "next_id": next_id,
+            "logprobs": -ids.float() * real.unsqueeze(-1),
+            "length": length,
+        }
 
     return compute
 
 
-def _produce(out: Path, vocab: int, bad: tuple[int, int] | None = None, shard_size: int = 8, **kw) -> dict:
+def _produce(
+    out: Path, vocab: int, bad: tuple[int, int] | None = None, shard_size: int = 8, **kw
+) -> dict:
     return produce_cache(DataLoader(_samples(23), batch_size=3), str(out), shard_size, _compute(vocab, bad), KEYS,
                          progress=False, length_key="length", **kw)  # fmt: skip
 
@@ -181,7 +204,9 @@ def test_every_read_path_returns_the_tensors_written(caches) -> None:
         _same(ref.start_read(indices).result().tensors, enc.start_read(indices).result().tensors)
     for cp_rank in range(2):  # a CP rank reads only its share of each sample's tokens
         idx = rng.permutation(23)[:9].tolist()
-        col = CachedThdCollator(64, input_key="next_id", length_key="length", cp_size=2, cp_rank=cp_rank)
+        col = CachedThdCollator(
+            64, input_key="next_id", length_key="length", cp_size=2, cp_rank=cp_rank
+        )
         _same(col(rag.__getitems__(idx)), col(enc.__getitems__(idx)))
 
 
@@ -207,14 +232,23 @@ def test_the_codec_is_recorded_and_stores_fewer_bytes(caches) -> None:
     entries = read_shard_header(str(c["codec"] / "shard-000000.safetensors")).entries
     plain = read_shard_header(str(c["ragged"] / "shard-000000.safetensors")).entries
     stored = sorted(n for n in entries if n.startswith("ids@"))
-    assert stored == (["ids@tokens"] if vocab <= 65536 else ["ids@high", "ids@tokens"] if vocab <= 131072 else ["ids@tokens"])
+    assert stored == (
+        ["ids@tokens"]
+        if vocab <= 65536
+        else ["ids@high", "ids@tokens"]
+        if vocab <= 131072
+        else ["ids@tokens"]
+    )
     nbytes = sum(entries[n].end - entries[n].start for n in stored)
     tokens = plain["ids@tokens"].shape[0]
     assert nbytes == tokens * {16: 2 * K, 17: 2 * K + 1, 32: 4 * K}[index_bits(vocab)]
     info = cache_info(str(c["codec"]))
     bits = index_bits(vocab)
     form = {16: "", 17: ": 16 + 1 packed high bit", 32: ": int32"}[bits]
-    assert info["storage"]["ids"] == f"ragged, topk_index:{vocab}, {bits} bits per index{form} (logical int64)"
+    assert (
+        info["storage"]["ids"]
+        == f"ragged, topk_index:{vocab}, {bits} bits per index{form} (logical int64)"
+    )
     assert info["fidelity"] == {}
     report = verify_cache(str(c["codec"]), deep=True)
     assert report["checksums_verified"] and report["lengths_verified"]
@@ -233,7 +267,9 @@ def test_a_flipped_byte_in_a_stored_part_is_caught(tmp_path: Path, target: str) 
         byte = f.read(1)
         f.seek(-1, 1)
         f.write(bytes([byte[0] ^ 0x01]))
-    with pytest.raises(CacheIntegrityError, match=rf"shard-000001.*key 'ids'.*checksum mismatch.*\({target};"):
+    with pytest.raises(
+        CacheIntegrityError, match=rf"shard-000001.*key 'ids'.*checksum mismatch.*\({target};"
+    ):
         _ = _ds(tmp_path / "c").__getitems__(list(range(8, 16))).tensors
     with pytest.raises(CacheIntegrityError, match="shard-000001"):
         verify_cache(str(tmp_path / "c"), deep=True)
@@ -247,9 +283,13 @@ def test_a_flipped_byte_in_a_stored_part_is_caught(tmp_path: Path, target: str) 
         (131073, 2**40, "give the codec the vocabulary size"),
     ],
 )  # fmt: skip
-def test_an_index_outside_the_vocabulary_is_refused_naming_key_value_and_fix(tmp_path: Path, vocab, value, fix) -> None:
+def test_an_index_outside_the_vocabulary_is_refused_naming_key_value_and_fix(
+    tmp_path: Path, vocab, value, fix
+) -> None:
     with pytest.raises(ValueError) as e:
-        _produce(tmp_path / "c", vocab, bad=(12, value), token_keys=TOKEN_KEYS, codecs=_codecs(vocab))
+        _produce(
+            tmp_path / "c", vocab, bad=(12, value), token_keys=TOKEN_KEYS, codecs=_codecs(vocab)
+        )
     msg = str(e.value)
     assert "\n" not in msg
     assert msg.startswith(f"sample 12 (row 4 of the shard): key 'ids' holds index {value}, outside [0, {vocab}) of "
@@ -283,5 +323,7 @@ def test_bad_index_codec_arguments(tmp_path: Path, codecs, match) -> None:
 def test_cache_info_cli_shows_the_codec(caches) -> None:
     vocab, c = caches
     cli = Path(sys.executable).with_name("te-thd")
-    out = subprocess.run([str(cli), "cache", "info", str(c["codec"])], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [str(cli), "cache", "info", str(c["codec"])], capture_output=True, text=True, check=True
+    ).stdout
     assert f"topk_index:{vocab}, {index_bits(vocab)} bits per index" in out

@@ -41,8 +41,8 @@ from te_thd.offline_cache import (
     write_manifest,
     write_tensor_shard,
 )
-from te_thd.offline_cache.format import num_shards, shard_layout, shard_path, shard_rows
-from te_thd.offline_cache.integrity import read_shard_header
+from te_thd.offline_cache.format.integrity import read_shard_header
+from te_thd.offline_cache.format.schema import num_shards, shard_layout, shard_path, shard_rows
 
 KEYS = ("hidden", "ids")
 N, SHARD = 10, 4
@@ -51,7 +51,10 @@ _log = logging.getLogger("test")
 
 def _rows(start: int, n: int) -> dict[str, torch.Tensor]:
     i = torch.arange(start, start + n)
-    return {"hidden": torch.sin(i[:, None] * 0.1 + torch.arange(6)).to(torch.bfloat16), "ids": i[:, None] * 3 + torch.arange(5)}
+    return {
+        "hidden": torch.sin(i[:, None] * 0.1 + torch.arange(6)).to(torch.bfloat16),
+        "ids": i[:, None] * 3 + torch.arange(5),
+    }
 
 
 def _compute(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -79,20 +82,37 @@ def _via_durable_writer(d: Path) -> None:
 
 def _via_write_cache_shards(d: Path) -> None:
     loader = DataLoader(IndexDataset(N), batch_size=3)
-    write_cache_shards(loader, str(d), SHARD, 0, _compute, lambda c, i, t: write_tensor_shard(c, i, t, KEYS, "test"), _log)
+    write_cache_shards(
+        loader,
+        str(d),
+        SHARD,
+        0,
+        _compute,
+        lambda c, i, t: write_tensor_shard(c, i, t, KEYS, "test"),
+        _log,
+    )
     _finish(d)
 
 
 def _via_distributed_loop(d: Path) -> None:
     loader = DataLoader(IndexDataset(N), batch_size=3)
     write_cache_shards_distributed(
-        loader, str(d), SHARD, 1, 0, _compute, lambda c, i, t: write_tensor_shard(c, i, t, KEYS, "test"), _log
+        loader,
+        str(d),
+        SHARD,
+        1,
+        0,
+        _compute,
+        lambda c, i, t: write_tensor_shard(c, i, t, KEYS, "test"),
+        _log,
     )
     _finish(d)
 
 
 def _via_produce_cache(d: Path) -> None:
-    produce_cache(DataLoader(IndexDataset(N), batch_size=2), str(d), SHARD, _compute, KEYS, progress=False)
+    produce_cache(
+        DataLoader(IndexDataset(N), batch_size=2), str(d), SHARD, _compute, KEYS, progress=False
+    )
 
 
 WRITERS = {
@@ -114,13 +134,17 @@ def _flip_data(path: Path, key: str, row: int) -> None:
 
 
 @pytest.mark.parametrize("writer", list(WRITERS))
-def test_every_writer_writes_self_verifying_shards_and_reads_catch_a_flip(tmp_path: Path, writer: str) -> None:
+def test_every_writer_writes_self_verifying_shards_and_reads_catch_a_flip(
+    tmp_path: Path, writer: str
+) -> None:
     d = tmp_path / "cache"
     WRITERS[writer](d)
     for s in range(num_shards(N, SHARD)):
         p = shard_path(str(d), s)
         with safe_open(p, framework="pt") as f:  # still a plain safetensors file
-            assert torch.equal(f.get_tensor("ids"), _rows(s * SHARD, shard_rows(s, N, SHARD))["ids"])
+            assert torch.equal(
+                f.get_tensor("ids"), _rows(s * SHARD, shard_rows(s, N, SHARD))["ids"]
+            )
         assert read_shard_header(p).sums.rows == shard_rows(s, N, SHARD)
     result = verify_cache(str(d), deep=True)
     assert result["checksums_verified"] and result["shards_with_checksums"] == 3
@@ -130,18 +154,29 @@ def test_every_writer_writes_self_verifying_shards_and_reads_catch_a_flip(tmp_pa
 
     _flip_data(d / "shard-000001.safetensors", "ids", 2)  # sample 6
     ds = CachedTensorDataset(str(d), "test", 1, KEYS)
-    assert torch.equal(ds.__getitems__([4, 5]).tensors["ids"], _rows(4, 2)["ids"])  # rows before the flip
+    assert torch.equal(
+        ds.__getitems__([4, 5]).tensors["ids"], _rows(4, 2)["ids"]
+    )  # rows before the flip
     with pytest.raises(CacheIntegrityError) as e:
         ds.__getitems__([5, 6, 7])
     err = e.value
     assert err.path == shard_path(str(d), 1) and err.sample == 6 and err.key == "ids"
-    assert err.expected.startswith("xxh3_64:") and err.actual.startswith("xxh3_64:") and err.expected != err.actual
+    assert (
+        err.expected.startswith("xxh3_64:")
+        and err.actual.startswith("xxh3_64:")
+        and err.expected != err.actual
+    )
     msg = str(err)
-    assert f"shard {shard_path(str(d), 1)}: sample 6 (row 2 of the shard), key 'ids': checksum mismatch" in msg
+    assert (
+        f"shard {shard_path(str(d), 1)}: sample 6 (row 2 of the shard), key 'ids': checksum mismatch"
+        in msg
+    )
     assert f"Repair: `te-thd cache repair {d}`" in msg
     with pytest.raises(CacheIntegrityError, match="sample 6"):
         ds[6]  # the reference per-item path
-    with pytest.raises(CacheIntegrityError, match=r"sample 6 \(row 2 of the shard\), key 'ids': checksum mismatch"):
+    with pytest.raises(
+        CacheIntegrityError, match=r"sample 6 \(row 2 of the shard\), key 'ids': checksum mismatch"
+    ):
         verify_cache(str(d), deep=True)
 
 
@@ -157,10 +192,14 @@ def test_verification_through_dataloader_workers(tmp_path: Path, read_threads: i
     loader = build_cached_dataloader(ds, 2, False, lambda b: collate_cached(b, KEYS), num_workers=2)
     loader.worker_init_fn = share_every_batch
     seen = []
-    with pytest.raises(CacheIntegrityError, match=r"sample 9 \(row 1 of the shard\), key 'hidden'") as e:
+    with pytest.raises(
+        CacheIntegrityError, match=r"sample 9 \(row 1 of the shard\), key 'hidden'"
+    ) as e:
         for batch in loader:
             seen.append(batch["ids"])
-    assert torch.equal(torch.cat(seen), _rows(0, 8)["ids"])  # every batch before the damaged one, intact
+    assert torch.equal(
+        torch.cat(seen), _rows(0, 8)["ids"]
+    )  # every batch before the damaged one, intact
     # The traceback's frames hold torch's worker iterator in a reference cycle; left to the
     # garbage collector, its queues are finalised before it shuts the workers down, and the
     # shutdown then waits 5 s per worker (in whichever later test the collection happens).
@@ -173,18 +212,24 @@ def test_verify_off_is_explicit_and_warned(tmp_path: Path) -> None:
     _flip_data(d / "shard-000000.safetensors", "ids", 0)
     with pytest.warns(UnverifiedCacheWarning, match="reads are not verified"):
         ds = CachedTensorDataset(str(d), "test", 1, KEYS, verify=False)
-    assert not torch.equal(ds.__getitems__([0]).tensors["ids"], _rows(0, 1)["ids"])  # the risk, documented
+    assert not torch.equal(
+        ds.__getitems__([0]).tensors["ids"], _rows(0, 1)["ids"]
+    )  # the risk, documented
 
 
-def test_large_rows_are_verified_chunk_by_chunk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_large_rows_are_verified_chunk_by_chunk(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Rows over the chunk size take the pipelined path (copy k+1 while hashing k)."""
-    import te_thd.offline_cache.reader as reader
+    import te_thd.offline_cache.read.dataset as reader
 
     monkeypatch.setattr(reader, "VERIFY_CHUNK_BYTES", 16)
     d = tmp_path / "cache"
     _via_produce_cache(d)
     ds = CachedTensorDataset(str(d), "test", 1, KEYS)
-    assert torch.equal(ds.__getitems__([3, 1, 2, 0]).tensors["hidden"], _rows(0, 4)["hidden"][[3, 1, 2, 0]])
+    assert torch.equal(
+        ds.__getitems__([3, 1, 2, 0]).tensors["hidden"], _rows(0, 4)["hidden"][[3, 1, 2, 0]]
+    )
     _flip_data(d / "shard-000000.safetensors", "hidden", 2)
     ds = CachedTensorDataset(str(d), "test", 1, KEYS)
     with pytest.raises(CacheIntegrityError, match=r"sample 2 \(row 2 of the shard\), key 'hidden'"):
@@ -215,15 +260,22 @@ def test_a_layout3_cache_refuses_a_shard_without_checksums(tmp_path: Path) -> No
     with safe_open(p, framework="pt") as f:
         tensors = {k: f.get_tensor(k) for k in f.keys()}
     save_file(tensors, p)  # same tensor data, metadata stripped
-    with pytest.raises(CacheIntegrityError, match=r"shard-000001\.safetensors has \d+ bytes, the manifest records"):
+    with pytest.raises(
+        CacheIntegrityError, match=r"shard-000001\.safetensors has \d+ bytes, the manifest records"
+    ):
         CachedTensorDataset(str(d), "test", 1, KEYS)
     # even with the manifest's record edited to match (and the manifest resealed)
-    from te_thd.offline_cache.manifest import load_manifest
+    from te_thd.offline_cache.record.manifest import load_manifest
 
     m = load_manifest(str(d))
-    m["shards"][1].update(bytes=Path(p).stat().st_size, checksum=f"crc32:{zlib.crc32(Path(p).read_bytes()):08x}")
+    m["shards"][1].update(
+        bytes=Path(p).stat().st_size, checksum=f"crc32:{zlib.crc32(Path(p).read_bytes()):08x}"
+    )
     write_manifest(str(d), m, 1)
-    with pytest.raises(CacheIntegrityError, match="carries no te_thd checksums although the manifest's layout records them"):
+    with pytest.raises(
+        CacheIntegrityError,
+        match="carries no te_thd checksums although the manifest's layout records them",
+    ):
         CachedTensorDataset(str(d), "test", 1, KEYS).__getitems__([4])
 
 
@@ -236,9 +288,16 @@ def test_repair_then_resume_restores_the_identical_cache(tmp_path: Path) -> None
     result = repair_cache(str(d))
     assert result["reopened"] and list(result["damaged"]) == ["shard-000001.safetensors"]
     assert result["missing"] == ["shard-000002.safetensors"]
-    assert (d / ".te_thd-damaged" / "shard-000001.safetensors").exists() and not (d / "manifest.json").exists()
+    assert (d / ".te_thd-damaged" / "shard-000001.safetensors").exists() and not (
+        d / "manifest.json"
+    ).exists()
     _via_produce_cache(d)  # the same call that built it: resumes, computes shards 1 and 2
-    for name in ("manifest.json", "shard-000000.safetensors", "shard-000001.safetensors", "shard-000002.safetensors"):
+    for name in (
+        "manifest.json",
+        "shard-000000.safetensors",
+        "shard-000001.safetensors",
+        "shard-000002.safetensors",
+    ):
         assert (d / name).read_bytes() == (clean / name).read_bytes(), name
     assert repair_cache(str(d))["reopened"] is False  # sound now: nothing changes
 
@@ -261,7 +320,9 @@ def test_repair_cli_runs_as_printed(tmp_path: Path, capsys: pytest.CaptureFixtur
 # -- the reference module's patch points --------------------------------------------------
 
 
-def test_distributed_loop_builds_loaders_with_the_patched_dataloader(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_distributed_loop_builds_loaders_with_the_patched_dataloader(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The reference consumers' tests patch ``offline_cache.DataLoader`` with a capturing loader that
     forces ``num_workers=0``; a ``prefetch_factor`` passed on by default would make torch reject it."""
     captured: list[dict] = []
@@ -274,16 +335,27 @@ def test_distributed_loop_builds_loaders_with_the_patched_dataloader(tmp_path: P
         return real(*args, **kwargs)
 
     monkeypatch.setattr(oc, "DataLoader", capturing)
-    source = real(IndexDataset(N), batch_size=3, num_workers=2)  # torch sets prefetch_factor=2 on it
+    source = real(
+        IndexDataset(N), batch_size=3, num_workers=2
+    )  # torch sets prefetch_factor=2 on it
     write_cache_shards_distributed(
-        source, str(tmp_path), SHARD, 2, 1, _compute, lambda c, i, t: write_tensor_shard(c, i, t, KEYS, "test"), _log
+        source,
+        str(tmp_path),
+        SHARD,
+        2,
+        1,
+        _compute,
+        lambda c, i, t: write_tensor_shard(c, i, t, KEYS, "test"),
+        _log,
     )
     assert len(captured) == 1 and "prefetch_factor" not in captured[0]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["shard-000002.safetensors"]
     assert oc.dataloader_from_sample(source, 4) is not source and len(captured) == 2
 
 
-def test_load_safetensors_honours_a_patched_safe_import_from(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_load_safetensors_honours_a_patched_safe_import_from(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     assert oc.load_safetensors("test")[1] is safe_open
     monkeypatch.setattr(oc, "safe_import_from", lambda *a, **k: (False, None))
     with pytest.raises(ImportError, match="requires the 'safetensors' package"):
@@ -293,7 +365,9 @@ def test_load_safetensors_honours_a_patched_safe_import_from(monkeypatch: pytest
 def test_safe_import_from_signature_of_the_reference() -> None:
     assert oc.safe_import_from("safetensors", "safe_open") == (True, safe_open)
     assert oc.safe_import_from("no_such_module_xyz", "x", alt=3) == (False, 3)
-    assert oc.safe_import_from("no_such_module_xyz", "safe_open", fallback_module="safetensors") == (True, safe_open)
+    assert oc.safe_import_from(
+        "no_such_module_xyz", "safe_open", fallback_module="safetensors"
+    ) == (True, safe_open)
 
 
 # -- shard layout: one derivation -----------------------------------------------------------
@@ -305,7 +379,10 @@ def test_shard_layout_tiles_the_samples(num_samples: int, shard_size: int) -> No
     rows = [shard_rows(i, num_samples, shard_size) for i in range(count)]
     assert sum(rows) == num_samples and all(r == shard_size for r in rows[:-1])
     assert (rows[-1] if rows else 0) == last and 0 < last <= shard_size or count == 0
-    assert shard_rows(count, num_samples, shard_size) == 0 and shard_rows(-1, num_samples, shard_size) == 0
+    assert (
+        shard_rows(count, num_samples, shard_size) == 0
+        and shard_rows(-1, num_samples, shard_size) == 0
+    )
 
 
 def test_no_warning_for_a_verified_cache(tmp_path: Path) -> None:
@@ -318,11 +395,13 @@ def test_no_warning_for_a_verified_cache(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("chunk", [1 << 20, 16])
 @pytest.mark.parametrize("indices", [[4, 5, 6, 7], [7, 5, 6, 4], [6, 2, 9, 6]])
-def test_preadv_reads_are_verified(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, chunk: int, indices: list[int]) -> None:
+def test_preadv_reads_are_verified(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, chunk: int, indices: list[int]
+) -> None:
     """The preadv engine (forced: the test rows are small) checks every row it read,
     in whole runs, in pieces of ``VERIFY_CHUNK_BYTES``, and row by row for scattered
     batch rows; a flip is reported for its sample, wherever it sits in the batch."""
-    import te_thd.offline_cache.reader as reader
+    import te_thd.offline_cache.read.dataset as reader
 
     monkeypatch.setattr(reader, "VERIFY_CHUNK_BYTES", chunk)
     d = tmp_path / "cache"
@@ -353,7 +432,7 @@ def _record_verifiers(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str, l
     ``(thread name, key, shard rows, passed)`` per call."""
     import threading
 
-    import te_thd.offline_cache.readplan as readplan
+    import te_thd.offline_cache.read.planner as readplan
 
     log: list[tuple[str, str, list[int], bool]] = []
     real = readplan.verify_row_views
@@ -370,7 +449,9 @@ def _record_verifiers(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str, l
     return log
 
 
-def test_a_flip_read_by_a_helper_thread_names_its_sample(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_flip_read_by_a_helper_thread_names_its_sample(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """One row per piece. Read ahead (``start_read``) and left to the helper threads, the
     damaged row (shard 2, key 'ids', sample 9) is checked on a helper, whose error reaches
     ``result()`` with the sample and key. Then many batches through ``__getitems__``, with
@@ -379,7 +460,7 @@ def test_a_flip_read_by_a_helper_thread_names_its_sample(tmp_path: Path, monkeyp
     import threading
     import time
 
-    import te_thd.offline_cache.reader as reader
+    import te_thd.offline_cache.read.dataset as reader
 
     monkeypatch.setattr(reader, "VERIFY_CHUNK_BYTES", 16)
     hooked: list = []
@@ -393,16 +474,25 @@ def test_a_flip_read_by_a_helper_thread_names_its_sample(tmp_path: Path, monkeyp
     deadline = time.monotonic() + 10
     while not any(not ok for *_, ok in log) and time.monotonic() < deadline:
         time.sleep(0.01)  # the helpers read while nobody waits
-    with pytest.raises(CacheIntegrityError, match=r"shard-000002\.safetensors: sample 9 \(row 1 of the shard\), key 'ids'") as e:
+    with pytest.raises(
+        CacheIntegrityError,
+        match=r"shard-000002\.safetensors: sample 9 \(row 1 of the shard\), key 'ids'",
+    ) as e:
         pending.result()
     assert (e.value.sample, e.value.key) == (9, "ids")
     failed = [entry for entry in log if not entry[3]]
-    assert len(failed) == 1 and failed[0][0].startswith("te_thd-read") and failed[0][1:3] == ("ids", [1])
+    assert (
+        len(failed) == 1
+        and failed[0][0].startswith("te_thd-read")
+        and failed[0][1:3] == ("ids", [1])
+    )
     helpers = sum(t.name.startswith("te_thd-read") for t in threading.enumerate())
     good, want = list(range(8)), _rows(0, N)
     for i in range(30):
         if i % 3 == 0:
-            with pytest.raises(CacheIntegrityError, match=r"sample 9 \(row 1 of the shard\), key 'ids'"):
+            with pytest.raises(
+                CacheIntegrityError, match=r"sample 9 \(row 1 of the shard\), key 'ids'"
+            ):
                 ds.__getitems__([9, *good] if i % 2 else [*good, 9])
         else:
             order = good[i % 4 :] + good[: i % 4]
@@ -422,21 +512,32 @@ def test_a_shard_truncated_after_open_names_the_shard(tmp_path: Path, threads: i
     _via_produce_cache(d)
     ds = _threaded_ds(d, threads)
     everything = list(range(N))
-    assert torch.equal(ds.__getitems__(everything).tensors["ids"], _rows(0, N)["ids"])  # opens every shard
+    assert torch.equal(
+        ds.__getitems__(everything).tensors["ids"], _rows(0, N)["ids"]
+    )  # opens every shard
     p = shard_path(str(d), 2)
     e = read_shard_header(p).entries["ids"]
-    os.truncate(p, e.start + (e.end - e.start) // 2)  # from 'ids' row 1 of shard 2 on, nothing is left
+    os.truncate(
+        p, e.start + (e.end - e.start) // 2
+    )  # from 'ids' row 1 of shard 2 on, nothing is left
     for read in (ds.__getitems__, lambda idx: ds.start_read(idx).result()):
-        with pytest.raises(CacheIntegrityError, match=r"shard-000002\.safetensors cannot be read .*file ended at byte \d+ while reading") as err:
+        with pytest.raises(
+            CacheIntegrityError,
+            match=r"shard-000002\.safetensors cannot be read .*file ended at byte \d+ while reading",
+        ) as err:
             read(everything)
         assert err.value.path == p
-    assert torch.equal(ds.__getitems__([0, 5, 7]).tensors["ids"], _rows(0, N)["ids"][[0, 5, 7]])  # other shards still read
+    assert torch.equal(
+        ds.__getitems__([0, 5, 7]).tensors["ids"], _rows(0, N)["ids"][[0, 5, 7]]
+    )  # other shards still read
 
 
 def _garble_header(path: Path) -> None:
     with path.open("r+b") as f:
         f.seek(9)
-        f.write(b"\x01")  # a control character inside the header JSON: the shard fails its open check
+        f.write(
+            b"\x01"
+        )  # a control character inside the header JSON: the shard fails its open check
 
 
 @pytest.mark.parametrize(
@@ -444,7 +545,9 @@ def _garble_header(path: Path) -> None:
     [(p, d) for p in ("inline", "torch") for d in ("row", "header", "removed")]
     + [("read_ahead", d) for d in ("row", "header", "removed")],
 )  # fmt: skip
-def test_a_damaged_shard_stops_the_loader_at_the_same_batch_on_every_path(tmp_path: Path, damage: str, path: str) -> None:
+def test_a_damaged_shard_stops_the_loader_at_the_same_batch_on_every_path(
+    tmp_path: Path, damage: str, path: str
+) -> None:
     """Differential, ``num_workers=0``: the inline loader (with and without read-ahead)
     hands out every batch before the damaged one, then raises, exactly as torch's own
     iterator does -- for a flipped row, for a shard whose header fails its check when
@@ -464,7 +567,9 @@ def test_a_damaged_shard_stops_the_loader_at_the_same_batch_on_every_path(tmp_pa
         return start_read(indices)
 
     ds.start_read = spy
-    shard1 = d / "shard-000001.safetensors"  # samples 4..7: the third batch of 2 in sequential order
+    shard1 = (
+        d / "shard-000001.safetensors"
+    )  # samples 4..7: the third batch of 2 in sequential order
     if damage == "row":
         _flip_data(shard1, "ids", 1)
     elif damage == "header":
@@ -497,11 +602,22 @@ def test_a_key_of_zero_size_samples_reads_back(tmp_path: Path, engine: str) -> N
     """A key whose samples hold no elements (shape ``[0]``): written and checksummed by
     ``produce_cache`` like any other key, so it must read back, on both engines and per item."""
     d = tmp_path / "cache"
-    produce_cache(DataLoader(_WithEmpty(), batch_size=4), str(d), 4, lambda b: b, ("ids", "empty"), progress=False)
+    produce_cache(
+        DataLoader(_WithEmpty(), batch_size=4),
+        str(d),
+        4,
+        lambda b: b,
+        ("ids", "empty"),
+        progress=False,
+    )
     read_tuning(engine=engine)
     ds = CachedTensorDataset(str(d), "test", 1, ("ids", "empty"))
     batch = ds.__getitems__([5, 1, 2])
-    assert batch.tensors["empty"].shape == (3, 0) and batch.tensors["ids"][:, 0].tolist() == [5, 1, 2]
+    assert batch.tensors["empty"].shape == (3, 0) and batch.tensors["ids"][:, 0].tolist() == [
+        5,
+        1,
+        2,
+    ]
     assert ds[6]["empty"].shape == (0,)
 
 
@@ -511,7 +627,9 @@ def test_verify_names_every_bad_shard_truncated_and_flipped(tmp_path: Path) -> N
     from te_thd.cli import main
 
     clean = tmp_path / "clean"
-    produce_cache(DataLoader(IndexDataset(16), batch_size=2), str(clean), 2, _compute, KEYS, progress=False)
+    produce_cache(
+        DataLoader(IndexDataset(16), batch_size=2), str(clean), 2, _compute, KEYS, progress=False
+    )
     d = tmp_path / "cache"
     shutil.copytree(clean, d)
     p1 = d / "shard-000001.safetensors"
@@ -522,7 +640,9 @@ def test_verify_names_every_bad_shard_truncated_and_flipped(tmp_path: Path) -> N
         verify_cache(str(d), deep=True)
     named = [f"shard-00000{i}.safetensors" for i in (1, 3, 6)]
     assert all(n in str(deep.value) for n in named) and deep.value.path == str(p1)
-    with pytest.raises(CacheIntegrityError, match=r"(?s)1 bad shard\(s\).*shard-000001\.safetensors: has \d+ bytes"):
+    with pytest.raises(
+        CacheIntegrityError, match=r"(?s)1 bad shard\(s\).*shard-000001\.safetensors: has \d+ bytes"
+    ):
         verify_cache(str(d), deep=False)  # a quick verify reads no data: only the size is wrong
     assert main(["cache", "verify", str(d)]) == 1
     result = repair_cache(str(d))
@@ -564,5 +684,8 @@ def test_every_path_names_a_damaged_row_by_its_global_sample(tmp_path: Path, rag
     out = subprocess.run([*cli, "verify", str(d)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 1 and where in out.stderr and "batch" not in out.stderr, out.stderr
     out = subprocess.run([*cli, "repair", str(d)], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0 and f"set aside: shard-000002.safetensors: {where.split(': ', 1)[1]}" in out.stdout, out.stderr
+    assert (
+        out.returncode == 0
+        and f"set aside: shard-000002.safetensors: {where.split(': ', 1)[1]}" in out.stdout
+    ), out.stderr
     assert "batch" not in out.stdout

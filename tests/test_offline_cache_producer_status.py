@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 from te_thd.offline_cache import verify_cache
-from te_thd.offline_cache.producer_state import FOLLOW_NAME
+from te_thd.offline_cache.format.schema import FOLLOW_NAME
 
 HERE = Path(__file__).resolve().parent
 SCRIPT = HERE / "_offline_cache_producer_script.py"
@@ -123,7 +123,10 @@ def test_an_old_follow_record_in_backticks_is_printed_once_in_backticks(tmp_path
     # the killed producer's pid, reused by a live process that holds no flock: still a stopped producer
     (d / ".te_thd-producer.lock").write_text(json.dumps({"pid": os.getpid(), "host": HOST}))
     out = _tool("info", str(d))
-    assert f"its producer stopped before it finished (host {HOST}, pid {os.getpid()} no longer " in out.stderr
+    assert (
+        f"its producer stopped before it finished (host {HOST}, pid {os.getpid()} no longer "
+        in out.stderr
+    )
     assert _tool("repair", str(d)).returncode == 0  # not refused as a running producer
 
 

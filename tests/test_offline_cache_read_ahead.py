@@ -30,8 +30,8 @@ from te_thd.offline_cache import (
     collate_cached,
     produce_cache,
 )
-from te_thd.offline_cache.format import shard_path
-from te_thd.offline_cache.integrity import read_shard_header
+from te_thd.offline_cache.format.integrity import read_shard_header
+from te_thd.offline_cache.format.schema import shard_path
 
 KEYS = ("hidden", "ids")
 N, SHARD = 40, 8
@@ -40,7 +40,9 @@ N, SHARD = 40, 8
 def _compute(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     i = batch["idx"].to(torch.int64)
     return {
-        "hidden": torch.sin(i[:, None, None] * 0.3 + torch.arange(24).view(1, 4, 6)).to(torch.bfloat16),
+        "hidden": torch.sin(i[:, None, None] * 0.3 + torch.arange(24).view(1, 4, 6)).to(
+            torch.bfloat16
+        ),
         "ids": i[:, None] * 7 + torch.arange(5),
     }
 
@@ -48,7 +50,9 @@ def _compute(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory) -> str:
     d = str(tmp_path_factory.mktemp("read_ahead") / "cache")
-    produce_cache(DataLoader(IndexDataset(N), batch_size=4), d, SHARD, _compute, KEYS, progress=False)
+    produce_cache(
+        DataLoader(IndexDataset(N), batch_size=4), d, SHARD, _compute, KEYS, progress=False
+    )
     return d
 
 
@@ -78,7 +82,7 @@ def test_start_read_hands_a_large_batch_to_helper_threads(cache):
     """With the threshold at 0 the copy runs on the pool's threads, not the caller's."""
     ds = _threaded(cache, "preadv")
     readers: set[str] = set()
-    import te_thd.offline_cache.readexec as readexec
+    import te_thd.offline_cache.read.executor as readexec
 
     original = readexec.read_piece
 
@@ -106,13 +110,20 @@ def _flip(d: str, shard: int, key: str, row: int) -> None:
 
 def test_a_flip_read_by_a_helper_thread_is_raised_by_result(tmp_path):
     d = str(tmp_path / "cache")
-    produce_cache(DataLoader(IndexDataset(N), batch_size=4), d, SHARD, _compute, KEYS, progress=False)
+    produce_cache(
+        DataLoader(IndexDataset(N), batch_size=4), d, SHARD, _compute, KEYS, progress=False
+    )
     _flip(d, 2, "hidden", 3)  # sample 19
     ds = _threaded(d, "preadv")
     pending = ds.start_read(list(range(16, 24)))  # no error yet: it is being read
-    with pytest.raises(CacheIntegrityError, match=r"sample 19 \(row 3 of the shard\), key 'hidden'"):
+    with pytest.raises(
+        CacheIntegrityError, match=r"sample 19 \(row 3 of the shard\), key 'hidden'"
+    ):
         pending.result()
-    assert ds.start_read(list(range(0, 8))).result().tensors["ids"].shape == (8, 5)  # the pool still works
+    assert ds.start_read(list(range(0, 8))).result().tensors["ids"].shape == (
+        8,
+        5,
+    )  # the pool still works
 
 
 def _loader(d: str, read_ahead: bool, shuffle: bool = True, **kw) -> torch.utils.data.DataLoader:
@@ -183,7 +194,9 @@ def test_read_ahead_keeps_the_resume_state_of_what_was_consumed(cache):
 
 def test_a_damaged_batch_is_raised_when_it_is_asked_for_not_before(tmp_path):
     d = str(tmp_path / "cache")
-    produce_cache(DataLoader(IndexDataset(N), batch_size=4), d, SHARD, _compute, KEYS, progress=False)
+    produce_cache(
+        DataLoader(IndexDataset(N), batch_size=4), d, SHARD, _compute, KEYS, progress=False
+    )
     _flip(d, 2, "ids", 2)  # sample 18: the fifth batch of 4 in sequential order, read ahead
     got = []
     loader = _loader(d, True, shuffle=False)
@@ -192,7 +205,9 @@ def test_a_damaged_batch_is_raised_when_it_is_asked_for_not_before(tmp_path):
         for batch in _train(loader):
             got.append(batch["ids"][:, 0].tolist())
     assert spy.calls >= 2  # the damaged batch was read ahead
-    assert got == [[7 * i for i in range(b * 4, b * 4 + 4)] for b in range(4)]  # batches 0-3 arrived whole
+    assert got == [
+        [7 * i for i in range(b * 4, b * 4 + 4)] for b in range(4)
+    ]  # batches 0-3 arrived whole
 
 
 def test_stopping_early_waits_for_the_batch_in_flight(cache):
@@ -202,11 +217,15 @@ def test_stopping_early_waits_for_the_batch_in_flight(cache):
     time.sleep(0.005)  # the fourth batch is in flight
     it.close()  # closes the loader's generator too: it waits for that read
     again = [b["ids"] for b in list(_train(loader))[:3]]
-    assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))  # nothing scribbled on reused buffers
+    assert all(
+        torch.equal(a, b) for a, b in zip(first, again, strict=True)
+    )  # nothing scribbled on reused buffers
     assert all(np.array_equal(a[:, 0].numpy() % 7, np.zeros(4)) for a in first)
 
 
-@pytest.mark.filterwarnings("ignore::te_thd.offline_cache.UnverifiedCacheWarning")  # verify=False on purpose
+@pytest.mark.filterwarnings(
+    "ignore::te_thd.offline_cache.UnverifiedCacheWarning"
+)  # verify=False on purpose
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("verify", [False, True])
 def test_a_batch_over_more_shards_than_max_open_shards_reads_right(cache, threads, verify):
@@ -217,12 +236,16 @@ def test_a_batch_over_more_shards_than_max_open_shards_reads_right(cache, thread
     want = _expected(cache)
     indices = [1, 9, 17, 25, 33, 2, 10]  # five shards
     read_tuning(engine="preadv", parallel_min_bytes=0)
-    ds = CachedTensorDataset(cache, "test", 1, KEYS, max_open_shards=1, read_threads=threads, verify=verify)
+    ds = CachedTensorDataset(
+        cache, "test", 1, KEYS, max_open_shards=1, read_threads=threads, verify=verify
+    )
     for read in (ds.__getitems__, lambda i: ds.start_read(i).result()):
         got = read(indices)
         for k in KEYS:
             assert torch.equal(got.tensors[k], want[k][indices]), k
-    ahead = ds.start_read([0, 8, 16])  # in flight while the next batch opens (and evicts) other shards
+    ahead = ds.start_read(
+        [0, 8, 16]
+    )  # in flight while the next batch opens (and evicts) other shards
     later = ds.start_read([24, 32])
     for pending, idx in ((ahead, [0, 8, 16]), (later, [24, 32])):
         assert torch.equal(pending.result().tensors["ids"], want["ids"][idx])
@@ -241,7 +264,7 @@ def test_engine_choice(cache):
     """``auto``: a key whose runs average at least ``PREADV_MIN_RUN_BYTES`` uses preadv, and
     one-run keys join it; with no such key every key is gathered; forced engines decide alone.
     Here ``hidden`` rows are 48 bytes, ``ids`` rows 40."""
-    from te_thd.offline_cache.readplan import choose_engines
+    from te_thd.offline_cache.read.planner import choose_engines
 
     ds = CachedTensorDataset(cache, "test", 1, KEYS)
     entries = ds._shard_file(0).header.entries
@@ -253,10 +276,15 @@ def test_engine_choice(cache):
     read_tuning(preadv_min_run_bytes=48)  # hidden rows reach it, ids rows do not
     assert engines(scattered, None) == {"hidden": True, "ids": False}
     assert engines(seq, None) == {"hidden": True, "ids": True}  # one run rides along
-    assert engines(seq, np.array([3, 0, 1, 2])) == {"hidden": True, "ids": True}  # one file run of 160 B
+    assert engines(seq, np.array([3, 0, 1, 2])) == {
+        "hidden": True,
+        "ids": True,
+    }  # one file run of 160 B
     read_tuning(preadv_min_run_bytes=1 << 20)  # no key reaches it
     assert engines(seq, None) == {"hidden": False, "ids": False}
-    read_tuning(preadv_min_run_bytes=100)  # ids: 4 rows x 40 B in one run = 160 >= 100: preadv by bytes
+    read_tuning(
+        preadv_min_run_bytes=100
+    )  # ids: 4 rows x 40 B in one run = 160 >= 100: preadv by bytes
     assert engines(seq, None) == {"hidden": True, "ids": True}
     assert engines(scattered, None) == {"hidden": False, "ids": False}  # 4 runs of 40-48 B
     for engine in ("preadv", "mapped"):

@@ -32,7 +32,7 @@ from hypothesis import strategies as st
 from safetensors.torch import save_file
 from torch.utils.data import DataLoader, get_worker_info
 
-import te_thd.offline_cache.readexec as readexec
+import te_thd.offline_cache.read.executor as readexec
 from te_thd.offline_cache import (
     CachedBatch,
     CachedTensorDataset,
@@ -42,9 +42,9 @@ from te_thd.offline_cache import (
     collate_cached,
     verify_cache,
 )
-from te_thd.offline_cache.format import shard_path
-from te_thd.offline_cache.integrity import read_shard_header
-from te_thd.offline_cache.manifest import write_manifest
+from te_thd.offline_cache.format.integrity import read_shard_header
+from te_thd.offline_cache.format.schema import shard_path
+from te_thd.offline_cache.record.manifest import write_manifest
 
 KEYS = ("sample_id", "input_ids", "loss_mask", "position_mask", "length", "hidden")
 N, SHARD = 83, 16  # 6 shards, the last one short (3 samples)
@@ -66,7 +66,9 @@ def _unverified_reads_are_asserted(request):
         yield
     unverified = [w for w in caught if issubclass(w.category, UnverifiedCacheWarning)]
     for w in unverified:
-        assert re.search(r"carries no checksums .* its reads are not verified", str(w.message)), w.message
+        assert re.search(r"carries no checksums .* its reads are not verified", str(w.message)), (
+            w.message
+        )
     assert unverified or not required, "the test reads no unverified shard"
     for w in caught:  # anything else goes on to pytest's own handling
         if not issubclass(w.category, UnverifiedCacheWarning):
@@ -152,12 +154,16 @@ def test_getitems_property_random_indices(cache, engine, indices):
 def test_getitems_out_of_range_and_empty(cache):
     d, _ = cache
     ds = _ds(d)
-    where = f"the {CACHE_NAME} cache at {d}, which holds {N} samples; pass an index in \\[-{N}, {N}\\)$"
+    where = (
+        f"the {CACHE_NAME} cache at {d}, which holds {N} samples; pass an index in \\[-{N}, {N}\\)$"
+    )
     with pytest.raises(IndexError, match=f"^indices\\[1\\]={N} is out of range for {where}"):
         ds.__getitems__([0, N])
     # a negative index is named as given, on the one-shard path and across shards
     for batch, i in (([-7 * N], 0), ([0, 40, -N - 1], 2)):
-        with pytest.raises(IndexError, match=f"^indices\\[{i}\\]={batch[i]} is out of range for {where}"):
+        with pytest.raises(
+            IndexError, match=f"^indices\\[{i}\\]={batch[i]} is out of range for {where}"
+        ):
             ds.__getitems__(batch)
     with pytest.raises(IndexError, match=f"^index={-7 * N} is out of range for {where}"):
         ds[-7 * N]
@@ -170,7 +176,9 @@ def test_an_index_that_is_not_an_int_is_named_with_its_type(cache, bad):
     ds = _ds(d)
     want = f"is of type {type(bad).__name__}, not int; pass an index in \\[-{N}, {N}\\) as an int$"
     for batch in ([bad], [3, bad], [40, 3, bad]):  # one shard, or several
-        with pytest.raises(TypeError, match=f"^indices\\[{len(batch) - 1}\\]={re.escape(repr(bad))} {want}"):
+        with pytest.raises(
+            TypeError, match=f"^indices\\[{len(batch) - 1}\\]={re.escape(repr(bad))} {want}"
+        ):
             ds.__getitems__(batch)
     with pytest.raises(TypeError, match=f"^index={re.escape(repr(bad))} {want}"):
         ds[bad]
@@ -180,12 +188,17 @@ def test_an_index_that_is_not_an_int_is_named_with_its_type(cache, bad):
 
 def test_duplicate_disk_keys_and_a_cache_dir_that_is_no_path_are_refused(cache, tmp_path):
     d, _ = cache
-    with pytest.raises(ValueError, match=r"^disk_keys=\('hidden', 'length', 'hidden'\) must be a non-empty tuple of "
-                       r"distinct key names, but names 'hidden' twice; pass each key once, e\.g\. \('hidden', 'length'\)$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^disk_keys=\('hidden', 'length', 'hidden'\) must be a non-empty tuple of "
+        r"distinct key names, but names 'hidden' twice; pass each key once, e\.g\. \('hidden', 'length'\)$",
+    ):
         CachedTensorDataset(d, CACHE_NAME, FORMAT_VERSION, ("hidden", "length", "hidden"))
     for bad in (None, 123, b"/tmp"):
-        want = (f"^cache_dir={re.escape(repr(bad))} is of type {type(bad).__name__}, not a path; pass a local "
-                r"directory \(str or os\.PathLike\), an s3:// or an msc:// URL$")
+        want = (
+            f"^cache_dir={re.escape(repr(bad))} is of type {type(bad).__name__}, not a path; pass a local "
+            r"directory \(str or os\.PathLike\), an s3:// or an msc:// URL$"
+        )
         with pytest.raises(TypeError, match=want):
             CachedTensorDataset(bad, CACHE_NAME, FORMAT_VERSION, KEYS)
         with pytest.raises(TypeError, match=want):
@@ -240,7 +253,9 @@ def test_lru_bounds_open_shards(cache, engine):
     for i in order:
         _assert_batch(ds.__getitems__([i, i]), tensors, [i, i])
         ds[i]
-        assert len(ds._files) <= 2  # the one cache of open shards: descriptors, mappings and handles
+        assert (
+            len(ds._files) <= 2
+        )  # the one cache of open shards: descriptors, mappings and handles
     assert len(set(os.listdir("/proc/self/fd")) - fds) <= 2  # evicted descriptors are closed
     ds._files.close()
     assert not set(os.listdir("/proc/self/fd")) - fds
@@ -323,7 +338,9 @@ def _threaded(d: str, engine: str, threads: int) -> CachedTensorDataset:
 
 
 @pytest.mark.parametrize("copy_engine", ["auto", "preadv", "mapped"])
-@given(st.lists(st.integers(min_value=-N, max_value=N - 1), min_size=1, max_size=40), st.integers(2, 4))
+@given(
+    st.lists(st.integers(min_value=-N, max_value=N - 1), min_size=1, max_size=40), st.integers(2, 4)
+)
 def test_parallel_reads_equal_one_thread_reads(cache, copy_engine, indices, threads):
     """Differential: ``read_threads=2..4`` (threaded from any size) returns what
     ``read_threads=1`` and the written tensors say, for any index set and engine."""
@@ -363,7 +380,11 @@ def test_parallel_reads_use_the_helper_threads(cache, readers):
         read_tuning(parallel_min_bytes=0)
         readers.clear()
         _assert_batch(ds.__getitems__(list(range(10, 40))), tensors, list(range(10, 40)))
-        assert any(n.startswith("te_thd-read") for n in readers) == helped, (engine, threads, readers)
+        assert any(n.startswith("te_thd-read") for n in readers) == helped, (
+            engine,
+            threads,
+            readers,
+        )
 
 
 def test_read_threads_default(cache):
@@ -394,10 +415,14 @@ def test_a_large_batch_is_read_by_two_threads(tmp_path, readers):
         got = ds.__getitems__(idx)
         assert any(n.startswith("te_thd-read") for n in readers), readers
         for k in ("hidden", "length"):
-            assert torch.equal(got.tensors[k], tensors[k][idx]) and torch.equal(got.tensors[k], one.__getitems__(idx).tensors[k])
+            assert torch.equal(got.tensors[k], tensors[k][idx]) and torch.equal(
+                got.tensors[k], one.__getitems__(idx).tensors[k]
+            )
 
 
-def _collate_reporting_threads(batch: CachedBatch) -> tuple[dict[str, torch.Tensor], int, bool, int]:
+def _collate_reporting_threads(
+    batch: CachedBatch,
+) -> tuple[dict[str, torch.Tensor], int, bool, int]:
     """Collate in a worker and report its reader: (batch, threads, helper threads running here, pid)."""
     reads = get_worker_info().dataset._reads[True]
     helpers = any(t.name.startswith("te_thd-read") for t in threading.enumerate())
@@ -405,7 +430,9 @@ def _collate_reporting_threads(batch: CachedBatch) -> tuple[dict[str, torch.Tens
 
 
 @pytest.mark.parametrize(("method", "read_threads"), [("fork", None), ("fork", 2), ("spawn", 2)])
-def test_workers_read_correct_batches_after_the_parent_started_its_pool(tmp_path, method, read_threads):
+def test_workers_read_correct_batches_after_the_parent_started_its_pool(
+    tmp_path, method, read_threads
+):
     """A dataset whose parent process already read on its thread pool is used by two
     DataLoader workers: they read with 1 thread by default, with their own threads for
     an explicit ``read_threads=2``, and return the written tensors either way."""
@@ -414,9 +441,17 @@ def test_workers_read_correct_batches_after_the_parent_started_its_pool(tmp_path
     ds = _ds(d, "preadv", read_threads=read_threads)
     read_tuning(parallel_min_bytes=0)
     ds.__getitems__(list(range(0, 40)))
-    assert any(t.name.startswith("te_thd-read") for t in threading.enumerate())  # helper threads in the parent
-    loader = DataLoader(ds, batch_size=8, num_workers=2, multiprocessing_context=method, collate_fn=_collate_reporting_threads,
-                        worker_init_fn=share_every_batch)  # a spawned worker imports the constants afresh
+    assert any(
+        t.name.startswith("te_thd-read") for t in threading.enumerate()
+    )  # helper threads in the parent
+    loader = DataLoader(
+        ds,
+        batch_size=8,
+        num_workers=2,
+        multiprocessing_context=method,
+        collate_fn=_collate_reporting_threads,
+        worker_init_fn=share_every_batch,
+    )  # a spawned worker imports the constants afresh
     seen, pids = [], set()
     for batch, threads, started, pid in loader:
         assert threads == (read_threads or 1)
@@ -442,14 +477,20 @@ def test_bad_arguments(cache):
     with pytest.raises(ValueError, match="format_version=3, expected 4"):
         CachedTensorDataset(d, CACHE_NAME, 4, KEYS)
     for bad in (0, -2, True, 1.5, "2"):
-        with pytest.raises(ValueError, match=rf"read_threads={bad!r} must be an int >= 1 \(1: read on the calling thread only\)"):
+        with pytest.raises(
+            ValueError,
+            match=rf"read_threads={bad!r} must be an int >= 1 \(1: read on the calling thread only\)",
+        ):
             _ds(d, read_threads=bad)
 
 
 def test_missing_key_rejected_at_open_with_a_schema(tmp_path):
     d = str(tmp_path)
     make_cache(d, 20, 8, producer=True)
-    with pytest.raises(ValueError, match=r"disk_keys \['logits'\] are not in the test cache .*\(its manifest .*/manifest\.json lists \[.*\]\); pass keys the producer wrote"):
+    with pytest.raises(
+        ValueError,
+        match=r"disk_keys \['logits'\] are not in the test cache .*\(its manifest .*/manifest\.json lists \[.*\]\); pass keys the producer wrote",
+    ):
         CachedTensorDataset(d, CACHE_NAME, FORMAT_VERSION, ("input_ids", "logits"))
 
 
@@ -457,7 +498,9 @@ def test_missing_key_names_the_shard_without_a_schema(tmp_path):
     d = str(tmp_path)
     make_cache(d, 20, 8, producer=False)
     ds = CachedTensorDataset(d, CACHE_NAME, FORMAT_VERSION, ("input_ids", "logits"))
-    with pytest.raises(CacheIntegrityError, match=r"shard-000000\.safetensors: lacks keys \['logits'\]") as e:
+    with pytest.raises(
+        CacheIntegrityError, match=r"shard-000000\.safetensors: lacks keys \['logits'\]"
+    ) as e:
         ds.__getitems__([0])
     assert e.value.path == shard_path(d, 0)
 
@@ -471,7 +514,9 @@ def test_open_checks_shard_sizes_recorded_by_the_producer(tmp_path):
         CachedTensorDataset(d, CACHE_NAME, FORMAT_VERSION, ("input_ids",))
 
 
-def _write(d: str, shards: list[dict[str, torch.Tensor]], num_samples: int, shard_size: int) -> None:
+def _write(
+    d: str, shards: list[dict[str, torch.Tensor]], num_samples: int, shard_size: int
+) -> None:
     os.makedirs(d, exist_ok=True)
     for i, t in enumerate(shards):
         save_file(t, shard_path(d, i))
@@ -484,17 +529,28 @@ def test_shard_with_wrong_row_count(tmp_path):
     _write(d, [{"x": torch.zeros(4, 2)}, {"x": torch.zeros(3, 2)}], num_samples=8, shard_size=4)
     ds = CachedTensorDataset(d, CACHE_NAME, FORMAT_VERSION, ("x",))
     ds.__getitems__([0, 1])
-    with pytest.raises(CacheIntegrityError, match=r"shard-000001\.safetensors: key 'x' holds 3 samples, the manifest puts 4 in this shard"):
+    with pytest.raises(
+        CacheIntegrityError,
+        match=r"shard-000001\.safetensors: key 'x' holds 3 samples, the manifest puts 4 in this shard",
+    ):
         ds.__getitems__([5])
 
 
 @pytest.mark.unverified_cache
 def test_shard_with_different_schema(tmp_path):
     d = str(tmp_path)
-    _write(d, [{"x": torch.zeros(4, 2)}, {"x": torch.zeros(4, 2, dtype=torch.float64)}], num_samples=8, shard_size=4)
+    _write(
+        d,
+        [{"x": torch.zeros(4, 2)}, {"x": torch.zeros(4, 2, dtype=torch.float64)}],
+        num_samples=8,
+        shard_size=4,
+    )
     ds = CachedTensorDataset(d, CACHE_NAME, FORMAT_VERSION, ("x",))
     ds.__getitems__([0])
-    with pytest.raises(CacheIntegrityError, match=r"shard-000001\.safetensors: key 'x' is float64\[4, 2\], the schema says float32\[n, 2\]"):
+    with pytest.raises(
+        CacheIntegrityError,
+        match=r"shard-000001\.safetensors: key 'x' is float64\[4, 2\], the schema says float32\[n, 2\]",
+    ):
         ds.__getitems__([4])
 
 
@@ -511,17 +567,34 @@ def test_shard_removed_after_open(tmp_path):
 def test_item_path_checks_each_shard_on_first_open(tmp_path):
     """``ds[i]`` runs the batched path's header + schema checks when it opens a shard."""
     d = str(tmp_path)
-    _write(d, [{"x": torch.zeros(4, 2)}, {"x": torch.zeros(3, 2)}, {"x": torch.zeros(4, 2, dtype=torch.float64)},
-               {"y": torch.zeros(4, 2)}], num_samples=16, shard_size=4)
+    _write(
+        d,
+        [
+            {"x": torch.zeros(4, 2)},
+            {"x": torch.zeros(3, 2)},
+            {"x": torch.zeros(4, 2, dtype=torch.float64)},
+            {"y": torch.zeros(4, 2)},
+        ],
+        num_samples=16,
+        shard_size=4,
+    )
     ds = CachedTensorDataset(d, CACHE_NAME, FORMAT_VERSION, ("x",))
     assert ds[0]["x"].dtype == torch.float32
-    with pytest.raises(CacheIntegrityError, match=r"shard-000001\.safetensors: key 'x' holds 3 samples, the manifest puts 4 in this shard"):
+    with pytest.raises(
+        CacheIntegrityError,
+        match=r"shard-000001\.safetensors: key 'x' holds 3 samples, the manifest puts 4 in this shard",
+    ):
         ds[5]
-    with pytest.raises(CacheIntegrityError, match=r"shard-000002\.safetensors: key 'x' is float64\[\d+, 2\], the schema says float32\[n, 2\]"):
+    with pytest.raises(
+        CacheIntegrityError,
+        match=r"shard-000002\.safetensors: key 'x' is float64\[\d+, 2\], the schema says float32\[n, 2\]",
+    ):
         ds[8]
     with pytest.raises(CacheIntegrityError, match=r"shard-000003\.safetensors: lacks keys \['x'\]"):
         ds[12]
-    assert [i for i in range(4) if ds._files.get(i) is not None] == [0]  # a refused shard is never opened
+    assert [i for i in range(4) if ds._files.get(i) is not None] == [
+        0
+    ]  # a refused shard is never opened
 
 
 def test_item_path_wraps_a_damaged_header(tmp_path):
@@ -532,7 +605,10 @@ def test_item_path_wraps_a_damaged_header(tmp_path):
         f.write(b"\x01")  # a control character inside the header JSON
     ds = CachedTensorDataset(d, CACHE_NAME, FORMAT_VERSION, ("input_ids",))
     assert ds[0]["input_ids"].shape[0] > 0
-    with pytest.raises(CacheIntegrityError, match=r"shard .*shard-000001\.safetensors is not a valid safetensors file: header is not JSON") as e:
+    with pytest.raises(
+        CacheIntegrityError,
+        match=r"shard .*shard-000001\.safetensors is not a valid safetensors file: header is not JSON",
+    ) as e:
         ds[8]
     assert e.value.path == shard_path(d, 1)
 
@@ -548,7 +624,10 @@ def test_item_path_rejects_a_dtype_swapped_header(tmp_path):
         f.write(data.replace(b'"I64"', b'"F64"', 1))
     ds = CachedTensorDataset(d, CACHE_NAME, FORMAT_VERSION, ("sample_id", "input_ids", "loss_mask"))
     for read in (lambda: ds[8], lambda: ds.__getitems__([8])):
-        with pytest.raises(CacheIntegrityError, match=r"shard-000001\.safetensors: (header checksum mismatch|key 'input_ids' is float64)"):
+        with pytest.raises(
+            CacheIntegrityError,
+            match=r"shard-000001\.safetensors: (header checksum mismatch|key 'input_ids' is float64)",
+        ):
             read()
 
 
@@ -566,7 +645,7 @@ def test_readahead_hints_the_read_keys_of_each_opened_shard(tmp_path, monkeypatc
     d = str(tmp_path)
     tensors = make_cache(d, 20, 8, width=8, hidden=3)
     calls = []
-    import te_thd.offline_cache.format as cache_format
+    import te_thd.offline_cache.format.schema as cache_format
 
     real = cache_format._fadvise
 
@@ -589,7 +668,15 @@ def test_readahead_hints_the_read_keys_of_each_opened_shard(tmp_path, monkeypatc
         want = []
         for s in (0, 1):
             entries = read_shard_header(shard_path(d, s)).entries
-            want += [(shard_path(d, s), entries[k].start, entries[k].end - entries[k].start, os.POSIX_FADV_WILLNEED) for k in keys]
+            want += [
+                (
+                    shard_path(d, s),
+                    entries[k].start,
+                    entries[k].end - entries[k].start,
+                    os.POSIX_FADV_WILLNEED,
+                )
+                for k in keys
+            ]
         assert sorted(calls) == sorted(want)
 
 
@@ -603,7 +690,7 @@ def test_a_reader_alive_at_interpreter_exit_leaves_quietly(tmp_path):
     make_cache(d, 64, 16, width=4096, hidden=64)
     script = (
         "import torch\n"
-        "import te_thd.offline_cache.reader as reader_module\n"
+        "import te_thd.offline_cache.read.dataset as reader_module\n"
         "from te_thd.offline_cache import CacheShardSampler, CachedTensorDataset\n"
         f"ds = CachedTensorDataset({d!r}, {CACHE_NAME!r}, {FORMAT_VERSION!r}, ('hidden', 'length'), read_threads=2)\n"
         "order = list(CacheShardSampler(ds, num_replicas=1, rank=0, shuffle=True, seed=0))\n"
@@ -611,6 +698,8 @@ def test_a_reader_alive_at_interpreter_exit_leaves_quietly(tmp_path):
         "    x = ds.__getitems__(order[i : i + 8]); del x\n"
         "item = ds[3]\n"
     )
-    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    run = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
     assert run.returncode == 0, run.stderr
     assert "Exception ignored" not in run.stderr and "Traceback" not in run.stderr, run.stderr

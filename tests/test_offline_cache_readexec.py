@@ -20,16 +20,16 @@ from hypothesis import given
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
-import te_thd.offline_cache.readexec as readexec
-import te_thd.offline_cache.readplan as readplan
-from te_thd.offline_cache.integrity import byte_view
-from te_thd.offline_cache.readexec import (
+import te_thd.offline_cache.read.executor as readexec
+import te_thd.offline_cache.read.planner as readplan
+from te_thd.offline_cache.format.integrity import byte_view
+from te_thd.offline_cache.read.executor import (
     DestinationBuffers,
     ParallelReads,
     ReadError,
     read_piece,
 )
-from te_thd.offline_cache.readplan import plan_pieces, plan_runs
+from te_thd.offline_cache.read.planner import plan_pieces, plan_runs
 
 # -- planning ------------------------------------------------------------------------
 
@@ -51,12 +51,19 @@ def test_plan_runs_matches_a_loop(local, rnd):
     dst = list(range(len(local)))
     rnd.shuffle(dst)
     for d in (None, dst):
-        plan = plan_runs(np.array(local, dtype=np.int64), None if d is None else np.array(d, dtype=np.int64))
+        plan = plan_runs(
+            np.array(local, dtype=np.int64), None if d is None else np.array(d, dtype=np.int64)
+        )
         want = _runs_by_loop(local, list(range(len(local))) if d is None else d)
-        got = [(plan.first_row[k], plan.dst[plan.starts[k] : plan.starts[k + 1]]) for k in range(plan.num_runs)]
+        got = [
+            (plan.first_row[k], plan.dst[plan.starts[k] : plan.starts[k + 1]])
+            for k in range(plan.num_runs)
+        ]
         assert got == want
         for k, (_, rows) in enumerate(want):
-            assert bool(plan.dst_contiguous[k]) == (rows == list(range(rows[0], rows[0] + len(rows))))
+            assert bool(plan.dst_contiguous[k]) == (
+                rows == list(range(rows[0], rows[0] + len(rows)))
+            )
 
 
 def test_plan_runs_examples():
@@ -66,7 +73,11 @@ def test_plan_runs_examples():
     seq = plan_runs(np.arange(10, 18))
     assert seq.num_runs == 1 and seq.dst_contiguous == [True]
     assert plan_runs([3, 3, 4]).first_row == [3, 3]  # a repeat starts a new run
-    assert plan_runs(np.array([4, 3, 3]), np.array([2, 1, 0])).dst == [0, 1, 2]  # a repeat: ascending rows
+    assert plan_runs(np.array([4, 3, 3]), np.array([2, 1, 0])).dst == [
+        0,
+        1,
+        2,
+    ]  # a repeat: ascending rows
     assert plan_runs([]).num_runs == 0 and plan_runs([]).starts == [0]
     with pytest.raises(ValueError, match=r"dst has 2 rows, local 3"):
         plan_runs(np.arange(3), np.arange(2))
@@ -108,7 +119,9 @@ def fd(shard):
 def _read(path: str, key: str, local: list[int], dst: list[int] | None, batch: int) -> torch.Tensor:
     e = read_header(path)[key]
     out = torch.full((batch, *e.shape[1:]), 0, dtype=e.dtype)
-    plan = plan_runs(np.array(local, dtype=np.int64), None if dst is None else np.array(dst, dtype=np.int64))
+    plan = plan_runs(
+        np.array(local, dtype=np.int64), None if dst is None else np.array(dst, dtype=np.int64)
+    )
     fd = os.open(path, os.O_RDONLY)
     try:
         read_rows(fd, e.start, (e.end - e.start) // e.shape[0], plan, byte_view(out), path)
@@ -117,8 +130,11 @@ def _read(path: str, key: str, local: list[int], dst: list[int] | None, batch: i
     return out
 
 
-@given(st.lists(st.integers(0, 36), min_size=1, max_size=50), st.randoms(use_true_random=False),
-       st.sampled_from(["hidden", "ids", "mask", "length", "f32"]))
+@given(
+    st.lists(st.integers(0, 36), min_size=1, max_size=50),
+    st.randoms(use_true_random=False),
+    st.sampled_from(["hidden", "ids", "mask", "length", "f32"]),
+)
 def test_read_rows_equals_safetensors_load_file(shard, local, rnd, key):
     expect = load_file(shard)[key]
     batch = len(local) + 3  # rows the plan does not fill stay untouched
@@ -130,7 +146,11 @@ def test_read_rows_equals_safetensors_load_file(shard, local, rnd, key):
     assert torch.equal(_read(shard, key, local, None, len(local)), expect[torch.tensor(local)])
 
 
-@given(st.lists(st.integers(0, 36), min_size=1, max_size=30), st.randoms(use_true_random=False), st.integers(0, 3))
+@given(
+    st.lists(st.integers(0, 36), min_size=1, max_size=30),
+    st.randoms(use_true_random=False),
+    st.integers(0, 3),
+)
 def test_read_rows_calls_after_on_each_piece_once_it_is_read(shard, local, rnd, chunk_rows):
     """Every batch row is announced exactly once, in pieces of at most ``chunk_bytes``,
     and the bytes of a piece are final when its callback runs (what a checksum needs)."""
@@ -149,7 +169,9 @@ def test_read_rows_calls_after_on_each_piece_once_it_is_read(shard, local, rnd, 
 
     fd = os.open(shard, os.O_RDONLY)
     try:
-        read_rows(fd, e.start, row, plan_runs(local, dst), byte_view(out), shard, after, chunk_rows * row)
+        read_rows(
+            fd, e.start, row, plan_runs(local, dst), byte_view(out), shard, after, chunk_rows * row
+        )
     finally:
         os.close(fd)
     assert sorted(seen) == list(range(len(local)))
@@ -175,7 +197,10 @@ def test_read_rows_names_a_file_that_shrank(shard, tmp_path):
     out = torch.empty(3, 7, dtype=torch.int64)
     fd = os.open(short, os.O_RDONLY)
     try:
-        with pytest.raises(OSError, match=r"short\.safetensors: file ended at byte 909 while reading 107 bytes \(truncated after open\?\)"):
+        with pytest.raises(
+            OSError,
+            match=r"short\.safetensors: file ended at byte 909 while reading 107 bytes \(truncated after open\?\)",
+        ):
             read_rows(fd, e.start, 56, plan_runs(np.array([9, 10, 11])), byte_view(out), short)
     finally:
         os.close(fd)
@@ -276,7 +301,9 @@ def _addr(v: memoryview) -> int:
     st.booleans(),
     st.sampled_from([1024, 3, 1]),
 )
-def test_plan_pieces_tile_the_planned_rows(local, rnd, row_bytes, chunk_bytes, scatter, with_after, iov_max):
+def test_plan_pieces_tile_the_planned_rows(
+    local, rnd, row_bytes, chunk_bytes, scatter, with_after, iov_max
+):
     """Pure planning: the pieces' iovecs cover every planned batch row exactly once,
     each from the file row the plan assigns it; a piece is whole rows, at most
     ``chunk_bytes`` (or one row when a row is larger), at most ``IOV_MAX`` iovecs; a
@@ -340,9 +367,17 @@ def test_after_runs_once_per_piece_on_final_bytes(shard, fd):
     pieces = plan_pieces(fd, e.start, 56, plan_runs(local), byte_view(out), shard, after, 2 * 56)
     for piece in pieces:
         read_piece(piece)
-    assert sorted(calls) == sorted((p, rows.start, len(rows)) for p, rows in (pc.args for pc in pieces))
+    assert sorted(calls) == sorted(
+        (p, rows.start, len(rows)) for p, rows in (pc.args for pc in pieces)
+    )
     assert len(calls) == len(pieces)
-    assert sorted(calls) == [(0, 3, 2), (2, 5, 2), (4, 20, 1), (5, 0, 1), (6, 0, 1)]  # at most 2 rows each
+    assert sorted(calls) == [
+        (0, 3, 2),
+        (2, 5, 2),
+        (4, 20, 1),
+        (5, 0, 1),
+        (6, 0, 1),
+    ]  # at most 2 rows each
     assert torch.equal(out, expect[torch.tensor(local)])
 
 
@@ -363,7 +398,15 @@ def _reads(threads: int) -> ParallelReads:
 _KEYS = ("hidden", "ids", "mask", "length", "f32")
 
 
-def _batch_pieces(path: str, fd: int, local: list[int], dst: list[int], batch: int, chunk_rows: int, after_log=None):
+def _batch_pieces(
+    path: str,
+    fd: int,
+    local: list[int],
+    dst: list[int],
+    batch: int,
+    chunk_rows: int,
+    after_log=None,
+):
     """Zeroed batch tensors ``{key: [batch, ...]}`` for every key, the pieces that fill
     rows ``dst`` of them from file rows ``local``, and the key of each piece."""
     headers = read_header(path)
@@ -375,17 +418,31 @@ def _batch_pieces(path: str, fd: int, local: list[int], dst: list[int], batch: i
         raw = byte_view(out[key])
         after = None
         if after_log is not None:
+
             def after(p, rows, key=key, raw=raw, row=row):
-                after_log(key, p, rows.start, len(rows), bytes(raw[p * row : (p + len(rows)) * row]))
-        planned = plan_pieces(fd, e.start, row, plan_runs(local, dst), raw, path, after, chunk_rows * row)
+                after_log(
+                    key, p, rows.start, len(rows), bytes(raw[p * row : (p + len(rows)) * row])
+                )
+
+        planned = plan_pieces(
+            fd, e.start, row, plan_runs(local, dst), raw, path, after, chunk_rows * row
+        )
         pieces += planned
         keys += [key] * len(planned)
     return out, pieces, keys
 
 
-@given(st.lists(st.integers(0, 36), min_size=1, max_size=40), st.randoms(use_true_random=False),
-       st.integers(2, 4), st.integers(0, 3), st.booleans(), st.booleans())
-def test_parallel_reads_equal_one_thread_and_load_file(shard, fd, local, rnd, threads, chunk_rows, checked, ahead):
+@given(
+    st.lists(st.integers(0, 36), min_size=1, max_size=40),
+    st.randoms(use_true_random=False),
+    st.integers(2, 4),
+    st.integers(0, 3),
+    st.booleans(),
+    st.booleans(),
+)
+def test_parallel_reads_equal_one_thread_and_load_file(
+    shard, fd, local, rnd, threads, chunk_rows, checked, ahead
+):
     """Differential: a batch read by ``threads`` threads (``run``, or ``start`` then
     ``wait``) equals the same pieces read on this thread and safetensors' own
     ``load_file``; ``finish`` runs once, on the calling thread, after every piece, and
@@ -402,7 +459,9 @@ def test_parallel_reads_equal_one_thread_and_load_file(shard, fd, local, rnd, th
     want, serial, _ = _batch_pieces(shard, fd, local, dst, batch, chunk_rows)
     for piece in serial:
         read_piece(piece)
-    got, pieces, keys = _batch_pieces(shard, fd, local, dst, batch, chunk_rows, after_log if checked else None)
+    got, pieces, keys = _batch_pieces(
+        shard, fd, local, dst, batch, chunk_rows, after_log if checked else None
+    )
     finish_calls = []
 
     def finish() -> None:
@@ -421,10 +480,16 @@ def test_parallel_reads_equal_one_thread_and_load_file(shard, fd, local, rnd, th
         assert torch.equal(got[key], ref), key
         assert torch.equal(want[key], ref), key
     if checked:
-        want_args = sorted((k, p.args[0], p.args[1].start, len(p.args[1])) for k, p in zip(keys, pieces, strict=True))
+        want_args = sorted(
+            (k, p.args[0], p.args[1].start, len(p.args[1]))
+            for k, p in zip(keys, pieces, strict=True)
+        )
         assert sorted(entry[:4] for entry in log) == want_args
         for key, _, first, m, data in log:  # the bytes were final when the check ran
-            assert data == expect[key][first : first + m].contiguous().view(torch.uint8).numpy().tobytes()
+            assert (
+                data
+                == expect[key][first : first + m].contiguous().view(torch.uint8).numpy().tobytes()
+            )
 
 
 def _row_pieces(path: str, fd: int, rows: int, afters) -> tuple[torch.Tensor, list[readexec.Piece]]:
@@ -433,7 +498,15 @@ def _row_pieces(path: str, fd: int, rows: int, afters) -> tuple[torch.Tensor, li
     out = torch.zeros(rows, 7, dtype=torch.int64)
     raw = byte_view(out)
     return out, [
-        readexec.Piece(fd, e.start + j * 56, [raw[j * 56 : (j + 1) * 56]], 56, path, afters[j], (j, range(j, j + 1)))
+        readexec.Piece(
+            fd,
+            e.start + j * 56,
+            [raw[j * 56 : (j + 1) * 56]],
+            56,
+            path,
+            afters[j],
+            (j, range(j, j + 1)),
+        )
         for j in range(rows)
     ]
 
@@ -449,8 +522,11 @@ def _raise(name: str):
     return after
 
 
-def _slow(names: list[str] | None = None, done: threading.Event | None = None, seconds: float = 0.02):
+def _slow(
+    names: list[str] | None = None, done: threading.Event | None = None, seconds: float = 0.02
+):
     """An ``after`` that takes ``seconds`` (the GIL released, as in a real copy), logs its thread, sets ``done``."""
+
     def after(*_):
         time.sleep(seconds)
         if names is not None:
@@ -484,6 +560,7 @@ def test_parallel_reads_share_a_batch_between_threads(shard, fd):
 
 def _long(began: threading.Event, done: threading.Event):
     """An ``after`` that signals it began, takes 0.1 s, then signals it is done."""
+
     def after(*_):
         began.set()
         time.sleep(0.1)
@@ -518,7 +595,9 @@ def test_parallel_reads_wait_for_every_thread_before_raising(shard, fd, how):
     _, pieces = _row_pieces(shard, fd, 2, [_long(began, done), None])
     pending = reads.start(pieces, _raise("finish"))
     assert began.wait(10)
-    with pytest.raises(_Boom, match="^finish$"):  # the batch's last step fails: only after every piece
+    with pytest.raises(
+        _Boom, match="^finish$"
+    ):  # the batch's last step fails: only after every piece
         pending.wait()
     assert done.is_set()
     out, pieces = _row_pieces(shard, fd, 3, [None, None, None])
@@ -548,7 +627,10 @@ def test_parallel_reads_a_file_that_shrank_raises_read_error(shard, tmp_path):
         for how in ("run", "start"):
             read_tuning(parallel_min_bytes=0)
             reads = ParallelReads(2)
-            with pytest.raises(ReadError, match=r"short\.safetensors: file ended at byte \d+ while reading 56 bytes") as err:
+            with pytest.raises(
+                ReadError,
+                match=r"short\.safetensors: file ended at byte \d+ while reading 56 bytes",
+            ) as err:
                 reads.run(pieces) if how == "run" else reads.start(pieces).wait()
             assert err.value.path == short
     finally:
@@ -571,7 +653,10 @@ def test_parallel_reads_below_min_bytes_stay_on_the_calling_thread(shard, fd):
 
 def test_parallel_reads_threads_are_checked():
     for bad in (0, -1, True, 1.5, "2", None):
-        with pytest.raises(ValueError, match=rf"read_threads={bad!r} must be an int >= 1 \(1: read on the calling thread only\)"):
+        with pytest.raises(
+            ValueError,
+            match=rf"read_threads={bad!r} must be an int >= 1 \(1: read on the calling thread only\)",
+        ):
             ParallelReads(bad)
 
 
@@ -638,4 +723,6 @@ def test_helper_threads_end_with_their_reader(shard, fd):
     deadline = time.monotonic() + 1
     while _helper_threads() > before and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert _helper_threads() <= before, f"{_helper_threads() - before} helper threads outlived their readers"
+    assert _helper_threads() <= before, (
+        f"{_helper_threads() - before} helper threads outlived their readers"
+    )

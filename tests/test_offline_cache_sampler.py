@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from te_thd.offline_cache import CacheShardSampler, shard_block_order
-from te_thd.offline_cache.sampler import default_data_parallel_rank_size
+from te_thd.offline_cache.train.sampler import default_data_parallel_rank_size
 
 
 class _Sized:
@@ -69,7 +69,9 @@ def test_seeding_is_the_documented_one():
 def _all_ranks(n, r, drop_last, shard=7, seed=3, epoch=0):
     out = []
     for rank in range(r):
-        s = CacheShardSampler(_Sized(n, shard), num_replicas=r, rank=rank, seed=seed, drop_last=drop_last)
+        s = CacheShardSampler(
+            _Sized(n, shard), num_replicas=r, rank=rank, seed=seed, drop_last=drop_last
+        )
         s.set_epoch(epoch)
         got = list(s)
         assert len(got) == len(s)
@@ -117,10 +119,14 @@ def test_resume_yields_exactly_the_remaining_order(n, r, r_new, drop_last, frac)
     state = ref.state_dict(consumed)
     # same DP size: every rank continues with the rest of its own list
     for rank in range(r):
-        full = CacheShardSampler(_Sized(n, 6), num_replicas=r, rank=rank, seed=11, drop_last=drop_last)
+        full = CacheShardSampler(
+            _Sized(n, 6), num_replicas=r, rank=rank, seed=11, drop_last=drop_last
+        )
         full.set_epoch(2)
         whole = list(full)
-        res = CacheShardSampler(_Sized(n, 6), num_replicas=r, rank=rank, seed=11, drop_last=drop_last)
+        res = CacheShardSampler(
+            _Sized(n, 6), num_replicas=r, rank=rank, seed=11, drop_last=drop_last
+        )
         res.load_state_dict(state)
         res.set_epoch(2)  # the loop's usual set_epoch(saved epoch) keeps the offset
         assert len(res) == len(whole) - consumed // r
@@ -131,12 +137,16 @@ def test_resume_yields_exactly_the_remaining_order(n, r, r_new, drop_last, frac)
     if consumed % r_new == 0 and consumed <= new_total:
         parts = []
         for rank in range(r_new):
-            s = CacheShardSampler(_Sized(n, 6), num_replicas=r_new, rank=rank, seed=11, drop_last=drop_last)
+            s = CacheShardSampler(
+                _Sized(n, 6), num_replicas=r_new, rank=rank, seed=11, drop_last=drop_last
+            )
             s.load_state_dict(state)
             parts.append(list(s))
         order = ref.global_order().tolist()
         merged = [parts[k % r_new][k // r_new] for k in range(sum(map(len, parts)))]
-        remaining = CacheShardSampler(_Sized(n, 6), num_replicas=r_new, rank=0, seed=11, drop_last=drop_last)
+        remaining = CacheShardSampler(
+            _Sized(n, 6), num_replicas=r_new, rank=0, seed=11, drop_last=drop_last
+        )
         remaining.set_epoch(2)
         new_order = remaining.global_order().tolist()
         assert merged == new_order[consumed:]
@@ -209,7 +219,9 @@ def test_bad_arguments():
 
 def test_bad_resume_state():
     s = CacheShardSampler(_Sized(10, 4), num_replicas=2, rank=0, seed=1)
-    with pytest.raises(ValueError, match=r"consumed_samples=11 must be an int in \[0, total_size=10\]"):
+    with pytest.raises(
+        ValueError, match=r"consumed_samples=11 must be an int in \[0, total_size=10\]"
+    ):
         s.state_dict(11)
     with pytest.raises(ValueError, match="sampler state is missing 'epoch'"):
         s.load_state_dict({"consumed_samples": 2})
@@ -221,9 +233,9 @@ def test_bad_resume_state():
     with pytest.raises(ValueError, match="consumed_samples=4 is not a multiple of num_replicas=3"):
         CacheShardSampler(_Sized(10, 4), num_replicas=3, rank=0, seed=1).load_state_dict(good)
     with pytest.raises(ValueError, match=r"consumed_samples=12 exceeds the epoch's total_size=8"):
-        CacheShardSampler(_Sized(10, 4), num_replicas=4, rank=0, seed=1, drop_last=True).load_state_dict(
-            {**good, "consumed_samples": 12}
-        )
+        CacheShardSampler(
+            _Sized(10, 4), num_replicas=4, rank=0, seed=1, drop_last=True
+        ).load_state_dict({**good, "consumed_samples": 12})
     # a state saved before samplers recorded "follow" did not follow: a following sampler refuses it
     following = _Sized(10, 4)
     following.follow = True

@@ -36,12 +36,13 @@ from te_thd.offline_cache import (
     verify_cache,
     write_cache_shards,
 )
-from te_thd.offline_cache.format import TensorSpec, shard_path
-from te_thd.offline_cache.integrity import read_shard_header
-from te_thd.offline_cache.lengths import LengthRule
-from te_thd.offline_cache.loops import lockstep_write
-from te_thd.offline_cache.shardfile import ShardRecord, ShardStream
-from te_thd.offline_cache.writer import WriteBehind, write_tensor_shard
+from te_thd.offline_cache.format.integrity import read_shard_header
+from te_thd.offline_cache.format.lengths import LengthRule
+from te_thd.offline_cache.format.schema import TensorSpec, shard_path
+from te_thd.offline_cache.write.loops import lockstep_write
+from te_thd.offline_cache.write.shardfile import ShardStream
+from te_thd.offline_cache.record.run import ShardRecord
+from te_thd.offline_cache.write.writer import WriteBehind, write_tensor_shard
 
 LOG = logging.getLogger("test_offline_cache_stream")
 DTYPES = (torch.bfloat16, torch.float32, torch.int64, torch.uint8, torch.bool)
@@ -67,13 +68,22 @@ def _rand(dtype: torch.dtype, shape: tuple[int, ...], g: torch.Generator) -> tor
 
 @st.composite
 def _shards(draw: st.DrawFn) -> tuple[dict[str, torch.Tensor], list[int]]:
-    keys = draw(st.lists(st.sampled_from(["a", "b", "input_ids", "hidden", "z"]), min_size=1, max_size=3, unique=True))
+    keys = draw(
+        st.lists(
+            st.sampled_from(["a", "b", "input_ids", "hidden", "z"]),
+            min_size=1,
+            max_size=3,
+            unique=True,
+        )
+    )
     rows = draw(st.integers(1, 20))
     g = torch.Generator().manual_seed(draw(st.integers(0, 2**31)))
     tensors = {}
     for k in keys:
         dtype = draw(st.sampled_from(DTYPES))
-        trailing = tuple(draw(st.lists(st.integers(0, 3), max_size=2)))  # a 0 in it: zero-width rows
+        trailing = tuple(
+            draw(st.lists(st.integers(0, 3), max_size=2))
+        )  # a 0 in it: zero-width rows
         tensors[k] = _rand(dtype, (rows, *trailing), g)
     cuts = sorted(draw(st.sets(st.integers(1, rows - 1), max_size=rows - 1)) if rows > 1 else set())
     return tensors, [0, *cuts, rows]
@@ -102,7 +112,9 @@ def test_shard_stream_writes_the_bytes_of_write_shard_file(shard) -> None:
         data = Path(streamed).read_bytes()
         assert data == Path(whole).read_bytes()
         sums = read_shard_header(streamed).sums
-        assert sums is not None and rec.bytes == len(data) and rec.checksum == f"xxh3_64:{sums.digest}"
+        assert (
+            sums is not None and rec.bytes == len(data) and rec.checksum == f"xxh3_64:{sums.digest}"
+        )
         back = load_file(streamed)
         assert back.keys() == tensors.keys()
         for k, t in tensors.items():
@@ -127,11 +139,16 @@ def test_shard_stream_zero_width_key_and_uneven_pieces(tmp_path: Path) -> None:
 
 def verify_shard_loads(path: Path, tensors: dict[str, torch.Tensor]) -> bool:
     back = load_file(str(path))
-    return back.keys() == tensors.keys() and all(torch.equal(back[k], t) for k, t in tensors.items())
+    return back.keys() == tensors.keys() and all(
+        torch.equal(back[k], t) for k, t in tensors.items()
+    )
 
 
 def _two_keys(rows: int = 4) -> dict[str, torch.Tensor]:
-    return {"a": torch.arange(rows * 3, dtype=torch.float32).reshape(rows, 3), "b": torch.arange(rows)}
+    return {
+        "a": torch.arange(rows * 3, dtype=torch.float32).reshape(rows, 3),
+        "b": torch.arange(rows),
+    }
 
 
 def test_the_writer_checks_each_piece_once_and_stays_usable(tmp_path: Path) -> None:
@@ -140,11 +157,20 @@ def test_the_writer_checks_each_piece_once_and_stays_usable(tmp_path: Path) -> N
     t = _two_keys()
     d = str(tmp_path / "d")
     with DurableShardWriter(("a", "b"), schema=_specs(t), pipelined=False) as w:
-        with pytest.raises(SchemaError, match=r"key 'a' is float64\[n, 3\] but the cache schema says float32\[n, 3\]"):
+        with pytest.raises(
+            SchemaError,
+            match=r"key 'a' is float64\[n, 3\] but the cache schema says float32\[n, 3\]",
+        ):
             w.write_piece(d, 0, 4, {"a": t["a"][:2].double(), "b": t["b"][:2]})
-        with pytest.raises(SchemaError, match=r"key 'a' is float32\[n, 4\] but the cache schema says float32\[n, 3\]"):
+        with pytest.raises(
+            SchemaError,
+            match=r"key 'a' is float32\[n, 4\] but the cache schema says float32\[n, 3\]",
+        ):
             w.write_piece(d, 0, 4, {"a": torch.zeros(2, 4), "b": t["b"][:2]})
-        with pytest.raises(SchemaError, match=r"key 'b' has 1 samples on dim 0 but 'a' has 2; every key must hold one row per sample"):
+        with pytest.raises(
+            SchemaError,
+            match=r"key 'b' has 1 samples on dim 0 but 'a' has 2; every key must hold one row per sample",
+        ):
             w.write_piece(d, 0, 4, {"a": t["a"][:2], "b": t["b"][:1]})
         w.write_piece(d, 0, 4, {"a": t["a"][:3], "b": t["b"][:3]})
         with pytest.raises(ValueError, match=r"shard 0 holds 4 rows; 2 more after 3 overflow it"):
@@ -159,7 +185,9 @@ def test_the_writer_checks_each_piece_once_and_stays_usable(tmp_path: Path) -> N
     rec = s.finish()
     assert rec == write_shard_file(str(tmp_path / "w"), t)
     assert (tmp_path / "s").read_bytes() == (tmp_path / "w").read_bytes()
-    assert (tmp_path / "d" / "shard-000000.safetensors").read_bytes() == (tmp_path / "w").read_bytes()
+    assert (tmp_path / "d" / "shard-000000.safetensors").read_bytes() == (
+        tmp_path / "w"
+    ).read_bytes()
     with pytest.raises(ValueError, match=r"is closed; start a new one"):
         s.write({"a": t["a"][:1], "b": t["b"][:1]})
     with pytest.raises(ValueError, match=r"is closed"):
@@ -208,13 +236,17 @@ def _ids_shard(rows: int, seed: int) -> dict[str, torch.Tensor]:
 
 
 def _expected_lengths(ids: torch.Tensor) -> tuple[int, ...]:
-    return tuple(int(max((j + 1 for j in range(ids.shape[1]) if row[j] != 0), default=0)) for row in ids)
+    return tuple(
+        int(max((j + 1 for j in range(ids.shape[1]) if row[j] != 0), default=0)) for row in ids
+    )
 
 
 @given(sizes=st.lists(st.integers(1, 9), min_size=1, max_size=4), seed=st.integers(0, 10**6),
        data=st.data(), with_rule=st.booleans())  # fmt: skip
 @settings(max_examples=12)
-def test_streamed_shards_equal_whole_shards(sizes: list[int], seed: int, data: st.DataObject, with_rule: bool) -> None:
+def test_streamed_shards_equal_whole_shards(
+    sizes: list[int], seed: int, data: st.DataObject, with_rule: bool
+) -> None:
     keys = ("hidden", "input_ids")
     rule = LengthRule("input_ids") if with_rule else None
     shards = [_ids_shard(n, seed + i) for i, n in enumerate(sizes)]
@@ -223,7 +255,9 @@ def test_streamed_shards_equal_whole_shards(sizes: list[int], seed: int, data: s
         with DurableShardWriter(keys, length_rule=rule, write_behind=True) as streamed:
             for i, sh in enumerate(shards):
                 n = sizes[i]
-                cuts = sorted(data.draw(st.sets(st.integers(1, n - 1), max_size=n - 1)) if n > 1 else set())
+                cuts = sorted(
+                    data.draw(st.sets(st.integers(1, n - 1), max_size=n - 1)) if n > 1 else set()
+                )
                 for lo, hi in pairwise([0, *cuts, n]):
                     streamed.write_piece(str(sd), i, n, {k: v[lo:hi] for k, v in sh.items()})
                 assert streamed.finish_shard(str(sd), i) == shard_path(str(sd), i)
@@ -235,13 +269,23 @@ def test_streamed_shards_equal_whole_shards(sizes: list[int], seed: int, data: s
             whole.flush()
             w_fields = whole.manifest_fields(str(wd))
         assert streamed.records == whole.records and s_fields == w_fields
-        assert sorted(os.listdir(sd)) == sorted(os.listdir(wd)) == [f"shard-{i:06d}.safetensors" for i in range(len(sizes))]
+        assert (
+            sorted(os.listdir(sd))
+            == sorted(os.listdir(wd))
+            == [f"shard-{i:06d}.safetensors" for i in range(len(sizes))]
+        )
         for name in os.listdir(sd):
             assert (sd / name).read_bytes() == (wd / name).read_bytes()
         for i, sh in enumerate(shards):
-            assert streamed.records[i].lengths == (_expected_lengths(sh["input_ids"]) if with_rule else None)
+            assert streamed.records[i].lengths == (
+                _expected_lengths(sh["input_ids"]) if with_rule else None
+            )
         if with_rule:
-            assert s_fields["length_rule"] == {"key": "input_ids", "kind": "last_nonpad", "pad_token_id": 0}
+            assert s_fields["length_rule"] == {
+                "key": "input_ids",
+                "kind": "last_nonpad",
+                "pad_token_id": 0,
+            }
 
 
 def test_every_writer_mode_streams_the_same_shard(tmp_path: Path) -> None:
@@ -258,7 +302,11 @@ def test_every_writer_mode_streams_the_same_shard(tmp_path: Path) -> None:
             w.finish_shard(str(d), 0)
             w(str(d), 1, t)
             w.flush()
-        assert (d / "shard-000000.safetensors").read_bytes() == want == (d / "shard-000001.safetensors").read_bytes()
+        assert (
+            (d / "shard-000000.safetensors").read_bytes()
+            == want
+            == (d / "shard-000001.safetensors").read_bytes()
+        )
         assert w.records[0] == w.records[1] and _temps(d) == []
 
 
@@ -269,7 +317,10 @@ def test_streaming_writer_rejects_bad_calls_before_queuing(tmp_path: Path) -> No
         with pytest.raises(ValueError, match=r"shard 7 has no pieces; call write_piece first"):
             w.finish_shard(d, 7)
         for bad in (0, -1, True, 2.0):
-            with pytest.raises(ValueError, match=r"rows=.* must be an int >= 1: the number of rows shard 0 will hold"):
+            with pytest.raises(
+                ValueError,
+                match=r"rows=.* must be an int >= 1: the number of rows shard 0 will hold",
+            ):
                 w.write_piece(d, 0, bad, {k: v[:1] for k, v in t.items()})
         # a first piece that overflows its shard does not open it: a retry with the right rows works
         with pytest.raises(ValueError, match=r"shard 0 holds 1 rows; 2 more after 0 overflow it"):
@@ -289,7 +340,9 @@ def test_streaming_writer_rejects_bad_calls_before_queuing(tmp_path: Path) -> No
     write_shard_file(str(tmp_path / "ref"), t)
     assert (tmp_path / "shard-000000.safetensors").read_bytes() == (tmp_path / "ref").read_bytes()
     sums = read_shard_header(str(tmp_path / "ref")).sums
-    assert sums is not None and w.records[0] == ShardRecord(os.path.getsize(tmp_path / "ref"), f"xxh3_64:{sums.digest}")
+    assert sums is not None and w.records[0] == ShardRecord(
+        os.path.getsize(tmp_path / "ref"), f"xxh3_64:{sums.digest}"
+    )
 
 
 def test_close_removes_an_unfinished_streamed_shard(tmp_path: Path) -> None:
@@ -320,7 +373,9 @@ def _piece_mb(rows: int) -> dict[str, torch.Tensor]:
 
 def test_a_write_error_on_the_thread_is_raised_and_leaves_no_temp_file(tmp_path: Path) -> None:
     """A real EFBIG: the file size limit lets the first piece in, not the second."""
-    assert signal.getsignal(signal.SIGXFSZ) == signal.SIG_IGN  # Python ignores it: pwrite fails instead
+    assert (
+        signal.getsignal(signal.SIGXFSZ) == signal.SIG_IGN
+    )  # Python ignores it: pwrite fails instead
     soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
     w = DurableShardWriter(("a",), write_behind=True)
     try:
@@ -373,7 +428,9 @@ def test_a_shard_dir_that_is_a_file_raises_and_does_not_hang_the_writer(tmp_path
     gate.set()
     errors = _flush_errors(w.flush)
     assert errors is not None, "flush() hangs: the writer thread died"
-    assert len(errors) == 1 and isinstance(errors[0], FileExistsError)  # makedirs of the shard's directory
+    assert len(errors) == 1 and isinstance(
+        errors[0], FileExistsError
+    )  # makedirs of the shard's directory
     with pytest.raises(FileExistsError):
         w.close()
     assert os.listdir(tmp_path) == ["file"]
@@ -524,7 +581,9 @@ def test_write_behind_runs_a_job_larger_than_the_budget_alone() -> None:
         for i in (1, 2):  # the second waits for the first, then runs alone
             th, out = _submit_in_thread(c, 1000)
             th.join(WAIT)
-            assert out == ["returned"], "a job over the budget must run when nothing else is pending"
+            assert out == ["returned"], (
+                "a job over the budget must run when nothing else is pending"
+            )
             ran.append(i)
         c.flush()
     finally:
@@ -566,9 +625,13 @@ def _compute(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {"hidden": idx[:, None].float() * torch.ones(1, 3) + 0.5, "input_ids": ids, "extra": idx}
 
 
-def _produce(out: Path, n: int, shard_size: int, batch_size: int, compute=_compute, collate_fn=None, **kw):
+def _produce(
+    out: Path, n: int, shard_size: int, batch_size: int, compute=_compute, collate_fn=None, **kw
+):
     loader = DataLoader(IndexDataset(n), batch_size=batch_size, collate_fn=collate_fn)
-    return produce_cache(loader, str(out), shard_size, compute, KEYS, {"cp_size": 1}, progress=False, **kw)
+    return produce_cache(
+        loader, str(out), shard_size, compute, KEYS, {"cp_size": 1}, progress=False, **kw
+    )
 
 
 def _bytes(d: Path) -> dict[str, bytes]:
@@ -595,18 +658,26 @@ class _CountingWriter(DurableShardWriter):
         return super().__call__(*a, **kw)
 
 
-@pytest.mark.parametrize(("n", "shard_size", "batch_size"), [(11, 4, 3), (8, 4, 2), (5, 8, 2), (9, 2, 4)])
-def test_streaming_output_equals_the_non_streaming_path(tmp_path: Path, n: int, shard_size: int, batch_size: int) -> None:
+@pytest.mark.parametrize(
+    ("n", "shard_size", "batch_size"), [(11, 4, 3), (8, 4, 2), (5, 8, 2), (9, 2, 4)]
+)
+def test_streaming_output_equals_the_non_streaming_path(
+    tmp_path: Path, n: int, shard_size: int, batch_size: int
+) -> None:
     default = _produce(tmp_path / "default", n, shard_size, batch_size)
     assert verify_cache(str(tmp_path / "default"), deep=True)["checksums_verified"]
 
     # the reference loop (the accumulator's buffering path, the run's length unknown): writers are
     # handed each full shard's batches as pieces, any other write_shard_fn the joined shard
     shards = {k: v for k, v in _bytes(tmp_path / "default").items() if k.startswith("shard-")}
-    run = read_shard_header(str(tmp_path / "default" / "shard-000000.safetensors")).sums.run  # produce_cache's record
+    run = read_shard_header(
+        str(tmp_path / "default" / "shard-000000.safetensors")
+    ).sums.run  # produce_cache's record
     for write_behind in (True, False):
         ref = tmp_path / f"ref-{write_behind}"
-        with _CountingWriter(KEYS, length_rule=LengthRule("input_ids"), write_behind=write_behind, run_record=run) as w:
+        with _CountingWriter(
+            KEYS, length_rule=LengthRule("input_ids"), write_behind=write_behind, run_record=run
+        ) as w:
             loader = DataLoader(IndexDataset(n), batch_size=batch_size)
             write_cache_shards(loader, str(ref), shard_size, 0, _compute, w, LOG)
             w.flush()
@@ -614,10 +685,23 @@ def test_streaming_output_equals_the_non_streaming_path(tmp_path: Path, n: int, 
         assert w.whole == 0 and w.pieces >= -(-n // shard_size)
         assert w.checked == -(-n // batch_size)  # each batch checked once, at the writer's boundary
         assert shards == _bytes(ref)
-        assert {k: default[k] for k in fields} == fields  # schema, shards (bytes, checksum, lengths), length_rule
-    plain, joined = tmp_path / "ref-plain", tmp_path / "ref-fn"  # without a run record: write_tensor_shard's bytes
+        assert {
+            k: default[k] for k in fields
+        } == fields  # schema, shards (bytes, checksum, lengths), length_rule
+    plain, joined = (
+        tmp_path / "ref-plain",
+        tmp_path / "ref-fn",
+    )  # without a run record: write_tensor_shard's bytes
     with _CountingWriter(KEYS, length_rule=LengthRule("input_ids")) as w:
-        write_cache_shards(DataLoader(IndexDataset(n), batch_size=batch_size), str(plain), shard_size, 0, _compute, w, LOG)
+        write_cache_shards(
+            DataLoader(IndexDataset(n), batch_size=batch_size),
+            str(plain),
+            shard_size,
+            0,
+            _compute,
+            w,
+            LOG,
+        )
     write_cache_shards(DataLoader(IndexDataset(n), batch_size=batch_size), str(joined), shard_size, 0, _compute,
                        lambda d, i, t: write_tensor_shard(d, i, t, KEYS, "test"), LOG)  # fmt: skip
     assert _bytes(plain) == _bytes(joined)
@@ -626,7 +710,9 @@ def test_streaming_output_equals_the_non_streaming_path(tmp_path: Path, n: int, 
 
     # lockstep_write with total_samples: the streaming path, piece by piece
     streamed = tmp_path / "streamed"
-    with _CountingWriter(KEYS, length_rule=LengthRule("input_ids"), write_behind=True, run_record=run) as w:
+    with _CountingWriter(
+        KEYS, length_rule=LengthRule("input_ids"), write_behind=True, run_record=run
+    ) as w:
         lockstep_write(DataLoader(IndexDataset(n), batch_size=batch_size), str(streamed), shard_size,
                        [(0, 0, n)], _compute, w, LOG)  # fmt: skip
         w.flush()
@@ -635,7 +721,9 @@ def test_streaming_output_equals_the_non_streaming_path(tmp_path: Path, n: int, 
     assert _bytes(streamed) == shards
 
 
-def test_compute_error_mid_shard_leaves_no_temp_file_and_resume_is_identical(tmp_path: Path) -> None:
+def test_compute_error_mid_shard_leaves_no_temp_file_and_resume_is_identical(
+    tmp_path: Path,
+) -> None:
     _produce(tmp_path / "whole", 11, 4, 3)
     calls = {"n": 0}
 

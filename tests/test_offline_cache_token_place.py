@@ -28,10 +28,10 @@ from te_thd.offline_cache import (
     build_cached_dataloader,
     collate_cached,
     produce_cache,
-    token_place,
 )
-from te_thd.offline_cache.ragged import block_table, row_offsets
-from te_thd.offline_cache.readexec import Piece, read_piece
+from te_thd.offline_cache.format.ragged import block_table, row_offsets
+from te_thd.offline_cache.read import token_place
+from te_thd.offline_cache.read.executor import Piece, read_piece
 
 L, H = 24, 2048
 KEYS = ("input_ids", "hidden", "length")
@@ -322,8 +322,8 @@ def test_plan_placed_puts_every_token_in_its_place_and_checks_every_block(
 
 
 def test_a_new_pool_buffer_is_zero_and_says_so_a_recycled_one_does_not(monkeypatch) -> None:
-    from te_thd.offline_cache import readexec
-    from te_thd.offline_cache.readexec import DestinationBuffers
+    from te_thd.offline_cache.read import executor as readexec
+    from te_thd.offline_cache.read.executor import DestinationBuffers
 
     pool = DestinationBuffers()
     assert (
@@ -351,7 +351,7 @@ def test_a_batch_mostly_padding_gets_new_zeroed_memory_not_an_idle_buffer(
     """A [B, L] batch whose real tokens fill less than half of it is read into a new zeroed buffer
     (its padding pages never written) instead of the key's idle buffer, dirty with the last batch,
     which is let go; the batch still equals the padded cache's (differential)."""
-    from te_thd.offline_cache import readexec
+    from te_thd.offline_cache.read import executor as readexec
 
     monkeypatch.setattr(readexec, "ZEROED_MIN_BYTES", 0)  # every buffer large enough here
     pool = readexec.DestinationBuffers()
@@ -383,7 +383,7 @@ def test_a_thd_batch_mostly_padding_gets_new_zeroed_memory(caches, monkeypatch) 
     """Packed THD: token keys whose padding (pad value 0) fills most of the batch's slots are read
     into new zeroed memory, not the dirty idle buffer of the last batch; the batch still equals
     the padded cache's, zeros in its padding."""
-    from te_thd.offline_cache import readexec
+    from te_thd.offline_cache.read import executor as readexec
 
     monkeypatch.setattr(readexec, "ZEROED_MIN_BYTES", 0)
     ds = _ds(caches["ragged"])

@@ -33,8 +33,7 @@ from te_thd.offline_cache import (
     read_manifest,
     verify_cache,
 )
-from te_thd.offline_cache.cli import format_info
-from te_thd.offline_cache.ragged import (
+from te_thd.offline_cache.format.ragged import (
     block_table,
     decode_fp8,
     encode_fp8,
@@ -42,8 +41,9 @@ from te_thd.offline_cache.ragged import (
     plan_token_reads,
     row_offsets,
 )
-from te_thd.offline_cache.token_read import TokenRows
-from te_thd.offline_cache.verify import cache_info
+from te_thd.offline_cache.read.tokens import TokenRows
+from te_thd.offline_cache.tools.cli import format_info
+from te_thd.offline_cache.tools.verify import cache_info
 
 L, H = 24, 16
 KEYS = ("input_ids", "hidden", "logprobs", "length", "mask")
@@ -65,7 +65,9 @@ def _compute(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     ids, length = batch["input_ids"], batch["length"]
     real = torch.arange(L).unsqueeze(0) < length.unsqueeze(1)
     # per sample, so a resumed run (other batches) computes the same values
-    hidden = torch.stack([torch.randn(L, H, generator=torch.Generator().manual_seed(int(r.sum()))) for r in ids])
+    hidden = torch.stack(
+        [torch.randn(L, H, generator=torch.Generator().manual_seed(int(r.sum()))) for r in ids]
+    )
     hidden = hidden * real.unsqueeze(-1)
     return {
         "input_ids": ids,
@@ -101,8 +103,15 @@ def _assert_same(a: dict, b: dict, lossy: tuple[str, ...] = ()) -> None:
         if isinstance(a[k], torch.Tensor):
             assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
             if k in lossy:
-                torch.testing.assert_close(a[k].float(), b[k].float(), rtol=0.07, atol=0.07 * float(a[k].float().abs().max()))
-                assert torch.equal(a[k] == 0, b[k] == 0) or k == "hidden"  # zeros in the padding stay zero
+                torch.testing.assert_close(
+                    a[k].float(),
+                    b[k].float(),
+                    rtol=0.07,
+                    atol=0.07 * float(a[k].float().abs().max()),
+                )
+                assert (
+                    torch.equal(a[k] == 0, b[k] == 0) or k == "hidden"
+                )  # zeros in the padding stay zero
             else:
                 assert torch.equal(a[k], b[k]), k
         elif k != "thd_layout":
@@ -112,12 +121,18 @@ def _assert_same(a: dict, b: dict, lossy: tuple[str, ...] = ()) -> None:
 # -- the layout math ---------------------------------------------------------------------
 
 #: rows of 0-40 tokens, checksum blocks of 1-9 tokens, and draws from them
-_TABLES = {"lengths": st.lists(st.integers(0, 40), min_size=1, max_size=12), "block": st.integers(1, 9), "data": st.data()}
+_TABLES = {
+    "lengths": st.lists(st.integers(0, 40), min_size=1, max_size=12),
+    "block": st.integers(1, 9),
+    "data": st.data(),
+}
 
 
 @settings(max_examples=200, deadline=None)
 @given(**_TABLES)
-def test_plan_token_reads_fetches_exactly_the_blocks_holding_the_tokens(lengths, block, data) -> None:
+def test_plan_token_reads_fetches_exactly_the_blocks_holding_the_tokens(
+    lengths, block, data
+) -> None:
     lengths = np.asarray(lengths, dtype=np.int64)
     offsets = row_offsets(lengths)
     table = block_table(offsets, block)
@@ -142,11 +157,19 @@ def test_plan_token_reads_fetches_exactly_the_blocks_holding_the_tokens(lengths,
     got_blocks = [g for a, b in plan.runs for g in range(a, b)]
     assert set(wanted_blocks) <= set(got_blocks) and len(got_blocks) == len(set(got_blocks))
     assert plan.runs[0][0] == wanted_blocks[0] and plan.runs[-1][1] == wanted_blocks[-1] + 1
-    for a, b in plan.runs:  # a run starts and ends with a wanted block; its gaps hold <= max_gap tokens
+    for (
+        a,
+        b,
+    ) in plan.runs:  # a run starts and ends with a wanted block; its gaps hold <= max_gap tokens
         assert a in wanted_blocks and b - 1 in wanted_blocks
         inner = [g for g in wanted_blocks if a <= g < b]
-        assert all(table.start[y] - table.start[x + 1] <= max_gap for x, y in zip(inner, inner[1:], strict=False))
-    for (_, b1), (a2, _) in zip(plan.runs, plan.runs[1:], strict=False):  # ascending, gaps above max_gap
+        assert all(
+            table.start[y] - table.start[x + 1] <= max_gap
+            for x, y in zip(inner, inner[1:], strict=False)
+        )
+    for (_, b1), (a2, _) in zip(
+        plan.runs, plan.runs[1:], strict=False
+    ):  # ascending, gaps above max_gap
         assert b1 < a2 and table.start[a2] - table.start[b1] > max_gap
     if max_gap == 0:
         assert got_blocks == wanted_blocks
@@ -163,7 +186,10 @@ def test_plan_row_reads_is_plan_token_reads_of_whole_rows(lengths, block, data) 
     lengths = np.asarray(lengths, dtype=np.int64)
     offsets = row_offsets(lengths)
     table = block_table(offsets, block)
-    rows = np.asarray(data.draw(st.lists(st.integers(0, lengths.size - 1), min_size=1, max_size=10)), dtype=np.int64)
+    rows = np.asarray(
+        data.draw(st.lists(st.integers(0, lengths.size - 1), min_size=1, max_size=10)),
+        dtype=np.int64,
+    )
     if data.draw(st.booleans()):
         rows = np.unique(rows)  # the sorted case the planner takes without a search
     max_gap = data.draw(st.integers(0, 12))
@@ -176,7 +202,12 @@ def test_plan_row_reads_is_plan_token_reads_of_whole_rows(lengths, block, data) 
 
 
 @settings(max_examples=50, deadline=None)
-@given(t=st.integers(0, 20), d=st.integers(1, 40), scale=st.floats(1e-3, 1e4), seed=st.integers(0, 2**16))
+@given(
+    t=st.integers(0, 20),
+    d=st.integers(1, 40),
+    scale=st.floats(1e-3, 1e4),
+    seed=st.integers(0, 2**16),
+)
 def test_fp8_codec_round_trip(t: int, d: int, scale: float, seed: int) -> None:
     x = torch.randn(t, d, generator=torch.Generator().manual_seed(seed)) * scale
     if t:
@@ -187,7 +218,9 @@ def test_fp8_codec_round_trip(t: int, d: int, scale: float, seed: int) -> None:
     assert back.dtype == torch.bfloat16 and back.shape == x.shape
     if t:
         assert torch.equal(back[0], torch.zeros(d, dtype=torch.bfloat16)) and err[0] == 0
-    rel = (back.float() - x.to(torch.bfloat16).float()).norm(dim=1) / x.to(torch.bfloat16).float().norm(dim=1).clamp_min(1e-30)
+    rel = (back.float() - x.to(torch.bfloat16).float()).norm(dim=1) / x.to(
+        torch.bfloat16
+    ).float().norm(dim=1).clamp_min(1e-30)
     assert torch.all(err <= 0.07) and torch.allclose(rel, err, atol=1e-2)
 
 
@@ -199,7 +232,10 @@ def test_manifest_records_the_layout_and_the_reference_tag(caches) -> None:
     assert raw["format_version"] == "1+tokens"
     assert raw["token_layout"] == {"keys": list(TOKEN_KEYS), "codecs": {}}
     m = read_manifest(str(caches["ragged"]), "test", 1)
-    assert m["format_version"] == 1 and m["schema"] == json.loads((caches["padded"] / "manifest.json").read_text())["schema"]
+    assert (
+        m["format_version"] == 1
+        and m["schema"] == json.loads((caches["padded"] / "manifest.json").read_text())["schema"]
+    )
 
 
 @pytest.mark.parametrize("name", ["ragged", "fp8"])
@@ -212,7 +248,11 @@ def test_getitem_and_getitems_match_the_padded_cache(caches, name) -> None:
     for indices in ([0, 1, 2], [28, 3, 17, 3, 9, 0, 8], rng.permutation(29).tolist(), [5]):
         a, b = pad.__getitems__(indices), rag.__getitems__(indices)
         _assert_same(a.tensors, b.tensors, lossy)
-        _assert_same(pad.start_read(indices).result().tensors, rag.start_read(indices).result().tensors, lossy)
+        _assert_same(
+            pad.start_read(indices).result().tensors,
+            rag.start_read(indices).result().tensors,
+            lossy,
+        )
 
 
 def test_a_batch_reaches_every_key_the_same_way_whatever_its_layout(caches, monkeypatch) -> None:
@@ -233,19 +273,31 @@ def test_a_batch_reaches_every_key_the_same_way_whatever_its_layout(caches, monk
     _assert_same(pad.padded(["hidden"]), rag.padded(["hidden"]))
     asked: list[str] = []
     real = TokenRows.gather_many
-    monkeypatch.setattr(TokenRows, "gather_many", lambda self, keys, *a: (asked.extend(keys), real(self, keys, *a))[1])
+    monkeypatch.setattr(
+        TokenRows,
+        "gather_many",
+        lambda self, keys, *a: (asked.extend(keys), real(self, keys, *a))[1],
+    )
     _assert_same(pad.gather(TOKEN_KEYS, sample, pos), rag.gather(TOKEN_KEYS, sample, pos))
     assert sorted(asked) == ["input_ids", "logprobs"]  # hidden was read padded above
-    _assert_same(pad.tensors, collate_cached(ds.__getitems__(idx), KEYS))  # reads the deferred keys whole
+    _assert_same(
+        pad.tensors, collate_cached(ds.__getitems__(idx), KEYS)
+    )  # reads the deferred keys whole
     _assert_same(pad.tensors, rag.padded(rag.keys))
-    _assert_same(pad.tensors, pickle.loads(pickle.dumps(ds.__getitems__(idx))).tensors)  # pickling reads them first
+    _assert_same(
+        pad.tensors, pickle.loads(pickle.dumps(ds.__getitems__(idx))).tensors
+    )  # pickling reads them first
 
 
 def test_a_batch_read_returns_every_key_read_and_verified(caches, monkeypatch) -> None:
     """Without deferred keys the batch read reads the ragged keys with the rows: the batch's
     ``tensors`` hold every key and nothing reads afterwards (no I/O behind an attribute)."""
-    monkeypatch.setattr(TokenRows, "gather_many", lambda *a: pytest.fail("a read after the batch read"))
-    monkeypatch.setattr(TokenRows, "padded_many", lambda *a: pytest.fail("a read after the batch read"))
+    monkeypatch.setattr(
+        TokenRows, "gather_many", lambda *a: pytest.fail("a read after the batch read")
+    )
+    monkeypatch.setattr(
+        TokenRows, "padded_many", lambda *a: pytest.fail("a read after the batch read")
+    )
     idx = [28, 3, 17, 9, 0, 8]
     pad, ds = _ds(caches["padded"]), _ds(caches["ragged"])
     for rag in (ds.__getitems__(idx), ds.start_read(idx).result()):
@@ -272,14 +324,25 @@ def test_thd_collator_packs_straight_from_ragged_rows_on_every_rank(caches, cp_s
     lossy = ("hidden",) if name == "fp8" else ()
     pad, rag = _ds(caches["padded"]), _ds(caches[name])
     idx = [4, 11, 0, 27, 19, 8, 13]
-    kws = [{"length_key": "length"}, {"mask_key": "mask", "rows": 4}, {"length_key": "length", "label_key": "input_ids"},
-           # explicit token_keys, a subset of keys, and a ragged key left per sample
-           {"keys": ("input_ids", "hidden", "length", "logprobs"), "token_keys": ("hidden",), "length_key": "length"}]
+    kws = [
+        {"length_key": "length"},
+        {"mask_key": "mask", "rows": 4},
+        {"length_key": "length", "label_key": "input_ids"},
+        # explicit token_keys, a subset of keys, and a ragged key left per sample
+        {
+            "keys": ("input_ids", "hidden", "length", "logprobs"),
+            "token_keys": ("hidden",),
+            "length_key": "length",
+        },
+    ]
     for rank in range(cp_size):
         for kw in kws:
             col = CachedThdCollator(64, cp_size=cp_size, cp_rank=rank, **kw)
             want = col(pad.__getitems__(idx))
-            for deferred in ((), col.gathered_keys(rag.disk_keys)):  # read with the batch, or by the collate
+            for deferred in (
+                (),
+                col.gathered_keys(rag.disk_keys),
+            ):  # read with the batch, or by the collate
                 rag.defer_keys(deferred)
                 _assert_same(want, col(rag.__getitems__(idx)), lossy)
 
@@ -288,7 +351,9 @@ def test_thd_collator_in_loader_workers(caches) -> None:
     col = CachedThdCollator(96, length_key="length", cp_size=2, cp_rank=1)
 
     def loader(path):
-        return build_cached_dataloader(dataset=_ds(path), batch_size=5, shuffle=False, collate_fn=col, num_workers=2)
+        return build_cached_dataloader(
+            dataset=_ds(path), batch_size=5, shuffle=False, collate_fn=col, num_workers=2
+        )
 
     for a, b in zip(loader(caches["padded"]), loader(caches["ragged"]), strict=True):
         _assert_same(a, b)
@@ -320,7 +385,9 @@ def test_a_cp_rank_reads_only_its_share_of_the_ragged_tokens(tmp_path: Path) -> 
             col(batch)
             return _rchar() - before
 
-        assert fetched(2, 0, defer=False) < 4096  # the batch read read every key: the collate reads nothing
+        assert (
+            fetched(2, 0, defer=False) < 4096
+        )  # the batch read read every key: the collate reads nothing
         # (but /proc/self/io itself)
 
         whole = fetched(1, 0)
@@ -345,14 +412,16 @@ def _flip(path: Path, offset: int) -> None:
 
 
 def _entry(path: Path, name: str) -> tuple[int, int]:
-    from te_thd.offline_cache.integrity import read_shard_header
+    from te_thd.offline_cache.format.integrity import read_shard_header
 
     e = read_shard_header(str(path)).entries[name]
     return e.start, e.end
 
 
 @pytest.mark.parametrize("target", ["hidden@tokens", "input_ids@tokens", "__te_thd_block_sums__"])
-def test_a_flipped_byte_in_a_ragged_tensor_is_caught_on_every_path(tmp_path: Path, target: str) -> None:
+def test_a_flipped_byte_in_a_ragged_tensor_is_caught_on_every_path(
+    tmp_path: Path, target: str
+) -> None:
     _produce(tmp_path / "c", _samples(16), token_keys=TOKEN_KEYS)
     shard = tmp_path / "c" / "shard-000001.safetensors"
     start, end = _entry(shard, target)
@@ -363,7 +432,8 @@ def test_a_flipped_byte_in_a_ragged_tensor_is_caught_on_every_path(tmp_path: Pat
         lambda: ds.__getitems__(list(range(16))).tensors,
         lambda: CachedThdCollator(512, length_key="length")(ds.__getitems__(list(range(8, 16)))),
         lambda: CachedThdCollator(512, length_key="length", cp_size=2)(
-            ds.__getitems__(list(range(8, 16))) if ds.defer_keys(TOKEN_KEYS) else None),
+            ds.__getitems__(list(range(8, 16))) if ds.defer_keys(TOKEN_KEYS) else None
+        ),
     ]
     for read in reads:
         with pytest.raises(CacheIntegrityError, match="shard-000001") as exc:
@@ -375,7 +445,9 @@ def test_a_flipped_byte_in_a_ragged_tensor_is_caught_on_every_path(tmp_path: Pat
     assert _ds(tmp_path / "c")[0]["hidden"].shape == (L, H)  # the undamaged shard still reads
 
 
-def test_a_token_shard_truncated_under_an_open_reader_names_it_and_the_repair(tmp_path: Path) -> None:
+def test_a_token_shard_truncated_under_an_open_reader_names_it_and_the_repair(
+    tmp_path: Path,
+) -> None:
     """The shard is opened and read once (header, token index and block sums checked and kept),
     then loses its ragged tail: the next ragged reads (a padded batch, one CP rank's tokens) fail
     with the reader's one "cannot be read" error, naming the shard, the short read and the repair
@@ -393,7 +465,9 @@ def test_a_token_shard_truncated_under_an_open_reader_names_it_and_the_repair(tm
         batch.padded(["hidden"])
     assert exc.value.path == str(shard)
     with pytest.raises(CacheIntegrityError, match=want):
-        CachedThdCollator(512, length_key="length", cp_size=2, cp_rank=1)(ds.__getitems__(list(range(8, 16))))
+        CachedThdCollator(512, length_key="length", cp_size=2, cp_rank=1)(
+            ds.__getitems__(list(range(8, 16)))
+        )
     ds.defer_keys(())
     with pytest.raises(CacheIntegrityError, match=want):
         ds.__getitems__(list(range(8, 16)))
@@ -415,18 +489,24 @@ def test_the_reference_reader_refuses_a_ragged_cache(caches) -> None:
 
     ref = reference_offline_cache()
     if ref is None:
-        pytest.skip("the reference implementation (perf/reference-requirements.txt) is not installed")
+        pytest.skip(
+            "the reference implementation (perf/reference-requirements.txt) is not installed"
+        )
     with pytest.raises(ValueError, match=r"format_version=1\+tokens, expected 1"):
         ref.read_manifest(str(caches["ragged"]), cache_name="test", format_version=1)
     with pytest.raises(ValueError, match="format_version"):
-        ref.CachedTensorDataset(cache_dir=str(caches["fp8"]), cache_name="test", format_version=1, disk_keys=KEYS)
+        ref.CachedTensorDataset(
+            cache_dir=str(caches["fp8"]), cache_name="test", format_version=1, disk_keys=KEYS
+        )
     # the padded cache of the same samples still reads there
-    ds = ref.CachedTensorDataset(cache_dir=str(caches["padded"]), cache_name="test", format_version=1, disk_keys=KEYS)
+    ds = ref.CachedTensorDataset(
+        cache_dir=str(caches["padded"]), cache_name="test", format_version=1, disk_keys=KEYS
+    )
     assert torch.equal(ds[3]["hidden"], _ds(caches["ragged"])[3]["hidden"])
 
 
 def test_a_manifest_with_a_layout_but_no_tag_is_refused(tmp_path: Path) -> None:
-    from te_thd.offline_cache.manifest import manifest_checksum
+    from te_thd.offline_cache.record.manifest import manifest_checksum
 
     _produce(tmp_path / "c", _samples(4), token_keys=TOKEN_KEYS)
     path = tmp_path / "c" / "manifest.json"
@@ -452,6 +532,7 @@ def test_ragged_shards_store_only_the_real_tokens(caches) -> None:
     real = sum(lengths) * per_token
     # real bytes, plus the per-sample keys, the block sums and the headers
     assert sizes("ragged") < real + 29 * (8 + 24) + 4 * 4096
+
     def stored(name, tensor):
         a, b = _entry(caches[name] / "shard-000000.safetensors", tensor)
         return b - a
@@ -475,7 +556,9 @@ def test_resume_after_a_crash_writes_the_same_bytes(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError, match="killed"):
         produce_cache(DataLoader(samples, batch_size=3), str(tmp_path / "r"), 8, dies, KEYS, progress=False,
                       length_key="length", token_keys=TOKEN_KEYS, codecs={"hidden": "fp8_e4m3"})  # fmt: skip
-    assert (tmp_path / "r" / "shard-000000.safetensors").exists() and not (tmp_path / "r" / "manifest.json").exists()
+    assert (tmp_path / "r" / "shard-000000.safetensors").exists() and not (
+        tmp_path / "r" / "manifest.json"
+    ).exists()
     _produce(tmp_path / "r", samples, token_keys=TOKEN_KEYS, codecs={"hidden": "fp8_e4m3"})
 
     def files(d):
@@ -502,8 +585,14 @@ def test_zero_length_samples_read_back_as_zeros(tmp_path: Path) -> None:
     [
         ({"token_keys": ("nope",)}, r"token_keys \['nope'\] are not stored keys"),
         ({"token_keys": "hidden"}, r"token_keys='hidden' must be a tuple of key names"),
-        ({"token_keys": ("hidden",), "codecs": {"logprobs": "fp8_e4m3"}}, "add 'logprobs' to token_keys"),
-        ({"token_keys": ("hidden",), "codecs": {"hidden": "int4"}}, r"codecs\['hidden'\]='int4' is not a storage codec"),
+        (
+            {"token_keys": ("hidden",), "codecs": {"logprobs": "fp8_e4m3"}},
+            "add 'logprobs' to token_keys",
+        ),
+        (
+            {"token_keys": ("hidden",), "codecs": {"hidden": "int4"}},
+            r"codecs\['hidden'\]='int4' is not a storage codec",
+        ),
         ({"token_keys": ("input_ids",), "codecs": {"input_ids": "fp8_e4m3"}}, "stores float keys"),
         ({"token_keys": ("length",)}, "a token key is \\[n, L, ...\\]"),
     ],
@@ -525,12 +614,25 @@ def test_token_keys_need_lengths(tmp_path: Path) -> None:
 
 def test_cache_info_shows_the_storage_and_the_fidelity(caches) -> None:
     info = cache_info(str(caches["fp8"]))
-    assert info["storage"]["hidden"].startswith("ragged, fp8_e4m3") and info["storage"]["length"] == "rows"
-    assert 0 < info["fidelity"]["hidden"]["mean_rel_l2"] <= info["fidelity"]["hidden"]["max_rel_l2"] < 0.07
+    assert (
+        info["storage"]["hidden"].startswith("ragged, fp8_e4m3")
+        and info["storage"]["length"] == "rows"
+    )
+    assert (
+        0
+        < info["fidelity"]["hidden"]["mean_rel_l2"]
+        <= info["fidelity"]["hidden"]["max_rel_l2"]
+        < 0.07
+    )
     text = format_info(info)
-    assert "ragged, fp8_e4m3 + float32 scale per token" in text and "relative L2 error per token: max" in text
+    assert (
+        "ragged, fp8_e4m3 + float32 scale per token" in text
+        and "relative L2 error per token: max" in text
+    )
     cli = Path(sys.executable).with_name("te-thd")
-    out = subprocess.run([str(cli), "cache", "info", str(caches["fp8"])], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [str(cli), "cache", "info", str(caches["fp8"])], capture_output=True, text=True, check=True
+    ).stdout
     assert "fp8_e4m3" in out and "input_ids" in out and "ragged" in out
     report = verify_cache(str(caches["fp8"]), deep=True)
     assert report["checksums_verified"] and report["lengths_verified"]
@@ -569,12 +671,16 @@ def test_a_collator_without_lengths_is_refused_on_a_ragged_cache_before_any_read
     )
     with pytest.raises(ValueError, match=want):
         build_cached_dataloader(rag, 4, False, col)
-    with pytest.raises(ValueError, match=r"length_key='length'\) and add 'length' to the dataset's disk_keys$"):
+    with pytest.raises(
+        ValueError, match=r"length_key='length'\) and add 'length' to the dataset's disk_keys$"
+    ):
         build_cached_dataloader(_ds(caches["ragged"], ("input_ids", "hidden")), 4, False, col)
     # a DataLoader of its own: refused at the first batch, whether the ragged keys come read or deferred
     for deferred in ((), ("hidden",)):
         rag.defer_keys(deferred)
-        with pytest.raises(ValueError, match=r"the cache these samples come from stores .* pass length_key="):
+        with pytest.raises(
+            ValueError, match=r"the cache these samples come from stores .* pass length_key="
+        ):
             next(iter(DataLoader(rag, batch_size=4, collate_fn=col)))
     assert pickle.loads(pickle.dumps(rag.__getitems__([0, 1]))).ragged == TOKEN_KEYS
     # the padded cache's rows are what they hold: full rows are its samples, as before

@@ -44,15 +44,24 @@ def test_at_most_2x_the_time_is_min_ratio_half():
     g = _goal(0.5, margin=0.1)  # "<= 2x one index_select"
     at = Record("b", "c", "time", "s", ours=1.9, baselines={"base": 1.0}).ratios["base"]
     assert judge(at, g) == "met"
-    assert judge(Record("b", "c", "time", "s", ours=2.1, baselines={"base": 1.0}).ratios["base"], g) == "noise"
-    assert judge(Record("b", "c", "time", "s", ours=2.5, baselines={"base": 1.0}).ratios["base"], g) == "missed"
+    assert (
+        judge(Record("b", "c", "time", "s", ours=2.1, baselines={"base": 1.0}).ratios["base"], g)
+        == "noise"
+    )
+    assert (
+        judge(Record("b", "c", "time", "s", ours=2.5, baselines={"base": 1.0}).ratios["base"], g)
+        == "missed"
+    )
     assert judge(float("nan"), g) == "missed"
 
 
 def test_evaluate_statuses():
-    goals = [_goal(2.0, id="ok", bench="a"), _goal(2.0, id="ref", bench="a", baseline="reference",
-                                                     needs_reference=True),
-             _goal(2.0, id="gone", bench="a", case="renamed*"), _goal(2.0, id="boom", bench="z")]
+    goals = [
+        _goal(2.0, id="ok", bench="a"),
+        _goal(2.0, id="ref", bench="a", baseline="reference", needs_reference=True),
+        _goal(2.0, id="gone", bench="a", case="renamed*"),
+        _goal(2.0, id="boom", bench="z"),
+    ]
     recs = {"a": [Record("a", "x", "time", "s", 1.0, {"base": 3.0})]}
     res = evaluate(goals, recs, {"z": "Traceback"}, selected={"a", "z"}, reference_available=False)
     status = {r.goal: r.status for r in res}
@@ -71,7 +80,14 @@ def test_load_goals_errors(tmp_path):
     p.write_text(json.dumps({"goals": [{"id": "a", "bench": "b"}]}))
     with pytest.raises(ValueError, match=r"goal #0 lacks \['baseline', 'min_ratio', 'statement'\]"):
         load_goals(p)
-    g = {"id": "a", "bench": "b", "baseline": "x", "min_ratio": 1, "statement": "s", "noise_margin": 1.5}
+    g = {
+        "id": "a",
+        "bench": "b",
+        "baseline": "x",
+        "min_ratio": 1,
+        "statement": "s",
+        "noise_margin": 1.5,
+    }
     p.write_text(json.dumps({"goals": [g]}))
     with pytest.raises(ValueError, match=r"goal 'a' has min_ratio=1 noise_margin=1.5"):
         load_goals(p)
@@ -85,8 +101,9 @@ def test_known_miss_is_reported_but_does_not_gate():
 
     g = dataclasses.replace(_goal(0.8, id="w", bench="a"), known_miss="physically bound")
     recs = {"a": [Record("a", "x", "throughput", "MB/s", 1.0, {"base": 2.0})]}  # ratio 0.5
-    res = evaluate([g, _goal(0.8, id="strict", bench="a")], recs, {}, selected={"a"},
-                   reference_available=True)
+    res = evaluate(
+        [g, _goal(0.8, id="strict", bench="a")], recs, {}, selected={"a"}, reference_available=True
+    )
     assert {r.goal: r.status for r in res} == {"w": "known-miss", "strict": "missed"}
     assert [r.goal for r in failures(res)] == ["strict"]
     assert judge(0.9, g) == "met"  # a known miss that is met again is simply met
@@ -95,9 +112,14 @@ def test_known_miss_is_reported_but_does_not_gate():
 def test_checked_in_thresholds_parse():
     goals = load_goals(PERF / "thresholds.json")
     ids = {g.id for g in goals}
-    assert {"thd-conversion-vs-reference", "cp-shard-vs-index-select", "cache-write-vs-save-file",
-            "cache-read-small-vs-reference", "cache-read-large-vs-reference",
-            "cache-read-large-vs-raw-slice"} <= ids
+    assert {
+        "thd-conversion-vs-reference",
+        "cp-shard-vs-index-select",
+        "cache-write-vs-save-file",
+        "cache-read-small-vs-reference",
+        "cache-read-large-vs-reference",
+        "cache-read-large-vs-raw-slice",
+    } <= ids
     by = {g.id: g for g in goals}
     # the issues' numbers, not loosened
     assert by["thd-conversion-vs-reference"].min_ratio == 5.0
@@ -106,17 +128,42 @@ def test_checked_in_thresholds_parse():
     assert by["cache-write-vs-save-file"].min_ratio == 0.8
     # the non-gating goals, each with a gating goal beside it
     assert [g.id for g in goals if g.known_miss] == [
-        "cache-write-vs-save-file", "cache-read-large-vs-raw-preadv", "cache-read-large-verified-vs-raw-preadv-hash", "cache-read-large-vs-reference",
-        "follow-pipeline-vs-producer", "follow-pipeline-vs-sequential", "balance-plan-time", "tokens-cp-fetch-demo",
-        "tokens-cp2-throughput-warm-demo", "s3-cold-vs-client", "s3-warm-vs-local-large",
-            "peers-specforge-thd-warm"]
+        "cache-write-vs-save-file",
+        "cache-read-large-vs-raw-preadv",
+        "cache-read-large-verified-vs-raw-preadv-hash",
+        "cache-read-large-vs-reference",
+        "follow-pipeline-vs-producer",
+        "follow-pipeline-vs-sequential",
+        "balance-plan-time",
+        "tokens-cp-fetch-demo",
+        "tokens-cp2-throughput-warm-demo",
+        "s3-cold-vs-client",
+        "s3-warm-vs-local-large",
+        "peers-specforge-thd-warm",
+    ]
     assert not by["follow-first-step"].known_miss
-    assert {"cache-write-vs-save-file-fsync", "balance-plan-vs-ffd", "tokens-cp2-fetch", "s3-warm-vs-local"} <= set(by)
+    assert {
+        "cache-write-vs-save-file-fsync",
+        "balance-plan-vs-ffd",
+        "tokens-cp2-fetch",
+        "s3-warm-vs-local",
+    } <= set(by)
     assert not by["s3-warm-vs-local"].known_miss and by["s3-warm-vs-local"].min_ratio == 0.8
-    assert not any(by[g].known_miss for g in ("tokens-cp2-fetch", "tokens-cp4-fetch", "tokens-cp2-throughput",
-                                              "tokens-cp2-throughput-warm"))
+    assert not any(
+        by[g].known_miss
+        for g in (
+            "tokens-cp2-fetch",
+            "tokens-cp4-fetch",
+            "tokens-cp2-throughput",
+            "tokens-cp2-throughput-warm",
+        )
+    )
     # the ragged and object-store read goals keep the issue's numbers
-    assert by["tokens-cp2-throughput-warm"].min_ratio == by["tokens-cp2-throughput-warm-demo"].min_ratio == 1.0
+    assert (
+        by["tokens-cp2-throughput-warm"].min_ratio
+        == by["tokens-cp2-throughput-warm-demo"].min_ratio
+        == 1.0
+    )
     assert by["s3-cold-vs-client"].min_ratio == 0.8
     assert by["cache-write-vs-save-file-fsync"].min_ratio == 0.8
     assert not by["cache-write-vs-save-file-fsync"].known_miss
@@ -155,12 +202,26 @@ def fake_suite(tmp_path):
     bench_dir.mkdir()
     (bench_dir / "bench_good.py").write_text(FAKE_BENCH.format(name="good", ours=0.25))
     (bench_dir / "bench_slow.py").write_text(FAKE_BENCH.format(name="slow", ours=0.9))
-    (bench_dir / "bench_boom.py").write_text("def run(quick):\n    raise RuntimeError('kaput 42')\n")
+    (bench_dir / "bench_boom.py").write_text(
+        "def run(quick):\n    raise RuntimeError('kaput 42')\n"
+    )
     goals = [
-        {"id": "good-fast", "bench": "good", "case": "*", "baseline": "base", "min_ratio": 2.0,
-         "statement": "good is 2x"},
-        {"id": "slow-fast", "bench": "slow", "case": "shape1", "baseline": "base", "min_ratio": 2.0,
-         "statement": "slow is 2x"},
+        {
+            "id": "good-fast",
+            "bench": "good",
+            "case": "*",
+            "baseline": "base",
+            "min_ratio": 2.0,
+            "statement": "good is 2x",
+        },
+        {
+            "id": "slow-fast",
+            "bench": "slow",
+            "case": "shape1",
+            "baseline": "base",
+            "min_ratio": 2.0,
+            "statement": "slow is 2x",
+        },
     ]
     thresholds = tmp_path / "thresholds.json"
     thresholds.write_text(json.dumps({"noise_margin": 0.1, "goals": goals}))
@@ -169,8 +230,18 @@ def fake_suite(tmp_path):
 
 def _run(fake_suite, *args: str) -> subprocess.CompletedProcess:
     bench_dir, thresholds, results = fake_suite
-    cmd = [sys.executable, str(PERF / "run.py"), "--quick", "--bench-dir", str(bench_dir),
-           "--thresholds", str(thresholds), "--results-dir", str(results), *args]
+    cmd = [
+        sys.executable,
+        str(PERF / "run.py"),
+        "--quick",
+        "--bench-dir",
+        str(bench_dir),
+        "--thresholds",
+        str(thresholds),
+        "--results-dir",
+        str(results),
+        *args,
+    ]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=60)
 
 
@@ -190,7 +261,9 @@ def test_check_fails_naming_misses_and_report_files(fake_suite):
     benches = {b["name"]: b for b in doc["benches"]}
     assert benches["boom"]["status"] == "error" and "kaput 42" in benches["boom"]["error"]
     good = benches["good"]["records"]
-    assert good[0]["ratios"]["base"] == pytest.approx(4.0) and good[1]["ratios"]["base"] == pytest.approx(5.0)
+    assert good[0]["ratios"]["base"] == pytest.approx(4.0) and good[1]["ratios"][
+        "base"
+    ] == pytest.approx(5.0)
     assert not doc["check"]["passed"]
     md = (results / "latest-quick.md").read_text()
     assert "| good | shape1 | 250 ms | base | 1 s | 4.00x | - | >= 2x: met |" in md
@@ -227,25 +300,50 @@ def _reference_suite(tmp_path: Path) -> list[str]:
         "    return [Record('conv', 'x', 'time', 's', 1.0, base)]\n"
     )
     goals = [
-        {"id": "vs-ref", "bench": "conv", "baseline": "reference", "min_ratio": 5, "statement": "5x ref",
-         "needs_reference": True},
-        {"id": "vs-floor", "bench": "conv", "baseline": "floor", "min_ratio": 1.5, "statement": "1.5x floor"},
+        {
+            "id": "vs-ref",
+            "bench": "conv",
+            "baseline": "reference",
+            "min_ratio": 5,
+            "statement": "5x ref",
+            "needs_reference": True,
+        },
+        {
+            "id": "vs-floor",
+            "bench": "conv",
+            "baseline": "floor",
+            "min_ratio": 1.5,
+            "statement": "1.5x floor",
+        },
     ]
     (tmp_path / "t.json").write_text(json.dumps({"goals": goals}))
-    return ["--quick", "--check", "--bench-dir", str(bench_dir), "--thresholds", str(tmp_path / "t.json"),
-            "--results-dir", str(tmp_path / "r")]
+    return [
+        "--quick",
+        "--check",
+        "--bench-dir",
+        str(bench_dir),
+        "--thresholds",
+        str(tmp_path / "t.json"),
+        "--results-dir",
+        str(tmp_path / "r"),
+    ]
 
 
 def test_missing_reference_is_reported_and_its_goals_skipped(tmp_path):
     p = subprocess.run(
         [sys.executable, str(PERF / "run.py"), "--no-reference", *_reference_suite(tmp_path)],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert p.returncode == 0, p.stdout + p.stderr
     assert "reference implementation unavailable" in p.stdout
     doc = json.loads((tmp_path / "r" / "latest-quick.json").read_text())
     assert doc["reference"]["available"] is False
-    assert {g["goal"]: g["status"] for g in doc["goals"]} == {"vs-ref": "skipped", "vs-floor": "met"}
+    assert {g["goal"]: g["status"] for g in doc["goals"]} == {
+        "vs-ref": "skipped",
+        "vs-floor": "met",
+    }
 
 
 def test_check_confirms_a_miss_with_the_median_of_three_runs(tmp_path):
@@ -263,10 +361,21 @@ def test_check_confirms_a_miss_with_the_median_of_three_runs(tmp_path):
         "    ours = 1.0 if n == 0 else 0.4 + 0.05 * n\n"
         "    return [Record('flaky', 'x', 'time', 's', ours, {'base': 1.0})]\n"
     )
-    goals = [{"id": "flaky-2x", "bench": "flaky", "baseline": "base", "min_ratio": 2, "statement": "2x"}]
+    goals = [
+        {"id": "flaky-2x", "bench": "flaky", "baseline": "base", "min_ratio": 2, "statement": "2x"}
+    ]
     (tmp_path / "t.json").write_text(json.dumps({"noise_margin": 0.1, "goals": goals}))
-    base_cmd = [sys.executable, str(PERF / "run.py"), "--quick", "--bench-dir", str(bench_dir),
-                "--thresholds", str(tmp_path / "t.json"), "--results-dir", str(tmp_path / "r")]
+    base_cmd = [
+        sys.executable,
+        str(PERF / "run.py"),
+        "--quick",
+        "--bench-dir",
+        str(bench_dir),
+        "--thresholds",
+        str(tmp_path / "t.json"),
+        "--results-dir",
+        str(tmp_path / "r"),
+    ]
     p = subprocess.run([*base_cmd, "--check"], capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stdout + p.stderr
     assert "confirmation run 2/2" in p.stdout
@@ -279,7 +388,9 @@ def test_check_confirms_a_miss_with_the_median_of_three_runs(tmp_path):
     assert doc["goals"][0]["status"] == "met"
     # without confirmation the same first-run miss fails the check
     counter.unlink()
-    p = subprocess.run([*base_cmd, "--check", "--confirm", "0"], capture_output=True, text=True, timeout=60)
+    p = subprocess.run(
+        [*base_cmd, "--check", "--confirm", "0"], capture_output=True, text=True, timeout=60
+    )
     assert p.returncode == 1 and "goal flaky-2x" in p.stderr
 
 
@@ -302,7 +413,10 @@ def test_run_never_installs_the_reference_and_says_how_to(tmp_path, monkeypatch,
     assert launched, "the bench runs in a subprocess: the recorder must have seen it"
     assert not [a for a in launched if "pip" in a], launched
     hint = f"{sys.executable} -m pip install --no-deps -r {REFERENCE_REQUIREMENTS_FILE}"
-    assert f"reference implementation unavailable: not installed; the baselines need {REFERENCE_REQUIREMENT}" in out
+    assert (
+        f"reference implementation unavailable: not installed; the baselines need {REFERENCE_REQUIREMENT}"
+        in out
+    )
     assert hint in out and "its goals are reported as skipped" in out
     doc = json.loads((tmp_path / "r" / "latest-quick.json").read_text())
     assert doc["reference"]["available"] is False and hint in doc["reference"]["detail"]
@@ -319,14 +433,37 @@ def test_reference_requirement_file_pins_one_version(tmp_path):
 
 
 def test_te_thd_bench_help_and_errors_name_te_thd_bench():
-    p = subprocess.run([sys.executable, "-c", "import sys; from te_thd.cli import main; sys.exit(main())",
-                        "bench", "--help"], capture_output=True, text=True, timeout=60)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from te_thd.cli import main; sys.exit(main())",
+            "bench",
+            "--help",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert p.returncode == 0, p.stderr
     assert p.stdout.startswith("usage: te-thd bench [-h] [--quick] [--check]"), p.stdout
     assert "perf/run.py" not in p.stdout.split("\n\n")[0]
-    p = subprocess.run([sys.executable, "-c", "import sys; from te_thd.cli import main; sys.exit(main())",
-                        "bench", "--only", "nosuch"], capture_output=True, text=True, timeout=60)
-    assert p.returncode == 2 and p.stderr.startswith("te-thd bench: --only nosuch: no such bench"), p.stderr
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from te_thd.cli import main; sys.exit(main())",
+            "bench",
+            "--only",
+            "nosuch",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert p.returncode == 2 and p.stderr.startswith(
+        "te-thd bench: --only nosuch: no such bench"
+    ), p.stderr
 
 
 # -- the raw loops' static split of pieces over threads ----------------------------------------
@@ -346,7 +483,9 @@ def _size(p: _Piece) -> int:
 
 
 @example([1, 0], 1)  # a zero-byte piece (rows of shape [0]) after the bytes are all done
-@given(st.lists(st.sampled_from([0, 1, 2, 64]) | st.integers(0, 1000), max_size=40), st.integers(1, 6))
+@given(
+    st.lists(st.sampled_from([0, 1, 2, 64]) | st.integers(0, 1000), max_size=40), st.integers(1, 6)
+)
 def test_split_even_keeps_order_and_balances_bytes(sizes, parts):
     """Consecutive groups: every piece once and in order, at most ``parts`` groups,
     none empty, and a group's bytes without its last piece under ``total / parts``
@@ -370,7 +509,11 @@ def test_split_even_examples():
     sizes = lambda groups: [[p.nbytes for p in g] for g in groups]  # noqa: E731
     assert sizes(split_even([_piece(n) for n in (4, 4, 4, 4)], 2, _size)) == [[4, 4], [4, 4]]
     assert sizes(split_even([_piece(n) for n in (10, 1, 1, 1)], 2, _size)) == [[10], [1, 1, 1]]
-    assert sizes(split_even([_piece(n) for n in (3, 3, 3)], 4, _size)) == [[3], [3], [3]]  # fewer pieces than threads
+    assert sizes(split_even([_piece(n) for n in (3, 3, 3)], 4, _size)) == [
+        [3],
+        [3],
+        [3],
+    ]  # fewer pieces than threads
     assert sizes(split_even([_piece(5)], 3, _size)) == [[5]]
 
 

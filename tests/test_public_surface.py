@@ -15,7 +15,9 @@ import pytest
 import te_thd
 
 MODULES = sorted(
-    m.name for m in pkgutil.walk_packages(te_thd.__path__, "te_thd.") if not m.name.endswith("__main__")
+    m.name
+    for m in pkgutil.walk_packages(te_thd.__path__, "te_thd.")
+    if not m.name.endswith("__main__")
 )
 
 #: shared internals that must not be listed as public anywhere
@@ -63,4 +65,6 @@ def test_reference_names_stay_importable(module: str) -> None:
 
 
 def test_walk_found_the_package() -> None:
-    assert {"te_thd.thd_utils", "te_thd.cp", "te_thd.attention", "te_thd.offline_cache"} <= set(MODULES)
+    assert {"te_thd.thd_utils", "te_thd.cp", "te_thd.attention", "te_thd.offline_cache"} <= set(
+        MODULES
+    )

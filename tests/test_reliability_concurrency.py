@@ -29,7 +29,9 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def _crash_test_module():
-    spec = importlib.util.spec_from_file_location("crash_test", REPO_ROOT / "scripts" / "crash_test.py")
+    spec = importlib.util.spec_from_file_location(
+        "crash_test", REPO_ROOT / "scripts" / "crash_test.py"
+    )
     mod = importlib.util.module_from_spec(spec)
     assert spec.loader is not None
     spec.loader.exec_module(mod)
@@ -62,8 +64,16 @@ def _second_producer(d: Path, resume: bool = True):
     from torch.utils.data import DataLoader
 
     loader = DataLoader(CT.IndexDataset(CT.NUM_SAMPLES), batch_size=CT.BATCH_SIZE)
-    return produce_cache(loader, str(d), CT.SHARD_SIZE, CT._compute_batch, CT.KEYS, CT.OPTIONS,
-                         progress=False, resume=resume)
+    return produce_cache(
+        loader,
+        str(d),
+        CT.SHARD_SIZE,
+        CT._compute_batch,
+        CT.KEYS,
+        CT.OPTIONS,
+        progress=False,
+        resume=resume,
+    )
 
 
 def test_second_producer_is_refused_while_the_first_writes(tmp_path: Path, clean) -> None:
@@ -73,7 +83,9 @@ def test_second_producer_is_refused_while_the_first_writes(tmp_path: Path, clean
     try:
         assert first.wait_line("READY", 300), (tmp_path / "first.log").read_text()
         _wait_for(lambda: _shards(d) >= 1, 120, "the first producer's first shard")
-        with pytest.raises(CacheLockError, match=rf"held by another producer \(pid {first.p.pid} on host"):
+        with pytest.raises(
+            CacheLockError, match=rf"held by another producer \(pid {first.p.pid} on host"
+        ):
             _second_producer(d)
         assert first.poll() is None, "the refusal must not disturb the running producer"
         assert first.wait_line("DONE", 300), (tmp_path / "first.log").read_text()
@@ -104,14 +116,30 @@ def test_readers_during_a_resume_see_the_old_or_the_new_state(tmp_path: Path, cl
     readers = []
     for r in range(2):
         stop, out = tmp_path / f"r{r}.stop", tmp_path / f"r{r}.json"
-        p = CT._Proc(["_poll", "--dir", str(d), "--clean", clean_dir, "--stop", str(stop), "--out", str(out),
-                      "--open-every", "0.05"], tmp_path / f"r{r}.log")
+        p = CT._Proc(
+            [
+                "_poll",
+                "--dir",
+                str(d),
+                "--clean",
+                clean_dir,
+                "--stop",
+                str(stop),
+                "--out",
+                str(out),
+                "--open-every",
+                "0.05",
+            ],
+            tmp_path / f"r{r}.log",
+        )
         readers.append((p, stop, out))
     try:
         for p, _, _ in readers:
             assert p.wait_line("READY", 300), "reader process failed to start"
         time.sleep(0.3)  # readers observe the interrupted state first
-        resumer = CT._Proc(["_produce", "--out", str(d), "--sleep", "0.02"], tmp_path / "resume.log")
+        resumer = CT._Proc(
+            ["_produce", "--out", str(d), "--sleep", "0.02"], tmp_path / "resume.log"
+        )
         assert resumer.wait_line("DONE", 600), (tmp_path / "resume.log").read_text()
         assert resumer.wait(timeout=60) == 0
         time.sleep(0.3)

@@ -28,7 +28,9 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("corruption_test", REPO_ROOT / "scripts" / "corruption_test.py")
+    spec = importlib.util.spec_from_file_location(
+        "corruption_test", REPO_ROOT / "scripts" / "corruption_test.py"
+    )
     mod = importlib.util.module_from_spec(spec)
     assert spec.loader is not None
     spec.loader.exec_module(mod)
@@ -99,7 +101,9 @@ def test_deep_verify_and_cli_name_a_flipped_shard(cache: Path, shard: int, where
     path = cache / f"shard-{shard:06d}.safetensors"
     lo, hi = _header_span(path)
     size = path.stat().st_size
-    pos = {"prefix": 3, "header": (lo + hi) // 2, "data": (hi + size) // 2, "last_byte": size - 1}[where]
+    pos = {"prefix": 3, "header": (lo + hi) // 2, "data": (hi + size) // 2, "last_byte": size - 1}[
+        where
+    ]
     _flip(path, pos)
     with pytest.raises(CacheError, match=path.name):
         verify_cache(str(cache), deep=True)
@@ -120,7 +124,9 @@ def test_truncated_shard_fails_at_open_naming_it(cache: Path, keep: int) -> None
 def test_truncated_manifest_fails_at_open_naming_it(cache: Path, keep: int) -> None:
     path = cache / "manifest.json"
     data = path.read_bytes()
-    cut = keep if keep >= 0 else len(data) - 2  # drop the closing brace (the last byte is a newline)
+    cut = (
+        keep if keep >= 0 else len(data) - 2
+    )  # drop the closing brace (the last byte is a newline)
     path.write_bytes(data[:cut])
     with pytest.raises(CacheError, match="manifest.json"):
         CachedTensorDataset(str(cache), "offline", 1, CT.KEYS)
@@ -133,7 +139,9 @@ def _item_read_all(cache: Path) -> list[dict[str, torch.Tensor]]:
     return [ds[i] for i in range(len(ds))]
 
 
-def test_finding_B3_item_read_of_garbled_header_raises_cache_error_naming_shard(cache: Path) -> None:
+def test_finding_B3_item_read_of_garbled_header_raises_cache_error_naming_shard(
+    cache: Path,
+) -> None:
     """``dataset[i]`` (the reference per-item path) on a shard whose header JSON is garbage."""
     path = cache / "shard-000001.safetensors"
     data = bytearray(path.read_bytes())
@@ -143,7 +151,9 @@ def test_finding_B3_item_read_of_garbled_header_raises_cache_error_naming_shard(
         _item_read_all(cache)  # was: safetensors_rust.SafetensorError, no file named
 
 
-def test_finding_B3_item_read_of_dtype_swapped_header_never_returns_wrong_tensors(cache: Path) -> None:
+def test_finding_B3_item_read_of_dtype_swapped_header_never_returns_wrong_tensors(
+    cache: Path,
+) -> None:
     """I64 -> F64 keeps the file valid safetensors; the batched path rejects it by schema."""
     path = cache / "shard-000001.safetensors"
     data = path.read_bytes()
@@ -158,7 +168,9 @@ def test_finding_B3_item_read_of_dtype_swapped_header_never_returns_wrong_tensor
         assert path.name in str(e)
     else:  # was: sample 8's input_ids came back as float64 garbage, no error
         for i, sample in enumerate(got):
-            assert sample["input_ids"].dtype == torch.int64, f"sample {i}: {sample['input_ids'].dtype}"
+            assert sample["input_ids"].dtype == torch.int64, (
+                f"sample {i}: {sample['input_ids'].dtype}"
+            )
 
 
 @pytest.mark.parametrize(
@@ -168,7 +180,9 @@ def test_finding_B3_item_read_of_dtype_swapped_header_never_returns_wrong_tensor
         (b'"hidden":', b'"hidder":'),
     ],
 )
-def test_finding_B4_manifest_key_corruption_names_manifest(cache: Path, old: bytes, new: bytes) -> None:
+def test_finding_B4_manifest_key_corruption_names_manifest(
+    cache: Path, old: bytes, new: bytes
+) -> None:
     """A corrupted key inside manifest.json must be reported against manifest.json."""
     path = cache / "manifest.json"
     data = path.read_bytes()

@@ -18,7 +18,9 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def _crash_test_module():
-    spec = importlib.util.spec_from_file_location("crash_test", REPO_ROOT / "scripts" / "crash_test.py")
+    spec = importlib.util.spec_from_file_location(
+        "crash_test", REPO_ROOT / "scripts" / "crash_test.py"
+    )
     mod = importlib.util.module_from_spec(spec)
     assert spec.loader is not None
     spec.loader.exec_module(mod)

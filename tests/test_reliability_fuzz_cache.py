@@ -26,9 +26,15 @@ def feature_lists(draw) -> tuple[list[dict[str, Any]], tuple[str, ...]]:
     n = draw(st.integers(0, 4))
     feats: list[dict[str, Any]] = []
     for i in range(n):
-        f = {"hidden": torch.full((3,), float(i)), "input_ids": torch.arange(4) + i, "loss_mask": torch.ones(4, dtype=torch.bool)}
+        f = {
+            "hidden": torch.full((3,), float(i)),
+            "input_ids": torch.arange(4) + i,
+            "loss_mask": torch.ones(4, dtype=torch.bool),
+        }
         feats.append(f)
-    keys = tuple(draw(st.lists(st.sampled_from(KEYS + ("logits",)), min_size=1, max_size=3, unique=True)))
+    keys = tuple(
+        draw(st.lists(st.sampled_from(KEYS + ("logits",)), min_size=1, max_size=3, unique=True))
+    )
     if feats:
         j = draw(st.integers(0, n - 1))
         m = draw(st.sampled_from([None, None, "drop", "shape", "dtype"]))
@@ -77,7 +83,12 @@ def test_fuzz_collate_cached_batch(case) -> None:
     stacked = {k: torch.stack([f[k] for f in feats]) for k in feats[0]}
     batch = CachedBatch(stacked, len(feats))
     verdict = VALID if all(k in stacked for k in keys) else INVALID
-    out = expect("cache.collate_cached(CachedBatch)", verdict, lambda: collate_cached(batch, keys), "keys read")
+    out = expect(
+        "cache.collate_cached(CachedBatch)",
+        verdict,
+        lambda: collate_cached(batch, keys),
+        "keys read",
+    )
     if out is not None:
         assert all(out[k] is stacked[k] for k in keys)
 
@@ -86,7 +97,10 @@ def test_fuzz_finding_B6_collate_cached_list_missing_key_is_a_value_error() -> N
     """The list path raised KeyError / RuntimeError where the CachedBatch path raises ValueError."""
     cases = (
         ([{"a": torch.zeros(2)}], ("b",)),  # was KeyError: 'b'
-        ([{"a": torch.zeros(2)}, {"a": torch.zeros(3)}], ("a",)),  # was RuntimeError: stack expects ...
+        (
+            [{"a": torch.zeros(2)}, {"a": torch.zeros(3)}],
+            ("a",),
+        ),  # was RuntimeError: stack expects ...
         ([], ("a",)),  # was RuntimeError: stack expects a non-empty TensorList
     )
     for feats, keys in cases:

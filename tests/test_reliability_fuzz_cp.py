@@ -36,7 +36,9 @@ def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def cp_verdict(cu: Any, total: Any, cp: Any, rank: Any, num_seqs: Any) -> tuple[str, str, list[int]]:
+def cp_verdict(
+    cu: Any, total: Any, cp: Any, rank: Any, num_seqs: Any
+) -> tuple[str, str, list[int]]:
     """(verdict, reason, boundaries) for partition_indices(cu, total, cp, rank, num_seqs).
 
     ``rank=LAYOUT_ONLY`` judges only the layout (as validate_cp_layout / reorder do).
@@ -123,7 +125,9 @@ def cp_args(draw) -> dict[str, Any]:
             i = draw(st.integers(0, len(vals) - 1))
             vals[i] = draw(st.one_of(st.integers(-3, 3).map(lambda d, v=vals[i]: v + d), INT64))
         elif m == "total":
-            total = draw(st.one_of(st.integers(-3, 3).map(lambda d, t=total: t + d), INT64, st.just(True)))
+            total = draw(
+                st.one_of(st.integers(-3, 3).map(lambda d, t=total: t + d), INT64, st.just(True))
+            )
         elif m == "cp_size":
             cp = draw(st.sampled_from([0, -1, True, 2.0, 3, 16]))
         elif m == "cp_rank":
@@ -140,12 +144,28 @@ def cp_args(draw) -> dict[str, Any]:
     if "sentinel_then_value" in muts:
         raw = raw + [draw(st.integers(0, 64))]
     shape = draw(st.sampled_from(["1d", "1d", "1d", "2d", "list"])) if "shape" in muts else "1d"
-    return {"raw": raw, "dtype": dtype, "shape": shape, "total": total, "cp": cp,
-            "rank": rank, "num_seqs": num_seqs}
+    return {
+        "raw": raw,
+        "dtype": dtype,
+        "shape": shape,
+        "total": total,
+        "cp": cp,
+        "rank": rank,
+        "num_seqs": num_seqs,
+    }
 
 
-MUTATIONS = ("boundary", "total", "cp_size", "cp_rank", "dtype", "num_seqs",
-             "sentinel_then_value", "empty", "shape")
+MUTATIONS = (
+    "boundary",
+    "total",
+    "cp_size",
+    "cp_rank",
+    "dtype",
+    "num_seqs",
+    "sentinel_then_value",
+    "empty",
+    "shape",
+)
 
 
 def _tensor(args: dict[str, Any]) -> Any:
@@ -171,7 +191,9 @@ def test_fuzz_partition_indices(args: dict[str, Any]) -> None:
     out = expect(
         "cp.partition_indices",
         verdict,
-        lambda: tcp.partition_indices(cu, args["total"], args["cp"], args["rank"], args["num_seqs"]),
+        lambda: tcp.partition_indices(
+            cu, args["total"], args["cp"], args["rank"], args["num_seqs"]
+        ),
         why,
     )
     if out is None:
@@ -242,7 +264,9 @@ def thd_batches(draw) -> tuple[dict[str, Any], int, Any, Any, Any]:
     total = args["total"] if _is_int(args["total"]) and 0 <= args["total"] <= 4096 else 8
     hidden = draw(st.sampled_from([None, 3]))
     batch: dict[str, Any] = {
-        "input_ids": torch.arange(total * (hidden or 1)).reshape((total, hidden) if hidden else (total,)),
+        "input_ids": torch.arange(total * (hidden or 1)).reshape(
+            (total, hidden) if hidden else (total,)
+        ),
         "labels": torch.arange(total) + 1000,
         "padding_mask": torch.arange(total) % 3 == 0,
         "qkv_format": "thd",
@@ -273,14 +297,17 @@ def thd_batches(draw) -> tuple[dict[str, Any], int, Any, Any, Any]:
         elif m == "input_ids_3d":
             batch["input_ids"] = torch.zeros(total, 2, 2)
         elif m == "labels_len":
-            batch["labels"] = torch.zeros(max(0, total + draw(st.sampled_from([-1, 1, 2]))), dtype=torch.long)
+            batch["labels"] = torch.zeros(
+                max(0, total + draw(st.sampled_from([-1, 1, 2]))), dtype=torch.long
+            )
         elif m == "labels_list":
             batch["labels"] = list(range(total))
         elif m == "labels_none":
             batch["labels"] = None
         elif m == "position_bad":
-            batch["position_ids"] = draw(st.sampled_from(
-                [torch.zeros(total + 1), torch.zeros(2, 2, total), torch.tensor(0)]))
+            batch["position_ids"] = draw(
+                st.sampled_from([torch.zeros(total + 1), torch.zeros(2, 2, total), torch.tensor(0)])
+            )
         elif m == "extra_missing":
             extra = (*extra, "no_such_key")
         elif m == "extra_str":
@@ -294,11 +321,23 @@ def thd_batches(draw) -> tuple[dict[str, Any], int, Any, Any, Any]:
     return batch, total, args["cp"], args["rank"], (extra, args["num_seqs"])
 
 
-BATCH_MUTATIONS = ("drop_input_ids", "input_ids_3d", "labels_len", "labels_list", "labels_none",
-                   "position_bad", "extra_missing", "extra_str", "extra_scalar", "boundaries_missing")
+BATCH_MUTATIONS = (
+    "drop_input_ids",
+    "input_ids_3d",
+    "labels_len",
+    "labels_list",
+    "labels_none",
+    "position_bad",
+    "extra_missing",
+    "extra_str",
+    "extra_scalar",
+    "boundaries_missing",
+)
 
 
-def shard_verdict(batch: dict[str, Any], cp: Any, rank: Any, extra: Any, num_seqs: Any) -> tuple[str, str, list[int]]:
+def shard_verdict(
+    batch: dict[str, Any], cp: Any, rank: Any, extra: Any, num_seqs: Any
+) -> tuple[str, str, list[int]]:
     if not _is_int(cp) or cp < 1:
         return INVALID, f"cp_size={cp!r}", []
     if not _is_int(rank) or not 0 <= rank < cp:
@@ -380,5 +419,7 @@ def test_two_d_boundaries_with_no_tokens_are_refused() -> None:
         "cu_seqlens_padded": torch.tensor([[0]]),
         "cu_seqlens": torch.tensor([0, 1], dtype=torch.int32),
     }
-    with pytest.raises(ValueError, match=r"cu_seqlens_padded must be 1-D \[N\+1\], got shape \(1, 1\)"):
+    with pytest.raises(
+        ValueError, match=r"cu_seqlens_padded must be 1-D \[N\+1\], got shape \(1, 1\)"
+    ):
         tcp.shard_thd_batch_for_cp(batch, 2, 0)

@@ -70,7 +70,11 @@ def ctor_verdict(kw: dict[str, Any]) -> tuple[str, str]:
 
 
 def first_fit(spans: list[int], cap: int, decreasing: bool) -> list[int]:
-    order = sorted(range(len(spans)), key=lambda i: -spans[i]) if decreasing else list(range(len(spans)))
+    order = (
+        sorted(range(len(spans)), key=lambda i: -spans[i])
+        if decreasing
+        else list(range(len(spans)))
+    )
     room: list[int] = []
     bins = [0] * len(spans)
     for i in order:
@@ -112,7 +116,10 @@ def call_verdict(kw: dict[str, Any], samples: Any) -> tuple[str, str]:
         if n > kw["seq_len"] and kw["overlong"] == "raise":
             return INVALID, f"sample {i} overlong"
     if input_key != "input_ids" and "input_ids" in keys:
-        return INVALID, "a per-token key named 'input_ids' collides with the packed tokens (finding B5)"
+        return (
+            INVALID,
+            "a per-token key named 'input_ids' collides with the packed tokens (finding B5)",
+        )
     label_key = kw["label_key"]
     if "labels" in keys and label_key != "labels":
         return EITHER, "a 'labels' key that is not the label key"
@@ -157,7 +164,7 @@ def pack_oracle(kw: dict[str, Any], samples: list[dict[str, torch.Tensor]]) -> d
             s = samples[i]
             out["seq_lens"][b, j] = r
             out["seq_lens_padded"][b, j] = span
-            out["input_ids"][b, off:off + r] = s[input_key][:r]
+            out["input_ids"][b, off : off + r] = s[input_key][:r]
             src = s[label_key] if (label_key is not None and label_key in s) else s[input_key]
             for t in range(r):
                 if kw["labels_shifted"]:
@@ -168,7 +175,7 @@ def pack_oracle(kw: dict[str, Any], samples: list[dict[str, torch.Tensor]]) -> d
             for t in range(span):
                 out["position_ids"][b, off + t] = t
             for k in other:
-                out[k][b, off:off + r] = s[k][:r]
+                out[k][b, off : off + r] = s[k][:r]
             off += span
             real_tokens += r
     out["packing_efficiency"] = real_tokens / (B * S)
@@ -194,8 +201,18 @@ def check_packed(got: dict[str, Any], want: dict[str, Any]) -> None:
 
 # --------------------------------------------------------------------------- strategies
 
-CALL_MUTATIONS = ("empty_list", "not_mapping", "drop_input", "extra_key", "input_2d", "empty_sample",
-                  "key_length", "key_not_tensor", "collide_input_ids", "flattened")
+CALL_MUTATIONS = (
+    "empty_list",
+    "not_mapping",
+    "drop_input",
+    "extra_key",
+    "input_2d",
+    "empty_sample",
+    "key_length",
+    "key_not_tensor",
+    "collide_input_ids",
+    "flattened",
+)
 
 
 @st.composite
@@ -216,8 +233,11 @@ def packer_cases(draw) -> tuple[dict[str, Any], Any]:
         "bin_packing": draw(st.sampled_from(["ffd", "first_fit"])),
         "_cp": cp,
     }
-    ctor_mut = draw(st.sampled_from([None] * 24 + ["seq_len", "multiple", "overlong", "sentinel", "rows",
-                                                  "bin_packing"]))
+    ctor_mut = draw(
+        st.sampled_from(
+            [None] * 24 + ["seq_len", "multiple", "overlong", "sentinel", "rows", "bin_packing"]
+        )
+    )
     if ctor_mut == "seq_len":
         kw["seq_len"] = draw(st.sampled_from([0, -4, True, 2.5, kw["seq_len"] + 1]))
     elif ctor_mut == "multiple":
@@ -264,7 +284,9 @@ def packer_cases(draw) -> tuple[dict[str, Any], Any]:
         samples[j] = {k: v[:0] for k, v in samples[j].items()}
     elif mut == "key_length" and (with_labels or with_mask):
         k = "labels" if with_labels else "loss_mask"
-        samples[j][k] = samples[j][k][:-1] if samples[j][k].shape[0] > 1 else samples[j][k].repeat(2)
+        samples[j][k] = (
+            samples[j][k][:-1] if samples[j][k].shape[0] > 1 else samples[j][k].repeat(2)
+        )
     elif mut == "key_not_tensor":
         samples[j]["input_ids"] = samples[j]["input_ids"].tolist()
     elif mut == "collide_input_ids":
@@ -272,8 +294,10 @@ def packer_cases(draw) -> tuple[dict[str, Any], Any]:
         for s in samples:
             s["tokens"] = s["input_ids"]
     elif mut == "flattened":
-        samples = {"input_ids": torch.cat([s["input_ids"] for s in samples]),
-                   "position_ids": torch.cat([torch.arange(s["input_ids"].shape[0]) for s in samples])}
+        samples = {
+            "input_ids": torch.cat([s["input_ids"] for s in samples]),
+            "position_ids": torch.cat([torch.arange(s["input_ids"].shape[0]) for s in samples]),
+        }
     return kw, samples
 
 
@@ -320,8 +344,12 @@ def _check_downstream(kw: dict[str, Any], packed: dict[str, Any]) -> None:
         return
     seen: list[int] = []
     for r in range(cp):
-        shard = tcp.shard_thd_batch_for_cp({**thd, "token_index": torch.arange(thd["input_ids"].shape[0])},
-                                           cp, r, extra_keys=("token_index",))
+        shard = tcp.shard_thd_batch_for_cp(
+            {**thd, "token_index": torch.arange(thd["input_ids"].shape[0])},
+            cp,
+            r,
+            extra_keys=("token_index",),
+        )
         keep = ~shard["padding_mask"]
         seen += shard["token_index"][keep].tolist()
         local = torch.zeros(total // cp, 2, 4)
@@ -347,11 +375,19 @@ def _check_chunked_cp(kw: dict[str, Any], packed: dict[str, Any], cp: int) -> No
     for c in range(rows):
         n = chunked["num_seqs"][c]
         cu = chunked["cu_seqlens_padded"][c]
-        assert (cu[n + 1:] == sentinel).all()
+        assert (cu[n + 1 :] == sentinel).all()
         tokens = chunked["input_ids"][c]
-        one = {"input_ids": tokens, "padding_mask": chunked["padding_mask"][c], "cu_seqlens_padded": cu,
-               "cu_seqlens": chunked["cu_seqlens"][c]}
-        trimmed = {**one, "cu_seqlens_padded": cu[: n + 1], "cu_seqlens": chunked["cu_seqlens"][c][: n + 1]}
+        one = {
+            "input_ids": tokens,
+            "padding_mask": chunked["padding_mask"][c],
+            "cu_seqlens_padded": cu,
+            "cu_seqlens": chunked["cu_seqlens"][c],
+        }
+        trimmed = {
+            **one,
+            "cu_seqlens_padded": cu[: n + 1],
+            "cu_seqlens": chunked["cu_seqlens"][c][: n + 1],
+        }
         for r in range(cp):
             want = tcp.shard_thd_batch_for_cp(trimmed, cp, r)
             for num_seqs in (n, None):
@@ -398,7 +434,9 @@ def test_fuzz_seq_lens_from_position_ids(pos: list[int], shape: str) -> None:
             verdict, why = INVALID, "a row does not start at 0"
         elif any(not (b == 0 or b == a + 1) for a, b in zip(pos, pos[1:], strict=False)):
             verdict, why = INVALID, "not 0 or predecessor + 1"
-    out = expect("packing.seq_lens_from_position_ids", verdict, lambda: tp.seq_lens_from_position_ids(t), why)
+    out = expect(
+        "packing.seq_lens_from_position_ids", verdict, lambda: tp.seq_lens_from_position_ids(t), why
+    )
     if out is None:
         return
     lengths, run = [], 0

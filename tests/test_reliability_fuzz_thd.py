@@ -62,7 +62,9 @@ class Verdict:
             self.verdict, self.why = verdict, why
 
 
-def _stream_oracle(rows_real: list[list[int]], rows_pad: list[list[int]], seq_len: int, absorb: bool) -> dict:
+def _stream_oracle(
+    rows_real: list[list[int]], rows_pad: list[list[int]], seq_len: int, absorb: bool
+) -> dict:
     """Expected boundaries/mask of one stream (a chunk) of len(rows) rows of S slots."""
     total = len(rows_real) * seq_len
     starts, reals, pads = [], [], []
@@ -85,11 +87,20 @@ def _stream_oracle(rows_real: list[list[int]], rows_pad: list[list[int]], seq_le
     for s, r in zip(starts, reals, strict=True):
         for t in range(s, s + r):
             mask[t] = False
-    return {"n": n, "starts": starts, "pads": pads, "cu": cu, "absorbed": absorbed,
-            "mask": mask, "total": total}
+    return {
+        "n": n,
+        "starts": starts,
+        "pads": pads,
+        "cu": cu,
+        "absorbed": absorbed,
+        "mask": mask,
+        "total": total,
+    }
 
 
-def thd_oracle(batch: Any, sentinel: int, num_chunks: Any, absorb: bool) -> tuple[Verdict, dict | None]:
+def thd_oracle(
+    batch: Any, sentinel: int, num_chunks: Any, absorb: bool
+) -> tuple[Verdict, dict | None]:
     """Classify a conversion request; for accepted layouts also return the expectation."""
     v = Verdict()
     if not _is_int(num_chunks) or num_chunks < 0:
@@ -124,7 +135,11 @@ def thd_oracle(batch: Any, sentinel: int, num_chunks: Any, absorb: bool) -> tupl
         v.mark(EITHER, "no labels")
     else:
         lab = batch["labels"]
-        if not isinstance(lab, torch.Tensor) or lab.dim() < 2 or tuple(lab.shape[:2]) != (bsz, seq_len):
+        if (
+            not isinstance(lab, torch.Tensor)
+            or lab.dim() < 2
+            or tuple(lab.shape[:2]) != (bsz, seq_len)
+        ):
             v.mark(INVALID, "labels shape")
             return v, None
         if lab.dim() > 2:
@@ -238,9 +253,11 @@ def check_thd_result(out: dict, batch: Mapping, exp: dict, chunked: bool) -> Non
         for c, s in enumerate(streams):
             row_cu, row_cup = cu[c].tolist(), cup[c].tolist()
             n = s["n"]
-            assert row_cu[n + 1:] == [exp["sentinel"]] * (max_n - n)
-            assert row_cup[n + 1:] == [exp["sentinel"]] * (max_n - n)
-            any_between |= _check_stream(row_cu[: n + 1], row_cup[: n + 1], out["padding_mask"][c].tolist(), s)
+            assert row_cu[n + 1 :] == [exp["sentinel"]] * (max_n - n)
+            assert row_cup[n + 1 :] == [exp["sentinel"]] * (max_n - n)
+            any_between |= _check_stream(
+                row_cu[: n + 1], row_cup[: n + 1], out["padding_mask"][c].tolist(), s
+            )
             segs = [b - a for a, b in zip(s["cu"], s["cu"][1:], strict=False)]
             assert int(out["max_seqlen"][c]) == max(segs, default=0)
         assert out["pad_between_seqs"] == any_between
@@ -254,11 +271,33 @@ def check_thd_result(out: dict, batch: Mapping, exp: dict, chunked: bool) -> Non
 # --------------------------------------------------------------------------- strategies
 
 MUTATIONS = (
-    "drop_input_ids", "drop_position_ids", "drop_seq_lens", "drop_labels", "drop_seq_lens_padded",
-    "labels_shape", "position_shape", "input_dim", "seq_lens_rows", "seq_lens_1d", "seq_lens_3d",
-    "padded_width", "float_lengths", "bool_lengths", "narrow_dtype", "garbage", "zero", "negative",
-    "sentinel_one_table", "sentinel_middle", "real_gt_padded", "row_overflow", "empty_first_row",
-    "no_slots", "lengths_list", "not_mapping", "grow_row",
+    "drop_input_ids",
+    "drop_position_ids",
+    "drop_seq_lens",
+    "drop_labels",
+    "drop_seq_lens_padded",
+    "labels_shape",
+    "position_shape",
+    "input_dim",
+    "seq_lens_rows",
+    "seq_lens_1d",
+    "seq_lens_3d",
+    "padded_width",
+    "float_lengths",
+    "bool_lengths",
+    "narrow_dtype",
+    "garbage",
+    "zero",
+    "negative",
+    "sentinel_one_table",
+    "sentinel_middle",
+    "real_gt_padded",
+    "row_overflow",
+    "empty_first_row",
+    "no_slots",
+    "lengths_list",
+    "not_mapping",
+    "grow_row",
 )
 
 
@@ -275,8 +314,20 @@ def thd_requests(draw) -> dict[str, Any]:
         exact = draw(st.booleans())
         budget = seq_len if exact else draw(st.integers(k, seq_len))
         # split budget into k positive padded lengths
-        cuts = sorted(draw(st.lists(st.integers(1, max(1, budget - 1)), min_size=k - 1,
-                                    max_size=k - 1, unique=True))) if k > 1 and budget > k - 1 else []
+        cuts = (
+            sorted(
+                draw(
+                    st.lists(
+                        st.integers(1, max(1, budget - 1)),
+                        min_size=k - 1,
+                        max_size=k - 1,
+                        unique=True,
+                    )
+                )
+            )
+            if k > 1 and budget > k - 1
+            else []
+        )
         if k > 1 and len(cuts) != k - 1:
             k = 1
             cuts = []
@@ -287,12 +338,24 @@ def thd_requests(draw) -> dict[str, Any]:
             real[b][i] = draw(st.integers(1, p))
     hidden = draw(st.sampled_from([None, None, 2]))
     mrope = draw(st.sampled_from([None, None, 3]))
-    lengths_dtype = torch.int64 if sentinel != -1000 else draw(st.sampled_from([torch.int64, torch.int32]))
+    lengths_dtype = (
+        torch.int64 if sentinel != -1000 else draw(st.sampled_from([torch.int64, torch.int32]))
+    )
     req: dict[str, Any] = {
-        "real": real, "pad": pad, "B": bsz, "S": seq_len, "P": slots, "hidden": hidden,
-        "mrope": mrope, "sentinel": sentinel, "dtype": lengths_dtype, "pad_dtype": lengths_dtype,
+        "real": real,
+        "pad": pad,
+        "B": bsz,
+        "S": seq_len,
+        "P": slots,
+        "hidden": hidden,
+        "mrope": mrope,
+        "sentinel": sentinel,
+        "dtype": lengths_dtype,
+        "pad_dtype": lengths_dtype,
         "absorb": draw(st.booleans()),
-        "num_chunks": draw(st.sampled_from([None, 1, 0, -1, *[d for d in range(2, 5) if bsz % d == 0], 3])),
+        "num_chunks": draw(
+            st.sampled_from([None, 1, 0, -1, *[d for d in range(2, 5) if bsz % d == 0], 3])
+        ),
         "muts": draw(st.lists(st.sampled_from(MUTATIONS), max_size=2)),
     }
     _apply_table_mutations(draw, req)
@@ -345,8 +408,11 @@ def _lengths(table: list[list[int]], dtype: torch.dtype) -> torch.Tensor:
     # Stacked mutations (a huge slot, then grow_row) can step past int64: saturate, as the
     # user's own int64 tensor would have to.
     table = [[min(max(v, INT64_MIN), INT64_MAX) for v in row] for row in table]
-    t = torch.tensor(table, dtype=torch.int64) if table and table[0] else torch.zeros(
-        (len(table), 0), dtype=torch.int64)
+    t = (
+        torch.tensor(table, dtype=torch.int64)
+        if table and table[0]
+        else torch.zeros((len(table), 0), dtype=torch.int64)
+    )
     return t.to(dtype)
 
 
@@ -373,12 +439,23 @@ def _build_batch(draw, req: dict[str, Any]) -> Any:
         if m.startswith("drop_"):
             batch.pop(m[5:], None)
         elif m == "labels_shape":
-            batch["labels"] = torch.zeros(bsz, seq_len + draw(st.sampled_from([-1, 1])), dtype=torch.long)
+            batch["labels"] = torch.zeros(
+                bsz, seq_len + draw(st.sampled_from([-1, 1])), dtype=torch.long
+            )
         elif m == "position_shape":
-            batch["position_ids"] = draw(st.sampled_from(
-                [torch.zeros(bsz + 1, seq_len), torch.zeros(seq_len), torch.zeros(2, bsz, seq_len + 1)]))
+            batch["position_ids"] = draw(
+                st.sampled_from(
+                    [
+                        torch.zeros(bsz + 1, seq_len),
+                        torch.zeros(seq_len),
+                        torch.zeros(2, bsz, seq_len + 1),
+                    ]
+                )
+            )
         elif m == "input_dim":
-            batch["input_ids"] = draw(st.sampled_from([x.reshape(-1), x.reshape(bsz, seq_len, 1, -1)]))
+            batch["input_ids"] = draw(
+                st.sampled_from([x.reshape(-1), x.reshape(bsz, seq_len, 1, -1)])
+            )
         elif not isinstance(batch.get("seq_lens"), torch.Tensor) or not isinstance(
             batch.get("seq_lens_padded"), torch.Tensor
         ):
@@ -391,7 +468,9 @@ def _build_batch(draw, req: dict[str, Any]) -> Any:
             batch["seq_lens"] = batch["seq_lens"].unsqueeze(-1)
         elif m == "padded_width":
             sp = batch["seq_lens_padded"]
-            batch["seq_lens_padded"] = torch.cat([sp, torch.full((bsz, 1), req["sentinel"]).to(sp.dtype)], 1)
+            batch["seq_lens_padded"] = torch.cat(
+                [sp, torch.full((bsz, 1), req["sentinel"]).to(sp.dtype)], 1
+            )
         elif m == "lengths_list":
             batch["seq_lens"] = req["real"]
         elif m == "no_slots":
@@ -462,8 +541,12 @@ def test_fuzz_padding_mask_from_token_ids(ids: list[int], pad_id: int, shape: st
         verdict, why = EITHER, "float ids"
     else:
         verdict, why = (VALID, "pad suffix") if suffix else (INVALID, "pad id is content")
-    out = expect("thd.thd_padding_mask_from_token_ids", verdict,
-                 lambda: tu.thd_padding_mask_from_token_ids(t, pad_id), why)
+    out = expect(
+        "thd.thd_padding_mask_from_token_ids",
+        verdict,
+        lambda: tu.thd_padding_mask_from_token_ids(t, pad_id),
+        why,
+    )
     if out is not None:
         assert out.dtype == torch.bool and out.tolist() == mask
 
@@ -493,8 +576,12 @@ def test_fuzz_layout_padding_mask(pairs, total: int, with_padded: bool, dtype) -
         v.mark(EITHER, "zero-length sequence")
     rt = torch.tensor(real, dtype=dtype)
     pt = torch.tensor(padded, dtype=dtype) if with_padded else None
-    out = expect("thd._thd_padding_mask", v.verdict,
-                 lambda: tu._thd_padding_mask(total, rt, pt, torch.device("cpu")), v.why)
+    out = expect(
+        "thd._thd_padding_mask",
+        v.verdict,
+        lambda: tu._thd_padding_mask(total, rt, pt, torch.device("cpu")),
+        v.why,
+    )
     if out is None:
         return
     mask, off = [True] * total, 0
@@ -528,8 +615,10 @@ def test_fuzz_finding_B2_row_sum_int64_overflow_is_a_value_error() -> None:
         ([2**62] * 4, [2**62] * 4),  # sums to exactly 2**64 == 0
     ):
         batch = _overflow_batch(real, padded)
-        for call in (lambda b=batch: tu.process_input_for_thd(b),
-                     lambda b=batch: tu.split_batch_into_thd_chunks(b, 2)):
+        for call in (
+            lambda b=batch: tu.process_input_for_thd(b),
+            lambda b=batch: tu.split_batch_into_thd_chunks(b, 2),
+        ):
             try:
                 call()
             except ValueError as e:

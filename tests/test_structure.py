@@ -36,8 +36,12 @@ DOCUMENTED_API = {
 REFERENCE_API = {"_ShardAccumulator", "_sequential_subset_loader", "CachedTensorDataset._handle"}
 
 
+def _rel(path: Path) -> str:
+    return path.relative_to(PACKAGE).as_posix()
+
+
 def _package_files() -> list[Path]:
-    return sorted(PACKAGE.glob("*.py"))
+    return sorted(p for p in PACKAGE.rglob("*.py") if "__pycache__" not in p.parts)
 
 
 def _definitions() -> dict[str, str]:
@@ -47,13 +51,13 @@ def _definitions() -> dict[str, str]:
     for path in _package_files():
         for node in ast.parse(path.read_text()).body:
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
-                out[node.name] = path.name
+                out[node.name] = _rel(path)
             if isinstance(node, ast.ClassDef):
                 for member in node.body:
                     if isinstance(
                         member, ast.FunctionDef | ast.AsyncFunctionDef
                     ) and not member.name.startswith("__"):
-                        out[f"{node.name}.{member.name}"] = path.name
+                        out[f"{node.name}.{member.name}"] = _rel(path)
     return out
 
 
@@ -176,7 +180,7 @@ def test_structure_no_measured_figures_in_offline_cache_comments() -> None:
     """Comments and docstrings say why; the figures behind a choice go to docs/performance-io.md,
     each with the command that measures it (a figure in code goes stale when the hardware changes)."""
     found = [
-        f"{path.name}:{line}: {text.strip()}"
+        f"{_rel(path)}:{line}: {text.strip()}"
         for path in _package_files()
         for line, text in _comments_and_docstrings(path)
         if FIGURE.search(text)
@@ -230,7 +234,7 @@ def client_modules() -> dict[str, set[str]]:
     te_thd = {_module_name(p): imports_of(p) for p in (REPO / "te_thd").rglob("*.py")}
     direct = {m for m, deps in te_thd.items() if any(d.split(".")[0] in CLIENTS for d in deps)}
     out: dict[str, set[str]] = {}
-    for p in sorted(PACKAGE.glob("*.py")):
+    for p in _package_files():
         deps = te_thd[_module_name(p)]
         why = {d for d in deps if d.split(".")[0] in CLIENTS} | (deps & direct)
         if why:
@@ -242,8 +246,8 @@ def test_only_the_storage_modules_of_the_cache_know_object_stores() -> None:
     found = client_modules()
     assert len(found) <= MAX_CLIENT_MODULES, (
         f"{len(found)} modules of te_thd/offline_cache import an object-store client or a module that does "
-        f"(at most {MAX_CLIENT_MODULES}: storage.py, s3.py and msc.py): {found}. Reach the store through "
-        "te_thd.offline_cache.storage.open_storage instead"
+        f"(at most {MAX_CLIENT_MODULES}: storage/schemes.py, s3.py and msc.py): {found}. Reach the store through "
+        "te_thd.offline_cache.storage.schemes.open_storage instead"
     )
 
 
@@ -254,14 +258,14 @@ def test_the_count_sees_every_kind_of_import(tmp_path: Path) -> None:
     src.write_text(
         "from . import s3\n"
         "def f():\n    import obstore\n"
-        "TABLE = {'s3': 'te_thd.offline_cache.s3:S3Prefix'}\n"
+        "TABLE = {'s3': 'te_thd.offline_cache.storage.s3:S3Prefix'}\n"
     )
-    assert {"obstore", "te_thd.offline_cache.s3"} <= imports_of(src, tmp_path)
+    assert {"obstore", "te_thd.offline_cache.storage.s3"} <= imports_of(src, tmp_path)
     # today's three: the clients' modules, and the storage that names them in its scheme table
     assert set(client_modules()) == {
-        "te_thd.offline_cache.s3",
-        "te_thd.offline_cache.msc",
-        "te_thd.offline_cache.storage",
+        "te_thd.offline_cache.storage.s3",
+        "te_thd.offline_cache.storage.msc",
+        "te_thd.offline_cache.storage.schemes",
     }
 
 
@@ -273,26 +277,26 @@ def test_the_count_sees_every_kind_of_import(tmp_path: Path) -> None:
 #: ``{(module, function): why}``: the only places that call ``open_storage``. Everything below an
 #: entry point takes the ``Storage`` it opened.
 OPENERS = {
-    ("storage.py", "as_storage"): "the storage layer itself",
-    ("opencache.py", "open_cache"): "the dataset's open (CachedTensorDataset)",
-    ("producer.py", "produce_cache"): "the producer",
-    ("cli.py", "_cmd_unlock"): "a CLI command that needs nothing but the storage",
-    ("repair.py", "_kept_aside"): "the folder repairs set aside is a place of its own",
+    ("storage/schemes.py", "as_storage"): "the storage layer itself",
+    ("read/open.py", "open_cache"): "the dataset's open (CachedTensorDataset)",
+    ("write/producer.py", "produce_cache"): "the producer",
+    ("tools/cli.py", "_cmd_unlock"): "a CLI command that needs nothing but the storage",
+    ("tools/repair.py", "_kept_aside"): "the folder repairs set aside is a place of its own",
 }
 #: The public functions that take a path, a URL or an opened storage (``as_storage``): a caller
 #: that opened the cache passes its storage, a user passes the path.
 PATH_OR_STORAGE = {
-    ("manifest.py", "existing_shard_indices"),
-    ("manifest.py", "write_manifest"),
-    ("manifest.py", "load_manifest"),
-    ("manifest.py", "read_manifest"),
-    ("verify.py", "validate_contiguous_shards"),
-    ("verify.py", "check_cache_files"),
-    ("verify.py", "verify_cache"),
-    ("verify.py", "cache_info"),
-    ("repair.py", "repair_cache"),
-    ("loader.py", "cache_lengths"),
-    ("writer.py", "DurableShardWriter._storage"),
+    ("record/manifest.py", "existing_shard_indices"),
+    ("record/manifest.py", "write_manifest"),
+    ("record/manifest.py", "load_manifest"),
+    ("record/manifest.py", "read_manifest"),
+    ("record/files.py", "validate_contiguous_shards"),
+    ("record/files.py", "check_cache_files"),
+    ("tools/verify.py", "verify_cache"),
+    ("tools/verify.py", "cache_info"),
+    ("tools/repair.py", "repair_cache"),
+    ("train/loader.py", "cache_lengths"),
+    ("write/writer.py", "DurableShardWriter._storage"),
 }
 
 
@@ -311,10 +315,10 @@ def calls_of(name: str, root: Path = PACKAGE) -> set[tuple[str, str]]:
                 if (isinstance(f, ast.Name) and f.id == name) or (
                     isinstance(f, ast.Attribute) and f.attr == name
                 ):
-                    found.add((path.name, where))
+                    found.add((path.relative_to(root).as_posix(), where))
             walk(child, inner, path)
 
-    for path in sorted(root.glob("*.py")):
+    for path in sorted(p for p in root.rglob("*.py") if "__pycache__" not in p.parts):
         walk(ast.parse(path.read_text()), "<module>", path)
     return found
 
@@ -346,3 +350,127 @@ def test_the_open_count_sees_every_kind_of_call(tmp_path: Path) -> None:
         ("x.py", "C.m"),
         ("x.py", "<module>"),
     }
+
+
+# -- layers: imports run one way, down ----------------------------------------------------------
+
+#: The package's folders, each with its floor: a module imports its own folder and lower floors.
+#: ``read`` and ``write`` share a floor and never import each other; so do ``tools`` and ``train``.
+FLOORS = {
+    "format": 0,
+    "storage": 1,
+    "record": 2,
+    "read": 3,
+    "write": 3,
+    "tools": 4,
+    "train": 4,
+}
+#: ``{module: why}``: the modules that look a name up on the package itself, at call time. The
+#: reference's own tests patch ``DataLoader`` and ``safe_import_from`` on the package, so these
+#: lookups go through it and see the patch.
+PATCH_POINTS = {
+    "te_thd.offline_cache.format.schema": "safetensors is imported through safe_import_from",
+    "te_thd.offline_cache.write.loops": "the reference loops make their DataLoader",
+}
+ROOT = "te_thd.offline_cache"
+
+
+def layer_violations(root: Path = REPO) -> list[str]:
+    """``"module -> import"`` for every import of a package module that goes up a floor, across
+    ``read``/``write`` or ``tools``/``train``, or to the package itself."""
+    bad = []
+    for path in sorted((root / "te_thd" / "offline_cache").rglob("*.py")):
+        name = _module_name(path, root)
+        parts = name.split(".")
+        if len(parts) < 4:  # the package's and the folders' __init__
+            continue
+        for dep in sorted(imports_of(path, root)):
+            dp = dep.split(".")
+            if dep == ROOT:
+                if name not in PATCH_POINTS:
+                    bad.append(f"{name} -> {dep}")
+            elif dp[:2] == ROOT.split(".") and len(dp) > 2 and dp[2] != parts[2]:
+                if dp[2] not in FLOORS or FLOORS[dp[2]] >= FLOORS[parts[2]]:
+                    bad.append(f"{name} -> {dep}")
+    return bad
+
+
+def test_every_module_of_the_package_sits_in_a_layer_folder() -> None:
+    loose = [p.name for p in PACKAGE.glob("*.py") if p.name != "__init__.py"]
+    folders = {p.name for p in PACKAGE.iterdir() if p.is_dir() and p.name != "__pycache__"}
+    assert not loose, f"modules outside the layer folders: {loose}; move each into its layer"
+    assert folders == set(FLOORS), (folders, set(FLOORS))
+
+
+def test_imports_run_down_the_layers() -> None:
+    bad = layer_violations()
+    assert not bad, (
+        "imports up a floor or across read/write (move the shared piece down a floor): "
+        + "; ".join(bad)
+    )
+
+
+def test_the_layer_check_catches_an_import_up(tmp_path: Path) -> None:
+    pkg = tmp_path / "te_thd" / "offline_cache"
+    for folder in ("format", "read", "write"):
+        (pkg / folder).mkdir(parents=True)
+    (pkg / "format" / "a.py").write_text("def f():\n    from te_thd.offline_cache.read import x\n")
+    (pkg / "read" / "x.py").write_text("from ..write import y\nfrom ..format import a\n")
+    (pkg / "write" / "y.py").write_text("import te_thd.offline_cache\n")
+    assert layer_violations(tmp_path) == [
+        "te_thd.offline_cache.format.a -> te_thd.offline_cache.read",
+        "te_thd.offline_cache.format.a -> te_thd.offline_cache.read.x",
+        "te_thd.offline_cache.read.x -> te_thd.offline_cache.write",
+        "te_thd.offline_cache.read.x -> te_thd.offline_cache.write.y",
+        "te_thd.offline_cache.write.y -> te_thd.offline_cache",
+    ]
+
+
+def import_cycles(modules: dict[str, set[str]]) -> list[list[str]]:
+    """The import cycles (strongly connected groups of two or more) of ``{module: imports}``; an
+    import of ``pkg.name`` counts as one of the module ``pkg.name`` when it exists, else of
+    ``pkg``."""
+    graph = {
+        m: {d if d in modules else d.rpartition(".")[0] for d in deps} & set(modules) - {m}
+        for m, deps in modules.items()
+    }
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:  # Tarjan's algorithm
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while (w := stack.pop()) != v:
+                group.append(w)
+            if group:
+                out.append(sorted([v, *group]))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_cycles() -> None:
+    """No module of te_thd imports one that imports it back, directly or through others (imports
+    inside functions count; the package's patch points and the package ``__init__`` files, which
+    gather names for users, do not)."""
+    modules = {
+        _module_name(p): imports_of(p)
+        for p in (REPO / "te_thd").rglob("*.py")
+        if p.name != "__init__.py"
+    }
+    for name in PATCH_POINTS:
+        modules[name] = modules[name] - {ROOT}
+    assert not import_cycles(modules)
+    assert import_cycles({"a": {"b.f"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]

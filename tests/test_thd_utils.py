@@ -724,9 +724,14 @@ def test_token_keys_are_flattened_and_split_like_the_ids(num_chunks: int) -> Non
     if num_chunks > 1:
         rows = 4 // num_chunks
         for c in range(num_chunks):
-            part = {k: (v[c * rows : (c + 1) * rows] if isinstance(v, torch.Tensor) else v) for k, v in batch.items()}
+            part = {
+                k: (v[c * rows : (c + 1) * rows] if isinstance(v, torch.Tensor) else v)
+                for k, v in batch.items()
+            }
             one = process_input_for_thd(part, token_keys=("loss_mask",))
-            assert torch.equal(out["loss_mask"][c], one["loss_mask"]) and torch.equal(out["input_ids"][c], one["input_ids"])
+            assert torch.equal(out["loss_mask"][c], one["loss_mask"]) and torch.equal(
+                out["input_ids"][c], one["input_ids"]
+            )
     # the default stays the reference's pass-through
     plain = split_batch_into_thd_chunks(batch, num_chunks)
     assert plain["loss_mask"] is batch["loss_mask"]
@@ -737,8 +742,14 @@ def test_token_keys_are_flattened_and_split_like_the_ids(num_chunks: int) -> Non
     [
         (("nope",), r"token_keys names 'nope', which the batch does not hold"),
         (("labels",), r"token_keys names 'labels', which the conversion handles itself"),
-        ("loss_mask", r"token_keys='loss_mask' must be a tuple of key names, e.g. \('loss_mask',\)"),
-        (("bad",), r"token key 'bad' is \[4\], not \[B, S, \.\.\.\]=\[4, 6, \.\.\.\] like input_ids"),
+        (
+            "loss_mask",
+            r"token_keys='loss_mask' must be a tuple of key names, e.g. \('loss_mask',\)",
+        ),
+        (
+            ("bad",),
+            r"token key 'bad' is \[4\], not \[B, S, \.\.\.\]=\[4, 6, \.\.\.\] like input_ids",
+        ),
     ],
 )
 def test_token_keys_bad_input(token_keys, match) -> None:
@@ -752,7 +763,14 @@ def test_token_keys_bad_input(token_keys, match) -> None:
 )
 def test_integer_3d_input_ids_are_refused_naming_the_fix(shape, fix) -> None:
     batch = {**_token_batch(), "input_ids": torch.arange(24).reshape(shape)}
-    with pytest.raises(ValueError, match=re.escape(f"input_ids has shape {list(shape)}") + rf".*a 3-D input_ids is read as embeddings.*pass {fix}"):
+    with pytest.raises(
+        ValueError,
+        match=re.escape(f"input_ids has shape {list(shape)}")
+        + rf".*a 3-D input_ids is read as embeddings.*pass {fix}",
+    ):
         process_input_for_thd(batch)
-    emb = {**_token_batch(), "input_ids": torch.rand(4, 6, 1)}  # float [B, S, 1] embeddings stay valid
+    emb = {
+        **_token_batch(),
+        "input_ids": torch.rand(4, 6, 1),
+    }  # float [B, S, 1] embeddings stay valid
     assert process_input_for_thd(emb)["input_ids"].shape == (24, 1)

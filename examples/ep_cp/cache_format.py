@@ -47,7 +47,7 @@ from typing import Any
 
 import torch
 
-from te_thd.offline_cache.format import TensorSpec
+from te_thd.offline_cache.format.schema import TensorSpec
 
 CACHE_NAME = "ep_cp_distill"
 FORMAT_VERSION = 1

@@ -31,8 +31,7 @@ from __future__ import annotations
 
 from torch.utils.data import DataLoader as DataLoader
 
-from .follow import FollowTimeoutError
-from .format import (
+from te_thd.offline_cache.format.schema import (
     MANIFEST_NAME,
     SHARD_RE,
     CacheError,
@@ -46,10 +45,27 @@ from .format import (
     manifest_path,
     shard_path,
 )
-from .format import TensorSpec as TensorSpec
-from .format import safe_import_from as safe_import_from
-from .loader import CachedDataLoader, build_cached_dataloader, to_device
-from .loops import (
+from te_thd.offline_cache.format.schema import TensorSpec as TensorSpec
+from te_thd.offline_cache.format.schema import safe_import_from as safe_import_from
+from te_thd.offline_cache.read.dataset import CachedBatch, CachedTensorDataset, PendingBatch
+from te_thd.offline_cache.read.follow import FollowTimeoutError
+from te_thd.offline_cache.record.files import check_cache_files as check_cache_files
+from te_thd.offline_cache.record.files import validate_contiguous_shards
+from te_thd.offline_cache.record.manifest import (
+    ensure_supervision_options_match,
+    existing_shard_indices,
+    read_manifest,
+    write_manifest,
+)
+from te_thd.offline_cache.storage.base import ProducerLock as ProducerLock
+from te_thd.offline_cache.storage.base import atomic_write
+from te_thd.offline_cache.storage.base import remove_stale_temp_files as remove_stale_temp_files
+from te_thd.offline_cache.tools.repair import repair_cache
+from te_thd.offline_cache.tools.verify import cache_info, verify_cache
+from te_thd.offline_cache.train.collate import CachedThdCollator, collate_cached
+from te_thd.offline_cache.train.loader import CachedDataLoader, build_cached_dataloader, to_device
+from te_thd.offline_cache.train.sampler import CacheShardSampler, shard_block_order
+from te_thd.offline_cache.write.loops import (
     ShardAccumulator,
     dataloader_from_sample,
     partition_cache_shards,
@@ -58,23 +74,8 @@ from .loops import (
     write_cache_shards,
     write_cache_shards_distributed,
 )
-from .manifest import (
-    ensure_supervision_options_match,
-    existing_shard_indices,
-    read_manifest,
-    write_manifest,
-)
-from .producer import produce_cache
-from .reader import CachedBatch, CachedTensorDataset, PendingBatch
-from .repair import repair_cache
-from .sampler import CacheShardSampler, shard_block_order
-from .storage import ProducerLock as ProducerLock
-from .storage import atomic_write
-from .storage import remove_stale_temp_files as remove_stale_temp_files
-from .thd_collate import CachedThdCollator, collate_cached
-from .verify import cache_info, validate_contiguous_shards, verify_cache
-from .verify import check_cache_files as check_cache_files
-from .writer import DurableShardWriter, write_tensor_shard
+from te_thd.offline_cache.write.producer import produce_cache
+from te_thd.offline_cache.write.writer import DurableShardWriter, write_tensor_shard
 
 # the reference module's private names, kept importable for its consumers
 _ShardAccumulator = ShardAccumulator

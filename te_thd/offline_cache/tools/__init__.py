@@ -1,0 +1,1 @@
+"""The commands over a cache: verify, repair, plan and their CLI."""

@@ -1,0 +1,1 @@
+"""What a training loop calls: samplers, collates and the data loader."""
