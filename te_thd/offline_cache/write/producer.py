@@ -166,27 +166,7 @@ class _RecordingWriter(DurableShardWriter):
     and the error travels to every rank through the all-gather.
     """
 
-    def __init__(
-        self,
-        keys: Sequence[str],
-        cache_name: str,
-        schema: CacheSchema | None,
-        length_rule: LengthRule | None = None,
-        token_layout: TokenLayout | None = None,
-        run_record: Mapping[str, Any] | None = None,
-    ) -> None:
-        # write-behind: batches are written (streamed into their shard) while the next are computed
-        super().__init__(
-            keys,
-            cache_name,
-            schema,
-            pipelined=True,
-            write_behind=True,
-            length_rule=length_rule,
-            token_layout=token_layout,
-            run_record=run_record,
-        )
-        self.error: str | None = None
+    error: str | None = None  # the first write error, set once
 
     def validate(
         self, samples: Any, shard_index: int = -1, where: str | None = None
@@ -468,13 +448,15 @@ class _Job:
         progress: bool | None,
     ) -> _RecordingWriter:
         """Compute and write the shards ``missing`` in lockstep with the other ranks."""
+        # write-behind: batches are written (streamed into their shard) while the next are computed
         writer = _RecordingWriter(
             self.keys,
             self.cache_name,
             schema,
-            self.length_rule,
-            self.token_layout,
-            self.record,
+            write_behind=True,
+            length_rule=self.length_rule,
+            token_layout=self.token_layout,
+            run_record=self.record,
         )
         runs = shard_runs(missing, self.num_samples, self.shard_size)
         bs = loader_batch_size(dataloader)
