@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import argparse
 
+#: the help of --length-key, which repair and plan both take
+_LENGTH_KEY_HELP = "the producer's length_key (default: input_ids when stored)"
+#: what a command's DIR may be
+_DIR_HELP = "s3://bucket/prefix or msc://profile/path"
 #: samples per shard when --shard-size is not given: the example producer's default too
 DEFAULT_SHARD_SIZE = 128
 #: ``te-thd cache plan`` flags of the example producer's route: any of them runs
@@ -37,6 +41,21 @@ PRODUCER_FLAGS = {
     "--min-len": ("N", "shortest synthetic sample (default: 16)"),
     "--plan-batch-size": ("B", "samples per training batch the CP figure packs (default: 16)"),
 }
+#: ``te-thd cache repair``'s flags for a rebuild from shards that do not record their producer run:
+#: ``(flag, type, metavar, help)``; each is ``repair_cache``'s keyword of the same name
+_REBUILD_FLAGS = (
+    ("--format-version", int, "N", "the format_version the cache's readers pass"),
+    (
+        "--options",
+        str,
+        "JSON",
+        "the producer options (every manifest field te_thd does not write itself) as a JSON "
+        "object; also adds fields to what the shards record",
+    ),
+    ("--shard-size", int, "N", "samples per shard (a single shard does not tell)"),
+    ("--num-samples", int, "N", "samples of the cache, when shards at its end are lost too"),
+    ("--length-key", str, "KEY", _LENGTH_KEY_HELP),
+)
 _PLAN_EXAMPLES = """two ways in (docs/cache-plan.md):
 
   the example producer's cache, from its own flags (examples/precompute_cache.py --plan of a
@@ -66,20 +85,14 @@ def add_cache_commands(cache: argparse.ArgumentParser) -> None:
     info = sub.add_parser(
         "info", help="samples, shards, keys (dtype/shape), bytes, producer options"
     )
-    info.add_argument(
-        "dir",
-        help="cache directory (holds manifest.json), s3://bucket/prefix or msc://profile/path",
-    )
+    info.add_argument("dir", help=f"cache directory (holds manifest.json), {_DIR_HELP}")
     info.add_argument("--json", action="store_true", help="print the summary as JSON")
 
     verify = sub.add_parser(
         "verify",
         help="read every shard and check its checksums (exit 0 sound, 1 with the bad shards named)",
     )
-    verify.add_argument(
-        "dir",
-        help="cache directory (holds manifest.json), s3://bucket/prefix or msc://profile/path",
-    )
+    verify.add_argument("dir", help=f"cache directory (holds manifest.json), {_DIR_HELP}")
     depth = verify.add_mutually_exclusive_group()
     depth.add_argument(
         "--quick",
@@ -94,47 +107,13 @@ def add_cache_commands(cache: argparse.ArgumentParser) -> None:
         "rebuild a "
         "lost or damaged manifest.json from the shards",
     )
-    repair.add_argument(
-        "dir", help="cache directory (holds the shards), s3://bucket/prefix or msc://profile/path"
-    )
+    repair.add_argument("dir", help=f"cache directory (holds the shards), {_DIR_HELP}")
     lost = repair.add_argument_group(
         "rebuilding a manifest from shards that do not record their producer run (repair "
         "names the ones it needs)"
     )
-    lost.add_argument(
-        "--format-version",
-        type=int,
-        default=None,
-        metavar="N",
-        help="the format_version the cache's readers pass",
-    )
-    lost.add_argument(
-        "--options",
-        default=None,
-        metavar="JSON",
-        help="the producer options (every manifest field te_thd does not write itself) as a JSON "
-        "object; also adds fields to what the shards record",
-    )
-    lost.add_argument(
-        "--shard-size",
-        type=int,
-        default=None,
-        metavar="N",
-        help="samples per shard (a single shard does not tell)",
-    )
-    lost.add_argument(
-        "--num-samples",
-        type=int,
-        default=None,
-        metavar="N",
-        help="samples of the cache, when shards at its end are lost too",
-    )
-    lost.add_argument(
-        "--length-key",
-        default=None,
-        metavar="KEY",
-        help="the producer's length_key (default: input_ids when stored)",
-    )
+    for flag, kind, metavar, text in _REBUILD_FLAGS:
+        lost.add_argument(flag, type=kind, default=None, metavar=metavar, help=text)
 
     plan = sub.add_parser(
         "plan",
@@ -182,12 +161,7 @@ def add_cache_commands(cache: argparse.ArgumentParser) -> None:
         metavar="K1,K2",
         help="token keys a codec may store (default: every token key it can store)",
     )
-    plan.add_argument(
-        "--length-key",
-        default=None,
-        metavar="KEY",
-        help="the producer's length_key (default: input_ids when stored)",
-    )
+    plan.add_argument("--length-key", default=None, metavar="KEY", help=_LENGTH_KEY_HELP)
     plan.add_argument(
         "--input-key",
         default=None,
@@ -261,4 +235,4 @@ def add_cache_commands(cache: argparse.ArgumentParser) -> None:
             "on another host"
         ),
     )
-    unlock.add_argument("dir", help="s3://bucket/prefix or msc://profile/path of the cache")
+    unlock.add_argument("dir", help=f"{_DIR_HELP} of the cache")

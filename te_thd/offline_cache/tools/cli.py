@@ -21,7 +21,7 @@ import json
 import sys
 from typing import Any
 
-from te_thd.offline_cache.format.schema import PRODUCE_CACHE_HINT, CacheError
+from te_thd.offline_cache.format.schema import PRODUCE_CACHE_HINT
 from te_thd.offline_cache.storage.schemes import open_storage
 from te_thd.offline_cache.tools.plan import (
     CacheSpec,
@@ -33,8 +33,14 @@ from te_thd.offline_cache.tools.plan import (
     plan_json,
     read_lengths,
 )
-from te_thd.offline_cache.tools.repair import repair_cache, shard_span
+from te_thd.offline_cache.tools.repair import REBUILD_ARGS, repair_cache, shard_span
 from te_thd.offline_cache.tools.verify import cache_info, verify_cache
+
+
+class _BadInput(ValueError):
+    """A bad argument of a command: its line on stderr, exit status 2."""
+
+    exit_status = 2
 
 
 def _shards_line(info: dict[str, Any]) -> str:
@@ -85,21 +91,13 @@ def format_info(info: dict[str, Any]) -> str:
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
-    try:
-        info = cache_info(args.dir)
-    except (ValueError, ImportError) as exc:  # CacheError is a ValueError; a bad URL too
-        print(f"te-thd cache info: {exc}", file=sys.stderr)
-        return getattr(exc, "exit_status", 1)  # 2: the store as configured cannot be used
+    info = cache_info(args.dir)
     print(json.dumps(info, indent=2, sort_keys=True) if args.json else format_info(info))
     return 0
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
-    try:
-        result = verify_cache(args.dir, deep=not args.quick)
-    except (ValueError, ImportError) as exc:  # CacheError is a ValueError; a bad URL too
-        print(f"te-thd cache verify: FAILED: {exc}", file=sys.stderr)
-        return getattr(exc, "exit_status", 1)
+    result = verify_cache(args.dir, deep=not args.quick)
     print(f"OK: {args.dir}: {result['num_samples']} samples in {result['num_shards']} shards")
     for line in result["checked"]:
         print(f"  checked: {line}")
@@ -125,18 +123,8 @@ def _cmd_repair(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    given = {
-        "format_version": args.format_version,
-        "options": options,
-        "shard_size": args.shard_size,
-        "num_samples": args.num_samples,
-        "length_key": args.length_key,
-    }
-    try:
-        result = repair_cache(args.dir, **given)
-    except (ValueError, ImportError) as exc:  # CacheError is a ValueError; a bad URL too
-        print(f"te-thd cache repair: cannot repair {args.dir}: {exc}", file=sys.stderr)
-        return getattr(exc, "exit_status", 1)
+    given = {k: getattr(args, k) for k in REBUILD_ARGS}  # argparse's dest of each flag
+    result = repair_cache(args.dir, **{**given, "options": options})
     for note in result["notes"]:
         print(f"note: {note}")
     if result["removed"]:
@@ -189,15 +177,11 @@ def _cmd_unlock(args: argparse.Namespace) -> int:
     try:
         storage = open_storage(args.dir, "dir")
     except ValueError as exc:
-        print(f"te-thd cache unlock: {exc}", file=sys.stderr)
-        return 2
-    # CacheError: no lock to remove here (a local directory's flock; a holder that runs on this
-    # host), no cache at the path, or a store that cannot be used
-    try:
-        holder = storage.unlock()
-    except CacheError as exc:
-        print(f"te-thd cache unlock: {exc}", file=sys.stderr)
-        return getattr(exc, "exit_status", 1)
+        raise _BadInput(str(exc)) from None
+    # a CacheError (exit 1, or the store's exit_status): no lock to remove here (a local
+    # directory's flock; a holder that runs on this host), no cache at the path, or a store that
+    # cannot be used
+    holder = storage.unlock()
     print(
         f"removed the producer lock of {storage.name} (held by {holder})"
         if holder is not None
@@ -283,11 +267,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         )
         costs = plan_cache(lengths, spec)
     except ValueError as exc:  # the library names its argument; the flag is named here
-        print(
-            f"te-thd cache plan: {str(exc).replace('pack_seq_len=', '--pack-seq-len=')}",
-            file=sys.stderr,
-        )
-        return 2
+        raise _BadInput(str(exc).replace("pack_seq_len=", "--pack-seq-len=")) from None
     print(
         json.dumps(plan_json(costs, spec, lengths), indent=2)
         if args.json
@@ -297,16 +277,27 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 
 #: ``te-thd cache <command>``: the function that runs it (its arguments: ``te_thd._cache_parser``)
+#: and what its error line says before the error
 COMMANDS = {
-    "info": _cmd_info,
-    "verify": _cmd_verify,
-    "repair": _cmd_repair,
-    "plan": _cmd_plan,
-    "unlock": _cmd_unlock,
+    "info": (_cmd_info, ""),
+    "verify": (_cmd_verify, "FAILED: "),
+    "repair": (_cmd_repair, "cannot repair {dir}: "),
+    "plan": (_cmd_plan, ""),
+    "unlock": (_cmd_unlock, ""),
 }
 
 
 def run(args: argparse.Namespace) -> int:
     """Run the ``te-thd cache`` command ``args.cache_command`` with its parsed arguments; the exit
-    status."""
-    return COMMANDS[args.cache_command](args)
+    status: a failure prints one line on stderr and exits 1 (a :class:`CacheError` is a
+    ``ValueError``, a bad URL too), 2 when the store as configured cannot be used (its
+    ``exit_status``) or on a bad argument."""
+    command, first = COMMANDS[args.cache_command]
+    try:
+        return command(args)
+    except (ValueError, ImportError) as exc:
+        print(
+            f"te-thd cache {args.cache_command}: {first.format_map(vars(args))}{exc}",
+            file=sys.stderr,
+        )
+        return getattr(exc, "exit_status", 1)
