@@ -210,17 +210,6 @@ def layouts(spec: CacheSpec) -> list[tuple[str, TokenLayout | None]]:
     return out
 
 
-def header_bytes(
-    spec: CacheSpec,
-    layout: TokenLayout | None,
-    rows: int,
-    run: Mapping[str, Any],
-    rule: LengthRule | None,
-) -> int:
-    """Bytes of the header of a shard of ``rows`` samples, as its writer builds it."""
-    return shard_header_len(spec.schema, rows, run, layout, rule)
-
-
 def shard_bytes(
     spec: CacheSpec,
     layout: TokenLayout | None,
@@ -230,17 +219,13 @@ def shard_bytes(
 ) -> int:
     """Bytes of the shard holding samples of ``lengths`` (int64 ``[rows]``), as its writer lays it
     out."""
-    rows = int(lengths.size)
-    total = header_bytes(spec, layout, rows, run, rule)
-    if layout is None:
-        return total + sum(tensor_nbytes(s.dtype, (rows, *s.shape)) for s in spec.schema.values())
+    rows, ragged = int(lengths.size), layout.keys if layout is not None else ()
+    total = shard_header_len(spec.schema, rows, run, layout, rule)
     total += sum(
-        tensor_nbytes(s.dtype, (rows, *s.shape))
-        for k, s in spec.schema.items()
-        if k not in layout.keys
+        tensor_nbytes(s.dtype, (rows, *s.shape)) for k, s in spec.schema.items() if k not in ragged
     )
     offsets = row_offsets(lengths)
-    for s in layout.stored(spec.schema):
+    for s in layout.stored(spec.schema) if layout is not None else ():
         total += tensor_nbytes(s.dtype, (int(offsets[-1]), *s.shape))
         total += tensor_nbytes(torch.uint64, (block_table(offsets, s.block_tokens).blocks,))
     return total
@@ -278,37 +263,16 @@ def manifest_size(
 
 
 def rank_bytes(
-    spec: CacheSpec, layout: TokenLayout | None, lengths: np.ndarray, headers: int, total: int
+    spec: CacheSpec, layout: TokenLayout | None, lengths: np.ndarray, total: int
 ) -> tuple[int, ...]:
-    """Each CP rank's bytes fetched in one epoch over every sample (``headers``: every shard's
-    header bytes, ``total``: the shards' bytes)."""
+    """Each CP rank's bytes fetched in one epoch over every sample (``total``: the shards'
+    bytes)."""
     if layout is None or spec.cp == 1:
         return (total,) * spec.cp  # every key's rows, or every token, on every rank
     whole = {spec.input_key, spec.length_key or ""}
-    fixed = sum(
-        tensor_nbytes(s.dtype, (lengths.size, *s.shape))
-        for k, s in spec.schema.items()
-        if k not in layout.keys
-    )
-    common = headers + fixed
-    shared: list[tuple[int, int, int]] = []  # (token bytes, block tokens, gap tokens) read per rank
-    tokens = int(lengths.sum())
-    sums = 0
-    for s in layout.stored(spec.schema):
-        sums += tensor_nbytes(
-            torch.uint64,
-            (
-                sum(
-                    block_table(row_offsets(lengths[a:b]), s.block_tokens).blocks
-                    for a, b in _shards(lengths.size, spec.shard_size)
-                ),
-            ),
-        )
-        if s.key in whole:
-            common += tokens * s.token_bytes
-        else:
-            shared.append((s.token_bytes, s.block_tokens, PAGE_BYTES // max(1, s.token_bytes)))
-    common += sums
+    shared = [s for s in layout.stored(spec.schema) if s.key not in whole]  # split across ranks
+    # every rank reads the rest whole: headers, fixed rows, the whole keys' tokens, the block sums
+    common = total - int(lengths.sum()) * sum(s.token_bytes for s in shared)
     strategy = normalize_strategy(spec.strategy)
     spans = cp_spans(lengths, spec.cp, spec.pack_seq_len, spec.batch_size, strategy)
     index = np.arange(lengths.size)
@@ -321,10 +285,11 @@ def rank_bytes(
                 spans, spec.cp, rank, spec.pack_seq_len, spec.batch_size, lengths
             )
         got = common
-        for token_bytes, block_tokens, gap in shared:
+        for s in shared:
+            gap = PAGE_BYTES // max(1, s.token_bytes)  # a gap of a page or less is read through
             got += (
-                cp_tokens_read(lengths, spans, groups, spec.cp, rank, block_tokens, gap, ranges)
-                * token_bytes
+                cp_tokens_read(lengths, spans, groups, spec.cp, rank, s.block_tokens, gap, ranges)
+                * s.token_bytes
             )
         out.append(got)
     return tuple(out)
@@ -361,7 +326,6 @@ def plan_cache(lengths: Sequence[int] | np.ndarray, spec: CacheSpec) -> list[Lay
         )
         run = run_record(params, rule)
         sizes = [shard_bytes(spec, layout, lengths[a:b], run, shard_rule) for a, b in shards]
-        headers = sum(header_bytes(spec, layout, b - a, run, shard_rule) for a, b in shards)
         total = sum(sizes)
         out.append(
             LayoutCost(
@@ -370,7 +334,7 @@ def plan_cache(lengths: Sequence[int] | np.ndarray, spec: CacheSpec) -> list[Lay
                 int(lengths.size),
                 total,
                 len(shards),
-                rank_bytes(spec, layout, lengths, headers, total),
+                rank_bytes(spec, layout, lengths, total),
                 manifest_size(spec, layout, lengths, sizes, params, rule),
             )
         )
