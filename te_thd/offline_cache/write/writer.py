@@ -115,15 +115,13 @@ class WriteBehind:
         self._thread.start()
         self._finalizer = weakref.finalize(self, _stop, self._state)
 
-    @property
-    def max_pending_bytes(self) -> int | None:
-        return self._state.max_pending_bytes
-
-    @max_pending_bytes.setter
-    def max_pending_bytes(self, value: int | None) -> None:
-        with self._state.cond:
-            self._state.max_pending_bytes = value
-            self._state.cond.notify_all()
+    def bound(self, nbytes: int) -> None:
+        """Let the jobs not yet done hold ``nbytes``, unless a higher bound is set already."""
+        state = self._state
+        with state.cond:
+            if state.max_pending_bytes is None or nbytes > state.max_pending_bytes:
+                state.max_pending_bytes = nbytes
+                state.cond.notify_all()
 
     @property
     def running(self) -> bool:
@@ -425,12 +423,8 @@ class DurableShardWriter:
         if st is None:
             self._resolve_once(checked)
             assert self.schema is not None
-            specs, rule, tokens, run = (
-                {k: self.schema[k] for k in self.keys},
-                self.length_rule,
-                self.token_layout,
-                self.run_record,
-            )
+            specs, run = {k: self.schema[k] for k in self.keys}, self.run_record
+            tokens, rule = self.token_layout, self.length_rule
             first = shard_index * run["shard_size"] if run else None
             st = _StreamedShard(
                 os.path.join(self._storage(cache_dir).work_dir, shard_name(shard_index)),
@@ -438,13 +432,9 @@ class DurableShardWriter:
                 lambda tmp: ShardStream(tmp, specs, rows, run, tokens, rule, first),
             )
             self._streams[shard_index] = st
-            if (
-                self._write_behind and n
-            ):  # bound the queue to PENDING_SHARDS shards of the largest size seen
-                limit = PENDING_SHARDS * (rows * nbytes // n)
+            if self._write_behind and n:  # the queue: PENDING_SHARDS shards of the largest size
                 assert self._thread is not None
-                if self._thread.max_pending_bytes is None or limit > self._thread.max_pending_bytes:
-                    self._thread.max_pending_bytes = limit
+                self._thread.bound(PENDING_SHARDS * (rows * nbytes // n))
         st.queued += n
         if self._write_behind:
             assert self._thread is not None
