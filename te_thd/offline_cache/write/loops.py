@@ -82,9 +82,8 @@ class ShardAccumulator:
         self._streaming = total_samples is not None and isinstance(
             write_shard_fn, DurableShardWriter
         )
-        self._total = self._remaining = (
-            total_samples or 0
-        )  # streaming: samples of the run from the current shard on
+        # streaming: samples of the run from the current shard on
+        self._total = self._remaining = total_samples or 0
         self._keys: set[str] | None = None  # the first batch's keys; every batch returns the same
 
     def _flush(self, max_samples: int | None = None) -> None:
@@ -139,9 +138,7 @@ class ShardAccumulator:
             return
         rows = next(iter(checked.values())).shape[0]
         if samples is not None and rows != samples:
-            first = (
-                self._shard_index * self._shard_size + self._buffered
-            )  # the batch's first sample
+            first = self._shard_index * self._shard_size + self._buffered  # its first sample
             raise ValueError(
                 f"compute_batch returned {rows} row{'s' * (rows != 1)} for a batch of "
                 f"{samples} samples ({first}..{first + samples - 1} "
@@ -347,9 +344,8 @@ def lockstep_write(
             output_dir, shard_size, start_shard, write_shard_fn, logger, total_samples=n
         )
         for k, batch in enumerate(sequential_subset_loader(dataloader, start, start + n)):
-            accumulator.add_batch(
-                compute_batch(batch), min(bs, n - k * bs)
-            )  # the subset loader's batches: bs samples, the last fewer
+            # the subset loader's batches: bs samples, the last fewer
+            accumulator.add_batch(compute_batch(batch), min(bs, n - k * bs))
             steps += 1
             if progress is not None:
                 progress.update(1)
@@ -438,13 +434,15 @@ def resume_start_sample(existing_shards: set[int], shard_size: int) -> int:
 _TORCH_DEFAULT_PREFETCH = 2
 
 
-def _loader_kwargs(dataloader: DataLoader) -> dict[str, Any]:
+def _loader_kwargs(dataloader: DataLoader, workers: bool = True) -> dict[str, Any]:
+    """``dataloader``'s settings a loader over part of its dataset keeps (``workers=False``: none
+    of its worker settings, for a loader that has nothing to load)."""
     kwargs: dict[str, Any] = {
         "batch_size": loader_batch_size(dataloader),
         "collate_fn": getattr(dataloader, "collate_fn", None),
         "pin_memory": bool(getattr(dataloader, "pin_memory", False)),
     }
-    num_workers = int(getattr(dataloader, "num_workers", 0))
+    num_workers = int(getattr(dataloader, "num_workers", 0)) if workers else 0
     kwargs["num_workers"] = num_workers
     if num_workers > 0:
         kwargs["persistent_workers"] = bool(getattr(dataloader, "persistent_workers", False))
@@ -468,14 +466,15 @@ def sequential_subset_loader(dataloader: DataLoader, start: int, end: int) -> Da
     Kept: ``multiprocessing_context`` (the precompute paths load the target onto CUDA first, so
     fork-started workers would inherit a live CUDA context: use ``"forkserver"`` or ``"spawn"``),
     ``batch_size``, ``collate_fn``, ``pin_memory``, ``persistent_workers``, ``worker_init_fn``,
-    ``prefetch_factor`` (when not torch's default) and ``timeout``.
+    ``prefetch_factor`` (when not torch's default) and ``timeout``; an empty range starts no
+    workers.
     """
     dataset: Dataset = dataloader.dataset
     return _loader_class()(
         Subset(dataset, range(start, end)),
         shuffle=False,
         drop_last=False,
-        **_loader_kwargs(dataloader),
+        **_loader_kwargs(dataloader, workers=end > start),
     )
 
 
@@ -487,13 +486,4 @@ def dataloader_from_sample(dataloader: DataLoader, start_sample: int) -> DataLoa
     if start_sample <= 0:
         return dataloader
     n = len(dataloader.dataset)
-    if start_sample >= n:
-        return _loader_class()(
-            Subset(dataloader.dataset, []),
-            batch_size=loader_batch_size(dataloader),
-            shuffle=False,
-            num_workers=0,
-            collate_fn=getattr(dataloader, "collate_fn", None),
-            drop_last=False,
-        )
-    return sequential_subset_loader(dataloader, start_sample, n)
+    return sequential_subset_loader(dataloader, min(start_sample, n), n)
