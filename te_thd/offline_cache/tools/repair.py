@@ -82,9 +82,8 @@ class Rebuild:
     """What :func:`rebuild_manifest` found in a directory of shards."""
 
     params: dict[str, Any]  # the producer's run parameters (``run_params``): its record
-    manifest: (
-        dict[str, Any] | None
-    )  # the manifest to write (for write_manifest); None while a shard is missing
+    # the manifest to write (for write_manifest); None while a shard is missing
+    manifest: dict[str, Any] | None
     bad: dict[int, str] = field(default_factory=dict)  # {index: problem}: set aside, recomputed
     missing: list[int] = field(default_factory=list)
     extra: list[int] = field(default_factory=list)
@@ -312,9 +311,8 @@ def rebuild_manifest(
                 f"{params['keys']}"
             )
             continue
-        path = storage.whole(
-            shard_name(i)
-        )  # every byte is read: an object is fetched into a local copy
+        # every byte is read: an object is fetched into a local copy
+        path = storage.whole(shard_name(i))
         try:
             records[i] = existing_record(
                 path,
@@ -521,9 +519,8 @@ def _apply_rebuild(storage: Storage, rebuilt: Rebuild, damaged: bool) -> dict[st
         storage.put(PROGRESS_NAME, record_bytes(rebuilt.params))
     result["set_aside_in"] = storage.set_aside(aside, DAMAGED_DIR)
     if rebuilt.manifest is not None:
-        write_manifest(
-            storage, rebuilt.manifest, rebuilt.params["format_version"]
-        )  # last: the cache is finished
+        # last: the cache is finished
+        write_manifest(storage, rebuilt.manifest, rebuilt.params["format_version"])
         storage.delete(PROGRESS_NAME)  # as the producer does once its manifest is written
     storage.flush()
     return result

@@ -180,9 +180,8 @@ def verify_shards(
     bad: dict[int, str] = {}
     with_sums = 0
     for i in indices:
-        path = storage.whole(
-            shard_name(i)
-        )  # every byte is read: an object is fetched into a local copy
+        # every byte is read: an object is fetched into a local copy
+        path = storage.whole(shard_name(i))
         try:
             check = verify_shard_file(
                 path,
@@ -294,9 +293,8 @@ def cache_info(cache_dir: str | Storage) -> dict[str, Any]:
         for k, f in (rec.get("fidelity") or {}).items():
             agg = fidelity.setdefault(k, {"max_rel_l2": 0.0, "mean_rel_l2": 0.0, "_w": 0})
             agg["max_rel_l2"] = max(agg["max_rel_l2"], float(f["max_rel_l2"]))
-            agg["mean_rel_l2"] += (
-                float(f["mean_rel_l2"]) * rows
-            )  # weighted by samples, near enough per token
+            # weighted by samples, near enough per token
+            agg["mean_rel_l2"] += float(f["mean_rel_l2"]) * rows
             agg["_w"] += rows
     for agg in fidelity.values():
         w = agg.pop("_w")

@@ -377,13 +377,9 @@ class _Job:
             finished = prepare_directory(
                 self.storage, self.params, resume, self.cache_name, self.producer_name
             )
-            if (
-                finished is None
-            ):  # before any shard: what a reader following this run needs (follow.py)
-                self.storage.put(
-                    FOLLOW_NAME,
-                    follow_record(self.record, self.producer_name),
-                )
+            # before any shard: what a reader following this run needs (follow.py)
+            if finished is None:
+                self.storage.put(FOLLOW_NAME, follow_record(self.record, self.producer_name))
             return finished
 
         return self.comm.on_rank0(decide, "rank 0 refused to produce the cache")

@@ -151,10 +151,8 @@ def prepare_directory(
             )
             storage.clean()
             return None
-        for leftover in (
-            PROGRESS_NAME,
-            FOLLOW_NAME,
-        ):  # killed after the manifest, before this cleanup
+        # killed after the manifest, before this cleanup
+        for leftover in (PROGRESS_NAME, FOLLOW_NAME):
             if leftover in listing:
                 storage.delete(leftover)
         return manifest
@@ -231,9 +229,8 @@ def verify_existing(
     schema: CacheSchema | None = None
     for i in sorted(indices):
         shown = storage.display(shard_name(i))
-        path = storage.whole(
-            shard_name(i)
-        )  # every byte is read: an object is fetched into a local copy
+        # every byte is read: an object is fetched into a local copy
+        path = storage.whole(shard_name(i))
         try:
             if schema is None:
                 schema = schema_of_header(read_shard_header(path))

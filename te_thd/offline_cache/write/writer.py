@@ -254,9 +254,8 @@ def validate_shard_tensors(
             )
         if schema is not None:
             want = schema[k]
-            if (
-                t.dtype != want.dtype or tuple(t.shape[1:]) != want.shape
-            ):  # no TensorSpec built per call
+            # compared field by field: no TensorSpec built per call
+            if t.dtype != want.dtype or tuple(t.shape[1:]) != want.shape:
                 got = TensorSpec(t.dtype, tuple(t.shape[1:]))
                 raise SchemaError(
                     f"{where}: key {k!r} is {got.describe()} but the cache schema says "
