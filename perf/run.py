@@ -211,18 +211,7 @@ def run_bench(
         t0 = time.perf_counter()
         ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
         with open(log, "wb") as logf:
-            try:
-                proc = subprocess.run(
-                    cmd,
-                    stdout=logf,
-                    stderr=subprocess.STDOUT,
-                    env=env,
-                    timeout=timeout_s,
-                    cwd=str(REPO_ROOT),
-                )
-                rc: int | None = proc.returncode
-            except subprocess.TimeoutExpired:
-                rc = None
+            rc = _run_child(cmd, logf, env, timeout_s)
         wall = time.perf_counter() - t0
         ru1 = resource.getrusage(resource.RUSAGE_CHILDREN)
         # CPU seconds of the bench and everything it spawned: unlike wall time this
@@ -248,6 +237,30 @@ def run_bench(
             ) + (f"\n{tail}" if tail else "")
         entry["status"] = "ok" if entry["error"] is None else ("timeout" if rc is None else "error")
     return entry
+
+
+def _run_child(cmd: list[str], logf: Any, env: dict[str, str], timeout_s: float) -> int | None:
+    """Run one bench child to its end: its exit code, or None when it ran past ``timeout_s``.
+
+    The child runs in a process group of its own that gets SIGTERM when this process dies, and a
+    SIGTERM or SIGINT here stops it and everything it started before this process exits, so a
+    stopped or killed suite (``te-thd bench`` included) leaves no bench running.
+    """
+    from te_thd import _demo_jobs as jobs_
+
+    proc = jobs_.start(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, cwd=str(REPO_ROOT))
+    saved = jobs_.handle_stop_signals()
+    try:
+        return proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        jobs_.stop([proc])
+        return None
+    except jobs_.Stopped as stop:
+        jobs_.ignore_stop_signals()
+        jobs_.stop([proc])
+        raise SystemExit(128 + stop.signum) from None
+    finally:
+        jobs_.restore_signals(saved)
 
 
 def merge_attempts(attempts: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import signal
 import subprocess
 import sys
 
@@ -31,9 +32,23 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     except FileNotFoundError as exc:
         print(f"te-thd bench: {exc}", file=sys.stderr)
         return 2
+    from te_thd import _demo_jobs as jobs_
+
     # perf/run.py names itself after the command that ran it (usage, errors)
     env = {**os.environ, "TE_THD_BENCH_PROG": "te-thd bench"}
-    return subprocess.call([sys.executable, str(root / "perf" / "run.py"), *args.rest], env=env)
+    # its own process group, dying with us: a stopped or killed bench leaves no bench process
+    job = jobs_.start([sys.executable, str(root / "perf" / "run.py"), *args.rest], env=env)
+    saved = jobs_.handle_stop_signals()
+    try:
+        return job.wait()
+    except jobs_.Stopped as stop:
+        jobs_.ignore_stop_signals()
+        jobs_.stop([job])
+        name = signal.Signals(stop.signum).name
+        print(f"te-thd bench: stopped by {name}; its benchmarks were stopped too", file=sys.stderr)
+        return 128 + stop.signum
+    finally:
+        jobs_.restore_signals(saved)
 
 
 def _cmd_plan_example(rest: list[str]) -> int:
