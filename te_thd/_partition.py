@@ -106,15 +106,21 @@ def _strip_sentinels(cu: np.ndarray) -> np.ndarray:
 
 
 def validated_np(
-    cu: np.ndarray, total_tokens: int, cp_size: int, num_seqs: int | None
+    cu: np.ndarray, total_tokens: int, cp_size: int, num_seqs: int | None, balanced: bool = True
 ) -> np.ndarray:
     """Check a host boundary array (see :func:`validate_cp_layout`); return its valid ``[N+1]``.
 
     The rules are :mod:`te_thd.boundaries`'; what is the partition's own is the sentinel
     handling. The common, valid case costs a handful of numpy calls (this runs on every
-    shard); the error paths take their time to name the offending entry.
+    shard); the error paths take their time to name the offending entry. ``balanced=False``:
+    TE's rules for ``no_load_balance`` (``validate_no_load_balance_thd_metadata``):
+    ``total_tokens % cp_size == 0`` and boundaries from 0, never decreasing, to
+    ``total_tokens``; the padded lengths need no multiple of ``2 * cp_size``.
     """
-    check_stream_divisible(total_tokens, cp_size)
+    if balanced:
+        check_stream_divisible(total_tokens, cp_size)
+    else:
+        check_pieces(total_tokens, cp_size)
     if num_seqs is not None:
         cu = cu[: num_seqs + 1]
     elif cu[-1] < 0:  # sentinels trail; one in the middle shows up as a decrease below
@@ -127,33 +133,8 @@ def validated_np(
         cu,
         "pass num_seqs to say how many sequences are valid, or trim the array",
     )
-    check_cp_multiple("cu_seqlens_padded", lengths, cp_size)
-    check_covers("cu_seqlens_padded", int(cu[-1]), total_tokens, exact=True)
-    return cu
-
-
-def validated_contiguous_np(
-    cu: np.ndarray, total_tokens: int, cp_size: int, num_seqs: int | None
-) -> np.ndarray:
-    """:func:`validated_np` for ``no_load_balance``: TE's rules for that strategy.
-
-    TE's ``validate_no_load_balance_thd_metadata`` asserts ``total_tokens % cp_size ==
-    0``, boundaries that start at 0, never decrease and end at ``total_tokens``; the
-    padded lengths need no multiple. Sentinels are stripped first, as for the default.
-    """
-    check_pieces(total_tokens, cp_size)
-    if num_seqs is not None:
-        cu = cu[: num_seqs + 1]
-    elif cu[-1] < 0:
-        cu = _strip_sentinels(cu)
-    check_starts_at_zero("cu_seqlens_padded", cu)
-    if num_seqs is None and np.count_nonzero(cu < 0):
-        _strip_sentinels(cu)
-    check_non_decreasing(
-        "cu_seqlens_padded",
-        cu,
-        "pass num_seqs to say how many sequences are valid, or trim the array",
-    )
+    if balanced:
+        check_cp_multiple("cu_seqlens_padded", lengths, cp_size)
     check_covers("cu_seqlens_padded", int(cu[-1]), total_tokens, exact=True)
     return cu
 
@@ -341,7 +322,7 @@ def indices(
         device = cu_seqlens_padded.device
         if check or (check is None and device.type == "cpu"):
             cu = host_int64(cu_seqlens_padded)
-            validated_contiguous_np(cu, total_tokens, cp_size, num_seqs)
+            validated_np(cu, total_tokens, cp_size, num_seqs, balanced=False)
         else:  # a host int: checked even without the layout checks
             check_pieces(total_tokens, cp_size)
         return contiguous_indices(total_tokens, cp_size, ranks, device)

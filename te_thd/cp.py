@@ -43,7 +43,6 @@ from te_thd._partition import (
     check_total_tokens,
     indices,
     partition_np,
-    validated_contiguous_np,
     validated_np,
 )
 from te_thd.args import check_names
@@ -100,8 +99,13 @@ def validate_cp_layout(
     strategy = normalize_strategy(strategy)
     check_boundaries_tensor(cu_seqlens_padded, num_seqs)
     check_total_tokens(total_tokens)
-    validate = validated_contiguous_np if strategy == NO_LOAD_BALANCE else validated_np
-    validate(host_int64(cu_seqlens_padded), total_tokens, cp_size, num_seqs)
+    validated_np(
+        host_int64(cu_seqlens_padded),
+        total_tokens,
+        cp_size,
+        num_seqs,
+        balanced=strategy != NO_LOAD_BALANCE,
+    )
 
 
 def partition_indices(
