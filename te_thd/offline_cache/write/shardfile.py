@@ -108,10 +108,8 @@ def copy_range(src: int, dst: int, count: int, dst_offset: int) -> None:
     while count > 0:
         try:
             n = os.copy_file_range(src, dst, count, src_off, dst_offset)
-        except (
-            AttributeError,
-            OSError,
-        ):  # no copy_file_range here (or across these files): read and write
+        # no copy_file_range here (or across these files): read and write
+        except (AttributeError, OSError):
             n = 0
         if n <= 0:
             chunk = os.pread(src, min(count, 8 << 20), src_off)
@@ -183,13 +181,8 @@ class ShardStream:
         first_sample: int | None = None,
     ) -> None:
         check_int("rows", rows, 0, meaning=" (the samples the shard holds)")
-        self.path, self.rows, self.tokens, self.rule, self._first = (
-            path,
-            rows,
-            tokens,
-            rule,
-            first_sample,
-        )
+        self.path, self.rows, self.tokens, self.rule = path, rows, tokens, rule
+        self._first = first_sample
         self._run = dict(run) if run is not None else None
         self.specs = dict(specs)
         self.width = check_token_schema(tokens, self.specs) if tokens is not None else 0
@@ -304,11 +297,8 @@ class ShardStream:
         """Each row's first ``lengths`` tokens of every token key (encoded where a codec says), and
         the block sums of each ragged tensor."""
         assert self.tokens is not None and self._fd is not None
-        flat = torch.nonzero(
-            (torch.arange(self.width).unsqueeze(0) < torch.from_numpy(lengths).unsqueeze(1)).view(
-                -1
-            )
-        )
+        real_slots = torch.arange(self.width).unsqueeze(0) < torch.from_numpy(lengths).unsqueeze(1)
+        flat = torch.nonzero(real_slots.view(-1))
         local = row_offsets(lengths)
         data: dict[str, torch.Tensor] = {}
         for key in self.tokens.keys:
@@ -382,9 +372,8 @@ class ShardStream:
                 raise AssertionError(
                     f"shard header is {len(header)} bytes, {self._header_len} were reserved"
                 )
-            body = header[8:] + b" " * (
-                self._header_len - len(header)
-            )  # spaces up to the reserved length
+            # spaces up to the reserved length
+            body = header[8:] + b" " * (self._header_len - len(header))
             pwrite_all(fd, memoryview(len(body).to_bytes(8, "little") + body), 0)
         except BaseException:
             self.abort()
