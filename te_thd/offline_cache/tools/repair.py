@@ -405,10 +405,8 @@ def repair_cache(
         count = num_shards(int(manifest["num_samples"]), int(manifest["shard_size"]))
         present = listed_shards(storage.list())
         bad, _ = verify_shards(storage, manifest, sorted(i for i in present if i < count))
-        missing, extra = (
-            sorted(set(range(count)) - present),
-            sorted(i for i in present if i >= count),
-        )
+        missing = sorted(set(range(count)) - present)
+        extra = sorted(i for i in present if i >= count)
         result = _result(cache_dir, bad, missing, extra, producer_command(cache_dir, manifest))
         result["removed"] = removed
         if not (bad or missing or extra):

@@ -25,7 +25,7 @@ from te_thd.offline_cache.format.integrity import (
     name_row,
 )
 from te_thd.offline_cache.format.lengths import LengthRule, read_shard_lengths, recorded_rule
-from te_thd.offline_cache.format.ragged import TOKEN_LAYOUT_KEY, TokenLayout, describe_stored
+from te_thd.offline_cache.format.ragged import describe_stored
 from te_thd.offline_cache.format.schema import (
     CacheIntegrityError,
     cache_command,
@@ -47,6 +47,7 @@ from te_thd.offline_cache.record.manifest import (
     producer_command,
     shard_records,
 )
+from te_thd.offline_cache.record.run import layout_of
 from te_thd.offline_cache.storage.base import Storage
 from te_thd.offline_cache.storage.schemes import as_storage
 
@@ -278,9 +279,7 @@ def cache_info(cache_dir: str | Storage) -> dict[str, Any]:
         sizes = store.list()
         total = sum(sizes.get(shard_name(i), 0) for i in range(n))
     schema = cache_schema(store, manifest)
-    layout = (
-        TokenLayout.from_json(manifest[TOKEN_LAYOUT_KEY]) if TOKEN_LAYOUT_KEY in manifest else None
-    )
+    layout = layout_of(manifest)
     storage = {
         k: describe_stored(layout, schema, k) if layout is not None and k in layout.keys else "rows"
         for k in (schema or {})

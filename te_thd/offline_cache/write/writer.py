@@ -268,22 +268,17 @@ def validate_shard_tensors(
 
 
 class _StreamedShard:
-    """One shard being written: its names, rows, and the :class:`ShardStream` its first piece
-    opens."""
+    """One shard being written: its temp file (beside its final name), rows, and the
+    :class:`ShardStream` its first piece opens."""
 
     def __init__(self, final: str, rows: int, open_stream: Callable[[str], ShardStream]) -> None:
-        self.final, self.tmp_path, self.rows, self._open_stream = (
-            final,
-            temp_path_for(final),
-            rows,
-            open_stream,
-        )
+        self.tmp_path, self.rows, self._open_stream = temp_path_for(final), rows, open_stream
         self.queued = 0  # rows handed over by the caller
         self._stream: ShardStream | None = None
 
     def _opened(self) -> ShardStream:
         if self._stream is None:
-            os.makedirs(os.path.dirname(self.final) or ".", exist_ok=True)
+            os.makedirs(os.path.dirname(self.tmp_path) or ".", exist_ok=True)
             self._stream = self._open_stream(self.tmp_path)
         return self._stream
 
