@@ -391,11 +391,7 @@ class _Job:
         start_shard, _, n_local = partition_cache_shards(
             self.num_samples, self.shard_size, comm.world_size, comm.rank
         )
-        block = (
-            range(start_shard, start_shard + num_shards(n_local, self.shard_size))
-            if n_local
-            else range(0)
-        )
+        block = range(start_shard, start_shard + num_shards(n_local, self.shard_size))
         present = existing_shard_indices(self.storage) & set(block)
         local_exc: Exception | None = None
         records: dict[int, ShardRecord] = {}
