@@ -35,7 +35,7 @@ from te_thd.offline_cache import (
     build_cached_dataloader,
     produce_cache,
 )
-from te_thd.offline_cache.format.ragged import CODECS
+from te_thd.offline_cache.format.codecs import CODECS
 from te_thd.offline_cache.format.schema import TensorSpec
 from te_thd.offline_cache.read import planner as readplan
 from te_thd.offline_cache.read.cp_reads import cp_spans, cp_tokens_read

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from te_thd.offline_cache.format import fp8
-from te_thd.offline_cache.format.ragged import decode_fp8, encode_fp8
+from te_thd.offline_cache.format.codecs import Fp8E4M3
 
 
 def _torch_decode(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -25,7 +25,7 @@ def test_decode_matches_torch_bit_for_bit(dtype: torch.dtype, shape: tuple[int, 
     q = codes.view(torch.float8_e4m3fn)
     scale = torch.exp(4 * torch.randn(shape[0], generator=g))
     want = _torch_decode(q, scale, dtype)
-    got = decode_fp8(q, scale, dtype)
+    got = Fp8E4M3().decode({"tokens": q, "scale": scale}, dtype)
     assert got.dtype == dtype and got.shape == q.shape
     assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
 
@@ -33,7 +33,8 @@ def test_decode_matches_torch_bit_for_bit(dtype: torch.dtype, shape: tuple[int, 
 def test_decode_into_a_slice_of_a_batch_cut_in_chunks(monkeypatch) -> None:
     monkeypatch.setattr(fp8, "CHUNK_ELEMENTS", 100)  # several tokens a chunk, the last one short
     x = torch.randn(53, 24) * torch.exp(torch.randn(53, 1))
-    q, s, _ = encode_fp8(x.to(torch.bfloat16))
+    parts, _ = Fp8E4M3().encode(x.to(torch.bfloat16))
+    q, s = parts["tokens"], parts["scale"]
     out = torch.full((60, 24), 7.0, dtype=torch.bfloat16)
     fp8.decode_fp8_into(q, s, out[4:57])
     assert torch.equal(out[4:57], _torch_decode(q, s, torch.bfloat16))

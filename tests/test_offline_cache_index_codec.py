@@ -30,14 +30,8 @@ from te_thd.offline_cache import (
     produce_cache,
     verify_cache,
 )
+from te_thd.offline_cache.format.codecs import TopkIndex, check_codec
 from te_thd.offline_cache.format.integrity import read_shard_header
-from te_thd.offline_cache.format.ragged import (
-    decode_index,
-    encode_index,
-    index_bits,
-    out_of_range,
-    stored_parts,
-)
 from te_thd.offline_cache.tools.verify import cache_info
 
 L, K = 20, 5  # K not a multiple of 8: the last byte of packed high bits is partly padding
@@ -72,23 +66,25 @@ def test_index_codec_round_trip_is_exact(
     vocab: int, t: int, shape: tuple[int, ...], dtype: torch.dtype, seed: int
 ) -> None:
     x = _indices(t, shape, vocab, dtype, seed)
-    codec = f"topk_index:{vocab}"
-    assert out_of_range(x, codec) is None
-    parts = encode_index(x, vocab)
-    layout = stored_parts(codec, dtype, shape)
+    codec = check_codec("ids", f"topk_index:{vocab}")
+    assert isinstance(codec, TopkIndex) and codec.vocab == vocab
+    assert codec.out_of_range(x) is None
+    parts, err = codec.encode(x)
+    assert err is None  # lossless
+    layout = codec.stored_parts(dtype, shape)
     assert [(r, parts[r].dtype, tuple(parts[r].shape)) for r, _, _ in layout] == [
         (r, d, (t, *s)) for r, d, s in layout
     ]
-    back = decode_index(parts, dtype)
+    back = codec.decode(parts, dtype)
     assert back.dtype == dtype and back.shape == x.shape and torch.equal(back, x)
     n = math.prod(shape)
-    bits = index_bits(vocab)
+    bits = codec.bits
     assert bits == (16 if vocab <= 65536 else 17 if vocab <= 131072 else 32)
     per_token = {16: 2 * n, 17: 2 * n + -(-n // 8), 32: 4 * n}[bits]
     assert sum(p.numel() * p.element_size() for p in parts.values()) == t * per_token
     if t:  # any tokens of the stored parts decode to those tokens (a CP rank's partial read)
         pick = torch.from_numpy(np.random.default_rng(seed).integers(0, t, 7))
-        sub = decode_index({r: p.index_select(0, pick) for r, p in parts.items()}, dtype)
+        sub = codec.decode({r: p.index_select(0, pick) for r, p in parts.items()}, dtype)
         assert torch.equal(sub, x.index_select(0, pick))
 
 
@@ -111,21 +107,21 @@ def test_indices_outside_the_vocabulary_are_found(
         bad = -1  # an int32 key cannot hold an index past int32's range; a negative one stands in
     pos = where % (t * n)
     x.view(-1)[pos] = bad
-    assert out_of_range(x, f"topk_index:{vocab}") == (pos // n, bad)
+    assert TopkIndex(vocab).out_of_range(x) == (pos // n, bad)
 
 
 def test_stored_parts_per_width() -> None:
-    assert stored_parts("topk_index:65536", torch.int64, (8,)) == [("tokens", torch.int16, (8,))]
-    assert stored_parts("topk_index:65537", torch.int64, (8,)) == [
+    assert TopkIndex(65536).stored_parts(torch.int64, (8,)) == [("tokens", torch.int16, (8,))]
+    assert TopkIndex(65537).stored_parts(torch.int64, (8,)) == [
         ("tokens", torch.int16, (8,)),
         ("high", torch.uint8, (1,)),
     ]
-    assert stored_parts("topk_index:131072", torch.int32, (9,))[1] == ("high", torch.uint8, (2,))
-    assert stored_parts("topk_index:131072", torch.int64, ()) == [
+    assert TopkIndex(131072).stored_parts(torch.int32, (9,))[1] == ("high", torch.uint8, (2,))
+    assert TopkIndex(131072).stored_parts(torch.int64, ()) == [
         ("tokens", torch.int16, ()),
         ("high", torch.uint8, (1,)),
     ]
-    assert stored_parts("topk_index:131073", torch.int64, (8,)) == [("tokens", torch.int32, (8,))]
+    assert TopkIndex(131073).stored_parts(torch.int64, (8,)) == [("tokens", torch.int32, (8,))]
 
 
 # -- caches with the codec read back what caches without it do -------------------------------
@@ -241,9 +237,9 @@ def test_the_codec_is_recorded_and_stores_fewer_bytes(caches) -> None:
     )
     nbytes = sum(entries[n].end - entries[n].start for n in stored)
     tokens = plain["ids@tokens"].shape[0]
-    assert nbytes == tokens * {16: 2 * K, 17: 2 * K + 1, 32: 4 * K}[index_bits(vocab)]
+    bits = TopkIndex(vocab).bits
+    assert nbytes == tokens * {16: 2 * K, 17: 2 * K + 1, 32: 4 * K}[bits]
     info = cache_info(str(c["codec"]))
-    bits = index_bits(vocab)
     form = {16: "", 17: ": 16 + 1 packed high bit", 32: ": int32"}[bits]
     assert (
         info["storage"]["ids"]
@@ -326,4 +322,4 @@ def test_cache_info_cli_shows_the_codec(caches) -> None:
     out = subprocess.run(
         [str(cli), "cache", "info", str(c["codec"])], capture_output=True, text=True, check=True
     ).stdout
-    assert f"topk_index:{vocab}, {index_bits(vocab)} bits per index" in out
+    assert f"topk_index:{vocab}, {TopkIndex(vocab).bits} bits per index" in out

@@ -33,10 +33,9 @@ from te_thd.offline_cache import (
     read_manifest,
     verify_cache,
 )
+from te_thd.offline_cache.format.codecs import Fp8E4M3
 from te_thd.offline_cache.format.ragged import (
     block_table,
-    decode_fp8,
-    encode_fp8,
     plan_row_reads,
     plan_token_reads,
     row_offsets,
@@ -212,9 +211,10 @@ def test_fp8_codec_round_trip(t: int, d: int, scale: float, seed: int) -> None:
     x = torch.randn(t, d, generator=torch.Generator().manual_seed(seed)) * scale
     if t:
         x[0] = 0  # an all-zero token stays exactly zero
-    q, s, err = encode_fp8(x.to(torch.bfloat16))
+    parts, err = Fp8E4M3().encode(x.to(torch.bfloat16))
+    q, s = parts["tokens"], parts["scale"]
     assert q.dtype == torch.float8_e4m3fn and s.dtype == torch.float32 and s.shape == (t,)
-    back = decode_fp8(q, s, torch.bfloat16)
+    back = Fp8E4M3().decode(parts, torch.bfloat16)
     assert back.dtype == torch.bfloat16 and back.shape == x.shape
     if t:
         assert torch.equal(back[0], torch.zeros(d, dtype=torch.bfloat16)) and err[0] == 0

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from te_thd.offline_cache.format.codecs import decode as decode_codec
 from te_thd.offline_cache.format.integrity import (
     byte_view,
     checksum_mismatch,
@@ -39,7 +40,6 @@ from te_thd.offline_cache.format.ragged import (
     plan_token_reads,
     token_places,
 )
-from te_thd.offline_cache.format.ragged import decode as decode_codec
 from te_thd.offline_cache.format.schema import CacheIntegrityError, TensorSpec, advise
 from te_thd.offline_cache.format.token_index import (
     TokenIndex,

@@ -5,7 +5,7 @@ epoch.
 ``[L, ...]`` per sample, as ``compute_batch`` returns them) and lays the cache out with the
 writers' own rules -- not a formula of its own, so the plan cannot drift from what they
 write -- for every way it can be stored: ``padded``, ``ragged``, and ``ragged+<codec>`` for
-each codec of :data:`~te_thd.offline_cache.format.ragged.CODECS` on every token key it can store
+each codec of :data:`~te_thd.offline_cache.format.codecs.CODECS` on every token key it can store
 (what a codec stores per token comes from
 :meth:`~te_thd.offline_cache.format.ragged.TokenLayout.stored`,
 so a new codec is planned with no change here). A CP rank's bytes are what the reader fetches
@@ -25,17 +25,14 @@ import torch
 
 from te_thd._cp_strategy import DUAL_CHUNK_SWAP, normalize_strategy
 from te_thd.args import check_int
+from te_thd.offline_cache.format.codecs import CODECS
 from te_thd.offline_cache.format.integrity import shard_checksum
 from te_thd.offline_cache.format.lengths import LengthRule, for_tensor_spec, producer_rule
 from te_thd.offline_cache.format.ragged import (
-    CODECS,
     PAGE_BYTES,
     TokenLayout,
     block_table,
-    check_codec_dtype,
     check_token_keys,
-    full_name,
-    is_lossy,
     row_offsets,
 )
 from te_thd.offline_cache.format.schema import (
@@ -188,17 +185,9 @@ def layouts(spec: CacheSpec) -> list[tuple[str, TokenLayout | None]]:
         if spec.codec_keys is None
         else [k for k in spec.token_keys if k in spec.codec_keys]
     )
-    for name in CODECS:
-        codec = full_name(name, spec.vocab_size)
-        if codec is None:
-            continue
-        codecs = {}
-        for k in allowed:
-            try:
-                check_codec_dtype(k, spec.schema[k].dtype, codec)
-            except ValueError:
-                continue
-            codecs[k] = codec
+    for name, kind in CODECS.items():
+        codec = kind.full_name(spec.vocab_size)
+        codecs = {k: codec for k in allowed if codec and spec.schema[k].dtype in kind.DTYPES}
         if codecs:
             out.append((f"ragged+{name}", check_token_keys(spec.token_keys, codecs, keys)))
     if len(out) > 3:  # the codecs combined, as a producer asking for several stores them
@@ -244,8 +233,7 @@ def manifest_size(
     loss figure a placeholder of the width the writer records."""
     fidelity = {
         k: dict.fromkeys(_LOSS_FIGURES, _LOSS_PLACEHOLDER)
-        for k, c in (layout.codecs if layout else ())
-        if is_lossy(c)
+        for k in (layout.lossy_keys if layout else ())
     }
     recs = {
         i: ShardRecord(

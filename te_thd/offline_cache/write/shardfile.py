@@ -48,11 +48,7 @@ from te_thd.offline_cache.format.ragged import (
     TokenLayout,
     block_table,
     check_token_schema,
-    encode,
     encode_offsets,
-    is_lossy,
-    out_of_range,
-    range_problem,
     row_offsets,
 )
 from te_thd.offline_cache.format.schema import DTYPE_RANK, DTYPE_TO_ST, TensorSpec, tensor_nbytes
@@ -195,9 +191,7 @@ class ShardStream:
         self._lengths: list[int] = []
         self._tokens = self._cursor = 0
         self._err = (
-            {k: [0.0, 0.0, 0] for k, c in tokens.codecs if is_lossy(c)}
-            if tokens is not None
-            else {}
+            {k: [0.0, 0.0, 0] for k in tokens.lossy_keys} if tokens is not None else {}
         )  # max, sum, count
         self._side: dict[str, tuple[str, int]] = {}
         self._fd: int | None = None
@@ -308,14 +302,14 @@ class ShardStream:
             if codec is None:
                 data[key + "@tokens"] = real.contiguous()
                 continue
-            bad = out_of_range(real, codec)
+            bad = codec.out_of_range(real)
             if bad is not None:
                 row = int(np.searchsorted(local, bad[0], side="right")) - 1
                 which = name_row(self._cursor + row, self._first)
                 raise ValueError(
-                    f"{which}: {range_problem(key, codec, bad[1])}; nothing of this shard was kept"
+                    f"{which}: {codec.range_problem(key, bad[1])}; nothing of this shard was kept"
                 )
-            parts, err = encode(codec, real)
+            parts, err = codec.encode(real)
             data.update({f"{key}@{role}": t.contiguous() for role, t in parts.items()})
             if err is not None and err.numel():
                 e = self._err[key]
