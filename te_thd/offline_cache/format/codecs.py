@@ -244,6 +244,7 @@ def check_codec(key: str, name: object) -> Codec:
 
 
 def is_codec(name: object) -> bool:
+    """Whether ``name`` is a codec's recorded name (:func:`check_codec` accepts it)."""
     try:
         check_codec("", name)
     except ValueError:
