@@ -24,6 +24,7 @@ planned.
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Iterator, Sequence, Sized
 from typing import Any
@@ -89,22 +90,16 @@ def _epoch_blocks(
         if shuffle and not (follow and epoch == 0)
         else range(count)
     )
-    for shard in shards:
-        shard = int(shard)
-        first = shard * shard_size
+    for shard in map(int, shards):
         rows = shard_rows(shard, num_samples, shard_size)
-        if shuffle:
-            yield (
-                rows,
-                lambda first=first, rows=rows, shard=shard: (
-                    first + _shard_rng(seed, epoch, shard).permutation(rows)
-                ),
-            )
-        else:
-            yield (
-                rows,
-                lambda first=first, rows=rows: np.arange(first, first + rows, dtype=np.int64),
-            )
+        yield rows, functools.partial(_block, seed, epoch, shard, shard * shard_size, rows, shuffle)
+
+
+def _block(seed: int, epoch: int, shard: int, first: int, rows: int, shuffle: bool) -> np.ndarray:
+    """Shard ``shard``'s sample ids (``first`` onwards), int64 ``[rows]``, in their epoch order."""
+    if shuffle:
+        return first + _shard_rng(seed, epoch, shard).permutation(rows)
+    return np.arange(first, first + rows, dtype=np.int64)
 
 
 def shard_block_order(
@@ -221,16 +216,15 @@ class CacheShardSampler(Sampler[int]):
             self.resume_offset = 0
         self.epoch = epoch
 
+    def _order_args(self) -> tuple[int, int, int, int, bool, bool]:
+        """``(num_samples, shard_size, seed, epoch, shuffle, follow)``: what fixes the epoch's
+        order (:func:`shard_block_order`)."""
+        n = self.num_samples_total
+        return n, self.shard_size, self.seed, self.epoch, self.shuffle, self.follow
+
     def global_order(self) -> torch.Tensor:
         """The epoch's order over all replicas, int64 ``[total_size]`` (padded / cut)."""
-        g = shard_block_order(
-            self.num_samples_total,
-            self.shard_size,
-            self.seed,
-            self.epoch,
-            self.shuffle,
-            self.follow,
-        )
+        g = shard_block_order(*self._order_args())
         if self.total_size <= g.numel():
             return g[: self.total_size]
         reps = -(-self.total_size // g.numel())
@@ -239,17 +233,10 @@ class CacheShardSampler(Sampler[int]):
     def __iter__(self) -> Iterator[int]:
         """This replica's indices, ``global_order()[start + rank :: num_replicas]``,
         streamed one shard block at a time (memory independent of the cache size)."""
-        n, r, total, start = (
-            self.num_samples_total,
-            self.num_replicas,
-            self.total_size,
-            self.resume_offset,
-        )
+        r, total, start = self.num_replicas, self.total_size, self.resume_offset
         pos = 0  # global position of the current block's first sample
         while pos < total:  # more than one pass over the order only when padding wraps
-            for length, make in _epoch_blocks(
-                n, self.shard_size, self.seed, self.epoch, self.shuffle, self.follow
-            ):
+            for length, make in _epoch_blocks(*self._order_args()):
                 end = min(pos + length, total)
                 # first global position >= max(pos, start) that belongs to this rank
                 lo = max(pos, start + self.rank)
@@ -392,8 +379,12 @@ class PlannedDataset(Dataset):
         return batch if rows is None else PlannedSamples(batch, rows)
 
 
-class BalancedBatchSampler(Sampler[PlannedBatch]):
+class BalancedBatchSampler(CacheShardSampler):
     """Batch sampler: per step, this replica's planned rows of the step's global batch.
+
+    A :class:`CacheShardSampler` whose items are steps: its order, epochs, resume state
+    (``state_dict(consumed_samples)`` counts global samples, ``R * b`` per step) and their
+    checks are that sampler's.
 
     Args:
         data_source: the dataset (anything with ``__len__``; its ``shard_size``
@@ -404,8 +395,8 @@ class BalancedBatchSampler(Sampler[PlannedBatch]):
         seq_len, pad_to_multiple_of, attn_scale, rows_per_replica: passed to
             :func:`te_thd.balance.plan_global_batch` for every step.
         num_replicas, rank, shuffle, seed, drop_last, shard_size: as
-            ``CacheShardSampler`` (the order, resume and its checks are that sampler's).
-            ``drop_last`` also drops a last global batch smaller than ``R * b``.
+            ``CacheShardSampler``. ``drop_last`` also drops a last global batch smaller
+            than ``R * b``.
     """
 
     def __init__(
@@ -425,17 +416,17 @@ class BalancedBatchSampler(Sampler[PlannedBatch]):
         attn_scale: float = DEFAULT_ATTN_SCALE,
         rows_per_replica: int | None = None,
     ) -> None:
-        self.order = CacheShardSampler(
+        super().__init__(
             data_source, num_replicas, rank, shuffle, seed, drop_last, shard_size=shard_size
         )
         check_int("batch_size", batch_size, 1, meaning=" (samples per data-parallel replica)")
         if isinstance(lengths, torch.Tensor):
             lengths = on_cpu(lengths).numpy()
         self.lengths = np.asarray(lengths, dtype=np.int64).reshape(-1)
-        if self.lengths.shape[0] != self.order.num_samples_total:
+        if self.lengths.shape[0] != self.num_samples_total:
             raise ValueError(
                 f"lengths has {self.lengths.shape[0]} entries but the dataset has "
-                f"{self.order.num_samples_total} samples; pass one length per sample"
+                f"{self.num_samples_total} samples; pass one length per sample"
             )
         self.batch_size = batch_size
         self.plan_args = dict(
@@ -446,47 +437,20 @@ class BalancedBatchSampler(Sampler[PlannedBatch]):
         )
         # validate the arguments and every length once, here (errors name the dataset
         # index), not at the first step that meets them
-        plan_global_batch(self.lengths[:0], self.order.num_replicas, **self.plan_args)
-        min_rows_per_replica(self.lengths, self.order.num_replicas, seq_len, pad_to_multiple_of)
-
-    @property
-    def num_replicas(self) -> int:
-        return self.order.num_replicas
-
-    @property
-    def rank(self) -> int:
-        return self.order.rank
-
-    @property
-    def epoch(self) -> int:
-        return self.order.epoch
-
-    @property
-    def total_size(self) -> int:
-        """Global samples of an epoch (as ``CacheShardSampler.total_size``)."""
-        return self.order.total_size
-
-    @property
-    def resume_offset(self) -> int:
-        """Global samples of this epoch consumed before this pass (as
-        ``CacheShardSampler.resume_offset``)."""
-        return self.order.resume_offset
-
-    def set_epoch(self, epoch: int) -> None:
-        """Select the epoch's order (as ``CacheShardSampler.set_epoch``)."""
-        self.order.set_epoch(epoch)
+        plan_global_batch(self.lengths[:0], self.num_replicas, **self.plan_args)
+        min_rows_per_replica(self.lengths, self.num_replicas, seq_len, pad_to_multiple_of)
 
     def global_batches(self) -> Iterator[np.ndarray]:
         """The remaining global batches of the epoch, int64 ``[<= R*b]`` dataset indices each."""
-        g = self.order.global_order().numpy()[self.order.resume_offset :]
+        g = self.global_order().numpy()[self.resume_offset :]
         step = self.num_replicas * self.batch_size
         for begin in range(0, g.shape[0], step):
             batch = g[begin : begin + step]
-            if batch.shape[0] < step and self.order.drop_last:
+            if batch.shape[0] < step and self.drop_last:
                 return
             yield batch
 
-    def __iter__(self) -> Iterator[PlannedBatch]:
+    def __iter__(self) -> Iterator[PlannedBatch]:  # type: ignore[override]  # steps, not indices
         R, r = self.num_replicas, self.rank
         for batch in self.global_batches():
             rows = plan_global_batch(self.lengths[batch], R, **self.plan_args)[r]
@@ -494,21 +458,12 @@ class BalancedBatchSampler(Sampler[PlannedBatch]):
                 [int(batch[i]) for row in rows for i in row], [len(row) for row in rows]
             )
         # as CacheShardSampler: a resume offset applies to one pass
-        self.order.resume_offset = 0
+        self.resume_offset = 0
 
     def __len__(self) -> int:
-        remaining = self.order.total_size - self.order.resume_offset
+        remaining = self.total_size - self.resume_offset
         step = self.num_replicas * self.batch_size
-        return remaining // step if self.order.drop_last else -(-remaining // step)
-
-    def state_dict(self, consumed_samples: int) -> dict[str, Any]:
-        """Resume state after ``consumed_samples`` global samples of the epoch (``R*b`` per
-        step)."""
-        return self.order.state_dict(consumed_samples)
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue after the saved position (the same state as ``CacheShardSampler``'s)."""
-        self.order.load_state_dict(state)
+        return remaining // step if self.drop_last else -(-remaining // step)
 
 
 def scan_lengths(
