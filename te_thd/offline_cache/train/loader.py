@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from te_thd.args import check_int
@@ -72,7 +73,8 @@ class CachedDataLoader(DataLoader):
     ``num_workers`` (prefetched batches are simply read again).
     """
 
-    sampler: CacheShardSampler | BalancedBatchSampler
+    #: a ``BalancedBatchSampler`` (a ``CacheShardSampler`` of planned steps) with ``balance=True``
+    sampler: CacheShardSampler
 
     #: ``build_cached_dataloader(read_ahead=...)``: with ``num_workers=0``, start reading batch
     #: ``i + 1`` before handing out batch ``i`` when the step leaves time for it
@@ -131,9 +133,8 @@ class CachedDataLoader(DataLoader):
         """Samples of the current epoch the loop has received, over all replicas."""
         s = self.sampler
         if self._epoch_of_pass is None or s.epoch != self._epoch_of_pass:
-            return (
-                s.resume_offset
-            )  # no pass of this epoch yet (or set_epoch since): only the resume offset
+            # no pass of this epoch yet (or set_epoch since): only the resume offset
+            return s.resume_offset
         # samples per replica per batch: the loader's batch_size, or a batch sampler's own
         per_batch = int(self.batch_size or getattr(s, "batch_size", 1))
         local = min(self._batches * per_batch, (s.total_size - self._base) // s.num_replicas)
@@ -430,17 +431,14 @@ def build_cached_dataloader(
             f"pass dp_rank and dp_size together (got dp_rank={dp_rank!r}, dp_size={dp_size!r})"
         )
     if dp_size is None:
-        if distributed:
-            found = default_data_parallel_rank_size()
-            if (
-                found is None
-                and torch.distributed.is_available()
-                and torch.distributed.is_initialized()
-            ):
-                found = (torch.distributed.get_rank(), torch.distributed.get_world_size())
-            dp_rank, dp_size = found if found is not None else (0, 1)
-        else:
-            dp_rank, dp_size = 0, 1
+        found = default_data_parallel_rank_size() if distributed else (0, 1)
+        if found is None and dist.is_available() and dist.is_initialized():
+            found = (dist.get_rank(), dist.get_world_size())
+        dp_rank, dp_size = found if found is not None else (0, 1)
+    cached = isinstance(dataset, CachedTensorDataset)
+    order = dict(
+        num_replicas=dp_size, rank=dp_rank, shuffle=shuffle, seed=seed, drop_last=drop_last
+    )
     if balance:
         packer = getattr(collate_fn, "packer", None)
         if packer is None:
@@ -469,32 +467,21 @@ def build_cached_dataloader(
             rule = None if length_key is not None else collator_rule(collate_fn)
             lengths = (  # the dataset's open cache, when it is one: opened once
                 lengths_of(dataset.storage, dataset.manifest, dataset.cache_name, length_key, rule)
-                if isinstance(dataset, CachedTensorDataset)
+                if cached
                 else cache_lengths(cache_dir, dataset.cache_name, length_key, rule=rule)
             )
-        sampler: CacheShardSampler | BalancedBatchSampler = BalancedBatchSampler(
+        sampler: CacheShardSampler = BalancedBatchSampler(
             dataset,
             lengths,
             batch_size,
             packer.seq_len,
-            dp_size,
-            dp_rank,
-            shuffle,
-            seed,
-            drop_last,
+            **order,
             pad_to_multiple_of=packer.pad_to_multiple_of,
             attn_scale=attn_scale,
             rows_per_replica=rows_per_replica,
         )
     else:
-        sampler = CacheShardSampler(
-            dataset,
-            num_replicas=dp_size,
-            rank=dp_rank,
-            shuffle=shuffle,
-            seed=seed,
-            drop_last=drop_last,
-        )
+        sampler = CacheShardSampler(dataset, **order)
     per_replica = sampler.total_size // dp_size
     if drop_last and 0 < len(dataset) < dp_size:
         raise ValueError(
@@ -533,14 +520,9 @@ def build_cached_dataloader(
             worker_kwargs["multiprocessing_context"] = multiprocessing_context
         _check_picklable_collate(collate_fn, multiprocessing_context, why)
     pin = torch.cuda.is_available() if pin_memory is None else bool(pin_memory)
-    if (
-        pin
-        and num_workers == 0
-        and isinstance(dataset, CachedTensorDataset)
-        and torch.cuda.is_available()
-    ):
+    if pin and num_workers == 0 and cached and torch.cuda.is_available():
         dataset.pin_memory = True
-    if isinstance(dataset, CachedTensorDataset) and isinstance(collate_fn, CachedThdCollator):
+    if cached and isinstance(collate_fn, CachedThdCollator):
         collate_fn.check_dataset(dataset)
         # the keys the collator places token by token are read by it, only the tokens it places
         dataset.defer_keys(collate_fn.gathered_keys(dataset.disk_keys))
