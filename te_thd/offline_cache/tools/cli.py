@@ -129,9 +129,14 @@ def _cmd_repair(args: argparse.Namespace) -> int:
         print(f"note: {note}")
     if result["removed"]:
         print(f"removed: {len(result['removed'])} temp file(s) a killed writer left")
+    # none when the cache was sound; only extra shards when a manifest was rebuilt
+    for name, why in result["damaged"].items():
+        print(f"set aside: {name}: {why}")
+    if result["extra"]:
+        print(f"set aside: {shard_span(result['extra'])}: not part of this cache")
+    if result["missing"]:
+        print(f"missing: {shard_span(result['missing'])}")
     if result["rebuilt"]:
-        if result["extra"]:
-            print(f"set aside: {shard_span(result['extra'])}: not part of this cache")
         passed = (
             f" and the arguments ({', '.join(result['from_arguments'])})"
             if result["from_arguments"]
@@ -156,12 +161,6 @@ def _cmd_repair(args: argparse.Namespace) -> int:
                 f"{kept['remove']}"
             )
         return 0
-    for name, why in result["damaged"].items():
-        print(f"set aside: {name}: {why}")
-    if result["extra"]:
-        print(f"set aside: {shard_span(result['extra'])}: not part of this cache")
-    if result["missing"]:
-        print(f"missing: {shard_span(result['missing'])}")
     where = f" (moved to {result['set_aside_in']})" if result["set_aside_in"] else ""
     # the produce_cache hint says itself that it computes only the missing shards
     then = (
