@@ -774,3 +774,33 @@ def test_a_dataloader_beyond_its_dataset_is_refused(tmp_path: Path) -> None:
                                          r"dataset\)"):  # fmt: skip
         _produce(out, 6, 4, 3, collate_fn=repeat_one)
     assert _temps(out) == [] and "manifest.json" not in os.listdir(out)
+
+
+def test_an_accumulator_given_more_or_fewer_rows_than_its_run_names_the_loader(
+    tmp_path: Path,
+) -> None:
+    """Driven directly (the producer's own loops name a short batch first): rows past the run's
+    samples, and a run that ends short of its last shard, each end with the same sentence."""
+    from te_thd.offline_cache.write.loops import ShardAccumulator
+
+    rows = {"a": torch.arange(3, dtype=torch.float32).unsqueeze(1)}
+    one_pass = (
+        r"Shards are cut by sample index, so a producer's loader must yield each sample of its "
+        r"dataset once, in order\.$"
+    )
+    more = (
+        r"^compute_batch returned 1 rows beyond the 2 samples of this run: the dataloader yields "
+        r"more samples than its dataset holds, e\.g\. a collate_fn or sampler that adds samples\. "
+    )
+    fewer = (
+        r"^the run ended with 3 of shard 0's 4 rows: the dataloader yielded fewer samples than "
+        r"its dataset holds \(e\.g\. drop_last, or a collate_fn that drops samples\)\. "
+    )
+    with DurableShardWriter(("a",), pipelined=False) as writer:
+        acc = ShardAccumulator(str(tmp_path / "more"), 4, 0, writer, LOG, total_samples=2)
+        with pytest.raises(RuntimeError, match=more + one_pass):
+            acc.add_batch(rows)
+        acc = ShardAccumulator(str(tmp_path / "fewer"), 4, 0, writer, LOG, total_samples=6)
+        acc.add_batch(rows)
+        with pytest.raises(RuntimeError, match=fewer + one_pass):
+            acc.finalize()

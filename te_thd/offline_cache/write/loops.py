@@ -41,6 +41,12 @@ from te_thd.offline_cache.write.writer import (
     validate_shard_tensors,
 )
 
+#: how a producer's loader must read its dataset (the end of both messages for one that does not)
+_ONE_PASS = (
+    "Shards are cut by sample index, so a producer's loader must yield each sample of its "
+    "dataset once, in order."
+)
+
 
 def _loader_class() -> type:
     """``te_thd.offline_cache.DataLoader`` (torch's unless a test patched it), looked up per
@@ -176,9 +182,7 @@ class ShardAccumulator:
                     f"compute_batch returned {rows - offset} rows beyond the "
                     f"{self._total} samples of this run: "
                     "the dataloader yields more samples than its dataset holds, e.g. "
-                    "a collate_fn or sampler that adds samples. Shards are cut by sample "
-                    "index, so a producer's "
-                    "loader must yield each sample of its dataset once, in order."
+                    f"a collate_fn or sampler that adds samples. {_ONE_PASS}"
                 )
             take = min(rows - offset, shard_rows - self._buffered)
             piece = (
@@ -208,10 +212,7 @@ class ShardAccumulator:
                         f"the run ended with {self._buffered} of shard "
                         f"{self._shard_index}'s {want} rows: the "
                         "dataloader yielded fewer samples than its dataset holds (e.g. "
-                        "drop_last, or a collate_fn "
-                        "that drops samples). Shards are cut by sample index, so a "
-                        "producer's loader must yield "
-                        "each sample of its dataset once, in order."
+                        f"drop_last, or a collate_fn that drops samples). {_ONE_PASS}"
                     ) from exc
             return
         self._flush()
