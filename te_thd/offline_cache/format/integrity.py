@@ -20,6 +20,7 @@ from __future__ import annotations
 import array
 import base64
 import ctypes
+import functools
 import json
 import os
 import struct
@@ -174,6 +175,14 @@ class ShardSums:
     run: dict[str, Any] | None = None
 
 
+def damaged_fields(path: str, fields: str, what: str) -> CacheIntegrityError:
+    """The error of shard ``path`` whose te_thd ``fields`` (e.g. ``"token fields"``) ``what`` (e.g.
+    ``"are not JSON"``): its header was damaged after it was written."""
+    return CacheIntegrityError(
+        f"shard {path}: its {fields} {what}: the header is damaged", path=path
+    )
+
+
 def parse_shard_metadata(
     path: str, metadata: Mapping[str, Any] | None, tensor_entries: Mapping[str, Any]
 ) -> ShardSums | None:
@@ -187,12 +196,7 @@ def parse_shard_metadata(
     """
     if not metadata or META_KEY not in metadata:
         return None
-
-    def bad(what: str) -> CacheIntegrityError:
-        return CacheIntegrityError(
-            f"shard {path}: its te_thd checksum fields {what}: the header is damaged", path=path
-        )
-
+    bad = functools.partial(damaged_fields, path, "te_thd checksum fields")
     try:
         fields = json.loads(metadata[META_KEY])
     except (TypeError, ValueError):
@@ -474,18 +478,31 @@ def read_shard_header(path: str, name: str | None = None) -> ShardHeader:
     return ShardHeader(entries, parse_shard_metadata(name, metadata, header))
 
 
-def header_problems(
-    header: ShardHeader,
+def check_shard_header(
+    path: str,
     schema: Mapping[str, TensorSpec] | None,
     rows: int,
     keys: Sequence[str] | None = None,
-) -> list[str]:
-    """What is wrong with a shard's header for its cache (an empty list: sound).
+    require_sums: bool = False,
+    checksum: str | None = None,
+    name: str | None = None,
+) -> ShardHeader:
+    """Read shard ``path``'s header and check it against its cache: the one header check.
 
     ``schema``: ``{key: TensorSpec}`` every shard must follow (``None``: no dtype/shape check).
     ``rows``: the samples the cache puts in this shard, which the shard's own record must agree
     with. ``keys``: the keys a reader needs (others may exist); ``None``: exactly ``schema``'s.
+    ``require_sums``: the shard must carry te_thd checksums (a manifest of layout >= 3
+    promises them). ``checksum``: the manifest's record; when it is a header digest
+    (:func:`shard_checksum`) the shard's own must match, which catches a shard swapped for
+    another valid one. Raises :class:`CacheIntegrityError` naming the shard ``name`` (default
+    ``path``) and every problem.
     """
+    name = name or path
+    try:
+        header = read_shard_header(path, name)
+    except FileNotFoundError:
+        raise CacheIntegrityError(f"shard {name} is missing", path=name) from None
     entries = logical_entries(header)
     problems = []
     required = list(keys) if keys is not None else list(schema or entries)
@@ -514,33 +531,6 @@ def header_problems(
             )
     if header.sums is not None and header.sums.rows != rows:
         problems.append(f"records {header.sums.rows} rows, the manifest puts {rows} in this shard")
-    return problems
-
-
-def check_shard_header(
-    path: str,
-    schema: Mapping[str, TensorSpec] | None,
-    rows: int,
-    keys: Sequence[str] | None = None,
-    require_sums: bool = False,
-    checksum: str | None = None,
-    name: str | None = None,
-) -> ShardHeader:
-    """Read shard ``path``'s header and check it (:func:`header_problems`): the one header check.
-
-    ``require_sums``: the shard must carry te_thd checksums (a manifest of layout >= 3
-    promises them). ``checksum``: the manifest's record; when it is a header digest
-    (:func:`~te_thd.offline_cache.format.integrity.shard_checksum`) the shard's own must match,
-    which
-    catches a shard swapped for another valid one. Raises :class:`CacheIntegrityError` naming the
-    shard ``name`` (default ``path``) and every problem.
-    """
-    name = name or path
-    try:
-        header = read_shard_header(path, name)
-    except FileNotFoundError:
-        raise CacheIntegrityError(f"shard {name} is missing", path=name) from None
-    problems = header_problems(header, schema, rows, keys)
     if require_sums and header.sums is None:
         problems.append(
             "carries no te_thd checksums although the manifest's layout records them for every "

@@ -4,6 +4,7 @@ file, parsed once from its checked header, and the block sums read and checked o
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass, field
 
@@ -14,6 +15,7 @@ from te_thd.offline_cache.format.integrity import (
     HASH_NAME,
     ShardHeader,
     checksum_mismatch,
+    damaged_fields,
     hash64,
 )
 from te_thd.offline_cache.format.ragged import (
@@ -56,12 +58,7 @@ def token_index(path: str, header: ShardHeader) -> TokenIndex:
     """Parse and check a token shard's ragged fields against its tensor entries."""
     t = header.tokens
     assert t is not None
-
-    def bad(what: str) -> CacheIntegrityError:
-        return CacheIntegrityError(
-            f"shard {path}: its token fields {what}: the header is damaged", path=path
-        )
-
+    bad = functools.partial(damaged_fields, path, "token fields")
     try:
         layout, logical, offsets = t.layout, t.logical, t.offsets
     except (KeyError, TypeError, ValueError) as exc:
@@ -86,17 +83,7 @@ def token_index(path: str, header: ShardHeader) -> TokenIndex:
     e = header.entries.get(BLOCK_SUMS)
     if e is None or e.dtype != torch.uint64 or e.shape != (blocks,):
         raise bad(f"need {blocks} block sums, the entry is {e}")
-    return TokenIndex(
-        path,
-        layout,
-        logical,
-        offsets,
-        stored,
-        start,
-        tables,
-        e.start,
-        t.sums_digest,
-    )
+    return TokenIndex(path, layout, logical, offsets, stored, start, tables, e.start, t.sums_digest)
 
 
 def load_block_sums(index: TokenIndex, fd: int, repair: str) -> dict[str, np.ndarray]:
