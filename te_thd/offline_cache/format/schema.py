@@ -93,12 +93,8 @@ def advise(fd: int, advice: str, offset: int = 0, length: int = 0) -> None:
     here and there (a shard header; a ragged shard), where read-ahead reads what is not needed.
     """
     if _fadvise is not None:
-        _fadvise(
-            fd,
-            offset,
-            length,
-            os.POSIX_FADV_WILLNEED if advice == "willneed" else os.POSIX_FADV_RANDOM,
-        )
+        flag = os.POSIX_FADV_WILLNEED if advice == "willneed" else os.POSIX_FADV_RANDOM
+        _fadvise(fd, offset, length, flag)
 
 
 def canonical_json(obj: Any) -> bytes:
@@ -158,11 +154,8 @@ class TensorSpec:
         return cls(dtype_from_name(obj["dtype"]), tuple(obj["shape"]))
 
     def describe(self) -> str:
-        return (
-            f"{dtype_name(self.dtype)}[n, {', '.join(map(str, self.shape))}]"
-            if self.shape
-            else f"{dtype_name(self.dtype)}[n]"
-        )
+        """``"bfloat16[n, 4096]"``: the dtype and the on-disk shape, ``n`` the samples."""
+        return f"{dtype_name(self.dtype)}[{', '.join(('n', *map(str, self.shape)))}]"
 
 
 #: key -> TensorSpec, in the caller's key order.
@@ -198,9 +191,7 @@ def safe_import_from(
     :func:`load_safetensors` looks it up there on every call.
     """
     del msg
-    for name in (module, fallback_module):
-        if name is None:
-            continue
+    for name in filter(None, (module, fallback_module)):
         try:
             return True, getattr(importlib.import_module(name), symbol)
         except (ImportError, AttributeError):
@@ -305,10 +296,8 @@ def producer_hint(producer: str | None) -> str:
 def command_record(producer: str | None) -> str | None:
     """How a record (the follow record) stores the command ``producer``, which hints spell in
     backticks: plain, as a shell takes it (anything else, e.g. prose quoting code, as given)."""
-    if producer and len(producer) > 2 and producer[0] == producer[-1] == "`":
-        if "`" not in producer[1:-1]:
-            return producer[1:-1]
-    return producer
+    quoted = producer and len(producer) > 2 and producer[0] == producer[-1] == "`"
+    return producer[1:-1] if quoted and "`" not in producer[1:-1] else producer
 
 
 def recorded_command(value: object) -> str | None:
@@ -343,24 +332,20 @@ def lost_manifest(
     say: one is writing it, or it stopped and the command that resumes it), that; with ``shards``
     shard files in ``cache_dir``, the command that rebuilds it from them; else what builds the
     cache."""
+    lost = f"{cache_name} cache manifest not found at {path}"
     if status:
-        return ManifestNotFoundError(
-            f"{cache_name} cache manifest not found at {path} ({shards} shard(s) so far): {status}"
-        )
+        return ManifestNotFoundError(f"{lost} ({shards} shard(s) so far): {status}")
     if shards:
         return ManifestNotFoundError(
-            f"{cache_name} cache manifest not found at {path}, but {cache_dir} holds "
-            f"{shards} shard(s): the manifest "
-            "was lost, or the cache was never finished. Rebuild it from the shards: "
+            f"{lost}, but {cache_dir} holds {shards} shard(s): the manifest was lost, or the "
+            "cache was never finished. Rebuild it from the shards: "
             f"{cache_command('repair', cache_dir)} (it verifies every shard; when one is "
-            "missing it prints the producer command "
-            "that computes it)."
+            "missing it prints the producer command that computes it)."
         )
     build = producer or "its producer (e.g. `te_thd.offline_cache.produce_cache(...)`)"
     return ManifestNotFoundError(
-        f"{cache_name} cache manifest not found at {path}, and {cache_dir} holds no "
-        "shards: the cache was never "
-        f"finished there. Build it with {build}, or point cache_dir at a finished cache."
+        f"{lost}, and {cache_dir} holds no shards: the cache was never finished there. "
+        f"Build it with {build}, or point cache_dir at a finished cache."
     )
 
 
