@@ -270,6 +270,12 @@ class CacheShardSampler(Sampler[int]):
             "version": _STATE_VERSION,
             "epoch": self.epoch,
             "consumed_samples": consumed_samples,
+            **self._settings(),
+        }
+
+    def _settings(self) -> dict[str, Any]:
+        """What fixes the order, which a resumed sampler must share with the saved one."""
+        return {
             "seed": self.seed,
             "shuffle": self.shuffle,
             "shard_size": self.shard_size,
@@ -280,23 +286,16 @@ class CacheShardSampler(Sampler[int]):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue the saved epoch after its ``consumed_samples`` (any ``num_replicas``
         that divides the count)."""
-        for key in ("epoch", "consumed_samples", "seed", "shuffle", "shard_size", "num_samples"):
+        settings = self._settings()
+        # a state saved before "follow" existed lacks it, and did not follow
+        for key in ["epoch", "consumed_samples", *(k for k in settings if k != "follow")]:
             if key not in state:
                 raise ValueError(
                     f"sampler state is missing {key!r} (got keys {sorted(state)}); pass a "
                     "dict from state_dict()"
                 )
-        mismatch = {
-            k: (state.get(k, False), mine)
-            for k, mine in (
-                ("seed", self.seed),
-                ("shuffle", self.shuffle),
-                ("shard_size", self.shard_size),
-                ("num_samples", self.num_samples_total),
-                ("follow", self.follow),
-            )
-            if state.get(k, False) != mine  # a state saved before "follow" existed did not follow
-        }
+        saved = {k: state.get(k, False) for k in settings}
+        mismatch = {k: (saved[k], mine) for k, mine in settings.items() if saved[k] != mine}
         if mismatch:
             detail = ", ".join(f"{k}: saved {a!r}, now {b!r}" for k, (a, b) in mismatch.items())
             raise ValueError(
