@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import torch
 
 from te_thd._cp_strategy import DUAL_CHUNK_SWAP, normalize_strategy
 from te_thd.args import check_int
@@ -31,9 +30,7 @@ from te_thd.offline_cache.format.lengths import LengthRule, for_tensor_spec, pro
 from te_thd.offline_cache.format.ragged import (
     PAGE_BYTES,
     TokenLayout,
-    block_table,
     check_token_keys,
-    row_offsets,
 )
 from te_thd.offline_cache.format.schema import (
     TensorSpec,
@@ -41,12 +38,11 @@ from te_thd.offline_cache.format.schema import (
     dtype_name,
     shard_layout,
     shard_rows,
-    tensor_nbytes,
 )
 from te_thd.offline_cache.read.cp_reads import contiguous_ranges, cp_spans, cp_tokens_read
 from te_thd.offline_cache.record.manifest import manifest_bytes
 from te_thd.offline_cache.record.run import ShardRecord, build_manifest, run_params, run_record
-from te_thd.offline_cache.write.shardfile import shard_header_len
+from te_thd.offline_cache.write.shardfile import ShardStream
 
 #: what a lossy codec's shard records in the manifest, and a figure of the width it usually has
 _LOSS_FIGURES = ("max_rel_l2", "mean_rel_l2")
@@ -207,17 +203,8 @@ def shard_bytes(
     rule: LengthRule | None,
 ) -> int:
     """Bytes of the shard holding samples of ``lengths`` (int64 ``[rows]``), as its writer lays it
-    out."""
-    rows, ragged = int(lengths.size), layout.keys if layout is not None else ()
-    total = shard_header_len(spec.schema, rows, run, layout, rule)
-    total += sum(
-        tensor_nbytes(s.dtype, (rows, *s.shape)) for k, s in spec.schema.items() if k not in ragged
-    )
-    offsets = row_offsets(lengths)
-    for s in layout.stored(spec.schema) if layout is not None else ():
-        total += tensor_nbytes(s.dtype, (int(offsets[-1]), *s.shape))
-        total += tensor_nbytes(torch.uint64, (block_table(offsets, s.block_tokens).blocks,))
-    return total
+    out (:meth:`~te_thd.offline_cache.write.shardfile.ShardStream.file_bytes`)."""
+    return ShardStream(None, spec.schema, int(lengths.size), run, layout, rule).file_bytes(lengths)
 
 
 def manifest_size(

@@ -224,11 +224,7 @@ class ShardStream:
             blocks = sum(len(v) for v in self._block_sums.values())
         else:  # every row at full width
             blocks = sum(self.rows * -(-self.width // s.block_tokens) for s in self.stored)
-        entries = tensor_entries(
-            [(k, s.dtype, [self.rows, *s.shape]) for k, s in self._fixed]
-            + [(s.name, s.dtype, [tokens, *s.shape]) for s in self.stored]
-            + ([(BLOCK_SUMS, torch.uint64, [blocks])] if self.tokens is not None else [])
-        )
+        entries = self._entries(tokens, blocks)
         fields = None
         if self.tokens is not None:
             assert self.rule is not None  # the writer requires one with a token layout
@@ -257,6 +253,25 @@ class ShardStream:
         sums = {k: v if final else [0] * self.rows for k, v in self._sums.items()}
         metadata, self._digest = shard_metadata(entries, sums, self.rows, fields, self._run)
         return build_header(entries, metadata)
+
+    def _entries(self, tokens: int, blocks: int) -> dict[str, Any]:
+        """The header entries, in file order, of this shard holding ``tokens`` tokens in each ragged
+        tensor and ``blocks`` block sums."""
+        return tensor_entries(
+            [(k, s.dtype, [self.rows, *s.shape]) for k, s in self._fixed]
+            + [(s.name, s.dtype, [tokens, *s.shape]) for s in self.stored]
+            + ([(BLOCK_SUMS, torch.uint64, [blocks])] if self.tokens is not None else [])
+        )
+
+    def file_bytes(self, lengths: np.ndarray) -> int:
+        """Bytes of this shard's file when its rows hold ``lengths`` real tokens (int64 ``[rows]``;
+        unused without a token layout): the reserved header and every tensor, as :meth:`finish`
+        lays them out. A layout-only stream (``path=None``) prices a shard without writing it."""
+        offsets = row_offsets(lengths)
+        blocks = sum(block_table(offsets, s.block_tokens).blocks for s in self.stored)
+        data = self._entries(int(offsets[-1]), blocks).values()
+        header = shard_header_len(self.specs, self.rows, self._run, self.tokens, self.rule)
+        return header + max((e["data_offsets"][1] for e in data), default=0)
 
     def write(self, piece: Mapping[str, torch.Tensor]) -> None:
         """Write the next rows: every key of ``specs``, ``[n, *trailing]`` with one ``n``."""
