@@ -71,8 +71,9 @@ from te_thd.offline_cache.record.files import requires_shard_sums
 from te_thd.offline_cache.record.manifest import manifest_schema, shard_records
 
 #: Rows are copied and hashed in pieces of about this many bytes per key (over the read threads),
-#: so the hash reads them from the last-level cache right after the copy; each piece costs Python.
-VERIFY_CHUNK_BYTES = 4 << 20
+#: so the hash reads them from a core's own cache right after the copy (a piece as large as that
+#: cache is hashed from memory); each piece costs one system call and a little Python.
+VERIFY_CHUNK_BYTES = 1 << 20
 
 # safetensors is a hard dependency; load_safetensors explains when it is missing
 try:
@@ -428,7 +429,7 @@ class CachedTensorDataset(Dataset):
         if self._token_keys:
             tokens = TokenRows(
                 self._token_opener,
-                [(shard_index, offset)],
+                (np.array([shard_index]), np.array([offset])),
                 {k: self._schema[k] for k in self._token_keys},
             )
             out.update({k: v[0] for k, v in tokens.padded_many(self._token_keys).items()})

@@ -71,20 +71,42 @@ IOV_MAX = (
 class RunPlan:
     """How to read rows of one shard tensor into rows of a batch tensor.
 
-    ``dst`` (``n`` ints): destination batch rows, sorted by the file row they receive,
-    then by themselves. Run ``k`` fills ``dst[starts[k]:starts[k+1]]`` (``starts``:
-    ``runs + 1`` ints) from file rows ``first_row[k] + 0, 1, ...``; ``dst_contiguous[k]``:
-    those destination rows are consecutive too (the whole run is one iovec).
+    ``rows`` / ``dst_rows`` (int64 ``[n]``): the file rows and the batch rows they fill, sorted
+    by file row, then by batch row; ``new`` (bool ``[n]``): a row starts a run (it is not the
+    previous file row plus one); ``simple``: one run into consecutive batch rows (a sequential
+    read). The list views: run ``k`` fills ``dst[starts[k]:starts[k+1]]`` (``starts``: ``runs +
+    1`` ints) from file rows ``first_row[k] + 0, 1, ...``; ``dst_contiguous[k]``: those batch
+    rows are consecutive too.
     """
 
-    dst: list[int]
-    starts: list[int]
-    first_row: list[int]
-    dst_contiguous: list[bool]
+    rows: np.ndarray
+    dst_rows: np.ndarray
+    new: np.ndarray
+    simple: bool = False
 
     @property
     def num_runs(self) -> int:
-        return len(self.first_row)
+        return int(np.count_nonzero(self.new))
+
+    @property
+    def dst(self) -> list[int]:
+        return self.dst_rows.tolist()
+
+    @property
+    def starts(self) -> list[int]:
+        return [*np.flatnonzero(self.new).tolist(), self.rows.size]
+
+    @property
+    def first_row(self) -> list[int]:
+        return self.rows[self.new].tolist()
+
+    @property
+    def dst_contiguous(self) -> list[bool]:
+        if not self.rows.size:
+            return []
+        jump = np.zeros(self.rows.size, dtype=bool)
+        jump[1:] = (np.diff(self.dst_rows) != 1) & ~self.new[1:]
+        return (~np.logical_or.reduceat(jump, np.flatnonzero(self.new))).tolist()
 
 
 def plan_runs(
@@ -92,42 +114,31 @@ def plan_runs(
 ) -> RunPlan:
     """Cut the file rows ``local`` (``n`` ints, any order, repeats allowed) into runs.
 
-    ``dst`` (``n`` ints, default ``0..n-1``): the batch row each of ``local`` goes
-    to. A run is a maximal stretch of the rows sorted by file position where each
-    row is the previous plus one; a repeated row (wrap-around padding) starts a new
-    run, so the runs partition the batch rows. Pure; plain Python, which beats numpy
-    calls on a batch's few dozen rows.
+    ``dst`` (``n`` ints, default ``0..n-1``): the batch row each of ``local`` goes to. A run
+    is a maximal stretch of the rows sorted by file position where each row is the previous
+    plus one; a repeated row (wrap-around padding) starts a new run, so the runs partition the
+    batch rows. Pure numpy: one sort when the rows are not in order already.
     """
-    rows = local.tolist() if isinstance(local, np.ndarray) else list(local)
-    targets = (
-        range(len(rows))
-        if dst is None
-        else (dst.tolist() if isinstance(dst, np.ndarray) else list(dst))
-    )
-    if len(targets) != len(rows):
-        raise ValueError(
-            f"dst has {len(targets)} rows, local {len(rows)}; pass one batch row per file row"
-        )
-    n = len(rows)
-    if n and dst is None and rows == list(range(rows[0], rows[0] + n)):
-        return RunPlan(list(range(n)), [0, n], [rows[0]], [True])  # sequential reads: one run
-    pairs = sorted(zip(rows, targets, strict=True))
-    out_dst: list[int] = []
-    starts: list[int] = []
-    first_row: list[int] = []
-    contiguous: list[bool] = []
-    prev_row = prev_dst = None
-    for i, (row, d) in enumerate(pairs):
-        if prev_row is None or row != prev_row + 1:
-            starts.append(i)
-            first_row.append(row)
-            contiguous.append(True)
-        elif d != prev_dst + 1:  # type: ignore[operator]
-            contiguous[-1] = False
-        out_dst.append(d)
-        prev_row, prev_dst = row, d
-    starts.append(len(pairs))
-    return RunPlan(out_dst, starts, first_row, contiguous)
+    rows = np.asarray(local, dtype=np.int64).reshape(-1)
+    n = rows.size
+    targets = np.arange(n, dtype=np.int64) if dst is None else np.asarray(dst, dtype=np.int64)
+    if targets.size != n:
+        raise ValueError(f"dst has {targets.size} rows, local {n}; pass one batch row per file row")
+    new = np.zeros(n, dtype=bool)
+    new[:1] = True
+    step = rows[1:] - rows[:-1]
+    if dst is None and n and rows[-1] - rows[0] == n - 1 and (step == 1).all():
+        return RunPlan(rows, targets, new, True)  # a sequential read: one run
+    in_order = dst is None and bool((step > 0).all())  # batch rows 0..n-1 in file order
+    if not in_order:
+        order = np.lexsort((targets, rows))
+        rows, targets = rows[order], targets[order]
+        step = rows[1:] - rows[:-1]
+    np.not_equal(step, 1, out=new[1:])
+    plan = RunPlan(rows, targets, new, in_order and not new[1:].any())
+    if n and not plan.simple and not new[1:].any():  # one run: into consecutive batch rows?
+        plan = RunPlan(rows, targets, new, plan.dst_contiguous[0])
+    return plan
 
 
 def plan_pieces(
@@ -144,73 +155,73 @@ def plan_pieces(
     """The reads that put the planned rows of one tensor into ``dst`` (the bytes of the batch tensor
     ``[B, row]``).
 
-    ``base``: file offset of row 0 of the tensor. A run whose batch rows are consecutive is
-    one piece, or pieces of at most ``chunk_bytes`` (whole rows; 0: no limit) so a checksum
-    finds them in cache and threads can share them. A run scattered over the batch is one
-    iovec per row, at most ``IOV_MAX`` per piece; with ``after`` (called once per piece:
-    ``after(batch row of its first row, its file rows)``), one row per piece. ``owner``:
-    kept by every piece (whatever keeps ``fd`` open until the pieces are read).
+    ``base``: file offset of row 0 of the tensor. An iovec is a stretch of a run whose batch rows
+    are consecutive too; a piece is one ``preadv`` of a run's iovecs, of at most ``chunk_bytes``
+    (whole rows; 0: no limit) so a checksum finds them in cache and threads can share them, and
+    at most ``IOV_MAX`` iovecs. With ``after`` (called once per piece: ``after(batch row of its
+    first row, its file rows)``), a piece is one iovec. ``owner``: kept by every piece (whatever
+    keeps ``fd`` open until the pieces are read). Planned with numpy over the rows (a sequential
+    read or rows of a chunk each need none); Python loops only to make the pieces.
     """
-    dst_rows, starts, first, contiguous = plan.dst, plan.starts, plan.first_row, plan.dst_contiguous
-    step = max(1, chunk_bytes // row_bytes) if chunk_bytes and row_bytes else 0
-    out: list[Piece] = []
-    for k in range(len(first)):
-        a, b = starts[k], starts[k + 1]
-        offset = base + first[k] * row_bytes
-        if contiguous[k]:
-            p, n = dst_rows[a], b - a
-            m = step or n
-            for c in range(0, n, m):
-                r = min(m, n - c)
-                view = dst[(p + c) * row_bytes : (p + c + r) * row_bytes]
-                rows = range(first[k] + c, first[k] + c + r)
-                out.append(
-                    Piece(
-                        fd,
-                        offset + c * row_bytes,
-                        [view],
-                        r * row_bytes,
-                        path,
-                        after,
-                        (p + c, rows),
-                        owner,
-                    )
-                )
-            continue
-        if after is not None:
-            for j, p in enumerate(dst_rows[a:b]):
-                view = dst[p * row_bytes : (p + 1) * row_bytes]
-                row = first[k] + j
-                out.append(
-                    Piece(
-                        fd,
-                        offset + j * row_bytes,
-                        [view],
-                        row_bytes,
-                        path,
-                        after,
-                        (p, range(row, row + 1)),
-                        owner,
-                    )
-                )
-            continue
-        per = min(IOV_MAX, max(1, step)) if step else IOV_MAX
-        for c in range(a, b, per):
-            rows = dst_rows[c : min(b, c + per)]
-            iov = [dst[p * row_bytes : (p + 1) * row_bytes] for p in rows]
-            out.append(
-                Piece(
-                    fd,
-                    offset + (c - a) * row_bytes,
-                    iov,
-                    len(rows) * row_bytes,
-                    path,
-                    None,
-                    (0, ()),
-                    owner,
-                )
+    r, d, new = plan.rows, plan.dst_rows, plan.new
+    n, rb = r.size, row_bytes
+    if not n:
+        return []
+    step = max(1, chunk_bytes // rb) if chunk_bytes and rb else n
+    if plan.simple:  # one run into consecutive batch rows: pieces of ``step`` rows
+        p, q = int(d[0]), int(r[0])
+        return [
+            Piece(
+                fd,
+                base + (q + c) * rb,
+                [dst[(p + c) * rb : (p + c + min(step, n - c)) * rb]],
+                min(step, n - c) * rb,
+                path,
+                after,
+                (p + c, range(q + c, q + c + min(step, n - c))),
+                owner,
             )
-    return out
+            for c in range(0, n, step)
+        ]
+    if step == 1:  # a row a piece
+        return [
+            Piece(fd, off, [dst[lo : lo + rb]], rb, path, after, (p, range(q, q + 1)), owner)
+            for off, lo, p, q in zip(
+                (base + r * rb).tolist(), (d * rb).tolist(), d.tolist(), r.tolist(), strict=True
+            )
+        ]
+    at = np.arange(n)
+    within = at - np.maximum.accumulate(at * new)  # a row's place in its run
+    group = new | (within % step == 0)  # a row that starts a chunk: no piece crosses one
+    seg = group.copy()  # a row that starts an iovec
+    seg[1:] |= d[1:] != d[:-1] + 1
+    first = seg.nonzero()[0]
+    size = np.empty_like(first)
+    size[:-1] = first[1:] - first[:-1]
+    size[-1] = n - first[-1]
+    lo = d[first] * rb
+    views = list(map(dst.__getitem__, map(slice, lo.tolist(), (lo + size * rb).tolist())))
+    if after is not None or first.size == 1:  # an iovec a piece
+        starts = np.arange(first.size)
+    else:  # a chunk's iovecs, IOV_MAX a piece at most
+        k = np.arange(first.size)
+        nth = k - np.maximum.accumulate(k * group[first])
+        starts = (nth % IOV_MAX == 0).nonzero()[0]
+    rows_in = np.add.reduceat(size, starts)
+    bounds = [*starts.tolist(), first.size]
+    heads = first[starts]
+    return [
+        Piece(fd, off, views[a:b], m * rb, path, after, (p, range(q, q + m)), owner)
+        for off, a, b, m, p, q in zip(
+            (base + r[heads] * rb).tolist(),
+            bounds[:-1],
+            bounds[1:],
+            rows_in.tolist(),
+            d[heads].tolist(),
+            r[heads].tolist(),
+            strict=True,
+        )
+    ]
 
 
 #: A (key, shard) part of a batch is read with ``preadv`` when its runs of consecutive file
@@ -237,62 +248,44 @@ def batch_groups(
 ) -> list[Part]:
     """The parts of a batch of ``total``-sample cache indices ``indices`` (negative ones count from
     the end), one per shard; ``TypeError`` / ``IndexError`` for an index that is not an int or is
-    out of range, naming it as given and ``where`` (the cache)."""
+    out of range, naming it as given and ``where`` (the cache). Numpy over the indices."""
     if set(map(type, indices)) != {int}:  # a float or str would pass the range test below
         indices = [check_index(f"indices[{i}]", v, total, where) for i, v in enumerate(indices)]
-    lo, hi = min(indices), max(indices)
-    if lo >= 0 and hi < total and lo // shard_size == hi // shard_size:
-        # the common case (shard-block order, sequential reads): one shard
-        shard = lo // shard_size
-        return [(shard, np.asarray(indices, dtype=np.int64) - shard * shard_size, None)]
-    if len(indices) <= 64:  # a batch's few rows: Python ints beat numpy's per-call cost
-        by: dict[int, tuple[list[int], list[int]]] = {}
-        for p, i in enumerate(indices):
-            j = i + total if i < 0 else i
-            if not 0 <= j < total:
-                check_index(f"indices[{p}]", i, total, where)
-            s = j // shard_size
-            if s not in by:
-                by[s] = ([], [])
-            by[s][0].append(j - s * shard_size)
-            by[s][1].append(p)
-        return [
-            (s, np.array(rows, dtype=np.int64), np.array(pos, dtype=np.int64))
-            for s, (rows, pos) in sorted(by.items())
-        ]
     idx = np.asarray(indices, dtype=np.int64)
-    idx = np.where(idx < 0, idx + total, idx)
-    bad = np.flatnonzero((idx < 0) | (idx >= total))
-    if bad.size:
-        check_index(f"indices[{bad[0]}]", indices[bad[0]], total, where)
+    lo, hi = int(idx.min()), int(idx.max())
+    if lo < 0 or hi >= total:
+        idx[idx < 0] += total
+        bad = np.flatnonzero((idx < 0) | (idx >= total))
+        if bad.size:
+            check_index(f"indices[{bad[0]}]", indices[bad[0]], total, where)
+        lo, hi = int(idx.min()), int(idx.max())
+    if lo // shard_size == hi // shard_size:  # the common case (shard-block order): one shard
+        shard = lo // shard_size
+        return [(shard, idx - shard * shard_size, None)]
     shards = idx // shard_size
     order = np.argsort(shards, kind="stable")  # batch positions, grouped by shard
     sorted_shards = shards[order]
-    cuts = (np.flatnonzero(np.diff(sorted_shards)) + 1).tolist()
-    bounds = [0, *cuts, idx.size]
+    bounds = [0, *(np.flatnonzero(np.diff(sorted_shards)) + 1).tolist(), idx.size]
     out: list[Part] = []
-    for a, b in zip(bounds[:-1], bounds[1:], strict=True):
-        shard = int(sorted_shards[a])
-        pos = order[a:b]
+    for a, b in zip(bounds[:-1], bounds[1:], strict=True):  # one part per shard
+        shard, pos = int(sorted_shards[a]), order[a:b]
         out.append((shard, idx[pos] - shard * shard_size, pos))
     return out
 
 
 def is_run(a: np.ndarray) -> bool:
-    """True iff the int array ``a`` is ``[a0, a0+1, ..., a0+n-1]`` (Python ints: numpy's per-call
-    cost exceeds a batch's few rows)."""
-    rows = a.tolist()
-    return not rows or rows == list(range(rows[0], rows[0] + len(rows)))
+    """True iff the int array ``a`` is ``[a0, a0+1, ..., a0+n-1]``."""
+    return a.size < 2 or bool(a[-1] - a[0] == a.size - 1 and (np.diff(a) == 1).all())
 
 
-def batch_places(groups: Sequence[Part], n: int) -> list[tuple[int, int]]:
-    """``(shard, row)`` of each of the ``n`` batch rows, from the batch's shard groups."""
-    places: list[tuple[int, int]] = [(0, 0)] * n
+def batch_places(groups: Sequence[Part], n: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(shard, row)`` of each of the ``n`` batch rows (int64 ``[n]`` each), from the batch's
+    shard groups."""
+    shards, rows = np.empty(n, dtype=np.int64), np.empty(n, dtype=np.int64)
     for shard, local, pos in groups:
-        at = range(local.size) if pos is None else pos.tolist()
-        for p, r in zip(at, local.tolist(), strict=True):
-            places[p] = (shard, r)
-    return places
+        at = slice(None) if pos is None else pos
+        shards[at], rows[at] = shard, local
+    return shards, rows
 
 
 def row_nbytes(e: HeaderEntry) -> int:
@@ -322,27 +315,20 @@ def choose_engines(
     entries: dict[str, HeaderEntry],
 ) -> tuple[dict[str, bool], RunPlan | None]:
     """``{key: read with preadv}`` for rows ``local`` -> batch rows ``pos`` of one shard,
-    and the run plan if counting the runs needed one (the preadv pieces reuse it).
+    and their run plan (the pieces reuse it).
 
     :data:`COPY_ENGINE` ``"preadv"`` / ``"mapped"`` decides alone. ``"auto"``: a key goes
     through ``preadv`` when its runs average at least :data:`PREADV_MIN_RUN_BYTES`; then
     every key whose rows are one run joins it (one more system call costs less than a
     gather's fixed cost), while a part with no such key gathers throughout.
     """
+    plan = plan_runs(local, pos)  # the same row pattern for every key: planned once
     if COPY_ENGINE != "auto":
-        return dict.fromkeys(keys, COPY_ENGINE == "preadv"), None
+        return dict.fromkeys(keys, COPY_ENGINE == "preadv"), plan
     min_run_bytes = PREADV_MIN_RUN_BYTES
-    plan: RunPlan | None = None  # the same row pattern for every key: planned at most once
-    out: dict[str, bool] = {}
-    for key in keys:
-        row_bytes = row_nbytes(entries[key])
-        use = row_bytes >= min_run_bytes
-        # the run count is only needed when the bounds 1 <= runs <= m leave it open
-        if not use and row_bytes * local.size >= min_run_bytes:
-            plan = plan or plan_runs(local, pos)
-            use = row_bytes * local.size >= min_run_bytes * plan.num_runs
-        out[key] = use
-    if any(out.values()) and is_run(local) and (pos is None or is_run(pos)):
+    runs = plan.num_runs
+    out = {k: row_nbytes(entries[k]) * local.size >= min_run_bytes * runs for k in keys}
+    if plan.simple and any(out.values()):
         return dict.fromkeys(keys, True), plan
     return out, plan
 
@@ -374,13 +360,12 @@ def plan_shard_rows(
     are not one stretch go to a scratch tensor, moved into place by the batch's last step
     (appended to ``scattered``).
     """
-    if f.tokens is None:
-        engines, plan = choose_engines(keys, local, pos, f.header.entries)
-    else:
+    engines, plan = choose_engines(keys, local, pos, f.header.entries)
+    if f.tokens is not None:
         # a token shard's per-sample keys are small: preadv them. A mapping's page faults would
         # read around them and leave read-ahead marks that make the kernel prefetch the ragged
         # tensors behind them too, which a CP rank reads only a share of
-        engines, plan = dict.fromkeys(keys, True), None
+        engines = dict.fromkeys(keys, True)
     path, entries = f.name, f.header.entries  # messages name the shard as its storage does
 
     def verifier(key: str, dst: torch.Tensor) -> Callable[[int, Sequence[int]], None] | None:
@@ -404,66 +389,45 @@ def plan_shard_rows(
         return after
 
     views: dict[str, torch.Tensor] | None = None
-    local_run = pos_run = False
-    rows_t: torch.Tensor | None = None
-    all_rows: Sequence[int] = ()
+    m = local.size
+    # one run into consecutive batch rows: a slice copy; else an index, in batch order
+    first, start = (int(plan.rows[0]), int(plan.dst_rows[0])) if plan.simple else (0, 0)
+    rows_t = None if plan.simple else torch.from_numpy(local)
+    all_rows = range(first, first + m) if plan.simple else local.tolist()
     for key in keys:
         e = entries[key]
         row_bytes = row_nbytes(e)
         if engines[key]:
             after = verifier(key, out[key])
-            plan = plan or plan_runs(local, pos)
             pieces += plan_pieces(
                 fd, e.start, row_bytes, plan, raw[key], path, after, chunk, owner=f
             )
             continue
-        if views is None:  # the row pattern is the same for every key: work it out once per shard
+        if views is None:
             views = f.mapped(keys, repair)
-            local_run, pos_run = is_run(local), pos is None or is_run(pos)
-            rows_t = None if local_run else torch.from_numpy(local)
-            all_rows = (
-                range(int(local[0]), int(local[0]) + local.size) if local_run else local.tolist()
-            )
         dst = out[key]
-        if pos is None and local.size == dst.shape[0]:
-            target = dst
-        elif pos is None or pos_run:
-            start = 0 if pos is None else int(pos[0])
-            target = dst[start : start + local.size]
+        if plan.simple or pos is None or is_run(pos):
+            if pos is not None and not plan.simple:
+                start = int(pos[0])
+            target = dst if start == 0 and m == dst.shape[0] else dst[start : start + m]
         else:
-            target = torch.empty((local.size, *dst.shape[1:]), dtype=dst.dtype)
+            target = torch.empty((m, *dst.shape[1:]), dtype=dst.dtype)
             scattered.append((dst, torch.from_numpy(pos), target))
         after = verifier(key, target)
-        step = max(1, chunk // row_bytes) if chunk and row_bytes else local.size
-        first = int(local[0]) if local_run else 0
-        if step >= local.size:  # the common case: one piece for the key's rows of this shard
-            pieces.append(
-                GatherPiece(
-                    views[key],
-                    rows_t,
-                    first,
-                    target,
-                    local.size * row_bytes,
-                    path,
-                    after,
-                    (0, all_rows),
-                )
+        step = max(1, chunk // row_bytes) if chunk and row_bytes else m
+        pieces += [
+            GatherPiece(
+                views[key],
+                None if rows_t is None else rows_t[a : a + step],
+                first + a if rows_t is None else 0,
+                target[a : a + step],
+                min(step, m - a) * row_bytes,
+                path,
+                after,
+                (a, all_rows[a : a + step]),
             )
-            continue
-        for a in range(0, local.size, step):
-            m = min(step, local.size - a)
-            pieces.append(
-                GatherPiece(
-                    views[key],
-                    None if rows_t is None else rows_t[a : a + m],
-                    first + a if local_run else 0,
-                    target[a : a + m],
-                    m * row_bytes,
-                    path,
-                    after,
-                    (a, all_rows[a : a + m]),
-                )
-            )
+            for a in range(0, m, step)
+        ]
 
 
 def _missing(path: str, repair: str) -> CacheIntegrityError:

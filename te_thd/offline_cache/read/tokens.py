@@ -232,20 +232,23 @@ Opener = Callable[[int], tuple[int, TokenIndex, ReadContext]]
 
 
 class TokenRows:
-    """A batch's ragged keys, not yet read: ``B`` samples at ``(shard, row)`` ``places``.
+    """A batch's ragged keys, not yet read: ``B`` samples at ``places`` (``(shards, rows)``, int64
+    ``[B]`` each).
 
     ``lengths``: int64 ``[B]`` (from the shard offsets, no data read); ``specs``: each key's logical
     ``[L, ...]`` spec. Reads go through ``opener`` (the dataset's open shards).
     """
 
     def __init__(
-        self, opener: Opener, places: Sequence[tuple[int, int]], specs: Mapping[str, TensorSpec]
+        self,
+        opener: Opener,
+        places: tuple[np.ndarray, np.ndarray],
+        specs: Mapping[str, TensorSpec],
     ) -> None:
         self._opener = opener
-        self.shards = np.asarray([p[0] for p in places], dtype=np.int64)
-        self.rows = np.asarray([p[1] for p in places], dtype=np.int64)
+        self.shards, self.rows = places
         self.specs = dict(specs)
-        lengths = np.empty(len(places), dtype=np.int64)
+        lengths = np.empty(self.rows.size, dtype=np.int64)
         for shard in np.unique(self.shards).tolist():
             at = self.shards == shard
             lengths[at] = opener(shard)[1].lengths[self.rows[at]]
