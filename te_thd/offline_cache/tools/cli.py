@@ -189,6 +189,11 @@ def _cmd_unlock(args: argparse.Namespace) -> int:
     return 0
 
 
+def _key_list(text: str | None) -> tuple[str, ...] | None:
+    """The keys of a ``K1,K2`` flag (``None``: the flag was not given)."""
+    return None if text is None else tuple(k for k in text.split(",") if k)
+
+
 def _cmd_plan(args: argparse.Namespace) -> int:
     try:
         if args.lengths is None or not args.key:
@@ -225,19 +230,11 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                 f"--key names a key twice ({[k.partition('=')[0] for k in args.key]}); "
                 "give each key once"
             )
-        token_keys = (
-            default_token_keys(schema, max_len)
-            if args.token_keys is None
-            else tuple(k for k in args.token_keys.split(",") if k)
-        )
+        listed, codec_keys = _key_list(args.token_keys), _key_list(args.codec_keys)
+        token_keys = default_token_keys(schema, max_len) if listed is None else listed
         named = [("--length-key", args.length_key), ("--input-key", args.input_key)]
-        named += [
-            (f, k)
-            for f, v in (("--token-keys", args.token_keys), ("--codec-keys", args.codec_keys))
-            if v
-            for k in v.split(",")
-            if k
-        ]
+        named += [("--token-keys", k) for k in listed or ()]
+        named += [("--codec-keys", k) for k in codec_keys or ()]
         for flag, value in named:
             if value is not None and value not in schema:
                 raise ValueError(
@@ -257,9 +254,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             length_key=args.length_key,
             input_key=args.input_key or "input_ids",
             pack_seq_len=args.pack_seq_len,
-            codec_keys=None
-            if args.codec_keys is None
-            else tuple(k for k in args.codec_keys.split(",") if k),
+            codec_keys=codec_keys,
             batch_size=args.batch_size,
             vocab_size=args.vocab_size,
             strategy=args.cp_strategy,
