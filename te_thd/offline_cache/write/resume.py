@@ -283,10 +283,8 @@ def existing_record(
         )
     lengths = None
     if length_rule is not None:
-        lengths = tuple(
-            int(v)
-            for v in read_shard_lengths(path, for_tensor_spec(length_rule, schema[length_rule.key]))
-        )
+        rule = for_tensor_spec(length_rule, schema[length_rule.key])
+        lengths = tuple(read_shard_lengths(path, rule).tolist())
     fidelity = check.header.tokens.fidelity if check.header.tokens is not None else None
     return ShardRecord(
         bytes=check.bytes, checksum=check.checksum, lengths=lengths, fidelity=fidelity
