@@ -91,9 +91,8 @@ class LengthRule:
             out = (t != 0).sum(1)
         else:
             real = t != self.pad_token_id
-            last = t.shape[1] - torch.flip(real, [1]).to(torch.int8).argmax(
-                1
-            )  # after the last real entry
+            # after the last real entry
+            last = t.shape[1] - torch.flip(real, [1]).to(torch.int8).argmax(1)
             out = torch.where(real.any(1), last, torch.zeros_like(last))
         return out.to(torch.int64).numpy()
 

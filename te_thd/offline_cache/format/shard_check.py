@@ -116,9 +116,8 @@ def verify_shard_file(
     if algo == LEGACY_CHECKSUM or (algo is None and header.sums is None):
         checksum = _file_crc32(path)
     else:
-        assert (
-            header.sums is not None
-        )  # check_shard_header: a digest record needs the te_thd fields
+        # check_shard_header: a digest record needs the te_thd fields
+        assert header.sums is not None
         checksum = shard_checksum(header.sums.digest)
     if record is not None:
         assert expected is not None

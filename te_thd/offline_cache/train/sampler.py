@@ -37,7 +37,7 @@ from te_thd.args import check_int
 from te_thd.balance import DEFAULT_ATTN_SCALE, min_rows_per_replica, plan_global_batch
 from te_thd.offline_cache.format.integrity import on_cpu
 from te_thd.offline_cache.format.lengths import LengthRule
-from te_thd.offline_cache.format.schema import shard_layout, shard_rows
+from te_thd.offline_cache.format.schema import num_shards, shard_rows
 
 __all__ = [
     "BalancedBatchSampler",
@@ -84,12 +84,9 @@ def _epoch_blocks(
     order; it is called only for blocks that are read, so the order costs
     O(num_shards + shard_size) memory whatever the cache size.
     """
-    count = shard_layout(num_samples, shard_size)[0]
-    shards = (
-        _shard_rng(seed, epoch).permutation(count)
-        if shuffle and not (follow and epoch == 0)
-        else range(count)
-    )
+    count = num_shards(num_samples, shard_size)
+    in_order = not shuffle or (follow and epoch == 0)
+    shards = range(count) if in_order else _shard_rng(seed, epoch).permutation(count)
     for shard in map(int, shards):
         rows = shard_rows(shard, num_samples, shard_size)
         yield rows, functools.partial(_block, seed, epoch, shard, shard * shard_size, rows, shuffle)
@@ -181,17 +178,17 @@ class CacheShardSampler(Sampler[int]):
                 rank = d_rank if num_replicas == d_size else 0
         check_int("num_replicas", num_replicas, 1, meaning=" (the data-parallel size)")
         check_int("rank", rank, 0, below=num_replicas, bound_name="num_replicas")
+        shards_of_data = getattr(data_source, "shard_size", None)
         if shard_size is None:
-            shard_size = int(getattr(data_source, "shard_size", 1) or 1)
+            shard_size = int(shards_of_data or 1)
         check_int("shard_size", shard_size, 1)
         _check_seed(seed, 0)
         #: epoch 0 in index order (a dataset following its producer)
         self.follow = bool(getattr(data_source, "follow", False))
-        if self.follow and shard_size != getattr(data_source, "shard_size", None):
+        if self.follow and shard_size != shards_of_data:
             raise ValueError(
                 f"shard_size={shard_size}: the dataset follows its producer, whose shards hold "
-                f"{getattr(data_source, 'shard_size', None)} samples; epoch 0 visits them "
-                "in index order, so omit "
+                f"{shards_of_data} samples; epoch 0 visits them in index order, so omit "
                 "shard_size (the dataset's is used)"
             )
         self.num_samples_total = len(data_source)
