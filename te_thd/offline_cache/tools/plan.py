@@ -319,11 +319,11 @@ def plan_cache(lengths: Sequence[int] | np.ndarray, spec: CacheSpec) -> list[Lay
 def human_bytes(n: float) -> str:
     """``1536`` -> ``"1.5 KiB"`` (``"512 B"`` below a KiB; TiB at most)."""
     value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024:
             return f"{value:.1f} {unit}" if unit != "B" else f"{n:.0f} B"
         value /= 1024
-    return f"{n:.0f} B"  # pragma: no cover
+    return f"{value:.1f} TiB"
 
 
 def plan_json(
