@@ -122,12 +122,9 @@ class CachedDataLoader(DataLoader):
                 yield collate(dataset[index])
             return
         start = getattr(dataset, "start_read", None) if self.read_ahead else None
-        if start is not None:
-            ready = getattr(dataset, "ready", None)
-            yield from _read_ahead(start, dataset.__getitems__, self.batch_sampler, collate, ready)
-            return
-        for indices in self.batch_sampler:
-            yield collate(read_samples(dataset, indices))
+        read = functools.partial(read_samples, dataset)
+        ready = getattr(dataset, "ready", None)
+        yield from _read_ahead(start, read, self.batch_sampler, collate, ready)
 
     def consumed_samples(self) -> int:
         """Samples of the current epoch the loop has received, over all replicas."""
@@ -176,7 +173,7 @@ def _map_tensors(batch: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
 
 
 def _read_ahead(
-    start: Callable[[Sequence[int]], Any],
+    start: Callable[[Sequence[int]], Any] | None,
     read: Callable[[Sequence[int]], Any],
     batches: Iterator[Sequence[int]] | Any,
     collate: Callable[[Any], Any],
@@ -188,10 +185,11 @@ def _read_ahead(
     Each batch is read by ``read``, or, when the consumer's last time between batches
     was at least half the last synchronous read, started by ``start`` before the
     previous batch is handed out, so the reader's threads copy it while the consumer
-    works. A consumer that asks for the next batch at once is served synchronously:
-    there read-ahead would only contend with the planning of the next batch
-    (docs/performance-io.md). A read still in flight when the consumer stops early is
-    waited for (its buffers must not be written once they can be handed out again).
+    works; ``start`` None (a dataset that cannot, or ``read_ahead=False``): every batch by
+    ``read``. A consumer that asks for the next batch at once is served synchronously: there
+    read-ahead would only contend with the planning of the next batch (docs/performance-io.md).
+    A read still in flight when the consumer stops early is waited for (its buffers must not
+    be written once they can be handed out again).
 
     ``ready(indices)`` False (a followed producer has not committed their shards yet):
     that batch is not started ahead, so the batch before it is handed out at once and
@@ -213,7 +211,7 @@ def _read_ahead(
                 batch = current.result()
             indices = next(it, None)
             timed_out = None
-            if indices is not None and 2 * step_s >= read_s:
+            if indices is not None and start is not None and 2 * step_s >= read_s:
                 try:
                     pending = start(indices) if ready is None or ready(indices) else None
                 except FollowTimeoutError as exc:  # waited its follow_timeout already
