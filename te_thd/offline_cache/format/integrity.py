@@ -542,9 +542,8 @@ def check_shard_header(
         )
         if actual != checksum:
             problems.append(
-                f"its header digest is {actual}, the manifest records {checksum}: the "
-                "shard was swapped for "
-                "another or replaced after the manifest was written"
+                f"its header digest is {actual}, the manifest records {checksum}: the shard was "
+                "swapped for another or replaced after the manifest was written"
             )
     if problems:
         raise CacheIntegrityError(f"shard {name}: {'; '.join(problems)}", path=name)

@@ -441,9 +441,8 @@ def build_cached_dataloader(
         packer = getattr(collate_fn, "packer", None)
         if packer is None:
             raise ValueError(
-                "balance=True plans each step's rows: pass "
-                "collate_fn=CachedThdCollator(...) (its seq_len "
-                f"and padding are planned for), not {type(collate_fn).__name__}"
+                "balance=True plans each step's rows: pass collate_fn=CachedThdCollator(...) "
+                f"(its seq_len and padding are planned for), not {type(collate_fn).__name__}"
             )
         if lengths is None:
             cache_dir = getattr(dataset, "cache_dir", None)
@@ -483,19 +482,17 @@ def build_cached_dataloader(
     per_replica = sampler.total_size // dp_size
     if drop_last and 0 < len(dataset) < dp_size:
         raise ValueError(
-            f"the dataset's {len(dataset)} samples are too few for {dp_size} "
-            "data-parallel replicas with "
-            "drop_last=True: every replica needs at least one, so the loader would yield "
-            "nothing; use a dataset of "
-            f"at least {dp_size} samples, fewer replicas, or drop_last=False"
+            f"the dataset's {len(dataset)} samples are too few for {dp_size} data-parallel "
+            "replicas with drop_last=True: every replica needs at least one, so the loader "
+            f"would yield nothing; use a dataset of at least {dp_size} samples, fewer replicas, "
+            "or drop_last=False"
         )
     if drop_last and len(dataset) > 0 and per_replica < batch_size:
         raise ValueError(
-            f"batch_size={batch_size} with drop_last=True: each of the {dp_size} "
-            "data-parallel replica(s) gets "
-            f"{per_replica} of the {len(dataset)} samples per epoch, fewer than one "
-            "batch, so the loader would "
-            f"yield nothing; pass batch_size <= {per_replica}, or drop_last=False"
+            f"batch_size={batch_size} with drop_last=True: each of the {dp_size} data-parallel "
+            f"replica(s) gets {per_replica} of the {len(dataset)} samples per epoch, fewer than "
+            f"one batch, so the loader would yield nothing; pass batch_size <= {per_replica}, or "
+            "drop_last=False"
         )
     if resume_state is not None and start_sample:
         raise ValueError(f"pass resume_state or start_sample={start_sample}, not both")
@@ -563,9 +560,9 @@ def _check_picklable_collate(collate_fn: Any, context: Any, why: str) -> None:
     except Exception as exc:  # noqa: BLE001 - whatever pickle raises, a worker would raise too
         name = getattr(collate_fn, "__qualname__", type(collate_fn).__name__)
         raise ValueError(
-            f"collate_fn={name!r} cannot be pickled ({type(exc).__name__}: {exc}), and "
-            "the DataLoader "
-            f"workers start by {method} ({why}), which sends collate_fn to them pickled; pass a "
+            f"collate_fn={name!r} cannot be pickled ({type(exc).__name__}: {exc}), and the "
+            f"DataLoader workers start by {method} ({why}), which sends collate_fn to them "
+            "pickled; pass a "
             "module-level function, or a picklable object such as functools.partial of one"
         ) from None
 

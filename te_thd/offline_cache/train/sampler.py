@@ -302,9 +302,8 @@ class CacheShardSampler(Sampler[int]):
         consumed = int(state["consumed_samples"])
         if consumed % self.num_replicas:
             raise ValueError(
-                f"consumed_samples={consumed} is not a multiple of "
-                f"num_replicas={self.num_replicas}; "
-                "every replica must have consumed the same number of samples"
+                f"consumed_samples={consumed} is not a multiple of num_replicas="
+                f"{self.num_replicas}; every replica must have consumed the same number of samples"
             )
         if consumed > self.total_size:
             raise ValueError(
