@@ -124,14 +124,24 @@ def for_tensor_spec(rule: LengthRule, spec: TensorSpec) -> LengthRule:
     )
 
 
+def keyed_rule(length_key: str | None, mask_key: str | None, otherwise: LengthRule) -> LengthRule:
+    """The rule a pair of length options names: ``length_key``'s value, else ``mask_key``'s nonzero
+    count, else ``otherwise`` (the order of ``CachedThdCollator`` and ``scan_lengths``)."""
+    if length_key is not None:
+        return LengthRule(length_key, "value")
+    if mask_key is not None:
+        return LengthRule(mask_key, "nonzero")
+    return otherwise
+
+
 def collator_rule(collate_fn: Any) -> LengthRule:
     """The lengths a ``CachedThdCollator`` packs: its ``length_key``'s value, its ``mask_key``'s
     nonzero count, else the full row of its ``input_key``."""
-    if getattr(collate_fn, "length_key", None) is not None:
-        return LengthRule(collate_fn.length_key, "value")
-    if getattr(collate_fn, "mask_key", None) is not None:
-        return LengthRule(collate_fn.mask_key, "nonzero")
-    return LengthRule(getattr(collate_fn, "input_key", DEFAULT_LENGTH_KEY), "row")
+    return keyed_rule(
+        getattr(collate_fn, "length_key", None),
+        getattr(collate_fn, "mask_key", None),
+        LengthRule(getattr(collate_fn, "input_key", DEFAULT_LENGTH_KEY), "row"),
+    )
 
 
 def for_tensor(rule: LengthRule, t: torch.Tensor) -> LengthRule:

@@ -36,7 +36,7 @@ from torch.utils.data import Dataset, Sampler
 from te_thd.args import check_int
 from te_thd.balance import DEFAULT_ATTN_SCALE, min_rows_per_replica, plan_global_batch
 from te_thd.offline_cache.format.integrity import on_cpu
-from te_thd.offline_cache.format.lengths import LengthRule
+from te_thd.offline_cache.format.lengths import LengthRule, keyed_rule
 from te_thd.offline_cache.format.schema import num_shards, shard_rows
 
 __all__ = [
@@ -477,12 +477,7 @@ def scan_lengths(
     ``input_key`` (up to and including the last token that is not ``pad_token_id``).
     The dataset must read those keys. Reads ``block`` samples at a time.
     """
-    if length_key is not None:
-        rule = LengthRule(length_key, "value")
-    elif mask_key is not None:
-        rule = LengthRule(mask_key, "nonzero")
-    else:
-        rule = LengthRule(input_key, "last_nonpad", pad_token_id)
+    rule = keyed_rule(length_key, mask_key, LengthRule(input_key, "last_nonpad", pad_token_id))
     return scan_rule(dataset, rule, block)
 
 
