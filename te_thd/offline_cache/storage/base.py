@@ -54,6 +54,8 @@ _PRIVATE = re.compile(r"^[a-z0-9]+-(?P<host>.+)-(?P<pid>[0-9]+)-(?P<start>[0-9]+
 LOCK_NAME = ".te_thd-producer.lock"
 # ".<target name>.<pid>-<8 hex>.tmp": dot-prefixed so SHARD_RE / MANIFEST_NAME never match.
 TEMP_RE = re.compile(r"^\..+\.\d+-[0-9a-f]{8}\.tmp$")
+#: what a non-blocking flock fails with while another process holds the lock
+_HELD = (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES)
 
 
 class StorageError(CacheError):
@@ -61,6 +63,16 @@ class StorageError(CacheError):
     configuration problem, not a damaged cache: the command line exits with :attr:`exit_status`."""
 
     exit_status = 2
+
+
+def json_object(raw: bytes | None) -> dict[str, Any]:
+    """The JSON object of a producer's record (the lock's holder, the follow record, the run's
+    options); ``{}`` when there is none, or it is not one."""
+    try:
+        value = json.loads(raw.decode() or "{}") if raw is not None else {}
+    except (UnicodeDecodeError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 def temp_path_for(path: str) -> str:
@@ -157,11 +169,11 @@ class ProducerLock:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as exc:
                 os.close(fd)
-                if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                if exc.errno in _HELD:
                     try:  # the holder's record: informational only, the flock is the lock
-                        record = json.loads(pathlib.Path(self.path).read_bytes() or b"{}")
+                        record = json_object(pathlib.Path(self.path).read_bytes())
                         holder = f"pid {record['pid']} on host {record['host']}"
-                    except (OSError, ValueError, KeyError, TypeError):
+                    except (OSError, KeyError):
                         holder = "holder unknown"
                     raise CacheLockError(
                         f"output_dir {self.cache_dir} is held by another producer "
@@ -216,7 +228,7 @@ def flock_held(path: str) -> bool | None:
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except OSError as exc:
-        return True if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES) else None
+        return True if exc.errno in _HELD else None
     else:
         fcntl.flock(fd, fcntl.LOCK_UN)
         return False
@@ -341,11 +353,9 @@ class Storage(ABC):
         return self.readable(obj)[0]
 
     def whole(self, obj: str) -> str:
-        """The local path of shard ``obj`` with every byte present (verify, resume)."""
-        path, fetch = self.readable(obj)
-        if fetch is not None:
-            fetch([(0, self.list()[obj])])
-        return path
+        """The local path of shard ``obj`` with every byte present (verify, resume); of a store
+        whose :meth:`readable` needs no fetch, that path."""
+        return self.readable(obj)[0]
 
     def prepare_reads(self, known: Known | None = None) -> None:  # noqa: B027 - nothing locally
         """Prepare this process and the DataLoader workers it starts to read (an object store: the
@@ -373,11 +383,7 @@ class Storage(ABC):
         raw = self.get(LOCK_NAME)
         if raw is None:
             return None
-        try:
-            holder = json.loads(raw.decode() or "{}")
-        except (UnicodeDecodeError, ValueError):
-            holder = {}
-        holder = holder if isinstance(holder, dict) else {}
+        holder = json_object(raw)
         mine = holder.get("host") == socket.gethostname() and "pid" in holder
         return {**holder, "alive": process_alive(holder["pid"]) if mine else None}
 
@@ -460,9 +466,8 @@ class LocalDirectory(Storage):
     def unlock(self) -> str | None:
         self.must_exist(MANIFEST_NAME)
         raise CacheLockError(
-            f"{self.name} is a local directory: its producer lock is a flock the kernel "
-            "drops when the "
-            "producer dies, so there is nothing to remove"
+            f"{self.name} is a local directory: its producer lock is a flock the kernel drops "
+            "when the producer dies, so there is nothing to remove"
         )
 
     def clean(self) -> list[str]:
@@ -497,9 +502,8 @@ _FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 1, 2
 
 def punch_hole(path: str, size: int) -> None:
     """Free the local bytes of file ``path`` (``size`` bytes; a read-through copy's shard), keeping
-    its
-    size: another process reading it through a mapping (a DataLoader worker) then reads zeros, which
-    its checksums reject, instead of faulting past the end of a truncated file. Linux:
+    its size: another process reading it through a mapping (a DataLoader worker) then reads zeros,
+    which its checksums reject, instead of faulting past the end of a truncated file. Linux:
     fallocate(PUNCH_HOLE)."""
     fd, fallocate = os.open(path, os.O_RDWR), _libc_fallocate()
     try:

@@ -9,11 +9,12 @@ addresses object storage behind ``--enable-msc``.
   ``path`` is relative to the profile's ``base_path``. The process that opens the cache finds the
   file as MSC does; each process (every rank, every DataLoader worker) makes its own client from
   that file, whatever its own environment says.
-- **everything but the object operations** is :class:`~te_thd.offline_cache.storage.s3.S3Prefix`'s:
-the staged upload (a shard goes up whole, with MSC's multipart upload when large), the read-through
-  copy, the producer lock's record and its takeover, the objects set aside. Here each object
-  operation goes through MSC's ``StorageClient``, and what every request would meet (a profile MSC
-  does not know, no answer, no such bucket, access denied) becomes one :class:`StorageError` line.
+- **everything but the client calls** is :class:`~te_thd.offline_cache.storage.s3.S3Prefix`'s:
+  the object operations, the staged upload (a shard goes up whole, with MSC's multipart upload
+  when large), the read-through copy, the producer lock's record and its takeover, the objects set
+  aside. Here each client call (``_get``, ``_put`` and the rest) goes through MSC's
+  ``StorageClient``, and what every request would meet (a profile MSC does not know, no answer,
+  no such bucket, access denied) becomes one :class:`StorageError` line.
 - **the producer lock** is created with a conditional write (``If-None-Match: *``) where the
   profile's provider sends one (:data:`CONDITIONAL`): atomic in the store. With any other provider
   it is created when a read finds none, which refuses a producer started while another runs but not
@@ -32,8 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from te_thd.offline_cache.storage import base as storage
-from te_thd.offline_cache.storage.base import unlink_quietly
-from te_thd.offline_cache.storage.s3 import S3Prefix
+from te_thd.offline_cache.storage.s3 import S3Prefix, client_module
 
 #: the MSC providers (classes, and those derived from them) that send ``If-None-Match: *`` on a
 #: write
@@ -41,23 +41,19 @@ CONDITIONAL = ("S3StorageProvider", "OracleStorageProvider")
 #: ranged reads of one batch in flight at once (MSC issues one request per range)
 RANGE_THREADS = 8
 _CLIENTS: dict[tuple[int, str, str | None], tuple[Any, Any]] = {}
+#: what MSC (and the client below it) says of a request no server answered
+_NO_ANSWER = re.compile(
+    r"Could not connect|EndpointConnectionError|ConnectTimeout|Connection refused|timed out|"
+    r"network timeout"
+)
 
 
 def _msc() -> Any:
-    try:
-        import multistorageclient
-    except ImportError:
-        raise ImportError(
-            "msc:// caches need NVIDIA's multi-storage-client: install te_thd's msc "
-            "extra from its checkout, "
-            "`pip install -e '.[msc]'`"
-        ) from None
-    return multistorageclient
+    return client_module("multistorageclient", "msc", "NVIDIA's multi-storage-client")
 
 
-@functools.lru_cache(
-    maxsize=1
-)  # found again only when a logger was added (``count``: how many there are)
+# found again only when a logger was added (``count``: how many there are)
+@functools.lru_cache(maxsize=1)
 def _msc_loggers(count: int) -> tuple[logging.Logger, ...]:
     """MSC's loggers (``multistorageclient`` and those below it)."""
     return tuple(
@@ -93,30 +89,19 @@ def _msc_logs_held() -> Iterator[list[logging.LogRecord]]:
 
 class MSCPrefix(S3Prefix):
     """The cache at ``msc://profile/prefix`` (``prefix`` without leading or trailing slashes,
-    relative to the profile's ``base_path``). ``read_cache_dir`` / ``read_cache_bytes``: as
-    :class:`S3Prefix`'s."""
+    relative to the profile's ``base_path``). ``read_cache``: ``read_cache_dir`` /
+    ``read_cache_bytes``, as :class:`S3Prefix`'s."""
 
-    def __init__(
-        self,
-        scheme: str,
-        profile: str,
-        prefix: str,
-        read_cache_dir: str | None = None,
-        read_cache_bytes: int | None = None,
-    ) -> None:
-        super().__init__(scheme, profile, prefix, read_cache_dir, read_cache_bytes)
+    def __init__(self, scheme: str, profile: str, prefix: str, **read_cache: Any) -> None:
+        super().__init__(scheme, profile, prefix, **read_cache)
         self.profile = profile
         self.config = {}  # the client's settings are MSC's own, read from the file below
         # The file MSC finds here (MSC_CONFIG, else its default files), found once: a DataLoader
         # worker started from a forkserver has the forkserver's environment, not this process's.
-        self.config_file = self._found_config()
-
-    @staticmethod
-    def _found_config() -> str | None:
         try:
-            return _msc().StorageClientConfig.read_msc_config()[1]
+            self.config_file: str | None = _msc().StorageClientConfig.read_msc_config()[1]
         except Exception:  # noqa: BLE001 - a malformed file: the client's own error names it on first use
-            return None
+            self.config_file = None
 
     def client(self) -> tuple[Any, Any]:
         """This process's MSC ``StorageClient`` of the profile and its storage provider, made on
@@ -154,14 +139,12 @@ class MSCPrefix(S3Prefix):
         if re.search(r"Profile .* not found in configuration", str(exc)):
             if named and not os.path.isfile(named):
                 return (
-                    f"MSC_CONFIG={named} names no file; point MSC_CONFIG at the MSC "
-                    "config file that defines "
-                    f"profile {self.profile!r}"
+                    f"MSC_CONFIG={named} names no file; point MSC_CONFIG at the MSC config file "
+                    f"that defines profile {self.profile!r}"
                 )
             return (
-                f"MSC profile {self.profile!r} is not defined {self.where()}; add it "
-                "under `profiles:` there, or "
-                "set MSC_CONFIG to the MSC config file that defines it"
+                f"MSC profile {self.profile!r} is not defined {self.where()}; add it under "
+                "`profiles:` there, or set MSC_CONFIG to the MSC config file that defines it"
             )
         return (
             f"MSC cannot make a client of profile {self.profile!r} {self.where()}: "
@@ -201,25 +184,17 @@ class MSCPrefix(S3Prefix):
         )
         if "NoSuchBucket" in text:
             why = (
-                "the profile's bucket does not exist {}; te_thd never creates buckets: "
-                "create it first, or check "
-                "the profile's base_path and endpoint_url"
+                "the profile's bucket does not exist {}; te_thd never creates buckets: create it "
+                "first, or check the profile's base_path and endpoint_url"
             )
         elif isinstance(exc, PermissionError) or re.search(
             r"AccessDenied|InvalidAccessKeyId|SignatureDoesNotMatch", text
         ):
             why = (
-                "access denied {}; check the profile's credentials_provider, and that "
-                "its keys may read and "
-                "write the profile's base_path"
+                "access denied {}; check the profile's credentials_provider, and that its keys "
+                "may read and write the profile's base_path"
             )
-        elif re.search(
-            (
-                r"Could not connect|EndpointConnectionError|ConnectTimeout|Connection "
-                r"refused|timed out|network timeout"
-            ),
-            text,
-        ):
+        elif _NO_ANSWER.search(text):
             why = (
                 "no answer from the object store {}; check that the server runs and the "
                 "profile's endpoint_url"
@@ -230,69 +205,45 @@ class MSCPrefix(S3Prefix):
             f"{self.name}: " + why.format(f"(MSC profile {self.profile!r} {self.where()})")
         )
 
-    def list(self) -> dict[str, int]:
-        prefix, cli = self.prefix + "/" if self.prefix else "", self.client()[0]
-        with self.calls():  # one level: the objects set aside below it are not listed
-            metas = list(cli.list(prefix, include_directories=True))
-        return {
-            m.key[len(prefix) :]: int(m.content_length)
-            for m in metas
-            if m.type == "file" and "/" not in m.key[len(prefix) :]
-        }
+    def _list(self, prefix: str) -> list[tuple[str, int]]:
+        """One level (the objects set aside below it are not listed)."""
+        metas = self.client()[0].list(prefix, include_directories=True)
+        return [(m.key, int(m.content_length)) for m in metas if m.type == "file"]
 
-    def get(self, obj: str) -> bytes | None:
-        cli = self.client()[0]
-        try:
-            with self.calls():
-                return bytes(cli.read(self.key(obj)))
-        except FileNotFoundError:
-            return None
+    def _get(self, key: str) -> bytes:
+        return bytes(self.client()[0].read(key))
 
-    def get_ranges(self, obj: str, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
-        """Bytes ``[start, end)`` of ``obj`` for each range, read concurrently (MSC reads one range
-        a request)."""
-        cli, key, rng = self.client()[0], self.key(obj), _msc().types.Range
-        with self.calls(), ThreadPoolExecutor(min(RANGE_THREADS, max(len(ranges), 1))) as pool:
-            return [
-                bytes(b)
-                for b in pool.map(
-                    lambda r: cli.read(key, byte_range=rng(r[0], r[1] - r[0])), ranges
-                )
-            ]
+    def _get_ranges(self, key: str, ranges: Sequence[tuple[int, int]]) -> list[bytes]:
+        """Read concurrently (MSC reads one range a request)."""
+        cli, rng = self.client()[0], _msc().types.Range
 
-    def put(self, obj: str, data: bytes, *, create: bool = False) -> str:
-        """Also ``create``: only if it does not exist (see the module docstring); then ``""`` when
-        it did."""
+        def read(r: tuple[int, int]) -> bytes:
+            return bytes(cli.read(key, byte_range=rng(r[0], r[1] - r[0])))
+
+        with ThreadPoolExecutor(min(RANGE_THREADS, len(ranges))) as pool:
+            return list(pool.map(read, ranges))
+
+    def _put(self, key: str, data: bytes, create: bool) -> bool:
+        """``create`` as the module docstring says."""
         cli, provider = self.client()
-        with self.calls():
-            if not create:
-                cli.write(self.key(obj), data)
-                return self.display(obj)
-            if self.get(obj) is not None:
-                return ""
-            conditional = any(c.__name__ in CONDITIONAL for c in type(provider).__mro__)
-            try:
-                provider.put_object(self.key(obj), data, if_none_match="*" if conditional else None)
-            except _msc().types.PreconditionFailedError:
-                return ""
-        return self.display(obj)
+        if not create:
+            cli.write(key, data)
+            return True
+        with contextlib.suppress(FileNotFoundError):
+            cli.read(key)
+            return False  # there is one
+        conditional = any(c.__name__ in CONDITIONAL for c in type(provider).__mro__)
+        try:
+            provider.put_object(key, data, if_none_match="*" if conditional else None)
+        except _msc().types.PreconditionFailedError:
+            return False
+        return True
 
-    def delete(self, obj: str) -> None:
-        cli = self.client()[0]
-        with contextlib.suppress(FileNotFoundError), self.calls():
-            cli.delete(self.key(obj))
+    def _delete(self, key: str) -> None:
+        self.client()[0].delete(key)
 
-    def commit(self, obj: str, tmp_path: str) -> str:
-        cli = self.client()[0]
-        with self.calls():  # one upload (multipart when large): whole or not at all
-            cli.upload_file(self.key(obj), tmp_path)
-        unlink_quietly(tmp_path)
-        return self.display(obj)
+    def _upload(self, key: str, path: str) -> None:
+        self.client()[0].upload_file(key, path)
 
-    def set_aside(self, objs: Sequence[str], into: str) -> str | None:
-        cli = self.client()[0]
-        for obj in objs:
-            with self.calls():
-                cli.copy(self.key(obj), self.key(f"{into}/{obj}"))
-            self.delete(obj)
-        return self.display(into) if objs else None
+    def _copy_object(self, key: str, to: str) -> None:
+        self.client()[0].copy(key, to)

@@ -22,11 +22,9 @@ def holder_text(holder: dict[str, Any]) -> str:
     UTC``."""
     since = holder.get("since")
     when = time.strftime(", since %Y-%m-%d %H:%M:%S UTC", time.gmtime(since)) if since else ""
-    return (
-        f"host {holder['host']!r}, pid {holder.get('pid')}{when}"
-        if "host" in holder
-        else "no holder"
-    )
+    if "host" not in holder:
+        return "no holder"
+    return f"host {holder['host']!r}, pid {holder.get('pid')}{when}"
 
 
 class ObjectLock:
@@ -52,9 +50,8 @@ class ObjectLock:
                 self.store.delete(LOCK_NAME)  # its holder died on this host
                 continue
             raise CacheLockError(
-                f"another producer holds {url} ({holder_text(holder)}). Wait for it to "
-                "finish; if no producer is running "
-                "(one was killed on another host), run "
+                f"another producer holds {url} ({holder_text(holder)}). Wait for it to finish; if "
+                "no producer is running (one was killed on another host), run "
                 f"{cache_command('unlock', self.store.name)} and start again."
             )
         raise CacheLockError(f"could not take {url}: it changed hands twice; run again")

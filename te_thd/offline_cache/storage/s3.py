@@ -7,7 +7,7 @@ S3-compatible store, through obstore; ``msc.py`` reuses all but the object opera
   (:data:`_VARS` over the AWS profile's files), read once per storage (DataLoader workers use
   the same); each process makes its own client (its runtime does not survive fork). Requests
   are retried by :data:`RETRY`. What stops every request alike (no answer, no such bucket,
-  access denied, no keys) is one :class:`StorageError` line (:func:`_store_error`).
+  access denied, no keys) is one :class:`StorageError` line (:meth:`S3Prefix.store_error`).
 - **staged upload.** A shard is written in a private local directory, then uploaded whole
   (one PUT, or a multipart upload visible only once complete). Objects set aside go under
   ``<prefix>/.te_thd-damaged/``, which readers never list.
@@ -27,7 +27,9 @@ from __future__ import annotations
 
 import configparser
 import contextlib
+import functools
 import hashlib
+import importlib
 import os
 import re
 from collections import OrderedDict
@@ -66,103 +68,174 @@ class S3Prefix(storage.Storage):
         self._work: str | None = None
 
     def __getstate__(self) -> dict[str, Any]:
-        return {
-            **self.__dict__,
-            "_work": None,
-        }  # the staging directory belongs to the process that made it
+        # the staging directory belongs to the process that made it
+        return {**self.__dict__, "_work": None}
 
     def display(self, obj: str) -> str:
         return f"{self.name}/{obj}"
 
     @contextlib.contextmanager
     def calls(self) -> Iterator[None]:
-        """Around every obstore call: what every request would meet is one :class:`StorageError`
+        """Around every client call: what every request would meet is one :class:`StorageError`
         line."""
         try:
             yield
-        except Exception as exc:  # obstore's own types: _store_error picks the ones it knows
+        except storage.StorageError:
+            raise
+        except Exception as exc:  # the client's own types: store_error picks the ones it knows
             err = self.store_error(exc)
             if err is None:
                 raise
             raise err from exc
 
     def store_error(self, exc: BaseException) -> storage.StorageError | None:
-        return _store_error(exc, self)
+        """The one line for an obstore error that every request would meet (no answer from the
+        endpoint, no such bucket, access denied), naming the URL, the endpoint and its origin, and
+        what to check; None for an error about one object or request."""
+        text, kind = str(exc).split("\n\nDebug source:", 1)[0], type(exc).__name__
+        code, (url, origin) = _CODE.search(text), endpoint(self.config)
+        at = f"(endpoint {url}, from {origin})"
+        # without keys, obstore asks the instance's (or container's) metadata service for them
+        metadata = re.search(r"https?://169\.254\.1(69\.254|70\.2)\S*", text)
+        if metadata and not self.config.get("AWS_ACCESS_KEY_ID"):
+            status = re.search(r"status code: ([0-9]{3}[A-Za-z ]*)", text)
+            why = (
+                "no credentials: none are set, and looking up this machine's at "
+                f"{metadata[0]} failed ({status[1] if status else 'no answer'}): the store {at} "
+                "was never asked; set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE, "
+                "a profile with keys in ~/.aws/credentials), and AWS_ENDPOINT_URL for a store "
+                "other than AWS S3"
+            )
+        elif code and code[1] == "NoSuchBucket":
+            why = (
+                f"bucket {self.bucket!r} does not exist {at}; te_thd never creates buckets: "
+                "create it first, or check the bucket name and the endpoint"
+            )
+        elif kind in ("PermissionDeniedError", "UnauthenticatedError") or re.search(
+            r" 40[13] (Forbidden|Unauth)", text
+        ):
+            keys = self.config.get("from:AWS_ACCESS_KEY_ID", "obstore's provider chain: none set")
+            why = (
+                f"access denied: the store answered {code[1] if code else kind} {at[:-1]}; "
+                f"keys from {keys}); check the keys and that they may read and write bucket "
+                f"{self.bucket!r} at this endpoint"
+            )
+        elif kind == "GenericError" and not code and re.search(_NO_ANSWER, text):
+            tried = re.search(r" in ([0-9.]+)(\w*s), after ([0-9]+) retries", text)
+            after = (
+                f" after {tried[3]} retries in {float(tried[1]):.2g} {tried[2]}" if tried else ""
+            )
+            why = (
+                f"no answer from the object store {at}{after}; check that the server runs and the "
+                "endpoint is right (AWS_ENDPOINT_URL_S3 / AWS_ENDPOINT_URL, or endpoint_url in "
+                "the AWS profile's config file; none for AWS S3)"
+            )
+        else:
+            return None
+        return storage.StorageError(f"{self.name}: {why}")
 
     def key(self, obj: str) -> str:  # the object key of ``obj``
         return f"{self.prefix}/{obj}" if self.prefix else obj
 
+    # The operations on objects, each made of one client call (the ``_`` methods below, by object
+    # key: obstore's here, MSC's in ``msc.py``) inside :meth:`calls`.
+
     def list(self) -> dict[str, int]:
-        prefix = self.prefix + "/" if self.prefix else None
-        out: dict[str, int] = {}
-        with self.calls():
-            for batch in _obstore().list(client(self.bucket, self.config), prefix=prefix):
-                for meta in batch:
-                    name = meta["path"][len(prefix or "") :]
-                    if "/" not in name:
-                        out[name] = int(meta["size"])
-        return out
+        prefix = self.prefix + "/" if self.prefix else ""
+        with self.calls():  # one level: the objects set aside below it are not listed
+            found = self._list(prefix)
+        return {k[len(prefix) :]: size for k, size in found if "/" not in k[len(prefix) :]}
 
     def get(self, obj: str) -> bytes | None:
         try:
             with self.calls():
-                return bytes(
-                    _obstore().get(client(self.bucket, self.config), self.key(obj)).bytes()
-                )
+                return self._get(self.key(obj))
         except FileNotFoundError:
             return None
 
     def get_ranges(self, obj: str, ranges: Sequence[tuple[int, int]]) -> list[memoryview]:
-        """Bytes ``[start, end)`` of ``obj`` for each range (views, not copies): one call, obstore
-        coalesces."""
+        """Bytes ``[start, end)`` of ``obj`` for each range."""
         with self.calls():
-            out = (
-                _obstore().get_ranges(
-                    client(self.bucket, self.config),
-                    self.key(obj),
-                    starts=[a for a, _ in ranges],
-                    ends=[b for _, b in ranges],
-                )
-                if ranges
-                else []
-            )
-        return [memoryview(b) for b in out]
+            return self._get_ranges(self.key(obj), ranges) if ranges else []
 
     def put(self, obj: str, data: bytes, *, create: bool = False) -> str:
         """Also ``create``: only if it does not exist (conditional PUT); then ``""`` when it did."""
-        try:
-            with self.calls():
-                _obstore().put(
-                    client(self.bucket, self.config),
-                    self.key(obj),
-                    data,
-                    mode="create" if create else "overwrite",
-                )
-        except FileExistsError:
-            return ""
-        # obstore raises its own AlreadyExistsError (a FileExistsError in recent versions)
-        except Exception as exc:
-            if type(exc).__name__ == "AlreadyExistsError":
-                return ""
-            raise
-        return self.display(obj)
+        with self.calls():
+            written = self._put(self.key(obj), data, create)
+        return self.display(obj) if written else ""
 
     def delete(self, obj: str) -> None:
         with contextlib.suppress(FileNotFoundError), self.calls():
-            _obstore().delete(client(self.bucket, self.config), self.key(obj))
+            self._delete(self.key(obj))
+
+    def commit(self, obj: str, tmp_path: str) -> str:
+        with self.calls():  # one upload (multipart when large): whole or not at all
+            self._upload(self.key(obj), tmp_path)
+        unlink_quietly(tmp_path)
+        return self.display(obj)
+
+    def set_aside(self, objs: Sequence[str], into: str) -> str | None:
+        for obj in objs:
+            with self.calls():
+                self._copy_object(self.key(obj), self.key(f"{into}/{obj}"))
+            self.delete(obj)
+        return self.display(into) if objs else None
+
+    def _client(self) -> tuple[Any, Any]:
+        """obstore, and this process's client of the bucket."""
+        return _obstore(), client(self.bucket, self.config)
+
+    def _list(self, prefix: str) -> list[tuple[str, int]]:
+        """``[(key, size)]`` of every object under ``prefix``, at any depth."""
+        ob, store = self._client()
+        return [
+            (m["path"], int(m["size"])) for b in ob.list(store, prefix=prefix or None) for m in b
+        ]
+
+    def _get(self, key: str) -> bytes:
+        ob, store = self._client()
+        return bytes(ob.get(store, key).bytes())
+
+    def _get_ranges(self, key: str, ranges: Sequence[tuple[int, int]]) -> list[memoryview]:
+        """Views, not copies: one call, obstore coalesces nearby ranges."""
+        ob, store = self._client()
+        out = ob.get_ranges(store, key, starts=[a for a, _ in ranges], ends=[b for _, b in ranges])
+        return [memoryview(b) for b in out]
+
+    def _put(self, key: str, data: bytes, create: bool) -> bool:
+        """Write ``data`` at ``key``; with ``create``, only where there is none: False when there
+        was."""
+        ob, store = self._client()
+        try:
+            ob.put(store, key, data, mode="create" if create else "overwrite")
+        except FileExistsError:
+            return False
+        # obstore raises its own AlreadyExistsError (a FileExistsError in recent versions)
+        except Exception as exc:
+            if type(exc).__name__ == "AlreadyExistsError":
+                return False
+            raise
+        return True
+
+    def _delete(self, key: str) -> None:
+        ob, store = self._client()
+        ob.delete(store, key)
+
+    def _upload(self, key: str, path: str) -> None:
+        """One PUT of the local file ``path`` (multipart when large)."""
+        ob, store = self._client()
+        with open(path, "rb") as f:
+            ob.put(store, key, f)
+
+    def _copy_object(self, key: str, to: str) -> None:
+        ob, store = self._client()
+        ob.copy(store, key, to)
 
     @property
     def work_dir(self) -> str:
         if self._work is None:
             self._work = storage.private_dir("upload", self)
         return self._work
-
-    def commit(self, obj: str, tmp_path: str) -> str:
-        # one PUT (multipart when large): whole or not at all
-        with open(tmp_path, "rb") as f, self.calls():
-            _obstore().put(client(self.bucket, self.config), self.key(obj), f)
-        unlink_quietly(tmp_path)
-        return self.display(obj)
 
     @property
     def copy(self) -> ReadThrough:
@@ -173,12 +246,7 @@ class S3Prefix(storage.Storage):
         return self._copy
 
     def readable(self, obj: str) -> tuple[str, storage.Fetch | None]:
-        copy = self.copy
-
-        def fetch(ranges: Sequence[tuple[int, int]]) -> None:
-            copy.ensure(obj, ranges)
-
-        return os.path.join(copy.root, obj), fetch
+        return os.path.join(self.copy.root, obj), functools.partial(self.copy.ensure, obj)
 
     def header(self, obj: str) -> str:
         path, fetch = self.readable(obj)
@@ -204,15 +272,6 @@ class S3Prefix(storage.Storage):
             return False
         self.copy.invalidate(obj)
         return True
-
-    def set_aside(self, objs: Sequence[str], into: str) -> str | None:
-        for obj in objs:
-            with self.calls():
-                _obstore().copy(
-                    client(self.bucket, self.config), self.key(obj), self.key(f"{into}/{obj}")
-                )
-            self.delete(obj)
-        return self.display(into) if objs else None
 
     def lock(self) -> ObjectLock:
         return ObjectLock(self)
@@ -244,26 +303,20 @@ RETRY: Any = {
         "base": 2,
     },
 }
-CLIENT_OPTIONS = {
-    "connect_timeout": "3s",
-    "timeout": "300s",
-}  # one request (a multipart part) may take 5 min
+#: one request (a multipart part) may take 5 min
+CLIENT_OPTIONS = {"connect_timeout": "3s", "timeout": "300s"}
 _CODE = re.compile(r"<Code>(\w+)</Code>")  # an S3 error answer's code
-#: the environment variables a client is configured from
-_VARS = (
-    "AWS_ENDPOINT_URL_S3",
-    "AWS_ENDPOINT_URL",
-    "AWS_ACCESS_KEY_ID",
-    "AWS_SECRET_ACCESS_KEY",
-    "AWS_SESSION_TOKEN",
-    "AWS_REGION",
-    "AWS_DEFAULT_REGION",
-)
+#: what obstore says of a request no server answered
+_NO_ANSWER = re.compile(r"error sending request|HTTP error|timed out")
 #: credential options of the shared files, by the environment variable each stands for
 _CREDENTIALS = (
     ("aws_access_key_id", "AWS_ACCESS_KEY_ID"),
     ("aws_secret_access_key", "AWS_SECRET_ACCESS_KEY"),
     ("aws_session_token", "AWS_SESSION_TOKEN"),
+)
+#: the environment variables a client is configured from: the endpoint, the region, the credentials
+_VARS = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_REGION", "AWS_DEFAULT_REGION") + tuple(
+    var for _, var in _CREDENTIALS
 )
 
 
@@ -301,75 +354,36 @@ def settings() -> dict[str, str]:
     return {**_profile(), **env, **{f"from:{k}": k for k in env}}
 
 
-def _store_error(exc: BaseException, store: S3Prefix) -> storage.StorageError | None:
-    """The one line for an obstore error that every request would meet (no answer from the endpoint,
-    no such bucket, access denied), naming the URL, the endpoint and its origin, and what to check;
-    None for an error about one object or request."""
-    text, kind = str(exc).split("\n\nDebug source:", 1)[0], type(exc).__name__
-    code, (url, origin) = _CODE.search(text), endpoint(store.config)
-    at = f"(endpoint {url}, from {origin})"
-    # without keys, obstore asks the instance's (or container's) metadata service for them
-    metadata = re.search(r"https?://169\.254\.1(69\.254|70\.2)\S*", text)
-    if metadata and not store.config.get("AWS_ACCESS_KEY_ID"):
-        status = re.search(r"status code: ([0-9]{3}[A-Za-z ]*)", text)
-        why = (
-            f"no credentials: none are set, and looking up this machine's at {metadata[0]} failed "
-            f"({status[1] if status else 'no answer'}): the store {at} was never asked; set "
-            "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE, a profile with keys in "
-            "~/.aws/credentials), and AWS_ENDPOINT_URL for a store other than AWS S3"
-        )
-    elif code and code[1] == "NoSuchBucket":
-        why = (
-            f"bucket {store.bucket!r} does not exist {at}; te_thd never creates buckets: "
-            "create it first, or "
-            "check the bucket name and the endpoint"
-        )
-    elif kind in ("PermissionDeniedError", "UnauthenticatedError") or re.search(
-        r" 40[13] (Forbidden|Unauth)", text
-    ):
-        keys = store.config.get("from:AWS_ACCESS_KEY_ID", "obstore's provider chain: none set")
-        why = (
-            f"access denied: the store answered {code[1] if code else kind} {at[:-1]}; "
-            f"keys from {keys}); check "
-            f"the keys and that they may read and write bucket {store.bucket!r} at this endpoint"
-        )
-    elif (
-        kind == "GenericError"
-        and not code
-        and re.search(r"error sending request|HTTP error|timed out", text)
-    ):
-        tried = re.search(r" in ([0-9.]+)(\w*s), after ([0-9]+) retries", text)
-        why = (
-            f"no answer from the object store {at}"
-            + (f" after {tried[3]} retries in {float(tried[1]):.2g} {tried[2]}" if tried else "")
-            + "; check that the server runs and the endpoint is right (AWS_ENDPOINT_URL_S3 "
-            "/ AWS_ENDPOINT_URL, "
-            "or endpoint_url in the AWS profile's config file; none for AWS S3)"
-        )
-    else:
-        return None
-    return storage.StorageError(f"{store.name}: {why}")
-
-
 def endpoint(config: dict[str, str]) -> tuple[str, str]:
     """The endpoint the client of ``config`` (:func:`settings`) uses, and where that came from."""
     for var in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"):
         if config.get(var):
             return config[var], config.get(f"from:{var}", var)
-    region = config.get("AWS_REGION") or config.get("AWS_DEFAULT_REGION") or "us-east-1"
-    return f"https://s3.{region}.amazonaws.com", "the default: AWS S3, as no endpoint is set"
+    return (
+        f"https://s3.{_region(config)}.amazonaws.com",
+        "the default: AWS S3, as no endpoint is set",
+    )
+
+
+def _region(config: dict[str, str]) -> str:
+    """The region of the client of ``config`` (:func:`settings`)."""
+    return config.get("AWS_REGION") or config.get("AWS_DEFAULT_REGION") or "us-east-1"
+
+
+def client_module(name: str, scheme: str, what: str) -> Any:
+    """Module ``name``, the client of ``scheme`` caches (``what``: as messages name it), imported on
+    first use: an ``ImportError`` naming the extra that installs it."""
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        raise ImportError(
+            f"{scheme}:// caches need {what}: install te_thd's {scheme} extra from its checkout, "
+            f"`pip install -e '.[{scheme}]'`"
+        ) from None
 
 
 def _obstore() -> Any:
-    try:
-        import obstore
-    except ImportError:
-        raise ImportError(
-            "s3:// caches need the object-store client obstore: install te_thd's s3 "
-            "extra from its checkout, "
-            "`pip install -e '.[s3]'`"
-        ) from None
-    return obstore
+    return client_module("obstore", "s3", "the object-store client obstore")
 
 
 def client(bucket: str, config: dict[str, str] | None = None) -> Any:
@@ -381,17 +395,16 @@ def client(bucket: str, config: dict[str, str] | None = None) -> Any:
     if store is None:
         if any(pid != key[0] for pid, *_ in _CLIENTS):
             raise RuntimeError(
-                "this process was forked from one that had used the object-store client, "
-                "whose runtime does not "
-                "survive fork: start DataLoader workers with "
-                "multiprocessing_context='forkserver' or 'spawn' "
-                "(build_cached_dataloader does this for s3:// caches)"
+                "this process was forked from one that had used the object-store client, whose "
+                "runtime does not survive fork: start DataLoader workers with "
+                "multiprocessing_context='forkserver' or 'spawn' (build_cached_dataloader does "
+                "this for s3:// caches)"
             )
         _obstore()
         from obstore.store import S3Store
 
         kwargs: dict[str, Any] = {
-            "region": env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or "us-east-1",
+            "region": _region(env),
             "retry_config": RETRY,
             "client_options": dict(CLIENT_OPTIONS),
         }
@@ -513,16 +526,13 @@ class ReadThrough:
             )
         if not np.any(absent[last] - absent[first]):
             return
-        want: set[int] = set()
-        for a, b in zip(first.tolist(), last.tolist(), strict=True):
-            want.update(range(a, b))
-        missing = sorted(c for c in want if not bits[c])
-        runs: list[tuple[int, int]] = []
-        for c in missing:
-            if runs and runs[-1][1] == c:
-                runs[-1] = (runs[-1][0], c + 1)
-            else:
-                runs.append((c, c + 1))
+        # the chunks of some range (+1 where a range starts, -1 past its end) that are absent,
+        # as runs [a, b) of consecutive chunks
+        edges = np.zeros(len(bits) + 1, np.int64)
+        np.add.at(edges, first, 1)
+        np.add.at(edges, last, -1)
+        missing = (np.cumsum(edges[:-1]) > 0) & (np.frombuffer(bytes(bits), np.uint8) == 0)
+        runs = np.flatnonzero(np.diff(missing, prepend=False, append=False)).reshape(-1, 2).tolist()
         spans = [(a * CHUNK_BYTES, min(b * CHUNK_BYTES, size)) for a, b in runs]
         data = self.store.get_ranges(name, spans)
         self.requests += 1
@@ -554,9 +564,8 @@ class ReadThrough:
         ``max_bytes``."""
         if self.max_bytes is None:
             return
-        held = (
-            sum(b.count(1) for b in self._present.values()) * CHUNK_BYTES
-        )  # counted once, then kept up to date
+        # counted once, then kept up to date
+        held = sum(b.count(1) for b in self._present.values()) * CHUNK_BYTES
         for name in list(self._lru):
             if held <= self.max_bytes:
                 break

@@ -13,25 +13,19 @@ from typing import Any
 from te_thd.args import check_path
 from te_thd.offline_cache.storage.base import LocalDirectory, Storage
 
-#: the implementation of each URL scheme te_thd reads and writes (``module:class``, imported when a
-#: cache of that scheme is opened)
-SCHEMES: dict[str, str] = {
-    "s3": "te_thd.offline_cache.storage.s3:S3Prefix",
-    "msc": "te_thd.offline_cache.storage.msc:MSCPrefix",
-}
-
-
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*):")
-
-
-#: per scheme: the URL's form, the rule its part after ``//`` must meet, and what that part is
-_AUTHORITY = {
+#: per URL scheme te_thd reads and writes: its implementation (``module:class``, imported when a
+#: cache of that scheme is opened), the URL's form, the rule its part after ``//`` must meet, and
+#: what that part is
+SCHEMES: dict[str, tuple[str, str, re.Pattern[str], str]] = {
     "s3": (
+        "te_thd.offline_cache.storage.s3:S3Prefix",
         "s3://<bucket>/<prefix>",
         re.compile(r"^[a-z0-9][a-z0-9.\-]{1,61}[a-z0-9]$"),
         "an S3 bucket name (3-63 lowercase letters, digits, dots and hyphens)",
     ),
     "msc": (
+        "te_thd.offline_cache.storage.msc:MSCPrefix",
         "msc://<profile>/<path>",
         re.compile(r"^[\w.\-]+$"),
         "an MSC profile name (letters, digits, '_', '-' and '.')",
@@ -67,7 +61,7 @@ def open_storage(path: str | os.PathLike[str], name: str = "cache_dir", **option
             "msc://profile/path (multi-storage-client). Pass a local path, an s3:// or an "
             "msc:// URL"
         )
-    form, rule, what = _AUTHORITY[scheme]
+    implementation, form, rule, what = SCHEMES[scheme]
     rest = path[len(m.group(0)) :]
     if not rest.startswith("//"):
         raise ValueError(
@@ -76,7 +70,7 @@ def open_storage(path: str | os.PathLike[str], name: str = "cache_dir", **option
     bucket, _, prefix = rest[2:].partition("/")
     if not rule.match(bucket):
         raise ValueError(f"{name}={path!r}: {bucket!r} is not {what}; write {form}")
-    module, _, cls = SCHEMES[scheme].partition(":")
+    module, _, cls = implementation.partition(":")
     return getattr(importlib.import_module(module), cls)(
         scheme, bucket, prefix.strip("/"), **options
     )
