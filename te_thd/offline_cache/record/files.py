@@ -70,13 +70,12 @@ def contiguous_shards(
         parts = []
         if missing:
             parts.append(
-                f"missing shard indices {format_indices(missing)} "
-                f"(e.g. {os.path.basename(shard_path(cache_dir, missing[0]))})"
+                f"missing shard indices {format_indices(missing)} (e.g. {shard_name(missing[0])})"
             )
         if extra:
             parts.append(
                 f"extra shard indices {format_indices(extra)} beyond the declared {expected} "
-                f"(e.g. {os.path.basename(shard_path(cache_dir, extra[0]))})"
+                f"(e.g. {shard_name(extra[0])})"
             )
         first = missing[0] if missing else extra[0]
         # a missing shard is restored or recomputed; an extra one is moved away (repair sets it
@@ -97,8 +96,7 @@ def contiguous_shards(
         raise CacheIntegrityError(
             f"{cache_name} cache at {cache_dir} declares {num_samples} samples in {expected} "
             f"shards of {shard_size}, but has {'; '.join(parts)}. {fix} the cache for a "
-            "resume), then re-run "
-            f"{producer_hint(producer)}.",
+            f"resume), then re-run {producer_hint(producer)}.",
             path=shard_path(cache_dir, first),
         )
     return list(range(expected))
@@ -159,18 +157,13 @@ def shard_size_errors(
     if records is None:
         return errors
     for i in indices:
-        path, size, expected = (
-            storage.display(shard_name(i)),
-            sizes.get(shard_name(i)),
-            int(records[i]["bytes"]),
-        )
+        name = shard_name(i)
+        path, size, expected = storage.display(name), sizes.get(name), int(records[i]["bytes"])
         repair = repair_hint(os.path.dirname(path) or ".", producer)
         if size is None:
             errors[i] = CacheIntegrityError(
-                (
-                    f"shard {path} is missing (the manifest lists it). Restore it from a "
-                    f"copy. {repair}"
-                ),
+                f"shard {path} is missing (the manifest lists it). Restore it from a copy. "
+                f"{repair}",
                 path=path,
             )
         elif size != expected:

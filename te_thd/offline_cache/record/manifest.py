@@ -48,7 +48,7 @@ from te_thd.offline_cache.format.schema import (
     shard_name,
     shard_rows,
 )
-from te_thd.offline_cache.storage.base import LOCK_NAME, TEMP_RE, Storage
+from te_thd.offline_cache.storage.base import LOCK_NAME, TEMP_RE, Storage, json_object
 from te_thd.offline_cache.storage.schemes import as_storage
 
 #: Version of the te_thd integrity fields a producer writes (see the module docstring).
@@ -88,11 +88,6 @@ def existing_shard_indices(cache_dir: str | Storage) -> set[int]:
 def listed_shards(listing: Mapping[str, int]) -> set[int]:
     """The shard indices in one listing of a cache (``Storage.list``)."""
     return {int(m.group(1)) for name in listing if (m := SHARD_RE.match(name))}
-
-
-def stored_format_version(version: int, tagged: bool) -> int | str:
-    """What the manifest file records: ``version``, or ``"<version>+tokens"`` for a ragged cache."""
-    return f"{version}{FORMAT_TAG}" if tagged else version
 
 
 def check_format_version_arg(value: Any) -> None:
@@ -246,7 +241,8 @@ def manifest_bytes(cache_dir: str, manifest: dict[str, Any], format_version: int
     full.pop(MANIFEST_CHECKSUM_KEY, None)
     validate_manifest(full, path)
     # a ragged cache records "<version>+tokens": readers that do not know the layout refuse it
-    full["format_version"] = stored_format_version(format_version, TOKEN_LAYOUT_KEY in full)
+    if TOKEN_LAYOUT_KEY in full:
+        full["format_version"] = f"{format_version}{FORMAT_TAG}"
     try:
         # The checksum is taken over what a reader will parse (tuples become
         # lists, int dict keys strings), so write the JSON round trip.
@@ -266,16 +262,21 @@ def fetch_manifest(storage: Storage) -> bytes | None:
     return storage.get(MANIFEST_NAME)
 
 
-def _read_checked_manifest(
-    storage: Storage, raw: bytes | None, cache_name: str, producer: str | None
+def check_manifest(
+    storage: Storage,
+    raw: bytes | None,
+    cache_name: str,
+    version: int | None,
+    producer: str | None = None,
 ) -> dict[str, Any]:
-    """Parse ``raw`` (:func:`fetch_manifest`) and check its own checksum; returns it without it.
+    """:func:`read_manifest` of ``raw``, what :func:`fetch_manifest` read from ``storage``
+    (``version`` None: any ``format_version``, as :func:`load_manifest`).
 
-    Nothing else is validated: the caller checks ``format_version`` first (the more useful message
-    when a cache is merely old), then the layout. A directory with nothing a producer writes is not
-    a cache.
+    Parsed, then checked against its own checksum, then its ``format_version`` (the more useful
+    message when a cache is merely old), then its layout (:func:`validate_manifest`). A directory
+    with nothing a producer writes is not a cache.
     """
-    cache_dir, path = storage.name, storage.display(MANIFEST_NAME)
+    path = manifest_path(storage.name)
     if raw is None:
         names = storage.list()
         if not any(
@@ -283,7 +284,7 @@ def _read_checked_manifest(
             for n in names
         ):
             raise ManifestNotFoundError(
-                f"{cache_name} cache manifest not found: cache_dir={cache_dir!r} holds no "
+                f"{cache_name} cache manifest not found: cache_dir={storage.name!r} holds no "
                 "manifest.json and no shards: it is not a te_thd cache; check the path"
             )
         raise lost_manifest(
@@ -320,7 +321,7 @@ def _read_checked_manifest(
             "or it is not an offline-cache manifest (te_thd and the reference producer both "
             "write one). " + rebuild_manifest_hint(path)
         )
-    version, tagged = parse_format_version(manifest["format_version"])
+    recorded, tagged = parse_format_version(manifest["format_version"])
     if tagged != (TOKEN_LAYOUT_KEY in manifest):
         raise _damaged(
             path,
@@ -328,7 +329,16 @@ def _read_checked_manifest(
             f"{'without' if tagged else 'with'} a {TOKEN_LAYOUT_KEY!r} field; a ragged "
             "cache records both",
         )
-    manifest["format_version"] = version  # the caller's version; the layout is in token_layout
+    manifest["format_version"] = recorded  # the caller's version; the layout is in token_layout
+    # Checked before the layout: a wrong version is the more useful message when both are wrong.
+    if version is not None and (isinstance(recorded, bool) or recorded != version):
+        raise ManifestError(
+            f"{cache_name} cache manifest {path} has format_version={recorded!r}, expected "
+            f"{version}: its tensors mean something else. Point cache_dir at a cache built "
+            f"for format_version {version}, or build one into a new directory with "
+            f"{producer or f'produce_cache(..., format_version={version})'}."
+        )
+    validate_manifest(manifest, path, producer)
     return manifest
 
 
@@ -374,9 +384,7 @@ def load_manifest(
     returns the manifest without that field.
     """
     storage = as_storage(cache_dir)
-    manifest = _read_checked_manifest(storage, fetch_manifest(storage), cache_name, producer_name)
-    validate_manifest(manifest, manifest_path(storage.name), producer_name)
-    return manifest
+    return check_manifest(storage, fetch_manifest(storage), cache_name, None, producer_name)
 
 
 def read_manifest(
@@ -406,25 +414,6 @@ def read_manifest(
         storage, fetch_manifest(storage), cache_name, format_version, producer_name
     )
     return {**(defaults or {}), **manifest}
-
-
-def check_manifest(
-    storage: Storage, raw: bytes | None, cache_name: str, version: int, producer: str | None = None
-) -> dict[str, Any]:
-    """:func:`read_manifest` of ``raw``, what :func:`fetch_manifest` read from ``storage``."""
-    path = manifest_path(storage.name)
-    manifest = _read_checked_manifest(storage, raw, cache_name, producer)
-    recorded = manifest["format_version"]
-    # Checked before the layout: a wrong version is the more useful message when both are wrong.
-    if isinstance(recorded, bool) or recorded != version:
-        raise ManifestError(
-            f"{cache_name} cache manifest {path} has format_version={recorded!r}, expected "
-            f"{version}: its tensors mean something else. Point cache_dir at a cache built "
-            f"for format_version {version}, or build one into a new directory with "
-            f"{producer or f'produce_cache(..., format_version={version})'}."
-        )
-    validate_manifest(manifest, path, producer)
-    return manifest
 
 
 def _same_option(recorded: Any, expected: Any) -> bool:
@@ -501,27 +490,16 @@ def producer_command(
     return f"`{shlex.join(argv)}`"
 
 
-def _record(storage: Storage, name: str) -> dict[str, Any]:
-    """The producer record ``name`` (a JSON object) of the cache, ``{}`` when absent or
-    unreadable."""
-    raw = storage.get(name)
-    try:
-        record = json.loads(raw.decode()) if raw is not None else {}
-    except (UnicodeDecodeError, ValueError):
-        return {}
-    return record if isinstance(record, dict) else {}
-
-
 def resume_command(storage: Storage, producer: str | None = None) -> str:
     """What resumes the unfinished producer run of the cache in ``storage``, as hints print it:
     ``producer`` (the caller's), else the command the follow record stores, else the one the run's
     options record (:func:`producer_command`), else the ``produce_cache`` call."""
     if producer:
         return producer
-    command = recorded_command(_record(storage, FOLLOW_NAME).get("producer_command"))
+    command = recorded_command(json_object(storage.get(FOLLOW_NAME)).get("producer_command"))
     if command is not None:
         return command
-    options = _record(storage, PROGRESS_NAME).get("options")
+    options = json_object(storage.get(PROGRESS_NAME)).get("options")
     return producer_command(storage.name, options if isinstance(options, dict) else {})
 
 
@@ -531,30 +509,23 @@ def producer_status(storage: Storage, producer: str | None = None) -> str | None
     holder = storage.lock_holder()
     if holder is None and not storage.get(FOLLOW_NAME) and not storage.get(PROGRESS_NAME):
         return None
-    who = (
-        f"host {holder.get('host', '?')}, pid {holder.get('pid', '?')}"
-        if holder is not None
-        else ""
-    )
+    who = f"host {holder.get('host', '?')}, pid {holder.get('pid', '?')}" if holder else ""
     if holder is not None and holder["alive"]:
         return (
-            f"a producer is writing it ({who}) and writes the manifest last. Wait for it "
-            "to finish, "
-            "or read the cache as it is written (follow=True)."
+            f"a producer is writing it ({who}) and writes the manifest last. Wait for it to "
+            "finish, or read the cache as it is written (follow=True)."
         )
     resume = resume_command(storage, producer)
-    if holder is not None and holder["alive"] is None:  # another host's object-store lock
-        return (
-            f"a producer on {who} holds its lock: it is writing the cache, or was killed "
-            "there (then "
-            f"run {cache_command('unlock', storage.name)}). Resume a stopped producer "
-            f"with: {resume}"
-        )
     if holder is None:  # released: the producer raised, or repair reopened the cache
         return (
-            "its producer run is unfinished (stopped by an error, or reopened by te-thd "
-            "cache repair); "
-            f"resume with: {resume}"
+            "its producer run is unfinished (stopped by an error, or reopened by te-thd cache "
+            f"repair); resume with: {resume}"
+        )
+    if holder["alive"] is None:  # another host's object-store lock
+        return (
+            f"a producer on {who} holds its lock: it is writing the cache, or was killed there "
+            f"(then run {cache_command('unlock', storage.name)}). Resume a stopped producer "
+            f"with: {resume}"
         )
     return (
         f"its producer stopped before it finished ({who} no longer holds its lock); resume "

@@ -163,9 +163,8 @@ def describe_diff(recorded: Mapping[str, Any], wanted: Mapping[str, Any], prefix
     (a recorded command line) is cut to where it differs and listed last: what changed comes
     first."""
     diffs = _diffs(recorded, wanted, prefix)
-    return "; ".join(
-        text for _, text in sorted(diffs, key=lambda d: d[0])
-    )  # stable: field order within each group
+    # sorted is stable: field order within each group
+    return "; ".join(text for _, text in sorted(diffs, key=lambda d: d[0]))
 
 
 def _diffs(
@@ -181,23 +180,16 @@ def _diffs(
         if isinstance(a, Mapping) and isinstance(b, Mapping):
             diffs.extend(_diffs(a, b, f"{prefix}{k}."))
             continue
-        text = f"{prefix}{k}: recorded {_show(a)}, this run {_show(b)}"
+        text, more = f"{prefix}{k}: recorded {_show(a)}, this run {_show(b)}", ""
         if len(text) <= _LONG:
             diffs.append((False, text))
-        elif isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+            continue
+        # lists of one length: cut to the first item that differs
+        if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
             at = [i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y]
             more = f" (and {len(at) - 1} more items)" if len(at) > 1 else ""
-            diffs.append(
-                (
-                    True,
-                    (
-                        f"{prefix}{k}[{at[0]}]: recorded {_show(a[at[0]], 40)}, this run "
-                        f"{_show(b[at[0]], 40)}{more}"
-                    ),
-                )
-            )
-        else:
-            diffs.append((True, f"{prefix}{k}: recorded {_show(a, 40)}, this run {_show(b, 40)}"))
+            a, b, k = a[at[0]], b[at[0]], f"{k}[{at[0]}]"
+        diffs.append((True, f"{prefix}{k}: recorded {_show(a, 40)}, this run {_show(b, 40)}{more}"))
     return diffs
 
 
