@@ -100,12 +100,9 @@ def load_block_sums(index: TokenIndex, fd: int, repair: str) -> dict[str, np.nda
                 path=index.path,
             )
         sums = np.frombuffer(raw, dtype="<u8")
-        out, g = {}, 0
-        for name in index.stored:  # the order the writer appended them in
-            n = index.tables[name].blocks
-            out[name] = sums[g : g + n]
-            g += n
-        index.sums = out
+        # one run per stored tensor, in the order the writer appended them in
+        ends = np.cumsum([index.tables[name].blocks for name in index.stored])
+        index.sums = dict(zip(index.stored, np.split(sums, ends[:-1]), strict=False))
     return index.sums
 
 
