@@ -318,7 +318,7 @@ def lockstep_write(
     write_shard_fn: WriteShardFn,
     logger: logging.Logger,
     sync_max_steps: Callable[[int], int] | None = None,
-    progress: Any = None,
+    progress: Callable[[int], Any] | None = None,
 ) -> tuple[int, int]:
     """Compute and write the shard ``runs`` of this rank, padding to the global step count;
     ``(local_steps, global_steps)``.
@@ -327,8 +327,8 @@ def lockstep_write(
     with its own sequential loader and accumulator, so batches never straddle a run. Dummy
     forwards (``dataset[0]``, output discarded) then pad this rank to
     ``sync_max_steps(local_steps)``: a sharded model's collectives need every rank to call
-    ``compute_batch`` equally often. ``progress`` (tqdm-like or ``None``) gets ``update(1)`` per
-    step.
+    ``compute_batch`` equally often. ``progress(global_steps)``: a tqdm-like bar (or ``None``) that
+    gets ``update(1)`` per step and is closed at the end.
     """
     dataset = dataloader.dataset
     bs = loader_batch_size(dataloader)
@@ -339,28 +339,33 @@ def lockstep_write(
             f"sync_max_steps({local_steps}) returned {global_steps}; it must return the maximum "
             "over ranks (an all-reduce MAX), which is at least this rank's count"
         )
+    bar = progress(global_steps) if progress is not None else None
     steps = 0
-    for start_shard, start, n in runs:
-        accumulator = ShardAccumulator(
-            output_dir, shard_size, start_shard, write_shard_fn, logger, total_samples=n
-        )
-        for k, batch in enumerate(sequential_subset_loader(dataloader, start, start + n)):
-            # the subset loader's batches: bs samples, the last fewer
-            accumulator.add_batch(compute_batch(batch), min(bs, n - k * bs))
-            steps += 1
-            if progress is not None:
-                progress.update(1)
-        accumulator.finalize()
-    if steps != local_steps:
-        raise RuntimeError(f"the dataloader produced {steps} batches, expected {local_steps}")
-    if global_steps > steps:
-        # Built lazily: only ranks that must pad need it, and an empty dataset has no index 0.
-        collate_fn = getattr(dataloader, "collate_fn", None)
-        dummy = collate_fn([dataset[0]]) if collate_fn is not None else dataset[0]
-        for _ in range(global_steps - steps):
-            compute_batch(dummy)  # keeps collectives aligned; output discarded
-            if progress is not None:
-                progress.update(1)
+    try:
+        for start_shard, start, n in runs:
+            accumulator = ShardAccumulator(
+                output_dir, shard_size, start_shard, write_shard_fn, logger, total_samples=n
+            )
+            for k, batch in enumerate(sequential_subset_loader(dataloader, start, start + n)):
+                # the subset loader's batches: bs samples, the last fewer
+                accumulator.add_batch(compute_batch(batch), min(bs, n - k * bs))
+                steps += 1
+                if bar is not None:
+                    bar.update(1)
+            accumulator.finalize()
+        if steps != local_steps:
+            raise RuntimeError(f"the dataloader produced {steps} batches, expected {local_steps}")
+        if global_steps > steps:
+            # Built lazily: only ranks that must pad need it, and an empty dataset has no index 0.
+            collate_fn = getattr(dataloader, "collate_fn", None)
+            dummy = collate_fn([dataset[0]]) if collate_fn is not None else dataset[0]
+            for _ in range(global_steps - steps):
+                compute_batch(dummy)  # keeps collectives aligned; output discarded
+                if bar is not None:
+                    bar.update(1)
+    finally:
+        if bar is not None:
+            bar.close()
     return local_steps, global_steps
 
 

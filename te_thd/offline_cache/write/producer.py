@@ -63,7 +63,6 @@ from te_thd.offline_cache.record.run import ShardRecord, follow_record, run_para
 from te_thd.offline_cache.storage.base import Lock, Storage
 from te_thd.offline_cache.storage.schemes import open_storage
 from te_thd.offline_cache.write.loops import (
-    loader_batch_size,
     loader_num_samples,
     lockstep_write,
     partition_cache_shards,
@@ -450,26 +449,19 @@ class _Job:
             token_layout=self.token_layout,
             run_record=self.record,
         )
-        runs = shard_runs(missing, self.num_samples, self.shard_size)
-        bs = loader_batch_size(dataloader)
-        global_steps = self.comm.max_int(sum(-(-n // bs) for _, _, n in runs))
-        bar = _progress_bar(global_steps, progress, self.comm.rank)
-
         try:
             lockstep_write(
                 dataloader,
                 self.storage,  # the writer commits through the storage this run opened
                 self.shard_size,
-                runs,
+                shard_runs(missing, self.num_samples, self.shard_size),
                 compute_batch,
                 writer,
                 self.logger,
-                sync_max_steps=lambda _steps: global_steps,
-                progress=bar,
+                sync_max_steps=self.comm.max_int,
+                progress=lambda steps: _progress_bar(steps, progress, self.comm.rank),
             )
         finally:
-            if bar is not None:
-                bar.close()
             # Even when compute_batch raised: finish committing the complete shards
             # (a resume keeps them) and stop the commit thread.
             writer.close()
