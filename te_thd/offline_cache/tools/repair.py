@@ -303,13 +303,11 @@ def rebuild_manifest(
                 "not belong to this cache"
             )
             continue
-        if schema is None and set(schema_of_header(headers[i])) == set(params["keys"]):
-            schema = schema_of_header(headers[i])
+        theirs = schema_of_header(headers[i])
+        if schema is None and set(theirs) == set(params["keys"]):
+            schema = theirs
         if schema is None:
-            bad[i] = (
-                f"holds keys {sorted(schema_of_header(headers[i]))}, the cache stores "
-                f"{params['keys']}"
-            )
+            bad[i] = f"holds keys {sorted(theirs)}, the cache stores {params['keys']}"
             continue
         # every byte is read: an object is fetched into a local copy
         path = storage.whole(shard_name(i))
