@@ -254,10 +254,10 @@ def test_lru_bounds_open_shards(cache, engine):
         _assert_batch(ds.__getitems__([i, i]), tensors, [i, i])
         ds[i]
         assert (
-            len(ds._files) <= 2
+            len(ds._source.files) <= 2
         )  # the one cache of open shards: descriptors, mappings and handles
     assert len(set(os.listdir("/proc/self/fd")) - fds) <= 2  # evicted descriptors are closed
-    ds._files.close()
+    ds._source.files.close()
     assert not set(os.listdir("/proc/self/fd")) - fds
 
 
@@ -266,10 +266,10 @@ def test_pickle_drops_process_state(cache):
     ds = _ds(d)
     ds.__getitems__([0, 2, 20])  # rows 0 and 2: scattered small rows, the mapped gather
     ds[0]
-    opened = ds._files.get(0)
+    opened = ds._source.files.get(0)
     assert opened is not None and opened.views is not None and opened.handle is not None
     clone = pickle.loads(pickle.dumps(ds))
-    assert len(clone._files) == 0
+    assert len(clone._source.files) == 0
     _assert_batch(clone.__getitems__([0, 20, 82]), tensors, [0, 20, 82])
 
 
@@ -278,8 +278,8 @@ def _child_read(ds: CachedTensorDataset, parent_views_id: int, q) -> None:
     q.put(
         (
             os.getpid(),
-            ds._pid,
-            id(ds._files) != parent_views_id,
+            ds._source.pid,
+            id(ds._source.files) != parent_views_id,
             b.tensors["sample_id"].tolist(),
             ds[5]["sample_id"].item(),
         )
@@ -295,7 +295,7 @@ def test_handles_reopened_in_child_processes(tmp_path, method):
     ds[5]
     ctx = mp.get_context(method)
     q = ctx.Queue()
-    p = ctx.Process(target=_child_read, args=(ds, id(ds._files), q))
+    p = ctx.Process(target=_child_read, args=(ds, id(ds._source.files), q))
     p.start()
     pid, ds_pid, fresh_views, ids, item = q.get(timeout=120)
     p.join(timeout=60)
@@ -312,10 +312,10 @@ def test_reads_do_not_load_the_whole_shard(tmp_path):
     ds = CachedTensorDataset(d, CACHE_NAME, FORMAT_VERSION, ("hidden",))
     b = ds.__getitems__([3, 9])
     assert b.tensors["hidden"].shape == (2, 4096, 64)
-    assert len(ds._files) == 1 and ds._files.get(0).views is None
+    assert len(ds._source.files) == 1 and ds._source.files.get(0).views is None
     small = CachedTensorDataset(d, CACHE_NAME, FORMAT_VERSION, ("length",))
     small.__getitems__([3, 9])
-    view = small._files.get(0).views["length"]
+    view = small._source.files.get(0).views["length"]
     assert view.shape == (64,)
     whole = view.untyped_storage()
     assert whole.nbytes() >= 64 * 4096 * 64 * 2  # the mapping spans the file
@@ -424,7 +424,7 @@ def _collate_reporting_threads(
     batch: CachedBatch,
 ) -> tuple[dict[str, torch.Tensor], int, bool, int]:
     """Collate in a worker and report its reader: (batch, threads, helper threads running here, pid)."""
-    reads = get_worker_info().dataset._reads[True]
+    reads = get_worker_info().dataset._source.reads[True]
     helpers = any(t.name.startswith("te_thd-read") for t in threading.enumerate())
     return collate_cached(batch, KEYS), reads.threads, helpers, os.getpid()
 
@@ -592,7 +592,7 @@ def test_item_path_checks_each_shard_on_first_open(tmp_path):
         ds[8]
     with pytest.raises(CacheIntegrityError, match=r"shard-000003\.safetensors: lacks keys \['x'\]"):
         ds[12]
-    assert [i for i in range(4) if ds._files.get(i) is not None] == [
+    assert [i for i in range(4) if ds._source.files.get(i) is not None] == [
         0
     ]  # a refused shard is never opened
 

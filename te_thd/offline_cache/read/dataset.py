@@ -3,13 +3,13 @@
 ``CachedTensorDataset`` keeps the reference API (``__getitem__`` through a lazily opened
 ``safetensors.safe_open`` handle, ``_handle``, ``__len__``) and adds the batched hook
 torch's ``DataLoader`` calls, ``__getitems__``: the batch is planned as pieces per shard
-and key (``readplan``), copied straight into the batch tensors by ``read_threads``
-threads and verified by the thread that copied them (``readexec``). Only the bytes a
+and key (``read.planner``), copied straight into the batch tensors by ``read_threads``
+threads and verified by the thread that copied them (``read.executor``). Only the bytes a
 batch needs are read, and the source stays file-backed page cache.
 
-Each process keeps its own open shards (``readplan.OpenShards``: DataLoader workers open
-theirs), each checked when opened (``integrity.check_shard_header``); every row a read
-copies is verified against its checksums, a failure naming the shard.
+The cache's shards are the dataset's :class:`~te_thd.offline_cache.read.source.ShardSource`:
+each process opens its own (DataLoader workers open theirs), each checked when opened; every
+row a read copies is verified against its checksums, a failure naming the shard.
 """
 
 from __future__ import annotations
@@ -25,50 +25,38 @@ from torch.utils.data import Dataset, get_worker_info
 
 from te_thd.args import check_index, check_int, check_names
 from te_thd.offline_cache.format.integrity import (
-    ShardHeader,
     ShardSums,
-    check_shard_header,
-    logical_entries,
     verify_rows,
 )
 from te_thd.offline_cache.format.ragged import TOKEN_LAYOUT_KEY, TokenLayout
 from te_thd.offline_cache.format.schema import (
-    SHARD_RE,
-    CacheIntegrityError,
     TensorSpec,
     UnverifiedCacheWarning,
     load_safetensors,
     manifest_path,
     repair_hint,
-    shard_name,
-    shard_rows,
-    unreadable_shard,
 )
-from te_thd.offline_cache.format.token_index import TokenIndex, token_index
 from te_thd.offline_cache.read.batch import CachedBatch, PendingBatch
 from te_thd.offline_cache.read.executor import (
     DestinationBuffers,
     GatherPiece,
     ParallelReads,
     Piece,
-    ReadContext,
     ReadError,
-    default_read_threads,
 )
 from te_thd.offline_cache.read.follow import DEFAULT_FOLLOW_TIMEOUT
 from te_thd.offline_cache.read.open import open_cache
 from te_thd.offline_cache.read.planner import (
     OpenShard,
-    OpenShards,
     Scattered,
     batch_groups,
     batch_places,
     plan_shard_rows,
     row_ranges,
 )
+from te_thd.offline_cache.read.source import ShardSource
 from te_thd.offline_cache.read.tokens import TokenRows
-from te_thd.offline_cache.record.files import requires_shard_sums
-from te_thd.offline_cache.record.manifest import manifest_schema, shard_records
+from te_thd.offline_cache.record.manifest import manifest_schema
 
 #: Rows are copied and hashed in pieces of about this many bytes per key (over the read threads),
 #: so the hash reads them from a core's own cache right after the copy (a piece as large as that
@@ -152,53 +140,41 @@ class CachedTensorDataset(Dataset):
             read_cache_dir=read_cache_dir,
             read_cache_bytes=read_cache_bytes,
         )
-        self.storage, self.manifest = opened.storage, opened.manifest
+        self.storage, manifest = opened.storage, opened.manifest
         producer_name = opened.producer_name
-        self._shard_indices, self._follower = opened.shard_indices, opened.follower
+        self._shard_indices, follower = opened.shard_indices, opened.follower
         cache_dir = os.fspath(cache_dir)  # open_storage took it: a str or an os.PathLike
         self.cache_dir = cache_dir
         self.cache_name = cache_name
         self.verify = bool(verify)
         #: epoch 0 visits the shards in index order 0, 1, ... (``sampler.CacheShardSampler``)
         self.follow = bool(follow)
-        self._versions = (format_version, producer_name)
         self._repair = repair_hint(cache_dir, producer_name)
-        self.shard_size = int(self.manifest["shard_size"])
-        self.num_samples = int(self.manifest["num_samples"])
+        self.shard_size = int(manifest["shard_size"])
+        self.num_samples = int(manifest["num_samples"])
         self.disk_keys = tuple(disk_keys)
         # the reference's name for it: its subclasses (EAGLE-3's dataset) read it in __getitem__
         self._disk_keys = self.disk_keys
         # a ragged cache (``token_keys``): its token keys are read through ``token_read``, the rest
         # as rows
-        self._token_layout = (
-            TokenLayout.from_json(t)
-            if (t := self.manifest.get(TOKEN_LAYOUT_KEY)) is not None
-            else None
-        )
+        layout = manifest.get(TOKEN_LAYOUT_KEY)
+        token_layout = TokenLayout.from_json(layout) if layout is not None else None
         self._token_keys = tuple(
-            k for k in self.disk_keys if self._token_layout and k in self._token_layout.keys
+            k for k in self.disk_keys if token_layout and k in token_layout.keys
         )
         self._row_keys = tuple(k for k in self.disk_keys if k not in self._token_keys)
         # ragged keys a batched read leaves to the collate (defer_keys)
         self._deferred: tuple[str, ...] = ()
-        if self._follower is not None:  # its record's keys: the producer's
-            self._follower.check_keys(self.disk_keys)
-        self._max_open = max_open_shards
+        if follower is not None:  # its record's keys: the producer's
+            follower.check_keys(self.disk_keys)
         self.pin_memory = bool(pin_memory)
-        # what a shard's first open asks the kernel for
-        self._prefetch = self._row_keys if readahead else ()
         if read_threads is not None:
             ParallelReads(read_threads)  # checks the value: an int >= 1
         self.read_threads = read_threads
-        self._require_sums = requires_shard_sums(self.manifest)
-        # the manifest's record of each shard, checked against its header digest on open
-        self._checksums = {
-            i: str(r["checksum"]) for i, r in enumerate(shard_records(self.manifest) or [])
-        }
         # Expected {key: TensorSpec}: from the manifest's schema when it records one
         # (te_thd producers), else from the first shard this process opens.
-        schema = manifest_schema(self.manifest)
-        self._manifest_schema: dict[str, TensorSpec] | None = None
+        schema = manifest_schema(manifest)
+        expected: dict[str, TensorSpec] | None = None
         if schema is not None:
             unknown = [k for k in self.disk_keys if k not in schema]
             if unknown:
@@ -207,7 +183,7 @@ class CachedTensorDataset(Dataset):
                     f"(its manifest {manifest_path(cache_dir)} lists {list(schema)}); pass keys "
                     "the producer wrote"
                 )
-            self._manifest_schema = {k: schema[k] for k in self.disk_keys}
+            expected = {k: schema[k] for k in self.disk_keys}
         if not self.verify:
             warnings.warn(
                 f"{cache_name} cache at {cache_dir}: reads are not verified "
@@ -216,41 +192,55 @@ class CachedTensorDataset(Dataset):
                 UnverifiedCacheWarning,
                 stacklevel=2,
             )
-        self._warned_unverified = not self.verify
-        self._reset_process_state()
-
-    # -- per-process state -------------------------------------------------------------
-
-    def _reset_process_state(self) -> None:
-        self._pid = os.getpid()
-        # the one cache of open shards: checked header, and lazily a descriptor, a mapping, a
-        # safe_open handle
-        self._files: OpenShards = OpenShards()
+        # the shards, as each process reads them: opened, checked, made local, read
+        self._source = ShardSource(
+            self.storage,
+            manifest,
+            cache_name=cache_name,
+            cache_dir=cache_dir,
+            repair=self._repair,
+            disk_keys=self.disk_keys,
+            schema=expected,
+            token_layout=token_layout,
+            follower=follower,
+            versions=(format_version, producer_name),
+            verify=self.verify,
+            prefetch=self._row_keys if readahead else (),  # what a shard's first open asks for
+            read_threads=read_threads,
+            max_open=max_open_shards,
+        )
         self._buffers: dict[tuple[bool, bool], DestinationBuffers] = {}
-        self._reads: dict[bool, ParallelReads] = {}  # by "inside a DataLoader worker"
-        self._schema = self._manifest_schema
+        self._pid = os.getpid()
+
+    # -- per-process state (the source's, and the destination buffers) ----------------------
 
     def __getstate__(self) -> dict[str, Any]:
-        # Handles, descriptors, mappings and buffers belong to this process: a
-        # spawned/forkserver worker gets the dataset pickled and opens its own.
-        return {**self.__dict__, "_files": OpenShards(), "_buffers": {}, "_reads": {}}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._pid = os.getpid()
+        # buffers belong to this process (the source drops its own shards and threads)
+        return {**self.__dict__, "_buffers": {}}
 
     def _own(self) -> None:
-        # After fork the child inherits the parent's handles; reopen rather than share
-        # (closing the child's copies of the descriptors leaves the parent's open).
+        # after fork the child drops the parent's buffers (and the source its shards)
         if self._pid != os.getpid():
-            self._files.close()
-            self._reset_process_state()
+            self._pid = os.getpid()
+            self._source.own()
+            self._buffers = {}
+
+    @property
+    def manifest(self) -> dict[str, Any]:
+        """The cache's manifest (while following: the producer's record, until the manifest)."""
+        return self._source.manifest
+
+    @property
+    def _schema(self) -> dict[str, TensorSpec]:
+        """Each disk key's spec: the manifest's, or the first opened shard's."""
+        assert self._source.schema is not None
+        return self._source.schema
 
     @property
     def following(self) -> bool:
         """Whether this process still reads by the producer's follow record (it has not seen the
         manifest)."""
-        return self._follower is not None
+        return self._source.follower is not None
 
     def defer_keys(self, keys: Sequence[str]) -> tuple[str, ...]:
         """Leave the ragged keys among ``keys`` (returned) to ``CachedBatch.gather`` / ``padded``,
@@ -268,41 +258,6 @@ class CachedTensorDataset(Dataset):
     def __len__(self) -> int:
         return self.num_samples
 
-    def _checked_header(self, shard_index: int, path: str) -> tuple[ShardHeader, TokenIndex | None]:
-        """Parse shard ``shard_index``'s header and check it against the cache
-        (``integrity.check_shard_header``: against the manifest schema, or without one the first
-        shard this process opened); with the ragged index of a token shard. ``path``: the shard as
-        messages name it."""
-        rows = shard_rows(shard_index, self.num_samples, self.shard_size)
-        try:
-            header = check_shard_header(
-                self.storage.header(shard_name(shard_index)),
-                self._schema,
-                rows,
-                self.disk_keys,
-                self._require_sums,
-                self._checksums.get(shard_index),
-                path,
-            )
-            tokens = token_index(path, header) if header.tokens is not None else None
-        except CacheIntegrityError as exc:
-            raise CacheIntegrityError(f"{exc}. {self._repair}", path=path) from None
-        if self._schema is None:
-            entries = logical_entries(header)
-            self._schema = {
-                k: TensorSpec(entries[k].dtype, entries[k].shape[1:]) for k in self.disk_keys
-            }
-        if header.sums is None and not self._warned_unverified:
-            self._warned_unverified = True
-            warnings.warn(
-                f"{self.cache_name} cache at {self.cache_dir}: shard {path} carries no checksums "
-                "(written by the reference implementation or te_thd before layout 3), so its reads "
-                "are not verified; rewrite the cache with te_thd's writers to verify every read",
-                UnverifiedCacheWarning,
-                stacklevel=3,
-            )
-        return header, tokens
-
     def _handle(self, shard_index: int):
         """The ``safe_open`` handle of shard ``shard_index``, opened lazily in this process once the
         shard is checked; a file safetensors still refuses is a :class:`CacheIntegrityError` naming
@@ -313,13 +268,8 @@ class CachedTensorDataset(Dataset):
             try:
                 f.handle = safe_open(f.path, framework="pt")
             except (_SafetensorError, OSError) as exc:
-                raise self._unreadable(f.name, exc) from exc
+                raise self._source.unreadable(f.name, exc) from exc
         return f.handle
-
-    def _unreadable(self, path: str, exc: BaseException) -> CacheIntegrityError:
-        return unreadable_shard(
-            path, exc, self._repair, "" if isinstance(exc, ReadError) else " by safetensors"
-        )
 
     def verify_copied_rows(
         self,
@@ -346,58 +296,8 @@ class CachedTensorDataset(Dataset):
         )
 
     def _shard_file(self, shard_index: int) -> OpenShard:
-        """Shard ``shard_index`` open in this process (the one LRU of ``max_open_shards``): its path
-        and checked header; its descriptor, mapping and ``safe_open`` handle are made when first
-        used."""
-        self._own()
-        f = self._files.get(shard_index)
-        if f is None:
-            if self._follower is not None:
-                self._follow(shard_index)
-            path = self.storage.display(shard_name(shard_index))
-            header, tokens = self._checked_header(shard_index, path)
-            if self._follower is not None:
-                self._follower.check_shard(path, header)
-            if tokens is None and self._token_layout is not None:
-                raise CacheIntegrityError(
-                    f"shard {path} has no token fields although the manifest records a "
-                    "token layout "
-                    f"(it was replaced by another writer's). {self._repair}",
-                    path=path,
-                )
-            local, fetch = self.storage.readable(shard_name(shard_index))
-            f = self._files.put(
-                shard_index, OpenShard(local, header, tokens, fetch, path), self._max_open
-            )
-        return f
-
-    def _follow(self, shard_index: int) -> None:
-        """Wait until the followed producer has committed shard ``shard_index``; read by the
-        manifest once it is there (``Follower.finished`` checks it against the run followed and the
-        shards opened)."""
-        assert self._follower is not None
-        self._follower.wait(shard_index)
-        done = self._follower.finished(
-            self._versions, self._files.items(), self._schema, self._repair
-        )
-        if done is not None:
-            (self.manifest, self._checksums), self._follower = done, None
-
-    def _token_opener(self, shard_index: int) -> tuple[int, TokenIndex, ReadContext]:
-        """How :class:`TokenRows` reaches shard ``shard_index``."""
-        f = self._shard_file(shard_index)
-        assert f.tokens is not None
-        reads = self._parallel(get_worker_info() is not None)
-        ctx = ReadContext(
-            self.verify,
-            shard_index * self.shard_size,
-            self._repair,
-            reads,
-            f,
-            f.fetch,
-            self._refetching if f.fetch is not None else None,
-        )
-        return f.descriptor(self._prefetch, self._repair), f.tokens, ctx
+        """Shard ``shard_index`` open in this process (:meth:`ShardSource.shard`)."""
+        return self._source.shard(shard_index)
 
     def _destination(self, shared: bool) -> DestinationBuffers:
         pinned = self.pin_memory and not shared
@@ -411,24 +311,23 @@ class CachedTensorDataset(Dataset):
     # -- reads -------------------------------------------------------------------------
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        return self._refetching(self._getitem, index)
+        return self._source.retry(self._getitem, index)
 
     def _getitem(self, index: int) -> dict[str, torch.Tensor]:
         index = check_index("index", index, self.num_samples, self._where())
         shard_index, offset = divmod(index, self.shard_size)
         f = self._shard_file(shard_index)
-        if f.fetch is not None:
-            f.fetch(row_ranges(f.header.entries, self._row_keys, np.array([offset])))
+        self._source.ensure(f, row_ranges(f.header.entries, self._row_keys, np.array([offset])))
         handle = self._handle(shard_index)
         try:
             out = {key: handle.get_slice(key)[offset] for key in self._row_keys}
         except _SafetensorError as exc:  # the header was checked on open; the file changed since?
-            raise self._unreadable(f.name, exc) from exc
+            raise self._source.unreadable(f.name, exc) from exc
         for key, t in out.items():
             self.verify_copied_rows(shard_index, f.header.sums, key, t.unsqueeze(0), [offset])
         if self._token_keys:
             tokens = TokenRows(
-                self._token_opener,
+                self._source,
                 (np.array([shard_index]), np.array([offset])),
                 {k: self._schema[k] for k in self._token_keys},
             )
@@ -440,60 +339,21 @@ class CachedTensorDataset(Dataset):
         """Read samples ``indices`` (in that order; negative ones count from the end) into stacked
         tensors, every row verified; the ragged keys zero-padded to ``[B, L, ...]``, but for those
         :meth:`defer_keys` names."""
-        return self._refetching(self._read_batch, indices)
+        return self._source.retry(self._read_batch, indices)
 
     def _read_batch(self, indices: Sequence[int]) -> CachedBatch:
         batch, reads, pieces, finish = self._plan_batch(indices)
         try:
             reads.run(pieces, finish)
         except ReadError as exc:
-            raise self._unreadable(exc.path, exc) from exc
+            raise self._source.unreadable(exc.path, exc) from exc
         return batch
-
-    def _refetching(self, read: Callable[[Any], Any], arg: Any) -> Any:
-        """``read(arg)``; an s3:// cache's shard that fails a check is fetched again and read
-        once more."""
-        try:
-            return read(arg)
-        except CacheIntegrityError as exc:
-            if not self.refetch(exc.path):
-                raise
-        try:
-            return read(arg)
-        except CacheIntegrityError as exc:
-            raise self._object_damaged(exc) from None
-
-    def refetch(self, path: str | None) -> bool:
-        """Drop this process's local copy of the shard at ``path`` of an s3:// cache (a check failed
-        on it); False when there is nothing to fetch again (a local cache)."""
-        name = os.path.basename(path or "")
-        if not self.storage.refetch(name):
-            return False
-        m = SHARD_RE.match(name)
-        if m is not None:
-            self._own()
-            self._files.drop(int(m.group(1)))
-        return True
-
-    def _object_damaged(self, exc: CacheIntegrityError) -> CacheIntegrityError:
-        name = os.path.basename(exc.path or "")
-        return CacheIntegrityError(
-            (
-                f"{exc} The object {self.storage.display(name)} itself is damaged: fetched "
-                "again, it failed the same check."
-            ),
-            path=exc.path,
-            sample=exc.sample,
-            key=exc.key,
-            expected=exc.expected,
-            actual=exc.actual,
-        )
 
     def ready(self, indices: Sequence[int]) -> bool:
         """Whether a read of ``indices`` starts at once: False while the followed producer has not
         committed one of their shards (one listing tells; never waits). The loader reads ahead only
         a ready batch."""
-        f, n = self._follower, self.num_samples
+        f, n = self._source.follower, self.num_samples
         return f is None or f.has({int(i) % n // self.shard_size for i in indices})
 
     def start_read(self, indices: Sequence[int]) -> PendingBatch:
@@ -504,7 +364,7 @@ class CachedTensorDataset(Dataset):
         (or dropping the pending batch) waits until no thread writes into the batch any more.
         """
         batch, reads, pieces, finish = self._plan_batch(indices)
-        return PendingBatch(batch, reads.start(pieces, finish), self._unreadable)
+        return PendingBatch(batch, reads.start(pieces, finish), self._source.unreadable)
 
     def _plan_batch(
         self, indices: Sequence[int]
@@ -531,10 +391,8 @@ class CachedTensorDataset(Dataset):
         scattered: list[Scattered] = []
         for shard, local, pos in groups:
             f = self._shard_file(shard)
-            if f.fetch is not None:
-                f.fetch(row_ranges(f.header.entries, self._row_keys, local))
-            # the first batched read of the shard opens it
-            fd = f.descriptor(self._prefetch, self._repair)
+            self._source.ensure(f, row_ranges(f.header.entries, self._row_keys, local))
+            fd = self._source.descriptor(f)  # the first batched read of the shard opens it
             plan_shard_rows(
                 f,
                 fd,
@@ -554,7 +412,7 @@ class CachedTensorDataset(Dataset):
         tokens = eager = None
         if self._token_keys:
             tokens = TokenRows(
-                self._token_opener,
+                self._source,
                 batch_places(groups, n),
                 {k: self._schema[k] for k in self._token_keys},
             )
@@ -586,10 +444,5 @@ class CachedTensorDataset(Dataset):
         )
 
     def _parallel(self, in_worker: bool) -> ParallelReads:
-        """This process's :class:`ParallelReads`: ``read_threads``, or 1 thread inside a DataLoader
-        worker when it is None (the workers are the parallelism there)."""
-        reads = self._reads.get(in_worker)
-        if reads is None:
-            threads = self.read_threads or (1 if in_worker else default_read_threads())
-            reads = self._reads[in_worker] = ParallelReads(threads)
-        return reads
+        """This process's :class:`ParallelReads` (:meth:`ShardSource.threads`)."""
+        return self._source.threads(in_worker)

@@ -2,8 +2,8 @@
 each verified by the thread that read it, into destination tensors that are recycled once the
 consumer lets go.
 
-Everything here is per process and owns no file descriptors: the reader opens and caches them
-(``readplan.OpenShards``); ``readplan`` makes the pieces.
+Everything here is per process and owns no file descriptors: the read source opens and caches them
+(``read.source.ShardSource``); ``read.planner`` and the ragged reads make the pieces.
 """
 
 from __future__ import annotations
@@ -14,15 +14,14 @@ import sys
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from te_thd.args import check_int
 from te_thd.offline_cache.format.integrity import byte_view
-from te_thd.offline_cache.format.schema import tensor_nbytes, unreadable_shard
+from te_thd.offline_cache.format.schema import tensor_nbytes
 
 __all__ = [
     "DestinationBuffers",
@@ -30,15 +29,20 @@ __all__ = [
     "ParallelReads",
     "PendingReads",
     "Piece",
-    "ReadContext",
     "ReadError",
     "default_read_threads",
     "fill_rows",
     "new_tensor",
     "read_piece",
-    "run_pieces",
 ]
 
+
+#: Linux's limit on iovecs per ``preadv`` call: a piece holds at most this many.
+IOV_MAX = (
+    os.sysconf("SC_IOV_MAX")
+    if hasattr(os, "sysconf") and "SC_IOV_MAX" in os.sysconf_names
+    else 1024
+)
 
 #: Called after each piece of a read: ``(batch row of the piece's first row, the file rows
 #: it read)`` (a ``range`` or a list, one per batch row); the piece's batch rows are consecutive.
@@ -457,40 +461,3 @@ class DestinationBuffers:
         if nbytes == 0:  # zero-size rows: nothing to share (an empty array has no strides to view)
             return torch.empty(shape, dtype=dtype)
         return torch.frombuffer(owner, dtype=dtype, count=nbytes // dtype.itemsize).view(shape)
-
-
-@dataclass(frozen=True)
-class ReadContext:
-    """What a read needs besides the shard: ``verify``, the shard's first sample (for messages), the
-    repair sentence, the threads that read (``reads``: the dataset's; None: this thread) and what
-    keeps the descriptor open while pieces wait (``owner``)."""
-
-    verify: bool
-    #: the global index of the shard's row 0 (None: not known; messages name the row of the shard)
-    first_sample: int | None
-    #: the repair sentence; empty for a check that returns no batch (``verify --deep``)
-    repair: str
-    reads: ParallelReads | None = None
-    owner: object = None
-    #: makes byte ranges ``[(offset, n)]`` of the shard file present first (an s3:// cache's local
-    #: copy)
-    ensure: Callable[[Sequence[tuple[int, int]]], None] | None = None
-    #: ``retry(read, arg)``: ``read(arg)``, read once more after a failed check when the shard can
-    #: be fetched again (the dataset's rule for an s3:// cache's local copy)
-    retry: Callable[[Callable[[Any], Any], Any], Any] | None = None
-
-
-def run_pieces(pieces: list[Piece], ctx: ReadContext) -> None:
-    """Read the planned pieces (on ``ctx.reads``, the dataset's read threads, when given), verifying
-    each.
-
-    A failed read (the file shrank after it was opened) is the reader's one "cannot be read" error.
-    """
-    try:
-        if ctx.reads is None:
-            for piece in pieces:
-                read_piece(piece)
-        else:
-            ctx.reads.run(pieces)
-    except ReadError as exc:
-        raise unreadable_shard(exc.path, exc, ctx.repair) from exc

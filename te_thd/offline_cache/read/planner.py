@@ -37,7 +37,7 @@ from te_thd.offline_cache.format.integrity import (
 )
 from te_thd.offline_cache.format.schema import CacheIntegrityError, advise, tensor_nbytes
 from te_thd.offline_cache.format.token_index import TokenIndex
-from te_thd.offline_cache.read.executor import AfterRead, GatherPiece, Piece
+from te_thd.offline_cache.read.executor import IOV_MAX, AfterRead, GatherPiece, Piece
 from te_thd.offline_cache.storage.base import Fetch
 
 __all__ = [
@@ -58,13 +58,6 @@ __all__ = [
     "row_nbytes",
     "row_ranges",
 ]
-
-#: Linux's limit on iovecs per ``preadv`` call; longer runs are split.
-IOV_MAX = (
-    os.sysconf("SC_IOV_MAX")
-    if hasattr(os, "sysconf") and "SC_IOV_MAX" in os.sysconf_names
-    else 1024
-)
 
 
 @dataclass(frozen=True)
@@ -449,7 +442,18 @@ class OpenShard:
     its number reused by the next open).
     """
 
-    __slots__ = ("path", "name", "header", "fd", "views", "handle", "tokens", "fetch", "_pid")
+    __slots__ = (
+        "path",
+        "name",
+        "header",
+        "fd",
+        "views",
+        "handle",
+        "tokens",
+        "fetch",
+        "first_sample",
+        "_pid",
+    )
 
     def __init__(
         self,
@@ -458,8 +462,10 @@ class OpenShard:
         tokens: TokenIndex | None = None,
         fetch: Fetch | None = None,
         name: str | None = None,
+        first_sample: int | None = None,
     ) -> None:
         self.path, self.name, self.header, self.fd = path, name or path, header, -1
+        self.first_sample = first_sample  # the global index of its row 0 (None: not known)
         self.tokens = tokens  # a token-layout shard's ragged index
         # makes byte ranges present in the local file (``Storage.readable``; None: all are)
         self.fetch = fetch

@@ -11,21 +11,13 @@ pieces, and the check hashes a piece's blocks with one ``map``.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from te_thd.offline_cache.format.integrity import hash64
 from te_thd.offline_cache.format.ragged import BlockTable
-from te_thd.offline_cache.read.executor import Piece
-
-#: Linux's limit on iovecs per ``preadv`` call; a piece holds at most this many segments.
-IOV_MAX = (
-    os.sysconf("SC_IOV_MAX")
-    if hasattr(os, "sysconf") and "SC_IOV_MAX" in os.sysconf_names
-    else 1024
-)
+from te_thd.offline_cache.read.executor import IOV_MAX, Piece
 
 #: A piece of a read holds about this many bytes at most when its blocks are verified or read
 #: threads share it, so the hash finds them in cache right after the copy (whole blocks, at least
@@ -76,7 +68,6 @@ def plan_placed(
     sums: np.ndarray | None = None,
     mismatch: Mismatch | None = None,
     owner: object = None,
-    ensure: Callable[[Sequence[tuple[int, int]]], None] | None = None,
 ) -> int:
     """Plan reading whole-block segments of one ragged tensor into ``dst``; returns the pieces
     added.
@@ -94,7 +85,6 @@ def plan_placed(
         sums: uint64 ``[blocks]``, the tensor's block checksums (None: no check); a failed
             block raises ``mismatch(row, first token, last token, expected, actual)``.
         owner: kept by every piece (what keeps ``fd`` open until it is read).
-        ensure: makes file byte ranges ``[(offset, n)]`` present first (an s3:// cache's copy).
     """
     rows, t0, t1, d0 = (np.asarray(a, dtype=np.int64) for a in segments)
     keep = t1 > t0
@@ -129,17 +119,6 @@ def plan_placed(
     new[1:] |= cut[1:] != cut[:-1]
     first = np.flatnonzero(new)
     last = np.append(first[1:], n)
-    if ensure is not None:
-        ends = np.append(group_first[1:], n) - 1
-        ensure(
-            list(
-                zip(
-                    (base + fstart[group_first] * tb).tolist(),
-                    ((fend[ends] - fstart[group_first]) * tb).tolist(),
-                    strict=True,
-                )
-            )
-        )
     dbytes = d0 * tb
     views = list(
         map(dst.__getitem__, map(slice, dbytes.tolist(), (dbytes + seg_tokens * tb).tolist()))

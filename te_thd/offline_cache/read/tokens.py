@@ -46,32 +46,29 @@ from te_thd.offline_cache.format.token_index import (
     block_mismatch,
     load_block_sums,
 )
-from te_thd.offline_cache.read.executor import (
-    DestinationBuffers,
-    Piece,
-    ReadContext,
-    fill_rows,
-    new_tensor,
-    run_pieces,
-)
+from te_thd.offline_cache.read.executor import DestinationBuffers, Piece, fill_rows, new_tensor
+from te_thd.offline_cache.read.planner import OpenShard
+from te_thd.offline_cache.read.source import ShardSource
 from te_thd.offline_cache.read.token_place import piece_bytes, plan_placed, whole_blocks
 
 
 def plan_stored(
-    fd: int,
-    index: TokenIndex,
+    src: ShardSource,
+    f: OpenShard,
     name: str,
     rows: np.ndarray,
     pos: np.ndarray | None,
-    ctx: ReadContext,
     pieces: list[Piece],
     plans: dict[tuple[int, int], TokenReadPlan] | None = None,
 ) -> Callable[[], torch.Tensor]:
-    """Plan reading tokens ``pos`` of rows ``rows`` of stored tensor ``name`` (``pos`` None: every
+    """Plan reading tokens ``pos`` of rows ``rows`` of stored tensor ``name`` of the token shard
+    ``f`` of ``src`` (``pos`` None: every
     token of each row, in row order): appends one ``preadv`` piece per run of blocks to ``pieces``
     (each verifies its blocks right after it is read) and returns what then gives the tokens, ``[M,
     *shape]`` of the stored dtype. ``plans``: this request's plans so far, by (block size, gap):
     tensors of one token size share one."""
+    index, fd = f.tokens, src.descriptor(f)
+    assert index is not None
     s, table = index.stored[name], index.tables[name]
     shape = (table.block_tokens, PAGE_BYTES // max(1, s.token_bytes))
     plan = None if plans is None else plans.get(shape)
@@ -86,23 +83,23 @@ def plan_stored(
     buf = torch.empty((plan.tokens, *s.shape), dtype=s.dtype)
     raw = byte_view(buf)
     tb = s.token_bytes
-    if ctx.ensure is not None:
-        ctx.ensure(
-            [(index.sums_start, index.sums_bytes)]
-            + [
-                (
-                    index.start[name] + int(table.start[g0]) * tb,
-                    int(table.start[g1] - table.start[g0]) * tb,
-                )
-                for g0, g1 in plan.runs
-            ]
-        )
-    sums = load_block_sums(index, fd, ctx.repair)[name] if ctx.verify else None
+    src.ensure(
+        f,
+        [(index.sums_start, index.sums_bytes)]
+        + [
+            (
+                index.start[name] + int(table.start[g0]) * tb,
+                int(table.start[g1] - table.start[g0]) * tb,
+            )
+            for g0, g1 in plan.runs
+        ],
+    )
+    sums = load_block_sums(index, fd, src.repair)[name] if src.verify else None
     cur = 0
     for g0, g1 in plan.runs:
         a, b = int(table.start[g0]), int(table.start[g1])
         view = raw[cur * tb : (cur + b - a) * tb]
-        after = None if sums is None else _block_check(view, a, table, sums, index, s, ctx)
+        after = None if sums is None else _block_check(view, a, table, sums, f, s, src.repair)
         pieces.append(
             Piece(
                 fd,
@@ -112,7 +109,7 @@ def plan_stored(
                 index.path,
                 after,
                 (g0, range(g0, g1)),
-                ctx.owner,
+                f,
             )
         )
         cur += b - a
@@ -129,11 +126,14 @@ def _block_check(
     first_token: int,
     table: BlockTable,
     sums: np.ndarray,
-    index: TokenIndex,
+    f: OpenShard,
     s: StoredTensor,
-    ctx: ReadContext,
+    repair: str,
 ) -> Callable[[int, Sequence[int]], None]:
-    """The check of a piece's blocks once read into ``view`` (tokens from ``first_token``)."""
+    """The check of a piece's blocks once read into ``view`` (tokens from ``first_token``) of the
+    token shard ``f``."""
+    index = f.tokens
+    assert index is not None
     tb = s.token_bytes
 
     def after(_: int, blocks: Sequence[int]) -> None:
@@ -144,7 +144,7 @@ def _block_check(
                 view[(starts[j] - first_token) * tb : (starts[j + 1] - first_token) * tb], g
             )
             if got != want[j]:
-                raise block_mismatch(index, s.name, g, want[j], got, ctx.first_sample, ctx.repair)
+                raise block_mismatch(index, s.name, g, want[j], got, f.first_sample, repair)
 
     return after
 
@@ -152,7 +152,8 @@ def _block_check(
 def _mismatch(
     index: TokenIndex,
     s: StoredTensor,
-    ctx: ReadContext,
+    first_sample: int | None,
+    repair: str,
     row: int,
     lo: int,
     hi: int,
@@ -164,34 +165,35 @@ def _mismatch(
     return checksum_mismatch(
         index.path,
         row,
-        ctx.first_sample,
+        first_sample,
         s.key,
         want,
         got,
         tokens=(lo, hi, s.name),
-        repair=ctx.repair,
+        repair=repair,
     )
 
 
 def place_stored(
-    fd: int,
-    index: TokenIndex,
+    src: ShardSource,
+    f: OpenShard,
     name: str,
     segments: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray],
     dst: memoryview,
-    ctx: ReadContext,
     pieces: list[Piece],
-) -> int:
-    """Plan reading whole-block ``segments`` ``(rows, t0, t1, d0)`` of stored tensor ``name``
-    straight into ``dst`` (the bytes of a contiguous ``[N, *per_token]`` tensor of its dtype;
-    :func:`~te_thd.offline_cache.read.token_place.plan_placed`), each block verified right after it
-    is read when ``ctx.verify``; returns the pieces appended to ``pieces``."""
+) -> None:
+    """Plan reading whole-block ``segments`` ``(rows, t0, t1, d0)`` of stored tensor ``name`` of
+    the token shard ``f`` of ``src`` straight into ``dst`` (the bytes of a contiguous ``[N,
+    *per_token]`` tensor of its dtype; :func:`~te_thd.offline_cache.read.token_place.plan_placed`),
+    each block verified right after it is read when ``src.verify``; the pieces are appended to
+    ``pieces`` and their bytes made local."""
+    index, fd = f.tokens, src.descriptor(f)
+    assert index is not None
     s, table = index.stored[name], index.tables[name]
-    if ctx.ensure is not None:
-        ctx.ensure([(index.sums_start, index.sums_bytes)])
-    sums = load_block_sums(index, fd, ctx.repair)[name] if ctx.verify else None
-    threads = 1 if ctx.reads is None else ctx.reads.threads
-    return plan_placed(
+    src.ensure(f, [(index.sums_start, index.sums_bytes)])
+    sums = load_block_sums(index, fd, src.repair)[name] if src.verify else None
+    first, repair = len(pieces), src.repair
+    plan_placed(
         fd,
         index.path,
         index.start[name],
@@ -200,13 +202,15 @@ def place_stored(
         s.token_bytes,
         segments,
         dst,
-        piece_bytes(ctx.verify, threads),
+        piece_bytes(src.verify, src.threads().threads),
         pieces,
         sums,
-        lambda row, lo, hi, want, got: _mismatch(index, s, ctx, row, lo, hi, want, got),
-        ctx.owner,
-        ctx.ensure,
+        lambda row, lo, hi, want, got: _mismatch(
+            index, s, f.first_sample, repair, row, lo, hi, want, got
+        ),
+        f,
     )
+    src.ensure(f, [(p.offset, p.nbytes) for p in pieces[first:]])
 
 
 def decode(index: TokenIndex, key: str, parts: Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -227,31 +231,27 @@ def stored_names(index: TokenIndex, key: str) -> tuple[str, ...]:
     )
 
 
-#: (shard) -> (fd, index, read context): how a batch reaches its shards (the dataset's open files)
-Opener = Callable[[int], tuple[int, TokenIndex, ReadContext]]
-
-
 class TokenRows:
     """A batch's ragged keys, not yet read: ``B`` samples at ``places`` (``(shards, rows)``, int64
     ``[B]`` each).
 
     ``lengths``: int64 ``[B]`` (from the shard offsets, no data read); ``specs``: each key's logical
-    ``[L, ...]`` spec. Reads go through ``opener`` (the dataset's open shards).
+    ``[L, ...]`` spec. Reads go through ``source`` (the dataset's shards).
     """
 
     def __init__(
         self,
-        opener: Opener,
+        source: ShardSource,
         places: tuple[np.ndarray, np.ndarray],
         specs: Mapping[str, TensorSpec],
     ) -> None:
-        self._opener = opener
+        self._source = source
         self.shards, self.rows = places
         self.specs = dict(specs)
         lengths = np.empty(self.rows.size, dtype=np.int64)
         for shard in np.unique(self.shards).tolist():
             at = self.shards == shard
-            lengths[at] = opener(shard)[1].lengths[self.rows[at]]
+            lengths[at] = self._index(shard).lengths[self.rows[at]]
         self.lengths = lengths
 
     def plan(
@@ -274,7 +274,8 @@ class TokenRows:
         ] = []
         for shard in shards:
             at = None if len(shards) == 1 else np.flatnonzero(shard_of == shard)
-            fd, index, ctx = self._opener(shard)
+            f = self._source.shard(shard)
+            index = self._index(shard)
             rows, p = (
                 (self.rows[sample], pos)
                 if at is None
@@ -282,7 +283,7 @@ class TokenRows:
             )
             plans: dict[tuple[int, int], TokenReadPlan] = {}
             parts = {
-                n: plan_stored(fd, index, n, rows, p, ctx, pieces, plans)
+                n: plan_stored(self._source, f, n, rows, p, pieces, plans)
                 for k in keys
                 for n in stored_names(index, k)
             }
@@ -395,7 +396,8 @@ class TokenRows:
             raw = byte_view(out[key])
             for shard in shards:
                 at = np.flatnonzero(shard_of == shard) if len(shards) > 1 else np.arange(seg.size)
-                fd, index, ctx = self._opener(shard)
+                f = self._source.shard(shard)
+                index = self._index(shard)
                 if index.layout.codec(key) is not None:
                     staged[:] = True
                     break
@@ -403,7 +405,7 @@ class TokenRows:
                 ok = whole_blocks(index.tables[name], index.offsets, rows, t0[at], t1[at])
                 staged[at[~ok]] = True
                 parts = (rows[ok], t0[at][ok], t1[at][ok], d0[at][ok])
-                place_stored(fd, index, name, parts, raw, ctx, pieces)
+                place_stored(self._source, f, name, parts, raw, pieces)
             if not staged.any():
                 continue
             if pos is None:
@@ -459,14 +461,17 @@ class TokenRows:
         cache whose local copy fails a check is fetched again, once."""
         if not self.shards.size:
             return {}
-        ctx = self._opener(int(self.shards[0]))[
-            2
-        ]  # every shard's context reads on the same threads
 
         def once(_: Any) -> dict[str, torch.Tensor]:
             pieces: list[Piece] = []
             result = plan(pieces)
-            run_pieces(pieces, ctx)
+            self._source.run(pieces)
             return result()
 
-        return once(None) if ctx.retry is None else ctx.retry(once, None)
+        return self._source.retry(once, None)
+
+    def _index(self, shard: int) -> TokenIndex:
+        """The ragged index of token shard ``shard`` (opened by the source)."""
+        index = self._source.shard(shard).tokens
+        assert index is not None
+        return index
