@@ -1,13 +1,14 @@
-"""Cache integrity checks: cheap on open, deep on request, and a summary for humans.
+"""Cache integrity checks on request, and a summary for humans.
 
-- :func:`check_cache_files` (every reader calls it when opening a cache): shard
-  names are exactly ``0..N-1`` and each file has the byte size the manifest
-  records. One ``stat`` per shard, no reads.
-- :func:`verify_shard_file`: everything one shard can be checked for -- its
-  header against the cache schema and row count, every row of every key against
-  the checksums the shard carries, and the whole file against the manifest's
-  record. The producer's resume calls it, and :func:`verify_shards`, the one walk over a
-  cache's shards that ``verify_cache(deep=True)`` and ``repair_cache`` share.
+Built on the checks of the layers below: the cheap one every reader makes on open (shard names
+``0..N-1``, each file of the size the manifest records; :mod:`~te_thd.offline_cache.record.files`)
+and :func:`~te_thd.offline_cache.format.shard_check.verify_shard_file`, everything one shard can
+be checked for (its header against the cache schema and row count, every row of every key
+against the checksums the shard carries, the whole file against the manifest's record).
+
+- :func:`verify_shards`: the one walk over a cache's shards that ``verify_cache(deep=True)`` and
+  ``repair_cache`` share (the producer's resume checks its own shards with
+  :func:`~te_thd.offline_cache.write.resume.existing_record`).
 - :func:`verify_cache`: the whole cache; says exactly what it checked and what it
   could not (a reference-format cache carries no checksums).
 - :func:`cache_info`: what ``te-thd cache info`` prints.
