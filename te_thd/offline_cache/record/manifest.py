@@ -123,8 +123,11 @@ def parse_format_version(value: Any) -> tuple[Any, bool]:
 
 
 def _damaged(path: str, what: str) -> ManifestError:
-    """The error of the manifest at ``path`` whose content is damaged: ``what``, and the fix."""
-    return ManifestError(f"{what}. The manifest is damaged. {rebuild_manifest_hint(path)}")
+    """The error of the manifest at ``path`` whose content is damaged: ``manifest <path>`` and
+    ``what``, then the fix."""
+    return ManifestError(
+        f"manifest {path}{what}. The manifest is damaged. {rebuild_manifest_hint(path)}"
+    )
 
 
 def _parsed(manifest: Mapping[str, Any], key: str, parse: Callable[[Any], Any], path: str) -> Any:
@@ -151,15 +154,14 @@ def validate_manifest(manifest: Mapping[str, Any], path: str, producer: str | No
                 + rebuild_manifest_hint(path)
             )
         if not is_int(manifest[key], minimum):
-            raise _damaged(
-                path, f"manifest {path} has {key}={manifest[key]!r}; it must be an int >= {minimum}"
-            )
-    n = num_shards(manifest["num_samples"], manifest["shard_size"])
+            raise _damaged(path, f" has {key}={manifest[key]!r}; it must be an int >= {minimum}")
+    num_samples, shard_size = manifest["num_samples"], manifest["shard_size"]
+    n = num_shards(num_samples, shard_size)
     if n > MAX_SHARDS:
         raise ManifestError(
             f"manifest {path} declares {n} shards; at most {MAX_SHARDS} are addressable"
         )
-    if "schema" in manifest and not (manifest["schema"] == {} and manifest["num_samples"] == 0):
+    if "schema" in manifest and not (manifest["schema"] == {} and num_samples == 0):
         _parsed(manifest, "schema", schema_from_json, path)
     if "shards" in manifest:
         shards = manifest["shards"]
@@ -167,8 +169,8 @@ def validate_manifest(manifest: Mapping[str, Any], path: str, producer: str | No
             got = len(shards) if isinstance(shards, list) else type(shards).__name__
             raise _damaged(
                 path,
-                f"manifest {path} lists {got} shard records but num_samples="
-                f"{manifest['num_samples']} / shard_size={manifest['shard_size']} means {n}",
+                f" lists {got} shard records but num_samples={num_samples} / shard_size="
+                f"{shard_size} means {n}",
             )
         for i, rec in enumerate(shards):
             name = shard_name(i)
@@ -182,14 +184,12 @@ def validate_manifest(manifest: Mapping[str, Any], path: str, producer: str | No
             if not ok:
                 raise _damaged(
                     path,
-                    f"manifest {path}: shard record {i} is {rec!r}, expected "
-                    f"{{'file': {name!r}, 'bytes': int, 'checksum': '<algorithm>:<hex>'}}",
+                    f": shard record {i} is {rec!r}, expected {{'file': {name!r}, 'bytes': int, "
+                    "'checksum': '<algorithm>:<hex>'}",
                 )
-            bad = check_lengths_record(
-                rec, shard_rows(i, manifest["num_samples"], manifest["shard_size"])
-            )
+            bad = check_lengths_record(rec, shard_rows(i, num_samples, shard_size))
             if bad is not None:
-                raise _damaged(path, f"manifest {path}: shard record {i}: {bad}")
+                raise _damaged(path, f": shard record {i}: {bad}")
     if LENGTH_RULE_KEY in manifest:
         _parsed(manifest, LENGTH_RULE_KEY, LengthRule.from_json, path)
     if TOKEN_LAYOUT_KEY in manifest:
@@ -198,8 +198,8 @@ def validate_manifest(manifest: Mapping[str, Any], path: str, producer: str | No
         if LENGTH_RULE_KEY not in manifest or not set(layout.keys) <= set(schema):
             raise _damaged(
                 path,
-                f"manifest {path}: {TOKEN_LAYOUT_KEY!r} needs a 'length_rule' and its keys "
-                f"{list(layout.keys)} in the 'schema'",
+                f": {TOKEN_LAYOUT_KEY!r} needs a 'length_rule' and its keys {list(layout.keys)} "
+                "in the 'schema'",
             )
 
 
@@ -323,11 +323,10 @@ def check_manifest(
         )
     recorded, tagged = parse_format_version(manifest["format_version"])
     if tagged != (TOKEN_LAYOUT_KEY in manifest):
-        raise _damaged(
-            path,
+        raise ManifestError(
             f"{cache_name} cache manifest {path} has format_version={manifest['format_version']!r} "
-            f"{'without' if tagged else 'with'} a {TOKEN_LAYOUT_KEY!r} field; a ragged "
-            "cache records both",
+            f"{'without' if tagged else 'with'} a {TOKEN_LAYOUT_KEY!r} field; a ragged cache "
+            f"records both. The manifest is damaged. {rebuild_manifest_hint(path)}"
         )
     manifest["format_version"] = recorded  # the caller's version; the layout is in token_layout
     # Checked before the layout: a wrong version is the more useful message when both are wrong.
@@ -343,34 +342,32 @@ def check_manifest(
 
 
 def _check_manifest_checksum(manifest: Mapping[str, Any], path: str, cache_name: str) -> None:
-    damaged = (
-        f"so none of its fields can be trusted. {rebuild_manifest_hint(path)} (After a deliberate "
-        "edit, rewrite it with `te_thd.offline_cache.write_manifest(cache_dir, manifest, "
-        "format_version)`, which records a new checksum.)"
-    )
+    recorded, layout = manifest.get(MANIFEST_CHECKSUM_KEY), manifest.get("layout_version")
     if MANIFEST_CHECKSUM_KEY not in manifest:
-        layout = manifest.get("layout_version")
-        if is_int(layout, 2):
-            raise ManifestError(
-                f"{cache_name} cache manifest {path} declares layout_version={layout} but has no "
-                f"{MANIFEST_CHECKSUM_KEY!r} field, which that layout always records: the file was "
-                f"damaged after it was written, {damaged}"
-            )
-        return  # a reference-format (or layout 1) manifest: nothing to check
-    recorded = manifest[MANIFEST_CHECKSUM_KEY]
-    if not isinstance(recorded, str) or recorded.split(":", 1)[0] != CHECKSUM_ALGORITHM:
-        raise ManifestError(
-            f"{cache_name} cache manifest {path} has {MANIFEST_CHECKSUM_KEY}={recorded!r}, not "
-            f"'{CHECKSUM_ALGORITHM}:<8 hex digits>': the file was damaged after it was "
-            f"written, {damaged}"
+        if not is_int(layout, 2):
+            return  # a reference-format (or layout 1) manifest: nothing to check
+        problem = (
+            f"declares layout_version={layout} but has no {MANIFEST_CHECKSUM_KEY!r} field, which "
+            "that layout always records: the file was damaged"
         )
-    actual = manifest_checksum(manifest)
-    if actual != recorded:
-        raise ManifestError(
-            f"{cache_name} cache manifest {path} does not match its own checksum (it records "
-            f"{recorded}, its content hashes to {actual}): the file was damaged or edited after "
-            f"it was written, {damaged}"
+    elif not isinstance(recorded, str) or recorded.split(":", 1)[0] != CHECKSUM_ALGORITHM:
+        problem = (
+            f"has {MANIFEST_CHECKSUM_KEY}={recorded!r}, not '{CHECKSUM_ALGORITHM}:<8 hex digits>': "
+            "the file was damaged"
         )
+    elif (actual := manifest_checksum(manifest)) != recorded:
+        problem = (
+            f"does not match its own checksum (it records {recorded}, its content hashes to "
+            f"{actual}): the file was damaged or edited"
+        )
+    else:
+        return
+    raise ManifestError(
+        f"{cache_name} cache manifest {path} {problem} after it was written, so none of its fields "
+        f"can be trusted. {rebuild_manifest_hint(path)} (After a deliberate edit, rewrite it with "
+        "`te_thd.offline_cache.write_manifest(cache_dir, manifest, format_version)`, which records "
+        "a new checksum.)"
+    )
 
 
 def load_manifest(
@@ -482,12 +479,8 @@ def producer_command(
         return producer_hint(producer)
     if not (isinstance(args, list) and all(isinstance(a, str) for a in args)):
         return f"{recorded} (the producer this cache records) with the arguments that built it"
-    argv = [
-        sys.executable,
-        checkout_file(recorded),
-        *(cache_dir if a == CACHE_DIR_ARG else a for a in args),
-    ]
-    return f"`{shlex.join(argv)}`"
+    args = [cache_dir if a == CACHE_DIR_ARG else a for a in args]
+    return f"`{shlex.join([sys.executable, checkout_file(recorded), *args])}`"
 
 
 def resume_command(storage: Storage, producer: str | None = None) -> str:

@@ -209,10 +209,7 @@ def follow_record(run: Mapping[str, Any], producer_command: str | None) -> bytes
     """The bytes of the follow record: ``run`` (``record.run_record``) and the resume
     command (stored plain, as a shell takes it:
     :func:`~te_thd.offline_cache.format.schema.command_record`)."""
+    command = command_record(producer_command)
     return record_bytes(
-        {
-            "follow_version": _FOLLOW_VERSION,
-            "run": dict(run),
-            "producer_command": command_record(producer_command),
-        }
+        {"follow_version": _FOLLOW_VERSION, "run": dict(run), "producer_command": command}
     )

@@ -339,11 +339,8 @@ def _profile() -> dict[str, str]:
         parser.read(path)
         if parser.has_section(section):
             for opt, var in options:
-                if parser.get(section, opt, fallback=None):
-                    out[var], out[f"from:{var}"] = (
-                        parser.get(section, opt),
-                        f"{opt} of profile {name!r} in {path}",
-                    )
+                if value := parser.get(section, opt, fallback=None):
+                    out[var], out[f"from:{var}"] = value, f"{opt} of profile {name!r} in {path}"
     return out
 
 
@@ -386,10 +383,9 @@ def _obstore() -> Any:
     return client_module("obstore", "s3", "the object-store client obstore")
 
 
-def client(bucket: str, config: dict[str, str] | None = None) -> Any:
-    """This process's ``obstore`` store for ``bucket``, configured by ``config`` (default: this
-    process's :func:`settings`), made on first use."""
-    env = settings() if config is None else config
+def client(bucket: str, env: dict[str, str]) -> Any:
+    """This process's ``obstore`` store for ``bucket``, configured by ``env`` (:func:`settings`),
+    made on first use."""
     key = (os.getpid(), bucket, tuple(sorted(env.items())))
     store = _CLIENTS.get(key)
     if store is None:
@@ -451,9 +447,8 @@ class ReadThrough:
         self._pid = os.getpid()
 
     def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()  # (the directory stays its maker's: the copy has no finalizer)
-        state["_present"], state["_absent"], state["_lru"] = {}, {}, OrderedDict()
-        return state
+        # the bookkeeping is this process's (the directory stays its maker's: no finalizer)
+        return {**self.__dict__, "_present": {}, "_absent": {}, "_lru": OrderedDict()}
 
     def sync(self, known: storage.Known | None = None) -> None:
         """Fetch the manifest and list the shard objects (``known``: what the opener just read of
