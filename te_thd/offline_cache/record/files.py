@@ -10,6 +10,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from te_thd.args import is_int
+from te_thd.offline_cache.format.integrity import SHARD_LAYOUT
 from te_thd.offline_cache.format.schema import (
     CacheIntegrityError,
     cache_command,
@@ -22,7 +23,6 @@ from te_thd.offline_cache.format.schema import (
     shard_path,
 )
 from te_thd.offline_cache.record.manifest import (
-    LAYOUT_VERSION,
     listed_shards,
     shard_records,
     validate_manifest,
@@ -178,4 +178,4 @@ def shard_size_errors(
 def requires_shard_sums(manifest: Mapping[str, Any]) -> bool:
     """True when the manifest's layout promises te_thd checksums in every shard."""
     layout = manifest.get("layout_version")
-    return is_int(layout, LAYOUT_VERSION)
+    return is_int(layout, SHARD_LAYOUT)

@@ -19,7 +19,7 @@ from typing import Any
 
 from te_thd._checkout import checkout_file
 from te_thd.args import check_int, is_int
-from te_thd.offline_cache.format.integrity import SHARD_LAYOUT, read_shard_header, schema_of_header
+from te_thd.offline_cache.format.integrity import read_shard_header, schema_of_header
 from te_thd.offline_cache.format.lengths import LENGTH_RULE_KEY, LengthRule, check_lengths_record
 from te_thd.offline_cache.format.ragged import (
     TOKEN_LAYOUT_KEY,
@@ -51,8 +51,6 @@ from te_thd.offline_cache.format.schema import (
 from te_thd.offline_cache.storage.base import LOCK_NAME, TEMP_RE, Storage, json_object
 from te_thd.offline_cache.storage.schemes import as_storage
 
-#: Version of the te_thd integrity fields a producer writes (see the module docstring).
-LAYOUT_VERSION = SHARD_LAYOUT
 #: The manifest field holding the checksum of the rest of the manifest.
 MANIFEST_CHECKSUM_KEY = "manifest_checksum"
 #: Manifest keys te_thd writes itself; producer options may not use them.
@@ -73,7 +71,7 @@ RESERVED_MANIFEST_KEYS = frozenset(
 
 #: the tag on a ragged cache's recorded ``format_version``: ``"1+tokens"``
 FORMAT_TAG = "+tokens"
-_TAGGED = re.compile(r"^(\d+)\+tokens$")
+_TAGGED = re.compile(rf"^(\d+){re.escape(FORMAT_TAG)}$")
 
 
 def existing_shard_indices(cache_dir: str | Storage) -> set[int]:

@@ -18,6 +18,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from te_thd.offline_cache.format.integrity import SHARD_LAYOUT
 from te_thd.offline_cache.format.lengths import LENGTH_RULE_KEY, LengthRule, for_tensor_spec
 from te_thd.offline_cache.format.ragged import TOKEN_LAYOUT_KEY, TokenLayout
 from te_thd.offline_cache.format.schema import (
@@ -26,7 +27,7 @@ from te_thd.offline_cache.format.schema import (
     schema_to_json,
     shard_name,
 )
-from te_thd.offline_cache.record.manifest import LAYOUT_VERSION, RESERVED_MANIFEST_KEYS
+from te_thd.offline_cache.record.manifest import RESERVED_MANIFEST_KEYS
 
 
 def run_params(
@@ -122,7 +123,7 @@ def build_manifest(
         "num_samples": params["num_samples"],
         "shard_size": params["shard_size"],
         # te_thd's producer: every shard carries its checksums
-        "layout_version": LAYOUT_VERSION,
+        "layout_version": SHARD_LAYOUT,
         **manifest_fields(schema, records, length_rule, layout_of(params)),
     }
 
