@@ -317,7 +317,7 @@ class CachedTensorDataset(Dataset):
         index = check_index("index", index, self.num_samples, self._where())
         shard_index, offset = divmod(index, self.shard_size)
         f = self._shard_file(shard_index)
-        self._source.ensure(f, row_ranges(f.header.entries, self._row_keys, np.array([offset])))
+        self._source.ensure(f, row_ranges, f.header.entries, self._row_keys, [offset])
         handle = self._handle(shard_index)
         try:
             out = {key: handle.get_slice(key)[offset] for key in self._row_keys}
@@ -391,8 +391,10 @@ class CachedTensorDataset(Dataset):
         scattered: list[Scattered] = []
         for shard, local, pos in groups:
             f = self._shard_file(shard)
-            self._source.ensure(f, row_ranges(f.header.entries, self._row_keys, local))
-            fd = self._source.descriptor(f)  # the first batched read of the shard opens it
+            self._source.ensure(f, row_ranges, f.header.entries, self._row_keys, local)
+            fd = f.descriptor(
+                self._source.prefetch, self._repair
+            )  # the first batched read of the shard opens it
             plan_shard_rows(
                 f,
                 fd,

@@ -21,8 +21,7 @@ from __future__ import annotations
 import os
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -32,6 +31,7 @@ from te_thd.offline_cache.format.integrity import (
     HeaderEntry,
     ShardHeader,
     ShardSums,
+    hash64,
     row_views,
     verify_row_views,
 )
@@ -51,7 +51,6 @@ __all__ = [
     "batch_groups",
     "batch_places",
     "choose_engines",
-    "is_run",
     "plan_pieces",
     "plan_runs",
     "plan_shard_rows",
@@ -60,8 +59,7 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True)
-class RunPlan:
+class RunPlan(NamedTuple):
     """How to read rows of one shard tensor into rows of a batch tensor.
 
     ``rows`` / ``dst_rows`` (int64 ``[n]``): the file rows and the batch rows they fill, sorted
@@ -110,7 +108,7 @@ def plan_runs(
     ``dst`` (``n`` ints, default ``0..n-1``): the batch row each of ``local`` goes to. A run
     is a maximal stretch of the rows sorted by file position where each row is the previous
     plus one; a repeated row (wrap-around padding) starts a new run, so the runs partition the
-    batch rows. Pure numpy: one sort when the rows are not in order already.
+    batch rows. Numpy: one sort, unless the rows are one run in batch order.
     """
     rows = np.asarray(local, dtype=np.int64).reshape(-1)
     n = rows.size
@@ -119,18 +117,15 @@ def plan_runs(
         raise ValueError(f"dst has {targets.size} rows, local {n}; pass one batch row per file row")
     new = np.zeros(n, dtype=bool)
     new[:1] = True
-    step = rows[1:] - rows[:-1]
-    if dst is None and n and rows[-1] - rows[0] == n - 1 and (step == 1).all():
+    if dst is None and n and rows[-1] - rows[0] == n - 1 and (rows[1:] - rows[:-1] == 1).all():
         return RunPlan(rows, targets, new, True)  # a sequential read: one run
-    in_order = dst is None and bool((step > 0).all())  # batch rows 0..n-1 in file order
-    if not in_order:
-        order = np.lexsort((targets, rows))
-        rows, targets = rows[order], targets[order]
-        step = rows[1:] - rows[:-1]
-    np.not_equal(step, 1, out=new[1:])
-    plan = RunPlan(rows, targets, new, in_order and not new[1:].any())
-    if n and not plan.simple and not new[1:].any():  # one run: into consecutive batch rows?
-        plan = RunPlan(rows, targets, new, plan.dst_contiguous[0])
+    # by file row, then batch row (``targets`` ascends already when ``dst`` is None)
+    order = rows.argsort(kind="stable") if dst is None else np.lexsort((targets, rows))
+    rows, targets = rows[order], targets[order]
+    np.not_equal(rows[1:], rows[:-1] + 1, out=new[1:])
+    plan = RunPlan(rows, targets, new)
+    if n and not new[1:].any():  # one run: into consecutive batch rows?
+        plan = plan._replace(simple=plan.dst_contiguous[0])
     return plan
 
 
@@ -245,7 +240,7 @@ def batch_groups(
     if set(map(type, indices)) != {int}:  # a float or str would pass the range test below
         indices = [check_index(f"indices[{i}]", v, total, where) for i, v in enumerate(indices)]
     idx = np.asarray(indices, dtype=np.int64)
-    lo, hi = int(idx.min()), int(idx.max())
+    lo, hi = min(indices), max(indices)  # builtins over a list: no array calls
     if lo < 0 or hi >= total:
         idx[idx < 0] += total
         bad = np.flatnonzero((idx < 0) | (idx >= total))
@@ -264,11 +259,6 @@ def batch_groups(
         shard, pos = int(sorted_shards[a]), order[a:b]
         out.append((shard, idx[pos] - shard * shard_size, pos))
     return out
-
-
-def is_run(a: np.ndarray) -> bool:
-    """True iff the int array ``a`` is ``[a0, a0+1, ..., a0+n-1]``."""
-    return a.size < 2 or bool(a[-1] - a[0] == a.size - 1 and (np.diff(a) == 1).all())
 
 
 def batch_places(groups: Sequence[Part], n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -369,15 +359,17 @@ def plan_shard_rows(
         expected, views = sums.sums[key], row_views(dst, dst.shape[0])
 
         def after(p: int, rows: Sequence[int]) -> None:
-            verify_row_views(
-                views[p : p + len(rows)],
-                rows,
-                expected,
-                path=path,
-                key=key,
-                first_sample=first_sample,
-                repair=repair,
-            )
+            here = views[p : p + len(rows)]
+            if list(map(hash64, here, rows)) != list(map(expected.__getitem__, rows)):
+                verify_row_views(
+                    here,
+                    rows,
+                    expected,
+                    path=path,
+                    key=key,
+                    first_sample=first_sample,
+                    repair=repair,
+                )  # raises, naming the first bad row
 
         return after
 
@@ -399,7 +391,8 @@ def plan_shard_rows(
         if views is None:
             views = f.mapped(keys, repair)
         dst = out[key]
-        if plan.simple or pos is None or is_run(pos):
+        # a part's batch rows ascend (``batch_groups``): a run when they span ``m`` rows
+        if plan.simple or pos is None or pos[-1] - pos[0] == m - 1:
             if pos is not None and not plan.simple:
                 start = int(pos[0])
             target = dst if start == 0 and m == dst.shape[0] else dst[start : start + m]
@@ -408,6 +401,13 @@ def plan_shard_rows(
             scattered.append((dst, torch.from_numpy(pos), target))
         after = verifier(key, target)
         step = max(1, chunk // row_bytes) if chunk and row_bytes else m
+        if step >= m:  # the common case: one copy, nothing cut
+            pieces.append(
+                GatherPiece(
+                    views[key], rows_t, first, target, m * row_bytes, path, after, (0, all_rows)
+                )
+            )
+            continue
         pieces += [
             GatherPiece(
                 views[key],

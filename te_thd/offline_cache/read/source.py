@@ -184,17 +184,13 @@ class ShardSource:
         if done is not None:
             (self.manifest, self.checksums), self.follower = done, None
 
-    def descriptor(self, f: OpenShard) -> int:
-        """``f``'s read-only descriptor, opened on first use (with the kernel asked for the
-        ``prefetch`` keys' bytes)."""
-        return f.descriptor(self.prefetch, self.repair)
-
     @staticmethod
-    def ensure(f: OpenShard, ranges: Sequence[tuple[int, int]]) -> None:
-        """Make byte ranges ``[(offset, n)]`` of shard ``f`` present in its local file (an object
-        store's read-through copy fetches what it lacks; a local cache has them all)."""
-        if f.fetch is not None and ranges:
-            f.fetch(ranges)
+    def ensure(f: OpenShard, ranges: Callable[..., Sequence[tuple[int, int]]], *args: Any) -> None:
+        """Make the byte ranges ``ranges(*args)`` (``[(offset, n)]``) of shard ``f`` present in its
+        local file: an object store's read-through copy fetches what it lacks; a local cache has
+        them all, and never works out the ranges."""
+        if f.fetch is not None:
+            f.fetch(ranges(*args))
 
     # -- reads -------------------------------------------------------------------------
 

@@ -40,7 +40,7 @@ from te_thd.offline_cache.format.ragged import (
     plan_token_reads,
     token_places,
 )
-from te_thd.offline_cache.format.schema import CacheIntegrityError, TensorSpec, advise
+from te_thd.offline_cache.format.schema import TensorSpec, advise
 from te_thd.offline_cache.format.token_index import (
     TokenIndex,
     block_mismatch,
@@ -67,7 +67,7 @@ def plan_stored(
     (each verifies its blocks right after it is read) and returns what then gives the tokens, ``[M,
     *shape]`` of the stored dtype. ``plans``: this request's plans so far, by (block size, gap):
     tensors of one token size share one."""
-    index, fd = f.tokens, src.descriptor(f)
+    index, fd = f.tokens, f.descriptor(src.prefetch, src.repair)
     assert index is not None
     s, table = index.stored[name], index.tables[name]
     shape = (table.block_tokens, PAGE_BYTES // max(1, s.token_bytes))
@@ -85,14 +85,16 @@ def plan_stored(
     tb = s.token_bytes
     src.ensure(
         f,
-        [(index.sums_start, index.sums_bytes)]
-        + [
-            (
-                index.start[name] + int(table.start[g0]) * tb,
-                int(table.start[g1] - table.start[g0]) * tb,
-            )
-            for g0, g1 in plan.runs
-        ],
+        lambda: (
+            [(index.sums_start, index.sums_bytes)]
+            + [
+                (
+                    index.start[name] + int(table.start[g0]) * tb,
+                    int(table.start[g1] - table.start[g0]) * tb,
+                )
+                for g0, g1 in plan.runs
+            ]
+        ),
     )
     sums = load_block_sums(index, fd, src.repair)[name] if src.verify else None
     cur = 0
@@ -149,31 +151,6 @@ def _block_check(
     return after
 
 
-def _mismatch(
-    index: TokenIndex,
-    s: StoredTensor,
-    first_sample: int | None,
-    repair: str,
-    row: int,
-    lo: int,
-    hi: int,
-    want: int,
-    got: int,
-) -> CacheIntegrityError:
-    """The error of a block of ``s`` (tokens ``lo..hi`` of shard row ``row``) whose bytes hash to
-    ``got``."""
-    return checksum_mismatch(
-        index.path,
-        row,
-        first_sample,
-        s.key,
-        want,
-        got,
-        tokens=(lo, hi, s.name),
-        repair=repair,
-    )
-
-
 def place_stored(
     src: ShardSource,
     f: OpenShard,
@@ -187,10 +164,10 @@ def place_stored(
     *per_token]`` tensor of its dtype; :func:`~te_thd.offline_cache.read.token_place.plan_placed`),
     each block verified right after it is read when ``src.verify``; the pieces are appended to
     ``pieces`` and their bytes made local."""
-    index, fd = f.tokens, src.descriptor(f)
+    index, fd = f.tokens, f.descriptor(src.prefetch, src.repair)
     assert index is not None
     s, table = index.stored[name], index.tables[name]
-    src.ensure(f, [(index.sums_start, index.sums_bytes)])
+    src.ensure(f, lambda: [(index.sums_start, index.sums_bytes)])
     sums = load_block_sums(index, fd, src.repair)[name] if src.verify else None
     first, repair = len(pieces), src.repair
     plan_placed(
@@ -205,12 +182,20 @@ def place_stored(
         piece_bytes(src.verify, src.threads().threads),
         pieces,
         sums,
-        lambda row, lo, hi, want, got: _mismatch(
-            index, s, f.first_sample, repair, row, lo, hi, want, got
+        # a failed block: tokens lo..hi of shard row ``row``, whose bytes hash to ``got``
+        lambda row, lo, hi, want, got: checksum_mismatch(
+            index.path,
+            row,
+            f.first_sample,
+            s.key,
+            want,
+            got,
+            tokens=(lo, hi, s.name),
+            repair=repair,
         ),
         f,
     )
-    src.ensure(f, [(p.offset, p.nbytes) for p in pieces[first:]])
+    src.ensure(f, lambda: [(p.offset, p.nbytes) for p in pieces[first:]])
 
 
 def decode(index: TokenIndex, key: str, parts: Mapping[str, torch.Tensor]) -> torch.Tensor:
