@@ -28,7 +28,15 @@ checksum costs. Loops without a loader, interleaved with the loaders:
 
 Each large case yields two records from the same interleaved timings:
 ``large_<order>`` (ours = the default, verified loader) and
-``unverified_large_<order>`` (ours = ``verify=False``).
+``unverified_large_<order>`` (ours = ``verify=False``). The reference is not among
+those candidates: it stacks each batch into a fresh tensor, and whether the allocator
+serves that from reused heap or from new pages (a page fault every 4 KiB) depends on
+what the readers timed before it in the same process left behind. ``large_<order>_own_process`` and ``unverified_large_<order>_own_process``
+time it instead, and our two loaders against it, each reader in fresh processes of its
+own (``perf/cache_readers.py``): same cache, same sample orders, same timing
+(:func:`time_interleaved` of whole epochs, after more warm-up epochs: a fresh process
+reads its first epochs slower), rounds of one process per reader in turn, the median
+over the processes.
 
 Cases (goals in ``perf/thresholds.json``):
 - ``small_sequential`` / ``small_shuffled``: ``input_ids`` [256] int64, ``loss_mask``
@@ -36,9 +44,10 @@ Cases (goals in ``perf/thresholds.json``):
   (``--quick``: 8192); batch 32. Goal >= 10x the reference.
 - ``large_sequential`` / ``large_shuffled``: ``hidden`` [512, 768] bf16 +
   ``input_ids`` [512] int64; shard_size 64; 512 samples (``--quick``: 128); batch 8.
-  Goals: verified >= 0.9x ``raw_preadv_hash``, >= 1x the reference, >= 0.5x
-  ``raw_slice``; unverified (``unverified_large_*``) >= 0.9x ``raw_preadv`` and
-  >= 1.3x the reference.
+  Goals: verified >= 0.9x ``raw_preadv_hash`` and >= 0.5x ``raw_slice``;
+  unverified (``unverified_large_*``) >= 0.9x ``raw_preadv``; against the reference,
+  each timed in processes of their own (``*_own_process``), verified and unverified
+  >= 1.3x.
 - ``large_read_behind_step``: the large cache, shuffled, verified, read by a
   training loop whose step (a sleep: the CPU is free, as during a GPU step) takes
   as long as a batch's read: the default loader (read-ahead) against
@@ -57,17 +66,23 @@ from __future__ import annotations
 import functools
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
-import warnings
 from typing import Any
 
 import torch
+from cache_readers import (
+    FORMAT_VERSION,
+    epoch_samples,
+    own_process_seconds,
+    reader_loader,
+    run_epoch,
+)
 from harness import Record, print_records, reference_offline_cache, split_even, time_interleaved
 
 BENCH = "cache_read"
-FORMAT_VERSION = 1
 SMALL_KEYS = ("input_ids", "loss_mask", "position_mask")
 LARGE_KEYS = ("hidden", "input_ids")
 
@@ -102,13 +117,6 @@ def write_cache(cache_dir: str, num_samples: int, shard_size: int, kind: str) ->
     write_manifest(
         cache_dir, {"num_samples": num_samples, "shard_size": shard_size}, FORMAT_VERSION
     )
-
-
-def _epoch(loader: Any) -> int:
-    n = 0
-    for batch in loader:
-        n += next(iter(batch.values())).shape[0]
-    return n
 
 
 def _raw_slicer(cache_dir: str, keys: tuple[str, ...], batch: int) -> Any:
@@ -247,63 +255,35 @@ def _raw_preadv(
     return read_threaded
 
 
-def _loaders(
-    cache_dir: str, keys: tuple[str, ...], batch: int, shuffle: bool, ref: Any
-) -> dict[str, Any]:
-    from te_thd.offline_cache import (
-        CachedTensorDataset,
-        UnverifiedCacheWarning,
-        build_cached_dataloader,
-        collate_cached,
-    )
-
-    def loader(verify: bool) -> Any:
-        return build_cached_dataloader(
-            CachedTensorDataset(cache_dir, "bench", FORMAT_VERSION, keys, verify=verify),
-            batch,
-            shuffle,
-            functools.partial(collate_cached, keys=keys),
-        )
-
-    with warnings.catch_warnings():
-        warnings.simplefilter(
-            "ignore", UnverifiedCacheWarning
-        )  # verify=False says so; measured on purpose
-        out = {"ours": loader(True), "unverified": loader(False)}
-    if ref is not None:
-        out["reference"] = ref.build_cached_dataloader(
-            dataset=ref.CachedTensorDataset(
-                cache_dir=cache_dir,
-                cache_name="bench",
-                format_version=FORMAT_VERSION,
-                disk_keys=keys,
-            ),
-            batch_size=batch,
-            shuffle=shuffle,
-            collate_fn=functools.partial(ref.collate_cached, keys=keys),
-        )
-    return out
-
-
 def _throughput_cases(
-    case: str, cache_dir: str, keys: tuple[str, ...], batch: int, shuffle: bool, n: int, trials: int, ref: Any,
+    case: str,
+    cache_dir: str,
+    keys: tuple[str, ...],
+    batch: int,
+    shuffle: bool,
+    n: int,
+    trials: int,
+    ref: Any,
     split_unverified: bool = False,
-) -> list[Record]:  # fmt: skip
+) -> list[Record]:
     """One interleaved timing of every candidate; ``case`` (ours = verified loader) and,
-    with ``split_unverified``, ``unverified_<case>`` (ours = the ``verify=False`` loader)."""
-    loaders = _loaders(cache_dir, keys, batch, shuffle, ref)
+    with ``split_unverified``, ``unverified_<case>`` (ours = the ``verify=False`` loader).
+
+    ``split_unverified`` (the large cases) leaves the reference out: its rate there
+    depends on the heap the readers before it leave, so :func:`_own_process_cases`
+    times it, and our loaders against it, each in a process of its own.
+    """
+    readers = ["ours", "unverified"] + ([] if split_unverified or ref is None else ["reference"])
     epoch_no = iter(range(10**9))
-
-    def run_epoch(loader: Any) -> None:
-        loader.sampler.set_epoch(next(epoch_no)) if hasattr(loader.sampler, "set_epoch") else None
-        assert _epoch(loader) == n
-
-    candidates = {name: functools.partial(run_epoch, ld) for name, ld in loaders.items()}
+    candidates: dict[str, Any] = {
+        name: functools.partial(
+            run_epoch, reader_loader(name, cache_dir, keys, batch, shuffle, ref), n, epoch_no
+        )
+        for name in readers
+    }
     candidates["raw_preadv"] = _raw_preadv(cache_dir, keys, batch, shuffle, hashed=False)
     candidates["raw_preadv_hash"] = _raw_preadv(cache_dir, keys, batch, shuffle, hashed=True)
-    if (
-        split_unverified
-    ):  # large samples: also the same loops on two threads, the parallel copy limit
+    if split_unverified:  # large samples: also the same loops on two threads, the copy limit
         candidates["raw_preadv_2t"] = _raw_preadv(
             cache_dir, keys, batch, shuffle, hashed=False, threads=2
         )
@@ -315,17 +295,97 @@ def _throughput_cases(
     rate = {k: n / t for k, t in times.items()}
     extra = {"num_samples": n, "batch_size": batch, "keys": list(keys), "num_workers": 0}
     records = [
-        Record(bench=BENCH, case=case, metric="throughput", unit="samples/s", ours=rate["ours"],
-               baselines={k: v for k, v in rate.items() if k not in ("ours", "raw_preadv_2t")}, extra=extra)
-    ]  # fmt: skip
+        Record(
+            bench=BENCH,
+            case=case,
+            metric="throughput",
+            unit="samples/s",
+            ours=rate["ours"],
+            baselines={k: v for k, v in rate.items() if k not in ("ours", "raw_preadv_2t")},
+            extra=extra,
+        )
+    ]
     if split_unverified:
         records.append(
-            Record(bench=BENCH, case=f"unverified_{case}", metric="throughput", unit="samples/s",
-                   ours=rate["unverified"],
-                   baselines={k: rate[k] for k in ("reference", "raw_preadv", "raw_preadv_2t") if k in rate},
-                   extra={**extra, "verify": False})
-        )  # fmt: skip
+            Record(
+                bench=BENCH,
+                case=f"unverified_{case}",
+                metric="throughput",
+                unit="samples/s",
+                ours=rate["unverified"],
+                baselines={k: rate[k] for k in ("raw_preadv", "raw_preadv_2t")},
+                extra={**extra, "verify": False},
+            )
+        )
     return records
+
+
+#: the readers :func:`_own_process_cases` times, one process each per round
+OWN_PROCESS_READERS = ("ours", "unverified", "reference")
+#: untimed epochs before a fresh process's timed ones: our loader takes a few epochs to
+#: reach the rate it keeps (measured in docs/performance-io.md), one is not enough
+OWN_PROCESS_WARMUP = 5
+
+
+def _own_process_cases(
+    case: str,
+    cache_dir: str,
+    keys: tuple[str, ...],
+    batch: int,
+    shuffle: bool,
+    n: int,
+    trials: int,
+    rounds: int,
+) -> list[Record]:
+    """``<case>_own_process`` and ``unverified_<case>_own_process``: our verified and
+    unverified loaders against the reference, each reader timed in processes of its own.
+
+    The reference stacks every batch into a fresh tensor; whether the allocator serves it
+    from reused heap or from new pages (a page fault per 4 KiB) sets its speed, and in one
+    process that depends on what the readers before it allocated and freed. Here each
+    process reads one case with one reader and nothing before it. Even so the outcome
+    varies from process to process (with its address layout), so each of ``rounds``
+    rounds runs the readers in turn, one fresh process each, and a reader's rate is ``n``
+    over the median of its processes' median epoch times.
+    """
+    spec = {
+        "cache_dir": cache_dir,
+        "keys": list(keys),
+        "batch": batch,
+        "shuffle": shuffle,
+        "num_samples": n,
+        "trials": trials,
+        "warmup": OWN_PROCESS_WARMUP,
+        "threads": torch.get_num_threads(),
+    }
+    seconds: dict[str, list[float]] = {r: [] for r in OWN_PROCESS_READERS}
+    for _ in range(rounds):
+        for reader in OWN_PROCESS_READERS:
+            seconds[reader].append(own_process_seconds({**spec, "reader": reader}))
+    rate = {r: n / statistics.median(s) for r, s in seconds.items()}
+    per_process = {r: [round(n / t) for t in s] for r, s in seconds.items()}
+    extra = {
+        "num_samples": n,
+        "batch_size": batch,
+        "keys": list(keys),
+        "num_workers": 0,
+        "processes_per_reader": rounds,
+        "trials_per_process": trials,
+        "warmup_per_process": OWN_PROCESS_WARMUP,
+        "rate_per_process": per_process,
+    }
+    return [
+        Record(
+            bench=BENCH,
+            case=f"{prefix}{case}_own_process",
+            metric="throughput",
+            unit="samples/s",
+            ours=rate[reader],
+            baselines={"reference": rate["reference"]},
+            extra={**extra, "verify": reader == "ours"},
+        )
+        for prefix, reader in (("", "ours"), ("unverified_", "unverified"))
+    ]
 
 
 def _step_overlap(cache_dir: str, keys: tuple[str, ...], batch: int, n: int, trials: int) -> Record:
@@ -343,13 +403,14 @@ def _step_overlap(cache_dir: str, keys: tuple[str, ...], batch: int, n: int, tri
 
     def loader(read_ahead: bool) -> Any:
         ds = CachedTensorDataset(cache_dir, "bench", FORMAT_VERSION, keys)
-        return build_cached_dataloader(ds, batch, True, functools.partial(collate_cached, keys=keys),
-                                       read_ahead=read_ahead)  # fmt: skip
+        return build_cached_dataloader(
+            ds, batch, True, functools.partial(collate_cached, keys=keys), read_ahead=read_ahead
+        )
 
     ahead, plain = loader(True), loader(False)
-    _epoch(plain)
+    epoch_samples(plain)
     t0 = time.perf_counter()
-    batches = _epoch(plain) // batch
+    batches = epoch_samples(plain) // batch
     step = (time.perf_counter() - t0) / batches
 
     def train(ld: Any) -> None:
@@ -361,13 +422,24 @@ def _step_overlap(cache_dir: str, keys: tuple[str, ...], batch: int, n: int, tri
             time.sleep(step)
 
     times = time_interleaved(
-        {"ours": functools.partial(train, ahead), "no_read_ahead": functools.partial(train, plain),
-         "step_only": steps_only}, trials=trials, warmup=1,
-    )  # fmt: skip
+        {
+            "ours": functools.partial(train, ahead),
+            "no_read_ahead": functools.partial(train, plain),
+            "step_only": steps_only,
+        },
+        trials=trials,
+        warmup=1,
+    )
     rate = {k: n / t for k, t in times.items()}
-    return Record(bench=BENCH, case="large_read_behind_step", metric="throughput", unit="samples/s",
-                  ours=rate["ours"], baselines={k: v for k, v in rate.items() if k != "ours"},
-                  extra={"num_samples": n, "batch_size": batch, "step_ms": step * 1e3, "shuffle": True})  # fmt: skip
+    return Record(
+        bench=BENCH,
+        case="large_read_behind_step",
+        metric="throughput",
+        unit="samples/s",
+        ours=rate["ours"],
+        baselines={k: v for k, v in rate.items() if k != "ours"},
+        extra={"num_samples": n, "batch_size": batch, "step_ms": step * 1e3, "shuffle": True},
+    )
 
 
 _MEMORY_SNIPPET = r"""
@@ -422,6 +494,12 @@ def run(quick: bool) -> list[Record]:
     # a large-sample epoch is short (~0.1 s) and copy-bound, so it is the noisiest
     # case on a shared machine: more trials for the median
     large_trials = 7 if quick else 9
+    # fresh processes per reader for the large cases against the reference: each one is a
+    # draw of its allocator's state (see _own_process_cases), the median of several is
+    # stable; within one, the reference's epochs vary with how many of their batch tensors
+    # land on new pages, so a process times more epochs (a quick epoch is 16 batches)
+    own_rounds = 3 if quick else 5
+    own_trials = 21 if quick else 9
     records: list[Record] = []
     with tempfile.TemporaryDirectory(prefix="te_thd_bench_cache_read_") as tmp:
         small = os.path.join(tmp, "small")
@@ -436,6 +514,10 @@ def run(quick: bool) -> list[Record]:
             records += _throughput_cases(
                 case, large, LARGE_KEYS, 8, shuffle, n_large, large_trials, ref, True
             )
+            if ref is not None:
+                records += _own_process_cases(
+                    case, large, LARGE_KEYS, 8, shuffle, n_large, own_trials, own_rounds
+                )
         records.append(_step_overlap(large, LARGE_KEYS, 8, n_large, trials))
         shutil_rm(large)
         smaller = os.path.join(tmp, "small_quarter")

@@ -6,6 +6,7 @@ modules, so no timing and no torch work is involved.
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import subprocess
 import sys
@@ -174,10 +175,20 @@ def test_checked_in_thresholds_parse():
     assert by["cache-read-large-vs-raw-preadv"].min_ratio == 0.9
     assert by["cache-read-large-verified-vs-raw-preadv-hash"].min_ratio == 0.9
     assert not by["cache-read-large-unverified-vs-reference"].known_miss
-    # the verified goal keeps its number and is reported; its baseline's bimodal rate is why it
-    # does not gate (its known_miss says so), so the unverified goal beside it gates
-    assert by["cache-read-large-vs-reference"].min_ratio == 1.3
-    assert "bimodal" in by["cache-read-large-vs-reference"].known_miss
+    # both large-vs-reference goals keep the number and are judged only on the records
+    # whose readers were each timed in fresh processes of their own (in a shared process the
+    # reference's rate depended on the heap the readers before it left); the unverified one
+    # gates, the verified one is reported: measured that way, its shuffled ratio is short
+    verified = by["cache-read-large-vs-reference"].known_miss
+    assert "processes of its own" in verified and "bimodal" not in verified
+    for gid, case in (
+        ("cache-read-large-vs-reference", "large_{}"),
+        ("cache-read-large-unverified-vs-reference", "unverified_large_{}"),
+    ):
+        assert by[gid].min_ratio == 1.3 and by[gid].baseline == "reference"
+        for order in ("sequential", "shuffled"):
+            assert fnmatch.fnmatchcase(case.format(order) + "_own_process", by[gid].case)
+            assert not fnmatch.fnmatchcase(case.format(order), by[gid].case)
     # every goal says what it protects in words, and cites no tracker numbers
     import re
 
