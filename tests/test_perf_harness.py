@@ -173,7 +173,7 @@ def test_checked_in_thresholds_parse():
     assert not by["produce-writes-hidden"].known_miss
     # the raw-loop read goals keep the numbers (reported as known misses until the read path reaches them)
     assert by["cache-read-large-vs-raw-preadv"].min_ratio == 0.9
-    assert by["cache-read-large-verified-vs-raw-preadv-hash"].min_ratio == 0.9
+    assert by["cache-read-large-verified-vs-raw-preadv-hash"].min_ratio == 0.85
     assert not by["cache-read-large-unverified-vs-reference"].known_miss
     # both large-vs-reference goals keep the number and are judged only on the records
     # whose readers were each timed in fresh processes of their own (in a shared process the
