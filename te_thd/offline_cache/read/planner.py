@@ -31,8 +31,8 @@ from te_thd.offline_cache.format.integrity import (
     HeaderEntry,
     ShardHeader,
     ShardSums,
+    byte_view,
     hash64,
-    row_views,
     verify_row_views,
 )
 from te_thd.offline_cache.format.schema import CacheIntegrityError, advise, tensor_nbytes
@@ -173,10 +173,17 @@ def plan_pieces(
         ]
     if step == 1:  # a row a piece
         return [
-            Piece(fd, off, [dst[lo : lo + rb]], rb, path, after, (p, range(q, q + 1)), owner)
-            for off, lo, p, q in zip(
-                (base + r * rb).tolist(), (d * rb).tolist(), d.tolist(), r.tolist(), strict=True
+            Piece(
+                fd,
+                base + q * rb,
+                [dst[p * rb : p * rb + rb]],
+                rb,
+                path,
+                after,
+                (p, range(q, q + 1)),
+                owner,
             )
+            for p, q in zip(d.tolist(), r.tolist(), strict=True)
         ]
     at = np.arange(n)
     within = at - np.maximum.accumulate(at * new)  # a row's place in its run
@@ -351,12 +358,18 @@ def plan_shard_rows(
         engines = dict.fromkeys(keys, True)
     path, entries = f.name, f.header.entries  # messages name the shard as its storage does
 
-    def verifier(key: str, dst: torch.Tensor) -> Callable[[int, Sequence[int]], None] | None:
-        """The check of a piece's rows once they are in ``dst`` (``[m, ...]`` rows, contiguous;
-        None: nothing to check)."""
+    def verifier(key: str, dst: memoryview, n: int) -> Callable[[int, Sequence[int]], None] | None:
+        """The check of a piece's rows once they are in ``dst`` (the bytes of ``n`` rows; None:
+        nothing to check). The row views are cut from the bytes: no tensor call."""
         if sums is None:
             return None
-        expected, views = sums.sums[key], row_views(dst, dst.shape[0])
+        rb = dst.nbytes // n if n else 0
+        expected = sums.sums[key]
+        views = (
+            list(map(dst.__getitem__, map(slice, range(0, n * rb, rb), range(rb, n * rb + rb, rb))))
+            if rb
+            else [dst] * n
+        )
 
         def after(p: int, rows: Sequence[int]) -> None:
             here = views[p : p + len(rows)]
@@ -383,7 +396,7 @@ def plan_shard_rows(
         e = entries[key]
         row_bytes = row_nbytes(e)
         if engines[key]:
-            after = verifier(key, out[key])
+            after = verifier(key, raw[key], out[key].shape[0])
             pieces += plan_pieces(
                 fd, e.start, row_bytes, plan, raw[key], path, after, chunk, owner=f
             )
@@ -395,11 +408,14 @@ def plan_shard_rows(
         if plan.simple or pos is None or pos[-1] - pos[0] == m - 1:
             if pos is not None and not plan.simple:
                 start = int(pos[0])
-            target = dst if start == 0 and m == dst.shape[0] else dst[start : start + m]
+            whole = start == 0 and m == dst.shape[0]
+            target = dst if whole else dst[start : start + m]
+            tb = raw[key] if whole else raw[key][start * row_bytes : (start + m) * row_bytes]
         else:
             target = torch.empty((m, *dst.shape[1:]), dtype=dst.dtype)
             scattered.append((dst, torch.from_numpy(pos), target))
-        after = verifier(key, target)
+            tb = byte_view(target)
+        after = verifier(key, tb, m)
         step = max(1, chunk // row_bytes) if chunk and row_bytes else m
         if step >= m:  # the common case: one copy, nothing cut
             pieces.append(
