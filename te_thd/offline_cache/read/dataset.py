@@ -231,12 +231,6 @@ class CachedTensorDataset(Dataset):
         return self._source.manifest
 
     @property
-    def _schema(self) -> dict[str, TensorSpec]:
-        """Each disk key's spec: the manifest's, or the first opened shard's."""
-        assert self._source.schema is not None
-        return self._source.schema
-
-    @property
     def following(self) -> bool:
         """Whether this process still reads by the producer's follow record (it has not seen the
         manifest)."""
@@ -329,7 +323,7 @@ class CachedTensorDataset(Dataset):
             tokens = TokenRows(
                 self._source,
                 (np.array([shard_index]), np.array([offset])),
-                {k: self._schema[k] for k in self._token_keys},
+                self._token_keys,
             )
             out.update({k: v[0] for k, v in tokens.padded_many(self._token_keys).items()})
             out = {k: out[k] for k in self.disk_keys}
@@ -416,7 +410,7 @@ class CachedTensorDataset(Dataset):
             tokens = TokenRows(
                 self._source,
                 batch_places(groups, n),
-                {k: self._schema[k] for k in self._token_keys},
+                self._token_keys,
             )
             later = [k for k in self._token_keys if k not in self._deferred]
             if (

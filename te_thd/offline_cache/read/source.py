@@ -109,10 +109,6 @@ class ShardSource:
         # descriptors, mappings and threads belong to this process: another opens its own
         return {**self.__dict__, "files": OpenShards(), "reads": {}}
 
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self.pid = os.getpid()
-
     def own(self) -> None:
         """After a fork, drop the parent's shards (closing the child's copies of its descriptors
         leaves the parent's open) and threads."""

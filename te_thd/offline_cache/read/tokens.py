@@ -40,7 +40,7 @@ from te_thd.offline_cache.format.ragged import (
     plan_token_reads,
     token_places,
 )
-from te_thd.offline_cache.format.schema import TensorSpec, advise
+from te_thd.offline_cache.format.schema import advise
 from te_thd.offline_cache.format.token_index import (
     TokenIndex,
     block_mismatch,
@@ -220,24 +220,25 @@ class TokenRows:
     """A batch's ragged keys, not yet read: ``B`` samples at ``places`` (``(shards, rows)``, int64
     ``[B]`` each).
 
-    ``lengths``: int64 ``[B]`` (from the shard offsets, no data read); ``specs``: each key's logical
-    ``[L, ...]`` spec. Reads go through ``source`` (the dataset's shards).
+    ``lengths``: int64 ``[B]`` (from the shard offsets, no data read); ``specs``: each of the ragged
+    ``keys``' logical ``[L, ...]`` spec. Reads go through ``source`` (the dataset's shards).
     """
 
     def __init__(
         self,
         source: ShardSource,
         places: tuple[np.ndarray, np.ndarray],
-        specs: Mapping[str, TensorSpec],
+        keys: Sequence[str],
     ) -> None:
         self._source = source
         self.shards, self.rows = places
-        self.specs = dict(specs)
         lengths = np.empty(self.rows.size, dtype=np.int64)
         for shard in np.unique(self.shards).tolist():
             at = self.shards == shard
             lengths[at] = self._index(shard).lengths[self.rows[at]]
         self.lengths = lengths
+        assert source.schema is not None  # set by the first shard opened, at the latest
+        self.specs = {k: source.schema[k] for k in keys}
 
     def plan(
         self, keys: Sequence[str], sample: np.ndarray, pos: np.ndarray | None, pieces: list[Piece]
