@@ -3,19 +3,23 @@ reader).
 
 Every name of the reference module (NeMo AutoModel's
 ``components/datasets/llm/offline_cache``) is here with the same signature, so
-only the import changes. Modules, by layer:
+only the import changes. The package is one folder per layer; each imports only the
+layers below it (docs/offline_cache.md, "Layers: where each rule lives"):
 
-- format: ``format`` (paths, dtypes, schema, the errors), ``integrity`` (checksums; a shard's
-  header read back and checked), ``ragged`` (the token layout and its codecs), ``shardfile``
-  (the one shard serialiser of both layouts), ``manifest``, ``lengths``;
-- storage: ``storage`` (the interface; the local directory, written crash-safe under a flock
-  producer lock; the scheme table), ``s3``, ``msc``;
-- write: ``writer`` (shards, validated once, behind one write-behind thread), ``loops`` (the
-  reference producer loops), ``producer`` / ``producer_state`` (``produce_cache``);
-- read: ``reader``, ``readplan``, ``readexec``, ``token_read``, ``follow`` (reading while the
-  producer runs), ``loader``;
-- sampling: ``sampler`` (with the balanced plan), ``thd_collate``;
-- tools: ``verify``, ``repair``, ``plan`` (``te-thd cache plan``), ``cli`` (``te-thd cache ...``).
+- ``format/``: the on-disk format: names, dtypes, schema and the errors (``schema``), checksums
+  and the shard header (``integrity``), the token layout (``ragged``), the codec table
+  (``codecs``), a ragged shard's index (``token_index``), one shard checked whole
+  (``shard_check``), the length rule (``lengths``);
+- ``storage/``: the interface and the local directory (``base``), the scheme table
+  (``schemes``), ``s3``, ``msc``;
+- ``record/``: the manifest, the run that writes it (``run``), the files it lists (``files``);
+- ``read/``: the open (``open``, ``source``), the batch plan and its executor (``planner``,
+  ``executor``), ragged reads (``tokens``, ``token_place``), the dataset (``dataset``),
+  ``follow`` (reading while the producer runs);
+- ``write/``: ``shardfile``, ``writer``, the reference producer loops (``loops``), ``resume``
+  and ``producer`` (``produce_cache``);
+- ``tools/``: ``verify``, ``repair``, ``plan`` (``te-thd cache plan``), ``cli``;
+- ``train/``: ``sampler`` (with the balanced plan), ``collate``, ``loader``.
 
 ``__all__`` lists the public API. The reference's private helpers
 (``_ShardAccumulator``, ``_sequential_subset_loader``) and the file-layout plumbing the

@@ -553,7 +553,7 @@ def check_shard_header(
 def logical_entries(header: ShardHeader) -> dict[str, HeaderEntry]:
     """The header's entries as the cache's keys: a token-layout shard's ragged tensors
     (``key@tokens``, ``key@scale``, the block sums) become their logical key ``[rows, L, ...]``
-    (its ``start``/``end`` then span nothing: read it through ``token_read``)."""
+    (its ``start``/``end`` then span nothing: read it through ``read.tokens``)."""
     tokens = header.tokens
     if tokens is None:
         return header.entries

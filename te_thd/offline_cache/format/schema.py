@@ -43,7 +43,7 @@ from te_thd.args import check_int, is_int
 
 MANIFEST_NAME = "manifest.json"
 SHARD_RE = re.compile(r"^shard-(\d{6})\.safetensors$")
-#: a producer's run record: the parameters of an unfinished run (``producer_state``)
+#: a producer's run record: the parameters of an unfinished run (``write.resume``)
 PROGRESS_NAME = ".te_thd-producer.json"
 #: what a reader following a running producer reads (``follow.py``): written before its first shard
 FOLLOW_NAME = ".te_thd-follow.json"

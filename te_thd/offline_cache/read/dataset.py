@@ -93,8 +93,8 @@ class CachedTensorDataset(Dataset):
             ``disk_keys`` byte ranges in the background (``POSIX_FADV_WILLNEED``). Pass False
             when each node reads a small part of every shard from a shared network filesystem.
         read_threads: threads that copy (and verify) a batch of at least
-            ``readexec.PARALLEL_MIN_BYTES``. ``None`` (default): 2 in the main process on 3+
-            CPUs (``readexec.default_read_threads``), 1 inside DataLoader workers.
+            ``executor.PARALLEL_MIN_BYTES``. ``None`` (default): 2 in the main process on 3+
+            CPUs (``executor.default_read_threads``), 1 inside DataLoader workers.
         follow: open a cache whose producer may still be running (docs/follow.md): a read of a
             shard not committed yet waits for it.
         follow_timeout: with ``follow``, the seconds a read waits for a shard (or the open for
@@ -155,7 +155,7 @@ class CachedTensorDataset(Dataset):
         self.disk_keys = tuple(disk_keys)
         # the reference's name for it: its subclasses (EAGLE-3's dataset) read it in __getitem__
         self._disk_keys = self.disk_keys
-        # a ragged cache (``token_keys``): its token keys are read through ``token_read``, the rest
+        # a ragged cache (``token_keys``): its token keys are read through ``read.tokens``, the rest
         # as rows
         layout = manifest.get(TOKEN_LAYOUT_KEY)
         token_layout = TokenLayout.from_json(layout) if layout is not None else None
@@ -353,7 +353,7 @@ class CachedTensorDataset(Dataset):
     def start_read(self, indices: Sequence[int]) -> PendingBatch:
         """Start reading ``indices`` and return at once: ``.result()`` is ``__getitems__(indices)``.
 
-        A batch of at least ``readexec.PARALLEL_MIN_BYTES`` is read by the ``read_threads`` helpers
+        A batch of at least ``executor.PARALLEL_MIN_BYTES`` is read by the ``read_threads`` helpers
         meanwhile (read-ahead); a smaller one by ``result()``. Bad indices raise here. ``result()``
         (or dropping the pending batch) waits until no thread writes into the batch any more.
         """

@@ -1,4 +1,4 @@
-"""Plan a batch read: which shard rows go where, read by which copy, as pieces for ``readexec``.
+"""Plan a batch read: which shard rows go where, read by which copy, as pieces for ``executor``.
 
 A batch becomes, per shard it touches, one *part*: the shard's rows (``local``) and
 the batch rows they fill (``pos``). :func:`plan_shard_rows` turns every key's part into

@@ -94,7 +94,7 @@ class CachedDataLoader(DataLoader):
             self._batches += 1
             yield batch
             # while the next batch is read, the consumer's reference is the only one:
-            # a batch it has dropped can be recycled (see readexec.DestinationBuffers)
+            # a batch it has dropped can be recycled (see executor.DestinationBuffers)
             del batch
 
     def _reads_inline(self) -> bool:
