@@ -8,6 +8,8 @@ within e4m3's error. The layout math is property-tested against brute force.
 
 from __future__ import annotations
 
+import re
+
 import json
 import os
 import pickle
@@ -443,6 +445,24 @@ def test_a_flipped_byte_in_a_ragged_tensor_is_caught_on_every_path(
     with pytest.raises(CacheIntegrityError, match="shard-000001"):
         verify_cache(str(tmp_path / "c"), deep=True)
     assert _ds(tmp_path / "c")[0]["hidden"].shape == (L, H)  # the undamaged shard still reads
+
+
+@pytest.mark.parametrize("where", [0.1, 0.5, 0.9])
+def test_verify_deep_and_a_read_name_the_same_damaged_block(tmp_path: Path, where: float) -> None:
+    """verify --deep hashes a memory map of the shard, sharing no code with the read path: both
+    name the same sample, key and tokens of a flipped byte, and a sound cache passes both."""
+    _produce(tmp_path / "c", _samples(16), token_keys=TOKEN_KEYS)
+    assert verify_cache(str(tmp_path / "c"), deep=True)["num_samples"] == 16
+    shard = tmp_path / "c" / "shard-000001.safetensors"
+    start, end = _entry(shard, "hidden@tokens")
+    _flip(shard, start + int((end - start) * where))
+    with pytest.raises(CacheIntegrityError) as read:
+        _ds(tmp_path / "c").__getitems__(list(range(8, 16)))
+    with pytest.raises(CacheIntegrityError) as deep:
+        verify_cache(str(tmp_path / "c"), deep=True)
+    named = re.compile(r"sample \d+ \(row \d+ of the shard\), key 'hidden': checksum mismatch in its tokens \d+\.\.\d+")
+    assert named.search(str(read.value)), str(read.value)
+    assert named.search(str(read.value)).group() == named.search(str(deep.value)).group()
 
 
 def test_a_token_shard_truncated_under_an_open_reader_names_it_and_the_repair(
