@@ -8,11 +8,10 @@ within e4m3's error. The layout math is property-tested against brute force.
 
 from __future__ import annotations
 
-import re
-
 import json
 import os
 import pickle
+import re
 import subprocess
 import sys
 from pathlib import Path
