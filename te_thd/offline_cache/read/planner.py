@@ -32,7 +32,7 @@ from te_thd.offline_cache.format.integrity import (
     ShardHeader,
     ShardSums,
     byte_view,
-    hash64,
+    cut_rows,
     verify_row_views,
 )
 from te_thd.offline_cache.format.schema import CacheIntegrityError, advise, tensor_nbytes
@@ -363,26 +363,18 @@ def plan_shard_rows(
         nothing to check). The row views are cut from the bytes: no tensor call."""
         if sums is None:
             return None
-        rb = dst.nbytes // n if n else 0
-        expected = sums.sums[key]
-        views = (
-            list(map(dst.__getitem__, map(slice, range(0, n * rb, rb), range(rb, n * rb + rb, rb))))
-            if rb
-            else [dst] * n
-        )
+        expected, views = sums.sums[key], cut_rows(dst, n)
 
         def after(p: int, rows: Sequence[int]) -> None:
-            here = views[p : p + len(rows)]
-            if list(map(hash64, here, rows)) != list(map(expected.__getitem__, rows)):
-                verify_row_views(
-                    here,
-                    rows,
-                    expected,
-                    path=path,
-                    key=key,
-                    first_sample=first_sample,
-                    repair=repair,
-                )  # raises, naming the first bad row
+            verify_row_views(
+                views[p : p + len(rows)],
+                rows,
+                expected,
+                path=path,
+                key=key,
+                first_sample=first_sample,
+                repair=repair,
+            )
 
         return after
 
@@ -390,8 +382,6 @@ def plan_shard_rows(
     m = local.size
     # one run into consecutive batch rows: a slice copy; else an index, in batch order
     first, start = (int(plan.rows[0]), int(plan.dst_rows[0])) if plan.simple else (0, 0)
-    rows_t = None if plan.simple else torch.from_numpy(local)
-    all_rows = range(first, first + m) if plan.simple else local.tolist()
     for key in keys:
         e = entries[key]
         row_bytes = row_nbytes(e)
@@ -401,8 +391,10 @@ def plan_shard_rows(
                 fd, e.start, row_bytes, plan, raw[key], path, after, chunk, owner=f
             )
             continue
-        if views is None:
+        if views is None:  # the first gathered key: the mapping and the rows' index
             views = f.mapped(keys, repair)
+            rows_t = None if plan.simple else torch.from_numpy(local)
+            all_rows = range(first, first + m) if plan.simple else local.tolist()
         dst = out[key]
         # a part's batch rows ascend (``batch_groups``): a run when they span ``m`` rows
         if plan.simple or pos is None or pos[-1] - pos[0] == m - 1:

@@ -169,8 +169,8 @@ def place_stored(
     s, table = index.stored[name], index.tables[name]
     src.ensure(f, lambda: [(index.sums_start, index.sums_bytes)])
     sums = load_block_sums(index, fd, src.repair)[name] if src.verify else None
-    first, repair = len(pieces), src.repair
-    plan_placed(
+    repair = src.repair
+    added = plan_placed(
         fd,
         index.path,
         index.start[name],
@@ -195,7 +195,7 @@ def place_stored(
         ),
         f,
     )
-    src.ensure(f, lambda: [(p.offset, p.nbytes) for p in pieces[first:]])
+    src.ensure(f, lambda: [(p.offset, p.nbytes) for p in pieces[len(pieces) - added :]])
 
 
 def decode(index: TokenIndex, key: str, parts: Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -261,7 +261,8 @@ class TokenRows:
         for shard in shards:
             at = None if len(shards) == 1 else np.flatnonzero(shard_of == shard)
             f = self._source.shard(shard)
-            index = self._index(shard)
+            index = f.tokens
+            assert index is not None
             rows, p = (
                 (self.rows[sample], pos)
                 if at is None
@@ -383,7 +384,8 @@ class TokenRows:
             for shard in shards:
                 at = np.flatnonzero(shard_of == shard) if len(shards) > 1 else np.arange(seg.size)
                 f = self._source.shard(shard)
-                index = self._index(shard)
+                index = f.tokens
+                assert index is not None
                 if index.layout.codec(key) is not None:
                     staged[:] = True
                     break
