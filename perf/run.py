@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import math
@@ -239,6 +240,19 @@ def run_bench(
     return entry
 
 
+@functools.cache
+def _demo_jobs() -> Any:
+    """``te_thd/_demo_jobs.py`` of this checkout, loaded from its file (it needs only the standard
+    library), so the suite runs where te_thd is not installed, as its benches do."""
+    spec = importlib.util.spec_from_file_location(
+        "te_thd_demo_jobs", REPO_ROOT / "te_thd" / "_demo_jobs.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def _run_child(cmd: list[str], logf: Any, env: dict[str, str], timeout_s: float) -> int | None:
     """Run one bench child to its end: its exit code, or None when it ran past ``timeout_s``.
 
@@ -246,8 +260,7 @@ def _run_child(cmd: list[str], logf: Any, env: dict[str, str], timeout_s: float)
     SIGTERM or SIGINT here stops it and everything it started before this process exits, so a
     stopped or killed suite (``te-thd bench`` included) leaves no bench running.
     """
-    from te_thd import _demo_jobs as jobs_
-
+    jobs_ = _demo_jobs()
     proc = jobs_.start(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, cwd=str(REPO_ROOT))
     saved = jobs_.handle_stop_signals()
     try:
