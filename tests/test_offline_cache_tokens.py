@@ -448,7 +448,7 @@ def test_a_flipped_byte_in_a_ragged_tensor_is_caught_on_every_path(
 
 @pytest.mark.parametrize("where", [0.1, 0.5, 0.9])
 def test_verify_deep_and_a_read_name_the_same_damaged_block(tmp_path: Path, where: float) -> None:
-    """verify --deep hashes a memory map of the shard, sharing no code with the read path: both
+    """verify --deep hashes a memory map of the shard, not through the read path: both
     name the same sample, key and tokens of a flipped byte, and a sound cache passes both."""
     _produce(tmp_path / "c", _samples(16), token_keys=TOKEN_KEYS)
     assert verify_cache(str(tmp_path / "c"), deep=True)["num_samples"] == 16

@@ -250,8 +250,3 @@ def is_codec(name: object) -> bool:
     except ValueError:
         return False
     return True
-
-
-def decode(codec: Codec, parts: Mapping[str, torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-    """``codec.decode(parts, dtype)``, for a caller that holds the codec and its parts apart."""
-    return codec.decode(parts, dtype)

@@ -1,8 +1,8 @@
 """One shard file checked completely: its header against the cache's schema and row count, every
 row of every key and every block of every ragged tensor against the checksums the shard carries,
 and the whole file against the manifest's record. The producer's resume and ``te-thd cache
-verify --deep`` call it on a local file; it shares no code with the read path, so the two check
-each other.
+verify --deep`` call it on a local file. It hashes a memory map of the file, sharing with the read
+path only the parse of a ragged shard's index and its block sums, so the two check each other.
 """
 
 from __future__ import annotations

@@ -24,7 +24,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from te_thd.offline_cache.format.codecs import decode as decode_codec
 from te_thd.offline_cache.format.integrity import (
     byte_view,
     checksum_mismatch,
@@ -205,7 +204,7 @@ def decode(index: TokenIndex, key: str, parts: Mapping[str, torch.Tensor]) -> to
     if codec is None:
         return parts[key + TOKENS_SUFFIX]
     roles = {index.stored[n].role: parts[n] for n in stored_names(index, key)}
-    return decode_codec(codec, roles, index.logical[key].dtype)
+    return codec.decode(roles, index.logical[key].dtype)
 
 
 def stored_names(index: TokenIndex, key: str) -> tuple[str, ...]:

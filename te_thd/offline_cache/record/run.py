@@ -207,7 +207,7 @@ _FOLLOW_VERSION = 1
 
 
 def follow_record(run: Mapping[str, Any], producer_command: str | None) -> bytes:
-    """The bytes of the follow record: ``run`` (``record.run_record``) and the resume
+    """The bytes of the follow record: ``run`` (:func:`run_record`) and the resume
     command (stored plain, as a shell takes it:
     :func:`~te_thd.offline_cache.format.schema.command_record`)."""
     command = command_record(producer_command)

@@ -1,5 +1,6 @@
 """The s3:// storage of a cache (:class:`S3Prefix`, made by ``schemes.open_storage``): any
-S3-compatible store, through obstore; ``msc.py`` reuses all but the object operations for msc://.
+S3-compatible store, through obstore; ``msc.py`` reuses everything but the client calls
+(``_list``, ``_get``, ``_put``, ...) for msc://.
 
 - **client.** obstore issues ranged GETs concurrently and coalesces nearby ranges
   (``get_ranges``), uploads large objects in parallel multipart parts, has the conditional
