@@ -271,3 +271,13 @@ def test_info_says_how_the_samples_sit_in_the_shards(
         write_manifest(str(out), {"num_samples": 0, "shard_size": shard_size}, 1)
     assert main(["cache", "info", str(out)]) == 0
     assert line in capsys.readouterr().out.splitlines()
+
+
+def test_repair_flags_are_the_keywords_repair_cache_takes() -> None:
+    """`te-thd cache repair` passes each rebuild flag's value as the keyword argparse derives from
+    the flag; the parser's table (torch-free) and repair's must name the same five."""
+    from te_thd._cache_parser import _REBUILD_FLAGS
+    from te_thd.offline_cache.tools.repair import REBUILD_ARGS
+
+    assert [flag for flag, *_ in _REBUILD_FLAGS] == list(REBUILD_ARGS.values())
+    assert {flag.lstrip("-").replace("-", "_") for flag, *_ in _REBUILD_FLAGS} == set(REBUILD_ARGS)

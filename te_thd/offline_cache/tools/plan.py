@@ -36,7 +36,7 @@ from te_thd.offline_cache.format.schema import (
     TensorSpec,
     dtype_from_name,
     dtype_name,
-    shard_layout,
+    num_shards,
     shard_rows,
 )
 from te_thd.offline_cache.read.cp_reads import contiguous_ranges, cp_spans, cp_tokens_read
@@ -272,7 +272,7 @@ def rank_bytes(
 
 def _shards(num_samples: int, shard_size: int) -> list[tuple[int, int]]:
     """``[(first sample, end)]`` of every shard."""
-    count, _ = shard_layout(num_samples, shard_size)
+    count = num_shards(num_samples, shard_size)
     return [
         (i * shard_size, i * shard_size + shard_rows(i, num_samples, shard_size))
         for i in range(count)

@@ -31,7 +31,7 @@ from te_thd.offline_cache.format.schema import (
     SchemaError,
     check_shard_size,
     format_indices,
-    shard_layout,
+    num_shards,
     shard_rows,
 )
 from te_thd.offline_cache.storage.base import Storage
@@ -255,7 +255,7 @@ def partition_cache_shards(
     check_int("num_samples", num_samples, 0)
     check_int("world_size", world_size, 1)
     check_int("rank", rank, 0, below=world_size, bound_name="world_size")
-    total_shards = shard_layout(num_samples, shard_size)[0]
+    total_shards = num_shards(num_samples, shard_size)
     base, remainder = divmod(total_shards, world_size)
     num_local_shards = base + (1 if rank < remainder else 0)
     start_shard_index = rank * base + min(rank, remainder)
