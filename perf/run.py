@@ -262,18 +262,15 @@ def _run_child(cmd: list[str], logf: Any, env: dict[str, str], timeout_s: float)
     """
     jobs_ = _demo_jobs()
     proc = jobs_.start(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, cwd=str(REPO_ROOT))
-    saved = jobs_.handle_stop_signals()
     try:
-        return proc.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        jobs_.stop([proc])
-        return None
+        with jobs_.stopping([proc]):
+            try:
+                return proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                jobs_.stop([proc])
+                return None
     except jobs_.Stopped as stop:
-        jobs_.ignore_stop_signals()
-        jobs_.stop([proc])
         raise SystemExit(128 + stop.signum) from None
-    finally:
-        jobs_.restore_signals(saved)
 
 
 def merge_attempts(attempts: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:

@@ -425,16 +425,12 @@ def run_demo(args: argparse.Namespace) -> int:
         *(["--balance"] if args.balance else []),
     ]
     jobs: list[subprocess.Popen] = []
-    saved = jobs_.handle_stop_signals()
     try:
-        rc = _run_jobs(args, produce, train_cmd, cache, train, root, jobs)
+        with jobs_.stopping(jobs):
+            rc = _run_jobs(args, produce, train_cmd, cache, train, root, jobs)
     except jobs_.Stopped as stop:
-        jobs_.ignore_stop_signals()  # a second Ctrl-C does not cut the stopping short
-        jobs_.stop(jobs)
         print(jobs_.stopped_line(stop.signum), file=sys.stderr, flush=True)
         return 128 + stop.signum
-    finally:
-        jobs_.restore_signals(saved)
     if rc == 0:
         print(
             (

@@ -10,13 +10,14 @@ SIGTERM when their launcher dies (``examples/ep_cp/errors.py``).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import re
 import signal
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -149,12 +150,26 @@ def restore_signals(saved: dict[int, Any]) -> None:
         signal.signal(s, handler)
 
 
-def stopped_line(signum: int) -> str:
-    """What the demo says when a signal stopped it (its jobs are stopped by then)."""
-    return (
-        f"te-thd demo: stopped by {signal.Signals(signum).name}; its producer and trainer jobs "
-        "were stopped too"
-    )
+@contextlib.contextmanager
+def stopping(jobs: list[subprocess.Popen]) -> Iterator[None]:
+    """SIGTERM or SIGINT inside the block stops ``jobs`` (the list as it is then) and all they
+    started, then raises :class:`Stopped`; a second signal meanwhile does not cut that short."""
+    saved = handle_stop_signals()
+    try:
+        yield
+    except Stopped:
+        ignore_stop_signals()
+        stop(jobs)
+        raise
+    finally:
+        restore_signals(saved)
+
+
+def stopped_line(
+    signum: int, command: str = "te-thd demo", jobs: str = "its producer and trainer jobs"
+) -> str:
+    """What ``command`` says when a signal stopped it (its ``jobs`` are stopped by then)."""
+    return f"{command}: stopped by {signal.Signals(signum).name}; {jobs} were stopped too"
 
 
 def killed_line(name: str, signum: int, log: Path | None, resume: str, rank: bool = False) -> str:

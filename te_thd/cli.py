@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import signal
 import subprocess
 import sys
 
@@ -38,17 +37,13 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     env = {**os.environ, "TE_THD_BENCH_PROG": "te-thd bench"}
     # its own process group, dying with us: a stopped or killed bench leaves no bench process
     job = jobs_.start([sys.executable, str(root / "perf" / "run.py"), *args.rest], env=env)
-    saved = jobs_.handle_stop_signals()
     try:
-        return job.wait()
+        with jobs_.stopping([job]):
+            return job.wait()
     except jobs_.Stopped as stop:
-        jobs_.ignore_stop_signals()
-        jobs_.stop([job])
-        name = signal.Signals(stop.signum).name
-        print(f"te-thd bench: stopped by {name}; its benchmarks were stopped too", file=sys.stderr)
+        line = jobs_.stopped_line(stop.signum, "te-thd bench", "its benchmarks")
+        print(line, file=sys.stderr)
         return 128 + stop.signum
-    finally:
-        jobs_.restore_signals(saved)
 
 
 def _cmd_plan_example(rest: list[str]) -> int:
